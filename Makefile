@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   -> creates .venv, installs qkv (CPU torch), runs `qkv demo`
+#   make test   -> creates .venv, installs qkv + test extras, runs ruff and the whole test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch==2.13.0 is the CPU build on this machine's disk; the library itself only needs torch>=2.4.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv install install-test demo test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+venv: $(BIN)/python
+
+install: venv
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e .
+
+install-test: venv
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+
+demo: install
+	$(BIN)/qkv demo
+
+lint: install-test
+	$(BIN)/ruff check src tests benchmarks
+
+test: install-test
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

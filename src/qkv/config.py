@@ -1,0 +1,224 @@
+"""Typed, strict configuration: dataclasses in, YAML in, dotted `key=value` overrides.
+
+Unknown keys are an error naming the closest valid key; values are type-checked against the field's
+annotation. Configs stay plain data (no objects), so they serialise to JSON/YAML and rebuild a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A wrong key or value in a configuration (printed as one line by the CLI)."""
+
+
+def _closest(name: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against annotation `tp` (int, float, bool, str, Optional, Literal, list, dict)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(get_args(tp))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = get_args(tp)[:1] or (Any,)
+        return [_coerce(v, item, where) for v in value]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str | None = None) -> T:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys and ill-typed values."""
+    where = where or cls.__name__
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls) if f.init]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown key {key!r} in {where}{_closest(key, names)}")
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{where}: {e}") from None
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate()
+    return obj
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def replace(cfg: T, **overrides: Any) -> T:
+    """A copy of `cfg` with overrides, checked like from_dict (nested keys as dotted names)."""
+    data = to_dict(cfg)
+    for key, value in overrides.items():
+        _set_dotted(data, key, value, type(cfg).__name__)
+    return from_dict(type(cfg), data)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any, where: str) -> None:
+    parts = dotted.split(".")
+    node = data
+    for p in parts[:-1]:
+        if p not in node or not isinstance(node[p], dict):
+            raise ConfigError(f"unknown key {dotted!r} in {where}{_closest(p, [k for k in node])}")
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """['a.b=3', 'c=rope'] -> {'a.b': 3, 'c': 'rope'}; values are parsed as YAML scalars."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any], where: str = "config") -> dict[str, Any]:
+    """Set dotted keys in a nested dict (creating intermediate mappings); validation happens in from_dict."""
+    for key, value in overrides.items():
+        parts = key.split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{where}: {key!r} goes through a non-mapping value")
+        node[parts[-1]] = value
+    return data
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    return data
+
+
+@dataclass
+class TransformerConfig:
+    """Fields every family's blocks share (each model config extends this)."""
+
+    d_model: int = 256  # width of the residual stream
+    n_heads: int = 4  # attention heads; head_dim = d_model // n_heads
+    n_kv_heads: int | None = None  # key/value heads (GQA/MQA); None = n_heads
+    d_ff: int | None = None  # feed-forward hidden size; None = 4 * d_model
+    ffn: str = "gelu"  # relu | gelu | gelu_tanh | swiglu
+    norm: str = "layernorm"  # layernorm | rmsnorm | batchnorm
+    norm_eps: float = 1e-5
+    placement: str = "pre"  # pre (x + f(norm(x))) | post (norm(x + f(x)))
+    position: str = "learned"  # none | sinusoidal | learned | rope | alibi
+    rope_base: float = 10000.0
+    attention: str = "fused"  # naive (returns weights) | fused (torch SDPA / flash)
+    scaled: bool = True  # multiply q.k by 1/sqrt(d_k); False is the ablation
+    bias: bool = True  # biases in linears and norms
+    dropout: float = 0.0  # residual / embedding dropout
+    attn_dropout: float = 0.0  # dropout on attention probabilities
+    init_std: float = 0.02  # std of the normal init of linears and embeddings
+    embed_init_std: float | None = None  # std for embeddings (None = init_std); the seeds' "init 1.0 -> NaN" ablation
+
+    def validate(self) -> None:
+        from qkv.nn.attention import BACKENDS
+        from qkv.nn.block import PLACEMENTS
+        from qkv.nn.ffn import ACTIVATIONS
+        from qkv.nn.norm import NORMS
+        from qkv.nn.position import ENCODINGS
+
+        for name, value, choices in [
+            ("ffn", self.ffn, ACTIVATIONS), ("norm", self.norm, NORMS), ("placement", self.placement, PLACEMENTS),
+            ("position", self.position, ENCODINGS), ("attention", self.attention, BACKENDS),
+        ]:
+            if value not in choices:
+                raise ConfigError(f"{type(self).__name__}.{name}: {value!r} is not one of {list(choices)}"
+                                  + _closest(value, list(choices)).replace("valid keys", "choices"))
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ConfigError("position=rope needs an even head dimension (d_model // n_heads)")
+        if not 0.0 <= self.dropout < 1.0 or not 0.0 <= self.attn_dropout < 1.0:
+            raise ConfigError("dropout must be in [0, 1)")
+
+    def block_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of nn.Block taken from this config."""
+        return dict(
+            d_ff=self.d_ff, n_kv_heads=self.n_kv_heads, ffn=self.ffn, norm=self.norm, norm_eps=self.norm_eps,
+            placement=self.placement, dropout=self.dropout, attn_dropout=self.attn_dropout, bias=self.bias,
+            attention=self.attention, scaled=self.scaled,
+        )

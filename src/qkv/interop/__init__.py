@@ -1,0 +1,40 @@
+"""Hugging Face-format folders -> qkv models, through one explicit key map per family.
+
+Each family module registers `model_type -> loader` in LOADERS; `load_hf(folder)` dispatches on
+config.json's `model_type`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+LOADERS: dict[str, Callable[[Path, dict[str, Any]], Any]] = {}
+
+# model_type -> module that registers its loader (imported lazily, so a missing one costs nothing)
+_MODULES = {
+    "gpt2": "qkv.interop.gpt2",
+    "bert": "qkv.interop.bert",
+    "vit": "qkv.interop.vit",
+    "whisper": "qkv.interop.whisper",
+}
+
+
+def load_hf(folder: str | Path) -> Any:
+    from qkv.checkpoint import CheckpointError
+
+    folder = Path(folder)
+    meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    mt = meta.get("model_type")
+    if mt not in LOADERS and mt in _MODULES:
+        try:
+            importlib.import_module(_MODULES[mt])
+        except ModuleNotFoundError as e:
+            raise CheckpointError(f"no loader for Hugging Face model_type {mt!r} yet ({e})") from None
+    if mt not in LOADERS:
+        raise CheckpointError(f"{folder}: Hugging Face model_type {mt!r} is not supported; "
+                              f"supported: {sorted(_MODULES)}")
+    return LOADERS[mt](folder, meta)

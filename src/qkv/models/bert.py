@@ -1,0 +1,107 @@
+"""BERT-style encoder (Devlin et al. 2019): bidirectional Post-LN blocks over token + position + segment
+embeddings, with a pooler on [CLS] and a masked-LM or sequence-classification head.
+
+ids (B, T) -> tok + pos + type embeddings -> LayerNorm -> N Post-LN blocks -> hidden (B, T, d)
+           -> mlm head (dense, gelu, LayerNorm, tied decoder) | pooler (tanh dense on [CLS]) -> classifier
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.config import ConfigError, TransformerConfig
+from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids, token_loss
+from qkv.models.registry import register_family, register_preset
+from qkv.nn.norm import build_norm
+
+HEADS = ("none", "mlm", "classify")
+
+
+@dataclass
+class BERTConfig(TransformerConfig):
+    vocab_size: int = 30522
+    n_layers: int = 12
+    d_model: int = 768
+    n_heads: int = 12
+    context_length: int = 512
+    type_vocab_size: int = 2  # segment (sentence A/B) embeddings; 0 disables them
+    pooler: bool = True  # tanh(W h_[CLS] + b), as in BERT
+    head: str = "none"  # none (like BertModel) | mlm | classify
+    num_labels: int = 2  # classes of the classification head
+    position: str = "learned"
+    placement: str = "post"
+    ffn: str = "gelu"
+    norm_eps: float = 1e-12
+
+    def validate(self) -> None:
+        super().validate()
+        if self.head not in HEADS:
+            raise ConfigError(f"BERTConfig.head: {self.head!r} is not one of {list(HEADS)}")
+        if self.head == "classify" and not self.pooler:
+            raise ConfigError("head=classify needs pooler=true")
+
+
+class BERT(QKVModel):
+    def __init__(self, config: BERTConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
+        self.encoder = build_stack(c, c.n_layers, max_len=c.context_length, causal=False, embed_norm=True)
+        self.pooler = nn.Linear(c.d_model, c.d_model) if c.pooler else None
+        if c.head == "mlm":
+            self.mlm_dense = nn.Linear(c.d_model, c.d_model)
+            self.mlm_norm = build_norm("layernorm", c.d_model, c.norm_eps)
+            self.mlm_decoder = nn.Linear(c.d_model, c.vocab_size)
+        elif c.head == "classify":
+            self.classifier = nn.Linear(c.d_model, c.num_labels)
+            self.cls_drop = nn.Dropout(c.dropout)
+        self.init_weights(c.n_layers)
+        if c.head == "mlm":
+            self.mlm_decoder.weight = self.tok_emb.weight
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        return_attentions: bool = False,
+    ) -> ModelOutput:
+        """input_ids: (B, T); attention_mask: (B, T) 1 = real token. labels: (B, T) token ids with -100
+        where no prediction is wanted (mlm head), or (B,) class ids (classify head)."""
+        c = self.config
+        check_token_ids(input_ids, c.vocab_size)
+        check_length(input_ids.shape[1], c.context_length)
+        x = self.tok_emb(input_ids)
+        if self.type_emb is not None:
+            tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+            check_token_ids(tt, c.type_vocab_size, "token_type_ids")
+            x = x + self.type_emb(tt)
+        keep = attention_mask.bool() if attention_mask is not None else None
+        out = self.encoder(x, keep=keep, return_weights=return_attentions)
+        h = out.hidden
+        pooled = torch.tanh(self.pooler(h[:, 0])) if self.pooler is not None else None
+        logits = loss = n = None
+        if c.head == "mlm":
+            logits = self.mlm_decoder(self.mlm_norm(F.gelu(self.mlm_dense(h))))
+            if labels is not None:
+                loss, n = token_loss(logits, labels)
+        elif c.head == "classify":
+            logits = self.classifier(self.cls_drop(pooled))
+            if labels is not None:
+                loss, n = token_loss(logits, labels)
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=h, pooled=pooled,
+                           attentions=out.attentions or None)
+
+
+register_family("bert", BERTConfig, BERT)
+register_preset("bert-base", "bert", BERTConfig(), "BERT-base, 110M, with pooler (Devlin et al. 2019)")
+register_preset("bert-tiny", "bert", BERTConfig(
+    vocab_size=256, n_layers=2, d_model=128, n_heads=2, context_length=128, head="mlm"),
+    "2 layers, 128 wide, MLM head: CPU-sized")

@@ -1,0 +1,140 @@
+"""The original Transformer (Vaswani et al. 2017): an encoder-decoder for sequence-to-sequence tasks.
+
+src ids (B, S) -> embed * sqrt(d) -> [position] -> encoder blocks -> memory (B, S, d)
+tgt ids (B, T) -> embed * sqrt(d) -> [position] -> decoder blocks (causal self-attn, cross-attn over
+memory) -> [final norm, Pre-LN only] -> output projection -> logits (B, T, tgt_vocab)
+The paper uses Post-LN, sinusoidal positions, ReLU, dropout 0.1, label smoothing 0.1 and ties the
+source/target embeddings and the output projection over a shared vocabulary (section 3.4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from qkv.config import ConfigError, TransformerConfig
+from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids, token_loss
+from qkv.models.registry import register_family, register_preset
+from qkv.nn.cache import StaticCache
+
+
+@dataclass
+class EncoderDecoderConfig(TransformerConfig):
+    src_vocab_size: int = 37000
+    tgt_vocab_size: int | None = None  # None = the shared source vocabulary
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    context_length: int = 512  # longest source or target sequence
+    share_embeddings: bool = True  # tie source, target and output embeddings (needs a shared vocabulary)
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (section 3.4)
+    label_smoothing: float = 0.1
+    pad_token_id: int = 0
+    bos_token_id: int = 1  # decoder start token
+    eos_token_id: int = 2
+    d_model: int = 512
+    n_heads: int = 8
+    d_ff: int | None = 2048
+    ffn: str = "relu"
+    position: str = "sinusoidal"
+    placement: str = "post"
+    dropout: float = 0.1
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.tgt_vocab_size or self.src_vocab_size
+
+    def validate(self) -> None:
+        super().validate()
+        if self.share_embeddings and self.tgt_vocab_size not in (None, self.src_vocab_size):
+            raise ConfigError("share_embeddings needs one vocabulary: set tgt_vocab_size=null or share_embeddings=false")
+
+
+class EncoderDecoder(QKVModel):
+    def __init__(self, config: EncoderDecoderConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.src_emb = nn.Embedding(c.src_vocab_size, c.d_model)
+        self.tgt_emb = nn.Embedding(c.target_vocab_size, c.d_model)
+        self.encoder = build_stack(c, c.n_encoder_layers, max_len=c.context_length, causal=False)
+        self.decoder = build_stack(c, c.n_decoder_layers, max_len=c.context_length, causal=True, cross=True)
+        self.lm_head = nn.Linear(c.d_model, c.target_vocab_size, bias=False)
+        self.init_weights(c.n_encoder_layers + c.n_decoder_layers)
+        if c.share_embeddings:
+            self.tgt_emb.weight = self.src_emb.weight
+            self.lm_head.weight = self.src_emb.weight
+        self.embed_scale = math.sqrt(c.d_model) if c.scale_embeddings else 1.0
+
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+               return_attentions: bool = False) -> tuple[Tensor, list | None]:
+        c = self.config
+        check_token_ids(input_ids, c.src_vocab_size)
+        check_length(input_ids.shape[1], c.context_length, "source sequence")
+        keep = attention_mask.bool() if attention_mask is not None else None
+        out = self.encoder(self.src_emb(input_ids) * self.embed_scale, keep=keep, return_weights=return_attentions)
+        return out.hidden, out.attentions or None
+
+    def decode(self, decoder_input_ids: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
+               decoder_attention_mask: Tensor | None = None, cache: StaticCache | None = None,
+               offset: int | Tensor | None = None, return_attentions: bool = False, last_only: bool = False):
+        c = self.config
+        check_token_ids(decoder_input_ids, c.target_vocab_size, "decoder_input_ids")
+        past = cache.length if cache is not None else 0
+        check_length(past + decoder_input_ids.shape[1], c.context_length, "target sequence")
+        keep = decoder_attention_mask.bool() if decoder_attention_mask is not None else None
+        mkeep = memory_mask.bool() if memory_mask is not None else None
+        out = self.decoder(self.tgt_emb(decoder_input_ids) * self.embed_scale, keep=keep, memory=memory,
+                           memory_keep=mkeep, cache=cache, offset=offset, return_weights=return_attentions)
+        h = out.hidden[:, -1:] if last_only else out.hidden
+        return self.lm_head(h), out
+
+    def shift_right(self, labels: Tensor) -> Tensor:
+        """Teacher forcing: the decoder sees [bos, y_1, ..., y_{T-1}] and predicts [y_1, ..., y_T]."""
+        start = torch.full_like(labels[:, :1], self.config.bos_token_id)
+        shifted = torch.cat([start, labels[:, :-1]], dim=1)
+        return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
+
+    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> StaticCache:
+        c = self.config
+        p = self.tgt_emb.weight
+        return StaticCache(c.n_decoder_layers, batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
+                           max_len or c.context_length, dtype=dtype or p.dtype, device=device or p.device)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        decoder_input_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        decoder_attention_mask: Tensor | None = None,
+        return_attentions: bool = False,
+    ) -> ModelOutput:
+        """input_ids: source (B, S); labels: target (B, T) with -100 on padding; decoder_input_ids default
+        to labels shifted right. Masks: (B, S) / (B, T), 1 = real token."""
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("EncoderDecoder.forward needs decoder_input_ids or labels")
+            decoder_input_ids = self.shift_right(labels)
+        memory, enc_att = self.encode(input_ids, attention_mask, return_attentions)
+        logits, out = self.decode(decoder_input_ids, memory, memory_mask=attention_mask,
+                                  decoder_attention_mask=decoder_attention_mask, return_attentions=return_attentions)
+        loss = n = None
+        if labels is not None:
+            loss, n = token_loss(logits, labels, self.config.label_smoothing if self.training else 0.0)
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=out.hidden,
+                           attentions=out.attentions or None, encoder_attentions=enc_att)
+
+
+register_family("encdec", EncoderDecoderConfig, EncoderDecoder)
+register_preset("transformer-base", "encdec", EncoderDecoderConfig(),
+                "the paper's base model: 6+6 layers, 512 wide, 8 heads, shared 37k vocabulary, Post-LN")
+register_preset("transformer-big", "encdec", EncoderDecoderConfig(d_model=1024, n_heads=16, d_ff=4096, dropout=0.3),
+                "the paper's big model")
+register_preset("transformer-tiny", "encdec", EncoderDecoderConfig(
+    src_vocab_size=64, n_encoder_layers=2, n_decoder_layers=2, d_model=128, n_heads=4, d_ff=512,
+    context_length=64, dropout=0.0, label_smoothing=0.0, placement="pre"),
+    "2+2 layers, 128 wide, Pre-LN: toy seq2seq tasks on CPU")

@@ -1,0 +1,97 @@
+"""GPT: a decoder-only causal language model (Radford et al. 2018/2019).
+
+token ids (B, T) -> token embedding -> [position.embed] -> N causal Pre-LN blocks -> final norm
+-> LM head (tied to the token embedding) -> logits (B, T, vocab). Loss: next-token cross-entropy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from qkv.config import ConfigError, TransformerConfig
+from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids, token_loss
+from qkv.models.registry import register_family, register_preset
+from qkv.nn.cache import StaticCache
+
+
+@dataclass
+class GPTConfig(TransformerConfig):
+    vocab_size: int = 65  # token vocabulary
+    n_layers: int = 4  # decoder blocks
+    context_length: int = 256  # longest sequence (positions) the model accepts
+    tie_embeddings: bool = True  # share the token embedding with the LM head (Press & Wolf 2017)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.vocab_size < 1 or self.n_layers < 1 or self.context_length < 1:
+            raise ConfigError("vocab_size, n_layers and context_length must be positive")
+
+
+class GPT(QKVModel):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.decoder = build_stack(c, c.n_layers, max_len=c.context_length, causal=True)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.init_weights(c.n_layers)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> StaticCache:
+        c = self.config
+        p = self.tok_emb.weight
+        return StaticCache(c.n_layers, batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
+                           max_len or c.context_length, dtype=dtype or p.dtype, device=device or p.device)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: StaticCache | None = None,
+        offset: int | Tensor | None = None,
+        return_attentions: bool = False,
+        last_only: bool = False,
+    ) -> ModelOutput:
+        """input_ids: (B, T). labels: (B, T), shifted inside (predict labels[t+1] at t), -100 = ignore.
+        attention_mask: (B, Tk) 1 for real tokens, 0 for padding, over cached + new tokens.
+        last_only: compute logits for the last position only (generation)."""
+        c = self.config
+        check_token_ids(input_ids, c.vocab_size)
+        past = cache.length if cache is not None else 0
+        if c.position in ("learned", "sinusoidal"):
+            check_length(past + input_ids.shape[1], c.context_length)
+        x = self.tok_emb(input_ids)  # (B, T, d)
+        keep = attention_mask.bool() if attention_mask is not None else None
+        out = self.decoder(x, keep=keep, cache=cache, offset=offset, return_weights=return_attentions)
+        h = out.hidden[:, -1:] if last_only else out.hidden
+        logits = self.lm_head(h)  # (B, T, vocab)
+        loss = n = None
+        if labels is not None:
+            loss, n = token_loss(logits[:, :-1], labels[:, 1:])
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=out.hidden,
+                           attentions=out.attentions or None)
+
+
+register_family("gpt", GPTConfig, GPT)
+register_preset("gpt2", "gpt", GPTConfig(
+    vocab_size=50257, n_layers=12, d_model=768, n_heads=12, context_length=1024, ffn="gelu_tanh",
+    position="learned", placement="pre"), "GPT-2 small, 124M (Radford et al. 2019)")
+register_preset("gpt2-medium", "gpt", GPTConfig(
+    vocab_size=50257, n_layers=24, d_model=1024, n_heads=16, context_length=1024, ffn="gelu_tanh"),
+    "GPT-2 medium, 355M")
+register_preset("gpt-bench", "gpt", GPTConfig(
+    vocab_size=65, n_layers=6, d_model=384, n_heads=6, context_length=256, ffn="gelu_tanh"),
+    "nanoGPT shakespeare_char size (6L/6H/384, block 256): the benchmark model")
+register_preset("gpt-tiny", "gpt", GPTConfig(
+    vocab_size=256, n_layers=4, d_model=128, n_heads=4, context_length=64, ffn="gelu_tanh"),
+    "4 layers, 4 heads, 128 wide, context 64: trains on a laptop CPU in minutes")
+register_preset("gpt-nano", "gpt", GPTConfig(
+    vocab_size=16, n_layers=3, d_model=48, n_heads=3, context_length=32, ffn="gelu_tanh"),
+    "minGPT's gpt-nano (3L/3H/48) for toy tasks")

@@ -1,0 +1,221 @@
+"""Scaled dot-product attention and multi-head attention.
+
+Attention(Q, K, V) = softmax(Q K^T * scale + bias) V          (Vaswani et al. 2017, eq. 1)
+
+Two backends compute the same function:
+  naive  the formula written out; can return the attention probabilities (for maps and ablations).
+  fused  torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient kernels on GPU).
+
+Masks follow one convention everywhere in qkv: a boolean tensor where True means "may attend".
+The causal mask is aligned bottom-right: with Tq queries and Tk >= Tq keys, query i sees keys
+j <= i + (Tk - Tq). That is the only alignment that is correct when the queries are the newest
+tokens of a longer cached sequence (KV-cache decoding); SDPA's own is_causal aligns top-left.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from qkv.nn.cache import KVCache
+    from qkv.nn.position import PositionalEncoding
+
+Backend = Literal["naive", "fused"]
+BACKENDS = ("naive", "fused")
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
+    """(q_len, k_len) bool, True where query i may see key j (bottom-right aligned)."""
+    if k_len < q_len:
+        raise ValueError(f"causal attention needs at least as many keys ({k_len}) as queries ({q_len})")
+    i = torch.arange(q_len, device=device).unsqueeze(1) + (k_len - q_len)
+    j = torch.arange(k_len, device=device).unsqueeze(0)
+    return j <= i
+
+
+def _combined_mask(
+    q_len: int, k_len: int, mask: Tensor | None, causal: bool, device: torch.device
+) -> Tensor | None:
+    """Merge a key-padding / arbitrary mask with the causal mask; None when nothing is masked."""
+    if causal and q_len == 1:
+        causal = False  # a single newest query sees every cached key
+    if not causal:
+        return mask
+    cm = causal_mask(q_len, k_len, device)
+    return cm if mask is None else (mask & cm)
+
+
+def expand_mask(key_padding_mask: Tensor) -> Tensor:
+    """(B, Tk) keep-mask -> (B, 1, 1, Tk), broadcastable over heads and queries."""
+    if key_padding_mask.dtype != torch.bool:
+        key_padding_mask = key_padding_mask.bool()
+    return key_padding_mask[:, None, None, :]
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: Backend = "naive",
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """q: (B, H, Tq, D); k, v: (B, Hkv, Tk, D) with H a multiple of Hkv (grouped-query attention).
+
+    mask: bool, broadcastable to (B, H, Tq, Tk), True = may attend. bias: float, added to the scores
+    (ALiBi, relative position bias). scale: multiplies q.k; default 1/sqrt(D); 1.0 disables scaling.
+    Rows with no visible key (a fully padded query) return zeros and zero weights, never NaN.
+    Returns (output (B, H, Tq, D), weights (B, H, Tq, Tk) or None).
+    """
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if H % Hkv:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if Hkv != H:  # GQA/MQA: each group of H // Hkv query heads shares one key/value head
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v = v.repeat_interleave(H // Hkv, dim=1)
+    if backend == "fused" and return_weights:
+        backend = "naive"  # fused kernels never materialise the probabilities (PyTorch #98505)
+
+    if backend == "fused" and causal and mask is None and bias is None and Tq == Tk:
+        # The common training case: let the kernel generate the (square) causal mask itself.
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        return out, None
+    full = _combined_mask(Tq, Tk, mask, causal, q.device)
+
+    if backend == "fused":
+        attn_mask = full
+        if bias is not None:
+            attn_mask = bias if full is None else bias.masked_fill(~full, float("-inf"))
+            attn_mask = attn_mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+        )
+        weights = None
+    elif backend == "naive":
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+        if bias is not None:
+            scores = scores + bias
+        if full is not None:
+            scores = scores.masked_fill(~full, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        if mask is not None:
+            weights = weights.nan_to_num(0.0)  # a row with every key masked: softmax of all -inf
+        w = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+        out = torch.matmul(w, v)
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+    if mask is not None:
+        # Zero the rows that see no key at all: the fused kernels return NaN or garbage there.
+        visible = full.any(dim=-1, keepdim=True)  # (..., Tq, 1)
+        if not bool(visible.all()):
+            out = out.masked_fill(~visible, 0.0)
+    return out, (weights if return_weights else None)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head self- or cross-attention with optional grouped-query heads.
+
+    Self-attention uses one fused Linear for Q, K and V (one matmul instead of three); cross-attention
+    projects Q from the decoder and K, V from the encoder memory. n_kv_heads < n_heads gives GQA
+    (n_kv_heads == 1: MQA); a KV cache then stores only the n_kv_heads heads.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        n_kv_heads: int | None = None,
+        cross: bool = False,
+        bias: bool = True,
+        dropout: float = 0.0,
+        backend: Backend = "fused",
+        scaled: bool = True,
+        causal: bool = False,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.cross, self.causal, self.backend, self.dropout = cross, causal and not cross, backend, dropout
+        # scaled=False is the ablation of the 1/sqrt(d_k) factor (scale 1.0).
+        self.scale = 1.0 / math.sqrt(self.head_dim) if scaled else 1.0
+        kv_dim = n_kv_heads * self.head_dim
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, hd)
+
+    def _project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.kv_proj(memory).split(self.n_kv_heads * self.head_dim, dim=-1)
+        return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        memory: Tensor | None = None,
+        mask: Tensor | None = None,
+        bias: Tensor | None = None,
+        position: PositionalEncoding | None = None,
+        offset: int | Tensor = 0,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        return_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x: (B, T, d_model). memory: encoder output for cross-attention. mask: bool keep-mask
+        broadcastable to (B, H, T, Tk). position.rotate (RoPE) is applied with the given offset.
+        With a cache, new K/V are appended and attention runs over all cached keys."""
+        B, T, C = x.shape
+        if self.cross:
+            if memory is None and (cache is None or not cache.has_cross(layer)):
+                raise ValueError("cross-attention needs the encoder memory")
+            q = self._heads(self.q_proj(x), self.n_heads)
+            if cache is not None:
+                if not cache.has_cross(layer):  # encoder K/V are projected once per generation
+                    cache.set_cross(layer, *self._project_kv(memory))
+                k, v = cache.get_cross(layer)
+            else:
+                k, v = self._project_kv(memory)
+        else:
+            kv_dim = self.n_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([C, kv_dim, kv_dim], dim=-1)
+            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            if position is not None:
+                q, k = position.rotate(q, k, offset)
+            if cache is not None:
+                k, v = cache.update(layer, k, v)
+        y, w = scaled_dot_product_attention(
+            q, k, v,
+            mask=mask, bias=bias, causal=self.causal, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=self.backend, return_weights=return_weights,
+        )
+        y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble heads: (B, T, H*hd)
+        return self.out_proj(y), w

@@ -1,0 +1,80 @@
+"""Key/value caches for incremental decoding, behind one interface.
+
+A decoder layer calls `k, v = cache.update(layer, k_new, v_new)` and attends over what comes back; the
+model calls `cache.advance(t)` once all layers have seen the t new tokens. Cross-attention keys/values
+(the encoder memory of an encoder-decoder) are projected once and kept with `set_cross`/`get_cross`.
+`StaticCache` preallocates (L, B, H_kv, max_len, hd) so a decoding step writes in place and allocates
+nothing; the paged cache (qkv.generate.paged) implements the same methods over a pool of blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Interface and the cross-attention store shared by all caches."""
+
+    length: int = 0
+
+    def __init__(self) -> None:
+        self._cross: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
+        raise NotImplementedError
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    @property
+    def offset(self) -> int:
+        """Position of the next token to be written."""
+        return self.length
+
+    def has_cross(self, layer: int) -> bool:
+        return layer in self._cross
+
+    def get_cross(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self._cross[layer]
+
+    def set_cross(self, layer: int, k: Tensor, v: Tensor) -> None:
+        self._cross[layer] = (k, v)
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the batch rows in `index` (beam search reorders hypotheses every step)."""
+        self._cross = {i: (k.index_select(0, index), v.index_select(0, index)) for i, (k, v) in self._cross.items()}
+
+
+class StaticCache(KVCache):
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        t = k.shape[2]
+        end = self.length + t
+        if end > self.max_len:
+            raise ValueError(f"KV cache is full: {end} positions needed, {self.max_len} allocated")
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def reorder(self, index: Tensor) -> None:
+        super().reorder(index)
+        self.k = self.k.index_select(1, index)
+        self.v = self.v.index_select(1, index)

@@ -1,0 +1,94 @@
+"""A stack of blocks: the encoder and the decoder of every family.
+
+It receives embeddings (B, T, d_model) from any front end (tokens, image patches, audio frames), adds
+positions through the positional-encoding hooks, runs the blocks and the final norm (Pre-LN only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from qkv.nn.attention import expand_mask
+from qkv.nn.block import Block
+from qkv.nn.cache import KVCache
+from qkv.nn.norm import build_norm
+from qkv.nn.position import PositionalEncoding
+
+
+@dataclass
+class StackOutput:
+    hidden: Tensor  # (B, T, d_model)
+    attentions: list[dict[str, Tensor]] = field(default_factory=list)  # per layer {"self"|"cross": (B,H,T,Tk)}
+
+
+class Stack(nn.Module):
+    def __init__(
+        self,
+        blocks: list[Block],
+        position: PositionalEncoding,
+        *,
+        d_model: int,
+        final_norm: bool,
+        norm: str = "layernorm",
+        norm_eps: float = 1e-5,
+        bias: bool = True,
+        embed_norm: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.position = position
+        self.embed_norm = build_norm(norm, d_model, norm_eps, bias) if embed_norm else None
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(blocks)
+        self.final_norm = build_norm(norm, d_model, norm_eps, bias) if final_norm else None
+        self.causal = blocks[0].attn.causal if blocks else False
+        self.gradient_checkpointing = False
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        keep: Tensor | None = None,
+        memory: Tensor | None = None,
+        memory_keep: Tensor | None = None,
+        offset: int | Tensor | None = None,
+        cache: KVCache | None = None,
+        return_weights: bool = False,
+    ) -> StackOutput:
+        """x: (B, T, d) embeddings. keep: (B, Tk) bool, real (non-pad) keys, Tk = cached + T.
+        memory/memory_keep: encoder output (B, S, d) and its (B, S) keep-mask. offset: position of x[:, 0]
+        (defaults to the cache's length). Returns the final hidden states and, optionally, the weights."""
+        B, T, _ = x.shape
+        if offset is None:
+            offset = cache.offset if cache is not None else 0
+        if self.gradient_checkpointing and self.training and cache is not None:
+            raise ValueError("gradient checkpointing cannot be combined with a KV cache (HF #21737)")
+        x = self.position.embed(x, offset)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x, None if keep is None else keep[:, -T:])
+        x = self.drop(x)
+        k_len = (cache.length if cache is not None else 0) + T
+        bias = self.position.bias(T, k_len, self.causal)
+        mask = None if keep is None else expand_mask(keep)
+        mem_mask = None if memory_keep is None else expand_mask(memory_keep)
+        tok_keep = None if keep is None else keep[:, -T:]
+        attentions = []
+        for i, block in enumerate(self.blocks):
+            kwargs = dict(mask=mask, bias=bias, keep=tok_keep, memory=memory, memory_mask=mem_mask,
+                          position=self.position, offset=offset, cache=cache, layer=i,
+                          return_weights=return_weights)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x, w = checkpoint(lambda h, blk=block, kw=kwargs: blk(h, **kw), x, use_reentrant=False)
+            else:
+                x, w = block(x, **kwargs)
+            if return_weights:
+                attentions.append(w)
+        if cache is not None:
+            cache.advance(T)
+        if self.final_norm is not None:
+            x = self.final_norm(x, tok_keep)
+        return StackOutput(x, attentions)
