@@ -1,0 +1,1 @@
+"""The `qkv` command line: thin functions over the library (see main.py)."""

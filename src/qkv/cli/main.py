@@ -1,0 +1,219 @@
+"""`qkv` subcommands. Each is a small function over the library; SUBCOMMANDS maps name -> (setup, run).
+
+Errors a user can make (unknown preset, misspelt key, bad value, missing file, wrong checkpoint) print
+one line `qkv: error: ...` and exit with status 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _add_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="run YAML (see configs/); optional")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-3 model.n_heads=8")
+    p.add_argument("--task", help="task name (shortcut for task.name=...)")
+    p.add_argument("--model", help="model preset (shortcut for model.preset=...)")
+    p.add_argument("--out", help="output folder (default runs/<task>-<preset>)")
+    p.add_argument("--max-steps", type=int, help="training steps (train.max_steps)")
+    p.add_argument("--seed", type=int, help="random seed (train.seed and task.seed)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT's last checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from qkv.run import load_run_config, train_run
+
+    over = list(a.overrides)
+    if a.config and "=" in a.config:  # `qkv train key=value ...` without a YAML file
+        over.insert(0, a.config)
+        a.config = None
+    if a.task:
+        over.append(f"task.name={a.task}")
+    if a.model:
+        over.append(f"model.preset={a.model}")
+    if a.max_steps is not None:
+        over.append(f"train.max_steps={a.max_steps}")
+    if a.seed is not None:
+        over += [f"train.seed={a.seed}", f"task.seed={a.seed}"]
+    if a.no_progress:
+        over.append("train.progress=false")
+    cfg = load_run_config(a.config, over)
+    summary = train_run(cfg, out=a.out, resume=a.resume)
+    print(summary["report"])
+    return 0
+
+
+def _add_eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a run folder (from qkv train) or a checkpoint folder inside it")
+    p.add_argument("-n", type=int, default=500, help="held-out examples to evaluate")
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from qkv.run import evaluate_run
+
+    metrics = evaluate_run(a.checkpoint, n=a.n)
+    for k, v in metrics.items():
+        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    return 0
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, or a Hugging Face folder")
+    p.add_argument("--prompt", default="", help="text prompt (source sentence for seq2seq models)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--num-beams", type=int, default=1)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sample for LMs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from qkv.run import generate_text
+
+    out = generate_text(a.checkpoint, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                        top_k=a.top_k, top_p=a.top_p, num_beams=a.num_beams, greedy=a.greedy, seed=a.seed,
+                        stream=a.stream)
+    if not a.stream:
+        print(out)
+    return 0
+
+
+def _add_info(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", help="a preset name or a checkpoint folder")
+    p.add_argument("--depth", type=int, default=3, help="module path depth of the table")
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    import qkv
+    from qkv.cli.info import format_table, parameter_table
+
+    if Path(a.target).exists():
+        from qkv.run import load_model_any
+
+        model = load_model_any(a.target)
+        title = f"{a.target}: {type(model).__name__}"
+    else:
+        model = qkv.build(a.target)
+        title = f"preset {a.target}: {type(model).__name__}"
+    print(title)
+    print(format_table(parameter_table(model, a.depth)))
+    return 0
+
+
+def _add_presets(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--count", action="store_true", help="also build each preset and count its parameters")
+
+
+def cmd_presets(a: argparse.Namespace) -> int:
+    from qkv.models.registry import preset, presets
+
+    for name in presets():
+        fam, cfg, desc = preset(name)
+        count = ""
+        if a.count:
+            from qkv.models.registry import build
+
+            count = f"{build(name).num_parameters():>14,}  "
+        print(f"{name:<20} {fam.name:<8} {count}{desc}")
+    return 0
+
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/demo", help="where checkpoints, metrics and plots go")
+    p.add_argument("--quick", action="store_true", help="a much shorter run (for tests)")
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from qkv.demo import run_demo
+
+    run_demo(Path(a.out), quick=a.quick)
+    return 0
+
+
+def _add_ablate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("suite", help="a suite YAML (configs/ablations/*.yaml) or its name")
+    p.add_argument("--out", default=None, help="output folder (default runs/ablations/<suite>)")
+    p.add_argument("--quick", action="store_true", help="the suite's quick size (under a minute)")
+
+
+def cmd_ablate(a: argparse.Namespace) -> int:
+    from qkv.experiments import run_suite
+
+    report = run_suite(a.suite, out_dir=a.out, quick=a.quick)
+    print(f"report: {report}")
+    return 0
+
+
+def _add_attention(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a run folder, checkpoint folder or Hugging Face folder")
+    p.add_argument("--input", required=True, help="text to run through the model")
+    p.add_argument("--out", default="attention.png", help="PNG to write")
+
+
+def cmd_attention(a: argparse.Namespace) -> int:
+    from qkv.run import attention_report
+
+    for line in attention_report(a.checkpoint, a.input, Path(a.out)):
+        print(line)
+    return 0
+
+
+SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "train": ("train a model on a task", _add_train, cmd_train),
+    "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
+    "generate": ("generate text from a trained model", _add_generate, cmd_generate),
+    "info": ("parameter table of a preset or checkpoint", _add_info, cmd_info),
+    "presets": ("list the named model presets", _add_presets, cmd_presets),
+    "demo": ("the main job: train two small models and show them working", _add_demo, cmd_demo),
+    "ablate": ("run an ablation suite and write its table and plots", _add_ablate, cmd_ablate),
+    "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart and scale.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, setup, run) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        setup(p)
+        p.set_defaults(func=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a, extra = parser.parse_known_args(argv)
+    # dotted key=value overrides may come after options (`qkv train cfg.yaml --out x train.lr=1e-3`)
+    if extra and hasattr(a, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        a.overrides = list(a.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not getattr(a, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return a.func(a)
+    except KeyboardInterrupt:
+        print("qkv: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one clear line for user errors; --debug for the traceback
+        from qkv.checkpoint import CheckpointError
+        from qkv.config import ConfigError
+
+        user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError, KeyError, TypeError)
+        if a.debug or not isinstance(e, user_errors):
+            raise
+        print(f"qkv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
