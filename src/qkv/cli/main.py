@@ -81,7 +81,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                         top_k=a.top_k, top_p=a.top_p, num_beams=a.num_beams, greedy=a.greedy, seed=a.seed,
                         stream=a.stream)
     if not a.stream:
-        print(out)
+        print(out if out.strip() else "(empty output: the model ended the sequence at once)")
     return 0
 
 
