@@ -41,9 +41,12 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop wrapper prefixes from keys and de-alias tied tensors (safetensors forbids shared storage)."""
     out, seen = {}, {}
     for k, v in state.items():
-        for prefix in ("_orig_mod.", "module."):
-            while k.startswith(prefix):
-                k = k[len(prefix):]
+        stripped = True
+        while stripped:  # any nesting order: module._orig_mod.x, _orig_mod.module.x, ...
+            stripped = False
+            for prefix in ("_orig_mod.", "module."):
+                if k.startswith(prefix):
+                    k, stripped = k[len(prefix):], True
         k = k.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")
         ptr = (v.data_ptr(), v.shape, v.stride()) if v.numel() else None
         if ptr is not None and ptr in seen:
@@ -59,6 +62,8 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metada
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as f:  # on disk before the rename, so a crash cannot leave an empty file
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -67,12 +72,16 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metada
 
 def atomic_write_json(obj: Any, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:  # an interrupted write leaves no temporary file behind
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
@@ -134,16 +143,20 @@ def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "c
 
     folder = Path(path)
     meta = read_config(folder)
+    if folder.is_file():  # the path of the folder's config.json itself
+        folder = folder.parent
     if "qkv_family" not in meta:
         if "model_type" in meta:
             from qkv.interop import load_hf
 
             return load_hf(folder)
         raise CheckpointError(f"{folder}/config.json names neither a qkv family nor a Hugging Face model_type")
-    fam = family(meta["qkv_family"])
+    if not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"{folder}/{CONFIG_NAME} has no 'config' mapping beside 'qkv_family'")
     try:
         from qkv.config import from_dict
 
+        fam = family(meta["qkv_family"])
         config = from_dict(fam.config_class, meta["config"])
     except ConfigError as e:
         raise CheckpointError(f"{folder}: {e}") from None
@@ -151,5 +164,9 @@ def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "c
     weights = folder / WEIGHTS_NAME
     if not weights.is_file():
         raise CheckpointError(f"{folder} has no {WEIGHTS_NAME}")
-    load_state_into(model, load_file(str(weights), device=str(map_location)), str(weights))
+    try:
+        state = load_file(str(weights), device=str(map_location))
+    except Exception as e:  # safetensors raises its own error type for a truncated or corrupt file
+        raise CheckpointError(f"{weights}: cannot read the weights ({e})") from None
+    load_state_into(model, state, str(weights))
     return model

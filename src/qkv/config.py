@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 
 def _closest(name: str, valid: list[str]) -> str:
-    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    match = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
     return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(sorted(valid))}"
 
 
@@ -70,6 +70,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 (PyYAML) reads 1e-3 (no dot) as a string, not a float
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -206,6 +211,11 @@ class TransformerConfig:
             if value not in choices:
                 raise ConfigError(f"{type(self).__name__}.{name}: {value!r} is not one of {list(choices)}"
                                   + _closest(value, list(choices)).replace("valid keys", "choices"))
+        for name in ("d_model", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{type(self).__name__}.{name} must be positive, got {getattr(self, name)}")
+        if self.d_ff is not None and self.d_ff < 1:
+            raise ConfigError(f"{type(self).__name__}.d_ff must be positive (or null for 4 * d_model)")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):

@@ -79,8 +79,9 @@ def test_empty_text_file_is_a_clear_error(tmp_path):
 
 
 def test_checkpoint_of_another_architecture_is_rejected(tmp_path):
-    import qkv
     from safetensors.torch import save_file
+
+    import qkv
 
     bert = qkv.build("bert-tiny")
     folder = bert.save_pretrained(tmp_path / "ck")

@@ -34,8 +34,8 @@ class ModelOutput:
 
 def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids") -> None:
     """A clear error instead of an index error deep inside torch.nn.functional.embedding."""
-    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise TypeError(f"{what} must be an integer tensor, got {ids.dtype}")
+    if ids.dtype not in (torch.int64, torch.int32):  # what nn.Embedding accepts as indices
+        raise TypeError(f"{what} must be an integer tensor (int64 or int32), got {ids.dtype}; use .long()")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         bad = int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())
         raise ValueError(f"{what} contains token id {bad}, outside the vocabulary [0, {vocab_size})")
@@ -77,6 +77,10 @@ class QKVModel(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
+        # A config built directly (GPTConfig(...)) or edited after from_dict was never checked.
+        validate = getattr(config, "validate", None)
+        if validate is not None:
+            validate()
         self.config = config
 
     def init_weights(self, n_residual_layers: int) -> None:

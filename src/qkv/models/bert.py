@@ -39,6 +39,8 @@ class BERTConfig(TransformerConfig):
 
     def validate(self) -> None:
         super().validate()
+        if min(self.vocab_size, self.context_length, self.num_labels) < 1 or self.type_vocab_size < 0:
+            raise ConfigError("vocab_size, context_length and num_labels must be positive")
         if self.head not in HEADS:
             raise ConfigError(f"BERTConfig.head: {self.head!r} is not one of {list(HEADS)}")
         if self.head == "classify" and not self.pooler:

@@ -48,6 +48,10 @@ class EncoderDecoderConfig(TransformerConfig):
 
     def validate(self) -> None:
         super().validate()
+        if min(self.src_vocab_size, self.tgt_vocab_size or 1, self.context_length) < 1:
+            raise ConfigError("src_vocab_size, tgt_vocab_size and context_length must be positive")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.src_vocab_size):
             raise ConfigError("share_embeddings needs one vocabulary: set tgt_vocab_size=null or share_embeddings=false")
 

@@ -88,6 +88,10 @@ def scaled_dot_product_attention(
         v = v.repeat_interleave(H // Hkv, dim=1)
     if backend == "fused" and return_weights:
         backend = "naive"  # fused kernels never materialise the probabilities (PyTorch #98505)
+    if backend == "fused" and Tq == 1 and q.device.type == "cpu":
+        # One query (a KV-cache decoding step): the same math as two small matmuls. PyTorch's CPU flash
+        # kernel costs ~100x more here on the strided views of a preallocated cache (qkv benchmarks/generate.py).
+        backend = "naive"
 
     if backend == "fused" and causal and mask is None and bias is None and Tq == Tk:
         # The common training case: let the kernel generate the (square) causal mask itself.
@@ -107,14 +111,14 @@ def scaled_dot_product_attention(
     elif backend == "naive":
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
         if bias is not None:
-            scores = scores + bias
+            scores = scores + bias  # an fp32 bias (ALiBi) promotes bf16 scores: the softmax runs in fp32
         if full is not None:
             scores = scores.masked_fill(~full, float("-inf"))
         weights = torch.softmax(scores, dim=-1)
         if mask is not None:
             weights = weights.nan_to_num(0.0)  # a row with every key masked: softmax of all -inf
         w = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-        out = torch.matmul(w, v)
+        out = torch.matmul(w.to(v.dtype), v)
     else:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
 

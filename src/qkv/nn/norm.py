@@ -3,10 +3,27 @@ which only BatchNorm needs (its statistics must ignore padding); the others norm
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 
 NORMS = ("layernorm", "rmsnorm", "batchnorm")
+_frozen_stats = 0  # > 0 while activation checkpointing recomputes a forward pass
+
+
+@contextmanager
+def frozen_running_stats() -> Iterator[None]:
+    """Inside, BatchNorm normalises with batch statistics as usual but does not update its running
+    statistics: gradient checkpointing recomputes each forward during backward, which would otherwise
+    apply the momentum update twice per step (see nn/stack.py)."""
+    global _frozen_stats
+    _frozen_stats += 1
+    try:
+        yield
+    finally:
+        _frozen_stats -= 1
 
 
 class LayerNorm(nn.LayerNorm):
@@ -52,14 +69,17 @@ class BatchNorm(nn.Module):
                 raise ValueError("BatchNorm needs at least 2 real tokens in a training batch")
             mean = flat.mean(0)
             var = flat.var(0, unbiased=False)
-            with torch.no_grad():
-                n = flat.shape[0]
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
-                unbiased = var.detach() * n / (n - 1)
-                self.running_var.lerp_(unbiased.to(self.running_var.dtype), self.momentum)
+            if not _frozen_stats:
+                self._update_running(mean, var, flat.shape[0])
         else:
             mean, var = self.running_mean.to(x.dtype), self.running_var.to(x.dtype)
         return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+    @torch.no_grad()
+    def _update_running(self, mean: Tensor, var: Tensor, n: int) -> None:
+        self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
+        unbiased = var.detach() * n / (n - 1)  # running variance is unbiased, as torch.nn.BatchNorm1d
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), self.momentum)
 
 
 def build_norm(kind: str, d: int, eps: float = 1e-5, bias: bool = True) -> nn.Module:

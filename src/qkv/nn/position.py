@@ -107,8 +107,12 @@ class RoPE(PositionalEncoding):
         self._build(max_len)
 
     def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float64, device=self.inv_freq.device)
-        freqs = torch.outer(t, self.inv_freq.double())  # (n, hd/2)
+        # from base and head_dim in float64, not from the inv_freq buffer: model.to(bfloat16) rounds that
+        # buffer, and a table grown from rounded frequencies is wrong by radians at large positions
+        dev = self.inv_freq.device
+        inv = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=dev) / self.head_dim))
+        t = torch.arange(n, dtype=torch.float64, device=dev)
+        freqs = torch.outer(t, inv)  # (n, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)

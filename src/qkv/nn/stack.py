@@ -6,6 +6,7 @@ positions through the positional-encoding hooks, runs the blocks and the final n
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from qkv.nn.attention import expand_mask
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache
-from qkv.nn.norm import build_norm
+from qkv.nn.norm import build_norm, frozen_running_stats
 from qkv.nn.position import PositionalEncoding
 
 
@@ -67,11 +68,17 @@ class Stack(nn.Module):
             offset = cache.offset if cache is not None else 0
         if self.gradient_checkpointing and self.training and cache is not None:
             raise ValueError("gradient checkpointing cannot be combined with a KV cache (HF #21737)")
+        k_len = (cache.length if cache is not None else 0) + T
+        if keep is not None and tuple(keep.shape) != (B, k_len):
+            raise ValueError(f"attention mask has shape {tuple(keep.shape)} but the keys are (batch {B}, "
+                             f"{k_len} = cached + new positions)")
+        if memory_keep is not None and memory is not None and memory_keep.shape != memory.shape[:2]:
+            raise ValueError(f"memory mask has shape {tuple(memory_keep.shape)} but the memory is "
+                             f"{tuple(memory.shape[:2])} (batch, source length)")
         x = self.position.embed(x, offset)
         if self.embed_norm is not None:
             x = self.embed_norm(x, None if keep is None else keep[:, -T:])
         x = self.drop(x)
-        k_len = (cache.length if cache is not None else 0) + T
         bias = self.position.bias(T, k_len, self.causal)
         mask = None if keep is None else expand_mask(keep)
         mem_mask = None if memory_keep is None else expand_mask(memory_keep)
@@ -82,7 +89,9 @@ class Stack(nn.Module):
                           position=self.position, offset=offset, cache=cache, layer=i,
                           return_weights=return_weights)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, w = checkpoint(lambda h, blk=block, kw=kwargs: blk(h, **kw), x, use_reentrant=False)
+                # the recomputation in backward must not update BatchNorm's running statistics again
+                x, w = checkpoint(lambda h, blk=block, kw=kwargs: blk(h, **kw), x, use_reentrant=False,
+                                  context_fn=lambda: (nullcontext(), frozen_running_stats()))
             else:
                 x, w = block(x, **kwargs)
             if return_weights:
