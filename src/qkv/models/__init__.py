@@ -2,11 +2,18 @@
 
 from qkv.models.base import ModelOutput, QKVModel
 from qkv.models.bert import BERT, BERTConfig
+from qkv.models.clip import CLIP, CLIPConfig
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 from qkv.models.gpt import GPT, GPTConfig
+from qkv.models.lstm import LSTM, LSTMConfig
 from qkv.models.registry import build, families, family, preset, presets
+from qkv.models.swin import Swin, SwinConfig
+from qkv.models.vit import ViT, ViTConfig
+from qkv.models.whisper import Whisper, WhisperConfig
 
 __all__ = [
-    "BERT", "BERTConfig", "EncoderDecoder", "EncoderDecoderConfig", "GPT", "GPTConfig", "ModelOutput",
-    "QKVModel", "build", "families", "family", "preset", "presets",
+    "BERT", "BERTConfig", "CLIP", "CLIPConfig", "EncoderDecoder", "EncoderDecoderConfig", "GPT", "GPTConfig",
+    "LSTM", "LSTMConfig",
+    "ModelOutput", "QKVModel", "Swin", "SwinConfig", "ViT", "ViTConfig", "Whisper", "WhisperConfig",
+    "build", "families", "family", "preset", "presets",
 ]

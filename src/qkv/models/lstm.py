@@ -1,0 +1,282 @@
+"""LSTM baseline (Hochreiter & Schmidhuber 1997) for the LSTM-vs-Transformer comparison, on the same tasks
+and trainer as the transformers: same batch keys, same ModelOutput.
+
+mode 'lm':       ids (B, T) -> embedding -> n_layers LSTM (unidirectional) -> LM head (tied to the
+                 embedding, Press & Wolf 2017) -> logits (B, T, vocab); labels aligned with input_ids and
+                 shifted inside, like GPT.
+mode 'classify': ids (B, T) -> embedding -> n_layers LSTM (bidirectional by default), padding skipped
+                 with pack_padded_sequence -> final hidden state of the last layer (both directions
+                 concatenated) -> linear -> logits (B, num_labels); labels (B,).
+
+Decoding: `make_cache()` returns an LSTMCache (the recurrent state (h, c) plus a length), and
+`forward(..., cache=...)` consumes only the new tokens, like a KV cache. `LSTM.generate` is a small
+greedy/sampling loop of its own over that state (prompts of equal length, or left-padded with
+attention_mask: padding steps leave the state untouched), because qkv.generate reads transformer-only
+attributes (the position encoding's max_len).
+
+`hidden_for_params(n, ...)` picks the width whose parameter count is closest to `n` (e.g. a transformer's
+`num_parameters()`), for equal-size comparisons; `lstm_num_parameters(config)` is the closed form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+from qkv.config import ConfigError
+from qkv.models.base import ModelOutput, QKVModel, check_token_ids, token_loss
+from qkv.models.registry import register_family, register_preset
+
+MODES = ("lm", "classify")
+
+
+@dataclass
+class LSTMConfig:
+    vocab_size: int = 256  # token vocabulary
+    d_model: int = 256  # embedding size = hidden size of every LSTM layer
+    n_layers: int = 2  # stacked LSTM layers
+    dropout: float = 0.0  # on embeddings, between layers and before the head
+    bidirectional: bool = False  # only for mode=classify (an LM must not see the future)
+    mode: str = "lm"  # lm (next-token prediction) | classify (sequence classification)
+    num_labels: int = 2  # classes, mode=classify
+    context_length: int = 256  # longest input accepted (interface symmetry; the LSTM itself has no limit)
+    tie_embeddings: bool = True  # LM head shares the embedding matrix (mode=lm)
+    pad_token_id: int = 0
+    eos_token_id: int | None = None  # default stop token for generate()
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"LSTMConfig.mode: {self.mode!r} is not one of {list(MODES)}")
+        if self.vocab_size < 1 or self.d_model < 1 or self.n_layers < 1 or self.context_length < 1:
+            raise ConfigError("vocab_size, d_model, n_layers and context_length must be positive")
+        if self.mode == "lm" and self.bidirectional:
+            raise ConfigError("a bidirectional LSTM cannot be a language model: set bidirectional=false or "
+                              "mode=classify")
+        if self.mode == "classify" and self.num_labels < 1:
+            raise ConfigError("num_labels must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("dropout must be in [0, 1)")
+
+
+class LSTMCache:
+    """Recurrent state of a decoding LSTM: (h, c) each (n_layers, B, d), and how many tokens it has seen."""
+
+    def __init__(self, max_len: int | None = None) -> None:
+        self.state: tuple[Tensor, Tensor] | None = None
+        self.length = 0
+        self.max_len = max_len if max_len is not None else 1 << 62  # no limit
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep/repeat batch rows (beam search)."""
+        if self.state is not None:
+            self.state = (self.state[0].index_select(1, rows), self.state[1].index_select(1, rows))
+
+
+class LSTM(QKVModel):
+    def __init__(self, config: LSTMConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+        self.lstm = nn.LSTM(c.d_model, c.d_model, num_layers=c.n_layers, batch_first=True,
+                            dropout=c.dropout if c.n_layers > 1 else 0.0, bidirectional=c.bidirectional)
+        dirs = 2 if c.bidirectional else 1
+        if c.mode == "lm":
+            self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        else:
+            self.classifier = nn.Linear(dirs * c.d_model, c.num_labels)
+        self.reset_parameters()
+        if c.mode == "lm" and c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def reset_parameters(self) -> None:
+        # embeddings U(-0.1, 0.1) as in Zaremba et al. 2014 / AWD-LSTM (N(0,1) is far too large for a tied
+        # head); LSTM weights keep PyTorch's U(-1/sqrt(d), 1/sqrt(d)); forget-gate bias 1 (Jozefowicz et al.
+        # 2015) so the cell remembers by default. PyTorch gate order: input, forget, cell, output.
+        nn.init.uniform_(self.tok_emb.weight, -0.1, 0.1)
+        d = self.config.d_model
+        for name, p in self.lstm.named_parameters():
+            if name.startswith("bias_ih"):
+                with torch.no_grad():
+                    p.zero_()
+                    p[d:2 * d] = 1.0
+            elif name.startswith("bias_hh"):
+                with torch.no_grad():
+                    p.zero_()
+        if self.config.mode == "classify":
+            nn.init.normal_(self.classifier.weight, std=0.02)
+            nn.init.zeros_(self.classifier.bias)
+
+    def make_cache(self, batch_size: int = 1, max_len: int | None = None, **_: Any) -> LSTMCache:
+        return LSTMCache(max_len)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: LSTMCache | None = None,
+        offset: Any = None,  # noqa: ARG002  (accepted for decoder-interface symmetry; an LSTM has no positions)
+        return_attentions: bool = False,
+        last_only: bool = False,
+    ) -> ModelOutput:
+        """input_ids: (B, T). attention_mask: (B, T) 1 = real token; classify mode packs by it (right or
+        left padding both fine); lm mode ignores it for right padding (causal, padding comes last).
+        cache: decoding state, fed only the new tokens (lm mode). labels: (B, T) aligned with input_ids
+        (lm, shifted inside, -100 ignored) or (B,) class ids (classify)."""
+        c = self.config
+        if return_attentions:
+            raise ValueError("an LSTM has no attention weights to return")
+        check_token_ids(input_ids, c.vocab_size)
+        x = self.drop(self.tok_emb(input_ids))  # (B, T, d)
+        if c.mode == "classify":
+            return self._classify(x, labels, attention_mask)
+        state = cache.state if cache is not None else None
+        h, new_state = self.lstm(x, state)  # (B, T, d)
+        if cache is not None:
+            cache.state = new_state
+            cache.length += input_ids.shape[1]
+        h = self.drop(h)
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(h)  # (B, T, vocab)
+        loss = n = None
+        if labels is not None:
+            loss, n = token_loss(logits[:, :-1], labels[:, 1:])
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=h)
+
+    def _classify(self, x: Tensor, labels: Tensor | None, attention_mask: Tensor | None) -> ModelOutput:
+        B, T, _ = x.shape
+        if attention_mask is not None:
+            keep = attention_mask.bool()
+            lengths = keep.sum(1)
+            if bool((lengths == 0).any()):
+                raise ValueError("a sequence in the batch is all padding (attention_mask row of zeros)")
+            # move each row's real tokens to the front (handles left padding), then pack
+            order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+            x = x.gather(1, order.unsqueeze(-1).expand_as(x))
+            packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            _, (h_n, _) = self.lstm(packed)
+        else:
+            _, (h_n, _) = self.lstm(x)
+        dirs = 2 if self.config.bidirectional else 1
+        # h_n: (n_layers * dirs, B, d); the last layer's final state per direction (the backward direction's
+        # "final" state is the one after reading the first token)
+        pooled = h_n[-dirs:].transpose(0, 1).reshape(B, dirs * self.config.d_model)
+        logits = self.classifier(self.drop(pooled))  # (B, num_labels)
+        loss = n = None
+        if labels is not None:
+            loss, n = token_loss(logits, labels)
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, pooled=pooled)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int = 32, *, attention_mask: Tensor | None = None,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id: int | None = None, pad_token_id: int | None = None,
+                 generator: torch.Generator | None = None, seed: int | None = None, **unsupported: Any) -> Tensor:
+        """Greedy (default) or sampled (temperature, top_k, top_p) continuation: returns (B, T + new), the
+        prompt followed by the continuation. Rows stop at eos (then filled with pad_token_id). Left-padded
+        prompts (attention_mask 0 first) are fine: the state is kept unchanged over padding steps."""
+        if self.config.mode != "lm":
+            raise ValueError("generate needs an LSTM in mode=lm")
+        bad = {k: v for k, v in unsupported.items() if v not in (None, False, 1, True)}
+        if bad:
+            raise ValueError(f"LSTM.generate does not support {sorted(bad)}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a non-empty (batch, length) tensor, got {tuple(input_ids.shape)}")
+        if seed is not None:
+            generator = torch.Generator(device=input_ids.device).manual_seed(int(seed))
+        eos = eos_token_id if eos_token_id is not None else self.config.eos_token_id
+        pad = pad_token_id if pad_token_id is not None else self.config.pad_token_id
+        was_training = self.training
+        self.eval()
+        try:
+            cache = self.make_cache()
+            if attention_mask is None or bool(attention_mask.bool().all()):
+                logits = self(input_ids, cache=cache, last_only=True).logits[:, -1]
+            else:  # step through the prompt, freezing the state where the mask is 0
+                keep = attention_mask.bool()
+                logits = None
+                for t in range(input_ids.shape[1]):
+                    prev = cache.state
+                    out = self(input_ids[:, t:t + 1], cache=cache).logits[:, -1]
+                    if prev is not None:
+                        k = keep[:, t].view(1, -1, 1)
+                        cache.state = (torch.where(k, cache.state[0], prev[0]), torch.where(k, cache.state[1], prev[1]))
+                    else:
+                        k = keep[:, t].view(1, -1, 1)
+                        cache.state = (cache.state[0] * k, cache.state[1] * k)
+                    logits = out if logits is None else torch.where(keep[:, t:t + 1], out, logits)
+            seq = input_ids.long()
+            done = torch.zeros(seq.shape[0], dtype=torch.bool, device=seq.device)
+            for _ in range(max_new_tokens):
+                logits = logits.float()
+                if do_sample and temperature > 0:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    if top_p is not None:  # nucleus: the smallest set of tokens with probability >= top_p
+                        sorted_logits, order = logits.sort(-1, descending=True)
+                        probs = sorted_logits.softmax(-1)
+                        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already enough
+                        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+                    nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(1)
+                else:
+                    nxt = logits.argmax(-1)
+                nxt = nxt.masked_fill(done, pad)
+                seq = torch.cat([seq, nxt.unsqueeze(1)], dim=1)
+                if eos is not None:
+                    done |= nxt == eos
+                    if bool(done.all()):
+                        break
+                logits = self(nxt.unsqueeze(1), cache=cache).logits[:, -1]
+            return seq
+        finally:
+            self.train(was_training)
+
+
+def lstm_num_parameters(config: LSTMConfig) -> int:
+    """Closed-form parameter count. Per LSTM layer and direction: 4 gates x (W_ih (d x in) + W_hh (d x d)
+    + two bias vectors of d) (PyTorch keeps b_ih and b_hh); `in` is d for layer 1, dirs*d above."""
+    c, d = config, config.d_model
+    dirs = 2 if c.bidirectional else 1
+    total = c.vocab_size * d
+    for layer in range(c.n_layers):
+        inp = d if layer == 0 else dirs * d
+        total += dirs * 4 * (d * inp + d * d + 2 * d)
+    if c.mode == "lm":
+        total += 0 if c.tie_embeddings else c.vocab_size * d
+    else:
+        total += dirs * d * c.num_labels + c.num_labels
+    return total
+
+
+def hidden_for_params(n_params: int, config: LSTMConfig | None = None, **fields: Any) -> int:
+    """The d_model (hidden = embedding size) whose LSTM, with `config`'s other fields (or `fields`), has
+    the parameter count closest to `n_params` (e.g. GPT.num_parameters(), for an equal-size comparison)."""
+    base = replace(config or LSTMConfig(), **fields)
+    lo, hi = 1, 1
+    while lstm_num_parameters(replace(base, d_model=hi)) < n_params:
+        hi *= 2
+    while lo < hi:  # smallest d with count >= n_params (the count increases with d)
+        mid = (lo + hi) // 2
+        if lstm_num_parameters(replace(base, d_model=mid)) < n_params:
+            lo = mid + 1
+        else:
+            hi = mid
+    below = max(1, lo - 1)
+    return min((below, lo), key=lambda d: abs(lstm_num_parameters(replace(base, d_model=d)) - n_params))
+
+
+register_family("lstm", LSTMConfig, LSTM)
+register_preset("lstm-tiny", "lstm", LSTMConfig(vocab_size=256, d_model=256, n_layers=2, context_length=64),
+                "2-layer LSTM language model, 256 wide (the baseline next to gpt-tiny)")
+register_preset("bilstm-classify", "lstm", LSTMConfig(vocab_size=32, d_model=128, n_layers=1, bidirectional=True,
+                mode="classify", num_labels=10, context_length=2048),
+                "1-layer bidirectional LSTM classifier, 128 wide (ListOps baseline)")

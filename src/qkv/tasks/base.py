@@ -1,0 +1,220 @@
+"""The Task interface, the task registry and `build_task`.
+
+A Task is a *batch source* (`batch(index, batch_size, split) -> dict[str, Tensor]`, deterministic in
+(seed, split, index), so the trainer needs no sampler state to resume or shard) plus what is needed to
+build a model for it and judge it: `tokenizer`, `model_overrides(family)`, `evaluate(model, n)`,
+`samples(model, n)`. The batch layout depends on the model family (encdec / gpt / bert / lstm), fixed
+when the task is built: `build_task("reverse", family="gpt", min_len=10, max_len=20)`.
+
+A task is rebuilt exactly from `task.to_dict()` ({"task", "family", "options"}) plus its saved tokenizer:
+`task.save(folder)` writes task.json + tokenizer.json; `load_task(folder)` reads them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.config import ConfigError, _closest, from_dict, to_dict
+from qkv.tasks.tokenizers import Tokenizer, TokenizerError, load_tokenizer, save_tokenizer
+
+TASK_FILE = "task.json"
+SPLITS = ("train", "val")
+
+
+def rng_for(seed: int, split: str, index: int, salt: str = "") -> random.Random:
+    """An independent, reproducible stream per (seed, split, index): random.Random seeds from a string
+    through SHA-512, identical on every platform and Python run (unlike hash())."""
+    return random.Random(f"qkv/{salt}/{seed}/{split}/{index}")
+
+
+def in_val_split(key: str, val_fraction: float) -> bool:
+    """Hash split of an example space: an example belongs to the held-out split iff the hash of its key
+    (the source string) falls in the first `val_fraction` of the range. Train and val can never share a
+    source, however small the space, and the split does not depend on the seed."""
+    h = int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little")
+    return h % 1_000_000 < val_fraction * 1_000_000
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+
+
+def pad_rows(rows: Sequence[Sequence[int]], value: int, length: int | None = None, left: bool = False) -> Tensor:
+    """(B, T) long tensor from ragged rows, padded with `value` on the right (or left)."""
+    T = length if length is not None else max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), T), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            if left:
+                out[i, T - len(r):] = torch.as_tensor(r, dtype=torch.long)
+            else:
+                out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+class Task:
+    """Base class. Subclasses set `name`, `families`, `options`, `tokenizer` and implement `batch`,
+    `model_overrides`, `evaluate` and `samples`."""
+
+    name: str = ""
+    families: tuple[str, ...] = ()
+    options: Any
+    tokenizer: Tokenizer
+    family: str
+
+    def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def model_overrides(self, family: str | None = None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, n: int = 500, batch_size: int = 128) -> dict[str, float]:
+        raise NotImplementedError
+
+    def samples(self, model: torch.nn.Module, n: int = 5) -> list[str]:
+        raise NotImplementedError
+
+    def generate_text(self, model: torch.nn.Module, prompt: str, **kwargs: Any) -> str:
+        """What `qkv generate` prints for a user prompt: a translation (seq2seq), a continuation (LM),
+        a predicted class (classification)."""
+        raise NotImplementedError
+
+    # -- helpers shared by every task ---------------------------------------------------------------
+    def _check_family(self, family: str | None) -> str:
+        family = family or self.family
+        if family != self.family:
+            raise ConfigError(f"task {self.name!r} was built for family {self.family!r}, its batches do not fit "
+                              f"{family!r}; build it with family={family!r}")
+        return family
+
+    def build_model(self, preset_or_config: Any, **overrides: Any) -> Any:
+        """A fresh model for this task: a preset name (or config) with this task's vocabulary, context
+        and special-token ids applied, then `overrides`."""
+        from qkv.models.registry import config_for
+
+        fam, _ = config_for(preset_or_config)
+        if fam.name != self.family:
+            raise ConfigError(f"model {preset_or_config!r} is a {fam.name} model, but task {self.name!r} was built "
+                              f"for family {self.family!r}")
+        return fam.model_class(config_for(preset_or_config, **{**self.model_overrides(), **overrides})[1])
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"task": name, "family": family, "options": {...}}: with the saved tokenizer, rebuilds this task."""
+        return {"task": self.name, "family": self.family, "options": to_dict(self.options)}
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        """Write task.json and the tokenizer (tokenizer.json + tokenizer_config.json) into `folder`."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{TASK_FILE}.tmp"
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, folder / TASK_FILE)
+        if getattr(self, "tokenizer", None) is not None:  # image classification tasks have none
+            save_tokenizer(self.tokenizer, folder)
+        return folder / TASK_FILE
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(family={self.family!r}, {self.options})"
+
+
+# -- registry -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    options_class: type
+    factory: Callable[..., Task]  # factory(options, family, tokenizer=None) -> Task
+    families: tuple[str, ...]  # the first is the default
+    description: str
+    option_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-name defaults (charlm/bpelm)
+
+
+_TASKS: dict[str, TaskSpec] = {}
+
+
+def register_task(name: str, options_class: type, factory: Callable[..., Task], families: Sequence[str],
+                  description: str, **option_defaults: Any) -> None:
+    _TASKS[name] = TaskSpec(name, options_class, factory, tuple(families), description, option_defaults)
+
+
+def _ensure_loaded() -> None:
+    import qkv.tasks  # noqa: F401  (importing the package registers every task)
+
+
+def task_names() -> list[str]:
+    _ensure_loaded()
+    return sorted(_TASKS)
+
+
+def task_spec(name: str) -> TaskSpec:
+    _ensure_loaded()
+    if name not in _TASKS:
+        raise ConfigError(f"unknown task {name!r}{_closest(name, list(_TASKS)).replace('valid keys', 'known tasks')}")
+    return _TASKS[name]
+
+
+def build_options(name: str, options: dict[str, Any] | None = None) -> Any:
+    """The strict options dataclass of task `name` (unknown keys -> ConfigError naming the closest)."""
+    spec = task_spec(name)
+    return from_dict(spec.options_class, {**spec.option_defaults, **(options or {})}, f"task {name!r} options")
+
+
+def build_task(name: str, family: str | None = None, *, saved_tokenizer: Tokenizer | None = None,
+               **options: Any) -> Task:
+    """Build task `name` for model `family` (default: the task's first family) with `options`.
+    Pass `saved_tokenizer` (e.g. load_tokenizer(checkpoint)) to reuse a saved vocabulary exactly (the
+    option `tokenizer=char|bpe` of the LM/TSV tasks only says which kind to build; a Tokenizer object
+    passed as `tokenizer=` is taken as `saved_tokenizer`)."""
+    if isinstance(options.get("tokenizer"), Tokenizer):  # a tokenizer object, not the char|bpe option
+        saved_tokenizer = options.pop("tokenizer")
+    spec = task_spec(name)
+    family = family or spec.families[0]
+    if family not in spec.families:
+        raise ConfigError(f"task {name!r} supports model families {list(spec.families)}, not {family!r}")
+    opts = build_options(name, options)
+    task = spec.factory(opts, family, tokenizer=saved_tokenizer)
+    task.name = name
+    return task
+
+
+def task_from_dict(data: dict[str, Any], tokenizer: Tokenizer | None = None) -> Task:
+    """Inverse of Task.to_dict()."""
+    if not isinstance(data, dict) or "task" not in data:
+        raise ConfigError("a task description needs a 'task' key (and optionally 'family', 'options')")
+    unknown = set(data) - {"task", "family", "options"}
+    if unknown:
+        raise ConfigError(f"unknown key {sorted(unknown)[0]!r} in task description; valid keys: family, options, task")
+    return build_task(data["task"], data.get("family"), saved_tokenizer=tokenizer, **(data.get("options") or {}))
+
+
+def load_task(folder: str | os.PathLike) -> Task:
+    """Rebuild the task saved by `Task.save(folder)`, with its saved tokenizer."""
+    folder = Path(folder)
+    path = folder / TASK_FILE
+    if not path.is_file():
+        raise ConfigError(f"no {TASK_FILE} in {folder}: this run folder does not record its task")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    try:
+        tok = load_tokenizer(folder)
+    except TokenizerError:
+        tok = None  # rebuilt from the options (deterministic for every tokenizer kind)
+    return task_from_dict(data, tokenizer=tok)

@@ -1,0 +1,235 @@
+"""Language modelling on a text file: character-level or byte-level BPE.
+
+Corpus: `path` (any UTF-8 text file) or, by default, Python's own bundled documentation text
+(`pydoc_data.topics`, always installed with CPython: the topics dict's values joined in sorted-key order,
+~465k characters), so the task needs no download.
+
+Split: the first (1 - val_fraction) of the characters are train, the rest val (nanoGPT's convention), cut
+at a character boundary before tokenising. Tokenizer: `char` = the distinct characters of the whole text
+(val included, so val has no unknown characters, as in nanoGPT); `bpe` = byte-level BPE trained on the
+train split only, `bpe_vocab_size` tokens.
+
+Batches: `batch_size` random windows of `context` tokens from the split, window starts drawn from a
+stream seeded by (seed, split, index). input_ids = labels = the window (B, context): the model shifts the
+labels, so a window gives context - 1 next-token targets, and the model's context_length is `context`.
+
+Evaluation: mean next-token cross-entropy over windows that tile the val split (stride context - 1, so
+each val token after the first is predicted exactly once, with 1 to context - 1 tokens of context; n < all
+takes n evenly spaced windows), reported as val_loss (nats/token), perplexity = exp(val_loss) and bits per
+character bpc = val_loss / ln 2 * (val tokens / val characters) (1 token = 1 character for `char`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.config import ConfigError
+from qkv.tasks.base import Task, check_split, model_device, register_task, rng_for
+from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
+
+
+def default_corpus() -> str:
+    """Python's bundled documentation text: pydoc_data.topics values in sorted-key order."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[k] for k in sorted(topics))
+
+
+def read_text_file(path: str | Path) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"text file not found: {p}")
+    if not p.is_file():
+        raise ConfigError(f"not a file: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise ConfigError(f"text file is empty: {p}")
+    return text
+
+
+@dataclass
+class LMOptions:
+    path: str | None = None  # UTF-8 text file; None = Python's bundled pydoc_data.topics text
+    tokenizer: str = "char"  # char | bpe (byte-level BPE trained on the train split)
+    bpe_vocab_size: int = 1024  # BPE vocabulary, specials and the 256 bytes included
+    context: int = 64  # tokens per training window = the model's context_length
+    val_fraction: float = 0.1  # last share of the text held out
+    seed: int = 0
+    sample_prompt: str = "\n"  # where samples() starts generating
+    sample_tokens: int = 200  # tokens generated per sample
+    temperature: float = 0.8  # sampling temperature for samples()
+    top_k: int | None = None  # sample only among the top k tokens
+
+    def validate(self) -> None:
+        if self.tokenizer not in ("char", "bpe"):
+            raise ConfigError(f"tokenizer must be 'char' or 'bpe', got {self.tokenizer!r}")
+        if self.context < 2:
+            raise ConfigError(f"context must be at least 2 tokens, got {self.context}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.temperature <= 0:
+            raise ConfigError("temperature must be positive")
+
+
+class LMTask(Task):
+    families = ("gpt", "lstm")
+
+    def __init__(self, options: LMOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
+        self.options = o = options
+        self.family = family
+        self.missing: str | None = None
+        try:
+            text = read_text_file(o.path) if o.path else default_corpus()
+        except ConfigError as e:
+            if tokenizer is None:
+                raise
+            # rebuilt from a run folder whose text file is gone: the saved tokenizer still serves
+            # generate_text()/samples(); batches and evaluation say what is missing
+            self.tokenizer, self.missing, self.data, self.n_chars = tokenizer, str(e), {}, {}
+            return
+        cut = int(len(text) * (1 - o.val_fraction))
+        train_text, val_text = text[:cut], text[cut:]
+        if tokenizer is None:
+            if o.tokenizer == "char":
+                tokenizer = CharTokenizer.from_text(text)
+            else:
+                tokenizer = BPETokenizer.train(_chunks(train_text), vocab_size=o.bpe_vocab_size)
+        self.tokenizer = tokenizer
+        self.data = {"train": self._encode(train_text), "val": self._encode(val_text)}
+        self.n_chars = {"train": len(train_text), "val": len(val_text)}
+        for split, ids in self.data.items():
+            if len(ids) < o.context:
+                raise ConfigError(f"the {split} split has {len(ids)} tokens, fewer than one window of context="
+                                  f"{o.context}; use a longer text or a smaller context")
+
+    def _encode(self, text: str) -> Tensor:
+        tok = self.tokenizer
+        if isinstance(tok, BPETokenizer):
+            ids = [i for part in tok.encode_batch(_chunks(text)) for i in part]
+        else:
+            ids = tok.encode(text)
+        return torch.tensor(ids, dtype=torch.long)
+
+    @property
+    def chars_per_token(self) -> float:
+        return self.n_chars["val"] / len(self.data["val"])
+
+    def _need_data(self) -> None:
+        if self.missing:
+            raise ConfigError(self.missing)
+
+    def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]:
+        check_split(split)
+        self._need_data()
+        data, T = self.data[split], self.options.context
+        rng = rng_for(self.options.seed, split, index, "lm")
+        starts = torch.tensor([rng.randrange(len(data) - T + 1) for _ in range(batch_size)])
+        x = data[starts[:, None] + torch.arange(T)]  # (B, T)
+        return {"input_ids": x, "labels": x.clone()}
+
+    def model_overrides(self, family: str | None = None) -> dict[str, Any]:
+        family = self._check_family(family)
+        out = {"vocab_size": self.tokenizer.vocab_size, "context_length": self.options.context}
+        if family == "lstm":
+            out.update(mode="lm", bidirectional=False)
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, n: int | None = None, batch_size: int = 64) -> dict[str, float]:
+        """Validation loss over windows tiling the val split (all of them, or n evenly spaced)."""
+        self._need_data()
+        data, T = self.data["val"], self.options.context
+        starts = list(range(0, len(data) - T + 1, T - 1))
+        if n is not None and n < len(starts):
+            starts = [starts[round(i * (len(starts) - 1) / max(1, n - 1))] for i in range(n)]
+        dev = model_device(model)
+        was_training = model.training
+        model.eval()
+        total, count = 0.0, 0
+        try:
+            for b in range(0, len(starts), batch_size):
+                s = torch.tensor(starts[b:b + batch_size])
+                x = data[s[:, None] + torch.arange(T)].to(dev)
+                out = model(input_ids=x, labels=x)
+                total += float(out.loss) * int(out.n_targets)
+                count += int(out.n_targets)
+        finally:
+            model.train(was_training)
+        loss = total / max(1, count)
+        return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+                "bpc": loss / math.log(2) / self.chars_per_token, "n_tokens": float(count)}
+
+    def samples(self, model: torch.nn.Module, n: int = 1, max_new_tokens: int | None = None,
+                prompt: str | None = None, seed: int | None = None, temperature: float | None = None,
+                top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
+                do_sample: bool | None = None, num_beams: int = 1) -> list[str]:
+        """`n` texts generated from `prompt` (default options.sample_prompt), prompt included, each
+        `max_new_tokens` (default options.sample_tokens) long, however long the context: generation runs
+        in chunks that fit it, each restarting from the last context // 2 tokens (a sliding window).
+        Sampled with temperature/top_k (default: the options) and top_p, seeded by `seed` (default
+        options.seed); greedy=True or do_sample=False takes the argmax; num_beams > 1 runs beam search."""
+        o = self.options
+        temperature = o.temperature if temperature is None else temperature
+        top_k = o.top_k if top_k is None else top_k
+        sample = not greedy and num_beams == 1 and (do_sample is None or do_sample)
+        prompt = o.sample_prompt if prompt is None else prompt
+        ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
+        ctx = o.context
+        new = max_new_tokens or o.sample_tokens
+        dev = model_device(model)
+        gen = torch.Generator(device=dev).manual_seed(o.seed if seed is None else seed)
+        kw: dict[str, Any] = dict(do_sample=True, temperature=temperature, top_k=top_k, generator=gen)
+        if top_p is not None:
+            kw["top_p"] = top_p
+        if not sample:
+            kw = {"num_beams": num_beams} if num_beams > 1 else {}
+        out = []
+        for _ in range(n):
+            seq = torch.tensor([ids[-(ctx - 1):]], dtype=torch.long, device=dev)
+            produced: list[int] = []
+            while len(produced) < new:
+                step = min(ctx - seq.shape[1], new - len(produced))
+                res = model.generate(seq, step, **kw)
+                produced += res[0, seq.shape[1]:].tolist()
+                seq = res[:, -(ctx // 2):]
+            out.append(prompt + self.tokenizer.decode(produced))
+        return out
+
+    def generate_text(self, model: torch.nn.Module, prompt: str, max_new_tokens: int | None = None,
+                      **kwargs: Any) -> str:
+        """One continuation of `prompt`, prompt included (keywords as in samples())."""
+        return self.samples(model, 1, max_new_tokens=max_new_tokens, prompt=prompt, **kwargs)[0]
+
+
+def _chunks(text: str, size: int = 4096) -> list[str]:
+    """Cut text into pieces (at newlines where possible) so BPE works on bounded strings; the cut points
+    never fall inside a word more than once per `size` characters."""
+    out, start = [], 0
+    while start < len(text):
+        end = min(len(text), start + size)
+        if end < len(text):
+            nl = text.rfind("\n", start, end)
+            end = nl + 1 if nl > start else end
+        out.append(text[start:end])
+        start = end
+    return out
+
+
+def _factory(options: LMOptions, family: str, tokenizer: Tokenizer | None = None) -> Task:
+    return LMTask(options, family, tokenizer)
+
+
+register_task("lm", LMOptions, _factory, ("gpt", "lstm"), "language modelling on a text file (char or BPE)")
+register_task("charlm", LMOptions, _factory, ("gpt", "lstm"),
+              "character-level LM (default text: Python's bundled docs)", tokenizer="char")
+register_task("bpelm", LMOptions, _factory, ("gpt", "lstm"),
+              "byte-level BPE LM (default text: Python's bundled docs)", tokenizer="bpe")
