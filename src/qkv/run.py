@@ -210,15 +210,10 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200, t
         if stream:
             print(text)
         return text
-    tok_file = _model_folder(Path(path)) / "tokenizer.json"
-    if not tok_file.is_file():
-        raise ConfigError(f"{path} has no task.json and no tokenizer.json: cannot turn the prompt into tokens")
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tok_file))
-    ids = torch.tensor([tok.encode(prompt).ids or [0]])
+    tok = _folder_tokenizer(_model_folder(Path(path)))
+    ids = torch.tensor([_encode(tok, prompt) or [0]])
     out = model.generate(ids, **kw)
-    text = tok.decode(out[0, ids.shape[1]:].tolist())
+    text = _decode(tok, out[0, ids.shape[1]:].tolist())
     if stream:
         print(prompt + text)
     return prompt + text
@@ -230,18 +225,35 @@ def attention_report(path: str | Path, text: str, out_png: Path) -> list[str]:
 
     model = load_model_any(path)
     run = run_folder_of(path)
-    tokenizer = load_run_task(run).tokenizer if run is not None else _hf_tokenizer(_model_folder(Path(path)))
+    tokenizer = load_run_task(run).tokenizer if run is not None else _folder_tokenizer(_model_folder(Path(path)))
     result = attention_maps(model, tokenizer, text, out_png)
     return [str(x) for x in (result if isinstance(result, (list, tuple)) else [result])]
 
 
-def _hf_tokenizer(folder: Path):
+def _folder_tokenizer(folder: Path):
+    """The tokenizer saved in a model folder: qkv's own (qkv.tasks.save_tokenizer) or a Hugging Face
+    tokenizer.json."""
+    from qkv.tasks import TokenizerError, load_tokenizer
+
+    try:
+        return load_tokenizer(folder)
+    except TokenizerError:
+        pass
     f = folder / "tokenizer.json"
     if not f.is_file():
-        raise ConfigError(f"{folder} has no tokenizer.json: cannot tokenize the input")
+        raise ConfigError(f"{folder} has no task.json and no tokenizer.json: cannot turn text into tokens")
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(f))
+
+
+def _encode(tok: Any, text: str) -> list[int]:
+    enc = tok.encode(text)
+    return list(enc.ids) if hasattr(enc, "ids") else list(enc)
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    return tok.decode(ids)
 
 
 __all__ = ["EvalSettings", "attention_report", "evaluate_run", "generate_text", "load_model_any",
