@@ -15,6 +15,7 @@ from qkv.config import ConfigError, TransformerConfig
 from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids, token_loss
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.cache import StaticCache
+from qkv.nn.linear import Linear
 
 
 @dataclass
@@ -36,7 +37,7 @@ class GPT(QKVModel):
         c = config
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.decoder = build_stack(c, c.n_layers, max_len=c.context_length, causal=True)
-        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)  # fp32 CPU: oneDNN
         self.init_weights(c.n_layers)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight

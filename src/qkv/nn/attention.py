@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.nn.linear import Linear
+
 if TYPE_CHECKING:  # pragma: no cover
     from qkv.nn.cache import KVCache
     from qkv.nn.position import PositionalEncoding
@@ -166,11 +168,11 @@ class MultiHeadAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(self.head_dim) if scaled else 1.0
         kv_dim = n_kv_heads * self.head_dim
         if cross:
-            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-            self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=bias)
+            self.q_proj = Linear(d_model, d_model, bias=bias)
+            self.kv_proj = Linear(d_model, 2 * kv_dim, bias=bias)
         else:
-            self.qkv_proj = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.qkv_proj = Linear(d_model, d_model + 2 * kv_dim, bias=bias)
+        self.out_proj = Linear(d_model, d_model, bias=bias)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         B, T, _ = x.shape

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.nn.linear import Linear
+
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 
 
@@ -17,9 +19,9 @@ class FeedForward(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown ffn activation {activation!r}; choose one of {ACTIVATIONS}")
         self.activation = activation
-        self.up = nn.Linear(d_model, d_ff, bias=bias)
-        self.gate = nn.Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
-        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.up = Linear(d_model, d_ff, bias=bias)
+        self.gate = Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
+        self.down = Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

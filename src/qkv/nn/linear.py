@@ -1,0 +1,99 @@
+"""nn.Linear with a faster fp32 CPU path: the same parameters, state-dict keys and function, y = x W^T + b.
+
+Why: PyTorch's CPU `addmm`/`mm` call MKL's sgemm. On AMD CPUs with full-width AVX-512 (this project's
+machines) MKL takes a slower code path, while oneDNN, also bundled with every x86 PyTorch build, JIT-compiles
+for the CPU it runs on: a (2048 x 384) @ (384 x 1536) fp32 product runs ~2x faster through oneDNN here
+(see docs/perf/train_vs_hf.md). Linear layers are ~85% of a GPT training step on CPU, so this is the
+largest single lever on CPU training speed.
+
+The fast path is taken only where it is a pure win and semantically identical:
+  fp32 CPU tensors, at least MIN_ROWS rows (oneDNN's per-call overhead loses on the few rows of a decoding
+  step), no autocast (autocast must still turn F.linear into a bf16 matmul), not under torch.compile
+  (Inductor picks its own kernels), plain tensors (not DTensor / tensor subclasses).
+Everything else goes through F.linear. Set `qkv.nn.linear.ONEDNN = False` (or QKV_ONEDNN=0) to disable.
+Results differ from F.linear only by fp32 summation order (~1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+ONEDNN = os.environ.get("QKV_ONEDNN", "1") != "0"
+MIN_ROWS = 64  # below this, MKL's lower call overhead wins (measured: docs/perf/train_vs_hf.md)
+
+
+def _probe() -> bool:
+    """Is the oneDNN fp32 inner product usable in this torch build?"""
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        # fixed values, not torch.randn: probing must not consume the global RNG (bit-exact resume)
+        x = torch.linspace(-1, 1, 12).view(4, 3)
+        w, b = torch.linspace(-2, 1, 6).view(2, 3), torch.tensor([0.5, -0.25])
+        return torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5)
+    except Exception:  # pragma: no cover - builds without the op or without oneDNN fp32 support
+        return False
+
+
+_AVAILABLE: bool | None = None
+
+
+def _mm(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """x @ w^T + b through oneDNN; x (..., in), w (out, in)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _mm(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        g2 = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _mm(grad, weight.t().contiguous())  # (..., out) @ (out, in): weight^T is (in, out)
+        if ctx.needs_input_grad[1]:
+            gw = _mm(g2.t(), x.reshape(-1, x.shape[-1]).t())  # (out, N) @ (N, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        return gx, gw, gb
+
+
+def use_onednn(x: Tensor, weight: Tensor) -> bool:
+    global _AVAILABLE
+    if not ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if x.numel() < MIN_ROWS * x.shape[-1] or type(x) is not Tensor or type(weight) not in (Tensor, nn.Parameter):
+        return False
+    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return False
+    if _AVAILABLE is None:
+        _AVAILABLE = _probe()
+    return _AVAILABLE
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, through oneDNN where that is faster (see the module docstring)."""
+    if use_onednn(x, weight):
+        return _OneDNNLinear.apply(x.contiguous(), weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """Drop-in nn.Linear (same parameters and state-dict keys) using `linear` above."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
