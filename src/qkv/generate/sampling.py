@@ -1,0 +1,59 @@
+"""Logits processors and the token choice of one decoding step.
+
+The order follows Hugging Face's sampling pipeline: temperature, then top-k, then top-p (nucleus),
+then a draw from softmax of what is left. Every filter sets removed logits to -inf and never renormalises
+by hand (softmax does that), so the filters compose.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def top_k_filter(logits: Tensor, k: int | None) -> Tensor:
+    """Keep the k largest logits of each row (ties with the k-th value are kept too); -inf elsewhere.
+    k None, 0 or >= vocab leaves the logits unchanged."""
+    if k is None or k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1) the k-th largest value
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float | None) -> Tensor:
+    """Nucleus filtering (Holtzman et al. 2020): keep the smallest set of most likely tokens whose total
+    probability is >= p; the most likely token is always kept. p None or >= 1 leaves the logits unchanged."""
+    if p is None or p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits.float(), dim=-1)
+    # probability mass strictly before each token: the token is needed while that mass is still < p
+    before = torch.cumsum(probs, dim=-1) - probs
+    remove_sorted = before >= p
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def process_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None) -> Tensor:
+    """temperature -> top-k -> top-p, on (B, V) float logits."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    logits = top_k_filter(logits, top_k)
+    return top_p_filter(logits, top_p)
+
+
+def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw per row from softmax(logits): (B, V) -> (B,) token ids."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")

@@ -1,0 +1,225 @@
+"""Decoding loops: left-padded batches, per-sequence stopping, beam search (greedy case and exhaustive
+search), context overflow, streaming, stop strings, attention weights, the fast decoding step."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from _genmodels import POSITIONS, tiny_encdec, tiny_gpt
+
+from qkv.generate import beam_search, generate, stream
+from qkv.generate.fastpath import FastGPTStep
+
+
+def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_left_padded_batch_equals_each_prompt_alone(position, use_cache):
+    m = tiny_gpt(position, gqa=True)
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5], [8], [9, 7, 9, 3]]
+    ids, mask = left_pad(prompts)
+    out = generate(m, ids, 8, attention_mask=mask, use_cache=use_cache)
+    for i, p in enumerate(prompts):
+        alone = generate(m, torch.tensor([p]), 8)
+        assert out[i, -8:].tolist() == alone[0, -8:].tolist()
+        assert out[i, : ids.shape[1]].tolist() == ids[i].tolist()
+
+
+def test_encdec_padded_batch_equals_each_source_alone():
+    m = tiny_encdec("rope", gqa=True)
+    srcs = [[3, 4, 5, 6, 7], [8, 9], [10, 3, 5]]
+    T = 5
+    ids = torch.tensor([s + [0] * (T - len(s)) for s in srcs])
+    mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in srcs])
+    out = generate(m, ids, 7, attention_mask=mask, eos_token_id=None)
+    for i, s in enumerate(srcs):
+        assert out[i].tolist() == generate(m, torch.tensor([s]), 7, eos_token_id=None)[0].tolist()
+
+
+def test_right_padding_is_rejected():
+    m = tiny_gpt()
+    with pytest.raises(ValueError, match="LEFT-padded"):
+        generate(m, torch.tensor([[1, 2, 0]]), 2, attention_mask=torch.tensor([[1, 1, 0]]))
+
+
+def test_per_sequence_eos_stopping_and_padding():
+    m = tiny_gpt("learned")
+    x = torch.randint(0, 11, (4, 3))
+    free = generate(m, x, 10)[:, 3:]
+    eos = int(free[0, 2])  # row 0 produces this token at step 3
+    out = generate(m, x, 10, eos_token_id=eos, pad_token_id=10)[:, 3:]
+    for r in range(4):
+        row = free[r].tolist()
+        stop = row.index(eos) + 1 if eos in row else len(row)
+        assert out[r, :stop].tolist() == row[:stop]
+        assert (out[r, stop:] == 10).all()
+    assert out.shape[1] == max((free[r].tolist().index(eos) + 1) if eos in free[r].tolist() else 10
+                               for r in range(4))
+
+
+def test_stream_yields_the_same_tokens_as_generate():
+    m = tiny_gpt("alibi")
+    ids, mask = left_pad([[1, 2, 3], [4, 5]])
+    eos = int(generate(m, ids, 6, attention_mask=mask)[1, -4])
+    full = generate(m, ids, 12, attention_mask=mask, eos_token_id=eos)
+    steps = list(stream(m, ids, 12, attention_mask=mask, eos_token_id=eos))
+    assert torch.equal(torch.stack(steps, 1), full[:, ids.shape[1]:])
+    s = list(stream(m, ids, 5, do_sample=True, seed=1))
+    assert torch.equal(torch.stack(s, 1), generate(m, ids, 5, do_sample=True, seed=1)[:, 3:])
+
+
+def test_stream_does_not_leave_grad_disabled():
+    m = tiny_gpt()
+    it = stream(m, torch.tensor([[1, 2]]), 3)
+    next(it)
+    assert torch.is_grad_enabled()
+    it.close()
+
+
+def test_stop_strings_with_a_tokenizer():
+    m = tiny_gpt("rope")
+    x = torch.tensor([[1, 2, 3]])
+    decode = lambda ids: "".join(chr(ord("a") + i) for i in ids)  # noqa: E731
+    free = generate(m, x, 12)[0, 3:].tolist()
+    target = decode(free[3:5])  # the continuation's 4th and 5th characters
+    text = decode(free)
+    stop_at = next(i for i in range(1, len(text) + 1) if target in text[:i])
+    out = generate(m, x, 12, stop_strings=[target], tokenizer=decode, pad_token_id=0)[0, 3:].tolist()
+    assert out[:stop_at] == free[:stop_at] and len(out) == stop_at
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(m, x, 3, stop_strings=["x"])
+    crit = generate(m, x, 12, stopping_criteria=lambda seq, new: new == free[1])[0, 3:].tolist()
+    assert crit == free[: free.index(free[1]) + 1]
+
+
+def test_context_overflow_error_and_slide():
+    m = tiny_gpt("learned", context=16)
+    x = torch.randint(0, 11, (1, 10))
+    with pytest.raises(ValueError, match="context"):
+        generate(m, x, 7)
+    assert generate(m, x, 6).shape == (1, 16)
+    out = generate(m, x, 14, context_overflow="slide")
+    assert out.shape == (1, 24)
+    with torch.no_grad():
+        for t in range(10, 24):  # every token is the argmax over the last 16 tokens before it
+            window = out[:, max(0, t - 16) : t]
+            assert int(m(window).logits[0, -1].argmax()) == int(out[0, t])
+    assert torch.equal(out, generate(m, x, 14, context_overflow="slide", use_cache=False))
+    assert generate(tiny_gpt("rope", context=16), x, 10).shape == (1, 20)  # RoPE has no hard limit
+    with pytest.raises(ValueError, match="context"):
+        generate(tiny_encdec(context=8), torch.tensor([[3, 4]]), 8)
+
+
+def test_return_attentions_match_full_forward():
+    m = tiny_gpt("alibi", backend="naive", gqa=True)
+    x = torch.tensor([[1, 2, 3, 4]])
+    out = generate(m, x, 4, return_attentions=True)
+    assert len(out.attentions) == 4
+    with torch.no_grad():
+        full = m(out.sequences[:, :-1], return_attentions=True).attentions
+    for step, layers in enumerate(out.attentions):
+        Tk = 4 + step
+        for layer, w in enumerate(layers):
+            torch.testing.assert_close(w["self"][:, :, -1], full[layer]["self"][:, :, Tk - 1, :Tk])
+    e = generate(tiny_encdec(backend="naive"), torch.tensor([[3, 4, 5]]), 3, return_attentions=True,
+                 eos_token_id=None)
+    assert e.attentions[2][0]["cross"].shape == (1, 4, 1, 3)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("placement,norm,ffn", [("pre", "layernorm", "gelu_tanh"), ("post", "rmsnorm", "swiglu")])
+def test_fast_step_logits_equal_full_forward(position, placement, norm, ffn):
+    m = tiny_gpt(position, gqa=True, placement=placement, norm=norm, ffn=ffn)
+    fast = FastGPTStep.get(m)
+    ids, mask = left_pad([[1, 2, 3, 4, 5], [6, 7]])
+    n_pad = torch.tensor([0, 3])
+    with torch.no_grad():
+        cache = m.make_cache(2, 12)
+        m(ids, attention_mask=mask, cache=cache, offset=-n_pad)
+        seq, keep = ids, mask
+        for _ in range(5):
+            nxt = torch.randint(0, 11, (2, 1))
+            seq, keep = torch.cat([seq, nxt], 1), torch.cat([keep, torch.ones(2, 1, dtype=torch.long)], 1)
+            got = fast(nxt, cache, keep.bool(), cache.length - n_pad)
+            full = m(seq, attention_mask=keep, offset=-n_pad).logits[:, -1]
+            torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+
+
+def test_fast_step_is_rebuilt_when_weights_change():
+    m = tiny_gpt()
+    a = FastGPTStep.get(m)
+    assert FastGPTStep.get(m) is a
+    with torch.no_grad():
+        m.lm_head.weight.mul_(2.0)
+    assert FastGPTStep.get(m) is not a
+
+
+# -- beam search -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["gpt", "encdec"])
+def test_beam_search_with_one_beam_is_greedy(family):
+    m = tiny_gpt("rope") if family == "gpt" else tiny_encdec("learned")
+    x = torch.randint(3, 11, (3, 4))
+    greedy = generate(m, x, 8, eos_token_id=None)
+    beam = beam_search(m, x, 8, num_beams=1, eos_token_id=None).sequences
+    assert torch.equal(beam, greedy)
+    eos = int(greedy[0, -5])
+    g2 = generate(m, x, 8, eos_token_id=eos, pad_token_id=0)
+    b2 = beam_search(m, x, 8, num_beams=1, length_penalty=0.0, eos_token_id=eos, pad_token_id=0).sequences
+    assert torch.equal(b2, g2[:, : b2.shape[1]]) and (g2[:, b2.shape[1]:] == 0).all()
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0, -0.5])
+def test_beam_search_matches_exhaustive_search(length_penalty):
+    V, eos, n_new = 4, 3, 3
+    m = tiny_gpt("learned", vocab=V, init_std=0.8)
+    prompt = torch.tensor([[0, 2, 1]])
+    # every complete hypothesis: ends with eos at length L <= n_new, or has n_new tokens without eos
+    hyps = []
+    for L in range(1, n_new + 1):
+        for toks in itertools.product(range(V), repeat=L):
+            if eos in toks[:-1] or (toks[-1] != eos and L < n_new):
+                continue
+            seq = torch.cat([prompt, torch.tensor([toks])], 1)
+            with torch.no_grad():
+                logp = torch.log_softmax(m(seq).logits[0, 2:-1].double(), -1)
+            total = sum(float(logp[i, t]) for i, t in enumerate(toks))
+            hyps.append((total / L**length_penalty, list(toks)))
+    hyps.sort(key=lambda h: -h[0])
+    out = beam_search(m, prompt, n_new, num_beams=V**n_new, length_penalty=length_penalty, eos_token_id=eos,
+                      num_return_sequences=5, pad_token_id=0)
+    for i in range(5):
+        got = out.sequences[i, 3:].tolist()
+        assert got[: len(hyps[i][1])] == hyps[i][1]
+        assert abs(float(out.scores[i]) - hyps[i][0]) < 1e-4
+
+
+def test_beam_search_cache_and_batch_consistency():
+    m = tiny_gpt("alibi", gqa=True)
+    ids, mask = left_pad([[1, 2, 3], [4, 5, 6, 7, 8]])
+    a = generate(m, ids, 6, attention_mask=mask, num_beams=3, num_return_sequences=2, eos_token_id=5,
+                 return_dict=True)
+    b = generate(m, ids, 6, attention_mask=mask, num_beams=3, num_return_sequences=2, eos_token_id=5,
+                 use_cache=False, return_dict=True)
+    assert torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(a.scores, b.scores)
+    assert (a.scores[0] >= a.scores[1]) and (a.scores[2] >= a.scores[3])
+    alone = generate(m, torch.tensor([[4, 5, 6, 7, 8]]), 6, num_beams=3, eos_token_id=5)
+    assert a.sequences[2, : alone.shape[1]].tolist() == alone[0].tolist()
+    e = tiny_encdec()
+    src = torch.randint(3, 11, (2, 5))
+    assert torch.equal(generate(e, src, 6, num_beams=4), generate(e, src, 6, num_beams=4, use_cache=False))
+
+
+def test_generate_keeps_training_mode():
+    m = tiny_gpt().train()
+    generate(m, torch.tensor([[1]]), 2)
+    assert m.training
