@@ -199,13 +199,8 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200, t
     run = run_folder_of(path)
     if run is not None:
         task = load_run_task(run)
-        if stream and hasattr(task, "stream_text"):
-            pieces = []
-            for piece in task.stream_text(model, prompt, **kw):
-                print(piece, end="", flush=True)
-                pieces.append(piece)
-            print()
-            return "".join(pieces)
+        if stream and getattr(task, "family", None) == "gpt" and hasattr(task, "chars_per_token"):
+            return _stream_lm(model, task.tokenizer, prompt, kw, seed)
         text = task.generate_text(model, prompt, **kw)
         if stream:
             print(text)
@@ -217,6 +212,23 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200, t
     if stream:
         print(prompt + text)
     return prompt + text
+
+
+def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, kw: dict[str, Any], seed: int) -> str:
+    """Print a language model's continuation token by token as it is produced (qkv.generate.stream)."""
+    from qkv.generate import stream
+
+    ids = _encode(tok, prompt) or [getattr(tok, "eos_id", 0)]
+    kw = {k: v for k, v in kw.items() if k != "num_beams"}
+    print(prompt, end="", flush=True)
+    pieces = []
+    x = torch.tensor([ids])
+    for new in stream(model, x, context_overflow="slide", generator=torch.Generator().manual_seed(seed), **kw):
+        piece = _decode(tok, new.tolist())
+        print(piece, end="", flush=True)
+        pieces.append(piece)
+    print()
+    return prompt + "".join(pieces)
 
 
 def attention_report(path: str | Path, text: str, out_png: Path) -> list[str]:
