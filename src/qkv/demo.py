@@ -44,9 +44,9 @@ def run_demo(out: Path, quick: bool = False) -> dict[str, dict]:
     try:  # the reverse model's cross-attention should be an anti-diagonal: show it
         from qkv.run import attention_report
 
-        png = out / "reverse" / "attention.png"
-        attention_report(out / "reverse", "0123456789", png)
-        print(f"\nattention maps of the reverse model for '0123456789': {png}")
+        lines = attention_report(out / "reverse", "0123456789", out / "reverse" / "attention.png")
+        print("\nattention maps of the reverse model for '0123456789' (cross-attention should be an anti-diagonal):")
+        print("\n".join(line for line in lines if line.startswith("wrote")))
     except Exception as e:  # a plot must never fail the demo
         print(f"(attention maps skipped: {e})")
     print(f"\ndemo finished in {time.perf_counter() - t_all:.0f} s. Next:")

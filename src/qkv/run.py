@@ -231,32 +231,21 @@ def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, kw: dict[str, Any]
     return prompt + "".join(pieces)
 
 
-def attention_report(path: str | Path, text: str, out_png: Path) -> list[str]:
-    """Attention maps of every layer x head for `text` (a PNG grid) and per-head diagnostics."""
-    from qkv.experiments.attention import attention_maps
+def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
+    """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table."""
+    from qkv.experiments import attention_from_checkpoint
 
-    model = load_model_any(path)
-    run = run_folder_of(path)
-    tokenizer = load_run_task(run).tokenizer if run is not None else _folder_tokenizer(_model_folder(Path(path)))
-    result = attention_maps(model, tokenizer, text, out_png)
-    return [str(x) for x in (result if isinstance(result, (list, tuple)) else [result])]
+    res = attention_from_checkpoint(_model_folder(Path(path)), text, out_png, target=target)
+    return [f"wrote {p}" for p in res.pngs] + [res.entropy_table()]
 
 
 def _folder_tokenizer(folder: Path):
-    """The tokenizer saved in a model folder: qkv's own (qkv.tasks.save_tokenizer) or a Hugging Face
-    tokenizer.json."""
-    from qkv.tasks import TokenizerError, load_tokenizer
+    from qkv.tasks.tokenizers import find_tokenizer
 
-    try:
-        return load_tokenizer(folder)
-    except TokenizerError:
-        pass
-    f = folder / "tokenizer.json"
-    if not f.is_file():
-        raise ConfigError(f"{folder} has no task.json and no tokenizer.json: cannot turn text into tokens")
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(f))
+    tok = find_tokenizer(folder)
+    if tok is None:
+        raise ConfigError(f"{folder} has no task.json and no tokenizer: cannot turn text into tokens")
+    return tok
 
 
 def _encode(tok: Any, text: str) -> list[int]:

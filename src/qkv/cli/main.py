@@ -141,12 +141,15 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", help="a suite YAML (configs/ablations/*.yaml) or its name")
     p.add_argument("--out", default=None, help="output folder (default runs/ablations/<suite>)")
     p.add_argument("--quick", action="store_true", help="the suite's quick size (under a minute)")
+    p.add_argument("--only", default=None, help="run only the variants whose name contains this string")
+    p.add_argument("--force", action="store_true", help="redo runs that already finished")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per run (1 is best on a busy CPU)")
 
 
 def cmd_ablate(a: argparse.Namespace) -> int:
     from qkv.experiments import run_suite
 
-    report = run_suite(a.suite, out_dir=a.out, quick=a.quick)
+    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, only=a.only, force=a.force, threads=a.threads)
     print(f"report: {report}")
     return 0
 
@@ -154,13 +157,14 @@ def cmd_ablate(a: argparse.Namespace) -> int:
 def _add_attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, checkpoint folder or Hugging Face folder")
     p.add_argument("--input", required=True, help="text to run through the model")
-    p.add_argument("--out", default="attention.png", help="PNG to write")
+    p.add_argument("--target", default=None, help="decoder input for encoder-decoders (default: greedy output)")
+    p.add_argument("--out", default="attention.png", help="PNG to write (one per attention kind)")
 
 
 def cmd_attention(a: argparse.Namespace) -> int:
     from qkv.run import attention_report
 
-    for line in attention_report(a.checkpoint, a.input, Path(a.out)):
+    for line in attention_report(a.checkpoint, a.input, Path(a.out), target=a.target):
         print(line)
     return 0
 

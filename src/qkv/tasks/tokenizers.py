@@ -247,3 +247,25 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
     if kind == "word":
         return WordTokenizer.from_dict(data)
     raise TokenizerError(f"{path}: unknown tokenizer kind {kind!r} (expected char, word or bpe)")
+
+
+def find_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved with a checkpoint: a qkv tokenizer (tokenizer_config.json + tokenizer.json, in the
+    folder or up to two levels above, e.g. a run folder), else a Hugging Face tokenizer.json or a BERT
+    vocab.txt in the folder; None when there is none."""
+    folder = Path(path)
+    for d in [folder, folder.parent, folder.parent.parent]:
+        if (d / "tokenizer_config.json").is_file():
+            try:
+                return load_tokenizer(d)
+            except Exception:  # noqa: BLE001  (not a qkv tokenizer: try the Hugging Face formats)
+                pass
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+    if (folder / "vocab.txt").is_file():
+        from tokenizers import BertWordPieceTokenizer
+
+        return BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=True)
+    return None

@@ -1,0 +1,233 @@
+"""The report of a suite: a CSV of every run, a markdown table per variant, and PNG plots.
+
+summary.md (one row per variant): the swept values, the final metric as mean +- std over seeds (sample std,
+n-1; a single seed shows no +-), the steps to reach the threshold (mean over the seeds that reached it, with
+how many did), diverged k/n, extra evaluations, parameters and wall time. Plots: loss curves per variant
+(each seed a line) and the final metric against each swept value.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from qkv.experiments.runner import read_metrics
+from qkv.experiments.suite import Suite
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def fmt_mean_std(xs: list[float], digits: int = 3) -> str:
+    finite = [x for x in xs if x is not None and math.isfinite(x)]
+    if not finite:
+        return "nan"
+    m, s = _mean_std(finite)
+    txt = f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if len(finite) > 1 else "")
+    if len(finite) < len(xs):
+        txt += f" ({len(xs) - len(finite)} nan)"
+    return txt
+
+
+def group(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault(r["variant"], []).append(r)
+    return groups
+
+
+def summary_rows(suite: Suite, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One dict per variant (file order), ready for the markdown table."""
+    rows = []
+    for variant, rs in group(results).items():
+        row: dict[str, Any] = dict(rs[0].get("values", {}))
+        row["variant"] = variant
+        row["seeds"] = len(rs)
+        if suite.kind == "efficiency":
+            for key in ("step_ms", "speedup", "peak_mb", "memory_ratio", "tokens_per_s", "step_ms_isolated"):
+                row[key] = fmt_mean_std([r.get(key, float("nan")) for r in rs], 3 if key != "peak_mb" else 1)
+            rows.append(row)
+            continue
+        row[suite.metric.name] = fmt_mean_std([r.get("metric", float("nan")) for r in rs])
+        row["_mean"] = _mean_std([r.get("metric", float("nan")) for r in rs])[0]
+        if suite.metric.threshold is not None:
+            reached = [r["steps_to_threshold"] for r in rs if r.get("steps_to_threshold") is not None]
+            row[f"steps to {suite.metric.threshold:g}"] = (
+                f"{statistics.fmean(reached):.0f} ({len(reached)}/{len(rs)})" if reached else f"never (0/{len(rs)})")
+        row["diverged"] = f"{'yes' if any(r.get('diverged') for r in rs) else 'no'} ({sum(bool(r.get('diverged')) for r in rs)}/{len(rs)})"
+        for ev in suite.extra_evals:
+            row[ev.name] = fmt_mean_std([r.get("extra", {}).get(ev.name, float("nan")) for r in rs])
+        if suite.metric.name != "train_loss":
+            row["final train loss"] = fmt_mean_std([r.get("final_loss", float("nan")) for r in rs])
+        row["params"] = rs[0].get("params", "")
+        steps = [r["steps"] for r in rs if isinstance(r.get("steps"), (int, float))]
+        row["steps"] = (f"{statistics.fmean(steps):.0f}" if len(set(steps)) <= 1 else
+                        f"{statistics.fmean(steps):.0f} ({min(steps)}-{max(steps)})") if steps else ""
+        row["wall s"] = f"{statistics.fmean([r.get('wall_s', 0.0) for r in rs]):.1f}"
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(no runs)"
+    cols = ["variant"] + [c for c in rows[0] if not c.startswith("_") and c != "variant"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(results: list[dict[str, Any]], path: Path) -> Path:
+    keys: list[str] = []
+    flat = []
+    for r in results:
+        f = {"run_id": r.get("run_id"), "variant": r.get("variant"), "seed": r.get("seed")}
+        f.update({f"value.{k}": v for k, v in r.get("values", {}).items()})
+        for k, v in r.items():
+            if k in ("values", "run_id", "variant", "seed"):
+                continue
+            if isinstance(v, dict):
+                f.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+            else:
+                f[k] = v
+        flat.append(f)
+        keys += [k for k in f if k not in keys]
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        w.writerows(flat)
+    return path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loss_curves(out: Path, results: list[dict[str, Any]], title: str) -> Path | None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    any_line = False
+    cmap = plt.get_cmap("tab10" if len(group(results)) <= 10 else "tab20")
+    for ci, (variant, rs) in enumerate(group(results).items()):
+        for j, r in enumerate(rs):
+            rows = read_metrics(out / "runs" / r["run_id"] / "metrics.jsonl")
+            pts = [(row["step"], row["loss"]) for row in rows if "loss" in row and "step" in row
+                   and isinstance(row["loss"], (int, float)) and math.isfinite(row["loss"])]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, color=cmap(ci % cmap.N), lw=1.2, alpha=0.85, label=variant if j == 0 else None)
+            any_line = True
+    if not any_line:
+        plt.close(fig)
+        return None
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "loss_curves.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def plot_metric_vs(out: Path, suite: Suite, results: list[dict[str, Any]]) -> list[Path]:
+    """For each swept key: the metric (mean +- std over seeds) against its values, one line per setting of
+    the other swept keys."""
+    plt = _plt()
+    metric_key = "step_ms" if suite.kind == "efficiency" else "metric"
+    label = "step time (ms)" if suite.kind == "efficiency" else suite.metric.name
+    keys = list(results[0].get("values", {})) if results else []
+    paths = []
+    for key in keys:
+        lines: dict[str, dict[str, list[float]]] = {}
+        order: list[str] = []
+        for r in results:
+            vals = r.get("values", {})
+            rest = ",".join(f"{k}={v}" for k, v in vals.items() if k != key) or suite.name
+            x = str(vals.get(key))
+            if x not in order:
+                order.append(x)
+            lines.setdefault(rest, {}).setdefault(x, []).append(r.get(metric_key, float("nan")))
+        if len(order) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(6.5, 4.0))
+        pos = {x: i for i, x in enumerate(order)}
+        for rest, pts in lines.items():
+            xs = [pos[x] for x in order if x in pts]
+            ms = [_mean_std(pts[x])[0] for x in order if x in pts]
+            ss = [_mean_std(pts[x])[1] for x in order if x in pts]
+            ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=rest)
+        ax.set_xticks(range(len(order)))
+        ax.set_xticklabels(order)
+        ax.set_xlabel(key)
+        ax.set_ylabel(label + " (mean ± std over seeds)")
+        ax.set_title(f"{suite.name}: {label} vs {key}", fontsize=10)
+        if len(lines) > 1:
+            ax.legend(fontsize=6)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / f"metric_vs_{key.replace('.', '_')}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path) -> Path:
+    """results.csv, summary.md, summary.json, loss_curves.png, metric_vs_*.png in `out`; returns summary.md."""
+    out = Path(out)
+    if suite.kind == "efficiency":
+        from qkv.experiments.efficiency import add_ratios
+
+        add_ratios(results)
+    write_csv(results, out / "results.csv")
+    rows = summary_rows(suite, results)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str) + "\n", encoding="utf-8")
+    plots = []
+    if results and suite.kind != "efficiency":
+        p = plot_loss_curves(out, results, f"{suite.name}: training loss per variant")
+        if p:
+            plots.append(p)
+    if results:
+        plots += plot_metric_vs(out, suite, results)
+    lines = [f"# Ablation suite `{suite.name}`", ""]
+    if suite.claim:
+        lines += [f"Claim: {suite.claim}" + (f" ({suite.source})" if suite.source else ""), ""]
+    if suite.kind == "efficiency":
+        lines += ["step_ms: median step time with the variants' steps interleaved in one process (robust to a "
+                  "machine whose speed drifts); step_ms_isolated: median in the variant's own process. peak_mb: that "
+                  "process's peak resident memory above its level before the first step (GPU: peak allocated). "
+                  "speedup and memory_ratio are against the first variant.", ""]
+    else:
+        thr = f", threshold {suite.metric.threshold:g}" if suite.metric.threshold is not None else ""
+        lines += [f"Metric: {suite.metric.name} ({'higher' if suite.metric.goal == 'max' else 'lower'} is better{thr}), "
+                  f"mean ± std over seeds {suite.seeds}. Diverged: non-finite loss, a stop by the trainer's NaN "
+                  "policy, or a final loss above the first logged loss.", ""]
+    lines += [markdown_table(rows), ""]
+    errors = [r for r in results if r.get("error")]
+    if errors:
+        lines += ["Runs that stopped with an error:", ""]
+        lines += [f"- `{r['run_id']}`: {r['error']}" for r in errors]
+        lines.append("")
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    path = out / "summary.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,304 @@
+"""The grid runner: every (variant, seed) of a suite, one after another, resumable.
+
+Layout of an output folder:
+    OUT/suite.yaml                     the resolved suite (after --quick overrides)
+    OUT/runs/<variant>__seed<k>/       one folder per run:
+        run.json                       its model / task / train sections and seed (written first)
+        metrics.jsonl, metrics.csv     the trainer's log (one JSON object per logged step)
+        final/                         the final model (config.json + model.safetensors) and its task/tokenizer
+        result.json                    written last, atomically: a run with result.json is finished
+    OUT/results.csv, OUT/summary.md, OUT/*.png     the report (qkv.experiments.report)
+
+A run whose folder has result.json is never redone (resumability); a folder without one is a run that was
+interrupted and is started again from scratch. Runs that diverge (non-finite loss, an exception from the
+trainer's NaN policy) are recorded as diverged, not as crashes of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkv.config import ConfigError, from_dict
+from qkv.experiments.suite import RunSpec, Suite, expand, load_suite
+
+RESULT = "result.json"
+TrainFn = Callable[[Suite, RunSpec, Path], dict[str, Any]]
+
+
+def _write_json(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl file (a truncated last line from a killed process is ignored)."""
+    rows = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def metric_series(rows: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
+    """(step, value) pairs of metric `name` in the trainer's log; eval metrics may carry an eval_/val_ prefix."""
+    keys = ["loss"] if name == "train_loss" else [name, f"eval_{name}", f"val_{name}", f"eval/{name}"]
+    out = []
+    for r in rows:
+        for k in keys:
+            if k in r and isinstance(r[k], (int, float)) and "step" in r:
+                out.append((int(r["step"]), float(r[k])))
+                break
+    return out
+
+
+def steps_to_threshold(series: list[tuple[int, float]], threshold: float | None, goal: str) -> int | None:
+    """First logged step whose value is at least as good as the threshold (None: never, or no threshold)."""
+    if threshold is None:
+        return None
+    for step, v in series:
+        if math.isfinite(v) and (v <= threshold if goal == "min" else v >= threshold):
+            return step
+    return None
+
+
+def final_train_loss(rows: list[dict[str, Any]], tail: float = 0.1) -> float:
+    """Mean of the last `tail` fraction (at least one) of the logged training losses; NaN if any is non-finite."""
+    losses = [r["loss"] for r in rows if "loss" in r and isinstance(r["loss"], (int, float))]
+    if not losses:
+        return float("nan")
+    k = max(1, int(round(len(losses) * tail)))
+    last = losses[-k:]
+    return float("nan") if not all(math.isfinite(x) for x in last) else sum(last) / len(last)
+
+
+def is_diverged(rows: list[dict[str, Any]], error: str | None) -> bool:
+    """Diverged: the trainer stopped on a non-finite value, a non-finite loss was logged, or the final
+    loss is above the first logged loss (training made the model worse than its initialisation)."""
+    if error:
+        return True
+    losses = [r["loss"] for r in rows if "loss" in r and isinstance(r["loss"], (int, float))]
+    if not losses:
+        return False
+    if not all(math.isfinite(x) for x in losses):
+        return True
+    fin = final_train_loss(rows)
+    return not math.isfinite(fin) or fin > losses[0]
+
+
+# -- one training run ---------------------------------------------------------------------------------------
+def _context_keys(overrides: dict[str, Any]) -> list[str]:
+    return [k for k in overrides if "context" in k or k.endswith("max_len")]
+
+
+def build_run(suite: Suite, spec: RunSpec):
+    """(model, train task, extra eval tasks) for one run, seeded."""
+    from qkv.models.registry import config_for
+    from qkv.tasks import build_task
+
+    opts = {k: v for k, v in spec.task.items() if k != "name"}
+    task = build_task(spec.task["name"], family=spec.family, **opts)
+    family = task.family
+    extra = {}
+    for ev in suite.extra_evals:
+        extra[ev.name] = build_task(spec.task["name"], family=family, tokenizer=task.tokenizer, **{**opts, **ev.task})
+    over = dict(task.model_overrides(family))
+    for t in extra.values():  # the model must accept the longest evaluation sequences (length extrapolation)
+        for k, v in t.model_overrides(family).items():
+            if k in _context_keys(over) and isinstance(v, int):
+                over[k] = max(over[k], v)
+    model_fields = {k: v for k, v in spec.model.items() if k not in ("preset", "family")}
+    base = {k: v for k, v in spec.model.items() if k in ("preset", "family")}
+    torch.manual_seed(spec.seed)
+    fam, cfg = config_for(base, **{**over, **model_fields})
+    if fam.name != family and family is not None:
+        raise ConfigError(f"suite {suite.name!r}: model family {fam.name!r} does not match task family {family!r}")
+    model = fam.model_class(cfg)
+    return model, task, extra
+
+
+def _budget_callback(seconds: float):
+    """A trainer callback that ends training once `seconds` of wall-clock time have passed since fit()
+    started (equal-time comparisons, suite 8); max_steps stays an upper bound."""
+    from qkv.train import Callback
+
+    class TimeBudget(Callback):
+        def on_fit_start(self, trainer: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
+            if time.perf_counter() - self.t0 > seconds:
+                trainer.should_stop = True
+
+    return TimeBudget()
+
+
+def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
+    """Train one run with qkv.train.Trainer and evaluate it; returns the result record."""
+    from qkv.checkpoint import save_model
+    from qkv.train import TrainConfig, Trainer
+
+    model, task, extra = build_run(suite, spec)
+    tc_data = {"progress": False, "tensorboard": False, "plot": False, "keep_last": 1, **spec.train,
+               "out_dir": str(run_dir), "seed": spec.seed, "resume": False}
+    tc = from_dict(TrainConfig, tc_data, "train")
+    n_eval = suite.eval_n
+    evaluate = (lambda m: task.evaluate(m, n=n_eval)) if suite.metric.name != "train_loss" else None
+    callbacks = [_budget_callback(suite.budget_s)] if suite.budget_s else []
+    error = None
+    t0 = time.perf_counter()
+    trainer = Trainer(model, tc, task, eval_fn=evaluate, callbacks=callbacks)
+    try:
+        trainer.fit()
+    except (KeyboardInterrupt, ConfigError):
+        raise
+    except Exception as e:  # noqa: BLE001  (a NaN policy stop, an overflow: a measured outcome, not a bug)
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    wall = time.perf_counter() - t0
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    result: dict[str, Any] = {"error": error, "wall_s": wall, "params": sum(p.numel() for p in
+                              {id(p): p for p in model.parameters()}.values())}
+    result["final_loss"] = final_train_loss(rows)
+    result["diverged"] = is_diverged(rows, error)
+    result["steps"] = max((int(r["step"]) for r in rows if "step" in r), default=0)
+    finite_model = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    model.eval()
+    if suite.metric.name == "train_loss":
+        result["metric"] = result["final_loss"]
+    elif finite_model:
+        last = dict(getattr(trainer, "last_eval", {}) or {})
+        # the trainer evaluates at the end of fit(); reuse that instead of decoding the eval set twice
+        scores = last if last.get("_step") == result["steps"] and error is None else task.evaluate(model, n=n_eval)
+        if suite.metric.name not in scores:
+            raise ConfigError(f"suite {suite.name!r}: task {task.name!r} reports {sorted(scores)}, "
+                              f"not {suite.metric.name!r}")
+        result["metric"] = float(scores[suite.metric.name])
+        result["eval"] = {k: float(v) for k, v in scores.items() if isinstance(v, (int, float))}
+    else:
+        result["metric"] = float("nan")
+    result["extra"] = {}
+    for ev in suite.extra_evals:
+        if not finite_model:
+            result["extra"][ev.name] = float("nan")
+            continue
+        scores = extra[ev.name].evaluate(model, n=ev.n or n_eval)
+        result["extra"][ev.name] = float(scores.get(suite.metric.name, float("nan")))
+    series = metric_series(rows, suite.metric.name)
+    if suite.metric.name != "train_loss" and math.isfinite(result["metric"]):
+        series.append((result["steps"], result["metric"]))
+    result["steps_to_threshold"] = steps_to_threshold(series, suite.metric.threshold, suite.metric.goal)
+    if finite_model:
+        save_model(model, run_dir / "final")
+        task.save(run_dir / "final")
+    if not suite.keep_trainer_checkpoints and (run_dir / "checkpoints").is_dir():
+        shutil.rmtree(run_dir / "checkpoints")  # optimizer state x keep_last: most of a run's disk use
+    return result
+
+
+# -- the suite ----------------------------------------------------------------------------------------------
+def run_suite(
+    path_or_suite: str | Path | dict | Suite,
+    out_dir: str | Path | None = None,
+    quick: bool = False,
+    *,
+    only: str | None = None,
+    force: bool = False,
+    train_fn: TrainFn | None = None,
+    threads: int | None = None,
+    log: Callable[[str], None] | None = print,
+) -> Path:
+    """Run (or resume) every run of a suite and write the report; returns the path of summary.md.
+
+    only: run just the variants whose name contains this string. force: redo finished runs.
+    train_fn(suite, spec, run_dir) -> result dict: replaces the default trainer-based run (tests, custom
+    measurements). Efficiency suites (kind: efficiency) use qkv.experiments.efficiency instead.
+    threads: torch intra-op threads for the runs (torch.set_num_threads). On a machine shared with other
+    jobs, 1 thread per process can be many times faster than oversubscribed cores."""
+    from qkv.experiments.report import write_report
+
+    suite = load_suite(path_or_suite, quick)
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    out = Path(out_dir or Path("runs") / "ablations" / (suite.name + ("-quick" if quick else "")))
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    import yaml
+
+    from qkv.config import to_dict
+
+    (out / "suite.yaml").write_text(yaml.safe_dump(to_dict(suite), sort_keys=False), encoding="utf-8")
+    if train_fn is None:
+        if suite.kind == "efficiency":
+            from qkv.experiments.efficiency import efficiency_run
+
+            train_fn = efficiency_run
+        else:
+            train_fn = train_run
+    specs = expand(suite)
+    results = []
+    for i, spec in enumerate(specs):
+        if only and only not in spec.variant:
+            continue
+        run_dir = out / "runs" / spec.run_id
+        done = run_dir / RESULT
+        if done.is_file() and not force:
+            res = json.loads(done.read_text(encoding="utf-8"))
+            if log:
+                log(f"[{i + 1}/{len(specs)}] {spec.run_id}: done earlier, skipped")
+            results.append(res)
+            continue
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # an interrupted run: start it again
+        run_dir.mkdir(parents=True)
+        _write_json({"suite": suite.name, "variant": spec.variant, "values": spec.values, "seed": spec.seed,
+                     "family": spec.family, "model": spec.model, "task": spec.task, "train": spec.train},
+                    run_dir / "run.json")
+        if log:
+            log(f"[{i + 1}/{len(specs)}] {spec.run_id} ...")
+        res = train_fn(suite, spec, run_dir)
+        res.update({"run_id": spec.run_id, "variant": spec.variant, "values": spec.values, "seed": spec.seed})
+        _write_json(res, done)
+        if log:
+            m = res.get("metric")
+            log(f"    {suite.metric.name}={m if m is None else round(float(m), 4)} "
+                f"diverged={res.get('diverged')} ({res.get('wall_s', 0):.1f}s)")
+        results.append(res)
+    if suite.kind == "efficiency" and suite.efficiency.interleave and not torch.cuda.is_available() and results:
+        from qkv.experiments.efficiency import interleaved_timing
+
+        cache = out / "interleaved.json"
+        variants = sorted({r["variant"] for r in results})
+        timing = json.loads(cache.read_text(encoding="utf-8")) if cache.is_file() else {}
+        if sorted(timing) != variants or force:
+            if log:
+                log("timing the variants side by side (interleaved steps) ...")
+            timing = interleaved_timing(suite, [s for s in specs if s.variant in variants])
+            _write_json(timing, cache)
+        for r in results:
+            if r["variant"] in timing and r.get("step_ms"):
+                r.setdefault("step_ms_isolated", r["step_ms"])
+                r["step_ms"] = timing[r["variant"]]
+                r["tokens_per_s"] = r["batch_tokens"] / (r["step_ms"] / 1000)
+                r["metric"] = r["step_ms"]
+    return write_report(suite, results, out)

@@ -1,0 +1,221 @@
+"""Ablation suites: one YAML file = one claim of the articles, turned into a grid of training runs.
+
+    name: sqrt_dk
+    claim: "..."                     # the sentence of the article being tested (quoted in docs/ablations.md)
+    source: "seed 000, 2.2"
+    kind: train                      # train (train + evaluate each run) | efficiency (time + memory of steps)
+    family: gpt                      # model family the task's batches are built for
+    model: {preset: gpt-nano, d_model: 64}          # preset or family + config fields
+    task: {name: reverse, min_len: 4, max_len: 8}   # task name + its options
+    train: {max_steps: 300, lr: 1e-3}               # TrainConfig fields (the fixed budget)
+    grid:                            # cartesian product of dotted overrides into model / train / task
+      model.scaled: [true, false]
+      model.n_heads: [16, 4, 1]
+    variants:                        # optional explicit variants (crossed with the grid); each a name plus
+      - {name: lstm, family: lstm, model: {preset: lstm-tiny}}   # dotted overrides, a whole section
+                                                                 # (model/task/train), or another family
+    seeds: [0, 1]
+    metric: {name: exact_match, goal: max, threshold: 0.9}   # a key of task.evaluate(), or train_loss
+    eval_n: 200
+    extra_evals: [{name: len_2x, task: {min_len: 9, max_len: 16}}]   # same model, other task options
+    budget_s: null                   # wall-clock cap per run (equal-time comparisons)
+    quick: {train.max_steps: 10, seeds: [0]}        # overrides of this file for the < 1 minute version
+
+Everything is checked strictly (qkv.config.from_dict): a misspelt key names the closest valid one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from qkv.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+
+SECTIONS = ("model", "train", "task")
+
+
+@dataclass
+class MetricSpec:
+    name: str = "train_loss"  # a key of task.evaluate(model), or train_loss (mean of the last logged losses)
+    goal: Literal["min", "max"] = "min"  # which direction is better
+    threshold: float | None = None  # "steps to reach": first logged step where the metric is at least this good
+
+
+@dataclass
+class ExtraEval:
+    name: str  # column name in the table, e.g. len_2x
+    task: dict[str, Any] = field(default_factory=dict)  # task option overrides (same tokenizer as training)
+    n: int | None = None  # examples (default: the suite's eval_n)
+
+
+@dataclass
+class EfficiencySpec:
+    steps: int = 10  # timed optimizer steps per variant
+    warmup_steps: int = 2  # untimed steps first (allocator, autotuning)
+    batch_size: int | None = None  # default: train.batch_size
+    isolate: bool = True  # a fresh process per variant (its own peak memory); false: in this process (tests)
+    interleave: bool = True  # step time re-measured in one process, variants interleaved (CPU only)
+
+
+@dataclass
+class Suite:
+    name: str
+    model: dict[str, Any]
+    task: dict[str, Any]
+    claim: str = ""
+    source: str = ""
+    kind: Literal["train", "efficiency"] = "train"
+    family: str | None = None
+    train: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    variants: list[dict[str, Any]] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=lambda: [0])
+    metric: MetricSpec = field(default_factory=MetricSpec)
+    eval_n: int = 200
+    extra_evals: list[ExtraEval] = field(default_factory=list)
+    budget_s: float | None = None
+    efficiency: EfficiencySpec = field(default_factory=EfficiencySpec)
+    quick: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""  # free text carried into the report
+    keep_trainer_checkpoints: bool = False  # keep each run's checkpoints/ (optimizer state); final/ is always kept
+
+    def validate(self) -> None:
+        if "name" not in self.task:
+            raise ConfigError(f"suite {self.name!r}: task needs a 'name'")
+        if "preset" not in self.model and "family" not in self.model:
+            raise ConfigError(f"suite {self.name!r}: model needs 'preset' or 'family'")
+        for key, values in self.grid.items():
+            _check_dotted(key, self.name)
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"suite {self.name!r}: grid[{key!r}] must be a non-empty list")
+        names = set()
+        for v in self.variants:
+            if not isinstance(v, dict):
+                raise ConfigError(f"suite {self.name!r}: each variant must be a mapping")
+            if "name" not in v:
+                raise ConfigError(f"suite {self.name!r}: each variant needs a 'name'")
+            if v["name"] in names:
+                raise ConfigError(f"suite {self.name!r}: variant name {v['name']!r} is repeated")
+            names.add(v["name"])
+            for key in v:
+                if key not in ("name", "family") and key not in SECTIONS:
+                    _check_dotted(key, self.name)
+        if not self.seeds:
+            raise ConfigError(f"suite {self.name!r}: seeds must not be empty")
+        if self.eval_n < 1:
+            raise ConfigError(f"suite {self.name!r}: eval_n must be >= 1")
+
+
+def _check_dotted(key: str, suite: str) -> None:
+    head = key.split(".", 1)[0]
+    if head not in SECTIONS or "." not in key:
+        raise ConfigError(f"suite {suite!r}: override key {key!r} must start with one of "
+                          f"{', '.join(s + '.' for s in SECTIONS)}")
+
+
+def load_suite(path_or_suite: str | Path | dict | Suite, quick: bool = False) -> Suite:
+    """A Suite from a YAML path, a mapping or a Suite; quick=True applies its `quick:` overrides."""
+    if isinstance(path_or_suite, Suite):
+        data = to_dict(path_or_suite)
+    elif isinstance(path_or_suite, dict):
+        data = dict(path_or_suite)
+    else:
+        p = Path(path_or_suite)
+        if not p.is_file():
+            shipped = Path(__file__).resolve().parents[3] / "configs" / "ablations"
+            bundled = shipped / f"{p.name}.yaml" if not p.suffix else shipped / p.name
+            if bundled.is_file():
+                p = bundled
+            else:
+                names = sorted(q.stem for q in shipped.glob("*.yaml")) if shipped.is_dir() else []
+                raise ConfigError(f"suite not found: {path_or_suite} (not a file" + (
+                    f", nor a shipped suite: {', '.join(names)})" if names else ")"))
+        data = load_yaml(p)
+        data.setdefault("name", p.stem)
+    suite = from_dict(Suite, data, "suite")
+    if quick:
+        if not suite.quick:
+            raise ConfigError(f"suite {suite.name!r} has no 'quick:' section")
+        data = to_dict(suite)
+        q = data.pop("quick")
+        nested = {k: v for k, v in q.items() if "." in k}
+        for k, v in q.items():
+            if "." not in k:
+                data[k] = v
+        apply_overrides(data, nested, f"suite {suite.name!r} quick")
+        data["quick"] = q
+        suite = from_dict(Suite, data, "suite")
+    return suite
+
+
+@dataclass
+class RunSpec:
+    """One training run of a suite: a variant (its overrides) and a seed."""
+
+    suite: str
+    variant: str  # display name, e.g. "scaled=False,n_heads=16"
+    values: dict[str, Any]  # the swept values (short column name -> value)
+    seed: int
+    model: dict[str, Any]
+    task: dict[str, Any]
+    train: dict[str, Any]
+    family: str | None
+
+    @property
+    def run_id(self) -> str:
+        return f"{_slug(self.variant)}__seed{self.seed}"
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", s).strip("_") or "base"
+
+
+def _short(key: str) -> str:
+    return key.split(".", 1)[1]
+
+
+def _fmt(v: Any) -> str:
+    return "null" if v is None else str(v)
+
+
+def _apply_variant(sections: dict[str, dict[str, Any]], overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        if key in ("name", "family"):
+            continue
+        if key in SECTIONS:  # a whole section replaced (e.g. another model family)
+            if not isinstance(value, dict):
+                raise ConfigError(f"variant section {key!r} must be a mapping")
+            sections[key] = dict(value)
+        else:
+            head, rest = key.split(".", 1)
+            apply_overrides(sections[head], {rest: value}, head)
+
+
+def expand(suite: Suite) -> list[RunSpec]:
+    """Every (variant, seed) of the suite: explicit variants x grid product, in file order."""
+    keys = list(suite.grid)
+    combos = list(itertools.product(*(suite.grid[k] for k in keys))) if keys else [()]
+    variants = suite.variants or [{}]
+    runs = []
+    for var in variants:
+        for combo in combos:
+            sections = {"model": dict(suite.model), "task": dict(suite.task), "train": dict(suite.train)}
+            _apply_variant(sections, var)
+            grid_over = dict(zip(keys, combo))
+            _apply_variant(sections, grid_over)
+            values: dict[str, Any] = {}
+            parts = []
+            if var:
+                values["variant"] = var["name"]
+                parts.append(str(var["name"]))
+            for k, v in grid_over.items():
+                values[_short(k)] = v
+                parts.append(f"{_short(k)}={_fmt(v)}")
+            name = ",".join(parts) or "base"
+            for seed in suite.seeds:
+                runs.append(RunSpec(suite.name, name, values, seed, sections["model"], sections["task"],
+                                    sections["train"], var.get("family", suite.family)))
+    return runs
