@@ -1,0 +1,126 @@
+"""CLIP (Radford et al. 2021): an image tower and a text tower trained so matching pairs agree.
+
+image (B, C, H, W) -> ViT (head none) -> pooled (B, d_v) -> Linear -> normalise -> I (B, E)
+text  (B, T)       -> token emb -> Stack (causal or bidirectional) -> pooled at the last real token (causal,
+                      as CLIP's end-of-text token) or mean over real tokens -> Linear -> normalise -> T (B, E)
+logits = exp(t) * I T^T (B, B), t a learned temperature (init ln(1/0.07), exp(t) capped at 100)
+loss   = (CE(logits, diag) + CE(logits^T, diag)) / 2        symmetric InfoNCE (the paper's Figure 3)
+
+Zero-shot classification embeds one prompt per class ("a photo of the digit seven") and picks the class
+whose prompt is most similar to the image. Both towers are the shared Block/Stack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.config import ConfigError, TransformerConfig
+from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids
+from qkv.models.registry import register_family, register_preset
+from qkv.models.vit import ViT, ViTConfig
+
+
+def _default_vision() -> ViTConfig:
+    return ViTConfig(head="none", image_size=224, patch_size=32, n_layers=12, d_model=768, n_heads=12, d_ff=3072,
+                     norm_eps=1e-5)
+
+
+@dataclass
+class CLIPConfig(TransformerConfig):
+    """The TransformerConfig fields describe the text tower; `vision` is the image tower's ViT config."""
+
+    vocab_size: int = 49408
+    n_layers: int = 12  # text tower layers
+    context_length: int = 77
+    text_causal: bool = True  # causal text tower pooled at the last token (CLIP); False: bidirectional + mean
+    embed_dim: int = 512  # shared image-text embedding size
+    logit_scale_init: float = math.log(1 / 0.07)
+    max_logit_scale: float = 100.0  # exp(logit_scale) is clamped here (the paper's stability fix)
+    vision: ViTConfig = field(default_factory=_default_vision)
+    d_model: int = 512
+    n_heads: int = 8
+    placement: str = "pre"
+    position: str = "learned"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.vision.head != "none":
+            raise ConfigError("CLIPConfig.vision.head must be 'none' (the image tower is projected, not classified)")
+        if self.embed_dim < 1 or self.vocab_size < 1 or self.context_length < 1:
+            raise ConfigError("CLIPConfig: embed_dim, vocab_size and context_length must be positive")
+
+
+class CLIP(QKVModel):
+    def __init__(self, config: CLIPConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.visual = ViT(c.vision)
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.text = build_stack(c, c.n_layers, max_len=c.context_length, causal=c.text_causal)
+        self.visual_proj = nn.Linear(c.vision.d_model, c.embed_dim, bias=False)
+        self.text_proj = nn.Linear(c.d_model, c.embed_dim, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(float(c.logit_scale_init)))
+        self.init_weights(c.n_layers + c.vision.n_layers)
+        # LeCun-normal patch embedding (std 1/sqrt(fan_in), as in the original JAX ViT): N(0, 0.02) suits
+        # 16x16x3 patches (fan_in 768) but leaves a tiny patch's content ~50x below the class token and
+        # positions, so every image starts with the same embedding and InfoNCE sits at log(B) (measured)
+        w = self.visual.patch_emb.proj.weight
+        nn.init.normal_(w, std=1.0 / math.sqrt(w[0].numel()))
+
+    def encode_image(self, pixel_values: Tensor) -> Tensor:
+        """(B, C, H, W) -> (B, embed_dim), unit length."""
+        return F.normalize(self.visual_proj(self.visual(pixel_values).pooled), dim=-1)
+
+    def encode_text(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """(B, T) right-padded token ids (mask 1 = real) -> (B, embed_dim), unit length."""
+        c = self.config
+        check_token_ids(input_ids, c.vocab_size)
+        check_length(input_ids.shape[1], c.context_length, "text")
+        keep = attention_mask.bool() if attention_mask is not None else None
+        h = self.text(self.tok_emb(input_ids), keep=keep).hidden  # (B, T, d)
+        if keep is None:
+            keep = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        if c.text_causal:  # the last real token has seen the whole caption
+            last = keep.long().sum(1).clamp_min(1) - 1
+            pooled = h[torch.arange(h.shape[0], device=h.device), last]
+        else:
+            w = keep.unsqueeze(-1).to(h.dtype)
+            pooled = (h * w).sum(1) / w.sum(1).clamp_min(1.0)
+        return F.normalize(self.text_proj(pooled), dim=-1)
+
+    def scale(self) -> Tensor:
+        return self.logit_scale.exp().clamp(max=self.config.max_logit_scale)
+
+    def forward(self, pixel_values: Tensor, input_ids: Tensor, *, attention_mask: Tensor | None = None,
+                return_loss: bool = True) -> ModelOutput:
+        """Image-text pairs (row i with row i). logits: (B, B) image-to-text similarities times exp(t);
+        loss: symmetric InfoNCE, averaged over the B images and B texts (n_targets = B)."""
+        if pixel_values.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"{pixel_values.shape[0]} images but {input_ids.shape[0]} texts: CLIP needs pairs")
+        img = self.encode_image(pixel_values)
+        txt = self.encode_text(input_ids, attention_mask)
+        logits = self.scale() * img @ txt.t()  # (B_img, B_txt)
+        loss = n = None
+        if return_loss:
+            target = torch.arange(logits.shape[0], device=logits.device)
+            loss = (F.cross_entropy(logits.float(), target) + F.cross_entropy(logits.t().float(), target)) / 2
+            n = torch.tensor(logits.shape[0], device=logits.device)
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, pooled=img)
+
+    @torch.no_grad()
+    def zero_shot_logits(self, pixel_values: Tensor, prompt_ids: Tensor, prompt_mask: Tensor | None = None) -> Tensor:
+        """(B, n_classes) similarities of each image to one prompt per class."""
+        return self.scale() * self.encode_image(pixel_values) @ self.encode_text(prompt_ids, prompt_mask).t()
+
+
+register_family("clip", CLIPConfig, CLIP)
+register_preset("clip-vit-b-32", "clip", CLIPConfig(), "CLIP ViT-B/32 shape: 12-layer ViT-B/32 + 12-layer 512-wide text")
+register_preset("clip-digits", "clip", CLIPConfig(
+    vocab_size=64, n_layers=2, context_length=12, d_model=64, n_heads=4, d_ff=128, embed_dim=64,
+    vision=ViTConfig(head="none", image_size=8, patch_size=2, n_channels=1, n_layers=3, d_model=64, n_heads=4,
+                     d_ff=128, pooling="mean")), "3-layer mean-pooled ViT on 8x8 digits + 2-layer text tower, 64-d")

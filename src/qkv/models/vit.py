@@ -1,0 +1,227 @@
+"""Vision Transformer (Dosovitskiy et al. 2021): an image is a sequence of patches.
+
+pixels (B, C, H, W) -> conv k=p, stride=p -> patches (B, N, d), N = (H/p)(W/p)
+  -> [class token] + positions (learned | 2-D sinusoidal | none) -> N Pre-LN encoder blocks -> final norm
+  -> pooled (class token or mean over patches) -> [tanh pooler] -> classifier -> logits (B, num_labels)
+
+The blocks are the shared nn.Block/Stack; only the front end (patches + positions) and the head are new.
+A model trained at one image size runs at another: learned position tables are resized by bicubic
+interpolation over the patch grid (as in DeiT/DINO and Hugging Face's `interpolate_pos_encoding`), the
+2-D sinusoidal table is recomputed for the new grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.config import ConfigError, TransformerConfig
+from qkv.models.base import ModelOutput, QKVModel, build_stack, token_loss
+from qkv.models.registry import register_family, register_preset
+from qkv.nn.position import sinusoidal_table
+
+POOLINGS = ("cls", "mean")
+PATCH_POSITIONS = ("learned", "sinusoidal2d", "none")
+VIT_HEADS = ("classify", "none")
+
+
+def sinusoidal_2d(grid_h: int, grid_w: int, d_model: int) -> Tensor:
+    """(grid_h * grid_w, d) table: half the channels encode the row, half the column, each with the 1-D
+    sinusoidal formula of Vaswani et al. (the fixed 2-D encoding of MAE, He et al. 2022)."""
+    if d_model % 4:
+        raise ConfigError(f"2-D sinusoidal positions need d_model divisible by 4, got {d_model}")
+    rows = sinusoidal_table(grid_h, d_model // 2)  # (gh, d/2)
+    cols = sinusoidal_table(grid_w, d_model // 2)  # (gw, d/2)
+    table = torch.cat([rows[:, None, :].expand(grid_h, grid_w, -1), cols[None, :, :].expand(grid_h, grid_w, -1)], -1)
+    return table.reshape(grid_h * grid_w, d_model)
+
+
+@dataclass
+class ViTConfig(TransformerConfig):
+    image_size: int = 224  # square input images
+    patch_size: int = 16  # side of a square patch = stride of the patch convolution
+    n_channels: int = 3
+    n_layers: int = 12
+    pooling: str = "cls"  # cls: a learned class token; mean: average of the patch outputs
+    patch_position: str = "learned"  # learned | sinusoidal2d | none (positions added to the patches)
+    head: str = "classify"  # classify (logits over num_labels) | none (features only, e.g. CLIP's image tower)
+    num_labels: int = 1000
+    pooler: bool = False  # tanh(W pooled + b) as in Hugging Face ViTModel; off in the paper's fine-tuning
+    position: str = "none"  # the stack's own encoding; patches get theirs from patch_position
+    d_model: int = 768
+    n_heads: int = 12
+    d_ff: int | None = 3072
+    norm_eps: float = 1e-6
+
+    def validate(self) -> None:
+        super().validate()
+        for name, value, choices in [("pooling", self.pooling, POOLINGS), ("head", self.head, VIT_HEADS),
+                                     ("patch_position", self.patch_position, PATCH_POSITIONS)]:
+            if value not in choices:
+                raise ConfigError(f"ViTConfig.{name}: {value!r} is not one of {list(choices)}")
+        if self.image_size % self.patch_size:
+            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
+        if self.patch_position == "sinusoidal2d" and self.d_model % 4:
+            raise ConfigError("patch_position=sinusoidal2d needs d_model divisible by 4")
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+
+class PatchEmbedding(nn.Module):
+    """(B, C, H, W) -> (B, (H/p)(W/p), d): one linear map per non-overlapping p x p patch (a strided conv)."""
+
+    def __init__(self, n_channels: int, d_model: int, patch_size: int) -> None:
+        super().__init__()
+        self.patch_size, self.n_channels = patch_size, n_channels
+        self.proj = nn.Conv2d(n_channels, d_model, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, pixels: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        if pixels.dim() != 4 or pixels.shape[1] != self.n_channels:
+            raise ValueError(f"pixel_values must be (B, {self.n_channels}, H, W), got {tuple(pixels.shape)}")
+        H, W = pixels.shape[-2:]
+        p = self.patch_size
+        if H % p or W % p:
+            raise ValueError(f"image size {H}x{W} is not a multiple of the patch size {p}")
+        x = self.proj(pixels)  # (B, d, H/p, W/p)
+        return x.flatten(2).transpose(1, 2), (H // p, W // p)  # (B, N, d), row-major patches
+
+
+class ViT(QKVModel):
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.patch_emb = PatchEmbedding(c.n_channels, c.d_model, c.patch_size)
+        n_extra = 1 if c.pooling == "cls" else 0
+        self.cls_emb = nn.Parameter(torch.zeros(1, 1, c.d_model)) if n_extra else None
+        if c.patch_position == "learned":
+            self.pos_emb = nn.Parameter(torch.zeros(1, n_extra + c.grid**2, c.d_model))
+        else:
+            self.pos_emb = None
+        self.encoder = build_stack(c, c.n_layers, max_len=n_extra + c.grid**2, causal=False)
+        self.pooler = nn.Linear(c.d_model, c.d_model) if c.pooler else None
+        self.classifier = nn.Linear(c.d_model, c.num_labels) if c.head == "classify" else None
+        self.head_drop = nn.Dropout(c.dropout)
+        self.init_weights(c.n_layers)
+
+    # -- positions ---------------------------------------------------------------------------------------
+    def _positions(self, grid: tuple[int, int], device: torch.device) -> Tensor | None:
+        """(1, n_extra + gh*gw, d) position vectors for a patch grid, resized when it differs from training."""
+        c = self.config
+        if c.patch_position == "none":
+            return None
+        if c.patch_position == "sinusoidal2d":
+            table = sinusoidal_2d(grid[0], grid[1], c.d_model).to(device)
+            if self.cls_emb is not None:  # the class token has no position: a zero vector
+                table = torch.cat([table.new_zeros(1, c.d_model), table], 0)
+            return table.unsqueeze(0)
+        if grid == (c.grid, c.grid):
+            return self.pos_emb
+        return interpolate_positions(self.pos_emb, c.grid, grid, n_extra=int(self.cls_emb is not None))
+
+    def resize_image(self, image_size: int) -> None:
+        """Make `image_size` the model's native size (learned positions interpolated once, config updated)."""
+        from qkv.config import replace
+
+        new = replace(self.config, image_size=image_size)
+        if self.pos_emb is not None:
+            with torch.no_grad():
+                table = interpolate_positions(self.pos_emb, self.config.grid, (new.grid, new.grid),
+                                              n_extra=int(self.cls_emb is not None))
+            self.pos_emb = nn.Parameter(table.detach().clone())
+        self.encoder.position.max_len = None
+        self.config = new
+
+    # -- forward -----------------------------------------------------------------------------------------
+    def features(self, pixel_values: Tensor, return_attentions: bool = False):
+        """Encoder outputs (B, n_extra + N, d) and the stack output (for attention weights)."""
+        x, grid = self.patch_emb(pixel_values)  # (B, N, d)
+        if self.cls_emb is not None:
+            x = torch.cat([self.cls_emb.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
+        pos = self._positions(grid, x.device)
+        if pos is not None:
+            x = x + pos.to(x.dtype)
+        out = self.encoder(x, return_weights=return_attentions)
+        return out.hidden, out
+
+    def pool(self, hidden: Tensor) -> Tensor:
+        pooled = hidden[:, 0] if self.config.pooling == "cls" else hidden.mean(dim=1)
+        return torch.tanh(self.pooler(pooled)) if self.pooler is not None else pooled
+
+    def forward(self, pixel_values: Tensor, *, labels: Tensor | None = None,
+                return_attentions: bool = False) -> ModelOutput:
+        """pixel_values: (B, C, H, W) floats; labels: (B,) class ids. Returns logits (B, num_labels)."""
+        h, out = self.features(pixel_values, return_attentions)
+        pooled = self.pool(h)
+        logits = loss = n = None
+        if self.classifier is not None:
+            logits = self.classifier(self.head_drop(pooled))
+            if labels is not None:
+                if labels.shape != (h.shape[0],):
+                    raise ValueError(f"labels must be (B,) class ids, got shape {tuple(labels.shape)}")
+                loss, n = token_loss(logits, labels)
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=h, pooled=pooled,
+                           attentions=out.attentions or None)
+
+
+@torch.no_grad()
+def patch_attention(model: ViT, pixel_values: Tensor, layer: int = -1) -> Tensor:
+    """(B, gh, gw) attention over the patches in one layer, averaged over heads: from the class token with
+    cls pooling, averaged over all queries with mean pooling. Rows sum to 1 over the patches (plus the class
+    token's own share, which is left out)."""
+    was = model.training
+    model.eval()
+    out = model(pixel_values, return_attentions=True)
+    model.train(was)
+    w = out.attentions[layer]["self"].mean(1)  # (B, T, T)
+    n_extra = 1 if model.cls_emb is not None else 0
+    w = w[:, 0, n_extra:] if n_extra else w.mean(1)
+    p = model.config.patch_size
+    return w.reshape(w.shape[0], pixel_values.shape[-2] // p, pixel_values.shape[-1] // p)
+
+
+def save_attention_overlay(model: ViT, pixel_values: Tensor, path: str, layer: int = -1,
+                           titles: list[str] | None = None) -> None:
+    """A PNG with each image and its patch attention (patch_attention) drawn over it, upsampled to pixels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    maps = patch_attention(model, pixel_values, layer)
+    B = pixel_values.shape[0]
+    fig, axes = plt.subplots(1, B, figsize=(2.2 * B, 2.4), squeeze=False)
+    for b, ax in enumerate(axes[0]):
+        img = pixel_values[b].float().mean(0).cpu()
+        att = F.interpolate(maps[b][None, None], size=img.shape, mode="nearest")[0, 0].cpu()
+        ax.imshow(img.numpy(), cmap="gray")
+        ax.imshow(att.numpy(), cmap="inferno", alpha=0.5)
+        ax.set_axis_off()
+        if titles:
+            ax.set_title(titles[b], fontsize=8)
+    fig.suptitle(f"ViT attention over patches (layer {layer}, mean over heads)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def interpolate_positions(table: Tensor, old_grid: int, new_grid: tuple[int, int], n_extra: int = 1) -> Tensor:
+    """Bicubic resize of a learned (1, n_extra + g*g, d) table to a (gh, gw) grid; extra tokens keep theirs."""
+    extra, patches = table[:, :n_extra], table[:, n_extra:]
+    d = table.shape[-1]
+    if patches.shape[1] != old_grid * old_grid:
+        raise ValueError(f"position table has {patches.shape[1]} patch positions, expected {old_grid}^2")
+    grid = patches.reshape(1, old_grid, old_grid, d).permute(0, 3, 1, 2)  # (1, d, g, g)
+    grid = F.interpolate(grid, size=new_grid, mode="bicubic", align_corners=False)
+    return torch.cat([extra, grid.permute(0, 2, 3, 1).reshape(1, -1, d)], dim=1)
+
+
+register_family("vit", ViTConfig, ViT)
+register_preset("vit-base", "vit", ViTConfig(), "ViT-B/16, 224x224, 86M (Dosovitskiy et al. 2021)")
+register_preset("vit-digits", "vit", ViTConfig(
+    image_size=8, patch_size=4, n_channels=1, n_layers=4, d_model=64, n_heads=4, d_ff=128, num_labels=10,
+    pooling="mean", dropout=0.1), "4 layers, 64 wide, mean-pooled 4x4 patches of 8x8 grey digits (load_digits)")

@@ -1,0 +1,196 @@
+"""A Whisper-like speech recogniser (Radford et al. 2022): log-mel audio encoder + text decoder.
+
+waveform (B, N) -> log-mel (B, n_mels, 2T) -> conv1d k3 + GELU -> conv1d k3 stride 2 + GELU -> (B, T, d)
+  -> + sinusoidal positions (Whisper's table: sines in the first half of the channels, cosines in the second)
+  -> Pre-LN encoder blocks -> final norm -> memory (B, T, d)
+tokens (B, L) -> embedding + learned positions -> Pre-LN decoder blocks (causal self-attention, cross-attention
+  over memory) -> final norm -> LM head tied to the embedding -> logits (B, L, vocab)
+
+The blocks are the shared nn.Block/Stack. `encode()`, `decode()` and `make_cache()` follow EncoderDecoder, so
+greedy/beam decoding with a KV cache is the generic qkv.generate.generate(model, audio_or_features, ...).
+Audio shorter than the encoder window is padded with silence (Whisper pads every clip to 30 s).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.config import ConfigError, TransformerConfig
+from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids, token_loss
+from qkv.models.registry import register_family, register_preset
+from qkv.nn.cache import StaticCache
+from qkv.nn.melspec import LogMelSpectrogram
+
+
+def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> Tensor:
+    """Whisper's encoder positions: [sin(t * w_i) | cos(t * w_i)], w_i = max_timescale^(-i / (C/2 - 1))."""
+    if channels % 2:
+        raise ConfigError(f"sinusoidal audio positions need an even d_model, got {channels}")
+    inc = math.log(max_timescale) / (channels // 2 - 1)
+    inv = torch.exp(-inc * torch.arange(channels // 2, dtype=torch.float64))
+    t = torch.arange(length, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([t.sin(), t.cos()], dim=1).float()
+
+
+@dataclass
+class WhisperConfig(TransformerConfig):
+    vocab_size: int = 51865
+    n_encoder_layers: int = 4
+    n_decoder_layers: int = 4
+    n_audio_ctx: int = 1500  # encoder positions = mel frames / 2 (30 s at 10 ms hop)
+    n_text_ctx: int = 448  # longest token sequence
+    sample_rate: int = 16000
+    n_fft: int = 400
+    hop_length: int = 160
+    n_mels: int = 80
+    pad_token_id: int = 0
+    bos_token_id: int = 1  # decoder start token (<|startoftranscript|> in Whisper)
+    eos_token_id: int = 2
+    tie_embeddings: bool = True
+    label_smoothing: float = 0.0
+    d_model: int = 384
+    n_heads: int = 6
+    ffn: str = "gelu"
+    position: str = "learned"  # decoder positions; the encoder's are the fixed sinusoids
+    placement: str = "pre"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.placement != "pre":
+            raise ConfigError("WhisperConfig.placement must be 'pre' (Whisper is Pre-LN)")
+        if self.d_model % 2:
+            raise ConfigError("WhisperConfig.d_model must be even (sinusoidal audio positions)")
+        for name in ("vocab_size", "n_audio_ctx", "n_text_ctx", "n_mels", "hop_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"WhisperConfig.{name} must be positive")
+
+    @property
+    def target_vocab_size(self) -> int:  # the names qkv.generate reads from every seq2seq config
+        return self.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.n_text_ctx
+
+    @property
+    def n_samples(self) -> int:
+        """Audio samples that fill the encoder window."""
+        return 2 * self.n_audio_ctx * self.hop_length
+
+
+class Whisper(QKVModel):
+    def __init__(self, config: WhisperConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.melspec = LogMelSpectrogram(c.sample_rate, c.n_fft, c.hop_length, c.n_mels)
+        self.conv1 = nn.Conv1d(c.n_mels, c.d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(c.d_model, c.d_model, kernel_size=3, stride=2, padding=1)
+        # fixed, not trained (as in Whisper); persistent so a loaded checkpoint carries its own table
+        self.register_buffer("audio_pos", whisper_sinusoids(c.n_audio_ctx, c.d_model))
+        self.encoder = build_stack(c, c.n_encoder_layers, max_len=c.n_audio_ctx, causal=False, position="none")
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.decoder = build_stack(c, c.n_decoder_layers, max_len=c.n_text_ctx, causal=True, cross=True)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.init_weights(c.n_encoder_layers + c.n_decoder_layers)
+        # He init for the GELU conv front end: with N(0, 0.02) the audio content entering the encoder is ~50x
+        # smaller than the sinusoidal positions added to it, and a model trained from scratch takes hundreds
+        # of steps to notice its input at all (measured on DTMF: the loss sat at the label prior)
+        for conv in (self.conv1, self.conv2):
+            nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    # -- encoder -----------------------------------------------------------------------------------------
+    def features(self, audio: Tensor) -> Tensor:
+        """(B, N) waveform -> (B, n_mels, 2 * n_audio_ctx) log-mel, padding with silence to the window."""
+        c = self.config
+        if audio.shape[-1] > c.n_samples:
+            raise ValueError(f"audio of {audio.shape[-1]} samples is longer than the model's window of "
+                             f"{c.n_samples} samples ({c.n_samples / c.sample_rate:.2f} s)")
+        audio = F.pad(audio, (0, c.n_samples - audio.shape[-1]))
+        return self.melspec(audio)
+
+    def encode(self, inputs: Tensor, attention_mask: Tensor | None = None,
+               return_attentions: bool = False) -> tuple[Tensor, list | None]:
+        """inputs: a waveform (B, N) or log-mel features (B, n_mels, frames). Returns memory (B, T, d)."""
+        c = self.config
+        if attention_mask is not None:
+            raise ValueError("Whisper's encoder attends over the whole (silence-padded) window; pass no attention_mask")
+        if inputs.dim() == 2:
+            inputs = self.features(inputs)
+        if inputs.dim() != 3 or inputs.shape[1] != c.n_mels:
+            raise ValueError(f"expected a waveform (B, N) or log-mel features (B, {c.n_mels}, frames), "
+                             f"got shape {tuple(inputs.shape)}")
+        x = F.gelu(self.conv1(inputs.to(self.conv1.weight.dtype)))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)  # (B, T, d), T = ceil(frames / 2)
+        check_length(x.shape[1], c.n_audio_ctx, "audio (in encoder positions)")
+        x = x + self.audio_pos[: x.shape[1]].to(x.dtype)
+        out = self.encoder(x, return_weights=return_attentions)
+        return out.hidden, out.attentions or None
+
+    # -- decoder (same interface as EncoderDecoder, so generate() works unchanged) -----------------------
+    def decode(self, decoder_input_ids: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
+               decoder_attention_mask: Tensor | None = None, cache: StaticCache | None = None,
+               offset: int | Tensor | None = None, return_attentions: bool = False, last_only: bool = False):
+        c = self.config
+        check_token_ids(decoder_input_ids, c.vocab_size, "decoder_input_ids")
+        past = cache.length if cache is not None else 0
+        check_length(past + decoder_input_ids.shape[1], c.n_text_ctx, "token sequence")
+        keep = decoder_attention_mask.bool() if decoder_attention_mask is not None else None
+        mkeep = memory_mask.bool() if memory_mask is not None else None
+        out = self.decoder(self.tok_emb(decoder_input_ids), keep=keep, memory=memory, memory_keep=mkeep,
+                           cache=cache, offset=offset, return_weights=return_attentions)
+        h = out.hidden[:, -1:] if last_only else out.hidden
+        return self.lm_head(h), out
+
+    def shift_right(self, labels: Tensor) -> Tensor:
+        start = torch.full_like(labels[:, :1], self.config.bos_token_id)
+        shifted = torch.cat([start, labels[:, :-1]], dim=1)
+        return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
+
+    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> StaticCache:
+        c = self.config
+        p = self.tok_emb.weight
+        return StaticCache(c.n_decoder_layers, batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
+                           max_len or c.n_text_ctx, dtype=dtype or p.dtype, device=device or p.device)
+
+    def forward(
+        self,
+        audio: Tensor | None = None,
+        *,
+        input_features: Tensor | None = None,
+        decoder_input_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        decoder_attention_mask: Tensor | None = None,
+        return_attentions: bool = False,
+    ) -> ModelOutput:
+        """audio: (B, N) waveform, or input_features: (B, n_mels, frames) log-mel. labels: (B, L) target ids
+        ending in eos, -100 on padding; decoder_input_ids default to labels shifted right behind bos."""
+        if (audio is None) == (input_features is None):
+            raise ValueError("Whisper.forward needs exactly one of audio (waveform) or input_features (log-mel)")
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("Whisper.forward needs decoder_input_ids or labels")
+            decoder_input_ids = self.shift_right(labels)
+        memory, enc_att = self.encode(audio if audio is not None else input_features, None, return_attentions)
+        logits, out = self.decode(decoder_input_ids, memory, decoder_attention_mask=decoder_attention_mask,
+                                  return_attentions=return_attentions)
+        loss = n = None
+        if labels is not None:
+            loss, n = token_loss(logits, labels, self.config.label_smoothing if self.training else 0.0)
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=out.hidden,
+                           attentions=out.attentions or None, encoder_attentions=enc_att)
+
+
+register_family("whisper", WhisperConfig, Whisper)
+register_preset("whisper-tiny", "whisper", WhisperConfig(),
+                "Whisper tiny's shape: 4+4 layers, 384 wide, 6 heads, 80 mels, 30 s window (39M)")
+register_preset("whisper-digits", "whisper", WhisperConfig(
+    vocab_size=16, n_encoder_layers=2, n_decoder_layers=2, d_model=128, n_heads=4, d_ff=512, n_audio_ctx=100,
+    n_text_ctx=16, n_mels=40), "2+2 layers, 128 wide, 2 s window, 40 mels: spoken/DTMF digit strings on CPU")

@@ -1,0 +1,94 @@
+"""TrainConfig: every knob of the training loop, one strict dataclass.
+
+Built with `qkv.config.from_dict(TrainConfig, mapping)` (YAML / CLI overrides): an unknown key is a
+ConfigError naming the closest valid key, and `validate()` rejects inconsistent values in one sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from qkv.config import ConfigError
+
+Schedule = Literal["noam", "inverse_sqrt", "cosine", "linear", "constant"]
+Precision = Literal["fp32", "bf16", "fp16"]
+NanPolicy = Literal["skip", "stop", "rollback"]
+Distributed = Literal["auto", "none", "ddp", "fsdp"]
+
+
+@dataclass
+class TrainConfig:
+    # -- length and batch ------------------------------------------------------------------------------
+    max_steps: int = 1000  # optimizer updates
+    batch_size: int = 32  # sequences per micro-batch per process
+    grad_accum: int = 1  # micro-batches per update (token-normalised: exactly a bigger batch)
+    # -- optimizer: AdamW (Loshchilov & Hutter 2019) -----------------------------------------------------
+    lr: float = 3e-4  # peak LR; for schedule=noam this is the paper's "factor" (LR = factor * noam(step))
+    min_lr: float = 0.0  # floor of the cosine/linear decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # the seeds: beta2 in 0.95..0.98
+    eps: float = 1e-8  # the seeds: 1e-6..1e-8
+    weight_decay: float = 0.1  # decoupled; never applied to norms, biases or embeddings
+    # -- schedule ----------------------------------------------------------------------------------------
+    schedule: Schedule = "cosine"  # noam | inverse_sqrt | cosine | linear | constant
+    warmup: float = 0.02  # >= 1: steps; < 1: fraction of max_steps. 0 = no warmup (the ablation)
+    # -- stability ---------------------------------------------------------------------------------------
+    clip_grad: float | None = 1.0  # global-norm clipping threshold; null = off (the norm is still logged)
+    nan_policy: NanPolicy = "stop"  # what a non-finite loss or gradient does: skip | stop | rollback
+    rollback_lr_factor: float = 0.5  # rollback multiplies the LR by this each time
+    max_rollbacks: int = 3  # rollbacks before giving up with NonFiniteError
+    max_skips: int | None = None  # skipped updates allowed before stopping (None = no limit)
+    # -- numerics and speed ------------------------------------------------------------------------------
+    precision: Precision = "fp32"  # fp32 | bf16 (autocast, CPU+CUDA) | fp16 (autocast + GradScaler, CUDA)
+    compile: bool = False  # torch.compile the model (checkpoints never carry `_orig_mod.`)
+    grad_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+    distributed: Distributed = "auto"  # auto (ddp under torchrun with >1 process) | none | ddp | fsdp
+    ddp_find_unused: bool = False  # DDP: allow parameters that get no gradient (e.g. an unused pooler)
+    # -- logging, evaluation, checkpoints ----------------------------------------------------------------
+    log_every: int = 10  # steps between metrics.jsonl records (every step when 1)
+    eval_every: int = 0  # steps between eval_fn calls (0 = only at the end)
+    max_eval_batches: int | None = None  # handed to eval callables that accept it (see Trainer.evaluate)
+    save_every: int = 0  # steps between checkpoints (0 = only at the end)
+    keep_last: int = 3  # newest periodic checkpoints kept, 0 = all (best-by-eval is kept separately)
+    best_metric: str = "loss"  # eval metric that selects checkpoints/best
+    best_mode: Literal["min", "max"] = "min"
+    diag_every: int = 0  # steps between per-layer grad/weight norm records (0 = off)
+    progress: bool = True  # tqdm progress bar (rank 0)
+    tensorboard: bool = True  # TensorBoard event files when `tensorboard` is installed
+    plot: bool = True  # curves.png (loss, LR, grad norm, eval metrics) at the end
+    out_dir: str = "runs/default"
+    resume: bool = False  # continue from out_dir's last checkpoint when there is one
+    seed: int = 0  # python, numpy and torch RNGs (data order comes from the batch source's own seed)
+
+    def validate(self) -> None:
+        if self.max_steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ConfigError("TrainConfig: max_steps, batch_size and grad_accum must be at least 1")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"TrainConfig: need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ConfigError("TrainConfig: eps must be > 0 and weight_decay >= 0")
+        if self.warmup < 0:
+            raise ConfigError(f"TrainConfig.warmup must be >= 0 (steps, or a fraction < 1), got {self.warmup}")
+        if self.warmup >= 1 and not float(self.warmup).is_integer():
+            raise ConfigError(f"TrainConfig.warmup >= 1 counts steps and must be a whole number, got {self.warmup}")
+        if self.schedule == "noam" and self.warmup_steps() < 1:
+            raise ConfigError("TrainConfig: schedule=noam needs warmup >= 1 step (it divides by warmup^1.5)")
+        if self.clip_grad is not None and self.clip_grad <= 0:
+            raise ConfigError("TrainConfig.clip_grad must be > 0, or null to turn clipping off")
+        if not 0 < self.rollback_lr_factor <= 1:
+            raise ConfigError("TrainConfig.rollback_lr_factor must be in (0, 1]")
+        for name in ("log_every",):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"TrainConfig.{name} must be at least 1")
+        for name in ("eval_every", "save_every", "diag_every", "keep_last", "max_rollbacks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"TrainConfig.{name} must be >= 0")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"TrainConfig.device: {self.device!r} is not auto, cpu, cuda or cuda:N")
+
+    def warmup_steps(self) -> int:
+        """Warmup in steps: `warmup` itself when >= 1, else that fraction of max_steps (rounded)."""
+        return int(self.warmup) if self.warmup >= 1 else int(round(self.warmup * self.max_steps))

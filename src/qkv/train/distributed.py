@@ -1,0 +1,161 @@
+"""Data parallelism with PyTorch's own engines: DDP and FSDP2 (`fully_shard`), launched by torchrun.
+
+    torchrun --standalone --nproc_per_node=2 -m qkv.cli.main train ...       # one machine
+    torchrun --nnodes=2 --node_rank=R --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --nproc_per_node=8 ...
+
+NCCL on CUDA, gloo on CPU. Sampling needs no sampler object: rank r of W takes global micro-batch
+index (step * grad_accum + micro) * W + r from the batch source, so every rank sees different data,
+the union over ranks is the single-process global batch, and resuming needs only the step.
+Only rank 0 logs and writes files; state dicts are gathered to full (unsharded) tensors first, so a
+checkpoint written under FSDP loads in a single process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qkv.config import ConfigError
+
+
+@dataclass
+class DistInfo:
+    mode: str  # none | ddp | fsdp
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def setup(mode: str, device: torch.device) -> tuple[DistInfo, torch.device]:
+    """Initialise the process group when launched by torchrun; returns the info and this rank's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if mode == "auto":
+        mode = "ddp" if world > 1 else "none"
+    if mode == "none":
+        if world > 1:
+            raise ConfigError("launched with several processes but distributed=none; use ddp or fsdp")
+        return DistInfo("none"), device
+    if not launched_by_torchrun():
+        raise ConfigError(f"distributed={mode} needs a torchrun launch (RANK/WORLD_SIZE unset), e.g. "
+                          "`torchrun --standalone --nproc_per_node=2 ...`; use distributed=none for one process")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
+                                device_id=device if device.type == "cuda" else None)
+    return DistInfo(mode, rank, dist.get_world_size(), local_rank), device
+
+
+def teardown(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_parameters(model: nn.Module) -> None:
+    """Make every rank start from rank 0's weights (DDP does this itself; fully_shard does not)."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
+def wrap(model: nn.Module, info: DistInfo, *, block_types: tuple[type, ...], find_unused: bool = False) -> nn.Module:
+    """DDP: returns the wrapper. FSDP2: shards each block, then the root, in place (returns `model`)."""
+    if info.mode == "ddp":
+        ids = [model_device(model).index] if model_device(model).type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused)
+    if info.mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        broadcast_parameters(model)
+        for m in model.modules():
+            if isinstance(m, block_types):
+                fully_shard(m)  # one all-gather unit per block: peak memory ~ one block's full weights
+        fully_shard(model)  # the rest (embeddings, final norm, heads; tied weights stay together)
+        return model
+    return model
+
+
+def model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def sync_context(engine: nn.Module, info: DistInfo, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    """Skip the gradient all-reduce on all but the last micro-step of an accumulation."""
+    if info.mode == "ddp" and not sync:
+        return engine.no_sync()
+    if info.mode == "fsdp":
+        engine.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj: Any, info: DistInfo) -> Any:
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+    if not info.enabled:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+    """Full (unsharded, CPU) model and optimizer state dicts keyed by parameter names, without wrapper
+    prefixes. Collective under DDP/FSDP: every rank must call it (rank 0 receives the tensors)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if optimizer is None:
+        return get_model_state_dict(model, options=opts), {}
+    return get_state_dict(model, optimizer, options=opts)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,
+                    optim_state: dict | None) -> None:
+    """Inverse of full_state: every rank passes the full dicts; FSDP keeps its own shard of each."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, strict=False)
+    if optimizer is None or optim_state is None:
+        set_model_state_dict(model, model_state, options=opts)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=opts)

@@ -1,0 +1,186 @@
+"""Run logging (rank 0 only): metrics.jsonl, metrics.csv, diagnostics.jsonl, train.log, a tqdm bar,
+TensorBoard event files when `tensorboard` is installed, and curves.png at the end.
+
+metrics.jsonl holds one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s, ... and
+eval metrics prefixed `eval/` on the steps where evaluation ran. On resume, records after the resumed
+step are dropped (they are about to be re-logged), so the files describe one consistent run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FIRST_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill mid-write
+    return out
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf: keep them visible as strings
+    return v
+
+
+class RunLogger:
+    def __init__(self, out_dir: str | Path, *, enabled: bool, progress: bool, tensorboard: bool,
+                 total_steps: int, start_step: int = 0) -> None:
+        self.enabled = enabled
+        self.out = Path(out_dir)
+        self.records: list[dict[str, Any]] = []
+        self.bar = None
+        self.tb = None
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.diag_path = self.out / "diagnostics.jsonl"
+        if not enabled:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        # keep history up to the resumed step; later lines belong to an abandoned future
+        for path in (self.metrics_path, self.diag_path):
+            kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= start_step] if start_step else []
+            with open(path, "w", encoding="utf-8") as f:
+                for r in kept:
+                    f.write(json.dumps(r) + "\n")
+            if path == self.metrics_path:
+                self.records = kept
+        self._log_file = open(self.out / "train.log", "a" if start_step else "w", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            except ImportError:  # tensorboard not installed: the JSONL/CSV files remain
+                self.tb = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                            file=sys.stderr, disable=None)
+
+    def info(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        stamp = time.strftime("%H:%M:%S")
+        self._log_file.write(f"[{stamp}] {msg}\n")
+        self._log_file.flush()
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {k: _json_safe(v) for k, v in record.items()}
+        self.records.append(record)
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            step = int(record["step"])
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, step)
+
+    def diag(self, step: int, norms: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        with open(self.diag_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **{k: _json_safe(v) for k, v in norms.items()}}) + "\n")
+        if self.tb is not None:
+            for k, v in norms.items():
+                if math.isfinite(v):
+                    self.tb.add_scalar(f"diag/{k}", v, step)
+
+    def progress(self, step: int, loss: float, lr: float, tok_s: float) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            self.bar.refresh()
+
+    def close(self, plot: bool = True) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        write_csv(self.records, self.out / "metrics.csv")
+        if plot and self.records:
+            try:
+                plot_curves(self.records, self.out / "curves.png")
+            except Exception as e:  # a plot must never lose a finished run
+                self.info(f"could not write curves.png: {type(e).__name__}: {e}")
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if not self._log_file.closed:
+            self._log_file.close()
+
+
+def write_csv(records: list[dict[str, Any]], path: str | Path) -> None:
+    """One row per record; columns: the fixed first ones, then every other key in order of appearance."""
+    cols = [c for c in FIRST_COLUMNS if any(c in r for r in records)]
+    for r in records:
+        for k in r:
+            if k not in cols:
+                cols.append(k)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in records:
+            w.writerow({k: r.get(k, "") for k in cols})
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def plot_curves(records: list[dict[str, Any]], path: str | Path) -> None:
+    """Loss (train and eval), LR, pre-clip grad norm and other eval metrics against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evals = sorted({k for r in records for k in r if k.startswith("eval/") and k != "eval/loss"})
+    panels = ["loss", "lr", "grad_norm"] + evals
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], panels):
+        xs, ys = _series(records, key)
+        ax.plot(xs, ys, lw=1, label="train" if key == "loss" else key)
+        if key == "loss":
+            ex, ey = _series(records, "eval/loss")
+            if ex:
+                ax.plot(ex, ey, "o-", ms=3, lw=1, label="eval")
+            ax.legend(loc="upper right", fontsize=8)
+            if ys and min(ys) > 0:
+                ax.set_yscale("log")
+        ax.set_ylabel(key, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,496 @@
+"""The one training loop. It knows no model family and no task: it receives a model whose forward
+takes a batch's keys and returns ModelOutput(loss, n_targets), a batch source, and optional callables.
+
+One update (nanoGPT's order, made token-exact):
+    for each of grad_accum micro-batches (gradient sync only on the last):
+        batch = data.batch(global_index, batch_size, "train") -> truncate to context -> device
+        with autocast: out = model(**batch)
+        backward(out.loss * out.n_targets * c)              # c = 1 / (batch_size * grad_accum), a constant
+    grads *= world_size / (c * N)  where N = target tokens of all micro-batches on all ranks
+        -> exactly the gradient of (sum of per-token losses) / N, i.e. one big batch (HF #34191, nanoGPT #168)
+    unscale (fp16) -> callbacks -> pre-clip global norm -> non-finite guard -> clip -> AdamW step
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from qkv.checkpoint import CheckpointError
+from qkv.config import ConfigError, from_dict, to_dict
+from qkv.train import checkpoint as ckpt
+from qkv.train import distributed as dist_
+from qkv.train.batches import LengthTruncationWarning, batch_rows, count_tokens, to_device, truncate_batch
+from qkv.train.callbacks import Callback
+from qkv.train.config import TrainConfig
+from qkv.train.logging import RunLogger
+from qkv.train.optim import build_optimizer
+from qkv.train.precision import Precision, resolve_device
+from qkv.train.rng import rng_state, seed_everything, set_rng_state
+from qkv.train.schedule import lr_at
+from qkv.train.stability import NonFiniteError, layer_norms, nonfinite_grads, report
+
+
+class BatchSource(Protocol):
+    def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]: ...
+
+
+EvalFn = Callable[[nn.Module], dict[str, float]]
+
+
+class Trainer:
+    """Trainer(model, cfg, data, eval_fn=None, callbacks=(), resume=None).fit() -> summary dict.
+
+    model: an nn.Module (normally a qkv model) whose forward(**batch) returns an object with `.loss`
+      (mean over targets) and `.n_targets`; `model.config.d_model` feeds the Noam schedule and
+      `model.config.context_length` the length truncation, when present.
+    cfg: TrainConfig, or a mapping checked by qkv.config.from_dict.
+    data: a batch source, `data.batch(index, batch_size, split) -> dict of tensors` (model kwargs).
+    eval_fn: called as eval_fn(model) in eval mode under no_grad (and autocast) every eval_every steps
+      and at the end; returns {metric: value}, logged as `eval/<metric>`. Without one, and with
+      cfg.max_eval_batches > 0, the held-out loss over that many "val" batches is used.
+    resume: continue from out_dir/checkpoints' newest checkpoint (default: cfg.resume).
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig | dict[str, Any], data: BatchSource,
+                 eval_fn: EvalFn | None = None, callbacks: list[Callback] | tuple[Callback, ...] = (),
+                 *, resume: bool | None = None) -> None:
+        if isinstance(cfg, dict):
+            cfg = from_dict(TrainConfig, cfg)
+        if not isinstance(cfg, TrainConfig):
+            raise TypeError(f"cfg must be a TrainConfig or a mapping, got {type(cfg).__name__}")
+        cfg.validate()
+        if not callable(getattr(data, "batch", None)):
+            raise TypeError("data must be a batch source with batch(index, batch_size, split) -> dict of tensors")
+        self.cfg = cfg
+        self.data = data
+        self.eval_fn = eval_fn
+        self.callbacks = list(callbacks)
+        self.resume = cfg.resume if resume is None else resume
+        self.out_dir = Path(cfg.out_dir)
+        self.ckpt_root = self.out_dir / "checkpoints"
+
+        # -- state that checkpoints carry ----------------------------------------------------------------
+        self.step = 0  # completed optimizer updates
+        self.lr_scale = 1.0  # multiplied by rollback_lr_factor at every rollback
+        self.skipped = 0  # updates dropped by nan_policy=skip
+        self.scaler_skips = 0  # fp16 steps the GradScaler skipped (overflow)
+        self.rollbacks = 0
+        self.truncated = 0  # tensors cut to the model's context
+        self.tokens_seen = 0
+        self.best: dict[str, Any] | None = None  # {"metric", "value", "step"}
+        self.should_stop = False
+        self.last_eval: dict[str, float] = {}
+        self.last_loss = float("nan")
+        self.last_checkpoint: Path | None = None
+
+        # -- device, distributed, precision ----------------------------------------------------------------
+        device = resolve_device(cfg.device)
+        self.dist, self.device = dist_.setup(cfg.distributed, device)
+        self.precision = Precision(cfg.precision, self.device)
+        mcfg = getattr(model, "config", None)
+        self.d_model = getattr(mcfg, "d_model", None)
+        self.context_length = getattr(mcfg, "context_length", None)
+        if cfg.schedule == "noam" and self.d_model is None:
+            raise ConfigError("schedule=noam needs model.config.d_model; this model has none")
+
+        model.to(self.device)
+        if cfg.grad_checkpointing:
+            if not hasattr(model, "set_gradient_checkpointing"):
+                raise ConfigError(f"grad_checkpointing=true but {type(model).__name__} has no set_gradient_checkpointing()")
+            model.set_gradient_checkpointing(True)
+        self.model = model  # the module itself: FSDP2 shards it in place; DDP/compile wrap it in `engine`
+
+        # -- wrapping order: FSDP shards in place before the optimizer sees the (sharded) parameters; the
+        #    compiled module goes inside DDP (nanoGPT's order) ----------------------------------------------
+        from qkv.nn.block import Block
+
+        if self.dist.mode == "fsdp":
+            dist_.wrap(model, self.dist, block_types=(Block,))
+        self.optimizer, self.group_summary = build_optimizer(
+            model, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        engine: nn.Module = torch.compile(model) if cfg.compile else model
+        if self.dist.mode == "ddp":
+            engine = dist_.wrap(engine, self.dist, block_types=(Block,), find_unused=cfg.ddp_find_unused)
+        self.engine = engine
+        self.logger: RunLogger | None = None
+
+    # ---------------------------------------------------------------------------------------------------
+    def lr_for(self, step: int) -> float:
+        c = self.cfg
+        return self.lr_scale * lr_at(step, schedule=c.schedule, lr=c.lr, warmup=c.warmup_steps(),
+                                     max_steps=c.max_steps, min_lr=c.min_lr, d_model=self.d_model)
+
+    def _set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def _prepare(self, batch: dict[str, Any], step: int, micro: int) -> dict[str, Any]:
+        if not isinstance(batch, dict):
+            raise TypeError(f"the batch source returned {type(batch).__name__}; expected a dict of model kwargs")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", LengthTruncationWarning)
+            batch, n_cut = truncate_batch(batch, self.context_length)
+        if n_cut:
+            if self.truncated == 0 and self.logger is not None:
+                self.logger.info(f"step {step}: {caught[0].message} (counted in metrics as 'truncated')")
+            self.truncated += n_cut
+            for w in caught[:1]:
+                warnings.warn(w.message, LengthTruncationWarning, stacklevel=3)
+        batch = to_device(batch, self.device)
+        for cb in self.callbacks:
+            batch = cb.on_batch(self, step, micro, batch)
+        return batch
+
+    def compute_gradients(self, step: int) -> tuple[float, int, int, list[dict[str, Any]]]:
+        """Forward/backward over update `step`'s micro-batches; leaves token-normalised gradients in
+        .grad (unscaled under fp16). Returns (mean loss per target token, targets, tokens, micro-batches)."""
+        cfg, info = self.cfg, self.dist
+        ga, world = cfg.grad_accum, info.world_size
+        c = 1.0 / (cfg.batch_size * ga)  # keeps the backward's magnitude near a mean loss's; undone below
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        n_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0
+        batches = []
+        for micro in range(ga):
+            index = ((step - 1) * ga + micro) * world + info.rank
+            batch = self._prepare(self.data.batch(index, cfg.batch_size, "train"), step, micro)
+            batches.append(batch)
+            tokens += count_tokens(batch)
+            with dist_.sync_context(self.engine, info, sync=micro == ga - 1):
+                with self.precision.autocast():
+                    out = self.engine(**batch)
+                if getattr(out, "loss", None) is None:
+                    raise ValueError("the model returned no loss: the batch needs labels (or the model a loss head)")
+                n = out.n_targets if getattr(out, "n_targets", None) is not None else batch_rows(batch)
+                n = torch.as_tensor(n, device=out.loss.device).to(torch.float32)
+                self.precision.scale(out.loss.float() * n * c).backward()
+            loss_sum += out.loss.detach().double() * n.double()
+            n_sum += n.double()
+        stats = torch.stack([loss_sum, n_sum, torch.tensor(float(tokens), dtype=torch.float64, device=self.device)])
+        dist_.all_reduce_sum(stats, info)
+        loss_total, n_total, tokens_total = (float(x) for x in stats.tolist())
+        self.precision.unscale_(self.optimizer)
+        # DDP/FSDP average gradients over ranks: grads = (c / W) * sum over all micro-batches of n_i * grad(loss_i)
+        factor = world / (c * n_total) if n_total > 0 else 0.0
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        loss = loss_total / n_total if n_total > 0 else float("nan")
+        return loss, int(n_total), int(tokens_total), batches
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor partial norm, reduced over ranks
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _clip(self, norm: float) -> None:
+        if self.cfg.clip_grad is not None and norm > self.cfg.clip_grad:
+            coef = self.cfg.clip_grad / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+
+    # ---------------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        cfg, info = self.cfg, self.dist
+        t_start = time.perf_counter()
+        resumed_from = None
+        if self.resume:
+            path = ckpt.latest_checkpoint(self.ckpt_root)
+            if path is not None:
+                self.load_checkpoint(path)
+                resumed_from = path
+        if resumed_from is None:
+            seed_everything(cfg.seed + info.rank)
+        self.logger = RunLogger(self.out_dir, enabled=info.is_main, progress=cfg.progress,
+                                tensorboard=cfg.tensorboard, total_steps=cfg.max_steps, start_step=self.step)
+        log = self.logger
+        try:
+            if info.is_main:
+                ckpt.clean_stale(self.ckpt_root)
+                existing = ckpt.list_checkpoints(self.ckpt_root)
+                if existing and resumed_from is None:
+                    log.info(f"note: {self.ckpt_root} already holds checkpoints up to step {existing[-1][0]}; "
+                             "starting a fresh run (resume=true continues one)")
+            n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+            log.info(f"training {type(self.model).__name__} ({n_params:,} parameters) on {self.device}, "
+                     f"precision {cfg.precision}, distributed {info.mode} x{info.world_size}, "
+                     f"global batch {cfg.batch_size * cfg.grad_accum * info.world_size} sequences")
+            log.info(self.group_summary.line())
+            if resumed_from is not None:
+                log.info(f"resumed from {resumed_from} at step {self.step}")
+                saved = self._resumed_config
+                changed = {k: (v, getattr(cfg, k)) for k, v in saved.items()
+                           if k in ("batch_size", "seed", "schedule", "lr", "max_steps", "warmup") and v != getattr(cfg, k)}
+                if saved.get("grad_accum", cfg.grad_accum) * self._resumed_world != cfg.grad_accum * info.world_size:
+                    changed["micro-batches per update"] = (saved.get("grad_accum", 0) * self._resumed_world,
+                                                           cfg.grad_accum * info.world_size)
+                if changed:
+                    log.info("note: resumed with changed settings (saved -> now): " + ", ".join(
+                        f"{k} {a} -> {b}" for k, (a, b) in changed.items()) + "; the continuation is not exact")
+            if cfg.nan_policy == "rollback" and not ckpt.list_checkpoints(self.ckpt_root):
+                self.save_checkpoint()  # rollback needs a good state to return to
+            for cb in self.callbacks:
+                cb.on_fit_start(self)
+            self.model.train()
+            self._loop()
+            if self._eval_enabled() and self.last_eval.get("_step") != self.step:
+                self._run_eval()
+            if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.step:08d}"):
+                self.save_checkpoint()
+            summary = self.summary(time.perf_counter() - t_start)
+            log.info(f"done: {self.step} steps, final loss {self.last_loss:.4f}"
+                     + (f", best eval {self.best['metric']}={self.best['value']:.4f} at step {self.best['step']}"
+                        if self.best else ""))
+            for cb in self.callbacks:
+                cb.on_fit_end(self, summary)
+            return summary
+        finally:
+            log.close(plot=self.cfg.plot)
+
+    def _loop(self) -> None:
+        cfg, log = self.cfg, self.logger
+        assert log is not None
+        interval_time, interval_tokens = 0.0, 0
+        while self.step < cfg.max_steps and not self.should_stop:
+            step = self.step + 1
+            t0 = time.perf_counter()
+            for cb in self.callbacks:
+                cb.on_step_start(self, step)
+            lr = self.lr_for(step)
+            self._set_lr(lr)
+            loss, n_targets, tokens, batches = self.compute_gradients(step)
+            for cb in self.callbacks:
+                cb.on_after_backward(self, step)
+            grad_norm = self._grad_norm()
+            scaler_owns_grads = self.precision.scaler is not None
+            if not math.isfinite(loss) or (not math.isfinite(grad_norm) and not scaler_owns_grads):
+                if n_targets == 0 and math.isfinite(grad_norm):
+                    log.info(f"step {step}: no target tokens in the batch; update skipped")
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if self.precision.scaler is not None:
+                        self.precision.scaler.update()
+                    self.step = step
+                    continue
+                self._nonfinite(step, loss, grad_norm, batches)  # raises, or skips / rolls back
+                continue
+            if cfg.diag_every and step % cfg.diag_every == 0:
+                log.diag(step, layer_norms(self.model))  # pre-clip grads, weights before this update
+            self._clip(grad_norm)
+            if scaler_owns_grads and not math.isfinite(grad_norm):
+                self.scaler_skips += 1
+            self.precision.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step = step
+            self.last_loss = loss
+            self.tokens_seen += tokens
+            dt = time.perf_counter() - t0
+            interval_time += dt
+            interval_tokens += tokens
+
+            record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                      "tokens_per_s": interval_tokens / max(interval_time, 1e-9),
+                                      "step_time_s": dt, "tokens": self.tokens_seen, "targets": n_targets}
+            for key, value in (("skipped", self.skipped), ("rollbacks", self.rollbacks),
+                               ("truncated", self.truncated), ("scaler_skips", self.scaler_skips)):
+                if value:
+                    record[key] = value
+            if self.precision.scaler is not None:
+                record["loss_scale"] = float(self.precision.scaler.get_scale())
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                record.update({f"eval/{k}": v for k, v in self._run_eval().items() if not k.startswith("_")})
+            if step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps or self.should_stop \
+                    or any(k.startswith("eval/") for k in record):
+                log.log(record)
+                interval_time, interval_tokens = 0.0, 0
+            log.progress(step, loss, lr, record["tokens_per_s"])
+            if cfg.save_every and step % cfg.save_every == 0:
+                self.save_checkpoint()
+            for cb in self.callbacks:
+                cb.on_step_end(self, step, record)
+
+    # ---------------------------------------------------------------------------------------------------
+    def _nonfinite(self, step: int, loss: float, grad_norm: float, batches: list[dict[str, Any]]) -> None:
+        cfg, log = self.cfg, self.logger
+        assert log is not None
+        layers = nonfinite_grads(self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.precision.scaler is not None:
+            self.precision.scaler.update()  # close this iteration's unscale_ bookkeeping
+        policy = cfg.nan_policy
+        if policy == "skip" and (cfg.max_skips is None or self.skipped < cfg.max_skips):
+            self.skipped += 1
+            self.step = step  # the update slot (and its data) is consumed
+            log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}); "
+                     f"update skipped ({self.skipped} so far); layers: {', '.join(layers[:5])}")
+            log.log({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": self.lr_for(step), "skipped": self.skipped})
+            return
+        if policy == "rollback" and self.rollbacks < cfg.max_rollbacks:
+            path = ckpt.latest_checkpoint(self.ckpt_root)
+            if path is not None:
+                new_scale = self.lr_scale * cfg.rollback_lr_factor
+                counters = (self.rollbacks + 1, self.skipped, self.truncated)
+                self.load_checkpoint(path)
+                self.lr_scale = new_scale
+                self.rollbacks, self.skipped, self.truncated = counters
+                log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}) in "
+                         f"{', '.join(layers[:5])}; rolled back to {path.name} (step {self.step}), "
+                         f"LR x{new_scale:.3g} (rollback {self.rollbacks}/{cfg.max_rollbacks})")
+                return
+        # stop (or skip/rollback limits exhausted): keep the evidence, then report
+        saved = self.save_checkpoint()
+        batch_path = None
+        if self.dist.is_main:
+            batch_path = self.out_dir / f"nonfinite_batch_step{step}.pt"
+            torch.save([{k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in b.items()}
+                        for b in batches], batch_path)
+        what = policy if policy == "stop" else f"{policy}, limit reached"
+        msg = report(step, loss, grad_norm, layers, saved, batch_path, what)
+        log.info(msg)
+        raise NonFiniteError(msg, step=step, loss=loss, grad_norm=grad_norm, layers=layers,
+                             checkpoint=saved, batch_path=batch_path)
+
+    # ---------------------------------------------------------------------------------------------------
+    def _eval_enabled(self) -> bool:
+        return self.eval_fn is not None or bool(self.cfg.max_eval_batches)
+
+    def evaluate(self) -> dict[str, float]:
+        """Run eval_fn (or the held-out loss) without disturbing training: eval mode, no_grad, autocast,
+        and the RNG state restored afterwards (so evaluating never changes the training trajectory)."""
+        saved_rng = rng_state()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                if self.eval_fn is not None:
+                    metrics = self.eval_fn(self.model)
+                else:
+                    metrics = self._heldout_loss()
+        finally:
+            self.model.train(was_training)
+            set_rng_state(saved_rng)
+        metrics = {k: float(v) for k, v in dict(metrics).items()}
+        return dist_.broadcast_object(metrics, self.dist)  # every rank acts on rank 0's numbers
+
+    def _heldout_loss(self) -> dict[str, float]:
+        """Token-weighted loss over the first max_eval_batches "val" batches (global: rank r takes r, r + W,
+        ...). Every rank runs the same number of forwards -- FSDP's forward is collective -- so a rank
+        without a batch in the last round repeats one and gives it weight 0."""
+        cfg, info = self.cfg, self.dist
+        n = int(cfg.max_eval_batches or 0)
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for j in range(math.ceil(n / info.world_size)):
+            i = j * info.world_size + info.rank
+            batch = self.data.batch(i if i < n else info.rank % n, cfg.batch_size, "val")
+            batch = to_device(truncate_batch(batch, self.context_length)[0], self.device)
+            out = self.model(**batch)
+            count = float(out.n_targets) if out.n_targets is not None else float(batch_rows(batch))
+            weight = 1.0 if i < n else 0.0
+            stats[0] += out.loss.double() * count * weight
+            stats[1] += count * weight
+        dist_.all_reduce_sum(stats, info)
+        return {"loss": float(stats[0] / stats[1].clamp_min(1))}
+
+    def _run_eval(self) -> dict[str, float]:
+        metrics = self.evaluate()
+        self.last_eval = {**metrics, "_step": self.step}
+        for cb in self.callbacks:
+            cb.on_eval(self, self.step, metrics)
+        if self.logger is not None:
+            self.logger.info(f"step {self.step}: eval " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            if self.cfg.eval_every == 0 or self.step % self.cfg.eval_every:
+                self.logger.log({"step": self.step, **{f"eval/{k}": v for k, v in metrics.items()}})
+        value = metrics.get(self.cfg.best_metric)
+        if value is not None and math.isfinite(value):
+            better = self.best is None or (value < self.best["value"] if self.cfg.best_mode == "min"
+                                           else value > self.best["value"])
+            if better:
+                self.best = {"metric": self.cfg.best_metric, "value": value, "step": self.step}
+                self.save_checkpoint(self.ckpt_root / ckpt.BEST, extra={"eval.json": {**metrics, "step": self.step}})
+        return metrics
+
+    # ---------------------------------------------------------------------------------------------------
+    def train_state(self) -> dict[str, Any]:
+        return {
+            "format": 1, "step": self.step, "lr_scale": self.lr_scale, "world_size": self.dist.world_size,
+            "scaler": self.precision.state_dict(),
+            "counters": {"skipped": self.skipped, "scaler_skips": self.scaler_skips, "rollbacks": self.rollbacks,
+                         "truncated": self.truncated, "tokens_seen": self.tokens_seen},
+            "best": self.best, "train_config": to_dict(self.cfg),
+        }
+
+    def save_checkpoint(self, folder: Path | None = None, extra: dict[str, Any] | None = None) -> Path:
+        """Checkpoint the current state (collective under DDP/FSDP: every rank calls; rank 0 writes)."""
+        periodic = folder is None
+        folder = folder or ckpt.step_dir(self.ckpt_root, self.step)
+        model_state, optim_state = dist_.full_state(self.model, self.optimizer)
+        rngs = dist_.gather_objects(rng_state(), self.dist)
+        if self.dist.is_main:
+            state = {**self.train_state(), "optimizer": optim_state, "rng": rngs}
+            ckpt.write_checkpoint(folder, model_state, ckpt.model_meta(self.model), state, extra)
+            if periodic:
+                ckpt.prune(self.ckpt_root, self.cfg.keep_last)
+        dist_.barrier(self.dist)
+        if periodic:
+            self.last_checkpoint = folder
+        for cb in self.callbacks:
+            cb.on_checkpoint(self, self.step, folder)
+        return folder
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        """Restore weights, optimizer, counters and RNG states from a training checkpoint folder."""
+        folder = Path(folder)
+        model_state, state = ckpt.read_checkpoint(folder)
+        ckpt.check_model_state(self.model, model_state, str(folder))
+        optim_state = state.get("optimizer")
+        try:
+            dist_.load_full_state(self.model, self.optimizer, model_state, optim_state)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: optimizer state does not fit this model/optimizer ({e})") from None
+        self.step = int(state["step"])
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.precision.load_state_dict(state.get("scaler") or {})
+        counters = state.get("counters", {})
+        self.skipped = int(counters.get("skipped", 0))
+        self.scaler_skips = int(counters.get("scaler_skips", 0))
+        self.rollbacks = int(counters.get("rollbacks", 0))
+        self.truncated = int(counters.get("truncated", 0))
+        self.tokens_seen = int(counters.get("tokens_seen", 0))
+        self.best = state.get("best")
+        self.last_checkpoint = folder
+        self._resumed_config = dict(state.get("train_config") or {})
+        self._resumed_world = int(state.get("world_size", 1))
+        rngs = state.get("rng") or []
+        if len(rngs) == self.dist.world_size:
+            set_rng_state(rngs[self.dist.rank])
+        else:  # another world size: exact RNG continuation is impossible; stay deterministic at least
+            seed_everything(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
+
+    def summary(self, elapsed: float) -> dict[str, Any]:
+        return {
+            "steps": self.step, "final_loss": self.last_loss, "best_eval": self.best,
+            "eval": {k: v for k, v in self.last_eval.items() if not k.startswith("_")},
+            "skipped": self.skipped, "rollbacks": self.rollbacks, "truncated": self.truncated,
+            "scaler_skips": self.scaler_skips, "tokens": self.tokens_seen, "elapsed_s": elapsed,
+            "out_dir": str(self.out_dir), "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "best_checkpoint": str(self.ckpt_root / ckpt.BEST) if self.best else None,
+            "metrics": str(self.out_dir / "metrics.jsonl"),
+        }
+
+    def close(self) -> None:
+        """Tear down the process group this trainer initialised (call once at the end of a torchrun script)."""
+        dist_.teardown(self.dist)

@@ -1,0 +1,101 @@
+"""DDP and FSDP2 under torchrun (gloo, 2 CPU processes) against one process on the same global batch.
+
+Tolerance: losses and grad norms within rel 1e-5 (gloo's all-reduce sums in another order than one
+process's backward; everything is fp32), weights after 4 AdamW steps within 1e-5 absolute.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkv
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "dist_train.py"
+pytestmark = pytest.mark.distributed
+
+
+def torchrun(mode, out, timeout=300, device="cpu"):
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("torchrun not found next to the python executable")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([exe, "--standalone", "--nproc_per_node=2", str(SCRIPT), mode, str(out), device], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "losses.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each run once per module: the in-process reference and the torchrun runs (cached by mode)."""
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            out = tmp_path_factory.mktemp(mode)
+            if mode == "none":
+                from dist_train import main
+
+                cache[mode] = out, main("none", out)
+            else:
+                cache[mode] = out, torchrun(mode, out)
+        return cache[mode]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_matches_single_process(mode, runs):
+    ref_dir, ref = runs("none")
+    out, got = runs(mode)
+    assert got["world"] == 2 and ref["world"] == 1
+    assert sorted(got["losses"]) == sorted(ref["losses"]) == ["1", "2", "3", "4"]
+    for step, (loss, gnorm) in ref["losses"].items():
+        assert got["losses"][step][0] == pytest.approx(loss, rel=1e-5), step
+        assert got["losses"][step][1] == pytest.approx(gnorm, rel=1e-5), step
+    assert got["eval"]["loss"] == pytest.approx(ref["eval"]["loss"], rel=1e-5)
+    if mode == "ddp":  # 4 updates x 2 micro-batches, one bucket (a 40k-parameter model): sync on the last only
+        assert got["allreduce_calls"] == 4
+    # the checkpoint written by rank 0 (gathered from shards under FSDP) loads in this single process
+    a = qkv.from_pretrained(out / "checkpoints" / "step_00000004")
+    b = qkv.from_pretrained(ref_dir / "checkpoints" / "step_00000004")
+    for k, v in b.state_dict().items():
+        torch.testing.assert_close(a.state_dict()[k], v, rtol=0, atol=1e-5)
+    # the optimizer state is keyed by parameter name, so it is portable between process counts
+    s = torch.load(out / "checkpoints" / "step_00000004" / "train_state.pt", weights_only=True)
+    assert "decoder.blocks.0.attn.qkv_proj.weight" in s["optimizer"]["state"] and len(s["rng"]) == 2
+
+
+def test_fsdp_checkpoint_resumes_in_one_process(runs, tmp_path):
+    # a checkpoint written by 2 FSDP ranks continues in a single process (the world size changes)
+    src, _ = runs("fsdp")
+    out = tmp_path / "resumed"
+    shutil.copytree(src, out)
+    from _toy import ToyLM, tiny_gpt
+
+    from qkv.train import TrainConfig, Trainer
+
+    cfg = TrainConfig(max_steps=5, batch_size=4, grad_accum=4, lr=3e-3, warmup=1, out_dir=str(out), resume=True,
+                      progress=False, tensorboard=False, plot=False, schedule="cosine")
+    tr = Trainer(tiny_gpt(n_layers=3), cfg, ToyLM())
+    s = tr.fit()
+    assert s["steps"] == 5 and tr.optimizer.state  # AdamW moments came back
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_nccl_matches_single_gpu(mode, tmp_path):
+    from dist_train import main
+
+    ref = main("none", tmp_path / "single", device="cuda")
+    got = torchrun(mode, tmp_path / mode, device="cuda")
+    for step, (loss, _) in ref["losses"].items():
+        assert got["losses"][step][0] == pytest.approx(loss, rel=1e-4), step  # TF32/NCCL reduction order
