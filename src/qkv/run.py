@@ -114,12 +114,17 @@ def train_run(cfg: dict[str, Any], out: str | Path | None = None, resume: bool =
         cfg = saved
     task, model, train_cfg, ev = prepare(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_yaml(cfg, out / RUN_FILE)
-    task.save(out)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _write_yaml(cfg, out / RUN_FILE)
+        task.save(out)
     eval_fn = (lambda m: task.evaluate(m, n=ev.during_training)) if ev.during_training else None
     trainer = Trainer(model, train_cfg, task, eval_fn=eval_fn, resume=resume and has_ckpt)
     summary = trainer.fit()
     model = trainer.model
+    if not trainer.dist.is_main:  # under torchrun only rank 0 evaluates and writes results
+        trainer.close()
+        return {"out": out, "metrics": {}, "samples": [], "train": summary, "report": ""}
+    trainer.close()
     metrics = task.evaluate(model, n=ev.n)
     samples = task.samples(model, ev.samples) if ev.samples else []
     result = {"metrics": metrics, "samples": samples, "train": _jsonable(summary),

@@ -43,7 +43,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         over.append("train.progress=false")
     cfg = load_run_config(a.config, over)
     summary = train_run(cfg, out=a.out, resume=a.resume)
-    print(summary["report"])
+    if summary["report"]:  # empty on ranks other than 0 under torchrun
+        print(summary["report"])
     return 0
 
 
