@@ -143,3 +143,61 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+class Seq2SeqModel(QKVModel):
+    """The decoder half shared by the encoder-decoder families (EncoderDecoder, Whisper-like): teacher
+    forcing, the (cached) decoding step that qkv.generate calls, the KV cache and the loss. A family adds
+    its front end: `encode(inputs, attention_mask, return_attentions) -> (memory, attentions)` and
+    `embed_target(ids) -> (B, T, d)`, and holds `self.decoder` (a cross-attending Stack) and `self.lm_head`;
+    its config has target_vocab_size, context_length, n_decoder_layers and pad/bos token ids."""
+
+    def embed_target(self, ids: Tensor) -> Tensor:  # pragma: no cover - every family defines it
+        raise NotImplementedError
+
+    def decode(self, decoder_input_ids: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
+               decoder_attention_mask: Tensor | None = None, cache: Any = None,
+               offset: int | Tensor | None = None, return_attentions: bool = False, last_only: bool = False):
+        """Decoder over `memory` (B, S, d): returns (logits (B, T|1, vocab), StackOutput)."""
+        c = self.config
+        check_token_ids(decoder_input_ids, c.target_vocab_size, "decoder_input_ids")
+        past = cache.length if cache is not None else 0
+        check_length(past + decoder_input_ids.shape[1], c.context_length, "target sequence")
+        keep = decoder_attention_mask.bool() if decoder_attention_mask is not None else None
+        mkeep = memory_mask.bool() if memory_mask is not None else None
+        out = self.decoder(self.embed_target(decoder_input_ids), keep=keep, memory=memory, memory_keep=mkeep,
+                           cache=cache, offset=offset, return_weights=return_attentions)
+        h = out.hidden[:, -1:] if last_only else out.hidden
+        return self.lm_head(h), out
+
+    def shift_right(self, labels: Tensor) -> Tensor:
+        """Teacher forcing: the decoder sees [bos, y_1, ..., y_{T-1}] and predicts [y_1, ..., y_T]."""
+        start = torch.full_like(labels[:, :1], self.config.bos_token_id)
+        shifted = torch.cat([start, labels[:, :-1]], dim=1)
+        return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
+
+    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> Any:
+        from qkv.nn.cache import StaticCache
+
+        c = self.config
+        p = self.lm_head.weight
+        return StaticCache(c.n_decoder_layers, batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
+                           max_len or c.context_length, dtype=dtype or p.dtype, device=device or p.device)
+
+    def seq2seq_forward(self, encoder_inputs: Tensor, *, decoder_input_ids: Tensor | None, labels: Tensor | None,
+                        attention_mask: Tensor | None, decoder_attention_mask: Tensor | None,
+                        return_attentions: bool) -> ModelOutput:
+        """encode -> decode (decoder_input_ids default to labels shifted right) -> token loss."""
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError(f"{type(self).__name__}.forward needs decoder_input_ids or labels")
+            decoder_input_ids = self.shift_right(labels)
+        memory, enc_att = self.encode(encoder_inputs, attention_mask, return_attentions)
+        logits, out = self.decode(decoder_input_ids, memory, memory_mask=attention_mask,
+                                  decoder_attention_mask=decoder_attention_mask, return_attentions=return_attentions)
+        loss = n = None
+        if labels is not None:
+            loss, n = token_loss(logits, labels, self.config.label_smoothing if self.training else 0.0)
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=out.hidden,
+                           attentions=out.attentions or None, encoder_attentions=enc_att)

@@ -12,13 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
-from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids, token_loss
+from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack, check_length, check_token_ids
 from qkv.models.registry import register_family, register_preset
-from qkv.nn.cache import StaticCache
 
 
 @dataclass
@@ -56,7 +54,7 @@ class EncoderDecoderConfig(TransformerConfig):
             raise ConfigError("share_embeddings needs one vocabulary: set tgt_vocab_size=null or share_embeddings=false")
 
 
-class EncoderDecoder(QKVModel):
+class EncoderDecoder(Seq2SeqModel):
     def __init__(self, config: EncoderDecoderConfig) -> None:
         super().__init__(config)
         c = config
@@ -80,32 +78,8 @@ class EncoderDecoder(QKVModel):
         out = self.encoder(self.src_emb(input_ids) * self.embed_scale, keep=keep, return_weights=return_attentions)
         return out.hidden, out.attentions or None
 
-    def decode(self, decoder_input_ids: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
-               decoder_attention_mask: Tensor | None = None, cache: StaticCache | None = None,
-               offset: int | Tensor | None = None, return_attentions: bool = False, last_only: bool = False):
-        c = self.config
-        check_token_ids(decoder_input_ids, c.target_vocab_size, "decoder_input_ids")
-        past = cache.length if cache is not None else 0
-        check_length(past + decoder_input_ids.shape[1], c.context_length, "target sequence")
-        keep = decoder_attention_mask.bool() if decoder_attention_mask is not None else None
-        mkeep = memory_mask.bool() if memory_mask is not None else None
-        out = self.decoder(self.tgt_emb(decoder_input_ids) * self.embed_scale, keep=keep, memory=memory,
-                           memory_keep=mkeep, cache=cache, offset=offset, return_weights=return_attentions)
-        h = out.hidden[:, -1:] if last_only else out.hidden
-        return self.lm_head(h), out
-
-    def shift_right(self, labels: Tensor) -> Tensor:
-        """Teacher forcing: the decoder sees [bos, y_1, ..., y_{T-1}] and predicts [y_1, ..., y_T]."""
-        start = torch.full_like(labels[:, :1], self.config.bos_token_id)
-        shifted = torch.cat([start, labels[:, :-1]], dim=1)
-        return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
-
-    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None) -> StaticCache:
-        c = self.config
-        p = self.tgt_emb.weight
-        return StaticCache(c.n_decoder_layers, batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
-                           max_len or c.context_length, dtype=dtype or p.dtype, device=device or p.device)
+    def embed_target(self, ids: Tensor) -> Tensor:
+        return self.tgt_emb(ids) * self.embed_scale
 
     def forward(
         self,
@@ -119,18 +93,9 @@ class EncoderDecoder(QKVModel):
     ) -> ModelOutput:
         """input_ids: source (B, S); labels: target (B, T) with -100 on padding; decoder_input_ids default
         to labels shifted right. Masks: (B, S) / (B, T), 1 = real token."""
-        if decoder_input_ids is None:
-            if labels is None:
-                raise ValueError("EncoderDecoder.forward needs decoder_input_ids or labels")
-            decoder_input_ids = self.shift_right(labels)
-        memory, enc_att = self.encode(input_ids, attention_mask, return_attentions)
-        logits, out = self.decode(decoder_input_ids, memory, memory_mask=attention_mask,
-                                  decoder_attention_mask=decoder_attention_mask, return_attentions=return_attentions)
-        loss = n = None
-        if labels is not None:
-            loss, n = token_loss(logits, labels, self.config.label_smoothing if self.training else 0.0)
-        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=out.hidden,
-                           attentions=out.attentions or None, encoder_attentions=enc_att)
+        return self.seq2seq_forward(input_ids, decoder_input_ids=decoder_input_ids, labels=labels,
+                                    attention_mask=attention_mask, decoder_attention_mask=decoder_attention_mask,
+                                    return_attentions=return_attentions)
 
 
 register_family("encdec", EncoderDecoderConfig, EncoderDecoder)

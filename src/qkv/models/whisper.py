@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
-from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids, token_loss
+from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack, check_length
 from qkv.models.registry import register_family, register_preset
-from qkv.nn.cache import StaticCache
 from qkv.nn.melspec import LogMelSpectrogram
 
 
@@ -83,7 +82,7 @@ class WhisperConfig(TransformerConfig):
         return 2 * self.n_audio_ctx * self.hop_length
 
 
-class Whisper(QKVModel):
+class Whisper(Seq2SeqModel):
     def __init__(self, config: WhisperConfig) -> None:
         super().__init__(config)
         c = config
@@ -133,32 +132,9 @@ class Whisper(QKVModel):
         out = self.encoder(x, return_weights=return_attentions)
         return out.hidden, out.attentions or None
 
-    # -- decoder (same interface as EncoderDecoder, so generate() works unchanged) -----------------------
-    def decode(self, decoder_input_ids: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
-               decoder_attention_mask: Tensor | None = None, cache: StaticCache | None = None,
-               offset: int | Tensor | None = None, return_attentions: bool = False, last_only: bool = False):
-        c = self.config
-        check_token_ids(decoder_input_ids, c.vocab_size, "decoder_input_ids")
-        past = cache.length if cache is not None else 0
-        check_length(past + decoder_input_ids.shape[1], c.n_text_ctx, "token sequence")
-        keep = decoder_attention_mask.bool() if decoder_attention_mask is not None else None
-        mkeep = memory_mask.bool() if memory_mask is not None else None
-        out = self.decoder(self.tok_emb(decoder_input_ids), keep=keep, memory=memory, memory_keep=mkeep,
-                           cache=cache, offset=offset, return_weights=return_attentions)
-        h = out.hidden[:, -1:] if last_only else out.hidden
-        return self.lm_head(h), out
-
-    def shift_right(self, labels: Tensor) -> Tensor:
-        start = torch.full_like(labels[:, :1], self.config.bos_token_id)
-        shifted = torch.cat([start, labels[:, :-1]], dim=1)
-        return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
-
-    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None) -> StaticCache:
-        c = self.config
-        p = self.tok_emb.weight
-        return StaticCache(c.n_decoder_layers, batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
-                           max_len or c.n_text_ctx, dtype=dtype or p.dtype, device=device or p.device)
+    # -- decoder: decode(), shift_right(), make_cache() come from Seq2SeqModel, so generate() works unchanged
+    def embed_target(self, ids: Tensor) -> Tensor:
+        return self.tok_emb(ids)
 
     def forward(
         self,
@@ -174,18 +150,9 @@ class Whisper(QKVModel):
         ending in eos, -100 on padding; decoder_input_ids default to labels shifted right behind bos."""
         if (audio is None) == (input_features is None):
             raise ValueError("Whisper.forward needs exactly one of audio (waveform) or input_features (log-mel)")
-        if decoder_input_ids is None:
-            if labels is None:
-                raise ValueError("Whisper.forward needs decoder_input_ids or labels")
-            decoder_input_ids = self.shift_right(labels)
-        memory, enc_att = self.encode(audio if audio is not None else input_features, None, return_attentions)
-        logits, out = self.decode(decoder_input_ids, memory, decoder_attention_mask=decoder_attention_mask,
-                                  return_attentions=return_attentions)
-        loss = n = None
-        if labels is not None:
-            loss, n = token_loss(logits, labels, self.config.label_smoothing if self.training else 0.0)
-        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=out.hidden,
-                           attentions=out.attentions or None, encoder_attentions=enc_att)
+        return self.seq2seq_forward(audio if audio is not None else input_features,
+                                    decoder_input_ids=decoder_input_ids, labels=labels, attention_mask=None,
+                                    decoder_attention_mask=decoder_attention_mask, return_attentions=return_attentions)
 
 
 register_family("whisper", WhisperConfig, Whisper)
