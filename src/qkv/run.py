@@ -240,8 +240,33 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
     """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table."""
     from qkv.experiments import attention_from_checkpoint
 
+    model = load_model_any(path)
+    if getattr(model, "family", "") == "vit":
+        return _vit_overlay(model, path, text, out_png)
     res = attention_from_checkpoint(_model_folder(Path(path)), text, out_png, target=target)
     return [f"wrote {p}" for p in res.pngs] + [res.entropy_table()]
+
+
+def _vit_overlay(model: torch.nn.Module, path: str | Path, text: str, out_png: Path) -> list[str]:
+    """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
+    task (`--input N`, default 8), titled with predicted / true class."""
+    from qkv.models.vit import save_attention_overlay
+
+    try:
+        n = int(text) if text.strip() else 8
+    except ValueError:
+        raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
+    task = load_run_task(path)
+    batch = task.batch(0, max(1, min(n, 32)), "val")
+    model.eval()
+    with torch.no_grad():
+        pred = model(pixel_values=batch["pixel_values"]).logits.argmax(-1)
+    classes = getattr(task, "classes", None)
+    names = [classes[int(i)] if classes else str(int(i)) for i in pred]
+    truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
+    save_attention_overlay(model, batch["pixel_values"], str(out_png),
+                           titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
+    return [f"wrote {out_png}"]
 
 
 def _folder_tokenizer(folder: Path):

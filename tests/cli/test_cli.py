@@ -137,3 +137,21 @@ def test_presets_command_lists_every_preset():
     assert r.returncode == 0
     for name in qkv.presets():
         assert name in r.stdout
+
+
+def test_attention_command_for_a_text_run_and_a_vit_run(tmp_path):
+    rev = tmp_path / "rev"
+    assert run_cli("train", "reverse", "--out", str(rev), "--max-steps", "2", "--no-progress",
+                   "task.min_len=3", "task.max_len=5", "eval.n=4").returncode == 0
+    r = run_cli("attention", str(rev), "--input", "123", "--out", str(tmp_path / "a.png"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "a_cross.png").read_bytes()[:4] == b"\x89PNG" and "entropy" in r.stdout
+
+    vit = tmp_path / "vit"
+    assert run_cli("train", "configs/vit_digits.yaml", "--out", str(vit), "--max-steps", "2", "--no-progress",
+                   "eval.n=8", "eval.samples=0").returncode == 0
+    r = run_cli("attention", str(vit), "--input", "3", "--out", str(tmp_path / "v.png"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG"
+    r = run_cli("attention", str(vit), "--input", "three", "--out", str(tmp_path / "v.png"))
+    assert r.returncode == 2 and "number of held-out images" in r.stderr
