@@ -82,7 +82,7 @@ def test_file_errors(tmp_path):
         build_task("tsv")
     empty = tmp_path / "empty.tsv"
     empty.write_text("\n\n")
-    with pytest.raises(ConfigError, match="no sentence pairs"):
+    with pytest.raises(ConfigError, match="TSV file is empty"):
         build_task("tsv", path=str(empty))
     bad = tmp_path / "bad.tsv"
     bad.write_text("a\tb\nno tab here\n")

@@ -44,13 +44,9 @@ TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 # -- reading a folder ---------------------------------------------------------------------------------
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """config.json as a dict (a clear error if it is absent or not JSON)."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{folder} has no config.json; not a Hugging Face model folder")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    from qkv.checkpoint import read_config
+
+    return read_config(folder)
 
 
 def _load_torch_bin(path: Path) -> dict[str, Tensor]:

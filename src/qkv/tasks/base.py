@@ -134,6 +134,22 @@ class Task:
         return f"{type(self).__name__}(family={self.family!r}, {self.options})"
 
 
+def read_text_file(path: str | os.PathLike, what: str = "text file") -> str:
+    """A UTF-8 text file's contents; a clear ConfigError when it is missing, not a file, not UTF-8, or empty."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{what} not found: {p}")
+    if not p.is_file():
+        raise ConfigError(f"not a file: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise ConfigError(f"{what} is empty: {p}")
+    return text
+
+
 # -- registry -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TaskSpec:

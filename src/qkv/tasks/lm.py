@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
-from qkv.tasks.base import Task, check_split, model_device, register_task, rng_for
+from qkv.tasks.base import Task, check_split, model_device, read_text_file, register_task, rng_for
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
 
 
@@ -41,19 +40,6 @@ def default_corpus() -> str:
     return "".join(topics[k] for k in sorted(topics))
 
 
-def read_text_file(path: str | Path) -> str:
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"text file not found: {p}")
-    if not p.is_file():
-        raise ConfigError(f"not a file: {p}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not text.strip():
-        raise ConfigError(f"text file is empty: {p}")
-    return text
 
 
 @dataclass

@@ -93,6 +93,12 @@ class SpeechOptions:
     cache_dir: str | None = None  # default: $QKV_CACHE or ~/.cache/qkv/speech
     seed: int = 0
     val_fraction: float = 0.1
+    # train-split augmentation on top of gain/offset/noise (0 = off; val clips never get these):
+    speed_perturb: float = 0.0  # resample each clip by a factor in [1 - p, 1 + p] (tempo and pitch together)
+    time_masks: int = 0  # SpecAugment-style: zero this many spans of up to `time_mask_seconds` each
+    time_mask_seconds: float = 0.05
+    freq_masks: int = 0  # SpecAugment-style: zero this many frequency bands of up to `freq_mask_hz` each
+    freq_mask_hz: float = 400.0
 
     def validate(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
@@ -105,10 +111,19 @@ class SpeechOptions:
             raise ConfigError("need 0 < min_speed <= max_speed and 0 <= min_pitch <= max_pitch <= 99")
         if self.pool_size < 1 or self.test_pool_size < 1:
             raise ConfigError("pool_size and test_pool_size must be positive")
+        if not 0 <= self.speed_perturb < 1 or self.time_masks < 0 or self.freq_masks < 0:
+            raise ConfigError("need 0 <= speed_perturb < 1 and non-negative time_masks / freq_masks")
+        if self.time_mask_seconds < 0 or self.freq_mask_hz < 0:
+            raise ConfigError("time_mask_seconds and freq_mask_hz must be non-negative")
 
     @property
     def n_samples(self) -> int:
         return int(round(self.clip_seconds * self.sample_rate))
+
+
+# options applied per batch, not at rendering: changing them must not invalidate the cached pools
+_PER_BATCH_OPTIONS = ("cache_dir", "min_snr_db", "max_snr_db", "speed_perturb", "time_masks",
+                      "time_mask_seconds", "freq_masks", "freq_mask_hz")
 
 
 class SpeechTask(AudioDigitsTask):
@@ -121,7 +136,7 @@ class SpeechTask(AudioDigitsTask):
     def _cache_file(self, split: str) -> Path:
         o = self.options
         root = Path(o.cache_dir or os.environ.get("QKV_CACHE", Path.home() / ".cache" / "qkv")) / "speech"
-        keys = {k: v for k, v in asdict(o).items() if k not in ("cache_dir", "min_snr_db", "max_snr_db")}
+        keys = {k: v for k, v in asdict(o).items() if k not in _PER_BATCH_OPTIONS}
         digest = hashlib.sha256(json.dumps({"split": split, **keys}, sort_keys=True).encode()).hexdigest()[:16]
         return root / f"{split}-{digest}.npz"
 
@@ -172,8 +187,33 @@ class SpeechTask(AudioDigitsTask):
         for k in range(batch_size):
             # val: walk the pool in order (a fixed test set); train: draw at random
             i = (index * batch_size + k) % len(texts) if split == "val" else rng.randrange(len(texts))
-            out.append((texts[i], self._augment(clips[i], rng)))
+            x = self._perturb(clips[i], rng) if split == "train" else clips[i]
+            out.append((texts[i], self._augment(x, rng)))
         return out
+
+    def _perturb(self, x: np.ndarray, rng: random.Random) -> np.ndarray:
+        """Train-only augmentation of the clean clip (before gain/offset/noise); draws nothing when off, so the
+        default options give the same batches as before these options existed."""
+        o = self.options
+        if o.speed_perturb > 0:  # linear-interpolation resampling: factor > 1 is faster and higher
+            factor = rng.uniform(1 - o.speed_perturb, 1 + o.speed_perturb)
+            n = min(int(len(x) / factor), o.n_samples - int(0.1 * o.sample_rate))
+            x = np.interp(np.arange(n) * factor, np.arange(len(x)), x).astype(np.float32)
+        if o.freq_masks > 0:  # zero random bands of the spectrum (SpecAugment's frequency masks, on the wave)
+            spec = np.fft.rfft(x)
+            hz_per_bin = o.sample_rate / 2 / (len(spec) - 1)
+            for _ in range(o.freq_masks):
+                width = rng.uniform(0, o.freq_mask_hz)
+                lo = rng.uniform(0, o.sample_rate / 2 - width)
+                spec[int(lo / hz_per_bin):int((lo + width) / hz_per_bin) + 1] = 0
+            x = np.fft.irfft(spec, n=len(x)).astype(np.float32)
+        if o.time_masks > 0:  # zero random spans (SpecAugment's time masks; noise is added afterwards)
+            x = x.copy()
+            for _ in range(o.time_masks):
+                width = int(rng.uniform(0, o.time_mask_seconds) * o.sample_rate)
+                start = rng.randint(0, max(0, len(x) - width))
+                x[start:start + width] = 0
+        return x
 
     def _augment(self, x: np.ndarray, rng: random.Random) -> np.ndarray:
         o = self.options

@@ -17,21 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkv.config import ConfigError
-from qkv.tasks.base import Task, register_task, rng_for
+from qkv.tasks.base import Task, read_text_file, register_task, rng_for
 from qkv.tasks.seq2seq import PairTask
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
 
 
 def read_pairs(path: str | Path) -> list[tuple[str, str]]:
     p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"TSV file not found: {p}")
-    if not p.is_file():
-        raise ConfigError(f"not a file: {p}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = read_text_file(p, "TSV file")
     pairs = []
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
