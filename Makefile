@@ -23,8 +23,9 @@ install-test: venv
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test]"
 
+# Passive OpenMP waiting: spinning threads stall each other when the cores are shared (see README).
 demo: install
-	$(BIN)/qkv demo
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BIN)/qkv demo
 
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks
