@@ -16,6 +16,7 @@ def test_voices_held_out():
     assert not set(TRAIN_VOICES) & set(TEST_VOICES)
     train_accents = {v.split("+")[0] for v in TRAIN_VOICES}
     assert not train_accents & {v.split("+")[0] for v in TEST_VOICES}
+    assert not {v.split("+")[1] for v in TRAIN_VOICES} & {v.split("+")[1] for v in TEST_VOICES}  # nor variants
     with pytest.raises(ConfigError, match="both in train and test"):
         build_task("speech", family="whisper", test_voices=[TRAIN_VOICES[0]])
 
@@ -36,3 +37,47 @@ def test_speech_pool_batches(tmp_path):
     assert (again.batch(0, 3)["audio"] == b["audio"]).all()  # same pool from the cache, same augmentation
     texts, clips = task.pool("val")
     assert len(texts) == 2 and all(len(t) == 4 and t.isdigit() for t in texts)
+
+
+def test_augmentation_options_validated():
+    with pytest.raises(ConfigError, match="speed_perturb"):
+        build_task("speech", family="whisper", speed_perturb=1.5)
+    with pytest.raises(ConfigError, match="time_masks"):
+        build_task("speech", family="whisper", freq_masks=-1)
+
+
+@pytest.mark.skipif(not HAVE_ESPEAK, reason="espeak-ng is not installed (apt-get install espeak-ng)")
+def test_augmentation_train_only_deterministic_and_cache_shared(tmp_path):
+    common = dict(family="whisper", pool_size=4, test_pool_size=2, cache_dir=str(tmp_path))
+    aug = dict(speed_perturb=0.2, time_masks=2, time_mask_seconds=0.1, freq_masks=2, freq_mask_hz=1000.0)
+    plain = build_task("speech", **common)
+    task = build_task("speech", **common, **aug)
+    assert not (task.batch(0, 3)["audio"] == plain.batch(0, 3)["audio"]).all()  # train clips change
+    assert (task.batch(0, 2, "val")["audio"] == plain.batch(0, 2, "val")["audio"]).all()  # val never does
+    again = build_task("speech", **common, **aug)
+    assert (again.batch(5, 3)["audio"] == task.batch(5, 3)["audio"]).all()  # deterministic in (seed, index)
+    assert len(list(tmp_path.glob("speech/*.npz"))) == 2  # per-batch options reuse the same rendered pools
+
+
+@pytest.mark.skipif(not HAVE_ESPEAK, reason="espeak-ng is not installed (apt-get install espeak-ng)")
+def test_perturbations_do_what_they_say(tmp_path):
+    import random
+
+    import numpy as np
+
+    sr = 16000
+    x = np.sin(2 * np.pi * 1000 * np.arange(sr) / sr).astype(np.float32)  # 1 s of a 1 kHz tone
+    common = dict(family="whisper", pool_size=1, test_pool_size=1, cache_dir=str(tmp_path))
+    fast = build_task("speech", **common, speed_perturb=0.3)
+    for seed in range(5):  # resampling by f in [0.7, 1.3]: length len/f, the tone moves to 1000 * f Hz
+        y = fast._perturb(x, random.Random(seed))
+        f = len(x) / len(y)
+        assert 0.69 < f < 1.31
+        peak_hz = np.argmax(np.abs(np.fft.rfft(y))) * sr / len(y)
+        assert abs(peak_hz - 1000 * f) < 5
+    notch = build_task("speech", **common, freq_masks=1, freq_mask_hz=8000.0)
+    energies = [np.sum(notch._perturb(x, random.Random(s)) ** 2) / np.sum(x**2) for s in range(20)]
+    assert min(energies) < 0.01 and max(energies) > 0.99  # a band over 1 kHz removes the tone, others keep it
+    gaps = build_task("speech", **common, time_masks=1, time_mask_seconds=0.5)
+    y = gaps._perturb(x, random.Random(0))
+    assert np.sum(y == 0) > np.sum(x == 0) and np.array_equal(y[y != 0], x[y != 0])  # zeroed, else untouched
