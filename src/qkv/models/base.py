@@ -114,6 +114,17 @@ class QKVModel(nn.Module):
             if isinstance(m, Stack):
                 m.gradient_checkpointing = enabled
 
+    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> Any:
+        """A preallocated KV cache for this model's decoder stack (`self.decoder`): one slot per decoder
+        layer, n_kv_heads heads, `max_len` positions (default: the model's context)."""
+        from qkv.nn.cache import StaticCache
+
+        c = self.config
+        p = self.lm_head.weight
+        return StaticCache(len(self.decoder.blocks), batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
+                           max_len or c.context_length, dtype=dtype or p.dtype, device=device or p.device)
+
     # -- checkpoints -----------------------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         """Write config.json + model.safetensors atomically into folder `path`."""
@@ -175,15 +186,6 @@ class Seq2SeqModel(QKVModel):
         start = torch.full_like(labels[:, :1], self.config.bos_token_id)
         shifted = torch.cat([start, labels[:, :-1]], dim=1)
         return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
-
-    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None) -> Any:
-        from qkv.nn.cache import StaticCache
-
-        c = self.config
-        p = self.lm_head.weight
-        return StaticCache(c.n_decoder_layers, batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
-                           max_len or c.context_length, dtype=dtype or p.dtype, device=device or p.device)
 
     def seq2seq_forward(self, encoder_inputs: Tensor, *, decoder_input_ids: Tensor | None, labels: Tensor | None,
                         attention_mask: Tensor | None, decoder_attention_mask: Tensor | None,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
@@ -41,13 +40,6 @@ class GPT(QKVModel):
         self.init_weights(c.n_layers)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-
-    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None) -> StaticCache:
-        c = self.config
-        p = self.tok_emb.weight
-        return StaticCache(c.n_layers, batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
-                           max_len or c.context_length, dtype=dtype or p.dtype, device=device or p.device)
 
     def forward(
         self,
