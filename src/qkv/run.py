@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import yaml
 
-from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides, to_dict
+from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides
 
 SECTIONS = ("model", "task", "train", "eval")
 RUN_FILE = "run.yaml"
@@ -288,4 +288,4 @@ def _decode(tok: Any, ids: list[int]) -> str:
 
 
 __all__ = ["EvalSettings", "attention_report", "evaluate_run", "generate_text", "load_model_any",
-           "load_run_config", "load_run_task", "prepare", "train_run", "to_dict"]
+           "load_run_config", "load_run_task", "prepare", "train_run"]

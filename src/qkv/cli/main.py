@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         from qkv.checkpoint import CheckpointError
         from qkv.config import ConfigError
 
-        user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError, KeyError, TypeError)
+        user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError)  # bugs keep their traceback
         if a.debug or not isinstance(e, user_errors):
             raise
         print(f"qkv: error: {e}", file=sys.stderr)
