@@ -170,6 +170,21 @@ def cmd_attention(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_explore(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a run folder, checkpoint folder or Hugging Face folder (gpt2, bert, vit, whisper)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--input", default=None, help="with --export: the input to show (text; image index for a ViT)")
+    p.add_argument("--target", default=None, help="with --export: decoder input of an encoder-decoder")
+    p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and exit")
+
+
+def cmd_explore(a: argparse.Namespace) -> int:
+    from qkv.explore.cli import explore
+
+    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export)
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
@@ -179,6 +194,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "demo": ("the main job: train two small models and show them working", _add_demo, cmd_demo),
     "ablate": ("run an ablation suite and write its table and plots", _add_ablate, cmd_ablate),
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
+    "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
 }
 
 

@@ -1,0 +1,62 @@
+"""`qkv explore MODEL --input TEXT --export page.html`: the page with its data inlined, one file.
+
+The same index.html, explore.js and explore.css the server sends, with the JSON answers of /api/info,
+/api/analyze, /api/generate and /api/positions for one input written into the page as `window.QKV_EXPORT`.
+The file loads nothing from anywhere (no server, no network): open it in a browser, attach it to a report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from qkv.explore import analysis
+from qkv.explore.adapter import ExploreError, Loaded
+from qkv.explore.server import static_text
+
+CSS_LINK = '<link rel="stylesheet" href="static/explore.css">'
+JS_TAG = '<script src="static/explore.js"></script>'
+
+
+def _json_for_script(obj: Any) -> str:
+    """JSON that is safe inside <script>: no '</' can close the tag early."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).replace("</", "<\\/")
+
+
+def export_data(ld: Loaded, text: str, *, target: str | None = None, image_index: int = 0,
+                max_new_tokens: int = 16, wav_base64: str | None = None) -> dict[str, Any]:
+    """Everything the page shows for one input, as the API would answer it."""
+    data: dict[str, Any] = {"info": analysis.info(ld), "input": text, "target": target, "image": image_index,
+                            "analysis": analysis.analyze(ld, text, target=target, image_index=image_index,
+                                                         wav_base64=wav_base64),
+                            "positions": analysis.positions(ld), "generation": None}
+    if analysis.adapter.can_generate(ld):
+        try:
+            data["generation"] = analysis.generation(ld, text, max_new_tokens=max_new_tokens, wav_base64=wav_base64)
+        except (ExploreError, ValueError) as e:  # e.g. the prompt leaves no room: the page says so
+            data["generation"] = {"error": str(e)}
+    return data
+
+
+def render_page(data: dict[str, Any]) -> str:
+    html = static_text("index.html")
+    if CSS_LINK not in html or JS_TAG not in html:  # pragma: no cover - guards edits of index.html
+        raise RuntimeError("index.html lost the stylesheet link or the script tag the export replaces")
+    css, js = static_text("explore.css"), static_text("explore.js")
+    js = js.replace("</script", "<\\/script")
+    html = html.replace(CSS_LINK, f"<style>\n{css}</style>")
+    return html.replace(JS_TAG, f"<script>window.QKV_EXPORT = {_json_for_script(data)};</script>\n"
+                                f"<script>\n{js}</script>")
+
+
+def export_html(ld: Loaded, text: str, out: str | Path, **kw: Any) -> Path:
+    """Write the self-contained page for `text` to `out` (atomically)."""
+    out = Path(out)
+    page = render_page(export_data(ld, text, **kw))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, out)
+    return out

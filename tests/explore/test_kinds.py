@@ -1,0 +1,104 @@
+"""The explorer on the other kinds qkv loads: an encoder (BERT), an image model (ViT, patches over the
+picture), an audio encoder-decoder (Whisper, a WAV upload); the frame pooling that keeps audio maps small."""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv.explore.analysis import pool
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for preset in ("vit-digits", "bert-tiny", "whisper-digits"):
+        torch.manual_seed(0)
+        out[preset] = qkv.build(preset).save_pretrained(tmp_path_factory.mktemp(preset))
+    return out
+
+
+def _rows_sum_to_one(m):
+    for row in m:
+        assert sum(row) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_encoder_attention_is_bidirectional(folders, clients):
+    c = clients(folders["bert-tiny"])
+    assert c.get("/api/info").json()["can_generate"] is False
+    [view] = c.post("/api/analyze", json={"input": "5 6 7 8 9"}).json()["views"]
+    assert not view["causal"]
+    for m in (m for heads in view["layers"] for m in heads):
+        _rows_sum_to_one(m)
+        assert m[0][4] > 0  # the first token sees the last one
+    r = c.post("/api/generate", json={"input": "5 6"})
+    assert r.status_code == 400 and "does not generate" in r.json()["error"]
+
+
+def test_vit_patches_over_the_image(folders, clients):
+    from sklearn.datasets import load_digits
+
+    c = clients(folders["vit-digits"])
+    data = c.post("/api/analyze", json={"image": 3}).json()
+    cfg = qkv.from_pretrained(folders["vit-digits"]).config
+    n = cfg.grid ** 2  # mean pooling: no class token
+    assert data["tokens"]["input"] == [f"{r},{q}" for r in range(cfg.grid) for q in range(cfg.grid)]
+    im = data["image"]
+    assert im["grid"] == [cfg.grid, cfg.grid] and im["cls"] is False and "digit 3" in im["caption"]
+    pixels = np.array(im["pixels"])  # (H, W, 3), min-max scaled for display
+    assert pixels.shape == (cfg.image_size, cfg.image_size, 3)
+    digit = load_digits().images[3]  # 8x8 at the model's 8x8 size: the same picture, scaled to [0, 1]
+    assert np.allclose(pixels[..., 0], (digit - digit.min()) / (digit.max() - digit.min()), atol=1e-3)
+    for m in (m for heads in data["views"][0]["layers"] for m in heads):
+        assert len(m) == n
+        _rows_sum_to_one(m)
+    assert c.post("/api/analyze", json={"image": 99}).status_code == 400
+    enc = c.get("/api/positions").json()["encodings"]
+    assert enc[0]["where"] == "patches" and enc[0]["grid"] == [cfg.grid, cfg.grid]
+
+
+def _wav(seconds: float, rate: int = 8000) -> str:
+    t = np.arange(int(seconds * rate)) / rate
+    x = (0.3 * np.sin(2 * np.pi * 697 * t) * 32767).astype(np.int16)
+    b = io.BytesIO()
+    with wave.open(b, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)  # resampled to the model's 16 kHz
+        w.writeframes(x.tobytes())
+    return base64.b64encode(b.getvalue()).decode()
+
+
+def test_whisper_wav_upload_three_views_and_generation(folders, clients):
+    c = clients(folders["whisper-digits"])
+    data = c.post("/api/analyze", json={"wav": _wav(0.5), "target": "3 4"}).json()
+    assert [v["name"] for v in data["views"]] == ["encoder self", "decoder self", "cross"]
+    assert data["audio"]["seconds"] == pytest.approx(0.5) and data["audio"]["frames"] == 100
+    assert data["tokens"]["target"] == ["1", "3", "4"]  # <bos> = id 1, then the typed target ids
+    enc, dec, cross = data["views"]
+    assert len(enc["layers"][0][0]) == 100 and len(cross["layers"][0][0][0]) == 100
+    for v in (enc, dec, cross):
+        for m in (m for heads in v["layers"] for m in heads):
+            _rows_sum_to_one(m)
+    g = c.post("/api/generate", json={"wav": _wav(0.5), "max_new_tokens": 3}).json()
+    assert len(g["steps"]) == 3 and len(g["steps"][0]["rows"]["cross"][0][0]) == 100
+    r = c.post("/api/analyze", json={"wav": _wav(3.0)})  # the window is 2 s
+    assert r.status_code == 400 and "window" in r.json()["error"]
+    r = c.post("/api/analyze", json={"wav": base64.b64encode(b"not a wav").decode()})
+    assert r.status_code == 400 and "WAV" in r.json()["error"]
+
+
+def test_pool_keeps_rows_stochastic_and_sums_key_bins():
+    w = torch.rand(2, 6, 9).softmax(-1).double()
+    p = pool(w, 3, 3)
+    assert p.shape == (2, 3, 3)
+    torch.testing.assert_close(p.sum(-1), torch.ones(2, 3, dtype=torch.float64))
+    # bin (0, 0): mean over queries 0-1 of the summed keys 0-2
+    torch.testing.assert_close(p[0, 0, 0], w[0, 0:2, 0:3].sum(-1).mean())
+    torch.testing.assert_close(pool(w, 6, 9), w)
