@@ -176,13 +176,14 @@ def _add_explore(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--input", default=None, help="with --export: the input to show (text; image index for a ViT)")
     p.add_argument("--target", default=None, help="with --export: decoder input of an encoder-decoder")
+    p.add_argument("--wav", default=None, help="with --export: a WAV file for an audio model")
     p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and exit")
 
 
 def cmd_explore(a: argparse.Namespace) -> int:
     from qkv.explore.cli import explore
 
-    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export)
+    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav)
 
 
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {

@@ -273,7 +273,7 @@ def audio(ld: Loaded, text: str, wav_base64: str | None) -> tuple[Tensor, str]:
         text = text.strip()
         if not text:
             raise ExploreError("the input is empty: type the digits to render as audio")
-        alphabet = set(getattr(ld.task, "alphabet", "") or "0123456789*#ABCD")
+        alphabet = set(getattr(ld.task.tokenizer, "symbols", "0123456789"))
         bad = sorted(set(text) - alphabet)
         if bad:
             raise ExploreError(f"this task renders only {''.join(sorted(alphabet))}; unknown: {' '.join(map(repr, bad))}")

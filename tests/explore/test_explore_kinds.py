@@ -102,3 +102,42 @@ def test_pool_keeps_rows_stochastic_and_sums_key_bins():
     # bin (0, 0): mean over queries 0-1 of the summed keys 0-2
     torch.testing.assert_close(p[0, 0, 0], w[0, 0:2, 0:3].sum(-1).mean())
     torch.testing.assert_close(pool(w, 6, 9), w)
+
+
+def test_dtmf_run_renders_typed_digits(tmp_path_factory, clients):
+    from qkv.run import load_run_config, train_run
+
+    out = tmp_path_factory.mktemp("explore") / "dtmf"
+    cfg = load_run_config("whisper_dtmf", ["train.max_steps=1", "train.batch_size=2", "train.progress=false",
+                                           "eval.n=2", "eval.samples=0", "train.save_every=0"])
+    train_run(cfg, out=out)
+    c = clients(out)
+    info = c.get("/api/info").json()
+    assert info["kind"] == "audio" and info["renders_text"] is True
+    data = c.post("/api/analyze", json={"input": "4096", "target": "4096"}).json()
+    assert "'4096' rendered by the task" in data["audio"]["caption"]
+    assert data["tokens"]["target"] == ["<bos>", "4", "0", "9", "6"]
+    r = c.post("/api/analyze", json={"input": "12x"})
+    assert r.status_code == 400 and "'x'" in r.json()["error"]
+
+
+def test_export_of_image_and_audio_models(folders, tmp_path, capsys):
+    import json
+
+    from qkv.cli.main import main
+
+    def exported(path):
+        html = path.read_text(encoding="utf-8")
+        start = html.index("window.QKV_EXPORT = ") + len("window.QKV_EXPORT = ")
+        return json.loads(html[start: html.index(";</script>", start)].replace("<\\/", "</"))
+
+    assert main(["explore", str(folders["vit-digits"]), "--input", "7", "--export", str(tmp_path / "vit.html")]) == 0
+    data = exported(tmp_path / "vit.html")
+    assert "digit 7" in data["analysis"]["image"]["caption"] and data["generation"] is None
+    wav = tmp_path / "a.wav"
+    wav.write_bytes(base64.b64decode(_wav(0.4)))
+    assert main(["explore", str(folders["whisper-digits"]), "--wav", str(wav), "--export", str(tmp_path / "w.html")]) == 0
+    data = exported(tmp_path / "w.html")
+    assert data["analysis"]["audio"]["seconds"] == pytest.approx(0.4) and len(data["generation"]["steps"]) >= 1
+    assert main(["explore", str(folders["vit-digits"]), "--input", "cat", "--export", str(tmp_path / "x.html")]) == 2
+    assert "index of a built-in image" in capsys.readouterr().err

@@ -227,3 +227,27 @@ def test_exported_page_works_offline(browser, hf_gpt2, tmp_path):
     assert _not_blank(pg.screenshot(full_page=True)) > 0.005
     pg.close()
     assert not errors
+
+
+def test_vit_patches_drawn_over_the_image(page, tmp_path_factory):
+    import qkv
+
+    folder = qkv.build("vit-digits", image_size=16, pooling="cls").save_pretrained(tmp_path_factory.mktemp("vit"))
+    url, stop = _serve(folder)
+    try:
+        page.goto(url)
+        page.wait_for_function("window.QKV && window.QKV.info")
+        assert page.is_hidden("#text-row") and page.is_visible("#image")
+        page.select_option("#image", "5")
+        page.click("#analyze")
+        page.wait_for_selector("#heatmap rect.cell")
+        assert page.locator("#heatmap rect.cell").count() == 17 * 17  # class token + 4 x 4 patches
+        assert page.is_visible("#image-canvas")
+        assert "the class token" in page.inner_text("#image-caption")
+        before = page.locator("#image-canvas").screenshot()
+        page.hover("#lines text.q-tok[data-i='6']")  # patch (1, 1): its own attention over the picture
+        assert "patch 1,1" in page.inner_text("#image-caption")
+        after = page.locator("#image-canvas").screenshot()
+        assert _not_blank(before) > 0.001 and before != after
+    finally:
+        stop()
