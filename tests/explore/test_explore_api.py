@@ -275,3 +275,34 @@ def test_static_files_and_unknown_paths(charlm_run, clients):
     assert c.get("/static/explore.js").headers["content-type"].startswith("text/javascript")
     assert c.get("/static/../../etc/passwd").status_code == 404
     assert c.get("/static/secret.py").status_code == 404
+
+
+def test_a_bug_is_a_json_500_without_traceback(charlm_run, clients, monkeypatch):
+    from qkv.explore import analysis
+
+    def broken(*a, **k):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(analysis, "analyze", broken)
+    r = clients(charlm_run).post("/api/analyze", json={"input": "abc"})
+    assert r.status_code == 500 and r.json() == {"error": "internal error (RuntimeError); see the server log"}
+
+
+def test_only_the_adapter_touches_the_rest_of_qkv():
+    """analysis, server, export and cli import nothing of qkv but qkv.explore (function-level imports too),
+    so a change of the model interfaces (issue 11) is absorbed by adapter.py alone."""
+    import ast
+    from pathlib import Path
+
+    import qkv.explore
+
+    pkg = Path(qkv.explore.__file__).parent
+    for path in sorted(pkg.glob("*.py")):
+        if path.name == "adapter.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            for name in names:
+                if name == "qkv" or name.startswith("qkv."):
+                    assert name.startswith("qkv.explore"), f"{path.name} imports {name}"

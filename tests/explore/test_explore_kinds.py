@@ -141,3 +141,35 @@ def test_export_of_image_and_audio_models(folders, tmp_path, capsys):
     assert data["analysis"]["audio"]["seconds"] == pytest.approx(0.4) and len(data["generation"]["steps"]) >= 1
     assert main(["explore", str(folders["vit-digits"]), "--input", "cat", "--export", str(tmp_path / "x.html")]) == 2
     assert "index of a built-in image" in capsys.readouterr().err
+
+
+def test_hf_vit_folder_maps_equal_transformers(tmp_path, clients):
+    """A Hugging Face ViT folder with its preprocessor_config.json: the explorer normalises the built-in
+    image as the folder says, and its maps equal transformers' eager attentions on the same pixels."""
+    import json
+
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=64, num_labels=10)
+    hf = transformers.ViTForImageClassification(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"do_normalize": True, "image_mean": [0.5, 0.4, 0.3], "image_std": [0.5, 0.25, 0.2]}))
+    data = clients(tmp_path).post("/api/analyze", json={"image": 4}).json()
+    assert len(data["tokens"]["input"]) == 1 + 16 and data["tokens"]["input"][0] == "CLS"
+    x = torch.from_numpy(load_digits().images[4] / 16.0).float()[None, None]
+    x = F.interpolate(x, size=(16, 16), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    x = (x - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / torch.tensor([0.5, 0.25, 0.2]).view(1, 3, 1, 1)
+    hf = transformers.ViTForImageClassification.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(pixel_values=x, output_attentions=True)
+    got = torch.tensor(data["views"][0]["layers"], dtype=torch.float64)
+    torch.testing.assert_close(got, torch.stack([a[0] for a in ref.attentions]).double(), atol=2e-5, rtol=0)
+    assert data["image"]["prediction"] == int(ref.logits.argmax())

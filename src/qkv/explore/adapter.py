@@ -249,7 +249,23 @@ def image(ld: Loaded, index: int) -> tuple[Tensor, str]:
     imgs, labels, _ = load_digit_images()
     x = torch.from_numpy(imgs[index]).float()[None, None]  # (1, 1, 8, 8) in [0, 1]
     x = F.interpolate(x, size=(c.image_size, c.image_size), mode="bilinear", align_corners=False)
-    return x.repeat(1, c.n_channels, 1, 1), f"scikit-learn digit {index} (a {int(labels[index])})"
+    x = _normalize(ld, x.repeat(1, c.n_channels, 1, 1))
+    return x, f"scikit-learn digit {index} (a {int(labels[index])})"
+
+
+def _normalize(ld: Loaded, x: Tensor) -> Tensor:
+    """A Hugging Face image folder's own normalisation (preprocessor_config.json), when it has one."""
+    import json
+
+    cfg = ld.folder / "preprocessor_config.json" if ld.folder is not None else None
+    if cfg is None or not cfg.is_file():
+        return x
+    pre = json.loads(cfg.read_text(encoding="utf-8"))
+    if not pre.get("do_normalize", True) or "image_mean" not in pre:
+        return x
+    mean = torch.tensor(pre["image_mean"], dtype=x.dtype).view(1, -1, 1, 1)
+    std = torch.tensor(pre.get("image_std", [1.0] * len(pre["image_mean"])), dtype=x.dtype).view(1, -1, 1, 1)
+    return (x - mean[:, : x.shape[1]]) / std[:, : x.shape[1]]
 
 
 def pixels_for_display(px: Tensor) -> list[list[list[float]]]:

@@ -14,7 +14,6 @@ and the traceback goes to the server log only.
 
 from __future__ import annotations
 
-import logging
 from importlib import resources
 from typing import Any
 
@@ -25,8 +24,6 @@ from pydantic import BaseModel, Field
 
 from qkv.explore import analysis
 from qkv.explore.adapter import ExploreError, Loaded
-
-log = logging.getLogger("qkv.explore")
 
 
 def static_text(name: str) -> str:
@@ -73,7 +70,7 @@ def create_app(ld: Loaded) -> Any:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.error("explore: %s failed", request.url.path, exc_info=exc)
+        # Starlette re-raises after this response is sent, so uvicorn logs the traceback (server side only)
         return JSONResponse({"error": f"internal error ({type(exc).__name__}); see the server log"}, status_code=500)
 
     @app.get("/", response_class=HTMLResponse)
