@@ -306,3 +306,15 @@ def test_only_the_adapter_touches_the_rest_of_qkv():
             for name in names:
                 if name == "qkv" or name.startswith("qkv."):
                     assert name.startswith("qkv.explore"), f"{path.name} imports {name}"
+
+
+def test_an_input_too_large_to_draw_is_refused_before_computing(rope_alibi, clients, monkeypatch):
+    from qkv.explore import adapter, analysis
+
+    calls = []
+    monkeypatch.setattr(adapter, "attention", lambda *a: calls.append(a))
+    monkeypatch.setattr(analysis, "MAX_WEIGHTS", 1 * 4 * 10 * 10 - 1)  # 1 layer x 4 heads x 10 x 10 is one too many
+    r = clients(rope_alibi["rope"]).post("/api/analyze", json={"input": " ".join(["3"] * 10)})
+    assert r.status_code == 400 and "400 attention weights" in r.json()["error"] and "1 layers x 4 heads x 10 x 10" \
+        in r.json()["error"]
+    assert calls == []

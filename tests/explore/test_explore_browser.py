@@ -23,6 +23,7 @@ if CHROMIUM is None:
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LINE_MIN = 0.02  # explore.js draws a line for every weight >= this
+TIMEOUT_MS = 180_000  # generous: the CI machine is shared and can be slow, never a timing assertion
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,9 @@ def browser(tmp_path_factory):
 @pytest.fixture
 def page(browser):
     pg = browser.new_page()
+    pg.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.js_errors = errors
     yield pg
     pg.close()
     assert not errors, f"JavaScript errors on the page: {errors}"
@@ -119,7 +120,7 @@ def test_page_draws_encoder_decoder_maps_and_highlights(page, rev_server, tmp_pa
     import httpx
 
     src = "31415926"
-    data = httpx.post(rev_server + "api/analyze", json={"input": src}, timeout=60).json()  # what the page asks
+    data = httpx.post(rev_server + "api/analyze", json={"input": src}, timeout=TIMEOUT_MS / 1000).json()  # what the page asks
     page.goto(rev_server)
     page.wait_for_function("window.QKV && window.QKV.info")
     page.fill("#input", src)
@@ -193,6 +194,7 @@ def test_exported_page_works_offline(browser, hf_gpt2, tmp_path):
     m = data["views"][0]["layers"][1][3]
     T = len(m)
     pg = browser.new_page()
+    pg.set_default_timeout(TIMEOUT_MS)
     requests: list[str] = []
 
     def refuse(route):

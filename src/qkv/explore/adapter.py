@@ -91,6 +91,12 @@ def stacks(ld: Loaded) -> dict[str, Any]:
     return {name: getattr(m, name) for name in ("encoder", "decoder") if getattr(m, name, None) is not None}
 
 
+def n_layers(ld: Loaded, role: str | None = None) -> int:
+    """Blocks of the "encoder" or "decoder" stack (default: the model's only stack)."""
+    s = stacks(ld)
+    return len((s[role] if role is not None else next(iter(s.values()))).blocks)
+
+
 def n_heads(ld: Loaded) -> int:
     return int(config(ld).n_heads)
 

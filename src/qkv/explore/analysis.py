@@ -19,6 +19,9 @@ from qkv.explore.adapter import ExploreError, Loaded
 DIGITS = 5
 MAX_AUDIO_BINS = 100  # an audio encoder's frames are pooled into at most this many bins for display
 MAX_NEW_TOKENS = 64  # generation steps one request may ask for
+# attention weights one analysis may return (all views, layers, heads): ~7 bytes each in JSON, so at most
+# ~40 MB; GPT-2 small (12 x 12 heads) reaches it at 204 tokens, ViT-B/16's 197 patches stay under it
+MAX_WEIGHTS = 6_000_000
 TABLE_POSITIONS, TABLE_DIMS = 128, 128  # position tables are drawn up to this size
 
 
@@ -57,6 +60,18 @@ def _view(ld: Loaded, name: str, queries: str, keys: str, layers: list[Tensor],
             "layers": [rounded(w) for w in shown], "stats": _stats_json(stats)}
 
 
+def check_size(ld: Loaded, shapes: list[tuple[int, int, int]]) -> None:
+    """shapes: (layers, queries, keys) per view. Refuse an input whose maps would be too large to send and
+    draw, before computing them."""
+    h = adapter.n_heads(ld)
+    total = sum(n * h * q * k for n, q, k in shapes)
+    if total > MAX_WEIGHTS:
+        worst = max(shapes, key=lambda s: s[1] * s[2])
+        raise ExploreError(f"this input gives {total:,} attention weights to draw ({len(shapes)} view(s), e.g. "
+                           f"{worst[0]} layers x {h} heads x {worst[1]} x {worst[2]}); the explorer draws at most "
+                           f"{MAX_WEIGHTS:,}: shorten the input")
+
+
 def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_index: int = 0,
             wav_base64: str | None = None, max_target_tokens: int = 32) -> dict[str, Any]:
     """Attention of every layer and head for one input. Returns {"tokens": {role: labels}, "views": [...],
@@ -67,6 +82,7 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
         if ld.kind in ("decoder", "encoder"):
             ids, labels = adapter.tokenize(ld, text)
             adapter.check_length(len(ids), adapter.context(ld), "input")
+            check_size(ld, [(adapter.n_layers(ld), len(ids), len(ids))])
             maps = adapter.attention(ld, {"input_ids": torch.tensor([ids], device=dev)})
             return {"tokens": {"input": labels}, "ids": {"input": ids},
                     "views": [_view(ld, "self", "input", "input", maps["self"])]}
@@ -75,6 +91,8 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
             adapter.check_length(len(ids), adapter.context(ld), "source")
             src = torch.tensor([ids], device=dev)
             t_ids = _target_ids(ld, src, target, max_target_tokens)
+            S, T, Le, Ld = len(ids), len(t_ids), adapter.n_layers(ld, "encoder"), adapter.n_layers(ld, "decoder")
+            check_size(ld, [(Le, S, S), (Ld, T, T), (Ld, T, S)])
             maps = adapter.attention(ld, {"input_ids": src, "decoder_input_ids": torch.tensor([t_ids], device=dev)})
             t_labels = [adapter.label(ld, i) for i in t_ids]
             return {"tokens": {"source": labels, "target": t_labels}, "ids": {"source": ids, "target": t_ids},
@@ -84,6 +102,8 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
         if ld.kind == "image":
             px, caption = adapter.image(ld, image_index)
             px = px.to(dev)
+            n = adapter.context(ld)
+            check_size(ld, [(adapter.n_layers(ld), n, n)])
             maps = adapter.attention(ld, {"pixel_values": px})
             c = adapter.config(ld)
             cls = c.pooling == "cls"

@@ -46,26 +46,31 @@
   // viridis, 9 stops: sequential colour for probabilities in [0, 1]
   const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
                    [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
-  function viridis(p) {
+  function viridisRGB(p) {
     const x = Math.max(0, Math.min(1, p)) * (VIRIDIS.length - 1);
     const i = Math.min(VIRIDIS.length - 2, Math.floor(x)), f = x - i, a = VIRIDIS[i], b = VIRIDIS[i + 1];
-    return "rgb(" + [0, 1, 2].map((c) => Math.round(a[c] + f * (b[c] - a[c]))).join(",") + ")";
+    return [0, 1, 2].map((c) => Math.round(a[c] + f * (b[c] - a[c])));
   }
   // blue - white - red for signed values (position tables), v in [-1, 1]
-  function diverging(v) {
+  function divergingRGB(v) {
     const t = Math.max(-1, Math.min(1, v));
-    const r = t < 0 ? 255 + t * 200 : 255, g = 255 - Math.abs(t) * 200, b = t > 0 ? 255 - t * 200 : 255;
-    return "rgb(" + Math.round(r) + "," + Math.round(g) + "," + Math.round(b) + ")";
+    return [t < 0 ? 255 + t * 200 : 255, 255 - Math.abs(t) * 200, t > 0 ? 255 - t * 200 : 255].map(Math.round);
   }
-  // draw a matrix on a canvas, `cell` pixels per entry
-  function matrixCanvas(m, cell, color, cellHeight) {
+  const css = (rgb) => "rgb(" + rgb.join(",") + ")";
+  const viridis = (p) => css(viridisRGB(p));
+  // a matrix as a canvas: one pixel per entry (ImageData, fast for thousands of thumbnails' cells), shown
+  // `cell` x `cellHeight` screen pixels per entry; rgb(value) -> [r, g, b]
+  function matrixCanvas(m, cell, rgb, cellHeight) {
     const c = document.createElement("canvas");
-    const rows = m.length, cols = m[0].length, ch = cellHeight || cell;
-    c.width = Math.max(1, cols * cell); c.height = Math.max(1, rows * ch);
-    const g = c.getContext("2d");
+    const rows = m.length, cols = m[0].length;
+    c.width = cols; c.height = rows;
+    const img = new ImageData(cols, rows), d = img.data;
     for (let i = 0; i < rows; i++) for (let j = 0; j < cols; j++) {
-      g.fillStyle = color(m[i][j]); g.fillRect(j * cell, i * ch, cell, ch);
+      const k = 4 * (i * cols + j), v = rgb(m[i][j]);
+      d[k] = v[0]; d[k + 1] = v[1]; d[k + 2] = v[2]; d[k + 3] = 255;
     }
+    c.getContext("2d").putImageData(img, 0, 0);
+    c.style.width = cols * cell + "px"; c.style.height = rows * (cellHeight || cell) + "px";
     return c;
   }
 
@@ -191,7 +196,7 @@
       const d = document.createElement("div");
       d.className = "thumb" + (l === state.layer && h === state.head ? " sel" : "");
       const n = Math.max(m.length, m[0].length);
-      d.appendChild(matrixCanvas(m, Math.max(1, Math.floor(72 / n)), viridis));
+      d.appendChild(matrixCanvas(m, 72 / n, viridisRGB));
       const s = statOf(v, l, h), cap = document.createElement("div");
       cap.textContent = "L" + l + " H" + h + (s && s.entropy_nats !== null ? " · " + s.entropy_nats.toFixed(2) : "");
       if (s && s.flag) { const f = document.createElement("span"); f.className = "flag"; f.textContent = " " + s.flag; cap.appendChild(f); }
@@ -441,20 +446,20 @@
       const cell = Math.max(1, Math.min(4, Math.floor(512 / e.table[0].length)));
       pics.appendChild(figure("table: position (down, " + e.table.length + " of " + e.n_positions + ") × dimension (across, " +
         e.table[0].length + " of " + e.d_model + "); blue < 0 < red",
-        matrixCanvas(e.table, cell, (v) => diverging(v / top), Math.max(1, Math.min(8, Math.floor(256 / e.table.length))))));
+        matrixCanvas(e.table, cell, (v) => divergingRGB(v / top), Math.max(1, Math.min(8, Math.floor(256 / e.table.length))))));
       pics.appendChild(figure("cosine similarity between positions (1 = yellow)",
-        matrixCanvas(e.similarity, Math.max(1, Math.floor(256 / e.similarity.length)), (v) => viridis((v + 1) / 2))));
+        matrixCanvas(e.similarity, Math.max(1, Math.floor(256 / e.similarity.length)), (v) => viridisRGB((v + 1) / 2))));
     }
     if (e.kind === "rope") {
       pics.appendChild(figure("cos(m·θᵢ): position m (down) × frequency pair i (across); head_dim " + e.head_dim +
-        ", base " + e.base, matrixCanvas(e.cos, 4, diverging)));
+        ", base " + e.base, matrixCanvas(e.cos, 4, divergingRGB)));
       pics.appendChild(figure("q_m · k_0 for q = k = all ones, rotated by the model's RoPE: it depends on distance only",
         lineChart(e.dot_by_distance, "distance m")));
     }
     if (e.kind === "alibi") {
       pics.appendChild(figure("slope per head (bias = −slope × distance)", barChart(e.slopes, "head ")));
       const lo = Math.min.apply(null, e.bias.map((m) => Math.min.apply(null, m.map((r) => Math.min.apply(null, r))))) || -1;
-      e.bias.forEach((m, hh) => pics.appendChild(figure("head " + hh, matrixCanvas(m, 5, (v) => viridis(1 - v / lo)))));
+      e.bias.forEach((m, hh) => pics.appendChild(figure("head " + hh, matrixCanvas(m, 5, (v) => viridisRGB(1 - v / lo)))));
     }
     return div;
   }
