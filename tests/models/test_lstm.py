@@ -113,8 +113,11 @@ def test_generate_sampling_is_seeded():
     assert not torch.equal(a, m.generate(p, 8, do_sample=True, temperature=1.5, top_k=5, seed=5))
     # a vanishing nucleus keeps only the most likely token: sampling becomes greedy
     torch.testing.assert_close(m.generate(p, 8, do_sample=True, top_p=1e-6, seed=1), m.generate(p, 8))
-    with pytest.raises(ValueError, match="num_beams"):
-        m.generate(p, 2, num_beams=4)
+    # the shared generate() brings beam search to the LSTM (it used to refuse num_beams): one beam is greedy
+    from qkv.generate import beam_search
+
+    assert torch.equal(beam_search(m, p, 8, num_beams=1).sequences, m.generate(p, 8))
+    assert m.generate(p, 4, num_beams=4).shape == (3, 6)
 
 
 @pytest.mark.parametrize("kw", [

@@ -125,11 +125,33 @@ def scaled_dot_product_attention(
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
 
     if mask is not None:
-        # Zero the rows that see no key at all: the fused kernels return NaN or garbage there.
+        # Zero the rows that see no key at all: the fused kernels return NaN or garbage there. Always applied
+        # (one cheap elementwise op) rather than after asking `visible.all()`, a device-to-host sync per layer.
         visible = full.any(dim=-1, keepdim=True)  # (..., Tq, 1)
-        if not bool(visible.all()):
-            out = out.masked_fill(~visible, 0.0)
+        out = out.masked_fill(~visible, 0.0)
     return out, (weights if return_weights else None)
+
+
+def step_scores_bias(
+    batch: int, n_heads: int, n_kv_heads: int, q_len: int, k_len: int, *,
+    bias: Tensor | None, keep: Tensor | None, causal: bool, dtype: torch.dtype, device: torch.device,
+) -> Tensor | None:
+    """The one additive term of a decoding step's scores, built once per step for every layer:
+    position bias (ALiBi, broadcastable to (B, H, q_len, k_len)) + -inf on masked keys (keep: (B, k_len)
+    bool) + the causal mask among q_len > 1 new tokens (causal self-attention). Returned in the grouped layout of
+    MultiHeadAttention.step, (B * n_kv_heads, group * q_len, k_len); None when nothing is added."""
+    add = None if bias is None else bias.to(dtype)
+    visible = None if keep is None else keep.bool()[:, None, None, :]
+    if causal and q_len > 1:
+        cm = causal_mask(q_len, k_len, device)
+        visible = cm if visible is None else visible & cm
+    if visible is not None:
+        neg = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        add = neg if add is None else add + neg
+    if add is None:
+        return None
+    group = n_heads // n_kv_heads
+    return add.expand(batch, n_heads, q_len, k_len).reshape(batch * n_kv_heads, group * q_len, k_len)
 
 
 class MultiHeadAttention(nn.Module):
@@ -205,7 +227,8 @@ class MultiHeadAttention(nn.Module):
             q = self._heads(self.q_proj(x), self.n_heads)
             if cache is not None:
                 if not cache.has_cross(layer):  # encoder K/V are projected once per generation
-                    cache.set_cross(layer, *self._project_kv(memory))
+                    k, v = self._project_kv(memory)
+                    cache.set_cross(layer, k.contiguous(), v.contiguous())  # contiguous: step() views them
                 k, v = cache.get_cross(layer)
             else:
                 k, v = self._project_kv(memory)
@@ -225,3 +248,52 @@ class MultiHeadAttention(nn.Module):
         )
         y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble heads: (B, T, H*hd)
         return self.out_proj(y), w
+
+    def step(
+        self,
+        x: Tensor,
+        *,
+        cache: KVCache,
+        layer: int,
+        add: Tensor | None = None,
+        position: PositionalEncoding | None = None,
+        offset: int | Tensor = 0,
+    ) -> Tensor:
+        """The decoding step: the same function as forward() for the T newest tokens (T small, 1 per step)
+        over a cache, for inference. x: (B, T, d_model). Self-attention appends its new K/V to the cache
+        (any KVCache: static or paged); cross-attention reads the encoder's K/V from the cache (they are
+        put there by the first, prefilling forward). add: step_scores_bias(...), the position bias, key
+        padding and causal mask of this step in one additive term (None: nothing to add).
+
+        Differences from forward() are in how, not what: pre-transposed weights (Linear.step), and grouped-
+        query attention by folding the query heads of one key/value head into rows of one batched matmul
+        instead of repeating the cached keys. Every new token must be a real token (its own key visible)."""
+        B, T, C = x.shape
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.cross:
+            if not cache.has_cross(layer):
+                raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill first")
+            q = self.q_proj.step(x).view(B, T, H, hd).transpose(1, 2)
+            k, v = cache.get_cross(layer)
+        else:
+            kv_dim = Hkv * hd
+            q, k, v = self.qkv_proj.step(x).split([C, kv_dim, kv_dim], dim=-1)
+            q = q.view(B, T, H, hd).transpose(1, 2)
+            k = k.view(B, T, Hkv, hd).transpose(1, 2)
+            v = v.view(B, T, Hkv, hd).transpose(1, 2)
+            if position is not None:
+                q, k = position.rotate(q, k, offset)
+            k, v = cache.update(layer, k, v)  # (B, Hkv, Tk, hd): cached + new
+        Tk = k.shape[2]
+        # query head h = j * G + g uses key/value head j (as repeat_interleave in the forward pass)
+        q = q.reshape(B * Hkv, (H // Hkv) * T, hd)
+        kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
+        if add is None:
+            scores = torch.bmm(q, kt)
+            if self.scale != 1.0:
+                scores = scores.mul_(self.scale)
+        else:
+            scores = torch.baddbmm(add, q, kt, alpha=self.scale)  # scale, bias and mask in one op
+        y = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
+        y = y.view(B, H, T, hd).transpose(1, 2).reshape(B, T, C)
+        return self.out_proj.step(y)

@@ -59,12 +59,14 @@ class Block(nn.Module):
         self.norm2 = build_norm(norm, d_model, norm_eps, bias)
         self.drop = nn.Dropout(dropout)
 
-    def _sublayer(self, x: Tensor, norm: nn.Module, fn, keep: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def _residual(self, x: Tensor, norm: nn.Module, fn, keep: Tensor | None) -> Tensor:
+        """The one place placement is decided. Pre-LN: x + f(norm(x)); Post-LN: norm(x + f(x))."""
         if self.placement == "pre":
-            y, w = fn(norm(x, keep))
-            return x + self.drop(y), w
-        y, w = fn(x)
-        return norm(x + self.drop(y), keep), w
+            return x + self._drop(fn(norm(x, keep)))
+        return norm(x + self._drop(fn(x)), keep)
+
+    def _drop(self, y: Tensor) -> Tensor:
+        return self.drop(y) if self.training and self.drop.p > 0 else y
 
     def forward(
         self,
@@ -85,22 +87,45 @@ class Block(nn.Module):
         (for BatchNorm); memory/memory_mask: encoder output and its keep-mask, for cross-attention.
         Returns (x, {"self": weights, "cross": weights}) with weights only when asked for."""
         weights: dict[str, Tensor] = {}
-        x, w = self._sublayer(
-            x, self.norm1,
-            lambda h: self.attn(h, mask=mask, bias=bias, position=position, offset=offset,
-                                cache=cache, layer=layer, return_weights=return_weights),
-            keep,
-        )
-        if w is not None:
-            weights["self"] = w
-        if self.cross is not None:
-            x, w = self._sublayer(
-                x, self.norm_cross,
-                lambda h: self.cross(h, memory=memory, mask=memory_mask, cache=cache, layer=layer,
-                                     return_weights=return_weights),
-                keep,
-            )
+
+        def self_attention(h: Tensor) -> Tensor:
+            y, w = self.attn(h, mask=mask, bias=bias, position=position, offset=offset, cache=cache, layer=layer,
+                             return_weights=return_weights)
+            if w is not None:
+                weights["self"] = w
+            return y
+
+        def cross_attention(h: Tensor) -> Tensor:
+            y, w = self.cross(h, memory=memory, mask=memory_mask, cache=cache, layer=layer,
+                              return_weights=return_weights)
             if w is not None:
                 weights["cross"] = w
-        x, _ = self._sublayer(x, self.norm2, lambda h: (self.ffn(h), None), keep)
-        return x, weights
+            return y
+
+        x = self._residual(x, self.norm1, self_attention, keep)
+        if self.cross is not None:
+            x = self._residual(x, self.norm_cross, cross_attention, keep)
+        return self._residual(x, self.norm2, self.ffn, keep), weights
+
+    def step(
+        self,
+        x: Tensor,
+        *,
+        cache: KVCache,
+        layer: int,
+        add: Tensor | None = None,
+        cross_add: Tensor | None = None,
+        keep: Tensor | None = None,
+        position: PositionalEncoding | None = None,
+        offset: int | Tensor = 0,
+    ) -> Tensor:
+        """The decoding step (inference): the same function as forward() for the few newest tokens over a
+        cache, through the sublayers' own step methods (MultiHeadAttention.step, FeedForward.step) and the
+        same norm modules and placement. add / cross_add: the additive score terms of the step
+        (attention.step_scores_bias) for self- and cross-attention."""
+        x = self._residual(x, self.norm1, lambda h: self.attn.step(h, cache=cache, layer=layer, add=add,
+                                                                   position=position, offset=offset), keep)
+        if self.cross is not None:
+            x = self._residual(x, self.norm_cross, lambda h: self.cross.step(h, cache=cache, layer=layer,
+                                                                             add=cross_add), keep)
+        return self._residual(x, self.norm2, self.ffn.step, keep)

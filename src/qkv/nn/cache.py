@@ -2,9 +2,10 @@
 
 A decoder layer calls `k, v = cache.update(layer, k_new, v_new)` and attends over what comes back; the
 model calls `cache.advance(t)` once all layers have seen the t new tokens. Cross-attention keys/values
-(the encoder memory of an encoder-decoder) are projected once and kept with `set_cross`/`get_cross`.
+(the encoder memory of an encoder-decoder) are projected once and kept with `set_cross`/`get_cross`, beside
+the memory's keep-mask (`memory_keep`), so the decoding step (Stack.step) needs nothing but the cache.
 `StaticCache` preallocates (L, B, H_kv, max_len, hd) so a decoding step writes in place and allocates
-nothing; the paged cache (qkv.generate.paged) implements the same methods over a pool of blocks.
+nothing; the paged cache (qkv.nn.paged) implements the same methods over a pool of blocks.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ class KVCache:
     """Interface and the cross-attention store shared by all caches."""
 
     length: int = 0
+    max_len: int | None = None  # positions it can hold (None: grows without a fixed limit)
 
     def __init__(self) -> None:
         self._cross: dict[int, tuple[Tensor, Tensor]] = {}
+        # the encoder memory's keep-mask (B, S), stored with its K/V so a decoding step needs no memory
+        self.memory_keep: Tensor | None = None
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
         raise NotImplementedError
@@ -44,6 +48,8 @@ class KVCache:
     def reorder(self, index: Tensor) -> None:
         """Keep the batch rows in `index` (beam search reorders hypotheses every step)."""
         self._cross = {i: (k.index_select(0, index), v.index_select(0, index)) for i, (k, v) in self._cross.items()}
+        if self.memory_keep is not None:
+            self.memory_keep = self.memory_keep.index_select(0, index)
 
 
 class StaticCache(KVCache):
