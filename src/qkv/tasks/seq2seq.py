@@ -24,6 +24,7 @@ generated before it), with per-position token accuracy as an extra.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +180,14 @@ class PairTask(Task):
         decision, not a sample); the other settings apply (no_repeat_ngram_size, repetition_penalty, ...)."""
         src = self.tokenizer.encode(prompt)
         cfg = self.decoding(generation_config, **options)
+        # a decoder with absolute positions cannot go past its table: stop there, and say so
+        prompt_len = 1 if self.kind == "seq2seq" else len(src) + 1
+        limit = model.context_limit
+        if limit is not None and prompt_len + cfg.new_tokens(prompt_len) > limit:
+            room = max(0, limit - prompt_len)
+            warnings.warn(f"max_new_tokens={cfg.new_tokens(prompt_len)} goes past this model's {limit} decoder "
+                          f"positions; generating at most {room} tokens", stacklevel=2)
+            cfg = cfg.replace(max_new_tokens=room, max_length=None)
         if cfg.num_beams <= 1:
             return self.tokenizer.decode(self.predict_ids(model, [src], generation_config=cfg)[0])
         x = torch.tensor([src if self.kind == "seq2seq" else src + [SEP]], device=model_device(model))
