@@ -230,4 +230,4 @@ def test_step_refuses_training_mode_and_an_empty_cross_cache():
         m.step(torch.tensor([[1]]), m.make_cache(1, 4))
     attn = MultiHeadAttention(16, 2, cross=True).eval()
     with pytest.raises(ValueError, match="prefill"):
-        attn.step(torch.randn(1, 1, 16), cache=PagedKVCache(1, 2, 8, 4, 2), layer=0)
+        attn.step(torch.randn(1, 16), batch=1, cache=PagedKVCache(1, 2, 8, 4, 2), layer=0)

@@ -154,6 +154,11 @@ def step_scores_bias(
     return add.expand(batch, n_heads, q_len, k_len).reshape(batch * n_kv_heads, group * q_len, k_len)
 
 
+def _heads_of(x: Tensor, B: int, T: int, n: int, hd: int) -> Tensor:
+    """(B * T, n * hd) rows -> (B, n, T, hd); for one token a plain view (no transpose)."""
+    return x.view(B, n, 1, hd) if T == 1 else x.view(B, T, n, hd).transpose(1, 2)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head self- or cross-attention with optional grouped-query heads.
 
@@ -253,47 +258,46 @@ class MultiHeadAttention(nn.Module):
         self,
         x: Tensor,
         *,
+        batch: int,
         cache: KVCache,
         layer: int,
         add: Tensor | None = None,
         position: PositionalEncoding | None = None,
         offset: int | Tensor = 0,
     ) -> Tensor:
-        """The decoding step: the same function as forward() for the T newest tokens (T small, 1 per step)
-        over a cache, for inference. x: (B, T, d_model). Self-attention appends its new K/V to the cache
+        """The decoding step: the same function as forward() for the T newest tokens of `batch` sequences
+        over a cache, for inference. x: (batch * T, d_model), the new tokens' rows (row b * T + t), so every
+        projection is one matrix product without reshapes. Self-attention appends its new K/V to the cache
         (any KVCache: static or paged); cross-attention reads the encoder's K/V from the cache (they are
         put there by the first, prefilling forward). add: step_scores_bias(...), the position bias, key
         padding and causal mask of this step in one additive term (None: nothing to add).
 
-        Differences from forward() are in how, not what: pre-transposed weights (Linear.step), and grouped-
-        query attention by folding the query heads of one key/value head into rows of one batched matmul
-        instead of repeating the cached keys. Every new token must be a real token (its own key visible)."""
-        B, T, C = x.shape
+        Differences from forward() are in how, not what: pre-transposed weights (Linear.step) with the
+        1/sqrt(d_k) scale folded into the query columns, and grouped-query attention by folding the query
+        heads of one key/value head into rows of one batched matmul instead of repeating the cached keys.
+        Every new token must be a real token (its own key visible)."""
+        B, C = batch, x.shape[-1]
+        T = x.shape[0] // B
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        scale = (C, self.scale) if self.scale != 1.0 else None  # 1/sqrt(d_k), folded into the packed q weights
+        mods = self._modules  # not nn.Module.__getattr__ (~1 us a lookup): this runs for every layer of every step
         if self.cross:
             if not cache.has_cross(layer):
                 raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill first")
-            q = self.q_proj.step(x).view(B, T, H, hd).transpose(1, 2)
+            q = _heads_of(mods["q_proj"].step(x, scale), B, T, H, hd)
             k, v = cache.get_cross(layer)
         else:
             kv_dim = Hkv * hd
-            q, k, v = self.qkv_proj.step(x).split([C, kv_dim, kv_dim], dim=-1)
-            q = q.view(B, T, H, hd).transpose(1, 2)
-            k = k.view(B, T, Hkv, hd).transpose(1, 2)
-            v = v.view(B, T, Hkv, hd).transpose(1, 2)
+            q, k, v = mods["qkv_proj"].step(x, scale).split_with_sizes([C, kv_dim, kv_dim], dim=-1)
+            q, k, v = _heads_of(q, B, T, H, hd), _heads_of(k, B, T, Hkv, hd), _heads_of(v, B, T, Hkv, hd)
             if position is not None:
-                q, k = position.rotate(q, k, offset)
+                q, k = position.rotate(q, k, offset)  # linear in q: commutes with the folded scale
             k, v = cache.update(layer, k, v)  # (B, Hkv, Tk, hd): cached + new
         Tk = k.shape[2]
         # query head h = j * G + g uses key/value head j (as repeat_interleave in the forward pass)
         q = q.reshape(B * Hkv, (H // Hkv) * T, hd)
         kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
-        if add is None:
-            scores = torch.bmm(q, kt)
-            if self.scale != 1.0:
-                scores = scores.mul_(self.scale)
-        else:
-            scores = torch.baddbmm(add, q, kt, alpha=self.scale)  # scale, bias and mask in one op
+        scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in the same op
         y = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
-        y = y.view(B, H, T, hd).transpose(1, 2).reshape(B, T, C)
-        return self.out_proj.step(y)
+        y = y.view(B * H, C // H) if T == 1 else y.view(B, H, T, hd).transpose(1, 2)
+        return mods["out_proj"].step(y.reshape(B * T, C))

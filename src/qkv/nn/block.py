@@ -60,13 +60,13 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def _residual(self, x: Tensor, norm: nn.Module, fn, keep: Tensor | None) -> Tensor:
-        """The one place placement is decided. Pre-LN: x + f(norm(x)); Post-LN: norm(x + f(x))."""
+        """The one place placement is decided. Pre-LN: x + f(norm(x)); Post-LN: norm(x + f(x)). Residual
+        dropout only where it does something (training, p > 0): the decoding step calls this too."""
         if self.placement == "pre":
-            return x + self._drop(fn(norm(x, keep)))
-        return norm(x + self._drop(fn(x)), keep)
-
-    def _drop(self, y: Tensor) -> Tensor:
-        return self.drop(y) if self.training and self.drop.p > 0 else y
+            y = fn(norm(x, keep))
+            return x + (self.drop(y) if self.training and self.drop.p > 0 else y)
+        y = fn(x)
+        return norm(x + (self.drop(y) if self.training and self.drop.p > 0 else y), keep)
 
     def forward(
         self,
@@ -111,6 +111,7 @@ class Block(nn.Module):
         self,
         x: Tensor,
         *,
+        batch: int,
         cache: KVCache,
         layer: int,
         add: Tensor | None = None,
@@ -119,13 +120,17 @@ class Block(nn.Module):
         position: PositionalEncoding | None = None,
         offset: int | Tensor = 0,
     ) -> Tensor:
-        """The decoding step (inference): the same function as forward() for the few newest tokens over a
-        cache, through the sublayers' own step methods (MultiHeadAttention.step, FeedForward.step) and the
-        same norm modules and placement. add / cross_add: the additive score terms of the step
-        (attention.step_scores_bias) for self- and cross-attention."""
-        x = self._residual(x, self.norm1, lambda h: self.attn.step(h, cache=cache, layer=layer, add=add,
-                                                                   position=position, offset=offset), keep)
-        if self.cross is not None:
-            x = self._residual(x, self.norm_cross, lambda h: self.cross.step(h, cache=cache, layer=layer,
-                                                                             add=cross_add), keep)
-        return self._residual(x, self.norm2, self.ffn.step, keep)
+        """The decoding step (inference): the same function as forward() for the few newest tokens of
+        `batch` sequences over a cache, on their (batch * T, d) rows, through the sublayers' own step methods
+        (MultiHeadAttention.step, FeedForward.step) and the same norm modules and placement. add / cross_add:
+        the additive score terms of the step (attention.step_scores_bias) for self- and cross-attention;
+        keep: the (batch * T,) real-token mask of the rows (for the norms). Submodules are read from
+        _modules (nn.Module.__getattr__ costs ~1 us a lookup, on every layer of every step)."""
+        m = self._modules
+        attn, cross = m["attn"], m.get("cross")  # absent (a plain None) without cross-attention
+        x = self._residual(x, m["norm1"], lambda h: attn.step(h, batch=batch, cache=cache, layer=layer, add=add,
+                                                              position=position, offset=offset), keep)
+        if cross is not None:
+            x = self._residual(x, m["norm_cross"], lambda h: cross.step(h, batch=batch, cache=cache, layer=layer,
+                                                                        add=cross_add), keep)
+        return self._residual(x, m["norm2"], m["ffn"].step, keep)

@@ -70,17 +70,23 @@ class StaticCache(KVCache):
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
+        self._layers = self._layer_views()
+
+    def _layer_views(self) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer (B, H_kv, max_len, hd) views, made once: update() runs for every layer of every step."""
+        return [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        t = k.shape[2]
-        end = self.length + t
+        end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache is full: {end} positions needed, {self.max_len} allocated")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        kl, vl = self._layers[layer]
+        kl.narrow(2, self.length, k.shape[2]).copy_(k)  # narrow: the cheapest slice from Python
+        vl.narrow(2, self.length, v.shape[2]).copy_(v)
+        return kl.narrow(2, 0, end), vl.narrow(2, 0, end)
 
     def reorder(self, index: Tensor) -> None:
         super().reorder(index)
         self.k = self.k.index_select(1, index)
         self.v = self.v.index_select(1, index)
+        self._layers = self._layer_views()

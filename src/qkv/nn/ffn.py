@@ -51,7 +51,10 @@ class FeedForward(nn.Module):
         return self.down(self.dropout(h))
 
     def step(self, x: Tensor) -> Tensor:
-        """The same function for a decoding step (inference: pre-transposed weights, no dropout)."""
-        h = self.up.step(x)
-        h = self.act.fn(self.gate.step(x)) * h if self.gate is not None else self.act.fn(h)
-        return self.down.step(h)
+        """The same function for a decoding step (inference: pre-transposed weights, no dropout). Submodules
+        are read from _modules: nn.Module.__getattr__ costs ~1 us a lookup, on every layer of every step."""
+        mods = self._modules
+        h = mods["up"].step(x)
+        gate = mods.get("gate")  # absent (a plain None) for ungated activations
+        h = self.act.fn(gate.step(x)) * h if gate is not None else self.act.fn(h)
+        return mods["down"].step(h)

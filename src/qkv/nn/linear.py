@@ -94,21 +94,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 # -- the decoding path: weights pre-transposed once -----------------------------------------------------
-def values_key(t: Tensor) -> tuple[int, int, torch.dtype]:
-    """An identity of a tensor's current values: its storage address, dtype and PyTorch's version counter
-    (`Tensor._version`, bumped by every in-place operation: optimizer steps, `copy_` in load_state_dict,
-    `mul_` under no_grad). A derived copy made when the key was K is still valid while the key is K.
-    This is the only place qkv reads the counter. Writes through `.data` bypass it: after such a write call
-    `free_packed(model)`."""
-    return (t.data_ptr(), t._version, t.dtype)
-
-
 def free_packed(module: nn.Module) -> int:
     """Drop the pre-transposed decoding copies of every Linear in `module` (to free their memory, or after
     changing weights through `.data`); they are rebuilt at the next decoding step. Returns how many."""
     n = 0
     for m in module.modules():
-        if isinstance(m, Linear) and m.__dict__.pop("_packed", None) is not None:
+        if isinstance(m, Linear) and m.__dict__.pop("_decode_copy", None) is not None:
             n += 1
     return n
 
@@ -121,28 +112,56 @@ class Linear(nn.Linear):
     CPU it multiplies by a copy of the weight stored transposed, (in, out) contiguous: `addmm(b, x, W^T)`
     then runs the matrix-vector kernel that reads W along its rows, ~25% faster than x @ W^T on this
     project's CPUs (Hugging Face's GPT-2 Conv1D stores its weights that way). The copy is built at the first
-    step and rebuilt whenever the weight changes (`values_key`); it costs the memory of the weight once more
+    step and rebuilt whenever the weight changes (`_packed`); it costs the memory of the weight once more
     (`free_packed` drops it). On accelerators `step` is F.linear (cuBLAS reads either layout at full speed)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
 
-    def packed_weight(self) -> Tensor:
-        """W^T (in, out), contiguous, detached; rebuilt when the weight has changed since it was made."""
-        key = values_key(self.weight)
-        packed = self.__dict__.get("_packed")
+    def packed(self, scale_first: tuple[int, float] | None = None) -> tuple[Tensor, Tensor | None]:
+        """(W^T (in, out) contiguous, bias), detached; rebuilt when the weight or bias changed since they were
+        made. scale_first=(n, s) multiplies the first n outputs by s inside the copy (free at run time:
+        attention folds its 1/sqrt(d_k) into the query columns)."""
+        packed = self._packed(scale_first)
+        return packed[1], packed[2]
+
+    def _packed(self, scale_first: tuple[int, float] | None) -> tuple:
+        """(key, W^T, bias). "Changed" is read from the storage address, the dtype and PyTorch's version
+        counter (`Tensor._version`, bumped by every in-place operation: optimizer steps, `copy_` in
+        load_state_dict, `mul_` under no_grad). This is the only place qkv reads the counter. Writes through
+        `.data` bypass it: after such a write call `free_packed(model)`. Parameters are read from
+        `_parameters` directly: nn.Module.__getattr__ costs about a microsecond, and this runs for every
+        linear of every decoding step."""
+        params = self._parameters
+        w, b = params["weight"], params["bias"]
+        key = (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version, scale_first)
+        packed = self.__dict__.get("_decode_copy")
         if packed is None or packed[0] != key:
             # a normal tensor even when the first step runs under torch.inference_mode
             with torch.inference_mode(False), torch.no_grad():
-                wt = self.weight.detach().t().contiguous()
-            packed = self.__dict__["_packed"] = (key, wt)
-        return packed[1]
+                wt = w.detach().t().contiguous()
+                bias = None if b is None else b.detach().clone()
+                if scale_first is not None:
+                    n, s = scale_first
+                    wt[:, :n] *= s
+                    if bias is not None:
+                        bias[:n] *= s
+            packed = self.__dict__["_decode_copy"] = (key, wt, bias)
+        return packed
 
-    def step(self, x: Tensor) -> Tensor:
-        """x (..., in) -> (..., out) for inference on a few rows (a decoding step)."""
-        if x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        wt = self.packed_weight()
-        x2 = x.reshape(-1, x.shape[-1])
-        y = torch.addmm(self.bias, x2, wt) if self.bias is not None else torch.mm(x2, wt)
-        return y.view(*x.shape[:-1], wt.shape[1])
+    def packed_weight(self) -> Tensor:
+        """W^T (in, out), contiguous, detached (see packed)."""
+        return self._packed(None)[1]
+
+    def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
+        """x (..., in) -> (..., out) for inference on a few rows (a decoding step); scale_first=(n, s)
+        returns the first n outputs multiplied by s."""
+        if not x.is_cpu:
+            y = F.linear(x, self.weight, self.bias)
+            if scale_first is not None:
+                y[..., : scale_first[0]] *= scale_first[1]
+            return y
+        _, wt, b = self._packed(scale_first)
+        if x.dim() != 2:
+            return self.step(x.reshape(-1, x.shape[-1]), scale_first).view(*x.shape[:-1], wt.shape[1])
+        return torch.addmm(b, x, wt) if b is not None else torch.mm(x, wt)

@@ -157,10 +157,14 @@ class Stack(nn.Module):
             if self.blocks[0].cross is not None and cache.memory_keep is not None:
                 mk = cache.memory_keep
                 cross_add = step_scores_bias(**heads, k_len=mk.shape[1], bias=None, keep=mk, causal=False)
+        rows = x.reshape(B * T, x.shape[-1])  # the blocks work on the new tokens' rows: one addmm per linear
+        row_keep = None if tok_keep is None else tok_keep.reshape(B * T)
+        # only an encoding that rotates (RoPE) is handed to the attention layers; the others did their work above
+        rotating = self.position if type(self.position).rotate is not PositionalEncoding.rotate else None
         for i, block in enumerate(self.blocks):
-            x = block.step(x, cache=cache, layer=i, add=add, cross_add=cross_add, keep=tok_keep,
-                           position=self.position, offset=offset)
+            rows = block.step(rows, batch=B, cache=cache, layer=i, add=add, cross_add=cross_add, keep=row_keep,
+                              position=rotating, offset=offset)
         cache.advance(T)
         if self.final_norm is not None:
-            x = self.final_norm(x, tok_keep)
-        return x
+            rows = self.final_norm(rows, row_keep)
+        return rows.view(B, T, -1)
