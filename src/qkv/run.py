@@ -198,7 +198,8 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     """Decode with whatever the library has: the run's task decides what a prompt means (a source
     sentence for seq2seq, a text prefix for an LM); a Hugging Face folder needs its tokenizer.json.
     Settings: `generation_config` (e.g. read from a file) then `options` (GenerationConfig fields, None =
-    unset). Language models sample unless greedy=True, num_beams > 1 or the config sets do_sample;
+    unset). Without a config, language models sample unless greedy=True or num_beams > 1; a given config
+    decides do_sample itself (greedy=True still wins);
     max_new_tokens defaults to the task's natural length (an LM's sample_tokens, a seq2seq task's longest
     target), 200 for a bare model folder. seed seeds the sampling."""
     torch.manual_seed(seed)
@@ -206,8 +207,8 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     model.eval()
     cfg = generation_config if generation_config is not None else GenerationConfig()
     cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None})
-    if "do_sample" not in cfg.explicit():
-        cfg = cfg.replace(do_sample=not greedy and cfg.num_beams == 1)
+    if generation_config is None and "do_sample" not in options:  # a given config decides for itself
+        cfg = cfg.replace(do_sample=cfg.num_beams == 1)
     if greedy:
         cfg = cfg.replace(do_sample=False)
     if cfg.seed is None:
