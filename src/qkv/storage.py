@@ -36,8 +36,9 @@ class CheckpointError(ValueError):
 
 
 # -- atomic writes --------------------------------------------------------------------------------------
-def _atomic(path: Path, write: Callable[[str], None]) -> None:
-    """Run write(tmp) on a temporary sibling of `path`, fsync it, rename it over `path`."""
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Run write(tmp) on a temporary sibling of `path` (a file name ending in .tmp), fsync it, rename it
+    over `path`: the one atomic writer every other helper (and any file format) goes through."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -56,7 +57,7 @@ def atomic_write_text(text: str, path: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
 
-    _atomic(path, write)
+    atomic_write(path, write)
 
 
 def atomic_write_json(obj: Any, path: Path) -> None:
@@ -64,7 +65,7 @@ def atomic_write_json(obj: Any, path: Path) -> None:
 
 
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 # -- state dicts ----------------------------------------------------------------------------------------

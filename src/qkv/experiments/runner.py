@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -30,15 +29,14 @@ import torch
 from qkv.config import ConfigError, from_dict
 from qkv.experiments.suite import RunSpec, Suite, expand, load_suite
 from qkv.nn.params import count_parameters
+from qkv.storage import atomic_write_text
 
 RESULT = "result.json"
 TrainFn = Callable[[Suite, RunSpec, Path], dict[str, Any]]
 
 
 def _write_json(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n", path)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -154,11 +154,6 @@ def step_scores_bias(
     return add.expand(batch, n_heads, q_len, k_len).reshape(batch * n_kv_heads, group * q_len, k_len)
 
 
-def _heads_of(x: Tensor, B: int, T: int, n: int, hd: int) -> Tensor:
-    """(B * T, n * hd) rows -> (B, n, T, hd); for one token a plain view (no transpose)."""
-    return x.view(B, n, 1, hd) if T == 1 else x.view(B, T, n, hd).transpose(1, 2)
-
-
 class MultiHeadAttention(nn.Module):
     """Multi-head self- or cross-attention with optional grouped-query heads.
 
@@ -284,12 +279,16 @@ class MultiHeadAttention(nn.Module):
         if self.cross:
             if not cache.has_cross(layer):
                 raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill first")
-            q = _heads_of(mods["q_proj"].step(x, scale), B, T, H, hd)
+            q = mods["q_proj"].step(x, scale)
+            q = q.view(B, H, 1, hd) if T == 1 else q.view(B, T, H, hd).transpose(1, 2)
             k, v = cache.get_cross(layer)
         else:
             kv_dim = Hkv * hd
             q, k, v = mods["qkv_proj"].step(x, scale).split_with_sizes([C, kv_dim, kv_dim], dim=-1)
-            q, k, v = _heads_of(q, B, T, H, hd), _heads_of(k, B, T, Hkv, hd), _heads_of(v, B, T, Hkv, hd)
+            if T == 1:  # (B, n * hd) -> (B, n, 1, hd): a view, no transpose
+                q, k, v = q.view(B, H, 1, hd), k.view(B, Hkv, 1, hd), v.view(B, Hkv, 1, hd)
+            else:
+                q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
             if position is not None:
                 q, k = position.rotate(q, k, offset)  # linear in q: commutes with the folded scale
             k, v = cache.update(layer, k, v)  # (B, Hkv, Tk, hd): cached + new

@@ -10,6 +10,7 @@ final norm (see stack.py); Post-LN needs none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor, nn
@@ -59,7 +60,8 @@ class Block(nn.Module):
         self.norm2 = build_norm(norm, d_model, norm_eps, bias)
         self.drop = nn.Dropout(dropout)
 
-    def _residual(self, x: Tensor, norm: nn.Module, fn, keep: Tensor | None) -> Tensor:
+    def _residual(self, x: Tensor, norm: Callable[..., Tensor], fn: Callable[[Tensor], Tensor],
+                  keep: Tensor | None) -> Tensor:
         """The one place placement is decided. Pre-LN: x + f(norm(x)); Post-LN: norm(x + f(x)). Residual
         dropout only where it does something (training, p > 0): the decoding step calls this too."""
         if self.placement == "pre":
@@ -124,13 +126,15 @@ class Block(nn.Module):
         `batch` sequences over a cache, on their (batch * T, d) rows, through the sublayers' own step methods
         (MultiHeadAttention.step, FeedForward.step) and the same norm modules and placement. add / cross_add:
         the additive score terms of the step (attention.step_scores_bias) for self- and cross-attention;
-        keep: the (batch * T,) real-token mask of the rows (for the norms). Submodules are read from
-        _modules (nn.Module.__getattr__ costs ~1 us a lookup, on every layer of every step)."""
+        keep: the (batch * T,) real-token mask of the rows (for the norms). The per-call overhead of Python
+        is a large part of a small model's step, so submodules are read from _modules (nn.Module.__getattr__
+        costs ~1 us a lookup) and the norms' forward is called directly (module hooks are for inspecting
+        forward(), not this inference path)."""
         m = self._modules
         attn, cross = m["attn"], m.get("cross")  # absent (a plain None) without cross-attention
-        x = self._residual(x, m["norm1"], lambda h: attn.step(h, batch=batch, cache=cache, layer=layer, add=add,
-                                                              position=position, offset=offset), keep)
+        x = self._residual(x, m["norm1"].forward, lambda h: attn.step(h, batch=batch, cache=cache, layer=layer,
+                                                                      add=add, position=position, offset=offset), keep)
         if cross is not None:
-            x = self._residual(x, m["norm_cross"], lambda h: cross.step(h, batch=batch, cache=cache, layer=layer,
-                                                                        add=cross_add), keep)
-        return self._residual(x, m["norm2"], m["ffn"].step, keep)
+            x = self._residual(x, m["norm_cross"].forward, lambda h: cross.step(h, batch=batch, cache=cache,
+                                                                                layer=layer, add=cross_add), keep)
+        return self._residual(x, m["norm2"].forward, m["ffn"].step, keep)

@@ -32,6 +32,7 @@ from torch import Tensor
 from qkv.config import ConfigError, _closest, from_dict, to_dict
 from qkv.models.registry import config_for, families
 from qkv.models.registry import family as family_spec
+from qkv.storage import atomic_write_json
 from qkv.tasks.tokenizers import Tokenizer, TokenizerError, load_tokenizer, save_tokenizer
 
 TASK_FILE = "task.json"
@@ -150,9 +151,7 @@ class Task:
         """Write task.json and the tokenizer (tokenizer.json + tokenizer_config.json) into `folder`."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{TASK_FILE}.tmp"
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, folder / TASK_FILE)
+        atomic_write_json(self.to_dict(), folder / TASK_FILE)
         if getattr(self, "tokenizer", None) is not None:  # image classification tasks have none
             save_tokenizer(self.tokenizer, folder)
         return folder / TASK_FILE
