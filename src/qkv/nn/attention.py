@@ -252,7 +252,6 @@ class MultiHeadAttention(nn.Module):
     def step(
         self,
         x: Tensor,
-        *,
         batch: int,
         cache: KVCache,
         layer: int,
@@ -280,16 +279,18 @@ class MultiHeadAttention(nn.Module):
             if not cache.has_cross(layer):
                 raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill first")
             q = mods["q_proj"].step(x, scale)
-            q = q.view(B, H, 1, hd) if T == 1 else q.view(B, T, H, hd).transpose(1, 2)
+            q = q if T == 1 else q.view(B, T, H, hd).transpose(1, 2)  # one token: (B, C) is (B, H, 1, hd)
             k, v = cache.get_cross(layer)
         else:
             kv_dim = Hkv * hd
             q, k, v = mods["qkv_proj"].step(x, scale).split_with_sizes([C, kv_dim, kv_dim], dim=-1)
-            if T == 1:  # (B, n * hd) -> (B, n, 1, hd): a view, no transpose
-                q, k, v = q.view(B, H, 1, hd), k.view(B, Hkv, 1, hd), v.view(B, Hkv, 1, hd)
+            if T == 1:  # (B, n * hd) -> (B, n, 1, hd): a view, no transpose (q is reshaped below as it is)
+                k, v = k.view(B, Hkv, 1, hd), v.view(B, Hkv, 1, hd)
             else:
                 q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
             if position is not None:
+                if T == 1:
+                    q = q.view(B, H, 1, hd)
                 q, k = position.rotate(q, k, offset)  # linear in q: commutes with the folded scale
             k, v = cache.update(layer, k, v)  # (B, Hkv, Tk, hd): cached + new
         Tk = k.shape[2]
@@ -298,5 +299,5 @@ class MultiHeadAttention(nn.Module):
         kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
         scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in the same op
         y = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
-        y = y.view(B * H, C // H) if T == 1 else y.view(B, H, T, hd).transpose(1, 2)
-        return mods["out_proj"].step(y.reshape(B * T, C))
+        y = y.view(B, C) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, C)
+        return mods["out_proj"].step(y)

@@ -60,14 +60,15 @@ class Block(nn.Module):
         self.norm2 = build_norm(norm, d_model, norm_eps, bias)
         self.drop = nn.Dropout(dropout)
 
-    def _residual(self, x: Tensor, norm: Callable[..., Tensor], fn: Callable[[Tensor], Tensor],
-                  keep: Tensor | None) -> Tensor:
-        """The one place placement is decided. Pre-LN: x + f(norm(x)); Post-LN: norm(x + f(x)). Residual
-        dropout only where it does something (training, p > 0): the decoding step calls this too."""
+    def _residual(self, x: Tensor, norm: Callable[..., Tensor], fn: Callable[..., Tensor], keep: Tensor | None,
+                  *args: object) -> Tensor:
+        """The one place placement is decided. Pre-LN: x + f(norm(x)); Post-LN: norm(x + f(x)), with
+        f = fn(., *args). Residual dropout only where it does something (training, p > 0): the decoding
+        step calls this too."""
         if self.placement == "pre":
-            y = fn(norm(x, keep))
+            y = fn(norm(x, keep), *args)
             return x + (self.drop(y) if self.training and self.drop.p > 0 else y)
-        y = fn(x)
+        y = fn(x, *args)
         return norm(x + (self.drop(y) if self.training and self.drop.p > 0 else y), keep)
 
     def forward(
@@ -131,10 +132,8 @@ class Block(nn.Module):
         costs ~1 us a lookup) and the norms' forward is called directly (module hooks are for inspecting
         forward(), not this inference path)."""
         m = self._modules
-        attn, cross = m["attn"], m.get("cross")  # absent (a plain None) without cross-attention
-        x = self._residual(x, m["norm1"].forward, lambda h: attn.step(h, batch=batch, cache=cache, layer=layer,
-                                                                      add=add, position=position, offset=offset), keep)
+        x = self._residual(x, m["norm1"].forward, m["attn"].step, keep, batch, cache, layer, add, position, offset)
+        cross = m.get("cross")  # absent (a plain None) without cross-attention
         if cross is not None:
-            x = self._residual(x, m["norm_cross"].forward, lambda h: cross.step(h, batch=batch, cache=cache,
-                                                                                layer=layer, add=cross_add), keep)
+            x = self._residual(x, m["norm_cross"].forward, cross.step, keep, batch, cache, layer, cross_add)
         return self._residual(x, m["norm2"].forward, m["ffn"].step, keep)

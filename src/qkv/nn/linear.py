@@ -161,7 +161,7 @@ class Linear(nn.Linear):
             if scale_first is not None:
                 y[..., : scale_first[0]] *= scale_first[1]
             return y
-        _, wt, b = self._packed(scale_first)
         if x.dim() != 2:
-            return self.step(x.reshape(-1, x.shape[-1]), scale_first).view(*x.shape[:-1], wt.shape[1])
+            return self.step(x.reshape(-1, x.shape[-1]), scale_first).view(*x.shape[:-1], self.out_features)
+        _, wt, b = self._packed(scale_first)
         return torch.addmm(b, x, wt) if b is not None else torch.mm(x, wt)

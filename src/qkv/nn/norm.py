@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 NORMS = ("layernorm", "rmsnorm", "batchnorm")
@@ -32,8 +31,11 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(d, eps=eps, bias=bias)
 
     def forward(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
-        p = self._parameters  # not nn.Module.__getattr__: norms run 2-3 times per layer of every decoding step
-        return F.layer_norm(x, self.normalized_shape, p["weight"], p["bias"], self.eps)
+        # torch.layer_norm directly (what F.layer_norm calls), parameters from _parameters (not through
+        # nn.Module.__getattr__): norms run 2-3 times per layer of every decoding step
+        p = self._parameters
+        return torch.layer_norm(x, self.normalized_shape, p["weight"], p["bias"], self.eps,
+                                torch.backends.cudnn.enabled)
 
 
 class RMSNorm(nn.Module):
