@@ -35,7 +35,7 @@ class LayerNorm(nn.LayerNorm):
         # nn.Module.__getattr__): norms run 2-3 times per layer of every decoding step
         p = self._parameters
         return torch.layer_norm(x, self.normalized_shape, p["weight"], p["bias"], self.eps,
-                                torch.backends.cudnn.enabled)
+                                x.is_cuda and torch.backends.cudnn.enabled)
 
 
 class RMSNorm(nn.Module):
