@@ -113,7 +113,6 @@ class Block(nn.Module):
     def step(
         self,
         x: Tensor,
-        *,
         batch: int,
         cache: KVCache,
         layer: int,

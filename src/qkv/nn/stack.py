@@ -161,9 +161,8 @@ class Stack(nn.Module):
         row_keep = None if tok_keep is None else tok_keep.reshape(B * T)
         # only an encoding that rotates (RoPE) is handed to the attention layers; the others did their work above
         rotating = self.position if type(self.position).rotate is not PositionalEncoding.rotate else None
-        for i, block in enumerate(self.blocks):
-            rows = block.step(rows, batch=B, cache=cache, layer=i, add=add, cross_add=cross_add, keep=row_keep,
-                              position=rotating, offset=offset)
+        for i, block in enumerate(self.blocks):  # positional arguments: a keyword call costs more, 6-24 times a step
+            rows = block.step(rows, B, cache, i, add, cross_add, row_keep, rotating, offset)
         cache.advance(T)
         if self.final_norm is not None:
             rows = self.final_norm(rows, row_keep)
