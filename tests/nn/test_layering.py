@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv.tasks", "qkv.train"),  # batch sources / the training loop: neither knows the other
     ("qkv.experiments",),
     ("qkv.run",),
+    ("qkv.explore",),  # the attention explorer (issue 16, on main): a web page over run folders and models
     ("qkv.demo",),
     ("qkv.cli",),
 ]
