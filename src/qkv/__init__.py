@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from qkv.checkpoint import load_model
 from qkv.config import ConfigError
 from qkv.models import BERT, GPT, EncoderDecoder, ModelOutput, build, presets
 
@@ -14,8 +15,6 @@ __version__ = "0.1.0"
 def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> Any:
     """Load a model from a qkv checkpoint folder or a Hugging Face-format folder (config.json's
     model_type: gpt2, bert, ...). Never executes pickled code."""
-    from qkv.checkpoint import load_model
-
     return load_model(path, **kwargs)
 
 

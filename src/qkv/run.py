@@ -23,6 +23,8 @@ import torch
 import yaml
 
 from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides
+from qkv.generate.config import GenerationConfig
+from qkv.nn.params import count_parameters
 
 SECTIONS = ("model", "task", "train", "eval")
 RUN_FILE = "run.yaml"
@@ -128,7 +130,7 @@ def train_run(cfg: dict[str, Any], out: str | Path | None = None, resume: bool =
     metrics = task.evaluate(model, n=ev.n)
     samples = task.samples(model, ev.samples) if ev.samples else []
     result = {"metrics": metrics, "samples": samples, "train": _jsonable(summary),
-              "parameters": model.num_parameters() if hasattr(model, "num_parameters") else None}
+              "parameters": count_parameters(model)}
     tmp = out / f".{RESULTS_FILE}.tmp"
     tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, out / RESULTS_FILE)
@@ -191,44 +193,55 @@ def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
     return task.evaluate(model, n=n)
 
 
-def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 1.0,
-                  top_k: int | None = None, top_p: float | None = None, num_beams: int = 1, greedy: bool = False,
-                  seed: int = 0, stream: bool = False) -> str:
+def generate_text(path: str | Path, prompt: str, generation_config: GenerationConfig | None = None, *,
+                  greedy: bool = False, seed: int = 0, stream: bool = False, **options: Any) -> str:
     """Decode with whatever the library has: the run's task decides what a prompt means (a source
-    sentence for seq2seq, a text prefix for an LM); a Hugging Face folder needs its tokenizer.json."""
+    sentence for seq2seq, a text prefix for an LM); a Hugging Face folder needs its tokenizer.json.
+    Settings: `generation_config` (e.g. read from a file) then `options` (GenerationConfig fields, None =
+    unset). Without a config, language models sample unless greedy=True or num_beams > 1; a given config
+    decides do_sample itself (greedy=True still wins);
+    max_new_tokens defaults to the task's natural length (an LM's sample_tokens, a seq2seq task's longest
+    target), 200 for a bare model folder. seed seeds the sampling."""
     torch.manual_seed(seed)
     model = load_model_any(path)
     model.eval()
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-              num_beams=num_beams, do_sample=not greedy and num_beams == 1)
+    cfg = generation_config if generation_config is not None else GenerationConfig()
+    cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None})
+    if generation_config is None and "do_sample" not in options:  # a given config decides for itself
+        cfg = cfg.replace(do_sample=cfg.num_beams == 1)
+    if greedy:
+        cfg = cfg.replace(do_sample=False)
+    if cfg.seed is None:
+        cfg = cfg.replace(seed=seed)
     run = run_folder_of(path)
     if run is not None:
         task = load_run_task(run)
-        if stream and getattr(task, "family", None) == "gpt" and hasattr(task, "chars_per_token"):
-            return _stream_lm(model, task.tokenizer, prompt, kw, seed)
-        text = task.generate_text(model, prompt, **kw)
+        if stream and task.kind == "decoder" and hasattr(task, "chars_per_token"):
+            return _stream_lm(model, task.tokenizer, prompt, task.decoding(cfg))
+        text = task.generate_text(model, prompt, cfg)
         if stream:
             print(text)
         return text
     tok = _folder_tokenizer(_model_folder(Path(path)))
     ids = torch.tensor([_encode(tok, prompt) or [0]])
-    out = model.generate(ids, **kw)
+    if cfg.max_new_tokens is None and cfg.max_length is None:
+        cfg = cfg.replace(max_new_tokens=200)
+    out = model.generate(ids, cfg)
     text = _decode(tok, out[0, ids.shape[1]:].tolist())
     if stream:
         print(prompt + text)
     return prompt + text
 
 
-def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, kw: dict[str, Any], seed: int) -> str:
+def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig) -> str:
     """Print a language model's continuation token by token as it is produced (qkv.generate.stream)."""
     from qkv.generate import stream
 
     ids = _encode(tok, prompt) or [getattr(tok, "eos_id", 0)]
-    kw = {k: v for k, v in kw.items() if k != "num_beams"}
     print(prompt, end="", flush=True)
     pieces = []
     x = torch.tensor([ids])
-    for new in stream(model, x, context_overflow="slide", generator=torch.Generator().manual_seed(seed), **kw):
+    for new in stream(model, x, cfg.replace(context_overflow="slide")):
         piece = _decode(tok, new.tolist())
         print(piece, end="", flush=True)
         pieces.append(piece)
@@ -241,7 +254,7 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
     from qkv.experiments import attention_from_checkpoint
 
     model = load_model_any(path)
-    if getattr(model, "family", "") == "vit":
+    if model.kind == "image":
         return _vit_overlay(model, path, text, out_png)
     res = attention_from_checkpoint(_model_folder(Path(path)), text, out_png, target=target)
     return [f"wrote {p}" for p in res.pngs] + [res.entropy_table()]
@@ -250,8 +263,10 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
 def _vit_overlay(model: torch.nn.Module, path: str | Path, text: str, out_png: Path) -> list[str]:
     """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
     task (`--input N`, default 8), titled with predicted / true class."""
-    from qkv.models.vit import save_attention_overlay
+    from qkv.models.vit import ViT, save_attention_overlay
 
+    if not isinstance(model, ViT):
+        raise ConfigError(f"attention overlays are drawn for ViT models, not {type(model).__name__}")
     try:
         n = int(text) if text.strip() else 8
     except ValueError:

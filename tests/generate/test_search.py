@@ -10,7 +10,6 @@ import torch
 from _genmodels import POSITIONS, tiny_encdec, tiny_gpt
 
 from qkv.generate import beam_search, generate, stream
-from qkv.generate.fastpath import FastGPTStep
 
 
 def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +137,6 @@ def test_return_attentions_match_full_forward():
 @pytest.mark.parametrize("placement,norm,ffn", [("pre", "layernorm", "gelu_tanh"), ("post", "rmsnorm", "swiglu")])
 def test_fast_step_logits_equal_full_forward(position, placement, norm, ffn):
     m = tiny_gpt(position, gqa=True, placement=placement, norm=norm, ffn=ffn)
-    fast = FastGPTStep.get(m)
     ids, mask = left_pad([[1, 2, 3, 4, 5], [6, 7]])
     n_pad = torch.tensor([0, 3])
     with torch.no_grad():
@@ -148,18 +146,20 @@ def test_fast_step_logits_equal_full_forward(position, placement, norm, ffn):
         for _ in range(5):
             nxt = torch.randint(0, 11, (2, 1))
             seq, keep = torch.cat([seq, nxt], 1), torch.cat([keep, torch.ones(2, 1, dtype=torch.long)], 1)
-            got = fast(nxt, cache, keep.bool(), cache.length - n_pad)
+            got = m.step(nxt, cache, keep=keep.bool(), offset=cache.length - n_pad)
             full = m(seq, attention_mask=keep, offset=-n_pad).logits[:, -1]
             torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
 
 
 def test_fast_step_is_rebuilt_when_weights_change():
     m = tiny_gpt()
-    a = FastGPTStep.get(m)
-    assert FastGPTStep.get(m) is a
+    a = m.lm_head.packed_weight()
+    assert m.lm_head.packed_weight() is a
     with torch.no_grad():
         m.lm_head.weight.mul_(2.0)
-    assert FastGPTStep.get(m) is not a
+    b = m.lm_head.packed_weight()
+    assert b is not a
+    torch.testing.assert_close(b, m.lm_head.weight.t())
 
 
 # -- beam search -------------------------------------------------------------------------------------------

@@ -113,8 +113,11 @@ def test_generate_sampling_is_seeded():
     assert not torch.equal(a, m.generate(p, 8, do_sample=True, temperature=1.5, top_k=5, seed=5))
     # a vanishing nucleus keeps only the most likely token: sampling becomes greedy
     torch.testing.assert_close(m.generate(p, 8, do_sample=True, top_p=1e-6, seed=1), m.generate(p, 8))
-    with pytest.raises(ValueError, match="num_beams"):
-        m.generate(p, 2, num_beams=4)
+    # the shared generate() brings beam search to the LSTM (it used to refuse num_beams): one beam is greedy
+    from qkv.generate import beam_search
+
+    assert torch.equal(beam_search(m, p, 8, num_beams=1).sequences, m.generate(p, 8))
+    assert m.generate(p, 4, num_beams=4).shape == (3, 6)
 
 
 @pytest.mark.parametrize("kw", [
@@ -161,3 +164,74 @@ def test_config_errors():
         lm()(torch.tensor([[3, 11]]))
     with pytest.raises(ValueError, match="mode=lm"):
         clf().generate(torch.tensor([[1, 2]]), 2)
+
+
+# -- the shared generate() reproduces the LSTM's former decoding loop ---------------------------------------
+@torch.no_grad()
+def old_lstm_loop(m, input_ids, max_new, attention_mask=None, do_sample=False, temperature=1.0, top_k=None,
+                  top_p=None, eos=None, pad=0, seed=None):
+    """The loop LSTM.generate ran before it moved onto qkv.generate, written out from the model's modules:
+    the recurrent state over the prompt (held over left padding), then argmax or a draw per step."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def run(ids, state):  # embedding -> LSTM -> tied head, last position
+        h, state = m.lstm(m.tok_emb(ids), state)
+        return m.lm_head(h[:, -1]), state
+
+    keep = None if attention_mask is None else attention_mask.bool()
+    if keep is None or bool(keep.all()):
+        logits, state = run(input_ids, None)
+    else:
+        state, logits = None, None
+        for t in range(input_ids.shape[1]):
+            out, new = run(input_ids[:, t:t + 1], state)
+            k = keep[:, t].view(1, -1, 1)
+            state = (new[0] * k, new[1] * k) if state is None else \
+                (torch.where(k, new[0], state[0]), torch.where(k, new[1], state[1]))
+            logits = out if logits is None else torch.where(keep[:, t:t + 1], out, logits)
+    seq = input_ids.clone()
+    done = torch.zeros(seq.shape[0], dtype=torch.bool)
+    for _ in range(max_new):
+        logits = logits.float()
+        if do_sample and temperature > 0:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            if top_p is not None:
+                sl, order = logits.sort(-1, descending=True)
+                probs = sl.softmax(-1)
+                drop = probs.cumsum(-1) - probs >= top_p
+                logits = logits.scatter(-1, order, sl.masked_fill(drop, float("-inf")))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g).squeeze(1)
+        else:
+            nxt = logits.argmax(-1)
+        nxt = nxt.masked_fill(done, pad)
+        seq = torch.cat([seq, nxt.unsqueeze(1)], 1)
+        if eos is not None:
+            done |= nxt == eos
+            if bool(done.all()):
+                break
+        logits, state = run(nxt.unsqueeze(1), state)
+    return seq
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_shared_generate_equals_the_former_lstm_loop(padded):
+    m = LSTM(LSTMConfig(vocab_size=11, d_model=24, n_layers=2)).eval()
+    with torch.no_grad():  # a sharper distribution than the U(-0.1, 0.1) init, so samples are not uniform
+        m.tok_emb.weight.mul_(20)
+    if padded:
+        ids = torch.tensor([[0, 0, 3, 4, 5], [6, 7, 8, 9, 10], [0, 0, 0, 1, 2]])
+        mask = (torch.arange(5) >= torch.tensor([[2], [0], [3]])).long()
+    else:
+        ids, mask = torch.randint(0, 11, (3, 4)), None
+    greedy = old_lstm_loop(m, ids, 9, mask)
+    assert torch.equal(m.generate(ids, 9, attention_mask=mask), greedy)
+    assert len(set(greedy[:, -9:].flatten().tolist())) > 2  # not a constant continuation
+    for kw in (dict(temperature=1.3), dict(temperature=0.8, top_k=4), dict(top_p=0.7), dict(top_k=6, top_p=0.9)):
+        ref = old_lstm_loop(m, ids, 9, mask, do_sample=True, seed=11, **kw)
+        assert torch.equal(m.generate(ids, 9, attention_mask=mask, do_sample=True, seed=11, **kw), ref), kw
+    eos = int(greedy[0, ids.shape[1] + 2])  # row 0 stops after three tokens
+    ref = old_lstm_loop(m, ids, 9, mask, eos=eos, pad=0)
+    assert torch.equal(m.generate(ids, 9, attention_mask=mask, eos_token_id=eos, pad_token_id=0), ref)

@@ -246,3 +246,44 @@ def test_rebuild_from_dict_and_run_folder(tmp_path):
     assert torch.equal(loaded.batch(3, 8)["labels"], task.batch(3, 8)["labels"])
     with pytest.raises(ConfigError, match="no task.json"):
         load_task(tmp_path / "nowhere")
+
+
+# -- issue 10 item 5: relative positions have no hard limit; qkv generate honours max_new_tokens ------------
+def test_relative_positions_take_sources_longer_than_the_context():
+    task = build_task("reverse", family="encdec", min_len=3, max_len=5)
+    long_src = task.tokenizer.encode("0123456789012")  # 13 symbols; the context is max(5, 5 + 2) = 7
+    for position in ("rope", "alibi", "none"):
+        model = task.build_model("transformer-tiny", position=position, d_model=32, n_heads=2, d_ff=64).eval()
+        assert model.config.context_length == 7 and model.context_limit is None
+        (pred,) = task.predict_ids(model, [long_src])
+        assert len(pred) <= task.max_tgt_tokens + 1
+    absolute = task.build_model("transformer-tiny", position="sinusoidal", d_model=32, n_heads=2, d_ff=64).eval()
+    with pytest.raises(ValueError, match="source sequence of length 13 exceeds the model's context of 7"):
+        task.predict_ids(absolute, [long_src])
+
+
+def test_generate_text_honours_max_new_tokens_for_seq2seq_runs(tmp_path):
+    from qkv.run import generate_text
+
+    task = build_task("reverse", family="encdec", min_len=3, max_len=5)
+    seven = task.tokenizer.encode("7")[0]
+
+    def always_seven(position):
+        """A model whose every next token is '7' (never <eos>): the output length is what the loop allows."""
+        m = task.build_model("transformer-tiny", position=position, d_model=32, n_heads=2, d_ff=64,
+                             share_embeddings=False)
+        with torch.no_grad():  # the final (Pre-LN) norm emits one constant vector e; the head ranks '7' first
+            m.decoder.final_norm.weight.zero_()
+            m.decoder.final_norm.bias.copy_(torch.nn.functional.one_hot(torch.tensor(0), 32).float())
+            m.lm_head.weight.zero_()
+            m.lm_head.weight[seven, 0] = 1.0
+        return m
+
+    task.save(tmp_path)
+    always_seven("rope").save_pretrained(tmp_path)
+    assert generate_text(tmp_path, "123", max_new_tokens=30, greedy=True) == "7" * 30  # it used to stop at 6
+    assert generate_text(tmp_path, "123", greedy=True) == "7" * (task.max_tgt_tokens + 1)  # the task's length
+    # a decoder with an absolute position table stops at its last position, and says so
+    always_seven("learned").save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="goes past this model's 7 decoder positions; generating at most 6"):
+        assert generate_text(tmp_path, "123", max_new_tokens=30, greedy=True) == "7" * 6

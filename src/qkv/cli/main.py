@@ -65,7 +65,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, a checkpoint folder, or a Hugging Face folder")
     p.add_argument("--prompt", default="", help="text prompt (source sentence for seq2seq models)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate (default: an LM's sample length, 200; a seq2seq task's longest target)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -73,14 +74,20 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sample for LMs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    p.add_argument("--generation-config", default=None, metavar="FILE",
+                   help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, Hugging "
+                        "Face names, e.g. a model's generation_config.json); the flags above override it")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    from qkv.generate import GenerationConfig
     from qkv.run import generate_text
 
-    out = generate_text(a.checkpoint, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                        top_k=a.top_k, top_p=a.top_p, num_beams=a.num_beams, greedy=a.greedy, seed=a.seed,
-                        stream=a.stream)
+    cfg = GenerationConfig.from_file(a.generation_config) if a.generation_config else None
+    defaults = {"temperature": 1.0, "num_beams": 1}  # flags at their default leave the file's value alone
+    flags = {k: v for k, v in dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                                   top_p=a.top_p, num_beams=a.num_beams).items() if v != defaults.get(k)}
+    out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, **flags)
     if not a.stream:
         print(out if out.strip() else "(empty output: the model ended the sequence at once)")
     return 0

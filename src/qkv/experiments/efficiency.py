@@ -79,7 +79,9 @@ def _child(suite_dict: dict[str, Any], spec_dict: dict[str, Any], out_path: str,
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20 - base
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 - base
+        # ru_maxrss and the /proc RSS read for `base` count pages slightly differently: a tiny model whose
+        # steps allocate (almost) nothing can read a few KB below zero, which means "no measurable growth"
+        peak = max(0.0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 - base)
     step = statistics.median(times)
     res = {"step_ms": step * 1000, "peak_mb": peak, "tokens_per_s": n_tok / step, "final_loss": losses[-1],
            "losses": losses, "device": str(device), "params": model.num_parameters(), "batch_tokens": n_tok,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -29,15 +28,15 @@ import torch
 
 from qkv.config import ConfigError, from_dict
 from qkv.experiments.suite import RunSpec, Suite, expand, load_suite
+from qkv.nn.params import count_parameters
+from qkv.storage import atomic_write_text
 
 RESULT = "result.json"
 TrainFn = Callable[[Suite, RunSpec, Path], dict[str, Any]]
 
 
 def _write_json(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n", path)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -122,9 +121,9 @@ def build_run(suite: Suite, spec: RunSpec):
     extra = {}
     for ev in suite.extra_evals:
         extra[ev.name] = build_task(spec.task["name"], family=family, tokenizer=task.tokenizer, **{**opts, **ev.task})
-    over = dict(task.model_overrides(family))
+    over = dict(task.config_overrides())  # the task's needs in this family's config fields
     for t in extra.values():  # the model must accept the longest evaluation sequences (length extrapolation)
-        for k, v in t.model_overrides(family).items():
+        for k, v in t.config_overrides().items():
             if k in _context_keys(over) and isinstance(v, int):
                 over[k] = max(over[k], v)
     model_fields = {k: v for k, v in spec.model.items() if k not in ("preset", "family")}
@@ -176,8 +175,7 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     wall = time.perf_counter() - t0
     rows = read_metrics(run_dir / "metrics.jsonl")
-    result: dict[str, Any] = {"error": error, "wall_s": wall, "params": sum(p.numel() for p in
-                              {id(p): p for p in model.parameters()}.values())}
+    result: dict[str, Any] = {"error": error, "wall_s": wall, "params": count_parameters(model)}
     result["final_loss"] = final_train_loss(rows)
     result["diverged"] = is_diverged(rows, error)
     result["steps"] = max((int(r["step"]) for r in rows if "step" in r), default=0)

@@ -477,7 +477,10 @@ def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     if ld.kind == "image":
         c = config(ld)
-        table = m._positions((c.grid, c.grid), next(m.parameters()).device)
+        from qkv.nn.position import PatchGrid
+
+        pos = m.encoder.position  # issue 11: ViT's patch positions are the encoder's PatchGrid encoding
+        table = pos.table((c.grid, c.grid)) if isinstance(pos, PatchGrid) else None
         n_extra = 1 if c.pooling == "cls" else 0
         if table is None:
             found.append({"where": "patches", "kind": "none"})
@@ -486,7 +489,7 @@ def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
                           "table": table[0, n_extra:].detach().float(), "grid": [c.grid, c.grid]})
     if ld.kind == "audio":
         found.append({"where": "encoder (audio frames)", "kind": "sinusoidal (fixed)",
-                      "table": m.audio_pos.detach().float()})
+                      "table": m.encoder.position.weight.detach().float()})  # issue 11: FixedTable
     for role, stack in stacks(ld).items():
         p = stack.position
         if ld.kind in ("image", "audio") and role == "encoder":

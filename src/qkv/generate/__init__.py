@@ -1,20 +1,25 @@
-"""Autoregressive generation for every qkv decoder (GPT, encoder-decoder).
+"""Autoregressive generation for every model that implements the decoder protocol (qkv.models.decoding).
 
-  generate(model, input_ids, max_new_tokens, ...)   greedy / sampling / beam search (also model.generate)
-  stream(model, input_ids, max_new_tokens, ...)     the same tokens, yielded step by step
-  beam_search(...)                                  the beam search itself (any num_beams >= 1)
-  PagedKVCache, BlockAllocator, Engine              a paged KV cache and continuous batching (GPT family)
+  generate(model, input_ids, config_or_max_new, **options)  greedy / sampling / beam search (also model.generate)
+  stream(model, input_ids, ...)                             the same tokens, yielded step by step
+  beam_search(...)                                          the beam search itself (any num_beams >= 1)
+  GenerationConfig                                          every setting, HF field names, generation_config.json
+  Engine                                                    continuous batching over a paged KV cache
 
-Modules: sampling.py (temperature / top-k / top-p), search.py (decoding loops), paged.py (block pool and
-paged cache), engine.py (continuous-batching Engine).
+Modules: config.py (GenerationConfig), processors.py (one class per logits option), sampling.py (top-k /
+top-p filters and the draw), search.py (decoding loops), engine.py (continuous-batching Engine). The paged
+cache itself is a KV cache like the others: qkv.nn.paged (re-exported here).
 """
 
 from __future__ import annotations
 
+from qkv.generate.config import GenerationConfig
 from qkv.generate.engine import Engine
-from qkv.generate.paged import BlockAllocator, PagedKVCache
+from qkv.generate.processors import PROCESSORS, WARPERS, LogitsProcessor, Pipeline
 from qkv.generate.sampling import process_logits, sample, top_k_filter, top_p_filter
 from qkv.generate.search import GenerationOutput, beam_search, generate, stream
+from qkv.nn.paged import BlockAllocator, PagedKVCache
 
-__all__ = ["BlockAllocator", "Engine", "GenerationOutput", "PagedKVCache", "beam_search", "generate",
-           "process_logits", "sample", "stream", "top_k_filter", "top_p_filter"]
+__all__ = ["PROCESSORS", "WARPERS", "BlockAllocator", "Engine", "GenerationConfig", "GenerationOutput",
+           "LogitsProcessor", "PagedKVCache", "Pipeline", "beam_search", "generate", "process_logits", "sample",
+           "stream", "top_k_filter", "top_p_filter"]

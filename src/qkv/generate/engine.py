@@ -1,15 +1,22 @@
-"""Continuous batching over a paged KV cache, for GPT-family (decoder-only) models.
+"""Continuous batching over a paged KV cache, for decoder-only models (the decoder protocol).
 
-    engine = Engine(model, block_size=16, max_batch_size=32)
+    engine = Engine(model, block_size=16, max_batch_size=32)            # + engine-wide generation settings
     ids = [engine.add_request(prompt, max_new_tokens=64) for prompt in prompts]
+    ids.append(engine.add_request(prompt, GenerationConfig(do_sample=True, top_p=0.9, seed=1)))  # per request
     outputs = engine.run()                      # {request id: [new token ids]}
     # or step by step: engine.step() -> [(request id, token), ...]; add requests between steps
 
 Each step first admits waiting requests while the batch has room and the pool has enough free blocks for
 their worst case (prompt + max_new_tokens; blocks are still taken lazily, one at a time), prefills each
-new request alone (its first token comes from the prefill), then runs ONE batched decoding step over every
-running request, whatever its length. Finished requests (eos or max_new_tokens) leave at once and return
-their blocks, so a waiting request can join at the next step.
+new request alone (its first token comes from the prefill), then runs ONE batched decoding step (the
+model's fast `step` on the paged cache, with per-row offsets and key mask) over every running request,
+whatever its length. Finished requests (eos or max_new_tokens) leave at once and return their blocks, so a
+waiting request can join at the next step.
+
+Settings: the engine's GenerationConfig (model defaults, then the config and keywords given to Engine) is
+every request's base; a request may bring its own config and keywords on top. Requests that share the
+engine's settings are processed as one batch; a request with its own settings gets its own logits
+processors (and, if it sets a seed, its own random generator).
 """
 
 from __future__ import annotations
@@ -22,17 +29,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.generate.paged import PagedKVCache
-from qkv.generate.sampling import check_sampling_args, process_logits, sample
+from qkv.generate.config import GenerationConfig
+from qkv.generate.processors import Context, Pipeline
+from qkv.generate.search import settings
+from qkv.models.decoding import as_decoder
+from qkv.nn.checks import check_id_list
 
 
 @dataclass
 class _Request:
     id: int
     prompt: list[int]
+    cfg: GenerationConfig
     max_new_tokens: int
     eos: set[int]
     blocks_needed: int
+    pipe: Pipeline
     output: list[int] = field(default_factory=list)
 
 
@@ -40,35 +52,26 @@ class Engine:
     def __init__(
         self,
         model: Any,
+        generation_config: GenerationConfig | None = None,
         *,
         block_size: int = 16,
         num_blocks: int | None = None,
         max_batch_size: int = 32,
-        eos_token_id: int | Sequence[int] | None = None,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
+        **options: Any,
     ) -> None:
-        if hasattr(model, "encode") or not hasattr(model, "decoder"):
-            raise ValueError("Engine serves decoder-only (GPT-family) models; use generate() for encoder-decoders")
-        check_sampling_args(temperature, top_k, top_p)
-        c = model.config
-        self.model = model.eval()
-        self.context = model.decoder.position.max_len  # None: no hard position limit
-        limit = self.context or c.context_length
-        if num_blocks is None:
-            num_blocks = max_batch_size * -(-limit // block_size)
-        p = model.tok_emb.weight
-        self.cache = PagedKVCache(c.n_layers, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads, num_blocks,
-                                  block_size, dtype=p.dtype, device=p.device)
-        self.device = p.device
+        dec = as_decoder(model)
+        if dec.is_seq2seq:
+            raise ValueError("Engine serves decoder-only models; use generate() for encoder-decoders")
+        self.model = dec
+        model.eval()
+        self.cfg = settings(dec, generation_config, options)
+        self._check(self.cfg)
+        self.context = dec.context_limit  # None: no hard position limit
+        self.cache = dec.make_paged_cache(num_blocks, block_size, max_batch_size=max_batch_size)
+        self.device = self.cache.device
         self.max_batch_size = max_batch_size
-        self.default_eos = eos_token_id
-        self.sampling = do_sample and temperature > 0
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generator = torch.Generator(device=p.device).manual_seed(seed) if seed is not None else None
+        seed = self.cfg.seed
+        self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.finished: dict[int, list[int]] = {}
@@ -77,31 +80,45 @@ class Engine:
         self.peak_blocks = 0
         self.steps = 0
 
+    @staticmethod
+    def _check(cfg: GenerationConfig) -> None:
+        if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
+            raise ValueError("the Engine decodes one sequence per request: num_beams and num_return_sequences must be 1")
+        if cfg.stop_strings:
+            raise ValueError("the Engine has no tokenizer for stop_strings: stop on eos_token_id instead")
+
     # -- requests ---------------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int] | Tensor, max_new_tokens: int = 32, *,
-                    eos_token_id: int | Sequence[int] | None = None) -> int:
-        """Queue a prompt (1-D ids); returns the request id used by step() and run()."""
+    def add_request(self, prompt: Sequence[int] | Tensor, generation_config: GenerationConfig | int | None = None,
+                    **options: Any) -> int:
+        """Queue a prompt (1-D ids) with this request's settings on top of the engine's (a GenerationConfig,
+        or an int = max_new_tokens, and/or keywords); returns the request id used by step() and run()."""
         ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, Tensor) else prompt)]
-        vocab = self.model.config.vocab_size
         if not ids:
             raise ValueError("a request needs at least one prompt token")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt contains a token id outside the vocabulary [0, {vocab})")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if self.context is not None and len(ids) + max_new_tokens > self.context:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+        check_id_list(ids, self.model.output_vocab_size)  # the one check, where the ids enter
+        if isinstance(generation_config, int) and not isinstance(generation_config, bool):
+            options = {"max_new_tokens": generation_config, **options}
+            generation_config = None
+        own = dict(generation_config.explicit()) if generation_config is not None else {}
+        own.update({k: v for k, v in options.items() if v is not None})
+        cfg = self.cfg.replace(**own) if own else self.cfg
+        self._check(cfg)
+        max_new = cfg.new_tokens(len(ids))
+        if self.context is not None and len(ids) + max_new > self.context:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new} exceeds the "
                              f"model's context of {self.context} positions")
-        eos = eos_token_id if eos_token_id is not None else self.default_eos
-        eos_set = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
-        need = -(-(len(ids) + max(max_new_tokens - 1, 0)) // self.cache.block_size)
+        need = -(-(len(ids) + max(max_new - 1, 0)) // self.cache.block_size)
         if need > self.cache.allocator.num_blocks:
             raise ValueError(f"the request needs {need} blocks but the pool has only "
                              f"{self.cache.allocator.num_blocks}")
+        generator = self.generator
+        if "seed" in own and cfg.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        pipe = Pipeline(cfg, Context(len(ids), max_new, cfg.eos_ids), generator)
         rid = self._next_id
         self._next_id += 1
-        req = _Request(rid, ids, max_new_tokens, eos_set, need)
-        if max_new_tokens == 0:
+        req = _Request(rid, ids, cfg, max_new, set(cfg.eos_ids), need, pipe)
+        if max_new == 0:
             self.finished[rid] = []
         else:
             self.waiting.append(req)
@@ -112,12 +129,25 @@ class Engine:
         return bool(self.waiting or self.running)
 
     # -- decoding ---------------------------------------------------------------------------------------
-    def _choose(self, logits: Tensor) -> list[int]:
-        if self.sampling:
-            logits = process_logits(logits.float(), temperature=self.temperature, top_k=self.top_k,
-                                    top_p=self.top_p)
-            return sample(logits, self.generator).tolist()
-        return logits.argmax(-1).tolist()
+    def _choose(self, reqs: list[_Request], logits: Tensor) -> list[int]:
+        """Each request's next token from its row of logits, through its own settings. Requests sharing a
+        settings object with no sequence-dependent processor form one batch (one sampling draw)."""
+        out: list[int] = [0] * len(reqs)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            key = id(r.cfg) if not r.pipe.processors else -1 - i  # processors read each row's own tokens
+            groups.setdefault(key, []).append(i)
+        for rows in groups.values():
+            pipe = reqs[rows[0]].pipe
+            if pipe.processors:
+                (i,) = rows
+                ids = torch.tensor([reqs[i].prompt + reqs[i].output], dtype=torch.long, device=self.device)
+                out[i] = int(pipe.choose(ids, logits[i:i + 1])[0])
+            else:
+                toks = pipe.choose(None, logits[rows] if len(rows) < len(reqs) else logits).tolist()
+                for i, t in zip(rows, toks):
+                    out[i] = t
+        return out
 
     def _emit(self, req: _Request, tok: int, events: list[tuple[int, int]]) -> bool:
         """Record a token; True when the request is finished."""
@@ -139,9 +169,9 @@ class Engine:
             self.cache.add_sequence(req.id)
             self.cache.set_active([req.id])
             ids = torch.tensor([req.prompt], dtype=torch.long, device=self.device)
-            logits = self.model(ids, cache=self.cache, last_only=True).logits[:, -1]
+            logits, _ = self.model.prefill(ids, self.cache)
             self._track()
-            if self._emit(req, self._choose(logits)[0], events):
+            if self._emit(req, self._choose([req], logits)[0], events):
                 self._finish(req)
             else:
                 self.running.append(req)
@@ -159,11 +189,10 @@ class Engine:
             batch = self.running
             self.cache.set_active([r.id for r in batch])
             ids = torch.tensor([[r.output[-1]] for r in batch], dtype=torch.long, device=self.device)
-            keep = self.cache.keep_mask(1)
-            logits = self.model(ids, attention_mask=keep, cache=self.cache, last_only=True).logits[:, -1]
+            logits = self.model.step(ids, self.cache, keep=self.cache.keep_mask(1))  # per-row offsets: the cache's
             self._track()
             still = []
-            for req, tok in zip(batch, self._choose(logits)):
+            for req, tok in zip(batch, self._choose(batch, logits)):
                 if self._emit(req, tok, events):
                     self._finish(req)
                 else:

@@ -1,4 +1,4 @@
-"""Logits processors and the token choice of one decoding step.
+"""The sampling filters and the draw of one decoding step (the WARPERS of processors.py call them).
 
 The order follows Hugging Face's sampling pipeline: temperature, then top-k, then top-p (nucleus),
 then a draw from softmax of what is left. Every filter sets removed logits to -inf and never renormalises
@@ -48,12 +48,3 @@ def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One draw per row from softmax(logits): (B, V) -> (B,) token ids."""
     probs = torch.softmax(logits.float(), dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
-def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")

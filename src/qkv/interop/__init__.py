@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qkv.storage import CheckpointError
+
 LOADERS: dict[str, Callable[[Path, dict[str, Any]], Any]] = {}
 
 # model_type -> module that registers its loader (imported lazily, so a missing one costs nothing)
@@ -24,8 +26,6 @@ _MODULES = {
 
 
 def load_hf(folder: str | Path) -> Any:
-    from qkv.checkpoint import CheckpointError
-
     folder = Path(folder)
     meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     mt = meta.get("model_type")

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkv.checkpoint import CheckpointError, _tied_names
+from qkv.storage import CheckpointError, check_state_fits, read_config
 
 Transform = Callable[[Tensor], Tensor]
 
@@ -44,8 +44,6 @@ TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 # -- reading a folder ---------------------------------------------------------------------------------
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """config.json as a dict (a clear error if it is absent or not JSON)."""
-    from qkv.checkpoint import read_config
-
     return read_config(folder)
 
 
@@ -176,22 +174,11 @@ def convert_state(
 
 def load_converted(model: nn.Module, state: Mapping[str, Tensor], sources: Mapping[str, list[str]],
                    source: str = "checkpoint") -> None:
-    """Copy our-key tensors into `model`, checking every shape; every parameter must be filled
-    (tied copies excepted). Dtypes follow the model (a fp16 checkpoint loads into a fp32 model)."""
+    """Copy our-key tensors into `model` after the library's one fit check (every parameter filled, tied
+    copies excepted; every shape equal), naming the file's keys in errors. Dtypes follow the model (a fp16
+    checkpoint loads into a fp32 model)."""
+    check_state_fits(model, state, source, name=lambda k: ", ".join(sources.get(k, [k])))
     own = model.state_dict()
-    tied = _tied_names(model)
-    for ours, t in state.items():
-        hf = ", ".join(sources.get(ours, [ours]))
-        if ours not in own:
-            raise CheckpointError(f"{source}: key map sends {hf} to {ours!r}, which this "
-                                  f"{type(model).__name__} does not have")
-        if tuple(own[ours].shape) != tuple(t.shape):
-            raise CheckpointError(f"{source}: {hf} has shape {tuple(t.shape)} (as {ours!r}), "
-                                  f"the model expects {tuple(own[ours].shape)}")
-    unfilled = [k for k in own if k not in state and k not in tied]
-    if unfilled:
-        raise CheckpointError(f"{source}: nothing in the checkpoint fills {unfilled[:5]} "
-                              f"of this {type(model).__name__}")
     with torch.no_grad():
         for ours, t in state.items():
             own[ours].copy_(t)  # in place: keeps weight tying and the model's dtype/device

@@ -24,6 +24,7 @@ from qkv.interop.common import (
     strip_prefix,
 )
 from qkv.models.gpt import GPT, GPTConfig
+from qkv.storage import atomic_save_safetensors, atomic_write_json, unwrap
 
 # HF (after stripping the 'transformer.' prefix of GPT2LMHeadModel) -> ours; "{}" = layer index
 KEY_MAP = {
@@ -131,8 +132,6 @@ def config_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 def export_gpt2(model: GPT, path: str | os.PathLike) -> Path:
     """Write `model` as a Hugging Face GPT2LMHeadModel folder (config.json + model.safetensors)."""
-    from qkv.checkpoint import atomic_save_safetensors, atomic_write_json, unwrap
-
     model = unwrap(model)
     hf_config = config_to_hf(model.config)
     mapping = expand(KEY_MAP, model.config.n_layers)

@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from qkv.interop import LOADERS
+from qkv.models.vit import ViT, ViTConfig
+from qkv.storage import CheckpointError, load_state_into
 
 _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """model.safetensors of a HF folder (no pickle: a pytorch_model.bin is refused)."""
-    from qkv.checkpoint import CheckpointError
-
     path = folder / "model.safetensors"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no model.safetensors (pickled .bin weights are not loaded)")
@@ -30,16 +30,12 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def hf_activation(name: str) -> str:
-    from qkv.checkpoint import CheckpointError
-
     if name not in _ACTS:
         raise CheckpointError(f"unsupported Hugging Face activation {name!r}; supported: {sorted(_ACTS)}")
     return _ACTS[name]
 
 
-def vit_config_from_hf(meta: dict[str, Any], *, classify: bool, pooler: bool):
-    from qkv.models.vit import ViTConfig
-
+def vit_config_from_hf(meta: dict[str, Any], *, classify: bool, pooler: bool) -> ViTConfig:
     return ViTConfig(
         image_size=meta["image_size"], patch_size=meta["patch_size"], n_channels=meta.get("num_channels", 3),
         n_layers=meta["num_hidden_layers"], d_model=meta["hidden_size"], n_heads=meta["num_attention_heads"],
@@ -55,7 +51,7 @@ def vit_state_from_hf(sd: dict[str, torch.Tensor], n_layers: int, prefix: str = 
     p = prefix
     out = {
         "cls_emb": sd[f"{p}embeddings.cls_token"],
-        "pos_emb": sd[f"{p}embeddings.position_embeddings"],
+        "encoder.position.weight": sd[f"{p}embeddings.position_embeddings"],
         "patch_emb.proj.weight": sd[f"{p}embeddings.patch_embeddings.projection.weight"],
         "patch_emb.proj.bias": sd[f"{p}embeddings.patch_embeddings.projection.bias"],
         "encoder.final_norm.weight": sd[f"{p}layernorm.weight"],
@@ -78,10 +74,7 @@ def vit_state_from_hf(sd: dict[str, torch.Tensor], n_layers: int, prefix: str = 
     return out
 
 
-def load_vit(folder: Path, meta: dict[str, Any]):
-    from qkv.checkpoint import CheckpointError, load_state_into
-    from qkv.models.vit import ViT
-
+def load_vit(folder: Path, meta: dict[str, Any]) -> ViT:
     sd = read_hf_weights(folder)
     classify = "classifier.weight" in sd
     prefix = "vit." if any(k.startswith("vit.") for k in sd) else ""

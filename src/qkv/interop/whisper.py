@@ -15,12 +15,11 @@ import torch
 
 from qkv.interop import LOADERS
 from qkv.interop.vit import hf_activation, read_hf_weights
+from qkv.models.whisper import Whisper, WhisperConfig
+from qkv.storage import CheckpointError, load_state_into
 
 
-def whisper_config_from_hf(meta: dict[str, Any]):
-    from qkv.checkpoint import CheckpointError
-    from qkv.models.whisper import WhisperConfig
-
+def whisper_config_from_hf(meta: dict[str, Any]) -> WhisperConfig:
     if meta["encoder_attention_heads"] != meta["decoder_attention_heads"] or \
             meta["encoder_ffn_dim"] != meta["decoder_ffn_dim"]:
         raise CheckpointError("encoder and decoder of this Whisper differ in heads or ffn size; qkv's Whisper "
@@ -65,7 +64,7 @@ def whisper_state_from_hf(sd: dict[str, torch.Tensor], n_enc: int, n_dec: int) -
     out = {
         "conv1.weight": sd[e + "conv1.weight"], "conv1.bias": sd[e + "conv1.bias"],
         "conv2.weight": sd[e + "conv2.weight"], "conv2.bias": sd[e + "conv2.bias"],
-        "audio_pos": sd[e + "embed_positions.weight"],
+        "encoder.position.weight": sd[e + "embed_positions.weight"],
         "tok_emb.weight": sd[d + "embed_tokens.weight"],
         "decoder.position.weight": sd[d + "embed_positions.weight"],
         **_ln(sd, e + "layer_norm", "encoder.final_norm"), **_ln(sd, d + "layer_norm", "decoder.final_norm"),
@@ -86,10 +85,7 @@ def whisper_state_from_hf(sd: dict[str, torch.Tensor], n_enc: int, n_dec: int) -
     return out
 
 
-def load_whisper(folder: Path, meta: dict[str, Any]):
-    from qkv.checkpoint import CheckpointError, load_state_into
-    from qkv.models.whisper import Whisper
-
+def load_whisper(folder: Path, meta: dict[str, Any]) -> Whisper:
     cfg = whisper_config_from_hf(meta)
     sd = read_hf_weights(folder)
     model = Whisper(cfg)

@@ -1,4 +1,8 @@
-"""Model families: one file each (config dataclass + presets + model). Importing registers them."""
+"""Model families: one file each (config dataclass + presets + model). Importing registers them: the named
+ones below, and any other module in this folder (a new family is its file alone)."""
+
+import importlib
+import pkgutil
 
 from qkv.models.base import ModelOutput, QKVModel
 from qkv.models.bert import BERT, BERTConfig
@@ -17,3 +21,6 @@ __all__ = [
     "ModelOutput", "QKVModel", "Swin", "SwinConfig", "ViT", "ViTConfig", "Whisper", "WhisperConfig",
     "build", "families", "family", "preset", "presets",
 ]
+
+for _module in pkgutil.iter_modules(__path__):  # a family file added to this folder registers itself
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -1,12 +1,11 @@
-"""What every model family shares: the output object, initialisation, input checks, the LM loss,
-save/load of qkv checkpoints, and the stack builder. A family file only assembles these."""
+"""What every model family shares: the output object, initialisation, the LM loss, the stack builder,
+save/generate conveniences, the family's kind, and the decoder half of the encoder-decoder families.
+A family file only assembles these."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -15,10 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import TransformerConfig, to_dict
+from qkv.config import TransformerConfig
+from qkv.models.decoding import Source
 from qkv.nn.block import Block
-from qkv.nn.position import build_position
+from qkv.nn.cache import StaticCache
+from qkv.nn.checks import check_length, check_token_ids
+from qkv.nn.paged import PagedKVCache
+from qkv.nn.params import count_parameters
+from qkv.nn.position import PositionalEncoding, build_position
 from qkv.nn.stack import Stack
+from qkv.storage import save_model
 
 
 @dataclass
@@ -30,20 +35,6 @@ class ModelOutput:
     attentions: list[dict[str, Tensor]] | None = None  # decoder (or sole stack) attention weights per layer
     encoder_attentions: list[dict[str, Tensor]] | None = None
     pooled: Tensor | None = None  # (B, d_model) pooled representation where a family has one
-
-
-def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids") -> None:
-    """A clear error instead of an index error deep inside torch.nn.functional.embedding."""
-    if ids.dtype not in (torch.int64, torch.int32):  # what nn.Embedding accepts as indices
-        raise TypeError(f"{what} must be an integer tensor (int64 or int32), got {ids.dtype}; use .long()")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        bad = int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())
-        raise ValueError(f"{what} contains token id {bad}, outside the vocabulary [0, {vocab_size})")
-
-
-def check_length(length: int, context: int, what: str = "sequence") -> None:
-    if length > context:
-        raise ValueError(f"{what} of length {length} exceeds the model's context of {context} positions")
 
 
 def token_loss(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -58,22 +49,34 @@ def token_loss(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> 
 
 def build_stack(
     cfg: TransformerConfig, n_layers: int, *, max_len: int, causal: bool, cross: bool = False,
-    embed_norm: bool = False, position: str | None = None,
+    embed_norm: bool = False, position: str | PositionalEncoding | None = None,
 ) -> Stack:
-    """An encoder (causal=False) or decoder (causal=True, cross=True for encoder-decoder) stack."""
+    """An encoder (causal=False) or decoder (causal=True, cross=True for encoder-decoder) stack. position:
+    the config's encoding by default, another name, or an encoding object (ViT's patch grid, Whisper's
+    audio table)."""
     blocks = [Block(cfg.d_model, cfg.n_heads, causal=causal, cross_attention=cross, **cfg.block_kwargs())
               for _ in range(n_layers)]
-    pos = build_position(position or cfg.position, d_model=cfg.d_model, n_heads=cfg.n_heads,
-                         max_len=max_len, rope_base=cfg.rope_base)
+    if isinstance(position, PositionalEncoding):
+        pos = position
+    else:
+        pos = build_position(position or cfg.position, d_model=cfg.d_model, n_heads=cfg.n_heads,
+                             max_len=max_len, rope_base=cfg.rope_base)
     return Stack(blocks, pos, d_model=cfg.d_model, final_norm=cfg.placement == "pre", norm=cfg.norm,
                  norm_eps=cfg.norm_eps, bias=cfg.bias, embed_norm=embed_norm, dropout=cfg.dropout)
 
 
 class QKVModel(nn.Module):
-    """Base of every family: `config`, init, parameter counts, save/load, generate()."""
+    """Base of every family: `config`, its kinds, init, parameter counts, save_pretrained, generate()."""
 
     family: ClassVar[str] = ""
     config_class: ClassVar[type] = TransformerConfig
+    # The kinds of task this family serves (registry.KINDS), its main kind first. A task built for a family takes the
+    # first of these kinds that it supports, and shapes its batches and config by that kind alone.
+    kinds: ClassVar[tuple[str, ...]] = ()
+    # a sequence classifier that reads the first position (BERT's [CLS]): tasks put such a token there
+    pools_first_token: ClassVar[bool] = False
+    # state-dict names that moved: old -> new; checkpoints written before the move still load (qkv.storage)
+    renamed_keys: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -82,6 +85,18 @@ class QKVModel(nn.Module):
         if validate is not None:
             validate()
         self.config = config
+        self.folder_generation_config: dict[str, Any] = {}  # a loaded folder's generation_config.json
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+    @classmethod
+    def config_for_task(cls, kind: str, needs: dict[str, Any]) -> dict[str, Any]:
+        """This family's config fields for a task of `kind` that needs `needs`, given in the shared names
+        (vocab_size, context_length, num_labels, pad/bos/eos_token_id, and a kind's own fields: image_size,
+        n_channels for images; the audio front end's for audio). Default: the names are this family's own."""
+        return dict(needs)
 
     def init_weights(self, n_residual_layers: int) -> None:
         """Normal(0, init_std) for linears, Normal(0, embed_init_std) for embeddings, zero biases, and
@@ -101,79 +116,118 @@ class QKVModel(nn.Module):
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Unique parameters (tied weights counted once)."""
-        seen, total = set(), 0
-        for p in self.parameters():
-            if id(p) in seen or (trainable_only and not p.requires_grad):
-                continue
-            seen.add(id(p))
-            total += p.numel()
-        return total
+        return count_parameters(self, trainable_only)
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         for m in self.modules():
             if isinstance(m, Stack):
                 m.gradient_checkpointing = enabled
 
-    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None) -> Any:
-        """A preallocated KV cache for this model's decoder stack (`self.decoder`): one slot per decoder
-        layer, n_kv_heads heads, `max_len` positions (default: the model's context)."""
-        from qkv.nn.cache import StaticCache
-
-        c = self.config
-        p = self.lm_head.weight
-        return StaticCache(len(self.decoder.blocks), batch_size, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads,
-                           max_len or c.context_length, dtype=dtype or p.dtype, device=device or p.device)
-
-    # -- checkpoints -----------------------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike) -> Path:
-        """Write config.json + model.safetensors atomically into folder `path`."""
-        from qkv.checkpoint import save_model
-
+        """Write config.json + model.safetensors atomically into folder `path` (qkv.storage.save_model)."""
         return save_model(self, path)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Autoregressive generation; see qkv.generate.generate for the arguments."""
-        from qkv.generate import generate  # generation lives above the models layer
+        # The one upward import of the models layer (allow-listed in tests/nn/test_layering.py): the HF-style
+        # model.generate(...) convenience. Generation itself consumes only the decoder protocol.
+        from qkv.generate import generate
 
         return generate(self, *args, **kwargs)
 
 
-def config_json(model: QKVModel) -> dict[str, Any]:
-    return {"qkv_family": model.family, "config": to_dict(model.config)}
+class TransformerDecoderModel(QKVModel):
+    """The decoder protocol (models/decoding.py) for families whose decoder is a qkv Stack `self.decoder`
+    under an output projection `self.lm_head`: caches sized from the stack, the context limit of its
+    positions, the fast step through Stack.step. A family adds `embed_target(ids)` (its token embedding),
+    `output_vocab_size`, `encode_source` and `prefill`."""
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
-
-
-class Seq2SeqModel(QKVModel):
-    """The decoder half shared by the encoder-decoder families (EncoderDecoder, Whisper-like): teacher
-    forcing, the (cached) decoding step that qkv.generate calls, the KV cache and the loss. A family adds
-    its front end: `encode(inputs, attention_mask, return_attentions) -> (memory, attentions)` and
-    `embed_target(ids) -> (B, T, d)`, and holds `self.decoder` (a cross-attending Stack) and `self.lm_head`;
-    its config has target_vocab_size, context_length, n_decoder_layers and pad/bos token ids."""
+    is_seq2seq: ClassVar[bool] = False
 
     def embed_target(self, ids: Tensor) -> Tensor:  # pragma: no cover - every family defines it
         raise NotImplementedError
+
+    @property
+    def context_limit(self) -> int | None:
+        """Most decoder positions: an absolute table's length; None for RoPE / ALiBi / none."""
+        return self.decoder.context_limit
+
+    def generation_defaults(self) -> dict[str, Any]:
+        c = self.config
+        out = {k: getattr(c, k) for k in ("eos_token_id", "pad_token_id", "bos_token_id") if getattr(c, k, None) is not None}
+        if self.is_seq2seq and "bos_token_id" in out:
+            out["decoder_start_token_id"] = out["bos_token_id"]
+        return {**out, **self.folder_generation_config}
+
+    def _cache_shape(self) -> tuple[int, int, int]:
+        a = self.decoder.blocks[0].attn
+        return len(self.decoder.blocks), a.n_kv_heads, a.head_dim
+
+    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> StaticCache:
+        """A preallocated KV cache for the decoder stack: one slot per layer, n_kv_heads heads, `max_len`
+        positions (default: the model's context_length)."""
+        p = self.lm_head.weight
+        n_layers, n_kv, hd = self._cache_shape()
+        return StaticCache(n_layers, batch_size, n_kv, hd, max_len or self.config.context_length,
+                           dtype=dtype or p.dtype, device=device or p.device)
+
+    def make_paged_cache(self, num_blocks: int | None = None, block_size: int = 16, *, max_batch_size: int = 1,
+                         dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> PagedKVCache:
+        """A pool of num_blocks blocks of block_size positions for the decoder stack (serving); by default
+        enough for max_batch_size sequences of the model's context_length."""
+        p = self.lm_head.weight
+        n_layers, n_kv, hd = self._cache_shape()
+        if num_blocks is None:
+            num_blocks = max_batch_size * -(-self.config.context_length // block_size)
+        return PagedKVCache(n_layers, n_kv, hd, num_blocks, block_size, dtype=dtype or p.dtype,
+                            device=device or p.device)
+
+    def step(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
+             offset: int | Tensor | None = None) -> Tensor:
+        """Next-token logits (B, V) after the newest ids (B, T) over a filled cache: the decoder stack's fast
+        path (Stack.step) and the output projection's (Linear.step)."""
+        h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset)
+        return self.lm_head.step(h[:, -1])
+
+
+class Seq2SeqModel(TransformerDecoderModel):
+    """The decoder half shared by the encoder-decoder families (EncoderDecoder, Whisper-like): teacher
+    forcing, the (cached) decoding that qkv.generate calls through the decoder protocol, the loss. A family
+    adds its front end: `encode(inputs, attention_mask, return_attentions) -> (memory, attentions)`,
+    `check_source(inputs)` and `embed_target(ids) -> (B, T, d)`, and holds `self.decoder` (a cross-attending
+    Stack) and `self.lm_head`; its config has target_vocab_size, context_length, n_decoder_layers and
+    pad/bos token ids."""
+
+    is_seq2seq: ClassVar[bool] = True
+
+    @property
+    def output_vocab_size(self) -> int:
+        return self.config.target_vocab_size
+
+    def check_source(self, inputs: Tensor) -> None:
+        """Validate a generation input where it enters (token ids: their range, once)."""
+
+    def encode_source(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Source:
+        self.check_source(inputs)
+        memory, _ = self.encode(inputs, attention_mask)
+        return Source(memory, attention_mask)
+
+    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None, offset: int | Tensor | None = None,
+                source: Source | None = None, return_attentions: bool = False) -> tuple[Tensor, list | None]:
+        if source is None:
+            raise ValueError(f"{type(self).__name__} decodes from an encoded source: pass source=encode_source(...)")
+        logits, out = self.decode(ids, source.memory, memory_mask=source.mask, decoder_attention_mask=keep,
+                                  cache=cache, offset=offset, return_attentions=return_attentions, last_only=True)
+        return logits[:, -1], out.attentions
 
     def decode(self, decoder_input_ids: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
                decoder_attention_mask: Tensor | None = None, cache: Any = None,
                offset: int | Tensor | None = None, return_attentions: bool = False, last_only: bool = False):
         """Decoder over `memory` (B, S, d): returns (logits (B, T|1, vocab), StackOutput)."""
-        c = self.config
-        check_token_ids(decoder_input_ids, c.target_vocab_size, "decoder_input_ids")
+        check_token_ids(decoder_input_ids, self.config.target_vocab_size, "decoder_input_ids")
         past = cache.length if cache is not None else 0
-        check_length(past + decoder_input_ids.shape[1], c.context_length, "target sequence")
+        check_length(past + decoder_input_ids.shape[1], self.context_limit, "target sequence")
         keep = decoder_attention_mask.bool() if decoder_attention_mask is not None else None
         mkeep = memory_mask.bool() if memory_mask is not None else None
         out = self.decoder(self.embed_target(decoder_input_ids), keep=keep, memory=memory, memory_keep=mkeep,

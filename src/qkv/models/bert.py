@@ -8,14 +8,16 @@ ids (B, T) -> tok + pos + type embeddings -> LayerNorm -> N Post-LN blocks -> hi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
-from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids, token_loss
+from qkv.models.base import ModelOutput, QKVModel, build_stack, token_loss
 from qkv.models.registry import register_family, register_preset
+from qkv.nn.checks import check_length, check_token_ids
 from qkv.nn.norm import build_norm
 
 HEADS = ("none", "mlm", "classify")
@@ -48,6 +50,18 @@ class BERTConfig(TransformerConfig):
 
 
 class BERT(QKVModel):
+    kinds: ClassVar[tuple[str, ...]] = ("encoder",)
+    # the sequence classifier pools the first token: a task puts a [CLS]-like token there
+    pools_first_token: ClassVar[bool] = True
+
+    @classmethod
+    def config_for_task(cls, kind: str, needs: dict[str, Any]) -> dict[str, Any]:
+        """A task with num_labels wants a sequence classifier: the pooler + classification head."""
+        out = dict(needs)
+        if "num_labels" in out:
+            out.update(head="classify", pooler=True)
+        return out
+
     def __init__(self, config: BERTConfig) -> None:
         super().__init__(config)
         c = config
@@ -79,7 +93,7 @@ class BERT(QKVModel):
         where no prediction is wanted (mlm head), or (B,) class ids (classify head)."""
         c = self.config
         check_token_ids(input_ids, c.vocab_size)
-        check_length(input_ids.shape[1], c.context_length)
+        check_length(input_ids.shape[1], self.encoder.context_limit)
         x = self.tok_emb(input_ids)
         if self.type_emb is not None:
             tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
-from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids
+from qkv.models.base import ModelOutput, QKVModel, build_stack
 from qkv.models.registry import register_family, register_preset
 from qkv.models.vit import ViT, ViTConfig
+from qkv.nn.checks import check_length, check_token_ids
 
 
 def _default_vision() -> ViTConfig:
@@ -56,6 +58,8 @@ class CLIPConfig(TransformerConfig):
 
 
 class CLIP(QKVModel):
+    kinds: ClassVar[tuple[str, ...]] = ("dual",)
+
     def __init__(self, config: CLIPConfig) -> None:
         super().__init__(config)
         c = config
@@ -80,7 +84,7 @@ class CLIP(QKVModel):
         """(B, T) right-padded token ids (mask 1 = real) -> (B, embed_dim), unit length."""
         c = self.config
         check_token_ids(input_ids, c.vocab_size)
-        check_length(input_ids.shape[1], c.context_length, "text")
+        check_length(input_ids.shape[1], self.text.context_limit, "text")
         keep = attention_mask.bool() if attention_mask is not None else None
         h = self.text(self.tok_emb(input_ids), keep=keep).hidden  # (B, T, d)
         if keep is None:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
-from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack, check_length, check_token_ids
+from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack
 from qkv.models.registry import register_family, register_preset
+from qkv.nn.checks import check_length, check_token_ids
+from qkv.nn.linear import Linear
 
 
 @dataclass
@@ -55,6 +58,16 @@ class EncoderDecoderConfig(TransformerConfig):
 
 
 class EncoderDecoder(Seq2SeqModel):
+    kinds: ClassVar[tuple[str, ...]] = ("seq2seq",)
+
+    @classmethod
+    def config_for_task(cls, kind: str, needs: dict[str, Any]) -> dict[str, Any]:
+        """A task's one vocabulary is the shared source/target vocabulary."""
+        out = dict(needs)
+        if "vocab_size" in out:
+            out["src_vocab_size"], out["tgt_vocab_size"] = out.pop("vocab_size"), None
+        return out
+
     def __init__(self, config: EncoderDecoderConfig) -> None:
         super().__init__(config)
         c = config
@@ -62,7 +75,7 @@ class EncoderDecoder(Seq2SeqModel):
         self.tgt_emb = nn.Embedding(c.target_vocab_size, c.d_model)
         self.encoder = build_stack(c, c.n_encoder_layers, max_len=c.context_length, causal=False)
         self.decoder = build_stack(c, c.n_decoder_layers, max_len=c.context_length, causal=True, cross=True)
-        self.lm_head = nn.Linear(c.d_model, c.target_vocab_size, bias=False)
+        self.lm_head = Linear(c.d_model, c.target_vocab_size, bias=False)
         self.init_weights(c.n_encoder_layers + c.n_decoder_layers)
         if c.share_embeddings:
             self.tgt_emb.weight = self.src_emb.weight
@@ -73,10 +86,14 @@ class EncoderDecoder(Seq2SeqModel):
                return_attentions: bool = False) -> tuple[Tensor, list | None]:
         c = self.config
         check_token_ids(input_ids, c.src_vocab_size)
-        check_length(input_ids.shape[1], c.context_length, "source sequence")
+        # only absolute encodings (learned, sinusoidal) limit the source; RoPE / ALiBi / none take any length
+        check_length(input_ids.shape[1], self.encoder.context_limit, "source sequence")
         keep = attention_mask.bool() if attention_mask is not None else None
         out = self.encoder(self.src_emb(input_ids) * self.embed_scale, keep=keep, return_weights=return_attentions)
         return out.hidden, out.attentions or None
+
+    def check_source(self, inputs: Tensor) -> None:
+        check_token_ids(inputs, self.config.src_vocab_size, entry=True)
 
     def embed_target(self, ids: Tensor) -> Tensor:
         return self.tgt_emb(ids) * self.embed_scale

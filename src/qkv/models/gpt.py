@@ -7,13 +7,15 @@ token ids (B, T) -> token embedding -> [position.embed] -> N causal Pre-LN block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
-from qkv.models.base import ModelOutput, QKVModel, build_stack, check_length, check_token_ids, token_loss
+from qkv.models.base import ModelOutput, TransformerDecoderModel, build_stack, token_loss
+from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
-from qkv.nn.cache import StaticCache
+from qkv.nn.checks import check_length, check_token_ids
 from qkv.nn.linear import Linear
 
 
@@ -30,7 +32,9 @@ class GPTConfig(TransformerConfig):
             raise ConfigError("vocab_size, n_layers and context_length must be positive")
 
 
-class GPT(QKVModel):
+class GPT(TransformerDecoderModel):
+    kinds: ClassVar[tuple[str, ...]] = ("decoder",)
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
         c = config
@@ -47,7 +51,7 @@ class GPT(QKVModel):
         *,
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        cache: StaticCache | None = None,
+        cache: Any = None,
         offset: int | Tensor | None = None,
         return_attentions: bool = False,
         last_only: bool = False,
@@ -58,8 +62,7 @@ class GPT(QKVModel):
         c = self.config
         check_token_ids(input_ids, c.vocab_size)
         past = cache.length if cache is not None else 0
-        if c.position in ("learned", "sinusoidal"):
-            check_length(past + input_ids.shape[1], c.context_length)
+        check_length(past + input_ids.shape[1], self.context_limit)  # only absolute positions have a limit
         x = self.tok_emb(input_ids)  # (B, T, d)
         keep = attention_mask.bool() if attention_mask is not None else None
         out = self.decoder(x, keep=keep, cache=cache, offset=offset, return_weights=return_attentions)
@@ -70,6 +73,25 @@ class GPT(QKVModel):
             loss, n = token_loss(logits[:, :-1], labels[:, 1:])
         return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=out.hidden,
                            attentions=out.attentions or None)
+
+    # -- the decoder protocol (models/decoding.py); step() and the caches come from TransformerDecoderModel
+    @property
+    def output_vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def embed_target(self, ids: Tensor) -> Tensor:
+        return self.tok_emb(ids)
+
+    def encode_source(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Source | None:
+        """A decoder-only model has no encoder: this only checks the prompt ids, once, where they enter."""
+        check_token_ids(inputs, self.config.vocab_size, entry=True)
+        return None
+
+    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None, offset: int | Tensor | None = None,
+                source: Source | None = None, return_attentions: bool = False) -> tuple[Tensor, list | None]:
+        out = self(ids, attention_mask=keep, cache=cache, offset=offset, return_attentions=return_attentions,
+                   last_only=True)
+        return out.logits[:, -1], out.attentions
 
 
 register_family("gpt", GPTConfig, GPT)

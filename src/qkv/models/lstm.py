@@ -8,11 +8,10 @@ mode 'classify': ids (B, T) -> embedding -> n_layers LSTM (bidirectional by defa
                  with pack_padded_sequence -> final hidden state of the last layer (both directions
                  concatenated) -> linear -> logits (B, num_labels); labels (B,).
 
-Decoding: `make_cache()` returns an LSTMCache (the recurrent state (h, c) plus a length), and
-`forward(..., cache=...)` consumes only the new tokens, like a KV cache. `LSTM.generate` is a small
-greedy/sampling loop of its own over that state (prompts of equal length, or left-padded with
-attention_mask: padding steps leave the state untouched), because qkv.generate reads transformer-only
-attributes (the position encoding's max_len).
+Decoding: the LSTM implements the decoder protocol (models/decoding.py), so `model.generate(...)` is the
+shared qkv.generate (greedy, sampling, beam search, streaming, stop strings): `make_cache()` returns an
+LSTMCache (the recurrent state (h, c) plus a length) and `forward(..., cache=...)` consumes only the new
+tokens, like a KV cache; left-padded prompts step through the padding with the state held (`prefill`).
 
 `hidden_for_params(n, ...)` picks the width whose parameter count is closest to `n` (e.g. a transformer's
 `num_parameters()`), for equal-size comparisons; `lstm_num_parameters(config)` is the closed form.
@@ -21,15 +20,17 @@ attributes (the position encoding's max_len).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from qkv.config import ConfigError
-from qkv.models.base import ModelOutput, QKVModel, check_token_ids, token_loss
+from qkv.models.base import ModelOutput, QKVModel, token_loss
+from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
+from qkv.nn.checks import check_token_ids
 
 MODES = ("lm", "classify")
 
@@ -70,6 +71,10 @@ class LSTMCache:
         self.length = 0
         self.max_len = max_len if max_len is not None else 1 << 62  # no limit
 
+    @property
+    def offset(self) -> int:
+        return self.length
+
     def reorder(self, rows: Tensor) -> None:
         """Keep/repeat batch rows (beam search)."""
         if self.state is not None:
@@ -77,6 +82,17 @@ class LSTMCache:
 
 
 class LSTM(QKVModel):
+    # mode lm: a decoder (LM and decoder-only seq2seq tasks); mode classify: a sequence classifier
+    kinds: ClassVar[tuple[str, ...]] = ("decoder", "encoder")
+    is_seq2seq: ClassVar[bool] = False
+
+    @classmethod
+    def config_for_task(cls, kind: str, needs: dict[str, Any]) -> dict[str, Any]:
+        """The mode follows the kind: decoder -> a unidirectional LM; encoder -> a bidirectional classifier."""
+        if kind == "decoder":
+            return {**needs, "mode": "lm", "bidirectional": False}
+        return {**needs, "mode": "classify", "bidirectional": True}
+
     def __init__(self, config: LSTMConfig) -> None:
         super().__init__(config)
         c = config
@@ -111,8 +127,61 @@ class LSTM(QKVModel):
             nn.init.normal_(self.classifier.weight, std=0.02)
             nn.init.zeros_(self.classifier.bias)
 
+    # -- the decoder protocol (models/decoding.py) --------------------------------------------------------
+    @property
+    def context_limit(self) -> int | None:
+        return None  # a recurrent state has no position limit
+
+    @property
+    def output_vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def generation_defaults(self) -> dict[str, Any]:
+        c = self.config
+        out: dict[str, Any] = {"pad_token_id": c.pad_token_id}
+        if c.eos_token_id is not None:
+            out["eos_token_id"] = c.eos_token_id
+        return {**out, **self.folder_generation_config}
+
     def make_cache(self, batch_size: int = 1, max_len: int | None = None, **_: Any) -> LSTMCache:
         return LSTMCache(max_len)
+
+    def make_paged_cache(self, num_blocks: int | None = None, block_size: int = 16, **_: Any) -> Any:
+        raise ValueError("an LSTM has no key/value cache to page: use generate(), not the serving Engine")
+
+    def encode_source(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Source | None:
+        if self.config.mode != "lm":
+            raise ValueError("generate needs an LSTM in mode=lm")
+        check_token_ids(inputs, self.config.vocab_size, entry=True)
+        return None
+
+    def prefill(self, ids: Tensor, cache: LSTMCache | None, *, keep: Tensor | None = None,
+                offset: Any = None, source: Source | None = None,
+                return_attentions: bool = False) -> tuple[Tensor, list | None]:
+        """Next-token logits after `ids`. Left padding (keep 0 on the first columns of a row) is stepped
+        through one token at a time with that row's state held, so a padded row ends in exactly the state of
+        its unpadded prompt. cache=None recomputes from a fresh state."""
+        if return_attentions:
+            raise ValueError("an LSTM has no attention weights to return")
+        cache = cache if cache is not None else self.make_cache()
+        new_keep = None if keep is None else keep.bool()[:, -ids.shape[1]:]
+        if new_keep is None or bool(new_keep.all()):
+            return self(ids, cache=cache, last_only=True).logits[:, -1], None
+        logits = None
+        for t in range(ids.shape[1]):
+            prev = cache.state
+            out = self(ids[:, t:t + 1], cache=cache).logits[:, -1]
+            k = new_keep[:, t].view(1, -1, 1)
+            if prev is not None:
+                cache.state = (torch.where(k, cache.state[0], prev[0]), torch.where(k, cache.state[1], prev[1]))
+            else:  # the state before the first token is zero
+                cache.state = (cache.state[0] * k, cache.state[1] * k)
+            logits = out if logits is None else torch.where(new_keep[:, t:t + 1], out, logits)
+        return logits, None
+
+    def step(self, ids: Tensor, cache: LSTMCache, *, keep: Tensor | None = None, offset: Any = None) -> Tensor:
+        """Next-token logits after the newest (real) tokens ids (B, T)."""
+        return self(ids, cache=cache, last_only=True).logits[:, -1]
 
     def forward(
         self,
@@ -173,72 +242,6 @@ class LSTM(QKVModel):
         if labels is not None:
             loss, n = token_loss(logits, labels)
         return ModelOutput(logits=logits, loss=loss, n_targets=n, pooled=pooled)
-
-    @torch.no_grad()
-    def generate(self, input_ids: Tensor, max_new_tokens: int = 32, *, attention_mask: Tensor | None = None,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, eos_token_id: int | None = None, pad_token_id: int | None = None,
-                 generator: torch.Generator | None = None, seed: int | None = None, **unsupported: Any) -> Tensor:
-        """Greedy (default) or sampled (temperature, top_k, top_p) continuation: returns (B, T + new), the
-        prompt followed by the continuation. Rows stop at eos (then filled with pad_token_id). Left-padded
-        prompts (attention_mask 0 first) are fine: the state is kept unchanged over padding steps."""
-        if self.config.mode != "lm":
-            raise ValueError("generate needs an LSTM in mode=lm")
-        bad = {k: v for k, v in unsupported.items() if v not in (None, False, 1, True)}
-        if bad:
-            raise ValueError(f"LSTM.generate does not support {sorted(bad)}")
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be a non-empty (batch, length) tensor, got {tuple(input_ids.shape)}")
-        if seed is not None:
-            generator = torch.Generator(device=input_ids.device).manual_seed(int(seed))
-        eos = eos_token_id if eos_token_id is not None else self.config.eos_token_id
-        pad = pad_token_id if pad_token_id is not None else self.config.pad_token_id
-        was_training = self.training
-        self.eval()
-        try:
-            cache = self.make_cache()
-            if attention_mask is None or bool(attention_mask.bool().all()):
-                logits = self(input_ids, cache=cache, last_only=True).logits[:, -1]
-            else:  # step through the prompt, freezing the state where the mask is 0
-                keep = attention_mask.bool()
-                logits = None
-                for t in range(input_ids.shape[1]):
-                    prev = cache.state
-                    out = self(input_ids[:, t:t + 1], cache=cache).logits[:, -1]
-                    if prev is not None:
-                        k = keep[:, t].view(1, -1, 1)
-                        cache.state = (torch.where(k, cache.state[0], prev[0]), torch.where(k, cache.state[1], prev[1]))
-                    else:
-                        k = keep[:, t].view(1, -1, 1)
-                        cache.state = (cache.state[0] * k, cache.state[1] * k)
-                    logits = out if logits is None else torch.where(keep[:, t:t + 1], out, logits)
-            seq = input_ids.long()
-            done = torch.zeros(seq.shape[0], dtype=torch.bool, device=seq.device)
-            for _ in range(max_new_tokens):
-                logits = logits.float()
-                if do_sample and temperature > 0:
-                    logits = logits / temperature
-                    if top_k is not None:
-                        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    if top_p is not None:  # nucleus: the smallest set of tokens with probability >= top_p
-                        sorted_logits, order = logits.sort(-1, descending=True)
-                        probs = sorted_logits.softmax(-1)
-                        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already enough
-                        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-                    nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(1)
-                else:
-                    nxt = logits.argmax(-1)
-                nxt = nxt.masked_fill(done, pad)
-                seq = torch.cat([seq, nxt.unsqueeze(1)], dim=1)
-                if eos is not None:
-                    done |= nxt == eos
-                    if bool(done.all()):
-                        break
-                logits = self(nxt.unsqueeze(1), cache=cache).logits[:, -1]
-            return seq
-        finally:
-            self.train(was_training)
 
 
 def lstm_num_parameters(config: LSTMConfig) -> int:

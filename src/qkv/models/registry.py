@@ -15,12 +15,32 @@ class Family:
     config_class: type
     model_class: type
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.model_class.kinds
+
+
+# What a family is, for the tasks and the run builder: tasks branch on kinds, never on family names, so a new
+# family of a known kind serves every task of that kind unchanged. A family declares its kinds (main first)
+# as the ClassVar `kinds` of its model class.
+KINDS = (
+    "decoder",  # token ids -> next-token logits (GPT; the LSTM in mode lm)
+    "seq2seq",  # token ids -> token ids through an encoder and a cross-attending decoder (EncoderDecoder)
+    "encoder",  # token ids -> hidden states, MLM logits or a class (BERT; the LSTM in mode classify)
+    "image",  # pixels -> a class (ViT, Swin)
+    "audio",  # a waveform -> token ids (Whisper)
+    "dual",  # two towers mapping images and texts into one space (CLIP)
+)
 
 _FAMILIES: dict[str, Family] = {}
 _PRESETS: dict[str, tuple[str, Any, str]] = {}  # name -> (family, config, one-line description)
 
 
 def register_family(name: str, config_class: type, model_class: type) -> None:
+    kinds = getattr(model_class, "kinds", ())
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"family {name!r}: {model_class.__name__}.kinds must be a non-empty tuple of {KINDS}, "
+                         f"got {kinds!r}")
     _FAMILIES[name] = Family(name, config_class, model_class)
     model_class.family = name
     model_class.config_class = config_class

@@ -16,6 +16,7 @@ their windows straddle the previous layer's window borders, which is how informa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -168,6 +169,8 @@ class SwinConfig(TransformerConfig):
 
 
 class Swin(QKVModel):
+    kinds: ClassVar[tuple[str, ...]] = ("image",)
+
     def __init__(self, config: SwinConfig) -> None:
         super().__init__(config)
         c = config

@@ -13,30 +13,21 @@ interpolation over the patch grid (as in DeiT/DINO and Hugging Face's `interpola
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig
+from qkv.config import ConfigError, TransformerConfig, replace
 from qkv.models.base import ModelOutput, QKVModel, build_stack, token_loss
 from qkv.models.registry import register_family, register_preset
-from qkv.nn.position import sinusoidal_table
+from qkv.nn.position import PatchGrid, build_position, interpolate_positions, sinusoidal_2d
 
 POOLINGS = ("cls", "mean")
 PATCH_POSITIONS = ("learned", "sinusoidal2d", "none")
 VIT_HEADS = ("classify", "none")
-
-
-def sinusoidal_2d(grid_h: int, grid_w: int, d_model: int) -> Tensor:
-    """(grid_h * grid_w, d) table: half the channels encode the row, half the column, each with the 1-D
-    sinusoidal formula of Vaswani et al. (the fixed 2-D encoding of MAE, He et al. 2022)."""
-    if d_model % 4:
-        raise ConfigError(f"2-D sinusoidal positions need d_model divisible by 4, got {d_model}")
-    rows = sinusoidal_table(grid_h, d_model // 2)  # (gh, d/2)
-    cols = sinusoidal_table(grid_w, d_model // 2)  # (gw, d/2)
-    table = torch.cat([rows[:, None, :].expand(grid_h, grid_w, -1), cols[None, :, :].expand(grid_h, grid_w, -1)], -1)
-    return table.reshape(grid_h * grid_w, d_model)
+__all__ = ["ViT", "ViTConfig", "interpolate_positions", "patch_attention", "save_attention_overlay", "sinusoidal_2d"]
 
 
 @dataclass
@@ -92,48 +83,32 @@ class PatchEmbedding(nn.Module):
 
 
 class ViT(QKVModel):
+    kinds: ClassVar[tuple[str, ...]] = ("image",)
+    renamed_keys: ClassVar[dict[str, str]] = {"pos_emb": "encoder.position.weight"}  # before the table moved
+
     def __init__(self, config: ViTConfig) -> None:
         super().__init__(config)
         c = config
         self.patch_emb = PatchEmbedding(c.n_channels, c.d_model, c.patch_size)
         n_extra = 1 if c.pooling == "cls" else 0
         self.cls_emb = nn.Parameter(torch.zeros(1, 1, c.d_model)) if n_extra else None
-        if c.patch_position == "learned":
-            self.pos_emb = nn.Parameter(torch.zeros(1, n_extra + c.grid**2, c.d_model))
-        else:
-            self.pos_emb = None
-        self.encoder = build_stack(c, c.n_layers, max_len=n_extra + c.grid**2, causal=False)
+        # patch positions behind the stack's embed hook (nn.position.PatchGrid); config.position (none by
+        # default) supplies rotate / bias on top of them
+        position = build_position(c.position, d_model=c.d_model, n_heads=c.n_heads, max_len=n_extra + c.grid**2,
+                                  rope_base=c.rope_base)
+        if c.patch_position != "none":
+            position = PatchGrid(c.patch_position, c.d_model, c.grid, n_extra, inner=position)
+        self.encoder = build_stack(c, c.n_layers, max_len=n_extra + c.grid**2, causal=False, position=position)
         self.pooler = nn.Linear(c.d_model, c.d_model) if c.pooler else None
         self.classifier = nn.Linear(c.d_model, c.num_labels) if c.head == "classify" else None
         self.head_drop = nn.Dropout(c.dropout)
         self.init_weights(c.n_layers)
 
-    # -- positions ---------------------------------------------------------------------------------------
-    def _positions(self, grid: tuple[int, int], device: torch.device) -> Tensor | None:
-        """(1, n_extra + gh*gw, d) position vectors for a patch grid, resized when it differs from training."""
-        c = self.config
-        if c.patch_position == "none":
-            return None
-        if c.patch_position == "sinusoidal2d":
-            table = sinusoidal_2d(grid[0], grid[1], c.d_model).to(device)
-            if self.cls_emb is not None:  # the class token has no position: a zero vector
-                table = torch.cat([table.new_zeros(1, c.d_model), table], 0)
-            return table.unsqueeze(0)
-        if grid == (c.grid, c.grid):
-            return self.pos_emb
-        return interpolate_positions(self.pos_emb, c.grid, grid, n_extra=int(self.cls_emb is not None))
-
     def resize_image(self, image_size: int) -> None:
         """Make `image_size` the model's native size (learned positions interpolated once, config updated)."""
-        from qkv.config import replace
-
         new = replace(self.config, image_size=image_size)
-        if self.pos_emb is not None:
-            with torch.no_grad():
-                table = interpolate_positions(self.pos_emb, self.config.grid, (new.grid, new.grid),
-                                              n_extra=int(self.cls_emb is not None))
-            self.pos_emb = nn.Parameter(table.detach().clone())
-        self.encoder.position.max_len = None
+        if isinstance(self.encoder.position, PatchGrid):
+            self.encoder.position.resize(new.grid)
         self.config = new
 
     # -- forward -----------------------------------------------------------------------------------------
@@ -142,10 +117,12 @@ class ViT(QKVModel):
         x, grid = self.patch_emb(pixel_values)  # (B, N, d)
         if self.cls_emb is not None:
             x = torch.cat([self.cls_emb.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
-        pos = self._positions(grid, x.device)
-        if pos is not None:
-            x = x + pos.to(x.dtype)
-        out = self.encoder(x, return_weights=return_attentions)
+        position = self.encoder.position
+        if isinstance(position, PatchGrid):
+            with position.at_grid(grid):  # the grid of these images (the token count cannot tell 4x6 from 6x4)
+                out = self.encoder(x, return_weights=return_attentions)
+        else:
+            out = self.encoder(x, return_weights=return_attentions)
         return out.hidden, out
 
     def pool(self, hidden: Tensor) -> Tensor:
@@ -207,17 +184,6 @@ def save_attention_overlay(model: ViT, pixel_values: Tensor, path: str, layer: i
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def interpolate_positions(table: Tensor, old_grid: int, new_grid: tuple[int, int], n_extra: int = 1) -> Tensor:
-    """Bicubic resize of a learned (1, n_extra + g*g, d) table to a (gh, gw) grid; extra tokens keep theirs."""
-    extra, patches = table[:, :n_extra], table[:, n_extra:]
-    d = table.shape[-1]
-    if patches.shape[1] != old_grid * old_grid:
-        raise ValueError(f"position table has {patches.shape[1]} patch positions, expected {old_grid}^2")
-    grid = patches.reshape(1, old_grid, old_grid, d).permute(0, 3, 1, 2)  # (1, d, g, g)
-    grid = F.interpolate(grid, size=new_grid, mode="bicubic", align_corners=False)
-    return torch.cat([extra, grid.permute(0, 2, 3, 1).reshape(1, -1, d)], dim=1)
 
 
 register_family("vit", ViTConfig, ViT)

@@ -1,13 +1,14 @@
 """A Whisper-like speech recogniser (Radford et al. 2022): log-mel audio encoder + text decoder.
 
 waveform (B, N) -> log-mel (B, n_mels, 2T) -> conv1d k3 + GELU -> conv1d k3 stride 2 + GELU -> (B, T, d)
-  -> + sinusoidal positions (Whisper's table: sines in the first half of the channels, cosines in the second)
-  -> Pre-LN encoder blocks -> final norm -> memory (B, T, d)
+  -> + sinusoidal positions (Whisper's table: sines in the first half of the channels, cosines in the second;
+       a FixedTable encoding behind the encoder stack's embed hook) -> Pre-LN encoder blocks -> final norm -> memory (B, T, d)
 tokens (B, L) -> embedding + learned positions -> Pre-LN decoder blocks (causal self-attention, cross-attention
   over memory) -> final norm -> LM head tied to the embedding -> logits (B, L, vocab)
 
-The blocks are the shared nn.Block/Stack. `encode()`, `decode()` and `make_cache()` follow EncoderDecoder, so
-greedy/beam decoding with a KV cache is the generic qkv.generate.generate(model, audio_or_features, ...).
+The blocks are the shared nn.Block/Stack; the decoder half (decode, the decoder protocol, caches) is
+Seq2SeqModel's, so greedy/beam decoding with a KV cache is the generic
+qkv.generate.generate(model, audio_or_features, ...).
 Audio shorter than the encoder window is padded with silence (Whisper pads every clip to 30 s).
 """
 
@@ -15,15 +16,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
-from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack, check_length
+from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack
 from qkv.models.registry import register_family, register_preset
+from qkv.nn.checks import check_length
+from qkv.nn.linear import Linear
 from qkv.nn.melspec import LogMelSpectrogram
+from qkv.nn.position import FixedTable
 
 
 def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> Tensor:
@@ -69,7 +74,7 @@ class WhisperConfig(TransformerConfig):
                 raise ConfigError(f"WhisperConfig.{name} must be positive")
 
     @property
-    def target_vocab_size(self) -> int:  # the names qkv.generate reads from every seq2seq config
+    def target_vocab_size(self) -> int:  # the names Seq2SeqModel reads from every seq2seq config
         return self.vocab_size
 
     @property
@@ -83,18 +88,29 @@ class WhisperConfig(TransformerConfig):
 
 
 class Whisper(Seq2SeqModel):
+    kinds: ClassVar[tuple[str, ...]] = ("audio",)
+    renamed_keys: ClassVar[dict[str, str]] = {"audio_pos": "encoder.position.weight"}  # before the table moved
+
+    @classmethod
+    def config_for_task(cls, kind: str, needs: dict[str, Any]) -> dict[str, Any]:
+        """The text side's context is n_text_ctx; the audio fields keep their names."""
+        out = dict(needs)
+        if "context_length" in out:
+            out["n_text_ctx"] = out.pop("context_length")
+        return out
+
     def __init__(self, config: WhisperConfig) -> None:
         super().__init__(config)
         c = config
         self.melspec = LogMelSpectrogram(c.sample_rate, c.n_fft, c.hop_length, c.n_mels)
         self.conv1 = nn.Conv1d(c.n_mels, c.d_model, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(c.d_model, c.d_model, kernel_size=3, stride=2, padding=1)
-        # fixed, not trained (as in Whisper); persistent so a loaded checkpoint carries its own table
-        self.register_buffer("audio_pos", whisper_sinusoids(c.n_audio_ctx, c.d_model))
-        self.encoder = build_stack(c, c.n_encoder_layers, max_len=c.n_audio_ctx, causal=False, position="none")
+        # fixed, not trained (as in Whisper); a persistent buffer, so a loaded checkpoint carries its own table
+        audio_pos = FixedTable(whisper_sinusoids(c.n_audio_ctx, c.d_model))
+        self.encoder = build_stack(c, c.n_encoder_layers, max_len=c.n_audio_ctx, causal=False, position=audio_pos)
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.decoder = build_stack(c, c.n_decoder_layers, max_len=c.n_text_ctx, causal=True, cross=True)
-        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
         self.init_weights(c.n_encoder_layers + c.n_decoder_layers)
         # He init for the GELU conv front end: with N(0, 0.02) the audio content entering the encoder is ~50x
         # smaller than the sinusoidal positions added to it, and a model trained from scratch takes hundreds
@@ -128,8 +144,7 @@ class Whisper(Seq2SeqModel):
         x = F.gelu(self.conv1(inputs.to(self.conv1.weight.dtype)))
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # (B, T, d), T = ceil(frames / 2)
         check_length(x.shape[1], c.n_audio_ctx, "audio (in encoder positions)")
-        x = x + self.audio_pos[: x.shape[1]].to(x.dtype)
-        out = self.encoder(x, return_weights=return_attentions)
+        out = self.encoder(x, return_weights=return_attentions)  # + the audio position table (FixedTable)
         return out.hidden, out.attentions or None
 
     # -- decoder: decode(), shift_right(), make_cache() come from Seq2SeqModel, so generate() works unchanged

@@ -125,11 +125,33 @@ def scaled_dot_product_attention(
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
 
     if mask is not None:
-        # Zero the rows that see no key at all: the fused kernels return NaN or garbage there.
+        # Zero the rows that see no key at all: the fused kernels return NaN or garbage there. Always applied
+        # (one cheap elementwise op) rather than after asking `visible.all()`, a device-to-host sync per layer.
         visible = full.any(dim=-1, keepdim=True)  # (..., Tq, 1)
-        if not bool(visible.all()):
-            out = out.masked_fill(~visible, 0.0)
+        out = out.masked_fill(~visible, 0.0)
     return out, (weights if return_weights else None)
+
+
+def step_scores_bias(
+    batch: int, n_heads: int, n_kv_heads: int, q_len: int, k_len: int, *,
+    bias: Tensor | None, keep: Tensor | None, causal: bool, dtype: torch.dtype, device: torch.device,
+) -> Tensor | None:
+    """The one additive term of a decoding step's scores, built once per step for every layer:
+    position bias (ALiBi, broadcastable to (B, H, q_len, k_len)) + -inf on masked keys (keep: (B, k_len)
+    bool) + the causal mask among q_len > 1 new tokens (causal self-attention). Returned in the grouped layout of
+    MultiHeadAttention.step, (B * n_kv_heads, group * q_len, k_len); None when nothing is added."""
+    add = None if bias is None else bias.to(dtype)
+    visible = None if keep is None else keep.bool()[:, None, None, :]
+    if causal and q_len > 1:
+        cm = causal_mask(q_len, k_len, device)
+        visible = cm if visible is None else visible & cm
+    if visible is not None:
+        neg = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        add = neg if add is None else add + neg
+    if add is None:
+        return None
+    group = n_heads // n_kv_heads
+    return add.expand(batch, n_heads, q_len, k_len).reshape(batch * n_kv_heads, group * q_len, k_len)
 
 
 class MultiHeadAttention(nn.Module):
@@ -205,7 +227,8 @@ class MultiHeadAttention(nn.Module):
             q = self._heads(self.q_proj(x), self.n_heads)
             if cache is not None:
                 if not cache.has_cross(layer):  # encoder K/V are projected once per generation
-                    cache.set_cross(layer, *self._project_kv(memory))
+                    k, v = self._project_kv(memory)
+                    cache.set_cross(layer, k.contiguous(), v.contiguous())  # contiguous: step() views them
                 k, v = cache.get_cross(layer)
             else:
                 k, v = self._project_kv(memory)
@@ -225,3 +248,56 @@ class MultiHeadAttention(nn.Module):
         )
         y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble heads: (B, T, H*hd)
         return self.out_proj(y), w
+
+    def step(
+        self,
+        x: Tensor,
+        batch: int,
+        cache: KVCache,
+        layer: int,
+        add: Tensor | None = None,
+        position: PositionalEncoding | None = None,
+        offset: int | Tensor = 0,
+    ) -> Tensor:
+        """The decoding step: the same function as forward() for the T newest tokens of `batch` sequences
+        over a cache, for inference. x: (batch * T, d_model), the new tokens' rows (row b * T + t), so every
+        projection is one matrix product without reshapes. Self-attention appends its new K/V to the cache
+        (any KVCache: static or paged); cross-attention reads the encoder's K/V from the cache (they are
+        put there by the first, prefilling forward). add: step_scores_bias(...), the position bias, key
+        padding and causal mask of this step in one additive term (None: nothing to add).
+
+        Differences from forward() are in how, not what: pre-transposed weights (Linear.step) with the
+        1/sqrt(d_k) scale folded into the query columns, and grouped-query attention by folding the query
+        heads of one key/value head into rows of one batched matmul instead of repeating the cached keys.
+        Every new token must be a real token (its own key visible)."""
+        B, C = batch, x.shape[-1]
+        T = x.shape[0] // B
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        scale = (C, self.scale) if self.scale != 1.0 else None  # 1/sqrt(d_k), folded into the packed q weights
+        mods = self._modules  # not nn.Module.__getattr__ (~1 us a lookup): this runs for every layer of every step
+        if self.cross:
+            if not cache.has_cross(layer):
+                raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill first")
+            q = mods["q_proj"].step(x, scale)
+            q = q if T == 1 else q.view(B, T, H, hd).transpose(1, 2)  # one token: (B, C) is (B, H, 1, hd)
+            k, v = cache.get_cross(layer)
+        else:
+            kv_dim = Hkv * hd
+            q, k, v = mods["qkv_proj"].step(x, scale).split_with_sizes([C, kv_dim, kv_dim], dim=-1)
+            if T == 1:  # (B, n * hd) -> (B, n, 1, hd): a view, no transpose (q is reshaped below as it is)
+                k, v = k.view(B, Hkv, 1, hd), v.view(B, Hkv, 1, hd)
+            else:
+                q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
+            if position is not None:
+                if T == 1:
+                    q = q.view(B, H, 1, hd)
+                q, k = position.rotate(q, k, offset)  # linear in q: commutes with the folded scale
+            k, v = cache.update(layer, k, v)  # (B, Hkv, Tk, hd): cached + new
+        Tk = k.shape[2]
+        # query head h = j * G + g uses key/value head j (as repeat_interleave in the forward pass)
+        q = q.reshape(B * Hkv, (H // Hkv) * T, hd)
+        kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
+        scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in the same op
+        y = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
+        y = y.view(B, C) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, C)
+        return mods["out_proj"].step(y)

@@ -10,6 +10,7 @@ final norm (see stack.py); Post-LN needs none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor, nn
@@ -59,12 +60,16 @@ class Block(nn.Module):
         self.norm2 = build_norm(norm, d_model, norm_eps, bias)
         self.drop = nn.Dropout(dropout)
 
-    def _sublayer(self, x: Tensor, norm: nn.Module, fn, keep: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def _residual(self, x: Tensor, norm: Callable[..., Tensor], fn: Callable[..., Tensor], keep: Tensor | None,
+                  *args: object) -> Tensor:
+        """The one place placement is decided. Pre-LN: x + f(norm(x)); Post-LN: norm(x + f(x)), with
+        f = fn(., *args). Residual dropout only where it does something (training, p > 0): the decoding
+        step calls this too."""
         if self.placement == "pre":
-            y, w = fn(norm(x, keep))
-            return x + self.drop(y), w
-        y, w = fn(x)
-        return norm(x + self.drop(y), keep), w
+            y = fn(norm(x, keep), *args)
+            return x + (self.drop(y) if self.training and self.drop.p > 0 else y)
+        y = fn(x, *args)
+        return norm(x + (self.drop(y) if self.training and self.drop.p > 0 else y), keep)
 
     def forward(
         self,
@@ -85,22 +90,49 @@ class Block(nn.Module):
         (for BatchNorm); memory/memory_mask: encoder output and its keep-mask, for cross-attention.
         Returns (x, {"self": weights, "cross": weights}) with weights only when asked for."""
         weights: dict[str, Tensor] = {}
-        x, w = self._sublayer(
-            x, self.norm1,
-            lambda h: self.attn(h, mask=mask, bias=bias, position=position, offset=offset,
-                                cache=cache, layer=layer, return_weights=return_weights),
-            keep,
-        )
-        if w is not None:
-            weights["self"] = w
-        if self.cross is not None:
-            x, w = self._sublayer(
-                x, self.norm_cross,
-                lambda h: self.cross(h, memory=memory, mask=memory_mask, cache=cache, layer=layer,
-                                     return_weights=return_weights),
-                keep,
-            )
+
+        def self_attention(h: Tensor) -> Tensor:
+            y, w = self.attn(h, mask=mask, bias=bias, position=position, offset=offset, cache=cache, layer=layer,
+                             return_weights=return_weights)
+            if w is not None:
+                weights["self"] = w
+            return y
+
+        def cross_attention(h: Tensor) -> Tensor:
+            y, w = self.cross(h, memory=memory, mask=memory_mask, cache=cache, layer=layer,
+                              return_weights=return_weights)
             if w is not None:
                 weights["cross"] = w
-        x, _ = self._sublayer(x, self.norm2, lambda h: (self.ffn(h), None), keep)
-        return x, weights
+            return y
+
+        x = self._residual(x, self.norm1, self_attention, keep)
+        if self.cross is not None:
+            x = self._residual(x, self.norm_cross, cross_attention, keep)
+        return self._residual(x, self.norm2, self.ffn, keep), weights
+
+    def step(
+        self,
+        x: Tensor,
+        batch: int,
+        cache: KVCache,
+        layer: int,
+        add: Tensor | None = None,
+        cross_add: Tensor | None = None,
+        keep: Tensor | None = None,
+        position: PositionalEncoding | None = None,
+        offset: int | Tensor = 0,
+    ) -> Tensor:
+        """The decoding step (inference): the same function as forward() for the few newest tokens of
+        `batch` sequences over a cache, on their (batch * T, d) rows, through the sublayers' own step methods
+        (MultiHeadAttention.step, FeedForward.step) and the same norm modules and placement. add / cross_add:
+        the additive score terms of the step (attention.step_scores_bias) for self- and cross-attention;
+        keep: the (batch * T,) real-token mask of the rows (for the norms). The per-call overhead of Python
+        is a large part of a small model's step, so submodules are read from _modules (nn.Module.__getattr__
+        costs ~1 us a lookup) and the norms' forward is called directly (module hooks are for inspecting
+        forward(), not this inference path)."""
+        m = self._modules
+        x = self._residual(x, m["norm1"].forward, m["attn"].step, keep, batch, cache, layer, add, position, offset)
+        cross = m.get("cross")  # absent (a plain None) without cross-attention
+        if cross is not None:
+            x = self._residual(x, m["norm_cross"].forward, cross.step, keep, batch, cache, layer, cross_add)
+        return self._residual(x, m["norm2"].forward, m["ffn"].step, keep)

@@ -2,9 +2,10 @@
 
 A decoder layer calls `k, v = cache.update(layer, k_new, v_new)` and attends over what comes back; the
 model calls `cache.advance(t)` once all layers have seen the t new tokens. Cross-attention keys/values
-(the encoder memory of an encoder-decoder) are projected once and kept with `set_cross`/`get_cross`.
+(the encoder memory of an encoder-decoder) are projected once and kept with `set_cross`/`get_cross`, beside
+the memory's keep-mask (`memory_keep`), so the decoding step (Stack.step) needs nothing but the cache.
 `StaticCache` preallocates (L, B, H_kv, max_len, hd) so a decoding step writes in place and allocates
-nothing; the paged cache (qkv.generate.paged) implements the same methods over a pool of blocks.
+nothing; the paged cache (qkv.nn.paged) implements the same methods over a pool of blocks.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ class KVCache:
     """Interface and the cross-attention store shared by all caches."""
 
     length: int = 0
+    max_len: int | None = None  # positions it can hold (None: grows without a fixed limit)
 
     def __init__(self) -> None:
         self._cross: dict[int, tuple[Tensor, Tensor]] = {}
+        # the encoder memory's keep-mask (B, S), stored with its K/V so a decoding step needs no memory
+        self.memory_keep: Tensor | None = None
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
         raise NotImplementedError
@@ -44,6 +48,8 @@ class KVCache:
     def reorder(self, index: Tensor) -> None:
         """Keep the batch rows in `index` (beam search reorders hypotheses every step)."""
         self._cross = {i: (k.index_select(0, index), v.index_select(0, index)) for i, (k, v) in self._cross.items()}
+        if self.memory_keep is not None:
+            self.memory_keep = self.memory_keep.index_select(0, index)
 
 
 class StaticCache(KVCache):
@@ -64,17 +70,23 @@ class StaticCache(KVCache):
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
+        self._layers = self._layer_views()
+
+    def _layer_views(self) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer (B, H_kv, max_len, hd) views, made once: update() runs for every layer of every step."""
+        return [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        t = k.shape[2]
-        end = self.length + t
+        end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache is full: {end} positions needed, {self.max_len} allocated")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        kl, vl = self._layers[layer]
+        kl.narrow(2, self.length, k.shape[2]).copy_(k)  # narrow: the cheapest slice from Python
+        vl.narrow(2, self.length, v.shape[2]).copy_(v)
+        return kl.narrow(2, 0, end), vl.narrow(2, 0, end)
 
     def reorder(self, index: Tensor) -> None:
         super().reorder(index)
         self.k = self.k.index_select(1, index)
         self.v = self.v.index_select(1, index)
+        self._layers = self._layer_views()

@@ -1,37 +1,60 @@
-"""Position-wise feed-forward network: FFN(x) = W2 act(W1 x) (Vaswani 2017, eq. 2), or SwiGLU."""
+"""Position-wise feed-forward network: FFN(x) = W2 act(W1 x) (Vaswani 2017, eq. 2), or a gated variant
+W2 (act(W3 x) * W1 x) (Shazeer 2020, "GLU Variants Improve Transformer").
+
+Every activation is one entry of ACTIVATIONS: (function, gated). The training forward and the decoding step
+both read that table, so a new activation is one line here and works in both paths.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.nn.linear import Linear
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
+
+class Activation(NamedTuple):
+    fn: Callable[[Tensor], Tensor]
+    gated: bool  # True: act(gate(x)) * up(x), with a third (gate) projection
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    "relu": Activation(F.relu, False),
+    "gelu": Activation(F.gelu, False),  # exact erf (BERT, the original Transformer's successors)
+    "gelu_tanh": Activation(partial(F.gelu, approximate="tanh"), False),  # GPT-2's approximation
+    "swiglu": Activation(F.silu, True),  # Llama, Mistral, Qwen: silu(W3 x) * W1 x
+}
 
 
 class FeedForward(nn.Module):
-    """relu / gelu (exact erf, BERT) / gelu_tanh (GPT-2's approximation) / swiglu (Shazeer 2020:
-    W2 (silu(W1 x) * W3 x); its hidden size is usually 2/3 of the others' for equal parameters)."""
+    """Gated variants have three projections (up, gate, down); their hidden size is usually 2/3 of the
+    others' for equal parameters."""
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = True, dropout: float = 0.0):
         super().__init__()
         if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown ffn activation {activation!r}; choose one of {ACTIVATIONS}")
+            raise ValueError(f"unknown ffn activation {activation!r}; choose one of {tuple(ACTIVATIONS)}")
         self.activation = activation
+        self.act = ACTIVATIONS[activation]
         self.up = Linear(d_model, d_ff, bias=bias)
-        self.gate = Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
+        self.gate = Linear(d_model, d_ff, bias=bias) if self.act.gated else None
         self.down = Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.up(x)
-        if self.activation == "relu":
-            h = F.relu(h)
-        elif self.activation == "gelu":
-            h = F.gelu(h)
-        elif self.activation == "gelu_tanh":
-            h = F.gelu(h, approximate="tanh")
-        else:
-            h = F.silu(self.gate(x)) * h
+        h = self.act.fn(self.gate(x)) * h if self.gate is not None else self.act.fn(h)
         return self.down(self.dropout(h))
+
+    def step(self, x: Tensor) -> Tensor:
+        """The same function for a decoding step (inference: pre-transposed weights, no dropout). Submodules
+        are read from _modules: nn.Module.__getattr__ costs ~1 us a lookup, on every layer of every step."""
+        mods = self._modules
+        h = mods["up"].step(x)
+        gate = mods.get("gate")  # absent (a plain None) for ungated activations
+        h = self.act.fn(gate.step(x)) * h if gate is not None else self.act.fn(h)
+        return mods["down"].step(h)

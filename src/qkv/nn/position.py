@@ -13,8 +13,11 @@ before the first real token) are clamped to 0; those positions are masked anyway
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi")
@@ -28,9 +31,15 @@ def positions(offset: int | Tensor, length: int, device: torch.device) -> Tensor
     return ar + offset
 
 
-def _max_position(offset: int | Tensor, length: int) -> int:
-    top = int(offset.max()) if isinstance(offset, Tensor) else offset
-    return top + length
+def last_position(offset: int | Tensor, length: int) -> int | None:
+    """offset + length as a Python int (one past the last position used), or None where reading a tensor
+    offset would cost a device-to-host sync (accelerators, torch.compile): there the stack has announced
+    a bound with `reserve` once per forward instead."""
+    if isinstance(offset, Tensor):
+        if offset.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        return int(offset.max()) + length
+    return offset + length
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
@@ -44,9 +53,13 @@ def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
 
 
 class PositionalEncoding(nn.Module):
-    """Base class: the identity for all three hooks ('none')."""
+    """Base class: the identity for all three hooks ('none').
 
-    max_len: int | None = None
+    `reserve(n)` is called by the stack once per forward with a Python int: positions below n will be used.
+    An absolute table raises a clear error past its length there, RoPE grows its table, so that the hooks
+    themselves never read a tensor offset back to the host on an accelerator."""
+
+    max_len: int | None = None  # positions an absolute table covers; None = no hard limit
 
     def embed(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         return x
@@ -57,12 +70,18 @@ class PositionalEncoding(nn.Module):
     def bias(self, q_len: int, k_len: int, causal: bool = True) -> Tensor | None:
         return None
 
-    def check_length(self, offset: int | Tensor, length: int) -> None:
-        if self.max_len is not None and _max_position(offset, length) > self.max_len:
+    def reserve(self, n_positions: int) -> None:
+        if self.max_len is not None and n_positions > self.max_len:
             raise ValueError(
-                f"sequence reaches position {_max_position(offset, length)} but this model's context is "
-                f"{self.max_len} positions ({type(self).__name__}); shorten the input"
+                f"sequence reaches position {n_positions} but this model's context is {self.max_len} positions "
+                f"({type(self).__name__}); shorten the input"
             )
+
+    def check_length(self, offset: int | Tensor, length: int) -> None:
+        """reserve() for offset + length, where that is known without a device sync."""
+        last = last_position(offset, length)
+        if last is not None:
+            self.reserve(last)
 
 
 class NoPosition(PositionalEncoding):
@@ -122,11 +141,13 @@ class RoPE(PositionalEncoding):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
+    def reserve(self, n_positions: int) -> None:
+        if n_positions > self.cos.shape[0]:
+            self._build(max(n_positions, 2 * self.cos.shape[0]))
+
     def rotate(self, q: Tensor, k: Tensor, offset: int | Tensor = 0) -> tuple[Tensor, Tensor]:
         T = q.shape[-2]
-        need = _max_position(offset, T)
-        if need > self.cos.shape[0]:
-            self._build(max(need, 2 * self.cos.shape[0]))
+        self.check_length(offset, T)  # grows the table (a no-op when the stack has reserved enough)
         pos = positions(offset, T, q.device)
         cos, sin = self.cos[pos].to(q.dtype), self.sin[pos].to(q.dtype)  # (T, hd) or (B, T, hd)
         if cos.dim() == 3:
@@ -166,6 +187,109 @@ class ALiBi(PositionalEncoding):
         j = torch.arange(k_len, device=self.slopes.device).view(1, -1)
         dist = (i - j).abs().float()
         return -self.slopes.view(1, -1, 1, 1) * dist  # (1, H, q_len, k_len)
+
+
+class FixedTable(PositionalEncoding):
+    """Absolute positions read from a given (max_len, d) table, kept as a persistent buffer: saved with the
+    weights (a loaded checkpoint brings its own values) but not trained. Whisper's audio encoder uses it for
+    its sinusoids, whose layout (all sines, then all cosines) differs from Vaswani's interleaving."""
+
+    def __init__(self, table: Tensor) -> None:
+        super().__init__()
+        self.max_len = table.shape[0]
+        self.register_buffer("weight", table)
+
+    def embed(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        self.check_length(offset, x.shape[1])
+        return x + self.weight[positions(offset, x.shape[1], x.device)].to(x.dtype)
+
+
+def sinusoidal_2d(grid_h: int, grid_w: int, d_model: int) -> Tensor:
+    """(grid_h * grid_w, d) table: half the channels encode the row, half the column, each with the 1-D
+    sinusoidal formula of Vaswani et al. (the fixed 2-D encoding of MAE, He et al. 2022)."""
+    if d_model % 4:
+        raise ValueError(f"2-D sinusoidal positions need d_model divisible by 4, got {d_model}")
+    rows = sinusoidal_table(grid_h, d_model // 2)  # (gh, d/2)
+    cols = sinusoidal_table(grid_w, d_model // 2)  # (gw, d/2)
+    table = torch.cat([rows[:, None, :].expand(grid_h, grid_w, -1), cols[None, :, :].expand(grid_h, grid_w, -1)], -1)
+    return table.reshape(grid_h * grid_w, d_model)
+
+
+def interpolate_positions(table: Tensor, old_grid: int, new_grid: tuple[int, int], n_extra: int = 1) -> Tensor:
+    """Bicubic resize of a learned (1, n_extra + g*g, d) table to a (gh, gw) grid; extra tokens keep theirs."""
+    extra, patches = table[:, :n_extra], table[:, n_extra:]
+    d = table.shape[-1]
+    if patches.shape[1] != old_grid * old_grid:
+        raise ValueError(f"position table has {patches.shape[1]} patch positions, expected {old_grid}^2")
+    grid = patches.reshape(1, old_grid, old_grid, d).permute(0, 3, 1, 2)  # (1, d, g, g)
+    grid = F.interpolate(grid, size=new_grid, mode="bicubic", align_corners=False)
+    return torch.cat([extra, grid.permute(0, 2, 3, 1).reshape(1, -1, d)], dim=1)
+
+
+PATCH_ENCODINGS = ("learned", "sinusoidal2d")
+
+
+class PatchGrid(PositionalEncoding):
+    """Absolute positions of image patches (row-major on a rows x cols grid) after `n_extra` leading tokens
+    (ViT's class token), through the embed hook:
+      learned       a (1, n_extra + g*g, d) table trained on the native g x g grid, resized by bicubic
+                    interpolation for another grid (DeiT/DINO, Hugging Face's interpolate_pos_encoding);
+      sinusoidal2d  the 2-D formula, computed for any grid; the extra tokens get a zero vector.
+    The front end says which grid its images have with `at_grid((rows, cols))` around the stack call (the
+    native grid otherwise); the token count alone cannot tell a 4x6 grid from a 6x4 one. rotate and bias
+    come from `inner`, the stack's own 1-D encoding (none by default)."""
+
+    def __init__(self, kind: str, d_model: int, grid: int, n_extra: int = 0,
+                 inner: PositionalEncoding | None = None) -> None:
+        super().__init__()
+        if kind not in PATCH_ENCODINGS:
+            raise ValueError(f"unknown patch position encoding {kind!r}; choose one of {PATCH_ENCODINGS}")
+        self.kind, self.d_model, self.grid, self.n_extra = kind, d_model, grid, n_extra
+        self.inner = inner if inner is not None else NoPosition()
+        self.weight = nn.Parameter(torch.zeros(1, n_extra + grid * grid, d_model)) if kind == "learned" else None
+        self._current: tuple[int, int] | None = None
+
+    @contextmanager
+    def at_grid(self, grid: tuple[int, int]) -> Iterator[None]:
+        previous, self._current = self._current, (int(grid[0]), int(grid[1]))
+        try:
+            yield
+        finally:
+            self._current = previous
+
+    def table(self, grid: tuple[int, int]) -> Tensor:
+        """(1, n_extra + rows * cols, d) position vectors for a patch grid."""
+        if self.kind == "sinusoidal2d":
+            table = sinusoidal_2d(grid[0], grid[1], self.d_model)
+            table = torch.cat([table.new_zeros(self.n_extra, self.d_model), table], 0)
+            return table.unsqueeze(0)
+        if grid == (self.grid, self.grid):
+            return self.weight
+        return interpolate_positions(self.weight, self.grid, grid, n_extra=self.n_extra)
+
+    def resize(self, grid: int) -> None:
+        """Make grid x grid the native grid (a learned table is interpolated once)."""
+        if self.weight is not None:
+            with torch.no_grad():
+                table = interpolate_positions(self.weight, self.grid, (grid, grid), n_extra=self.n_extra)
+            self.weight = nn.Parameter(table.detach().clone())
+        self.grid = grid
+
+    def embed(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        grid = self._current or (self.grid, self.grid)
+        if x.shape[1] != self.n_extra + grid[0] * grid[1]:
+            raise ValueError(f"{x.shape[1]} tokens do not make {self.n_extra} extra token(s) + a {grid[0]}x{grid[1]} "
+                             f"patch grid")
+        return self.inner.embed(x + self.table(grid).to(device=x.device, dtype=x.dtype), offset)
+
+    def rotate(self, q: Tensor, k: Tensor, offset: int | Tensor = 0) -> tuple[Tensor, Tensor]:
+        return self.inner.rotate(q, k, offset)
+
+    def bias(self, q_len: int, k_len: int, causal: bool = True) -> Tensor | None:
+        return self.inner.bias(q_len, k_len, causal)
+
+    def reserve(self, n_positions: int) -> None:
+        self.inner.reserve(n_positions)
 
 
 def build_position(kind: str, *, d_model: int, n_heads: int, max_len: int, rope_base: float = 10000.0) -> PositionalEncoding:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from qkv.nn.attention import expand_mask
+from qkv.nn.attention import expand_mask, step_scores_bias
 from qkv.nn.block import Block
 from qkv.nn.cache import KVCache
 from qkv.nn.norm import build_norm, frozen_running_stats
@@ -49,6 +49,18 @@ class Stack(nn.Module):
         self.causal = blocks[0].attn.causal if blocks else False
         self.gradient_checkpointing = False
 
+    @property
+    def context_limit(self) -> int | None:
+        """The most positions this stack takes: an absolute table's length, None for RoPE / ALiBi / none."""
+        return self.position.max_len
+
+    @staticmethod
+    def _last_position(offset: int | Tensor, T: int, k_len: int) -> int:
+        """A Python-int bound on the positions a forward uses, known without a device sync. A per-row
+        offset counts the real tokens before x in its row, so it is at most the cached length and every
+        position is below k_len = cached + T (left-padded batches, the paged cache)."""
+        return offset + T if isinstance(offset, int) else k_len
+
     def forward(
         self,
         x: Tensor,
@@ -75,6 +87,9 @@ class Stack(nn.Module):
         if memory_keep is not None and memory is not None and memory_keep.shape != memory.shape[:2]:
             raise ValueError(f"memory mask has shape {tuple(memory_keep.shape)} but the memory is "
                              f"{tuple(memory.shape[:2])} (batch, source length)")
+        self.position.reserve(self._last_position(offset, T, k_len))
+        if cache is not None and memory is not None:
+            cache.memory_keep = memory_keep  # kept with the cross K/V for the decoding step
         x = self.position.embed(x, offset)
         if self.embed_norm is not None:
             x = self.embed_norm(x, None if keep is None else keep[:, -T:])
@@ -101,3 +116,54 @@ class Stack(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x, tok_keep)
         return StackOutput(x, attentions)
+
+    def step(
+        self,
+        x: Tensor,
+        *,
+        cache: KVCache,
+        keep: Tensor | None = None,
+        offset: int | Tensor | None = None,
+    ) -> Tensor:
+        """The decoding step: forward() for the few newest tokens over a filled cache, for inference.
+
+        x: (B, T, d) embeddings of the T newest tokens (T = 1 for one token; a small chunk works too);
+        keep: (B, cached + T) bool key mask (None: every key is real); offset: position of x[:, 0] (default
+        the cache's). Returns the final hidden states (B, T, d) and advances the cache by T. Cross-attention
+        (an encoder-decoder's decoder) reads the encoder K/V and their mask from the cache, which the first,
+        prefilling forward() filled. The position bias, the key padding and the causal mask among the new
+        tokens are folded into one additive term per step (step_scores_bias), shared by every layer. No
+        dropout and no attention weights: use forward() for those."""
+        if self.training:
+            raise RuntimeError("Stack.step is the inference path (no dropout): call model.eval() first")
+        B, T, _ = x.shape
+        if offset is None:
+            offset = cache.offset
+        k_len = cache.length + T
+        if keep is not None and tuple(keep.shape) != (B, k_len):
+            raise ValueError(f"attention mask has shape {tuple(keep.shape)} but the keys are (batch {B}, "
+                             f"{k_len} = cached + new positions)")
+        self.position.reserve(self._last_position(offset, T, k_len))
+        tok_keep = None if keep is None else keep[:, -T:]
+        x = self.position.embed(x, offset)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x, tok_keep)
+        add = cross_add = None
+        if self.blocks:
+            a = self.blocks[0].attn
+            heads = dict(batch=B, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, q_len=T, dtype=x.dtype, device=x.device)
+            add = step_scores_bias(**heads, k_len=k_len, bias=self.position.bias(T, k_len, self.causal), keep=keep,
+                                   causal=self.causal)
+            if self.blocks[0].cross is not None and cache.memory_keep is not None:
+                mk = cache.memory_keep
+                cross_add = step_scores_bias(**heads, k_len=mk.shape[1], bias=None, keep=mk, causal=False)
+        rows = x.reshape(B * T, x.shape[-1])  # the blocks work on the new tokens' rows: one addmm per linear
+        row_keep = None if tok_keep is None else tok_keep.reshape(B * T)
+        # only an encoding that rotates (RoPE) is handed to the attention layers; the others did their work above
+        rotating = self.position if type(self.position).rotate is not PositionalEncoding.rotate else None
+        for i, block in enumerate(self.blocks):  # positional arguments: a keyword call costs more, 6-24 times a step
+            rows = block.step(rows, B, cache, i, add, cross_add, row_keep, rotating, offset)
+        cache.advance(T)
+        if self.final_norm is not None:
+            rows = self.final_norm(rows, row_keep)
+        return rows.view(B, T, -1)

@@ -2,9 +2,13 @@
 
 A Task is a *batch source* (`batch(index, batch_size, split) -> dict[str, Tensor]`, deterministic in
 (seed, split, index), so the trainer needs no sampler state to resume or shard) plus what is needed to
-build a model for it and judge it: `tokenizer`, `model_overrides(family)`, `evaluate(model, n)`,
-`samples(model, n)`. The batch layout depends on the model family (encdec / gpt / bert / lstm), fixed
-when the task is built: `build_task("reverse", family="gpt", min_len=10, max_len=20)`.
+build a model for it and judge it: `tokenizer`, `model_overrides()`, `evaluate(model, n)`,
+`samples(model, n)`. The batch layout depends on the model's KIND (models.registry.KINDS: decoder,
+seq2seq, encoder, image, audio, dual), never on a family name: a task says which kinds it serves, a family
+which kinds it is, and `build_task("reverse", family="gpt", ...)` takes the first kind they share. A new
+family of a known kind therefore trains on every task of that kind unchanged. `model_overrides()` are the
+task's needs in shared names (vocab_size, context_length, num_labels, special ids, ...); the family turns
+them into its config fields (`config_for_task`).
 
 A task is rebuilt exactly from `task.to_dict()` ({"task", "family", "options"}) plus its saved tokenizer:
 `task.save(folder)` writes task.json + tokenizer.json; `load_task(folder)` reads them back.
@@ -26,6 +30,9 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError, _closest, from_dict, to_dict
+from qkv.models.registry import config_for, families
+from qkv.models.registry import family as family_spec
+from qkv.storage import atomic_write_json
 from qkv.tasks.tokenizers import Tokenizer, TokenizerError, load_tokenizer, save_tokenizer
 
 TASK_FILE = "task.json"
@@ -69,21 +76,44 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def kind_for(task: str, kinds: Sequence[str], family: str) -> str:
+    """The kind a task of `kinds` takes with model `family`: the first of the family's kinds it serves."""
+    fam = family_spec(family)
+    for k in fam.kinds:
+        if k in kinds:
+            return k
+    serving = [f for f in families() if any(k in kinds for k in family_spec(f).kinds)]
+    raise ConfigError(f"task {task!r} supports model families of kind {list(kinds)} ({', '.join(serving)}), "
+                      f"not {family!r} (a {' / '.join(fam.kinds)} model)")
+
+
 class Task:
-    """Base class. Subclasses set `name`, `families`, `options`, `tokenizer` and implement `batch`,
-    `model_overrides`, `evaluate` and `samples`."""
+    """Base class. Subclasses set `name`, `kinds`, `options`, `tokenizer`, `family` and implement `batch`,
+    `model_overrides`, `evaluate` and `samples`; they branch on `self.kind`."""
 
     name: str = ""
-    families: tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()  # the kinds of model this task serves (models.registry.KINDS)
     options: Any
     tokenizer: Tokenizer
     family: str
+
+    @property
+    def kind(self) -> str:
+        """The kind of model this task was built for (from its family)."""
+        if getattr(self, "_kind", None) is None:
+            self._kind = kind_for(self.name or type(self).__name__, self.kinds, self.family)
+        return self._kind
 
     def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]:
         raise NotImplementedError
 
     def model_overrides(self, family: str | None = None) -> dict[str, Any]:
+        """What a model needs to fit this task's batches, in shared names (see config_overrides)."""
         raise NotImplementedError
+
+    def config_overrides(self) -> dict[str, Any]:
+        """model_overrides() in the config fields of this task's family (its `config_for_task`)."""
+        return family_spec(self.family).model_class.config_for_task(self.kind, self.model_overrides())
 
     def evaluate(self, model: torch.nn.Module, n: int = 500, batch_size: int = 128) -> dict[str, float]:
         raise NotImplementedError
@@ -106,14 +136,12 @@ class Task:
 
     def build_model(self, preset_or_config: Any, **overrides: Any) -> Any:
         """A fresh model for this task: a preset name (or config) with this task's vocabulary, context
-        and special-token ids applied, then `overrides`."""
-        from qkv.models.registry import config_for
-
+        and special-token ids applied (in its family's fields), then `overrides`."""
         fam, _ = config_for(preset_or_config)
         if fam.name != self.family:
             raise ConfigError(f"model {preset_or_config!r} is a {fam.name} model, but task {self.name!r} was built "
                               f"for family {self.family!r}")
-        return fam.model_class(config_for(preset_or_config, **{**self.model_overrides(), **overrides})[1])
+        return fam.model_class(config_for(preset_or_config, **{**self.config_overrides(), **overrides})[1])
 
     def to_dict(self) -> dict[str, Any]:
         """{"task": name, "family": family, "options": {...}}: with the saved tokenizer, rebuilds this task."""
@@ -123,9 +151,7 @@ class Task:
         """Write task.json and the tokenizer (tokenizer.json + tokenizer_config.json) into `folder`."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{TASK_FILE}.tmp"
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, folder / TASK_FILE)
+        atomic_write_json(self.to_dict(), folder / TASK_FILE)
         if getattr(self, "tokenizer", None) is not None:  # image classification tasks have none
             save_tokenizer(self.tokenizer, folder)
         return folder / TASK_FILE
@@ -156,7 +182,8 @@ class TaskSpec:
     name: str
     options_class: type
     factory: Callable[..., Task]  # factory(options, family, tokenizer=None) -> Task
-    families: tuple[str, ...]  # the first is the default
+    kinds: tuple[str, ...]  # the kinds of model the task serves
+    default_family: str  # the family built when none is named
     description: str
     option_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-name defaults (charlm/bpelm)
 
@@ -164,9 +191,9 @@ class TaskSpec:
 _TASKS: dict[str, TaskSpec] = {}
 
 
-def register_task(name: str, options_class: type, factory: Callable[..., Task], families: Sequence[str],
-                  description: str, **option_defaults: Any) -> None:
-    _TASKS[name] = TaskSpec(name, options_class, factory, tuple(families), description, option_defaults)
+def register_task(name: str, options_class: type, factory: Callable[..., Task], kinds: Sequence[str],
+                  description: str, *, default_family: str, **option_defaults: Any) -> None:
+    _TASKS[name] = TaskSpec(name, options_class, factory, tuple(kinds), default_family, description, option_defaults)
 
 
 def _ensure_loaded() -> None:
@@ -193,19 +220,19 @@ def build_options(name: str, options: dict[str, Any] | None = None) -> Any:
 
 def build_task(name: str, family: str | None = None, *, saved_tokenizer: Tokenizer | None = None,
                **options: Any) -> Task:
-    """Build task `name` for model `family` (default: the task's first family) with `options`.
+    """Build task `name` for model `family` (default: the task's default family) with `options`; the
+    family must be of a kind the task serves.
     Pass `saved_tokenizer` (e.g. load_tokenizer(checkpoint)) to reuse a saved vocabulary exactly (the
     option `tokenizer=char|bpe` of the LM/TSV tasks only says which kind to build; a Tokenizer object
     passed as `tokenizer=` is taken as `saved_tokenizer`)."""
     if isinstance(options.get("tokenizer"), Tokenizer):  # a tokenizer object, not the char|bpe option
         saved_tokenizer = options.pop("tokenizer")
     spec = task_spec(name)
-    family = family or spec.families[0]
-    if family not in spec.families:
-        raise ConfigError(f"task {name!r} supports model families {list(spec.families)}, not {family!r}")
+    family = family or spec.default_family
+    kind = kind_for(name, spec.kinds, family)
     opts = build_options(name, options)
     task = spec.factory(opts, family, tokenizer=saved_tokenizer)
-    task.name = name
+    task.name, task.kinds, task._kind = name, spec.kinds, kind
     return task
 
 

@@ -54,7 +54,7 @@ class CaptionsOptions:
 
 
 class CaptionsTask(Task):
-    families = ("clip",)
+    kinds = ("dual",)
 
     def __init__(self, options: CaptionsOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options, self.family = options, family
@@ -142,5 +142,6 @@ class CaptionsTask(Task):
         return out
 
 
-register_task("captions", CaptionsOptions, CaptionsTask, ("clip",),
-              "digits with templated captions: image-text pairs for CLIP (zero-shot + retrieval evaluation)")
+register_task("captions", CaptionsOptions, CaptionsTask, ("dual",),
+              "digits with templated captions: image-text pairs for CLIP (zero-shot + retrieval evaluation)",
+              default_family="clip")

@@ -120,7 +120,7 @@ def rotate_scale(x: Tensor, degrees: Tensor, scale: Tensor) -> Tensor:
 
 
 class DigitsTask(Task):
-    families = ("vit", "swin")
+    kinds = ("image",)
 
     def __init__(self, options: DigitsOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options, self.family = options, family
@@ -196,5 +196,6 @@ class DigitsTask(Task):
         return out
 
 
-register_task("digits", DigitsOptions, DigitsTask, ("vit", "swin"),
-              "scikit-learn's 8x8 handwritten digits (or an image folder): image classification")
+register_task("digits", DigitsOptions, DigitsTask, ("image",),
+              "scikit-learn's 8x8 handwritten digits (or an image folder): image classification",
+              default_family="vit")

@@ -115,7 +115,7 @@ class AudioDigitsTask(Task):
     """Shared by DTMF and espeak-ng speech: audio of a digit string -> the string. Subclasses implement
     `render(digits, rng, split)` and set `options` with sample_rate / clip_seconds / min_digits / max_digits."""
 
-    families = ("whisper",)
+    kinds = ("audio",)
 
     def __init__(self, options: Any, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options, self.family = options, family
@@ -155,7 +155,8 @@ class AudioDigitsTask(Task):
         hop = 160 * o.sample_rate // 16000  # 10 ms frames, like Whisper
         n_fft = 400 * o.sample_rate // 16000  # 25 ms windows
         frames = o.n_samples // hop
-        return {"vocab_size": tok.vocab_size, "n_text_ctx": o.max_digits + 2, "sample_rate": o.sample_rate,
+        # the audio kind's needs: the text side in shared names, the front end in the audio fields
+        return {"vocab_size": tok.vocab_size, "context_length": o.max_digits + 2, "sample_rate": o.sample_rate,
                 "hop_length": hop, "n_fft": n_fft, "n_audio_ctx": (frames + 1) // 2,
                 "pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
 
@@ -201,5 +202,6 @@ class DTMFTask(AudioDigitsTask):
         return dtmf_clip(digits, rng, self.options)
 
 
-register_task("dtmf", DTMFOptions, DTMFTask, ("whisper",),
-              "DTMF telephone tones of digit strings with noise and random timing -> the digits (speech stand-in)")
+register_task("dtmf", DTMFOptions, DTMFTask, ("audio",),
+              "DTMF telephone tones of digit strings with noise and random timing -> the digits (speech stand-in)",
+              default_family="whisper")

@@ -14,8 +14,9 @@ digit with probability leaf_prob (always at max_depth or when the budget is too 
 operator with 2..max_args arguments whose children share what is left of the budget; expressions shorter
 than min_len are redrawn. Split: hash of the expression string (see base.in_val_split).
 
-Encoding: family 'bert': input_ids = [<bos> as CLS, tokens...] right-padded, attention_mask, labels (B,);
-family 'lstm': the same without the CLS token (a bidirectional LSTM classifier reads the final states).
+Encoding (an encoder-kind model with a classification head): input_ids = [<bos> as CLS, tokens...]
+right-padded, attention_mask, labels (B,) when the family's classifier pools the first token (BERT); the same
+without the CLS token otherwise (a bidirectional LSTM classifier reads its final states).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.models.registry import family as family_spec
 from qkv.tasks.base import Task, check_split, in_val_split, model_device, pad_rows, register_task, rng_for
 from qkv.tasks.tokenizers import BOS, PAD, Tokenizer, WordTokenizer
 
@@ -100,7 +102,7 @@ class ListOpsOptions:
 
 
 class ListOpsTask(Task):
-    families = ("bert", "lstm")
+    kinds = ("encoder",)
 
     def __init__(self, options: ListOpsOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options = options
@@ -158,7 +160,7 @@ class ListOpsTask(Task):
 
     # -- batches and evaluation ------------------------------------------------------------------------
     def collate(self, examples: list[tuple[str, int]]) -> dict[str, Tensor]:
-        prefix = [BOS] if self.family == "bert" else []
+        prefix = [BOS] if self.pools_first_token else []
         rows = [prefix + self.tokenizer.encode(e) for e, _ in examples]
         return {"input_ids": pad_rows(rows, PAD), "attention_mask": pad_rows([[1] * len(r) for r in rows], 0),
                 "labels": torch.tensor([v for _, v in examples], dtype=torch.long)}
@@ -167,14 +169,16 @@ class ListOpsTask(Task):
         check_split(split)
         return self.collate(self.examples(index, batch_size, split))
 
+    @property
+    def pools_first_token(self) -> bool:
+        """Does the model's classifier read the first position (BERT's [CLS]; <bos> plays it here)? A
+        recurrent classifier reads its final states instead, and gets no such token."""
+        return family_spec(self.family).model_class.pools_first_token
+
     def model_overrides(self, family: str | None = None) -> dict[str, Any]:
-        family = self._check_family(family)
-        V = self.tokenizer.vocab_size
-        if family == "bert":
-            return {"vocab_size": V, "context_length": self.options.max_len + 1, "head": "classify",
-                    "num_labels": 10, "pooler": True}
-        return {"vocab_size": V, "context_length": self.options.max_len, "mode": "classify", "num_labels": 10,
-                "bidirectional": True}
+        self._check_family(family)
+        return {"vocab_size": self.tokenizer.vocab_size, "context_length": self.options.max_len + self.pools_first_token,
+                "num_labels": 10}
 
     @torch.no_grad()
     def predict(self, model: torch.nn.Module, examples: list[tuple[str, int]], batch_size: int = 64) -> list[int]:
@@ -217,5 +221,6 @@ def _factory(options: ListOpsOptions, family: str, tokenizer: Tokenizer | None =
     return ListOpsTask(options, family, tokenizer)
 
 
-register_task("listops", ListOpsOptions, _factory, ("bert", "lstm"),
-              "ListOps (Long Range Arena): nested MAX/MIN/MED/SM expressions, 10-way classification")
+register_task("listops", ListOpsOptions, _factory, ("encoder",),
+              "ListOps (Long Range Arena): nested MAX/MIN/MED/SM expressions, 10-way classification",
+              default_family="bert")

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.generate.config import GenerationConfig
 from qkv.tasks.base import Task, check_split, model_device, read_text_file, register_task, rng_for
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
 
@@ -67,7 +68,7 @@ class LMOptions:
 
 
 class LMTask(Task):
-    families = ("gpt", "lstm")
+    kinds = ("decoder",)
 
     def __init__(self, options: LMOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options = o = options
@@ -123,11 +124,8 @@ class LMTask(Task):
         return {"input_ids": x, "labels": x.clone()}
 
     def model_overrides(self, family: str | None = None) -> dict[str, Any]:
-        family = self._check_family(family)
-        out = {"vocab_size": self.tokenizer.vocab_size, "context_length": self.options.context}
-        if family == "lstm":
-            out.update(mode="lm", bidirectional=False)
-        return out
+        self._check_family(family)
+        return {"vocab_size": self.tokenizer.vocab_size, "context_length": self.options.context}
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, n: int | None = None, batch_size: int = 64) -> dict[str, float]:
@@ -154,46 +152,56 @@ class LMTask(Task):
         return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)),
                 "bpc": loss / math.log(2) / self.chars_per_token, "n_tokens": float(count)}
 
-    def samples(self, model: torch.nn.Module, n: int = 1, max_new_tokens: int | None = None,
-                prompt: str | None = None, seed: int | None = None, temperature: float | None = None,
-                top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
-                do_sample: bool | None = None, num_beams: int = 1) -> list[str]:
-        """`n` texts generated from `prompt` (default options.sample_prompt), prompt included, each
-        `max_new_tokens` (default options.sample_tokens) long, however long the context: generation runs
-        in chunks that fit it, each restarting from the last context // 2 tokens (a sliding window).
-        Sampled with temperature/top_k (default: the options) and top_p, seeded by `seed` (default
-        options.seed); greedy=True or do_sample=False takes the argmax; num_beams > 1 runs beam search."""
+    def decoding(self, generation_config: GenerationConfig | None = None, *, greedy: bool = False,
+                 **options: Any) -> GenerationConfig:
+        """The settings of samples(): this task's sampling options (sample_tokens, temperature, top_k, seed),
+        then the config's explicit fields, then keywords (None = unset). greedy=True (or do_sample=False, or
+        num_beams > 1) decodes deterministically."""
         o = self.options
-        temperature = o.temperature if temperature is None else temperature
-        top_k = o.top_k if top_k is None else top_k
-        sample = not greedy and num_beams == 1 and (do_sample is None or do_sample)
+        cfg = GenerationConfig(max_new_tokens=o.sample_tokens, do_sample=True, temperature=o.temperature,
+                               top_k=o.top_k, seed=o.seed)
+        if generation_config is not None:
+            cfg = cfg.replace(**generation_config.explicit())
+        cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None})
+        if greedy or cfg.num_beams > 1:
+            cfg = cfg.replace(do_sample=False)
+        if cfg.max_new_tokens is None:
+            cfg = cfg.replace(max_new_tokens=cfg.new_tokens(0) if cfg.max_length is not None else o.sample_tokens)
+        return cfg
+
+    def samples(self, model: torch.nn.Module, n: int = 1, prompt: str | None = None,
+                generation_config: GenerationConfig | None = None, *, greedy: bool = False, **options: Any) -> list[str]:
+        """`n` texts generated from `prompt` (default options.sample_prompt), prompt included, each
+        max_new_tokens long (default options.sample_tokens), however long the context: generation runs in
+        chunks that fit it, each restarting from the last context // 2 tokens (a sliding window). Settings
+        as decoding(): sampled with the task's temperature / top_k by default, seeded by its seed (one
+        random stream for all n samples)."""
+        o = self.options
+        cfg = self.decoding(generation_config, greedy=greedy, **options)
         prompt = o.sample_prompt if prompt is None else prompt
         ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
         ctx = o.context
-        new = max_new_tokens or o.sample_tokens
+        new = cfg.max_new_tokens
         dev = model_device(model)
-        gen = torch.Generator(device=dev).manual_seed(o.seed if seed is None else seed)
-        kw: dict[str, Any] = dict(do_sample=True, temperature=temperature, top_k=top_k, generator=gen)
-        if top_p is not None:
-            kw["top_p"] = top_p
-        if not sample:
-            kw = {"num_beams": num_beams} if num_beams > 1 else {}
+        gen = torch.Generator(device=dev).manual_seed(cfg.seed if cfg.seed is not None else o.seed)
+        cfg = cfg.replace(seed=None, max_new_tokens=None, max_length=None)  # one stream over all calls (gen)
+        kw = cfg.explicit()
         out = []
         for _ in range(n):
             seq = torch.tensor([ids[-(ctx - 1):]], dtype=torch.long, device=dev)
             produced: list[int] = []
             while len(produced) < new:
                 step = min(ctx - seq.shape[1], new - len(produced))
-                res = model.generate(seq, step, **kw)
+                res = model.generate(seq, step, generator=gen, **kw)
                 produced += res[0, seq.shape[1]:].tolist()
                 seq = res[:, -(ctx // 2):]
             out.append(prompt + self.tokenizer.decode(produced))
         return out
 
-    def generate_text(self, model: torch.nn.Module, prompt: str, max_new_tokens: int | None = None,
-                      **kwargs: Any) -> str:
-        """One continuation of `prompt`, prompt included (keywords as in samples())."""
-        return self.samples(model, 1, max_new_tokens=max_new_tokens, prompt=prompt, **kwargs)[0]
+    def generate_text(self, model: torch.nn.Module, prompt: str, generation_config: GenerationConfig | None = None,
+                      **options: Any) -> str:
+        """One continuation of `prompt`, prompt included (settings as in samples())."""
+        return self.samples(model, 1, prompt, generation_config, **options)[0]
 
 
 def _chunks(text: str, size: int = 4096) -> list[str]:
@@ -214,8 +222,9 @@ def _factory(options: LMOptions, family: str, tokenizer: Tokenizer | None = None
     return LMTask(options, family, tokenizer)
 
 
-register_task("lm", LMOptions, _factory, ("gpt", "lstm"), "language modelling on a text file (char or BPE)")
-register_task("charlm", LMOptions, _factory, ("gpt", "lstm"),
-              "character-level LM (default text: Python's bundled docs)", tokenizer="char")
-register_task("bpelm", LMOptions, _factory, ("gpt", "lstm"),
-              "byte-level BPE LM (default text: Python's bundled docs)", tokenizer="bpe")
+register_task("lm", LMOptions, _factory, ("decoder",), "language modelling on a text file (char or BPE)",
+              default_family="gpt")
+register_task("charlm", LMOptions, _factory, ("decoder",),
+              "character-level LM (default text: Python's bundled docs)", default_family="gpt", tokenizer="char")
+register_task("bpelm", LMOptions, _factory, ("decoder",),
+              "byte-level BPE LM (default text: Python's bundled docs)", default_family="gpt", tokenizer="bpe")

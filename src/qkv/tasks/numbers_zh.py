@@ -191,5 +191,5 @@ def _factory(options: NumbersZhOptions, family: str, tokenizer: Tokenizer | None
     return NumbersZhTask(options, family, tokenizer or CharTokenizer(_all_chars()))
 
 
-register_task("numbers_zh", NumbersZhOptions, _factory, ("encdec", "gpt", "lstm"),
-              "English number words / dates -> Chinese (BLEU + exact match)")
+register_task("numbers_zh", NumbersZhOptions, _factory, ("seq2seq", "decoder"),
+              "English number words / dates -> Chinese (BLEU + exact match)", default_family="encdec")

@@ -1,13 +1,13 @@
 """Sequence-to-sequence tasks: copy, reverse, sort and multi-digit addition, plus the shared machinery
-(encoding per model family, greedy evaluation, BLEU) that the translation tasks reuse.
+(encoding per model kind, greedy evaluation, BLEU) that the translation tasks reuse.
 
 Examples are (source, target) strings of single-character symbols, e.g. reverse: "31415" -> "51413",
 addition: "123+989" -> "1112".
 
-Encoding, by model family (ids from one character tokenizer, specials from tokenizers.SPECIALS):
-- encdec: input_ids = source (B, S) right-padded with <pad>, attention_mask (B, S) 1 = real token,
+Encoding, by model kind (ids from one character tokenizer, specials from tokenizers.SPECIALS):
+- seq2seq (EncoderDecoder): input_ids = source (B, S) right-padded with <pad>, attention_mask (B, S) 1 = real token,
   labels = target + <eos> (B, T), -100 on padding. The model builds decoder inputs [<bos>, target] itself.
-- gpt / lstm (decoder-only): one sequence [source, <sep>, target, <eos>] (B, L) right-padded, with
+- decoder (GPT, the LSTM, any decoder-only family): one sequence [source, <sep>, target, <eos>] (B, L) right-padded, with
   attention_mask, and labels = the same ids where the target and <eos> are, -100 on the prompt
   (source, <sep>) and on padding. Labels are aligned with input_ids: the model shifts them (the logit at
   <sep> is scored against the first target token).
@@ -16,7 +16,7 @@ Held-out split: an example is in `val` iff a hash of its source string falls in 
 of the hash range (base.in_val_split). Train batches reject val sources and vice versa, so the splits are
 disjoint over the whole example space, however small, and are the same for every seed.
 
-Evaluation: greedy decoding with qkv.generate (encdec: from the source; gpt/lstm: from the prompt
+Evaluation: greedy decoding with qkv.generate (seq2seq: from the source; decoder: from the prompt
 [source, <sep>], prompts grouped by length so no padding is needed), scored by exact-sequence match
 (the decoded string equals the target exactly, <eos> included in the sense that nothing extra is
 generated before it), with per-position token accuracy as an extra.
@@ -24,6 +24,7 @@ generated before it), with per-position token accuracy as an extra.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.generate.config import GenerationConfig
 from qkv.tasks.base import Task, check_split, in_val_split, model_device, pad_rows, register_task, rng_for
 from qkv.tasks.tokenizers import EOS, PAD, SEP, CharTokenizer, Tokenizer
 
@@ -47,7 +49,7 @@ class PairTask(Task):
     `self.max_src_tokens`, `self.max_tgt_tokens` and implement `pairs(index, batch_size, split)` and
     `eval_pairs(n)`."""
 
-    families = ("encdec", "gpt", "lstm")
+    kinds = ("seq2seq", "decoder")
     bleu_tokenize: str | None = None  # sacrebleu tokenizer; None = no BLEU (synthetic tasks)
     max_src_tokens: int
     max_tgt_tokens: int
@@ -64,7 +66,7 @@ class PairTask(Task):
 
     def collate(self, pairs: list[tuple[str, str]]) -> dict[str, Tensor]:
         enc = [self.encode_pair(s, t) for s, t in pairs]
-        if self.family == "encdec":
+        if self.kind == "seq2seq":
             src = [s for s, _ in enc]
             tgt = [t + [EOS] for _, t in enc]
             input_ids = pad_rows(src, PAD)
@@ -83,36 +85,47 @@ class PairTask(Task):
 
     @property
     def context_length(self) -> int:
-        if self.family == "encdec":
+        if self.kind == "seq2seq":
             # decoder positions: [bos, target, eos] (generate counts the final token's position too)
             return max(self.max_src_tokens, self.max_tgt_tokens + 2)
         return self.max_src_tokens + self.max_tgt_tokens + 2  # [source, sep, target, eos]
 
     def model_overrides(self, family: str | None = None) -> dict[str, Any]:
-        family = self._check_family(family)
+        self._check_family(family)
         tok = self.tokenizer
-        if family == "encdec":
-            return {"src_vocab_size": tok.vocab_size, "tgt_vocab_size": None, "context_length": self.context_length,
-                    "pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
-        if family == "lstm":
-            return {"vocab_size": tok.vocab_size, "context_length": self.context_length, "mode": "lm",
-                    "bidirectional": False}
-        return {"vocab_size": tok.vocab_size, "context_length": self.context_length}
+        needs = {"vocab_size": tok.vocab_size, "context_length": self.context_length}
+        if self.kind == "seq2seq":  # one shared vocabulary; the decoder starts from bos
+            needs.update(pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+        return needs
 
     # -- decoding and evaluation ------------------------------------------------------------------------
+    def decoding(self, generation_config: GenerationConfig | None = None, **options: Any) -> GenerationConfig:
+        """The settings of a prediction: greedy by default (a translation is a decision, not a sample, so
+        do_sample is off), max_new_tokens = the longest target + eos unless set, stop at <eos>."""
+        cfg = generation_config if generation_config is not None else GenerationConfig()
+        cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None}, do_sample=False, eos_token_id=EOS)
+        if cfg.max_new_tokens is None and cfg.max_length is None:
+            cfg = cfg.replace(max_new_tokens=self.max_tgt_tokens + 1)
+        return cfg
+
     @torch.no_grad()
-    def predict_ids(self, model: torch.nn.Module, sources: list[list[int]], batch_size: int = 128) -> list[list[int]]:
-        """Greedy target ids (without <eos>) for each tokenised source, via model.generate (qkv.generate for
-        the transformers; the LSTM has its own recurrent loop)."""
+    def predict_ids(self, model: torch.nn.Module, sources: list[list[int]], batch_size: int = 128,
+                    generation_config: GenerationConfig | None = None) -> list[list[int]]:
+        """Target ids (without <eos>) for each tokenised source, via model.generate (the shared qkv.generate
+        for every kind of model); greedy with at most max_tgt_tokens + 1 tokens unless the config says
+        otherwise."""
         dev = model_device(model)
-        max_new = self.max_tgt_tokens + 1
+        cfg = self.decoding(generation_config)
+        # HF-style keywords: generate(x, max_new_tokens, eos_token_id=..., ...), the settings that differ from
+        # the defaults
+        max_new, kw = cfg.new_tokens(1), {k: v for k, v in cfg.explicit().items() if k != "max_new_tokens"}
         out: list[list[int] | None] = [None] * len(sources)
-        if self.family == "encdec":
+        if self.kind == "seq2seq":
             for start in range(0, len(sources), batch_size):
                 chunk = sources[start:start + batch_size]
                 x = pad_rows(chunk, PAD).to(dev)
                 mask = pad_rows([[1] * len(s) for s in chunk], 0).to(dev)
-                ids = model.generate(x, max_new, attention_mask=mask, eos_token_id=EOS)
+                ids = model.generate(x, max_new, attention_mask=mask, **kw)
                 for i, row in enumerate(ids.tolist()):
                     out[start + i] = _cut_at_eos(row)
             return out  # type: ignore[return-value]
@@ -124,7 +137,7 @@ class PairTask(Task):
             for start in range(0, len(idx), batch_size):
                 chunk = idx[start:start + batch_size]
                 x = torch.tensor([sources[i] + [SEP] for i in chunk], dtype=torch.long, device=dev)
-                ids = model.generate(x, max_new, eos_token_id=EOS)[:, x.shape[1]:]
+                ids = model.generate(x, max_new, **kw)[:, x.shape[1]:]
                 for i, row in zip(chunk, ids.tolist()):
                     out[i] = _cut_at_eos(row)
         return out  # type: ignore[return-value]
@@ -160,15 +173,26 @@ class PairTask(Task):
             metrics["bleu"] = float(sacrebleu.corpus_bleu(hyps, [refs], tokenize=self.bleu_tokenize).score)
         return metrics
 
-    def generate_text(self, model: torch.nn.Module, prompt: str, num_beams: int = 1, **ignored: Any) -> str:
-        """The translation of one source string: greedy, or beam search with num_beams > 1. Sampling
-        settings (temperature, top_k, ...) are ignored: a translation is a decision, not a sample."""
+    def generate_text(self, model: torch.nn.Module, prompt: str, generation_config: GenerationConfig | None = None,
+                      **options: Any) -> str:
+        """The translation of one source string: greedy, or beam search with num_beams > 1, at most
+        max_new_tokens tokens (default: the longest target + eos). do_sample is ignored (a translation is a
+        decision, not a sample); the other settings apply (no_repeat_ngram_size, repetition_penalty, ...)."""
         src = self.tokenizer.encode(prompt)
-        if num_beams <= 1:
-            return self.tokenizer.decode(self.predict_ids(model, [src])[0])
-        x = torch.tensor([src if self.family == "encdec" else src + [SEP]], device=model_device(model))
-        ids = model.generate(x, self.max_tgt_tokens + 1, num_beams=num_beams, eos_token_id=EOS)
-        row = ids[0].tolist() if self.family == "encdec" else ids[0, x.shape[1]:].tolist()
+        cfg = self.decoding(generation_config, **options)
+        # a decoder with absolute positions cannot go past its table: stop there, and say so
+        prompt_len = 1 if self.kind == "seq2seq" else len(src) + 1
+        limit = model.context_limit
+        if limit is not None and prompt_len + cfg.new_tokens(prompt_len) > limit:
+            room = max(0, limit - prompt_len)
+            warnings.warn(f"max_new_tokens={cfg.new_tokens(prompt_len)} goes past this model's {limit} decoder "
+                          f"positions; generating at most {room} tokens", stacklevel=2)
+            cfg = cfg.replace(max_new_tokens=room, max_length=None)
+        if cfg.num_beams <= 1:
+            return self.tokenizer.decode(self.predict_ids(model, [src], generation_config=cfg)[0])
+        x = torch.tensor([src if self.kind == "seq2seq" else src + [SEP]], device=model_device(model))
+        ids = model.generate(x, cfg)
+        row = ids[0].tolist() if self.kind == "seq2seq" else ids[0, x.shape[1]:].tolist()
         return self.tokenizer.decode(_cut_at_eos(row))
 
     def samples(self, model: torch.nn.Module, n: int = 5) -> list[str]:
@@ -312,9 +336,10 @@ def _factory(cls: type) -> Any:
     return make
 
 
-_FAMILIES = ("encdec", "gpt", "lstm")
-register_task("copy", SequenceOptions, _factory(CopyTask), _FAMILIES, "copy the source sequence")
-register_task("reverse", SequenceOptions, _factory(ReverseTask), _FAMILIES, "reverse the source sequence")
-register_task("sort", SequenceOptions, _factory(SortTask), _FAMILIES, "sort the source symbols")
-register_task("addition", AdditionOptions, _factory(AdditionTask), _FAMILIES,
-              "multi-digit addition 'a+b' -> sum")
+KINDS = ("seq2seq", "decoder")  # an encoder-decoder, or a decoder-only model on [source, <sep>, target]
+register_task("copy", SequenceOptions, _factory(CopyTask), KINDS, "copy the source sequence", default_family="encdec")
+register_task("reverse", SequenceOptions, _factory(ReverseTask), KINDS, "reverse the source sequence",
+              default_family="encdec")
+register_task("sort", SequenceOptions, _factory(SortTask), KINDS, "sort the source symbols", default_family="encdec")
+register_task("addition", AdditionOptions, _factory(AdditionTask), KINDS, "multi-digit addition 'a+b' -> sum",
+              default_family="encdec")

@@ -233,5 +233,6 @@ class SpeechTask(AudioDigitsTask):
         return y + noise * math.sqrt(power / 10 ** (snr / 10))
 
 
-register_task("speech", SpeechOptions, SpeechTask, ("whisper",),
-              "digit strings spoken by espeak-ng (needs `apt-get install espeak-ng`), test voices held out")
+register_task("speech", SpeechOptions, SpeechTask, ("audio",),
+              "digit strings spoken by espeak-ng (needs `apt-get install espeak-ng`), test voices held out",
+              default_family="whisper")

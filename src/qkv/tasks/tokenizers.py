@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from qkv.storage import atomic_write, atomic_write_text
+
 SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>", "<mask>")
 PAD, BOS, EOS, SEP, UNK, MASK = range(len(SPECIALS))
 
@@ -194,9 +196,7 @@ class BPETokenizer(Tokenizer):
     def save(self, folder: str | os.PathLike) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{TOKENIZER_FILE}.tmp"
-        self.hf.save(str(tmp))
-        os.replace(tmp, folder / TOKENIZER_FILE)
+        atomic_write(folder / TOKENIZER_FILE, self.hf.save)
         _write_json(folder / TOKENIZER_CONFIG_FILE, {"kind": self.kind})
         return folder / TOKENIZER_FILE
 
@@ -213,9 +213,7 @@ class BPETokenizer(Tokenizer):
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(json.dumps(obj, ensure_ascii=False, indent=1) + "\n", path)
 
 
 def save_tokenizer(tokenizer: Tokenizer, folder: str | os.PathLike) -> Path:

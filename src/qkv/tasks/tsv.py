@@ -133,5 +133,5 @@ def _factory(options: TSVOptions, family: str, tokenizer: Tokenizer | None = Non
     return TSVTask(options, family, tokenizer)
 
 
-register_task("tsv", TSVOptions, _factory, ("encdec", "gpt", "lstm"),
-              "translation on a user TSV file of source<TAB>target pairs")
+register_task("tsv", TSVOptions, _factory, ("seq2seq", "decoder"),
+              "translation on a user TSV file of source<TAB>target pairs", default_family="encdec")

@@ -30,9 +30,9 @@ from qkv.checkpoint import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     CheckpointError,
-    _tied_names,
     atomic_save_safetensors,
     atomic_write_json,
+    check_state_fits,
     clean_state_dict,
 )
 from qkv.config import to_dict
@@ -150,30 +150,9 @@ def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
 
 
 def check_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Every key and shape must match the (unwrapped) model; tied duplicates may be absent."""
-    own = clean_state_dict_keys(model)
-    tied = _tied_names(model)
-    missing = [k for k in own if k not in state and k not in tied]
-    unexpected = [k for k in state if k not in own]
-    if missing or unexpected:
-        raise CheckpointError(f"{source} does not fit this {type(model).__name__}: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
-    for k, v in state.items():
-        if tuple(own[k]) != tuple(v.shape):
-            raise CheckpointError(f"{source}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k])}")
-
-
-def clean_state_dict_keys(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """State-dict names (without wrapper prefixes) -> global shapes. model.state_dict() gathers nothing:
-    under FSDP2 its values are sharded DTensors whose .shape is the full shape."""
-    out = {}
-    for name, t in model.state_dict().items():
-        for prefix in ("_orig_mod.", "module."):
-            while name.startswith(prefix):
-                name = name[len(prefix):]
-        name = name.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")
-        out[name] = tuple(t.shape)
-    return out
+    """Every key and shape must match the (unwrapped, possibly FSDP-sharded) model; tied duplicates may be
+    absent. The library's one fit check (qkv.storage.check_state_fits)."""
+    check_state_fits(model, state, source)
 
 
 def write_json(path: Path, obj: Any) -> None:

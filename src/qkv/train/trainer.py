@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from qkv.checkpoint import CheckpointError
 from qkv.config import ConfigError, from_dict, to_dict
+from qkv.nn.params import count_parameters
 from qkv.train import checkpoint as ckpt
 from qkv.train import distributed as dist_
 from qkv.train.batches import LengthTruncationWarning, batch_rows, count_tokens, to_device, truncate_batch
@@ -226,7 +227,7 @@ class Trainer:
                 if existing and resumed_from is None:
                     log.info(f"note: {self.ckpt_root} already holds checkpoints up to step {existing[-1][0]}; "
                              "starting a fresh run (resume=true continues one)")
-            n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+            n_params = count_parameters(self.model)
             log.info(f"training {type(self.model).__name__} ({n_params:,} parameters) on {self.device}, "
                      f"precision {cfg.precision}, distributed {info.mode} x{info.world_size}, "
                      f"global batch {cfg.batch_size * cfg.grad_accum * info.world_size} sequences")

@@ -1,0 +1,207 @@
+"""GenerationConfig: every generation setting in one validated dataclass, with Hugging Face's field names.
+
+    cfg = GenerationConfig(max_new_tokens=64, do_sample=True, top_p=0.9)
+    cfg = GenerationConfig.from_dict({"max_new_tokens": 64, ...})     # strict: unknown keys are errors
+    cfg = GenerationConfig.from_model_folder("path/to/hf-model")      # its generation_config.json
+    generate(model, ids, cfg) / stream(...) / beam_search(...) / Engine(model, cfg) / add_request(..., cfg)
+
+A setting that changes the next-token distribution is a logits processor (processors.py): a new option is
+one field here plus one processor class there. Token-id fields left at None take the model's defaults
+(model.generation_defaults(): its eos / pad / bos ids, a loaded folder's generation_config.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from qkv.config import ConfigError, _closest, from_dict, load_yaml, replace, to_dict
+
+EARLY_STOPPING = (True, False, "never")
+CONTEXT_OVERFLOW = ("error", "slide")
+DEFAULT_MAX_NEW_TOKENS = 32
+
+# generation_config.json keys that say nothing about which tokens are produced: bookkeeping, and what to
+# return or which cache class to use
+_HF_METADATA = {"_from_model_config", "transformers_version", "_commit_hash", "generation_kwargs",
+                "output_attentions", "output_hidden_states", "output_scores", "output_logits",
+                "return_dict_in_generate", "cache_implementation", "cache_config"}
+
+
+@dataclass
+class GenerationConfig:
+    # -- length -------------------------------------------------------------------------------------------
+    max_new_tokens: int | None = None  # tokens to generate; None: from max_length, else 32
+    max_length: int | None = None  # HF: prompt + new tokens (decoder-only) or decoder tokens incl. the start
+    min_new_tokens: int | None = None  # eos is suppressed until this many tokens are generated
+    min_length: int | None = None  # HF: the same, counted like max_length
+    # -- strategy -----------------------------------------------------------------------------------------
+    do_sample: bool = False  # sample from the processed distribution (else greedy / beam search)
+    num_beams: int = 1  # > 1: beam search
+    num_return_sequences: int = 1  # sequences returned per input (samples, or the best beams)
+    length_penalty: float = 1.0  # beam score = sum log p / length ** length_penalty
+    early_stopping: bool | str = "never"  # beams: True stop at num_beams finished; False HF's heuristic; "never" exact
+    # -- logits processors (processors.py) ----------------------------------------------------------------
+    temperature: float = 1.0  # divide the logits (sampling); 0 = greedy
+    top_k: int | None = None  # keep the k most likely tokens (sampling)
+    top_p: float | None = None  # nucleus: the smallest set with probability >= top_p (sampling)
+    min_p: float | None = None  # drop tokens below min_p x the top token's probability (sampling)
+    repetition_penalty: float = 1.0  # CTRL: divide positive / multiply negative logits of seen tokens
+    no_repeat_ngram_size: int = 0  # no n-gram of this size occurs twice
+    # -- special tokens -----------------------------------------------------------------------------------
+    eos_token_id: int | list[int] | None = None  # stop tokens (None: the model's)
+    pad_token_id: int | None = None  # fills finished rows (None: the model's, else the first eos, else 0)
+    bos_token_id: int | None = None  # the model's begin-of-sequence id (seq2seq start when no decoder_start)
+    decoder_start_token_id: int | None = None  # first decoder token of an encoder-decoder
+    forced_bos_token_id: int | None = None  # forced as the first generated token
+    forced_eos_token_id: int | list[int] | None = None  # forced as the last token when max_length is reached
+    stop_strings: list[str] | None = None  # stop a row once its decoded continuation contains one (needs a tokenizer)
+    # -- run ----------------------------------------------------------------------------------------------
+    seed: int | None = None  # seeds sampling (a fresh generator per call)
+    use_cache: bool = True  # KV cache (False: recompute the whole prefix every step)
+    context_overflow: str = "error"  # prompt + new over an absolute-position context: error | slide
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                raise ConfigError(f"GenerationConfig.{message}")
+
+        for name in ("max_new_tokens", "max_length", "min_new_tokens", "min_length"):
+            v = getattr(self, name)
+            need(v is None or v >= 0, f"{name} must be >= 0, got {v}")
+        need(self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        need(self.top_k is None or self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        need(self.top_p is None or 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.min_p is None or 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        need(self.no_repeat_ngram_size >= 0, f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        need(self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}")
+        need(self.num_return_sequences >= 1, f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
+        need(not (self.do_sample and self.num_beams > 1),
+             "do_sample: beam search is deterministic: use do_sample=True or num_beams > 1, not both")
+        need(self.num_beams > 1 or self.do_sample or self.num_return_sequences == 1,
+             "num_return_sequences > 1 needs do_sample=True or num_beams >= num_return_sequences")
+        need(self.num_beams == 1 or self.num_return_sequences <= self.num_beams,
+             f"num_return_sequences ({self.num_return_sequences}) must be between 1 and num_beams ({self.num_beams})")
+        need(self.early_stopping in EARLY_STOPPING, f"early_stopping must be true, false or 'never', "
+             f"got {self.early_stopping!r}")
+        need(self.context_overflow in CONTEXT_OVERFLOW, f"context_overflow must be 'error' or 'slide', "
+             f"got {self.context_overflow!r}")
+        if isinstance(self.stop_strings, str):
+            self.stop_strings = [self.stop_strings]
+
+    # -- building one ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationConfig:
+        """Strict: an unknown key is an error naming the closest field; values are type-checked."""
+        return from_dict(cls, dict(data), "GenerationConfig")
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], source: str = "generation_config.json") -> GenerationConfig:
+        """A Hugging Face generation_config.json dict. Its bookkeeping keys are dropped; a decoding option
+        qkv does not implement is named in a warning (never applied silently), the rest is strict."""
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in data.items() if k in names}
+        ignored = sorted(k for k in data if k not in names and k not in _HF_METADATA)
+        if ignored:
+            warnings.warn(f"{source}: ignoring options qkv does not implement: {ignored}", stacklevel=2)
+        try:
+            return from_dict(cls, known, source)
+        except ConfigError as e:
+            raise ConfigError(str(e)) from None
+
+    @classmethod
+    def from_model_folder(cls, folder: str | os.PathLike) -> GenerationConfig:
+        """The folder's generation_config.json (Hugging Face or qkv), or the defaults when it has none."""
+        path = Path(folder) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        return cls.from_hf_dict(data, str(path))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> GenerationConfig:
+        """A JSON (e.g. a generation_config.json) or YAML file of settings; Hugging Face's file layout is
+        read as from_hf_dict, anything else strictly."""
+        p = Path(path)
+        if p.suffix in (".yaml", ".yml"):
+            data = load_yaml(p)
+        else:
+            if not p.is_file():
+                raise ConfigError(f"generation config not found: {p}")
+            try:
+                data = json.loads(p.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping")
+        if "transformers_version" in data or "_from_model_config" in data:
+            return cls.from_hf_dict(data, str(p))
+        return from_dict(cls, data, str(p))
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def replace(self, **overrides: Any) -> GenerationConfig:
+        """A copy with `overrides` (field names, checked like from_dict)."""
+        names = [f.name for f in fields(self)]
+        for key in overrides:
+            if key not in names:
+                raise ConfigError(f"unknown generation option {key!r}{_closest(key, names)}")
+        return replace(self, **overrides)
+
+    def explicit(self) -> dict[str, Any]:
+        """The fields set to something other than their default (what a merge carries over)."""
+        default = GenerationConfig()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+    # -- derived values -----------------------------------------------------------------------------------
+    def new_tokens(self, prompt_len: int) -> int:
+        """max_new_tokens, or max_length minus the `prompt_len` decoder tokens already there, or 32."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        if self.max_length is not None:
+            return max(0, self.max_length - prompt_len)
+        return DEFAULT_MAX_NEW_TOKENS
+
+    def min_tokens(self, prompt_len: int) -> int:
+        """min_new_tokens, or min_length minus the prompt's decoder tokens, or 0."""
+        if self.min_new_tokens is not None:
+            return self.min_new_tokens
+        if self.min_length is not None:
+            return max(0, self.min_length - prompt_len)
+        return 0
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else ([int(e)] if isinstance(e, int) else [int(i) for i in e])
+
+    @property
+    def sampling(self) -> bool:
+        return self.do_sample and self.temperature > 0
+
+
+def resolve(defaults: dict[str, Any], config: GenerationConfig | None, overrides: dict[str, Any]) -> GenerationConfig:
+    """The settings of one call, as Hugging Face merges them: the model's defaults (HF names), then the
+    fields a passed config sets away from their default, then keyword overrides."""
+    base = GenerationConfig.from_dict(defaults) if defaults else GenerationConfig()
+    if config is not None:
+        if not isinstance(config, GenerationConfig):
+            raise TypeError(f"generation_config must be a GenerationConfig, got {type(config).__name__}")
+        base = base.replace(**config.explicit())
+    if isinstance(overrides.get("stop_strings"), str):
+        overrides = {**overrides, "stop_strings": [overrides["stop_strings"]]}
+    return base.replace(**overrides) if overrides else base

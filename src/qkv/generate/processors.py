@@ -1,0 +1,248 @@
+"""Logits processors: each generation option that reshapes the next-token distribution is one small class.
+
+A processor maps (ids (B, cur) = the decoder sequence so far, scores (B, V)) -> scores, like Hugging Face's
+LogitsProcessor, and builds itself from a GenerationConfig with `from_config(cfg, ctx)` (None when its
+option is off). `PROCESSORS` run for every strategy (greedy, sampling, beam search on log-probabilities);
+`WARPERS` only when sampling. The order is Hugging Face's (generation/utils.py _get_logits_processor).
+
+A new option = one field in GenerationConfig + one class here, appended to PROCESSORS or WARPERS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from qkv.generate.config import GenerationConfig
+from qkv.generate.sampling import sample, top_k_filter, top_p_filter
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Context:
+    """What the processors of one generation need beyond the config."""
+
+    prompt_len: int  # decoder tokens before the first generated one (left padding / the start token included)
+    max_new_tokens: int
+    eos_ids: list[int]
+    n_pad: Tensor | None = None  # (B,) left-padding tokens per row, not part of the text
+
+
+class LogitsProcessor:
+    needs_ids: ClassVar[bool] = True  # reads the tokens so far (False: the scores alone)
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> LogitsProcessor | None:  # pragma: no cover
+        raise NotImplementedError
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+# -- processors: every strategy -------------------------------------------------------------------------
+class RepetitionPenalty(LogitsProcessor):
+    """CTRL (Keskar et al. 2019): the logit of every token already in the sequence is divided by the penalty
+    when positive and multiplied by it when negative (penalty > 1 discourages repeats). Left padding is not
+    part of the sequence."""
+
+    def __init__(self, penalty: float, n_pad: Tensor | None = None) -> None:
+        self.penalty, self.n_pad = penalty, n_pad
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> RepetitionPenalty | None:
+        return cls(cfg.repetition_penalty, ctx.n_pad) if cfg.repetition_penalty != 1.0 else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        V = scores.shape[-1]
+        if self.n_pad is not None:  # padding -> the extra column V, dropped below
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            ids = ids.masked_fill(pos[None, :] < self.n_pad.to(ids.device)[:, None], V)
+        seen = torch.zeros(scores.shape[0], V + 1, dtype=torch.bool, device=scores.device)
+        seen.scatter_(1, ids.clamp(0, V), True)
+        seen = seen[:, :V]
+        penalised = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
+        return torch.where(seen, penalised, scores)
+
+
+class NoRepeatNGram(LogitsProcessor):
+    """No n-gram occurs twice in a row's sequence: a token that would complete an n-gram already present is
+    banned (Paulus et al. 2018; fairseq / Hugging Face no_repeat_ngram_size)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> NoRepeatNGram | None:
+        return cls(cfg.no_repeat_ngram_size) if cfg.no_repeat_ngram_size > 0 else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        n, cur = self.n, ids.shape[1]
+        if cur + 1 < n:
+            return scores
+        banned = torch.zeros_like(scores, dtype=torch.bool)
+        for b, row in enumerate(ids.tolist()):
+            prefix = tuple(row[cur - n + 1:]) if n > 1 else ()
+            for i in range(cur - n + 1):
+                if tuple(row[i:i + n - 1]) == prefix:
+                    banned[b, row[i + n - 1]] = True
+        return scores.masked_fill(banned, NEG_INF)
+
+
+class MinNewTokens(LogitsProcessor):
+    """eos is impossible until `min_new` tokens have been generated (min_new_tokens, or min_length counted
+    as Hugging Face does: prompt included)."""
+
+    def __init__(self, start: int, min_new: int, eos_ids: list[int]) -> None:
+        self.start, self.min_new, self.eos = start, min_new, eos_ids
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> MinNewTokens | None:
+        n = cfg.min_tokens(ctx.prompt_len)
+        return cls(ctx.prompt_len, n, ctx.eos_ids) if n > 0 and ctx.eos_ids else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        if ids.shape[1] - self.start < self.min_new:
+            scores = scores.clone()
+            scores[:, self.eos] = NEG_INF
+        return scores
+
+
+class ForcedBOS(LogitsProcessor):
+    """The first generated token is forced (mBART's target language id). Hugging Face forces it when the
+    decoder sequence has length 1, i.e. right after an encoder-decoder's start token; here it is the first
+    generated token of any model, which is the same thing for encoder-decoders."""
+
+    def __init__(self, token: int, start: int) -> None:
+        self.token, self.start = token, start
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> ForcedBOS | None:
+        return None if cfg.forced_bos_token_id is None else cls(cfg.forced_bos_token_id, ctx.prompt_len)
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        if ids.shape[1] == self.start:
+            scores = torch.full_like(scores, NEG_INF)
+            scores[:, self.token] = 0
+        return scores
+
+
+class ForcedEOS(LogitsProcessor):
+    """The last token allowed by the length limit is forced to eos (BART, Marian)."""
+
+    def __init__(self, max_length: int, eos_ids: list[int]) -> None:
+        self.max_length, self.eos = max_length, eos_ids
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> ForcedEOS | None:
+        e = cfg.forced_eos_token_id
+        if e is None:
+            return None
+        return cls(ctx.prompt_len + ctx.max_new_tokens, [e] if isinstance(e, int) else list(e))
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        if ids.shape[1] == self.max_length - 1:
+            scores = torch.full_like(scores, NEG_INF)
+            scores[:, self.eos] = 0
+        return scores
+
+
+# -- warpers: sampling only -----------------------------------------------------------------------------
+class Temperature(LogitsProcessor):
+    needs_ids = False
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> Temperature | None:
+        return cls(cfg.temperature) if cfg.temperature != 1.0 else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        return scores / self.t
+
+
+class TopK(LogitsProcessor):
+    needs_ids = False
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> TopK | None:
+        return cls(cfg.top_k) if cfg.top_k else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        return top_k_filter(scores, self.k)
+
+
+class TopP(LogitsProcessor):
+    needs_ids = False
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> TopP | None:
+        return cls(cfg.top_p) if cfg.top_p is not None and cfg.top_p < 1.0 else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        return top_p_filter(scores, self.p)
+
+
+class MinP(LogitsProcessor):
+    """Keep the tokens whose probability is at least min_p times the most likely one's (Nguyen et al. 2024);
+    the most likely token is always kept. After temperature, as in llama.cpp and Hugging Face."""
+
+    needs_ids = False
+
+    def __init__(self, min_p: float) -> None:
+        self.min_p = min_p
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> MinP | None:
+        return cls(cfg.min_p) if cfg.min_p is not None else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        probs = torch.softmax(scores.float(), dim=-1)
+        top = probs.amax(dim=-1, keepdim=True)
+        remove = probs < self.min_p * top
+        remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+        return scores.masked_fill(remove, NEG_INF)
+
+
+PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, NoRepeatNGram, MinNewTokens, ForcedBOS, ForcedEOS]
+WARPERS: list[type[LogitsProcessor]] = [Temperature, TopK, TopP, MinP]
+
+
+class Pipeline:
+    """The processors of one generation setting, and the token choice after them."""
+
+    def __init__(self, cfg: GenerationConfig, ctx: Context, generator: torch.Generator | None = None) -> None:
+        self.sampling = cfg.sampling
+        self.processors = [p for cls in PROCESSORS if (p := cls.from_config(cfg, ctx)) is not None]
+        self.warpers = [w for cls in WARPERS if (w := cls.from_config(cfg, ctx)) is not None] if self.sampling else []
+        self.generator = generator
+
+    @property
+    def needs_ids(self) -> bool:
+        return any(p.needs_ids for p in self.processors + self.warpers)
+
+    def process(self, ids: Tensor, scores: Tensor) -> Tensor:
+        """Every processor, in order (beam search calls this on log-probabilities)."""
+        for p in self.processors:
+            scores = p(ids, scores)
+        return scores
+
+    def choose(self, ids: Tensor, logits: Tensor) -> Tensor:
+        """(B, V) logits of the next position -> (B,) tokens: greedy, or a draw after the warpers."""
+        scores = self.process(ids, logits.float() if (self.processors or self.sampling) else logits)
+        if not self.sampling:
+            return scores.argmax(-1)
+        for w in self.warpers:
+            scores = w(ids, scores)
+        return sample(scores, self.generator)
+

@@ -1,0 +1,175 @@
+"""Files on disk, at the bottom of the library: the checkpoint error, atomic writes, the model-folder format
+and the one check "does this state dict fit this model".
+
+Models save themselves through `save_model` (QKVModel.save_pretrained), the checkpoint loader, the training
+checkpoints and the Hugging Face loaders all check state dicts with `check_state_fits`, so the rules (tied
+weights may be absent, wrapper prefixes are not part of a name, every shape must match) live in one place.
+Nothing here knows a model family: it imports only qkv.config and qkv.nn.
+
+Atomicity: every file is written to a temporary sibling, flushed to disk and renamed over the target in
+one os.replace, so a crash leaves either the old file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from qkv.config import to_dict
+from qkv.nn.params import tied_names
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP / DataParallel
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable, or belongs to another architecture."""
+
+
+# -- atomic writes --------------------------------------------------------------------------------------
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Run write(tmp) on a temporary sibling of `path` (a file name ending in .tmp), fsync it, rename it
+    over `path`: the one atomic writer every other helper (and any file format) goes through."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:  # on disk before the rename, so a crash cannot leave an empty file
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:  # an interrupted write leaves no temporary file behind
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+
+
+def atomic_write_json(obj: Any, path: Path) -> None:
+    atomic_write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", path)
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+# -- state dicts ----------------------------------------------------------------------------------------
+def unwrap(model: nn.Module) -> nn.Module:
+    """Strip DDP/FSDP `module` and torch.compile `_orig_mod` wrappers (nanoGPT #325, #351)."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        else:
+            return model
+
+
+def clean_key(name: str) -> str:
+    """A state-dict name without wrapper prefixes, in any nesting order (module._orig_mod.x, ...)."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    return name.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")
+
+
+def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop wrapper prefixes from keys and de-alias tied tensors (safetensors forbids shared storage)."""
+    out, seen = {}, {}
+    for k, v in state.items():
+        k = clean_key(k)
+        ptr = (v.data_ptr(), v.shape, v.stride()) if v.numel() else None
+        if ptr is not None and ptr in seen:
+            continue  # a tied weight: stored once, re-tied by the model's constructor on load
+        if ptr is not None:
+            seen[ptr] = k
+        out[k] = v.detach().contiguous().cpu()
+    return out
+
+
+def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """State-dict names (without wrapper prefixes) -> global shapes. state_dict() gathers nothing: under
+    FSDP2 its values are sharded DTensors whose .shape is the full shape."""
+    return {clean_key(name): tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def renamed_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with the model's renamed keys applied (`renamed_keys` on the model class: old -> new name),
+    so checkpoints written before a module moved still load."""
+    renames: Mapping[str, str] = getattr(unwrap(model), "renamed_keys", {}) or {}
+    return {renames.get(k, k): v for k, v in state.items()}
+
+
+def check_state_fits(model: nn.Module, state: Mapping[str, Any], source: str,
+                     name: Callable[[str], str] = str) -> None:
+    """Does `state` (our key -> tensor, or -> shape) fit `model`? Every key of the model must be there (a
+    tied duplicate may be absent), no other key may be, and every shape must match; otherwise one
+    CheckpointError naming what differs. `name(key)` says how to call a key in the message (the Hugging Face
+    loaders name the file's keys). The one such check of the library: model folders, training checkpoints
+    and the Hugging Face loaders all call it."""
+    own = model_shapes(model)
+    tied = tied_names(unwrap(model))
+    missing = [k for k in own if k not in state and k not in tied]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        def show(keys: list[str]) -> str:
+            return f"{[name(k) for k in keys[:5]]}{'...' if len(keys) > 5 else ''}"
+
+        raise CheckpointError(f"{source} does not fit this {type(unwrap(model)).__name__}: missing {show(missing)}, "
+                              f"unexpected {show(unexpected)}")
+    for k, v in state.items():
+        shape = tuple(v) if isinstance(v, (tuple, list, torch.Size)) else tuple(v.shape)
+        if own[k] != shape:
+            raise CheckpointError(f"{source}: {name(k)} has shape {shape}, model expects {own[k]}")
+
+
+def load_state_into(model: nn.Module, state: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """check_state_fits, then copy `state` into `model` (renamed keys applied; tied weights may be absent)."""
+    state = renamed_state(model, state)
+    check_state_fits(model, state, source)
+    model.load_state_dict(state, strict=False)
+
+
+# -- model folders --------------------------------------------------------------------------------------
+def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write `config.json` {"qkv_family", "config"} + `model.safetensors` into folder `path`, atomically:
+    weights first, config last, so a folder with a config always has complete weights beside it."""
+    model = unwrap(model)
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = clean_state_dict(model.state_dict())
+    atomic_save_safetensors(state, folder / WEIGHTS_NAME, metadata={"qkv_family": model.family})
+    atomic_write_json({"qkv_family": model.family, "config": to_dict(model.config)}, folder / CONFIG_NAME)
+    return folder
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A folder's config.json (or the file itself) as a dict, with a clear error if absent or not JSON."""
+    folder = Path(path)
+    if not folder.exists():
+        raise CheckpointError(f"checkpoint not found: {folder}")
+    cfg = folder / CONFIG_NAME if folder.is_dir() else folder
+    if not cfg.is_file():
+        raise CheckpointError(f"{folder} has no {CONFIG_NAME}; not a qkv or Hugging Face model folder")
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg}: not valid JSON ({e})") from None
