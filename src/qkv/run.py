@@ -70,6 +70,7 @@ def prepare(cfg: dict[str, Any], out_dir: str | Path | None = None):
     from qkv.models.registry import config_for
     from qkv.tasks import build_task
     from qkv.train import TrainConfig
+    from qkv.train.rng import seed_everything
 
     model_sec = dict(cfg.get("model") or {})
     task_sec = dict(cfg.get("task") or {})
@@ -77,14 +78,19 @@ def prepare(cfg: dict[str, Any], out_dir: str | Path | None = None):
         raise ConfigError("no model given: pass --model PRESET (see `qkv presets`) or model.preset=...")
     if "name" not in task_sec:
         raise ConfigError("no task given: pass --task NAME or task.name=...")
-    fam, _ = config_for({k: v for k, v in model_sec.items() if k in ("preset", "family")})
-    task = build_task(task_sec.pop("name"), family=fam.name, **task_sec)
-    model = task.build_model({k: v for k, v in model_sec.items() if k in ("preset", "family")},
-                             **{k: v for k, v in model_sec.items() if k not in ("preset", "family")})
     train = dict(cfg.get("train") or {})
     if out_dir is not None:
         train["out_dir"] = str(out_dir)
-    return task, model, from_dict(TrainConfig, train), from_dict(EvalSettings, dict(cfg.get("eval") or {}))
+    train_cfg = from_dict(TrainConfig, train)
+    ev = from_dict(EvalSettings, dict(cfg.get("eval") or {}))
+    fam, _ = config_for({k: v for k, v in model_sec.items() if k in ("preset", "family")})
+    # seed before anything random is drawn: the model's initial weights (and any randomness in building the
+    # task) depend on train.seed alone, so one seed gives the same run in a new process
+    seed_everything(train_cfg.seed)
+    task = build_task(task_sec.pop("name"), family=fam.name, **task_sec)
+    model = task.build_model({k: v for k, v in model_sec.items() if k in ("preset", "family")},
+                             **{k: v for k, v in model_sec.items() if k not in ("preset", "family")})
+    return task, model, train_cfg, ev
 
 
 def default_out(cfg: dict[str, Any]) -> Path:
