@@ -78,6 +78,13 @@ class Task:
     options: Any
     tokenizer: Tokenizer
     family: str
+    # the scores evaluate() reports, each with its direction ("max" = higher is better); the first is the
+    # primary one: the default train.best_metric (checkpoints/best) and what a run is judged by
+    metrics: dict[str, str] = {}
+
+    @classmethod
+    def primary_metric(cls) -> str:
+        return next(iter(cls.metrics))
 
     def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]:
         raise NotImplementedError

@@ -54,6 +54,7 @@ class CaptionsOptions:
 
 
 class CaptionsTask(Task):
+    metrics = {"zero_shot_accuracy": "max", "recall@1_i2t": "max", "recall@1_t2i": "max"}
     families = ("clip",)
 
     def __init__(self, options: CaptionsOptions, family: str, tokenizer: Tokenizer | None = None) -> None:

@@ -120,6 +120,7 @@ def rotate_scale(x: Tensor, degrees: Tensor, scale: Tensor) -> Tensor:
 
 
 class DigitsTask(Task):
+    metrics = {"accuracy": "max"}
     families = ("vit", "swin")
 
     def __init__(self, options: DigitsOptions, family: str, tokenizer: Tokenizer | None = None) -> None:

@@ -100,6 +100,7 @@ class ListOpsOptions:
 
 
 class ListOpsTask(Task):
+    metrics = {"accuracy": "max"}
     families = ("bert", "lstm")
 
     def __init__(self, options: ListOpsOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
