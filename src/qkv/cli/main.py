@@ -1,7 +1,13 @@
 """`qkv` subcommands. Each is a small function over the library; SUBCOMMANDS maps name -> (setup, run).
 
-Errors a user can make (unknown preset, misspelt key, bad value, missing file, wrong checkpoint) print
-one line `qkv: error: ...` and exit with status 2; `--debug` shows the traceback instead.
+Exit status (the same for every subcommand):
+  0    done
+  2    a user error (unknown preset, misspelt key, bad value, missing file, wrong checkpoint, a flag out of
+       range): one line `qkv: error: ...`; `--debug` shows the traceback instead
+  3    training stopped by the NaN guard (train.nan_policy): its report is printed above the one-line
+       error and kept in OUT/train.log, with the offending batch and the last good checkpoint
+  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: training finishes the current step and checkpoints it
+       first (continue with --resume)
 """
 
 from __future__ import annotations
@@ -10,6 +16,11 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+EXIT_USER_ERROR = 2
+EXIT_NAN_GUARD = 3
+EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN guard, "
+          "130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue with --resume)")
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
@@ -25,7 +36,7 @@ def _add_train(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from qkv.run import load_run_config, train_run
+    from qkv.run import command_line_config, train_run
 
     over = list(a.overrides)
     if a.config and "=" in a.config:  # `qkv train key=value ...` without a YAML file
@@ -41,8 +52,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         over += [f"train.seed={a.seed}", f"task.seed={a.seed}"]
     if a.no_progress:
         over.append("train.progress=false")
-    cfg = load_run_config(a.config, over)
-    summary = train_run(cfg, out=a.out, resume=a.resume)
+    cfg, out = command_line_config(a.config, over, a.out, a.resume)
+    summary = train_run(cfg, out=out, resume=a.resume)
     if summary["report"]:  # empty on ranks other than 0 under torchrun
         print(summary["report"])
     return 0
@@ -54,7 +65,11 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
+    from qkv.config import ConfigError
     from qkv.run import evaluate_run
+
+    if a.n < 1:
+        raise ConfigError(f"-n must be at least 1 (held-out examples to evaluate), got {a.n}")
 
     metrics = evaluate_run(a.checkpoint, n=a.n)
     for k, v in metrics.items():
@@ -73,14 +88,38 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sample for LMs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a prompt with characters outside the model's vocabulary (default: warn, read them as <unk>)")
+
+
+def _check_generate_flags(a: argparse.Namespace) -> None:
+    """Flags out of range are one-line errors, not silently replaced defaults."""
+    import math
+
+    from qkv.config import ConfigError
+
+    if a.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
+    if a.num_beams < 1:
+        raise ConfigError(f"--num-beams must be at least 1, got {a.num_beams}")
+    if not (math.isfinite(a.temperature) and a.temperature > 0):
+        raise ConfigError(f"--temperature must be a positive number, got {a.temperature}")
+    if a.top_k is not None and a.top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {a.top_k}")
+    if a.top_p is not None and not 0 < a.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {a.top_p}")
+    if a.stream and a.num_beams > 1:
+        raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
+                          "only knows its sequence at the end: use one or the other")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from qkv.run import generate_text
 
+    _check_generate_flags(a)
     out = generate_text(a.checkpoint, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                         top_k=a.top_k, top_p=a.top_p, num_beams=a.num_beams, greedy=a.greedy, seed=a.seed,
-                        stream=a.stream)
+                        stream=a.stream, strict=a.strict)
     if not a.stream:
         print(out if out.strip() else "(empty output: the model ended the sequence at once)")
     return 0
@@ -183,11 +222,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart and scale.")
+    parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart and scale.",
+                                     epilog=EPILOG)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, setup, run) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
         setup(p)
         p.set_defaults(func=run)
     return parser
@@ -206,18 +246,33 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return a.func(a)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if a.debug:
+            raise
+        from qkv.train import TrainingInterrupted
+
+        if isinstance(e, TrainingInterrupted):
+            hint = f"; continue with --resume --out {e.checkpoint.parent.parent}" if e.checkpoint else ""
+            print(f"qkv: {e}{hint}", file=sys.stderr)
+            return 128 + e.signum
         print("qkv: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one clear line for user errors; --debug for the traceback
         from qkv.checkpoint import CheckpointError
         from qkv.config import ConfigError
+        from qkv.train import NonFiniteError
 
+        if a.debug:
+            raise
+        if isinstance(e, NonFiniteError):  # the full report was logged above (and to train.log)
+            where = f"; report in {e.batch_path.parent / 'train.log'}" if e.batch_path else ""
+            print(f"qkv: error: training stopped by the NaN guard: {str(e).splitlines()[0]}{where}", file=sys.stderr)
+            return EXIT_NAN_GUARD
         user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError)  # bugs keep their traceback
-        if a.debug or not isinstance(e, user_errors):
+        if not isinstance(e, user_errors):
             raise
         print(f"qkv: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":
