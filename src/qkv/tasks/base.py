@@ -166,14 +166,16 @@ class TaskSpec:
     families: tuple[str, ...]  # the first is the default
     description: str
     option_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-name defaults (charlm/bpelm)
+    requires: tuple[str, ...] = ()  # optional packages (import names, see qkv.extras), checked before building
 
 
 _TASKS: dict[str, TaskSpec] = {}
 
 
 def register_task(name: str, options_class: type, factory: Callable[..., Task], families: Sequence[str],
-                  description: str, **option_defaults: Any) -> None:
-    _TASKS[name] = TaskSpec(name, options_class, factory, tuple(families), description, option_defaults)
+                  description: str, requires: Sequence[str] = (), **option_defaults: Any) -> None:
+    _TASKS[name] = TaskSpec(name, options_class, factory, tuple(families), description, option_defaults,
+                            tuple(requires))
 
 
 def _ensure_loaded() -> None:
@@ -207,6 +209,10 @@ def build_task(name: str, family: str | None = None, *, saved_tokenizer: Tokeniz
     if isinstance(options.get("tokenizer"), Tokenizer):  # a tokenizer object, not the char|bpe option
         saved_tokenizer = options.pop("tokenizer")
     spec = task_spec(name)
+    from qkv.extras import require
+
+    for module in spec.requires:  # a missing optional package: one clear error before any work
+        require(module, f"task {name!r}")
     family = family or spec.families[0]
     if family not in spec.families:
         raise ConfigError(f"task {name!r} supports model families {list(spec.families)}, not {family!r}")

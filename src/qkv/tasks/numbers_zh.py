@@ -192,4 +192,5 @@ def _factory(options: NumbersZhOptions, family: str, tokenizer: Tokenizer | None
 
 
 register_task("numbers_zh", NumbersZhOptions, _factory, ("encdec", "gpt", "lstm"),
-              "English number words / dates -> Chinese (BLEU + exact match)")
+              "English number words / dates -> Chinese (BLEU + exact match)",
+              requires=("sacrebleu",))

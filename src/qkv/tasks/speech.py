@@ -234,4 +234,5 @@ class SpeechTask(AudioDigitsTask):
 
 
 register_task("speech", SpeechOptions, SpeechTask, ("whisper",),
-              "digit strings spoken by espeak-ng (needs `apt-get install espeak-ng`), test voices held out")
+              "digit strings spoken by espeak-ng (needs `apt-get install espeak-ng`), test voices held out",
+              requires=("scipy",))

@@ -134,4 +134,5 @@ def _factory(options: TSVOptions, family: str, tokenizer: Tokenizer | None = Non
 
 
 register_task("tsv", TSVOptions, _factory, ("encdec", "gpt", "lstm"),
-              "translation on a user TSV file of source<TAB>target pairs")
+              "translation on a user TSV file of source<TAB>target pairs",
+              requires=("sacrebleu",))
