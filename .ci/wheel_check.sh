@@ -1,0 +1,21 @@
+#!/bin/sh
+# Build the wheel, install it (core dependencies only) into a fresh venv in a temporary folder outside the
+# checkout, and run shipped commands there: the configs must come from the package, not from the repository.
+# usage: .ci/wheel_check.sh [TORCH_SPEC]    (make wheel-check)
+set -eu
+torch_spec=${1:-torch==2.13.0}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$repo/.venv/bin/pip" wheel -q --no-deps -w "$tmp/dist" "$repo"
+python3 -m venv "$tmp/venv"
+"$tmp/venv/bin/pip" install -q "$torch_spec"
+"$tmp/venv/bin/pip" install -q "$tmp"/dist/qkv-*.whl
+cd "$tmp"
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+venv/bin/python -c "import qkv; assert '$repo' not in qkv.__file__, qkv.__file__; print('qkv from', qkv.__file__)"
+venv/bin/qkv train reverse --max-steps 2 --out "$tmp/reverse" --no-progress eval.n=8
+venv/bin/qkv eval "$tmp/reverse" -n 8
+venv/bin/qkv ablate 01_sqrt_dk --quick --out "$tmp/ablate"
+test -s "$tmp/ablate/summary.md"
+echo "wheel check: ok"
