@@ -5,7 +5,8 @@
     train: {max_steps: 600, lr: 1e-3, ...}            # qkv.train.TrainConfig fields
     eval:  {n: 1000, samples: 5}                      # final held-out evaluation
 
-The CLI (`qkv train/eval/generate/info/attention`) and the demo are thin layers over these functions.
+The CLI (`qkv train/eval/generate/info`), the demo and the ablation runner (qkv.experiments) are thin
+layers over these functions: `train_run` is the one way to build and train a run.
 A run folder holds run.yaml, task.json + tokenizer, metrics.jsonl/csv, curves.png, checkpoints/ and
 results.json; `load_model_any` and `load_run_task` rebuild the model and the task from it alone.
 """
@@ -329,6 +330,11 @@ def _model_folder(path: Path) -> Path:
     raise CheckpointError(f"{path} is neither a model folder (config.json) nor a run folder with checkpoints")
 
 
+def model_folder(path: str | Path) -> Path:
+    """The folder `from_pretrained` reads for `path`: itself, or a run folder's newest checkpoint."""
+    return _model_folder(Path(path))
+
+
 def run_folder_of(path: str | Path) -> Path | None:
     """The run folder (holding task.json) that `path` is, or is a checkpoint inside of."""
     p = Path(path).resolve()
@@ -422,39 +428,6 @@ def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, kw: dict[str, Any]
     return prompt + "".join(pieces)
 
 
-def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
-    """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table."""
-    from qkv.experiments import attention_from_checkpoint
-
-    model = load_model_any(path)
-    if getattr(model, "family", "") == "vit":
-        return _vit_overlay(model, path, text, out_png)
-    res = attention_from_checkpoint(_model_folder(Path(path)), text, out_png, target=target)
-    return [f"wrote {p}" for p in res.pngs] + [res.entropy_table()]
-
-
-def _vit_overlay(model: torch.nn.Module, path: str | Path, text: str, out_png: Path) -> list[str]:
-    """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
-    task (`--input N`, default 8), titled with predicted / true class."""
-    from qkv.models.vit import save_attention_overlay
-
-    try:
-        n = int(text) if text.strip() else 8
-    except ValueError:
-        raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
-    task = load_run_task(path)
-    batch = task.batch(0, max(1, min(n, 32)), "val")
-    model.eval()
-    with torch.no_grad():
-        pred = model(pixel_values=batch["pixel_values"]).logits.argmax(-1)
-    classes = getattr(task, "classes", None)
-    names = [classes[int(i)] if classes else str(int(i)) for i in pred]
-    truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
-    save_attention_overlay(model, batch["pixel_values"], str(out_png),
-                           titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
-    return [f"wrote {out_png}"]
-
-
 def _folder_tokenizer(folder: Path):
     from qkv.tasks.tokenizers import find_tokenizer
 
@@ -473,6 +446,7 @@ def _decode(tok: Any, ids: list[int]) -> str:
     return tok.decode(ids)
 
 
-__all__ = ["EvalSettings", "Run", "attention_report", "build_parts", "build_run", "command_line_config",
-           "evaluate_run", "generate_text", "load_model_any", "load_run_config", "load_run_task", "prepare",
+__all__ = ["EvalSettings", "Run", "build_parts", "build_run", "command_line_config",
+           "evaluate_run", "generate_text", "load_model_any", "load_run_config", "load_run_task", "model_folder",
+           "prepare",
            "train_run"]

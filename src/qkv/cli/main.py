@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 EXIT_USER_ERROR = 2
 EXIT_NAN_GUARD = 3
@@ -202,11 +203,48 @@ def _add_attention(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_attention(a: argparse.Namespace) -> int:
-    from qkv.run import attention_report
-
     for line in attention_report(a.checkpoint, a.input, Path(a.out), target=a.target):
         print(line)
     return 0
+
+
+def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
+    """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table.
+    (Here, above both qkv.run and qkv.experiments, so that neither needs the other.)"""
+    from qkv.experiments import attention_from_checkpoint
+    from qkv.run import load_model_any, model_folder
+
+    model = load_model_any(path)
+    if getattr(model, "family", "") == "vit":
+        return _vit_overlay(model, path, text, out_png)
+    res = attention_from_checkpoint(model_folder(path), text, out_png, target=target)
+    return [f"wrote {p}" for p in res.pngs] + [res.entropy_table()]
+
+
+def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list[str]:
+    """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
+    task (`--input N`, default 8), titled with predicted / true class."""
+    import torch
+
+    from qkv.config import ConfigError
+    from qkv.models.vit import save_attention_overlay
+    from qkv.run import load_run_task
+
+    try:
+        n = int(text) if text.strip() else 8
+    except ValueError:
+        raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
+    task = load_run_task(path)
+    batch = task.batch(0, max(1, min(n, 32)), "val")
+    model.eval()
+    with torch.no_grad():
+        pred = model(pixel_values=batch["pixel_values"]).logits.argmax(-1)
+    classes = getattr(task, "classes", None)
+    names = [classes[int(i)] if classes else str(int(i)) for i in pred]
+    truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
+    save_attention_overlay(model, batch["pixel_values"], str(out_png),
+                           titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
+    return [f"wrote {out_png}"]
 
 
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
