@@ -173,11 +173,14 @@ def write_csv(records: list[dict[str, Any]], path: str | Path) -> None:
         for k in r:
             if k not in cols:
                 cols.append(k)
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")  # rebuilt at every close: write aside, rename over
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         for r in records:
             w.writerow({k: r.get(k, "") for k in cols})
+    os.replace(tmp, path)
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -214,5 +217,8 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path) -> None:
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
     plt.close(fig)
+    os.replace(tmp, path)
