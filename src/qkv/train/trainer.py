@@ -297,7 +297,9 @@ class Trainer:
             if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.step:08d}"):
                 self.save_checkpoint()
             if self._interrupted(final=True):
-                raise TrainingInterrupted(self._signal or signal.SIGINT, self.step, self.last_checkpoint)
+                last = self.last_checkpoint
+                here = last if last is not None and last.name.endswith(f"{self.step:08d}") else None
+                raise TrainingInterrupted(self._signal or signal.SIGINT, self.step, here)
             summary = self.summary(time.perf_counter() - t_start)
             log.info(f"done: {self.step} steps, final loss {self.last_loss:.4f}"
                      + (f", best eval {self.best['metric']}={self.best['value']:.4f} at step {self.best['step']}"
@@ -507,9 +509,10 @@ class Trainer:
             better = self.best is None or (value < self.best["value"] if self.best_mode == "min"
                                            else value > self.best["value"])
             if better:
+                previous, self.best = self.best, {"metric": self.best_metric, "value": value, "step": self.step}
                 if self.save_checkpoint(self.ckpt_root / ckpt.BEST,
-                                        extra={"eval.json": {**metrics, "step": self.step}}) is not None:
-                    self.best = {"metric": self.best_metric, "value": value, "step": self.step}
+                                        extra={"eval.json": {**metrics, "step": self.step}}) is None:
+                    self.best = previous  # a non-finite state is no best
         return metrics
 
     # ---------------------------------------------------------------------------------------------------
