@@ -2,7 +2,9 @@
 
 One `qkv train` run (a char-LM GPT, checkpoints every 2 steps, keep_last 2, a best/ checkpoint by held-out
 loss every 5 steps, one metrics record per step) is started with `--resume` again and again; each time,
-once it is training, it gets SIGKILL after a random delay (uniform in [0, --window] seconds, seeded).
+once it is training, it gets SIGKILL after a random delay (uniform in [0, --window] seconds, seeded); every
+second kill is instead timed to a checkpoint save (within 1 s after its temporary folder appears), because
+saves, renames and prunes are where data is at risk and a uniform delay rarely lands in them.
 At every kill the folder is inspected as the next process will find it, and after every restart its log
 is read back. Checked (each a counted failure, and the script exits 1 if any occurs):
 
@@ -94,6 +96,17 @@ def wait_training(proc: subprocess.Popen, log: Path, timeout: float = 300.0) -> 
     raise TimeoutError("the training process did not start within the timeout")
 
 
+def wait_for_save(proc: subprocess.Popen, root: Path, timeout: float) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout and proc.poll() is None:
+        try:
+            if any(e.name.startswith(".") and e.name.endswith(".tmp") for e in os.scandir(root)):
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.002)
+
+
 def run_reference(out: Path, quick: bool, max_steps: int) -> None:
     r = subprocess.run(train_args(out, quick, max_steps), env=env(), capture_output=True, text=True)
     if r.returncode != 0:
@@ -107,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="a tiny model (the CI form)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--untargeted", action="store_true",
+                    help="every kill at a uniform random delay (default: every second kill is timed to a save)")
     ap.add_argument("--out", default=str(HERE / "results"), help="folder for robustness.json / .md")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed)")
     a = ap.parse_args(argv)
@@ -145,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
             if stale:
                 failures.append(f"segment {segment}: leftovers of the last kill not cleaned: {stale}")
             if started:
-                time.sleep(rng.uniform(0, window))
+                if kills % 2 and not a.untargeted:
+                    # a targeted kill: wait for a save to begin (its hidden temporary folder appears), then
+                    # kill within the next second -- mid-write, mid-rename or mid-prune, where data is at risk
+                    wait_for_save(proc, run / "checkpoints", timeout=60.0)
+                    time.sleep(rng.uniform(0, 1.0))
+                else:
+                    time.sleep(rng.uniform(0, window))
             finished = proc.poll() is not None
             if not finished:
                 proc.send_signal(signal.SIGKILL)
@@ -235,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "kills": kills, "segments": segment, "max_steps": max_steps, "window_s": window, "seed": a.seed,
-        "quick": a.quick, "checkpoint_mb": round(ckpt_bytes / 2**20, 1),
+        "quick": a.quick, "targeted": not a.untargeted, "checkpoint_mb": round(ckpt_bytes / 2**20, 1),
         "landed": landed, "resumes_from_newest": resumed_ok, "resumes_checked": kills if kills else 0,
         "exact_metrics": exact_metrics, "exact_weights": exact_weights, "best_loads": best_ok,
         "failures": failures, "reference_s": round(t_ref, 1), "total_s": round(time.perf_counter() - t_all, 1),
@@ -245,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "robustness.json").write_text(json.dumps(result, indent=2) + "\n")
     md = [f"# kill -9 robustness ({kills} kills, {'quick' if a.quick else 'full'})", "",
           f"checkpoints ~{result['checkpoint_mb']} MB each (weights + AdamW state), saved every 2 steps, keep_last 2, "
-          f"best/ every 5 steps; {max_steps} steps; kill delay uniform in [0, {window}] s after training starts", "",
+          f"best/ every 5 steps; {max_steps} steps; kill delay uniform in [0, {window}] s after training starts"
+          + ("" if a.untargeted else ", every second kill within 1 s after a save began"), "",
           "| check | result |", "|---|---|",
           f"| restarts that resumed from the newest complete checkpoint | {resumed_ok} / {kills} |",
           f"| final losses + evaluations == uninterrupted run | {exact_metrics} |",
