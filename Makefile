@@ -4,10 +4,10 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# torch==2.13.0 is the CPU build on this machine's disk; the library itself only needs torch>=2.4.
+# torch==2.13.0 is the CPU build on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv install install-test demo test lint bench clean
+.PHONY: venv install install-test demo test lint wheel-check bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,5 +34,9 @@ test: install-test
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q
 
+# A regular (non-editable) install of the wheel, in a fresh venv outside the checkout, runs shipped commands.
+wheel-check: venv
+	sh .ci/wheel_check.sh "$(TORCH_SPEC)"
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -224,6 +225,16 @@ class TransformerConfig:
             raise ConfigError("position=rope needs an even head dimension (d_model // n_heads)")
         if not 0.0 <= self.dropout < 1.0 or not 0.0 <= self.attn_dropout < 1.0:
             raise ConfigError("dropout must be in [0, 1)")
+        # values that pass the types but would only fail (or give NaN) deep inside a forward pass
+        name = type(self).__name__
+        if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
+            raise ConfigError(f"{name}.norm_eps must be a finite number >= 0, got {self.norm_eps}")
+        if not (math.isfinite(self.rope_base) and self.rope_base > 0):
+            raise ConfigError(f"{name}.rope_base must be a finite number > 0, got {self.rope_base}")
+        for field_name in ("init_std", "embed_init_std"):
+            value = getattr(self, field_name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name}.{field_name} must be a finite number >= 0, got {value}")
 
     def block_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of nn.Block taken from this config."""

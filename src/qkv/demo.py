@@ -42,11 +42,12 @@ def run_demo(out: Path, quick: bool = False) -> dict[str, dict]:
         print(f"({time.perf_counter() - t0:.0f} s)")
         results[name] = summary
     try:  # the reverse model's cross-attention should be an anti-diagonal: show it
-        from qkv.run import attention_report
+        from qkv.experiments import attention_from_checkpoint
+        from qkv.run import model_folder
 
-        lines = attention_report(out / "reverse", "0123456789", out / "reverse" / "attention.png")
+        res = attention_from_checkpoint(model_folder(out / "reverse"), "0123456789", out / "reverse" / "attention.png")
         print("\nattention maps of the reverse model for '0123456789' (cross-attention should be an anti-diagonal):")
-        print("\n".join(line for line in lines if line.startswith("wrote")))
+        print("\n".join(f"wrote {p}" for p in res.pngs))
     except Exception as e:  # a plot must never fail the demo
         print(f"(attention maps skipped: {e})")
     print(f"\ndemo finished in {time.perf_counter() - t_all:.0f} s. Next:")

@@ -5,7 +5,8 @@
     train: {max_steps: 600, lr: 1e-3, ...}            # qkv.train.TrainConfig fields
     eval:  {n: 1000, samples: 5}                      # final held-out evaluation
 
-The CLI (`qkv train/eval/generate/info/attention`) and the demo are thin layers over these functions.
+The CLI (`qkv train/eval/generate/info`), the demo and the ablation runner (qkv.experiments) are thin
+layers over these functions: `train_run` is the one way to build and train a run.
 A run folder holds run.yaml, task.json + tokenizer, metrics.jsonl/csv, curves.png, checkpoints/ and
 results.json; `load_model_any` and `load_run_task` rebuild the model and the task from it alone.
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import sys
+import time
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -33,13 +36,18 @@ RESULTS_FILE = "results.json"
 
 @dataclass
 class EvalSettings:
-    n: int = 500  # held-out examples in the final evaluation
+    n: int = 500  # held-out examples in the final evaluation (0 = none)
     samples: int = 3  # sample outputs printed at the end
     during_training: int = 0  # held-out examples evaluated every train.eval_every steps (0 = final only)
 
+    def validate(self) -> None:
+        for name in ("n", "samples", "during_training"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
+
 
 def config_path(name_or_path: str) -> Path:
-    """A YAML path, or the name of a shipped config (`reverse` -> configs/reverse.yaml)."""
+    """A YAML path, or the name of a shipped config (`reverse` -> qkv/configs/reverse.yaml, package data)."""
     p = Path(name_or_path)
     if p.is_file():
         return p
@@ -67,11 +75,119 @@ def load_run_config(path: str | None, overrides: list[str] | None = None) -> dic
     return data
 
 
-def prepare(cfg: dict[str, Any], out_dir: str | Path | None = None):
-    """(task, model, TrainConfig, EvalSettings) for a run config."""
+def default_out(cfg: dict[str, Any]) -> Path:
+    """train.out_dir when the config names one (the shipped YAMLs do), else runs/<task>-<preset>."""
+    if (cfg.get("train") or {}).get("out_dir"):
+        return Path(cfg["train"]["out_dir"])
+    m = cfg.get("model") or {}
+    return Path("runs") / f"{(cfg.get('task') or {}).get('name', 'task')}-{m.get('preset', m.get('family', 'model'))}"
+
+
+def command_line_config(config: str | None, overrides: list[str], out: str | Path | None,
+                        resume: bool) -> tuple[dict[str, Any], Path]:
+    """(run config, out folder) for `qkv train CONFIG overrides... [--out OUT] [--resume]`.
+
+    A fresh run: the YAML plus the overrides. A resume of a folder holding run.yaml: only what the command
+    line names (the overrides, plus the YAML's task and model names, so that resuming with another task
+    or model is an error rather than a silent switch); train_run lays them over the saved run, so the
+    shipped YAML cannot put back settings the saved run changed (lr, batch size, warmup, ...)."""
+    full = load_run_config(config, overrides)
+    folder = Path(out) if out else default_out(full)
+    if not (resume and (folder / RUN_FILE).is_file()):
+        return full, folder
+    named = load_run_config(None, overrides)
+    if config:
+        ident = load_run_config(config)
+        for section, key in (("task", "name"), ("model", "preset"), ("model", "family")):
+            if key in (ident.get(section) or {}):
+                named.setdefault(section, {}).setdefault(key, ident[section][key])
+    return named, folder
+
+
+@dataclass
+class Run:
+    """A run, built and checked, nothing written yet (see build_run)."""
+
+    cfg: dict[str, Any]  # the resolved sections, as run.yaml will hold them
+    out: Path
+    task: Any
+    model: torch.nn.Module
+    train: Any  # qkv.train.TrainConfig
+    eval: EvalSettings
+    extra_tasks: dict[str, tuple[Any, int]] = field(default_factory=dict)  # name -> (task, examples)
+    resume_from: Path | None = None  # the checkpoint a resume continues (checked to fit the model)
+
+    def eval_fn(self):
+        n = self.eval.during_training
+        return (lambda m: self.task.evaluate(m, n=n)) if n else None
+
+    def write(self) -> None:
+        """run.yaml, task.json and the tokenizer: what `qkv eval/generate` read back."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        _write_yaml(self.cfg, self.out / RUN_FILE)
+        self.task.save(self.out)
+
+
+def _merge_saved(saved: dict[str, Any], cfg: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The saved run with `cfg`'s values laid over it; switching task or model is refused."""
+    for section, key in (("task", "name"), ("model", "preset"), ("model", "family")):
+        new, old = (cfg.get(section) or {}).get(key), (saved.get(section) or {}).get(key)
+        if new is not None and old is not None and new != old:
+            raise ConfigError(f"{out} holds a run with {section}.{key}={old!r}; --resume continues it and cannot "
+                              f"switch to {new!r} (choose another --out for a new run)")
+    merged = {s: dict(v) for s, v in saved.items() if isinstance(v, dict)}
+    for section, values in cfg.items():  # the caller's values win (e.g. more steps)
+        merged.setdefault(section, {}).update(values)
+    return merged
+
+
+def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: bool = False,
+              extra_evals: dict[str, dict[str, Any]] | None = None) -> Run:
+    """Validate and build everything a run needs, writing nothing: the out folder, the sections, the seeded
+    task and model, and, for a resume, that the newest checkpoint fits the model built (so a resume with
+    the wrong task, vocabulary or shape fails before run.yaml or the tokenizer are touched).
+
+    resume: continue OUT's saved run (run.yaml, its tokenizer, its newest checkpoint), with `cfg`'s values
+      laid over the saved ones. extra_evals: {name: {"task": {option: value}, "n": examples}}: more held-out
+      sets for the same model (same tokenizer, other task options; the model's context covers them all)."""
+    from qkv.tasks import load_tokenizer
+    from qkv.tasks.tokenizers import TokenizerError
+    from qkv.train import latest_checkpoint
+    from qkv.train.checkpoint import check_fits
+
+    out = Path(out) if out else default_out(cfg)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    newest = latest_checkpoint(out / "checkpoints")
+    if newest is not None and not resume:
+        raise ConfigError(f"{out} already holds a trained run; pass --resume to continue it or choose another --out")
+    tokenizer = None
+    if resume and (out / RUN_FILE).is_file():
+        cfg = _merge_saved(load_yaml(out / RUN_FILE), cfg, out)
+        try:
+            tokenizer = load_tokenizer(out)  # the vocabulary the checkpoint was trained with, exactly
+        except TokenizerError:
+            tokenizer = None  # image tasks have none
+    task, model, train_cfg, ev, extra = build_parts(cfg, out, tokenizer, extra_evals or {})
+    if resume and newest is not None:
+        check_fits(model, newest)
+    cfg = {**cfg, "train": {**(cfg.get("train") or {}), "out_dir": str(out)}}
+    return Run(cfg, out, task, model, train_cfg, ev, extra, newest if resume else None)
+
+
+def _context_keys(overrides: dict[str, Any]) -> list[str]:
+    return [k for k in overrides if "context" in k or k.endswith("max_len")]
+
+
+def build_parts(cfg: dict[str, Any], out_dir: Path | None = None, tokenizer: Any = None,
+                extra_evals: dict[str, dict[str, Any]] | None = None):
+    """(task, model, TrainConfig, EvalSettings, extra tasks) of a run config, seeded with train.seed before
+    the task and the model are built. No out-folder checks (build_run does those); `tokenizer`: reuse a
+    saved vocabulary; extra_evals as in build_run."""
     from qkv.models.registry import config_for
     from qkv.tasks import build_task
     from qkv.train import TrainConfig
+    from qkv.train.rng import seed_everything
 
     model_sec = dict(cfg.get("model") or {})
     task_sec = dict(cfg.get("task") or {})
@@ -79,19 +195,36 @@ def prepare(cfg: dict[str, Any], out_dir: str | Path | None = None):
         raise ConfigError("no model given: pass --model PRESET (see `qkv presets`) or model.preset=...")
     if "name" not in task_sec:
         raise ConfigError("no task given: pass --task NAME or task.name=...")
-    fam, _ = config_for({k: v for k, v in model_sec.items() if k in ("preset", "family")})
-    task = build_task(task_sec.pop("name"), family=fam.name, **task_sec)
-    model = task.build_model({k: v for k, v in model_sec.items() if k in ("preset", "family")},
-                             **{k: v for k, v in model_sec.items() if k not in ("preset", "family")})
     train = dict(cfg.get("train") or {})
     if out_dir is not None:
         train["out_dir"] = str(out_dir)
-    return task, model, from_dict(TrainConfig, train), from_dict(EvalSettings, dict(cfg.get("eval") or {}))
+    train_cfg = from_dict(TrainConfig, train, "train")
+    ev = from_dict(EvalSettings, dict(cfg.get("eval") or {}), "eval")
+    base = {k: v for k, v in model_sec.items() if k in ("preset", "family")}
+    fields = {k: v for k, v in model_sec.items() if k not in ("preset", "family")}
+    fam, _ = config_for(base)
+    # seed before anything random is drawn: the model's initial weights (and any randomness in building the
+    # task) depend on train.seed alone, so one seed gives the same run in a new process
+    seed_everything(train_cfg.seed)
+    name = task_sec.pop("name")
+    task = build_task(name, family=fam.name, saved_tokenizer=tokenizer, **task_sec)
+    extra, context = {}, {}
+    for ev_name, spec in (extra_evals or {}).items():
+        t = build_task(name, family=fam.name, saved_tokenizer=task.tokenizer, **{**task_sec, **spec.get("task", {})})
+        extra[ev_name] = (t, int(spec.get("n") or ev.n or 1))
+        # the model must accept the longest evaluation sequences too (length extrapolation)
+        own = task.config_overrides()  # in the family's config fields
+        for k, v in t.config_overrides().items():
+            if k in _context_keys(own) and isinstance(v, int):
+                context[k] = max(context.get(k, own[k]), v)
+    model = task.build_model(base, **{**context, **fields})
+    return task, model, train_cfg, ev, extra
 
 
-def default_out(cfg: dict[str, Any]) -> Path:
-    m = cfg.get("model") or {}
-    return Path("runs") / f"{(cfg.get('task') or {}).get('name', 'task')}-{m.get('preset', m.get('family', 'model'))}"
+def prepare(cfg: dict[str, Any], out_dir: str | Path | None = None):
+    """(task, model, TrainConfig, EvalSettings) for a run config, seeded (see build_run)."""
+    task, model, train_cfg, ev, _ = build_parts(cfg, Path(out_dir) if out_dir is not None else None)
+    return task, model, train_cfg, ev
 
 
 def _write_yaml(obj: Any, path: Path) -> None:
@@ -101,45 +234,82 @@ def _write_yaml(obj: Any, path: Path) -> None:
 
 
 def train_run(cfg: dict[str, Any], out: str | Path | None = None, resume: bool = False,
-              quiet: bool = False) -> dict[str, Any]:
-    """Train, evaluate on the held-out split, write results.json; returns a summary with a printable report."""
-    from qkv.train import Trainer, latest_checkpoint
+              quiet: bool = False, *, callbacks: list | tuple = (),
+              extra_evals: dict[str, dict[str, Any]] | None = None, keep_going: bool = False) -> dict[str, Any]:
+    """Train, evaluate on the held-out split, write results.json; returns a summary with a printable report.
 
-    out = Path(out) if out else default_out(cfg)
-    has_ckpt = latest_checkpoint(out / "checkpoints") is not None
-    if has_ckpt and not resume:
-        raise ConfigError(f"{out} already holds a trained run; pass --resume to continue it or choose another --out")
-    if resume and (out / RUN_FILE).is_file():
-        saved = load_yaml(out / RUN_FILE)
-        for section, values in cfg.items():  # the command line may extend a saved run (e.g. more steps)
-            saved.setdefault(section, {}).update(values)
-        cfg = saved
-    task, model, train_cfg, ev = prepare(cfg, out)
-    out.mkdir(parents=True, exist_ok=True)
-    if int(os.environ.get("RANK", "0")) == 0:
-        _write_yaml(cfg, out / RUN_FILE)
-        task.save(out)
-    eval_fn = (lambda m: task.evaluate(m, n=ev.during_training)) if ev.during_training else None
-    trainer = Trainer(model, train_cfg, task, eval_fn=eval_fn, resume=resume and has_ckpt)
-    summary = trainer.fit()
-    model = trainer.model
+    The one way to build and train a run: `qkv train`, `qkv demo` and the ablation runner all come here,
+    so seeding, resume and validation live in one place. Everything is checked before anything is written.
+    callbacks: extra Trainer callbacks. keep_going: a run the NaN guard stops is evaluated and returned with
+    its "error" instead of raising (the ablation runner records divergence as a result)."""
+    from qkv.train import NonFiniteError, Trainer
+
+    run = build_run(cfg, out, resume=resume, extra_evals=extra_evals)
+    out, task, ev = run.out, run.task, run.eval
+    trainer = Trainer(run.model, run.train, task, eval_fn=run.eval_fn(), callbacks=list(callbacks),
+                      resume=run.resume_from is not None)  # checks the training settings against the model
+    if trainer.dist.is_main:
+        run.write()
+        if run.resume_from is not None and not quiet:
+            print(f"resuming {out} from {run.resume_from.name}: the saved run's settings (run.yaml) apply; "
+                  "the command line overrides only what it names", file=sys.stderr)
+    error = None
+    t0 = time.perf_counter()
+    try:
+        summary = trainer.fit()
+    except NonFiniteError as e:
+        if not keep_going:
+            trainer.close()
+            raise
+        error = f"{type(e).__name__}: {str(e).splitlines()[0]}"[:300]
+        summary = trainer.summary(time.perf_counter() - t0)
     if not trainer.dist.is_main:  # under torchrun only rank 0 evaluates and writes results
         trainer.close()
-        return {"out": out, "metrics": {}, "samples": [], "train": summary, "report": ""}
+        return {"out": out, "metrics": {}, "extra": {}, "samples": [], "train": summary, "report": "",
+                "error": error, "model": trainer.model, "task": task}
+    model = trainer.model
+    if trainer.dist.mode == "fsdp":  # the sharded module's forward needs every rank: evaluate a full copy
+        from qkv import from_pretrained
+
+        model = from_pretrained(trainer.last_checkpoint) if trainer.last_checkpoint else None
     trainer.close()
-    metrics = task.evaluate(model, n=ev.n)
-    samples = task.samples(model, ev.samples) if ev.samples else []
-    result = {"metrics": metrics, "samples": samples, "train": _jsonable(summary),
-              "parameters": count_parameters(model)}
+    finite = model is not None and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    metrics: dict[str, Any] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    samples: list[str] = []
+    if finite:
+        model.eval()
+        last = dict(trainer.last_eval)
+        if ev.n and last.get("_step") == trainer.step and ev.during_training == ev.n and error is None:
+            metrics = {k: v for k, v in last.items() if not k.startswith("_")}  # fit() just evaluated it
+        elif ev.n:
+            metrics = task.evaluate(model, n=ev.n)
+        extra = {name: t.evaluate(model, n=n) for name, (t, n) in run.extra_tasks.items()}
+        samples = task.samples(model, ev.samples) if ev.samples else []
+    result = {"metrics": metrics, "extra": extra, "samples": samples, "train": _jsonable(summary),
+              "error": error, "parameters": count_parameters(model) if model is not None else None}
     tmp = out / f".{RESULTS_FILE}.tmp"
     tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, out / RESULTS_FILE)
-    lines = [f"run folder: {out}", f"held-out ({ev.n} examples): " + ", ".join(
-        f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())]
-    lines += ["samples:"] + [f"  {s}" for s in samples]
-    ck = latest_checkpoint(out / "checkpoints")
-    lines += [f"checkpoint: {ck}", f"metrics: {out / 'metrics.jsonl'}", f"plot: {out / 'curves.png'}"]
-    return {"out": out, "metrics": metrics, "samples": samples, "train": summary, "report": "\n".join(lines)}
+    lines = [f"run folder: {out}"]
+    if metrics:
+        lines.append(f"held-out ({_measured(metrics, ev.n)}): " + ", ".join(
+            f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+            if k not in ("n", "n_tokens")))
+    if samples:
+        lines += ["samples:"] + [f"  {s}" for s in samples]
+    lines += [f"checkpoint: {trainer.last_checkpoint}", f"metrics: {out / 'metrics.jsonl'}", f"plot: {out / 'curves.png'}"]
+    return {"out": out, "metrics": metrics, "extra": extra, "samples": samples, "train": summary,
+            "report": "\n".join(lines), "error": error, "model": model, "task": task}
+
+
+def _measured(metrics: dict[str, Any], asked: int) -> str:
+    """What an evaluation actually scored, from its own counts (not the eval.n that was asked for)."""
+    if "n" in metrics:
+        return f"{int(metrics['n']):,} examples"
+    if "n_tokens" in metrics:
+        return f"{int(metrics['n_tokens']):,} scored tokens"
+    return f"up to {asked:,} examples"
 
 
 def _jsonable(x: Any) -> Any:
@@ -160,6 +330,11 @@ def _model_folder(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     raise CheckpointError(f"{path} is neither a model folder (config.json) nor a run folder with checkpoints")
+
+
+def model_folder(path: str | Path) -> Path:
+    """The folder `from_pretrained` reads for `path`: itself, or a run folder's newest checkpoint."""
+    return _model_folder(Path(path))
 
 
 def run_folder_of(path: str | Path) -> Path | None:
@@ -188,20 +363,24 @@ def load_run_task(path: str | Path):
 
 
 def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
+    if n < 1:
+        raise ConfigError(f"n must be at least 1 (held-out examples to evaluate), got {n}")
     model, task = load_model_any(path), load_run_task(path)
     model.eval()
     return task.evaluate(model, n=n)
 
 
 def generate_text(path: str | Path, prompt: str, generation_config: GenerationConfig | None = None, *,
-                  greedy: bool = False, seed: int = 0, stream: bool = False, **options: Any) -> str:
+                  greedy: bool = False, seed: int = 0, stream: bool = False, strict: bool = False,
+                  **options: Any) -> str:
     """Decode with whatever the library has: the run's task decides what a prompt means (a source
     sentence for seq2seq, a text prefix for an LM); a Hugging Face folder needs its tokenizer.json.
     Settings: `generation_config` (e.g. read from a file) then `options` (GenerationConfig fields, None =
     unset). Without a config, language models sample unless greedy=True or num_beams > 1; a given config
     decides do_sample itself (greedy=True still wins);
     max_new_tokens defaults to the task's natural length (an LM's sample_tokens, a seq2seq task's longest
-    target), 200 for a bare model folder. seed seeds the sampling."""
+    target), 200 for a bare model folder. seed seeds the sampling.
+    Prompt characters outside the vocabulary are named in a warning on stderr (strict=True: an error)."""
     torch.manual_seed(seed)
     model = load_model_any(path)
     model.eval()
@@ -216,6 +395,7 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     run = run_folder_of(path)
     if run is not None:
         task = load_run_task(run)
+        _check_prompt_vocabulary(task.tokenizer, prompt, strict)
         if stream and task.kind == "decoder" and hasattr(task, "chars_per_token"):
             return _stream_lm(model, task.tokenizer, prompt, task.decoding(cfg))
         text = task.generate_text(model, prompt, cfg)
@@ -223,6 +403,7 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
             print(text)
         return text
     tok = _folder_tokenizer(_model_folder(Path(path)))
+    _check_prompt_vocabulary(tok, prompt, strict)
     ids = torch.tensor([_encode(tok, prompt) or [0]])
     if cfg.max_new_tokens is None and cfg.max_length is None:
         cfg = cfg.replace(max_new_tokens=200)
@@ -231,6 +412,18 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     if stream:
         print(prompt + text)
     return prompt + text
+
+
+def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
+    """A char/word model reads symbols it never saw as <unk>: say which (or refuse, strict=True)."""
+    unknown = tok.unknown_symbols(prompt) if tok is not None and hasattr(tok, "unknown_symbols") else []
+    if not unknown:
+        return
+    shown = ", ".join(repr(u) for u in unknown[:10]) + (f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else "")
+    if strict:
+        raise ConfigError(f"the prompt has {len(unknown)} symbol(s) outside the model's vocabulary: {shown}")
+    print(f"qkv: warning: {len(unknown)} prompt symbol(s) outside the model's vocabulary, read as <unk>: {shown}",
+          file=sys.stderr)
 
 
 def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig) -> str:
@@ -247,41 +440,6 @@ def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationCon
         pieces.append(piece)
     print()
     return prompt + "".join(pieces)
-
-
-def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
-    """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table."""
-    from qkv.experiments import attention_from_checkpoint
-
-    model = load_model_any(path)
-    if model.kind == "image":
-        return _vit_overlay(model, path, text, out_png)
-    res = attention_from_checkpoint(_model_folder(Path(path)), text, out_png, target=target)
-    return [f"wrote {p}" for p in res.pngs] + [res.entropy_table()]
-
-
-def _vit_overlay(model: torch.nn.Module, path: str | Path, text: str, out_png: Path) -> list[str]:
-    """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
-    task (`--input N`, default 8), titled with predicted / true class."""
-    from qkv.models.vit import ViT, save_attention_overlay
-
-    if not isinstance(model, ViT):
-        raise ConfigError(f"attention overlays are drawn for ViT models, not {type(model).__name__}")
-    try:
-        n = int(text) if text.strip() else 8
-    except ValueError:
-        raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
-    task = load_run_task(path)
-    batch = task.batch(0, max(1, min(n, 32)), "val")
-    model.eval()
-    with torch.no_grad():
-        pred = model(pixel_values=batch["pixel_values"]).logits.argmax(-1)
-    classes = getattr(task, "classes", None)
-    names = [classes[int(i)] if classes else str(int(i)) for i in pred]
-    truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
-    save_attention_overlay(model, batch["pixel_values"], str(out_png),
-                           titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
-    return [f"wrote {out_png}"]
 
 
 def _folder_tokenizer(folder: Path):
@@ -302,5 +460,7 @@ def _decode(tok: Any, ids: list[int]) -> str:
     return tok.decode(ids)
 
 
-__all__ = ["EvalSettings", "attention_report", "evaluate_run", "generate_text", "load_model_any",
-           "load_run_config", "load_run_task", "prepare", "train_run"]
+__all__ = ["EvalSettings", "Run", "build_parts", "build_run", "command_line_config",
+           "evaluate_run", "generate_text", "load_model_any", "load_run_config", "load_run_task", "model_folder",
+           "prepare",
+           "train_run"]

@@ -53,6 +53,6 @@ def test_bad_generation_settings_are_one_line_errors(lm_run, tmp_path, capsys):
     assert main(["generate", str(lm_run), "--prompt", "a", "--generation-config", str(tmp_path / "bad.yaml")]) == 2
     assert "did you mean 'max_new_tokens'" in capsys.readouterr().err
     assert main(["generate", str(lm_run), "--prompt", "a", "--max-new-tokens", "-5"]) == 2
-    assert "max_new_tokens must be >= 0" in capsys.readouterr().err
+    assert "--max-new-tokens must be at least 1, got -5" in capsys.readouterr().err
     assert main(["generate", str(lm_run), "--prompt", "a", "--generation-config", str(tmp_path / "none.yaml")]) == 2
     assert "not found" in capsys.readouterr().err

@@ -155,3 +155,49 @@ def test_suite_by_name_and_unknown_name():
     assert load_suite("01_sqrt_dk").name == "sqrt_dk"
     with pytest.raises(ConfigError, match="nor a shipped suite: 01_sqrt_dk"):
         load_suite("no_such_suite")
+
+
+# -- one way to build a run (issue 11 item 6, with issue 10): the runner trains through qkv.run.train_run ------
+def _strip(path):
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s")} for r in rows]
+
+
+def test_runner_builds_and_trains_runs_like_qkv_train(tmp_path):
+    from qkv.experiments import runner
+    from qkv.run import evaluate_run, train_run
+
+    data = dict(TINY, grid={}, seeds=[3], metric={"name": "exact_match", "goal": "max"}, eval_n=4,
+                train={**TINY["train"], "max_steps": 6, "save_every": 2})
+    suite = load_suite(data)
+    run_suite(suite, tmp_path / "suite", log=None)
+    (spec,) = expand(suite)
+    run_dir = tmp_path / "suite" / "runs" / spec.run_id
+    direct = train_run(runner.run_config(suite, spec), out=tmp_path / "direct", quiet=True)
+    # same seeding, same trajectory, bit for bit
+    assert _strip(run_dir / "metrics.jsonl") == _strip(tmp_path / "direct" / "metrics.jsonl")
+    res = json.loads((run_dir / "result.json").read_text())
+    assert res["metric"] == direct["metrics"]["exact_match"]
+    # the run folder is an ordinary qkv run folder
+    assert (run_dir / "run.yaml").is_file() and (run_dir / "task.json").is_file()
+    assert evaluate_run(run_dir / "final", n=4)["exact_match"] == res["metric"]
+
+
+def test_interrupted_run_of_a_suite_is_resumed_not_restarted(tmp_path):
+    from qkv.experiments import runner
+    from qkv.run import train_run
+    from qkv.train import StopAt
+
+    data = dict(TINY, grid={}, seeds=[0], train={**TINY["train"], "max_steps": 6, "save_every": 2})
+    suite = load_suite(data)
+    (spec,) = expand(suite)
+    run_dir = tmp_path / "suite" / "runs" / spec.run_id
+    train_run(runner.run_config(suite, spec), out=run_dir, quiet=True, callbacks=[StopAt(4)])  # "interrupted"
+    first = _strip(run_dir / "metrics.jsonl")
+    assert max(r["step"] for r in first) == 4
+    run_suite(suite, tmp_path / "suite", log=None)
+    rows = _strip(run_dir / "metrics.jsonl")
+    assert rows[: len(first)] == first and [r["step"] for r in rows] == list(range(1, 7))
+    assert "resumed from" in (run_dir / "train.log").read_text()
+    full = train_run(runner.run_config(suite, spec), out=tmp_path / "uninterrupted", quiet=True)
+    assert rows == _strip(tmp_path / "uninterrupted" / "metrics.jsonl") and full["train"]["steps"] == 6

@@ -114,3 +114,28 @@ def test_ignored_templates_match_any_layer_only():
     convert_state(state, mapping, ignore=("h.{}.attn.bias",))
     with pytest.raises(CheckpointError, match="unexpected key 'h.x.attn.bias'"):
         convert_state({"a": torch.zeros(1), "h.x.attn.bias": torch.zeros(1)}, mapping, ignore=("h.{}.attn.bias",))
+
+
+@pytest.mark.parametrize("escape", ["../outside.safetensors", "{abs}"])
+def test_shard_names_must_stay_inside_the_folder(tmp_path, escape):
+    # a HF index whose shard name leaves the model folder must not be read, even when the file exists
+    folder = _gpt2_folder(tmp_path / "model")
+    outside = tmp_path / "outside.safetensors"
+    (folder / "model.safetensors").rename(outside)
+    name = str(outside) if escape == "{abs}" else escape
+    keys = list(load_file(str(outside)))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: name for k in keys}}))
+    with pytest.raises(CheckpointError, match="outside the model folder"):
+        qkv.from_pretrained(folder)
+
+
+def test_shard_symlink_pointing_outside_is_refused(tmp_path):
+    folder = _gpt2_folder(tmp_path / "model")
+    outside = tmp_path / "outside.safetensors"
+    (folder / "model.safetensors").rename(outside)
+    (folder / "shard-1.safetensors").symlink_to(outside)
+    keys = list(load_file(str(outside)))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "shard-1.safetensors" for k in keys}}))
+    with pytest.raises(CheckpointError, match="outside the model folder"):
+        qkv.from_pretrained(folder)

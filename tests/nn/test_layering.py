@@ -16,6 +16,7 @@ SRC = Path(qkv.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("qkv.nn",),  # building blocks: know no model family, no training, no task
     ("qkv.config",),  # strict dataclass configs (validates the names nn/ defines)
+    ("qkv.extras",),  # optional packages: one clear error naming the extra to install
     ("qkv.storage",),  # files: CheckpointError, atomic writes, the one state-dict fit check, model folders
     ("qkv.models",),  # families, registry, kinds, the decoder protocol
     ("qkv.generate",),  # decoding over the decoder protocol, GenerationConfig, processors, Engine
@@ -23,8 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv.checkpoint",),  # load any model folder (qkv or Hugging Face, + generation_config.json)
     ("qkv",),  # the package API (qkv/__init__.py: build, from_pretrained)
     ("qkv.tasks", "qkv.train"),  # batch sources / the training loop: neither knows the other
-    ("qkv.experiments",),
-    ("qkv.run",),
+    ("qkv.run",),  # one way to build and train a run (train/demo/ablation runner all come here)
+    ("qkv.experiments",),  # ablation suites: each run goes through qkv.run.train_run
     ("qkv.explore",),  # the attention explorer (issue 16, on main): a web page over run folders and models
     ("qkv.demo",),
     ("qkv.cli",),

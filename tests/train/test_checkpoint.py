@@ -135,3 +135,104 @@ def test_compile_trains_same_as_eager(tmp_path, make_gpt, toy_data, cfg_factory)
             callbacks=[cb_c]).fit()
     assert list(comp.values()) == pytest.approx(list(eager.values()), rel=1e-4)
     print(f"compile run took {time.perf_counter() - t0:.0f}s")
+
+
+# -- kills at the worst moments (issue 10, items 9 and 10) -----------------------------------------------
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs (not even `finally: cleanup` that catches Exception)."""
+
+
+def test_kill_during_pruning_leaks_no_folder(tmp_path, make_gpt, toy_data, cfg_factory, monkeypatch):
+    import shutil
+
+    real_rmtree = shutil.rmtree
+    state = {"armed": True}
+
+    def dying_rmtree(path, *a, **k):
+        # delete one file of the doomed folder, then die: a half-deleted folder, as a kill mid-prune leaves
+        if state["armed"]:
+            state["armed"] = False
+            os.unlink(os.path.join(path, "model.safetensors"))
+            raise Killed()
+        return real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(tckpt.shutil, "rmtree", dying_rmtree)
+    with pytest.raises(Killed):
+        Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=1, keep_last=2), toy_data).fit()
+    monkeypatch.setattr(tckpt.shutil, "rmtree", real_rmtree)
+    root = tmp_path / "run" / "checkpoints"
+    # the next start (a resume) cleans up, and prunes down to keep_last
+    Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=1, keep_last=2, resume=True), toy_data).fit()
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000007", "step_00000008"]
+
+
+def test_kill_between_the_renames_of_best_keeps_a_best(tmp_path, make_gpt, toy_data, cfg_factory, monkeypatch):
+    values = iter([3.0, 2.0, 1.0, 0.5])
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def dying_replace(src, dst):
+        # the second best/ replacement dies after moving the old best aside, before the new one is in place
+        if str(dst).endswith("best") or ".best.old" in str(dst):
+            calls["n"] += 1
+            if calls["n"] == 3:  # 1: first best (no old one); 2: old aside; 3: new into place -> killed
+                raise Killed()
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(tckpt.os, "replace", dying_replace)
+    with pytest.raises(Killed):
+        Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2, eval_every=2), toy_data,
+                eval_fn=lambda m: {"loss": next(values)}).fit()
+    monkeypatch.setattr(tckpt.os, "replace", real_replace)
+    root = tmp_path / "run" / "checkpoints"
+    Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2, resume=True), toy_data).fit()
+    _, state = read_checkpoint(root / "best")  # a best survives (the old one: the new was never in place)
+    assert state["step"] == 2
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
+
+
+def test_nonfinite_state_never_displaces_a_good_checkpoint(tmp_path, make_gpt, toy_data, cfg_factory):
+    from qkv.train import Callback, NonFiniteError
+
+    class PoisonAfterUpdate(Callback):  # as lr=inf would: update 5 leaves inf weights, the loss of 6 is NaN
+        def on_step_end(self, trainer, step, record):
+            if step == 5:
+                with torch.no_grad():
+                    trainer.model.get_submodule("decoder.blocks.0.ffn.up").weight.fill_(float("inf"))
+
+    with pytest.raises(NonFiniteError) as info:
+        Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2, keep_last=2, nan_policy="stop"), toy_data,
+                callbacks=[PoisonAfterUpdate()]).fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert [s for s, _ in list_checkpoints(root)] == [2, 4]  # nothing pushed out, nothing written
+    for _, p in list_checkpoints(root):
+        weights, _ = read_checkpoint(p)
+        assert all(torch.isfinite(v).all() for v in weights.values())
+    assert info.value.checkpoint is None and "not saved" in str(info.value)
+
+
+# -- best checkpoint by the task's own metric (issue 10, item 2) ---------------------------------------------
+def _reverse_trainer(tmp_path, **train):
+    from qkv.tasks import build_task
+    from qkv.train import TrainConfig
+
+    task = build_task("reverse", family="gpt", min_len=2, max_len=3)
+    model = task.build_model("gpt-nano", d_model=16, n_heads=2, n_layers=1)
+    cfg = TrainConfig(**{"max_steps": 4, "batch_size": 8, "eval_every": 2, "out_dir": str(tmp_path / "run"),
+                         "progress": False, "tensorboard": False, "plot": False, **train})
+    return Trainer(model, cfg, task, eval_fn=lambda m: task.evaluate(m, n=8))
+
+
+def test_best_checkpoint_defaults_to_the_tasks_primary_metric(tmp_path):
+    s = _reverse_trainer(tmp_path).fit()
+    assert s["best_eval"]["metric"] == "exact_match"
+    assert json.loads((tmp_path / "run" / "checkpoints" / "best" / "eval.json").read_text())["step"] in (2, 4)
+
+
+def test_unknown_best_metric_is_an_error_at_the_first_evaluation(tmp_path):
+    from qkv.config import ConfigError
+
+    tr = _reverse_trainer(tmp_path, best_metric="bleu", best_mode="max")
+    with pytest.raises(ConfigError, match="'bleu'.*exact_match"):
+        tr.fit()
+    assert tr.step == 2  # at the first evaluation, not silently at the end

@@ -99,3 +99,32 @@ def test_nccl_matches_single_gpu(mode, tmp_path):
     got = torchrun(mode, tmp_path / mode, device="cuda")
     for step, (loss, _) in ref["losses"].items():
         assert got["losses"][step][0] == pytest.approx(loss, rel=1e-4), step  # TF32/NCCL reduction order
+
+
+# -- the README's commands, end to end through the CLI (issue 10, item 15) ----------------------------------
+ROOT = HERE.parents[1]
+TINY_LM = ["--max-steps", "2", "--no-progress", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+           "task.context=16", "train.batch_size=4", "eval.n=4", "eval.samples=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_readme_torchrun_command_trains_evaluates_and_saves(mode, tmp_path):
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("torchrun not found next to the python executable")
+    out = tmp_path / mode
+    # README: torchrun --standalone --nproc_per_node=N -m qkv.cli.main train configs/charlm.yaml [train.distributed=fsdp]
+    cmd = [exe, "--standalone", "--nproc_per_node=2", "-m", "qkv.cli.main", "train", "configs/charlm.yaml",
+           "--out", str(out), *TINY_LM] + (["train.distributed=fsdp"] if mode == "fsdp" else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"distributed {mode} x2" in r.stderr
+    result = json.loads((out / "results.json").read_text())
+    assert result["metrics"]["n_tokens"] > 0 and result["samples"] and result["train"]["steps"] == 2
+    assert "held-out" in r.stdout
+    # the final held-out evaluation equals a single-process evaluation of the saved checkpoint
+    from qkv.run import evaluate_run
+
+    assert evaluate_run(out, n=4)["val_loss"] == pytest.approx(result["metrics"]["val_loss"], rel=1e-5)

@@ -80,3 +80,34 @@ def test_training_reduces_loss(make_gpt, toy_data, cfg_factory):
     s = Trainer(make_gpt(), cfg_factory(max_steps=60, batch_size=16, lr=1e-2, warmup=4, log_every=60),
                 toy_data, eval_fn=None).fit()
     assert s["final_loss"] < 1.0  # from ln(32) = 3.47
+
+
+def test_resume_appends_to_metrics_never_rewrites(tmp_path, make_gpt, toy_data, cfg_factory, monkeypatch):
+    from qkv.train import StopAt
+    from qkv.train import logging as tlog
+
+    Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2), toy_data, callbacks=[StopAt(5)]).fit()
+    path = tmp_path / "run" / "metrics.jsonl"
+    before = path.read_bytes()
+    assert [json.loads(x)["step"] for x in before.decode().splitlines()] == [1, 2, 3, 4, 5]
+
+    class Killed(BaseException):
+        pass
+
+    def die(*a, **k):
+        raise Killed()
+
+    # a kill while the resumed run sets up its log must not empty the log
+    monkeypatch.setattr(tlog.json, "dumps", die)
+    with pytest.raises(Killed):
+        Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2, resume=True), toy_data).fit()
+    monkeypatch.undo()
+    after = path.read_bytes()
+    assert after and before.startswith(after)  # a prefix of the old file: at most the abandoned steps cut off
+    # a line cut by a kill mid-write is dropped, and records after the resumed step too; the rest stays byte-identical
+    with open(path, "ab") as f:
+        f.write(b'{"step": 6, "lo')
+    Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2, resume=True), toy_data).fit()
+    lines = path.read_bytes().decode().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert path.read_bytes().startswith(before)  # resumed at step 5: its record stays, byte for byte

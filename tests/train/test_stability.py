@@ -141,3 +141,41 @@ def test_trainer_truncates_to_context_with_warning(make_gpt, cfg_factory):
     with pytest.warns(LengthTruncationWarning):
         s = Trainer(make_gpt(), cfg_factory(max_steps=2), long).fit()
     assert s["truncated"] == 2 * 3  # input_ids, labels, attention_mask cut at each of 2 steps
+
+
+# -- clear ends instead of endless skipping or duplicated records (issue 10, item 11) ------------------------
+def test_skip_policy_gives_up_by_default(make_gpt, toy_data, cfg_factory):
+    from qkv.train import TrainConfig
+
+    assert TrainConfig().max_skips is not None  # the default is a limit, not "skip forever"
+    every = list(range(1, 40))
+    with pytest.raises(NonFiniteError, match="skip, limit reached"):
+        Trainer(make_gpt(), cfg_factory(max_steps=30, nan_policy="skip"), toy_data, callbacks=[NanGrad(every)]).fit()
+
+
+def test_rollback_leaves_one_record_per_step(tmp_path, make_gpt, toy_data, cfg_factory):
+    # NaN at step 7, newest checkpoint at 4: steps 5 and 6 are done (and logged) twice
+    Trainer(make_gpt(), cfg_factory(max_steps=8, nan_policy="rollback", save_every=4, warmup=0), toy_data,
+            callbacks=[InfWeightOnce(7)]).fit()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+
+
+def test_rollback_limit_keeps_metrics_consistent(tmp_path, make_gpt, toy_data, cfg_factory):
+    with pytest.raises(NonFiniteError, match="rollback, limit reached"):
+        Trainer(make_gpt(), cfg_factory(max_steps=8, nan_policy="rollback", save_every=4), toy_data,
+                callbacks=[NanGrad([7])]).fit()  # NaN at step 7 every time: 3 rollbacks to step 4, then stop
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("field, value", [("lr", float("inf")), ("lr", float("nan")), ("min_lr", float("inf")),
+                                          ("clip_grad", float("inf")), ("eps", float("nan")),
+                                          ("weight_decay", float("inf")), ("warmup", float("inf")),
+                                          ("max_skips", -1), ("save_every", -1)])
+def test_non_finite_and_negative_settings_are_rejected(field, value):
+    from qkv.config import ConfigError
+    from qkv.train import TrainConfig
+
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**{field: value}).validate()

@@ -1,7 +1,13 @@
 """`qkv` subcommands. Each is a small function over the library; SUBCOMMANDS maps name -> (setup, run).
 
-Errors a user can make (unknown preset, misspelt key, bad value, missing file, wrong checkpoint) print
-one line `qkv: error: ...` and exit with status 2; `--debug` shows the traceback instead.
+Exit status (the same for every subcommand):
+  0    done
+  2    a user error (unknown preset, misspelt key, bad value, missing file, wrong checkpoint, a flag out of
+       range): one line `qkv: error: ...`; `--debug` shows the traceback instead
+  3    training stopped by the NaN guard (train.nan_policy): its report is printed above the one-line
+       error and kept in OUT/train.log, with the offending batch and the last good checkpoint
+  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: training finishes the current step and checkpoints it
+       first (continue with --resume)
 """
 
 from __future__ import annotations
@@ -10,6 +16,12 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+EXIT_USER_ERROR = 2
+EXIT_NAN_GUARD = 3
+EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN guard, "
+          "130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue with --resume)")
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
@@ -25,7 +37,7 @@ def _add_train(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from qkv.run import load_run_config, train_run
+    from qkv.run import command_line_config, train_run
 
     over = list(a.overrides)
     if a.config and "=" in a.config:  # `qkv train key=value ...` without a YAML file
@@ -41,8 +53,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         over += [f"train.seed={a.seed}", f"task.seed={a.seed}"]
     if a.no_progress:
         over.append("train.progress=false")
-    cfg = load_run_config(a.config, over)
-    summary = train_run(cfg, out=a.out, resume=a.resume)
+    cfg, out = command_line_config(a.config, over, a.out, a.resume)
+    summary = train_run(cfg, out=out, resume=a.resume)
     if summary["report"]:  # empty on ranks other than 0 under torchrun
         print(summary["report"])
     return 0
@@ -54,7 +66,11 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
+    from qkv.config import ConfigError
     from qkv.run import evaluate_run
+
+    if a.n < 1:
+        raise ConfigError(f"-n must be at least 1 (held-out examples to evaluate), got {a.n}")
 
     metrics = evaluate_run(a.checkpoint, n=a.n)
     for k, v in metrics.items():
@@ -77,17 +93,42 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", default=None, metavar="FILE",
                    help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, Hugging "
                         "Face names, e.g. a model's generation_config.json); the flags above override it")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a prompt with characters outside the model's vocabulary (default: warn, read them as <unk>)")
+
+
+def _check_generate_flags(a: argparse.Namespace) -> None:
+    """Flags out of range are one-line errors, not silently replaced defaults."""
+    import math
+
+    from qkv.config import ConfigError
+
+    if a.max_new_tokens is not None and a.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
+    if a.num_beams < 1:
+        raise ConfigError(f"--num-beams must be at least 1, got {a.num_beams}")
+    if not (math.isfinite(a.temperature) and a.temperature > 0):
+        raise ConfigError(f"--temperature must be a positive number, got {a.temperature}")
+    if a.top_k is not None and a.top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {a.top_k}")
+    if a.top_p is not None and not 0 < a.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {a.top_p}")
+    if a.stream and a.num_beams > 1:
+        raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
+                          "only knows its sequence at the end: use one or the other")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from qkv.generate import GenerationConfig
     from qkv.run import generate_text
 
+    _check_generate_flags(a)
     cfg = GenerationConfig.from_file(a.generation_config) if a.generation_config else None
     defaults = {"temperature": 1.0, "num_beams": 1}  # flags at their default leave the file's value alone
     flags = {k: v for k, v in dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                    top_p=a.top_p, num_beams=a.num_beams).items() if v != defaults.get(k)}
-    out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, **flags)
+    out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
+                        **flags)
     if not a.stream:
         print(out if out.strip() else "(empty output: the model ended the sequence at once)")
     return 0
@@ -170,8 +211,6 @@ def _add_attention(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_attention(a: argparse.Namespace) -> int:
-    from qkv.run import attention_report
-
     for line in attention_report(a.checkpoint, a.input, Path(a.out), target=a.target):
         print(line)
     return 0
@@ -193,6 +232,47 @@ def cmd_explore(a: argparse.Namespace) -> int:
     return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav)
 
 
+def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
+    """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table.
+    (Here, above both qkv.run and qkv.experiments, so that neither needs the other.)"""
+    from qkv.experiments import attention_from_checkpoint
+    from qkv.run import load_model_any, model_folder
+
+    model = load_model_any(path)
+    if model.kind == "image":
+        return _vit_overlay(model, path, text, out_png)
+    res = attention_from_checkpoint(model_folder(path), text, out_png, target=target)
+    return [f"wrote {p}" for p in res.pngs] + [res.entropy_table()]
+
+
+def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list[str]:
+    """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
+    task (`--input N`, default 8), titled with predicted / true class."""
+    import torch
+
+    from qkv.config import ConfigError
+    from qkv.models.vit import ViT, save_attention_overlay
+    from qkv.run import load_run_task
+
+    if not isinstance(model, ViT):
+        raise ConfigError(f"attention overlays are drawn for ViT models, not {type(model).__name__}")
+    try:
+        n = int(text) if text.strip() else 8
+    except ValueError:
+        raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
+    task = load_run_task(path)
+    batch = task.batch(0, max(1, min(n, 32)), "val")
+    model.eval()
+    with torch.no_grad():
+        pred = model(pixel_values=batch["pixel_values"]).logits.argmax(-1)
+    classes = getattr(task, "classes", None)
+    names = [classes[int(i)] if classes else str(int(i)) for i in pred]
+    truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
+    save_attention_overlay(model, batch["pixel_values"], str(out_png),
+                           titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
+    return [f"wrote {out_png}"]
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
@@ -207,11 +287,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart and scale.")
+    parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart and scale.",
+                                     epilog=EPILOG)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, setup, run) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
         setup(p)
         p.set_defaults(func=run)
     return parser
@@ -230,18 +311,33 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return a.func(a)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if a.debug:
+            raise
+        from qkv.train import TrainingInterrupted
+
+        if isinstance(e, TrainingInterrupted):
+            hint = f"; continue with --resume --out {e.checkpoint.parent.parent}" if e.checkpoint else ""
+            print(f"qkv: {e}{hint}", file=sys.stderr)
+            return 128 + e.signum
         print("qkv: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one clear line for user errors; --debug for the traceback
         from qkv.checkpoint import CheckpointError
         from qkv.config import ConfigError
+        from qkv.train import NonFiniteError
 
+        if a.debug:
+            raise
+        if isinstance(e, NonFiniteError):  # the full report was logged above (and to train.log)
+            where = f"; report in {e.batch_path.parent / 'train.log'}" if e.batch_path else ""
+            print(f"qkv: error: training stopped by the NaN guard: {str(e).splitlines()[0]}{where}", file=sys.stderr)
+            return EXIT_NAN_GUARD
         user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError)  # bugs keep their traceback
-        if a.debug or not isinstance(e, user_errors):
+        if not isinstance(e, user_errors):
             raise
         print(f"qkv: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ Layout of an output folder:
     OUT/results.csv, OUT/summary.md, OUT/*.png     the report (qkv.experiments.report)
 
 A run whose folder has result.json is never redone (resumability); a folder without one is a run that was
-interrupted and is started again from scratch. Runs that diverge (non-finite loss, an exception from the
+interrupted: resumed from its newest checkpoint when it has one (Ctrl-C checkpoints the current step), else
+started again from scratch. Each run is built and trained by qkv.run.train_run, the function behind
+`qkv train`, so its folder is also an ordinary run folder (run.yaml, task.json: `qkv eval RUN_DIR` works). Runs that diverge (non-finite loss, an exception from the
 trainer's NaN policy) are recorded as diverged, not as crashes of the suite.
 """
 
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from qkv.config import ConfigError, from_dict
+from qkv.config import ConfigError
 from qkv.experiments.suite import RunSpec, Suite, expand, load_suite
 from qkv.nn.params import count_parameters
 from qkv.storage import atomic_write_text
@@ -106,34 +108,26 @@ def is_diverged(rows: list[dict[str, Any]], error: str | None) -> bool:
 
 
 # -- one training run ---------------------------------------------------------------------------------------
-def _context_keys(overrides: dict[str, Any]) -> list[str]:
-    return [k for k in overrides if "context" in k or k.endswith("max_len")]
+def run_config(suite: Suite, spec: RunSpec) -> dict[str, Any]:
+    """The run config (model / task / train / eval sections, as `qkv train` reads them) of one run."""
+    scored = suite.metric.name != "train_loss"
+    train = {"progress": False, "tensorboard": False, "plot": False, "keep_last": 1, **spec.train,
+             "seed": spec.seed, "resume": False}
+    return {"model": dict(spec.model), "task": dict(spec.task), "train": train,
+            "eval": {"n": suite.eval_n if scored else 0, "samples": 0,
+                     "during_training": suite.eval_n if scored else 0}}
+
+
+def extra_evals(suite: Suite) -> dict[str, dict[str, Any]]:
+    return {ev.name: {"task": dict(ev.task), "n": ev.n or suite.eval_n} for ev in suite.extra_evals}
 
 
 def build_run(suite: Suite, spec: RunSpec):
-    """(model, train task, extra eval tasks) for one run, seeded."""
-    from qkv.models.registry import config_for
-    from qkv.tasks import build_task
+    """(model, train task, extra eval tasks) for one run, seeded: qkv.run.build_parts, as `qkv train` does."""
+    from qkv.run import build_parts
 
-    opts = {k: v for k, v in spec.task.items() if k != "name"}
-    task = build_task(spec.task["name"], family=spec.family, **opts)
-    family = task.family
-    extra = {}
-    for ev in suite.extra_evals:
-        extra[ev.name] = build_task(spec.task["name"], family=family, tokenizer=task.tokenizer, **{**opts, **ev.task})
-    over = dict(task.config_overrides())  # the task's needs in this family's config fields
-    for t in extra.values():  # the model must accept the longest evaluation sequences (length extrapolation)
-        for k, v in t.config_overrides().items():
-            if k in _context_keys(over) and isinstance(v, int):
-                over[k] = max(over[k], v)
-    model_fields = {k: v for k, v in spec.model.items() if k not in ("preset", "family")}
-    base = {k: v for k, v in spec.model.items() if k in ("preset", "family")}
-    torch.manual_seed(spec.seed)
-    fam, cfg = config_for(base, **{**over, **model_fields})
-    if fam.name != family and family is not None:
-        raise ConfigError(f"suite {suite.name!r}: model family {fam.name!r} does not match task family {family!r}")
-    model = fam.model_class(cfg)
-    return model, task, extra
+    task, model, _, _, extra = build_parts(run_config(suite, spec), extra_evals=extra_evals(suite))
+    return model, task, {name: t for name, (t, _) in extra.items()}
 
 
 def _budget_callback(seconds: float):
@@ -153,27 +147,21 @@ def _budget_callback(seconds: float):
 
 
 def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
-    """Train one run with qkv.train.Trainer and evaluate it; returns the result record."""
+    """Train one run through qkv.run.train_run (the function behind `qkv train`: same seeding, validation
+    and resume) and turn its outcome into the result record. A run folder holding a checkpoint (a run
+    interrupted by Ctrl-C or a kill) is resumed, not restarted."""
     from qkv.checkpoint import save_model
-    from qkv.train import TrainConfig, Trainer
+    from qkv.run import train_run as train
+    from qkv.train import latest_checkpoint
 
-    model, task, extra = build_run(suite, spec)
-    tc_data = {"progress": False, "tensorboard": False, "plot": False, "keep_last": 1, **spec.train,
-               "out_dir": str(run_dir), "seed": spec.seed, "resume": False}
-    tc = from_dict(TrainConfig, tc_data, "train")
-    n_eval = suite.eval_n
-    evaluate = (lambda m: task.evaluate(m, n=n_eval)) if suite.metric.name != "train_loss" else None
     callbacks = [_budget_callback(suite.budget_s)] if suite.budget_s else []
-    error = None
+    resume = latest_checkpoint(run_dir / "checkpoints") is not None
     t0 = time.perf_counter()
-    trainer = Trainer(model, tc, task, eval_fn=evaluate, callbacks=callbacks)
-    try:
-        trainer.fit()
-    except (KeyboardInterrupt, ConfigError):
-        raise
-    except Exception as e:  # noqa: BLE001  (a NaN policy stop, an overflow: a measured outcome, not a bug)
-        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    # keep_going: a NaN-policy stop is a measured outcome (diverged), not a crash of the suite
+    out = train(run_config(suite, spec), out=run_dir, resume=resume, quiet=True, callbacks=callbacks,
+                extra_evals=extra_evals(suite), keep_going=True)
     wall = time.perf_counter() - t0
+    model, task, error = out["model"], out["task"], out["error"]
     rows = read_metrics(run_dir / "metrics.jsonl")
     result: dict[str, Any] = {"error": error, "wall_s": wall, "params": count_parameters(model)}
     result["final_loss"] = final_train_loss(rows)
@@ -184,9 +172,7 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     if suite.metric.name == "train_loss":
         result["metric"] = result["final_loss"]
     elif finite_model:
-        last = dict(getattr(trainer, "last_eval", {}) or {})
-        # the trainer evaluates at the end of fit(); reuse that instead of decoding the eval set twice
-        scores = last if last.get("_step") == result["steps"] and error is None else task.evaluate(model, n=n_eval)
+        scores = out["metrics"]
         if suite.metric.name not in scores:
             raise ConfigError(f"suite {suite.name!r}: task {task.name!r} reports {sorted(scores)}, "
                               f"not {suite.metric.name!r}")
@@ -194,13 +180,10 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         result["eval"] = {k: float(v) for k, v in scores.items() if isinstance(v, (int, float))}
     else:
         result["metric"] = float("nan")
-    result["extra"] = {}
+    result["extra"] = {name: float(scores.get(suite.metric.name, float("nan"))) if finite_model else float("nan")
+                       for name, scores in out["extra"].items()}
     for ev in suite.extra_evals:
-        if not finite_model:
-            result["extra"][ev.name] = float("nan")
-            continue
-        scores = extra[ev.name].evaluate(model, n=ev.n or n_eval)
-        result["extra"][ev.name] = float(scores.get(suite.metric.name, float("nan")))
+        result["extra"].setdefault(ev.name, float("nan"))
     series = metric_series(rows, suite.metric.name)
     if suite.metric.name != "train_loss" and math.isfinite(result["metric"]):
         series.append((result["steps"], result["metric"]))
@@ -266,9 +249,12 @@ def run_suite(
                 log(f"[{i + 1}/{len(specs)}] {spec.run_id}: done earlier, skipped")
             results.append(res)
             continue
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # an interrupted run: start it again
-        run_dir.mkdir(parents=True)
+        from qkv.train import latest_checkpoint
+
+        if run_dir.exists() and (force or train_fn is not train_run
+                                 or latest_checkpoint(run_dir / "checkpoints") is None):
+            shutil.rmtree(run_dir)  # an interrupted run without a checkpoint: start it again
+        run_dir.mkdir(parents=True, exist_ok=True)  # one with a checkpoint: train_run resumes it
         _write_json({"suite": suite.name, "variant": spec.variant, "values": spec.values, "seed": spec.seed,
                      "family": spec.family, "model": spec.model, "task": spec.task, "train": spec.train},
                     run_dir / "run.json")

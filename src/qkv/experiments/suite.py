@@ -125,12 +125,15 @@ def load_suite(path_or_suite: str | Path | dict | Suite, quick: bool = False) ->
     else:
         p = Path(path_or_suite)
         if not p.is_file():
-            shipped = Path(__file__).resolve().parents[3] / "configs" / "ablations"
-            bundled = shipped / f"{p.name}.yaml" if not p.suffix else shipped / p.name
+            from importlib import resources
+
+            shipped = resources.files("qkv") / "configs" / "ablations"  # package data: works from a wheel too
+            bundled = shipped / (f"{p.name}.yaml" if not p.suffix else p.name)
             if bundled.is_file():
-                p = bundled
+                p = Path(str(bundled))
             else:
-                names = sorted(q.stem for q in shipped.glob("*.yaml")) if shipped.is_dir() else []
+                names = sorted(q.name[:-5] for q in shipped.iterdir() if q.name.endswith(".yaml")) \
+                    if shipped.is_dir() else []
                 raise ConfigError(f"suite not found: {path_or_suite} (not a file" + (
                     f", nor a shipped suite: {', '.join(names)})" if names else ")"))
         data = load_yaml(p)

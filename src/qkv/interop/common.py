@@ -71,8 +71,14 @@ def _load_sharded(index: Path, reader: Callable[[Path], dict[str, Tensor]]) -> d
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
     except (json.JSONDecodeError, KeyError) as e:
         raise CheckpointError(f"{index}: not a valid shard index ({e})") from None
+    if not isinstance(weight_map, Mapping) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+    folder = index.parent.resolve()
     state: dict[str, Tensor] = {}
     for shard in sorted(set(weight_map.values())):
+        # a shard is a file of this folder: no absolute paths, no `..`, no symlink pointing outside
+        if Path(shard).is_absolute() or not (folder / shard).resolve().is_relative_to(folder):
+            raise CheckpointError(f"{index} lists shard {shard!r}, which is outside the model folder")
         if not (index.parent / shard).is_file():
             raise CheckpointError(f"{index} lists shard {shard!r}, which is not in the folder")
         state.update(reader(index.parent / shard))

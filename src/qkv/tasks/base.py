@@ -96,6 +96,13 @@ class Task:
     options: Any
     tokenizer: Tokenizer
     family: str
+    # the scores evaluate() reports, each with its direction ("max" = higher is better); the first is the
+    # primary one: the default train.best_metric (checkpoints/best) and what a run is judged by
+    metrics: dict[str, str] = {}
+
+    @classmethod
+    def primary_metric(cls) -> str:
+        return next(iter(cls.metrics))
 
     @property
     def kind(self) -> str:
@@ -186,14 +193,17 @@ class TaskSpec:
     default_family: str  # the family built when none is named
     description: str
     option_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-name defaults (charlm/bpelm)
+    requires: tuple[str, ...] = ()  # optional packages (import names, see qkv.extras), checked before building
 
 
 _TASKS: dict[str, TaskSpec] = {}
 
 
 def register_task(name: str, options_class: type, factory: Callable[..., Task], kinds: Sequence[str],
-                  description: str, *, default_family: str, **option_defaults: Any) -> None:
-    _TASKS[name] = TaskSpec(name, options_class, factory, tuple(kinds), default_family, description, option_defaults)
+                  description: str, *, default_family: str, requires: Sequence[str] = (),
+                  **option_defaults: Any) -> None:
+    _TASKS[name] = TaskSpec(name, options_class, factory, tuple(kinds), default_family, description, option_defaults,
+                            tuple(requires))
 
 
 def _ensure_loaded() -> None:
@@ -228,6 +238,10 @@ def build_task(name: str, family: str | None = None, *, saved_tokenizer: Tokeniz
     if isinstance(options.get("tokenizer"), Tokenizer):  # a tokenizer object, not the char|bpe option
         saved_tokenizer = options.pop("tokenizer")
     spec = task_spec(name)
+    from qkv.extras import require
+
+    for module in spec.requires:  # a missing optional package: one clear error before any work
+        require(module, f"task {name!r}")
     family = family or spec.default_family
     kind = kind_for(name, spec.kinds, family)
     opts = build_options(name, options)

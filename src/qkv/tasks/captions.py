@@ -55,6 +55,7 @@ class CaptionsOptions:
 
 class CaptionsTask(Task):
     kinds = ("dual",)
+    metrics = {"zero_shot_accuracy": "max", "recall@1_i2t": "max", "recall@1_t2i": "max"}
 
     def __init__(self, options: CaptionsOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options, self.family = options, family

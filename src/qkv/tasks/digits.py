@@ -47,11 +47,9 @@ class DigitsOptions:
 
 def load_digit_images() -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(N, 8, 8) float32 images in [0, 1], (N,) labels, class names."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:  # pragma: no cover - scikit-learn is a dependency of the image tasks
-        raise ImportError("the digits task needs scikit-learn: pip install scikit-learn") from e
-    d = load_digits()
+    from qkv.extras import require
+
+    d = require("sklearn.datasets", "the digits images").load_digits()
     return (d.images / 16.0).astype(np.float32), d.target.astype(np.int64), [str(i) for i in range(10)]
 
 
@@ -121,6 +119,7 @@ def rotate_scale(x: Tensor, degrees: Tensor, scale: Tensor) -> Tensor:
 
 class DigitsTask(Task):
     kinds = ("image",)
+    metrics = {"accuracy": "max"}
 
     def __init__(self, options: DigitsOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options, self.family = options, family

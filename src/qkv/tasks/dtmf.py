@@ -116,6 +116,7 @@ class AudioDigitsTask(Task):
     `render(digits, rng, split)` and set `options` with sample_rate / clip_seconds / min_digits / max_digits."""
 
     kinds = ("audio",)
+    metrics = {"exact_match": "max", "wer": "min"}
 
     def __init__(self, options: Any, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options, self.family = options, family

@@ -103,6 +103,7 @@ class ListOpsOptions:
 
 class ListOpsTask(Task):
     kinds = ("encoder",)
+    metrics = {"accuracy": "max"}
 
     def __init__(self, options: ListOpsOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options = options

@@ -69,6 +69,7 @@ class LMOptions:
 
 class LMTask(Task):
     kinds = ("decoder",)
+    metrics = {"val_loss": "min", "perplexity": "min", "bpc": "min"}
 
     def __init__(self, options: LMOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options = o = options

@@ -192,4 +192,4 @@ def _factory(options: NumbersZhOptions, family: str, tokenizer: Tokenizer | None
 
 
 register_task("numbers_zh", NumbersZhOptions, _factory, ("seq2seq", "decoder"),
-              "English number words / dates -> Chinese (BLEU + exact match)", default_family="encdec")
+              "English number words / dates -> Chinese (BLEU + exact match)", default_family="encdec", requires=("sacrebleu",))

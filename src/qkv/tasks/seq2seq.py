@@ -51,6 +51,7 @@ class PairTask(Task):
 
     kinds = ("seq2seq", "decoder")
     bleu_tokenize: str | None = None  # sacrebleu tokenizer; None = no BLEU (synthetic tasks)
+    metrics = {"exact_match": "max", "token_accuracy": "max", "bleu": "max"}
     max_src_tokens: int
     max_tgt_tokens: int
 

@@ -235,4 +235,4 @@ class SpeechTask(AudioDigitsTask):
 
 register_task("speech", SpeechOptions, SpeechTask, ("audio",),
               "digit strings spoken by espeak-ng (needs `apt-get install espeak-ng`), test voices held out",
-              default_family="whisper")
+              default_family="whisper", requires=("scipy",))

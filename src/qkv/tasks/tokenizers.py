@@ -55,6 +55,10 @@ class Tokenizer:
     def _decode(self, ids: list[int]) -> str:
         raise NotImplementedError
 
+    def unknown_symbols(self, text: str) -> list[str]:
+        """Symbols of `text` the vocabulary lacks (read as <unk>); none for byte-level tokenizers."""
+        return []
+
     def decode(self, ids: Any, skip_special: bool = True) -> str:
         """ids -> text. Ids outside [0, vocab_size) are an error; specials are dropped unless
         skip_special=False."""
@@ -106,6 +110,10 @@ class CharTokenizer(Tokenizer):
 
     def split(self, text: str) -> list[str]:
         return list(text)
+
+    def unknown_symbols(self, text: str) -> list[str]:
+        """The distinct symbols of `text` this vocabulary lacks (encode reads them as <unk>), in order."""
+        return list(dict.fromkeys(s for s in self.split(text) if s not in self.stoi))
 
     def encode(self, text: str) -> list[int]:
         out = []

@@ -134,4 +134,4 @@ def _factory(options: TSVOptions, family: str, tokenizer: Tokenizer | None = Non
 
 
 register_task("tsv", TSVOptions, _factory, ("seq2seq", "decoder"),
-              "translation on a user TSV file of source<TAB>target pairs", default_family="encdec")
+              "translation on a user TSV file of source<TAB>target pairs", default_family="encdec", requires=("sacrebleu",))

@@ -9,10 +9,10 @@ from qkv.train.optim import build_optimizer, param_groups
 from qkv.train.rng import seed_everything
 from qkv.train.schedule import lr_at, noam
 from qkv.train.stability import NonFiniteError
-from qkv.train.trainer import Trainer
+from qkv.train.trainer import Trainer, TrainingInterrupted
 
 __all__ = [
-    "Callback", "LambdaCallback", "LengthTruncationWarning", "NonFiniteError", "StopAt", "TrainConfig", "Trainer",
+    "Callback", "LambdaCallback", "LengthTruncationWarning", "NonFiniteError", "StopAt", "TrainConfig", "Trainer", "TrainingInterrupted",
     "build_optimizer", "latest_checkpoint", "list_checkpoints", "lr_at", "noam", "param_groups", "read_checkpoint",
     "seed_everything", "truncate_batch",
 ]

@@ -7,9 +7,17 @@
                              GradScaler, RNG states of every rank, counters; torch.load(weights_only=True)
     out_dir/checkpoints/best/   the same, for the best evaluation so far (+ eval.json)
 
-Atomicity: a checkpoint is written into a hidden temporary folder and renamed into place in one
-os.replace; a process killed mid-save leaves only a `.tmp` folder (ignored, removed at the next save) and
-the previous checkpoints intact. The last `keep_last` step folders are kept.
+Atomicity (a SIGKILL at any instant loses nothing complete):
+  - a checkpoint is written into a hidden temporary folder and renamed into place in one os.replace; a
+    process killed mid-save leaves only a hidden `.tmp` folder, which nothing reads;
+  - replacing an existing folder (best/, or a step rewritten after a rollback) moves the old one aside to a
+    hidden `.NAME.old-PID` name, renames the new one in, then deletes the old: a kill between the two
+    renames leaves the old copy, which `clean_stale` puts back;
+  - pruning renames a doomed step folder to a hidden `.NAME.del-PID` name first (one rename), then deletes
+    it, so a half-deleted folder is never mistaken for a checkpoint nor left behind;
+  - `clean_stale` (run at every start, before anything is written) removes the hidden leftovers, restores an
+    old best/ whose replacement was cut off, and removes step folders missing a file (old half-deletions).
+The last `keep_last` step folders are kept.
 """
 
 from __future__ import annotations
@@ -102,7 +110,8 @@ def _torch_save(obj: Any, path: Path) -> None:
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
-    """Move folder `src` to `dst`; an existing `dst` is moved aside first and deleted only afterwards."""
+    """Move folder `src` to `dst`. An existing `dst` is moved aside first (`.NAME.old-PID`) and deleted only
+    once the new one is in place; if a kill falls between the two renames, clean_stale restores it."""
     old = None
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
@@ -111,15 +120,46 @@ def _replace_dir(src: Path, dst: Path) -> None:
         os.replace(dst, old)
     os.replace(src, dst)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _delete_dir(old)
 
 
-def clean_stale(root: Path) -> None:
-    """Remove temporary folders left by a process killed while saving."""
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(".") and (p.name.endswith(".tmp") or ".old-" in p.name):
+def _delete_dir(path: Path) -> None:
+    """Delete a folder so that a kill midway leaves no half-folder under its name: one rename to a hidden
+    `.NAME.del-PID` name (atomic), then the slow recursive delete of that."""
+    doomed = path if path.name.startswith(".") else path.with_name(f".{path.name}.del-{os.getpid()}")
+    if doomed != path:
+        os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / STATE_NAME).is_file() and (folder / WEIGHTS_NAME).is_file()
+
+
+def clean_stale(root: Path) -> list[str]:
+    """Repair what a killed process left under `root` (call before writing anything); returns what it did.
+
+    Restores `best` from `.best.old-*` when a kill fell between the two renames of its replacement, then
+    removes hidden leftovers (`.tmp` folders of cut-off saves, `.old-`/`.del-` folders of cut-off deletes)
+    and step folders missing a file (a delete cut off by an older version that deleted in place)."""
+    done: list[str] = []
+    if not root.is_dir():
+        return done
+    for p in sorted(root.iterdir()):
+        m = re.match(r"^\.(.+)\.old-\d+$", p.name)
+        if m and p.is_dir() and not (root / m.group(1)).exists() and _complete(p):
+            os.replace(p, root / m.group(1))
+            done.append(f"restored {m.group(1)} from {p.name}")
+    for p in sorted(root.iterdir()):
+        hidden = p.name.startswith(".") and (p.name.endswith(".tmp") or ".old-" in p.name or ".del-" in p.name)
+        broken = _STEP_RE.match(p.name) and p.is_dir() and not _complete(p)
+        if hidden or broken:
+            if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            done.append(f"removed {p.name}")
+    return done
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
@@ -129,8 +169,32 @@ def prune(root: Path, keep_last: int) -> list[Path]:
         return []
     doomed = [p for _, p in found[:-keep_last]]
     for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+        _delete_dir(p)
     return doomed
+
+
+def state_is_finite(model_state: dict[str, torch.Tensor], optim_state: dict[str, Any] | None = None) -> bool:
+    """True when every floating tensor of the weights and the optimizer moments is finite."""
+    tensors = list(model_state.values())
+    for st in ((optim_state or {}).get("state") or {}).values():
+        tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+def check_fits(model: nn.Module, folder: Path) -> None:
+    """CheckpointError unless the weights in `folder` fit `model` key for key and shape for shape. Reads
+    only the safetensors header (names and shapes), so it is cheap enough to run before writing anything."""
+    from safetensors import safe_open
+
+    weights = folder / WEIGHTS_NAME
+    if not _complete(folder):
+        raise CheckpointError(f"{folder} is not a complete training checkpoint (needs {WEIGHTS_NAME} and {STATE_NAME})")
+    try:
+        with safe_open(str(weights), "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"{weights}: cannot read checkpoint ({type(e).__name__}: {e})") from None
+    check_model_state(model, {k: torch.empty(v, device="meta") for k, v in shapes.items()}, str(folder))
 
 
 def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

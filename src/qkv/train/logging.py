@@ -2,8 +2,10 @@
 TensorBoard event files when `tensorboard` is installed, and curves.png at the end.
 
 metrics.jsonl holds one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s, ... and
-eval metrics prefixed `eval/` on the steps where evaluation ran. On resume, records after the resumed
-step are dropped (they are about to be re-logged), so the files describe one consistent run.
+eval metrics prefixed `eval/` on the steps where evaluation ran. The files are only ever appended to or cut
+short, never rewritten: on resume (and after a NaN rollback) the records after the step training continues
+from are cut off with one truncate (they are about to be re-logged), together with a last line a kill cut
+in half, so a kill at any moment leaves a file that describes one consistent run up to some step.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,6 +37,33 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
+def truncate_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
+    """Cut a JSONL log in place (one os.truncate, never a rewrite) before its first record with a step
+    above `step`, or its first line that is not complete JSON (a write cut by a kill); returns the kept
+    records. Records are appended in step order, so what stays is exactly the history up to `step`."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    kept, offset = [], 0
+    while offset < len(data):
+        end = data.find(b"\n", offset)
+        if end < 0:
+            break  # no newline: a partial last line
+        line = data[offset:end].strip()
+        if line:
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                break
+            if not isinstance(record, dict) or int(record.get("step", 0)) > step:
+                break
+            kept.append(record)
+        offset = end + 1
+    if offset < len(data):
+        os.truncate(path, offset)
+    return kept
+
+
 def _json_safe(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN/inf: keep them visible as strings
@@ -53,14 +83,7 @@ class RunLogger:
         if not enabled:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        # keep history up to the resumed step; later lines belong to an abandoned future
-        for path in (self.metrics_path, self.diag_path):
-            kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= start_step] if start_step else []
-            with open(path, "w", encoding="utf-8") as f:
-                for r in kept:
-                    f.write(json.dumps(r) + "\n")
-            if path == self.metrics_path:
-                self.records = kept
+        self.rewind(start_step)  # keep history up to the resumed step; later lines belong to an abandoned future
         self._log_file = open(self.out / "train.log", "a" if start_step else "w", encoding="utf-8")
         if tensorboard:
             try:
@@ -74,6 +97,15 @@ class RunLogger:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                             file=sys.stderr, disable=None)
+
+    def rewind(self, step: int) -> None:
+        """Cut metrics.jsonl and diagnostics.jsonl after the last record of `step` (0: empty them)."""
+        if not self.enabled:
+            return
+        for path in (self.metrics_path, self.diag_path):
+            kept = truncate_jsonl(path, step)
+            if path == self.metrics_path:
+                self.records = kept
 
     def info(self, msg: str) -> None:
         if not self.enabled:
@@ -141,11 +173,14 @@ def write_csv(records: list[dict[str, Any]], path: str | Path) -> None:
         for k in r:
             if k not in cols:
                 cols.append(k)
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")  # rebuilt at every close: write aside, rename over
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         for r in records:
             w.writerow({k: r.get(k, "") for k in cols})
+    os.replace(tmp, path)
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -182,5 +217,8 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path) -> None:
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
     plt.close(fig)
+    os.replace(tmp, path)

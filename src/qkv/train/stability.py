@@ -2,9 +2,10 @@
 
 A non-finite loss or gradient is detected after backward and before the optimizer step, so a bad
 update never reaches the weights. TrainConfig.nan_policy then decides:
-  skip      drop this update (zero the gradients), count it, go on (stop after max_skips);
-  stop      save a checkpoint (the weights before the bad update) and the offending micro-batches,
-            raise NonFiniteError naming the step and the layers whose gradients blew up;
+  skip      drop this update (zero the gradients), count it, go on (stop after max_skips, default 10);
+  stop      save a checkpoint (the weights before the bad update; not if they are already non-finite,
+            and never pruning a good one for it) and the offending micro-batches, raise NonFiniteError
+            naming the step and the layers whose gradients blew up;
   rollback  reload the last good checkpoint, multiply the LR by rollback_lr_factor, go on
             (NonFiniteError after max_rollbacks).
 Under fp16 the GradScaler owns non-finite *gradients* (it skips the step and lowers the scale; that is
@@ -95,13 +96,16 @@ def nonfinite_grads(model: nn.Module, top: int = 8) -> list[str]:
 
 
 def report(step: int, loss: float, grad_norm: float, layers: list[str], checkpoint: Path | None,
-           batch_path: Path | None, what: str = "stop") -> str:
+           batch_path: Path | None, what: str = "stop", newest_good: Path | None = None) -> str:
     which = "loss" if not math.isfinite(loss) else "gradient"
     shown = ", ".join(layers[:8]) + (f" (+{len(layers) - 8} more)" if len(layers) > 8 else "")
     lines = [f"non-finite {which} at step {step} (loss={loss:.6g}, grad_norm={grad_norm:.6g}); nan_policy={what}.",
              f"  gradients blew up in: {shown or '(no gradients)'}"]
     if checkpoint is not None:
         lines.append(f"  weights before this step saved to: {checkpoint}")
+    else:
+        lines.append("  weights before this step are not finite (an earlier update overflowed): not saved; "
+                     f"newest good checkpoint: {newest_good or 'none'}")
     if batch_path is not None:
         lines.append(f"  offending batch saved to: {batch_path} (torch.load(path, weights_only=True))")
     lines.append("  try: a lower lr, a longer warmup, clip_grad, precision=bf16 instead of fp16, "

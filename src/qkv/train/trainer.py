@@ -14,6 +14,8 @@ One update (nanoGPT's order, made token-exact):
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -39,6 +41,17 @@ from qkv.train.schedule import lr_at
 from qkv.train.stability import NonFiniteError, layer_norms, nonfinite_grads, report
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped training: the current step was completed and checkpointed first.
+    A KeyboardInterrupt, so code that records other exceptions as failed runs lets it through."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        name = signal.Signals(signum).name
+        where = f"checkpoint saved to {checkpoint}" if checkpoint else "no checkpoint could be saved"
+        super().__init__(f"interrupted by {name} at step {step}; {where}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
 class BatchSource(Protocol):
     def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]: ...
 
@@ -58,6 +71,11 @@ class Trainer:
       and at the end; returns {metric: value}, logged as `eval/<metric>`. Without one, and with
       cfg.max_eval_batches > 0, the held-out loss over that many "val" batches is used.
     resume: continue from out_dir/checkpoints' newest checkpoint (default: cfg.resume).
+
+    The best checkpoint (checkpoints/best) follows cfg.best_metric, by default the primary metric the task
+    declares (`data.metrics`, first entry, with its direction); a metric the evaluation does not report is a
+    ConfigError at the first evaluation. SIGINT/SIGTERM during fit() finish the current step, checkpoint it
+    and raise TrainingInterrupted (a second signal stops at once).
     """
 
     def __init__(self, model: nn.Module, cfg: TrainConfig | dict[str, Any], data: BatchSource,
@@ -91,6 +109,9 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.last_loss = float("nan")
         self.last_checkpoint: Path | None = None
+        self._signal: int | None = None  # SIGINT/SIGTERM received during fit()
+        self._signal_agreed = False  # under DDP/FSDP: some rank received one (all-reduced with the loss)
+        self._old_handlers: dict[int, Any] = {}
 
         # -- device, distributed, precision ----------------------------------------------------------------
         device = resolve_device(cfg.device)
@@ -122,6 +143,20 @@ class Trainer:
             engine = dist_.wrap(engine, self.dist, block_types=(Block,), find_unused=cfg.ddp_find_unused)
         self.engine = engine
         self.logger: RunLogger | None = None
+        self.best_metric, self.best_mode = self._best_rule(data)
+
+    def _best_rule(self, data: Any) -> tuple[str, str]:
+        """(metric, "min"|"max") that selects checkpoints/best: the config's, else the task's primary one."""
+        cfg = self.cfg
+        goals: dict[str, str] = {"loss": "min"}  # the held-out loss of max_eval_batches
+        if self.eval_fn is not None:
+            goals = dict(getattr(data, "metrics", None) or {}) or {"loss": "min"}
+        metric = cfg.best_metric or next(iter(goals))
+        mode = cfg.best_mode or goals.get(metric) or ("min" if metric == "loss" else None)
+        if mode is None and self._eval_enabled():
+            raise ConfigError(f"train.best_mode (min or max) must be given for best_metric {metric!r}: the task "
+                              f"declares directions only for {sorted(goals)}")
+        return metric, mode or "min"
 
     # ---------------------------------------------------------------------------------------------------
     def lr_for(self, step: int) -> float:
@@ -175,9 +210,12 @@ class Trainer:
                 self.precision.scale(out.loss.float() * n * c).backward()
             loss_sum += out.loss.detach().double() * n.double()
             n_sum += n.double()
-        stats = torch.stack([loss_sum, n_sum, torch.tensor(float(tokens), dtype=torch.float64, device=self.device)])
+        flag = 1.0 if self._signal is not None else 0.0  # a signal on any rank stops every rank after this step
+        stats = torch.cat([torch.stack([loss_sum, n_sum]),
+                           torch.tensor([float(tokens), flag], dtype=torch.float64, device=self.device)])
         dist_.all_reduce_sum(stats, info)
-        loss_total, n_total, tokens_total = (float(x) for x in stats.tolist())
+        loss_total, n_total, tokens_total, flags = (float(x) for x in stats.tolist())
+        self._signal_agreed = self._signal_agreed or flags > 0
         self.precision.unscale_(self.optimizer)
         # DDP/FSDP average gradients over ranks: grads = (c / W) * sum over all micro-batches of n_i * grad(loss_i)
         factor = world / (c * n_total) if n_total > 0 else 0.0
@@ -210,6 +248,10 @@ class Trainer:
         cfg, info = self.cfg, self.dist
         t_start = time.perf_counter()
         resumed_from = None
+        repaired: list[str] = []
+        if info.is_main:  # before anything is read or written: repair what a killed process left
+            repaired = ckpt.clean_stale(self.ckpt_root)
+        dist_.barrier(info)
         if self.resume:
             path = ckpt.latest_checkpoint(self.ckpt_root)
             if path is not None:
@@ -220,9 +262,11 @@ class Trainer:
         self.logger = RunLogger(self.out_dir, enabled=info.is_main, progress=cfg.progress,
                                 tensorboard=cfg.tensorboard, total_steps=cfg.max_steps, start_step=self.step)
         log = self.logger
+        self._install_signal_handlers()
         try:
+            for line in repaired:
+                log.info(f"checkpoints: {line} (left by an interrupted process)")
             if info.is_main:
-                ckpt.clean_stale(self.ckpt_root)
                 existing = ckpt.list_checkpoints(self.ckpt_root)
                 if existing and resumed_from is None:
                     log.info(f"note: {self.ckpt_root} already holds checkpoints up to step {existing[-1][0]}; "
@@ -249,10 +293,14 @@ class Trainer:
                 cb.on_fit_start(self)
             self.model.train()
             self._loop()
-            if self._eval_enabled() and self.last_eval.get("_step") != self.step:
+            if not self._interrupted() and self._eval_enabled() and self.last_eval.get("_step") != self.step:
                 self._run_eval()
             if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.step:08d}"):
                 self.save_checkpoint()
+            if self._interrupted(final=True):
+                last = self.last_checkpoint
+                here = last if last is not None and last.name.endswith(f"{self.step:08d}") else None
+                raise TrainingInterrupted(self._signal or signal.SIGINT, self.step, here)
             summary = self.summary(time.perf_counter() - t_start)
             log.info(f"done: {self.step} steps, final loss {self.last_loss:.4f}"
                      + (f", best eval {self.best['metric']}={self.best['value']:.4f} at step {self.best['step']}"
@@ -261,13 +309,47 @@ class Trainer:
                 cb.on_fit_end(self, summary)
             return summary
         finally:
+            self._restore_signal_handlers()
             log.close(plot=self.cfg.plot)
+
+    # -- SIGINT / SIGTERM: finish the step, checkpoint, stop --------------------------------------------------
+    def _install_signal_handlers(self) -> None:
+        self._signal, self._signal_agreed = None, False
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._signal is not None:  # a second one: stop now, without a checkpoint
+            self._restore_signal_handlers()
+            raise KeyboardInterrupt
+        self._signal = signum  # only a flag: the loop logs and saves at the end of the current step
+
+    def _interrupted(self, final: bool = False) -> bool:
+        """Whether to stop for a signal. Under DDP/FSDP every rank must agree (saving is collective): the
+        flag travels with each step's loss all-reduce, and once more at the very end (final=True)."""
+        if not self.dist.enabled:
+            return self._signal is not None
+        if final and not self._signal_agreed:
+            flag = torch.tensor([1.0 if self._signal is not None else 0.0], device=self.device)
+            self._signal_agreed = dist_.all_reduce_sum(flag, self.dist).item() > 0
+        return self._signal_agreed
 
     def _loop(self) -> None:
         cfg, log = self.cfg, self.logger
         assert log is not None
         interval_time, interval_tokens = 0.0, 0
         while self.step < cfg.max_steps and not self.should_stop:
+            if self._interrupted():
+                name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
+                log.info(f"received {name}: stopping after step {self.step} with a checkpoint")
+                break
             step = self.step + 1
             t0 = time.perf_counter()
             for cb in self.callbacks:
@@ -346,21 +428,25 @@ class Trainer:
                 new_scale = self.lr_scale * cfg.rollback_lr_factor
                 counters = (self.rollbacks + 1, self.skipped, self.truncated)
                 self.load_checkpoint(path)
+                log.rewind(self.step)  # the records after the restored step describe an abandoned path
                 self.lr_scale = new_scale
                 self.rollbacks, self.skipped, self.truncated = counters
                 log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}) in "
                          f"{', '.join(layers[:5])}; rolled back to {path.name} (step {self.step}), "
                          f"LR x{new_scale:.3g} (rollback {self.rollbacks}/{cfg.max_rollbacks})")
                 return
-        # stop (or skip/rollback limits exhausted): keep the evidence, then report
-        saved = self.save_checkpoint()
+        # stop (or skip/rollback limits exhausted): keep the evidence, then report. The state saved is the one
+        # before the bad update; it is never pruned against, and not written at all if an earlier update
+        # already left non-finite weights (lr=inf): a non-finite state must not displace a good checkpoint
+        saved = self.save_checkpoint(prune=False)
         batch_path = None
         if self.dist.is_main:
             batch_path = self.out_dir / f"nonfinite_batch_step{step}.pt"
             torch.save([{k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in b.items()}
                         for b in batches], batch_path)
         what = policy if policy == "stop" else f"{policy}, limit reached"
-        msg = report(step, loss, grad_norm, layers, saved, batch_path, what)
+        newest = ckpt.latest_checkpoint(self.ckpt_root) if saved is None else None
+        msg = report(step, loss, grad_norm, layers, saved, batch_path, what, newest_good=newest)
         log.info(msg)
         raise NonFiniteError(msg, step=step, loss=loss, grad_norm=grad_norm, layers=layers,
                              checkpoint=saved, batch_path=batch_path)
@@ -415,13 +501,19 @@ class Trainer:
             self.logger.info(f"step {self.step}: eval " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
             if self.cfg.eval_every == 0 or self.step % self.cfg.eval_every:
                 self.logger.log({"step": self.step, **{f"eval/{k}": v for k, v in metrics.items()}})
-        value = metrics.get(self.cfg.best_metric)
-        if value is not None and math.isfinite(value):
-            better = self.best is None or (value < self.best["value"] if self.cfg.best_mode == "min"
+        if self.best_metric not in metrics:
+            self.save_checkpoint()  # keep the steps done so far: fix the setting and --resume
+            raise ConfigError(f"train.best_metric {self.best_metric!r} is not among the evaluation's metrics "
+                              f"{sorted(metrics)} (step {self.step}; checkpoint saved)")
+        value = metrics[self.best_metric]
+        if math.isfinite(value):
+            better = self.best is None or (value < self.best["value"] if self.best_mode == "min"
                                            else value > self.best["value"])
             if better:
-                self.best = {"metric": self.cfg.best_metric, "value": value, "step": self.step}
-                self.save_checkpoint(self.ckpt_root / ckpt.BEST, extra={"eval.json": {**metrics, "step": self.step}})
+                previous, self.best = self.best, {"metric": self.best_metric, "value": value, "step": self.step}
+                if self.save_checkpoint(self.ckpt_root / ckpt.BEST,
+                                        extra={"eval.json": {**metrics, "step": self.step}}) is None:
+                    self.best = previous  # a non-finite state is no best
         return metrics
 
     # ---------------------------------------------------------------------------------------------------
@@ -434,18 +526,29 @@ class Trainer:
             "best": self.best, "train_config": to_dict(self.cfg),
         }
 
-    def save_checkpoint(self, folder: Path | None = None, extra: dict[str, Any] | None = None) -> Path:
-        """Checkpoint the current state (collective under DDP/FSDP: every rank calls; rank 0 writes)."""
+    def save_checkpoint(self, folder: Path | None = None, extra: dict[str, Any] | None = None, *,
+                        prune: bool = True) -> Path | None:
+        """Checkpoint the current state (collective under DDP/FSDP: every rank calls; rank 0 writes).
+        Default: the step folder, then prune to keep_last. Returns None, writing nothing, when the weights or
+        optimizer moments are not finite: such a state must never replace or push out a good checkpoint."""
         periodic = folder is None
         folder = folder or ckpt.step_dir(self.ckpt_root, self.step)
         model_state, optim_state = dist_.full_state(self.model, self.optimizer)
         rngs = dist_.gather_objects(rng_state(), self.dist)
+        written = False
         if self.dist.is_main:
-            state = {**self.train_state(), "optimizer": optim_state, "rng": rngs}
-            ckpt.write_checkpoint(folder, model_state, ckpt.model_meta(self.model), state, extra)
-            if periodic:
-                ckpt.prune(self.ckpt_root, self.cfg.keep_last)
-        dist_.barrier(self.dist)
+            if ckpt.state_is_finite(model_state, optim_state):
+                state = {**self.train_state(), "optimizer": optim_state, "rng": rngs}
+                ckpt.write_checkpoint(folder, model_state, ckpt.model_meta(self.model), state, extra)
+                if periodic and prune:
+                    ckpt.prune(self.ckpt_root, self.cfg.keep_last)
+                written = True
+            elif self.logger is not None:
+                self.logger.info(f"step {self.step}: weights or optimizer state are not finite; "
+                                 f"{folder.name} not written")
+        written = dist_.broadcast_object(written, self.dist)  # every rank returns the same answer
+        if not written:
+            return None
         if periodic:
             self.last_checkpoint = folder
         for cb in self.callbacks:

@@ -1,0 +1,174 @@
+"""Edge cases of the command line found by a hostile tester (issue 10): flags out of range, what the
+report claims, unknown prompt characters, resumes that must write nothing or keep the saved settings,
+signals, divergence. Every failure is one line `qkv: error: ...` with a documented exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "task.context=16", "train.batch_size=4",
+        "train.lr=5e-3", "train.warmup=1", "eval.n=4", "eval.samples=0", "--no-progress"]
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "qkv.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def one_error_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("qkv: error:")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "lm"
+    r = run_cli("train", "charlm", "--out", str(out), "--max-steps", "2", *TINY)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def copy_run(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+# -- item 3: flags out of range, and a report of what was measured ------------------------------------------
+def test_eval_needs_at_least_one_example(lm_run):
+    assert "-n must be at least 1" in one_error_line(run_cli("eval", str(lm_run), "-n", "0"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens must be at least 1"),
+    (["--num-beams", "0"], "--num-beams must be at least 1"),
+    (["--stream", "--num-beams", "2"], "--stream"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-k", "0"], "--top-k"),
+    (["--temperature", "0"], "--temperature"),
+])
+def test_generate_flags_out_of_range(lm_run, flags, message):
+    assert message in one_error_line(run_cli("generate", str(lm_run), "--prompt", "The ", *flags))
+
+
+def test_max_new_tokens_is_obeyed(lm_run):
+    r = run_cli("generate", str(lm_run), "--prompt", "The ", "--max-new-tokens", "3", "--greedy")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The ") and len(r.stdout.rstrip("\n")) <= len("The ") + 3
+
+
+def test_report_states_what_was_measured(tmp_path):
+    out = tmp_path / "lm"
+    r = run_cli("train", "charlm", "--out", str(out), "--max-steps", "1", *TINY, "eval.n=100000")
+    assert r.returncode == 0, r.stderr
+    scored = int(json.loads((out / "results.json").read_text())["metrics"]["n_tokens"])
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("held-out"))
+    assert "100000" not in line.replace(",", "") and f"{scored:,} scored tokens" in line, line
+
+
+# -- item 4: prompt characters outside the vocabulary --------------------------------------------------------
+def test_unknown_prompt_characters_are_named_or_refused(lm_run):
+    r = run_cli("generate", str(lm_run), "--prompt", "ab\u20ac\u2603", "--max-new-tokens", "2", "--greedy")
+    assert r.returncode == 0, r.stderr
+    warning = [ln for ln in r.stderr.splitlines() if ln.startswith("qkv: warning:")]
+    assert len(warning) == 1 and "'\u20ac'" in warning[0] and "'\u2603'" in warning[0] and "<unk>" in warning[0]
+    r = run_cli("generate", str(lm_run), "--prompt", "ab\u20ac", "--strict")
+    assert "'\u20ac'" in one_error_line(r)
+
+
+# -- items 6 and 7: a resume validates before it writes, and continues the saved run --------------------------
+def test_failed_resume_writes_nothing(lm_run, tmp_path):
+    out = copy_run(lm_run, tmp_path)
+    files = ["run.yaml", "task.json", "tokenizer.json", "metrics.jsonl"]
+    before = {f: ((out / f).read_bytes(), (out / f).stat().st_mtime_ns) for f in files}
+    r = run_cli("train", "--task", "reverse", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress")
+    assert "--resume continues it and cannot switch" in one_error_line(r)
+    r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress",
+                "model.d_model=64")  # same task, another shape: the checkpoint check fails, still before writing
+    assert "shape" in one_error_line(r)
+    assert {f: ((out / f).read_bytes(), (out / f).stat().st_mtime_ns) for f in files} == before
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_resume_keeps_the_saved_settings(lm_run, tmp_path):
+    import yaml
+
+    out = copy_run(lm_run, tmp_path)
+    # the README's resume line: the shipped YAML must not put lr, batch size, warmup or the model back
+    r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = yaml.safe_load((out / "run.yaml").read_text())
+    assert float(saved["train"]["lr"]) == 5e-3 and saved["train"]["batch_size"] == 4 and saved["train"]["warmup"] == 1
+    assert saved["train"]["max_steps"] == 3 and saved["model"]["n_layers"] == 1
+    note = [ln for ln in r.stderr.splitlines() if "changed settings" in ln]
+    assert len(note) == 1 and "max_steps 2 -> 3;" in note[0], note  # named on the command line: the only change
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if "loss" in x] == [1, 2, 3]
+
+
+# -- item 11: clear errors -----------------------------------------------------------------------------------
+def test_out_pointing_at_a_file(tmp_path):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    assert "is a file" in one_error_line(run_cli("train", "charlm", "--out", str(f), "--max-steps", "1", *TINY))
+
+
+def test_infinite_lr_is_rejected_before_training(tmp_path):
+    r = run_cli("train", "charlm", "--out", str(tmp_path / "x"), "--max-steps", "1", *TINY, "train.lr=inf")
+    assert "lr must be a finite number" in one_error_line(r)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip", "rollback"])
+def test_divergence_ends_with_the_nan_guard_exit_status(tmp_path, policy):
+    out = tmp_path / policy
+    r = run_cli("train", "charlm", "--out", str(out), "--max-steps", "30", *TINY, "train.lr=1e30",
+                f"train.nan_policy={policy}", "train.max_skips=2", "train.max_rollbacks=1", "train.log_every=1")
+    line = one_error_line(r, code=3)
+    assert "NaN guard" in line and "non-finite" in line and "train.log" in line
+    assert "non-finite" in (out / "train.log").read_text()
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # one record per step, also after a rollback
+
+
+# -- item 8: SIGINT / SIGTERM ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_saves_the_current_step_and_exits_with_one_line(tmp_path, sig, code):
+    out = tmp_path / "lm"
+    args = ["train", "charlm", "--out", str(out), "--max-steps", "100000", *TINY, "train.log_every=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "qkv.cli.main", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"qkv: interrupted by {sig.name} at step ") and "--resume" in last, err[-2000:]
+    step = int(last.split(" at step ")[1].split(";")[0])
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == [f"step_{step:08d}"]  # save_every is 500: only the signal made it
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert rows[-1]["step"] == step
+    r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", str(step + 2), "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if "loss" in json.loads(x)]
+    assert [x["step"] for x in rows] == list(range(1, step + 3))
