@@ -18,6 +18,8 @@ venv/bin/qkv train reverse --max-steps 2 --out "$tmp/reverse" --no-progress eval
 venv/bin/qkv eval "$tmp/reverse" -n 8
 venv/bin/qkv generate "$tmp/reverse" --prompt 0123 --greedy
 venv/bin/qkv attention "$tmp/reverse" --input 0123 --out "$tmp/attn.png"
+venv/bin/qkv explore "$tmp/reverse" --input 0123 --export "$tmp/page.html"
+test -s "$tmp/page.html"
 venv/bin/qkv info gpt-tiny > /dev/null
 venv/bin/qkv presets > /dev/null
 venv/bin/qkv ablate 01_sqrt_dk --quick --out "$tmp/ablate"

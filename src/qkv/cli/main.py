@@ -273,6 +273,21 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     return [f"wrote {out_png}"]
 
 
+def _add_finetune(p: argparse.ArgumentParser) -> None:
+    from qkv.finetune import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_finetune(a: argparse.Namespace) -> int:
+    from qkv.finetune import finetune
+
+    summary = finetune(a)
+    if summary.get("report"):
+        print(summary["report"])
+    return 0
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
@@ -283,6 +298,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "ablate": ("run an ablation suite and write its table and plots", _add_ablate, cmd_ablate),
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
+    "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
 }
 
 

@@ -1,0 +1,48 @@
+"""`qkv finetune` dispatch: the recipe follows --task or the model's kind, and a mismatch is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+import qkv.finetune as ft
+from qkv.cli.main import main
+from qkv.config import ConfigError
+
+
+@pytest.fixture
+def fake_recipes(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ft, "_RECIPES", {})
+    monkeypatch.setattr(ft, "_load_all", lambda: None)
+    for name, kinds in (("chat", ("decoder",)), ("classify", ("encoder",))):
+        ft.register_recipe(ft.Recipe(name, kinds, f"{name} recipe", lambda a, n=name: calls.append(n) or {"report": n}))
+    return calls
+
+
+def test_kind_picks_the_default_recipe(fake_recipes):
+    assert ft.choose(None, "decoder").name == "chat"
+    assert ft.choose(None, "encoder").name == "classify"
+    assert ft.choose("classify", "encoder").name == "classify"
+
+
+def test_mismatches_are_one_clear_error(fake_recipes):
+    with pytest.raises(ConfigError, match="fine-tunes encoder models; this folder holds a decoder model"):
+        ft.choose("classify", "decoder")
+    with pytest.raises(ConfigError, match="did you mean 'chat'"):
+        ft.choose("chta", "decoder")
+    with pytest.raises(ConfigError, match="no fine-tuning recipe for a model of kind 'image'"):
+        ft.choose(None, "image")
+
+
+def test_cli_missing_files_exit_2(fake_recipes, tmp_path, capsys):
+    assert main(["finetune", str(tmp_path / "nope"), "--data", "x.jsonl", "--out", str(tmp_path / "o")]) == 2
+    assert "model folder not found" in capsys.readouterr().err
+    assert main(["finetune", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert "data file not found" in capsys.readouterr().err
+
+
+def test_cli_runs_the_recipe_of_the_model_kind(fake_recipes, tmp_path, monkeypatch, capsys):
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    monkeypatch.setattr(ft, "model_kind", lambda folder: "encoder")
+    assert main(["finetune", str(tmp_path), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o")]) == 0
+    assert fake_recipes == ["classify"] and capsys.readouterr().out.strip() == "classify"
