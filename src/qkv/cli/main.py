@@ -190,6 +190,8 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", help="a suite YAML (configs/ablations/*.yaml) or its name")
     p.add_argument("--out", default=None, help="output folder (default runs/ablations/<suite>)")
     p.add_argument("--quick", action="store_true", help="the suite's quick size (under a minute)")
+    p.add_argument("--scale", choices=("cpu", "gpu"), default="cpu",
+                   help="size profile: cpu (the file as written) or gpu (its `scales: gpu` section)")
     p.add_argument("--only", default=None, help="run only the variants whose name contains this string")
     p.add_argument("--force", action="store_true", help="redo runs that already finished")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (1 is best on a busy CPU)")
@@ -198,7 +200,7 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
 def cmd_ablate(a: argparse.Namespace) -> int:
     from qkv.experiments import run_suite
 
-    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, only=a.only, force=a.force, threads=a.threads)
+    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, scale=a.scale, only=a.only, force=a.force, threads=a.threads)
     print(f"report: {report}")
     return 0
 
