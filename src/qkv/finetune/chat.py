@@ -303,6 +303,16 @@ def _source_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def check_exportable(source: Path) -> None:
+    """Refuse, before training, a Hugging Face folder whose format OUT could not be written in."""
+    from qkv.storage import read_config
+
+    model_type = read_config(source).get("model_type")
+    if model_type is not None and model_type not in EXPORTERS:
+        raise ConfigError(f"cannot write a fine-tuned {model_type!r} folder yet: qkv exports "
+                          f"{', '.join(sorted(EXPORTERS))} folders")
+
+
 def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
     """Write `model` (adapters already merged) into OUT as a model folder of the source's format, plus the
     source's tokenizer and generation files. Returns the format written ("hf:<model_type>" or "qkv")."""
@@ -311,8 +321,7 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
     meta = read_config(source)
     model_type = meta.get("model_type")
     if model_type is not None:
-        if model_type not in EXPORTERS:
-            raise ConfigError(f"cannot write a {model_type!r} folder yet (exporters: {', '.join(sorted(EXPORTERS))})")
+        check_exportable(source)
         module, _, name = EXPORTERS[model_type].partition(":")
         getattr(importlib.import_module(module), name)(model, out)
         written = json.loads((out / "config.json").read_text(encoding="utf-8"))
@@ -371,6 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     source = model_folder(args.model)
     out = Path(args.out)
     _check_out(out, args.resume)
+    check_exportable(source)
     lora = _lora_config(args) if args.lora else None
     records = read_chats(args.data)
     dev_records = read_chats(args.dev) if args.dev else []

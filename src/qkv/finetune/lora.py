@@ -182,7 +182,7 @@ def _slices_of(model: nn.Module, name: str, which: str) -> tuple[int, int] | Non
     parent = model.get_submodule(parent_name) if parent_name else model
     if not isinstance(parent, MultiHeadAttention):
         return None
-    C, kv = parent.d_model, parent.n_kv_heads * parent.head_dim
+    C, kv = parent.n_heads * parent.head_dim, parent.n_kv_heads * parent.head_dim  # q width may differ from d_model
     if leaf == "qkv_proj":
         return {"q": (0, C), "k": (C, C + kv), "v": (C + kv, C + 2 * kv)}[which]
     if leaf == "q_proj" and which == "q":
