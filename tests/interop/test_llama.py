@@ -180,3 +180,45 @@ def test_wrong_shapes_and_missing_keys_are_clear_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**meta, "num_hidden_layers": 3}))
     with pytest.raises(CheckpointError, match="missing key 'model.layers.2"):
         qkv.from_pretrained(tmp_path)
+
+
+def test_cli_info_generate_attention_take_a_model_folder(tmp_path, capsys):
+    """qkv info / generate [--stream] / attention on a Llama folder with its tokenizer.json."""
+    import pydoc_data.topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from qkv.cli.main import main
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(pydoc_data.topics.topics.values())[:20], trainers.BpeTrainer(
+        vocab_size=BASE["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])  # Llama's bos
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    hf = build_hf("llama-gqa2-untied")
+    hf.save_pretrained(tmp_path)
+
+    assert main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Hugging Face llama folder, float32" in out
+    assert f"{sum(p.numel() for p in hf.parameters()):,}" in out.splitlines()[-1]
+
+    prompt = "The with statement"
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = ref(prompt, return_tensors="pt").input_ids
+    assert ids[0, 0] == 1  # the post-processor's bos
+    with torch.no_grad():  # both stop at the folder's eos (generation_config.json) if it comes
+        want = hf.generate(ids, max_new_tokens=12, do_sample=False)
+    want_text = prompt + ref.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+    flags = ["--prompt", prompt, "--greedy", "--max-new-tokens", "12"]
+    assert main(["generate", str(tmp_path), *flags]) == 0
+    assert capsys.readouterr().out == want_text + "\n"
+    assert main(["generate", str(tmp_path), *flags, "--stream"]) == 0
+    assert capsys.readouterr().out == want_text + "\n"
+
+    png = tmp_path / "att.png"
+    assert main(["attention", str(tmp_path), "--input", "for x in range(3): pass", "--out", str(png)]) == 0
+    assert png.is_file() and "| self | 1 | 3 |" in capsys.readouterr().out
