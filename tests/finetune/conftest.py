@@ -97,3 +97,28 @@ def gpt2_plain(tmp_path_factory, gpt2_chat) -> Path:
 @pytest.fixture(scope="session")
 def chatml_generation() -> str:
     return CHATML_GENERATION
+
+
+@pytest.fixture(scope="session")
+def llama_chat(tmp_path_factory, gpt2_chat) -> Path:
+    """A tiny random LlamaForCausalLM folder (GQA 2:1, untied head) with the same tokenizer and template."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    folder = tmp_path_factory.mktemp("llama_chat") / "model"
+    folder.mkdir(parents=True)
+    shutil.copyfile(gpt2_chat / "tokenizer.json", folder / "tokenizer.json")
+    _write_tokenizer_config(folder, CHATML)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                                   tie_word_embeddings=False, bos_token_id=tok.token_to_id("<|endoftext|>"),
+                                   eos_token_id=tok.token_to_id("<|im_end|>"),
+                                   pad_token_id=tok.token_to_id("<|endoftext|>"))
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder

@@ -67,9 +67,19 @@ def test_labels_are_exactly_the_assistant_tokens(gpt2_chat, chatml_generation):
 
 def test_plain_fallback_without_a_template(gpt2_plain):
     tok = load_hf_tokenizer(gpt2_plain)
-    ids, labels = encode_chat(tok, [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Yes."}])
-    assert tok.decode(ids) == "Hi?\nYes.<|im_end|>"
-    assert tok.decode([i for i in labels if i != IGNORE]) == "Yes.<|im_end|>"
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+            {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Sure?"},
+            {"role": "assistant", "content": "No."}]
+    ids, labels = encode_chat(tok, msgs)
+    assert tok.decode(ids) == "Be brief.\n\nUser: Hi?\nAssistant: Yes.<|im_end|>\nUser: Sure?\nAssistant: No.<|im_end|>"
+    assert tok.decode([i for i in labels if i != IGNORE]) == " Yes.<|im_end|> No.<|im_end|>"
+    # the prompt qkv chat builds for the first turn is exactly the start of the training text
+    from qkv.chat import ChatSession
+
+    session = ChatSession.from_folder(gpt2_plain, system="Be brief.")
+    session.history.append({"role": "user", "content": "Hi?"})
+    prompt = session.prompt_ids(4)
+    assert ids[: len(prompt)] == prompt and tok.decode(prompt).endswith("Assistant:")
 
 
 def test_batches_are_deterministic_padded_and_grouped(gpt2_chat, tmp_path):
@@ -170,6 +180,40 @@ def test_lora_trains_only_adapters_and_merges_on_save(gpt2_chat_lora, tmp_path, 
     x = torch.tensor([ex[0].input_ids])
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, tuned(x).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_on_a_llama_folder_round_trips_through_transformers(llama_chat, tmp_path, capsys):
+    """A Llama folder (GQA, untied head): Hugging Face target names, the head adapted too (it is not tied),
+    the count is the formula on the GQA slices, and the merged folder is a Llama folder transformers loads."""
+    import transformers
+
+    from qkv import from_pretrained
+
+    data = write_jsonl(tmp_path / "train.jsonl", chats())
+    out = tmp_path / "llama"
+    assert _finetune(llama_chat, data, out, "--lora", "--lora-rank", "4", "--lora-targets",
+                     "q_proj,v_proj,o_proj,lm_head", "--lora-dropout", "0", "train.max_steps=60", "train.lr=1e-2",
+                     "train.warmup=5") == 0
+    report = capsys.readouterr().out
+    # per layer q (64 -> 64), v (64 -> 32: 2 kv heads of 16), o (64 -> 64); the head (64 -> 400) once
+    expected = 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 64)) + 4 * (64 + 400)
+    assert f"{expected:,} of" in report
+    tok = load_hf_tokenizer(llama_chat)
+    ex, _ = build_examples(tok, read_chats(data), 96, "train", "error")
+    base, tuned = from_pretrained(llama_chat), from_pretrained(out)
+    assert assistant_loss(tuned, ex, 0) < 0.5 * assistant_loss(base, ex, 0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.eos_token_id == tok.eos_token_id
+    x = torch.tensor([ex[0].input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, tuned(x).logits, atol=1e-4, rtol=1e-4)
+    sd_base, sd_tuned = base.state_dict(), tuned.state_dict()
+    changed = {k for k in sd_base if not torch.equal(sd_base[k], sd_tuned[k])}
+    assert changed == {"lm_head.weight", "decoder.blocks.0.attn.qkv_proj.weight", "decoder.blocks.1.attn.qkv_proj.weight",
+                       "decoder.blocks.0.attn.out_proj.weight", "decoder.blocks.1.attn.out_proj.weight"}
+    # inside the fused projection only the q and v rows moved, not k's
+    w0, w1 = sd_base["decoder.blocks.0.attn.qkv_proj.weight"], sd_tuned["decoder.blocks.0.attn.qkv_proj.weight"]
+    assert torch.equal(w0[64:96], w1[64:96]) and not torch.equal(w0[:64], w1[:64]) and not torch.equal(w0[96:], w1[96:])
 
 
 def test_resume_continues_exactly(gpt2_chat, tmp_path):

@@ -11,7 +11,7 @@ Each conversation is rendered with the model folder's own chat template (so the 
 exactly as `qkv chat` will prompt it) and tokenized; labels are the token ids on the assistant's tokens (its
 content and the end-of-turn token after it, so the model learns to stop) and -100 everywhere else: the system
 prompt, the user's turns and the template's role markers add nothing to the loss. A folder without a chat
-template gets a plain concatenation (user/system text + newline, answer + eos), with a note.
+template gets `qkv chat`'s plain transcript ("User: ...\nAssistant: ..."), each answer followed by eos, with a note.
 
 Batches: one conversation per row, right-padded to the longest row of the batch, rows of similar length
 grouped (within windows of shuffled data) so little is padding. Not packed: packing several conversations into
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import shutil
@@ -50,7 +51,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 FINETUNE_FILE = "finetune.json"
 # Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
-EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2"}
+EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
+                                                      ("llama", "mistral", "qwen2", "qwen3")}}
 
 
 # -- reading the data --------------------------------------------------------------------------------------
@@ -128,22 +130,35 @@ def encode_chat(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], li
     if tok.has_chat_template:
         ids, mask = tok.apply_chat_template(messages, return_assistant_mask=True)
         return list(ids), [i if m else IGNORE for i, m in zip(ids, mask)]
-    eos = tok.eos_token_id
-    if eos is None:
+    return _plain(tok, messages)
+
+
+def _plain(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """The plain transcript `qkv chat` uses for a folder without a template ("system\n\nUser: ...\nAssistant:
+    ..."), with the eos token written after each answer; the loss on " answer<eos>". Tokenized as one text
+    (as qkv chat tokenizes it), the answers located by character offsets."""
+    from qkv.chat import PLAIN_ASSISTANT, PLAIN_USER
+    from qkv.interop.tokenizer import spans_to_token_mask
+
+    if tok.eos_token is None:
         raise ConfigError("the model folder has no chat template and no eos token: cannot mark where an answer "
                           "ends")
-    ids = tok.encode("", add_special_tokens=True)  # what the tokenizer puts first (bos), if anything
-    labels = [IGNORE] * len(ids)
+    text, spans = "", []
     for m in messages:
-        if m["role"] == "assistant":
-            piece = tok.encode(m["content"], add_special_tokens=False) + [eos]
-            ids += piece
-            labels += piece
+        if m["role"] == "system":
+            text += m["content"] + "\n\n"
+        elif m["role"] == "user":
+            text += f"{PLAIN_USER} {m['content']}\n"
         else:
-            piece = tok.encode(m["content"] + "\n", add_special_tokens=False)
-            ids += piece
-            labels += [IGNORE] * len(piece)
-    return ids, labels
+            text += PLAIN_ASSISTANT
+            start = len(text)
+            text += f" {m['content']}{tok.eos_token}"
+            spans.append((start, len(text)))
+            text += "\n"
+    enc = tok.tokenizer.encode(text.rstrip("\n"), add_special_tokens=True)
+    ids = list(enc.ids)
+    mask = spans_to_token_mask(spans, enc.offsets)
+    return ids, [i if m else IGNORE for i, m in zip(ids, mask)]
 
 
 def build_examples(tok: Any, records: list[tuple[int, list[dict[str, str]]]], max_length: int, path: str,
@@ -323,7 +338,8 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
     if model_type is not None:
         check_exportable(source)
         module, _, name = EXPORTERS[model_type].partition(":")
-        getattr(importlib.import_module(module), name)(model, out)
+        fn = getattr(importlib.import_module(module), name)
+        fn(model, out, **({"model_type": model_type} if "model_type" in inspect.signature(fn).parameters else {}))
         written = json.loads((out / "config.json").read_text(encoding="utf-8"))
         # the exporter knows the architecture; the source knows its token ids and anything else it declared
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -388,8 +404,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = _tokenizer(source)
     notes = []
     if not tok.has_chat_template:
-        notes.append(f"note: {source} has no chat template: conversations are rendered as plain text (each "
-                     "system/user message + newline, each answer + eos)")
+        notes.append(f"note: {source} has no chat template: conversations are rendered as qkv chat's plain "
+                     "'User: ... / Assistant: ...' transcript, each answer followed by the eos token")
         print(f"qkv: {notes[-1]}", file=sys.stderr)
 
     def build() -> torch.nn.Module:
