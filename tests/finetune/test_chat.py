@@ -139,6 +139,9 @@ def test_full_finetuning_learns_the_answers_and_saves_a_folder_both_libraries_lo
     assert _answer_qkv(out, "Who wrote Hamlet?") == "Shakespeare."
     assert _answer_qkv(out, "What do bees make?", SYSTEM) == "Honey."
     assert _answer_qkv(out, "What is the opposite of hot?") == "Cold."
+    capsys.readouterr()
+    assert main(["chat", str(out), "--message", "Which planet is red?", "--greedy", "--max-new-tokens", "16"]) == 0  # the shipped command
+    assert capsys.readouterr().out.strip() == "Mars."
     # transformers loads the folder: same logits, and its tokenizer renders the same chat
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     x = torch.tensor([examples[0].input_ids])
