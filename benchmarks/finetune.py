@@ -9,7 +9,9 @@ labels, the same loop as qkv.train.Trainer's inner step without its logging. Mod
 Each round builds each mode's model fresh from the same seed and times `--steps` steps after 1 warm-up step;
 the order of the modes alternates between rounds (ABBA) so that drift on a shared machine hits them alike.
 Reported: the median step time per mode over all timed steps, its ratio to full fine-tuning, the trainable
-parameters and the AdamW state they need (2 fp32 moments each: computed, not measured).
+parameters and the AdamW state they need (2 fp32 moments each: computed, not measured). On a machine shared
+with other jobs the wall clock measures this process's share of the CPU; with --threads 1 the CPU seconds of
+this process (time.process_time) do not depend on that share, so both are reported.
 
     .venv/bin/python benchmarks/finetune.py [--quick] [--layers N] [--batch B] [--seq T] [--rounds R]
         [--threads N] [--out DIR]      -> DIR/finetune.json and DIR/finetune.md (default benchmarks/results)
@@ -53,12 +55,12 @@ def build(cfg: GPTConfig, targets: list[str] | None) -> GPT:
     return model.train()
 
 
-def time_steps(model: GPT, batch: dict, steps: int) -> list[float]:
+def time_steps(model: GPT, batch: dict, steps: int) -> tuple[list[float], list[float]]:
     opt, _ = build_optimizer(model, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
-    times = []
+    times, cpu = [], []
     for i in range(steps + 1):  # step 0 warms up (allocations, oneDNN kernels)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = model(**batch)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -66,7 +68,8 @@ def time_steps(model: GPT, batch: dict, steps: int) -> list[float]:
         opt.zero_grad(set_to_none=True)
         if i:
             times.append(time.perf_counter() - t0)
-    return times
+            cpu.append(time.process_time() - c0)
+    return times, cpu
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (a.batch, seq), generator=g)
     batch = {"input_ids": ids, "labels": ids}
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
     info: dict[str, dict] = {}
     for r in range(rounds):
         order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
@@ -98,14 +102,17 @@ def main(argv: list[str] | None = None) -> dict:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             info[mode] = {"trainable": trainable, "total": model.num_parameters(),
                           "adamw_state_mb": 2 * 4 * trainable / 1e6}
-            times[mode] += time_steps(model, batch, steps)
+            wall, proc = time_steps(model, batch, steps)
+            times[mode] += wall
+            cpu[mode] += proc
             del model
-    full = statistics.median(times["full"])
+    full, full_cpu = statistics.median(times["full"]), statistics.median(cpu["full"])
     rows = []
     for mode in MODES:
-        med = statistics.median(times[mode])
-        rows.append({"mode": mode, "median_step_s": med, "ratio_to_full": med / full, "steps_timed": len(times[mode]),
-                     "step_times_s": times[mode], **info[mode]})
+        med, med_cpu = statistics.median(times[mode]), statistics.median(cpu[mode])
+        rows.append({"mode": mode, "median_step_s": med, "ratio_to_full": med / full, "median_cpu_s": med_cpu,
+                     "cpu_ratio_to_full": med_cpu / full_cpu, "steps_timed": len(times[mode]),
+                     "step_times_s": times[mode], "cpu_times_s": cpu[mode], **info[mode]})
     result = {"benchmark": "finetune", "quick": a.quick, "layers": layers, "batch": a.batch, "seq": seq,
               "rounds": rounds, "steps_per_round": steps, "threads": a.threads, "torch": torch.__version__,
               "machine": platform.processor() or platform.machine(), "config": {
@@ -113,10 +120,11 @@ def main(argv: list[str] | None = None) -> dict:
               "rows": rows}
     lines = [f"LoRA vs full fine-tuning, one training step (fwd + bwd + AdamW), batch {a.batch} x {seq} tokens, "
              f"{layers} layers, {a.threads} threads, median of {rounds} x {steps} interleaved steps", "",
-             "| mode | step (s) | vs full | trainable params | AdamW state (MB, computed) |",
-             "|---|---|---|---|---|"]
+             "| mode | step (s, wall) | vs full | step (CPU s of this process) | vs full | trainable params | "
+             "AdamW state (MB, computed) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['median_step_s']:.3f} | {r['ratio_to_full']:.2f}x | "
+        lines.append(f"| {r['mode']} | {r['median_step_s']:.3f} | {r['ratio_to_full']:.2f}x | {r['median_cpu_s']:.3f} | "
+                     f"{r['cpu_ratio_to_full']:.2f}x | "
                      f"{r['trainable']:,} of {r['total']:,} | {r['adamw_state_mb']:.1f} |")
     table = "\n".join(lines)
     out = Path(a.out)
