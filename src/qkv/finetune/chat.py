@@ -365,11 +365,16 @@ def _final_model(trainer: Any, build: Any) -> torch.nn.Module:
     the last checkpoint (which save_checkpoint gathered)."""
     if trainer.dist.mode != "fsdp":
         return trainer.model
+    from qkv.checkpoint import CheckpointError
+    from qkv.nn.params import tied_names
     from qkv.train.checkpoint import read_checkpoint
 
     model = build()
     state, _ = read_checkpoint(trainer.last_checkpoint)
-    model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)  # a tied weight is stored once
+    if set(missing) - tied_names(model) or unexpected:
+        raise CheckpointError(f"{trainer.last_checkpoint}: does not fit the model (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
     return model
 
 
@@ -379,8 +384,9 @@ def assistant_loss(model: torch.nn.Module, examples: list[Example], pad_id: int,
     was = model.training
     model.eval()
     total = n = 0.0
+    device = next(model.parameters()).device
     for s in range(0, len(examples), batch_size):
-        out = model(**collate(examples[s:s + batch_size], pad_id))
+        out = model(**{k: v.to(device) for k, v in collate(examples[s:s + batch_size], pad_id).items()})
         total += float(out.loss) * float(out.n_targets)
         n += float(out.n_targets)
     model.train(was)
@@ -463,7 +469,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from qkv.finetune.lora import merge_lora
 
         merge_lora(final)
-    final.to(dtype)
+    final.to(device="cpu", dtype=dtype)
     fmt = save_model_folder(final, source, out)
     settings.update({"format": fmt, "steps": summary["steps"], "final_train_loss": summary["final_loss"],
                      "dev_loss_before": before, "dev_loss_after": after})
