@@ -22,6 +22,10 @@ _MODULES = {
     "bert": "qkv.interop.bert",
     "vit": "qkv.interop.vit",
     "whisper": "qkv.interop.whisper",
+    "llama": "qkv.interop.llama",
+    "mistral": "qkv.interop.llama",
+    "qwen2": "qkv.interop.llama",
+    "qwen3": "qkv.interop.llama",
 }
 
 
