@@ -29,6 +29,12 @@ _MODULES = {
 }
 
 
+# model_type -> the kind of model it loads as (qkv.models kinds), readable without loading any weights
+KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
+         "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
+         "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "whisper": "audio"}
+
+
 def load_hf(folder: str | Path) -> Any:
     folder = Path(folder)
     meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
