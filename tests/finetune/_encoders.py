@@ -1,0 +1,85 @@
+"""Tiny BERT-family folders for the encoder recipe tests: random weights, a word-level tokenizer.json with
+the family's special tokens and post-processor, all built here and saved to tmp_path (nothing downloaded)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+WORDS = [f"w{i}" for i in range(40)]
+POS = ["good", "great", "fine", "nice"]  # a class-0 / class-1 signal for the synthetic task
+NEG = ["bad", "awful", "poor", "worse"]
+ENTITY = ["alice", "bob", "paris", "rome", "acme", "globex"]
+
+
+def tokenizer_json(family: str) -> tuple[object, dict[str, int]]:
+    """A tokenizers.Tokenizer over WORDS + signal words + entity words, with [CLS]/[SEP] (BERT, DistilBERT) or
+    <s>/</s> (RoBERTa) added by its post-processor; words unknown to it become [UNK] / <unk>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    if family == "roberta":
+        specials = ["<s>", "<pad>", "</s>", "<unk>"]  # RoBERTa's ids: pad = 1
+        cls, sep, unk = "<s>", "</s>", "<unk>"
+    else:
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        cls, sep, unk = "[CLS]", "[SEP]", "[UNK]"
+    vocab = {t: i for i, t in enumerate(specials + WORDS + POS + NEG + ENTITY)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # RoBERTa's pair template is <s> A </s></s> B </s>, all of token type 0 (its processor, RobertaProcessing)
+    pair = f"{cls} $A {sep} {sep} $B {sep}" if family == "roberta" else f"{cls} $A {sep} $B:1 {sep}:1"
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=pair,
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    return tok, vocab
+
+
+def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int = 32, max_pos: int = 64,
+                seed: int = 0) -> Path:
+    """A base model (BertModel / RobertaModel / DistilBertModel) folder with its tokenizer.json."""
+    import transformers
+
+    tok, vocab = tokenizer_json(family)
+    torch.manual_seed(seed)
+    if family == "roberta":
+        cfg = transformers.RobertaConfig(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
+                                         num_attention_heads=4, intermediate_size=2 * width,
+                                         max_position_embeddings=max_pos + 2, type_vocab_size=1, pad_token_id=1,
+                                         bos_token_id=0, eos_token_id=2)
+        model = transformers.RobertaModel(cfg)
+    elif family == "distilbert":
+        cfg = transformers.DistilBertConfig(vocab_size=len(vocab), dim=width, n_layers=layers, n_heads=4,
+                                            hidden_dim=2 * width, max_position_embeddings=max_pos, pad_token_id=0)
+        model = transformers.DistilBertModel(cfg)
+    else:
+        cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
+                                      num_attention_heads=4, intermediate_size=2 * width,
+                                      max_position_embeddings=max_pos, pad_token_id=0)
+        model = transformers.BertModel(cfg)
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def sentiment_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """Separable synthetic task: a label-bearing word among 3-8 filler words (names as labels)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(["pos", "neg"])
+        words = rng.choices(WORDS, k=rng.randint(3, 8))
+        words.insert(rng.randrange(len(words) + 1), rng.choice(POS if label == "pos" else NEG))
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict[str, str]], sep: str = ",") -> Path:
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter=sep)
+        w.writeheader()
+        w.writerows(rows)
+    return path
