@@ -11,7 +11,8 @@ import torch
 WORDS = [f"w{i}" for i in range(40)]
 POS = ["good", "great", "fine", "nice"]  # a class-0 / class-1 signal for the synthetic task
 NEG = ["bad", "awful", "poor", "worse"]
-ENTITY = ["alice", "bob", "paris", "rome", "acme", "globex"]
+ENTITY = ["alice", "bob", "paris", "rome", "acme", "globex"]  # first words of entities (B-)
+CONTINUATION = {"PER": ["smith", "jones"], "LOC": ["city", "north"], "ORG": ["inc", "corp"]}  # (I-)
 
 
 def tokenizer_json(family: str) -> tuple[object, dict[str, int]]:
@@ -25,7 +26,8 @@ def tokenizer_json(family: str) -> tuple[object, dict[str, int]]:
     else:
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         cls, sep, unk = "[CLS]", "[SEP]", "[UNK]"
-    vocab = {t: i for i, t in enumerate(specials + WORDS + POS + NEG + ENTITY)}
+    cont = [w for ws in CONTINUATION.values() for w in ws]
+    vocab = {t: i for i, t in enumerate(specials + WORDS + POS + NEG + ENTITY + cont)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     # RoBERTa's pair template is <s> A </s></s> B </s>, all of token type 0 (its processor, RobertaProcessing)
@@ -82,4 +84,30 @@ def write_csv(path: Path, rows: list[dict[str, str]], sep: str = ",") -> Path:
         w = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter=sep)
         w.writeheader()
         w.writerows(rows)
+    return path
+
+
+def conll_sentences(n: int, seed: int) -> list[list[tuple[str, str]]]:
+    """Synthetic NER: filler words (O) with one- or two-word entities of three types (B-/I- tags); a second word
+    comes from the type's continuation words (like "Smith" after a first name), so every tag is learnable."""
+    rng = random.Random(seed)
+    types = {"PER": ENTITY[0:2], "LOC": ENTITY[2:4], "ORG": ENTITY[4:6]}
+    out = []
+    for _ in range(n):
+        sent = [(w, "O") for w in rng.choices(WORDS, k=rng.randint(2, 6))]
+        for _ in range(rng.randint(1, 2)):
+            typ = rng.choice(list(types))
+            ent = [rng.choice(types[typ])] + ([rng.choice(CONTINUATION[typ])] if rng.random() < 0.5 else [])
+            tagged = [(w, ("B-" if j == 0 else "I-") + typ) for j, w in enumerate(ent)]
+            at = rng.choice([i for i in range(len(sent) + 1) if i == len(sent) or sent[i][1][0] != "I"])
+            sent[at:at] = tagged
+        out.append(sent)
+    return out
+
+
+def write_conll(path: Path, sentences: list[list[tuple[str, str]]]) -> Path:
+    lines = ["-DOCSTART- -X- O", ""]
+    for s in sentences:
+        lines += [f"{w} NN {t}" for w, t in s] + [""]
+    path.write_text("\n".join(lines), encoding="utf-8")
     return path

@@ -12,11 +12,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _encoders import make_folder, sentiment_rows, write_csv  # noqa: E402
+
 import qkv  # noqa: E402
 from qkv.cli.main import main  # noqa: E402
 from qkv.finetune.classify import scores  # noqa: E402
-
-from ._encoders import make_folder, sentiment_rows, write_csv  # noqa: E402
 
 
 @pytest.fixture(scope="module")
