@@ -61,7 +61,12 @@ def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int
                                       max_position_embeddings=max_pos, pad_token_id=0)
         model = transformers.BertModel(cfg)
     model.save_pretrained(path)
-    tok.save(str(path / "tokenizer.json"))
+    # as a real folder has them: tokenizer.json + tokenizer_config.json + special_tokens_map.json
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, **({"cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+                                 if family == "roberta" else
+                                 {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]"}))
+    fast.save_pretrained(path)
     return path
 
 

@@ -77,6 +77,7 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
                           f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else ""))
     model = from_pretrained(folder)
     tok = find_tokenizer(folder)
+    tok = getattr(tok, "hf", tok)  # a tokenizer.json that qkv's BPE wrapper accepted: the tokenizers object inside
     if tok is None or not hasattr(tok, "encode_batch") or not hasattr(tok, "no_truncation"):
         raise ConfigError(f"{folder} has no Hugging Face tokenizer (tokenizer.json or vocab.txt)")
     tok.no_truncation()  # a saved tokenizer.json may carry its own settings: lengths are ours to decide
