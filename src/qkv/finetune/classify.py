@@ -103,9 +103,12 @@ def label_set(values: list[Any], model_names: dict[int, str] | None) -> tuple[di
         if ids[0] < 0:
             raise ConfigError(f"label ids must be >= 0, got {ids[0]}")
         n = ids[-1] + 1
-        names = {i: (model_names or {}).get(i, str(i)) for i in range(n)}
-        if len(set(names.values())) < n:
-            names = {i: str(i) for i in range(n)}
+        names = {i: str(i) for i in range(n)}
+        given = model_names or {}
+        # the folder's names, when it names every id and they are real names (not transformers' LABEL_i)
+        if sorted(given) == list(range(n)) and len(set(given.values())) == n and \
+                any(v != f"LABEL_{i}" for i, v in given.items()):
+            names = {i: str(given[i]) for i in range(n)}
         return {str(i): i for i in range(n)}, names
     names = sorted(set(as_str))
     return {s: i for i, s in enumerate(names)}, dict(enumerate(names))
@@ -162,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     trainer = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None)
     summary = trainer.fit()
-    best = best_state(out)
+    best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
     if best is not None:
         model.load_state_dict(best)
     model.cpu().eval()

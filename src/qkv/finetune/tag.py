@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = new_head_model(enc, "tag", len(names), args.seed)
     out = Path(args.out)
     summary = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None).fit()
-    best = best_state(out)
+    best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
     if best is not None:
         model.load_state_dict(best)
     model.cpu().eval()
