@@ -113,3 +113,22 @@ def test_scores_match_scikit_learn():
         s = scores(gold, pred, 4)
         assert s["accuracy"] == pytest.approx(metrics.accuracy_score(gold, pred))
         assert s["macro_f1"] == pytest.approx(metrics.f1_score(gold, pred, average="macro"))
+
+
+def test_same_seed_same_weights_and_resume(bert, tmp_path):
+    """One seed, the same run (head init, data order, dropout); --resume continues from the last checkpoint."""
+    from safetensors.torch import load_file
+
+    data = write_csv(tmp_path / "t.csv", sentiment_rows(40, 4))
+    common = ["--task", "classify", "--data", str(data), "--no-progress", "train.plot=false",
+              "train.tensorboard=false", "train.batch_size=8",
+              "train.schedule=constant", "train.warmup=0"]  # a resume with more steps keeps the same LRs
+    for name in ("a", "b"):
+        assert main(["finetune", str(bert), "--out", str(tmp_path / name), *common, "train.max_steps=4"]) == 0
+    a, b = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["finetune", str(bert), "--out", str(tmp_path / "c"), *common, "train.max_steps=2"]) == 0
+    assert main(["finetune", str(bert), "--out", str(tmp_path / "c"), *common, "--resume", "train.max_steps=4"]) == 0
+    assert "resumed from" in (tmp_path / "c" / "train.log").read_text()
+    c = load_file(str(tmp_path / "c" / "model.safetensors"))
+    assert all(torch.allclose(a[k], c[k], atol=1e-6) for k in a)  # 2 + 2 steps == 4 steps
