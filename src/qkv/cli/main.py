@@ -323,7 +323,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
-    "embed": ("sentence embeddings from a BERT-family folder, or nearest neighbours of a query", _add_embed, cmd_embed),
+    "embed": ("sentence embeddings of a text file (or its lines nearest to --query)", _add_embed, cmd_embed),
 }
 
 
