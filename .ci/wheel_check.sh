@@ -25,6 +25,26 @@ venv/bin/qkv presets > /dev/null
 venv/bin/qkv ablate 01_sqrt_dk --quick --out "$tmp/ablate"
 test -s "$tmp/ablate/summary.md"
 venv/bin/qkv demo --quick --out "$tmp/demo"
+# a BERT-family folder made without transformers (qkv's exporter + a tokenizers word-level tokenizer.json):
+# qkv finetune (classify) and qkv embed on it
+venv/bin/python - "$tmp/enc" <<'PY'
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from qkv.interop.bert import export_bert
+from qkv.models.bert import BERT, BERTConfig
+words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "good", "bad", "a", "b", "c"]
+tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+export_bert(BERT(BERTConfig(vocab_size=len(words), n_layers=1, d_model=32, n_heads=2, context_length=16)), sys.argv[1])
+tok.save(sys.argv[1] + "/tokenizer.json")
+open(sys.argv[1] + "/train.csv", "w").write("text,label\n" + "".join(f"a {w} b,{w}\nc {w},{w}\n" for w in ("good", "bad")))
+PY
+venv/bin/qkv finetune "$tmp/enc" --task classify --data "$tmp/enc/train.csv" --dev "$tmp/enc/train.csv" --out "$tmp/clf" --no-progress train.max_steps=2
+test -s "$tmp/clf/confusion.png"
+cut -d, -f1 "$tmp/enc/train.csv" | tail -n +2 > "$tmp/texts.txt"
+venv/bin/qkv embed "$tmp/clf" --input "$tmp/texts.txt" --out "$tmp/emb.npy" --no-progress
+venv/bin/qkv embed "$tmp/clf" --input "$tmp/texts.txt" --query "a good b" --top-k 2 --no-progress
 # an extra that is not installed is one clear line, exit 2
 set +e
 venv/bin/qkv train numbers_zh --max-steps 1 --out "$tmp/zh" 2> "$tmp/err.txt"

@@ -343,6 +343,30 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_embed(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT folder (Hugging Face format)")
+    p.add_argument("--input", required=True, help="text file, one text per line")
+    p.add_argument("--out", default=None, help="write the embeddings here (.npy, one row per line)")
+    p.add_argument("--query", default=None, help="print the input lines nearest to this text")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--pooling", choices=("mean", "cls"), default=None,
+                   help="mean over tokens or the first token (default: the folder's 1_Pooling, else mean)")
+    p.add_argument("--no-normalize", action="store_true", help="keep the raw pooled vectors")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def cmd_embed(a: argparse.Namespace) -> int:
+    from qkv.embed import run
+
+    for line in run(a.model, a.input, out=a.out, query=a.query, top_k=a.top_k, pooling=a.pooling,
+                    normalize=not a.no_normalize, batch_size=a.batch_size, device=a.device,
+                    progress=not a.no_progress):
+        print(line)
+    return 0
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
@@ -355,6 +379,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
     "chat": ("chat with a model folder (its chat template), interactively or --message", _add_chat, cmd_chat),
+    "embed": ("sentence embeddings of a text file (or its lines nearest to --query)", _add_embed, cmd_embed),
 }
 
 

@@ -71,9 +71,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # flags several recipes share, defined once here (argparse refuses a second definition); None = the recipe's
+    # own default (see shared())
+    p.add_argument("--epochs", type=float, default=None,
+                   help="passes over the training data when train.max_steps is not given (default: chat 1, "
+                        "classify/tag 3, seq2seq: its own)")
+    p.add_argument("--too-long", choices=("error", "skip", "truncate"), default=None,
+                   help="an example over the length limit: error naming it, skip it (chat) or truncate it "
+                        "(classify, tag); default: error for chat, truncate for classify/tag")
     for r in recipes().values():
         if r.add_arguments is not None:
             r.add_arguments(p.add_argument_group(f"--task {r.name}", r.description))
+
+
+def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any, ...] | None = None,
+           recipe: str = "") -> Any:
+    """A shared flag's value for one recipe: its default when not given, checked against what the recipe
+    supports (e.g. chat cannot truncate a conversation)."""
+    value = getattr(args, name, None)
+    value = default if value is None else value
+    if allowed is not None and value not in allowed:
+        flag = "--" + name.replace("_", "-")
+        raise ConfigError(f"{flag} {value} is not supported by --task {recipe}; choose one of {', '.join(allowed)}")
+    return value
 
 
 def model_kind(folder: str | Path) -> str:
@@ -118,4 +138,4 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
 
 
 __all__ = ["DEFAULT_BY_KIND", "Recipe", "add_arguments", "choose", "finetune", "model_kind", "recipes",
-           "register_recipe"]
+           "register_recipe", "shared"]

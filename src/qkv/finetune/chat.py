@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError, from_dict, parse_overrides
-from qkv.finetune import Recipe, register_recipe
+from qkv.finetune import Recipe, register_recipe, shared
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100
@@ -251,11 +251,6 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
                         "(default q,v)")
     g.add_argument("--max-length", type=int, default=None,
                    help="longest conversation in tokens (default: the model's context length)")
-    g.add_argument("--too-long", choices=("error", "skip"), default="error",
-                   help="a conversation over --max-length: stop with an error naming its line (default) or "
-                        "skip it (counted and listed in the report)")
-    g.add_argument("--epochs", type=float, default=1.0,
-                   help="passes over the data, when train.max_steps is not given (default 1)")
 
 
 def _tokenizer(folder: Path) -> Any:
@@ -285,10 +280,11 @@ def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool
         cfg["progress"] = False
     bs = int(cfg["batch_size"])
     if "max_steps" not in train:
-        if args.epochs <= 0:
-            raise ConfigError(f"--epochs must be positive, got {args.epochs}")
+        epochs = shared(args, "epochs", 1.0)
+        if epochs <= 0:
+            raise ConfigError(f"--epochs must be positive, got {epochs}")
         per_update = bs * int(cfg.get("grad_accum", 1))
-        cfg["max_steps"] = max(1, math.ceil(args.epochs * n_train / per_update))
+        cfg["max_steps"] = max(1, math.ceil(epochs * n_train / per_update))
     if n_dev and "max_eval_batches" not in train:
         cfg["max_eval_batches"] = -(-n_dev // bs)
     return from_dict(TrainConfig, cfg, "train")
@@ -433,8 +429,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("the model declares no context length: pass --max-length")
     if context is not None and max_length > context:
         raise ConfigError(f"--max-length {max_length} is over the model's context of {context}")
-    train, skipped = build_examples(tok, records, max_length, args.data, args.too_long)
-    dev, dev_skipped = build_examples(tok, dev_records, max_length, args.dev, args.too_long) if args.dev else ([], [])
+    too_long = shared(args, "too_long", "error", ("error", "skip"), "chat")
+    train, skipped = build_examples(tok, records, max_length, args.data, too_long)
+    dev, dev_skipped = build_examples(tok, dev_records, max_length, args.dev, too_long) if args.dev else ([], [])
     if not train:
         raise ConfigError(f"{args.data}: every record was skipped (over --max-length {max_length})")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)

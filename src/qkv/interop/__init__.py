@@ -20,6 +20,9 @@ LOADERS: dict[str, Callable[[Path, dict[str, Any]], Any]] = {}
 _MODULES = {
     "gpt2": "qkv.interop.gpt2",
     "bert": "qkv.interop.bert",
+    "roberta": "qkv.interop.roberta",
+    "xlm-roberta": "qkv.interop.roberta",
+    "distilbert": "qkv.interop.distilbert",
     "vit": "qkv.interop.vit",
     "whisper": "qkv.interop.whisper",
     "llama": "qkv.interop.llama",

@@ -5,12 +5,19 @@ HF BERT is our BERT preset: word + position + token-type embeddings, an embeddin
 with exact GELU, a tanh pooler on [CLS]. Storage differences handled by the key map:
   - separate query / key / value Linears are concatenated (in that order) into our fused qkv_proj;
   - task models prefix the encoder with 'bert.'; their heads live under 'cls.' / 'classifier.'.
-The head is chosen by what the checkpoint holds: cls.predictions.* -> head "mlm", classifier.* -> head
-"classify", neither -> head "none" (like BertModel). The pooler is kept iff the file has it.
+The head is chosen by what the checkpoint holds: cls.predictions.* -> head "mlm", classifier.* with a pooler
+-> head "classify", classifier.* without one (BertForTokenClassification) -> head "tag", neither -> head
+"none" (like BertModel). The pooler is kept iff the file has it.
+
+RoBERTa / XLM-R (interop/roberta.py) and DistilBERT (interop/distilbert.py) are the same encoder with other
+names; each describes itself as a `Layout` (below), and one loader and one exporter serve all three.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +25,9 @@ import torch
 from torch import Tensor
 
 from qkv.interop import LOADERS
-from qkv.interop.common import expand, load_hf_weights, read_hf_state, require, strip_prefix
+from qkv.interop.common import expand, export_state, load_hf_weights, read_hf_state, require, strip_prefix
 from qkv.models.bert import BERT, BERTConfig
+from qkv.storage import atomic_save_safetensors, atomic_write_json, unwrap
 
 ENCODER_MAP = {
     "embeddings.word_embeddings.weight": "tok_emb.weight",
@@ -63,17 +71,6 @@ IGNORE = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictio
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
-def _normalise_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """'bert.' prefix off; the TF-era LayerNorm names gamma/beta -> weight/bias."""
-    state = strip_prefix(state, ("bert.",))
-    out = {}
-    for k, v in state.items():
-        if ".LayerNorm.gamma" in k or ".LayerNorm.beta" in k:
-            k = k.replace(".LayerNorm.gamma", ".LayerNorm.weight").replace(".LayerNorm.beta", ".LayerNorm.bias")
-        out[k] = v
-    return out
-
-
 def config_from_hf(hf: dict[str, Any], *, head: str = "none", pooler: bool = True) -> BERTConfig:
     """Map a BERT config.json to BERTConfig; refuse the options our BERT does not implement."""
     pos = hf.get("position_embedding_type", "absolute")
@@ -108,32 +105,142 @@ def config_from_hf(hf: dict[str, Any], *, head: str = "none", pooler: bool = Tru
     )
 
 
-def load_bert(folder: Path, hf_config: dict[str, Any]) -> BERT:
-    hf_state, source = read_hf_state(folder)
-    hf_state = _normalise_keys(hf_state)
-    has = hf_state.__contains__
-    head = ("mlm" if has("cls.predictions.transform.dense.weight")
-            else "classify" if has("classifier.weight") else "none")
-    config = config_from_hf(hf_config, head=head, pooler=has("pooler.dense.weight") or head == "classify")
-    mapping = expand(ENCODER_MAP, config.n_layers)
+@dataclass(frozen=True)
+class Layout:
+    """How one BERT-family checkpoint names our BERT's tensors.
+
+    Keys are those of the base model (BertModel, RobertaModel, ...); task models put them under `prefix`
+    and keep their head outside it. `heads[h]` maps a head's tensors (head "classify" may bring the pooler:
+    RoBERTa's classifier.dense, DistilBERT's pre_classifier); `detect` lists (head, the keys that prove it)
+    in order of precedence; `pooler_act` is the classify pooler's activation."""
+
+    model_type: str
+    prefix: str
+    encoder: dict[str, str]
+    types: dict[str, str]
+    pooler: dict[str, str]
+    heads: dict[str, dict[str, str]]
+    detect: tuple[tuple[str, tuple[str, ...]], ...]
+    architectures: dict[str, str]  # head -> HF class written by export
+    config_from_hf: Callable[..., BERTConfig]
+    config_to_hf: Callable[[BERTConfig], dict[str, Any]]
+    ignore: tuple[str, ...] = ()
+    tied: dict[str, str] = field(default_factory=dict)  # file key -> the key it must equal (tied decoders)
+    pooler_act: str = "tanh"
+
+
+def _normalise_keys(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The task model's prefix off; the TF-era LayerNorm names gamma/beta -> weight/bias."""
+    state = strip_prefix(state, (prefix,))
+    out = {}
+    for k, v in state.items():
+        if ".LayerNorm.gamma" in k or ".LayerNorm.beta" in k:
+            k = k.replace(".LayerNorm.gamma", ".LayerNorm.weight").replace(".LayerNorm.beta", ".LayerNorm.bias")
+        out[k] = v
+    return out
+
+
+def _mapping(layout: Layout, config: BERTConfig) -> dict[str, str]:
+    mapping = expand(layout.encoder, config.n_layers)
     if config.type_vocab_size:
-        mapping.update(TYPE_MAP)
-    if config.pooler:
-        mapping.update(POOLER_MAP)
-    if head == "mlm":
-        mapping.update(MLM_MAP)
-        words = hf_state.get("embeddings.word_embeddings.weight")
-        for k, ref in (("cls.predictions.decoder.weight", words),
-                       ("cls.predictions.decoder.bias", hf_state.get("cls.predictions.bias"))):
-            if k in hf_state and ref is not None:
-                require(torch.equal(hf_state[k], ref), f"{source}: {k} is not tied as this loader assumes")
-    elif head == "classify":
-        mapping.update(CLASSIFY_MAP)
+        mapping.update(layout.types)
+    head_map = layout.heads.get(config.head, {})
+    if config.pooler and not any(v.startswith("pooler.") for v in head_map.values()):
+        mapping.update(layout.pooler)
+    mapping.update(head_map)
+    return mapping
+
+
+def load_encoder(folder: Path, hf_config: dict[str, Any], layout: Layout) -> BERT:
+    """Any BERT-family folder -> our BERT, with the head the file holds."""
+    hf_state, source = read_hf_state(folder)
+    hf_state = _normalise_keys(hf_state, layout.prefix)
+    head = next((h for h, keys in layout.detect if all(k in hf_state for k in keys)), "none")
+    has_pooler = any(k in hf_state for k in layout.pooler)
+    config = layout.config_from_hf(hf_config, head=head, pooler=has_pooler or head == "classify")
+    for k, ref in layout.tied.items():
+        if k in hf_state and ref in hf_state:
+            require(torch.equal(hf_state[k], hf_state[ref]), f"{source}: {k} is not tied as this loader assumes")
     model = BERT(config)
-    load_hf_weights(model, hf_state, mapping, ignore=IGNORE, source=source)
+    load_hf_weights(model, hf_state, _mapping(layout, config), ignore=layout.ignore, source=source)
     return model.eval()
+
+
+def export_encoder(model: BERT, path: str | os.PathLike, layout: Layout, *, base_config: dict[str, Any] | None = None,
+                   id2label: dict[int, str] | None = None) -> Path:
+    """Write `model` as a Hugging Face folder of `layout`'s family (config.json + model.safetensors):
+    the base model for head "none", XForSequenceClassification for "classify", XForTokenClassification for
+    "tag". base_config: the config.json the model was loaded from (its token ids, model_type, ... are kept;
+    every architecture field is written from our config). id2label: class names, in id order."""
+    model = unwrap(model)
+    c: BERTConfig = model.config
+    require(c.head in ("none", "classify", "tag"), f"exporting a BERT with head {c.head!r} is not supported "
+                                                   "(none, classify, tag)")
+    require(c.pooler_act == layout.pooler_act or c.head != "classify",
+            f"a {layout.model_type} classifier pools with {layout.pooler_act}, this model with {c.pooler_act}")
+    mapping = _mapping(layout, c)
+    if c.head == "tag":  # HF token classifiers have no pooler (and one in the file would read as "classify")
+        mapping = {k: v for k, v in mapping.items() if not v.startswith("pooler.")}
+    state = export_state(model.state_dict(), mapping)
+    head_keys = set(layout.heads.get(c.head, {}))
+    if c.head != "none":
+        state = {(k if k in head_keys else layout.prefix + k): v for k, v in state.items()}
+    hf = {k: v for k, v in (base_config or {}).items()
+          if k not in ("architectures", "id2label", "label2id", "num_labels", "_name_or_path", "transformers_version",
+                       "torch_dtype", "dtype")}
+    hf.setdefault("model_type", layout.model_type)
+    hf.update(layout.config_to_hf(c))
+    hf["architectures"] = [layout.architectures[c.head]]
+    if c.head in ("classify", "tag"):
+        names = id2label or {i: f"LABEL_{i}" for i in range(c.num_labels)}
+        require(len(names) == c.num_labels, f"id2label has {len(names)} names for {c.num_labels} labels")
+        hf["id2label"] = {str(i): str(n) for i, n in sorted(names.items())}
+        hf["label2id"] = {str(n): int(i) for i, n in sorted(names.items())}
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
+    atomic_write_json(hf, folder / "config.json")
+    return folder
+
+
+HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+def config_to_hf(c: BERTConfig) -> dict[str, Any]:
+    """The architecture fields of a BertConfig (the inverse of config_from_hf)."""
+    return {
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "intermediate_size": c.d_ff or 4 * c.d_model,
+        "hidden_act": HF_ACT[c.ffn], "max_position_embeddings": c.context_length + c.position_offset,
+        "type_vocab_size": c.type_vocab_size, "layer_norm_eps": c.norm_eps,
+        "hidden_dropout_prob": c.dropout, "attention_probs_dropout_prob": c.attn_dropout,
+        "initializer_range": c.init_std, "position_embedding_type": "absolute",
+    }
+
+
+BERT_LAYOUT = Layout(
+    model_type="bert", prefix="bert.", encoder=ENCODER_MAP, types=TYPE_MAP, pooler=POOLER_MAP,
+    heads={"mlm": MLM_MAP, "classify": CLASSIFY_MAP, "tag": CLASSIFY_MAP},
+    # classifier.* beside a pooler: BertForSequenceClassification; without one: BertForTokenClassification
+    detect=(("mlm", ("cls.predictions.transform.dense.weight",)),
+            ("classify", ("classifier.weight", "pooler.dense.weight")), ("tag", ("classifier.weight",))),
+    architectures={"none": "BertModel", "classify": "BertForSequenceClassification",
+                   "tag": "BertForTokenClassification"},
+    config_from_hf=config_from_hf, config_to_hf=config_to_hf, ignore=IGNORE,
+    tied={"cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
+          "cls.predictions.decoder.bias": "cls.predictions.bias"},
+)
+
+
+def load_bert(folder: Path, hf_config: dict[str, Any]) -> BERT:
+    return load_encoder(folder, hf_config, BERT_LAYOUT)
+
+
+def export_bert(model: BERT, path: str | os.PathLike, **kwargs: Any) -> Path:
+    return export_encoder(model, path, BERT_LAYOUT, **kwargs)
 
 
 LOADERS["bert"] = load_bert
 
-__all__ = ["ENCODER_MAP", "config_from_hf", "load_bert"]
+__all__ = ["BERT_LAYOUT", "ENCODER_MAP", "Layout", "config_from_hf", "config_to_hf", "export_bert", "export_encoder",
+           "load_bert", "load_encoder"]

@@ -20,7 +20,8 @@ from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_length, check_token_ids
 from qkv.nn.norm import build_norm
 
-HEADS = ("none", "mlm", "classify")
+HEADS = ("none", "mlm", "classify", "tag")
+POOLER_ACTS = ("tanh", "relu")
 
 
 @dataclass
@@ -32,8 +33,13 @@ class BERTConfig(TransformerConfig):
     context_length: int = 512
     type_vocab_size: int = 2  # segment (sentence A/B) embeddings; 0 disables them
     pooler: bool = True  # tanh(W h_[CLS] + b), as in BERT
-    head: str = "none"  # none (like BertModel) | mlm | classify
-    num_labels: int = 2  # classes of the classification head
+    head: str = "none"  # none (like BertModel) | mlm | classify | tag (one label per token)
+    num_labels: int = 2  # classes of the classification (or tagging) head
+    pooler_act: str = "tanh"  # tanh (BERT, RoBERTa's classifier.dense) | relu (DistilBERT's pre_classifier)
+    # RoBERTa counts positions from padding_idx + 1 = 2: the learned table then has context_length +
+    # position_offset rows, the first position_offset never used by a real token (0 = BERT)
+    position_offset: int = 0
+    pad_token_id: int | None = None  # with position_offset: left padding shifts each row's positions (RoBERTa)
     position: str = "learned"
     placement: str = "post"
     ffn: str = "gelu"
@@ -67,18 +73,29 @@ class BERT(QKVModel):
         c = config
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
-        self.encoder = build_stack(c, c.n_layers, max_len=c.context_length, causal=False, embed_norm=True)
+        self.encoder = build_stack(c, c.n_layers, max_len=c.context_length + c.position_offset, causal=False,
+                                   embed_norm=True)
         self.pooler = nn.Linear(c.d_model, c.d_model) if c.pooler else None
         if c.head == "mlm":
             self.mlm_dense = nn.Linear(c.d_model, c.d_model)
             self.mlm_norm = build_norm("layernorm", c.d_model, c.norm_eps)
             self.mlm_decoder = nn.Linear(c.d_model, c.vocab_size)
-        elif c.head == "classify":
+        elif c.head in ("classify", "tag"):
             self.classifier = nn.Linear(c.d_model, c.num_labels)
             self.cls_drop = nn.Dropout(c.dropout)
         self.init_weights(c.n_layers)
         if c.head == "mlm":
             self.mlm_decoder.weight = self.tok_emb.weight
+
+    def _offset(self, input_ids: Tensor) -> int | Tensor:
+        """Position of each row's first token. RoBERTa numbers real tokens from position_offset on and
+        derives positions from the pad id (HF create_position_ids_from_input_ids): a left-padded row starts
+        that many positions lower, so its first real token still sits at position_offset."""
+        c = self.config
+        if not c.position_offset or c.pad_token_id is None:
+            return c.position_offset
+        first_real = (input_ids != c.pad_token_id).int().argmax(dim=1)
+        return c.position_offset - first_real
 
     def forward(
         self,
@@ -90,19 +107,23 @@ class BERT(QKVModel):
         return_attentions: bool = False,
     ) -> ModelOutput:
         """input_ids: (B, T); attention_mask: (B, T) 1 = real token. labels: (B, T) token ids with -100
-        where no prediction is wanted (mlm head), or (B,) class ids (classify head)."""
+        where no prediction is wanted (mlm head), (B,) class ids (classify head), or (B, T) label ids with
+        -100 on positions without a label (tag head)."""
         c = self.config
         check_token_ids(input_ids, c.vocab_size)
-        check_length(input_ids.shape[1], self.encoder.context_limit)
+        check_length(input_ids.shape[1], c.context_length)
         x = self.tok_emb(input_ids)
         if self.type_emb is not None:
             tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             check_token_ids(tt, c.type_vocab_size, "token_type_ids")
             x = x + self.type_emb(tt)
         keep = attention_mask.bool() if attention_mask is not None else None
-        out = self.encoder(x, keep=keep, return_weights=return_attentions)
+        out = self.encoder(x, keep=keep, offset=self._offset(input_ids), return_weights=return_attentions)
         h = out.hidden
-        pooled = torch.tanh(self.pooler(h[:, 0])) if self.pooler is not None else None
+        pooled = None
+        if self.pooler is not None:
+            pooled = self.pooler(h[:, 0])
+            pooled = torch.relu(pooled) if c.pooler_act == "relu" else torch.tanh(pooled)
         logits = loss = n = None
         if c.head == "mlm":
             logits = self.mlm_decoder(self.mlm_norm(F.gelu(self.mlm_dense(h))))
@@ -110,6 +131,10 @@ class BERT(QKVModel):
                 loss, n = token_loss(logits, labels)
         elif c.head == "classify":
             logits = self.classifier(self.cls_drop(pooled))
+            if labels is not None:
+                loss, n = token_loss(logits, labels)
+        elif c.head == "tag":
+            logits = self.classifier(self.cls_drop(h))
             if labels is not None:
                 loss, n = token_loss(logits, labels)
         return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=h, pooled=pooled,

@@ -1,0 +1,184 @@
+"""Fine-tuning step throughput: qkv BERT (classify head) vs Hugging Face BertForSequenceClassification.
+
+One step = forward with the classification loss + backward + AdamW step + zero_grad, on a BERT-base-shaped
+model (hidden 768, 12 heads, FFN 3072, vocab 30522; --layers, default 12) with random weights, batch 16 x
+seq 128 with a padding mask (row lengths 64..128, as dynamic padding leaves them), dropout 0, fp32 and bf16
+(torch.autocast on the device, the same for both). Both start from the SAME weights (the HF model is saved to
+a temporary folder and loaded through qkv.from_pretrained), see the SAME batches and use the same optimizer;
+the first step's losses are printed to show that both compute the same function.
+
+Timing: `--warmup` steps each, then `--repeats` rounds; in each round every (model, dtype) pair runs `--steps`
+steps, the order reversed every other round (ABBA) so drift of a shared machine hits all alike. Reported:
+median tokens/s (padding included: the tokens the models process) and the median of per-round ratios.
+
+    .venv/bin/python benchmarks/finetune_encoder.py [--quick] [--layers N] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+import qkv  # noqa: E402
+from qkv.nn import linear as qkv_linear  # noqa: E402
+
+BASE = dict(hidden=768, heads=12, ff=3072, vocab=30522, seq=128, batch=16, labels=2)
+QUICK = dict(hidden=64, heads=4, ff=128, vocab=1000, seq=32, batch=4, labels=2)
+
+
+def build_models(shape: dict, layers: int, device: str, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=layers,
+                                  num_attention_heads=shape["heads"], intermediate_size=shape["ff"],
+                                  max_position_embeddings=512, num_labels=shape["labels"], hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    hf = transformers.BertForSequenceClassification(cfg)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = qkv.from_pretrained(d)
+    assert ours.config.head == "classify" and ours.config.dropout == 0.0
+    return hf.to(device).train(), ours.to(device).train(), transformers.__version__
+
+
+def batches(shape: dict, n: int, device: str) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        B, T = shape["batch"], shape["seq"]
+        ids = torch.randint(1000 if shape["vocab"] > 2000 else 5, shape["vocab"], (B, T), generator=g)
+        lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+        lengths[0] = T
+        mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+        out.append({"input_ids": (ids * mask).to(device), "attention_mask": mask.to(device),
+                    "token_type_ids": torch.zeros_like(ids).to(device),
+                    "labels": torch.randint(0, shape["labels"], (B,), generator=g).to(device)})
+    return out
+
+
+def make_step(model, dtype: str, device: str, onednn: bool = True):
+    """One optimizer step. onednn=False runs qkv with qkv.nn.linear's oneDNN fp32 path off, i.e. with the same
+    MKL GEMMs Hugging Face uses: it separates that kernel choice from the rest of the model."""
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01)
+
+    def step(b: dict[str, torch.Tensor]) -> float:
+        ctx = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+        old, qkv_linear.ONEDNN = qkv_linear.ONEDNN, onednn
+        try:
+            with ctx:
+                loss = model(**b).loss
+            loss.float().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        finally:
+            qkv_linear.ONEDNN = old
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return float(loss.detach())
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 1 warmup, 2 rounds of 1 step (smoke test)")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=1, help="steps per (model, dtype) per round")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-mkl-row", dest="mkl_row", action="store_false",
+                    help="skip the qkv run with the oneDNN linear path off")
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    a = ap.parse_args()
+    shape = dict(QUICK if a.quick else BASE)
+    if a.quick:
+        a.layers, a.warmup, a.repeats, a.steps = 1, 1, 2, 1
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtypes = [d for d in a.dtypes.split(",") if d]
+
+    hf, ours, tf_version = build_models(shape, a.layers, a.device)
+    data = batches(shape, 3, a.device)
+    tokens = shape["batch"] * shape["seq"]
+    # one model copy per (model, dtype): each keeps its own optimizer state, all from the same weights
+    steps = {}
+    for dt in dtypes:
+        steps[("qkv BERT", dt)] = make_step(copy.deepcopy(ours), dt, a.device)
+        steps[("HF BertForSequenceClassification (sdpa)", dt)] = make_step(copy.deepcopy(hf), dt, a.device)
+        if dt == "fp32" and a.device == "cpu" and a.mkl_row:  # bf16 autocast never takes the oneDNN fp32 path
+            steps[("qkv BERT, oneDNN linear off (MKL GEMMs)", dt)] = make_step(copy.deepcopy(ours), dt, a.device,
+                                                                               onednn=False)
+    first = {f"{m} {dt}": fn(data[0]) for (m, dt), fn in steps.items()}
+    print("first-step loss: " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()), flush=True)
+    for fn in steps.values():
+        for i in range(a.warmup - 1):
+            fn(data[(i + 1) % len(data)])
+
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in steps}
+    order = list(steps)
+    for r in range(a.repeats):
+        for key in (order if r % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            for s in range(a.steps):
+                steps[key](data[s % len(data)])
+            times[key].append((time.perf_counter() - t0) / a.steps)
+        print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{m} {dt} {tokens / v[-1]:.0f} tok/s"
+                                                     for (m, dt), v in times.items()), flush=True)
+
+    rows, ratios = [], {}
+    for dt in dtypes:
+        o, h = times[("qkv BERT", dt)], times[("HF BertForSequenceClassification (sdpa)", dt)]
+        per_round = [hh / oo for oo, hh in zip(o, h)]
+        ratios[dt] = {"per_round": per_round, "median": statistics.median(per_round)}
+        for (m, d2), t in times.items():
+            if d2 == dt:
+                med = statistics.median(t)
+                rows.append({"model": m, "dtype": dt, "median_step_s": med, "tokens_per_s": tokens / med,
+                             "min_step_s": min(t), "max_step_s": max(t),
+                             "ratio_vs_hf": statistics.median([hh / tt for tt, hh in zip(t, h)])})
+    result = {
+        "benchmark": "finetune_encoder", "quick": a.quick,
+        "config": {**shape, "layers": a.layers, "device": a.device, "dropout": 0.0,
+                   "optimizer": "AdamW(lr=2e-5, wd=0.01)", "padding": "row lengths uniform in [seq/2, seq]"},
+        "warmup": a.warmup, "repeats": a.repeats, "steps_per_round": a.steps, "rows": rows, "ratios": ratios,
+        "bar": 1.2, "first_step_loss": first,
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "transformers": tf_version, "python": platform.python_version()},
+    }
+    md = ["| model | dtype | median step (s) | tokens/s | min..max step (s) | vs HF |", "|---|---|---:|---:|---:|---:|",
+          *[f"| {r['model']} | {r['dtype']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['min_step_s']:.3f}..{r['max_step_s']:.3f} | {r['ratio_vs_hf']:.2f}x |" for r in rows], ""]
+    for dt, rr in ratios.items():
+        md.append(f"{dt}: qkv / HF throughput, median of per-round ratios **{rr['median']:.2f}x** "
+                  f"(range {min(rr['per_round']):.2f}..{max(rr['per_round']):.2f}; bar 1.2x: "
+                  f"{'met' if rr['median'] >= 1.2 else 'NOT met'}).")
+    md.append(f"{a.layers} layers x hidden {shape['hidden']}, batch {shape['batch']} x seq {shape['seq']}, "
+              f"{a.repeats} rounds x {a.steps} steps, {a.warmup} warmup, {a.device}, torch {torch.__version__}, "
+              f"transformers {tf_version}, {torch.get_num_threads()} threads.")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "finetune_encoder_quick" if a.quick else "finetune_encoder"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (out / f"{name}.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

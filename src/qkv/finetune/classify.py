@@ -1,0 +1,198 @@
+"""`qkv finetune DIR --task classify`: text or text-pair classification with a BERT-family encoder.
+
+    qkv finetune bert-folder --data train.csv --dev dev.csv --out clf \
+        --text-column sentence [--text-pair-column sentence2] --label-column label [--epochs 3] [train.lr=5e-5]
+
+Data: CSV, TSV or JSONL (by extension) with a header / keys; labels are names ("pos") or ids ("1"). The
+classifier reads the pooled [CLS] vector (BERT's tanh pooler, RoBERTa's classifier.dense, DistilBERT's
+pre_classifier: one Linear + activation), trained with qkv.train.Trainer (linear decay after warmup, AdamW,
+clipping, bf16 with train.precision=bf16, a checkpoint each epoch, --resume). With --dev: accuracy and macro-F1
+each epoch, the best (macro-F1) checkpoint kept and exported, and confusion.png. OUT is then a Hugging Face
+folder (AutoModelForSequenceClassification; qkv.from_pretrained) with the source's tokenizer files.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from qkv.config import ConfigError
+from qkv.finetune import Recipe, register_recipe, shared
+from qkv.finetune.encoders import (
+    EncodedData,
+    best_state,
+    column,
+    encode,
+    export_folder,
+    flag,
+    new_head_model,
+    open_encoder,
+    predict,
+    read_records,
+    train_config,
+)
+from qkv.storage import atomic_write_json
+
+METRICS = {"macro_f1": "max", "accuracy": "max"}  # the first selects the best checkpoint
+
+
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    flag(g, "--text-column", default="text", help="column with the text (default: text)")
+    flag(g, "--text-pair-column", default=None, help="column with the second text of a pair (optional)")
+    flag(g, "--label-column", default="label", help="column with the label, a name or an id (default: label)")
+
+
+def too_long(args: argparse.Namespace) -> str:
+    return shared(args, "too_long", "truncate", ("truncate", "error"), "classify")
+
+
+# -- metrics --------------------------------------------------------------------------------------------
+def confusion(gold: list[int], pred: list[int], n: int) -> list[list[int]]:
+    """m[g][p] = examples of class g predicted as p."""
+    m = [[0] * n for _ in range(n)]
+    for g, p in zip(gold, pred):
+        m[g][p] += 1
+    return m
+
+
+def scores(gold: list[int], pred: list[int], n: int) -> dict[str, float]:
+    """Accuracy and macro-F1: the unweighted mean over classes of 2TP / (2TP + FP + FN), over the classes
+    that occur in the gold labels or the predictions (scikit-learn's f1_score(average="macro"))."""
+    m = confusion(gold, pred, n)
+    f1s = []
+    for c in range(n):
+        tp = m[c][c]
+        fn = sum(m[c]) - tp
+        fp = sum(m[g][c] for g in range(n)) - tp
+        if tp + fn + fp:
+            f1s.append(2 * tp / (2 * tp + fp + fn))
+    acc = sum(m[c][c] for c in range(n)) / max(1, len(gold))
+    return {"accuracy": acc, "macro_f1": sum(f1s) / max(1, len(f1s))}
+
+
+def plot_confusion(m: list[list[int]], names: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(names)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * n, 1.0 + 0.6 * n))
+    ax.imshow(m, cmap="Blues")
+    ax.set_xticks(range(n), names, rotation=45, ha="right")
+    ax.set_yticks(range(n), names)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(title)
+    top = max(max(r) for r in m) or 1
+    for g in range(n):
+        for p in range(n):
+            ax.text(p, g, str(m[g][p]), ha="center", va="center", color="white" if m[g][p] > top / 2 else "black")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- labels ---------------------------------------------------------------------------------------------
+def label_set(values: list[Any], model_names: dict[int, str] | None) -> tuple[dict[str, int], dict[int, str]]:
+    """(label -> id, id -> name). All integers: they are the ids (0..max), named by the folder's id2label when
+    it has one for each; otherwise names, given ids in sorted order."""
+    as_str = [str(v).strip() for v in values]
+    if all(s.lstrip("-").isdigit() for s in as_str):
+        ids = sorted({int(s) for s in as_str})
+        if ids[0] < 0:
+            raise ConfigError(f"label ids must be >= 0, got {ids[0]}")
+        n = ids[-1] + 1
+        names = {i: str(i) for i in range(n)}
+        given = model_names or {}
+        # the folder's names, when it names every id and they are real names (not transformers' LABEL_i)
+        if sorted(given) == list(range(n)) and len(set(given.values())) == n and \
+                any(v != f"LABEL_{i}" for i, v in given.items()):
+            names = {i: str(given[i]) for i in range(n)}
+        return {str(i): i for i in range(n)}, names
+    names = sorted(set(as_str))
+    return {s: i for i, s in enumerate(names)}, dict(enumerate(names))
+
+
+def label_ids(values: list[Any], mapping: dict[str, int], path: str, records: list[tuple[int, Any]]) -> list[int]:
+    out = []
+    for v, (line, _) in zip(values, records):
+        s = str(v).strip()
+        if s not in mapping:
+            raise ConfigError(f"{path} line {line}: label {s!r} does not occur in the training data "
+                              f"(labels: {', '.join(list(mapping)[:20])})")
+        out.append(mapping[s])
+    return out
+
+
+def _examples(path: str, args: argparse.Namespace, enc: Any) -> tuple[list[Any], list[Any], list[tuple[int, Any]], int]:
+    records = read_records(path)
+    texts = [str(t) for t in column(path, records, args.text_column, "text")]
+    pairs = column(path, records, args.text_pair_column, "text pair")
+    pairs = [str(p) for p in pairs] if args.text_pair_column else None
+    labels = column(path, records, args.label_column, "label")
+    encodings, cut = encode(enc.tokenizer, texts, pairs, enc.max_length, too_long(args), path)
+    return encodings, labels, records, cut
+
+
+# -- the recipe -----------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from qkv.train import Trainer
+
+    enc = open_encoder(args.model)
+    train_enc, train_raw, train_rec, cut = _examples(args.data, args, enc)
+    folder_names = {int(k): v for k, v in (enc.hf_config.get("id2label") or {}).items()}
+    mapping, names = label_set(train_raw, folder_names)
+    train_y = label_ids(train_raw, mapping, args.data, train_rec)
+    n_labels = len(names)
+    if n_labels < 2:
+        raise ConfigError(f"{args.data}: only one label ({names[0]!r}); classification needs at least two")
+    types = enc.model.config.type_vocab_size > 1  # one type (RoBERTa): the model's default zeros
+    train = EncodedData(train_enc, train_y, enc.pad_id, args.seed, METRICS, token_types=types)
+    dev = None
+    dev_cut = 0
+    if args.dev:
+        dev_enc, dev_raw, dev_rec, dev_cut = _examples(args.dev, args, enc)
+        dev = EncodedData(dev_enc, label_ids(dev_raw, mapping, args.dev, dev_rec), enc.pad_id, args.seed,
+                          token_types=types)
+
+    def evaluate(model: Any) -> dict[str, float]:
+        pred = [int(x.argmax()) for x in predict(model, dev)]
+        return scores(dev.labels, pred, n_labels)
+
+    cfg = train_config(args, len(train), dev is not None)
+    model = new_head_model(enc, "classify", n_labels, args.seed)
+    out = Path(args.out)
+    trainer = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None)
+    summary = trainer.fit()
+    best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
+    if best is not None:
+        model.load_state_dict(best)
+    model.cpu().eval()
+    export_folder(enc, model, out, names)
+    result: dict[str, Any] = {"task": "classify", "labels": [names[i] for i in range(n_labels)],
+                              "train_examples": len(train), "truncated": {"train": cut, "dev": dev_cut},
+                              "steps": summary["steps"], "best": summary.get("best_eval"), "out": str(out)}
+    lines = [f"fine-tuned {enc.model_type} for {summary['steps']} steps on {len(train)} examples "
+             f"({n_labels} labels: {', '.join(result['labels'][:10])})"]
+    if cut or dev_cut:
+        lines.append(f"truncated to {enc.max_length} tokens: {cut} training and {dev_cut} dev example(s)")
+    if dev is not None:
+        pred = [int(x.argmax()) for x in predict(model, dev)]
+        final = scores(dev.labels, pred, n_labels)
+        m = confusion(dev.labels, pred, n_labels)
+        plot_confusion(m, result["labels"], out / "confusion.png",
+                       f"dev: accuracy {final['accuracy']:.3f}, macro-F1 {final['macro_f1']:.3f}")
+        result.update(dev=final, confusion=m)
+        which = f"best checkpoint (step {summary['best_eval']['step']})" if summary.get("best_eval") else "final model"
+        lines.append(f"dev ({len(dev)} examples, {which}): accuracy {final['accuracy']:.4f}, "
+                     f"macro-F1 {final['macro_f1']:.4f}; confusion matrix in {out / 'confusion.png'}")
+    atomic_write_json(result, out / "finetune.json")
+    lines.append(f"saved {out} (transformers: AutoModelForSequenceClassification.from_pretrained; qkv.from_pretrained)")
+    result["report"] = "\n".join(lines)
+    return result
+
+
+register_recipe(Recipe("classify", ("encoder",), "text / text-pair classification with a BERT-family encoder",
+                       run, add_arguments))

@@ -1,0 +1,300 @@
+"""What the encoder recipes (classify, tag) and `qkv embed` share: a BERT-family folder with its tokenizer,
+data files read with one clear error per defect, padded batches, the Trainer's settings, and the export
+back to a Hugging Face folder.
+
+Not a recipe itself (it registers nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.config import ConfigError, apply_overrides, parse_overrides
+from qkv.finetune import shared
+
+# the encoder model_types and the module whose Layout writes them back
+FAMILIES = {"bert": ("qkv.interop.bert", "BERT_LAYOUT"), "roberta": ("qkv.interop.roberta", "ROBERTA_LAYOUT"),
+            "xlm-roberta": ("qkv.interop.roberta", "XLM_ROBERTA_LAYOUT"),
+            "distilbert": ("qkv.interop.distilbert", "DISTILBERT_LAYOUT")}
+# tokenizer files a Hugging Face folder may carry; copied to the output folder so it is complete
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+                   "merges.txt", "sentencepiece.bpe.model", "added_tokens.json")
+
+
+def flag(group: argparse._ArgumentGroup, name: str, **kwargs: Any) -> None:
+    """Add `name` unless another recipe already did (recipes share one parser; two recipes may both want
+    e.g. --epochs, and argparse refuses a second definition)."""
+    if name not in group._option_string_actions:  # shared with the parser the group belongs to
+        group.add_argument(name, **kwargs)
+
+
+# -- the model folder ------------------------------------------------------------------------------------
+@dataclass
+class EncoderFolder:
+    path: Path
+    model: Any  # qkv BERT as loaded (any head)
+    tokenizer: Any  # a `tokenizers` Tokenizer (or its BertWordPiece wrapper)
+    hf_config: dict[str, Any]
+    model_type: str
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.hf_config.get("pad_token_id")
+        return int(pad) if isinstance(pad, int) else 0
+
+    @property
+    def max_length(self) -> int:
+        return int(self.model.config.context_length)
+
+    def layout(self) -> Any:
+        import importlib
+
+        module, name = FAMILIES[self.model_type]
+        return getattr(importlib.import_module(module), name)
+
+
+def open_encoder(folder: str | Path) -> EncoderFolder:
+    """A Hugging Face BERT / RoBERTa / XLM-R / DistilBERT folder and its tokenizer (tokenizer.json, else
+    vocab.txt), found by the library's one lookup (qkv.tasks.tokenizers.find_tokenizer)."""
+    from qkv import from_pretrained
+    from qkv.storage import read_config
+    from qkv.tasks.tokenizers import find_tokenizer
+
+    folder = Path(folder)
+    meta = read_config(folder)
+    mt = meta.get("model_type")
+    if mt not in FAMILIES:
+        raise ConfigError(f"{folder}: the encoder recipes take a Hugging Face {'/'.join(FAMILIES)} folder; "
+                          f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else ""))
+    model = from_pretrained(folder)
+    tok = find_tokenizer(folder)
+    tok = getattr(tok, "hf", tok)  # a tokenizer.json that qkv's BPE wrapper accepted: the tokenizers object inside
+    if tok is None or not hasattr(tok, "encode_batch") or not hasattr(tok, "no_truncation"):
+        raise ConfigError(f"{folder} has no Hugging Face tokenizer (tokenizer.json or vocab.txt)")
+    tok.no_truncation()  # a saved tokenizer.json may carry its own settings: lengths are ours to decide
+    tok.no_padding()
+    return EncoderFolder(folder, model, tok, meta, mt)
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and src.resolve() != dst.resolve():
+            shutil.copyfile(src / name, dst / name)
+
+
+def export_folder(enc: EncoderFolder, model: Any, out: Path, id2label: dict[int, str] | None) -> Path:
+    """`model` as a Hugging Face folder of the source's family, with the source's tokenizer files."""
+    from qkv.interop.bert import export_encoder
+
+    export_encoder(model, out, enc.layout(), base_config=enc.hf_config, id2label=id2label)
+    copy_tokenizer(enc.path, out)
+    return out
+
+
+def new_head_model(enc: EncoderFolder, head: str, num_labels: int, seed: int) -> Any:
+    """A BERT with `head` (classify: the pooler kept or added; tag: per token) over the folder's encoder.
+    Seeded before building so the new head's initial weights are the same in every run."""
+    from dataclasses import replace
+
+    from qkv.models.bert import BERT
+
+    cfg = replace(enc.model.config, head=head, num_labels=num_labels,
+                  pooler=head == "classify" or (head != "tag" and enc.model.config.pooler))
+    torch.manual_seed(seed)
+    model = BERT(cfg)
+    own = model.state_dict()
+    src = {k: v for k, v in enc.model.state_dict().items()
+           if k in own and own[k].shape == v.shape and not k.startswith(("classifier.", "mlm_"))}
+    model.load_state_dict(src, strict=False)
+    return model
+
+
+# -- data files -----------------------------------------------------------------------------------------
+def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of a CSV, TSV or JSONL file; the format follows the file's extension."""
+    path = Path(path)
+    ext = path.suffix.lower()
+    text = path.read_text(encoding="utf-8")
+    if ext in (".jsonl", ".json", ".ndjson"):
+        out = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} line {i}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise ConfigError(f"{path} line {i}: expected a JSON object per line")
+            out.append((i, rec))
+        return out
+    if ext not in (".csv", ".tsv", ".tab", ".txt"):
+        raise ConfigError(f"{path}: unknown data format {ext!r} (use .csv, .tsv or .jsonl)")
+    reader = csv.DictReader(text.splitlines(), delimiter="," if ext == ".csv" else "\t")
+    if not reader.fieldnames:
+        raise ConfigError(f"{path}: empty file (a header row naming the columns is needed)")
+    return [(reader.line_num, row) for row in reader if any((v or "").strip() for v in row.values())]
+
+
+def column(path: str | Path, records: list[tuple[int, dict[str, Any]]], name: str | None, what: str,
+           allow_empty: bool = False) -> list[Any]:
+    """The values of column `name`, each present and non-empty (one clear error naming the row)."""
+    if name is None:
+        return [None] * len(records)
+    if not records:
+        raise ConfigError(f"{path}: no data rows")
+    if name not in records[0][1]:
+        raise ConfigError(f"{path}: no {what} column {name!r} (columns: {', '.join(map(str, records[0][1]))})")
+    values = []
+    for line, rec in records:
+        v = rec.get(name)
+        if v is None or (isinstance(v, str) and not v.strip()):
+            if allow_empty:
+                values.append("")
+                continue
+            raise ConfigError(f"{path} line {line}: empty {what} ({name!r}); remove or fill the row")
+        values.append(v)
+    return values
+
+
+def encode(tokenizer: Any, texts: list[Any], pairs: list[Any] | None, max_length: int, too_long: str,
+           source: str, *, pretokenized: bool = False) -> tuple[list[Any], int]:
+    """Encodings with the tokenizer's special tokens; texts longer than `max_length` tokens are cut
+    (longest_first for pairs) and counted, or, with too_long="error", refused naming the first one."""
+    items = list(zip(texts, pairs)) if pairs is not None else texts
+    full = tokenizer.encode_batch(items, is_pretokenized=pretokenized)
+    long_rows = [i for i, e in enumerate(full) if len(e.ids) > max_length]
+    if long_rows and too_long == "error":
+        i = long_rows[0]
+        raise ConfigError(f"{source}: {len(long_rows)} example(s) longer than the model's context of {max_length} "
+                          f"tokens (first: example {i + 1}, {len(full[i].ids)} tokens); shorten them or pass "
+                          "--too-long truncate")
+    if long_rows:
+        tokenizer.enable_truncation(max_length, strategy="longest_first")
+        try:
+            cut = tokenizer.encode_batch([items[i] for i in long_rows], is_pretokenized=pretokenized)
+        finally:
+            tokenizer.no_truncation()
+        for i, e in zip(long_rows, cut):
+            full[i] = e
+    return full, len(long_rows)
+
+
+def pad_batch(rows: list[list[int]], pad: int, dtype: torch.dtype = torch.long) -> Tensor:
+    T = max(len(r) for r in rows)
+    return torch.tensor([r + [pad] * (T - len(r)) for r in rows], dtype=dtype)
+
+
+class EncodedData:
+    """A batch source over encoded examples: a fresh permutation each epoch (from the seed: the same order in
+    every run and on resume), each batch padded to its longest row. `labels` per example: an int (a class)
+    or a list of ints, one per token (-100 where none)."""
+
+    def __init__(self, encodings: list[Any], labels: list[Any], pad_id: int, seed: int,
+                 metrics: dict[str, str] | None = None, token_types: bool = True) -> None:
+        if not encodings:
+            raise ConfigError("no training examples")
+        self.encodings, self.labels, self.pad_id, self.seed = encodings, labels, pad_id, seed
+        self.metrics = metrics or {}
+        self.token_types = token_types
+        self._order: dict[int, Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.encodings)
+
+    def _perm(self, epoch: int) -> Tensor:
+        if epoch not in self._order:
+            self._order = {epoch: torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch))}
+        return self._order[epoch]
+
+    def rows(self, idx: list[int]) -> dict[str, Tensor]:
+        encs = [self.encodings[i] for i in idx]
+        batch = {"input_ids": pad_batch([e.ids for e in encs], self.pad_id),
+                 "attention_mask": pad_batch([e.attention_mask for e in encs], 0)}
+        if self.token_types:
+            batch["token_type_ids"] = pad_batch([e.type_ids for e in encs], 0)
+        labels = [self.labels[i] for i in idx]
+        if labels and isinstance(labels[0], list):
+            batch["labels"] = pad_batch(labels, -100)
+        else:
+            batch["labels"] = torch.tensor(labels, dtype=torch.long)
+        return batch
+
+    def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]:
+        n = len(self)
+        start = index * batch_size
+        idx = []
+        for k in range(start, start + batch_size):  # an epoch boundary inside a batch continues with the next
+            epoch, pos = divmod(k, n)
+            idx.append(int(self._perm(epoch)[pos]))
+        return self.rows(idx)
+
+
+def predict(model: Any, data: EncodedData, batch_size: int = 64) -> list[Tensor]:
+    """Logits of every example, in order (eval mode, no grad, on the model's device)."""
+    device = next(model.parameters()).device
+    out = []
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for s in range(0, len(data), batch_size):
+                b = data.rows(list(range(s, min(s + batch_size, len(data)))))
+                b = {k: v.to(device) for k, v in b.items() if k != "labels"}
+                logits = model(**b).logits.float().cpu()
+                out.extend(logits.unbind(0))
+    finally:
+        model.train(was)
+    return out
+
+
+# -- training settings ----------------------------------------------------------------------------------
+# BERT-style fine-tuning defaults (Devlin et al. 2019, HF run_glue): AdamW 0.9/0.999, warmup then linear decay
+FINETUNE_DEFAULTS = {"lr": 3e-5, "schedule": "linear", "warmup": 0.06, "weight_decay": 0.01, "betas": [0.9, 0.999],
+                     "batch_size": 16, "clip_grad": 1.0, "log_every": 10, "keep_last": 1}
+
+
+def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
+    """TrainConfig for a fine-tuning run: the defaults above, --epochs (max_steps = epochs x batches per epoch),
+    an evaluation and a checkpoint each epoch, then the command line's train.key=value overrides."""
+    from qkv.config import from_dict
+    from qkv.train import TrainConfig
+
+    raw = parse_overrides(list(getattr(args, "overrides", None) or []))
+    bad = [k for k in raw if not k.startswith("train.")]
+    if bad:
+        raise ConfigError(f"overrides must be train.key=value; got {bad[0]!r}")
+    batch = int(raw.get("train.batch_size", FINETUNE_DEFAULTS["batch_size"]))
+    per_epoch = max(1, math.ceil(n_train / max(batch, 1)))
+    epochs = float(shared(args, "epochs", 3.0))
+    if epochs <= 0:
+        raise ConfigError(f"--epochs must be > 0, got {epochs}")
+    base = {**FINETUNE_DEFAULTS, "max_steps": max(1, round(epochs * per_epoch)),
+            "eval_every": per_epoch if has_dev else 0, "save_every": per_epoch, "out_dir": str(args.out),
+            "resume": bool(args.resume), "seed": int(args.seed), "progress": not args.no_progress}
+    data = apply_overrides({"train": base}, raw, "fine-tuning settings")
+    return from_dict(TrainConfig, data["train"])
+
+
+def best_state(out: Path) -> dict[str, Tensor] | None:
+    """The weights of OUT/checkpoints/best, when the run kept one."""
+    from qkv.train import checkpoint as ckpt
+
+    folder = Path(out) / "checkpoints" / ckpt.BEST
+    if not (folder / "model.safetensors").is_file():
+        return None
+    return ckpt.read_checkpoint(folder)[0]
+
+
+__all__ = ["EncodedData", "EncoderFolder", "column", "encode", "export_folder", "flag", "new_head_model",
+           "open_encoder", "predict", "read_records", "train_config"]

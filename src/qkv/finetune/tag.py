@@ -1,0 +1,206 @@
+"""`qkv finetune DIR --task tag`: token classification (NER, chunking) from CoNLL files with a BERT-family encoder.
+
+    qkv finetune bert-folder --task tag --data train.conll --dev dev.conll --out ner [--epochs 3]
+
+CoNLL: one token per line, its tag in the last column (--tag-column), a blank line between sentences,
+-DOCSTART- lines skipped. Tags are BIO (IOB2) or IOBES: O, B-PER, I-PER, ... Each word is labelled on its first
+sub-token (the others and the special tokens carry -100, no loss) and predicted from it.
+
+Metric: entity-level precision / recall / F1 with the chunking rules of CoNLL's conlleval script, which is
+what `seqeval` computes in its default mode: an entity is a maximal chunk of one type, started by B- (or by
+an I- that follows O or another type) and ended by the next B-, O or type change. Written here (25 lines)
+rather than depending on seqeval, which is unmaintained since 2020 and pulls scikit-learn into the core
+install; the tests cross-check this implementation against seqeval on random tag sequences.
+OUT is a Hugging Face folder (AutoModelForTokenClassification; qkv.from_pretrained) with the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from qkv.config import ConfigError
+from qkv.finetune import Recipe, register_recipe, shared
+from qkv.finetune.encoders import (
+    EncodedData,
+    best_state,
+    encode,
+    export_folder,
+    flag,
+    new_head_model,
+    open_encoder,
+    predict,
+    train_config,
+)
+from qkv.storage import atomic_write_json
+
+METRICS = {"f1": "max", "precision": "max", "recall": "max", "token_accuracy": "max"}
+CHUNK_TAGS = ("B", "I", "E", "S")
+
+
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    flag(g, "--tag-column", type=int, default=-1, help="CoNLL column holding the tag (default: -1, the last)")
+
+
+def too_long(args: argparse.Namespace) -> str:
+    return shared(args, "too_long", "truncate", ("truncate", "error"), "tag")
+
+
+# -- CoNLL files ----------------------------------------------------------------------------------------
+def read_conll(path: str | Path, tag_column: int = -1) -> list[tuple[list[str], list[str]]]:
+    """Sentences as (words, tags); a tag that is not O / B-X / I-X / E-X / S-X is an error naming the line."""
+    sentences: list[tuple[list[str], list[str]]] = []
+    words: list[str] = []
+    tags: list[str] = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines() + [""], 1):
+        parts = line.split()
+        if not parts or parts[0] == "-DOCSTART-":
+            if words:
+                sentences.append((words, tags))
+            words, tags = [], []
+            continue
+        if len(parts) < 2:
+            raise ConfigError(f"{path} line {i}: expected a token and its tag, got {line.strip()!r}")
+        try:
+            tag = parts[tag_column]
+        except IndexError:
+            raise ConfigError(f"{path} line {i}: no column {tag_column} in {line.strip()!r}") from None
+        if tag != "O" and (len(tag) < 3 or tag[0] not in CHUNK_TAGS or tag[1] != "-"):
+            raise ConfigError(f"{path} line {i}: {tag!r} is not a BIO/IOBES tag (O, B-TYPE, I-TYPE, ...)")
+        words.append(parts[0])
+        tags.append(tag)
+    if not sentences:
+        raise ConfigError(f"{path}: no sentences (CoNLL: token ... tag per line, blank line between sentences)")
+    return sentences
+
+
+# -- entity-level scores (conlleval's chunk rules) ------------------------------------------------------------
+def _split(tag: str) -> tuple[str, str]:
+    return ("O", "") if tag == "O" else (tag[0], tag[2:])
+
+
+def entities(tags: list[str]) -> set[tuple[str, int, int]]:
+    """(type, first, last) of every chunk. A chunk ends before a B/S, an O, a type change, or after an E/S; it
+    starts at a B/S, at an I/E after O/E/S, or at a type change."""
+    out = set()
+    start, prev, prev_type = None, "O", ""
+    for i, tag in enumerate([*tags, "O"]):  # the sentinel O closes the last chunk
+        chunk, typ = _split(tag)
+        ends = prev in ("E", "S") or (prev in ("B", "I") and chunk in ("B", "S", "O")) or \
+            (prev != "O" and typ != prev_type)
+        if start is not None and ends:
+            out.add((prev_type, start, i - 1))
+            start = None
+        begins = chunk in ("B", "S") or (prev in ("E", "S", "O") and chunk in ("I", "E")) or \
+            (chunk != "O" and typ != prev_type)
+        if begins:
+            start = i
+        prev, prev_type = chunk, typ
+    return out
+
+
+def entity_scores(gold: list[list[str]], pred: list[list[str]]) -> dict[str, float]:
+    """Micro precision / recall / F1 over entities (each sentence scored apart), and token accuracy."""
+    n_gold = n_pred = n_ok = tok_ok = tok_n = 0
+    for g, p in zip(gold, pred):
+        eg, ep = entities(g), entities(p)
+        n_gold, n_pred, n_ok = n_gold + len(eg), n_pred + len(ep), n_ok + len(eg & ep)
+        tok_ok += sum(a == b for a, b in zip(g, p))
+        tok_n += len(g)
+    prec = n_ok / n_pred if n_pred else 0.0
+    rec = n_ok / n_gold if n_gold else 0.0
+    f1 = 2 * prec * rec / (prec + rec) if prec + rec else 0.0
+    return {"f1": f1, "precision": prec, "recall": rec, "token_accuracy": tok_ok / max(1, tok_n)}
+
+
+# -- alignment ------------------------------------------------------------------------------------------
+def word_labels(encoding: Any, tags: list[str], tag_id: dict[str, int]) -> list[int]:
+    """One label per sub-token: the word's tag on its first sub-token, -100 elsewhere."""
+    out, seen = [], set()
+    for w in encoding.word_ids:
+        if w is None or w in seen:
+            out.append(-100)
+        else:
+            seen.add(w)
+            out.append(tag_id[tags[w]])
+    return out
+
+
+def predicted_tags(logits: Any, encoding: Any, n_words: int, names: dict[int, str]) -> list[str]:
+    """A tag per word from its first sub-token; words cut off by truncation are predicted O."""
+    tags = ["O"] * n_words
+    seen = set()
+    for pos, w in enumerate(encoding.word_ids):
+        if w is not None and w not in seen and pos < logits.shape[0]:
+            seen.add(w)
+            tags[w] = names[int(logits[pos].argmax())]
+    return tags
+
+
+def _encode(enc: Any, sentences: list[tuple[list[str], list[str]]], args: argparse.Namespace,
+            source: str) -> tuple[list[Any], int]:
+    return encode(enc.tokenizer, [w for w, _ in sentences], None, enc.max_length, too_long(args), source,
+                  pretokenized=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from qkv.train import Trainer
+
+    enc = open_encoder(args.model)
+    train_s = read_conll(args.data, args.tag_column)
+    names = sorted({t for _, tags in train_s for t in tags}, key=lambda t: (t != "O", t[2:], t))
+    tag_id = {t: i for i, t in enumerate(names)}
+    id2tag = dict(enumerate(names))
+    train_enc, cut = _encode(enc, train_s, args, args.data)
+    types = enc.model.config.type_vocab_size > 1
+    train = EncodedData(train_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(train_enc, train_s)],
+                        enc.pad_id, args.seed, METRICS, token_types=types)
+    dev = dev_s = None
+    dev_cut = 0
+    if args.dev:
+        dev_s = read_conll(args.dev, args.tag_column)
+        for words, tags in dev_s:
+            unknown = [t for t in tags if t not in tag_id]
+            if unknown:
+                raise ConfigError(f"{args.dev}: tag {unknown[0]!r} (in {' '.join(words[:8])!r}) does not occur in "
+                                  f"the training data (tags: {', '.join(names[:20])})")
+        dev_enc, dev_cut = _encode(enc, dev_s, args, args.dev)
+        dev = EncodedData(dev_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(dev_enc, dev_s)],
+                          enc.pad_id, args.seed, token_types=types)
+
+    def evaluate(model: Any) -> dict[str, float]:
+        logits = predict(model, dev)
+        pred = [predicted_tags(lg, e, len(w), id2tag) for lg, e, (w, _) in zip(logits, dev.encodings, dev_s)]
+        return entity_scores([t for _, t in dev_s], pred)
+
+    cfg = train_config(args, len(train), dev is not None)
+    model = new_head_model(enc, "tag", len(names), args.seed)
+    out = Path(args.out)
+    summary = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None).fit()
+    best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
+    if best is not None:
+        model.load_state_dict(best)
+    model.cpu().eval()
+    export_folder(enc, model, out, id2tag)
+    result: dict[str, Any] = {"task": "tag", "tags": names, "train_sentences": len(train),
+                              "truncated": {"train": cut, "dev": dev_cut}, "steps": summary["steps"],
+                              "best": summary.get("best_eval"), "out": str(out)}
+    lines = [f"fine-tuned {enc.model_type} for token classification, {summary['steps']} steps on {len(train)} "
+             f"sentences ({len(names)} tags)"]
+    if cut or dev_cut:
+        lines.append(f"truncated to {enc.max_length} tokens: {cut} training and {dev_cut} dev sentence(s) "
+                     "(words cut off are predicted O)")
+    if dev is not None:
+        final = evaluate(model)
+        result["dev"] = final
+        lines.append(f"dev ({len(dev)} sentences): entity F1 {final['f1']:.4f} (precision {final['precision']:.4f}, "
+                     f"recall {final['recall']:.4f}), token accuracy {final['token_accuracy']:.4f}")
+    atomic_write_json(result, out / "finetune.json")
+    lines.append(f"saved {out} (transformers: AutoModelForTokenClassification.from_pretrained; qkv.from_pretrained)")
+    result["report"] = "\n".join(lines)
+    return result
+
+
+register_recipe(Recipe("tag", ("encoder",), "token classification (NER, BIO tags in CoNLL format) with a "
+                       "BERT-family encoder", run, add_arguments))

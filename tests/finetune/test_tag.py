@@ -1,0 +1,83 @@
+"""`qkv finetune --task tag`: CoNLL NER on a tiny random BERT reaches a high entity F1, the folder gives the same
+logits in transformers (AutoModelForTokenClassification); the entity F1 equals seqeval's on random tag
+sequences; bad CoNLL is one clear line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from _encoders import conll_sentences, make_folder, write_conll  # noqa: E402
+
+import qkv  # noqa: E402
+from qkv.cli.main import main  # noqa: E402
+from qkv.finetune.tag import entities, entity_scores  # noqa: E402
+
+
+def test_tag_learns_and_round_trips(tmp_path, capsys):
+    folder = make_folder(tmp_path / "bert", "bert")
+    train = write_conll(tmp_path / "train.conll", conll_sentences(200, 1))
+    dev = write_conll(tmp_path / "dev.conll", conll_sentences(60, 2))
+    out = tmp_path / "out"
+    assert main(["finetune", str(folder), "--task", "tag", "--data", str(train), "--dev", str(dev), "--out", str(out),
+                 "--epochs", "6", "--no-progress", "train.lr=2e-3", "train.warmup=0.1",
+                 "train.tensorboard=false"]) == 0
+    report = capsys.readouterr().out
+    result = json.loads((out / "finetune.json").read_text())
+    assert result["dev"]["f1"] >= 0.9, report
+    assert result["tags"][0] == "O" and len(result["tags"]) == 7
+    hf = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
+    assert type(hf).__name__ == "BertForTokenClassification" and hf.config.id2label[0] == "O"
+    ours = qkv.from_pretrained(out)
+    assert ours.config.head == "tag"
+    ids = torch.randint(5, 50, (4, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_entity_f1_equals_seqeval():
+    seqeval = pytest.importorskip("seqeval.metrics")
+    rng = random.Random(0)
+    tags = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+    for _ in range(200):
+        gold = [[rng.choice(tags) for _ in range(rng.randint(1, 9))] for _ in range(4)]
+        pred = [[t if rng.random() < 0.6 else rng.choice(tags) for t in s] for s in gold]
+        ours = entity_scores(gold, pred)
+        assert ours["f1"] == pytest.approx(seqeval.f1_score(gold, pred, zero_division=0))
+        assert ours["precision"] == pytest.approx(seqeval.precision_score(gold, pred, zero_division=0))
+        assert ours["recall"] == pytest.approx(seqeval.recall_score(gold, pred, zero_division=0))
+
+
+def test_entities_of_known_sequences():
+    # I- after O starts an entity (conlleval), a type change splits one, B- always starts a new one
+    assert entities(["B-PER", "I-PER", "O", "I-LOC", "I-LOC", "B-LOC", "I-PER"]) == {
+        ("PER", 0, 1), ("LOC", 3, 4), ("LOC", 5, 5), ("PER", 6, 6)}
+
+
+@pytest.mark.parametrize("text, dev, message", [
+    ("w1 O\nalice\n", None, "line 2: expected a token and its tag"),
+    ("w1 O\nalice PERSON\n", None, "'PERSON' is not a BIO/IOBES tag"),
+    ("\n\n", None, "no sentences"),
+    ("w1 O\nalice B-PER\n", "rome B-LOC\n", "tag 'B-LOC' (in 'rome') does not occur in the training data"),
+])
+def test_bad_conll_is_one_line_and_exit_2(tmp_path, capsys, text, dev, message):
+    folder = make_folder(tmp_path / "bert", "bert", layers=1)
+    capsys.readouterr()  # transformers' save progress bar
+    (tmp_path / "t.conll").write_text(text)
+    flags = []
+    if dev is not None:
+        (tmp_path / "d.conll").write_text(dev)
+        flags = ["--dev", str(tmp_path / "d.conll")]
+    assert main(["finetune", str(folder), "--task", "tag", "--data", str(tmp_path / "t.conll"),
+                 "--out", str(tmp_path / "o"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qkv: error:") and message in err and len(err.splitlines()) == 1

@@ -1,0 +1,28 @@
+"""benchmarks/finetune_encoder.py --quick runs end to end and writes its JSON and markdown (a smoke test;
+the figures themselves come from full runs, docs/pretrained.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_benchmark_writes_results(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_encoder.py"), "--quick", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "finetune_encoder_quick.json").read_text())
+    assert {row["dtype"] for row in result["rows"]} == {"fp32", "bf16"} and len(result["rows"]) == 5  # + MKL row
+    losses = result["first_step_loss"]  # same weights, same batch: the same function in fp32
+    assert abs(losses["qkv BERT fp32"] - losses["HF BertForSequenceClassification (sdpa) fp32"]) < 1e-4
+    assert all(row["tokens_per_s"] > 0 for row in result["rows"])
+    assert "qkv / HF throughput" in (tmp_path / "finetune_encoder_quick.md").read_text()
