@@ -197,6 +197,7 @@ class TransformerConfig:
     attn_dropout: float = 0.0  # dropout on attention probabilities
     init_std: float = 0.02  # std of the normal init of linears and embeddings
     embed_init_std: float | None = None  # std for embeddings (None = init_std); the seeds' "init 1.0 -> NaN" ablation
+    head_dim: int | None = None  # width of one head; None = d_model // n_heads (T5 v1.1 / Flan: its d_kv)
 
     def validate(self) -> None:
         from qkv.nn.attention import BACKENDS
@@ -217,11 +218,13 @@ class TransformerConfig:
                 raise ConfigError(f"{type(self).__name__}.{name} must be positive, got {getattr(self, name)}")
         if self.d_ff is not None and self.d_ff < 1:
             raise ConfigError(f"{type(self).__name__}.d_ff must be positive (or null for 4 * d_model)")
-        if self.d_model % self.n_heads:
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ConfigError(f"{type(self).__name__}.head_dim must be positive (or null for d_model // n_heads)")
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
+        if self.position == "rope" and (self.head_dim or self.d_model // self.n_heads) % 2:
             raise ConfigError("position=rope needs an even head dimension (d_model // n_heads)")
         if not 0.0 <= self.dropout < 1.0 or not 0.0 <= self.attn_dropout < 1.0:
             raise ConfigError("dropout must be in [0, 1)")
@@ -241,5 +244,5 @@ class TransformerConfig:
         return dict(
             d_ff=self.d_ff, n_kv_heads=self.n_kv_heads, ffn=self.ffn, norm=self.norm, norm_eps=self.norm_eps,
             placement=self.placement, dropout=self.dropout, attn_dropout=self.attn_dropout, bias=self.bias,
-            attention=self.attention, scaled=self.scaled,
+            attention=self.attention, scaled=self.scaled, head_dim=self.head_dim,
         )

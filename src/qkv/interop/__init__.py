@@ -22,6 +22,9 @@ _MODULES = {
     "bert": "qkv.interop.bert",
     "vit": "qkv.interop.vit",
     "whisper": "qkv.interop.whisper",
+    "t5": "qkv.interop.t5",
+    "bart": "qkv.interop.bart",
+    "marian": "qkv.interop.bart",
 }
 
 

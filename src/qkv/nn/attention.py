@@ -174,27 +174,30 @@ class MultiHeadAttention(nn.Module):
         backend: Backend = "fused",
         scaled: bool = True,
         causal: bool = False,
+        head_dim: int | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
-        if d_model % n_heads:
+        if head_dim is None and d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
-        self.head_dim = d_model // n_heads
+        # head_dim: d_model // n_heads unless given (T5 v1.1 / Flan: n_heads * head_dim != d_model)
+        self.head_dim = head_dim or d_model // n_heads
+        self.inner = n_heads * self.head_dim  # width of the concatenated heads
         self.cross, self.causal, self.backend, self.dropout = cross, causal and not cross, backend, dropout
         # scaled=False is the ablation of the 1/sqrt(d_k) factor (scale 1.0).
         self.scale = 1.0 / math.sqrt(self.head_dim) if scaled else 1.0
         kv_dim = n_kv_heads * self.head_dim
         if cross:
-            self.q_proj = Linear(d_model, d_model, bias=bias)
+            self.q_proj = Linear(d_model, self.inner, bias=bias)
             self.kv_proj = Linear(d_model, 2 * kv_dim, bias=bias)
         else:
-            self.qkv_proj = Linear(d_model, d_model + 2 * kv_dim, bias=bias)
-        self.out_proj = Linear(d_model, d_model, bias=bias)
+            self.qkv_proj = Linear(d_model, self.inner + 2 * kv_dim, bias=bias)
+        self.out_proj = Linear(self.inner, d_model, bias=bias)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         B, T, _ = x.shape
@@ -234,7 +237,7 @@ class MultiHeadAttention(nn.Module):
                 k, v = self._project_kv(memory)
         else:
             kv_dim = self.n_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([C, kv_dim, kv_dim], dim=-1)
+            q, k, v = self.qkv_proj(x).split([self.inner, kv_dim, kv_dim], dim=-1)
             q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
             if position is not None:
                 q, k = position.rotate(q, k, offset)
@@ -246,7 +249,7 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend, return_weights=return_weights,
         )
-        y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble heads: (B, T, H*hd)
+        y = y.transpose(1, 2).reshape(B, T, self.inner)  # re-assemble heads: (B, T, H*hd)
         return self.out_proj(y), w
 
     def step(
@@ -270,7 +273,7 @@ class MultiHeadAttention(nn.Module):
         1/sqrt(d_k) scale folded into the query columns, and grouped-query attention by folding the query
         heads of one key/value head into rows of one batched matmul instead of repeating the cached keys.
         Every new token must be a real token (its own key visible)."""
-        B, C = batch, x.shape[-1]
+        B, C = batch, self.inner  # C: width of the concatenated heads (d_model unless head_dim was given)
         T = x.shape[0] // B
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         scale = (C, self.scale) if self.scale != 1.0 else None  # 1/sqrt(d_k), folded into the packed q weights
