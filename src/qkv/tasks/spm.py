@@ -40,6 +40,10 @@ class MarianSPTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self.vocab.get(p, self.unk_id) for p in self.source.encode(text, out_type=str)] + [self.eos_id]
 
+    def encode_target(self, text: str) -> list[int]:
+        """A target sentence (labels for fine-tuning): the target model's pieces."""
+        return [self.vocab.get(p, self.unk_id) for p in self.target.encode(text, out_type=str)] + [self.eos_id]
+
     def decode(self, ids: list[int]) -> str:
         pieces = [self.pieces[i] for i in ids if i not in self.special and i in self.pieces]
         # a piece the SentencePiece model does not know comes back verbatim: its word marks become spaces
