@@ -70,7 +70,9 @@ def bart(folder, seed: int = 0, **kw):
 def marian(folder, seed: int = 0, **kw):
     kw = {"pad_token_id": V - 1, "eos_token_id": 0, "decoder_start_token_id": V - 1, "forced_eos_token_id": 0,
           "activation_function": "swish", "scale_embedding": True, **kw}
-    return _fairseq(folder, transformers.MarianMTModel, transformers.MarianConfig, seed, **kw)
+    # as the OPUS-MT folders: the pad token (the decoder's start) is never generated; plus a two-token ban
+    return _fairseq(folder, transformers.MarianMTModel, transformers.MarianConfig, seed,
+                    generation={"bad_words_ids": [[V - 1], [7, 8]]}, **kw)
 
 
 BUILDERS = {"t5": t5, "t5v11": lambda f, **kw: t5(f, gated=True, **kw), "bart": bart, "marian": marian}

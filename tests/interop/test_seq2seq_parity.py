@@ -135,3 +135,31 @@ def test_fast_step_equals_full_forward(pair):
         ours.prefill(dec[:, :1], cache, source=src)
         steps = [ours.step(dec[:, t:t + 1], cache) for t in range(1, 5)]
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 1:], atol=1e-5, rtol=1e-5)
+
+
+def test_qkv_folder_round_trip(pair, tmp_path):
+    """save_pretrained writes a qkv folder (the layout fields in its config, final_logits_bias with the
+    weights) that rebuilds the same model."""
+    name, _, _, ours = pair
+    ours.save_pretrained(tmp_path / "q")
+    again = qkv.from_pretrained(tmp_path / "q")
+    x, mask = _inputs(7)
+    dec = torch.full((3, 2), 2)
+    with torch.no_grad():
+        assert torch.equal(again(x, attention_mask=mask, decoder_input_ids=dec).logits,
+                           ours(x, attention_mask=mask, decoder_input_ids=dec).logits)
+
+
+@pytest.mark.parametrize("builder,change,message", [
+    ("t5", {"feed_forward_proj": "gated-silu"}, "feed_forward_proj 'gated-silu' is not supported"),
+    ("bart", {"decoder_attention_heads": 2}, "encoder_attention_heads != decoder_attention_heads"),
+    ("marian", {"share_encoder_decoder_embeddings": False}, "separate source/target embeddings"),
+])
+def test_unsupported_variants_are_refused_clearly(tmp_path, builder, change, message):
+    from qkv.storage import CheckpointError
+
+    BUILDERS[builder](tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(CheckpointError, match=message):
+        qkv.from_pretrained(tmp_path)

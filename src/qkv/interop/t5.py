@@ -37,7 +37,7 @@ FFN = {"relu": "relu", "gated-gelu": "geglu_tanh", "gated-gelu_new": "geglu_tanh
        "gelu_new": "gelu_tanh"}
 # generation settings older folders keep in config.json (transformers reads them from there when the folder
 # has no generation_config.json)
-GENERATION_KEYS = ("num_beams", "max_length", "min_length", "length_penalty", "no_repeat_ngram_size",
+GENERATION_KEYS = ("num_beams", "max_length", "min_length", "length_penalty", "no_repeat_ngram_size", "bad_words_ids",
                    "early_stopping", "forced_bos_token_id", "forced_eos_token_id", "decoder_start_token_id",
                    "eos_token_id", "pad_token_id", "bos_token_id")
 
