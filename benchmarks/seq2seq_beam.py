@@ -92,16 +92,16 @@ def main() -> None:
     batches = sources(a.sentences, shape["vocab_size"], a.batch_size)
     opts = dict(BEAM, max_new_tokens=a.max_new_tokens)
 
-    def run_qkv() -> list[torch.Tensor]:
-        return [generate(ours, x, attention_mask=m, **opts) for x, m in batches]
+    def run_qkv(bs=batches) -> list[torch.Tensor]:
+        return [generate(ours, x, attention_mask=m, **opts) for x, m in bs]
 
-    def run_hf() -> list[torch.Tensor]:
+    def run_hf(bs=batches) -> list[torch.Tensor]:
         with torch.no_grad():
-            return [hf.generate(input_ids=x, attention_mask=m, do_sample=False, **opts)[:, 1:] for x, m in batches]
+            return [hf.generate(input_ids=x, attention_mask=m, do_sample=False, **opts)[:, 1:] for x, m in bs]
 
     configs = {"qkv beam search": run_qkv, "HF MarianMTModel.generate": run_hf}
-    for fn in configs.values():  # warm-up on the first batch's shapes
-        fn()
+    for fn in configs.values():  # warm-up: the first batch
+        fn(batches[:1])
     times: dict[str, list[float]] = {k: [] for k in configs}
     outs: dict[str, list[torch.Tensor]] = {}
     for _ in range(a.repeats):
