@@ -83,13 +83,17 @@ class NoRepeatNGram(LogitsProcessor):
         n, cur = self.n, ids.shape[1]
         if cur + 1 < n:
             return scores
-        banned = torch.zeros_like(scores, dtype=torch.bool)
+        rows, toks = [], []  # (row, token) pairs to ban: index lists, not a (B, V) mask (V is 58k for Marian)
         for b, row in enumerate(ids.tolist()):
             prefix = tuple(row[cur - n + 1:]) if n > 1 else ()
             for i in range(cur - n + 1):
                 if tuple(row[i:i + n - 1]) == prefix:
-                    banned[b, row[i + n - 1]] = True
-        return scores.masked_fill(banned, NEG_INF)
+                    rows.append(b)
+                    toks.append(row[i + n - 1])
+        if not rows:
+            return scores
+        index = (torch.tensor(rows, device=scores.device), torch.tensor(toks, device=scores.device))
+        return scores.index_put(index, torch.tensor(NEG_INF, dtype=scores.dtype, device=scores.device))
 
 
 class NoBadWords(LogitsProcessor):

@@ -108,8 +108,13 @@ class OutputHead(Linear):
         return y if self.final_logits_bias is None else y + self.final_logits_bias
 
     def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
-        y = super().step(x * self.scale if self.scale != 1.0 else x, scale_first)
-        return y if self.final_logits_bias is None else y + self.final_logits_bias
+        x = x * self.scale if self.scale != 1.0 else x
+        bias = self.final_logits_bias
+        if bias is None or not x.is_cpu or x.dim() != 2 or scale_first is not None:
+            y = super().step(x, scale_first)
+            return y if bias is None else y + bias
+        # the bias added inside the product (one pass over the (rows, vocab) logits instead of two)
+        return torch.addmm(bias, x, self.packed_weight())
 
 
 class EncoderDecoder(Seq2SeqModel):
