@@ -386,13 +386,15 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     model.eval()
     cfg = generation_config if generation_config is not None else GenerationConfig()
     cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None})
-    if generation_config is None and "do_sample" not in options:  # a given config decides for itself
-        cfg = cfg.replace(do_sample=cfg.num_beams == 1)
+    run = run_folder_of(path)
+    # a pretrained encoder-decoder folder decodes as its generation_config.json says (greedy or beams), as in HF
+    folder_seq2seq = run is None and getattr(model, "is_seq2seq", False)
+    if generation_config is None and "do_sample" not in options and not folder_seq2seq:
+        cfg = cfg.replace(do_sample=cfg.num_beams == 1)  # a given config decides for itself
     if greedy:
         cfg = cfg.replace(do_sample=False)
     if cfg.seed is None:
         cfg = cfg.replace(seed=seed)
-    run = run_folder_of(path)
     if run is not None:
         task = load_run_task(run)
         _check_prompt_vocabulary(task.tokenizer, prompt, strict)
@@ -403,6 +405,17 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
             print(text)
         return text
     folder = _model_folder(Path(path))
+    if folder_seq2seq:  # the prompt is the source; the output is the target alone
+        tok = _folder_tokenizer(folder)
+        _check_prompt_vocabulary(tok, prompt, strict)
+        folder_defaults = model.generation_defaults()
+        if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(folder_defaults)):
+            cfg = cfg.replace(max_new_tokens=200)
+        out = model.generate(torch.tensor([_encode(tok, prompt)]), cfg)
+        text = _decode(tok, out[0].tolist())
+        if stream:
+            print(text)
+        return text
     if cfg.max_new_tokens is None and cfg.max_length is None:
         cfg = cfg.replace(max_new_tokens=200)
     hf = hf_folder_tokenizer(folder)

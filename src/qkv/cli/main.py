@@ -80,13 +80,18 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, a checkpoint folder, or a Hugging Face folder")
-    p.add_argument("--prompt", default="", help="text prompt (source sentence for seq2seq models)")
+    p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: an LM's sample length, 200; a seq2seq task's longest target)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--num-beams", type=int, default=1)
+    p.add_argument("--length-penalty", type=float, default=None, help="beam score = log p / length ** this")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None, help="no n-gram of this size occurs twice")
+    p.add_argument("--min-new-tokens", type=int, default=None, help="no eos before this many tokens")
+    p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
+                   help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sample for LMs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
@@ -127,6 +132,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     defaults = {"temperature": 1.0, "num_beams": 1}  # flags at their default leave the file's value alone
     flags = {k: v for k, v in dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                    top_p=a.top_p, num_beams=a.num_beams).items() if v != defaults.get(k)}
+    early = {"true": True, "false": False, "never": "never"}.get(a.early_stopping)
+    flags.update({k: v for k, v in dict(length_penalty=a.length_penalty, no_repeat_ngram_size=a.no_repeat_ngram_size,
+                                        min_new_tokens=a.min_new_tokens, early_stopping=early).items() if v is not None})
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
                         **flags)
     if not a.stream:

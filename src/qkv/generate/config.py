@@ -52,6 +52,7 @@ class GenerationConfig:
     min_p: float | None = None  # drop tokens below min_p x the top token's probability (sampling)
     repetition_penalty: float = 1.0  # CTRL: divide positive / multiply negative logits of seen tokens
     no_repeat_ngram_size: int = 0  # no n-gram of this size occurs twice
+    bad_words_ids: list[list[int]] | None = None  # token sequences never produced (OPUS-MT bans its pad token)
     # -- special tokens -----------------------------------------------------------------------------------
     eos_token_id: int | list[int] | None = None  # stop tokens (None: the model's)
     pad_token_id: int | None = None  # fills finished rows (None: the model's, else the first eos, else 0)
@@ -82,6 +83,9 @@ class GenerationConfig:
         need(self.min_p is None or 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         need(self.no_repeat_ngram_size >= 0, f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        need(self.bad_words_ids is None or (len(self.bad_words_ids) > 0 and all(
+             len(w) > 0 and all(isinstance(i, int) and i >= 0 for i in w) for w in self.bad_words_ids)),
+             f"bad_words_ids must be a non-empty list of non-empty lists of token ids, got {self.bad_words_ids}")
         need(self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}")
         need(self.num_return_sequences >= 1, f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
         need(not (self.do_sample and self.num_beams > 1),

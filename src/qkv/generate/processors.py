@@ -83,12 +83,43 @@ class NoRepeatNGram(LogitsProcessor):
         n, cur = self.n, ids.shape[1]
         if cur + 1 < n:
             return scores
-        banned = torch.zeros_like(scores, dtype=torch.bool)
+        rows, toks = [], []  # (row, token) pairs to ban: index lists, not a (B, V) mask (V is 58k for Marian)
         for b, row in enumerate(ids.tolist()):
             prefix = tuple(row[cur - n + 1:]) if n > 1 else ()
             for i in range(cur - n + 1):
                 if tuple(row[i:i + n - 1]) == prefix:
-                    banned[b, row[i + n - 1]] = True
+                    rows.append(b)
+                    toks.append(row[i + n - 1])
+        if not rows:
+            return scores
+        index = (torch.tensor(rows, device=scores.device), torch.tensor(toks, device=scores.device))
+        return scores.index_put(index, torch.tensor(NEG_INF, dtype=scores.dtype, device=scores.device))
+
+
+class NoBadWords(LogitsProcessor):
+    """bad_words_ids: a banned one-token word is never produced; the last token of a longer banned sequence is
+    banned right after its other tokens (Hugging Face's NoBadWordsLogitsProcessor; a lone eos is never banned)."""
+
+    def __init__(self, words: list[list[int]], eos_ids: list[int]) -> None:
+        words = [list(w) for w in words if not (len(w) == 1 and w[0] in eos_ids)]
+        self.single = sorted({w[0] for w in words if len(w) == 1})
+        self.longer = [w for w in words if len(w) > 1]
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> NoBadWords | None:
+        return cls(cfg.bad_words_ids, ctx.eos_ids) if cfg.bad_words_ids else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        V = scores.shape[-1]
+        banned = torch.zeros_like(scores, dtype=torch.bool)
+        single = [t for t in self.single if t < V]
+        if single:
+            banned[:, single] = True
+        for w in self.longer:
+            k = len(w) - 1
+            if w[-1] < V and ids.shape[1] >= k:
+                hit = (ids[:, -k:] == torch.tensor(w[:-1], device=ids.device)).all(-1)
+                banned[hit, w[-1]] = True
         return scores.masked_fill(banned, NEG_INF)
 
 
@@ -214,7 +245,8 @@ class MinP(LogitsProcessor):
         return scores.masked_fill(remove, NEG_INF)
 
 
-PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, NoRepeatNGram, MinNewTokens, ForcedBOS, ForcedEOS]
+PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, NoRepeatNGram, NoBadWords, MinNewTokens, ForcedBOS,
+                                           ForcedEOS]
 WARPERS: list[type[LogitsProcessor]] = [Temperature, TopK, TopP, MinP]
 
 

@@ -29,6 +29,9 @@ _MODULES = {
     "mistral": "qkv.interop.llama",
     "qwen2": "qkv.interop.llama",
     "qwen3": "qkv.interop.llama",
+    "t5": "qkv.interop.t5",
+    "bart": "qkv.interop.bart",
+    "marian": "qkv.interop.bart",
 }
 
 

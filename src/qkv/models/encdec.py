@@ -5,6 +5,15 @@ tgt ids (B, T) -> embed * sqrt(d) -> [position] -> decoder blocks (causal self-a
 memory) -> [final norm, Pre-LN only] -> output projection -> logits (B, T, tgt_vocab)
 The paper uses Post-LN, sinusoidal positions, ReLU, dropout 0.1, label smoothing 0.1 and ties the
 source/target embeddings and the output projection over a shared vocabulary (section 3.4).
+
+The pretrained encoder-decoders are configurations of the same model (qkv.interop.t5 / .bart load them):
+  T5 (v1.0, v1.1 / Flan)  relative position bias (position="relative"), RMS norm, Pre-LN, no biases, no
+                          1/sqrt(d_k) (scaled=False), ReLU or gated GELU, head width d_kv (head_dim); a tied
+                          head sees the hidden states times d_model**-0.5 (output_scale)
+  BART                    learned positions read 2 rows on (position_skip=2), an embedding LayerNorm
+                          (embed_norm), GELU, Post-LN, final_logits_bias (logits_bias)
+  Marian (OPUS-MT)        sinusoidal positions with sines then cosines (sinusoidal_layout="halves"), embeddings
+                          times sqrt(d_model), SiLU ("swish"), Post-LN, final_logits_bias
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
@@ -20,6 +30,7 @@ from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_length, check_token_ids
 from qkv.nn.linear import Linear
+from qkv.nn.position import SINUSOIDAL_LAYOUTS, Learned, PositionalEncoding, RelativeBias, Sinusoidal
 
 
 @dataclass
@@ -42,6 +53,15 @@ class EncoderDecoderConfig(TransformerConfig):
     position: str = "sinusoidal"
     placement: str = "post"
     dropout: float = 0.1
+    # -- the pretrained layouts (T5, BART, Marian); the defaults are the paper's model ------------------
+    tie_output: bool | None = None  # output projection = target embedding; None: as share_embeddings
+    output_scale: float = 1.0  # hidden states x this before the output projection (T5 tied: d_model**-0.5)
+    logits_bias: bool = False  # a (1, vocab) bias added to the logits (BART / Marian final_logits_bias)
+    embed_norm: bool = False  # LayerNorm after embeddings + positions, in both stacks (BART)
+    position_skip: int = 0  # learned positions: position p reads row p + skip (BART: 2)
+    sinusoidal_layout: str = "interleaved"  # interleaved (Vaswani) | halves (sines then cosines: Marian)
+    relative_buckets: int = 32  # position="relative" (T5): buckets of key-query distances
+    relative_max_distance: int = 128  # ... and the distance from which they all share the last bucket
 
     @property
     def target_vocab_size(self) -> int:
@@ -55,6 +75,46 @@ class EncoderDecoderConfig(TransformerConfig):
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.src_vocab_size):
             raise ConfigError("share_embeddings needs one vocabulary: set tgt_vocab_size=null or share_embeddings=false")
+        if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
+            raise ConfigError(f"sinusoidal_layout must be one of {list(SINUSOIDAL_LAYOUTS)}, got {self.sinusoidal_layout!r}")
+        if self.position_skip < 0 or self.relative_buckets < 2 or self.relative_max_distance < 2:
+            raise ConfigError("position_skip must be >= 0, relative_buckets and relative_max_distance >= 2")
+        if not (math.isfinite(self.output_scale) and self.output_scale > 0):
+            raise ConfigError(f"output_scale must be a finite number > 0, got {self.output_scale}")
+
+    def position_encoding(self) -> PositionalEncoding | None:
+        """The encoding object for a non-default layout (None: build_stack's default from `position`)."""
+        if self.position == "relative":
+            return RelativeBias(self.n_heads, self.relative_buckets, self.relative_max_distance)
+        if self.position == "learned" and self.position_skip:
+            return Learned(self.d_model, self.context_length, skip=self.position_skip)
+        if self.position == "sinusoidal" and self.sinusoidal_layout != "interleaved":
+            return Sinusoidal(self.d_model, self.context_length, layout=self.sinusoidal_layout)
+        return None
+
+
+class OutputHead(Linear):
+    """The output projection with T5's input scaling and BART / Marian's final_logits_bias (a buffer, as in
+    Hugging Face: saved, not trained): logits = (h * scale) W^T + final_logits_bias. forward and the decoding
+    step (Linear.step) compute the same function."""
+
+    def __init__(self, d_model: int, vocab: int, scale: float = 1.0, logits_bias: bool = False) -> None:
+        super().__init__(d_model, vocab, bias=False)
+        self.scale = scale
+        self.register_buffer("final_logits_bias", torch.zeros(1, vocab) if logits_bias else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x * self.scale if self.scale != 1.0 else x)
+        return y if self.final_logits_bias is None else y + self.final_logits_bias
+
+    def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
+        x = x * self.scale if self.scale != 1.0 else x
+        bias = self.final_logits_bias
+        if bias is None or not x.is_cpu or x.dim() != 2 or scale_first is not None:
+            y = super().step(x, scale_first)
+            return y if bias is None else y + bias
+        # the bias added inside the product (one pass over the (rows, vocab) logits instead of two)
+        return torch.addmm(bias, x, self.packed_weight())
 
 
 class EncoderDecoder(Seq2SeqModel):
@@ -73,13 +133,19 @@ class EncoderDecoder(Seq2SeqModel):
         c = config
         self.src_emb = nn.Embedding(c.src_vocab_size, c.d_model)
         self.tgt_emb = nn.Embedding(c.target_vocab_size, c.d_model)
-        self.encoder = build_stack(c, c.n_encoder_layers, max_len=c.context_length, causal=False)
-        self.decoder = build_stack(c, c.n_decoder_layers, max_len=c.context_length, causal=True, cross=True)
-        self.lm_head = Linear(c.d_model, c.target_vocab_size, bias=False)
+        stack = dict(max_len=c.context_length, embed_norm=c.embed_norm)
+        self.encoder = build_stack(c, c.n_encoder_layers, causal=False, position=c.position_encoding(), **stack)
+        self.decoder = build_stack(c, c.n_decoder_layers, causal=True, cross=True, position=c.position_encoding(),
+                                   **stack)
+        if c.output_scale != 1.0 or c.logits_bias:
+            self.lm_head = OutputHead(c.d_model, c.target_vocab_size, c.output_scale, c.logits_bias)
+        else:
+            self.lm_head = Linear(c.d_model, c.target_vocab_size, bias=False)
         self.init_weights(c.n_encoder_layers + c.n_decoder_layers)
         if c.share_embeddings:
             self.tgt_emb.weight = self.src_emb.weight
-            self.lm_head.weight = self.src_emb.weight
+        if c.share_embeddings if c.tie_output is None else c.tie_output:
+            self.lm_head.weight = self.tgt_emb.weight
         self.embed_scale = math.sqrt(c.d_model) if c.scale_embeddings else 1.0
 
     def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,

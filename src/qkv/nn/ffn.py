@@ -27,6 +27,8 @@ ACTIVATIONS: dict[str, Activation] = {
     "gelu": Activation(F.gelu, False),  # exact erf (BERT, the original Transformer's successors)
     "gelu_tanh": Activation(partial(F.gelu, approximate="tanh"), False),  # GPT-2's approximation
     "swiglu": Activation(F.silu, True),  # Llama, Mistral, Qwen: silu(W3 x) * W1 x
+    "silu": Activation(F.silu, False),  # "swish": Marian / OPUS-MT
+    "geglu_tanh": Activation(partial(F.gelu, approximate="tanh"), True),  # T5 v1.1 / Flan "gated-gelu" (gelu_new)
 }
 
 

@@ -3,7 +3,7 @@
 Every encoding implements
   embed(x, offset)          add absolute position vectors to the input embeddings (sinusoidal, learned)
   rotate(q, k, offset)      rotate queries and keys by their position (RoPE)
-  bias(q_len, k_len)        an additive attention bias (ALiBi)
+  bias(q_len, k_len)        an additive attention bias (ALiBi, T5's bucketed relative bias)
 and is the identity for the hooks that do not apply, so blocks never ask which encoding they hold.
 `offset` is the position of the first token of x: an int, or a (B,) LongTensor when the sequences of
 a batch start at different positions (left-padded batched generation). Negative positions (padding
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi")
+ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi", "relative")
 
 
 def positions(offset: int | Tensor, length: int, device: torch.device) -> Tensor:
@@ -43,11 +43,23 @@ def last_position(offset: int | Tensor, length: int) -> int | None:
     return offset + length
 
 
-def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (Vaswani 2017, 3.5)."""
+SINUSOIDAL_LAYOUTS = ("interleaved", "halves")
+
+
+def sinusoidal_table(n_positions: int, d_model: int, layout: str = "interleaved") -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (Vaswani 2017, 3.5).
+    layout="halves" puts the same sines in the first ceil(d/2) channels and the cosines after them (Marian /
+    OPUS-MT, XLM): a permutation of the channels, the same function otherwise."""
+    if layout not in SINUSOIDAL_LAYOUTS:
+        raise ValueError(f"unknown sinusoidal layout {layout!r}; choose one of {SINUSOIDAL_LAYOUTS}")
     pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)
     inv = torch.exp(-math.log(10000.0) * torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     table = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    if layout == "halves":
+        half = (d_model + 1) // 2
+        table[:, :half] = torch.sin(pos * inv)
+        table[:, half:] = torch.cos(pos * inv)[:, : d_model // 2]
+        return table.float()
     table[:, 0::2] = torch.sin(pos * inv)
     table[:, 1::2] = torch.cos(pos * inv)[:, : d_model // 2]
     return table.float()
@@ -90,10 +102,10 @@ class NoPosition(PositionalEncoding):
 
 
 class Sinusoidal(PositionalEncoding):
-    def __init__(self, d_model: int, max_len: int) -> None:
+    def __init__(self, d_model: int, max_len: int, layout: str = "interleaved") -> None:
         super().__init__()
         self.max_len = max_len
-        self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+        self.register_buffer("table", sinusoidal_table(max_len, d_model, layout), persistent=False)
 
     def embed(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         self.check_length(offset, x.shape[1])
@@ -101,14 +113,18 @@ class Sinusoidal(PositionalEncoding):
 
 
 class Learned(PositionalEncoding):
-    def __init__(self, d_model: int, max_len: int) -> None:
+    """A trained (skip + max_len, d) table; position p reads row p + skip. skip=2 is BART's layout (its first
+    two rows are a fairseq leftover that no position reads)."""
+
+    def __init__(self, d_model: int, max_len: int, skip: int = 0) -> None:
         super().__init__()
-        self.max_len = max_len
-        self.weight = nn.Parameter(torch.zeros(max_len, d_model))
+        self.max_len, self.skip = max_len, skip
+        self.weight = nn.Parameter(torch.zeros(max_len + skip, d_model))
 
     def embed(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         self.check_length(offset, x.shape[1])
-        return x + self.weight[positions(offset, x.shape[1], x.device)]
+        pos = positions(offset, x.shape[1], x.device)
+        return x + self.weight[pos + self.skip if self.skip else pos]
 
 
 ROPE_SCALINGS = ("linear", "llama3")
@@ -224,6 +240,48 @@ class ALiBi(PositionalEncoding):
         return -self.slopes.view(1, -1, 1, 1) * dist  # (1, H, q_len, k_len)
 
 
+def relative_buckets(relative: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
+    """T5's bucket of each key-minus-query distance (Raffel et al. 2020, mesh-tensorflow's
+    _relative_position_bucket): exact buckets for small distances, logarithmic ones up to max_distance, one
+    bucket for everything beyond. Bidirectional (encoder): half the buckets for keys after the query.
+    Unidirectional (causal decoder): keys after the query share bucket 0 (they are masked anyway)."""
+    buckets = torch.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative > 0).long() * num_buckets
+        relative = relative.abs()
+    else:
+        relative = -torch.clamp(relative, max=0)
+    max_exact = num_buckets // 2
+    is_small = relative < max_exact
+    large = max_exact + (
+        torch.log(relative.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).long()
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, relative, large)
+
+
+class RelativeBias(PositionalEncoding):
+    """T5's relative position bias through the bias hook: a learned scalar per (bucket of key - query
+    distance, head), added to the attention scores. The stack computes it once per forward (in its "first
+    layer", as T5 does) and every layer adds the same bias. No embeddings, no absolute length limit.
+    Buckets are bidirectional for a non-causal stack (encoder) and one-sided for a causal one (decoder),
+    taken from the `causal` argument of the hook."""
+
+    def __init__(self, n_heads: int, num_buckets: int = 32, max_distance: int = 128) -> None:
+        super().__init__()
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.weight = nn.Parameter(torch.zeros(num_buckets, n_heads))
+
+    def bias(self, q_len: int, k_len: int, causal: bool = True) -> Tensor:
+        # queries are the last q_len of k_len positions (bottom-right alignment, as the causal mask)
+        dev = self.weight.device
+        i = torch.arange(k_len - q_len, k_len, device=dev).view(-1, 1)
+        j = torch.arange(k_len, device=dev).view(1, -1)
+        b = relative_buckets(j - i, not causal, self.num_buckets, self.max_distance)  # (q_len, k_len)
+        return self.weight[b].permute(2, 0, 1).unsqueeze(0)  # (1, H, q_len, k_len)
+
+
 class FixedTable(PositionalEncoding):
     """Absolute positions read from a given (max_len, d) table, kept as a persistent buffer: saved with the
     weights (a loaded checkpoint brings its own values) but not trained. Whisper's audio encoder uses it for
@@ -328,8 +386,11 @@ class PatchGrid(PositionalEncoding):
 
 
 def build_position(kind: str, *, d_model: int, n_heads: int, max_len: int, rope_base: float = 10000.0,
-                   rope_scaling: Mapping[str, Any] | None = None, head_dim: int | None = None) -> PositionalEncoding:
-    """Factory for the config field `position` (head_dim: the attention's, when it is not d_model // n_heads)."""
+                   rope_scaling: Mapping[str, Any] | None = None, num_buckets: int = 32, max_distance: int = 128,
+                   head_dim: int | None = None) -> PositionalEncoding:
+    """Factory for the config field `position` (rope_scaling: RoPE's context extension; num_buckets /
+    max_distance: the relative bias's; head_dim: RoPE's rotated width when a head is not d_model // n_heads
+    wide)."""
     if kind == "none":
         return NoPosition()
     if kind == "sinusoidal":
@@ -340,4 +401,6 @@ def build_position(kind: str, *, d_model: int, n_heads: int, max_len: int, rope_
         return RoPE(head_dim or d_model // n_heads, max_len, rope_base, rope_scaling)
     if kind == "alibi":
         return ALiBi(n_heads)
+    if kind == "relative":
+        return RelativeBias(n_heads, num_buckets, max_distance)
     raise ValueError(f"unknown position encoding {kind!r}; choose one of {ENCODINGS}")

@@ -274,4 +274,7 @@ def find_tokenizer(path: str | Path) -> Any:
         from tokenizers import BertWordPieceTokenizer
 
         return BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=True)
-    return None
+    # Marian's source.spm / T5's spiece.model, through the sentencepiece package (qkv[seq2seq])
+    from qkv.tasks.spm import sentencepiece_tokenizer
+
+    return sentencepiece_tokenizer(folder)

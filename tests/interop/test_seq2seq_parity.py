@@ -1,0 +1,165 @@
+"""T5 (v1.0 and v1.1 gated/untied), BART and Marian: tiny random Hugging Face models built from our configs and
+saved locally load through qkv.from_pretrained; encoder outputs and decoder logits equal transformers' to 1e-4
+(fp32); greedy and beam-search outputs equal transformers.generate token for token, with the settings of the
+folder's generation_config.json (decoder_start_token_id, forced BOS/EOS) and beam options on top; cached
+decoding equals uncached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _seq2seq_models import BUILDERS, V
+
+import qkv
+from qkv.generate import generate
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+NAMES = list(BUILDERS)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = BUILDERS[request.param](folder)
+    return request.param, folder, hf, qkv.from_pretrained(folder)
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(3, V - 1, (3, 9), generator=g)
+    mask = torch.ones_like(x)
+    mask[1, 6:] = 0  # a padded source row
+    mask[2, 4:] = 0
+    return x, mask
+
+
+def test_encoder_and_decoder_logits_match(pair):
+    name, _, hf, ours = pair
+    x, mask = _inputs()
+    dec = torch.randint(3, V - 1, (3, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=x, attention_mask=mask, decoder_input_ids=dec)
+        got = ours(x, attention_mask=mask, decoder_input_ids=dec)
+        memory, _ = ours.encode(x, mask)
+    keep = mask.bool()
+    assert ref.logits.std() > 0.1  # not a degenerate model
+    torch.testing.assert_close(memory[keep], ref.encoder_last_hidden_state[keep], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_different_model_gives_different_logits(pair, tmp_path):
+    """The parity above is not an accident of the inputs: another seed's weights are far off."""
+    name, _, hf, _ = pair
+    BUILDERS[name](tmp_path, seed=7)
+    other = qkv.from_pretrained(tmp_path)
+    x, mask = _inputs()
+    dec = torch.full((3, 1), 2)
+    with torch.no_grad():
+        d = (other(x, attention_mask=mask, decoder_input_ids=dec).logits
+             - hf(input_ids=x, attention_mask=mask, decoder_input_ids=dec).logits).abs().max()
+    assert d > 1e-2
+
+
+def _hf_generate(hf, x, mask, **kw):
+    with torch.no_grad():
+        out = hf.generate(input_ids=x, attention_mask=mask, **kw)
+    start = hf.generation_config.decoder_start_token_id
+    assert (out[:, 0] == start).all()
+    return out[:, 1:]
+
+
+def _same(got: torch.Tensor, ref: torch.Tensor, pad: int) -> None:
+    """Token for token; trailing padding may differ in width only."""
+    w = max(got.shape[1], ref.shape[1])
+    got = torch.nn.functional.pad(got, (0, w - got.shape[1]), value=pad)
+    ref = torch.nn.functional.pad(ref, (0, w - ref.shape[1]), value=pad)
+    assert torch.equal(got, ref), f"\nqkv: {got.tolist()}\nHF:  {ref.tolist()}"
+
+
+def test_greedy_matches_transformers_generate(pair):
+    name, _, hf, ours = pair
+    x, mask = _inputs(2)
+    ref = _hf_generate(hf, x, mask, do_sample=False, num_beams=1, max_new_tokens=12, min_new_tokens=3)
+    got = generate(ours, x, attention_mask=mask, max_new_tokens=12, min_new_tokens=3)
+    _same(got, ref, hf.generation_config.pad_token_id)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(num_beams=4, length_penalty=0.6, no_repeat_ngram_size=3, early_stopping=True, max_length=14),
+    dict(num_beams=4, length_penalty=0.6, no_repeat_ngram_size=3, early_stopping=True, min_length=6, max_length=10),
+    dict(num_beams=3, length_penalty=1.0, early_stopping=True, max_new_tokens=9, num_return_sequences=2),
+], ids=["lp0.6-ngram3", "min-max-length", "3beams-2returned"])
+def test_beam_search_matches_transformers_generate(pair, opts):
+    name, _, hf, ours = pair
+    x, mask = _inputs(3)
+    ref = _hf_generate(hf, x, mask, do_sample=False, **opts)
+    got = generate(ours, x, attention_mask=mask, **opts)
+    _same(got, ref, hf.generation_config.pad_token_id)
+
+
+def test_generation_config_json_is_read(pair):
+    """decoder_start_token_id and forced BOS/EOS come from the folder (BART forces bos first and eos last)."""
+    name, folder, hf, ours = pair
+    saved = json.loads((folder / "generation_config.json").read_text())
+    d = ours.generation_defaults()
+    for k in ("decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id", "eos_token_id"):
+        if saved.get(k) is not None:
+            assert d[k] == saved[k], k
+    if name == "bart":
+        assert saved["forced_bos_token_id"] == 0
+        x, mask = _inputs(4)
+        got = generate(ours, x, attention_mask=mask, max_length=6, num_beams=2)
+        assert (got[:, 0] == 0).all()  # forced_bos_token_id
+
+
+def test_cached_equals_uncached(pair):
+    name, _, _, ours = pair
+    x, mask = _inputs(5)
+    for opts in (dict(max_new_tokens=10), dict(num_beams=4, max_new_tokens=10, length_penalty=0.6)):
+        a = generate(ours, x, attention_mask=mask, use_cache=True, **opts)
+        b = generate(ours, x, attention_mask=mask, use_cache=False, **opts)
+        assert torch.equal(a, b), opts
+
+
+def test_fast_step_equals_full_forward(pair):
+    """The decoding step (Stack.step + the output head's step) gives the full forward's logits."""
+    name, _, _, ours = pair
+    x, mask = _inputs(6)
+    src = ours.encode_source(x, mask)
+    dec = torch.randint(3, V - 1, (3, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full, _ = ours.decode(dec, src.memory, memory_mask=mask)
+        cache = ours.make_cache(3, 16)
+        ours.prefill(dec[:, :1], cache, source=src)
+        steps = [ours.step(dec[:, t:t + 1], cache) for t in range(1, 5)]
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 1:], atol=1e-5, rtol=1e-5)
+
+
+def test_qkv_folder_round_trip(pair, tmp_path):
+    """save_pretrained writes a qkv folder (the layout fields in its config, final_logits_bias with the
+    weights) that rebuilds the same model."""
+    name, _, _, ours = pair
+    ours.save_pretrained(tmp_path / "q")
+    again = qkv.from_pretrained(tmp_path / "q")
+    x, mask = _inputs(7)
+    dec = torch.full((3, 2), 2)
+    with torch.no_grad():
+        assert torch.equal(again(x, attention_mask=mask, decoder_input_ids=dec).logits,
+                           ours(x, attention_mask=mask, decoder_input_ids=dec).logits)
+
+
+@pytest.mark.parametrize("builder,change,message", [
+    ("t5", {"feed_forward_proj": "gated-silu"}, "feed_forward_proj 'gated-silu' is not supported"),
+    ("bart", {"decoder_attention_heads": 2}, "encoder_attention_heads != decoder_attention_heads"),
+    ("marian", {"share_encoder_decoder_embeddings": False}, "separate source/target embeddings"),
+])
+def test_unsupported_variants_are_refused_clearly(tmp_path, builder, change, message):
+    from qkv.storage import CheckpointError
+
+    BUILDERS[builder](tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(CheckpointError, match=message):
+        qkv.from_pretrained(tmp_path)
