@@ -1,0 +1,377 @@
+"""The tokenizer of a Hugging Face model folder: `tokenizer.json` + special tokens + the chat template.
+
+    tok = load_hf_tokenizer("path/to/model")
+    ids = tok.encode("Hello", add_special_tokens=True)       # the folder's post-processor adds bos if it says so
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids, mask = tok.apply_chat_template(messages, return_assistant_mask=True)   # mask: 1 = assistant token
+
+What comes from where (the files `transformers` reads, in its order of precedence):
+  tokenizer.json           the tokenizer itself, through the Hugging Face `tokenizers` library
+  tokenizer_config.json    bos/eos/pad/unk tokens, `chat_template`, add_bos_token / add_eos_token
+  special_tokens_map.json  the special tokens of older folders (tokenizer_config.json wins)
+  chat_template.jinja      the chat template of newer folders (wins over the tokenizer_config.json field)
+  generation_config.json / config.json   more end-of-sequence ids (a chat model often stops on several)
+
+The chat template is untrusted code from a model folder, so it is rendered the way `transformers` renders
+it: Jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, the loopcontrols extension,
+`raise_exception`, a `tojson` that does not HTML-escape, `strftime_now`, and the special tokens
+(bos_token, eos_token, ...) as variables. `{% generation %}...{% endgeneration %}` blocks mark what the
+assistant says; templates without them get their assistant spans located in the rendered text (below).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from contextvars import ContextVar
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from qkv.storage import CheckpointError
+
+# the named special tokens transformers passes to a chat template (its `special_tokens_map`)
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+Message = Mapping[str, Any]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json stores it: a string or an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    """An eos_token_id field: an int, a list of ints, or null."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+# -- the sandboxed template environment -----------------------------------------------------------------
+_SPANS: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("qkv_generation_spans",
+                                                                                  default=None)
+
+
+def _raise_exception(message: str) -> None:
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes (<, >, &, '): chat templates expect plain JSON
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> Any:
+    """The template compiled in the sandbox (cached: a chat renders the same template every turn)."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        """`{% generation %}body{% endgeneration %}`: renders body unchanged and, while a render is tracking,
+        records where in the output it landed (the assistant's part of the conversation)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller: Any) -> str:
+            text = caller()
+            tracking = _SPANS.get()
+            if tracking is not None:
+                # the blocks the template has yielded so far are the output before this one
+                blocks, spans = tracking
+                start = sum(len(b) for b in blocks)
+                spans.append((start, start + len(text)))
+            return text
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise CheckpointError(f"the chat template is not valid Jinja2: {e} (line {e.lineno})") from None
+
+
+def render_chat_template(source: str, messages: Sequence[Message], *, add_generation_prompt: bool = False,
+                         track_generation: bool = False, **variables: Any) -> tuple[str, list[tuple[int, int]]]:
+    """Render `source` for `messages`; returns (text, character spans of `{% generation %}` blocks)."""
+    import jinja2
+
+    template = compile_chat_template(source)
+    # as transformers does: keys whose value is None are dropped, so `message.tool_calls is defined` works
+    msgs = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+    kwargs = {"messages": msgs, "add_generation_prompt": add_generation_prompt, "tools": None,
+              "documents": None, **variables}
+    try:
+        if not track_generation:
+            return template.render(**kwargs), []
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        token = _SPANS.set((blocks, spans))
+        try:
+            for block in template.generate(**kwargs):
+                blocks.append(block)
+        finally:
+            _SPANS.reset(token)
+        return "".join(blocks), spans
+    except jinja2.exceptions.TemplateError as e:  # raise_exception() in the template, or a sandbox refusal
+        raise ValueError(f"chat template: {e}") from None
+
+
+def has_generation_blocks(source: str) -> bool:
+    return re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
+
+
+class HFTokenizer:
+    """A Hugging Face folder's tokenizer (see the module docstring). Build it with `load_hf_tokenizer`."""
+
+    def __init__(self, tokenizer: Any, config: Mapping[str, Any] | None = None,
+                 chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()) -> None:
+        self.tokenizer = tokenizer  # a tokenizers.Tokenizer
+        config = dict(config or {})
+        self.config = config
+        self.chat_template = chat_template
+        self.special_tokens: dict[str, str] = {}
+        for name in SPECIAL_NAMES:
+            text = _token_text(config.get(name))
+            if text is not None:
+                self.special_tokens[name] = text
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        self.pad_token = self.special_tokens.get("pad_token")
+        self.bos_token_id = self.token_to_id(self.bos_token)
+        self.pad_token_id = self.token_to_id(self.pad_token)
+        eos = self.token_to_id(self.eos_token)
+        self.eos_token_id = eos
+        # every id that ends a sequence: the tokenizer's eos and the model's (generation_config.json often lists
+        # the chat's end-of-turn token beside the base model's end of text)
+        self.eos_token_ids: set[int] = ({eos} if eos is not None else set()) | set(extra_eos_ids)
+        # add_bos_token / add_eos_token: Llama-style folders say it here; the post-processor may already do it
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.add_eos_token = bool(config.get("add_eos_token", False))
+
+    # -- vocabulary ---------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    def id_to_token(self, idx: int) -> str | None:
+        return self.tokenizer.id_to_token(idx)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    # -- text <-> ids --------------------------------------------------------------------------------------
+    def _encode(self, text: str, add_special_tokens: bool) -> Any:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. add_special_tokens: what the folder's post-processor adds (bos for Llama),
+        plus bos/eos when tokenizer_config.json asks for them and the post-processor did not add them."""
+        ids = list(self._encode(text, add_special_tokens).ids)
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+                ids.insert(0, self.bos_token_id)
+            if self.add_eos_token and self.eos_token_id is not None and ids[-1:] != [self.eos_token_id]:
+                ids.append(self.eos_token_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        """An incremental decoder for streamed tokens (text is emitted once it is complete UTF-8)."""
+        return StreamDecoder(self, skip_special_tokens)
+
+    # -- chat ------------------------------------------------------------------------------------------------
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+                    track_generation: bool = False, **variables: Any) -> tuple[str, list[tuple[int, int]]]:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template (no chat_template.jinja and no "
+                             "`chat_template` in tokenizer_config.json)")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    track_generation=track_generation, **{**self.special_tokens, **variables})
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+                            tokenize: bool = False, return_assistant_mask: bool = False,
+                            **variables: Any) -> Any:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the folder's chat template.
+
+        Returns the text (tokenize=False), its token ids (tokenize=True; no special tokens are added beyond
+        what the template writes, as transformers does), or with return_assistant_mask=True a pair
+        (ids, mask) where mask[i] = 1 for a token overlapping what the assistant says: the template's
+        `{% generation %}` blocks when it has them, else each assistant message's content located in the
+        rendered text plus an end-of-sequence token that follows it (after whitespace at most) (so a model fine-tuned on the
+        mask learns to stop). Extra keyword arguments are template variables (e.g. enable_thinking=False).
+        """
+        if not return_assistant_mask:
+            text, _ = self.render_chat(messages, add_generation_prompt, **variables)
+            return self.encode(text, add_special_tokens=False) if tokenize else text
+        generation = has_generation_blocks(self.chat_template or "")
+        text, spans = self.render_chat(messages, add_generation_prompt, track_generation=generation,
+                                       **variables)
+        if not generation:
+            spans = self._assistant_spans(text, messages)
+        enc = self._encode(text, add_special_tokens=False)
+        return list(enc.ids), spans_to_token_mask(spans, enc.offsets)
+
+    def _assistant_spans(self, text: str, messages: Sequence[Message]) -> list[tuple[int, int]]:
+        """Character spans of each assistant message's content in the rendered `text`, found in message order
+        (a message's content searched after the previous message's), extended over an end-of-sequence token
+        that directly follows. Templates that rewrite the content beyond trimming it cannot be located."""
+        enders = sorted({t for t in (self.id_to_token(i) for i in self.eos_token_ids) if t}, key=len,
+                        reverse=True)
+        spans: list[tuple[int, int]] = []
+        cursor = 0
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if not isinstance(content, str) or not content.strip():
+                continue
+            needle = content  # as written, else as a template that trims it writes it
+            at = text.find(needle, cursor)
+            if at < 0:
+                needle = content.strip()
+                at = text.find(needle, cursor)
+            if m.get("role") != "assistant":
+                if at >= 0:  # a system prompt some templates move or drop is simply not found
+                    cursor = at + len(needle)
+                continue
+            if at < 0:
+                raise ValueError(f"message {i}: the assistant's content is not in the rendered chat (the "
+                                 "template changes it); add {% generation %} blocks to the template")
+            end = at + len(needle)
+            gap = len(text[end:]) - len(text[end:].lstrip())  # Llama-2 writes content + ' ' + eos
+            for ender in enders:
+                if text.startswith(ender, end + gap):
+                    end += gap + len(ender)
+                    break
+            spans.append((at, end))
+            cursor = end
+        return spans
+
+
+def spans_to_token_mask(spans: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for every token whose character range overlaps a span (as transformers computes its assistant mask:
+    spans and offsets are both in order, one pass)."""
+    mask = [0] * len(offsets)
+    s = 0
+    for t, (start, end) in enumerate(offsets):
+        while s < len(spans) and start >= spans[s][1]:
+            s += 1
+        if s == len(spans):
+            break
+        if end > spans[s][0]:
+            mask[t] = 1
+    return mask
+
+
+class StreamDecoder:
+    """Turns token ids, one at a time, into text pieces whose concatenation is decode(all ids).
+
+    Decoding a token alone is wrong for byte-level BPE (a character may span tokens) and SentencePiece (a
+    leading space depends on the previous token), so each step decodes a short window of recent tokens and
+    emits what it adds, holding text back while it ends in an incomplete character (U+FFFD)."""
+
+    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool = True) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # tokens whose text has been emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        now = self.tok.decode(self.ids[self.prefix:], self.skip)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        now = self.tok.decode(self.ids[self.prefix:], self.skip)
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):]
+
+
+def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    field = config.get("chat_template")
+    if isinstance(field, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in field if isinstance(t, dict)}
+        field = named.get("default")
+        if field is None:
+            raise CheckpointError(f"{folder}: tokenizer_config.json has named chat templates {sorted(named)} "
+                                  "but none called 'default'")
+    if field is None:
+        legacy = folder / "chat_template.json"  # processor folders
+        field = _read_json(legacy).get("chat_template")
+    return field if isinstance(field, str) and field else None
+
+
+def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
+    """The tokenizer of a Hugging Face model folder (tokenizer.json is required)."""
+    from tokenizers import Tokenizer
+
+    folder = Path(folder)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no tokenizer.json (qkv reads the fast-tokenizer file; a folder with "
+                              "only tokenizer.model / vocab files can be converted by saving it once with "
+                              "transformers' AutoTokenizer)")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a plain Exception for a malformed file
+        raise CheckpointError(f"{path}: cannot be read by the tokenizers library ({e})") from None
+    config = {**_read_json(folder / "special_tokens_map.json"), **_read_json(folder / "tokenizer_config.json")}
+    extra: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        extra += _ids(_read_json(folder / name).get("eos_token_id"))
+    return HFTokenizer(tokenizer, config, _chat_template(folder, config), extra)
