@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv.tasks", "qkv.train"),  # batch sources / the training loop: neither knows the other
     ("qkv.run",),  # one way to build and train a run (train/demo/ablation runner all come here)
     ("qkv.experiments", "qkv.finetune"),  # ablation suites (each run through qkv.run.train_run); fine-tuning recipes
-    ("qkv.explore",),  # the attention explorer (issue 16, on main): a web page over run folders and models
+    ("qkv.explore", "qkv.serve"),  # the attention explorer (issue 16, on main): a web page over run folders and models; qkv serve (issue 13)
     ("qkv.demo",),
     ("qkv.cli",),
 ]
