@@ -14,7 +14,9 @@ their keys/values in the cache. One step (the scheduler, in this order):
    while others run). Blocks are NOT reserved for the worst case: they are taken when written.
    Prefix cache: the leading full blocks of S that some earlier sequence already computed (same tokens from
    position 0: BlockAllocator's content hashes) are shared instead of computed (a fully cached prompt still
-   recomputes its last token, into a copy of the shared last block: copy-on-write).
+   recomputes its last token, into a copy of the shared last block: copy-on-write). A request whose first
+   block is being prefilled by a running request waits for it, so a burst of requests with one system
+   prompt computes it once.
 2. Chunked prefill: requests with more than one token to feed get up to `prefill_chunk` tokens of this
    step's budget (one model.step per chunk, in admission order), so a long prompt is spread over several
    steps and every running request still gets a token each step. A request whose prompt is done emits its
@@ -70,6 +72,7 @@ class _Request:
     computed: int = 0  # tokens of prompt + output whose keys/values are in the cache
     digests: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
     preemptions: int = 0
+    head: bytes = b""  # prefix-cache key of its first block (b"": shorter than a block)
 
     @property
     def tokens(self) -> list[int]:
@@ -184,6 +187,8 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         req = _Request(rid, ids, cfg, max_new, set(cfg.eos_ids), pipe, list(cfg.stop_strings or []))
+        if len(ids) >= self.cache.block_size:
+            req.head = block_digest(b"", ids[:self.cache.block_size])
         if max_new == 0:
             self.finished[rid], self.finish_reason[rid] = [], "length"
         else:
@@ -307,6 +312,9 @@ class Engine:
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             blocks, digests = self._prefix_blocks(req)
+            if self.prefix_caching and req.head and self.running and any(
+                    r.head == req.head and r.computed < len(r.prompt) for r in self.running):
+                break  # a running request is computing the same first block(s): wait and reuse them
             n = len(req.tokens)
             hit = min(len(blocks) * bs, n - 1)  # the last token is always fed: its logits are needed
             need = -(-n // bs) - len(blocks) + (1 if hit < len(blocks) * bs else 0)  # + the copy-on-write

@@ -1,0 +1,210 @@
+"""qkv serve under load (issue 13), CPU, one run, three parts:
+
+1. load   N concurrent streaming clients (asyncio + httpx) on a loopback server, mixed prompt lengths and
+          output lengths, greedy; total generated tok/s vs sequential generate() at batch 1 on the same
+          prompts; p50/p99 time to first token (TTFT) and inter-token latency (ITL); failed / truncated /
+          garbled responses (every streamed token sequence is compared with generate() alone).
+2. static the same requests through Engine.run() vs one padded generate() batch: tok/s and KV memory
+          (engine: peak blocks x block bytes; static: B x (longest prompt + longest output) positions).
+3. prefix 16 requests sharing a 384-token system prompt: prefill tokens computed with prefix caching vs
+          without (work saved), same outputs.
+
+Model: 'gpt-bench' (6 layers, 384 wide, vocab 65, random weights) with a 1024-position table. The full form
+(64 clients, prompts 16..512, outputs 16..256) takes long on a 2-core machine; the figures in
+docs/performance.md come from the reduced form named there.
+
+    .venv/bin/python benchmarks/serve.py [--quick] [--clients 64] [--prompt-max 512] [--new-max 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+from qkv.generate import Engine, generate  # noqa: E402
+from qkv.serve import build_engine, create_app, load_served  # noqa: E402
+from qkv.tasks import build_task  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def make_folder(path: Path, quick: bool) -> Path:
+    task = build_task("charlm", family="gpt", context=1024)
+    kw = dict(n_layers=2, d_model=64, n_heads=2) if quick else {}
+    model = task.build_model("gpt-bench", position="learned", **kw)
+    task.save(path)
+    model.save_pretrained(path)
+    return path
+
+
+async def client(url: str, name: str, prompt: list[int], n: int) -> dict:
+    import httpx
+
+    body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    text, done, usage = [], False, None
+    async with httpx.AsyncClient(timeout=3600) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            ev = json.loads(line[6:])
+            stamps.append(time.perf_counter())
+            text.append(ev["choices"][0]["text"])
+            usage = ev.get("usage") or usage
+    return {"t0": t0, "stamps": stamps, "text": "".join(text), "done": done, "usage": usage}
+
+
+def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch: int) -> dict:
+    import uvicorn
+
+    served = load_served(folder)
+    engine = build_engine(served, max_batch_size=max_batch)
+    app = create_app(served, engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.05)
+
+    async def all_clients():
+        return await asyncio.gather(*(client(url, served.name, p, n) for p, n in zip(prompts, news)))
+
+    t0 = time.perf_counter()
+    res = asyncio.run(all_clients())
+    wall = time.perf_counter() - t0
+    stats = engine.stats()
+    server.should_exit = True
+    th.join(30)
+    # the reference: generate() alone, batch 1, sequentially, on the same prompts
+    m = served.model
+    t0 = time.perf_counter()
+    refs = [generate(m, torch.tensor([p]), n)[0, len(p):].tolist() for p, n in zip(prompts, news)]
+    seq_wall = time.perf_counter() - t0
+    bad = sum(1 for r, ref, n in zip(res, refs, news)
+              if not r["done"] or r["text"] != served.codec.decode(ref) or (r["usage"] or {}).get("completion_tokens") != n)
+    ttft = [r["stamps"][0] - r["t0"] for r in res if r["stamps"]]
+    itl = [b - a for r in res for a, b in zip(r["stamps"], r["stamps"][1:])]
+    total = sum(news)
+    return {"clients": len(prompts), "generated_tokens": total, "server_s": round(wall, 2),
+            "server_tok_s": round(total / wall, 1), "sequential_generate_s": round(seq_wall, 2),
+            "sequential_tok_s": round(total / seq_wall, 1), "speedup": round(seq_wall / wall, 2),
+            "ttft_p50_s": round(pct(ttft, 0.5), 3), "ttft_p99_s": round(pct(ttft, 0.99), 3),
+            "itl_p50_ms": round(1000 * pct(itl, 0.5), 1), "itl_p99_ms": round(1000 * pct(itl, 0.99), 1),
+            "failed_or_garbled": bad, "preemptions": stats["preemptions"], "prefix_hit_rate":
+            round(stats["prefix_hit_rate"], 3)}
+
+
+def engine_vs_static(m, prompts, news, repeats: int) -> dict:
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    c = m.config
+    slot = 2 * c.n_layers * c.d_model * 4
+    times: dict[str, list[float]] = {"engine": [], "static": []}
+    mem = {}
+    for _ in range(repeats):  # interleaved
+        t0 = time.perf_counter()
+        e = Engine(m, max_batch_size=len(prompts))
+        rids = [e.add_request(p, n) for p, n in zip(prompts, news)]
+        out = e.run()
+        times["engine"].append(time.perf_counter() - t0)
+        mem["engine"] = e.peak_blocks * e.cache.bytes_per_block
+        t0 = time.perf_counter()
+        ref = generate(m, ids, max(news), attention_mask=mask)
+        times["static"].append(time.perf_counter() - t0)
+        mem["static"] = len(prompts) * (T + max(news)) * slot
+    same = all(out[r] == ref[i, T:T + n].tolist() for i, (r, n) in enumerate(zip(rids, news)))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    total = sum(news)
+    return {"engine_tok_s": round(total / med["engine"], 1), "static_tok_s": round(total / med["static"], 1),
+            "engine_over_static": round(med["static"] / med["engine"], 2),
+            "engine_kv_mib": round(mem["engine"] / 2**20, 1), "static_kv_mib": round(mem["static"] / 2**20, 1),
+            "kv_ratio": round(mem["engine"] / mem["static"], 2), "same_tokens": same}
+
+
+def prefix_work(m, system_len: int, n_req: int, new: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(0, 65, (system_len,), generator=g).tolist()
+    prompts = [system + torch.randint(0, 65, (int(torch.randint(8, 33, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n_req)]
+    res = {}
+    for on in (False, True):
+        e = Engine(m, max_batch_size=n_req, prefix_caching=on)
+        rids = [e.add_request(p, new) for p in prompts]
+        t0 = time.perf_counter()
+        out = e.run()
+        res[on] = (e.stats()["prefill_tokens"], time.perf_counter() - t0, [out[r] for r in rids])
+    saved = 1 - res[True][0] / res[False][0]
+    return {"requests": n_req, "system_prompt": system_len, "prefill_tokens_without": res[False][0],
+            "prefill_tokens_with": res[True][0], "work_saved": round(saved, 3),
+            "wall_without_s": round(res[False][1], 2), "wall_with_s": round(res[True][1], 2),
+            "same_tokens": res[True][2] == res[False][2]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a CPU smoke run (tiny model, few clients)")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--new-max", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "results" / "serve.json"))
+    a = ap.parse_args()
+    if a.quick:
+        a.clients, a.prompt_max, a.new_max, a.repeats = 6, 40, 16, 1
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    prompts = [torch.randint(0, 65, (rnd(16, a.prompt_max),), generator=g).tolist() for _ in range(a.clients)]
+    news = [rnd(16, a.new_max) for _ in range(a.clients)]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_folder(Path(tmp), a.quick)
+        load = load_test(folder, prompts, news, max_batch=a.clients)
+        m = load_served(folder).model
+        static = engine_vs_static(m, prompts, news, a.repeats)
+        prefix = prefix_work(m, 64 if a.quick else 384, 4 if a.quick else 16, 8 if a.quick else 32)
+    result = {"threads": torch.get_num_threads(), "quick": a.quick, "load": load, "engine_vs_static": static,
+              "prefix_caching": prefix}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(f"| clients | tok/s server | tok/s sequential generate() | speedup | TTFT p50 / p99 (s) | "
+          f"ITL p50 / p99 (ms) | failed |\n|---|---|---|---|---|---|---|\n| {load['clients']} | "
+          f"{load['server_tok_s']} | {load['sequential_tok_s']} | {load['speedup']}x | {load['ttft_p50_s']} / "
+          f"{load['ttft_p99_s']} | {load['itl_p50_ms']} / {load['itl_p99_ms']} | {load['failed_or_garbled']} |")
+    print(f"\nengine {static['engine_tok_s']} tok/s vs static padded {static['static_tok_s']} tok/s "
+          f"({static['engine_over_static']}x) at {static['kv_ratio']}x its KV memory ({static['engine_kv_mib']} vs "
+          f"{static['static_kv_mib']} MiB); same tokens: {static['same_tokens']}")
+    print(f"prefix caching, {prefix['requests']} requests sharing a {prefix['system_prompt']}-token prompt: prefill "
+          f"{prefix['prefill_tokens_with']} vs {prefix['prefill_tokens_without']} tokens, work saved "
+          f"{prefix['work_saved']:.0%}; same tokens: {prefix['same_tokens']}")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
