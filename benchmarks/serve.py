@@ -8,6 +8,8 @@
           (engine: peak blocks x block bytes; static: B x (longest prompt + longest output) positions).
 3. prefix 16 requests sharing a 384-token system prompt: prefill tokens computed with prefix caching vs
           without (work saved), same outputs.
+4. preemption  the load test's requests on a pool of ~1/3 the blocks they need at once: preemptions and
+          recomputed tokens with the least_work and the newest victim policy, same outputs.
 
 Model: 'gpt-bench' (6 layers, 384 wide, vocab 65, random weights) with a 1024-position table. The full form
 (64 clients, prompts 16..512, outputs 16..256) takes long on a 2-core machine; the figures in
@@ -22,11 +24,9 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 from qkv.generate import Engine, generate  # noqa: E402
-from qkv.serve import build_engine, create_app, load_served  # noqa: E402
+from qkv.serve import load_served  # noqa: E402
 from qkv.tasks import build_task  # noqa: E402
 
 
@@ -56,14 +56,12 @@ def make_folder(path: Path, quick: bool) -> Path:
     return path
 
 
-async def client(url: str, name: str, prompt: list[int], n: int) -> dict:
-    import httpx
-
+async def client(c, url: str, name: str, prompt: list[int], n: int) -> dict:
     body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     stamps: list[float] = []
     text, done, usage = [], False, None
-    async with httpx.AsyncClient(timeout=3600) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+    async with c.stream("POST", url + "/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -78,29 +76,43 @@ async def client(url: str, name: str, prompt: list[int], n: int) -> dict:
 
 
 def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch: int) -> dict:
-    import uvicorn
+    """The server runs in its own process (`qkv serve --port 0`), as in use: the clients' event loop does not
+    share its interpreter lock."""
+    import signal
+    import subprocess
+
+    import httpx
 
     served = load_served(folder)
-    engine = build_engine(served, max_batch_size=max_batch)
-    app = create_app(served, engine)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.05)
+    cmd = [sys.executable, "-m", "qkv.cli.main", "serve", str(folder), "--port", "0", "--name", "bench",
+           "--max-batch-size", str(max_batch), "--max-waiting", str(len(prompts))]
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent / "src")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    if "http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"qkv serve did not start: {line!r}")
+    url = line.split("at ")[1].split()[0].removesuffix("/v1")
 
     async def all_clients():
-        return await asyncio.gather(*(client(url, served.name, p, n) for p, n in zip(prompts, news)))
+        limits = httpx.Limits(max_connections=len(prompts) + 1)
+        async with httpx.AsyncClient(timeout=3600, limits=limits) as c:  # one client: no per-request TLS setup
+            return await asyncio.gather(*(client(c, url, "bench", p, n) for p, n in zip(prompts, news)))
+
+    warm = {"model": "bench", "prompt": prompts[0][:16], "max_tokens": 4, "temperature": 0}
+    httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # first-call costs, untimed
 
     t0 = time.perf_counter()
     res = asyncio.run(all_clients())
     wall = time.perf_counter() - t0
-    stats = engine.stats()
-    server.should_exit = True
-    th.join(30)
+    metrics = httpx.get(url + "/metrics").text
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+    def metric(name: str) -> float:
+        return next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(name + " "))
+
+    stats = {"preemptions": metric("qkv_preemptions_total"), "prefix_hit_rate": metric("qkv_prefix_cache_hit_rate")}
     # the reference: generate() alone, batch 1, sequentially, on the same prompts
     m = served.model
     t0 = time.perf_counter()
@@ -167,6 +179,28 @@ def prefix_work(m, system_len: int, n_req: int, new: int) -> dict:
             "same_tokens": res[True][2] == res[False][2]}
 
 
+def preemption_policies(m, prompts, news, block_size: int = 16) -> dict:
+    """The same requests on a pool of ~1/3 of the blocks they need together: preemptions and the computed
+    tokens thrown away under each victim policy (outputs checked equal to a pool without preemption)."""
+    need = sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, news))
+    biggest = max(-(-(len(p) + n) // block_size) for p, n in zip(prompts, news))
+    blocks = max(biggest + 2, need // 3)
+    ref = Engine(m, max_batch_size=len(prompts))
+    rids = [ref.add_request(p, n) for p, n in zip(prompts, news)]
+    want = ref.run()
+    out = {"blocks": blocks, "blocks_needed_all_at_once": need}
+    for policy in ("least_work", "newest"):
+        e = Engine(m, num_blocks=blocks, max_batch_size=len(prompts), preemption=policy)
+        ids = [e.add_request(p, n) for p, n in zip(prompts, news)]
+        t0 = time.perf_counter()
+        got = e.run()
+        st = e.stats()
+        out[policy] = {"preemptions": st["preemptions"], "recomputed_tokens": st["recomputed_tokens"],
+                       "prefill_tokens": st["prefill_tokens"], "wall_s": round(time.perf_counter() - t0, 2),
+                       "same_tokens": [got[i] for i in ids] == [want[r] for r in rids]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a CPU smoke run (tiny model, few clients)")
@@ -189,8 +223,9 @@ def main() -> None:
         m = load_served(folder).model
         static = engine_vs_static(m, prompts, news, a.repeats)
         prefix = prefix_work(m, 64 if a.quick else 384, 4 if a.quick else 16, 8 if a.quick else 32)
+        preempt = preemption_policies(m, prompts, news)
     result = {"threads": torch.get_num_threads(), "quick": a.quick, "load": load, "engine_vs_static": static,
-              "prefix_caching": prefix}
+              "prefix_caching": prefix, "preemption": preempt}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"| clients | tok/s server | tok/s sequential generate() | speedup | TTFT p50 / p99 (s) | "
@@ -203,6 +238,11 @@ def main() -> None:
     print(f"prefix caching, {prefix['requests']} requests sharing a {prefix['system_prompt']}-token prompt: prefill "
           f"{prefix['prefill_tokens_with']} vs {prefix['prefill_tokens_without']} tokens, work saved "
           f"{prefix['work_saved']:.0%}; same tokens: {prefix['same_tokens']}")
+    for policy in ("least_work", "newest"):
+        p = preempt[policy]
+        print(f"preemption {policy}: {p['preemptions']} preemptions, {p['recomputed_tokens']} computed tokens thrown "
+              f"away, {p['wall_s']} s ({preempt['blocks']} of {preempt['blocks_needed_all_at_once']} blocks); "
+              f"same tokens: {p['same_tokens']}")
     print(f"wrote {a.out}")
 
 

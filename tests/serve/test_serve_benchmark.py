@@ -20,3 +20,5 @@ def test_serve_benchmark_quick(tmp_path):
     assert res["load"]["failed_or_garbled"] == 0 and res["load"]["clients"] == 6
     assert res["engine_vs_static"]["same_tokens"] and res["prefix_caching"]["same_tokens"]
     assert res["prefix_caching"]["work_saved"] > 0.5  # 4 requests, 64 shared tokens: 3 of 4 prefixes reused
+    for policy in ("least_work", "newest"):
+        assert res["preemption"][policy]["same_tokens"]

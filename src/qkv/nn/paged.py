@@ -11,10 +11,10 @@ the same full blocks (the prefix cache of BlockAllocator, keyed by block_digest)
 prefix cache holds, is never written: a write that would land in it copies it first (copy-on-write), which
 happens when a sequence recomputes the last token of a fully cached prompt.
 
-Layout and one step. The pool is (n_layers, num_blocks * block_size, H_kv, hd): slot s = block * block_size
-+ i. Each step serves the *active* sequences (set_active). update() writes the new keys/values of every
-active sequence into its slots with one index_copy_, then gathers each sequence's keys RIGHT-aligned into
-(B, H_kv, max_len + T, hd): sequence b's last key sits in the last column for every b, exactly like a
+Layout and one step. The pool is (n_layers, H_kv * num_blocks * block_size, hd): row h * slots + s holds
+head h of slot s = block * block_size + i. Each step serves the *active* sequences (set_active). update()
+writes the new keys/values of every active sequence into its slots with one index_copy_, then gathers each
+sequence's keys RIGHT-aligned with one index_select into a contiguous (B, H_kv, max_len + T, hd): sequence b's last key sits in the last column for every b, exactly like a
 left-padded static cache. So the causal mask and ALiBi's bias (both bottom-right aligned) need nothing
 special; keep_mask() hides the unused left part, and offset gives each sequence its own positions.
 The write/gather indices are computed once per step (first layer) and reused by every layer.
@@ -150,7 +150,10 @@ class PagedKVCache(KVCache):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
+        # (layer, head * slot, hd): the rows of one step's gather come out as (B, H, tk, hd), contiguous,
+        # which is what attention's batched matmul reads (no second copy of the gathered keys)
+        self.n_kv_heads, self.slots = n_kv_heads, num_blocks * block_size
+        shape = (n_layers, n_kv_heads * num_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.device = self.k.device
@@ -215,8 +218,9 @@ class PagedKVCache(KVCache):
             i, old = n // bs, table[n // bs]
             new = self.allocator.allocate()
             src, dst = slice(old * bs, (old + 1) * bs), slice(new * bs, (new + 1) * bs)
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+            for pool in (self.k, self.v):
+                heads = pool.view(pool.shape[0], self.n_kv_heads, self.slots, -1)
+                heads[:, :, dst] = heads[:, :, src]
             table[i] = new
             self.allocator.free([old])
             self.copies += 1
@@ -251,8 +255,8 @@ class PagedKVCache(KVCache):
 
     @property
     def bytes_per_block(self) -> int:
-        L, _, H, hd = self.k.shape
-        return 2 * L * self.block_size * H * hd * self.k.element_size()
+        L, _, hd = self.k.shape
+        return 2 * L * self.block_size * self.n_kv_heads * hd * self.k.element_size()
 
     # -- KVCache ----------------------------------------------------------------------------------------
     def _make_plan(self, T: int) -> tuple[Tensor, Tensor]:
@@ -265,14 +269,16 @@ class PagedKVCache(KVCache):
         lens = self._lens_t.unsqueeze(1)
         # write slots of the T new tokens: positions len .. len + T - 1
         p = lens + torch.arange(T, device=self.device)
-        write = (tables.gather(1, p // bs) * bs + p % bs).reshape(-1)  # (B * T,)
+        write = tables.gather(1, p // bs) * bs + p % bs  # (B, T) slots
         # gather slots, right-aligned: column t of row b holds position t - (length - len_b)
         tk = self.length + T
         p = torch.arange(tk, device=self.device).unsqueeze(0) - (self.length - lens)
         valid = p >= 0
         p = p.clamp_min(0)
         gather = torch.where(valid, tables.gather(1, p // bs) * bs + p % bs, 0)  # (B, tk); masked cols -> slot 0
-        return write, gather
+        # rows of the (head * slot) pool, in (B, H, T) and (B, H, tk) order
+        head = (torch.arange(self.n_kv_heads, device=self.device) * self.slots).view(1, -1, 1)
+        return (head + write.unsqueeze(1)).reshape(-1), (head + gather.unsqueeze(1)).reshape(-1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         B, H, T, hd = k.shape
@@ -282,9 +288,11 @@ class PagedKVCache(KVCache):
             self._plan = self._make_plan(T)
         write, gather = self._plan
         kl, vl = self.k[layer], self.v[layer]
-        kl.index_copy_(0, write, k.transpose(1, 2).reshape(B * T, H, hd))
-        vl.index_copy_(0, write, v.transpose(1, 2).reshape(B * T, H, hd))
-        return kl[gather].transpose(1, 2), vl[gather].transpose(1, 2)  # (B, H, length + T, hd)
+        kl.index_copy_(0, write, k.reshape(B * H * T, hd))
+        vl.index_copy_(0, write, v.reshape(B * H * T, hd))
+        tk = gather.shape[0] // (B * H)
+        return (kl.index_select(0, gather).view(B, H, tk, hd),  # (B, H, length + T, hd), contiguous
+                vl.index_select(0, gather).view(B, H, tk, hd))
 
     def advance(self, n: int) -> None:
         for s in self.active:
