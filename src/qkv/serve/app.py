@@ -203,8 +203,13 @@ class API:
         return self.worker.submit(prompt, opts)
 
     def release(self, t: Ticket, reason: str | None) -> None:
+        """The request is over for the client (idempotent): free its place; cancel it if it still runs."""
+        if t.released:
+            return
+        t.released = True
+        if reason is None:
+            self.worker.cancel(t)
         self.active -= 1
-
         self.metrics.observe(t, reason)
 
     # -- generation ------------------------------------------------------------------------------------
@@ -263,6 +268,21 @@ class TextStream:
         piece = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return piece
+
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that always runs on_close, even when the client is gone before the body's first
+    chunk (the generator's own finally never runs then)."""
+
+    def __init__(self, content: Any, on_close: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def create_app(served: Served, engine: Engine, settings: ServeSettings | None = None) -> FastAPI:
@@ -378,8 +398,8 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
             finally:
                 api.release(t, reason)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _Stream(events(), lambda: api.release(t, None), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

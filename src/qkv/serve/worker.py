@@ -28,6 +28,7 @@ class Ticket:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("token", id) ... then ("done", reason)
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    released: bool = False  # the handler is done with it (API.release)
 
 
 class EngineWorker:
