@@ -73,6 +73,7 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)  # connections wait in the backlog from now on, even before uvicorn's loop runs
     bound = sock.getsockname()[1]
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"qkv serve: listening on {host}: anyone who can reach this address can use the model")
