@@ -188,3 +188,17 @@ def test_engine_sampling_is_seeded():
             e.add_request(p, 6)
         runs.append(e.run())
     assert runs[0] == runs[1]
+
+
+def test_a_request_of_the_whole_pool_runs_after_its_prefix_was_cached():
+    # a 16-token prompt fills the pool of 4 blocks of 4; run again, its cached blocks plus the copy-on-write
+    # of the last one would need a fifth block, so the engine computes it again instead of sharing
+    m = tiny_gpt("rope", context=64)
+    engine = Engine(m, block_size=4, num_blocks=4)
+    prompt = [(3 * i) % 11 for i in range(16)]
+    a = engine.add_request(prompt, 1)
+    engine.run()
+    assert engine.stats()["blocks_cached"] == 4
+    b = engine.add_request(prompt, 1)
+    out = engine.run()
+    assert out[a] == out[b] == _alone(m, prompt, 1)
