@@ -316,7 +316,7 @@ class Engine:
                     r.head == req.head and r.computed < len(r.prompt) for r in self.running):
                 break  # a running request is computing the same first block(s): wait and reuse them
             n = len(req.tokens)
-            for attempt in range(2):
+            for _attempt in range(2):
                 hit = min(len(blocks) * bs, n - 1)  # the last token is always fed: its logits are needed
                 need = -(-n // bs) - len(blocks) + (1 if hit < len(blocks) * bs else 0)  # + the copy-on-write
                 revived = sum(1 for b in blocks if alloc.ref_count(b) == 0)  # cached blocks stop being free
