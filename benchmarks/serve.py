@@ -1,4 +1,4 @@
-"""qkv serve under load (issue 13), CPU, one run, three parts:
+"""qkv serve under load (issue 13), CPU, one run, five parts:
 
 1. load   N concurrent streaming clients (asyncio + httpx) on a loopback server, mixed prompt lengths and
           output lengths, greedy; total generated tok/s vs sequential generate() at batch 1 on the same
@@ -10,6 +10,8 @@
           without (work saved), same outputs.
 4. preemption  the load test's requests on a pool of ~1/3 the blocks they need at once: preemptions and
           recomputed tokens with the least_work and the newest victim policy, same outputs.
+5. chunked prefill: a 768-token prompt joins 16 decoding requests: the longest gap between their tokens
+          and the newcomer's time to first token, prefill_chunk=256 vs the whole prompt in one step.
 
 Model: 'gpt-bench' (6 layers, 384 wide, vocab 65, random weights) with a 1024-position table. The full form
 (64 clients, prompts 16..512, outputs 16..256) takes long on a 2-core machine; the figures in
@@ -201,6 +203,32 @@ def preemption_policies(m, prompts, news, block_size: int = 16) -> dict:
     return out
 
 
+def chunked_prefill(m, long_len: int, running: int = 16, chunk: int = 256) -> dict:
+    """`running` requests are decoding when a `long_len`-token prompt arrives: the longest gap between two
+    tokens of a running request, and the long request's time to first token, with chunked prefill
+    (prefill_chunk=chunk) and with the whole prompt in one step (prefill_chunk=None)."""
+    g = torch.Generator().manual_seed(2)
+    long_prompt = torch.randint(0, 65, (long_len,), generator=g).tolist()
+    out = {"running": running, "long_prompt": long_len, "chunk": chunk}
+    for name, c in (("chunked", chunk), ("whole", None)):
+        e = Engine(m, max_batch_size=running + 1, prefill_chunk=c)
+        for _ in range(running):
+            e.add_request(torch.randint(0, 65, (16,), generator=g).tolist(), 10_000 // running)
+        for _ in range(3):
+            e.step()  # everyone is decoding
+        rid = e.add_request(long_prompt, 4)
+        t_add = time.perf_counter()
+        gaps, ttft = [], None
+        while ttft is None:
+            t0 = time.perf_counter()
+            events = e.step()
+            gaps.append(time.perf_counter() - t0)
+            if any(r == rid for r, _ in events):
+                ttft = time.perf_counter() - t_add
+        out[name] = {"max_gap_ms": round(1000 * max(gaps), 1), "steps": len(gaps), "ttft_s": round(ttft, 3)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a CPU smoke run (tiny model, few clients)")
@@ -224,7 +252,8 @@ def main() -> None:
         static = engine_vs_static(m, prompts, news, a.repeats)
         prefix = prefix_work(m, 64 if a.quick else 384, 4 if a.quick else 16, 8 if a.quick else 32)
         preempt = preemption_policies(m, prompts, news)
-    result = {"threads": torch.get_num_threads(), "quick": a.quick, "load": load, "engine_vs_static": static,
+        chunk = chunked_prefill(m, 64 if a.quick else 768, 4 if a.quick else 16, 16 if a.quick else 256)
+    result = {"chunked_prefill": chunk, "threads": torch.get_num_threads(), "quick": a.quick, "load": load, "engine_vs_static": static,
               "prefix_caching": prefix, "preemption": preempt}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
@@ -243,6 +272,10 @@ def main() -> None:
         print(f"preemption {policy}: {p['preemptions']} preemptions, {p['recomputed_tokens']} computed tokens thrown "
               f"away, {p['wall_s']} s ({preempt['blocks']} of {preempt['blocks_needed_all_at_once']} blocks); "
               f"same tokens: {p['same_tokens']}")
+    print(f"a {chunk['long_prompt']}-token prompt joining {chunk['running']} decoding requests: longest gap "
+          f"between their tokens {chunk['chunked']['max_gap_ms']} ms chunked ({chunk['chunk']} per step) vs "
+          f"{chunk['whole']['max_gap_ms']} ms whole; its first token after {chunk['chunked']['ttft_s']} vs "
+          f"{chunk['whole']['ttft_s']} s")
     print(f"wrote {a.out}")
 
 
