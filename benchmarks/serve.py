@@ -213,7 +213,7 @@ def chunked_prefill(m, long_len: int, running: int = 16, chunk: int = 256) -> di
     for name, c in (("chunked", chunk), ("whole", None)):
         e = Engine(m, max_batch_size=running + 1, prefill_chunk=c)
         for _ in range(running):
-            e.add_request(torch.randint(0, 65, (16,), generator=g).tolist(), 10_000 // running)
+            e.add_request(torch.randint(0, 65, (16,), generator=g).tolist(), 200)  # still running at the end
         for _ in range(3):
             e.step()  # everyone is decoding
         rid = e.add_request(long_prompt, 4)
