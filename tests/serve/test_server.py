@@ -166,6 +166,8 @@ def test_errors_have_openai_shape_and_do_not_disturb_others(run_folder):
             client.chat.completions.create(model=served.name, messages=[{"role": "user", "content": "hi"}])
         r = httpx.post(url + "/v1/chat/completions", json={"model": served.name, "messages": []})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = httpx.get(url + "/v1/engines")
+        assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
         th.join(60)
         events, done = results["long"]
         assert done and events[-1]["usage"]["completion_tokens"] == 40  # untouched by the bad requests
