@@ -1,17 +1,10 @@
-"""Fixtures for the server tests: tiny folders built here (never downloaded) and a server on an ephemeral
-loopback port, run by uvicorn in a thread of the test process."""
+"""Fixtures for the server tests: tiny folders built here, never downloaded (the server: _servehelpers.py)."""
 
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
-from contextlib import contextmanager
 
 import pytest
-
-from qkv.serve import ServeSettings, build_engine, create_app, load_served
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -51,29 +44,3 @@ def gpt2_folder(tmp_path_factory):
                                   bos_token_id=0, eos_token_id=4, initializer_range=0.3)
     transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(path)
     return path
-
-
-@contextmanager
-def running_server(folder, *, settings: ServeSettings | None = None, **engine_options):
-    """(base url, app) of a server on 127.0.0.1:<free port>; stopped (and its engine thread) on exit."""
-    import uvicorn
-
-    served = load_served(folder)
-    engine = build_engine(served, **engine_options)
-    app = create_app(served, engine, settings)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()

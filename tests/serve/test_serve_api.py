@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 import torch
+from _servehelpers import running_server
 
-from conftest import running_server
 from qkv.generate import generate
 from qkv.serve import load_served
 
