@@ -42,7 +42,8 @@ def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "c
     model = _load(folder, meta, map_location)
     generation = GenerationConfig.from_model_folder(folder).explicit()
     if generation and hasattr(model, "folder_generation_config"):
-        model.folder_generation_config = generation
+        # over what the loader found in config.json (a HF folder's token ids)
+        model.folder_generation_config = {**model.folder_generation_config, **generation}
     return model
 
 

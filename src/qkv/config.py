@@ -197,6 +197,12 @@ class TransformerConfig:
     attn_dropout: float = 0.0  # dropout on attention probabilities
     init_std: float = 0.02  # std of the normal init of linears and embeddings
     embed_init_std: float | None = None  # std for embeddings (None = init_std); the seeds' "init 1.0 -> NaN" ablation
+    # variants of released decoder models (Llama, Qwen2/3, Mistral); the defaults are the plain blocks
+    head_dim: int | None = None  # attention head width when n_heads * head_dim != d_model (None = d_model // n_heads)
+    qkv_bias: bool | None = None  # biases on the q/k/v projection only (Qwen2); None = follow `bias`
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}; None = plain
+    sliding_window: int | None = None  # attention span (Mistral): longer sequences are refused, not truncated
 
     def validate(self) -> None:
         from qkv.nn.attention import BACKENDS
@@ -217,12 +223,23 @@ class TransformerConfig:
                 raise ConfigError(f"{type(self).__name__}.{name} must be positive, got {getattr(self, name)}")
         if self.d_ff is not None and self.d_ff < 1:
             raise ConfigError(f"{type(self).__name__}.d_ff must be positive (or null for 4 * d_model)")
-        if self.d_model % self.n_heads:
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ConfigError(f"{type(self).__name__}.head_dim must be positive (or null for d_model // n_heads)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"{type(self).__name__}.sliding_window must be positive (or null for none)")
+        if self.rope_scaling is not None:
+            from qkv.nn.position import rope_inv_freq
+
+            try:
+                rope_inv_freq(2, 10000.0, self.rope_scaling)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ConfigError(f"{type(self).__name__}.rope_scaling {self.rope_scaling}: {e!r}") from None
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
-            raise ConfigError("position=rope needs an even head dimension (d_model // n_heads)")
+        if self.position == "rope" and (self.head_dim or self.d_model // self.n_heads) % 2:
+            raise ConfigError("position=rope needs an even head dimension (head_dim or d_model // n_heads)")
         if not 0.0 <= self.dropout < 1.0 or not 0.0 <= self.attn_dropout < 1.0:
             raise ConfigError("dropout must be in [0, 1)")
         # values that pass the types but would only fail (or give NaN) deep inside a forward pass
@@ -241,5 +258,6 @@ class TransformerConfig:
         return dict(
             d_ff=self.d_ff, n_kv_heads=self.n_kv_heads, ffn=self.ffn, norm=self.norm, norm_eps=self.norm_eps,
             placement=self.placement, dropout=self.dropout, attn_dropout=self.attn_dropout, bias=self.bias,
-            attention=self.attention, scaled=self.scaled,
+            attention=self.attention, scaled=self.scaled, head_dim=self.head_dim, qkv_bias=self.qkv_bias,
+            qk_norm=self.qk_norm,
         )

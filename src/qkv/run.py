@@ -402,16 +402,61 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
         if stream:
             print(text)
         return text
-    tok = _folder_tokenizer(_model_folder(Path(path)))
-    _check_prompt_vocabulary(tok, prompt, strict)
-    ids = torch.tensor([_encode(tok, prompt) or [0]])
+    folder = _model_folder(Path(path))
     if cfg.max_new_tokens is None and cfg.max_length is None:
         cfg = cfg.replace(max_new_tokens=200)
+    hf = hf_folder_tokenizer(folder)
+    if hf is not None:
+        return _generate_hf(model, hf, prompt, cfg, stream)
+    tok = _folder_tokenizer(folder)
+    _check_prompt_vocabulary(tok, prompt, strict)
+    ids = torch.tensor([_encode(tok, prompt) or [0]])
     out = model.generate(ids, cfg)
     text = _decode(tok, out[0, ids.shape[1]:].tolist())
     if stream:
         print(prompt + text)
     return prompt + text
+
+
+def hf_folder_tokenizer(folder: str | Path) -> Any:
+    """The HFTokenizer (special tokens, chat template) of a Hugging Face model folder (config.json with a
+    model_type and a tokenizer.json); None for qkv folders and folders without tokenizer.json."""
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file() or (folder / "task.json").is_file():
+        return None
+    try:
+        meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(meta, dict) or "model_type" not in meta or "qkv_family" in meta:
+        return None
+    from qkv.interop.tokenizer import load_hf_tokenizer
+
+    return load_hf_tokenizer(folder)
+
+
+def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig, stream: bool) -> str:
+    """A Hugging Face folder: its tokenizer adds what its post-processor adds (Llama's bos); the
+    continuation is decoded without special tokens, streamed piece by piece when asked."""
+    from qkv.generate import stream as stream_tokens
+
+    ids = tok.encode(prompt, add_special_tokens=True)
+    if not ids:
+        if tok.bos_token_id is None:
+            raise ConfigError("an empty prompt needs a bos token, and this tokenizer has none: give --prompt")
+        ids = [tok.bos_token_id]
+    x = torch.tensor([ids])
+    if not stream:
+        out = model.generate(x, cfg)
+        return prompt + tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    print(prompt, end="", flush=True)
+    pieces, decoder = [], tok.stream_decoder(skip_special_tokens=True)
+    for new in stream_tokens(model, x, cfg):
+        pieces.append(decoder.push(int(new[0])))
+        print(pieces[-1], end="", flush=True)
+    pieces.append(decoder.flush())
+    print(pieces[-1])
+    return prompt + "".join(pieces)
 
 
 def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
@@ -461,6 +506,6 @@ def _decode(tok: Any, ids: list[int]) -> str:
 
 
 __all__ = ["EvalSettings", "Run", "build_parts", "build_run", "command_line_config",
-           "evaluate_run", "generate_text", "load_model_any", "load_run_config", "load_run_task", "model_folder",
+           "evaluate_run", "generate_text", "hf_folder_tokenizer", "load_model_any", "load_run_config", "load_run_task", "model_folder",
            "prepare",
            "train_run"]

@@ -46,3 +46,23 @@ def test_cli_runs_the_recipe_of_the_model_kind(fake_recipes, tmp_path, monkeypat
     monkeypatch.setattr(ft, "model_kind", lambda folder: "encoder")
     assert main(["finetune", str(tmp_path), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o")]) == 0
     assert fake_recipes == ["classify"] and capsys.readouterr().out.strip() == "classify"
+
+
+def test_model_kind_reads_only_the_config(tmp_path):
+    import json
+
+    from qkv.storage import CheckpointError
+
+    for model_type, kind in (("gpt2", "decoder"), ("bert", "encoder"), ("t5", "seq2seq")):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))  # no weights at all
+        assert ft.model_kind(tmp_path) == kind
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(CheckpointError, match="'mamba' is not supported"):
+        ft.model_kind(tmp_path)
+
+
+def test_model_kind_of_a_qkv_folder(tmp_path):
+    import qkv
+
+    qkv.build("gpt-nano").save_pretrained(tmp_path)
+    assert ft.model_kind(tmp_path) == "decoder"

@@ -148,12 +148,28 @@ def cmd_info(a: argparse.Namespace) -> int:
 
         model = load_model_any(a.target)
         title = f"{a.target}: {type(model).__name__}"
+        hf_type = _hf_model_type(a.target)
+        if hf_type:
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            title += f" (Hugging Face {hf_type} folder, {dtype})"
     else:
         model = qkv.build(a.target)
         title = f"preset {a.target}: {type(model).__name__}"
     print(title)
     print(format_table(parameter_table(model, a.depth)))
     return 0
+
+
+def _hf_model_type(path: str) -> str | None:
+    import json
+
+    from qkv.run import model_folder
+
+    try:
+        meta = json.loads((model_folder(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta.get("model_type") if isinstance(meta, dict) and "qkv_family" not in meta else None
 
 
 def _add_presets(p: argparse.ArgumentParser) -> None:
@@ -190,6 +206,8 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", help="a suite YAML (configs/ablations/*.yaml) or its name")
     p.add_argument("--out", default=None, help="output folder (default runs/ablations/<suite>)")
     p.add_argument("--quick", action="store_true", help="the suite's quick size (under a minute)")
+    p.add_argument("--scale", choices=("cpu", "gpu"), default="cpu",
+                   help="size profile: cpu (the file as written) or gpu (its `scales: gpu` section)")
     p.add_argument("--only", default=None, help="run only the variants whose name contains this string")
     p.add_argument("--force", action="store_true", help="redo runs that already finished")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (1 is best on a busy CPU)")
@@ -198,7 +216,7 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
 def cmd_ablate(a: argparse.Namespace) -> int:
     from qkv.experiments import run_suite
 
-    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, only=a.only, force=a.force, threads=a.threads)
+    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, scale=a.scale, only=a.only, force=a.force, threads=a.threads)
     print(f"report: {report}")
     return 0
 
@@ -316,6 +334,43 @@ def cmd_finetune(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_chat(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template)")
+    p.add_argument("--message", action="append", default=None,
+                   help="answer this message and exit (repeat for several turns); without it: interactive")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="longest answer in tokens (default 512)")
+    p.add_argument("--temperature", type=float, default=None, help="default: the folder's generation_config.json")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: the folder's, else sampling)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from qkv.chat import ChatSession, chat_loop
+    from qkv.config import ConfigError
+    from qkv.generate import GenerationConfig
+
+    flags = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+    _check_generate_flags(argparse.Namespace(**{**flags, "temperature": a.temperature or 1.0}, num_beams=1,
+                                             stream=False))
+    if a.message is not None and not all(m.strip() for m in a.message):
+        raise ConfigError("--message is empty")
+    cfg = GenerationConfig(**{k: v for k, v in flags.items() if v is not None}, seed=a.seed)
+    if a.greedy:
+        cfg = cfg.replace(do_sample=False)
+    elif a.temperature or a.top_k or a.top_p:
+        cfg = cfg.replace(do_sample=True)
+    session = ChatSession.from_folder(a.model, system=a.system, generation_config=cfg)
+    if a.message is None:
+        chat_loop(session)
+        return 0
+    for message in a.message:
+        print(session.reply(message))
+    return 0
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
@@ -328,6 +383,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
+    "chat": ("chat with a model folder (its chat template), interactively or --message", _add_chat, cmd_chat),
 }
 
 

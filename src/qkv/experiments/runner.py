@@ -202,6 +202,7 @@ def run_suite(
     out_dir: str | Path | None = None,
     quick: bool = False,
     *,
+    scale: str = "cpu",
     only: str | None = None,
     force: bool = False,
     train_fn: TrainFn | None = None,
@@ -210,6 +211,7 @@ def run_suite(
 ) -> Path:
     """Run (or resume) every run of a suite and write the report; returns the path of summary.md.
 
+    scale: "cpu" (the file as written) or "gpu" (its `scales: {gpu: ...}` profile).
     only: run just the variants whose name contains this string. force: redo finished runs.
     train_fn(suite, spec, run_dir) -> result dict: replaces the default trainer-based run (tests, custom
     measurements). Efficiency suites (kind: efficiency) use qkv.experiments.efficiency instead.
@@ -217,12 +219,13 @@ def run_suite(
     jobs, 1 thread per process can be many times faster than oversubscribed cores."""
     from qkv.experiments.report import write_report
 
-    suite = load_suite(path_or_suite, quick)
+    suite = load_suite(path_or_suite, quick, scale)
     if threads is not None:
         if threads < 1:
             raise ConfigError(f"threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
-    out = Path(out_dir or Path("runs") / "ablations" / (suite.name + ("-quick" if quick else "")))
+    out = Path(out_dir or Path("runs") / "ablations" / (suite.name + ("-quick" if quick else "") +
+                                                        ("-gpu" if scale == "gpu" else "")))
     (out / "runs").mkdir(parents=True, exist_ok=True)
     import yaml
 

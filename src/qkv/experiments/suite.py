@@ -20,6 +20,8 @@
     extra_evals: [{name: len_2x, task: {min_len: 9, max_len: 16}}]   # same model, other task options
     budget_s: null                   # wall-clock cap per run (equal-time comparisons)
     quick: {train.max_steps: 10, seeds: [0]}        # overrides of this file for the < 1 minute version
+    scales:                          # named size profiles (`qkv ablate SUITE --scale gpu`), overrides as in
+      gpu: {model.n_layers: 16, train.max_steps: 2000, seeds: [0, 1, 2]}   # quick; the file itself is `cpu`
 
 Everything is checked strictly (qkv.config.from_dict): a misspelt key names the closest valid one.
 """
@@ -79,6 +81,7 @@ class Suite:
     budget_s: float | None = None
     efficiency: EfficiencySpec = field(default_factory=EfficiencySpec)
     quick: dict[str, Any] = field(default_factory=dict)
+    scales: dict[str, dict[str, Any]] = field(default_factory=dict)  # size profiles; the file itself is "cpu"
     notes: str = ""  # free text carried into the report
     keep_trainer_checkpoints: bool = False  # keep each run's checkpoints/ (optimizer state); final/ is always kept
 
@@ -116,8 +119,16 @@ def _check_dotted(key: str, suite: str) -> None:
                           f"{', '.join(s + '.' for s in SECTIONS)}")
 
 
-def load_suite(path_or_suite: str | Path | dict | Suite, quick: bool = False) -> Suite:
-    """A Suite from a YAML path, a mapping or a Suite; quick=True applies its `quick:` overrides."""
+SCALES = ("cpu", "gpu")
+
+
+def load_suite(path_or_suite: str | Path | dict | Suite, quick: bool = False, scale: str = "cpu") -> Suite:
+    """A Suite from a YAML path, a mapping or a Suite; quick=True applies its `quick:` overrides, scale="gpu"
+    its `scales: {gpu: ...}` profile (model sizes, steps, seeds where the articles' claims were made)."""
+    if scale not in SCALES:
+        raise ConfigError(f"scale must be one of {list(SCALES)}, got {scale!r}")
+    if quick and scale != "cpu":
+        raise ConfigError("--quick and --scale gpu exclude each other (quick is the smallest cpu size)")
     if isinstance(path_or_suite, Suite):
         data = to_dict(path_or_suite)
     elif isinstance(path_or_suite, dict):
@@ -142,16 +153,25 @@ def load_suite(path_or_suite: str | Path | dict | Suite, quick: bool = False) ->
     if quick:
         if not suite.quick:
             raise ConfigError(f"suite {suite.name!r} has no 'quick:' section")
-        data = to_dict(suite)
-        q = data.pop("quick")
-        nested = {k: v for k, v in q.items() if "." in k}
-        for k, v in q.items():
-            if "." not in k:
-                data[k] = v
-        apply_overrides(data, nested, f"suite {suite.name!r} quick")
-        data["quick"] = q
-        suite = from_dict(Suite, data, "suite")
+        suite = _apply_profile(suite, suite.quick, "quick")
+    if scale != "cpu":
+        if scale not in suite.scales:
+            raise ConfigError(f"suite {suite.name!r} has no '{scale}' profile under 'scales:'"
+                              + (f" (it has: {', '.join(suite.scales)})" if suite.scales else ""))
+        suite = _apply_profile(suite, suite.scales[scale], f"scales.{scale}")
     return suite
+
+
+def _apply_profile(suite: Suite, profile: dict[str, Any], what: str) -> Suite:
+    """The suite with a profile's overrides: a plain key replaces that field (a whole section, the grid,
+    the seeds), a dotted key (model.n_layers) changes one value inside a section."""
+    data = to_dict(suite)
+    nested = {k: v for k, v in profile.items() if "." in k}
+    for k, v in profile.items():
+        if "." not in k:
+            data[k] = v
+    apply_overrides(data, nested, f"suite {suite.name!r} {what}")
+    return from_dict(Suite, data, "suite")
 
 
 @dataclass

@@ -77,10 +77,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_kind(folder: str | Path) -> str:
-    """The kind of the model in `folder`, read from its config without loading the weights when possible."""
-    from qkv import from_pretrained
+    """The kind of the model in `folder`, read from its config.json alone (no weights are loaded)."""
+    from qkv.interop import KINDS
+    from qkv.models.registry import family
+    from qkv.storage import CheckpointError, read_config
 
-    return from_pretrained(folder).kind
+    meta = read_config(Path(folder))
+    if "qkv_family" in meta:
+        return family(meta["qkv_family"]).model_class.kinds[0]
+    kind = KINDS.get(meta.get("model_type"))
+    if kind is None:
+        raise CheckpointError(f"{folder}: Hugging Face model_type {meta.get('model_type')!r} is not supported")
+    return kind
 
 
 def choose(task: str | None, kind: str) -> Recipe:

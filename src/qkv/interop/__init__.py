@@ -22,7 +22,17 @@ _MODULES = {
     "bert": "qkv.interop.bert",
     "vit": "qkv.interop.vit",
     "whisper": "qkv.interop.whisper",
+    "llama": "qkv.interop.llama",
+    "mistral": "qkv.interop.llama",
+    "qwen2": "qkv.interop.llama",
+    "qwen3": "qkv.interop.llama",
 }
+
+
+# model_type -> the kind of model it loads as (qkv.models kinds), readable without loading any weights
+KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
+         "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
+         "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "whisper": "audio"}
 
 
 def load_hf(folder: str | Path) -> Any:

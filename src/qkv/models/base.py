@@ -60,7 +60,8 @@ def build_stack(
         pos = position
     else:
         pos = build_position(position or cfg.position, d_model=cfg.d_model, n_heads=cfg.n_heads,
-                             max_len=max_len, rope_base=cfg.rope_base)
+                             max_len=max_len, rope_base=cfg.rope_base,
+                             rope_scaling=cfg.rope_scaling, head_dim=cfg.head_dim)
     return Stack(blocks, pos, d_model=cfg.d_model, final_norm=cfg.placement == "pre", norm=cfg.norm,
                  norm_eps=cfg.norm_eps, bias=cfg.bias, embed_norm=embed_norm, dropout=cfg.dropout)
 

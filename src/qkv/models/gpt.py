@@ -76,6 +76,14 @@ class GPT(TransformerDecoderModel):
 
     # -- the decoder protocol (models/decoding.py); step() and the caches come from TransformerDecoderModel
     @property
+    def context_limit(self) -> int | None:
+        """The positions' limit (an absolute table's length), and a sliding window's span: attention limited
+        to the last `sliding_window` keys is not implemented, so a longer sequence is refused, never attended
+        in full (which would silently compute another function)."""
+        limit, window = self.decoder.context_limit, self.config.sliding_window
+        return limit if window is None else min(window, limit or window)
+
+    @property
     def output_vocab_size(self) -> int:
         return self.config.vocab_size
 

@@ -160,6 +160,10 @@ class MultiHeadAttention(nn.Module):
     Self-attention uses one fused Linear for Q, K and V (one matmul instead of three); cross-attention
     projects Q from the decoder and K, V from the encoder memory. n_kv_heads < n_heads gives GQA
     (n_kv_heads == 1: MQA); a KV cache then stores only the n_kv_heads heads.
+
+    Variants of released models, as keywords whose defaults are the plain layer: head_dim (Gemma, Qwen3:
+    n_heads * head_dim may differ from d_model), qkv_bias (Qwen2: biases on q/k/v only; None = `bias`),
+    qk_norm (Qwen3, OLMo2: an RMSNorm over each head's queries and keys before RoPE, with eps qk_norm_eps).
     """
 
     def __init__(
@@ -174,27 +178,39 @@ class MultiHeadAttention(nn.Module):
         backend: Backend = "fused",
         scaled: bool = True,
         causal: bool = False,
+        head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        qk_norm: bool = False,
+        qk_norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
-        if d_model % n_heads:
+        if head_dim is None and d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads
+        self.q_dim = n_heads * self.head_dim  # = d_model unless head_dim says otherwise
         self.cross, self.causal, self.backend, self.dropout = cross, causal and not cross, backend, dropout
         # scaled=False is the ablation of the 1/sqrt(d_k) factor (scale 1.0).
         self.scale = 1.0 / math.sqrt(self.head_dim) if scaled else 1.0
         kv_dim = n_kv_heads * self.head_dim
+        in_bias = bias if qkv_bias is None else qkv_bias
         if cross:
-            self.q_proj = Linear(d_model, d_model, bias=bias)
-            self.kv_proj = Linear(d_model, 2 * kv_dim, bias=bias)
+            self.q_proj = Linear(d_model, self.q_dim, bias=in_bias)
+            self.kv_proj = Linear(d_model, 2 * kv_dim, bias=in_bias)
         else:
-            self.qkv_proj = Linear(d_model, d_model + 2 * kv_dim, bias=bias)
-        self.out_proj = Linear(d_model, d_model, bias=bias)
+            self.qkv_proj = Linear(d_model, self.q_dim + 2 * kv_dim, bias=in_bias)
+        self.out_proj = Linear(self.q_dim, d_model, bias=bias)
+        if qk_norm:  # registered only when used: the plain layer's modules and state dict stay as they were
+            from qkv.nn.norm import RMSNorm
+
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, qk_norm_eps), RMSNorm(self.head_dim, qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         B, T, _ = x.shape
@@ -234,8 +250,10 @@ class MultiHeadAttention(nn.Module):
                 k, v = self._project_kv(memory)
         else:
             kv_dim = self.n_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([C, kv_dim, kv_dim], dim=-1)
+            q, k, v = self.qkv_proj(x).split([self.q_dim, kv_dim, kv_dim], dim=-1)
             q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             if position is not None:
                 q, k = position.rotate(q, k, offset)
             if cache is not None:
@@ -246,7 +264,7 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend, return_weights=return_weights,
         )
-        y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble heads: (B, T, H*hd)
+        y = y.transpose(1, 2).reshape(B, T, self.q_dim)  # re-assemble heads: (B, T, H*hd)
         return self.out_proj(y), w
 
     def step(
@@ -270,11 +288,13 @@ class MultiHeadAttention(nn.Module):
         1/sqrt(d_k) scale folded into the query columns, and grouped-query attention by folding the query
         heads of one key/value head into rows of one batched matmul instead of repeating the cached keys.
         Every new token must be a real token (its own key visible)."""
-        B, C = batch, x.shape[-1]
+        B, C = batch, self.q_dim
         T = x.shape[0] // B
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        scale = (C, self.scale) if self.scale != 1.0 else None  # 1/sqrt(d_k), folded into the packed q weights
         mods = self._modules  # not nn.Module.__getattr__ (~1 us a lookup): this runs for every layer of every step
+        q_norm = mods.get("q_norm")  # absent (a plain None) without qk_norm
+        # 1/sqrt(d_k), folded into the packed q weights; after the norm instead when one follows the projection
+        scale = (C, self.scale) if self.scale != 1.0 and q_norm is None else None
         if self.cross:
             if not cache.has_cross(layer):
                 raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill first")
@@ -288,6 +308,11 @@ class MultiHeadAttention(nn.Module):
                 k, v = k.view(B, Hkv, 1, hd), v.view(B, Hkv, 1, hd)
             else:
                 q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
+            if q_norm is not None:
+                q = q_norm(q.view(B, H, 1, hd) if T == 1 else q)
+                k = mods["k_norm"](k)
+                if self.scale != 1.0:
+                    q = q * self.scale
             if position is not None:
                 if T == 1:
                     q = q.view(B, H, 1, hd)

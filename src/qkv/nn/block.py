@@ -46,12 +46,16 @@ class Block(nn.Module):
         bias: bool = True,
         attention: str = "fused",
         scaled: bool = True,
+        head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown norm placement {placement!r}; choose one of {PLACEMENTS}")
         self.placement = placement
-        mha = dict(n_kv_heads=n_kv_heads, bias=bias, dropout=attn_dropout, backend=attention, scaled=scaled)
+        mha = dict(n_kv_heads=n_kv_heads, bias=bias, dropout=attn_dropout, backend=attention, scaled=scaled,
+                   head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=norm_eps)
         self.attn = MultiHeadAttention(d_model, n_heads, causal=causal, **mha)
         self.norm1 = build_norm(norm, d_model, norm_eps, bias)
         self.cross = MultiHeadAttention(d_model, n_heads, cross=True, **mha) if cross_attention else None

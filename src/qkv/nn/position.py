@@ -13,8 +13,9 @@ before the first real token) are clamped to 0; those positions are masked anyway
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,26 +111,60 @@ class Learned(PositionalEncoding):
         return x + self.weight[positions(offset, x.shape[1], x.device)]
 
 
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: Mapping[str, Any] | None = None,
+                  device: torch.device | None = None) -> Tensor:
+    """The (head_dim / 2,) float64 rotation frequencies base^(-2i/hd), optionally rescaled for a longer
+    context: {"rope_type": "linear", "factor": f} divides every frequency by f (positions / f, Chen et al.
+    2023); {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"} divides only the low frequencies (wavelength above
+    original / low_freq_factor) by factor, keeps the high ones (below original / high_freq_factor) and blends
+    linearly between (Llama 3.1)."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return inv
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"unknown RoPE scaling {kind!r}; supported: {ROPE_SCALINGS}")
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
+
+
 class RoPE(PositionalEncoding):
     """Rotary embeddings (Su et al. 2021), half-split layout: dims (i, i + hd/2) form a rotated pair.
 
     q_m . k_n depends only on m - n, so no length is baked in; the cos/sin table grows on demand.
+    scaling: a context-extension rule for the frequencies (rope_inv_freq; None = the plain formula).
     """
 
-    def __init__(self, head_dim: int, max_len: int = 2048, base: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, max_len: int = 2048, base: float = 10000.0,
+                 scaling: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
         self.head_dim, self.base = head_dim, base
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("inv_freq", inv.float(), persistent=False)
+        self.scaling = dict(scaling) if scaling else None
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, self.scaling).float(), persistent=False)
         self._build(max_len)
 
     def _build(self, n: int) -> None:
         # from base and head_dim in float64, not from the inv_freq buffer: model.to(bfloat16) rounds that
         # buffer, and a table grown from rounded frequencies is wrong by radians at large positions
         dev = self.inv_freq.device
-        inv = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=dev) / self.head_dim))
+        inv = rope_inv_freq(self.head_dim, self.base, self.scaling, dev)
         t = torch.arange(n, dtype=torch.float64, device=dev)
         freqs = torch.outer(t, inv)  # (n, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -292,8 +327,9 @@ class PatchGrid(PositionalEncoding):
         self.inner.reserve(n_positions)
 
 
-def build_position(kind: str, *, d_model: int, n_heads: int, max_len: int, rope_base: float = 10000.0) -> PositionalEncoding:
-    """Factory for the config field `position`."""
+def build_position(kind: str, *, d_model: int, n_heads: int, max_len: int, rope_base: float = 10000.0,
+                   rope_scaling: Mapping[str, Any] | None = None, head_dim: int | None = None) -> PositionalEncoding:
+    """Factory for the config field `position` (head_dim: the attention's, when it is not d_model // n_heads)."""
     if kind == "none":
         return NoPosition()
     if kind == "sinusoidal":
@@ -301,7 +337,7 @@ def build_position(kind: str, *, d_model: int, n_heads: int, max_len: int, rope_
     if kind == "learned":
         return Learned(d_model, max_len)
     if kind == "rope":
-        return RoPE(d_model // n_heads, max_len, rope_base)
+        return RoPE(head_dim or d_model // n_heads, max_len, rope_base, rope_scaling)
     if kind == "alibi":
         return ALiBi(n_heads)
     raise ValueError(f"unknown position encoding {kind!r}; choose one of {ENCODINGS}")

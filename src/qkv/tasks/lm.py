@@ -1,11 +1,12 @@
 """Language modelling on a text file: character-level or byte-level BPE.
 
-Corpus: `path` (any UTF-8 text file) or, by default, Python's own bundled documentation text
-(`pydoc_data.topics`, always installed with CPython: the topics dict's values joined in sorted-key order,
-~465k characters), so the task needs no download.
+Corpus: `path` (any UTF-8 text file) or one that is always on the machine (qkv.tasks.corpora), so the task
+needs no download: `corpus: pydoc` (the default: Python's bundled documentation text, `pydoc_data.topics`,
+~465k characters) or `corpus: stdlib` (the standard library's own .py sources, ~12 MB; task `stdlib_lm`).
 
-Split: the first (1 - val_fraction) of the characters are train, the rest val (nanoGPT's convention), cut
-at a character boundary before tokenising. Tokenizer: `char` = the distinct characters of the whole text
+Split: for a text (a file, pydoc) the first (1 - val_fraction) of the characters are train, the rest val
+(nanoGPT's convention), cut at a character boundary before tokenising; for `stdlib` whole files, chosen by
+a stable hash of their path (no file in both splits, see qkv.tasks.corpora). Tokenizer: `char` = the distinct characters of the whole text
 (val included, so val has no unknown characters, as in nanoGPT); `bpe` = byte-level BPE trained on the
 train split only, `bpe_vocab_size` tokens.
 
@@ -31,21 +32,19 @@ from torch import Tensor
 from qkv.config import ConfigError
 from qkv.generate.config import GenerationConfig
 from qkv.tasks.base import Task, check_split, model_device, read_text_file, register_task, rng_for
+from qkv.tasks.corpora import CORPORA, pydoc_text, stdlib_texts
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
 
 
 def default_corpus() -> str:
     """Python's bundled documentation text: pydoc_data.topics values in sorted-key order."""
-    from pydoc_data.topics import topics
-
-    return "".join(topics[k] for k in sorted(topics))
-
-
+    return pydoc_text()
 
 
 @dataclass
 class LMOptions:
-    path: str | None = None  # UTF-8 text file; None = Python's bundled pydoc_data.topics text
+    path: str | None = None  # UTF-8 text file; None = the built-in `corpus`
+    corpus: str = "pydoc"  # pydoc (bundled docs text) | stdlib (the stdlib's .py sources, file-level split)
     tokenizer: str = "char"  # char | bpe (byte-level BPE trained on the train split)
     bpe_vocab_size: int = 1024  # BPE vocabulary, specials and the 256 bytes included
     context: int = 64  # tokens per training window = the model's context_length
@@ -57,6 +56,10 @@ class LMOptions:
     top_k: int | None = None  # sample only among the top k tokens
 
     def validate(self) -> None:
+        if self.corpus not in CORPORA:
+            raise ConfigError(f"corpus must be one of {list(CORPORA)}, got {self.corpus!r}")
+        if self.path is not None and self.corpus != "pydoc":
+            raise ConfigError(f"give either path or corpus={self.corpus!r}, not both")
         if self.tokenizer not in ("char", "bpe"):
             raise ConfigError(f"tokenizer must be 'char' or 'bpe', got {self.tokenizer!r}")
         if self.context < 2:
@@ -76,7 +79,13 @@ class LMTask(Task):
         self.family = family
         self.missing: str | None = None
         try:
-            text = read_text_file(o.path) if o.path else default_corpus()
+            if o.corpus == "stdlib":
+                split = stdlib_texts(o.val_fraction)
+                train_text, val_text = split["train"], split["val"]
+            else:
+                text = read_text_file(o.path) if o.path else default_corpus()
+                cut = int(len(text) * (1 - o.val_fraction))
+                train_text, val_text = text[:cut], text[cut:]
         except ConfigError as e:
             if tokenizer is None:
                 raise
@@ -84,11 +93,9 @@ class LMTask(Task):
             # generate_text()/samples(); batches and evaluation say what is missing
             self.tokenizer, self.missing, self.data, self.n_chars = tokenizer, str(e), {}, {}
             return
-        cut = int(len(text) * (1 - o.val_fraction))
-        train_text, val_text = text[:cut], text[cut:]
         if tokenizer is None:
             if o.tokenizer == "char":
-                tokenizer = CharTokenizer.from_text(text)
+                tokenizer = CharTokenizer.from_text(train_text + val_text)
             else:
                 tokenizer = BPETokenizer.train(_chunks(train_text), vocab_size=o.bpe_vocab_size)
         self.tokenizer = tokenizer
@@ -229,3 +236,6 @@ register_task("charlm", LMOptions, _factory, ("decoder",),
               "character-level LM (default text: Python's bundled docs)", default_family="gpt", tokenizer="char")
 register_task("bpelm", LMOptions, _factory, ("decoder",),
               "byte-level BPE LM (default text: Python's bundled docs)", default_family="gpt", tokenizer="bpe")
+register_task("stdlib_lm", LMOptions, _factory, ("decoder",),
+              "byte-level BPE LM on the Python standard library's sources (~12 MB, file-level split)",
+              default_family="gpt", tokenizer="bpe", corpus="stdlib", bpe_vocab_size=4096)

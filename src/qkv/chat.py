@@ -1,0 +1,255 @@
+"""`qkv chat DIR`: talk to a model folder through its chat template, in a terminal or from a script.
+
+    session = ChatSession.from_folder("path/to/model", system="Answer briefly.")
+    answer = session.reply("What is a KV cache?", on_text=print_piece)   # streamed through on_text
+    session.reset()                                                      # forget the conversation
+
+Each turn renders the whole conversation with the folder's chat template (add_generation_prompt=True),
+generates with qkv.generate.stream and stops at the template's end-of-turn tokens: the tokenizer's eos ids,
+the model's generation_config.json eos ids, and the special token the template writes right after an
+assistant message (ChatML's <|im_end|>, Llama 3's <|eot_id|>). The oldest turns are dropped (the system
+prompt is kept) when the conversation and the answer would not fit in the model's context.
+
+A folder without a chat template gets a plain transcript ("User: ...\\nAssistant:") and a note saying so;
+the answer then stops at the next "User:" line or an eos token.
+
+Ctrl-C while an answer streams stops that answer (what was said so far stays in the history); at the
+prompt it only reminds how to leave. /reset forgets the conversation, /exit (or end of input) leaves.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from qkv.generate import GenerationConfig, stream
+
+PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
+NO_TEMPLATE_NOTE = ("qkv: note: {folder} has no chat template (no chat_template.jinja, no `chat_template` in "
+                    "tokenizer_config.json): using a plain 'User: ... / Assistant:' transcript; a base model may "
+                    "not follow it")
+
+
+def end_of_turn_ids(tok: Any) -> set[int]:
+    """The ids that end an assistant turn: the tokenizer's eos ids and the special token the template writes
+    right after an assistant message's content (found by rendering a probe conversation)."""
+    ids = set(tok.eos_token_ids)
+    if not tok.has_chat_template:
+        return ids
+    probe = "qkv-probe-answer"
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}])
+    except ValueError:  # a template that refuses the probe (e.g. wants a system message first)
+        return ids
+    at = text.find(probe)
+    if at >= 0:
+        after = text[at + len(probe):].lstrip(" ")
+        first = tok.encode(after, add_special_tokens=False)[:1] if after else []
+        specials = {i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special}
+        if first and first[0] in specials:
+            ids.add(first[0])
+    return ids
+
+
+@dataclass
+class ChatSession:
+    """A conversation with one model: the history, how to turn it into token ids, and the decoding."""
+
+    model: Any
+    tokenizer: Any
+    system: str | None = None
+    generation_config: GenerationConfig = field(default_factory=GenerationConfig)
+    history: list[dict[str, str]] = field(default_factory=list)
+    note: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
+
+    def __post_init__(self) -> None:
+        self.templated = bool(self.tokenizer.has_chat_template)
+        self.stop_ids = end_of_turn_ids(self.tokenizer)
+        defaults = self.model.generation_defaults() if hasattr(self.model, "generation_defaults") else {}
+        model_eos = defaults.get("eos_token_id")
+        if model_eos is not None:
+            self.stop_ids |= set(model_eos if isinstance(model_eos, list) else [model_eos])
+        limit = getattr(self.model, "context_limit", None)
+        self.context = limit or getattr(self.model.config, "context_length", None)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, **kwargs: Any) -> ChatSession:
+        from qkv.run import hf_folder_tokenizer, load_model_any, model_folder
+
+        mf = model_folder(folder)
+        tok = hf_folder_tokenizer(mf)
+        if tok is None:
+            from qkv.config import ConfigError
+
+            raise ConfigError(f"{folder}: qkv chat needs a Hugging Face model folder with a tokenizer.json "
+                              "(config.json with a model_type)")
+        model = load_model_any(folder).eval()
+        session = cls(model, tok, **kwargs)
+        if not session.templated:
+            session.note(NO_TEMPLATE_NOTE.format(folder=folder))
+        return session
+
+    def reset(self) -> None:
+        self.history.clear()
+
+    # -- the prompt --------------------------------------------------------------------------------------
+    def _messages(self, turns: list[dict[str, str]]) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + turns
+
+    def _render(self, turns: list[dict[str, str]]) -> list[int]:
+        if self.templated:
+            return self.tokenizer.apply_chat_template(self._messages(turns), add_generation_prompt=True,
+                                                      tokenize=True)
+        lines = [self.system, ""] if self.system else []
+        for t in turns:
+            lines.append(f"{PLAIN_USER if t['role'] == 'user' else PLAIN_ASSISTANT} {t['content']}")
+        text = "\n".join(lines + [PLAIN_ASSISTANT])
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def prompt_ids(self, max_new_tokens: int) -> list[int]:
+        """The conversation as ids, dropping the oldest exchanges until it and the answer fit the context."""
+        turns = list(self.history)
+        while True:
+            ids = self._render(turns)
+            if self.context is None or len(ids) + max_new_tokens <= self.context:
+                if len(turns) < len(self.history):
+                    self.note(f"qkv: note: dropped the {len(self.history) - len(turns)} oldest message(s) to fit "
+                              f"the context of {self.context} tokens")
+                    del self.history[: len(self.history) - len(turns)]
+                return ids
+            if len(turns) <= 1:
+                raise ValueError(f"the message ({len(ids)} tokens with the template) + max_new_tokens={max_new_tokens}"
+                                 f" does not fit the model's context of {self.context} tokens; shorten it or lower "
+                                 "--max-new-tokens")
+            turns = turns[2:] if turns[0]["role"] == "user" and len(turns) > 2 else turns[1:]
+
+    # -- one turn ------------------------------------------------------------------------------------------
+    def reply(self, message: str, on_text: Callable[[str], None] | None = None) -> str:
+        """Add the user's message, generate the answer (each new piece of text goes to on_text as it comes),
+        add it to the history and return it. Ctrl-C (KeyboardInterrupt) stops the answer where it is."""
+        self.history.append({"role": "user", "content": message})
+        cfg = self.generation_config
+        if cfg.max_new_tokens is None and cfg.max_length is None:
+            cfg = cfg.replace(max_new_tokens=512)
+        try:
+            ids = self.prompt_ids(cfg.max_new_tokens or 0)
+        except ValueError:
+            self.history.pop()
+            raise
+        stop_ids = sorted(self.stop_ids)
+        cfg = cfg.replace(eos_token_id=stop_ids or None)
+        options: dict[str, Any] = {}
+        if not self.templated:
+            cfg = cfg.replace(stop_strings=["\n" + PLAIN_USER])
+            options["tokenizer"] = self.tokenizer
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
+        pieces: list[str] = []
+        shown = 0  # characters passed to on_text (the plain transcript holds back a possible "\nUser:")
+        tokens = stream(self.model, torch.tensor([ids]), cfg, **options)
+        interrupted = False
+        try:
+            for new in tokens:
+                pieces.append(decoder.push(int(new[0])))
+                shown = self._show("".join(pieces), shown, on_text, final=False)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            tokens.close()  # restores the model's mode; stops at once on Ctrl-C
+        pieces.append(decoder.flush())
+        answer = self._clean("".join(pieces))
+        self._show(answer, shown, on_text, final=True)
+        if interrupted:
+            self.note("\nqkv: answer stopped (Ctrl-C)")
+        self.history.append({"role": "assistant", "content": answer})
+        return answer
+
+    def _clean(self, text: str) -> str:
+        if not self.templated:
+            cut = text.find("\n" + PLAIN_USER)
+            if cut >= 0:
+                text = text[:cut]
+        return text.strip()
+
+    def _show(self, text: str, shown: int, on_text: Callable[[str], None] | None, final: bool) -> int:
+        """Pass on_text what became visible since `shown` characters: the answer without leading space, and in
+        the plain transcript without a "\nUser:" (or the start of one, held back until it is decided)."""
+        if on_text is None:
+            return shown
+        visible = self._clean(text) if final else text.lstrip()
+        if not final and not self.templated:
+            tail = "\n" + PLAIN_USER
+            cut = visible.find(tail)
+            if cut >= 0:
+                visible = visible[:cut]
+            else:
+                for k in range(len(tail), 0, -1):
+                    if visible.endswith(tail[:k]):
+                        visible = visible[:-k]
+                        break
+        if len(visible) > shown:
+            on_text(visible[shown:])
+            return len(visible)
+        return shown
+
+
+HELP = "commands: /reset forgets the conversation, /exit leaves (or Ctrl-D); Ctrl-C stops an answer"
+
+
+def chat_loop(session: ChatSession, lines: Iterable[str] | None = None, out: TextIO | None = None,
+              prompt: str = ">>> ") -> int:
+    """The interactive chat: read a message per line (from `lines`, default stdin), stream the answer to
+    `out` (default stdout). Returns the number of answers given."""
+    out = out or sys.stdout
+    source = iter(lines) if lines is not None else None
+    answers = 0
+
+    def read() -> str | None:
+        out.write(prompt)
+        out.flush()
+        if source is not None:
+            line = next(source, None)
+            if line is not None:
+                out.write(line.rstrip("\n") + "\n")
+            return line
+        try:
+            return input()
+        except EOFError:
+            return None
+
+    print(HELP, file=out)
+    while True:
+        try:
+            line = read()
+        except KeyboardInterrupt:
+            print("\n(/exit or Ctrl-D to leave)", file=out)
+            continue
+        if line is None:
+            out.write("\n")
+            return answers
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return answers
+        if text == "/reset":
+            session.reset()
+            print("(conversation cleared)", file=out)
+            continue
+        if text.startswith("/"):
+            print(f"(unknown command {text.split()[0]}; {HELP})", file=out)
+            continue
+        try:
+            session.reply(text, on_text=lambda piece: (out.write(piece), out.flush()))
+        except ValueError as e:
+            print(f"qkv: error: {e}", file=out)
+            continue
+        out.write("\n")
+        answers += 1
+
+
+__all__ = ["ChatSession", "chat_loop", "end_of_turn_ids"]

@@ -1,0 +1,496 @@
+"""The `chat` recipe: instruction fine-tuning of a decoder model on conversations, the loss on what the
+assistant says and nothing else.
+
+    qkv finetune DIR --data chats.jsonl --out OUT [--dev dev.jsonl] [--lora [--lora-rank 8 ...]]
+                 [--max-length N] [--too-long error|skip] [--epochs E] [train.key=value ...]
+
+Data: one JSON object per line, either
+    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+    {"prompt": "...", "completion": "..."}          (optionally "system": "...")
+Each conversation is rendered with the model folder's own chat template (so the fine-tuned model is prompted
+exactly as `qkv chat` will prompt it) and tokenized; labels are the token ids on the assistant's tokens (its
+content and the end-of-turn token after it, so the model learns to stop) and -100 everywhere else: the system
+prompt, the user's turns and the template's role markers add nothing to the loss. A folder without a chat
+template gets `qkv chat`'s plain transcript ("User: ...\nAssistant: ..."), each answer followed by eos, with a note.
+
+Batches: one conversation per row, right-padded to the longest row of the batch, rows of similar length
+grouped (within windows of shuffled data) so little is padding. Not packed: packing several conversations into
+one row would let their tokens attend to each other (the model's mask is causal, not block-diagonal) and
+continue positions across them; right padding needs no mask at all, since causal attention never lets a real
+token see the pads after it, so the fused causal kernel still runs.
+
+Training is qkv.train.Trainer's (schedules, clipping, bf16, checkpoints in OUT/checkpoints, exact resume with
+--resume, DDP/FSDP under torchrun). OUT ends as a model folder: the weights (LoRA merged in), config, the
+source folder's tokenizer and chat template: `qkv generate OUT`, `qkv chat OUT` and transformers load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.config import ConfigError, from_dict, parse_overrides
+from qkv.finetune import Recipe, register_recipe
+
+ROLES = ("system", "user", "assistant")
+IGNORE = -100
+# the files of a Hugging Face folder that describe its tokenizer and generation: copied to OUT unchanged
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "generation_config.json")
+FINETUNE_FILE = "finetune.json"
+# Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
+EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
+                                                      ("llama", "mistral", "qwen2", "qwen3")}}
+
+
+# -- reading the data --------------------------------------------------------------------------------------
+def _messages(obj: Any, where: str) -> list[dict[str, str]]:
+    """The conversation of one JSONL record, checked; errors name `where` (file:line)."""
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a JSON object with 'messages' (or 'prompt'/'completion'), "
+                          f"got a JSON {type(obj).__name__}")
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ConfigError(f"{where}: message {i} must be an object with 'role' and 'content'")
+            if m["role"] not in ROLES:
+                raise ConfigError(f"{where}: message {i} has unknown role {m['role']!r} "
+                                  f"(expected one of {', '.join(ROLES)})")
+            if not isinstance(m["content"], str):
+                raise ConfigError(f"{where}: message {i}: 'content' must be a string")
+            out.append({"role": m["role"], "content": m["content"]})
+    elif "prompt" in obj or "completion" in obj:
+        if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("completion"), str):
+            raise ConfigError(f"{where}: a prompt/completion record needs both as strings")
+        out = [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["completion"]}]
+        if isinstance(obj.get("system"), str):
+            out.insert(0, {"role": "system", "content": obj["system"]})
+    else:
+        raise ConfigError(f"{where}: missing 'messages' (or 'prompt' and 'completion'); the record has "
+                          f"{', '.join(map(repr, obj)) or 'no keys'}")
+    if not any(m["role"] == "assistant" and m["content"] for m in out):
+        raise ConfigError(f"{where}: no assistant message with content: nothing to learn from this record")
+    return out
+
+
+def read_chats(path: str | Path) -> list[tuple[int, list[dict[str, str]]]]:
+    """[(line number, messages)] of a JSONL file. Blank lines are skipped; anything else that is not a valid
+    record is one ConfigError naming the file and line."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors)
+        raw = raw[3:]
+    if not raw.strip():
+        raise ConfigError(f"{path}: the file is empty (expected one JSON object per line)")
+    out = []
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}:{n}: not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") \
+                from None
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
+        out.append((n, _messages(obj, f"{path}:{n}")))
+    return out
+
+
+# -- rendering and labels ---------------------------------------------------------------------------------
+@dataclass
+class Example:
+    line: int
+    input_ids: list[int]
+    labels: list[int]  # IGNORE outside the assistant's tokens
+
+
+def encode_chat(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one conversation: rendered with the folder's chat template, labels = ids on the
+    assistant's tokens (the template's assistant mask) and IGNORE elsewhere. Without a template: the plain
+    concatenation (see the module docstring)."""
+    if tok.has_chat_template:
+        ids, mask = tok.apply_chat_template(messages, return_assistant_mask=True)
+        return list(ids), [i if m else IGNORE for i, m in zip(ids, mask)]
+    return _plain(tok, messages)
+
+
+def _plain(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """The plain transcript `qkv chat` uses for a folder without a template ("system\n\nUser: ...\nAssistant:
+    ..."), with the eos token written after each answer; the loss on " answer<eos>". Tokenized as one text
+    (as qkv chat tokenizes it), the answers located by character offsets."""
+    from qkv.chat import PLAIN_ASSISTANT, PLAIN_USER
+    from qkv.interop.tokenizer import spans_to_token_mask
+
+    if tok.eos_token is None:
+        raise ConfigError("the model folder has no chat template and no eos token: cannot mark where an answer "
+                          "ends")
+    text, spans = "", []
+    for m in messages:
+        if m["role"] == "system":
+            text += m["content"] + "\n\n"
+        elif m["role"] == "user":
+            text += f"{PLAIN_USER} {m['content']}\n"
+        else:
+            text += PLAIN_ASSISTANT
+            start = len(text)
+            text += f" {m['content']}{tok.eos_token}"
+            spans.append((start, len(text)))
+            text += "\n"
+    enc = tok.tokenizer.encode(text.rstrip("\n"), add_special_tokens=True)
+    ids = list(enc.ids)
+    mask = spans_to_token_mask(spans, enc.offsets)
+    return ids, [i if m else IGNORE for i, m in zip(ids, mask)]
+
+
+def build_examples(tok: Any, records: list[tuple[int, list[dict[str, str]]]], max_length: int, path: str,
+                   too_long: str) -> tuple[list[Example], list[int]]:
+    """Examples of the records; records over max_length tokens are an error (too_long="error") or skipped
+    and listed (too_long="skip"). Returns (examples, skipped line numbers)."""
+    out, skipped = [], []
+    for line, msgs in records:
+        try:
+            ids, labels = encode_chat(tok, msgs)
+        except ValueError as e:  # the template refused the conversation (raise_exception), or lost the answer
+            raise ConfigError(f"{path}:{line}: {str(e).splitlines()[0]}") from None
+        if len(ids) > max_length:
+            if too_long == "skip":
+                skipped.append(line)
+                continue
+            raise ConfigError(f"{path}:{line}: the conversation is {len(ids)} tokens, longer than the context of "
+                              f"{max_length} (--max-length); shorten it, or pass --too-long skip to leave such "
+                              "records out")
+        if all(x == IGNORE for x in labels[1:]):  # the model predicts labels[1:] (position 0 has no history)
+            raise ConfigError(f"{path}:{line}: no assistant token to learn after rendering")
+        out.append(Example(line, ids, labels))
+    return out, skipped
+
+
+# -- the batch source ---------------------------------------------------------------------------------------
+class ChatData:
+    """Trainer batch source: `batch(index, batch_size, split)` is a pure function of its arguments (the seed
+    and the data), which is what makes --resume exact. Epoch e visits the examples in a permutation seeded by
+    (seed, e); within windows of `window` batches the rows are sorted by length, so a batch holds rows of
+    similar length; the batches of an epoch are then shuffled again."""
+
+    metrics = {"loss": "min"}
+
+    def __init__(self, train: list[Example], dev: list[Example], pad_id: int, seed: int = 0, window: int = 16):
+        if not train:
+            raise ConfigError("no training examples left")
+        self.train, self.dev, self.pad_id, self.seed, self.window = train, dev, pad_id, seed, window
+        self._epochs: dict[tuple[int, int], list[list[int]]] = {}
+
+    def _epoch(self, epoch: int, bs: int) -> list[list[int]]:
+        key = (epoch, bs)
+        if key not in self._epochs:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.train), generator=g).tolist()
+            batches = []
+            span = bs * self.window
+            for s in range(0, len(order), span):
+                chunk = sorted(order[s:s + span], key=lambda i: -len(self.train[i].input_ids))
+                batches += [chunk[j:j + bs] for j in range(0, len(chunk), bs)]
+            perm = torch.randperm(len(batches), generator=g).tolist()
+            self._epochs = {key: [batches[i] for i in perm]}  # one epoch at a time is all a run needs
+        return self._epochs[key]
+
+    def batches_per_epoch(self, bs: int) -> int:
+        return -(-len(self.train) // bs)
+
+    def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]:
+        if split == "train":
+            n = self.batches_per_epoch(batch_size)
+            rows = [self.train[i] for i in self._epoch(index // n, batch_size)[index % n]]
+        else:
+            if not self.dev:
+                raise ConfigError("no held-out data: pass --dev FILE")
+            start = (index * batch_size) % len(self.dev)
+            rows = self.dev[start:start + batch_size]
+        return collate(rows, self.pad_id)
+
+
+def collate(rows: list[Example], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded input_ids and labels (IGNORE on the padding); no attention mask (see the module docstring)."""
+    T = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r.input_ids)] = torch.tensor(r.input_ids)
+        labels[b, : len(r.labels)] = torch.tensor(r.labels)
+    return {"input_ids": ids, "labels": labels}
+
+
+# -- the recipe ----------------------------------------------------------------------------------------------
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--lora", action="store_true", help="train LoRA adapters instead of every weight (merged on save)")
+    g.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r (default 8)")
+    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha; the update is scaled by alpha/r (16)")
+    g.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on the adapters' input (0.05)")
+    g.add_argument("--lora-targets", default="q,v",
+                   help="layers to adapt, comma separated: q,k,v (slices of the fused attention projection), "
+                        "out_proj, up, gate, down, Hugging Face names (q_proj, o_proj, ...), globs, or all-linear "
+                        "(default q,v)")
+    g.add_argument("--max-length", type=int, default=None,
+                   help="longest conversation in tokens (default: the model's context length)")
+    g.add_argument("--too-long", choices=("error", "skip"), default="error",
+                   help="a conversation over --max-length: stop with an error naming its line (default) or "
+                        "skip it (counted and listed in the report)")
+    g.add_argument("--epochs", type=float, default=1.0,
+                   help="passes over the data, when train.max_steps is not given (default 1)")
+
+
+def _tokenizer(folder: Path) -> Any:
+    from qkv.interop.tokenizer import load_hf_tokenizer
+
+    return load_hf_tokenizer(folder)
+
+
+def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool) -> Any:
+    """TrainConfig: fine-tuning defaults, then the command line's train.key=value."""
+    from qkv.train import TrainConfig
+
+    over = parse_overrides(list(args.overrides or []))
+    bad = [k for k in over if not k.startswith("train.")]
+    if bad:
+        raise ConfigError(f"qkv finetune takes Trainer settings as train.key=value; {bad[0]!r} is not one")
+    train = {k[len("train."):]: v for k, v in over.items()}
+    cfg: dict[str, Any] = {
+        # the usual instruction-tuning settings: a small LR for full fine-tuning, ten times that for LoRA
+        # (its update starts at zero and is scaled by alpha/r), no weight decay, short warmup, cosine decay
+        "lr": 2e-4 if lora else 2e-5, "weight_decay": 0.0, "warmup": 0.03, "schedule": "cosine",
+        "betas": [0.9, 0.999], "batch_size": 8, "clip_grad": 1.0, "log_every": 10, "seed": args.seed,
+    }
+    cfg.update(train)
+    cfg["out_dir"] = str(args.out)
+    if args.no_progress:
+        cfg["progress"] = False
+    bs = int(cfg["batch_size"])
+    if "max_steps" not in train:
+        if args.epochs <= 0:
+            raise ConfigError(f"--epochs must be positive, got {args.epochs}")
+        per_update = bs * int(cfg.get("grad_accum", 1))
+        cfg["max_steps"] = max(1, math.ceil(args.epochs * n_train / per_update))
+    if n_dev and "max_eval_batches" not in train:
+        cfg["max_eval_batches"] = -(-n_dev // bs)
+    return from_dict(TrainConfig, cfg, "train")
+
+
+def _check_out(out: Path, resume: bool) -> None:
+    from qkv.train import latest_checkpoint
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    if latest_checkpoint(out / "checkpoints") is not None and not resume:
+        raise ConfigError(f"{out} already holds a fine-tuning run; pass --resume to continue it or choose another --out")
+    if (out / "config.json").is_file() and not (out / FINETUNE_FILE).is_file():
+        raise ConfigError(f"--out {out} already holds a model folder that qkv finetune did not write; choose another --out")
+
+
+def _lora_config(args: argparse.Namespace) -> Any:
+    from qkv.finetune.lora import LoRAConfig
+
+    cfg = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                     targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()])
+    cfg.validate()
+    return cfg
+
+
+def _source_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def check_exportable(source: Path) -> None:
+    """Refuse, before training, a Hugging Face folder whose format OUT could not be written in."""
+    from qkv.storage import read_config
+
+    model_type = read_config(source).get("model_type")
+    if model_type is not None and model_type not in EXPORTERS:
+        raise ConfigError(f"cannot write a fine-tuned {model_type!r} folder yet: qkv exports "
+                          f"{', '.join(sorted(EXPORTERS))} folders")
+
+
+def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
+    """Write `model` (adapters already merged) into OUT as a model folder of the source's format, plus the
+    source's tokenizer and generation files. Returns the format written ("hf:<model_type>" or "qkv")."""
+    from qkv.storage import read_config
+
+    meta = read_config(source)
+    model_type = meta.get("model_type")
+    if model_type is not None:
+        check_exportable(source)
+        module, _, name = EXPORTERS[model_type].partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        fn(model, out, **({"model_type": model_type} if "model_type" in inspect.signature(fn).parameters else {}))
+        written = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        # the exporter knows the architecture; the source knows its token ids and anything else it declared
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in meta:
+                written[key] = meta[key]
+            else:
+                written.pop(key, None)
+        from qkv.checkpoint import atomic_write_json
+
+        atomic_write_json(written, out / "config.json")
+        fmt = f"hf:{model_type}"
+    else:
+        model.save_pretrained(out)
+        fmt = "qkv"
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    return fmt
+
+
+def _final_model(trainer: Any, build: Any) -> torch.nn.Module:
+    """The trained model on rank 0. Under FSDP the module is sharded: rebuild it and load the full state of
+    the last checkpoint (which save_checkpoint gathered)."""
+    if trainer.dist.mode != "fsdp":
+        return trainer.model
+    from qkv.checkpoint import CheckpointError
+    from qkv.nn.params import tied_names
+    from qkv.train.checkpoint import read_checkpoint
+
+    model = build()
+    state, _ = read_checkpoint(trainer.last_checkpoint)
+    missing, unexpected = model.load_state_dict(state, strict=False)  # a tied weight is stored once
+    if set(missing) - tied_names(model) or unexpected:
+        raise CheckpointError(f"{trainer.last_checkpoint}: does not fit the model (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
+    return model
+
+
+@torch.no_grad()
+def assistant_loss(model: torch.nn.Module, examples: list[Example], pad_id: int, batch_size: int = 8) -> float:
+    """Mean cross-entropy per assistant token over `examples` (eval mode)."""
+    was = model.training
+    model.eval()
+    total = n = 0.0
+    device = next(model.parameters()).device
+    for s in range(0, len(examples), batch_size):
+        out = model(**{k: v.to(device) for k, v in collate(examples[s:s + batch_size], pad_id).items()})
+        total += float(out.loss) * float(out.n_targets)
+        n += float(out.n_targets)
+    model.train(was)
+    return total / max(n, 1.0)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from qkv import from_pretrained
+    from qkv.run import model_folder
+    from qkv.train import Trainer
+    from qkv.train.rng import seed_everything
+
+    source = model_folder(args.model)
+    out = Path(args.out)
+    _check_out(out, args.resume)
+    check_exportable(source)
+    lora = _lora_config(args) if args.lora else None
+    records = read_chats(args.data)
+    dev_records = read_chats(args.dev) if args.dev else []
+
+    tok = _tokenizer(source)
+    notes = []
+    if not tok.has_chat_template:
+        notes.append(f"note: {source} has no chat template: conversations are rendered as qkv chat's plain "
+                     "'User: ... / Assistant: ...' transcript, each answer followed by the eos token")
+        print(f"qkv: {notes[-1]}", file=sys.stderr)
+
+    def build() -> torch.nn.Module:
+        seed_everything(args.seed)  # LoRA's A matrices are random: one seed, one run
+        m = from_pretrained(source)
+        if lora is not None:
+            from qkv.finetune.lora import apply_lora
+
+            apply_lora(m, lora)
+        return m
+
+    model = build()
+    dtype = _source_dtype(model)
+    if lora is None and dtype != torch.float32:
+        model.float()  # full fine-tuning updates the weights themselves: in fp32 (saved back in the source dtype)
+    context = getattr(model.config, "context_length", None)
+    max_length = args.max_length or context
+    if max_length is None:
+        raise ConfigError("the model declares no context length: pass --max-length")
+    if context is not None and max_length > context:
+        raise ConfigError(f"--max-length {max_length} is over the model's context of {context}")
+    train, skipped = build_examples(tok, records, max_length, args.data, args.too_long)
+    dev, dev_skipped = build_examples(tok, dev_records, max_length, args.dev, args.too_long) if args.dev else ([], [])
+    if not train:
+        raise ConfigError(f"{args.data}: every record was skipped (over --max-length {max_length})")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    data = ChatData(train, dev, pad, seed=args.seed)
+    cfg = _train_config(args, len(train), len(dev), lora is not None)
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    settings = {"recipe": "chat", "source": str(source), "data": str(args.data), "dev": args.dev,
+                "examples": len(train), "dev_examples": len(dev), "skipped_lines": skipped,
+                "dev_skipped_lines": dev_skipped, "max_length": max_length, "seed": args.seed,
+                "chat_template": tok.has_chat_template,
+                "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                                                   "targets": lora.targets},
+                "trainable_parameters": trainable, "parameters": total}
+    before = assistant_loss(model, dev, pad, cfg.batch_size) if dev else None
+    trainer = Trainer(model, cfg, data, resume=args.resume)
+    if trainer.dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        from qkv.checkpoint import atomic_write_json
+
+        atomic_write_json(settings, out / FINETUNE_FILE)
+    summary = trainer.fit()
+    if not trainer.dist.is_main:
+        trainer.close()
+        return {"report": "", "train": summary}
+    final = _final_model(trainer, build)
+    trainer.close()
+    final.eval()
+    after = assistant_loss(final, dev, pad, cfg.batch_size) if dev else None
+    if lora is not None:
+        from qkv.finetune.lora import merge_lora
+
+        merge_lora(final)
+    final.to(device="cpu", dtype=dtype)
+    fmt = save_model_folder(final, source, out)
+    settings.update({"format": fmt, "steps": summary["steps"], "final_train_loss": summary["final_loss"],
+                     "dev_loss_before": before, "dev_loss_after": after})
+    from qkv.checkpoint import atomic_write_json
+
+    atomic_write_json(settings, out / FINETUNE_FILE)
+    what = (f"LoRA r={lora.rank} alpha={lora.alpha:g} on {','.join(lora.targets)}: " if lora else "full fine-tuning: ")
+    lines = [f"fine-tuned {source} on {len(train)} conversations ({args.data}), {summary['steps']} steps; {what}"
+             f"{trainable:,} of {total:,} parameters trained ({100 * trainable / total:.2f}%)"]
+    if skipped or dev_skipped:
+        lines.append(f"skipped {len(skipped)} training record(s) over {max_length} tokens (lines "
+                     f"{', '.join(map(str, skipped[:20]))}{' ...' if len(skipped) > 20 else ''})"
+                     + (f" and {len(dev_skipped)} dev record(s)" if dev_skipped else ""))
+    lines += notes
+    lines.append(f"train loss (assistant tokens), last step: {summary['final_loss']:.4f}")
+    if dev:
+        lines.append(f"dev loss (assistant tokens): {before:.4f} before -> {after:.4f} after")
+    lines.append(f"model folder: {out} ({'Hugging Face ' + fmt[3:] if fmt.startswith('hf:') else 'qkv'} format"
+                 f"{', LoRA merged' if lora else ''}); try: qkv chat {out}")
+    return {"report": "\n".join(lines), "train": summary, "settings": settings, "out": out}
+
+
+register_recipe(Recipe("chat", ("decoder",), "decoder models: chat / instruction data, loss on the assistant's "
+                       "tokens only; full fine-tuning or LoRA", run, add_arguments))
