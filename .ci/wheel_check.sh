@@ -45,6 +45,25 @@ test -s "$tmp/clf/confusion.png"
 cut -d, -f1 "$tmp/enc/train.csv" | tail -n +2 > "$tmp/texts.txt"
 venv/bin/qkv embed "$tmp/clf" --input "$tmp/texts.txt" --out "$tmp/emb.npy" --no-progress
 venv/bin/qkv embed "$tmp/clf" --input "$tmp/texts.txt" --query "a good b" --top-k 2 --no-progress
+# qkv serve from the wheel: a 2-step char LM, one completion over HTTP, SIGTERM -> exit 0
+venv/bin/qkv train charlm --max-steps 2 --out "$tmp/lm" --no-progress eval.n=8
+venv/bin/qkv serve "$tmp/lm" --port 0 --name lm > "$tmp/serve.txt" 2>&1 &
+serve_pid=$!
+venv/bin/python - "$tmp/serve.txt" <<'PY'
+import json, sys, time, urllib.request
+for _ in range(1200):
+    text = open(sys.argv[1]).read()
+    if "http://" in text:
+        break
+    time.sleep(0.1)
+base = text.split(" at ")[1].split()[0]
+body = json.dumps({"model": "lm", "prompt": "The ", "max_tokens": 4}).encode()
+req = urllib.request.Request(base + "/completions", data=body, headers={"content-type": "application/json"})
+out = json.load(urllib.request.urlopen(req, timeout=120))
+assert out["usage"]["completion_tokens"] >= 1, out
+PY
+kill -TERM "$serve_pid"
+wait "$serve_pid"
 # an extra that is not installed is one clear line, exit 2
 set +e
 venv/bin/qkv train numbers_zh --max-steps 1 --out "$tmp/zh" 2> "$tmp/err.txt"

@@ -44,16 +44,15 @@ def test_engine_equals_static_generate_with_joining_requests(position):
         assert out[rid] == ref
 
 
-def test_engine_waits_for_free_blocks_and_checks_requests():
+def _alone(m, prompt, n, **kw):
+    """generate() on one prompt, nothing else in the batch: the reference for every engine output."""
+    out = generate(m, torch.tensor([prompt]), n, pad_token_id=-1, **kw)[0, len(prompt):].tolist()
+    return [t for t in out if t != -1]
+
+
+def test_engine_checks_requests():
     m = tiny_gpt("rope", context=32)
     engine = Engine(m, block_size=4, num_blocks=4, max_batch_size=8)  # 16 positions in the pool
-    a = engine.add_request([1, 2, 3, 4, 5], 6)  # needs 3 blocks
-    b = engine.add_request([6, 7], 5)  # needs 2: must wait until a leaves
-    engine.step()
-    assert len(engine.running) == 1 and len(engine.waiting) == 1
-    out = engine.run()
-    for rid, p, n in ((a, [1, 2, 3, 4, 5], 6), (b, [6, 7], 5)):
-        assert out[rid] == generate(m, torch.tensor([p]), n)[0, len(p):].tolist()
     with pytest.raises(ValueError, match="blocks"):
         engine.add_request(list(range(10)), 10)
     with pytest.raises(ValueError, match="vocabulary"):
@@ -62,6 +61,122 @@ def test_engine_waits_for_free_blocks_and_checks_requests():
         Engine(tiny_gpt("learned", context=8)).add_request([1] * 6, 3)
     with pytest.raises(ValueError, match="decoder-only"):
         Engine(tiny_encdec())
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request([1, 2], 3, stop_strings=["x"])
+
+
+@pytest.mark.parametrize("policy", ["least_work", "newest"])
+def test_preemption_by_recomputation_keeps_greedy_outputs(policy):
+    # blocks are taken lazily: both requests start at once, the pool runs out, one is preempted and recomputed
+    m = tiny_gpt("rope", context=64)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (5, 2, 9, 3, 6)]
+    news = [9, 12, 6, 10, 8]
+    engine = Engine(m, block_size=4, num_blocks=6, max_batch_size=8, preemption=policy, prefill_chunk=4)
+    ids = [engine.add_request(p, n) for p, n in zip(prompts, news)]
+    engine.step()
+    assert len(engine.running) >= 2  # not held back for the worst case
+    out = engine.run()
+    st = engine.stats()
+    assert st["preemptions"] > 0 and st["recomputed_tokens"] > 0
+    for rid, p, n in zip(ids, prompts, news):
+        assert out[rid] == _alone(m, p, n)
+    assert engine.cache.blocks_in_use == 0 and engine.cache.allocator.num_free == 6  # the pool is full again
+
+
+def test_per_request_settings_in_one_batch():
+    m = tiny_gpt("learned", context=64)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (4, 7, 3, 5, 6)]
+    decode = lambda ids: "".join(chr(97 + t) for t in ids)  # noqa: E731  a toy tokenizer: id -> letter
+    engine = Engine(m, block_size=4, max_batch_size=8, tokenizer=decode)
+    greedy = [engine.add_request(prompts[0], 10), engine.add_request(prompts[1], 6, eos_token_id=3)]
+    sampled = engine.add_request(prompts[2], 12, do_sample=True, temperature=0.8, top_k=4, top_p=0.9, seed=7)
+    stop = engine.add_request(prompts[3], 20, stop_strings=["c"])
+    other = engine.add_request(prompts[4], 9, do_sample=True, seed=1)
+    out = engine.run()
+    assert out[greedy[0]] == _alone(m, prompts[0], 10)
+    assert out[greedy[1]] == _alone(m, prompts[1], 6, eos_token_id=3)
+    ref = _alone(m, prompts[3], 20)
+    cut = next((i for i, t in enumerate(ref) if t == 2), len(ref) - 1)  # "c" is token 2
+    assert out[stop] == ref[:cut + 1] and engine.finish_reason[stop] == ("stop" if cut < len(ref) - 1 else "length")
+    # a seeded request draws the same tokens alone, and whatever else shares its batches
+    solo = Engine(m, block_size=4)
+    rid = solo.add_request(prompts[2], 12, do_sample=True, temperature=0.8, top_k=4, top_p=0.9, seed=7)
+    assert solo.run()[rid] == out[sampled] and len(out[other]) == 9
+
+
+def test_prefix_caching_shares_blocks_and_keeps_outputs():
+    m = tiny_gpt("alibi", context=64)
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(0, 11, (12,), generator=g).tolist()  # 3 full blocks of 4
+    prompts = [system + torch.randint(0, 11, (n,), generator=g).tolist() for n in (3, 5, 0, 2)]
+    engine = Engine(m, block_size=4, max_batch_size=8)
+    first = engine.add_request(prompts[0], 6)
+    engine.step()  # the shared prefix is computed once, then found by the next requests
+    ids = [first] + [engine.add_request(p, 6) for p in prompts[1:]]
+    engine.step()
+    shared = engine.cache.tables[first][:3]
+    assert all(engine.cache.allocator.ref_count(b) > 1 for b in shared)
+    out = engine.run()
+    for rid, p in zip(ids, prompts):
+        assert out[rid] == _alone(m, p, 6)
+    st = engine.stats()
+    assert st["prefix_hit_tokens"] >= 3 * 12 - 1 and 0 < st["prefix_hit_rate"] < 1
+    assert st["cow_copies"] >= 1  # prompts[2] is exactly the cached prefix: its last token is recomputed in a copy
+    assert engine.cache.blocks_in_use == 0 and st["blocks_cached"] > 0
+    # the same requests again without the prefix cache: the same tokens, more prefill work
+    plain = Engine(m, block_size=4, max_batch_size=8, prefix_caching=False)
+    pids = [plain.add_request(p, 6) for p in prompts]
+    pout = plain.run()
+    assert [pout[r] for r in pids] == [out[r] for r in ids]
+    assert plain.stats()["prefill_tokens"] > st["prefill_tokens"]
+
+
+def test_prefix_cache_evicts_least_recently_used():
+    m = tiny_gpt("rope", context=64)
+    engine = Engine(m, block_size=4, num_blocks=8, max_batch_size=4)
+    a = engine.add_request(list(range(8)), 2)  # 2 full prompt blocks stay cached after it finishes
+    engine.run()
+    assert engine.stats()["blocks_cached"] >= 2
+    b = engine.add_request([1] * 24, 8)  # needs the whole pool: the cached blocks are evicted
+    out = engine.run()
+    assert out[b] == _alone(m, [1] * 24, 8) and out[a] == _alone(m, list(range(8)), 2)
+    assert engine.cache.allocator.evictions >= 2
+
+
+def test_cancel_frees_blocks():
+    m = tiny_gpt("rope", context=64)
+    engine = Engine(m, block_size=4, max_batch_size=1)
+    a = engine.add_request([1, 2, 3, 4, 5, 6], 20)
+    b = engine.add_request([3, 3], 5)  # waits: the batch holds one request
+    for _ in range(3):
+        engine.step()
+    assert engine.cache.blocks_in_use > 0
+    assert engine.cancel(a) and engine.cache.blocks_in_use == 0 and engine.finish_reason[a] == "cancelled"
+    assert not engine.cancel(a) and not engine.cancel(12345)
+    c = engine.add_request([4], 3)
+    assert engine.cancel(c) and engine.take_finished() == [a, c]
+    out = engine.run()
+    assert out[b] == _alone(m, [3, 3], 5) and engine.cache.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("chunk", [3, None])
+def test_chunked_prefill_keeps_running_requests_moving(chunk):
+    m = tiny_gpt("sinusoidal", context=64)
+    engine = Engine(m, block_size=4, max_batch_size=4, prefill_chunk=chunk)
+    short = engine.add_request([2, 5], 30)
+    engine.step()
+    long_prompt = [(7 * i) % 11 for i in range(20)]
+    long = engine.add_request(long_prompt, 4)
+    steps = 0
+    while long not in engine.finished:
+        events = engine.step()
+        steps += 1
+        assert short in {r for r, _ in events}  # the running request gets its token every step
+    assert steps == (-(-20 // chunk) if chunk else 1) + 3
+    out = engine.run()
+    assert out[long] == _alone(m, long_prompt, 4) and out[short] == _alone(m, [2, 5], 30)
 
 
 def test_engine_sampling_is_seeded():
@@ -73,3 +188,17 @@ def test_engine_sampling_is_seeded():
             e.add_request(p, 6)
         runs.append(e.run())
     assert runs[0] == runs[1]
+
+
+def test_a_request_of_the_whole_pool_runs_after_its_prefix_was_cached():
+    # a 16-token prompt fills the pool of 4 blocks of 4; run again, its cached blocks plus the copy-on-write
+    # of the last one would need a fifth block, so the engine computes it again instead of sharing
+    m = tiny_gpt("rope", context=64)
+    engine = Engine(m, block_size=4, num_blocks=4)
+    prompt = [(3 * i) % 11 for i in range(16)]
+    a = engine.add_request(prompt, 1)
+    engine.run()
+    assert engine.stats()["blocks_cached"] == 4
+    b = engine.add_request(prompt, 1)
+    out = engine.run()
+    assert out[a] == out[b] == _alone(m, prompt, 1)

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv.chat",),  # qkv chat: a conversation with a model folder through its chat template (issue 12)
     ("qkv.experiments", "qkv.finetune"),  # ablation suites (each run through qkv.run.train_run); fine-tuning recipes
     ("qkv.embed",),  # sentence embeddings from a BERT-family folder (uses finetune.encoders' folder + tokenizer)
-    ("qkv.explore",),  # the attention explorer (issue 16, on main): a web page over run folders and models
+    ("qkv.explore", "qkv.serve"),  # the attention explorer (issue 16); qkv serve (issue 13)
     ("qkv.demo",),
     ("qkv.cli",),
 ]

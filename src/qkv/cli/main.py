@@ -305,6 +305,34 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder or a Hugging Face folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
+    p.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
+    p.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond the batch before 429")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: a full batch of contexts)")
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens fed per engine step (0: whole)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
+    p.add_argument("--preemption", choices=["least_work", "newest"], default="least_work",
+                   help="which request gives its blocks back when the pool runs out")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from qkv.serve import serve
+
+    for flag in ("max_batch_size", "block_size", "max_waiting"):
+        if getattr(a, flag) < (0 if flag == "max_waiting" else 1):
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+    return serve(a.model, host=a.host, port=a.port, name=a.name, max_waiting=a.max_waiting,
+                 shutdown_timeout=a.shutdown_timeout, block_size=a.block_size, num_blocks=a.num_blocks,
+                 max_batch_size=a.max_batch_size, prefill_chunk=a.prefill_chunk or None,
+                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption)
+
+
 def cmd_finetune(a: argparse.Namespace) -> int:
     from qkv.finetune import finetune
 
@@ -386,6 +414,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
+    "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
     "chat": ("chat with a model folder (its chat template), interactively or --message", _add_chat, cmd_chat),
     "embed": ("sentence embeddings of a text file (or its lines nearest to --query)", _add_embed, cmd_embed),
 }

@@ -4,25 +4,45 @@
     ids = [engine.add_request(prompt, max_new_tokens=64) for prompt in prompts]
     ids.append(engine.add_request(prompt, GenerationConfig(do_sample=True, top_p=0.9, seed=1)))  # per request
     outputs = engine.run()                      # {request id: [new token ids]}
-    # or step by step: engine.step() -> [(request id, token), ...]; add requests between steps
+    # or step by step: engine.step() -> [(request id, token), ...]; add_request / cancel between steps
 
-Each step first admits waiting requests while the batch has room and the pool has enough free blocks for
-their worst case (prompt + max_new_tokens; blocks are still taken lazily, one at a time), prefills each
-new request alone (its first token comes from the prefill), then runs ONE batched decoding step (the
-model's fast `step` on the paged cache, with per-row offsets and key mask) over every running request,
-whatever its length. Finished requests (eos or max_new_tokens) leave at once and return their blocks, so a
-waiting request can join at the next step.
+A request is its token sequence S = prompt + the tokens produced so far, and `computed`, how many of S have
+their keys/values in the cache. One step (the scheduler, in this order):
+
+1. Admit waiting requests, first-come first-served with preempted requests ahead of never-started ones,
+   while the batch has room and the free blocks hold the request's uncached prompt (plus a small watermark
+   while others run). Blocks are NOT reserved for the worst case: they are taken when written.
+   Prefix cache: the leading full blocks of S that some earlier sequence already computed (same tokens from
+   position 0: BlockAllocator's content hashes) are shared instead of computed (a fully cached prompt still
+   recomputes its last token, into a copy of the shared last block: copy-on-write). A request whose first
+   block is being prefilled by a running request waits for it, so a burst of requests with one system
+   prompt computes it once.
+2. Chunked prefill: requests with more than one token to feed get up to `prefill_chunk` tokens of this
+   step's budget (one model.step per chunk, in admission order), so a long prompt is spread over several
+   steps and every running request still gets a token each step. A request whose prompt is done emits its
+   first token. prefill_chunk=None feeds whole prompts at once.
+3. One batched decoding step (model.step on the paged cache, per-row offsets and key mask) for every other
+   running request.
+
+Preemption by recomputation (vLLM's default): when a write needs a block and none is free (cached,
+unreferenced prefix blocks count as free and are evicted least-recently-used first), a victim's blocks are
+freed and it goes back to the head of the waiting queue with its S; when re-admitted it is prefilled from
+S (its full blocks often still in the prefix cache). Victims: `preemption="least_work"` (default) takes the
+running request with the fewest computed tokens (the cheapest to recompute), "newest" the latest arrival
+(vLLM's order). Greedy outputs do not change: the recomputed keys/values are those of the same tokens.
 
 Settings: the engine's GenerationConfig (model defaults, then the config and keywords given to Engine) is
-every request's base; a request may bring its own config and keywords on top. Requests that share the
-engine's settings are processed as one batch; a request with its own settings gets its own logits
-processors (and, if it sets a seed, its own random generator).
+every request's base; a request may bring its own config and keywords on top (max_new_tokens, temperature,
+top_k, top_p, eos_token_id, stop_strings, seed, ...). Greedy requests without sequence-dependent processors
+share one argmax; the others go through their own logits processors (and, with a seed, their own random
+generator, so a seeded request draws the same tokens whatever else is in the batch).
+Stop strings need `tokenizer` (an object with .decode(ids) or a callable ids -> str).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +54,9 @@ from qkv.generate.processors import Context, Pipeline
 from qkv.generate.search import settings
 from qkv.models.decoding import as_decoder
 from qkv.nn.checks import check_id_list
+from qkv.nn.paged import block_digest
+
+PREEMPTION = ("least_work", "newest")
 
 
 @dataclass
@@ -43,9 +66,33 @@ class _Request:
     cfg: GenerationConfig
     max_new_tokens: int
     eos: set[int]
-    blocks_needed: int
     pipe: Pipeline
+    stop: list[str]
     output: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens of prompt + output whose keys/values are in the cache
+    digests: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
+    preemptions: int = 0
+    head: bytes = b""  # prefix-cache key of its first block (b"": shorter than a block)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass
+class Counters:
+    """Cumulative engine counters (the server's /metrics)."""
+
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
+    generated_tokens: int = 0
+    prefill_tokens: int = 0  # tokens fed by prefill chunks (computed, not found in the prefix cache)
+    prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int = 0  # ... and found there
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # computed tokens thrown away by preemption
+    finished: int = 0
+    cancelled: int = 0
+    steps: int = 0
 
 
 class Engine:
@@ -57,41 +104,69 @@ class Engine:
         block_size: int = 16,
         num_blocks: int | None = None,
         max_batch_size: int = 32,
+        prefill_chunk: int | None = 256,
+        prefix_caching: bool = True,
+        preemption: str = "least_work",
+        tokenizer: Any = None,
         **options: Any,
     ) -> None:
         dec = as_decoder(model)
         if dec.is_seq2seq:
             raise ValueError("Engine serves decoder-only models; use generate() for encoder-decoders")
+        if preemption not in PREEMPTION:
+            raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prompts), got {prefill_chunk}")
         self.model = dec
         model.eval()
         self.cfg = settings(dec, generation_config, options)
+        self.decode_text: Callable[[list[int]], str] | None = (
+            None if tokenizer is None else tokenizer.decode if hasattr(tokenizer, "decode") else tokenizer)
         self._check(self.cfg)
         self.context = dec.context_limit  # None: no hard position limit
         self.cache = dec.make_paged_cache(num_blocks, block_size, max_batch_size=max_batch_size)
         self.device = self.cache.device
         self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self.prefix_caching = prefix_caching
+        self.preemption = preemption
+        self.watermark = max(1, self.cache.allocator.num_blocks // 100)
         seed = self.cfg.seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.finished: dict[int, list[int]] = {}
-        self._reserved = 0
+        self.finish_reason: dict[int, str] = {}  # "stop" (eos / stop string), "length", "cancelled"
+        self.just_finished: list[int] = []  # ids finished or cancelled since the last take_finished()
+        self.counters = Counters()
         self._next_id = 0
         self.peak_blocks = 0
-        self.steps = 0
 
-    @staticmethod
-    def _check(cfg: GenerationConfig) -> None:
+    @property
+    def steps(self) -> int:
+        return self.counters.steps
+
+    def _check(self, cfg: GenerationConfig) -> None:
         if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
             raise ValueError("the Engine decodes one sequence per request: num_beams and num_return_sequences must be 1")
-        if cfg.stop_strings:
-            raise ValueError("the Engine has no tokenizer for stop_strings: stop on eos_token_id instead")
+        if cfg.stop_strings and self.decode_text is None:
+            raise ValueError("stop_strings need the Engine's tokenizer= (to decode the tokens)")
 
     # -- requests ---------------------------------------------------------------------------------------
+    def check_request(self, prompt_len: int, max_new: int) -> None:
+        """ValueError when a request of this size can never run (over the context, or the whole pool)."""
+        if self.context is not None and prompt_len + max_new > self.context:
+            raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new} exceeds the "
+                             f"model's context of {self.context} positions")
+        need = -(-(prompt_len + max(max_new - 1, 0)) // self.cache.block_size)
+        if need > self.cache.allocator.num_blocks:
+            raise ValueError(f"the request needs {need} blocks but the pool has only "
+                             f"{self.cache.allocator.num_blocks}")
+
     def add_request(self, prompt: Sequence[int] | Tensor, generation_config: GenerationConfig | int | None = None,
                     **options: Any) -> int:
         """Queue a prompt (1-D ids) with this request's settings on top of the engine's (a GenerationConfig,
-        or an int = max_new_tokens, and/or keywords); returns the request id used by step() and run()."""
+        or an int = max_new_tokens, and/or keywords); returns the request id used by step(), run(), cancel()."""
         ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, Tensor) else prompt)]
         if not ids:
             raise ValueError("a request needs at least one prompt token")
@@ -104,103 +179,260 @@ class Engine:
         cfg = self.cfg.replace(**own) if own else self.cfg
         self._check(cfg)
         max_new = cfg.new_tokens(len(ids))
-        if self.context is not None and len(ids) + max_new > self.context:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new} exceeds the "
-                             f"model's context of {self.context} positions")
-        need = -(-(len(ids) + max(max_new - 1, 0)) // self.cache.block_size)
-        if need > self.cache.allocator.num_blocks:
-            raise ValueError(f"the request needs {need} blocks but the pool has only "
-                             f"{self.cache.allocator.num_blocks}")
+        self.check_request(len(ids), max_new)
         generator = self.generator
         if "seed" in own and cfg.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         pipe = Pipeline(cfg, Context(len(ids), max_new, cfg.eos_ids), generator)
         rid = self._next_id
         self._next_id += 1
-        req = _Request(rid, ids, cfg, max_new, set(cfg.eos_ids), need, pipe)
+        req = _Request(rid, ids, cfg, max_new, set(cfg.eos_ids), pipe, list(cfg.stop_strings or []))
+        if len(ids) >= self.cache.block_size:
+            req.head = block_digest(b"", ids[:self.cache.block_size])
         if max_new == 0:
-            self.finished[rid] = []
+            self.finished[rid], self.finish_reason[rid] = [], "length"
         else:
             self.waiting.append(req)
         return rid
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a waiting or running request and free every block it holds; False if it is not queued."""
+        for req in self.waiting:
+            if req.id == request_id:
+                self.waiting.remove(req)
+                break
+        else:
+            for req in self.running:
+                if req.id == request_id:
+                    self.running.remove(req)
+                    self.cache.free_sequence(req.id)
+                    break
+            else:
+                return False
+        self.finished[req.id], self.finish_reason[req.id] = req.output, "cancelled"
+        self.counters.cancelled += 1
+        self.just_finished.append(req.id)
+        return True
+
+    def pop_finished(self, request_id: int) -> tuple[list[int], str] | None:
+        """(tokens, finish reason) of a finished request, forgotten by the engine (a server's memory bound)."""
+        if request_id not in self.finished:
+            return None
+        return self.finished.pop(request_id), self.finish_reason.pop(request_id)
+
+    def take_finished(self) -> list[int]:
+        """The requests finished or cancelled since the last call (a server's signal to close streams)."""
+        done, self.just_finished = self.just_finished, []
+        return done
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- decoding ---------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        a = self.cache.allocator
+        c = self.counters
+        return {
+            "running": len(self.running), "waiting": len(self.waiting),
+            "preempted_waiting": sum(1 for r in self.waiting if r.preemptions), "preemptions": c.preemptions,
+            "blocks_total": a.num_blocks, "blocks_used": a.num_used, "blocks_cached": a.num_cached,
+            "blocks_free": a.num_free, "evictions": a.evictions, "cow_copies": self.cache.copies,
+            "prefix_hit_rate": c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,
+            "prompt_tokens": c.prompt_tokens, "generated_tokens": c.generated_tokens,
+            "prefill_tokens": c.prefill_tokens, "prefix_hit_tokens": c.prefix_hit_tokens,
+            "recomputed_tokens": c.recomputed_tokens, "finished": c.finished, "cancelled": c.cancelled,
+            "steps": c.steps,
+        }
+
+    # -- token choice -----------------------------------------------------------------------------------
     def _choose(self, reqs: list[_Request], logits: Tensor) -> list[int]:
-        """Each request's next token from its row of logits, through its own settings. Requests sharing a
-        settings object with no sequence-dependent processor form one batch (one sampling draw)."""
+        """Each request's next token from its row of logits, through its own settings. Plain greedy rows
+        share one argmax; rows sharing a settings object with no sequence-dependent processor one draw."""
         out: list[int] = [0] * len(reqs)
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(reqs):
-            key = id(r.cfg) if not r.pipe.processors else -1 - i  # processors read each row's own tokens
+            p = r.pipe
+            key = -1 if not (p.processors or p.sampling) else id(r.cfg) if not p.processors else -2 - i
             groups.setdefault(key, []).append(i)
-        for rows in groups.values():
-            pipe = reqs[rows[0]].pipe
-            if pipe.processors:
-                (i,) = rows
-                ids = torch.tensor([reqs[i].prompt + reqs[i].output], dtype=torch.long, device=self.device)
-                out[i] = int(pipe.choose(ids, logits[i:i + 1])[0])
+        for key, rows in groups.items():
+            sub = logits if len(rows) == len(reqs) else logits[rows]
+            if key == -1:
+                toks = sub.argmax(-1).tolist()
+            elif reqs[rows[0]].pipe.processors:
+                r = reqs[rows[0]]
+                ids = torch.tensor([r.tokens], dtype=torch.long, device=self.device)
+                toks = r.pipe.choose(ids, sub).tolist()
             else:
-                toks = pipe.choose(None, logits[rows] if len(rows) < len(reqs) else logits).tolist()
-                for i, t in zip(rows, toks):
-                    out[i] = t
+                toks = reqs[rows[0]].pipe.choose(None, sub).tolist()
+            for i, t in zip(rows, toks):
+                out[i] = t
         return out
 
     def _emit(self, req: _Request, tok: int, events: list[tuple[int, int]]) -> bool:
-        """Record a token; True when the request is finished."""
+        """Record a token; True when the request is finished (and then it has left the engine)."""
         req.output.append(tok)
         events.append((req.id, tok))
-        return tok in req.eos or len(req.output) >= req.max_new_tokens
-
-    def _finish(self, req: _Request) -> None:
+        self.counters.generated_tokens += 1
+        reason = None
+        if tok in req.eos:
+            reason = "stop"
+        elif req.stop and any(s in self.decode_text(req.output) for s in req.stop):  # type: ignore[misc]
+            reason = "stop"
+        elif len(req.output) >= req.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            return False
         self.cache.free_sequence(req.id)
-        self._reserved -= req.blocks_needed
-        self.finished[req.id] = req.output
+        self.running.remove(req)
+        self.finished[req.id], self.finish_reason[req.id] = req.output, reason
+        self.counters.finished += 1
+        self.just_finished.append(req.id)
+        return True
 
-    def _admit(self, events: list[tuple[int, int]]) -> None:
-        free = self.cache.allocator.num_blocks - self._reserved
-        while self.waiting and len(self.running) < self.max_batch_size and self.waiting[0].blocks_needed <= free:
-            req = self.waiting.popleft()
-            self._reserved += req.blocks_needed
-            free -= req.blocks_needed
-            self.cache.add_sequence(req.id)
-            self.cache.set_active([req.id])
-            ids = torch.tensor([req.prompt], dtype=torch.long, device=self.device)
-            logits, _ = self.model.prefill(ids, self.cache)
-            self._track()
-            if self._emit(req, self._choose([req], logits)[0], events):
-                self._finish(req)
-            else:
-                self.running.append(req)
+    # -- scheduling -------------------------------------------------------------------------------------
+    def _prefix_blocks(self, req: _Request) -> tuple[list[int], list[bytes]]:
+        """The leading full blocks of req's tokens found in the prefix cache, and their keys."""
+        if not self.prefix_caching:
+            return [], []
+        bs, toks = self.cache.block_size, req.tokens
+        blocks: list[int] = []
+        digests: list[bytes] = []
+        parent = b""
+        for i in range(len(toks) // bs):
+            parent = block_digest(parent, toks[i * bs:(i + 1) * bs])
+            b = self.cache.allocator.lookup(parent)
+            if b is None:
+                break
+            blocks.append(b)
+            digests.append(parent)
+        return blocks, digests
+
+    def _admit(self) -> None:
+        alloc, bs = self.cache.allocator, self.cache.block_size
+        while self.waiting and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            blocks, digests = self._prefix_blocks(req)
+            if self.prefix_caching and req.head and self.running and any(
+                    r.head == req.head and r.computed < len(r.prompt) for r in self.running):
+                break  # a running request is computing the same first block(s): wait and reuse them
+            n = len(req.tokens)
+            for _attempt in range(2):
+                hit = min(len(blocks) * bs, n - 1)  # the last token is always fed: its logits are needed
+                need = -(-n // bs) - len(blocks) + (1 if hit < len(blocks) * bs else 0)  # + the copy-on-write
+                revived = sum(1 for b in blocks if alloc.ref_count(b) == 0)  # cached blocks stop being free
+                free = alloc.num_free - revived - (self.watermark if self.running else 0)
+                if need <= free or self.running or not blocks:
+                    break
+                blocks, digests = [], []  # alone and a request of the whole pool: the copy would not fit
+            if need > free:
+                break  # first come, first served: later requests wait too
+            self.waiting.popleft()
+            self.cache.add_sequence(req.id, blocks)
+            if hit < len(blocks) * bs:
+                self.cache.set_length(req.id, hit)
+            req.computed, req.digests = hit, digests
+            c = self.counters
+            if not req.preemptions:
+                c.prompt_tokens += len(req.prompt)
+            c.prefix_query_tokens += n
+            c.prefix_hit_tokens += hit
+            self.running.append(req)
+
+    def _preempt(self, req: _Request) -> None:
+        """Free req's blocks and put it at the head of the queue: it is prefilled again from its tokens."""
+        self.running.remove(req)
+        self.cache.free_sequence(req.id)
+        self.counters.preemptions += 1
+        self.counters.recomputed_tokens += req.computed
+        req.preemptions += 1
+        req.computed, req.digests = 0, []
+        # ahead of every never-started request, behind earlier preempted ones (arrival order among them)
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].preemptions and self.waiting[i].id < req.id:
+            i += 1
+        self.waiting.insert(i, req)
+
+    def _victim(self, keep: _Request) -> _Request | None:
+        cands = [r for r in self.running if r is not keep and self.cache.tables[r.id]]
+        if not cands:
+            return None
+        if self.preemption == "least_work":
+            return min(cands, key=lambda r: (r.computed, -r.id))
+        return max(cands, key=lambda r: r.id)
+
+    def _reserve(self, req: _Request, n: int) -> bool:
+        """Blocks for n more tokens of req, preempting others while the pool is short; False when req
+        itself had to go (nobody else holds blocks)."""
+        while not self.cache.reserve(req.id, n):
+            victim = self._victim(req)
+            if victim is None:
+                self._preempt(req)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _register(self, req: _Request) -> None:
+        """Put req's newly filled blocks into the prefix cache."""
+        if not self.prefix_caching:
+            return
+        bs, table, toks = self.cache.block_size, self.cache.tables[req.id], None
+        while len(req.digests) < req.computed // bs:
+            i = len(req.digests)
+            toks = toks or req.tokens
+            d = block_digest(req.digests[-1] if req.digests else b"", toks[i * bs:(i + 1) * bs])
+            self.cache.allocator.register(table[i], d)
+            req.digests.append(d)
 
     def _track(self) -> None:
         self.peak_blocks = max(self.peak_blocks, self.cache.blocks_in_use)
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, int]]:
-        """Admit what fits, then one decoding step for every running request. Returns the (request id,
-        token) pairs produced, in order."""
+        """Admit, prefill chunks, one decoding step for every other running request. Returns the (request
+        id, token) pairs produced, in order; take_finished() names the requests that left."""
         events: list[tuple[int, int]] = []
-        self._admit(events)
-        if self.running:
-            batch = self.running
-            self.cache.set_active([r.id for r in batch])
-            ids = torch.tensor([[r.output[-1]] for r in batch], dtype=torch.long, device=self.device)
-            logits = self.model.step(ids, self.cache, keep=self.cache.keep_mask(1))  # per-row offsets: the cache's
+        self._admit()
+        emitted: set[int] = set()
+        budget = self.prefill_chunk if self.prefill_chunk is not None else float("inf")
+        for req in list(self.running):  # admission order: the oldest prompt first
+            pending = len(req.prompt) + len(req.output) - req.computed
+            if pending <= 1 or req not in self.running:
+                continue
+            if budget <= 0:
+                break
+            n = int(min(pending, budget))
+            if not self._reserve(req, n):
+                continue
+            self.cache.set_active([req.id])
+            ids = torch.tensor([req.tokens[req.computed:req.computed + n]], dtype=torch.long, device=self.device)
+            logits = self.model.step(ids, self.cache)
             self._track()
-            still = []
+            req.computed += n
+            budget -= n
+            self.counters.prefill_tokens += n
+            self._register(req)
+            if n == pending:
+                emitted.add(req.id)
+                self._emit(req, self._choose([req], logits)[0], events)
+        batch = [r for r in self.running if r.id not in emitted and len(r.prompt) + len(r.output) - r.computed == 1]
+        for req in list(batch):
+            if req in self.running:
+                self._reserve(req, 1)
+        batch = [r for r in batch if r in self.running]
+        if batch:
+            self.cache.set_active([r.id for r in batch])
+            ids = torch.tensor([[r.output[-1] if r.output else r.prompt[-1]] for r in batch], dtype=torch.long,
+                               device=self.device)
+            keep = self.cache.keep_mask(1) if len({self.cache.lens[r.id] for r in batch}) > 1 else None
+            logits = self.model.step(ids, self.cache, keep=keep)  # per-row offsets: the cache's
+            self._track()
             for req, tok in zip(batch, self._choose(batch, logits)):
-                if self._emit(req, tok, events):
-                    self._finish(req)
-                else:
-                    still.append(req)
-            self.running = still
+                req.computed += 1
+                self._register(req)
+                self._emit(req, tok, events)
         if self.waiting and not self.running and not events:
             raise RuntimeError("the next waiting request does not fit in the free KV-cache blocks")
-        self.steps += 1
+        self.counters.steps += 1
         return events
 
     def run(self) -> dict[int, list[int]]:

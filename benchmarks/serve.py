@@ -1,0 +1,283 @@
+"""qkv serve under load (issue 13), CPU, one run, five parts:
+
+1. load   N concurrent streaming clients (asyncio + httpx) on a loopback server, mixed prompt lengths and
+          output lengths, greedy; total generated tok/s vs sequential generate() at batch 1 on the same
+          prompts; p50/p99 time to first token (TTFT) and inter-token latency (ITL); failed / truncated /
+          garbled responses (every streamed token sequence is compared with generate() alone).
+2. static the same requests through Engine.run() vs one padded generate() batch: tok/s and KV memory
+          (engine: peak blocks x block bytes; static: B x (longest prompt + longest output) positions).
+3. prefix 16 requests sharing a 384-token system prompt: prefill tokens computed with prefix caching vs
+          without (work saved), same outputs.
+4. preemption  the load test's requests on a pool of ~1/3 the blocks they need at once: preemptions and
+          recomputed tokens with the least_work and the newest victim policy, same outputs.
+5. chunked prefill: a 768-token prompt joins 16 decoding requests: the longest gap between their tokens
+          and the newcomer's time to first token, prefill_chunk=256 vs the whole prompt in one step.
+
+Model: 'gpt-bench' (6 layers, 384 wide, vocab 65, random weights) with a 1024-position table. The full form
+(64 clients, prompts 16..512, outputs 16..256) takes long on a 2-core machine; the figures in
+docs/performance.md come from the reduced form named there.
+
+    .venv/bin/python benchmarks/serve.py [--quick] [--clients 64] [--prompt-max 512] [--new-max 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+from qkv.generate import Engine, generate  # noqa: E402
+from qkv.serve import load_served  # noqa: E402
+from qkv.tasks import build_task  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def make_folder(path: Path, quick: bool) -> Path:
+    task = build_task("charlm", family="gpt", context=1024)
+    kw = dict(n_layers=2, d_model=64, n_heads=2) if quick else {}
+    model = task.build_model("gpt-bench", position="learned", **kw)
+    task.save(path)
+    model.save_pretrained(path)
+    return path
+
+
+async def client(c, url: str, name: str, prompt: list[int], n: int) -> dict:
+    body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    text, done, usage = [], False, None
+    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            ev = json.loads(line[6:])
+            stamps.append(time.perf_counter())
+            text.append(ev["choices"][0]["text"])
+            usage = ev.get("usage") or usage
+    return {"t0": t0, "stamps": stamps, "text": "".join(text), "done": done, "usage": usage}
+
+
+def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch: int) -> dict:
+    """The server runs in its own process (`qkv serve --port 0`), as in use: the clients' event loop does not
+    share its interpreter lock."""
+    import signal
+    import subprocess
+
+    import httpx
+
+    served = load_served(folder)
+    cmd = [sys.executable, "-m", "qkv.cli.main", "serve", str(folder), "--port", "0", "--name", "bench",
+           "--max-batch-size", str(max_batch), "--max-waiting", str(len(prompts))]
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent / "src")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    if "http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"qkv serve did not start: {line!r}")
+    url = line.split("at ")[1].split()[0].removesuffix("/v1")
+
+    async def all_clients():
+        limits = httpx.Limits(max_connections=len(prompts) + 1)
+        async with httpx.AsyncClient(timeout=3600, limits=limits) as c:  # one client: no per-request TLS setup
+            return await asyncio.gather(*(client(c, url, "bench", p, n) for p, n in zip(prompts, news)))
+
+    warm = {"model": "bench", "prompt": prompts[0][:16], "max_tokens": 4, "temperature": 0}
+    httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # first-call costs, untimed
+
+    t0 = time.perf_counter()
+    res = asyncio.run(all_clients())
+    wall = time.perf_counter() - t0
+    metrics = httpx.get(url + "/metrics").text
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+    def metric(name: str) -> float:
+        return next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(name + " "))
+
+    stats = {"preemptions": metric("qkv_preemptions_total"), "prefix_hit_rate": metric("qkv_prefix_cache_hit_rate")}
+    # the reference: generate() alone, batch 1, sequentially, on the same prompts
+    m = served.model
+    t0 = time.perf_counter()
+    refs = [generate(m, torch.tensor([p]), n)[0, len(p):].tolist() for p, n in zip(prompts, news)]
+    seq_wall = time.perf_counter() - t0
+    bad = sum(1 for r, ref, n in zip(res, refs, news)
+              if not r["done"] or r["text"] != served.codec.decode(ref) or (r["usage"] or {}).get("completion_tokens") != n)
+    ttft = [r["stamps"][0] - r["t0"] for r in res if r["stamps"]]
+    itl = [b - a for r in res for a, b in zip(r["stamps"], r["stamps"][1:])]
+    total = sum(news)
+    return {"clients": len(prompts), "generated_tokens": total, "server_s": round(wall, 2),
+            "server_tok_s": round(total / wall, 1), "sequential_generate_s": round(seq_wall, 2),
+            "sequential_tok_s": round(total / seq_wall, 1), "speedup": round(seq_wall / wall, 2),
+            "ttft_p50_s": round(pct(ttft, 0.5), 3), "ttft_p99_s": round(pct(ttft, 0.99), 3),
+            "itl_p50_ms": round(1000 * pct(itl, 0.5), 1), "itl_p99_ms": round(1000 * pct(itl, 0.99), 1),
+            "failed_or_garbled": bad, "preemptions": stats["preemptions"], "prefix_hit_rate":
+            round(stats["prefix_hit_rate"], 3)}
+
+
+def engine_vs_static(m, prompts, news, repeats: int) -> dict:
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    c = m.config
+    slot = 2 * c.n_layers * c.d_model * 4
+    times: dict[str, list[float]] = {"engine": [], "static": []}
+    mem = {}
+    for _ in range(repeats):  # interleaved
+        t0 = time.perf_counter()
+        e = Engine(m, max_batch_size=len(prompts))
+        rids = [e.add_request(p, n) for p, n in zip(prompts, news)]
+        out = e.run()
+        times["engine"].append(time.perf_counter() - t0)
+        mem["engine"] = e.peak_blocks * e.cache.bytes_per_block
+        t0 = time.perf_counter()
+        ref = generate(m, ids, max(news), attention_mask=mask)
+        times["static"].append(time.perf_counter() - t0)
+        mem["static"] = len(prompts) * (T + max(news)) * slot
+    same = all(out[r] == ref[i, T:T + n].tolist() for i, (r, n) in enumerate(zip(rids, news)))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    total = sum(news)
+    return {"engine_tok_s": round(total / med["engine"], 1), "static_tok_s": round(total / med["static"], 1),
+            "engine_over_static": round(med["static"] / med["engine"], 2),
+            "engine_kv_mib": round(mem["engine"] / 2**20, 1), "static_kv_mib": round(mem["static"] / 2**20, 1),
+            "kv_ratio": round(mem["engine"] / mem["static"], 2), "same_tokens": same}
+
+
+def prefix_work(m, system_len: int, n_req: int, new: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(0, 65, (system_len,), generator=g).tolist()
+    prompts = [system + torch.randint(0, 65, (int(torch.randint(8, 33, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n_req)]
+    res = {}
+    for on in (False, True):
+        e = Engine(m, max_batch_size=n_req, prefix_caching=on)
+        rids = [e.add_request(p, new) for p in prompts]
+        t0 = time.perf_counter()
+        out = e.run()
+        res[on] = (e.stats()["prefill_tokens"], time.perf_counter() - t0, [out[r] for r in rids])
+    saved = 1 - res[True][0] / res[False][0]
+    return {"requests": n_req, "system_prompt": system_len, "prefill_tokens_without": res[False][0],
+            "prefill_tokens_with": res[True][0], "work_saved": round(saved, 3),
+            "wall_without_s": round(res[False][1], 2), "wall_with_s": round(res[True][1], 2),
+            "same_tokens": res[True][2] == res[False][2]}
+
+
+def preemption_policies(m, prompts, news, block_size: int = 16) -> dict:
+    """The same requests on a pool of ~1/3 of the blocks they need together: preemptions and the computed
+    tokens thrown away under each victim policy (outputs checked equal to a pool without preemption)."""
+    need = sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, news))
+    biggest = max(-(-(len(p) + n) // block_size) for p, n in zip(prompts, news))
+    blocks = max(biggest + 2, need // 3)
+    ref = Engine(m, max_batch_size=len(prompts))
+    rids = [ref.add_request(p, n) for p, n in zip(prompts, news)]
+    want = ref.run()
+    out = {"blocks": blocks, "blocks_needed_all_at_once": need}
+    for policy in ("least_work", "newest"):
+        e = Engine(m, num_blocks=blocks, max_batch_size=len(prompts), preemption=policy)
+        ids = [e.add_request(p, n) for p, n in zip(prompts, news)]
+        t0 = time.perf_counter()
+        got = e.run()
+        st = e.stats()
+        out[policy] = {"preemptions": st["preemptions"], "recomputed_tokens": st["recomputed_tokens"],
+                       "prefill_tokens": st["prefill_tokens"], "wall_s": round(time.perf_counter() - t0, 2),
+                       "same_tokens": [got[i] for i in ids] == [want[r] for r in rids]}
+    return out
+
+
+def chunked_prefill(m, long_len: int, running: int = 16, chunk: int = 256) -> dict:
+    """`running` requests are decoding when a `long_len`-token prompt arrives: the longest gap between two
+    tokens of a running request, and the long request's time to first token, with chunked prefill
+    (prefill_chunk=chunk) and with the whole prompt in one step (prefill_chunk=None)."""
+    g = torch.Generator().manual_seed(2)
+    long_prompt = torch.randint(0, 65, (long_len,), generator=g).tolist()
+    out = {"running": running, "long_prompt": long_len, "chunk": chunk}
+    for name, c in (("chunked", chunk), ("whole", None)):
+        e = Engine(m, max_batch_size=running + 1, prefill_chunk=c)
+        for _ in range(running):
+            e.add_request(torch.randint(0, 65, (16,), generator=g).tolist(), 200)  # still running at the end
+        for _ in range(3):
+            e.step()  # everyone is decoding
+        rid = e.add_request(long_prompt, 4)
+        t_add = time.perf_counter()
+        gaps, ttft = [], None
+        while ttft is None:
+            t0 = time.perf_counter()
+            events = e.step()
+            gaps.append(time.perf_counter() - t0)
+            if any(r == rid for r, _ in events):
+                ttft = time.perf_counter() - t_add
+        out[name] = {"max_gap_ms": round(1000 * max(gaps), 1), "steps": len(gaps), "ttft_s": round(ttft, 3)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a CPU smoke run (tiny model, few clients)")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--new-max", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "results" / "serve.json"))
+    a = ap.parse_args()
+    if a.quick:
+        a.clients, a.prompt_max, a.new_max, a.repeats = 6, 40, 16, 1
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    prompts = [torch.randint(0, 65, (rnd(16, a.prompt_max),), generator=g).tolist() for _ in range(a.clients)]
+    news = [rnd(16, a.new_max) for _ in range(a.clients)]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_folder(Path(tmp), a.quick)
+        load = load_test(folder, prompts, news, max_batch=a.clients)
+        m = load_served(folder).model
+        static = engine_vs_static(m, prompts, news, a.repeats)
+        prefix = prefix_work(m, 64 if a.quick else 384, 4 if a.quick else 16, 8 if a.quick else 32)
+        preempt = preemption_policies(m, prompts, news)
+        chunk = chunked_prefill(m, 64 if a.quick else 768, 4 if a.quick else 16, 16 if a.quick else 256)
+    result = {"chunked_prefill": chunk, "threads": torch.get_num_threads(), "quick": a.quick, "load": load, "engine_vs_static": static,
+              "prefix_caching": prefix, "preemption": preempt}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(f"| clients | tok/s server | tok/s sequential generate() | speedup | TTFT p50 / p99 (s) | "
+          f"ITL p50 / p99 (ms) | failed |\n|---|---|---|---|---|---|---|\n| {load['clients']} | "
+          f"{load['server_tok_s']} | {load['sequential_tok_s']} | {load['speedup']}x | {load['ttft_p50_s']} / "
+          f"{load['ttft_p99_s']} | {load['itl_p50_ms']} / {load['itl_p99_ms']} | {load['failed_or_garbled']} |")
+    print(f"\nengine {static['engine_tok_s']} tok/s vs static padded {static['static_tok_s']} tok/s "
+          f"({static['engine_over_static']}x) at {static['kv_ratio']}x its KV memory ({static['engine_kv_mib']} vs "
+          f"{static['static_kv_mib']} MiB); same tokens: {static['same_tokens']}")
+    print(f"prefix caching, {prefix['requests']} requests sharing a {prefix['system_prompt']}-token prompt: prefill "
+          f"{prefix['prefill_tokens_with']} vs {prefix['prefill_tokens_without']} tokens, work saved "
+          f"{prefix['work_saved']:.0%}; same tokens: {prefix['same_tokens']}")
+    for policy in ("least_work", "newest"):
+        p = preempt[policy]
+        print(f"preemption {policy}: {p['preemptions']} preemptions, {p['recomputed_tokens']} computed tokens thrown "
+              f"away, {p['wall_s']} s ({preempt['blocks']} of {preempt['blocks_needed_all_at_once']} blocks); "
+              f"same tokens: {p['same_tokens']}")
+    print(f"a {chunk['long_prompt']}-token prompt joining {chunk['running']} decoding requests: longest gap "
+          f"between their tokens {chunk['chunked']['max_gap_ms']} ms chunked ({chunk['chunk']} per step) vs "
+          f"{chunk['whole']['max_gap_ms']} ms whole; its first token after {chunk['chunked']['ttft_s']} vs "
+          f"{chunk['whole']['ttft_s']} s")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""`qkv serve`: an OpenAI-compatible HTTP server over the continuous-batching Engine (docs/serving.md).
+
+    qkv serve runs/charlm --port 8000           # a qkv run folder, a qkv checkpoint or a Hugging Face folder
+    curl 127.0.0.1:8000/v1/completions -d '{"model": "charlm", "prompt": "ROMEO:", "max_tokens": 32}'
+
+Modules: model.py (model + tokenizer of a folder), worker.py (the engine thread), app.py (the FastAPI app:
+endpoints, request checks, SSE), metrics.py (Prometheus).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+from qkv.serve.app import APIError, ServeSettings, create_app
+from qkv.serve.model import Served, TextCodec, load_served
+
+
+def build_engine(served: Served, *, block_size: int = 16, num_blocks: int | None = None, max_batch_size: int = 32,
+                 prefill_chunk: int | None = 256, prefix_caching: bool = True, preemption: str = "least_work") -> Any:
+    """The Engine for a served model: the folder's generation defaults plus the tokenizer's eos ids."""
+    from qkv.generate.engine import Engine
+
+    base = served.model.generation_defaults().get("eos_token_id")
+    ids = set(served.codec.eos_ids) | ({base} if isinstance(base, int) else set(base or []))
+    eos = sorted(i for i in ids if 0 <= i < served.model.output_vocab_size) or None
+    return Engine(served.model, block_size=block_size, num_blocks=num_blocks, max_batch_size=max_batch_size,
+                  prefill_chunk=prefill_chunk, prefix_caching=prefix_caching, preemption=preemption,
+                  tokenizer=served.codec, eos_token_id=eos)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a SIGINT / SIGTERM ends a graceful shutdown with exit status 0 (uvicorn
+        re-raises the signal after shutting down, which would kill the process with it)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    return Server
+
+
+def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
+          max_waiting: int = 64, shutdown_timeout: float = 30.0, **engine_options: Any) -> int:
+    """Load MODEL, start the engine thread and serve until SIGINT / SIGTERM: then stop accepting, let
+    running requests finish for up to shutdown_timeout seconds, cancel the rest, return 0."""
+    import uvicorn
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    served = load_served(model, name)
+    engine = build_engine(served, **engine_options)
+    app = create_app(served, engine, ServeSettings(max_waiting=max_waiting))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections wait in the backlog from now on, even before uvicorn's loop runs
+    bound = sock.getsockname()[1]
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"qkv serve: listening on {host}: anyone who can reach this address can use the model")
+    shown = f"[{host}]" if ":" in host else host
+    print(f"qkv serve: model '{served.name}' at http://{shown}:{bound}/v1  (Ctrl-C to stop)", flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
+    _server_class()(config).run(sockets=[sock])
+    print("qkv serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+__all__ = ["APIError", "ServeSettings", "Served", "TextCodec", "build_engine", "create_app", "load_served", "serve"]

@@ -1,0 +1,418 @@
+"""The OpenAI-compatible HTTP API over the Engine (FastAPI).
+
+    POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream", ...}
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...}  (the model's chat template)
+    GET  /v1/models, /health, /metrics (Prometheus text format)
+
+Every request is checked before it reaches the engine (types, ranges, the model name, the context and the
+KV pool): a bad one gets OpenAI's error shape {"error": {"message", "type", "param", "code"}} and never
+disturbs the others. Admission is bounded: beyond max_batch_size running + max_waiting queued requests the
+answer is 429 with Retry-After. `stream: true` sends server-sent events ending with `data: [DONE]`; a
+client that goes away mid-stream has its request cancelled (blocks freed) at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from qkv.generate.engine import Engine
+from qkv.serve.metrics import Metrics
+from qkv.serve.model import Served
+from qkv.serve.worker import EngineWorker, Ticket
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+@dataclass
+class ServeSettings:
+    max_waiting: int = 64  # queued requests beyond the running batch before 429
+    max_tokens_cap: int = 1024  # chat requests without max_tokens: at most this many (and what fits)
+
+
+# -- request checking -----------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _field(body: dict, name: str, check, what: str, default: Any = None) -> Any:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not check(v):
+        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(v)[:60]}", name, "invalid_type")
+    return v
+
+
+def _range(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise APIError(400, f"'{name}' {message}", name, "invalid_value")
+
+
+class API:
+    def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
+        self.served, self.engine, self.settings = served, engine, settings
+        self.worker = EngineWorker(engine)
+        self.metrics = Metrics(self.worker)
+        self.active = 0  # accepted requests not finished (event-loop thread only)
+        self.capacity = engine.max_batch_size + settings.max_waiting
+        self.shutting_down = False
+
+    # -- the parts every endpoint shares ---------------------------------------------------------------
+    async def body(self, request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise APIError(400, "'model' is required (a string: see GET /v1/models)", "model", "invalid_type")
+        if model != self.served.name:
+            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.served.name}'",
+                           "model", "model_not_found")
+        return body
+
+    def options(self, body: dict, prompt_len: int, default_max: int | None) -> dict[str, Any]:
+        """Engine options of a request, checked; 400 for what cannot run."""
+        n = _field(body, "n", _is_int, "an integer", 1)
+        _range(n == 1, "n", f"must be 1: this server returns one choice per request (got {n})")
+        if _field(body, "best_of", _is_int, "an integer", 1) != 1:
+            raise APIError(400, "'best_of' > 1 is not supported", "best_of", "unsupported")
+        for name in ("logprobs", "echo", "top_logprobs"):
+            if body.get(name) not in (None, False, 0):
+                raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _field(body, name, _is_num, "a number", 0)
+            _range(v == 0, name, "is not supported (only 0)")
+        temperature = _field(body, "temperature", _is_num, "a number", 1.0)
+        _range(0 <= temperature <= 2, "temperature", f"must be in [0, 2], got {temperature}")
+        top_p = _field(body, "top_p", _is_num, "a number", 1.0)
+        _range(0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p}")
+        top_k = _field(body, "top_k", _is_int, "an integer", -1)
+        _range(top_k == -1 or top_k >= 1, "top_k", f"must be -1 (off) or >= 1, got {top_k}")
+        seed = _field(body, "seed", _is_int, "an integer")
+        stop = _field(body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(
+            isinstance(s, str) for s in v)), "a string or a list of strings")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        _range(len(stop) <= 4 and all(stop), "stop", "takes at most 4 non-empty strings")
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _field(body, name, _is_int, "an integer")
+        _range(max_tokens is None or max_tokens > 0, name, f"must be > 0, got {max_tokens}")
+        ctx = self.engine.context
+        room = None if ctx is None else ctx - prompt_len
+        if room is not None and room <= 0:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the model's context is {ctx}",
+                           "messages" if "messages" in body else "prompt", "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = default_max if default_max is not None else self.settings.max_tokens_cap
+            if room is not None:
+                max_tokens = min(max_tokens, room)
+        try:
+            self.engine.check_request(prompt_len, max_tokens)
+        except ValueError as e:
+            raise APIError(400, f"{e}: lower max_tokens or shorten the prompt", name,
+                           "context_length_exceeded") from None
+        opts: dict[str, Any] = {"max_new_tokens": max_tokens, "seed": seed}
+        if temperature > 0:
+            opts.update(do_sample=True, temperature=float(temperature), top_p=float(top_p),
+                        top_k=top_k if top_k > 0 else None)
+        else:
+            opts["do_sample"] = False
+        if stop:
+            opts["stop_strings"] = stop
+        return opts
+
+    def prompt_ids(self, body: dict) -> list[int]:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "'prompt' is empty", "prompt", "invalid_value")
+            ids = self.served.codec.encode(p)
+            if not ids:
+                raise APIError(400, "'prompt' encodes to no tokens", "prompt", "invalid_value")
+            return ids
+        if isinstance(p, list) and p and all(_is_int(t) for t in p):
+            V = self.served.model.output_vocab_size
+            bad = [t for t in p if not 0 <= t < V]
+            _range(not bad, "prompt", f"has token ids outside the vocabulary 0..{V - 1}: {bad[:5]}")
+            return list(p)
+        if p is None or p == [] or p == "":
+            raise APIError(400, "'prompt' is required and must not be empty", "prompt", "invalid_value")
+        raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+                       "prompt", "invalid_type")
+
+    def chat_ids(self, body: dict) -> list[int]:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise APIError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
+        clean = []
+        for i, m in enumerate(msgs):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise APIError(400, f"messages[{i}] must be an object with string 'role' and 'content'",
+                               f"messages[{i}]", "invalid_type")
+            clean.append({"role": m["role"], "content": m["content"]})
+        if not self.served.codec.has_chat_template:
+            raise APIError(400, f"the model '{self.served.name}' has no chat template: use /v1/completions",
+                           "messages", "no_chat_template")
+        try:
+            ids = self.served.codec.chat_prompt(clean)
+        except Exception as e:  # a template's own raise_exception (e.g. roles must alternate)
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages", "invalid_value") from None
+        if not ids:
+            raise APIError(400, "the rendered chat prompt is empty", "messages", "invalid_value")
+        return ids
+
+    def admit(self, prompt: list[int], opts: dict[str, Any]) -> Ticket:
+        if self.shutting_down or not self.worker.alive:
+            raise APIError(503, "the server is shutting down", None, "unavailable", "server_error")
+        if self.active >= self.capacity:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"the server is at capacity ({self.active} requests running or queued): retry "
+                           "later", None, "rate_limit_exceeded", "rate_limit_error", {"Retry-After": "1"})
+        self.active += 1
+        return self.worker.submit(prompt, opts)
+
+    def release(self, t: Ticket, reason: str | None) -> None:
+        """The request is over for the client (idempotent): free its place; cancel it if it still runs."""
+        if t.released:
+            return
+        t.released = True
+        if reason is None:
+            self.worker.cancel(t)
+        self.active -= 1
+        self.metrics.observe(t, reason)
+
+    # -- generation ------------------------------------------------------------------------------------
+    async def tokens(self, t: Ticket, request: Request) -> AsyncIterator[tuple[str, Any]]:
+        """The ticket's ("token", id) items, then ("done", reason). Cancels the request if the consumer
+        stops early (a disconnected client) or the client disconnects while we wait."""
+        done = False
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(t.out.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if kind == "error":
+                    done = True
+                    raise APIError(500, value, None, "engine_error", "server_error")
+                yield kind, value
+                if kind == "done":
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.worker.cancel(t)
+
+
+class TextStream:
+    """Token ids -> text pieces, holding back what could still become a stop string (OpenAI leaves the stop
+    string out) or an incomplete character."""
+
+    def __init__(self, decode, stop: list[str]) -> None:
+        self.decode, self.stop = decode, stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.stopped = False
+
+    def push(self, tok: int | None) -> str:
+        """The new text after tok (None: the end: flush)."""
+        if self.stopped:
+            return ""
+        if tok is not None:
+            self.ids.append(tok)
+        text = self.decode(self.ids)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            end = cut
+        elif tok is None:
+            end = len(text)
+        else:
+            end = len(text) - self.hold
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        piece = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return piece
+
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that always runs on_close, even when the client is gone before the body's first
+    chunk (the generator's own finally never runs then)."""
+
+    def __init__(self, content: Any, on_close: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def create_app(served: Served, engine: Engine, settings: ServeSettings | None = None) -> FastAPI:
+    api = API(served, engine, settings or ServeSettings())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        api.worker.start()
+        try:
+            yield
+        finally:
+            api.shutting_down = True
+            api.worker.stop()
+
+    app = FastAPI(title="qkv serve", lifespan=lifespan)
+    app.state.api = api
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, e: Exception) -> JSONResponse:
+        return APIError(404, f"no route {request.method} {request.url.path}", None, "not_found").response()
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, e: Exception) -> JSONResponse:
+        return APIError(405, f"{request.method} is not allowed on {request.url.path}", None,
+                        "method_not_allowed").response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = api.worker.alive and not api.shutting_down
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "qkv",
+                                            "max_model_len": engine.context}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, ctype = api.metrics.render()
+        return Response(body, media_type=ctype)
+
+    async def run(request: Request, chat: bool) -> Response:
+        body = await api.body(request)
+        ids = api.chat_ids(body) if chat else api.prompt_ids(body)
+        opts = api.options(body, len(ids), None if chat else DEFAULT_MAX_TOKENS)
+        stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+        so = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+        t = api.admit(ids, opts)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        text = TextStream(served.codec.decode, opts.get("stop_strings", []))
+        base = {"id": rid, "created": created, "model": served.name}
+        if not stream:
+            ids_out: list[int] = []
+            reason = None
+            try:
+                async for kind, v in api.tokens(t, request):
+                    if kind == "token":
+                        ids_out.append(v)
+                    else:
+                        reason = v
+            finally:
+                api.release(t, reason)
+            if reason is None or reason == "cancelled":
+                raise APIError(503, "the request was cancelled (client gone or server shutting down)", None,
+                               "cancelled", "server_error")
+            content = cut_at_stop(served.codec.decode(ids_out), text.stop)
+            n = len(ids_out)
+            usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason,
+                          "logprobs": None}
+                return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": usage})
+            choice = {"index": 0, "text": content, "finish_reason": reason, "logprobs": None}
+            return JSONResponse({**base, "object": "text_completion", "choices": [choice], "usage": usage})
+
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: str | None, reason: str | None, first: bool = False, **extra: Any) -> str:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
+                    {"content": piece} if piece else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+            return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice], **extra})}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            n, reason = 0, None
+            try:
+                if chat:
+                    yield chunk(None, None, first=True)
+                async for kind, v in api.tokens(t, request):
+                    if kind == "token":
+                        n += 1
+                        piece = text.push(v)
+                        if piece:
+                            yield chunk(piece, None)
+                    else:
+                        reason = v
+                if reason in (None, "cancelled"):
+                    return
+                tail = text.push(None)
+                usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
+                yield chunk(tail, reason, usage=usage)  # usage in every response: the last chunk carries it
+                if so.get("include_usage"):
+                    yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                api.release(t, reason)
+
+        return _Stream(events(), lambda: api.release(t, None), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await run(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await run(request, chat=True)
+
+    return app
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """text up to the first stop string (OpenAI leaves it out)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return text[:cut] if cut >= 0 else text

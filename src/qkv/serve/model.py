@@ -1,0 +1,72 @@
+"""What `qkv serve` serves: a decoder-only model and the tokenizer that turns text into its ids and back.
+
+MODEL is a qkv run folder (its task's tokenizer), a qkv checkpoint folder, or a Hugging Face folder
+(tokenizer.json, chat template from tokenizer_config.json / chat_template.jinja: qkv.interop.tokenizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkv.config import ConfigError
+
+
+@dataclass
+class TextCodec:
+    """encode / decode / chat template behind one small interface, whatever tokenizer the folder has."""
+
+    tokenizer: Any
+    eos_ids: set[int] = field(default_factory=set)
+
+    def encode(self, text: str) -> list[int]:
+        enc = self.tokenizer.encode(text)
+        return list(enc.ids) if hasattr(enc, "ids") else list(enc)
+
+    def decode(self, ids: list[int]) -> str:
+        try:  # qkv tokenizers skip special tokens by default; HF (interop) ones take skip_special_tokens
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        except TypeError:
+            return self.tokenizer.decode(ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "has_chat_template", False))
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The chat template's rendering of `messages` with the assistant's turn opened, as token ids."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
+@dataclass
+class Served:
+    model: torch.nn.Module
+    codec: TextCodec
+    name: str
+    path: Path
+
+
+def load_served(path: str | Path, name: str | None = None) -> Served:
+    """Model + tokenizer of a run folder, a qkv checkpoint folder or a Hugging Face folder."""
+    from qkv.run import _folder_tokenizer, load_model_any, load_run_task, model_folder, run_folder_of
+
+    path = Path(path)
+    model = load_model_any(path).eval()
+    if getattr(model, "is_seq2seq", True):
+        raise ConfigError(f"{path}: qkv serve serves decoder-only language models (this is "
+                          f"{type(model).__name__})")
+    folder = model_folder(path)
+    if run_folder_of(path) is not None:
+        tok = load_run_task(path).tokenizer
+        eos: set[int] = set()
+    elif (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        from qkv.interop.tokenizer import load_hf_tokenizer
+
+        tok = load_hf_tokenizer(folder)
+        eos = {i for i in tok.eos_token_ids if i < model.output_vocab_size}
+    else:
+        tok, eos = _folder_tokenizer(folder), set()
+    return Served(model, TextCodec(tok, eos), name or path.resolve().name, path)

@@ -1,0 +1,133 @@
+"""The engine loop: one thread owns the Engine; the event loop talks to it through a queue.
+
+The HTTP handlers (asyncio) never touch the engine. They put commands ("add", "cancel") on a thread-safe
+queue; the engine thread drains it before every step (so a cancel from a disconnected client takes effect
+at the next step), runs engine.step(), and hands each request's new tokens and its end back to the handler's
+asyncio.Queue with loop.call_soon_threadsafe. With nothing to do the thread blocks on the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from qkv.generate.engine import Engine
+
+
+@dataclass
+class Ticket:
+    """One accepted request, as the handler sees it."""
+
+    key: int
+    prompt_len: int
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("token", id) ... then ("done", reason)
+    created: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    released: bool = False  # the handler is done with it (API.release)
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tickets: dict[int, Ticket] = {}  # engine request id -> ticket (engine thread only)
+        self._by_key: dict[int, int] = {}  # ticket key -> engine request id (engine thread only)
+        self._next_key = 0
+        self._lock = threading.Lock()
+        self.stats: dict[str, Any] = engine.stats()  # a snapshot, refreshed after every step
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qkv-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is left and end the thread."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # -- called from the event loop -------------------------------------------------------------------
+    def submit(self, prompt: list[int], options: dict[str, Any]) -> Ticket:
+        with self._lock:
+            key = self._next_key
+            self._next_key += 1
+        t = Ticket(key, len(prompt), asyncio.get_running_loop())
+        self._commands.put(("add", t, prompt, options))
+        return t
+
+    def cancel(self, ticket: Ticket) -> None:
+        self._commands.put(("cancel", ticket.key))
+
+    # -- the engine thread ----------------------------------------------------------------------------
+    def _send(self, t: Ticket, item: tuple) -> None:
+        t.loop.call_soon_threadsafe(t.out.put_nowait, item)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if cmd[0] == "add":
+                _, t, prompt, options = cmd
+                try:
+                    rid = self.engine.add_request(prompt, **options)
+                except Exception as e:  # checked before submit; a late error still reaches the client
+                    self._send(t, ("error", str(e)))
+                    continue
+                self._tickets[rid], self._by_key[t.key] = t, rid
+            elif cmd[0] == "cancel":
+                rid = self._by_key.get(cmd[1])
+                if rid is not None:
+                    self.engine.cancel(rid)
+                    self._finish_all()
+
+    def _finish_all(self) -> None:
+        for rid in self.engine.take_finished():
+            t = self._tickets.pop(rid, None)
+            done = self.engine.pop_finished(rid)
+            if t is not None:
+                self._by_key.pop(t.key, None)
+                self._send(t, ("done", done[1] if done else "cancelled"))
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_work)
+                if self._stop.is_set():
+                    break
+                if self.engine.has_work:
+                    events = self.engine.step()
+                    now = time.monotonic()
+                    for rid, tok in events:
+                        t = self._tickets.get(rid)
+                        if t is not None:
+                            if t.first_token is None:
+                                t.first_token = now
+                            self._send(t, ("token", tok))
+                    self._finish_all()
+                self.stats = self.engine.stats()
+        except BaseException as e:  # noqa: BLE001  every waiting client hears about it
+            self.error = e
+            for t in self._tickets.values():
+                self._send(t, ("error", f"the engine stopped: {e}"))
+            raise
+        finally:
+            for rid in list(self._tickets):
+                self.engine.cancel(rid)
+            for t in self._tickets.values():
+                self._send(t, ("done", "cancelled"))
+            self._tickets.clear()
+            self.stats = self.engine.stats()

@@ -1,0 +1,37 @@
+"""The server the tests start: uvicorn in a thread of the test process, on an ephemeral loopback port
+(a module with its own name: `from conftest import` would be ambiguous beside other test folders' conftest)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+from qkv.serve import ServeSettings, build_engine, create_app, load_served
+
+
+@contextmanager
+def running_server(folder, *, settings: ServeSettings | None = None, **engine_options):
+    """(base url, app) of a server on 127.0.0.1:<free port>; stopped (and its engine thread) on exit."""
+    import uvicorn
+
+    served = load_served(folder)
+    engine = build_engine(served, **engine_options)
+    app = create_app(served, engine, settings)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
