@@ -30,10 +30,9 @@ from typing import Any
 import torch
 
 from qkv.interop import LOADERS
-from qkv.interop.common import expand, export_state, load_hf_weights, read_hf_state, require
+from qkv.interop.common import expand, export_state, load_hf_weights, read_hf_state, require, write_hf_folder
 from qkv.interop.t5 import generation_from_config
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
-from qkv.storage import atomic_save_safetensors, atomic_write_json
 
 ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "swish": "silu", "silu": "silu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh"}
@@ -128,12 +127,8 @@ def load_bart(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
 def save_bart(model: EncoderDecoder, folder: str | Path, meta: dict[str, Any]) -> Path:
     """Write `model` (loaded by load_bart, then e.g. fine-tuned) as a Hugging Face BART / Marian folder:
     config.json is `meta` (the source folder's), weights under HF's names."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     state = export_state(model.state_dict(), key_map(model.config))
-    atomic_save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_json(meta, folder / "config.json")
-    return folder
+    return write_hf_folder(folder, state, meta)
 
 
 LOADERS["bart"] = load_bart

@@ -25,9 +25,17 @@ import torch
 from torch import Tensor
 
 from qkv.interop import LOADERS
-from qkv.interop.common import expand, export_state, load_hf_weights, read_hf_state, require, strip_prefix
+from qkv.interop.common import (
+    expand,
+    export_state,
+    load_hf_weights,
+    read_hf_state,
+    require,
+    strip_prefix,
+    write_hf_folder,
+)
 from qkv.models.bert import BERT, BERTConfig
-from qkv.storage import atomic_save_safetensors, atomic_write_json, unwrap
+from qkv.storage import unwrap
 
 ENCODER_MAP = {
     "embeddings.word_embeddings.weight": "tok_emb.weight",
@@ -196,11 +204,7 @@ def export_encoder(model: BERT, path: str | os.PathLike, layout: Layout, *, base
         require(len(names) == c.num_labels, f"id2label has {len(names)} names for {c.num_labels} labels")
         hf["id2label"] = {str(i): str(n) for i, n in sorted(names.items())}
         hf["label2id"] = {str(n): int(i) for i, n in sorted(names.items())}
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_json(hf, folder / "config.json")
-    return folder
+    return write_hf_folder(path, state, hf)
 
 
 HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}

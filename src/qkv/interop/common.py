@@ -31,7 +31,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkv.storage import CheckpointError, check_state_fits, read_config
+from qkv.storage import (
+    CheckpointError,
+    atomic_save_safetensors,
+    atomic_write_json,
+    check_state_fits,
+    read_config,
+)
 
 Transform = Callable[[Tensor], Tensor]
 
@@ -203,6 +209,16 @@ def load_hf_weights(
     state, sources = convert_state(hf_state, mapping, transforms=transforms, ignore=ignore, source=source)
     load_converted(model, state, sources, source)
     return model
+
+
+def write_hf_folder(folder: str | Path, state: Mapping[str, Tensor], hf_config: Mapping[str, Any]) -> Path:
+    """A Hugging Face model folder: `model.safetensors` (HF's "pt" format tag) and `config.json`, each
+    written atomically; what every exporter in this package ends with."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_save_safetensors(dict(state), folder / "model.safetensors", metadata={"format": "pt"})
+    atomic_write_json(dict(hf_config), folder / "config.json")
+    return folder
 
 
 def require(cond: bool, message: str) -> None:

@@ -22,9 +22,10 @@ from qkv.interop.common import (
     read_hf_state,
     require,
     strip_prefix,
+    write_hf_folder,
 )
 from qkv.models.gpt import GPT, GPTConfig
-from qkv.storage import atomic_save_safetensors, atomic_write_json, unwrap
+from qkv.storage import unwrap
 
 # HF (after stripping the 'transformer.' prefix of GPT2LMHeadModel) -> ours; "{}" = layer index
 KEY_MAP = {
@@ -139,11 +140,7 @@ def export_gpt2(model: GPT, path: str | os.PathLike) -> Path:
         mapping.update(UNTIED_HEAD)
     state = export_state(model.state_dict(), mapping, transforms=TRANSFORMS)
     state = {("transformer." + k if not k.startswith("lm_head.") else k): v for k, v in state.items()}
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_json(hf_config, folder / "config.json")
-    return folder
+    return write_hf_folder(path, state, hf_config)
 
 
 LOADERS["gpt2"] = load_gpt2

@@ -34,10 +34,11 @@ from qkv.interop.common import (
     export_state,
     read_hf_state,
     require,
+    write_hf_folder,
 )
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.nn.position import ROPE_SCALINGS, build_position
-from qkv.storage import CheckpointError, atomic_save_safetensors, atomic_write_json, unwrap
+from qkv.storage import CheckpointError, unwrap
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -375,11 +376,7 @@ def export_llama(model: GPT, path: str | os.PathLike, *, model_type: str | None 
         layer, kind = ours.split(".")[2], ours.rsplit(".", 1)[1]
         for name, piece in zip("qkv", t.detach().split([q, kv, kv], dim=0)):
             out[f"model.layers.{layer}.self_attn.{name}_proj.{kind}"] = piece.contiguous().clone()
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_save_safetensors(out, folder / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_json(hf_config, folder / "config.json")
-    return folder
+    return write_hf_folder(path, out, hf_config)
 
 
 for _mt in MODEL_TYPES:

@@ -29,9 +29,8 @@ from typing import Any
 import torch
 
 from qkv.interop import LOADERS
-from qkv.interop.common import expand, export_state, load_hf_weights, read_hf_state, require
+from qkv.interop.common import expand, export_state, load_hf_weights, read_hf_state, require, write_hf_folder
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
-from qkv.storage import atomic_save_safetensors, atomic_write_json
 
 FFN = {"relu": "relu", "gated-gelu": "geglu_tanh", "gated-gelu_new": "geglu_tanh", "gelu": "gelu",
        "gelu_new": "gelu_tanh"}
@@ -140,12 +139,8 @@ def load_t5(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
 def save_t5(model: EncoderDecoder, folder: str | Path, meta: dict[str, Any]) -> Path:
     """Write `model` (loaded by load_t5, then e.g. fine-tuned) as a Hugging Face T5 folder: config.json is
     `meta` (the source folder's), weights under HF's names; transformers' T5ForConditionalGeneration loads it."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     state = export_state(model.state_dict(), key_map(model.config))
-    atomic_save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_json(meta, folder / "config.json")
-    return folder
+    return write_hf_folder(folder, state, meta)
 
 
 LOADERS["t5"] = load_t5
