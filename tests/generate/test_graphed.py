@@ -35,6 +35,10 @@ def test_gpt_greedy_tokens_equal_eager_with_left_padding_and_one_graph():
     assert _unique_graphs() - before == 1  # one graph for all 11 decoding steps: no shape depends on the position
     again = generate(m, ids, 12, attention_mask=mask, compile="eager")  # the compiled step is kept per model
     assert torch.equal(again, want) and _unique_graphs() - before == 1
+    # another length: the cache is sized in buckets (capped at the context), so the same graph serves it
+    shorter = generate(m, ids[1:], 7, attention_mask=mask[1:], compile="eager")
+    assert torch.equal(shorter, generate(m, ids[1:], 7, attention_mask=mask[1:]))
+    assert _unique_graphs() - before == 2  # batch 2 is a new shape; 7 new tokens are not
 
 
 def test_llama_style_sampling_and_encoder_decoder_equal_eager():

@@ -32,6 +32,17 @@ def _step(model: Any, ids: Tensor, cache: Any, index: Tensor, n_pad: Tensor | No
     return model.static_step(ids, cache, index=index, offset=offset, keep=keep)
 
 
+BUCKET = 256  # cache lengths are rounded up to a multiple of this under compile
+
+
+def cache_bucket(n_positions: int, context: int | None) -> int:
+    """The cache length for `n_positions` under compile: rounded up to a multiple of BUCKET (capped at the
+    model's context), so that generations of different lengths share one compiled graph (its shapes are
+    the cache's)."""
+    size = -(-n_positions // BUCKET) * BUCKET
+    return size if context is None else max(n_positions, min(size, context))
+
+
 def check_graphable(model: Any) -> None:
     """A clear error for a model without the static decoding step (the LSTM) or with a position bias."""
     if not callable(getattr(model, "static_step", None)):
@@ -54,13 +65,19 @@ def compiled_step(model: Any, compile: bool | str) -> Callable[..., Tensor]:
 
 
 class GraphedSteps:
-    """The decoding steps of one generation through the compiled step. Holds the device-side column index
+    """The decoding steps of one generation through the compiled step. `keep`: the (B, >= cached) key mask of
+    the generation (None: no padding), read once here: the columns after the prompt are all real tokens. Holds the device-side column index
     (advanced in place after each step, never read back) and the static buffers, marked as such so that
     CUDA graphs use them in place instead of copying them in at every replay."""
 
     def __init__(self, model: Any, compile: bool | str, cache: Any, n_pad: Tensor | None, keep: Tensor | None) -> None:
         if keep is not None and keep.shape[1] != cache.max_len:
-            raise ValueError(f"compile: the key mask has {keep.shape[1]} columns, the cache {cache.max_len}")
+            # the mask over the cache's columns (a longer buffer: its first max_len; a shorter one: padded with
+            # True, columns that only generated tokens ever fill)
+            full = torch.ones(keep.shape[0], cache.max_len, dtype=torch.bool, device=keep.device)
+            n = min(keep.shape[1], cache.max_len)
+            full[:, :n] = keep[:, :n]
+            keep = full
         self.model, self.cache, self.n_pad, self.keep = model, cache, n_pad, keep
         self.fn = compiled_step(model, compile)
         self.index = torch.full((1,), cache.length, dtype=torch.long, device=cache.k.device)

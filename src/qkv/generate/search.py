@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from qkv.generate.config import GenerationConfig, resolve
-from qkv.generate.graphed import GraphedSteps, check_graphable
+from qkv.generate.graphed import GraphedSteps, cache_bucket, check_graphable
 from qkv.generate.processors import Context, Pipeline
 from qkv.models.decoding import Decoder, as_decoder
 
@@ -148,8 +148,7 @@ class _Run:
             if cache.length > 0 and not return_attentions:  # the fast decoding step
                 if self.cfg.compile and inp.shape[1] == 1:
                     if self.graphed is None or self.graphed.cache is not cache:
-                        full = None if self.keep is None else self.keep[:, : cache.max_len]  # the cache's columns
-                        self.graphed = GraphedSteps(self.model, self.cfg.compile, cache, self.n_pad, full)
+                        self.graphed = GraphedSteps(self.model, self.cfg.compile, cache, self.n_pad, self.keep)
                     return self.graphed(inp), None, cache
                 return self.model.step(inp, cache, keep=keep, offset=offset), None, cache
             logits, att = self.model.prefill(inp, cache, keep=keep, offset=offset, source=self.source,
@@ -168,6 +167,8 @@ class _Run:
         if not self.cfg.use_cache:
             return None
         size = self.total if not self.slide else self.ctx
+        if self.cfg.compile and not self.slide:
+            size = cache_bucket(size, self.ctx)  # one compiled graph for many prompt + new lengths
         return self.model.make_cache(self.B, size)
 
 
