@@ -76,6 +76,22 @@ def test_static_step_logits_equal_step_over_the_whole_cache():
         torch.testing.assert_close(b.k[:, :, :, :9], a.k[:, :, :, :9])
 
 
+def test_interleaved_compiled_streams_of_one_shape_fail_clearly():
+    """Compiled generations keep their static cache for the next call of the same shape (a CUDA graph recorded
+    over it is replayed); two interleaved ones would share it, so the older one stops with an error."""
+    from qkv.generate import stream
+
+    m = tiny_gpt("rope")
+    ids = torch.randint(0, 11, (1, 4))
+    first, second = stream(m, ids, 6, compile="eager"), stream(m, ids, 6, compile="eager")
+    next(first), next(first)
+    next(second), next(second)
+    with pytest.raises(RuntimeError, match="reused this generation's static cache"):
+        next(first)
+    rest = [t for t in second]  # the newer one goes on, with the eager path's tokens
+    assert torch.equal(torch.cat([generate(m, ids, 6)[0, 4:6], torch.cat(rest)]), generate(m, ids, 6)[0, 4:])
+
+
 def test_clear_errors_where_graph_decoding_does_not_apply():
     ids = torch.randint(0, 11, (1, 4))
     with pytest.raises(ValueError, match="ALiBi or relative-bias"):

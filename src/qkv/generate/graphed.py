@@ -25,6 +25,11 @@ from torch import Tensor
 from qkv.nn.linear import free_packed
 
 _COMPILED: weakref.WeakKeyDictionary[Any, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
+# per model: the static caches of graph-captured generations, one per (batch, length, dtype, device), reused by
+# later calls so that a CUDA graph recorded over their buffers is replayed, not recorded again
+_CACHES: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+# per cache: the other static buffers of its steps (the column index, the key mask, the left padding)
+_BUFFERS: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
 
 
 def _step(model: Any, ids: Tensor, cache: Any, index: Tensor, n_pad: Tensor | None, keep: Tensor | None) -> Tensor:
@@ -41,6 +46,45 @@ def cache_bucket(n_positions: int, context: int | None) -> int:
     the cache's)."""
     size = -(-n_positions // BUCKET) * BUCKET
     return size if context is None else max(n_positions, min(size, context))
+
+
+def static_cache(model: Any, batch_size: int, max_len: int, owner: object) -> Any:
+    """model.make_cache(batch_size, max_len), kept and reset for the next generation of the same shape (the
+    memory stays allocated while the model lives; `release(model)` frees it). `owner` (the generation) is
+    recorded on it: two interleaved generations of one shape (two stream() iterators) would share the buffers,
+    so the older one's next step finds another owner and stops with an error (check_owner)."""
+    p = next(model.parameters())
+    key = (batch_size, max_len, p.dtype, p.device)
+    caches = _CACHES.setdefault(model, {})
+    cache = caches.get(key)
+    if cache is None:
+        cache = caches[key] = model.make_cache(batch_size, max_len)
+    cache.reset()
+    cache.owner = owner
+    return cache
+
+
+def check_owner(cache: Any, owner: object) -> None:
+    if getattr(cache, "owner", None) is not owner:
+        raise RuntimeError("compile: another generation with compile=True of the same model and shape reused this "
+                           "generation's static cache (interleaved stream() calls); finish one first, or use "
+                           "compile=False for the other")
+
+
+def release(model: Any) -> None:
+    """Drop the model's kept caches and compiled steps."""
+    _CACHES.pop(model, None)
+    _COMPILED.pop(model, None)
+
+
+def _buffer(cache: Any, name: str, like: Tensor) -> Tensor:
+    """The cache's persistent buffer `name`, shaped and typed like `like`, holding like's values."""
+    bufs = _BUFFERS.setdefault(cache, {})
+    buf = bufs.get(name)
+    if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+        buf = bufs[name] = torch.empty_like(like)
+        torch._dynamo.mark_static_address(buf)
+    return buf.copy_(like)
 
 
 def check_graphable(model: Any) -> None:
@@ -66,24 +110,27 @@ def compiled_step(model: Any, compile: bool | str) -> Callable[..., Tensor]:
 
 class GraphedSteps:
     """The decoding steps of one generation through the compiled step. `keep`: the (B, >= cached) key mask of
-    the generation (None: no padding), read once here: the columns after the prompt are all real tokens. Holds the device-side column index
-    (advanced in place after each step, never read back) and the static buffers, marked as such so that
-    CUDA graphs use them in place instead of copying them in at every replay."""
+    the generation (None: no padding), read once here: the columns after the prompt are all real tokens.
+    The device-side column index (advanced in place after each step, never read back), the mask and the
+    padding are copied into buffers kept with the cache, and they and the cache are marked as static
+    addresses: a CUDA graph uses them in place, and a later generation over the same kept cache
+    (static_cache) replays the graph instead of recording a new one."""
 
     def __init__(self, model: Any, compile: bool | str, cache: Any, n_pad: Tensor | None, keep: Tensor | None) -> None:
-        if keep is not None and keep.shape[1] != cache.max_len:
-            # the mask over the cache's columns (a longer buffer: its first max_len; a shorter one: padded with
-            # True, columns that only generated tokens ever fill)
+        if keep is not None:
+            # the mask over the cache's columns (of a longer buffer its first max_len; a shorter one is padded
+            # with True: columns that only generated tokens ever fill)
             full = torch.ones(keep.shape[0], cache.max_len, dtype=torch.bool, device=keep.device)
             n = min(keep.shape[1], cache.max_len)
             full[:, :n] = keep[:, :n]
-            keep = full
+            keep = _buffer(cache, "keep", full)
+        if n_pad is not None:
+            n_pad = _buffer(cache, "n_pad", n_pad)
         self.model, self.cache, self.n_pad, self.keep = model, cache, n_pad, keep
         self.fn = compiled_step(model, compile)
-        self.index = torch.full((1,), cache.length, dtype=torch.long, device=cache.k.device)
-        for t in (cache.k, cache.v, self.index, n_pad, keep):
-            if t is not None:
-                torch._dynamo.mark_static_address(t)
+        self.index = _buffer(cache, "index", torch.full((1,), cache.length, dtype=torch.long, device=cache.k.device))
+        torch._dynamo.mark_static_address(cache.k)
+        torch._dynamo.mark_static_address(cache.v)
         self.cuda = cache.k.is_cuda
         # Linear.step keeps a transposed fp32 copy of each CPU weight, found again by comparing data pointers,
         # which Dynamo cannot trace: on the CPU the copies are dropped before each compiled step and rebuilt

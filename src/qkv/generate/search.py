@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from qkv.generate.config import GenerationConfig, resolve
-from qkv.generate.graphed import GraphedSteps, cache_bucket, check_graphable
+from qkv.generate.graphed import GraphedSteps, cache_bucket, check_graphable, check_owner, static_cache
 from qkv.generate.processors import Context, Pipeline
 from qkv.models.decoding import Decoder, as_decoder
 
@@ -147,6 +147,7 @@ class _Run:
             offset = None if self.n_pad is None else cache.length - self.n_pad
             if cache.length > 0 and not return_attentions:  # the fast decoding step
                 if self.cfg.compile and inp.shape[1] == 1:
+                    check_owner(cache, self)
                     if self.graphed is None or self.graphed.cache is not cache:
                         self.graphed = GraphedSteps(self.model, self.cfg.compile, cache, self.n_pad, self.keep)
                     return self.graphed(inp), None, cache
@@ -167,8 +168,8 @@ class _Run:
         if not self.cfg.use_cache:
             return None
         size = self.total if not self.slide else self.ctx
-        if self.cfg.compile and not self.slide:
-            size = cache_bucket(size, self.ctx)  # one compiled graph for many prompt + new lengths
+        if self.cfg.compile and not self.slide:  # one compiled graph, one recorded CUDA graph, for many lengths
+            return static_cache(self.model, self.B, cache_bucket(size, self.ctx), self)
         return self.model.make_cache(self.B, size)
 
 

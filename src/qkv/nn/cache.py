@@ -85,6 +85,13 @@ class StaticCache(KVCache):
         vl.narrow(2, self.length, v.shape[2]).copy_(v)
         return kl.narrow(2, 0, end), vl.narrow(2, 0, end)
 
+    def reset(self) -> None:
+        """Empty, for reuse by another generation (the buffers stay where they are: a CUDA graph captured over
+        them stays valid). Nothing is zeroed: positions at or past `length` are never attended."""
+        self.length = 0
+        self._cross = {}
+        self.memory_keep = None
+
     def write_at(self, layer: int, k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
         """The static-shape update of a graph-captured decoding step (Stack.static_step): k, v (B, H_kv, 1, hd)
         written at column `index` (a (1,) long tensor on the cache's device: the positions already cached),
