@@ -20,15 +20,17 @@ Sections (all by default; name some to run only those):
           over decoding steps (eager step and graph-captured step): "ok", or the synchronising call's error.
 
     python benchmarks/gpu.py                                  # on a CUDA machine: every section
-    python benchmarks/gpu.py train                            # one section
+    python benchmarks/gpu.py peak train                       # some sections (-> gpu_peak_train.json / .md)
     python benchmarks/gpu.py --device cpu --smoke             # every section on the CPU at a tiny size (a test)
 
 In --smoke the models are tiny, torch.compile uses the "eager" backend (Dynamo's tracing, no code
 generation, no C++ toolchain), the rows that would compile with Inductor or trace HF's model are skipped,
 decoding runs at batch 2 only, and the sync section
 runs on the "meta" device (any read of a tensor value raises there), since sync debug mode is CUDA-only.
-Writes gpu.json (every row) and gpu.md (the tables) into --out (default benchmarks/results; gpu_smoke.* in
-smoke mode) and prints one JSON line per row as it goes.
+Writes gpu.json (every row) and gpu.md (the tables) into --out (default benchmarks/results; named after the
+sections when some are named, gpu_smoke.* in smoke mode) and prints one JSON line per row as it goes. On one
+H100/H200 the whole run is ~10 minutes, most of it Inductor compiling (train ~5, decode ~3): split it in two
+(`peak train`, then `peak decode flash sync`) where a command has a time limit.
 """
 
 from __future__ import annotations
@@ -481,7 +483,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sections", nargs="*", help=f"any of {SECTIONS} (default: all)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, tracing-only compile backends (CPU test)")
+    ap.add_argument("--smoke", "--quick", action="store_true", help="tiny sizes, tracing-only compile backends (CPU test)")
     ap.add_argument("--steps", type=int, default=0, help="timed training steps (default 20; smoke 2)")
     ap.add_argument("--repeats", type=int, default=3, help="timed generate() calls per implementation")
     ap.add_argument("--spec-tflops", type=float, default=989.0, help="dense bf16 spec peak (H100/H200 SXM: 989)")
@@ -523,7 +525,7 @@ def main() -> None:
             emit(section=s, section_error=f"{type(e).__name__}: {e}"[:500])
         emit(section=s, done_s=round(time.perf_counter() - t, 1))
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = "gpu_smoke" if a.smoke else "gpu"
+    stem = "gpu" + ("" if not a.sections else "_" + "_".join(sections)) + ("_smoke" if a.smoke else "")
     (a.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": ROWS}, indent=1))
     (a.out / f"{stem}.md").write_text(markdown(meta))
     print(markdown(meta))
