@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
 from qkv.nn import linear as qkv_linear  # noqa: E402
+from qkv.nn import linear_backend  # noqa: E402
 
 BASE = dict(hidden=768, heads=12, ff=3072, vocab=30522, seq=128, batch=16, labels=2)
 QUICK = dict(hidden=64, heads=4, ff=128, vocab=1000, seq=32, batch=4, labels=2)
@@ -70,22 +71,19 @@ def batches(shape: dict, n: int, device: str) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def make_step(model, dtype: str, device: str, onednn: bool = True):
-    """One optimizer step. onednn=False runs qkv with qkv.nn.linear's oneDNN fp32 path off, i.e. with the same
-    MKL GEMMs Hugging Face uses: it separates that kernel choice from the rest of the model."""
+def make_step(model, dtype: str, device: str, backend: str = "auto"):
+    """One optimizer step, qkv's linear layers under `backend` (qkv.nn.linear_backend: "aten" = the same MKL
+    GEMMs Hugging Face uses, "onednn" = oneDNN's): separates that kernel choice from the rest of the model."""
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01)
 
     def step(b: dict[str, torch.Tensor]) -> float:
         ctx = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
-        old, qkv_linear.ONEDNN = qkv_linear.ONEDNN, onednn
-        try:
+        with linear_backend(backend):
             with ctx:
                 loss = model(**b).loss
             loss.float().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        finally:
-            qkv_linear.ONEDNN = old
         if device == "cuda":
             torch.cuda.synchronize()
         return float(loss.detach())
@@ -104,7 +102,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-mkl-row", dest="mkl_row", action="store_false",
-                    help="skip the qkv run with the oneDNN linear path off")
+                    help="skip the qkv fp32 run with the other linear backend (oneDNN vs aten/MKL)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     shape = dict(QUICK if a.quick else BASE)
@@ -119,12 +117,14 @@ def main() -> None:
     tokens = shape["batch"] * shape["seq"]
     # one model copy per (model, dtype): each keeps its own optimizer state, all from the same weights
     steps = {}
+    # the default ("auto") linear backend on this CPU, and the alternative as an extra fp32 row
+    other = "aten" if qkv_linear._onednn_on() else "onednn"
     for dt in dtypes:
         steps[("qkv BERT", dt)] = make_step(copy.deepcopy(ours), dt, a.device)
         steps[("HF BertForSequenceClassification (sdpa)", dt)] = make_step(copy.deepcopy(hf), dt, a.device)
-        if dt == "fp32" and a.device == "cpu" and a.mkl_row:  # bf16 autocast never takes the oneDNN fp32 path
-            steps[("qkv BERT, oneDNN linear off (MKL GEMMs)", dt)] = make_step(copy.deepcopy(ours), dt, a.device,
-                                                                               onednn=False)
+        if dt == "fp32" and a.device == "cpu" and a.mkl_row and qkv_linear.onednn_available():
+            # (bf16 autocast never takes the oneDNN fp32 path)
+            steps[(f"qkv BERT, linear backend {other}", dt)] = make_step(copy.deepcopy(ours), dt, a.device, other)
     first = {f"{m} {dt}": fn(data[0]) for (m, dt), fn in steps.items()}
     print("first-step loss: " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()), flush=True)
     for fn in steps.values():

@@ -81,7 +81,7 @@ def matmul_peak(dtype: torch.dtype, repeats: int) -> tuple[float, float]:
     from qkv.nn import linear as qlin
 
     kernels = [lambda a, b: a @ b]
-    if dtype == torch.float32 and qlin.ONEDNN and qlin._probe():
+    if dtype == torch.float32 and qlin.onednn_available():
         kernels.append(lambda a, b: qlin._mm(a, b))  # a @ b^T: the same FLOPs
     best_wall = best_cpu = 0.0
     for n in (1024, 1536, 2048):

@@ -33,7 +33,7 @@ def _randomise(model):
 
 
 def _batch():
-    x = torch.randint(0, VOCAB, (6, 13))  # 78 rows: the linears take their oneDNN fp32 path (qkv.nn.linear)
+    x = torch.randint(0, VOCAB, (6, 13))  # 78 rows: the linears take oneDNN where "auto" does (AVX-512; see qkv.nn.linear)
     mask = torch.ones_like(x)
     mask[1, 9:] = 0
     mask[2, 4:] = 0

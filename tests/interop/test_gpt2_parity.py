@@ -40,7 +40,7 @@ def test_gpt2_logits_parity(tmp_path, kw):
     assert isinstance(ours, GPT) and not ours.training
     assert ours.config.n_layers == hf.config.n_layer and ours.config.d_ff == (hf.config.n_inner or 128)
     assert ours.num_parameters() == hf.num_parameters()
-    x = torch.randint(0, VOCAB, (4, 40))  # 160 rows: the linears take their oneDNN fp32 path (qkv.nn.linear)
+    x = torch.randint(0, VOCAB, (4, 40))  # 160 rows: the linears take oneDNN where "auto" does (AVX-512; see qkv.nn.linear)
     with torch.no_grad():
         ref = hf(x).logits
         got = ours(x).logits

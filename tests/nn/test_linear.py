@@ -1,5 +1,6 @@
-"""qkv.nn.linear: the oneDNN fp32 CPU path computes the same function and gradients as F.linear, and is
-taken only where intended (fp32 CPU, enough rows, no autocast)."""
+"""qkv.nn.linear: the oneDNN fp32 CPU path computes the same function and gradients as F.linear, is taken
+only where intended (fp32 CPU, enough rows, no autocast) and only under the backend the public switch
+(`qkv.nn.set_linear_backend` / `linear_backend`) selects."""
 
 from __future__ import annotations
 
@@ -7,32 +8,39 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import qkv
 from qkv.nn import linear as L
 
 needs_onednn = pytest.mark.skipif(not L._probe(), reason="this torch build has no oneDNN fp32 linear")
 
 
+@pytest.fixture
+def onednn():
+    with qkv.nn.linear_backend("onednn"):
+        yield
+
+
 @needs_onednn
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(4, 50, 48), (130, 48)])
-def test_forward_and_grads_equal_f_linear(shape, bias):
+@pytest.mark.parametrize("shape,out", [((4, 50, 48), 72), ((130, 48), 72), ((2, 3, 40, 24), 8), ((1, 64, 33), 65)])
+def test_forward_and_grads_equal_f_linear(onednn, shape, out, bias):
     x = torch.randn(*shape, requires_grad=True)
-    w = torch.randn(72, 48, requires_grad=True)
-    b = torch.randn(72, requires_grad=True) if bias else None
+    w = torch.randn(out, shape[-1], requires_grad=True)
+    b = torch.randn(out, requires_grad=True) if bias else None
     assert L.use_onednn(x, w)
-    g = torch.randn(*shape[:-1], 72)
+    g = torch.randn(*shape[:-1], out)
     ref = F.linear(x, w, b)
     ref_grads = torch.autograd.grad(ref, [x, w] + ([b] if bias else []), g)
-    out = L.linear(x, w, b)
-    grads = torch.autograd.grad(out, [x, w] + ([b] if bias else []), g)
-    assert out.grad_fn is not None and "OneDNN" in type(out.grad_fn).__name__
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-5)
+    got = L.linear(x, w, b)
+    grads = torch.autograd.grad(got, [x, w] + ([b] if bias else []), g)
+    assert got.grad_fn is not None and "OneDNN" in type(got.grad_fn).__name__
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+    for have, want in zip(grads, ref_grads):
+        torch.testing.assert_close(have, want, atol=1e-3, rtol=1e-5)
 
 
 @needs_onednn
-def test_only_input_grad_or_only_weight_grad():
+def test_only_input_grad_or_only_weight_grad(onednn):
     x = torch.randn(80, 16, requires_grad=True)
     w = torch.randn(8, 16)
     (gx,) = torch.autograd.grad(L.linear(x, w).sum(), [x])
@@ -42,7 +50,26 @@ def test_only_input_grad_or_only_weight_grad():
     torch.testing.assert_close(gw, x2.sum(0).expand(8, 16), atol=1e-4, rtol=1e-5)
 
 
-def test_fast_path_only_where_intended():
+@needs_onednn
+def test_a_model_trains_the_same_under_both_backends():
+    """A small GPT: the loss and every gradient agree between the oneDNN and the aten backend."""
+    results = []
+    for backend in ("onednn", "aten"):
+        torch.manual_seed(0)
+        model = qkv.build("gpt-bench", n_layers=2, d_model=64, n_heads=4, context_length=32, dropout=0.0)
+        x = torch.randint(0, 65, (4, 32))
+        with qkv.nn.linear_backend(backend):
+            assert L.use_onednn(torch.randn(128, 64), torch.randn(8, 64)) == (backend == "onednn")
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (l1, g1), (l2, g2) = results
+    torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_fast_path_only_where_intended(onednn):
     w = torch.randn(8, 16)
     assert not L.use_onednn(torch.randn(3, 16), w)  # a decoding step: few rows, MKL is faster
     assert not L.use_onednn(torch.randn(100, 16, dtype=torch.float64), w.double())
@@ -50,12 +77,43 @@ def test_fast_path_only_where_intended():
         assert not L.use_onednn(torch.randn(100, 16), w)
         layer = L.Linear(16, 8)
         assert layer(torch.randn(100, 16)).dtype == torch.bfloat16  # autocast still applies
-    old = L.ONEDNN
-    try:
-        L.ONEDNN = False
-        assert not L.use_onednn(torch.randn(100, 16), w)
-    finally:
-        L.ONEDNN = old
+
+
+def test_backend_switch(monkeypatch):
+    w, x = torch.randn(8, 16), torch.randn(100, 16)
+    before = qkv.nn.get_linear_backend()
+    with qkv.nn.linear_backend("aten"):
+        assert qkv.nn.get_linear_backend() == "aten" and not L.use_onednn(x, w)
+    assert qkv.nn.get_linear_backend() == before
+    with pytest.raises(RuntimeError), qkv.nn.linear_backend("aten"):  # restored after an exception too
+        raise RuntimeError
+    assert qkv.nn.get_linear_backend() == before
+    with pytest.raises(ValueError, match="not one of"):
+        qkv.nn.set_linear_backend("mkl")
+    assert qkv.nn.get_linear_backend() == before
+    # "auto": oneDNN only on AVX-512 CPUs (where it was measured to pay), aten elsewhere
+    monkeypatch.setattr(L, "_AVAILABLE", True)
+    with qkv.nn.linear_backend("auto"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+        assert not L.use_onednn(x, w)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+        assert L.use_onednn(x, w)
+    monkeypatch.setattr(L, "_AVAILABLE", False)  # a build without the op: "onednn" is refused, "auto" is aten
+    with pytest.raises(ValueError, match="no oneDNN"):
+        qkv.nn.set_linear_backend("onednn")
+    with qkv.nn.linear_backend("auto"):
+        assert not L.use_onednn(x, w)
+
+
+@pytest.mark.parametrize("env,want", [({}, "auto"), ({"QKV_ONEDNN": "0"}, "aten"),
+                                      ({"QKV_LINEAR_BACKEND": "onednn"}, "onednn"),
+                                      ({"QKV_LINEAR_BACKEND": "ATEN", "QKV_ONEDNN": "1"}, "aten")])
+def test_backend_from_the_environment(monkeypatch, env, want):
+    monkeypatch.delenv("QKV_ONEDNN", raising=False)
+    monkeypatch.delenv("QKV_LINEAR_BACKEND", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert L._backend_from_env() == want
 
 
 def test_linear_module_is_a_drop_in_nn_linear():
@@ -63,14 +121,16 @@ def test_linear_module_is_a_drop_in_nn_linear():
     assert isinstance(layer, torch.nn.Linear)
     assert list(layer.state_dict()) == ["weight", "bias"]
     x = torch.randn(2, 70, 16)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    for backend in ("auto", "aten") + (("onednn",) if L._probe() else ()):
+        with qkv.nn.linear_backend(backend):
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
 def test_probe_does_not_touch_the_global_rng(monkeypatch):
     """The first call probes oneDNN; that must not shift torch's RNG (bit-exact resume depends on it)."""
     monkeypatch.setattr(L, "_AVAILABLE", None)
     torch.manual_seed(7)
-    L.use_onednn(torch.ones(100, 16), torch.ones(8, 16))
+    L.onednn_available()
     got = torch.rand(3)
     torch.manual_seed(7)
     assert torch.equal(got, torch.rand(3))

@@ -1,31 +1,50 @@
 """nn.Linear with faster CPU paths: the same parameters, state-dict keys and function, y = x W^T + b.
-Training and prefill go through oneDNN (below); a decoding step through pre-transposed weights (`Linear.step`).
+Training and prefill can go through oneDNN (below); a decoding step goes through pre-transposed weights
+(`Linear.step`).
 
-Why: PyTorch's CPU `addmm`/`mm` call MKL's sgemm. On AMD CPUs with full-width AVX-512 (this project's
-machines) MKL takes a slower code path, while oneDNN, also bundled with every x86 PyTorch build, JIT-compiles
-for the CPU it runs on: a (2048 x 384) @ (384 x 1536) fp32 product runs ~2x faster through oneDNN here
-(see docs/perf/train_vs_hf.md). Linear layers are ~85% of a GPT training step on CPU, so this is the
-largest single lever on CPU training speed.
+Why oneDNN: PyTorch's CPU `addmm`/`mm` call MKL's sgemm. On AMD CPUs with full-width AVX-512 MKL takes a
+slower code path, while oneDNN, also bundled with every x86 PyTorch build, JIT-compiles for the CPU it runs
+on: there a (2048 x 384) @ (384 x 1536) fp32 product ran ~2x faster through oneDNN and a GPT training step
+1.59x faster (docs/perf/train_vs_hf.md, docs/performance.md). On an AVX2-only AMD EPYC the same A/B gave no
+gain beyond the noise (training step 1.03x, docs/perf/onednn_linear.md), so the default ("auto") takes
+oneDNN only where the CPU reports AVX-512.
 
-The fast path is taken only where it is a pure win and semantically identical:
+The backend is one process-wide setting (`set_linear_backend` / the `linear_backend` context manager, or
+the environment: QKV_LINEAR_BACKEND=auto|onednn|aten; QKV_ONEDNN=0 means aten):
+  "auto"    oneDNN on CPUs with AVX-512 where this torch build has the op, else aten (the default)
+  "onednn"  oneDNN wherever it applies (an error if this build lacks it)
+  "aten"    always F.linear
+Even under "onednn" the oneDNN path is taken only where it is semantically identical and not a loss:
   fp32 CPU tensors, at least MIN_ROWS rows (oneDNN's per-call overhead loses on the few rows of a decoding
   step), no autocast (autocast must still turn F.linear into a bf16 matmul), not under torch.compile
   (Inductor picks its own kernels), plain tensors (not DTensor / tensor subclasses).
-Everything else goes through F.linear. Set `qkv.nn.linear.ONEDNN = False` (or QKV_ONEDNN=0) to disable.
-Results differ from F.linear only by fp32 summation order (~1e-6 relative).
+Everything else goes through F.linear. Results differ from F.linear only by fp32 summation order (~1e-6
+relative).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-ONEDNN = os.environ.get("QKV_ONEDNN", "1") != "0"
+BACKENDS = ("auto", "onednn", "aten")
 MIN_ROWS = 64  # below this, MKL's lower call overhead wins (measured: docs/perf/train_vs_hf.md)
+
+
+def _backend_from_env() -> str:
+    name = os.environ.get("QKV_LINEAR_BACKEND", "").strip().lower()
+    if name in BACKENDS:
+        return name
+    return "aten" if os.environ.get("QKV_ONEDNN") == "0" else "auto"
+
+
+_BACKEND = _backend_from_env()
 
 
 def _probe() -> bool:
@@ -43,6 +62,51 @@ def _probe() -> bool:
 
 
 _AVAILABLE: bool | None = None
+
+
+def onednn_available() -> bool:
+    """Does this torch build have a working oneDNN fp32 inner product? (probed once)"""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        _AVAILABLE = _probe()
+    return _AVAILABLE
+
+
+def get_linear_backend() -> str:
+    """The current backend setting: "auto", "onednn" or "aten" (see the module docstring)."""
+    return _BACKEND
+
+
+def set_linear_backend(name: str) -> str:
+    """Choose how qkv's Linear layers compute fp32 CPU products for the whole process: "auto" (oneDNN on
+    AVX-512 CPUs, else aten), "onednn" (oneDNN wherever it applies) or "aten" (always F.linear). Returns
+    the previous setting. The function computed is the same in all three (up to fp32 summation order)."""
+    global _BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"linear backend {name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "onednn" and not onednn_available():
+        raise ValueError("linear backend 'onednn': this torch build has no oneDNN fp32 inner product")
+    old, _BACKEND = _BACKEND, name
+    return old
+
+
+@contextlib.contextmanager
+def linear_backend(name: str) -> Iterator[None]:
+    """`with linear_backend("aten"): ...` sets the backend for the block and restores the previous one
+    (process-wide, like set_linear_backend: not thread-local)."""
+    old = set_linear_backend(name)
+    try:
+        yield
+    finally:
+        set_linear_backend(old)
+
+
+def _onednn_on() -> bool:
+    if _BACKEND == "aten":
+        return False
+    if _BACKEND == "auto" and not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    return onednn_available()
 
 
 def _mm(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
@@ -74,20 +138,18 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def use_onednn(x: Tensor, weight: Tensor) -> bool:
-    global _AVAILABLE
-    if not ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    """Does `linear(x, weight)` take the oneDNN path under the current backend?"""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
     if x.numel() < MIN_ROWS * x.shape[-1] or type(x) is not Tensor or type(weight) not in (Tensor, nn.Parameter):
         return False
     if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return False
-    if _AVAILABLE is None:
-        _AVAILABLE = _probe()
-    return _AVAILABLE
+    return _onednn_on()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, through oneDNN where that is faster (see the module docstring)."""
+    """F.linear, through oneDNN where the backend setting says so (see the module docstring)."""
     if use_onednn(x, weight):
         return _OneDNNLinear.apply(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)

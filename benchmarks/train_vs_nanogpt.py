@@ -1,0 +1,238 @@
+"""Training throughput on CPU: qkv GPT vs nanoGPT's model vs Hugging Face GPT2LMHeadModel, fp32 and bf16.
+
+One training step = forward with the next-token loss + backward + AdamW step + zero_grad. The model: GPT
+n_layer 6, n_head 6, n_embd 384, block 256, vocab 65 (nanoGPT's shakespeare_char size), batch 8, dropout 0,
+biases on (GPT-2). bf16 = `torch.autocast("cpu", dtype=torch.bfloat16)` around the forward, fp32 weights and
+optimizer (the same for all three).
+
+Same weights: a Hugging Face GPT2LMHeadModel is built with random weights and saved to a temporary folder;
+qkv loads it with `qkv.from_pretrained`, nanoGPT's GPT takes the same state dict the way nanoGPT's own
+`GPT.from_pretrained` does (Conv1D weights transposed, the attention-mask buffers skipped). The three see the
+same batches, and their fp32 first-step losses are printed and written: equal losses show that the three
+compute the same function. nanoGPT's loss is given shifted targets (last position ignored), which is what
+HF and qkv do with labels=input_ids.
+
+nanoGPT's `model.py` is NOT part of qkv: pass the path of a copy you have (`--nanogpt PATH/model.py`, e.g. a
+clone of https://github.com/karpathy/nanoGPT); it is loaded with importlib, never downloaded.
+
+Timing: in one process, `--warmup` steps each, then `--rounds` rounds; in each round every (model, precision)
+pair runs `--steps` steps, the order reversed every other round (ABC..CBA), so load from other jobs on a
+shared machine hits all alike. Reported: the median tokens/s of each pair, and the medians (with min..max)
+of the per-round ratios qkv/nanoGPT, qkv/HF and bf16/fp32. Bar (issue 15): qkv >= 1.1x nanoGPT's model in
+both precisions.
+
+    .venv/bin/python benchmarks/train_vs_nanogpt.py --nanogpt PATH/model.py [--quick] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import io
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+import qkv  # noqa: E402
+
+FULL = dict(n_layer=6, n_head=6, n_embd=384, block=256, batch=8, vocab=65)
+QUICK = dict(n_layer=2, n_head=2, n_embd=64, block=32, batch=2, vocab=65)
+MODELS = ("qkv GPT", "nanoGPT GPT", "HF GPT2LMHeadModel (sdpa)")
+PRECISIONS = ("fp32", "bf16")
+BAR = 1.1
+
+
+def fail(msg: str) -> None:
+    """One line on stderr, exit status 2 (as argparse and the qkv CLI do)."""
+    print(f"train_vs_nanogpt: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def load_nanogpt(path: str) -> ModuleType:
+    """nanoGPT's model.py as a module; exit 2 with one clear line when it is missing or unusable."""
+    p = Path(path)
+    if not p.is_file():
+        fail(f"--nanogpt {path}: no such file (give the path of nanoGPT's model.py, e.g. from a clone of "
+             "https://github.com/karpathy/nanoGPT; it is never downloaded)")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", p)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a broken or foreign file: say which, without a traceback
+        fail(f"--nanogpt {path}: cannot be loaded: {type(e).__name__}: {e}")
+    if not (hasattr(module, "GPT") and hasattr(module, "GPTConfig")):
+        fail(f"--nanogpt {path}: defines no GPT / GPTConfig (not nanoGPT's model.py)")
+    return module
+
+
+def build_models(nanogpt: ModuleType, s: dict, seed: int = 0):
+    """(qkv, nanoGPT, HF) models with the same weights, in train mode, and the transformers version."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=s["vocab"], n_positions=s["block"], n_embd=s["n_embd"], n_layer=s["n_layer"],
+                     n_head=s["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, attn_implementation="sdpa")
+    hf = GPT2LMHeadModel(cfg)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = qkv.from_pretrained(d)
+    ncfg = nanogpt.GPTConfig(block_size=s["block"], vocab_size=s["vocab"], n_layer=s["n_layer"], n_head=s["n_head"],
+                             n_embd=s["n_embd"], dropout=0.0, bias=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT prints its parameter count
+        nano = nanogpt.GPT(ncfg)
+    # as nanoGPT's GPT.from_pretrained: HF's Conv1D stores (in, out), nn.Linear (out, in)
+    transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    sd_hf = {k: v for k, v in hf.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    sd = nano.state_dict()
+    keys = [k for k in sd if not k.endswith(".attn.bias")]  # nanoGPT's causal-mask buffer (non-flash path)
+    if sorted(keys) != sorted(sd_hf):
+        fail(f"nanoGPT's state dict does not match GPT-2's: {sorted(set(keys) ^ set(sd_hf))[:6]}")
+    with torch.no_grad():
+        for k in keys:
+            sd[k].copy_(sd_hf[k].t() if k.endswith(transposed) else sd_hf[k])
+    return ours.train(), nano.train(), hf.train(), transformers.__version__
+
+
+def make_step(kind: str, model: torch.nn.Module, precision: str):
+    """One optimizer step of `model` on a batch x (B, T): the next-token loss over positions 0..T-2."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95))
+
+    def step(x: torch.Tensor) -> float:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        with ctx:
+            if kind == "nanoGPT GPT":
+                targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -1)], dim=1)  # -1: ignore_index
+                _, loss = model(x, targets)
+            else:
+                loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def ratio_stats(num: list[float], den: list[float]) -> dict:
+    """Per-round throughput ratio num/den from per-step times (den_time / num_time)."""
+    r = [d / n for n, d in zip(num, den)]
+    return {"median": statistics.median(r), "min": min(r), "max": max(r), "per_round": r}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nanogpt", required=True, metavar="PATH", help="path of nanoGPT's model.py (not shipped)")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 1 warmup step, 2 rounds of 1 step (smoke)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=2, help="steps per (model, precision) per round")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0: torch's default)")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    a = ap.parse_args(argv)
+    precisions = [p for p in a.precisions.split(",") if p]
+    if not set(precisions) <= set(PRECISIONS) or not precisions:
+        ap.error(f"--precisions: a comma-separated subset of {','.join(PRECISIONS)}")
+    nanogpt = load_nanogpt(a.nanogpt)
+    s = QUICK if a.quick else FULL
+    if a.quick:
+        a.warmup, a.rounds, a.steps = 1, 2, 1
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    ours, nano, hf, tf_version = build_models(nanogpt, s)
+    base = dict(zip(MODELS, (ours, nano, hf)))
+    steps = {(m, p): make_step(m, base[m] if i == 0 else copy.deepcopy(base[m]), p)
+             for i, p in enumerate(precisions) for m in MODELS}
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, s["vocab"], (s["batch"], s["block"]), generator=g) for _ in range(4)]
+    tokens = s["batch"] * s["block"]
+
+    # the first step of every pair on the same batch from the same weights: same function, same loss (fp32)
+    first = {f"{m} {p}": fn(batches[0]) for (m, p), fn in steps.items()}
+    print("first-step loss: " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()), flush=True)
+    for fn in steps.values():
+        for i in range(a.warmup - 1):
+            fn(batches[(i + 1) % len(batches)])
+
+    times: dict[tuple, list[float]] = {k: [] for k in steps}
+    cpu: dict[tuple, list[float]] = {k: [] for k in steps}
+    order = list(steps)
+    for r in range(a.rounds):
+        for key in (order if r % 2 == 0 else order[::-1]):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for i in range(a.steps):
+                steps[key](batches[i % len(batches)])
+            times[key].append((time.perf_counter() - t0) / a.steps)
+            cpu[key].append((time.process_time() - c0) / a.steps)
+        print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{m} {p} {tokens / times[(m, p)][-1]:.0f}"
+                                                       for m, p in order) + " tok/s", flush=True)
+
+    rows = []
+    for m, p in order:
+        med = statistics.median(times[(m, p)])
+        rows.append({"model": m, "precision": p, "median_step_s": med, "tokens_per_s": tokens / med,
+                     "min_step_s": min(times[(m, p)]), "max_step_s": max(times[(m, p)]),
+                     "median_cpu_s_per_step": statistics.median(cpu[(m, p)]),
+                     "vs_nanogpt": ratio_stats(times[(m, p)], times[("nanoGPT GPT", p)])["median"],
+                     "vs_hf": ratio_stats(times[(m, p)], times[("HF GPT2LMHeadModel (sdpa)", p)])["median"],
+                     "bf16_over_fp32": (ratio_stats(times[(m, "bf16")], times[(m, "fp32")])["median"]
+                                        if p == "bf16" and "fp32" in precisions else None)})
+    ratios = {p: {"qkv/nanoGPT": ratio_stats(times[("qkv GPT", p)], times[("nanoGPT GPT", p)]),
+                  "qkv/HF": ratio_stats(times[("qkv GPT", p)], times[("HF GPT2LMHeadModel (sdpa)", p)])}
+              for p in precisions}
+    meets = all(ratios[p]["qkv/nanoGPT"]["median"] >= BAR for p in precisions)
+    machine = {"cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
+               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": tf_version,
+               "python": platform.python_version()}
+    result = {"benchmark": "train_vs_nanogpt", "quick": a.quick,
+              "config": {**s, "dropout": 0.0, "bias": True, "device": "cpu",
+                         "optimizer": "AdamW(lr=3e-4, wd=0.1, betas=(0.9, 0.95)), torch default (foreach)"},
+              "nanogpt_path": str(Path(a.nanogpt).resolve()), "warmup": a.warmup, "rounds": a.rounds,
+              "steps_per_round": a.steps, "rows": rows, "ratios": ratios, "bar": BAR, "meets_bar": meets,
+              "first_step_loss": first, "machine": machine}
+
+    md = ["| model | precision | median step (s) | tokens/s | min..max step (s) | CPU s/step | vs nanoGPT | vs HF "
+          "| bf16 / fp32 |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        sp = f"{r['bf16_over_fp32']:.2f}x" if r["bf16_over_fp32"] is not None else ""
+        md.append(f"| {r['model']} | {r['precision']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                  f"{r['min_step_s']:.3f}..{r['max_step_s']:.3f} | {r['median_cpu_s_per_step']:.3f} | "
+                  f"{r['vs_nanogpt']:.2f}x | {r['vs_hf']:.2f}x | {sp} |")
+    md.append("")
+    for p in precisions:
+        n, h = ratios[p]["qkv/nanoGPT"], ratios[p]["qkv/HF"]
+        md.append(f"{p}: qkv / nanoGPT **{n['median']:.2f}x** (per-round range {n['min']:.2f}..{n['max']:.2f}), "
+                  f"qkv / HF {h['median']:.2f}x ({h['min']:.2f}..{h['max']:.2f}).")
+    md += ["",
+           f"Medians of per-round ratios over {a.rounds} interleaved rounds x {a.steps} steps ({a.warmup} warmup). "
+           f"Bar: qkv >= {BAR}x nanoGPT in {' and '.join(precisions)}: {'met' if meets else 'NOT met'}. "
+           f"fp32 first-step losses: " + ", ".join(f"{m} {first[f'{m} fp32']:.6f}" for m in MODELS
+                                                     if f"{m} fp32" in first) + ".",
+           f"torch {torch.__version__} (CPU capability {machine['capability']}), transformers {tf_version}, "
+           f"{machine['threads']} threads, {machine['cpu']}."]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "train_vs_nanogpt_quick" if a.quick else "train_vs_nanogpt"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (out / f"{stem}.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
