@@ -22,7 +22,9 @@ their keys/values in the cache. One step (the scheduler, in this order):
    steps and every running request still gets a token each step. A request whose prompt is done emits its
    first token. prefill_chunk=None feeds whole prompts at once.
 3. One batched decoding step (model.step on the paged cache, per-row offsets and key mask) for every other
-   running request.
+   running request; when their cached lengths differ widely the batch is cut into up to four groups of
+   similar length, one forward each (_length_groups: each forward gathers and attends over its rows padded
+   to its own longest sequence, not the batch's).
 
 Preemption by recomputation (vLLM's default): when a write needs a block and none is free (cached,
 unreferenced prefix blocks count as free and are evicted least-recently-used first), a victim's blocks are

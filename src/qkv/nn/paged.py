@@ -17,7 +17,9 @@ writes the new keys/values of every active sequence into its slots with one inde
 sequence's keys RIGHT-aligned with one index_select into a contiguous (B, H_kv, max_len + T, hd): sequence b's last key sits in the last column for every b, exactly like a
 left-padded static cache. So the causal mask and ALiBi's bias (both bottom-right aligned) need nothing
 special; keep_mask() hides the unused left part, and offset gives each sequence its own positions.
-The write/gather indices are computed once per step (first layer) and reused by every layer.
+The write/gather indices are computed once per step (first layer) and reused by every layer, and the
+gathered keys/values go into two buffers the cache keeps (every layer of every step reuses them): a fresh
+tensor of that size per layer cost ~4x the copy itself on CPU (page faults of newly mapped memory).
 """
 
 from __future__ import annotations
@@ -167,8 +169,7 @@ class PagedKVCache(KVCache):
         self.active: list[int] = []
         self._lens_t = torch.zeros(0, dtype=torch.long, device=self.device)
         self._plan: tuple[Tensor, Tensor] | None = None
-        # one step's gathered keys/values, reused by every layer and step (grown when a step needs more): a
-        # fresh tensor of that size per layer costs ~4x the copy itself on CPU (page faults of new memory)
+        # one step's gathered keys/values, reused by every layer and step (grown when a step needs more)
         self._kbuf = self._vbuf = torch.empty(0, dtype=dtype, device=device)
         self.length = 0
         self.max_len = num_blocks * block_size
