@@ -4,6 +4,7 @@
 GPT (6 layers, 6 heads, 384 wide, vocab 65, random weights), greedy, CPU fp32.
   engine   Engine(block_size=16, max_batch_size=32): requests leave as soon as they are done; cache memory =
            peak blocks in use x block bytes.
+  engine, one forward per decode step: the same without cutting the decoding batch by length (split_cost=None)
   static   one generate() call over the 32 left-padded prompts with max_new_tokens = the longest request
            (every row runs until the longest is done); cache memory = B x (longest prompt + longest new) slots.
 Throughput counts only the tokens each request asked for. Runs are interleaved, medians reported.
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--out", default=str(ROOT / "results" / "paged_engine.json"), help="JSON path (+ .md beside it)")
     a = ap.parse_args()
     max_new_hi = 40 if a.quick else 160
     if a.quick:
@@ -54,8 +56,8 @@ def main() -> None:
     c = m.config
     slot_bytes = 2 * c.n_layers * c.n_heads * (c.d_model // c.n_heads) * 4  # K and V, all layers, fp32
 
-    def run_engine():
-        e = Engine(m, block_size=16, max_batch_size=32)
+    def run_engine(split_cost=4096):
+        e = Engine(m, block_size=16, max_batch_size=32, split_cost=split_cost)
         rids = [e.add_request(p, n) for p, n in zip(prompts, news)]
         out = e.run()
         return [out[r] for r in rids], e.peak_blocks * e.cache.bytes_per_block, e.steps
@@ -64,14 +66,16 @@ def main() -> None:
         out = generate(m, ids, max(news), attention_mask=mask)
         return [out[i, T : T + n].tolist() for i, n in enumerate(news)], len(prompts) * (T + max(news)) * slot_bytes
 
-    times = {"engine (paged)": [], "static (padded)": []}
+    variants = {"engine (paged)": run_engine, "static (padded)": run_static,
+                "engine, one forward per decode step (split_cost=None)": lambda: run_engine(None)}
+    times = {k: [] for k in variants}
     res = {}
     for _ in range(a.repeats):
-        for k, fn in (("engine (paged)", run_engine), ("static (padded)", run_static)):
+        for k, fn in variants.items():
             t0 = time.perf_counter()
             res[k] = fn()
             times[k].append(time.perf_counter() - t0)
-    same = res["engine (paged)"][0] == res["static (padded)"][0]
+    same = res["engine (paged)"][0] == res["static (padded)"][0] == res[next(reversed(variants))][0]
     needed = sum(len(p) + n - 1 for p, n in zip(prompts, news)) * slot_bytes  # positions actually cached
     rows = []
     for k in times:
@@ -79,21 +83,24 @@ def main() -> None:
         mem = res[k][1]
         rows.append({"config": k, "median_s": round(med, 3), "tok_per_s": round(useful / med, 1),
                      "cache_MiB": round(mem / 2**20, 2), "cache_vs_needed": round(mem / needed, 3)})
-    lines = ["| config | tok/s (useful) | peak cache memory (MiB) | memory / (sum of all requests' positions) |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['config']} | {r['tok_per_s']} | {r['cache_MiB']} | {r['cache_vs_needed']} |" for r in rows]
+    static_s = statistics.median(times["static (padded)"])
+    for r in rows:
+        r["speed_vs_static"] = round(static_s / r["median_s"], 3)
+    lines = ["| config | tok/s (useful) | vs static | peak cache memory (MiB) | memory / (sum of all requests' positions) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['config']} | {r['tok_per_s']} | {r['speed_vs_static']}x | {r['cache_MiB']} | {r['cache_vs_needed']} |"
+              for r in rows]
     lines.append("")
     lines.append(f"{a.requests} requests, prompts {min(map(len, prompts))}-{T} tokens, new {min(news)}-{max(news)} "
                  f"tokens ({useful} useful); engine steps {res['engine (paged)'][2]}; tokens identical to the "
                  f"static cache: {same}")
     table = "\n".join(lines)
-    out = ROOT / "results"
-    out.mkdir(exist_ok=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "repeats": a.repeats, "quick": a.quick}
-    (out / "paged_engine.json").write_text(json.dumps({"meta": meta, "rows": rows, "tokens_identical": same},
-                                                      indent=2))
-    (out / "paged_engine.md").write_text(table + "\n")
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "tokens_identical": same}, indent=2))
+    out.with_suffix(".md").write_text(table + "\n")
     print(table)
 
 

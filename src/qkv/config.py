@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -92,10 +93,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """typing.get_type_hints, once per class: it evaluates every string annotation again on each call (~ms
+    for a config of many fields; the serving engine builds a GenerationConfig per request)."""
+    return typing.get_type_hints(cls)
+
+
 def from_dict(cls: type[T], data: dict[str, Any], where: str | None = None) -> T:
     """Build dataclass `cls` from a mapping, rejecting unknown keys and ill-typed values."""
     where = where or cls.__name__
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     names = [f.name for f in fields(cls) if f.init]
     kwargs = {}
     for key, value in data.items():

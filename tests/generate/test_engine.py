@@ -202,3 +202,46 @@ def test_a_request_of_the_whole_pool_runs_after_its_prefix_was_cached():
     b = engine.add_request(prompt, 1)
     out = engine.run()
     assert out[a] == out[b] == _alone(m, prompt, 1)
+
+
+def test_decode_batch_cut_by_length_keeps_tokens():
+    # split_cost=1: the decoding batch is cut into groups of similar length whenever that saves any padding
+    m = tiny_gpt("alibi", gqa=True, context=96)  # ALiBi: the bias is right-aligned per group
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (2, 40, 3, 33, 5, 60, 4, 28)]
+    engine = Engine(m, block_size=4, max_batch_size=8, split_cost=1)
+    ids = [engine.add_request(p, 6) for p in prompts]
+    engine.step()
+    while not engine.waiting and any(r.computed < len(r.prompt) for r in engine.running):
+        engine.step()  # until every prompt is in and the batch is decoding
+    batch = list(engine.running)
+    groups = engine._length_groups(batch)
+    assert len(groups) > 1 and sorted(i for grp in groups for i in grp) == list(range(len(batch)))
+    lens = [engine.cache.lens[r.id] for r in batch]
+    for a, b in zip(groups, groups[1:]):  # groups of the length-sorted batch, shortest first
+        assert max(lens[i] for i in a) <= min(lens[i] for i in b)
+    engine.split_cost = None
+    assert engine._length_groups(batch) == [list(range(len(batch)))]
+    engine.split_cost = 1
+    out = engine.run()
+    for rid, p in zip(ids, prompts):
+        assert out[rid] == _alone(m, p, 6)
+
+
+def test_engine_reads_only_written_cache_slots():
+    # the pool is not zeroed (torch.empty): fill it with NaN but slot 0 (the padding columns' source) and the
+    # outputs must not change, so no step reads a slot that no token wrote
+    m = tiny_gpt("rope", context=64)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (7, 2, 13, 5)]
+    engine = Engine(m, block_size=4, num_blocks=12, max_batch_size=4, prefill_chunk=5)
+    c = engine.cache
+    for pool in (c.k, c.v):
+        heads = pool.view(pool.shape[0], c.n_kv_heads, c.slots, -1)
+        heads[:, :, 1:] = float("nan")
+        assert bool((heads[:, :, 0] == 0).all())
+    ids = [engine.add_request(p, 9) for p in prompts]
+    out = engine.run()
+    assert engine.stats()["preemptions"] > 0  # recomputation and block reuse are part of the run
+    for rid, p in zip(ids, prompts):
+        assert out[rid] == _alone(m, p, 9)

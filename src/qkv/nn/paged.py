@@ -17,7 +17,9 @@ writes the new keys/values of every active sequence into its slots with one inde
 sequence's keys RIGHT-aligned with one index_select into a contiguous (B, H_kv, max_len + T, hd): sequence b's last key sits in the last column for every b, exactly like a
 left-padded static cache. So the causal mask and ALiBi's bias (both bottom-right aligned) need nothing
 special; keep_mask() hides the unused left part, and offset gives each sequence its own positions.
-The write/gather indices are computed once per step (first layer) and reused by every layer.
+The write/gather indices are computed once per step (first layer) and reused by every layer, and the
+gathered keys/values go into two buffers the cache keeps (every layer of every step reuses them): a fresh
+tensor of that size per layer cost ~4x the copy itself on CPU (page faults of newly mapped memory).
 """
 
 from __future__ import annotations
@@ -154,14 +156,21 @@ class PagedKVCache(KVCache):
         # which is what attention's batched matmul reads (no second copy of the gathered keys)
         self.n_kv_heads, self.slots = n_kv_heads, num_blocks * block_size
         shape = (n_layers, n_kv_heads * num_blocks * block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # not zeroed: a step reads only written slots, and slot 0 for the masked (padding) columns, which is
+        # zeroed here so that a masked key/value is finite (softmax weight 0 x NaN would be NaN). Zeroing a
+        # pool sized for max_batch_size x context (GBs) took seconds per Engine; untouched pages cost nothing.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        for pool in (self.k, self.v):
+            pool.view(n_layers, n_kv_heads, self.slots, head_dim)[:, :, 0] = 0
         self.device = self.k.device
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
         self.active: list[int] = []
         self._lens_t = torch.zeros(0, dtype=torch.long, device=self.device)
         self._plan: tuple[Tensor, Tensor] | None = None
+        # one step's gathered keys/values, reused by every layer and step (grown when a step needs more)
+        self._kbuf = self._vbuf = torch.empty(0, dtype=dtype, device=device)
         self.length = 0
         self.max_len = num_blocks * block_size
         self.copies = 0  # copy-on-write block copies
@@ -290,9 +299,16 @@ class PagedKVCache(KVCache):
         kl, vl = self.k[layer], self.v[layer]
         kl.index_copy_(0, write, k.reshape(B * H * T, hd))
         vl.index_copy_(0, write, v.reshape(B * H * T, hd))
-        tk = gather.shape[0] // (B * H)
-        return (kl.index_select(0, gather).view(B, H, tk, hd),  # (B, H, length + T, hd), contiguous
-                vl.index_select(0, gather).view(B, H, tk, hd))
+        n, tk = gather.shape[0], gather.shape[0] // (B * H)
+        if self._kbuf.numel() < n * hd:
+            self._kbuf = self._vbuf = None  # let the old pair go before the new one is taken
+            grow = n * hd + n * hd // 4
+            self._kbuf, self._vbuf = kl.new_empty(grow), vl.new_empty(grow)
+        # the layer's attention reads these before the next layer's update() overwrites them
+        ko, vo = self._kbuf[:n * hd].view(n, hd), self._vbuf[:n * hd].view(n, hd)
+        torch.index_select(kl, 0, gather, out=ko)
+        torch.index_select(vl, 0, gather, out=vo)
+        return ko.view(B, H, tk, hd), vo.view(B, H, tk, hd)  # (B, H, length + T, hd), contiguous
 
     def advance(self, n: int) -> None:
         for s in self.active:
