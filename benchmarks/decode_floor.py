@@ -19,7 +19,10 @@ a 32-token prompt (a 32-token source for the encoder-decoders), greedy, `--steps
 `--threads` threads; `--repeats` interleaved rounds (bandwidth, then each family and library in turn), medians.
 The greedy tokens of the two libraries are compared step for step (share equal).
 
-    .venv/bin/python benchmarks/decode_floor.py [--quick] [--threads 2] [--steps 64] [--repeats 5]
+    .venv/bin/python benchmarks/decode_floor.py [--quick] [--threads 2] [--steps 64] [--repeats 5] [--ab]
+
+--ab: a third column, qkv with every linear of the step through its pre-transposed copy (the layout choice of
+Linear.step, qkv.nn.linear.STEP_NARROW_DIRECT, measured side by side).
 
 --quick: tiny configs, a few steps, one round (the smoke test, tests/test_benchmark_decode_floor.py).
 Writes OUT/decode_floor.json and decode_floor.md (OUT = benchmarks/results; --md also copies the table).
@@ -45,6 +48,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
+import qkv.nn.linear  # noqa: E402
 
 FULL = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
@@ -68,6 +72,7 @@ QUICK = {
     "bart": dict(vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                  decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128),
 }
+LIBS = ("qkv", "transformers", "qkv-transposed")
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {},
               "t5": dict(dropout_rate=0.0), "bart": dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)}
 
@@ -141,7 +146,15 @@ def decoders(name: str, hf, ours, prompt: torch.Tensor, steps: int):
                 o = hf(nxt, past_key_values=o.past_key_values, use_cache=True)
         return out, time.perf_counter() - t0
 
-    return run_qkv, run_hf
+    def run_qkv_transposed() -> tuple[list[int], float]:
+        """The A/B control of Linear.step's layout choice: every linear through its transposed copy."""
+        qkv.nn.linear.STEP_NARROW_DIRECT = False
+        try:
+            return run_qkv()
+        finally:
+            qkv.nn.linear.STEP_NARROW_DIRECT = True
+
+    return run_qkv, run_hf, run_qkv_transposed
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -151,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=64, help="decoding steps per timed run")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ab", action="store_true", help="also time qkv with every linear through its transposed copy")
     ap.add_argument("--families", nargs="+", default=list(FULL), choices=list(FULL))
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--md", default=None, help="also write the markdown table here (e.g. docs/perf/decode_floor.md)")
@@ -168,13 +182,17 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         for name, (hf, ours) in models.items():
             prompt = torch.randint(4, ours.output_vocab_size, (1, a.prompt), generator=gen)
-            runs[name] = dict(zip(("qkv", "transformers"), decoders(name, hf, ours, prompt, a.steps)))
+            runs[name] = dict(zip(LIBS, decoders(name, hf, ours, prompt, a.steps)))
+            if not a.ab:
+                del runs[name]["qkv-transposed"]
             toks = {lib: fn()[0] for lib, fn in runs[name].items()}  # warm-up, and the tokens compared
             agree[name] = sum(x == y for x, y in zip(toks["qkv"], toks["transformers"])) / a.steps
+            if a.ab:
+                agree[name] = min(agree[name], sum(x == y for x, y in zip(toks["qkv"], toks["qkv-transposed"])) / a.steps)
             nbytes[name] = step_bytes(ours)
         read_bandwidth(big, 1)
         gbps: list[float] = []
-        times: dict[tuple[str, str], list[float]] = {(n, lib): [] for n in models for lib in ("qkv", "transformers")}
+        times: dict[tuple[str, str], list[float]] = {(n, lib): [] for n in models for lib in runs[n]}
         for _ in range(a.repeats):
             for name in models:
                 gbps.append(read_bandwidth(big))
@@ -184,11 +202,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in models:
         floor_ms = nbytes[name] / (bw * 1e9) * 1e3
-        ms = {lib: 1e3 * statistics.median(times[(name, lib)]) / a.steps for lib in ("qkv", "transformers")}
+        ms = {lib: 1e3 * statistics.median(times[(name, lib)]) / a.steps for lib in runs[name]}
         rows.append({"family": name, "weights_mb_per_step": round(nbytes[name] / 1e6, 1), "floor_ms": round(floor_ms, 4),
                      "qkv_ms": round(ms["qkv"], 3), "qkv_x_floor": round(ms["qkv"] / floor_ms, 2),
                      "hf_ms": round(ms["transformers"], 3), "hf_x_floor": round(ms["transformers"] / floor_ms, 2),
                      "qkv_speedup_vs_hf": round(ms["transformers"] / ms["qkv"], 3), "tokens_equal": round(agree[name], 3)})
+        if a.ab:
+            rows[-1]["qkv_transposed_ms"] = round(ms["qkv-transposed"], 3)
+            rows[-1]["narrow_direct_speedup"] = round(ms["qkv-transposed"] / ms["qkv"], 3)
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.processor() or platform.machine(),
             "steps": a.steps, "prompt": a.prompt, "repeats": a.repeats, "quick": a.quick, "bandwidth_gbps": round(bw, 2),
@@ -200,6 +221,12 @@ def main(argv: list[str] | None = None) -> dict:
              "transformers x floor | qkv speed-up | tokens equal |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['family']} | {r['weights_mb_per_step']} | {r['floor_ms']} | {r['qkv_ms']} | {r['qkv_x_floor']} | "
               f"{r['hf_ms']} | {r['hf_x_floor']} | {r['qkv_speedup_vs_hf']}x | {r['tokens_equal']} |" for r in rows]
+    if a.ab:
+        lines += ["", "A/B of Linear.step's layout (qkv.nn.linear.STEP_NARROW_DIRECT): down projections through the (out, in) "
+                  "weight (default) vs every linear through its transposed copy", "",
+                  "| family | qkv ms/step | all transposed ms/step | speed-up of the default |", "|---|---|---|---|"]
+        lines += [f"| {r['family']} | {r['qkv_ms']} | {r['qkv_transposed_ms']} | {r['narrow_direct_speedup']}x |"
+                  for r in rows]
     table = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

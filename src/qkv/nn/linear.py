@@ -25,6 +25,10 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 ONEDNN = os.environ.get("QKV_ONEDNN", "1") != "0"
+# Linear.step on CPU in fp32: a narrowing product (in_features > out_features: the FFN's down projection) keeps
+# the (out, in) layout; measured on AVX2 (docs/perf/decode_floor.md) its dot-product kernel reads W faster than
+# the transposed copy's. False: every layer through the transposed copy, as before (benchmarks/decode_floor.py --ab).
+STEP_NARROW_DIRECT = True
 MIN_ROWS = 64  # below this, MKL's lower call overhead wins (measured: docs/perf/train_vs_hf.md)
 
 
@@ -164,6 +168,8 @@ class Linear(nn.Linear):
             if scale_first is not None:
                 y[..., : scale_first[0]] *= scale_first[1]
             return y
+        if scale_first is None and STEP_NARROW_DIRECT and self.in_features > self.out_features:
+            return F.linear(x, self.weight, self.bias)  # narrowing: the original layout, no transposed copy
         if x.dim() != 2:
             return self.step(x.reshape(-1, x.shape[-1]), scale_first).view(*x.shape[:-1], self.out_features)
         _, wt, b = self._packed(scale_first)
