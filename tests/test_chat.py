@@ -155,3 +155,25 @@ def test_cli_chat_message_and_errors(folder, tmp_path, capsys):
     assert main(["chat", str(tmp_path), "--message", "hi"]) == 2
     assert "qkv: error:" in capsys.readouterr().err
     assert main(["chat", str(folder), "--message", "hi", "--top-p", "2"]) == 2
+
+
+def test_default_answer_length_is_capped_by_a_small_context(bpe, tmp_path):
+    """No --max-new-tokens on a 64-position model: the 512-token default never fits; the answer gets the room the
+    context leaves instead of an error, so the prompt plus the answer fill the context exactly."""
+    path = make_folder(bpe, tmp_path, context=64)
+    s = ChatSession.from_folder(path, generation_config=GenerationConfig(do_sample=False), note=lambda m: None)
+    s.stop_ids.clear()  # no end of turn: every answer runs to its length limit
+    steps = []
+    step = s.model.step
+    s.model.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]  # the first token comes from the prefill
+    for message in ("hello", "word " * 10):  # a short prompt, and one longer than half the context
+        s.reset()
+        steps.clear()
+        prompt = s._render([{"role": "user", "content": message}])
+        s.reply(message)
+        assert len(steps) + 1 == 64 - len(prompt)
+    assert len(prompt) > 32  # the second prompt was longer than the room kept for answers when trimming
+    s.reset()
+    with pytest.raises(ValueError, match="does not fit the model's context of 64"):  # nothing fits: the clear error
+        s.reply("word " * 200)
+    assert s.history == []

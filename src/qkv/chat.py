@@ -30,6 +30,7 @@ import torch
 from qkv.generate import GenerationConfig, stream
 
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
+DEFAULT_ANSWER_TOKENS = 512  # an answer's length when none is asked for, capped by the model's context
 NO_TEMPLATE_NOTE = ("qkv: note: {folder} has no chat template (no chat_template.jinja, no `chat_template` in "
                     "tokenizer_config.json): using a plain 'User: ... / Assistant:' transcript; a base model may "
                     "not follow it")
@@ -128,16 +129,32 @@ class ChatSession:
                                  "--max-new-tokens")
             turns = turns[2:] if turns[0]["role"] == "user" and len(turns) > 2 else turns[1:]
 
+    def _default_budget(self) -> tuple[list[int], int]:
+        """The prompt ids and the answer's length when none was asked for: DEFAULT_ANSWER_TOKENS, capped by the
+        context. Older exchanges are dropped to keep room for min(DEFAULT_ANSWER_TOKENS, context / 2) answer
+        tokens; a single message longer than that answers in whatever room it leaves (at least one token),
+        instead of refusing a request the user never sized (a 512-token default on a 128-position model)."""
+        if self.context is None:
+            return self.prompt_ids(DEFAULT_ANSWER_TOKENS), DEFAULT_ANSWER_TOKENS
+        room = min(DEFAULT_ANSWER_TOKENS, max(1, self.context // 2))
+        try:
+            ids = self.prompt_ids(room)
+        except ValueError:
+            ids = self.prompt_ids(1)  # still a clear error when not even one answer token fits
+        return ids, min(DEFAULT_ANSWER_TOKENS, self.context - len(ids))
+
     # -- one turn ------------------------------------------------------------------------------------------
     def reply(self, message: str, on_text: Callable[[str], None] | None = None) -> str:
         """Add the user's message, generate the answer (each new piece of text goes to on_text as it comes),
         add it to the history and return it. Ctrl-C (KeyboardInterrupt) stops the answer where it is."""
         self.history.append({"role": "user", "content": message})
         cfg = self.generation_config
-        if cfg.max_new_tokens is None and cfg.max_length is None:
-            cfg = cfg.replace(max_new_tokens=512)
         try:
-            ids = self.prompt_ids(cfg.max_new_tokens or 0)
+            if cfg.max_new_tokens is None and cfg.max_length is None:
+                ids, new = self._default_budget()
+                cfg = cfg.replace(max_new_tokens=new)
+            else:
+                ids = self.prompt_ids(cfg.max_new_tokens or 0)
         except ValueError:
             self.history.pop()
             raise

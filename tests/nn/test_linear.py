@@ -134,3 +134,22 @@ def test_probe_does_not_touch_the_global_rng(monkeypatch):
     got = torch.rand(3)
     torch.manual_seed(7)
     assert torch.equal(got, torch.rand(3))
+
+
+@pytest.mark.parametrize("narrow_direct", [True, False])
+@pytest.mark.parametrize("in_f, out_f", [(48, 16), (16, 48), (24, 24)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_step_equals_f_linear_in_both_layouts(monkeypatch, narrow_direct, in_f, out_f, bias):
+    """The decoding path (narrowing products through the (out, in) weight, the others through the transposed copy;
+    or every product through the copy) computes F.linear, with and without the folded query scale."""
+    monkeypatch.setattr(L, "STEP_NARROW_DIRECT", narrow_direct)
+    torch.manual_seed(0)
+    lin = L.Linear(in_f, out_f, bias=bias)
+    x = torch.randn(3, in_f)
+    with torch.no_grad():
+        ref = F.linear(x, lin.weight, lin.bias)
+        torch.testing.assert_close(lin.step(x), ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lin.step(x.view(1, 3, in_f)), ref.view(1, 3, out_f), rtol=1e-6, atol=1e-6)
+        scaled = ref.clone()
+        scaled[:, :8] *= 0.5
+        torch.testing.assert_close(lin.step(x, (8, 0.5)), scaled, rtol=1e-6, atol=1e-6)

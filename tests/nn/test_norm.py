@@ -110,3 +110,20 @@ def test_frozen_running_stats_normalises_but_does_not_update():
     torch.testing.assert_close(y, BatchNorm(4)(x, keep))
     bn(x, keep)
     assert not torch.equal(bn.running_mean, torch.zeros(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rmsnorm_equals_the_formula_in_every_dtype(dtype):
+    """fp32 and fp64 take the fused torch.rms_norm kernel, bf16 the written-out path: both are the formula,
+    computed here in float64 (and HF's LlamaRMSNorm is checked in tests/interop/test_llama.py)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(32, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(32))
+    x = (torch.randn(4, 5, 32) * 3).to(dtype)
+    xd, wd = x.double(), norm.weight.double()
+    want = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * wd
+    tol = {torch.bfloat16: 2e-2, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    got = norm(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

@@ -347,7 +347,7 @@ def _add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--message", action="append", default=None,
                    help="answer this message and exit (repeat for several turns); without it: interactive")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="longest answer in tokens (default 512)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="longest answer in tokens (default 512, capped by what the context leaves)")
     p.add_argument("--temperature", type=float, default=None, help="default: the folder's generation_config.json")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)

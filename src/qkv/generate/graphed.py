@@ -22,8 +22,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.nn.linear import free_packed
-
 _COMPILED: weakref.WeakKeyDictionary[Any, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
 # per model: the static caches of graph-captured generations, one per (batch, length, dtype, device), reused by
 # later calls so that a CUDA graph recorded over their buffers is replayed, not recorded again
@@ -132,17 +130,11 @@ class GraphedSteps:
         torch._dynamo.mark_static_address(cache.k)
         torch._dynamo.mark_static_address(cache.v)
         self.cuda = cache.k.is_cuda
-        # Linear.step keeps a transposed fp32 copy of each CPU weight, found again by comparing data pointers,
-        # which Dynamo cannot trace: on the CPU the copies are dropped before each compiled step and rebuilt
-        # inside it (a CPU-only cost; accelerators and bf16 take F.linear and keep no copy)
-        self.unpack = cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
 
     def __call__(self, ids: Tensor) -> Tensor:
         """Next-token logits (B, V) after ids (B, 1); advances the cache by one."""
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten now
-        if self.unpack:
-            free_packed(self.model)
         logits = self.fn(self.model, ids, self.cache, self.index, self.n_pad, self.keep)
         self.cache.advance(1)
         self.index.add_(1)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -49,7 +50,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.up(x)
-        h = self.act.fn(self.gate(x)) * h if self.gate is not None else self.act.fn(h)
+        if self.gate is None:
+            h = self.act.fn(h)
+        elif torch.is_grad_enabled():
+            h = self.act.fn(self.gate(x)) * h
+        else:  # inference (a prefill): multiply into the activation's fresh output, no third (T, d_ff) tensor
+            h = self.act.fn(self.gate(x)).mul_(h)
         return self.down(self.dropout(h))
 
     def step(self, x: Tensor) -> Tensor:
@@ -58,5 +64,10 @@ class FeedForward(nn.Module):
         mods = self._modules
         h = mods["up"].step(x)
         gate = mods.get("gate")  # absent (a plain None) for ungated activations
-        h = self.act.fn(gate.step(x)) * h if gate is not None else self.act.fn(h)
+        if gate is None:
+            h = self.act.fn(h)
+        elif torch.is_grad_enabled():  # step outside no_grad: no in-place op on a tensor autograd may need
+            h = self.act.fn(gate.step(x)) * h
+        else:
+            h = self.act.fn(gate.step(x)).mul_(h)  # into the activation's fresh output: one allocation fewer
         return mods["down"].step(h)

@@ -34,6 +34,10 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 BACKENDS = ("auto", "onednn", "aten")
+# Linear.step on CPU in fp32: a narrowing product (in_features > out_features: the FFN's down projection) keeps
+# the (out, in) layout; measured on AVX2 (docs/perf/decode_floor.md) its dot-product kernel reads W faster than
+# the transposed copy's. False: every layer through the transposed copy, as before (benchmarks/decode_floor.py --ab).
+STEP_NARROW_DIRECT = True
 MIN_ROWS = 64  # below this, MKL's lower call overhead wins (measured: docs/perf/train_vs_hf.md)
 
 
@@ -218,7 +222,8 @@ class Linear(nn.Linear):
     def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
         """x (..., in) -> (..., out) for inference on a few rows (a decoding step); scale_first=(n, s)
         returns the first n outputs multiplied by s."""
-        if not x.is_cpu or x.dtype != torch.float32:
+        if not x.is_cpu or x.dtype != torch.float32 or torch.compiler.is_compiling():
+            # under torch.compile the data-pointer lookup of the transposed copy cannot be traced;
             # accelerators read either layout at full speed; on CPU the transposed copy is a win in fp32 only:
             # a bf16 (1 x 576) @ (576 x 1536) product took 2.1 ms through it vs 0.27 ms through F.linear
             # (oneDNN's bf16 kernel wants the (out, in) layout; benchmarks/llm.py)
@@ -226,6 +231,8 @@ class Linear(nn.Linear):
             if scale_first is not None:
                 y[..., : scale_first[0]] *= scale_first[1]
             return y
+        if scale_first is None and STEP_NARROW_DIRECT and self.in_features > self.out_features:
+            return F.linear(x, self.weight, self.bias)  # narrowing: the original layout, no transposed copy
         if x.dim() != 2:
             return self.step(x.reshape(-1, x.shape[-1]), scale_first).view(*x.shape[:-1], self.out_features)
         _, wt, b = self._packed(scale_first)

@@ -186,11 +186,20 @@ class RoPE(PositionalEncoding):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
+        # sin with the sign of rotate_half folded in: rotate_half(x) * sin == swap_halves(x) * sin_rot, exactly
+        # (a sign flip is exact), one elementwise pass fewer per rotated tensor
+        half = freqs.sin()
+        self.register_buffer("sin_rot", torch.cat([-half, half], dim=-1).float(), persistent=False)
 
     @staticmethod
     def _rotate_half(x: Tensor) -> Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
+
+    @staticmethod
+    def _swap_halves(x: Tensor) -> Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x2, x1], dim=-1)
 
     def reserve(self, n_positions: int) -> None:
         if n_positions > self.cos.shape[0]:
@@ -199,12 +208,18 @@ class RoPE(PositionalEncoding):
     def rotate(self, q: Tensor, k: Tensor, offset: int | Tensor = 0) -> tuple[Tensor, Tensor]:
         T = q.shape[-2]
         self.check_length(offset, T)  # grows the table (a no-op when the stack has reserved enough)
-        pos = positions(offset, T, q.device)
-        cos, sin = self.cos[pos].to(q.dtype), self.sin[pos].to(q.dtype)  # (T, hd) or (B, T, hd)
-        if cos.dim() == 3:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
+        if isinstance(offset, int) and offset >= 0:
+            # one offset for the batch: a view of the tables (no index kernels; this runs in every layer)
+            cos, sin = self.cos.narrow(0, offset, T), self.sin_rot.narrow(0, offset, T)  # (T, hd)
+        else:
+            pos = positions(offset, T, q.device)
+            cos, sin = self.cos[pos], self.sin_rot[pos]  # (T, hd) or (B, T, hd)
+            if cos.dim() == 3:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        if cos.dtype != q.dtype:
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q = q * cos + self._swap_halves(q) * sin
+        k = k * cos + self._swap_halves(k) * sin
         return q, k
 
 

@@ -1,0 +1,116 @@
+"""Prefill of long prompts (512..2048 tokens): qkv vs transformers on the same weights (issue 15; bar >= 1.2x).
+
+One forward over a B=1 prompt of each length, logits of the last position only in both libraries (what
+generation needs: qkv `model(ids, last_only=True)`, transformers `model(ids, logits_to_keep=1)`), under
+torch.no_grad. Models (random weights, built by transformers from a config, saved to a temporary folder and
+loaded by both; the same shapes as benchmarks/decode_floor.py):
+  gpt2    GPT-2 124M (12 x 768, learned positions up to 2048 here so that 2048-token prompts fit)
+  llama   a 135M-class Llama (30 x 576, 9/3 GQA heads, RoPE, RMSNorm, SwiGLU, tied)
+Every (model, length) pair runs --repeats times with the two libraries interleaved (qkv, transformers, qkv,
+...); the table gives medians, tok/s and the ratio. The last-position logits of the two are compared (max
+absolute difference) so that a fast wrong answer cannot pass unseen.
+
+    .venv/bin/python benchmarks/prefill.py [--quick] [--threads 2] [--lengths 512 1024 2048] [--repeats 3]
+
+--quick: tiny configs, lengths 16 and 32, one repeat (the smoke test, tests/test_benchmark_decode_floor.py).
+Writes OUT/prefill.json and prefill.md (OUT = benchmarks/results; --md also copies the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+import qkv  # noqa: E402
+from decode_floor import FULL, NO_DROPOUT, QUICK  # noqa: E402
+
+
+def build(name: str, quick: bool, tmp: Path, max_len: int):
+    import transformers
+
+    cfg_cls, model_cls, spec = FULL[name]
+    spec = {**(QUICK[name] if quick else spec), **NO_DROPOUT[name]}
+    spec["n_positions" if name == "gpt2" else "max_position_embeddings"] = max(max_len, 128)
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**spec)).eval()
+    hf.save_pretrained(tmp / name)
+    return hf, qkv.from_pretrained(tmp / name).eval()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="tiny configs, short prompts, one repeat (smoke test)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--families", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--md", default=None, help="also write the markdown table here (e.g. docs/perf/prefill.md)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.lengths, a.repeats = [16, 32], 1
+    torch.set_num_threads(a.threads)
+    import transformers
+
+    tmp = Path(tempfile.mkdtemp(prefix="qkv-prefill-"))
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name in a.families:
+            hf, ours = build(name, a.quick, tmp, max(a.lengths))
+            for n in a.lengths:
+                x = torch.randint(4, ours.output_vocab_size, (1, n), generator=gen)
+                fns = {"qkv": lambda x=x, m=ours: m(x, last_only=True).logits[:, -1],
+                       "transformers": lambda x=x, m=hf: m(x, logits_to_keep=1).logits[:, -1]}
+                outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the logits compared
+                diff = (outs["qkv"] - outs["transformers"]).abs().max().item()
+                times: dict[str, list[float]] = {k: [] for k in fns}
+                for _ in range(a.repeats):
+                    for k, fn in fns.items():
+                        t0 = time.perf_counter()
+                        fn()
+                        times[k].append(time.perf_counter() - t0)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                rows.append({"family": name, "tokens": n, "qkv_s": round(med["qkv"], 4),
+                             "hf_s": round(med["transformers"], 4), "qkv_tok_s": round(n / med["qkv"], 1),
+                             "hf_tok_s": round(n / med["transformers"], 1),
+                             "speedup": round(med["transformers"] / med["qkv"], 3), "max_abs_logit_diff": diff})
+            del hf, ours, fns  # free one model pair before building the next
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.processor() or platform.machine(),
+            "repeats": a.repeats, "quick": a.quick}
+    lines = [f"fp32, batch 1, {a.threads} threads, CPU {meta['cpu_capability']}; one forward, last-position logits; "
+             f"median of {a.repeats} interleaved repeats", "",
+             "| model | prompt tokens | qkv s | transformers s | qkv tok/s | transformers tok/s | qkv speed-up | "
+             "max abs logit diff |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['family']} | {r['tokens']} | {r['qkv_s']} | {r['hf_s']} | {r['qkv_tok_s']} | {r['hf_tok_s']} | "
+              f"{r['speedup']}x | {r['max_abs_logit_diff']:.1e} |" for r in rows]
+    table = "\n".join(lines) + "\n"
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "prefill_quick" if a.quick else "prefill"
+    result = {"meta": meta, "rows": rows}
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{stem}.md").write_text(table)
+    if a.md:
+        Path(a.md).write_text(table)
+    print(table)
+    return result
+
+
+if __name__ == "__main__":
+    main()
