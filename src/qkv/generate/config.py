@@ -64,6 +64,9 @@ class GenerationConfig:
     # -- run ----------------------------------------------------------------------------------------------
     seed: int | None = None  # seeds sampling (a fresh generator per call)
     use_cache: bool = True  # KV cache (False: recompute the whole prefix every step)
+    # graph-captured decoding steps (generate/graphed.py): True = torch.compile(mode="reduce-overhead"), CUDA
+    # graphs on a GPU; a string names another torch.compile backend ("eager", "aot_eager"); False = eager
+    compile: bool | str = False
     context_overflow: str = "error"  # prompt + new over an absolute-position context: error | slide
 
     def __post_init__(self) -> None:
@@ -98,6 +101,12 @@ class GenerationConfig:
              f"got {self.early_stopping!r}")
         need(self.context_overflow in CONTEXT_OVERFLOW, f"context_overflow must be 'error' or 'slide', "
              f"got {self.context_overflow!r}")
+        need(self.compile is not None and (isinstance(self.compile, bool) or bool(self.compile)),
+             f"compile must be true, false or a torch.compile backend name, got {self.compile!r}")
+        need(not self.compile or self.use_cache, "compile: graph-captured decoding runs over the KV cache: "
+             "use_cache must be true")
+        need(not self.compile or self.num_beams == 1, "compile: graph-captured decoding is not implemented for "
+             "beam search (it reorders the cache every step)")
         if isinstance(self.stop_strings, str):
             self.stop_strings = [self.stop_strings]
 

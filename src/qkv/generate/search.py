@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from qkv.generate.config import GenerationConfig, resolve
+from qkv.generate.graphed import GraphedSteps, cache_bucket, check_graphable, check_owner, static_cache
 from qkv.generate.processors import Context, Pipeline
 from qkv.models.decoding import Decoder, as_decoder
 from qkv.nn.cache import KVCache
@@ -130,6 +131,9 @@ class _Run:
             self.keep = torch.ones(self.B, self.total, dtype=torch.bool, device=dev)
             self.keep[:, : self.T] = torch.arange(self.T, device=dev).unsqueeze(0) >= n_pad.unsqueeze(1)
         self.eos_t = torch.tensor(self.eos, dtype=torch.long, device=dev) if self.eos else None
+        self.graphed: GraphedSteps | None = None  # compile=True: the compiled steps, made at the first step
+        if cfg.compile:
+            check_graphable(model)
 
     def pipeline(self, generator: torch.Generator | None) -> Pipeline:
         return Pipeline(self.cfg, Context(self.T, self.max_new, self.eos, self.n_pad), generator)
@@ -143,6 +147,11 @@ class _Run:
             keep = None if self.keep is None else self.keep[:, :cur]
             offset = None if self.n_pad is None else cache.length - self.n_pad
             if cache.length > 0 and not return_attentions:  # the fast decoding step
+                if self.cfg.compile and inp.shape[1] == 1:
+                    check_owner(cache, self)
+                    if self.graphed is None or self.graphed.cache is not cache:
+                        self.graphed = GraphedSteps(self.model, self.cfg.compile, cache, self.n_pad, self.keep)
+                    return self.graphed(inp), None, cache
                 return self.model.step(inp, cache, keep=keep, offset=offset), None, cache
             logits, att = self.model.prefill(inp, cache, keep=keep, offset=offset, source=self.source,
                                              return_attentions=return_attentions)
@@ -160,6 +169,8 @@ class _Run:
         if not self.cfg.use_cache:
             return None
         size = self.total if not self.slide else self.ctx
+        if self.cfg.compile and not self.slide:  # one compiled graph, one recorded CUDA graph, for many lengths
+            return static_cache(self.model, self.B, cache_bucket(size, self.ctx), self)
         return self.model.make_cache(self.B, size)
 
 
@@ -424,6 +435,8 @@ def generate(
                 raise ValueError("stop_strings / stopping_criteria are not supported with beam search")
             out = _beam_search(dec, input_ids, cfg, attention_mask)
             return out if return_dict else out.sequences
+        if return_attentions and cfg.compile:
+            raise ValueError("return_attentions needs the full forward at every step: use compile=False")
         s = _Run(dec, input_ids, cfg, attention_mask, cfg.num_return_sequences)
         stop = _stop_fn(cfg.stop_strings, tokenizer, stopping_criteria, s.T)
         pipe = s.pipeline(_generator(generator, cfg.seed, input_ids.device))

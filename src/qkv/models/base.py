@@ -191,6 +191,18 @@ class TransformerDecoderModel(QKVModel):
         h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset)
         return self.lm_head.step(h[:, -1])
 
+    @property
+    def static_step_supported(self) -> bool:
+        """Whether static_step (graph-captured decoding) works for this model's positions."""
+        return self.decoder.static_step_supported
+
+    def static_step(self, ids: Tensor, cache: StaticCache, *, index: Tensor, offset: Tensor,
+                    keep: Tensor | None = None) -> Tensor:
+        """step() for one new token per row (ids (B, 1)) with shapes that never change, for torch.compile /
+        CUDA graphs (Stack.static_step: the arguments, and the caller advances cache.length)."""
+        h = self.decoder.static_step(self.embed_target(ids), cache=cache, index=index, offset=offset, keep=keep)
+        return self.lm_head.step(h[:, -1])
+
 
 class Seq2SeqModel(TransformerDecoderModel):
     """The decoder half shared by the encoder-decoder families (EncoderDecoder, Whisper-like): teacher

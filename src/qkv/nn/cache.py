@@ -89,6 +89,24 @@ class StaticCache(KVCache):
         vl.narrow(2, self.length, v.shape[2]).copy_(v)
         return kl.narrow(2, 0, end), vl.narrow(2, 0, end)
 
+    def reset(self) -> None:
+        """Empty, for reuse by another generation (the buffers stay where they are: a CUDA graph captured over
+        them stays valid). Nothing is zeroed: positions at or past `length` are never attended."""
+        self.length = 0
+        self._cross = {}
+        self.memory_keep = None
+
+    def write_at(self, layer: int, k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+        """The static-shape update of a graph-captured decoding step (Stack.static_step): k, v (B, H_kv, 1, hd)
+        written at column `index` (a (1,) long tensor on the cache's device: the positions already cached),
+        and the whole (B, H_kv, max_len, hd) buffers returned; the step masks the columns after `index`.
+        Neither the Python `length` nor any tensor value is read, so under torch.compile one graph (one CUDA
+        graph) serves every position. `length` is the caller's to advance."""
+        kl, vl = self.k[layer], self.v[layer]
+        kl.index_copy_(2, index, k)
+        vl.index_copy_(2, index, v)
+        return kl, vl
+
     def reorder(self, index: Tensor, *, cross: bool = True) -> None:
         super().reorder(index, cross=cross)
         if index.numel() != self.k.shape[1]:  # a new batch size: new buffers
@@ -102,3 +120,21 @@ class StaticCache(KVCache):
         for buf in (self.k, self.v):
             filled = buf.narrow(3, 0, n)
             filled.copy_(filled.index_select(1, index))
+
+
+class ColumnWrites:
+    """A StaticCache seen by Stack.static_step: `update` writes the new token's K/V at column `index` (a
+    device tensor) instead of at the Python `length`, and returns the full buffers; the cross-attention store
+    is the cache's own."""
+
+    def __init__(self, cache: StaticCache, index: Tensor) -> None:
+        self.cache, self.index = cache, index
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cache.write_at(layer, k, v, self.index)
+
+    def has_cross(self, layer: int) -> bool:
+        return self.cache.has_cross(layer)
+
+    def get_cross(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.cache.get_cross(layer)

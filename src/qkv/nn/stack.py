@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qkv.nn.attention import Unpadded, expand_mask, step_scores_bias
 from qkv.nn.block import Block
-from qkv.nn.cache import KVCache
+from qkv.nn.cache import ColumnWrites, KVCache, StaticCache
 from qkv.nn.norm import build_norm, frozen_running_stats
 from qkv.nn.position import PositionalEncoding
 
@@ -179,3 +179,60 @@ class Stack(nn.Module):
         if self.final_norm is not None:
             rows = self.final_norm(rows, row_keep)
         return rows.view(B, T, -1)
+
+    @property
+    def static_step_supported(self) -> bool:
+        """static_step needs positions that are not an attention bias: ALiBi's and T5's bias depend on the
+        query's position as a Python int (the bias hook's q_len/k_len), which a static-shape step does not have."""
+        return type(self.position).bias is PositionalEncoding.bias
+
+    def static_step(
+        self,
+        x: Tensor,
+        *,
+        cache: StaticCache,
+        index: Tensor,
+        offset: Tensor,
+        keep: Tensor | None = None,
+    ) -> Tensor:
+        """step() for one new token per row with static shapes, for torch.compile and CUDA graphs
+        (mode="reduce-overhead"): the same function, computed over every column of the cache.
+
+        x: (B, 1, d) embeddings of the newest tokens; index: (1,) long tensor on the cache's device, the
+        column their K/V are written to (= the tokens already cached); offset: (1,) or (B,) long tensor, the
+        new token's position (index minus the row's left padding); keep: (B, max_len) bool key mask, or None.
+        Attention runs over all max_len columns with the ones after `index` masked (-inf, so a weight of
+        exactly 0), so no shape depends on the position and nothing is read back to the host: one compiled
+        graph serves every step. Returns (B, 1, d); cache.length is NOT advanced (the caller does, outside the
+        graph)."""
+        if self.training:
+            raise RuntimeError("Stack.static_step is the inference path (no dropout): call model.eval() first")
+        if not self.static_step_supported:
+            raise ValueError(f"static_step does not support {type(self.position).__name__} positions (an attention "
+                             f"bias that depends on the query position): use step()")
+        B, T, d = x.shape
+        if T != 1:
+            raise ValueError(f"static_step takes one new token per row, got {T}")
+        L = cache.max_len
+        self.position.reserve(L)  # a Python int: grows RoPE's table before tracing, refuses past a fixed table
+        x = self.position.embed(x, offset)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x, None)
+        visible = torch.arange(L, device=x.device) <= index  # (L,): the cached columns and the new one
+        visible = visible.expand(B, L) if keep is None else keep.bool() & visible
+        add = cross_add = None
+        if self.blocks:
+            a = self.blocks[0].attn
+            heads = dict(batch=B, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, q_len=1, dtype=x.dtype, device=x.device)
+            add = step_scores_bias(**heads, k_len=L, bias=None, keep=visible, causal=False)
+            if self.blocks[0].cross is not None and cache.memory_keep is not None:
+                mk = cache.memory_keep
+                cross_add = step_scores_bias(**heads, k_len=mk.shape[1], bias=None, keep=mk, causal=False)
+        rows = x.reshape(B, d)
+        writes = ColumnWrites(cache, index)
+        rotating = self.position if type(self.position).rotate is not PositionalEncoding.rotate else None
+        for i, block in enumerate(self.blocks):
+            rows = block.step(rows, B, writes, i, add, cross_add, None, rotating, offset)
+        if self.final_norm is not None:
+            rows = self.final_norm(rows, None)
+        return rows.view(B, 1, -1)

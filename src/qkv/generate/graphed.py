@@ -1,0 +1,149 @@
+"""Graph-captured decoding: the decoding step compiled once with torch.compile over the static KV cache.
+
+With GenerationConfig(compile=True) (or generate(..., compile=True)) the prompt is prefilled eagerly (its
+length varies) and every further token goes through `model.static_step` (models/base.py, nn/stack.py): one
+token per row, its K/V written at a device-side column index, attention over every column of the
+preallocated cache with the future masked. No shape depends on the position and nothing is read back to the
+host, so torch.compile traces one graph for the whole generation, and mode="reduce-overhead" replays it as a
+CUDA graph: one launch per step instead of one per kernel, which is what a small model at batch 1 is bound by
+on a GPU. On the CPU the same code runs (Inductor, or any backend named), with nothing like CUDA graphs to gain.
+
+compile=True means backend="inductor", mode="reduce-overhead"; a string names another torch.compile backend
+("eager", "aot_eager": tracing without code generation, which the tests use). The compiled step is kept per
+model and backend, so later generate() calls reuse it (a new batch size or cache length compiles again).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.nn.linear import free_packed
+
+_COMPILED: weakref.WeakKeyDictionary[Any, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
+# per model: the static caches of graph-captured generations, one per (batch, length, dtype, device), reused by
+# later calls so that a CUDA graph recorded over their buffers is replayed, not recorded again
+_CACHES: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+# per cache: the other static buffers of its steps (the column index, the key mask, the left padding)
+_BUFFERS: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _step(model: Any, ids: Tensor, cache: Any, index: Tensor, n_pad: Tensor | None, keep: Tensor | None) -> Tensor:
+    offset = index if n_pad is None else index - n_pad  # each row's position: its first real token is 0
+    return model.static_step(ids, cache, index=index, offset=offset, keep=keep)
+
+
+BUCKET = 256  # cache lengths are rounded up to a multiple of this under compile
+
+
+def cache_bucket(n_positions: int, context: int | None) -> int:
+    """The cache length for `n_positions` under compile: rounded up to a multiple of BUCKET (capped at the
+    model's context), so that generations of different lengths share one compiled graph (its shapes are
+    the cache's)."""
+    size = -(-n_positions // BUCKET) * BUCKET
+    return size if context is None else max(n_positions, min(size, context))
+
+
+def static_cache(model: Any, batch_size: int, max_len: int, owner: object) -> Any:
+    """model.make_cache(batch_size, max_len), kept and reset for the next generation of the same shape (the
+    memory stays allocated while the model lives; `release(model)` frees it). `owner` (the generation) is
+    recorded on it: two interleaved generations of one shape (two stream() iterators) would share the buffers,
+    so the older one's next step finds another owner and stops with an error (check_owner)."""
+    p = next(model.parameters())
+    key = (batch_size, max_len, p.dtype, p.device)
+    caches = _CACHES.setdefault(model, {})
+    cache = caches.get(key)
+    if cache is None:
+        cache = caches[key] = model.make_cache(batch_size, max_len)
+    cache.reset()
+    cache.owner = owner
+    return cache
+
+
+def check_owner(cache: Any, owner: object) -> None:
+    if getattr(cache, "owner", None) is not owner:
+        raise RuntimeError("compile: another generation with compile=True of the same model and shape reused this "
+                           "generation's static cache (interleaved stream() calls); finish one first, or use "
+                           "compile=False for the other")
+
+
+def release(model: Any) -> None:
+    """Drop the model's kept caches and compiled steps."""
+    _CACHES.pop(model, None)
+    _COMPILED.pop(model, None)
+
+
+def _buffer(cache: Any, name: str, like: Tensor) -> Tensor:
+    """The cache's persistent buffer `name`, shaped and typed like `like`, holding like's values."""
+    bufs = _BUFFERS.setdefault(cache, {})
+    buf = bufs.get(name)
+    if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+        buf = bufs[name] = torch.empty_like(like)
+        torch._dynamo.mark_static_address(buf)
+    return buf.copy_(like)
+
+
+def check_graphable(model: Any) -> None:
+    """A clear error for a model without the static decoding step (the LSTM) or with a position bias."""
+    if not callable(getattr(model, "static_step", None)):
+        raise ValueError(f"compile: {type(model).__name__} has no static decoding step (graph-captured decoding "
+                         f"needs a Transformer decoder over a static KV cache); use compile=False")
+    if not model.static_step_supported:
+        raise ValueError("compile: graph-captured decoding does not support ALiBi or relative-bias positions "
+                         "(their bias depends on the query position); use compile=False")
+
+
+def compiled_step(model: Any, compile: bool | str) -> Callable[..., Tensor]:
+    """The compiled `_step` for `model` (kept per model and backend)."""
+    backend = "inductor" if compile is True else str(compile)
+    per_model = _COMPILED.setdefault(model, {})
+    fn = per_model.get(backend)
+    if fn is None:
+        mode = "reduce-overhead" if backend == "inductor" else None  # CUDA graphs (a no-op on the CPU)
+        fn = per_model[backend] = torch.compile(_step, backend=backend, mode=mode, fullgraph=True, dynamic=False)
+    return fn
+
+
+class GraphedSteps:
+    """The decoding steps of one generation through the compiled step. `keep`: the (B, >= cached) key mask of
+    the generation (None: no padding), read once here: the columns after the prompt are all real tokens.
+    The device-side column index (advanced in place after each step, never read back), the mask and the
+    padding are copied into buffers kept with the cache, and they and the cache are marked as static
+    addresses: a CUDA graph uses them in place, and a later generation over the same kept cache
+    (static_cache) replays the graph instead of recording a new one."""
+
+    def __init__(self, model: Any, compile: bool | str, cache: Any, n_pad: Tensor | None, keep: Tensor | None) -> None:
+        if keep is not None:
+            # the mask over the cache's columns (of a longer buffer its first max_len; a shorter one is padded
+            # with True: columns that only generated tokens ever fill)
+            full = torch.ones(keep.shape[0], cache.max_len, dtype=torch.bool, device=keep.device)
+            n = min(keep.shape[1], cache.max_len)
+            full[:, :n] = keep[:, :n]
+            keep = _buffer(cache, "keep", full)
+        if n_pad is not None:
+            n_pad = _buffer(cache, "n_pad", n_pad)
+        self.model, self.cache, self.n_pad, self.keep = model, cache, n_pad, keep
+        self.fn = compiled_step(model, compile)
+        self.index = _buffer(cache, "index", torch.full((1,), cache.length, dtype=torch.long, device=cache.k.device))
+        torch._dynamo.mark_static_address(cache.k)
+        torch._dynamo.mark_static_address(cache.v)
+        self.cuda = cache.k.is_cuda
+        # Linear.step keeps a transposed fp32 copy of each CPU weight, found again by comparing data pointers,
+        # which Dynamo cannot trace: on the CPU the copies are dropped before each compiled step and rebuilt
+        # inside it (a CPU-only cost; accelerators and bf16 take F.linear and keep no copy)
+        self.unpack = cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        """Next-token logits (B, V) after ids (B, 1); advances the cache by one."""
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten now
+        if self.unpack:
+            free_packed(self.model)
+        logits = self.fn(self.model, ids, self.cache, self.index, self.n_pad, self.keep)
+        self.cache.advance(1)
+        self.index.add_(1)
+        return logits.clone() if self.cuda else logits  # a CUDA graph's output lives in its memory pool

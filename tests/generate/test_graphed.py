@@ -1,0 +1,107 @@
+"""Graph-captured decoding (generate(..., compile=...), qkv/generate/graphed.py): the same tokens as the eager
+decoding step, ONE traced graph for every position, clear errors where it does not apply. backend "eager" /
+"aot_eager" trace the step exactly as Inductor would receive it (fullgraph=True, so a graph break fails
+here) without generating code; mode="reduce-overhead" (CUDA graphs) is exercised by the CUDA test
+tests/generate/test_graphed_cuda.py and benchmarks/gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _genmodels import tiny_encdec, tiny_gpt
+
+import qkv
+from qkv.config import ConfigError
+from qkv.generate import generate
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_gpt_greedy_tokens_equal_eager_with_left_padding_and_one_graph():
+    torch._dynamo.reset()
+    m = tiny_gpt("learned")
+    ids = torch.randint(0, 11, (3, 5))
+    mask = torch.ones(3, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    want = generate(m, ids, 12, attention_mask=mask)
+    before = _unique_graphs()
+    got = generate(m, ids, 12, attention_mask=mask, compile="eager")
+    assert torch.equal(got, want)
+    assert _unique_graphs() - before == 1  # one graph for all 11 decoding steps: no shape depends on the position
+    again = generate(m, ids, 12, attention_mask=mask, compile="eager")  # the compiled step is kept per model
+    assert torch.equal(again, want) and _unique_graphs() - before == 1
+    # another length: the cache is sized in buckets (capped at the context), so the same graph serves it
+    shorter = generate(m, ids[1:], 7, attention_mask=mask[1:], compile="eager")
+    assert torch.equal(shorter, generate(m, ids[1:], 7, attention_mask=mask[1:]))
+    assert _unique_graphs() - before == 2  # batch 2 is a new shape; 7 new tokens are not
+
+
+def test_llama_style_sampling_and_encoder_decoder_equal_eager():
+    """RoPE + GQA + RMSNorm + SwiGLU + q/k norm (Llama/Qwen3 shapes), sampling with a seed, aot_eager (the
+    functionalised graph Inductor compiles: the in-place cache writes are rewritten there); and an
+    encoder-decoder's decoder with cross-attention over the cached encoder keys."""
+    m = tiny_gpt("rope", gqa=True, norm="rmsnorm", ffn="swiglu", bias=False, qk_norm=True)
+    ids = torch.randint(0, 11, (2, 4))
+    opts = dict(do_sample=True, top_k=5, seed=3)
+    assert torch.equal(generate(m, ids, 10, compile="aot_eager", **opts), generate(m, ids, 10, **opts))
+    e = tiny_encdec("sinusoidal")
+    src = torch.randint(3, 11, (2, 6))
+    src_mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    want = generate(e, src, 8, attention_mask=src_mask)
+    assert torch.equal(generate(e, src, 8, attention_mask=src_mask, compile="eager"), want)
+
+
+def test_static_step_logits_equal_step_over_the_whole_cache():
+    """The function itself, eagerly: static_step attends over every column of the cache with the future
+    masked; its logits equal step()'s over the cached prefix (to fp32 rounding), position after position."""
+    m = tiny_gpt("rope", gqa=True)
+    ids = torch.randint(0, 11, (2, 4))
+    with torch.no_grad():
+        a, b = m.make_cache(2, 12), m.make_cache(2, 12)
+        m(ids, cache=a)
+        m(ids, cache=b)
+        index = torch.tensor([4])
+        for t in range(5):
+            tok = torch.tensor([[t + 1], [t + 2]])
+            want = m.step(tok, a)
+            got = m.static_step(tok, b, index=index, offset=index)
+            b.advance(1)
+            index += 1
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.k[:, :, :, :9], a.k[:, :, :, :9])
+
+
+def test_interleaved_compiled_streams_of_one_shape_fail_clearly():
+    """Compiled generations keep their static cache for the next call of the same shape (a CUDA graph recorded
+    over it is replayed); two interleaved ones would share it, so the older one stops with an error."""
+    from qkv.generate import stream
+
+    m = tiny_gpt("rope")
+    ids = torch.randint(0, 11, (1, 4))
+    first, second = stream(m, ids, 6, compile="eager"), stream(m, ids, 6, compile="eager")
+    next(first), next(first)
+    next(second), next(second)
+    with pytest.raises(RuntimeError, match="reused this generation's static cache"):
+        next(first)
+    rest = [t for t in second]  # the newer one goes on, with the eager path's tokens
+    assert torch.equal(torch.cat([generate(m, ids, 6)[0, 4:6], torch.cat(rest)]), generate(m, ids, 6)[0, 4:])
+
+
+def test_clear_errors_where_graph_decoding_does_not_apply():
+    ids = torch.randint(0, 11, (1, 4))
+    with pytest.raises(ValueError, match="ALiBi or relative-bias"):
+        generate(tiny_gpt("alibi"), ids, 3, compile="eager")
+    lstm = qkv.build("lstm-tiny", vocab_size=11).eval()
+    with pytest.raises(ValueError, match="no static decoding step"):
+        generate(lstm, ids, 3, compile="eager")
+    with pytest.raises(ConfigError, match="beam search"):
+        generate(tiny_gpt(), ids, 3, num_beams=2, compile="eager")
+    with pytest.raises(ConfigError, match="use_cache"):
+        generate(tiny_gpt(), ids, 3, use_cache=False, compile=True)
+    with pytest.raises(ValueError, match="return_attentions"):
+        generate(tiny_gpt(), ids, 3, return_attentions=True, compile="eager")

@@ -1,0 +1,35 @@
+"""benchmarks/gpu.py --device cpu --smoke: every section runs end to end on the CPU at a tiny size and writes
+its JSON and markdown (the figures themselves come from a CUDA run, docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--smoke", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=400,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_smoke.json").read_text())["rows"]
+    assert not [row for row in rows if "section_error" in row]
+    assert {row["section"] for row in rows} == {"env", "peak", "train", "decode", "flash", "sync"}
+    train = {row["impl"]: row for row in rows if row["section"] == "train" and "tok_s" in row}
+    assert {"qkv bare loop", "HF GPT2LMHeadModel bare loop", "qkv bare loop + torch.compile",
+            "qkv.train.Trainer"} <= set(train)
+    assert train["qkv bare loop"]["loss"] == train["qkv bare loop + torch.compile"]["loss"]  # the same function
+    graphed = [row for row in rows if row["section"] == "decode" and row.get("impl") == "qkv graph-captured"]
+    assert len(graphed) == 2 and all(row["tokens_equal_eager"] for row in graphed)
+    kernels = [row for row in rows if row["section"] == "flash" and "sdpa_calls" in row]
+    assert len(kernels) == 2 and all(row["flash_taken"] for row in kernels)  # the CPU has a flash kernel too
+    assert [row["result"] for row in rows if row["section"] == "sync" and "result" in row] == ["ok"] * 3
+    assert "| qkv graph-captured |" in (tmp_path / "gpu_smoke.md").read_text()
