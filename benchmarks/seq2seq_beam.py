@@ -6,8 +6,10 @@ temporary folder and loaded into qkv through `qkv.from_pretrained`. Input: `--se
 sentences of 12-24 tokens (right-padded batches of `--batch-size`), beam search with num_beams 4,
 length_penalty 0.6, no_repeat_ngram_size 3, early_stopping, `--max-new-tokens` (random weights rarely say
 eos, so most beams run to the limit: the same work in both libraries). Every configuration runs `--repeats`
-times, interleaved (round robin); the table reports medians of sentences/s and the ratio to HF, and whether
-the two libraries produced the same tokens. The machine is shared: only ratios within one run count.
+times, interleaved, the order reversed every other round (ABBA) so drift of a shared machine hits both alike;
+the table reports medians of sentences/s, the median of the per-round ratios to HF with their range, the same
+ratio measured in process CPU time (less sensitive to other jobs on a shared machine), and whether the two
+libraries produced the same tokens. Only ratios within one run count.
 
     .venv/bin/python benchmarks/seq2seq_beam.py [--quick] [--out DIR]
 """
@@ -79,7 +81,7 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
@@ -103,12 +105,16 @@ def main() -> None:
     for fn in configs.values():  # warm-up: the first batch
         fn(batches[:1])
     times: dict[str, list[float]] = {k: [] for k in configs}
+    cpu: dict[str, list[float]] = {k: [] for k in configs}
     outs: dict[str, list[torch.Tensor]] = {}
-    for _ in range(a.repeats):
-        for k, fn in configs.items():
-            t0 = time.perf_counter()
-            outs[k] = fn()
+    order = list(configs)
+    for r in range(a.repeats):
+        for k in (order if r % 2 == 0 else order[::-1]):
+            t0, c0 = time.perf_counter(), time.process_time()
+            outs[k] = configs[k]()
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+        print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{k} {times[k][-1]:.2f} s" for k in order), flush=True)
 
     def same(x: torch.Tensor, y: torch.Tensor) -> bool:
         w = max(x.shape[1], y.shape[1])
@@ -117,17 +123,28 @@ def main() -> None:
                            torch.nn.functional.pad(y, (0, w - y.shape[1]), value=pad))
 
     equal = all(same(x, y) for x, y in zip(outs["qkv beam search"], outs["HF MarianMTModel.generate"]))
+    hf_key = "HF MarianMTModel.generate"
     med = {k: statistics.median(v) for k, v in times.items()}
-    hf_med = med["HF MarianMTModel.generate"]
-    rows = [{"config": k, "median_s": round(v, 3), "sentences_per_s": round(a.sentences / v, 2),
-             "vs_hf": round(hf_med / v, 3), "times_s": [round(t, 3) for t in times[k]]} for k, v in med.items()]
-    lines = ["| config | median s | sentences/s | x HF |", "|---|---|---|---|"]
-    lines += [f"| {r['config']} | {r['median_s']} | {r['sentences_per_s']} | {r['vs_hf']} |" for r in rows]
+    rows = []
+    for k, v in med.items():
+        per_round = [h / t for t, h in zip(times[k], times[hf_key])]
+        per_round_cpu = [h / t for t, h in zip(cpu[k], cpu[hf_key])]
+        rows.append({"config": k, "median_s": round(v, 3), "sentences_per_s": round(a.sentences / v, 2),
+                     "vs_hf": round(statistics.median(per_round), 3),
+                     "vs_hf_range": [round(min(per_round), 3), round(max(per_round), 3)],
+                     "vs_hf_cpu_time": round(statistics.median(per_round_cpu), 3),
+                     "times_s": [round(t, 3) for t in times[k]], "cpu_s": [round(t, 3) for t in cpu[k]]})
+    lines = ["| config | median s | sentences/s | x HF (median of rounds) | range | x HF in CPU time |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['config']} | {r['median_s']} | {r['sentences_per_s']} | {r['vs_hf']} | "
+              f"{r['vs_hf_range'][0]}..{r['vs_hf_range'][1]} | {r['vs_hf_cpu_time']} |" for r in rows]
     lines += ["", f"{a.sentences} sentences, batches of {a.batch_size}, num_beams 4, length_penalty 0.6, "
               f"no_repeat_ngram_size 3, early_stopping, max_new_tokens {a.max_new_tokens}; {a.repeats} interleaved "
-              f"repeats (median); tokens identical to HF: {equal}"]
+              f"ABBA rounds; {torch.get_num_threads()} threads, CPU capability "
+              f"{torch.backends.cpu.get_cpu_capability()}; tokens identical to HF: {equal}"]
     table = "\n".join(lines)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "shape": shape, "sentences": a.sentences, "batch_size": a.batch_size, "max_new_tokens": a.max_new_tokens,
             "repeats": a.repeats, "quick": a.quick, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     out = Path(a.out)

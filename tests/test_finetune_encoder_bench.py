@@ -21,8 +21,12 @@ def test_quick_benchmark_writes_results(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "finetune_encoder_quick.json").read_text())
-    assert {row["dtype"] for row in result["rows"]} == {"fp32", "bf16"} and len(result["rows"]) == 5  # + MKL row
+    assert {row["dtype"] for row in result["rows"]} == {"fp32", "bf16"}
+    # per dtype: qkv, HF, qkv with unpadding off; fp32 also both with the oneDNN linear path off
+    assert len(result["rows"]) == 8
+    assert all(row["ratio_vs_hf_cpu_time"] > 0 for row in result["rows"])
     losses = result["first_step_loss"]  # same weights, same batch: the same function in fp32
     assert abs(losses["qkv BERT fp32"] - losses["HF BertForSequenceClassification (sdpa) fp32"]) < 1e-4
+    assert abs(losses["qkv BERT, unpadding off fp32"] - losses["qkv BERT fp32"]) < 1e-5
     assert all(row["tokens_per_s"] > 0 for row in result["rows"])
     assert "qkv / HF throughput" in (tmp_path / "finetune_encoder_quick.md").read_text()

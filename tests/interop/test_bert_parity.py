@@ -138,3 +138,68 @@ def test_bert_unsupported_config_is_refused(tmp_path, kw, match):
     hf.save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match=match):
         qkv.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("head", ["classify", "tag", "mlm"])
+def test_training_step_with_unpadding_matches_hf_gradients(tmp_path, head):
+    """Training mode runs the token-wise layers on the real tokens only (BERT.unpad_in_training): the loss,
+    the real tokens' logits and every parameter's gradient equal HF's (which computes every position), and
+    the same model with unpadding off; only the hidden states of padded positions differ (zeros)."""
+    cls = {"classify": transformers.BertForSequenceClassification, "tag": transformers.BertForTokenClassification,
+           "mlm": transformers.BertForMaskedLM}[head]
+    hf = _randomise(cls(_cfg(num_labels=3))).train()
+    hf.save_pretrained(tmp_path)
+    ours = qkv.from_pretrained(tmp_path).train()
+    padded = qkv.from_pretrained(tmp_path).train()
+    padded.unpad_in_training = False
+    x, mask, types = _batch()
+    x = x.clamp_min(1)  # id 0 is HF's padding_idx, whose embedding row HF never trains: none in real text
+    if head == "classify":
+        labels = torch.tensor([0, 2, 1, 1, 0, 2])
+    else:
+        hi = 3 if head == "tag" else VOCAB
+        labels = torch.where(mask.bool(), torch.randint(0, hi, x.shape), torch.full_like(x, -100))
+    ref = hf(x, attention_mask=mask, token_type_ids=types, labels=labels)
+    ref.loss.backward()
+    for model in (ours, padded):
+        got = model(x, attention_mask=mask, token_type_ids=types, labels=labels)
+        got.loss.backward()
+        torch.testing.assert_close(got.loss, ref.loss, atol=1e-5, rtol=1e-5)
+        real = mask.bool() if head != "classify" else slice(None)
+        torch.testing.assert_close(got.logits[real], ref.logits[real], atol=1e-4, rtol=1e-4)
+    pad_rows = ours(x, attention_mask=mask, token_type_ids=types).last_hidden_state[~mask.bool()]
+    assert pad_rows.abs().max() == 0  # unpadded: padded positions are never computed
+    assert padded(x, attention_mask=mask, token_type_ids=types).last_hidden_state[~mask.bool()].abs().max() > 0
+    # gradients of the three models, by qkv parameter (HF's query/key/value are qkv's fused qkv_proj rows)
+    hf_layer0 = hf.bert.encoder.layer[0]
+    ref_qkv = torch.cat([getattr(hf_layer0.attention.self, n).weight.grad for n in ("query", "key", "value")])
+    ref_ffn = hf_layer0.intermediate.dense.weight.grad
+    ref_emb = hf.bert.embeddings.word_embeddings.weight.grad
+    ref_pos = hf.bert.embeddings.position_embeddings.weight.grad
+    assert ref_qkv.abs().max() > 1e-3
+    for model in (ours, padded):
+        blk = model.encoder.blocks[0]
+        torch.testing.assert_close(blk.attn.qkv_proj.weight.grad, ref_qkv, atol=1e-5, rtol=1e-3)
+        torch.testing.assert_close(blk.ffn.up.weight.grad, ref_ffn, atol=1e-5, rtol=1e-3)
+        torch.testing.assert_close(model.tok_emb.weight.grad, ref_emb, atol=1e-5, rtol=1e-3)
+        pos_grad = model.encoder.position.weight.grad
+        torch.testing.assert_close(pos_grad[: ref_pos.shape[0]], ref_pos, atol=1e-5, rtol=1e-3)
+    for (n, a), b in zip(ours.named_parameters(), padded.parameters()):
+        if a.grad is not None or b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-3, msg=n)
+
+
+def test_unpadding_without_padding_and_in_eval_is_the_plain_path(tmp_path):
+    """No padding in the batch (nothing to skip) or eval mode: the plain padded path, bit for bit."""
+    hf = _randomise(transformers.BertModel(_cfg()))
+    hf.save_pretrained(tmp_path)
+    ours = qkv.from_pretrained(tmp_path)
+    plain = qkv.from_pretrained(tmp_path)
+    plain.unpad_in_training = False
+    x, mask, types = _batch()
+    full = torch.ones_like(mask)
+    for train, m in ((True, full), (False, mask)):
+        ours.train(train), plain.train(train)
+        with torch.no_grad():
+            assert torch.equal(ours(x, attention_mask=m, token_type_ids=types).last_hidden_state,
+                               plain(x, attention_mask=m, token_type_ids=types).last_hidden_state)

@@ -32,6 +32,7 @@ from qkv.generate.config import GenerationConfig, resolve
 from qkv.generate.graphed import GraphedSteps, cache_bucket, check_graphable, check_owner, static_cache
 from qkv.generate.processors import Context, Pipeline
 from qkv.models.decoding import Decoder, as_decoder
+from qkv.nn.cache import KVCache
 
 # stopping_criteria(sequences (B, T_so_far), new_tokens (B,)) -> (B,) bool: True = this sequence stops now
 StoppingCriteria = Callable[[Tensor, Tensor], Tensor]
@@ -299,14 +300,16 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
         src_b, tok_b = (top_i // V).tolist(), (top_i % V).tolist()
         top_l = top_s.tolist()
         L = step + 1
-        next_s = torch.full((B0, K), float("-inf"), device=dev)
-        next_tok = torch.full((B0, K), s.pad, dtype=torch.long, device=dev)
-        next_src = torch.zeros(B0, K, dtype=torch.long, device=dev)
+        # the next beams as Python lists, made into tensors once: an element write into a tensor costs a few
+        # microseconds, and this loop does B0 * K * 3 of them per step
+        next_s = [[float("-inf")] * K for _ in range(B0)]
+        next_tok = [[s.pad] * K for _ in range(B0)]
+        next_src = [list(range(K)) for _ in range(B0)]
         for b in range(B0):
             if row_done[b]:
-                next_src[b] = torch.arange(K, device=dev)
                 continue
             j = 0
+            ns, nt, nsrc = next_s[b], next_tok[b], next_src[b]
             for r, (sc, src, tok) in enumerate(zip(top_l[b], src_b[b], tok_b[b])):
                 if sc == float("-inf"):
                     break
@@ -316,12 +319,14 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
                         toks = torch.cat([s.buf[row, s.T:cur], torch.tensor([tok], device=dev)])
                         finished[b].append((sc / L**lp, toks))
                     continue
-                next_s[b, j], next_tok[b, j], next_src[b, j] = sc, tok, src
+                ns[j], nt[j], nsrc[j] = sc, tok, src
                 j += 1
                 if j == K:
                     break
+            if j < K:
+                nsrc[j:] = [0] * (K - j)  # empty slots (score -inf) copy beam 0, as before
             finished[b] = sorted(finished[b], key=lambda h: -h[0])[:K]
-            best_open = float(next_s[b, 0])
+            best_open = ns[0]
             if best_open == float("-inf"):
                 row_done[b] = True
             elif len(finished[b]) >= K:
@@ -336,10 +341,17 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
                     bound = best_open / (max_new**lp if lp > 0 else (L + 1) ** lp)
                 if finished[b][-1][0] >= bound:
                     row_done[b] = True
+        next_s = torch.tensor(next_s, device=dev)
+        next_tok = torch.tensor(next_tok, dtype=torch.long, device=dev)
+        next_src = torch.tensor(next_src, dtype=torch.long, device=dev)
         rows = (torch.arange(B0, device=dev).unsqueeze(1) * K + next_src).view(-1)
         s.buf = s.buf.index_select(0, rows)
         if cache is not None:
-            cache.reorder(rows)
+            if s.seq2seq and isinstance(cache, KVCache):
+                # every beam of a sentence reads the same encoder K/V: only the self-attention cache moves
+                cache.reorder(rows, cross=False)
+            else:
+                cache.reorder(rows)
         s.buf[:, cur] = next_tok.view(-1)
         beam_scores = next_s
         cur += 1

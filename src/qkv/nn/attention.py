@@ -15,7 +15,7 @@ tokens of a longer cached sequence (KV-cache decoding); SDPA's own is_causal ali
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,34 @@ def expand_mask(key_padding_mask: Tensor) -> Tensor:
     if key_padding_mask.dtype != torch.bool:
         key_padding_mask = key_padding_mask.bool()
     return key_padding_mask[:, None, None, :]
+
+
+class Unpadded(NamedTuple):
+    """Which positions of a right- or left-padded (batch, length) batch hold real tokens, for running the
+    token-wise layers (projections, FFN, norms) on the real tokens' rows only ("unpadding", as in
+    FlashAttention's varlen path and ModernBERT): with row lengths uniform in [T/2, T] a quarter of those
+    matmuls is spent on padding otherwise. Attention alone needs the (B, T) layout: `pad` scatters the rows
+    back into it (zeros at the padding, which the key mask hides) and `unpad` gathers them again.
+    index: (N,) flat positions b * T + t of the real tokens, in order."""
+
+    index: Tensor
+    batch: int
+    length: int
+
+    @staticmethod
+    def from_keep(keep: Tensor) -> Unpadded:
+        """keep: (B, T) bool, True = real token. A host sync (nonzero) on accelerators."""
+        B, T = keep.shape
+        return Unpadded(keep.reshape(-1).nonzero().squeeze(1), B, T)
+
+    def pad(self, rows: Tensor) -> Tensor:
+        """(N, ...) rows -> (B, T, ...), zeros at the padded positions."""
+        full = rows.new_zeros((self.batch * self.length, *rows.shape[1:]))
+        return full.index_copy(0, self.index, rows).view(self.batch, self.length, *rows.shape[1:])
+
+    def unpad(self, x: Tensor) -> Tensor:
+        """(B, T, ...) -> (N, ...), the real tokens' rows."""
+        return x.reshape(self.batch * self.length, *x.shape[2:]).index_select(0, self.index)
 
 
 def scaled_dot_product_attention(
@@ -232,10 +260,18 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         return_weights: bool = False,
+        unpadded: Unpadded | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, d_model). memory: encoder output for cross-attention. mask: bool keep-mask
         broadcastable to (B, H, T, Tk). position.rotate (RoPE) is applied with the given offset.
-        With a cache, new K/V are appended and attention runs over all cached keys."""
+        With a cache, new K/V are appended and attention runs over all cached keys.
+        unpadded (self-attention without a cache): x is (N, d_model), the real tokens' rows of a padded
+        (B, T) batch; the projections run on those rows only and the output is (N, d_model) too."""
+        if unpadded is not None:
+            if self.cross or cache is not None:
+                raise ValueError("unpadded rows are for self-attention without a KV cache")
+            y, w = self._unpadded(x, unpadded, mask, bias, position, offset, return_weights)
+            return y, w
         B, T, C = x.shape
         if self.cross:
             if memory is None and (cache is None or not cache.has_cross(layer)):
@@ -266,6 +302,27 @@ class MultiHeadAttention(nn.Module):
         )
         y = y.transpose(1, 2).reshape(B, T, self.q_dim)  # re-assemble heads: (B, T, H*hd)
         return self.out_proj(y), w
+
+    def _unpadded(self, x: Tensor, u: Unpadded, mask: Tensor | None, bias: Tensor | None,
+                  position: PositionalEncoding | None, offset: int | Tensor,
+                  return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """forward() on the real tokens' rows x (N, d): the fused QKV projection on N rows, scattered into
+        the padded (B, T) layout for the attention product, gathered back before the output projection."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        q, k, v = u.pad(self.qkv_proj(x)).split([self.q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if position is not None:
+            q, k = position.rotate(q, k, offset)
+        y, w = scaled_dot_product_attention(
+            q, k, v,
+            mask=mask, bias=bias, causal=self.causal, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=self.backend, return_weights=return_weights,
+        )
+        y = y.transpose(1, 2).reshape(u.batch, u.length, self.q_dim)
+        return self.out_proj(u.unpad(y)), w
 
     def step(
         self,

@@ -20,6 +20,7 @@ from qkv.nn.ffn import FeedForward
 from qkv.nn.norm import build_norm
 
 if TYPE_CHECKING:  # pragma: no cover
+    from qkv.nn.attention import Unpadded
     from qkv.nn.cache import KVCache
     from qkv.nn.position import PositionalEncoding
 
@@ -89,15 +90,18 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         return_weights: bool = False,
+        unpadded: Unpadded | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """x: (B, T, d). mask: self-attention keep-mask (B, 1, 1|T, Tk); keep: (B, T) real-token mask
         (for BatchNorm); memory/memory_mask: encoder output and its keep-mask, for cross-attention.
-        Returns (x, {"self": weights, "cross": weights}) with weights only when asked for."""
+        unpadded: x is (N, d), the real tokens' rows of a padded batch (see attention.Unpadded); only the
+        self-attention product goes back to the (B, T) layout. Returns (x, {"self": weights, "cross":
+        weights}) with weights only when asked for."""
         weights: dict[str, Tensor] = {}
 
         def self_attention(h: Tensor) -> Tensor:
             y, w = self.attn(h, mask=mask, bias=bias, position=position, offset=offset, cache=cache, layer=layer,
-                             return_weights=return_weights)
+                             return_weights=return_weights, unpadded=unpadded)
             if w is not None:
                 weights["self"] = w
             return y

@@ -45,8 +45,12 @@ class KVCache:
     def set_cross(self, layer: int, k: Tensor, v: Tensor) -> None:
         self._cross[layer] = (k, v)
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep the batch rows in `index` (beam search reorders hypotheses every step)."""
+    def reorder(self, index: Tensor, *, cross: bool = True) -> None:
+        """Keep the batch rows in `index` (beam search reorders hypotheses every step). cross=False leaves
+        the encoder's K/V and mask as they are: right when every row of `index` reads the same source as the
+        row it replaces (the beams of one sentence), which saves copying them at every step."""
+        if not cross:
+            return
         self._cross = {i: (k.index_select(0, index), v.index_select(0, index)) for i, (k, v) in self._cross.items()}
         if self.memory_keep is not None:
             self.memory_keep = self.memory_keep.index_select(0, index)
@@ -103,11 +107,19 @@ class StaticCache(KVCache):
         vl.index_copy_(2, index, v)
         return kl, vl
 
-    def reorder(self, index: Tensor) -> None:
-        super().reorder(index)
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
-        self._layers = self._layer_views()
+    def reorder(self, index: Tensor, *, cross: bool = True) -> None:
+        super().reorder(index, cross=cross)
+        if index.numel() != self.k.shape[1]:  # a new batch size: new buffers
+            self.k = self.k.index_select(1, index)
+            self.v = self.v.index_select(1, index)
+            self._layers = self._layer_views()
+            return
+        # the same batch size (beam search): gather only the filled positions, in place; the positions past
+        # `length` are written before anything reads them
+        n = self.length
+        for buf in (self.k, self.v):
+            filled = buf.narrow(3, 0, n)
+            filled.copy_(filled.index_select(1, index))
 
 
 class ColumnWrites:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from qkv.nn.attention import expand_mask, step_scores_bias
+from qkv.nn.attention import Unpadded, expand_mask, step_scores_bias
 from qkv.nn.block import Block
 from qkv.nn.cache import ColumnWrites, KVCache, StaticCache
 from qkv.nn.norm import build_norm, frozen_running_stats
@@ -71,10 +71,15 @@ class Stack(nn.Module):
         offset: int | Tensor | None = None,
         cache: KVCache | None = None,
         return_weights: bool = False,
+        unpad: bool = False,
     ) -> StackOutput:
         """x: (B, T, d) embeddings. keep: (B, Tk) bool, real (non-pad) keys, Tk = cached + T.
         memory/memory_keep: encoder output (B, S, d) and its (B, S) keep-mask. offset: position of x[:, 0]
-        (defaults to the cache's length). Returns the final hidden states and, optionally, the weights."""
+        (defaults to the cache's length). Returns the final hidden states and, optionally, the weights.
+        unpad=True (a self-attention stack without cache or memory, with padding in `keep`): the blocks run
+        their token-wise layers on the real tokens only (attention.Unpadded) and the hidden states of the
+        padded positions come back as zeros instead of values nothing should read; the real tokens' are the
+        same function. Ignored under torch.compile (the number of real tokens is data-dependent)."""
         B, T, _ = x.shape
         if offset is None:
             offset = cache.offset if cache is not None else 0
@@ -98,11 +103,16 @@ class Stack(nn.Module):
         mask = None if keep is None else expand_mask(keep)
         mem_mask = None if memory_keep is None else expand_mask(memory_keep)
         tok_keep = None if keep is None else keep[:, -T:]
+        unpadded = None
+        if unpad and keep is not None and cache is None and memory is None and not torch.compiler.is_compiling():
+            u = Unpadded.from_keep(tok_keep.bool())
+            if u.index.numel() < B * T:  # nothing to skip otherwise
+                unpadded, x, tok_keep = u, u.unpad(x), None  # the rows are all real: no keep for the norms
         attentions = []
         for i, block in enumerate(self.blocks):
             kwargs = dict(mask=mask, bias=bias, keep=tok_keep, memory=memory, memory_mask=mem_mask,
                           position=self.position, offset=offset, cache=cache, layer=i,
-                          return_weights=return_weights)
+                          return_weights=return_weights, unpadded=unpadded)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 # the recomputation in backward must not update BatchNorm's running statistics again
                 x, w = checkpoint(lambda h, blk=block, kw=kwargs: blk(h, **kw), x, use_reentrant=False,
@@ -115,6 +125,8 @@ class Stack(nn.Module):
             cache.advance(T)
         if self.final_norm is not None:
             x = self.final_norm(x, tok_keep)
+        if unpadded is not None:
+            x = unpadded.pad(x)
         return StackOutput(x, attentions)
 
     def step(
