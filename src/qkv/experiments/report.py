@@ -72,6 +72,8 @@ def summary_rows(suite: Suite, results: list[dict[str, Any]]) -> list[dict[str, 
         row["steps"] = (f"{statistics.fmean(steps):.0f}" if len(set(steps)) <= 1 else
                         f"{statistics.fmean(steps):.0f} ({min(steps)}-{max(steps)})") if steps else ""
         row["wall s"] = f"{statistics.fmean([r.get('wall_s', 0.0) for r in rs]):.1f}"
+        if suite.budget_clock == "cpu":  # the clock the budget counted (training + evaluation CPU time)
+            row["cpu s"] = f"{statistics.fmean([r.get('cpu_s', float('nan')) for r in rs]):.1f}"
         rows.append(row)
     return rows
 
