@@ -186,10 +186,15 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                        for name, scores in out["extra"].items()}
     for ev in suite.extra_evals:
         result["extra"].setdefault(ev.name, float("nan"))
-    series = metric_series(rows, suite.metric.name)
-    if suite.metric.name != "train_loss" and math.isfinite(result["metric"]):
-        series.append((result["steps"], result["metric"]))
-    result["steps_to_threshold"] = steps_to_threshold(series, suite.metric.threshold, suite.metric.goal)
+    if suite.judge == "train_loss":  # the verdict from the training curve; the held-out metric kept beside it
+        result["held_out"] = result["metric"]
+        result["metric"] = result["final_loss"]
+        series, goal = metric_series(rows, "train_loss"), "min"
+    else:
+        series, goal = metric_series(rows, suite.metric.name), suite.metric.goal
+        if suite.metric.name != "train_loss" and math.isfinite(result["metric"]):
+            series.append((result["steps"], result["metric"]))
+    result["steps_to_threshold"] = steps_to_threshold(series, suite.metric.threshold, goal)
     if finite_model:
         save_model(model, run_dir / "final")
         task.save(run_dir / "final")

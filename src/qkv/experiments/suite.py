@@ -16,6 +16,8 @@
                                                                  # (model/task/train), or another family
     seeds: [0, 1]
     metric: {name: exact_match, goal: max, threshold: 0.9}   # a key of task.evaluate(), or train_loss
+    judge: metric                    # metric | train_loss: the verdict from the training curve, the held-out
+                                     # metric still measured and shown beside it (memorisation gap)
     eval_n: 200
     extra_evals: [{name: len_2x, task: {min_len: 9, max_len: 16}}]   # same model, other task options
     budget_s: null                   # time cap per run (equal-time comparisons)
@@ -79,6 +81,11 @@ class Suite:
     seeds: list[int] = field(default_factory=lambda: [0])
     metric: MetricSpec = field(default_factory=MetricSpec)
     eval_n: int = 200
+    # what the table's verdict column is: "metric" (the held-out metric above) or "train_loss" (the training
+    # curve: final train loss, steps to the threshold on the logged losses). For models big enough to memorise
+    # the corpus, where the held-out loss measures overfitting rather than whether training converged; the
+    # held-out metric is still measured and reported beside it, with the gap between the two.
+    judge: Literal["metric", "train_loss"] = "metric"
     extra_evals: list[ExtraEval] = field(default_factory=list)
     budget_s: float | None = None
     # which clock budget_s counts: "wall" (elapsed time, what a user waits for) or "cpu" (the process's own CPU
@@ -118,6 +125,9 @@ class Suite:
         if self.eval_n < 1:
             raise ConfigError(f"suite {self.name!r}: eval_n must be >= 1")
         check_jobs(self.jobs, f"suite {self.name!r}: jobs")
+        if self.judge == "train_loss" and self.metric.name == "train_loss":
+            raise ConfigError(f"suite {self.name!r}: judge: train_loss needs a held-out metric to report beside "
+                              "it (metric.name is train_loss already; leave judge at 'metric')")
 
 
 def check_jobs(jobs: Any, what: str = "--jobs") -> int:
