@@ -219,12 +219,16 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default=None, help="run only the variants whose name contains this string")
     p.add_argument("--force", action="store_true", help="redo runs that already finished")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (1 is best on a busy CPU)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="runs trained at once, each in its own process on the same device (default: the "
+                        "suite's `jobs`, 1); each gets --threads threads or its share of the cores")
 
 
 def cmd_ablate(a: argparse.Namespace) -> int:
     from qkv.experiments import run_suite
 
-    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, scale=a.scale, only=a.only, force=a.force, threads=a.threads)
+    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, scale=a.scale, only=a.only, force=a.force, threads=a.threads,
+                       jobs=a.jobs)
     print(f"report: {report}")
     return 0
 

@@ -56,8 +56,14 @@ def summary_rows(suite: Suite, results: list[dict[str, Any]]) -> list[dict[str, 
                 row[key] = fmt_mean_std([r.get(key, float("nan")) for r in rs], 3 if key != "peak_mb" else 1)
             rows.append(row)
             continue
-        row[suite.metric.name] = fmt_mean_std([r.get("metric", float("nan")) for r in rs])
+        judged = "train_loss (judged)" if suite.judge == "train_loss" else suite.metric.name
+        row[judged] = fmt_mean_std([r.get("metric", float("nan")) for r in rs])
         row["_mean"] = _mean_std([r.get("metric", float("nan")) for r in rs])[0]
+        if suite.judge == "train_loss":
+            row[f"held-out {suite.metric.name}"] = fmt_mean_std([r.get("held_out", float("nan")) for r in rs])
+            if suite.metric.goal == "min":  # a loss: held-out minus train is the memorisation gap
+                row["gap"] = fmt_mean_std([r.get("held_out", float("nan")) - r.get("metric", float("nan"))
+                                           for r in rs])
         if suite.metric.threshold is not None:
             reached = [r["steps_to_threshold"] for r in rs if r.get("steps_to_threshold") is not None]
             row[f"steps to {suite.metric.threshold:g}"] = (
@@ -65,13 +71,15 @@ def summary_rows(suite: Suite, results: list[dict[str, Any]]) -> list[dict[str, 
         row["diverged"] = f"{'yes' if any(r.get('diverged') for r in rs) else 'no'} ({sum(bool(r.get('diverged')) for r in rs)}/{len(rs)})"
         for ev in suite.extra_evals:
             row[ev.name] = fmt_mean_std([r.get("extra", {}).get(ev.name, float("nan")) for r in rs])
-        if suite.metric.name != "train_loss":
+        if suite.metric.name != "train_loss" and suite.judge != "train_loss":
             row["final train loss"] = fmt_mean_std([r.get("final_loss", float("nan")) for r in rs])
         row["params"] = rs[0].get("params", "")
         steps = [r["steps"] for r in rs if isinstance(r.get("steps"), (int, float))]
         row["steps"] = (f"{statistics.fmean(steps):.0f}" if len(set(steps)) <= 1 else
                         f"{statistics.fmean(steps):.0f} ({min(steps)}-{max(steps)})") if steps else ""
         row["wall s"] = f"{statistics.fmean([r.get('wall_s', 0.0) for r in rs]):.1f}"
+        if suite.budget_clock == "cpu":  # the clock the budget counted (training + evaluation CPU time)
+            row["cpu s"] = f"{statistics.fmean([r.get('cpu_s', float('nan')) for r in rs]):.1f}"
         rows.append(row)
     return rows
 
@@ -153,7 +161,8 @@ def plot_metric_vs(out: Path, suite: Suite, results: list[dict[str, Any]]) -> li
     the other swept keys."""
     plt = _plt()
     metric_key = "step_ms" if suite.kind == "efficiency" else "metric"
-    label = "step time (ms)" if suite.kind == "efficiency" else suite.metric.name
+    label = ("step time (ms)" if suite.kind == "efficiency" else
+             "train_loss" if suite.judge == "train_loss" else suite.metric.name)
     keys = list(results[0].get("values", {})) if results else []
     paths = []
     for key in keys:
@@ -218,6 +227,11 @@ def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path) -
                   "speedup and memory_ratio are against the first variant.", ""]
     else:
         thr = f", threshold {suite.metric.threshold:g}" if suite.metric.threshold is not None else ""
+        if suite.judge == "train_loss":
+            lines += [f"Judged on the training curve (final train loss, lower is better{thr}); the held-out "
+                      f"{suite.metric.name} is shown beside it with the gap (held-out minus train), since a model "
+                      "that memorises its corpus has a held-out loss that measures overfitting.", ""]
+            thr = ""
         lines += [f"Metric: {suite.metric.name} ({'higher' if suite.metric.goal == 'max' else 'lower'} is better{thr}), "
                   f"mean ± std over seeds {suite.seeds}. Diverged: non-finite loss, a stop by the trainer's NaN "
                   "policy, or a final loss above the first logged loss.", ""]

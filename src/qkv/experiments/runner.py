@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError
-from qkv.experiments.suite import RunSpec, Suite, expand, load_suite
+from qkv.experiments.suite import RunSpec, Suite, check_jobs, expand, load_suite
 from qkv.nn.params import count_parameters
 from qkv.storage import atomic_write_text
 
@@ -130,17 +130,19 @@ def build_run(suite: Suite, spec: RunSpec):
     return model, task, {name: t for name, (t, _) in extra.items()}
 
 
-def _budget_callback(seconds: float):
-    """A trainer callback that ends training once `seconds` of wall-clock time have passed since fit()
-    started (equal-time comparisons, suite 8); max_steps stays an upper bound."""
+def _budget_callback(seconds: float, clock: str = "wall"):
+    """A trainer callback that ends training once `seconds` have passed since fit() started (equal-time
+    comparisons, suite 8), on the wall clock or the process's CPU clock; max_steps stays an upper bound."""
     from qkv.train import Callback
+
+    now = time.process_time if clock == "cpu" else time.perf_counter
 
     class TimeBudget(Callback):
         def on_fit_start(self, trainer: Any) -> None:
-            self.t0 = time.perf_counter()
+            self.t0 = now()
 
         def on_step_end(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
-            if time.perf_counter() - self.t0 > seconds:
+            if now() - self.t0 > seconds:
                 trainer.should_stop = True
 
     return TimeBudget()
@@ -154,16 +156,16 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     from qkv.run import train_run as train
     from qkv.train import latest_checkpoint
 
-    callbacks = [_budget_callback(suite.budget_s)] if suite.budget_s else []
+    callbacks = [_budget_callback(suite.budget_s, suite.budget_clock)] if suite.budget_s else []
     resume = latest_checkpoint(run_dir / "checkpoints") is not None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     # keep_going: a NaN-policy stop is a measured outcome (diverged), not a crash of the suite
     out = train(run_config(suite, spec), out=run_dir, resume=resume, quiet=True, callbacks=callbacks,
                 extra_evals=extra_evals(suite), keep_going=True)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     model, task, error = out["model"], out["task"], out["error"]
     rows = read_metrics(run_dir / "metrics.jsonl")
-    result: dict[str, Any] = {"error": error, "wall_s": wall, "params": count_parameters(model)}
+    result: dict[str, Any] = {"error": error, "wall_s": wall, "cpu_s": cpu, "params": count_parameters(model)}
     result["final_loss"] = final_train_loss(rows)
     result["diverged"] = is_diverged(rows, error)
     result["steps"] = max((int(r["step"]) for r in rows if "step" in r), default=0)
@@ -184,16 +186,61 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                        for name, scores in out["extra"].items()}
     for ev in suite.extra_evals:
         result["extra"].setdefault(ev.name, float("nan"))
-    series = metric_series(rows, suite.metric.name)
-    if suite.metric.name != "train_loss" and math.isfinite(result["metric"]):
-        series.append((result["steps"], result["metric"]))
-    result["steps_to_threshold"] = steps_to_threshold(series, suite.metric.threshold, suite.metric.goal)
+    if suite.judge == "train_loss":  # the verdict from the training curve; the held-out metric kept beside it
+        result["held_out"] = result["metric"]
+        result["metric"] = result["final_loss"]
+        series, goal = metric_series(rows, "train_loss"), "min"
+    else:
+        series, goal = metric_series(rows, suite.metric.name), suite.metric.goal
+        if suite.metric.name != "train_loss" and math.isfinite(result["metric"]):
+            series.append((result["steps"], result["metric"]))
+    result["steps_to_threshold"] = steps_to_threshold(series, suite.metric.threshold, goal)
     if finite_model:
         save_model(model, run_dir / "final")
         task.save(run_dir / "final")
     if not suite.keep_trainer_checkpoints and (run_dir / "checkpoints").is_dir():
         shutil.rmtree(run_dir / "checkpoints")  # optimizer state x keep_last: most of a run's disk use
     return result
+
+
+def _worker(train_fn: TrainFn, suite: Suite, spec: RunSpec, run_dir: Path, threads: int) -> dict[str, Any]:
+    """One run in a worker process (spawned: a fresh interpreter, nothing inherited from the parent's torch)."""
+    torch.set_num_threads(threads)
+    return train_fn(suite, spec, run_dir)
+
+
+def _run_parallel(suite: Suite, pending: list[tuple[int, RunSpec, Path]], total: int, train_fn: TrainFn,
+                  jobs: int, threads: int | None, finish: Callable[..., None],
+                  log: Callable[[str], None] | None) -> None:
+    """Train the pending runs `jobs` at a time, each in its own process; results are recorded (result.json)
+    as each run ends, so an interrupted suite resumes like a sequential one. train_fn must be picklable (a
+    module-level function). The first failing run stops the suite (as sequentially), after the runs in
+    flight end; runs not yet started are cancelled."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    per_run = threads if threads is not None else max(1, torch.get_num_threads() // jobs)
+    workers = min(jobs, len(pending))
+    if log:
+        log(f"{len(pending)} runs, {workers} at a time, {per_run} thread(s) each")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {}
+        for i, spec, run_dir in pending:
+            futures[pool.submit(_worker, train_fn, suite, spec, run_dir, per_run)] = (i, spec, run_dir)
+        if log:
+            for i, spec, _ in pending:
+                log(f"[{i + 1}/{total}] {spec.run_id} queued")
+        todo = set(futures)
+        try:
+            while todo:
+                finished, todo = wait(todo, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    i, spec, run_dir = futures[fut]
+                    finish(i, spec, run_dir, fut.result())
+        except BaseException:
+            for fut in todo:
+                fut.cancel()
+            raise
 
 
 # -- the suite ----------------------------------------------------------------------------------------------
@@ -207,6 +254,7 @@ def run_suite(
     force: bool = False,
     train_fn: TrainFn | None = None,
     threads: int | None = None,
+    jobs: int | None = None,
     log: Callable[[str], None] | None = print,
 ) -> Path:
     """Run (or resume) every run of a suite and write the report; returns the path of summary.md.
@@ -216,10 +264,17 @@ def run_suite(
     train_fn(suite, spec, run_dir) -> result dict: replaces the default trainer-based run (tests, custom
     measurements). Efficiency suites (kind: efficiency) use qkv.experiments.efficiency instead.
     threads: torch intra-op threads for the runs (torch.set_num_threads). On a machine shared with other
-    jobs, 1 thread per process can be many times faster than oversubscribed cores."""
+    jobs, 1 thread per process can be many times faster than oversubscribed cores.
+    jobs: runs trained at once, each in its own (spawned) process on the same device (default: the suite's
+    `jobs`, 1); each process gets `threads` threads, or its share of this process's threads. A run's result
+    does not depend on jobs: each run is seeded by its own spec, whatever process trains it."""
     from qkv.experiments.report import write_report
 
     suite = load_suite(path_or_suite, quick, scale)
+    jobs = suite.jobs if jobs is None else check_jobs(jobs)
+    if jobs > 1 and suite.kind == "efficiency":
+        raise ConfigError(f"suite {suite.name!r} times its runs (kind: efficiency): run it with --jobs 1, "
+                          "parallel runs would share the device and distort the timings")
     if threads is not None:
         if threads < 1:
             raise ConfigError(f"threads must be at least 1, got {threads}")
@@ -240,20 +295,20 @@ def run_suite(
         else:
             train_fn = train_run
     specs = expand(suite)
-    results = []
+    from qkv.train import latest_checkpoint
+
+    by_index: dict[int, dict[str, Any]] = {}
+    pending: list[tuple[int, RunSpec, Path]] = []
     for i, spec in enumerate(specs):
         if only and only not in spec.variant:
             continue
         run_dir = out / "runs" / spec.run_id
         done = run_dir / RESULT
         if done.is_file() and not force:
-            res = json.loads(done.read_text(encoding="utf-8"))
             if log:
                 log(f"[{i + 1}/{len(specs)}] {spec.run_id}: done earlier, skipped")
-            results.append(res)
+            by_index[i] = json.loads(done.read_text(encoding="utf-8"))
             continue
-        from qkv.train import latest_checkpoint
-
         if run_dir.exists() and (force or train_fn is not train_run
                                  or latest_checkpoint(run_dir / "checkpoints") is None):
             shutil.rmtree(run_dir)  # an interrupted run without a checkpoint: start it again
@@ -261,16 +316,25 @@ def run_suite(
         _write_json({"suite": suite.name, "variant": spec.variant, "values": spec.values, "seed": spec.seed,
                      "family": spec.family, "model": spec.model, "task": spec.task, "train": spec.train},
                     run_dir / "run.json")
-        if log:
-            log(f"[{i + 1}/{len(specs)}] {spec.run_id} ...")
-        res = train_fn(suite, spec, run_dir)
+        pending.append((i, spec, run_dir))
+
+    def finish(i: int, spec: RunSpec, run_dir: Path, res: dict[str, Any]) -> None:
         res.update({"run_id": spec.run_id, "variant": spec.variant, "values": spec.values, "seed": spec.seed})
-        _write_json(res, done)
+        _write_json(res, run_dir / RESULT)
         if log:
             m = res.get("metric")
-            log(f"    {suite.metric.name}={m if m is None else round(float(m), 4)} "
+            log(f"    {spec.run_id}: {suite.metric.name}={m if m is None else round(float(m), 4)} "
                 f"diverged={res.get('diverged')} ({res.get('wall_s', 0):.1f}s)")
-        results.append(res)
+        by_index[i] = res
+
+    if jobs == 1 or len(pending) <= 1:
+        for i, spec, run_dir in pending:
+            if log:
+                log(f"[{i + 1}/{len(specs)}] {spec.run_id} ...")
+            finish(i, spec, run_dir, train_fn(suite, spec, run_dir))
+    else:
+        _run_parallel(suite, pending, len(specs), train_fn, jobs, threads, finish, log)
+    results = [by_index[i] for i in sorted(by_index)]  # file order, however the runs finished
     if suite.kind == "efficiency" and suite.efficiency.interleave and not torch.cuda.is_available() and results:
         from qkv.experiments.efficiency import interleaved_timing
 

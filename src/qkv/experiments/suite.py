@@ -16,9 +16,13 @@
                                                                  # (model/task/train), or another family
     seeds: [0, 1]
     metric: {name: exact_match, goal: max, threshold: 0.9}   # a key of task.evaluate(), or train_loss
+    judge: metric                    # metric | train_loss: the verdict from the training curve, the held-out
+                                     # metric still measured and shown beside it (memorisation gap)
     eval_n: 200
     extra_evals: [{name: len_2x, task: {min_len: 9, max_len: 16}}]   # same model, other task options
-    budget_s: null                   # wall-clock cap per run (equal-time comparisons)
+    budget_s: null                   # time cap per run (equal-time comparisons)
+    budget_clock: wall               # wall: elapsed time | cpu: the run's own CPU time (a shared machine)
+    jobs: 1                          # runs trained at once, each in its own process (`qkv ablate --jobs N`)
     quick: {train.max_steps: 10, seeds: [0]}        # overrides of this file for the < 1 minute version
     scales:                          # named size profiles (`qkv ablate SUITE --scale gpu`), overrides as in
       gpu: {model.n_layers: 16, train.max_steps: 2000, seeds: [0, 1, 2]}   # quick; the file itself is `cpu`
@@ -77,8 +81,18 @@ class Suite:
     seeds: list[int] = field(default_factory=lambda: [0])
     metric: MetricSpec = field(default_factory=MetricSpec)
     eval_n: int = 200
+    # what the table's verdict column is: "metric" (the held-out metric above) or "train_loss" (the training
+    # curve: final train loss, steps to the threshold on the logged losses). For models big enough to memorise
+    # the corpus, where the held-out loss measures overfitting rather than whether training converged; the
+    # held-out metric is still measured and reported beside it, with the gap between the two.
+    judge: Literal["metric", "train_loss"] = "metric"
     extra_evals: list[ExtraEval] = field(default_factory=list)
     budget_s: float | None = None
+    # which clock budget_s counts: "wall" (elapsed time, what a user waits for) or "cpu" (the process's own CPU
+    # time: on a machine shared with other jobs, with 1 thread per run, the compute each run actually got,
+    # so that an equal-time comparison is not decided by what else happened to be running)
+    budget_clock: Literal["wall", "cpu"] = "wall"
+    jobs: int = 1  # runs of the grid trained at once on one device, each in its own process (--jobs overrides)
     efficiency: EfficiencySpec = field(default_factory=EfficiencySpec)
     quick: dict[str, Any] = field(default_factory=dict)
     scales: dict[str, dict[str, Any]] = field(default_factory=dict)  # size profiles; the file itself is "cpu"
@@ -110,6 +124,17 @@ class Suite:
             raise ConfigError(f"suite {self.name!r}: seeds must not be empty")
         if self.eval_n < 1:
             raise ConfigError(f"suite {self.name!r}: eval_n must be >= 1")
+        check_jobs(self.jobs, f"suite {self.name!r}: jobs")
+        if self.judge == "train_loss" and self.metric.name == "train_loss":
+            raise ConfigError(f"suite {self.name!r}: judge: train_loss needs a held-out metric to report beside "
+                              "it (metric.name is train_loss already; leave judge at 'metric')")
+
+
+def check_jobs(jobs: Any, what: str = "--jobs") -> int:
+    """jobs as an int >= 1, or a ConfigError that says what was given."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"{what} must be a whole number >= 1 (runs trained at once), got {jobs!r}")
+    return jobs
 
 
 def _check_dotted(key: str, suite: str) -> None:
