@@ -179,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 failures.append(f"segment {segment}: expected resume at step {expected_resume}, log says {got}")
         if finished:
-            break  # it finished (or failed) on its own: the final run below reports which
+            # it finished (or failed) on its own before the kill: the final run below resumes from the newest
+            # complete checkpoint (the last step's, when it finished) and must not change anything
+            expected_resume = max((s for s, c in step_folders(run / "checkpoints") if c), default=0)
+            break
         kills += 1
         root = run / "checkpoints"
         steps = step_folders(root)

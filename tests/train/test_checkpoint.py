@@ -236,3 +236,17 @@ def test_unknown_best_metric_is_an_error_at_the_first_evaluation(tmp_path):
     with pytest.raises(ConfigError, match="'bleu'.*exact_match"):
         tr.fit()
     assert tr.step == 2  # at the first evaluation, not silently at the end
+
+
+def test_resuming_a_finished_run_logs_nothing_again(tmp_path, make_gpt, toy_data, cfg_factory):
+    # the run ends with an evaluation at its last step, logged and checkpointed; restarting it with resume
+    # (a kill after the last save, a user re-running the command) must not evaluate and log that step twice
+    # 5 steps, evaluation every 2: the last evaluation is a record of its own after step 5's
+    cfg = dict(max_steps=5, eval_every=2, max_eval_batches=1, out_dir=str(tmp_path / "r"))
+    first = Trainer(make_gpt(), cfg_factory(**cfg), toy_data).fit()
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    before = metrics.read_bytes()
+    assert sum('"eval/' in line for line in before.decode().splitlines()) == 3  # steps 2, 4 and 5
+    again = Trainer(make_gpt(seed=7), cfg_factory(**cfg, resume=True), toy_data).fit()
+    assert metrics.read_bytes() == before
+    assert again["steps"] == 5 and again["eval"] == first["eval"] and again["final_loss"] == first["final_loss"]

@@ -262,6 +262,9 @@ class Trainer:
         self.logger = RunLogger(self.out_dir, enabled=info.is_main, progress=cfg.progress,
                                 tensorboard=cfg.tensorboard, total_steps=cfg.max_steps, start_step=self.step)
         log = self.logger
+        if resumed_from is not None:  # rank 0 holds the log; every rank must agree on whether to evaluate
+            self.last_eval, loss = dist_.broadcast_object(self._logged_at_resume(), info)
+            self.last_loss = loss if loss is not None else self.last_loss
         self._install_signal_handlers()
         try:
             for line in repaired:
@@ -491,6 +494,20 @@ class Trainer:
             stats[1] += count * weight
         dist_.all_reduce_sum(stats, info)
         return {"loss": float(stats[0] / stats[1].clamp_min(1))}
+
+    def _logged_at_resume(self) -> tuple[dict[str, Any], float | None]:
+        """(evaluation, training loss) already logged at the step training resumes from (the logger keeps the
+        records up to it), so that resuming a run that had finished neither evaluates its last step and logs
+        it again nor reports a final loss of nan."""
+        evaluation: dict[str, Any] = {}
+        loss = None
+        for record in reversed(self.logger.records if self.logger is not None else []):
+            if record.get("step") != self.step:
+                break
+            metrics = {k[len("eval/"):]: v for k, v in record.items() if k.startswith("eval/")}
+            evaluation = {**metrics, "_step": self.step} if metrics and not evaluation else evaluation
+            loss = record["loss"] if loss is None and "loss" in record else loss
+        return evaluation, loss
 
     def _run_eval(self) -> dict[str, float]:
         metrics = self.evaluate()
