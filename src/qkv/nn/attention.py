@@ -285,44 +285,45 @@ class MultiHeadAttention(nn.Module):
             else:
                 k, v = self._project_kv(memory)
         else:
-            kv_dim = self.n_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([self.q_dim, kv_dim, kv_dim], dim=-1)
-            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            if position is not None:
-                q, k = position.rotate(q, k, offset)
+            q, k, v = self._self_qkv(self.qkv_proj(x), position, offset)
             if cache is not None:
                 k, v = cache.update(layer, k, v)
+        y, w = self._attend(q, k, v, mask, bias, return_weights)
+        return self.out_proj(y.reshape(B, T, self.q_dim)), w
+
+    def _self_qkv(self, qkv: Tensor, position: PositionalEncoding | None,
+                  offset: int | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The fused projection's output (B, T, q_dim + 2 kv_dim) -> per-head q, k, v (B, n, T, hd), with the
+        optional q/k norms and rotary positions applied."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        q, k, v = qkv.split([self.q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if position is not None:
+            q, k = position.rotate(q, k, offset)
+        return q, k, v
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
+                return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """softmax(q k^T * scale + bias) v with this layer's settings; y comes back as (B, T, H, hd), heads
+        ready to be re-assembled into (B, T, H*hd) by a reshape."""
         y, w = scaled_dot_product_attention(
             q, k, v,
             mask=mask, bias=bias, causal=self.causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend, return_weights=return_weights,
         )
-        y = y.transpose(1, 2).reshape(B, T, self.q_dim)  # re-assemble heads: (B, T, H*hd)
-        return self.out_proj(y), w
+        return y.transpose(1, 2), w
 
     def _unpadded(self, x: Tensor, u: Unpadded, mask: Tensor | None, bias: Tensor | None,
                   position: PositionalEncoding | None, offset: int | Tensor,
                   return_weights: bool) -> tuple[Tensor, Tensor | None]:
         """forward() on the real tokens' rows x (N, d): the fused QKV projection on N rows, scattered into
         the padded (B, T) layout for the attention product, gathered back before the output projection."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        q, k, v = u.pad(self.qkv_proj(x)).split([self.q_dim, kv_dim, kv_dim], dim=-1)
-        q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if position is not None:
-            q, k = position.rotate(q, k, offset)
-        y, w = scaled_dot_product_attention(
-            q, k, v,
-            mask=mask, bias=bias, causal=self.causal, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            backend=self.backend, return_weights=return_weights,
-        )
-        y = y.transpose(1, 2).reshape(u.batch, u.length, self.q_dim)
-        return self.out_proj(u.unpad(y)), w
+        q, k, v = self._self_qkv(u.pad(self.qkv_proj(x)), position, offset)
+        y, w = self._attend(q, k, v, mask, bias, return_weights)
+        return self.out_proj(u.unpad(y.reshape(u.batch, u.length, self.q_dim))), w
 
     def step(
         self,
