@@ -173,3 +173,17 @@ def test_export_refuses_non_gpt2_shapes(tmp_path):
 
     with pytest.raises(CheckpointError, match="GPT-2-shaped"):
         export_gpt2(qkv.build("gpt-nano", position="rope"), tmp_path)
+
+
+def test_gpt2_last_only_equals_hf_logits_to_keep(tmp_path):
+    """The prefill path (last_only: the top block works on the last position only) against transformers'
+    logits_to_keep=1 (benchmarks/prefill.py times these two calls)."""
+    hf = _hf_gpt2(n_layer=3)
+    hf.save_pretrained(tmp_path)
+    ours = qkv.from_pretrained(tmp_path)
+    x = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        ref = hf(x, logits_to_keep=1).logits[:, -1]
+        got = ours(x, last_only=True).logits[:, -1]
+    assert ref.std() > 0.1
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

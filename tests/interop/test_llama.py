@@ -222,3 +222,14 @@ def test_cli_info_generate_attention_take_a_model_folder(tmp_path, capsys):
     png = tmp_path / "att.png"
     assert main(["attention", str(tmp_path), "--input", "for x in range(3): pass", "--out", str(png)]) == 0
     assert png.is_file() and "| self | 1 | 3 |" in capsys.readouterr().out
+
+
+def test_last_only_logits_equal_transformers_logits_to_keep(pair):
+    """The prefill path (last_only: the top block works on the last position only) against transformers'
+    logits_to_keep=1 on the same weights (benchmarks/prefill.py times these two calls)."""
+    name, hf, _, ours = pair
+    ids = torch.randint(0, BASE["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf(ids, logits_to_keep=1).logits[:, -1]
+        got = ours(ids, last_only=True).logits[:, -1]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -88,6 +88,28 @@ def test_gqa_equals_torch_sdpa_with_repeated_heads():
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["gqa", "gqa+causal", "mqa", "gqa+causal+padding"])
+def test_fused_gqa_on_cpu_equals_sdpa_over_repeated_heads_and_its_gradients(case):
+    """On CPU the fused backend lets PyTorch's kernel read the shared key/value heads (enable_gqa) instead of
+    repeating them: the same output bit for bit, gradients to fp32 summation order."""
+    B, H, T = 2, 6, 7
+    Hkv = 1 if case == "mqa" else 2
+    q, k, v = (t.requires_grad_() for t in qkv_tensors(B, H, Hkv, T, T, 8))
+    keep = pad_mask(B, T, [7, 5]) if "padding" in case else None
+    mask = None if keep is None else keep[:, None, None, :]
+    causal = "causal" in case
+    out, _ = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal, backend="fused")
+    full = mask & torch.ones(T, T, dtype=torch.bool).tril() if causal and mask is not None else mask
+    r = H // Hkv
+    ref = torch.nn.functional.scaled_dot_product_attention(  # causal without padding: the kernel's own mask
+        q, k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), attn_mask=full,
+        is_causal=causal and mask is None)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("Tq", [1, 3, 7])
 def test_query_shorter_than_keys_is_causal_bottom_right(backend, Tq):

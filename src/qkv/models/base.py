@@ -237,14 +237,15 @@ class Seq2SeqModel(TransformerDecoderModel):
     def decode(self, decoder_input_ids: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
                decoder_attention_mask: Tensor | None = None, cache: Any = None,
                offset: int | Tensor | None = None, return_attentions: bool = False, last_only: bool = False):
-        """Decoder over `memory` (B, S, d): returns (logits (B, T|1, vocab), StackOutput)."""
+        """Decoder over `memory` (B, S, d): returns (logits (B, T|1, vocab), StackOutput); with last_only the
+        StackOutput's hidden states are the last position's only (Stack.forward)."""
         check_token_ids(decoder_input_ids, self.config.target_vocab_size, "decoder_input_ids")
         past = cache.length if cache is not None else 0
         check_length(past + decoder_input_ids.shape[1], self.context_limit, "target sequence")
         keep = decoder_attention_mask.bool() if decoder_attention_mask is not None else None
         mkeep = memory_mask.bool() if memory_mask is not None else None
         out = self.decoder(self.embed_target(decoder_input_ids), keep=keep, memory=memory, memory_keep=mkeep,
-                           cache=cache, offset=offset, return_weights=return_attentions)
+                           cache=cache, offset=offset, return_weights=return_attentions, last_only=last_only)
         h = out.hidden[:, -1:] if last_only else out.hidden
         return self.lm_head(h), out
 

@@ -58,14 +58,17 @@ class GPT(TransformerDecoderModel):
     ) -> ModelOutput:
         """input_ids: (B, T). labels: (B, T), shifted inside (predict labels[t+1] at t), -100 = ignore.
         attention_mask: (B, Tk) 1 for real tokens, 0 for padding, over cached + new tokens.
-        last_only: compute logits for the last position only (generation)."""
+        last_only: compute logits for the last position only (generation); the top block then does only the
+        work that position needs (its keys and values still cover, and fill the cache for, every position),
+        and last_hidden_state is that position's (B, 1, d) unless return_attentions is set."""
         c = self.config
         check_token_ids(input_ids, c.vocab_size)
         past = cache.length if cache is not None else 0
         check_length(past + input_ids.shape[1], self.context_limit)  # only absolute positions have a limit
         x = self.tok_emb(input_ids)  # (B, T, d)
         keep = attention_mask.bool() if attention_mask is not None else None
-        out = self.decoder(x, keep=keep, cache=cache, offset=offset, return_weights=return_attentions)
+        out = self.decoder(x, keep=keep, cache=cache, offset=offset, return_weights=return_attentions,
+                           last_only=last_only)
         h = out.hidden[:, -1:] if last_only else out.hidden
         logits = self.lm_head(h)  # (B, T, vocab)
         loss = n = None

@@ -113,19 +113,27 @@ def scaled_dot_product_attention(
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    if Hkv != H:  # GQA/MQA: each group of H // Hkv query heads shares one key/value head
-        k = k.repeat_interleave(H // Hkv, dim=1)
-        v = v.repeat_interleave(H // Hkv, dim=1)
     if backend == "fused" and return_weights:
         backend = "naive"  # fused kernels never materialise the probabilities (PyTorch #98505)
     if backend == "fused" and Tq == 1 and q.device.type == "cpu":
         # One query (a KV-cache decoding step): the same math as two small matmuls. PyTorch's CPU flash
         # kernel costs ~100x more here on the strided views of a preallocated cache (qkv benchmarks/generate.py).
         backend = "naive"
+    # GQA/MQA: each group of H // Hkv query heads shares one key/value head. PyTorch's CPU kernel reads the
+    # shared head itself (enable_gqa; the same output bit for bit, ~12% faster than attending over copies at
+    # 2048 tokens, 9/3 heads: benchmarks/prefill.py); elsewhere the heads are repeated (on CUDA enable_gqa
+    # would rule out the memory-efficient kernel).
+    gqa = {}
+    if Hkv != H:
+        if backend == "fused" and q.device.type == "cpu":
+            gqa = {"enable_gqa": True}
+        else:
+            k = k.repeat_interleave(H // Hkv, dim=1)
+            v = v.repeat_interleave(H // Hkv, dim=1)
 
     if backend == "fused" and causal and mask is None and bias is None and Tq == Tk:
         # The common training case: let the kernel generate the (square) causal mask itself.
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
         return out, None
     full = _combined_mask(Tq, Tk, mask, causal, q.device)
 
@@ -135,7 +143,7 @@ def scaled_dot_product_attention(
             attn_mask = bias if full is None else bias.masked_fill(~full, float("-inf"))
             attn_mask = attn_mask.to(q.dtype)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, **gqa
         )
         weights = None
     elif backend == "naive":
@@ -261,12 +269,16 @@ class MultiHeadAttention(nn.Module):
         layer: int = 0,
         return_weights: bool = False,
         unpadded: Unpadded | None = None,
+        last_only: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, d_model). memory: encoder output for cross-attention. mask: bool keep-mask
         broadcastable to (B, H, T, Tk). position.rotate (RoPE) is applied with the given offset.
         With a cache, new K/V are appended and attention runs over all cached keys.
         unpadded (self-attention without a cache): x is (N, d_model), the real tokens' rows of a padded
-        (B, T) batch; the projections run on those rows only and the output is (N, d_model) too."""
+        (B, T) batch; the projections run on those rows only and the output is (N, d_model) too.
+        last_only (self-attention): keys and values of every position (and the cache filled with them), the
+        output (B, 1, d_model) of the last query only: the same function for that row, the top layer of a
+        forward whose only output is the last position's logits (a prefill before generation)."""
         if unpadded is not None:
             if self.cross or cache is not None:
                 raise ValueError("unpadded rows are for self-attention without a KV cache")
@@ -288,6 +300,13 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self._self_qkv(self.qkv_proj(x), position, offset)
             if cache is not None:
                 k, v = cache.update(layer, k, v)
+            if last_only and T > 1:
+                # The newest query sees every key (bottom-right causal alignment): no causal mask is left, and
+                # the attention is two thin products instead of a (T x T) one. Masks and biases that have a
+                # query axis keep their last row.
+                q, T = q[:, :, -1:], 1
+                mask = mask[..., -1:, :] if mask is not None and mask.dim() >= 2 and mask.shape[-2] > 1 else mask
+                bias = bias[..., -1:, :] if bias is not None and bias.dim() >= 2 and bias.shape[-2] > 1 else bias
         y, w = self._attend(q, k, v, mask, bias, return_weights)
         return self.out_proj(y.reshape(B, T, self.q_dim)), w
 

@@ -76,6 +76,14 @@ class Block(nn.Module):
         y = fn(x, *args)
         return norm(x + (self.drop(y) if self.training and self.drop.p > 0 else y), keep)
 
+    def _last_residual(self, x: Tensor, norm: Callable[..., Tensor], fn: Callable[..., Tensor],
+                       keep: Tensor | None) -> Tensor:
+        """_residual for a sublayer that reads every position but returns the last one only (self-attention
+        with last_only): x[:, -1:] + f(norm(x)) (Pre-LN) or norm(x[:, -1:] + f(x)) (Post-LN), (B, 1, d)."""
+        y = fn(norm(x, keep) if self.placement == "pre" else x)
+        y = x[:, -1:] + (self.drop(y) if self.training and self.drop.p > 0 else y)
+        return y if self.placement == "pre" else norm(y, None if keep is None else keep[:, -1:])
+
     def forward(
         self,
         x: Tensor,
@@ -91,17 +99,20 @@ class Block(nn.Module):
         layer: int = 0,
         return_weights: bool = False,
         unpadded: Unpadded | None = None,
+        last_only: bool = False,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """x: (B, T, d). mask: self-attention keep-mask (B, 1, 1|T, Tk); keep: (B, T) real-token mask
         (for BatchNorm); memory/memory_mask: encoder output and its keep-mask, for cross-attention.
         unpadded: x is (N, d), the real tokens' rows of a padded batch (see attention.Unpadded); only the
-        self-attention product goes back to the (B, T) layout. Returns (x, {"self": weights, "cross":
-        weights}) with weights only when asked for."""
+        self-attention product goes back to the (B, T) layout. last_only (the top block of a forward that
+        needs the last position only): self-attention reads every position (keys, values, the cache), and
+        returns, like everything after it, the last position only: x comes back as (B, 1, d). Returns
+        (x, {"self": weights, "cross": weights}) with weights only when asked for."""
         weights: dict[str, Tensor] = {}
 
         def self_attention(h: Tensor) -> Tensor:
             y, w = self.attn(h, mask=mask, bias=bias, position=position, offset=offset, cache=cache, layer=layer,
-                             return_weights=return_weights, unpadded=unpadded)
+                             return_weights=return_weights, unpadded=unpadded, last_only=last_only)
             if w is not None:
                 weights["self"] = w
             return y
@@ -113,7 +124,11 @@ class Block(nn.Module):
                 weights["cross"] = w
             return y
 
-        x = self._residual(x, self.norm1, self_attention, keep)
+        if last_only:
+            x = self._last_residual(x, self.norm1, self_attention, keep)
+            keep = None if keep is None else keep[:, -1:]
+        else:
+            x = self._residual(x, self.norm1, self_attention, keep)
         if self.cross is not None:
             x = self._residual(x, self.norm_cross, cross_attention, keep)
         return self._residual(x, self.norm2, self.ffn, keep), weights

@@ -72,6 +72,7 @@ class Stack(nn.Module):
         cache: KVCache | None = None,
         return_weights: bool = False,
         unpad: bool = False,
+        last_only: bool = False,
     ) -> StackOutput:
         """x: (B, T, d) embeddings. keep: (B, Tk) bool, real (non-pad) keys, Tk = cached + T.
         memory/memory_keep: encoder output (B, S, d) and its (B, S) keep-mask. offset: position of x[:, 0]
@@ -79,7 +80,10 @@ class Stack(nn.Module):
         unpad=True (a self-attention stack without cache or memory, with padding in `keep`): the blocks run
         their token-wise layers on the real tokens only (attention.Unpadded) and the hidden states of the
         padded positions come back as zeros instead of values nothing should read; the real tokens' are the
-        same function. Ignored under torch.compile (the number of real tokens is data-dependent)."""
+        same function. Ignored under torch.compile (the number of real tokens is data-dependent).
+        last_only=True: only the last position's hidden state is wanted (B, 1, d) (a prefill before
+        generation): the top block computes keys and values for every position and the rest of its work for
+        the last position only. Ignored with return_weights or unpad (the hidden states are then (B, T, d))."""
         B, T, _ = x.shape
         if offset is None:
             offset = cache.offset if cache is not None else 0
@@ -109,10 +113,13 @@ class Stack(nn.Module):
             if u.index.numel() < B * T:  # nothing to skip otherwise
                 unpadded, x, tok_keep = u, u.unpad(x), None  # the rows are all real: no keep for the norms
         attentions = []
+        last = len(self.blocks) - 1 if last_only and not return_weights and unpadded is None else -1
         for i, block in enumerate(self.blocks):
             kwargs = dict(mask=mask, bias=bias, keep=tok_keep, memory=memory, memory_mask=mem_mask,
                           position=self.position, offset=offset, cache=cache, layer=i,
                           return_weights=return_weights, unpadded=unpadded)
+            if i == last:
+                kwargs["last_only"] = True
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 # the recomputation in backward must not update BatchNorm's running statistics again
                 x, w = checkpoint(lambda h, blk=block, kw=kwargs: blk(h, **kw), x, use_reentrant=False,
@@ -123,6 +130,8 @@ class Stack(nn.Module):
                 attentions.append(w)
         if cache is not None:
             cache.advance(T)
+        if last >= 0 and tok_keep is not None:
+            tok_keep = tok_keep[:, -1:]
         if self.final_norm is not None:
             x = self.final_norm(x, tok_keep)
         if unpadded is not None:
