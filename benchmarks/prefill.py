@@ -13,6 +13,9 @@ absolute difference) so that a fast wrong answer cannot pass unseen.
     .venv/bin/python benchmarks/prefill.py [--quick] [--threads 2] [--lengths 512 1024 2048] [--repeats 3]
 
 --quick: tiny configs, lengths 16 and 32, one repeat (the smoke test, tests/test_benchmark_decode_floor.py).
+--ablate: a third, interleaved contender, "qkv full top block": the same model with every block over every
+position (what last_only did before the top block learned to skip the other positions' queries and FFN), so
+the table shows what that change buys on the same run.
 Writes OUT/prefill.json and prefill.md (OUT = benchmarks/results; --md also copies the table).
 """
 
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--families", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
+    ap.add_argument("--ablate", action="store_true", help="also time qkv with its top block over every position")
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--md", default=None, help="also write the markdown table here (e.g. docs/perf/prefill.md)")
     a = ap.parse_args(argv)
@@ -76,8 +80,10 @@ def main(argv: list[str] | None = None) -> dict:
                 x = torch.randint(4, ours.output_vocab_size, (1, n), generator=gen)
                 fns = {"qkv": lambda x=x, m=ours: m(x, last_only=True).logits[:, -1],
                        "transformers": lambda x=x, m=hf: m(x, logits_to_keep=1).logits[:, -1]}
+                if a.ablate:  # the decoder without last_only, then the LM head on the last position (as before)
+                    fns["full_top"] = lambda x=x, m=ours: m.lm_head(m.decoder(m.tok_emb(x)).hidden[:, -1:])[:, -1]
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the logits compared
-                diff = (outs["qkv"] - outs["transformers"]).abs().max().item()
+                diff = max((o - outs["transformers"]).abs().max().item() for k, o in outs.items())
                 times: dict[str, list[float]] = {k: [] for k in fns}
                 for _ in range(a.repeats):
                     for k, fn in fns.items():
@@ -88,17 +94,22 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append({"family": name, "tokens": n, "qkv_s": round(med["qkv"], 4),
                              "hf_s": round(med["transformers"], 4), "qkv_tok_s": round(n / med["qkv"], 1),
                              "hf_tok_s": round(n / med["transformers"], 1),
-                             "speedup": round(med["transformers"] / med["qkv"], 3), "max_abs_logit_diff": diff})
+                             "speedup": round(med["transformers"] / med["qkv"], 3), "max_abs_logit_diff": diff,
+                             **({"full_top_s": round(med["full_top"], 4),
+                                 "full_top_speedup": round(med["transformers"] / med["full_top"], 3)}
+                                if a.ablate else {})})
             del hf, ours, fns  # free one model pair before building the next
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.processor() or platform.machine(),
-            "repeats": a.repeats, "quick": a.quick}
+            "repeats": a.repeats, "quick": a.quick, "ablate": a.ablate}
+    ab_head = " qkv full top block s | its speed-up |" if a.ablate else ""
     lines = [f"fp32, batch 1, {a.threads} threads, CPU {meta['cpu_capability']}; one forward, last-position logits; "
              f"median of {a.repeats} interleaved repeats", "",
              "| model | prompt tokens | qkv s | transformers s | qkv tok/s | transformers tok/s | qkv speed-up | "
-             "max abs logit diff |", "|---|---|---|---|---|---|---|---|"]
+             "max abs logit diff |" + ab_head, "|---|---|---|---|---|---|---|---|" + "---|---|" * a.ablate]
     lines += [f"| {r['family']} | {r['tokens']} | {r['qkv_s']} | {r['hf_s']} | {r['qkv_tok_s']} | {r['hf_tok_s']} | "
-              f"{r['speedup']}x | {r['max_abs_logit_diff']:.1e} |" for r in rows]
+              f"{r['speedup']}x | {r['max_abs_logit_diff']:.1e} |"
+              + (f" {r['full_top_s']} | {r['full_top_speedup']}x |" if a.ablate else "") for r in rows]
     table = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

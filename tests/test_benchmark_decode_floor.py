@@ -39,9 +39,10 @@ def test_decode_floor_quick(tmp_path):
 @pytest.mark.slow
 def test_prefill_quick(tmp_path):
     pytest.importorskip("transformers")
-    run("prefill.py", tmp_path)
+    run("prefill.py", tmp_path, "--ablate")
     result = json.loads((tmp_path / "prefill_quick.json").read_text())
     assert {(r["family"], r["tokens"]) for r in result["rows"]} == {(f, n) for f in ("gpt2", "llama") for n in (16, 32)}
     for r in result["rows"]:
         assert r["max_abs_logit_diff"] < 1e-4, r  # the same function as transformers
         assert r["qkv_tok_s"] > 0 and r["hf_tok_s"] > 0
+        assert r["full_top_s"] > 0  # --ablate: the full-top-block control ran (its logits are in the diff above)
