@@ -109,6 +109,19 @@ def test_quick_benchmark_with_a_stand_in_nanogpt(tmp_path):
     assert "qkv / nanoGPT" in (tmp_path / "out" / "train_vs_nanogpt_quick.md").read_text()
 
 
+def test_optimizer_choice_applies_to_every_model(tmp_path):
+    """--optimizer fused: every model trains with the same fused AdamW (the first step's loss comes before the
+    update, so it is the same as with the default loop) and the JSON says which implementation ran."""
+    model_py = tmp_path / "model.py"
+    model_py.write_text(STAND_IN, encoding="utf-8")
+    r = run("--nanogpt", str(model_py), "--quick", "--threads", "1", "--precisions", "fp32", "--optimizer", "fused",
+            "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "out" / "train_vs_nanogpt_quick.json").read_text())
+    assert result["config"]["optimizer"].endswith(", fused")
+    assert abs(result["first_step_loss"]["qkv GPT fp32"] - result["first_step_loss"]["nanoGPT GPT fp32"]) < 1e-4
+
+
 def test_missing_nanogpt_path_is_one_clear_error(tmp_path):
     r = run("--nanogpt", str(tmp_path / "absent" / "model.py"), "--quick", "--out", str(tmp_path))
     assert r.returncode == 2
