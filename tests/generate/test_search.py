@@ -261,3 +261,39 @@ def test_beam_search_prefills_one_row_per_input_and_skips_the_forced_last_step(f
     assert torch.equal(full.scores, out.scores)
     assert rows == [3] + [12] * 6  # every row open to the end (the case is not vacuous)
     assert skipped == [3] + [12] * 5  # the last, forced step ran no forward
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_shared_cross_attention_kv_equals_the_repeated_one(gqa, chunk):
+    """Beam search keeps the encoder K/V at one row per source and the attention step lets the R beams of a
+    source share them (grouped rows of one batched matmul). The decoding step's logits equal those over K/V
+    repeated for every row (cache.reorder with cross=True) and the full forward over the repeated memory,
+    with a padded source (the cross-attention mask in the grouped layout), GQA, one- and two-token steps."""
+    torch.manual_seed(0)
+    m = tiny_encdec(gqa=gqa)
+    src = torch.randint(3, 11, (3, 6))
+    src_mask = torch.ones_like(src)
+    src_mask[1, 4:] = 0
+    src_mask[2, 2:] = 0
+    R = 4
+    rows = torch.arange(3).repeat_interleave(R)
+    with torch.no_grad():
+        source = m.encode_source(src, src_mask)
+        shared, repeated = m.make_cache(3, 12), m.make_cache(3, 12)
+        start = torch.full((3, 1), 1)
+        for c in (shared, repeated):
+            m.prefill(start, c, source=source)
+        shared.reorder(rows, cross=False)
+        repeated.reorder(rows)
+        assert shared.get_cross(0)[0].shape[0] == 3 and repeated.get_cross(0)[0].shape[0] == 12
+        seq = start.index_select(0, rows)
+        big = source.select_rows(rows)
+        for _ in range(3):
+            nxt = torch.randint(3, 11, (12, chunk))
+            seq = torch.cat([seq, nxt], 1)
+            a, b = m.step(nxt, shared), m.step(nxt, repeated)
+            full = m.decode(seq, big.memory, memory_mask=big.mask)[0][:, -1]
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a, full, atol=1e-5, rtol=1e-5)
+            assert not torch.equal(a[0], a[4])  # the sources differ: the case is not vacuous

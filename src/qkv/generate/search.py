@@ -379,8 +379,9 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
             s.expand_rows(rows)
             pipe = s.pipeline(None)
         if cache is not None:
-            if s.seq2seq and isinstance(cache, KVCache) and Kc == K:
-                # every beam of a sentence reads the same encoder K/V: only the self-attention cache moves
+            if s.seq2seq and isinstance(cache, KVCache):
+                # every beam of a sentence reads the same encoder K/V: only the self-attention cache moves, and
+                # the encoder's K/V stay at one row per sentence (the attention step shares them among its beams)
                 cache.reorder(rows, cross=False)
             else:
                 cache.reorder(rows)
