@@ -297,29 +297,3 @@ def test_shared_cross_attention_kv_equals_the_repeated_one(gqa, chunk):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(a, full, atol=1e-5, rtol=1e-5)
             assert not torch.equal(a[0], a[4])  # the sources differ: the case is not vacuous
-
-
-def test_decoding_step_writes_into_the_cache_logits_buffer():
-    """With cache.logits_out set (beam search), model.step writes its logits there: the same values as without,
-    for an output head with final_logits_bias and scaling (OutputHead: BART / Marian / T5) and a plain one."""
-    from qkv.models.encdec import OutputHead
-
-    torch.manual_seed(0)
-    for head in (None, OutputHead(32, 11, 0.5, True)):
-        m = tiny_encdec()
-        if head is not None:
-            with torch.no_grad():
-                head.weight.normal_()
-                head.final_logits_bias.normal_()
-            m.lm_head = head
-        src = torch.randint(3, 11, (2, 5))
-        with torch.no_grad():
-            source = m.encode_source(src)
-            a, b = m.make_cache(2, 8), m.make_cache(2, 8)
-            for c in (a, b):
-                m.prefill(torch.ones(2, 1, dtype=torch.long), c, source=source)
-            b.logits_out = torch.full((2, 11), float("nan"))
-            for t in range(3):
-                nxt = torch.full((2, 1), 3 + t)
-                want, got = m.step(nxt, a), m.step(nxt, b)
-                assert got.data_ptr() == b.logits_out.data_ptr() and torch.equal(got, want)

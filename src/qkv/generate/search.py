@@ -314,7 +314,6 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
             logits = torch.zeros(s.B, model.output_vocab_size, device=dev)
         else:
             logits, _, cache = s.logits(cache, cur, inp, False)
-        step_dtype = logits.dtype
         logits = logits.float()
         if logp_buf is None or logp_buf.shape != logits.shape:
             logp_buf = torch.empty_like(logits)
@@ -379,10 +378,6 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
         if Kc != K:  # after the first step: every input's row becomes its K beams
             s.expand_rows(rows)
             pipe = s.pipeline(None)
-        if Kc != K and isinstance(cache, KVCache):
-            # the steps' logits go into one buffer (a new (rows, V) tensor per step costs page faults: ~5 ms
-            # a step at 64 x 58k); they are read before the next step overwrites them
-            cache.logits_out = torch.empty(s.B, logits.shape[-1], dtype=step_dtype, device=dev)
         if cache is not None:
             if s.seq2seq and isinstance(cache, KVCache):
                 # every beam of a sentence reads the same encoder K/V: only the self-attention cache moves, and

@@ -189,8 +189,7 @@ class TransformerDecoderModel(QKVModel):
         """Next-token logits (B, V) after the newest ids (B, T) over a filled cache: the decoder stack's fast
         path (Stack.step) and the output projection's (Linear.step)."""
         h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset)
-        out = getattr(cache, "logits_out", None)  # a buffer the caller reuses every step (KVCache.logits_out)
-        return self.lm_head.step(h[:, -1]) if out is None else self.lm_head.step(h[:, -1], out=out)
+        return self.lm_head.step(h[:, -1])
 
     @property
     def static_step_supported(self) -> bool:

@@ -107,17 +107,13 @@ class OutputHead(Linear):
         y = super().forward(x * self.scale if self.scale != 1.0 else x)
         return y if self.final_logits_bias is None else y + self.final_logits_bias
 
-    def step(self, x: Tensor, scale_first: tuple[int, float] | None = None, out: Tensor | None = None) -> Tensor:
+    def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
         x = x * self.scale if self.scale != 1.0 else x
         bias = self.final_logits_bias
         if bias is None or not x.is_cpu or x.dim() != 2 or scale_first is not None:
-            if bias is None:
-                return super().step(x, scale_first, out)
-            y = super().step(x, scale_first) + bias
-            return y if out is None else out.copy_(y)
+            y = super().step(x, scale_first)
+            return y if bias is None else y + bias
         # the bias added inside the product (one pass over the (rows, vocab) logits instead of two)
-        if out is not None:
-            return torch.addmm(bias, x, self.packed_weight(), out=out)
         return torch.addmm(bias, x, self.packed_weight())
 
 

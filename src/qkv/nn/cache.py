@@ -19,9 +19,6 @@ class KVCache:
 
     length: int = 0
     max_len: int | None = None  # positions it can hold (None: grows without a fixed limit)
-    # where a model's decoding step writes its (B, V) logits, if set (beam search: one buffer for every step
-    # instead of a new (rows x vocabulary) tensor each; each step's logits then overwrite the previous ones)
-    logits_out: Tensor | None = None
 
     def __init__(self) -> None:
         self._cross: dict[int, tuple[Tensor, Tensor]] = {}

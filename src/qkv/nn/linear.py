@@ -219,15 +219,9 @@ class Linear(nn.Linear):
         """W^T (in, out), contiguous, detached (see packed)."""
         return self._packed(None)[1]
 
-    def step(self, x: Tensor, scale_first: tuple[int, float] | None = None, out: Tensor | None = None) -> Tensor:
+    def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
         """x (..., in) -> (..., out) for inference on a few rows (a decoding step); scale_first=(n, s)
-        returns the first n outputs multiplied by s; out: a tensor of the result's shape to write it into."""
-        if out is not None:
-            if x.dim() == 2 and x.is_cpu and x.dtype == torch.float32 and not torch.compiler.is_compiling() and not (
-                    scale_first is None and STEP_NARROW_DIRECT and self.in_features > self.out_features):
-                _, wt, b = self._packed(scale_first)
-                return torch.addmm(b, x, wt, out=out) if b is not None else torch.mm(x, wt, out=out)
-            return out.copy_(self.step(x, scale_first))
+        returns the first n outputs multiplied by s."""
         if not x.is_cpu or x.dtype != torch.float32 or torch.compiler.is_compiling():
             # under torch.compile the data-pointer lookup of the transposed copy cannot be traced;
             # accelerators read either layout at full speed; on CPU the transposed copy is a win in fp32 only:
