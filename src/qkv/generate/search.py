@@ -322,7 +322,7 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
         V = logp.shape[-1]
         cand = logp.add_(beam_scores.view(-1, 1))  # (B0*Kc, V)
         # 2K candidates per input (enough for K non-eos ones): the best 2K of each beam's row, then the best
-        # 2K of those Kc*2K (the same set as a top-2K over the (B0, Kc*V) scores, ~40% faster at 58k x 64)
+        # 2K of those Kc*2K (the same set as a top-2K over the (B0, Kc*V) scores; 5.7 vs 9.1 ms at 64 x 58k, 1 thread)
         kr = min(2 * K, V)
         row_s, row_i = cand.topk(kr, dim=1)
         top_s, j = row_s.view(B0, Kc * kr).topk(min(2 * K, Kc * kr), dim=1)

@@ -117,7 +117,7 @@ class StaticCache(KVCache):
         # the same batch size (beam search): gather only the filled positions into a spare pair of buffers and
         # swap them in (the positions past `length` are written before anything reads them). One gather
         # straight into its destination: index_select of the (non-contiguous) filled slice into a new tensor
-        # and a copy back took 3-6x longer (benchmarks/seq2seq_beam.py profile, AVX2). The spare doubles
+        # and a copy back took 3-6x longer (Marian-shaped beam search's cache, 1 thread, AVX2). The spare doubles
         # the cache's memory while beams are searched; self.k / self.v are other tensors after a reorder
         # (beam search is never graph-captured: GenerationConfig rejects compile with num_beams > 1).
         n = self.length
