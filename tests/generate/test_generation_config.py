@@ -24,11 +24,13 @@ import qkv
 from qkv.config import ConfigError
 from qkv.generate import Engine, GenerationConfig, generate
 from qkv.generate.processors import (
+    Context,
     ForcedBOS,
     ForcedEOS,
     MinNewTokens,
     MinP,
     NoRepeatNGram,
+    Pipeline,
     RepetitionPenalty,
 )
 
@@ -290,3 +292,41 @@ def test_engine_requests_with_their_own_settings():
     assert got[b] == generate(m, torch.tensor([[3, 4, 5]]), 6, do_sample=True, top_k=4, seed=6)[0, 3:].tolist()
     with pytest.raises(ValueError, match="num_beams"):
         e.add_request([1], num_beams=2)
+
+
+def test_in_place_processors_and_no_repeat_lengths_equal_hugging_face():
+    """apply_ (beam search's in-place path) computes what __call__ and HF compute; NoRepeatNGram from no
+    complete n-gram (length < n) to many repeats (a vocabulary of 3, so most n-grams recur)."""
+    g = torch.Generator().manual_seed(1)
+    hits = 0
+    for length in (0, 1, 2, 3, 4, 7, 15):
+        ids = torch.randint(0, 3, (5, length), generator=g)
+        scores = torch.randn(5, 6, generator=g)
+        for n in (1, 2, 3, 4):
+            want = hf.NoRepeatNGramLogitsProcessor(n)(ids, scores.clone())
+            torch.testing.assert_close(NoRepeatNGram(n)(ids, scores.clone()), want)
+            buf = scores.clone()
+            torch.testing.assert_close(NoRepeatNGram(n).apply_(ids, buf), want)
+            torch.testing.assert_close(buf, want)  # written in place
+            hits += int(torch.isinf(want).any())
+    assert hits >= 10  # not vacuous: most (length, n) cases ban something
+    ids = torch.randint(0, 20, (4, 3), generator=g)
+    scores = torch.randn(4, 20, generator=g)
+    buf = scores.clone()
+    MinNewTokens(0, 5, [3, 4]).apply_(ids, buf)
+    torch.testing.assert_close(buf, hf.MinNewTokensLengthLogitsProcessor(0, 5, [3, 4])(ids, scores.clone()))
+
+
+def test_forces_is_true_exactly_where_the_output_ignores_the_scores():
+    """Pipeline.forces(cur): at that length the processed scores are the same whatever the logits (beam search
+    then skips its last forward); elsewhere they depend on them."""
+    g = torch.Generator().manual_seed(2)
+    for proc in (ForcedEOS(10, [2]), ForcedEOS(10, [2, 5]), ForcedBOS(7, 9)):
+        for cur in range(7, 12):
+            ids = torch.randint(0, 20, (3, cur), generator=g)
+            a, b = torch.randn(3, 20, generator=g), torch.randn(3, 20, generator=g)
+            assert proc.forces(cur) == torch.equal(proc(ids, a), proc(ids, b)), cur
+    cfg = GenerationConfig(forced_eos_token_id=2, max_new_tokens=5)
+    pipe = Pipeline(cfg, Context(prompt_len=1, max_new_tokens=5, eos_ids=[2]))
+    assert [pipe.forces(cur) for cur in range(1, 7)] == [False, False, False, False, True, False]
+    assert not Pipeline(GenerationConfig(max_new_tokens=5), Context(1, 5, [2])).forces(5)

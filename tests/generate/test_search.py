@@ -223,3 +223,77 @@ def test_generate_keeps_training_mode():
     m = tiny_gpt().train()
     generate(m, torch.tensor([[1]]), 2)
     assert m.training
+
+
+def _count_rows(model, monkeypatch) -> list[int]:
+    """Record the batch size of every forward the decoding loop asks of `model` (prefill or step)."""
+    rows: list[int] = []
+    for name in ("prefill", "step"):
+        fn = getattr(model, name)
+        monkeypatch.setattr(model, name, lambda ids, *a, _fn=fn, **k: (rows.append(ids.shape[0]), _fn(ids, *a, **k))[1])
+    return rows
+
+
+@pytest.mark.parametrize("family", ["encdec", "gpt"])
+def test_beam_search_prefills_one_row_per_input_and_skips_the_forced_last_step(family, monkeypatch):
+    """The first step runs on one row per input (its K beams start identical), later steps on all K beams;
+    with forced_eos_token_id the last step's token is forced, so it runs no forward, and the result (tokens
+    and scores) is the same as with that step computed. That the tokens are Hugging Face's is tested in
+    tests/interop/test_seq2seq_parity.py; that they are the exhaustive optimum in
+    test_beam_search_matches_exhaustive_search."""
+    from qkv.generate import processors
+
+    torch.manual_seed(0)
+    if family == "encdec":
+        m, x, mask = tiny_encdec(), torch.randint(3, 11, (3, 5)), None
+    else:
+        m = tiny_gpt("learned")
+        x, mask = left_pad([[1, 2, 3], [4, 5, 6, 7, 8], [9]])
+    opts = dict(num_beams=4, max_new_tokens=7, eos_token_id=2, forced_eos_token_id=2, no_repeat_ngram_size=2,
+                length_penalty=0.6, num_return_sequences=2, return_dict=True, attention_mask=mask)
+    rows = _count_rows(m, monkeypatch)
+    out = generate(m, x, **opts)
+    skipped = list(rows)
+    monkeypatch.setattr(processors.ForcedEOS, "forces", lambda self, cur: False)
+    rows.clear()
+    full = generate(m, x, **opts)
+    assert full.sequences.shape == out.sequences.shape and torch.equal(full.sequences, out.sequences)
+    assert torch.equal(full.scores, out.scores)
+    assert rows == [3] + [12] * 6  # every row open to the end (the case is not vacuous)
+    assert skipped == [3] + [12] * 5  # the last, forced step ran no forward
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_shared_cross_attention_kv_equals_the_repeated_one(gqa, chunk):
+    """Beam search keeps the encoder K/V at one row per source and the attention step lets the R beams of a
+    source share them (grouped rows of one batched matmul). The decoding step's logits equal those over K/V
+    repeated for every row (cache.reorder with cross=True) and the full forward over the repeated memory,
+    with a padded source (the cross-attention mask in the grouped layout), GQA, one- and two-token steps."""
+    torch.manual_seed(0)
+    m = tiny_encdec(gqa=gqa)
+    src = torch.randint(3, 11, (3, 6))
+    src_mask = torch.ones_like(src)
+    src_mask[1, 4:] = 0
+    src_mask[2, 2:] = 0
+    R = 4
+    rows = torch.arange(3).repeat_interleave(R)
+    with torch.no_grad():
+        source = m.encode_source(src, src_mask)
+        shared, repeated = m.make_cache(3, 12), m.make_cache(3, 12)
+        start = torch.full((3, 1), 1)
+        for c in (shared, repeated):
+            m.prefill(start, c, source=source)
+        shared.reorder(rows, cross=False)
+        repeated.reorder(rows)
+        assert shared.get_cross(0)[0].shape[0] == 3 and repeated.get_cross(0)[0].shape[0] == 12
+        seq = start.index_select(0, rows)
+        big = source.select_rows(rows)
+        for _ in range(3):
+            nxt = torch.randint(3, 11, (12, chunk))
+            seq = torch.cat([seq, nxt], 1)
+            a, b = m.step(nxt, shared), m.step(nxt, repeated)
+            full = m.decode(seq, big.memory, memory_mask=big.mask)[0][:, -1]
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a, full, atol=1e-5, rtol=1e-5)
+            assert not torch.equal(a[0], a[4])  # the sources differ: the case is not vacuous

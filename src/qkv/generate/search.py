@@ -135,6 +135,17 @@ class _Run:
         if cfg.compile:
             check_graphable(model)
 
+    def expand_rows(self, rows: Tensor) -> None:
+        """Make row i the copy of row rows[i] in everything per row but the token buffer (beam search, after
+        its first step on one row per input): the key mask, the left padding, the encoded source."""
+        self.B = rows.numel()
+        if self.keep is not None:
+            self.keep = self.keep.index_select(0, rows)
+        if self.n_pad is not None:
+            self.n_pad = self.n_pad.index_select(0, rows)
+        if self.source is not None:
+            self.source = self.source.select_rows(rows)
+
     def pipeline(self, generator: torch.Generator | None) -> Pipeline:
         return Pipeline(self.cfg, Context(self.T, self.max_new, self.eos, self.n_pad), generator)
 
@@ -278,33 +289,51 @@ def beam_search(model: Any, input_ids: Tensor, generation_config: GenerationConf
 def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
                  attention_mask: Tensor | None) -> GenerationOutput:
     K = cfg.num_beams
-    s = _Run(model, input_ids, cfg, attention_mask, K)
+    # The first step runs on one row per input (B0 rows): all K beams of an input start identical, so the
+    # prompt (an encoder-decoder's cross-attention K/V too) is computed once, not K times; its candidates
+    # come from that one row (as they did from beam 0 of K, the others scored -inf). Then every row is
+    # repeated K times (the buffers, the mask and the cache: cache.reorder to the new batch size).
+    s = _Run(model, input_ids, cfg, attention_mask, 1)
     pipe = s.pipeline(None)
     max_new = s.max_new
-    B0 = s.B // K
+    B0 = s.B
     dev = s.buf.device
     eos = set(s.eos)
     cache = s.new_cache()
-    beam_scores = torch.zeros(B0, K, device=dev)
-    beam_scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first at step 1
+    beam_scores = torch.zeros(B0, 1, device=dev)
     finished: list[list[tuple[float, Tensor]]] = [[] for _ in range(B0)]
     row_done = [False] * B0
     lp = cfg.length_penalty
     cur, inp = s.T, s.prompt
+    logp_buf: Tensor | None = None  # the (rows, V) log-probabilities, written in place every step
     for step in range(max_new):
-        logits, _, cache = s.logits(cache, cur, inp, False)
-        logp = pipe.process(s.buf[:, :cur], torch.log_softmax(logits.float(), dim=-1))  # (B0*K, V)
+        Kc = beam_scores.shape[1]  # beams per input this step: 1 at the first, then K
+        if step == max_new - 1 and pipe.forces(cur):
+            # the last step's token is forced (forced_eos_token_id at max_length): the processors ignore the
+            # logits and nothing reads the cache afterwards, so the model is not run
+            logits = torch.zeros(s.B, model.output_vocab_size, device=dev)
+        else:
+            logits, _, cache = s.logits(cache, cur, inp, False)
+        logits = logits.float()
+        if logp_buf is None or logp_buf.shape != logits.shape:
+            logp_buf = torch.empty_like(logits)
+        logp = torch.log_softmax(logits, dim=-1, out=logp_buf)
+        logp = pipe.process(s.buf[:, :cur], logp, inplace=True)  # (B0*Kc, V)
         V = logp.shape[-1]
-        cand = (beam_scores.view(-1, 1) + logp).view(B0, K * V)
-        top_s, top_i = cand.topk(min(2 * K, K * V), dim=1)  # 2K candidates: enough for K non-eos ones
-        src_b, tok_b = (top_i // V).tolist(), (top_i % V).tolist()
+        cand = logp.add_(beam_scores.view(-1, 1))  # (B0*Kc, V)
+        # 2K candidates per input (enough for K non-eos ones): the best 2K of each beam's row, then the best
+        # 2K of those Kc*2K (the same set as a top-2K over the (B0, Kc*V) scores; 5.7 vs 9.1 ms at 64 x 58k, 1 thread)
+        kr = min(2 * K, V)
+        row_s, row_i = cand.topk(kr, dim=1)
+        top_s, j = row_s.view(B0, Kc * kr).topk(min(2 * K, Kc * kr), dim=1)
+        src_b, tok_b = (j // kr).tolist(), row_i.view(B0, Kc * kr).gather(1, j).tolist()
         top_l = top_s.tolist()
         L = step + 1
         # the next beams as Python lists, made into tensors once: an element write into a tensor costs a few
         # microseconds, and this loop does B0 * K * 3 of them per step
         next_s = [[float("-inf")] * K for _ in range(B0)]
         next_tok = [[s.pad] * K for _ in range(B0)]
-        next_src = [list(range(K)) for _ in range(B0)]
+        next_src = [[k if k < Kc else 0 for k in range(K)] for _ in range(B0)]
         for b in range(B0):
             if row_done[b]:
                 continue
@@ -315,7 +344,7 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
                     break
                 if tok in eos:
                     if r < K:  # an eos among the K best candidates closes a hypothesis
-                        row = b * K + src
+                        row = b * Kc + src
                         toks = torch.cat([s.buf[row, s.T:cur], torch.tensor([tok], device=dev)])
                         finished[b].append((sc / L**lp, toks))
                     continue
@@ -344,11 +373,15 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
         next_s = torch.tensor(next_s, device=dev)
         next_tok = torch.tensor(next_tok, dtype=torch.long, device=dev)
         next_src = torch.tensor(next_src, dtype=torch.long, device=dev)
-        rows = (torch.arange(B0, device=dev).unsqueeze(1) * K + next_src).view(-1)
+        rows = (torch.arange(B0, device=dev).unsqueeze(1) * Kc + next_src).view(-1)
         s.buf = s.buf.index_select(0, rows)
+        if Kc != K:  # after the first step: every input's row becomes its K beams
+            s.expand_rows(rows)
+            pipe = s.pipeline(None)
         if cache is not None:
             if s.seq2seq and isinstance(cache, KVCache):
-                # every beam of a sentence reads the same encoder K/V: only the self-attention cache moves
+                # every beam of a sentence reads the same encoder K/V: only the self-attention cache moves, and
+                # the encoder's K/V stay at one row per sentence (the attention step shares them among its beams)
                 cache.reorder(rows, cross=False)
             else:
                 cache.reorder(rows)
@@ -362,10 +395,11 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
     for b in range(B0):  # open beams compete with the finished ones at their current length
         if row_done[b]:
             continue
-        for k in range(K):
+        Kc = beam_scores.shape[1]
+        for k in range(Kc):
             sc = float(beam_scores[b, k])
             if sc != float("-inf") and n_gen > 0:
-                finished[b].append((sc / n_gen**lp, s.buf[b * K + k, s.T:cur].clone()))
+                finished[b].append((sc / n_gen**lp, s.buf[b * Kc + k, s.T:cur].clone()))
         finished[b] = sorted(finished[b], key=lambda h: -h[0])[:K]
     n_ret = cfg.num_return_sequences
     picked = [h for b in range(B0) for h in (finished[b][:n_ret] or [(float("-inf"),
@@ -378,7 +412,7 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
     if s.seq2seq:
         seqs = gen
     else:
-        prompts = s.prompt.view(B0, K, -1)[:, 0].repeat_interleave(n_ret, 0)
+        prompts = s.prompt.repeat_interleave(n_ret, 0)  # the prompt of each input (never expanded)
         seqs = torch.cat([prompts, gen], dim=1)
     return GenerationOutput(sequences=seqs, scores=scores)
 

@@ -43,6 +43,11 @@ class Source:
         mask = None if self.mask is None else self.mask.repeat_interleave(n, 0)
         return Source(self.memory.repeat_interleave(n, 0), mask)
 
+    def select_rows(self, rows: Tensor) -> Source:
+        """Row i is row rows[i] (beam search repeats each input's row for its beams after the first step)."""
+        mask = None if self.mask is None else self.mask.index_select(0, rows)
+        return Source(self.memory.index_select(0, rows), mask)
+
 
 @runtime_checkable
 class Decoder(Protocol):

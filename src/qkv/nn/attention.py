@@ -376,8 +376,10 @@ class MultiHeadAttention(nn.Module):
             if not cache.has_cross(layer):
                 raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill first")
             q = mods["q_proj"].step(x, scale)
-            q = q if T == 1 else q.view(B, T, H, hd).transpose(1, 2)  # one token: (B, C) is (B, H, 1, hd)
             k, v = cache.get_cross(layer)
+            if k.shape[0] != B:
+                return self._shared_cross_step(q, k, v, B, T, add)
+            q = q if T == 1 else q.view(B, T, H, hd).transpose(1, 2)  # one token: (B, C) is (B, H, 1, hd)
         else:
             kv_dim = Hkv * hd
             q, k, v = mods["qkv_proj"].step(x, scale).split_with_sizes([C, kv_dim, kv_dim], dim=-1)
@@ -403,3 +405,20 @@ class MultiHeadAttention(nn.Module):
         y = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
         y = y.view(B, C) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, C)
         return mods["out_proj"].step(y)
+
+    def _shared_cross_step(self, q: Tensor, k: Tensor, v: Tensor, B: int, T: int, add: Tensor | None) -> Tensor:
+        """Cross-attention of the decoding step when the encoder K/V (B0, Hkv, S, hd) hold one row per source
+        and the B = B0 * R query rows come in groups of R consecutive rows per source (beam search keeps the
+        K/V of the first step's B0 rows instead of repeating them for every beam): the R rows' query heads of
+        one key/value head become rows of one batched matmul, as the heads of a GQA group do. q: (B * T, C)
+        projected and scaled; add: (B0 * Hkv, R * G * T, S) or None. The same function as repeating k and v
+        R times (up to fp32 summation order); only the grouping of the products differs."""
+        B0, Hkv, S, hd = k.shape
+        R, G = B // B0, self.n_heads // Hkv
+        # (b0, r, t, j, g) -> (b0, j, r, g, t): the queries of key/value head j of source b0 are one block of rows
+        q = q.view(B0, R, T, Hkv, G, hd).permute(0, 3, 1, 4, 2, 5).reshape(B0 * Hkv, R * G * T, hd)
+        kt = k.reshape(B0 * Hkv, S, hd).transpose(1, 2)
+        scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)
+        y = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B0 * Hkv, S, hd))  # (B0 * Hkv, R * G * T, hd)
+        y = y.view(B0, Hkv, R, G, T, hd).permute(0, 2, 4, 1, 3, 5).reshape(B * T, self.q_dim)
+        return self._modules["out_proj"].step(y)

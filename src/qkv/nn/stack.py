@@ -177,7 +177,12 @@ class Stack(nn.Module):
                                    causal=self.causal)
             if self.blocks[0].cross is not None and cache.memory_keep is not None:
                 mk = cache.memory_keep
-                cross_add = step_scores_bias(**heads, k_len=mk.shape[1], bias=None, keep=mk, causal=False)
+                if mk.shape[0] == B:
+                    cross_add = step_scores_bias(**heads, k_len=mk.shape[1], bias=None, keep=mk, causal=False)
+                else:  # encoder K/V kept once per source for R = B / B0 rows each (beam search): grouped layout
+                    R = B // mk.shape[0]
+                    cross_add = step_scores_bias(**{**heads, "batch": mk.shape[0], "n_heads": a.n_heads * R},
+                                                 k_len=mk.shape[1], bias=None, keep=mk, causal=False)
         rows = x.reshape(B * T, x.shape[-1])  # the blocks work on the new tokens' rows: one addmm per linear
         row_keep = None if tok_keep is None else tok_keep.reshape(B * T)
         # only an encoding that rotates (RoPE) is handed to the attention layers; the others did their work above
@@ -236,7 +241,12 @@ class Stack(nn.Module):
             add = step_scores_bias(**heads, k_len=L, bias=None, keep=visible, causal=False)
             if self.blocks[0].cross is not None and cache.memory_keep is not None:
                 mk = cache.memory_keep
-                cross_add = step_scores_bias(**heads, k_len=mk.shape[1], bias=None, keep=mk, causal=False)
+                if mk.shape[0] == B:
+                    cross_add = step_scores_bias(**heads, k_len=mk.shape[1], bias=None, keep=mk, causal=False)
+                else:  # encoder K/V kept once per source for R = B / B0 rows each (beam search): grouped layout
+                    R = B // mk.shape[0]
+                    cross_add = step_scores_bias(**{**heads, "batch": mk.shape[0], "n_heads": a.n_heads * R},
+                                                 k_len=mk.shape[1], bias=None, keep=mk, causal=False)
         rows = x.reshape(B, d)
         writes = ColumnWrites(cache, index)
         rotating = self.position if type(self.position).rotate is not PositionalEncoding.rotate else None
