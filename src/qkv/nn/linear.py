@@ -42,8 +42,8 @@ MIN_ROWS = 64  # below this, MKL's lower call overhead wins (measured: docs/perf
 # Linear.step on CPU in fp32 with at least this many rows (a batched decoding step) multiplies by a copy of the
 # weight packed by oneDNN for small-row products instead of the transposed copy. MKL's sgemm at 2-16 rows runs
 # far from the memory-bandwidth bound on the AVX2 EPYC (8 rows x (576 x 1536): 0.62 ms through W^T vs 0.41 ms
-# packed; the (49152 x 576) output head 49 ms vs 12 ms; docs/perf/llm_batch.md). One row keeps the transposed
-# copy (its matrix-vector kernel is faster there). 0: never (every step as before).
+# packed; the (49152 x 576) output head 49 ms vs 12 ms; docs/llm.md, benchmarks/step_rows.py). One row keeps
+# the transposed copy (its matrix-vector kernel is faster there). 0: never (every step as before).
 STEP_PACKED_MIN_ROWS = 2
 
 
