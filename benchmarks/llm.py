@@ -12,7 +12,10 @@ loaded by both libraries from that folder. Measured, side by side in one run:
 Every timed configuration runs --repeats times, interleaved (round robin); the table reports medians. The
 machine is shared: only ratios within one run mean much.
 
-    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3]
+    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--ab]
+
+--ab: at batch > 1 a third library row, "qkv mkl-step": qkv with the batched step's products through MKL as before
+issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same interleaved rounds.
 
 --quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
 Writes benchmarks/results/llm.json and llm.md.
@@ -39,6 +42,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
+import qkv.nn.linear  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
 FULL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -92,6 +96,15 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
+def _without_packed_step(fn):
+    """fn() with Linear.step's batched oneDNN path off (the MKL products of the step before issue 12's fix)."""
+    old, qkv.nn.linear.STEP_PACKED_MIN_ROWS = qkv.nn.linear.STEP_PACKED_MIN_ROWS, 0
+    try:
+        return fn()
+    finally:
+        qkv.nn.linear.STEP_PACKED_MIN_ROWS = old
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a tiny model and a few tokens (smoke test)")
@@ -102,6 +115,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--ab", action="store_true", help="also time qkv without the packed batched step (batch > 1)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     if a.quick:
@@ -144,6 +158,9 @@ def main() -> None:
                 "transformers": lambda x=x, m=hf: m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.new,
                                                              min_new_tokens=a.new, do_sample=False, pad_token_id=0),
             }
+            if a.ab and B > 1:
+                fns["qkv mkl-step"] = lambda x=x, m=ours: _without_packed_step(
+                    lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared
                 times: dict[str, list[float]] = {k: [] for k in fns}
@@ -152,8 +169,10 @@ def main() -> None:
                         t0 = time.perf_counter()
                         fn()
                         times[k].append(time.perf_counter() - t0)
-            same = (outs["qkv"][:, a.prompt:] == outs["transformers"][:, a.prompt:]).float().mean().item()
-            agree[f"{name} batch {B}"] = round(same, 3)
+            for k in fns:
+                if k != "transformers":
+                    same = (outs[k][:, a.prompt:] == outs["transformers"][:, a.prompt:]).float().mean().item()
+                    agree[f"{name} batch {B}" + ("" if k == "qkv" else f" ({k})")] = round(same, 3)
             med = {k: statistics.median(v) for k, v in times.items()}
             for k in fns:
                 ms = 1000 * med[k] / a.new

@@ -84,6 +84,22 @@ def test_greedy_64_tokens_equal_transformers_and_cached_equals_uncached(pair):
     assert uncached.tolist() == got.tolist()
 
 
+def test_greedy_batch_equals_transformers(pair):
+    """A batch of 4 rows: the decoding step's batched products (Linear.step through oneDNN's packed weights where
+    the build has them, qkv.nn.linear.STEP_PACKED_MIN_ROWS) keep every greedy token equal to transformers'."""
+    from qkv.nn.linear import onednn_packable
+
+    name, hf, _, ours = pair
+    prompt = torch.randint(3, BASE["vocab_size"], (4, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, min_new_tokens=32,
+                           do_sample=False, pad_token_id=0)
+    got = generate(ours, prompt, max_new_tokens=32, min_new_tokens=32)
+    assert got.tolist() == want.tolist()
+    if onednn_packable():  # the batched path was the one taken
+        assert ours.lm_head.__dict__["_decode_onednn"]["copy"] is not None
+
+
 def test_config_translation(pair):
     name, hf, _, ours = pair
     c = ours.config

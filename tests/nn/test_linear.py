@@ -136,13 +136,17 @@ def test_probe_does_not_touch_the_global_rng(monkeypatch):
     assert torch.equal(got, torch.rand(3))
 
 
-@pytest.mark.parametrize("narrow_direct", [True, False])
+@pytest.mark.parametrize("path", ["narrow-direct", "transposed", "packed"])
 @pytest.mark.parametrize("in_f, out_f", [(48, 16), (16, 48), (24, 24)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_step_equals_f_linear_in_both_layouts(monkeypatch, narrow_direct, in_f, out_f, bias):
+def test_step_equals_f_linear_in_every_layout(monkeypatch, path, in_f, out_f, bias):
     """The decoding path (narrowing products through the (out, in) weight, the others through the transposed copy;
-    or every product through the copy) computes F.linear, with and without the folded query scale."""
-    monkeypatch.setattr(L, "STEP_NARROW_DIRECT", narrow_direct)
+    or every product through the copy; or, for several rows, oneDNN's packed copy) computes F.linear, with and
+    without the folded query scale."""
+    if path == "packed" and not L.onednn_packable():
+        pytest.skip("this torch build cannot pack weights for oneDNN")
+    monkeypatch.setattr(L, "STEP_NARROW_DIRECT", path == "narrow-direct")
+    monkeypatch.setattr(L, "STEP_PACKED_MIN_ROWS", 2 if path == "packed" else 0)
     torch.manual_seed(0)
     lin = L.Linear(in_f, out_f, bias=bias)
     x = torch.randn(3, in_f)
@@ -153,3 +157,32 @@ def test_step_equals_f_linear_in_both_layouts(monkeypatch, narrow_direct, in_f, 
         scaled = ref.clone()
         scaled[:, :8] *= 0.5
         torch.testing.assert_close(lin.step(x, (8, 0.5)), scaled, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not L.onednn_packable(), reason="this torch build cannot pack weights for oneDNN")
+def test_batched_step_copy_is_rebuilt_dropped_and_never_copied(monkeypatch):
+    """The packed copy of a batched step: built once, rebuilt after an in-place weight change, dropped by
+    free_packed, and left behind by deepcopy and pickling (an opaque oneDNN tensor; rebuilt at the next step)."""
+    import copy
+    import io
+
+    monkeypatch.setattr(L, "STEP_PACKED_MIN_ROWS", 2)
+    torch.manual_seed(0)
+    lin = L.Linear(24, 40)
+    x = torch.randn(8, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(lin.step(x), F.linear(x, lin.weight, lin.bias), rtol=1e-6, atol=1e-6)
+        first = lin.__dict__["_decode_onednn"]["copy"]
+        lin.step(x)
+        assert lin.__dict__["_decode_onednn"]["copy"] is first
+        lin.weight.mul_(-2.0)
+        torch.testing.assert_close(lin.step(x), F.linear(x, lin.weight, lin.bias), rtol=1e-6, atol=1e-6)
+        assert lin.__dict__["_decode_onednn"]["copy"] is not first
+        twin = copy.deepcopy(lin)
+        torch.save(lin, io.BytesIO())
+        assert "copy" not in twin.__dict__["_decode_onednn"]
+        torch.testing.assert_close(twin.step(x), F.linear(x, lin.weight, lin.bias), rtol=1e-6, atol=1e-6)
+        assert L.free_packed(lin) == 1 and "_decode_onednn" not in lin.__dict__
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps the aten path (its bf16 product)
+            lin.step(x)
+        assert "_decode_onednn" not in lin.__dict__

@@ -39,6 +39,12 @@ BACKENDS = ("auto", "onednn", "aten")
 # the transposed copy's. False: every layer through the transposed copy, as before (benchmarks/decode_floor.py --ab).
 STEP_NARROW_DIRECT = True
 MIN_ROWS = 64  # below this, MKL's lower call overhead wins (measured: docs/perf/train_vs_hf.md)
+# Linear.step on CPU in fp32 with at least this many rows (a batched decoding step) multiplies by a copy of the
+# weight packed by oneDNN for small-row products instead of the transposed copy. MKL's sgemm at 2-16 rows runs
+# far from the memory-bandwidth bound on the AVX2 EPYC (8 rows x (576 x 1536): 0.62 ms through W^T vs 0.41 ms
+# packed; the (49152 x 576) output head 49 ms vs 12 ms; docs/llm.md, benchmarks/step_rows.py). One row keeps
+# the transposed copy (its matrix-vector kernel is faster there). 0: never (every step as before).
+STEP_PACKED_MIN_ROWS = 2
 
 
 def _backend_from_env() -> str:
@@ -165,9 +171,42 @@ def free_packed(module: nn.Module) -> int:
     changing weights through `.data`); they are rebuilt at the next decoding step. Returns how many."""
     n = 0
     for m in module.modules():
-        if isinstance(m, Linear) and m.__dict__.pop("_decode_copy", None) is not None:
-            n += 1
+        if isinstance(m, Linear):
+            had = m.__dict__.pop("_decode_copy", None) is not None
+            had |= bool(m.__dict__.pop("_decode_onednn", None))
+            n += had
     return n
+
+
+_PACKABLE: bool | None = None
+
+
+def onednn_packable() -> bool:
+    """Can this torch build pack an fp32 weight for oneDNN's inner product (Linear.step's batched path)?"""
+    global _PACKABLE
+    if _PACKABLE is None:
+        ok = onednn_available() and hasattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight")
+        if ok:
+            try:
+                x, w = torch.linspace(-1, 1, 12).view(4, 3), torch.linspace(-2, 1, 6).view(2, 3)
+                wp = torch.ops.mkldnn._reorder_linear_weight(w, 4)
+                ok = torch.allclose(torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], ""), F.linear(x, w),
+                                    atol=1e-5)
+            except Exception:  # pragma: no cover - builds without the op
+                ok = False
+        _PACKABLE = ok
+    return _PACKABLE
+
+
+class _Transient(dict):
+    """Holds a decode-time oneDNN copy (an opaque tensor, which neither deepcopy nor pickle can read): copies
+    and pickles of the module carry an empty holder, and the copy is rebuilt at the next step."""
+
+    def __deepcopy__(self, memo: dict) -> _Transient:
+        return _Transient()
+
+    def __reduce__(self) -> tuple:
+        return (_Transient, ())
 
 
 class Linear(nn.Linear):
@@ -179,7 +218,10 @@ class Linear(nn.Linear):
     then runs the matrix-vector kernel that reads W along its rows, ~25% faster than x @ W^T on this
     project's CPUs (Hugging Face's GPT-2 Conv1D stores its weights that way). The copy is built at the first
     step and rebuilt whenever the weight changes (`_packed`); it costs the memory of the weight once more
-    (`free_packed` drops it). On accelerators `step` is F.linear (cuBLAS reads either layout at full speed)."""
+    (`free_packed` drops it). A step of STEP_PACKED_MIN_ROWS rows or more (a batch) multiplies instead by a
+    copy packed by oneDNN (`_onednn_packed`, same bytes, made at the first such step): a process that decodes
+    both single rows and batches holds both copies, twice the weight on top of it (`free_packed` drops both).
+    On accelerators `step` is F.linear (cuBLAS reads either layout at full speed)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
@@ -215,6 +257,29 @@ class Linear(nn.Linear):
             packed = self.__dict__["_decode_copy"] = (key, wt, bias)
         return packed
 
+    def _onednn_packed(self, scale_first: tuple[int, float] | None) -> tuple:
+        """(key, W packed by oneDNN for few-row products, bias): the batched step's copy, the same bytes as the
+        weight, made and refreshed like `_packed`'s (the same key)."""
+        params = self._parameters
+        w, b = params["weight"], params["bias"]
+        key = (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version, scale_first)
+        holder = self.__dict__.get("_decode_onednn")
+        packed = None if holder is None else holder.get("copy")
+        if packed is None or packed[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                wd = w.detach()
+                bias = None if b is None else b.detach().clone()
+                if scale_first is not None:
+                    n, s = scale_first
+                    wd = wd.clone()
+                    wd[:n] *= s
+                    if bias is not None:
+                        bias[:n] *= s
+                wp = torch.ops.mkldnn._reorder_linear_weight(wd.contiguous(), 8)
+            packed = (key, wp, bias)
+            self.__dict__["_decode_onednn"] = _Transient(copy=packed)
+        return packed
+
     def packed_weight(self) -> Tensor:
         """W^T (in, out), contiguous, detached (see packed)."""
         return self._packed(None)[1]
@@ -231,6 +296,11 @@ class Linear(nn.Linear):
             if scale_first is not None:
                 y[..., : scale_first[0]] *= scale_first[1]
             return y
+        rows = x.numel() // self.in_features
+        if STEP_PACKED_MIN_ROWS and rows >= STEP_PACKED_MIN_ROWS and onednn_packable() \
+                and not torch.is_autocast_enabled("cpu"):
+            _, wp, b = self._onednn_packed(scale_first)
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), wp, b, "none", [], "")
         if scale_first is None and STEP_NARROW_DIRECT and self.in_features > self.out_features:
             return F.linear(x, self.weight, self.bias)  # narrowing: the original layout, no transposed copy
         if x.dim() != 2:
