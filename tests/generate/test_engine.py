@@ -245,3 +245,35 @@ def test_engine_reads_only_written_cache_slots():
     assert engine.stats()["preemptions"] > 0  # recomputation and block reuse are part of the run
     for rid, p in zip(ids, prompts):
         assert out[rid] == _alone(m, p, 9)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_prefill_pieces_of_equal_length_share_one_forward(position):
+    """Prompt pieces of the same length go through one forward: fresh prompts (nothing cached), and a piece
+    after an 8-token prefix-cache hit beside a fresh one (different cached lengths: per-row offsets and key
+    mask). Every output equals generate() alone on its prompt."""
+    m = tiny_gpt(position, gqa=position in ("rope", "alibi"))
+    shapes = []
+    step = m.step
+
+    def recording(ids, cache, keep=None, offset=None):
+        shapes.append((tuple(ids.shape), keep is not None))
+        return step(ids, cache, keep=keep, offset=offset)
+
+    m.step = recording
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 11, (8,), generator=g).tolist()
+    first = prefix + [1, 2, 3]
+    engine = Engine(m, block_size=4, max_batch_size=4, prefill_chunk=32)
+    a = engine.add_request(first, 3)
+    out = engine.run()  # leaves the prefix's two full blocks in the prefix cache
+    prompts = [prefix + [4, 5, 6], [7, 8, 9], [2, 4, 6, 8, 10, 1], [3, 5, 7, 9, 2, 4]]
+    news = [5, 6, 4, 7]
+    ids = [engine.add_request(p, n) for p, n in zip(prompts, news)]
+    out.update(engine.run())
+    assert ((2, 3), True) in shapes  # the prefix-hit piece (8 cached) beside the fresh 3-token prompt
+    assert ((2, 6), False) in shapes  # two fresh 6-token prompts
+    assert engine.stats()["prefix_hit_tokens"] == 8
+    assert out[a] == _alone(m, first, 3)
+    for rid, p, n in zip(ids, prompts, news):
+        assert out[rid] == _alone(m, p, n)

@@ -318,7 +318,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond the batch before 429")
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: a full batch of contexts)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens fed per engine step (0: whole)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens fed per engine step (0: whole)")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
     p.add_argument("--preemption", choices=["newest", "least_work"], default="newest",
                    help="which request gives its blocks back when the pool runs out")

@@ -27,8 +27,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.nn.cache import KVCache
@@ -135,6 +137,23 @@ def block_digest(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
+class PoolRows(NamedTuple):
+    """A decoding step's values left in the pool (PagedKVCache.step_update): row index[i, t] of `pool` (one
+    layer's (H_kv * slots, hd) values) is key column t of batch-head i. weighted_sum(probs) is probs @ V
+    computed straight from the pool by one embedding_bag (a weighted sum of rows), instead of gathering V
+    into a contiguous copy and multiplying: one read of the values instead of a read, a write and a read."""
+
+    pool: Tensor
+    index: Tensor  # (B * H_kv, Tk) pool rows
+
+    def weighted_sum(self, probs: Tensor) -> Tensor:
+        """probs: (B * H_kv, G * T, Tk) attention weights (G query heads per key/value head) -> (B * H_kv, G * T, hd)."""
+        n, q, tk = probs.shape
+        idx = self.index if q == 1 else self.index.unsqueeze(1).expand(n, q, tk).reshape(n * q, tk)
+        out = F.embedding_bag(idx, self.pool, mode="sum", per_sample_weights=probs.reshape(n * q, tk))
+        return out.view(n, q, -1)
+
+
 class PagedKVCache(KVCache):
     def __init__(
         self,
@@ -170,7 +189,8 @@ class PagedKVCache(KVCache):
         self._lens_t = torch.zeros(0, dtype=torch.long, device=self.device)
         self._plan: tuple[Tensor, Tensor] | None = None
         # one step's gathered keys/values, reused by every layer and step (grown when a step needs more)
-        self._kbuf = self._vbuf = torch.empty(0, dtype=dtype, device=device)
+        self._kbuf = torch.empty(0, dtype=dtype, device=device)
+        self._vbuf = torch.empty(0, dtype=dtype, device=device)
         self.length = 0
         self.max_len = num_blocks * block_size
         self.copies = 0  # copy-on-write block copies
@@ -289,26 +309,47 @@ class PagedKVCache(KVCache):
         head = (torch.arange(self.n_kv_heads, device=self.device) * self.slots).view(1, -1, 1)
         return (head + write.unsqueeze(1)).reshape(-1), (head + gather.unsqueeze(1)).reshape(-1)
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def _write(self, layer: int, k: Tensor, v: Tensor) -> Tensor:
+        """Write the active sequences' new keys/values into their slots; returns the gather rows."""
         B, H, T, hd = k.shape
         if B != len(self.active):
             raise ValueError(f"the batch has {B} rows but {len(self.active)} sequences are active")
         if self._plan is None:
             self._plan = self._make_plan(T)
         write, gather = self._plan
-        kl, vl = self.k[layer], self.v[layer]
-        kl.index_copy_(0, write, k.reshape(B * H * T, hd))
-        vl.index_copy_(0, write, v.reshape(B * H * T, hd))
-        n, tk = gather.shape[0], gather.shape[0] // (B * H)
-        if self._kbuf.numel() < n * hd:
-            self._kbuf = self._vbuf = None  # let the old pair go before the new one is taken
-            grow = n * hd + n * hd // 4
-            self._kbuf, self._vbuf = kl.new_empty(grow), vl.new_empty(grow)
-        # the layer's attention reads these before the next layer's update() overwrites them
-        ko, vo = self._kbuf[:n * hd].view(n, hd), self._vbuf[:n * hd].view(n, hd)
-        torch.index_select(kl, 0, gather, out=ko)
-        torch.index_select(vl, 0, gather, out=vo)
+        self.k[layer].index_copy_(0, write, k.reshape(B * H * T, hd))
+        self.v[layer].index_copy_(0, write, v.reshape(B * H * T, hd))
+        return gather
+
+    def _gather(self, pool: Tensor, gather: Tensor, buf: str) -> Tensor:
+        n, hd = gather.shape[0], pool.shape[-1]
+        if getattr(self, buf).numel() < n * hd:
+            setattr(self, buf, None)  # let the old buffer go before the new one is taken
+            setattr(self, buf, pool.new_empty(n * hd + n * hd // 4))
+        # the layer's attention reads it before the next layer's update() overwrites it
+        out = getattr(self, buf)[:n * hd].view(n, hd)
+        torch.index_select(pool, 0, gather, out=out)
+        return out
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        B, H, T, hd = k.shape
+        gather = self._write(layer, k, v)
+        tk = gather.shape[0] // (B * H)
+        ko, vo = self._gather(self.k[layer], gather, "_kbuf"), self._gather(self.v[layer], gather, "_vbuf")
         return ko.view(B, H, tk, hd), vo.view(B, H, tk, hd)  # (B, H, length + T, hd), contiguous
+
+    def step_update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | PoolRows]:
+        """update() for MultiHeadAttention.step. One new token per sequence on the CPU (float32): the keys come
+        back gathered, the values stay in the pool (PoolRows; the attention takes probs @ V with
+        PoolRows.weighted_sum). A decoding step's time on the CPU is mostly memory traffic over the cached
+        keys/values, and this saves the copy of the values (benchmarks/serve.py). Otherwise: update()."""
+        B, H, T, hd = k.shape
+        if T != 1 or self.k.device.type != "cpu" or self.k.dtype != torch.float32:
+            return self.update(layer, k, v)
+        gather = self._write(layer, k, v)
+        tk = gather.shape[0] // (B * H)
+        ko = self._gather(self.k[layer], gather, "_kbuf")
+        return ko.view(B, H, tk, hd), PoolRows(self.v[layer], gather.view(B * H, tk))
 
     def advance(self, n: int) -> None:
         for s in self.active:
