@@ -176,13 +176,7 @@ class Stack(nn.Module):
             add = step_scores_bias(**heads, k_len=k_len, bias=self.position.bias(T, k_len, self.causal), keep=keep,
                                    causal=self.causal)
             if self.blocks[0].cross is not None and cache.memory_keep is not None:
-                mk = cache.memory_keep
-                if mk.shape[0] == B:
-                    cross_add = step_scores_bias(**heads, k_len=mk.shape[1], bias=None, keep=mk, causal=False)
-                else:  # encoder K/V kept once per source for R = B / B0 rows each (beam search): grouped layout
-                    R = B // mk.shape[0]
-                    cross_add = step_scores_bias(**{**heads, "batch": mk.shape[0], "n_heads": a.n_heads * R},
-                                                 k_len=mk.shape[1], bias=None, keep=mk, causal=False)
+                cross_add = _cross_scores_bias(heads, cache.memory_keep)
         rows = x.reshape(B * T, x.shape[-1])  # the blocks work on the new tokens' rows: one addmm per linear
         row_keep = None if tok_keep is None else tok_keep.reshape(B * T)
         # only an encoding that rotates (RoPE) is handed to the attention layers; the others did their work above
@@ -240,13 +234,7 @@ class Stack(nn.Module):
             heads = dict(batch=B, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, q_len=1, dtype=x.dtype, device=x.device)
             add = step_scores_bias(**heads, k_len=L, bias=None, keep=visible, causal=False)
             if self.blocks[0].cross is not None and cache.memory_keep is not None:
-                mk = cache.memory_keep
-                if mk.shape[0] == B:
-                    cross_add = step_scores_bias(**heads, k_len=mk.shape[1], bias=None, keep=mk, causal=False)
-                else:  # encoder K/V kept once per source for R = B / B0 rows each (beam search): grouped layout
-                    R = B // mk.shape[0]
-                    cross_add = step_scores_bias(**{**heads, "batch": mk.shape[0], "n_heads": a.n_heads * R},
-                                                 k_len=mk.shape[1], bias=None, keep=mk, causal=False)
+                cross_add = _cross_scores_bias(heads, cache.memory_keep)
         rows = x.reshape(B, d)
         writes = ColumnWrites(cache, index)
         rotating = self.position if type(self.position).rotate is not PositionalEncoding.rotate else None
@@ -255,3 +243,13 @@ class Stack(nn.Module):
         if self.final_norm is not None:
             rows = self.final_norm(rows, None)
         return rows.view(B, 1, -1)
+
+
+def _cross_scores_bias(heads: dict, memory_keep: Tensor) -> Tensor:
+    """The decoding step's additive cross-attention mask from the encoder keep-mask (B0, S). heads: the
+    step_scores_bias keywords of the step's B rows. When the encoder K/V are kept once per source for R = B / B0
+    rows each (beam search), the R rows' heads form one group, as in attention._shared_cross_step."""
+    B0 = memory_keep.shape[0]
+    if B0 != heads["batch"]:
+        heads = {**heads, "batch": B0, "n_heads": heads["n_heads"] * (heads["batch"] // B0)}
+    return step_scores_bias(**heads, k_len=memory_keep.shape[1], bias=None, keep=memory_keep, causal=False)
