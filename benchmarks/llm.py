@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
 import qkv.nn.linear  # noqa: E402
+from _timing import interleaved  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
 FULL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -163,12 +164,7 @@ def main() -> None:
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                for _ in range(a.repeats):
-                    for k, fn in fns.items():
-                        t0 = time.perf_counter()
-                        fn()
-                        times[k].append(time.perf_counter() - t0)
+                times, _ = interleaved(fns, a.repeats)
             for k in fns:
                 if k != "transformers":
                     same = (outs[k][:, a.prompt:] == outs["transformers"][:, a.prompt:]).float().mean().item()
@@ -189,12 +185,7 @@ def main() -> None:
         with torch.no_grad():
             for fn in fns.values():
                 fn()
-            times = {k: [] for k in fns}
-            for _ in range(max(a.repeats, 3)):
-                for k, fn in fns.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[k].append(time.perf_counter() - t0)
+            times, _ = interleaved(fns, max(a.repeats, 3))
         med = {k: statistics.median(v) for k, v in times.items()}
         for k in fns:
             prefill.append({"dtype": name, "library": k, "tok_per_s": round(a.prefill / med[k], 1),

@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
+from _timing import interleaved  # noqa: E402
 from qkv.generate import Engine, generate  # noqa: E402
 
 
@@ -68,13 +68,7 @@ def main() -> None:
 
     variants = {"engine (paged)": run_engine, "static (padded)": run_static,
                 "engine, one forward per decode step (split_cost=None)": lambda: run_engine(None)}
-    times = {k: [] for k in variants}
-    res = {}
-    for _ in range(a.repeats):
-        for k, fn in variants.items():
-            t0 = time.perf_counter()
-            res[k] = fn()
-            times[k].append(time.perf_counter() - t0)
+    times, res = interleaved(variants, a.repeats)
     same = res["engine (paged)"][0] == res["static (padded)"][0] == res[next(reversed(variants))][0]
     needed = sum(len(p) + n - 1 for p, n in zip(prompts, news)) * slot_bytes  # positions actually cached
     rows = []

@@ -28,7 +28,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
@@ -39,6 +38,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 import qkv  # noqa: E402
+from _timing import interleaved  # noqa: E402
 from decode_floor import FULL, NO_DROPOUT, QUICK  # noqa: E402
 
 
@@ -84,12 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
                     fns["full_top"] = lambda x=x, m=ours: m.lm_head(m.decoder(m.tok_emb(x)).hidden[:, -1:])[:, -1]
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the logits compared
                 diff = max((o - outs["transformers"]).abs().max().item() for k, o in outs.items())
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                for _ in range(a.repeats):
-                    for k, fn in fns.items():
-                        t0 = time.perf_counter()
-                        fn()
-                        times[k].append(time.perf_counter() - t0)
+                times, _ = interleaved(fns, a.repeats)
                 med = {k: statistics.median(v) for k, v in times.items()}
                 rows.append({"family": name, "tokens": n, "qkv_s": round(med["qkv"], 4),
                              "hf_s": round(med["transformers"], 4), "qkv_tok_s": round(n / med["qkv"], 1),

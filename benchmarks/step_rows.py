@@ -25,7 +25,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
@@ -36,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
+from _timing import interleaved  # noqa: E402
 from qkv.nn.linear import onednn_packable  # noqa: E402
 
 # name: (in, out, products of that shape per layer)
@@ -74,12 +74,7 @@ def main() -> None:
             fns = {k: fns[k] for k in paths}
             ref = F.linear(x, ws[0])
             err = {k: (fns[k]()[0] - ref).abs().max().item() for k in fns}  # warm-up, and the same function
-            times: dict[str, list[float]] = {k: [] for k in fns}
-            for _ in range(a.repeats):
-                for k, fn in fns.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[k].append(time.perf_counter() - t0)
+            times, _ = interleaved(fns, a.repeats)
             gb = sum(w.numel() * 4 for w in ws) / 1e9
             for k, v in times.items():
                 med = statistics.median(v)
