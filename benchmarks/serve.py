@@ -14,11 +14,14 @@
 5. chunked prefill: a 768-token prompt joins 16 decoding requests: the longest gap between their tokens
           and the newcomer's time to first token, prefill_chunk=256 vs the whole prompt in one step.
 
-Model: 'gpt-bench' (6 layers, 384 wide, vocab 65, random weights) with a 1024-position table. The full form
-(64 clients, prompts 16..512, outputs 16..256) takes long on a 2-core machine; the figures in
-docs/performance.md come from the reduced form named there.
+Models (--family): 'gpt' = qkv's 'gpt-bench' run folder (6 layers, 384 wide, vocab 65, random weights) with a
+1024-position table; 'llama' = the 135M-class Llama of benchmarks/llm.py (30 layers, hidden 576, 9 / 3 heads,
+vocab 49152, tied; random weights) saved by `transformers` as a Hugging Face folder with a word-level
+`tokenizer.json` of its own (no eos, so every request runs to its length). --parts picks the parts to run
+(the Llama model is ~6x the GPT's work per token: `--family llama --parts load` is the issue's headline figure).
 
-    .venv/bin/python benchmarks/serve.py [--quick] [--clients 64] [--prompt-max 512] [--new-max 256]
+    .venv/bin/python benchmarks/serve.py [--quick] [--family gpt|llama] [--parts load static prefix preempt chunk]
+        [--clients 64] [--prompt-max 512] [--new-max 256]
 """
 
 from __future__ import annotations
@@ -50,7 +53,33 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def make_folder(path: Path, quick: bool) -> Path:
+LLAMA = dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+             intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
+LLAMA_QUICK = dict(LLAMA, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=128, vocab_size=512)
+PARTS = ("load", "static", "prefix", "preempt", "chunk")
+
+
+def make_llama_folder(path: Path, quick: bool) -> Path:
+    """A Hugging Face Llama folder as `transformers` writes it, with a word-level tokenizer ('t0' .. 'tN') whose
+    token ids are the model's: token-id prompts round-trip through the server's text output."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    spec = LLAMA_QUICK if quick else LLAMA
+    cfg = transformers.LlamaConfig(**spec, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(spec["vocab_size"])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path
+
+
+def make_folder(path: Path, quick: bool, family: str = "gpt") -> Path:
+    if family == "llama":
+        return make_llama_folder(path, quick)
     task = build_task("charlm", family="gpt", context=1024)
     kw = dict(n_layers=2, d_model=64, n_heads=2) if quick else {}
     model = task.build_model("gpt-bench", position="learned", **kw)
@@ -169,8 +198,9 @@ def engine_vs_static(m, prompts, news, repeats: int) -> dict:
 
 def prefix_work(m, system_len: int, n_req: int, new: int) -> dict:
     g = torch.Generator().manual_seed(1)
-    system = torch.randint(0, 65, (system_len,), generator=g).tolist()
-    prompts = [system + torch.randint(0, 65, (int(torch.randint(8, 33, (1,), generator=g)),), generator=g).tolist()
+    V = m.output_vocab_size
+    system = torch.randint(0, V, (system_len,), generator=g).tolist()
+    prompts = [system + torch.randint(0, V, (int(torch.randint(8, 33, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n_req)]
     res = {}
     for on in (False, True):
@@ -213,12 +243,13 @@ def chunked_prefill(m, long_len: int, running: int = 16, chunk: int = 256) -> di
     tokens of a running request, and the long request's time to first token, with chunked prefill
     (prefill_chunk=chunk) and with the whole prompt in one step (prefill_chunk=None)."""
     g = torch.Generator().manual_seed(2)
-    long_prompt = torch.randint(0, 65, (long_len,), generator=g).tolist()
+    V = m.output_vocab_size
+    long_prompt = torch.randint(0, V, (long_len,), generator=g).tolist()
     out = {"running": running, "long_prompt": long_len, "chunk": chunk}
     for name, c in (("chunked", chunk), ("whole", None)):
         e = Engine(m, max_batch_size=running + 1, prefill_chunk=c)
         for _ in range(running):
-            e.add_request(torch.randint(0, 65, (16,), generator=g).tolist(), 200)  # still running at the end
+            e.add_request(torch.randint(0, V, (16,), generator=g).tolist(), 200)  # still running at the end
         for _ in range(3):
             e.step()  # everyone is decoding
         rid = e.add_request(long_prompt, 4)
@@ -241,48 +272,69 @@ def main() -> None:
     ap.add_argument("--prompt-max", type=int, default=512)
     ap.add_argument("--new-max", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "results" / "serve.json"))
+    ap.add_argument("--family", choices=["gpt", "llama"], default="gpt")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serve[_llama].json)")
     a = ap.parse_args()
     if a.quick:
         a.clients, a.prompt_max, a.new_max, a.repeats = 6, 40, 16, 1
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     rnd = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
-    prompts = [torch.randint(0, 65, (rnd(16, a.prompt_max),), generator=g).tolist() for _ in range(a.clients)]
+    a.out = a.out or str(ROOT / "results" / ("serve.json" if a.family == "gpt" else f"serve_{a.family}.json"))
+    vocab = (LLAMA_QUICK if a.quick else LLAMA)["vocab_size"] if a.family == "llama" else 65
+    prompts = [torch.randint(0, vocab, (rnd(16, a.prompt_max),), generator=g).tolist() for _ in range(a.clients)]
     news = [rnd(16, a.new_max) for _ in range(a.clients)]
+    run = set(a.parts)
+    result: dict = {"family": a.family, "threads": torch.get_num_threads(), "quick": a.quick}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = make_folder(Path(tmp), a.quick)
-        load = load_test(folder, prompts, news, max_batch=a.clients)
+        folder = make_folder(Path(tmp) / "model", a.quick, a.family)
+        if "load" in run:
+            result["load"] = load_test(folder, prompts, news, max_batch=a.clients)
         m = load_served(folder).model
-        static = engine_vs_static(m, prompts, news, a.repeats)
-        prefix = prefix_work(m, 64 if a.quick else 384, 4 if a.quick else 16, 8 if a.quick else 32)
-        preempt = preemption_policies(m, prompts, news)
-        chunk = chunked_prefill(m, 64 if a.quick else 768, 4 if a.quick else 16, 16 if a.quick else 256)
-    result = {"chunked_prefill": chunk, "threads": torch.get_num_threads(), "quick": a.quick, "load": load, "engine_vs_static": static,
-              "prefix_caching": prefix, "preemption": preempt}
+        if "static" in run:
+            result["engine_vs_static"] = engine_vs_static(m, prompts, news, a.repeats)
+        if "prefix" in run:
+            result["prefix_caching"] = prefix_work(m, 64 if a.quick else 384, 4 if a.quick else 16, 8 if a.quick else 32)
+        if "preempt" in run:
+            result["preemption"] = preemption_policies(m, prompts, news)
+        if "chunk" in run:
+            result["chunked_prefill"] = chunked_prefill(m, 64 if a.quick else 768, 4 if a.quick else 16,
+                                                        16 if a.quick else 256)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"| clients | tok/s server | tok/s sequential generate() | speedup | TTFT p50 / p99 (s) | "
-          f"ITL p50 / p99 (ms) | failed |\n|---|---|---|---|---|---|---|\n| {load['clients']} | "
-          f"{load['server_tok_s']} | {load['sequential_tok_s']} | {load['speedup']}x | {load['ttft_p50_s']} / "
-          f"{load['ttft_p99_s']} | {load['itl_p50_ms']} / {load['itl_p99_ms']} | {load['failed_or_garbled']} |")
-    print(f"\nengine {static['engine_tok_s']} tok/s vs static padded {static['static_tok_s']} tok/s "
-          f"({static['engine_over_static']}x) at {static['kv_ratio']}x its KV memory ({static['engine_kv_mib']} vs "
-          f"{static['static_kv_mib']} MiB); same tokens: {static['same_tokens']}; one forward per decode step "
-          f"(split_cost=None): {static['engine_unsplit_tok_s']} tok/s ({static['engine_unsplit_over_static']}x)")
-    print(f"prefix caching, {prefix['requests']} requests sharing a {prefix['system_prompt']}-token prompt: prefill "
-          f"{prefix['prefill_tokens_with']} vs {prefix['prefill_tokens_without']} tokens, work saved "
-          f"{prefix['work_saved']:.0%}; same tokens: {prefix['same_tokens']}")
-    for policy in ("least_work", "newest"):
-        p = preempt[policy]
-        print(f"preemption {policy}: {p['preemptions']} preemptions, {p['recomputed_tokens']} computed tokens thrown "
-              f"away, {p['wall_s']} s ({preempt['blocks']} of {preempt['blocks_needed_all_at_once']} blocks); "
-              f"same tokens: {p['same_tokens']}")
-    print(f"a {chunk['long_prompt']}-token prompt joining {chunk['running']} decoding requests: longest gap "
-          f"between their tokens {chunk['chunked']['max_gap_ms']} ms chunked ({chunk['chunk']} per step) vs "
-          f"{chunk['whole']['max_gap_ms']} ms whole; its first token after {chunk['chunked']['ttft_s']} vs "
-          f"{chunk['whole']['ttft_s']} s")
+    report(result)
     print(f"wrote {a.out}")
+
+
+def report(result: dict) -> None:
+    print(f"model: {result['family']}")
+    if "load" in result:
+        load = result["load"]
+        print(f"| clients | tok/s server | tok/s sequential generate() | speedup | TTFT p50 / p99 (s) | "
+              f"ITL p50 / p99 (ms) | failed |\n|---|---|---|---|---|---|---|\n| {load['clients']} | "
+              f"{load['server_tok_s']} | {load['sequential_tok_s']} | {load['speedup']}x | {load['ttft_p50_s']} / "
+              f"{load['ttft_p99_s']} | {load['itl_p50_ms']} / {load['itl_p99_ms']} | {load['failed_or_garbled']} |\n")
+    if static := result.get("engine_vs_static"):
+        print(f"engine {static['engine_tok_s']} tok/s vs static padded {static['static_tok_s']} tok/s "
+              f"({static['engine_over_static']}x) at {static['kv_ratio']}x its KV memory ({static['engine_kv_mib']} vs "
+              f"{static['static_kv_mib']} MiB); same tokens: {static['same_tokens']}; one forward per decode step "
+              f"(split_cost=None): {static['engine_unsplit_tok_s']} tok/s ({static['engine_unsplit_over_static']}x)")
+    if prefix := result.get("prefix_caching"):
+        print(f"prefix caching, {prefix['requests']} requests sharing a {prefix['system_prompt']}-token prompt: "
+              f"prefill {prefix['prefill_tokens_with']} vs {prefix['prefill_tokens_without']} tokens, work saved "
+              f"{prefix['work_saved']:.0%}; same tokens: {prefix['same_tokens']}")
+    if preempt := result.get("preemption"):
+        for policy in ("least_work", "newest"):
+            p = preempt[policy]
+            print(f"preemption {policy}: {p['preemptions']} preemptions, {p['recomputed_tokens']} computed tokens "
+                  f"thrown away, {p['wall_s']} s ({preempt['blocks']} of {preempt['blocks_needed_all_at_once']} "
+                  f"blocks); same tokens: {p['same_tokens']}")
+    if chunk := result.get("chunked_prefill"):
+        print(f"a {chunk['long_prompt']}-token prompt joining {chunk['running']} decoding requests: longest gap "
+              f"between their tokens {chunk['chunked']['max_gap_ms']} ms chunked ({chunk['chunk']} per step) vs "
+              f"{chunk['whole']['max_gap_ms']} ms whole; its first token after {chunk['chunked']['ttft_s']} vs "
+              f"{chunk['whole']['ttft_s']} s")
 
 
 if __name__ == "__main__":

@@ -22,3 +22,18 @@ def test_serve_benchmark_quick(tmp_path):
     assert res["prefix_caching"]["work_saved"] > 0.5  # 4 requests, 64 shared tokens: 3 of 4 prefixes reused
     for policy in ("least_work", "newest"):
         assert res["preemption"][policy]["same_tokens"]
+
+
+def test_serve_benchmark_quick_llama_folder(tmp_path):
+    """The Llama form: a Hugging Face folder with a tokenizer.json served over HTTP; streamed text equals
+    generate() alone for every client."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "serve_llama.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--quick", "--family", "llama",
+                        "--parts", "load", "static", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["family"] == "llama" and "prefix_caching" not in res
+    assert res["load"]["failed_or_garbled"] == 0 and res["load"]["clients"] == 6
+    assert res["engine_vs_static"]["same_tokens"]
