@@ -176,6 +176,9 @@ def scaled_dot_product_attention(
 # 34 us on two, and the attention products 17 of a Llama-135M step's 73 ms (docs/perf/step12c.md). Past it (long
 # contexts, large batches) the products are big enough to share. 0: never (the previous behaviour).
 STEP_SERIAL_MAX = 1 << 18
+# One token, RoPE: the step rotates its query and key heads as one tensor (RoPE.rotate_heads). False: rotate(q, k)
+# as before (the A/B control of benchmarks/decode_floor.py --ab).
+STEP_JOINT_ROTATE = True
 
 
 def _serial_threads(x: Tensor, work: int) -> int:
@@ -406,7 +409,7 @@ class MultiHeadAttention(nn.Module):
             q = q if T == 1 else q.view(B, T, H, hd).transpose(1, 2)  # one token: (B, C) is (B, H, 1, hd)
         else:
             qkv = mods["qkv_proj"].step(x, scale)
-            rotate_heads = getattr(position, "rotate_heads", None)  # RoPE's one-tensor rotation (None: others)
+            rotate_heads = getattr(position, "rotate_heads", None) if STEP_JOINT_ROTATE else None  # RoPE's
             if T == 1 and q_norm is None and rotate_heads is not None:
                 # one token: the query and key heads are adjacent in the projection's output, (B, H + Hkv, 1, hd)
                 # as a view, rotated in one pass instead of two (positions reserved by Stack.step)
