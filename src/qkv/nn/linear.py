@@ -171,8 +171,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 # -- the decoding path: weights pre-transposed once -----------------------------------------------------
 def free_packed(module: nn.Module) -> int:
-    """Drop the pre-transposed decoding copies of every Linear in `module` (to free their memory, or after
-    changing weights through `.data`); they are rebuilt at the next decoding step. Returns how many."""
+    """Drop the pre-transposed decoding copies of every Linear in `module`, and the joined copies of `joint_step`
+    (to free their memory, or after changing weights through `.data`); they are rebuilt at the next decoding
+    step. Returns how many."""
     n = 0
     for m in module.modules():
         if isinstance(m, Linear):

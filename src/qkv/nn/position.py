@@ -235,7 +235,7 @@ class RoPE(PositionalEncoding):
             cos, sin = memo[4], memo[5]
         else:
             cos, sin = self._tables(offset, T, x)
-            if isinstance(offset, int):
+            if isinstance(offset, int) and not torch.compiler.is_compiling():
                 self.__dict__["_rows"] = (offset, T, self.cos, x.dtype, cos, sin)
         return x * cos + torch.roll(x, self.head_dim // 2, -1) * sin
 
