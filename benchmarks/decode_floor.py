@@ -23,6 +23,9 @@ The greedy tokens of the two libraries are compared step for step (share equal).
 
 --ab: a third column, qkv with every linear of the step through its pre-transposed copy (the layout choice of
 Linear.step, qkv.nn.linear.STEP_NARROW_DIRECT, measured side by side).
+--ab-step: a column "qkv previous step": qkv with the batch-1 step's fast paths of step12c switched off
+(benchmarks/_step_switches.py: one-thread attention products, joint gate/up product, one-pass RoPE, dot-product
+RMSNorm), timed in the same interleaved rounds.
 
 --quick: tiny configs, a few steps, one round (the smoke test, tests/test_benchmark_decode_floor.py).
 Writes OUT/decode_floor.json and decode_floor.md (OUT = benchmarks/results; --md also copies the table).
@@ -49,6 +52,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
 import qkv.nn.linear  # noqa: E402
+from _step_switches import previous_step  # noqa: E402
 
 FULL = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
@@ -72,7 +76,7 @@ QUICK = {
     "bart": dict(vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                  decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128),
 }
-LIBS = ("qkv", "transformers", "qkv-transposed")
+LIBS = ("qkv", "transformers", "qkv-transposed", "qkv-previous-step")
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {},
               "t5": dict(dropout_rate=0.0), "bart": dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)}
 
@@ -154,7 +158,12 @@ def decoders(name: str, hf, ours, prompt: torch.Tensor, steps: int):
         finally:
             qkv.nn.linear.STEP_NARROW_DIRECT = True
 
-    return run_qkv, run_hf, run_qkv_transposed
+    def run_qkv_previous() -> tuple[list[int], float]:
+        """The A/B control of step12c's fast paths: the step as before them."""
+        with previous_step():
+            return run_qkv()
+
+    return run_qkv, run_hf, run_qkv_transposed, run_qkv_previous
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -165,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ab", action="store_true", help="also time qkv with every linear through its transposed copy")
+    ap.add_argument("--ab-step", action="store_true", help="also time qkv with step12c's fast paths off")
     ap.add_argument("--families", nargs="+", default=list(FULL), choices=list(FULL))
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--md", default=None, help="also write the markdown table here (e.g. docs/perf/decode_floor.md)")
@@ -185,10 +195,13 @@ def main(argv: list[str] | None = None) -> dict:
             runs[name] = dict(zip(LIBS, decoders(name, hf, ours, prompt, a.steps)))
             if not a.ab:
                 del runs[name]["qkv-transposed"]
+            if not a.ab_step:
+                del runs[name]["qkv-previous-step"]
             toks = {lib: fn()[0] for lib, fn in runs[name].items()}  # warm-up, and the tokens compared
             agree[name] = sum(x == y for x, y in zip(toks["qkv"], toks["transformers"])) / a.steps
-            if a.ab:
-                agree[name] = min(agree[name], sum(x == y for x, y in zip(toks["qkv"], toks["qkv-transposed"])) / a.steps)
+            for other in ("qkv-transposed", "qkv-previous-step"):
+                if other in toks:
+                    agree[name] = min(agree[name], sum(x == y for x, y in zip(toks["qkv"], toks[other])) / a.steps)
             nbytes[name] = step_bytes(ours)
         read_bandwidth(big, 1)
         gbps: list[float] = []
@@ -212,6 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
         if a.ab:
             rows[-1]["qkv_transposed_ms"] = round(ms["qkv-transposed"], 3)
             rows[-1]["narrow_direct_speedup"] = round(ms["qkv-transposed"] / ms["qkv"], 3)
+        if a.ab_step:
+            rows[-1]["qkv_previous_step_ms"] = round(ms["qkv-previous-step"], 3)
+            rows[-1]["previous_step_x_floor"] = round(ms["qkv-previous-step"] / floor_ms, 2)
+            rows[-1]["step12c_speedup"] = round(ms["qkv-previous-step"] / ms["qkv"], 3)
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.processor() or platform.machine(),
             "steps": a.steps, "prompt": a.prompt, "repeats": a.repeats, "quick": a.quick, "bandwidth_gbps": round(bw, 2), "bandwidth_median_gbps": round(statistics.median(gbps), 2),
@@ -229,6 +246,12 @@ def main(argv: list[str] | None = None) -> dict:
                   "| family | qkv ms/step | all transposed ms/step | speed-up of the default |", "|---|---|---|---|"]
         lines += [f"| {r['family']} | {r['qkv_ms']} | {r['qkv_transposed_ms']} | {r['narrow_direct_speedup']}x |"
                   for r in rows]
+    if a.ab_step:
+        lines += ["", "A/B of step12c's batch-1 step fast paths (benchmarks/_step_switches.py): qkv as shipped vs the same "
+                  "step with them off, in the same interleaved rounds", "",
+                  "| family | qkv ms/step | x floor | previous step ms/step | x floor | speed-up |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['family']} | {r['qkv_ms']} | {r['qkv_x_floor']} | {r['qkv_previous_step_ms']} | "
+                  f"{r['previous_step_x_floor']} | {r['step12c_speedup']}x |" for r in rows]
     table = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,8 @@ machine is shared: only ratios within one run mean much.
     .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--ab]
 
 --ab: at batch > 1 a third library row, "qkv mkl-step": qkv with the batched step's products through MKL as before
-issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same interleaved rounds.
+issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same interleaved rounds; at batch 1 a row
+"qkv previous step": qkv with step12c's batch-1 fast paths off (benchmarks/_step_switches.py).
 
 --quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
 Writes benchmarks/results/llm.json and llm.md.
@@ -43,6 +44,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
 import qkv.nn.linear  # noqa: E402
+from _step_switches import previous_step  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
@@ -159,6 +161,11 @@ def main() -> None:
                 "transformers": lambda x=x, m=hf: m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.new,
                                                              min_new_tokens=a.new, do_sample=False, pad_token_id=0),
             }
+            if a.ab and B == 1:
+                def previous(x=x, m=ours):
+                    with previous_step():
+                        return generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new)
+                fns["qkv previous step"] = previous
             if a.ab and B > 1:
                 fns["qkv mkl-step"] = lambda x=x, m=ours: _without_packed_step(
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))

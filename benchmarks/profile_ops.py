@@ -3,6 +3,10 @@
 Two comparisons, each the same work on the same weights, profiled in interleaved rounds (A B .. B A ..):
   prefill  one forward over a B=1 prompt, last-position logits (as benchmarks/prefill.py): qkv
            `model(ids, last_only=True)` vs transformers `model(ids, logits_to_keep=1)`; --family gpt2|llama.
+  step     one batch-1 greedy decoding step over a 32-token prompt's cache (as benchmarks/decode_floor.py): qkv
+           `model.step(ids, cache)` vs a transformers forward with its cache (one new token); the caches are cut
+           back after each profiled step, so every round times the same position; --family gpt2|llama.
+           Calls per step / number of layers = aten ops per layer.
   train    one fp32 training step (forward + loss + backward + AdamW + zero_grad, as
            benchmarks/train_vs_nanogpt.py): qkv GPT (GPT-2's tanh GELU), qkv GPT with the exact GELU, and
            nanoGPT's model.py (--nanogpt PATH, never shipped).
@@ -12,10 +16,11 @@ stands out. Wrapper ops (aten::linear, aten::matmul, autograd nodes) are left ou
 in the ops below them.
 
     .venv/bin/python benchmarks/profile_ops.py prefill --family gpt2 --tokens 2048 [--rounds 3]
+    .venv/bin/python benchmarks/profile_ops.py step --family llama [--rounds 20]
     .venv/bin/python benchmarks/profile_ops.py train --nanogpt PATH/model.py [--rounds 4]
 
 --quick: tiny models, one round (the smoke test, tests/test_profile_ops_bench.py). Writes
-OUT/profile_<what>[_<family>_<tokens>].json and .md (OUT = benchmarks/results).
+OUT/profile_<what>[_<family>[_<tokens>]].json and .md (OUT = benchmarks/results).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ def contenders(a: argparse.Namespace) -> tuple[dict, str]:
         x = torch.randint(4, ours.output_vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
         fns = {"qkv": lambda: ours(x, last_only=True), "transformers": lambda: hf(x, logits_to_keep=1)}
         return fns, f"prefill, {a.family}, {n} tokens, batch 1, fp32, last-position logits; ms per forward"
+    if a.what == "step":
+        return step_contenders(a)
     import train_vs_nanogpt as tv
 
     s = tv.QUICK if a.quick else tv.FULL
@@ -65,9 +72,36 @@ def contenders(a: argparse.Namespace) -> tuple[dict, str]:
                  f"{s['block']}, AdamW torch default (per-parameter loop on CPU); ms per step")
 
 
+def step_contenders(a: argparse.Namespace) -> tuple[dict, str]:
+    """One decoding step at batch 1 in each library, at the same position every call (the caches are cut back)."""
+    from prefill import build
+
+    prompt_len = 8 if a.quick else 32
+    hf, ours = build(a.family, a.quick, Path(tempfile.mkdtemp(prefix="qkv-prof-")), prompt_len + 8)
+    x = torch.randint(4, ours.output_vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    nxt = torch.tensor([[5]])
+    with torch.no_grad():
+        cache = ours.make_cache(1, prompt_len + 2)
+        ours.prefill(x, cache)
+        past = hf(x, use_cache=True).past_key_values
+
+    def qkv_step() -> None:
+        ours.step(nxt, cache).argmax(-1)
+        cache.length = prompt_len  # the next call writes the same column again
+
+    def hf_step() -> None:
+        hf(nxt, past_key_values=past, use_cache=True).logits[:, -1].argmax(-1)
+        past.crop(-1)  # drop the token just added (this transformers takes a negative count)
+
+    layers = len(ours.decoder.blocks)
+    return ({"qkv": qkv_step, "transformers": hf_step},
+            f"decoding step, {a.family} ({layers} layers), batch 1, fp32, after a {prompt_len}-token prompt, argmax "
+            f"included; ms per step")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["prefill", "train"])
+    ap.add_argument("what", choices=["prefill", "step", "train"])
     ap.add_argument("--family", default="gpt2", choices=["gpt2", "llama"])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--nanogpt", default=None, metavar="PATH", help="nanoGPT's model.py (train)")
@@ -87,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     ms = {k: collections.Counter() for k in names}
     calls = {k: collections.Counter() for k in names}
     wall: dict[str, list[float]] = {k: [] for k in names}
-    with torch.inference_mode(False), (torch.no_grad() if a.what == "prefill" else torch.enable_grad()):
+    dispatched = collections.Counter()  # every aten op called, wrappers and views included (the dispatcher's work)
+    with torch.inference_mode(False), (torch.no_grad() if a.what != "train" else torch.enable_grad()):
         for f in fns.values():  # warm-up
             f()
         for r in range(a.rounds):
@@ -97,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
                     fns[k]()
                     wall[k].append(time.perf_counter() - t0)
                 for e in p.key_averages():
+                    dispatched[k] += e.count / a.rounds if e.key.startswith("aten::") else 0
                     if e.key.startswith(WRAPPERS) or e.key.endswith("Backward0"):
                         continue
                     ms[k][e.key] += e.self_cpu_time_total / 1e3 / a.rounds
@@ -122,14 +158,18 @@ def main(argv: list[str] | None = None) -> dict:
     lines += [f"| every other op (< {a.min_ms:g} ms on each side) | " + " | ".join(f"{rest[k]:.1f}" for k in names)
               + f" | {rest['qkv'] - rest[ref]:+.1f} |",
               "| total self CPU | " + " | ".join(f"{total[k]:.1f}" for k in names) + f" | {total['qkv'] - total[ref]:+.1f} |",
-              "| median wall ms (profiled) | " + " | ".join(f"{med[k]:.0f}" for k in names) + " | |"]
+              "| median wall ms (profiled) | " + " | ".join(f"{med[k]:.0f}" for k in names) + " | |",
+              "| aten ops called (views and wrappers included) | " + " | ".join(f"{dispatched[k]:.0f}" for k in names)
+              + f" | {dispatched['qkv'] - dispatched[ref]:+.0f} |"]
     table = "\n".join(lines) + "\n"
     result = {"what": what, "rows": rows, "total_ms": total, "median_wall_ms": med, "rounds": a.rounds,
+              "aten_calls": {k: round(dispatched[k], 1) for k in names},
               "threads": a.threads, "quick": a.quick, "torch": torch.__version__,
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "profile_" + a.what + (f"_{a.family}_{16 if a.quick else a.tokens}" if a.what == "prefill" else "")
+    stem += f"_{a.family}" if a.what == "step" else ""
     stem += "_quick" if a.quick else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     (out / f"{stem}.md").write_text(table, encoding="utf-8")

@@ -24,7 +24,7 @@ def run(script: str, out: Path, *extra: str) -> None:
 @pytest.mark.slow
 def test_decode_floor_quick(tmp_path):
     pytest.importorskip("transformers")
-    run("decode_floor.py", tmp_path, "--ab")
+    run("decode_floor.py", tmp_path, "--ab", "--ab-step")
     result = json.loads((tmp_path / "decode_floor_quick.json").read_text())
     assert [r["family"] for r in result["rows"]] == ["gpt2", "llama", "t5", "bart"]
     for r in result["rows"]:
@@ -32,6 +32,7 @@ def test_decode_floor_quick(tmp_path):
         assert r["floor_ms"] > 0 and r["qkv_ms"] > 0 and r["hf_ms"] > 0
         assert r["qkv_x_floor"] == pytest.approx(r["qkv_ms"] / r["floor_ms"], rel=0.05)
         assert r["qkv_transposed_ms"] > 0  # --ab: the layout control ran (and gave the same tokens: tokens_equal)
+        assert r["qkv_previous_step_ms"] > 0  # --ab-step: the step without step12c's fast paths ran (same tokens)
     assert result["meta"]["bandwidth_gbps"] > 0
     assert "| family |" in (tmp_path / "decode_floor_quick.md").read_text()
 

@@ -44,3 +44,11 @@ def test_train_profile_quick(tmp_path):
     res = run(tmp_path / "out", "train", "--nanogpt", str(model_py))
     assert set(res["total_ms"]) == {"qkv", "qkv exact GELU", "nanoGPT"}
     assert calls(res, "aten::mm", "qkv") == calls(res, "aten::mm", "nanoGPT") > 0
+
+
+@pytest.mark.slow
+def test_step_profile_quick(tmp_path):
+    res = run(tmp_path, "step", "--family", "llama")
+    # one new token through each library's 2 layers: both read the KV cache and call the same matrix kernels
+    assert calls(res, "aten::mm", "qkv") > 0 and calls(res, "aten::mm", "transformers") > 0
+    assert res["aten_calls"]["qkv"] > 0 and "decoding step" in res["what"]

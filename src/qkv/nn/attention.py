@@ -169,6 +169,32 @@ def scaled_dot_product_attention(
     return out, (weights if return_weights else None)
 
 
+# The attention products of a CPU decoding step read at most this many cached key elements (B * Hkv * Tk * hd) on
+# ONE thread: a few microseconds of work, where opening a parallel region (bmm and softmax each do) costs more
+# than it saves: waking the pool's sleeping threads (OMP_WAIT_POLICY=PASSIVE), or a scheduler time slice when the
+# cores are busy. Measured on the 2-core AVX2 EPYC: bmm (3 x 3 x 64) @ (3 x 64 x 100) took 7.6 us on one thread and
+# 34 us on two, and the attention products 17 of a Llama-135M step's 73 ms (docs/perf/step12c.md). Past it (long
+# contexts, large batches) the products are big enough to share. 0: never (the previous behaviour).
+STEP_SERIAL_MAX = 1 << 18
+# One token, RoPE: the step rotates its query and key heads as one tensor (RoPE.rotate_heads). False: rotate(q, k)
+# as before (the A/B control of benchmarks/decode_floor.py --ab).
+STEP_JOINT_ROTATE = True
+
+
+def _serial_threads(x: Tensor, work: int) -> int:
+    """Set torch to one thread for a step's small attention products: returns the thread count to restore
+    afterwards (0: nothing changed). torch.set_num_threads is a process-wide setting (the OpenMP and MKL counts
+    of the calling thread and torch's default for new threads) and costs ~0.3 us; the caller restores it in a
+    `finally`, so an exception never leaves the process on one thread."""
+    if work > STEP_SERIAL_MAX or not x.is_cpu or torch.compiler.is_compiling():
+        return 0
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return 0
+    torch.set_num_threads(1)
+    return threads
+
+
 def step_scores_bias(
     batch: int, n_heads: int, n_kv_heads: int, q_len: int, k_len: int, *,
     bias: Tensor | None, keep: Tensor | None, causal: bool, dtype: torch.dtype, device: torch.device,
@@ -382,35 +408,57 @@ class MultiHeadAttention(nn.Module):
                 return self._shared_cross_step(q, k, v, B, T, add)
             q = q if T == 1 else q.view(B, T, H, hd).transpose(1, 2)  # one token: (B, C) is (B, H, 1, hd)
         else:
-            kv_dim = Hkv * hd
-            q, k, v = mods["qkv_proj"].step(x, scale).split_with_sizes([C, kv_dim, kv_dim], dim=-1)
-            if T == 1:  # (B, n * hd) -> (B, n, 1, hd): a view, no transpose (q is reshaped below as it is)
-                k, v = k.view(B, Hkv, 1, hd), v.view(B, Hkv, 1, hd)
+            qkv = mods["qkv_proj"].step(x, scale)
+            rotate_heads = getattr(position, "rotate_heads", None) if STEP_JOINT_ROTATE else None  # RoPE's
+            if T == 1 and q_norm is None and rotate_heads is not None:
+                # one token: the query and key heads are adjacent in the projection's output, (B, H + Hkv, 1, hd)
+                # as a view, rotated in one pass instead of two (positions reserved by Stack.step)
+                qk, v = qkv.view(B, H + 2 * Hkv, 1, hd).split_with_sizes([H + Hkv, Hkv], dim=1)
+                q, k = rotate_heads(qk, offset).split_with_sizes([H, Hkv], dim=1)
             else:
-                q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
-            if q_norm is not None:
-                q = q_norm(q.view(B, H, 1, hd) if T == 1 else q)
-                k = mods["k_norm"](k)
-                if self.scale != 1.0:
-                    q = q * self.scale
-            if position is not None:
-                if T == 1:
-                    q = q.view(B, H, 1, hd)
-                q, k = position.rotate(q, k, offset)  # linear in q: commutes with the folded scale
+                q, k, v = self._step_heads(qkv, B, T, position, offset)
             # (B, Hkv, Tk, hd): cached + new; the paged cache's values may stay in its pool (PoolRows)
             k, v = getattr(cache, "step_update", cache.update)(layer, k, v)
         Tk = k.shape[2]
         # query head h = j * G + g uses key/value head j (as repeat_interleave in the forward pass)
         q = q.reshape(B * Hkv, (H // Hkv) * T, hd)
         kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
-        scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in the same op
-        probs = torch.softmax(scores, dim=-1)
-        if isinstance(v, PoolRows):
-            y = v.weighted_sum(probs)
-        else:
-            y = torch.bmm(probs, v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
+        threads = _serial_threads(x, B * Hkv * Tk * hd)
+        try:
+            scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in the same op
+            probs = torch.softmax(scores, dim=-1)
+            if isinstance(v, PoolRows):
+                y = v.weighted_sum(probs)
+            else:
+                y = torch.bmm(probs, v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
+        finally:
+            if threads:
+                torch.set_num_threads(threads)
         y = y.view(B, C) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, C)
         return mods["out_proj"].step(y)
+
+    def _step_heads(self, qkv: Tensor, B: int, T: int, position: PositionalEncoding | None,
+                    offset: int | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The step's fused projection output (B * T, C + 2 kv_dim) -> q, k, v heads, with the q/k norms and
+        positions applied (the general path of step)."""
+        H, Hkv, hd, C = self.n_heads, self.n_kv_heads, self.head_dim, self.q_dim
+        kv_dim = Hkv * hd
+        q, k, v = qkv.split_with_sizes([C, kv_dim, kv_dim], dim=-1)
+        if T == 1:  # (B, n * hd) -> (B, n, 1, hd): a view, no transpose (q is reshaped below as it is)
+            k, v = k.view(B, Hkv, 1, hd), v.view(B, Hkv, 1, hd)
+        else:
+            q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
+        q_norm = self._modules.get("q_norm")
+        if q_norm is not None:
+            q = q_norm(q.view(B, H, 1, hd) if T == 1 else q)
+            k = self._modules["k_norm"](k)
+            if self.scale != 1.0:
+                q = q * self.scale
+        if position is not None:
+            if T == 1:
+                q = q.view(B, H, 1, hd)
+            q, k = position.rotate(q, k, offset)  # linear in q: commutes with the folded scale
+        return q, k, v
 
     def _shared_cross_step(self, q: Tensor, k: Tensor, v: Tensor, B: int, T: int, add: Tensor | None) -> Tensor:
         """Cross-attention of the decoding step when the encoder K/V (B0, Hkv, S, hd) hold one row per source

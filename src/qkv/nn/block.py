@@ -154,8 +154,13 @@ class Block(nn.Module):
         costs ~1 us a lookup) and the norms' forward is called directly (module hooks are for inspecting
         forward(), not this inference path)."""
         m = self._modules
-        x = self._residual(x, m["norm1"].forward, m["attn"].step, keep, batch, cache, layer, add, position, offset)
+        x = self._residual(x, _norm_step(m["norm1"]), m["attn"].step, keep, batch, cache, layer, add, position, offset)
         cross = m.get("cross")  # absent (a plain None) without cross-attention
         if cross is not None:
-            x = self._residual(x, m["norm_cross"].forward, cross.step, keep, batch, cache, layer, cross_add)
-        return self._residual(x, m["norm2"].forward, m["ffn"].step, keep)
+            x = self._residual(x, _norm_step(m["norm_cross"]), cross.step, keep, batch, cache, layer, cross_add)
+        return self._residual(x, _norm_step(m["norm2"]), m["ffn"].step, keep)
+
+
+def _norm_step(norm: nn.Module) -> Callable[..., Tensor]:
+    """A norm's decoding-step method where it has one (RMSNorm.step), else its forward."""
+    return getattr(norm, "step", None) or norm.forward

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.nn.linear import Linear
+from qkv.nn.linear import Linear, joint_step
 
 
 class Activation(NamedTuple):
@@ -62,8 +62,14 @@ class FeedForward(nn.Module):
         """The same function for a decoding step (inference: pre-transposed weights, no dropout). Submodules
         are read from _modules: nn.Module.__getattr__ costs ~1 us a lookup, on every layer of every step."""
         mods = self._modules
-        h = mods["up"].step(x)
         gate = mods.get("gate")  # absent (a plain None) for ungated activations
+        if gate is not None:
+            # one row (batch-1 decoding): gate and up as one matrix-vector product over a joined copy
+            gu = joint_step(self, x, (gate, mods["up"]))
+            if gu is not None:
+                g, h = gu.split_with_sizes([gate.out_features, gate.out_features], dim=-1)
+                return mods["down"].step(self.act.fn(g).mul_(h))
+        h = mods["up"].step(x)
         if gate is None:
             h = self.act.fn(h)
         elif torch.is_grad_enabled():  # step outside no_grad: no in-place op on a tensor autograd may need

@@ -45,6 +45,10 @@ MIN_ROWS = 64  # below this, MKL's lower call overhead wins (measured: docs/perf
 # packed; the (49152 x 576) output head 49 ms vs 12 ms; docs/llm.md, benchmarks/step_rows.py). One row keeps
 # the transposed copy (its matrix-vector kernel is faster there). 0: never (every step as before).
 STEP_PACKED_MIN_ROWS = 2
+# A single-row fp32 CPU step multiplies projections of the same input (a gated FFN's gate and up) by one joined
+# transposed copy (joint_step): one matrix-vector product instead of two. False: each Linear.step alone, as before
+# (the A/B control of benchmarks/decode_floor.py --ab).
+JOINT_STEP = True
 
 
 def _backend_from_env() -> str:
@@ -167,14 +171,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 # -- the decoding path: weights pre-transposed once -----------------------------------------------------
 def free_packed(module: nn.Module) -> int:
-    """Drop the pre-transposed decoding copies of every Linear in `module` (to free their memory, or after
-    changing weights through `.data`); they are rebuilt at the next decoding step. Returns how many."""
+    """Drop the pre-transposed decoding copies of every Linear in `module`, and the joined copies of `joint_step`
+    (to free their memory, or after changing weights through `.data`); they are rebuilt at the next decoding
+    step. Returns how many."""
     n = 0
     for m in module.modules():
         if isinstance(m, Linear):
             had = m.__dict__.pop("_decode_copy", None) is not None
             had |= bool(m.__dict__.pop("_decode_onednn", None))
             n += had
+        n += m.__dict__.pop("_decode_joined", None) is not None  # joint_step's copies (e.g. an FFN's gate + up)
     return n
 
 
@@ -307,3 +313,35 @@ class Linear(nn.Linear):
             return self.step(x.reshape(-1, x.shape[-1]), scale_first).view(*x.shape[:-1], self.out_features)
         _, wt, b = self._packed(scale_first)
         return torch.addmm(b, x, wt) if b is not None else torch.mm(x, wt)
+
+
+def joint_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -> Tensor | None:
+    """[l.step(x) for l in linears] concatenated along the last dimension, as ONE product, for a single-row fp32
+    CPU decoding step (several projections of the same input: a gated FFN's gate and up). x: (1, in). Returns None
+    where that does not apply (another shape, dtype or device, autograd, torch.compile); the caller then calls
+    each Linear.step. The joined transposed copy (in, sum of outs) lives on `owner` and is rebuilt when any of
+    the weights or biases changed (the same test as Linear._packed); the linears' own transposed copies are then
+    never built, so it costs no memory beyond what their separate copies did (`free_packed` drops it). One
+    matrix-vector product instead of k saves k - 1 calls (and k - 1 wake-ups of the BLAS threads) per layer of
+    every step; the bytes read are the same. The results are the separate products' (the same dot products,
+    placed side by side) up to the kernel's blocking (~1e-7 relative)."""
+    if not JOINT_STEP or x.dim() != 2 or x.shape[0] != 1 or not x.is_cpu or x.dtype != torch.float32 \
+            or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    key = []
+    for lin in linears:
+        w, b = lin._parameters["weight"], lin._parameters["bias"]
+        key += (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version)
+    joined = owner.__dict__.get("_decode_joined")
+    if joined is None or joined[0] != key:
+        if any(lin.weight.dtype != torch.float32 for lin in linears):
+            return None
+        with torch.inference_mode(False), torch.no_grad():
+            wt = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).contiguous()
+            bias = None
+            if any(lin.bias is not None for lin in linears):
+                bias = torch.cat([lin.bias.detach() if lin.bias is not None else wt.new_zeros(lin.out_features)
+                                  for lin in linears])
+        joined = owner.__dict__["_decode_joined"] = (key, wt, bias)
+    _, wt, bias = joined
+    return torch.addmm(bias, x, wt) if bias is not None else torch.mm(x, wt)

@@ -222,6 +222,37 @@ class RoPE(PositionalEncoding):
         k = k * cos + self._swap_halves(k) * sin
         return q, k
 
+    def rotate_heads(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """rotate() for one (..., n, T, hd) tensor of heads: the decoding step rotates its query and key heads,
+        adjacent in the fused projection's output, in one pass (four kernels instead of ten, on every layer).
+        The same values as rotate() (torch.roll by hd/2 is the swap of the halves); the caller has reserved the
+        positions (Stack.step does). An int offset's table rows are looked up once and reused by every layer of
+        the step (the last lookup is kept)."""
+        T = x.shape[-2]
+        memo = self.__dict__.get("_rows")
+        if isinstance(offset, int) and memo is not None and memo[0] == offset and memo[1] == T \
+                and memo[2] is self.cos and memo[3] == x.dtype:
+            cos, sin = memo[4], memo[5]
+        else:
+            cos, sin = self._tables(offset, T, x)
+            if isinstance(offset, int) and not torch.compiler.is_compiling():
+                self.__dict__["_rows"] = (offset, T, self.cos, x.dtype, cos, sin)
+        return x * cos + torch.roll(x, self.head_dim // 2, -1) * sin
+
+    def _tables(self, offset: int | Tensor, T: int, q: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and the sign-folded sin of the T positions from offset, broadcastable over (B, n, T, hd) (as in
+        rotate)."""
+        if isinstance(offset, int) and offset >= 0:
+            cos, sin = self.cos.narrow(0, offset, T), self.sin_rot.narrow(0, offset, T)  # (T, hd)
+        else:
+            pos = positions(offset, T, q.device)
+            cos, sin = self.cos[pos], self.sin_rot[pos]  # (T, hd) or (B, T, hd)
+            if cos.dim() == 3:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        if cos.dtype != q.dtype:
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return cos, sin
+
 
 def alibi_slopes(n_heads: int) -> Tensor:
     """Head slopes of ALiBi (Press et al. 2022): the geometric sequence 2^(-8/n), 2^(-16/n), ...

@@ -185,7 +185,7 @@ class Stack(nn.Module):
             rows = block.step(rows, B, cache, i, add, cross_add, row_keep, rotating, offset)
         cache.advance(T)
         if self.final_norm is not None:
-            rows = self.final_norm(rows, row_keep)
+            rows = getattr(self.final_norm, "step", self.final_norm)(rows, row_keep)  # RMSNorm's step path
         return rows.view(B, T, -1)
 
     @property

@@ -1,0 +1,150 @@
+"""The batch-1 decoding step's fast paths (step12c) against independent references: a gated FFN's gate and up as one
+product (linear.joint_step), RoPE's query and key heads rotated in one pass (RoPE.rotate_heads), RMSNorm's mean
+square as one BLAS product (RMSNorm.step), the attention products on one thread (attention.STEP_SERIAL_MAX); and
+a whole fp32 step of a Llama-shaped model equal to the full forward and to the step with every fast path off.
+(tests/nn/test_step_matrix.py runs in float64, where the fp32-only paths step aside.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qkv
+import qkv.nn.attention as attention
+import qkv.nn.linear as linear
+import qkv.nn.norm as norm_module
+from qkv.nn.ffn import FeedForward
+from qkv.nn.norm import RMSNorm
+from qkv.nn.position import RoPE
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads inside the test (the one-thread region has something to switch), restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+def _fast_paths(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """Every switch of the step's fast paths (as benchmarks/_step_switches.py) on or off."""
+    monkeypatch.setattr(attention, "STEP_SERIAL_MAX", 1 << 18 if on else 0)
+    monkeypatch.setattr(attention, "STEP_JOINT_ROTATE", on)
+    monkeypatch.setattr(linear, "JOINT_STEP", on)
+    monkeypatch.setattr(norm_module, "STEP_DOT_NORM", on)
+
+
+def _ffn_reference(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
+    """W2 (silu(W3 x) * W1 x) written out in float64 from the parameters."""
+    d = {k: (None if v is None else v.double()) for k, v in
+         dict(gw=ffn.gate.weight, gb=ffn.gate.bias, uw=ffn.up.weight, ub=ffn.up.bias, dw=ffn.down.weight,
+              db=ffn.down.bias).items()}
+    x = x.double()
+    h = F.silu(F.linear(x, d["gw"], d["gb"])) * F.linear(x, d["uw"], d["ub"])
+    return F.linear(h, d["dw"], d["db"])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_joint_gate_up_step_equals_formula_and_follows_weight_changes(bias):
+    torch.manual_seed(0)
+    ffn = FeedForward(32, 48, "swiglu", bias=bias).eval()
+    x = torch.randn(1, 32)
+    with torch.no_grad():
+        y = ffn.step(x)
+        assert "_decode_joined" in ffn.__dict__  # the joint path was taken
+        assert "_decode_copy" not in ffn.gate.__dict__ and "_decode_copy" not in ffn.up.__dict__
+        torch.testing.assert_close(y.double(), _ffn_reference(ffn, x), rtol=1e-5, atol=1e-6)
+        ffn.gate.weight.mul_(-2.0)  # an in-place change (optimizer step, load_state_dict): the copy is rebuilt
+        if bias:
+            ffn.up.bias.add_(1.0)
+        torch.testing.assert_close(ffn.step(x).double(), _ffn_reference(ffn, x), rtol=1e-5, atol=1e-6)
+    assert linear.free_packed(ffn) >= 1 and "_decode_joined" not in ffn.__dict__
+
+
+def test_joint_step_steps_aside_where_it_does_not_apply():
+    ffn = FeedForward(16, 24, "swiglu", bias=False).eval()
+    with torch.no_grad():
+        assert linear.joint_step(ffn, torch.randn(2, 16), (ffn.gate, ffn.up)) is None  # several rows
+        assert linear.joint_step(ffn, torch.randn(1, 16).double(), (ffn.gate, ffn.up)) is None  # not fp32
+    assert linear.joint_step(ffn, torch.randn(1, 16), (ffn.gate, ffn.up)) is None  # autograd on
+    x = torch.randn(1, 16, requires_grad=True)
+    ffn.step(x).sum().backward()  # the separate products, differentiable
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("offset", [0, 7, "rows"])
+def test_rotate_heads_equals_rotate(offset):
+    rope = RoPE(16, max_len=8)
+    torch.manual_seed(1)
+    B = 2 if offset == "rows" else 1
+    q, k = torch.randn(B, 4, 1, 16), torch.randn(B, 2, 1, 16)
+    off = torch.tensor([3, 9]) if offset == "rows" else offset
+    rope.reserve(12)
+    rq, rk = rope.rotate(q, k, off)
+    both = rope.rotate_heads(torch.cat([q, k], dim=1), off)
+    assert torch.equal(both, torch.cat([rq, rk], dim=1))  # the same values: roll by hd/2 is the swap of halves
+
+
+def test_rotate_heads_table_rows_reused_only_for_the_same_position():
+    rope = RoPE(8, max_len=4)
+    x = torch.randn(1, 3, 1, 8)
+    for pos in (1, 1, 2, 3):
+        assert torch.equal(rope.rotate_heads(x, pos), torch.cat(rope.rotate(x[:, :2], x[:, 2:], pos), dim=1))
+    rope.reserve(40)  # the tables are rebuilt: rows from the old ones must not be reused
+    for pos in (3, 37):
+        assert torch.equal(rope.rotate_heads(x, pos), torch.cat(rope.rotate(x[:, :2], x[:, 2:], pos), dim=1))
+
+
+def test_rmsnorm_step_equals_formula():
+    torch.manual_seed(2)
+    norm = RMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(48))
+    x = 3 * torch.randn(1, 48)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    with torch.no_grad():
+        torch.testing.assert_close(norm.step(x).double(), ref, rtol=1e-6, atol=1e-6)
+        rows = torch.randn(3, 48)
+        assert torch.equal(norm.step(rows), norm(rows))  # several rows: forward()
+        norm.eps = 1e-2  # a changed eps is read again
+        ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-2) * norm.weight.double()
+        torch.testing.assert_close(norm.step(x).double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def _llama_like() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return qkv.build("gpt-nano", vocab_size=61, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, context_length=64,
+                     position="rope", norm="rmsnorm", ffn="swiglu", d_ff=48, bias=False, init_std=0.2).eval()
+
+
+def test_fp32_step_equals_forward_and_the_previous_step(two_threads, monkeypatch):
+    model = _llama_like()
+    ids = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        for fast in (True, False):
+            _fast_paths(monkeypatch, fast)
+            cache = model.make_cache(1, 16)
+            model.prefill(ids[:, :-1], cache)
+            if fast:
+                got = model.step(ids[:, -1:], cache)
+                assert torch.get_num_threads() == 2  # the step restored the thread count
+                assert "_decode_joined" in model.decoder.blocks[0].ffn.__dict__  # the fast paths were taken
+            else:
+                prev = model.step(ids[:, -1:], cache)
+        torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, prev, rtol=1e-5, atol=1e-5)
+
+
+def test_one_thread_region_restores_the_thread_count_on_error(two_threads):
+    model = _llama_like()
+    attn = model.decoder.blocks[0].attn
+    cache = model.make_cache(1, 8)
+    bad_add = torch.zeros(5, 5, 5)  # not the (B * Hkv, G, Tk) the scores have: baddbmm raises inside the region
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        attn.step(torch.randn(1, 32), 1, cache, 0, bad_add, model.decoder.position, 0)
+    assert torch.get_num_threads() == 2
+    assert attention.STEP_SERIAL_MAX > 0
