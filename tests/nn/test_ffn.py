@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -70,6 +71,8 @@ def test_inference_forward_in_place_activation_gives_the_same_values(monkeypatch
         slow = ffn(x)
         monkeypatch.setattr(FF, "ACT_IN_PLACE", True)
     assert torch.equal(fast, slow) and torch.equal(fast, ffn(x).detach())
+    with torch.no_grad():  # the in-place forms are plain functions: a module still pickles (and runs the same)
+        assert torch.equal(pickle.loads(pickle.dumps(ffn))(x), fast)
     source = ffn.gate if ffn.gate is not None else ffn.up
     seen = []
     source.register_forward_hook(lambda m, args, out: seen.append(out))

@@ -24,11 +24,21 @@ class Activation(NamedTuple):
     fn_: Callable[[Tensor], Tensor] | None = None  # the same kernel in place (inference: no new (T, d_ff) tensor)
 
 
-_silu_ = partial(F.silu, inplace=True)
-_gelu_tanh_ = partial(torch.ops.aten.gelu_, approximate="tanh")
+def _silu_(x: Tensor) -> Tensor:
+    return F.silu(x, inplace=True)
+
+
+def _gelu_(x: Tensor) -> Tensor:  # module-level functions, not partials of torch.ops: modules stay picklable
+    return torch.ops.aten.gelu_(x)
+
+
+def _gelu_tanh_(x: Tensor) -> Tensor:
+    return torch.ops.aten.gelu_(x, approximate="tanh")
+
+
 ACTIVATIONS: dict[str, Activation] = {
     "relu": Activation(F.relu, False, F.relu_),
-    "gelu": Activation(F.gelu, False, torch.ops.aten.gelu_),  # exact erf (BERT, the original Transformer's successors)
+    "gelu": Activation(F.gelu, False, _gelu_),  # exact erf (BERT, the original Transformer's successors)
     "gelu_tanh": Activation(partial(F.gelu, approximate="tanh"), False, _gelu_tanh_),  # GPT-2's approximation
     "swiglu": Activation(F.silu, True, _silu_),  # Llama, Mistral, Qwen: silu(W3 x) * W1 x
     "silu": Activation(F.silu, False, _silu_),  # "swish": Marian / OPUS-MT
