@@ -58,8 +58,8 @@ class RMSNorm(nn.Module):
             if RMS_LEAN_MIN_NUMEL and x.numel() >= RMS_LEAN_MIN_NUMEL and x.is_cpu and not torch.is_grad_enabled():
                 y = x.pow(2)
                 return torch.mul(x, y.mean(-1, keepdim=True).add_(self.eps).rsqrt_(), out=y).mul_(w)
-            # the same formula as one kernel (torch >= 2.4; a fused CPU/CUDA kernel in recent versions) instead
-            # of six elementwise passes: the norms are a visible share of a long prompt's prefill
+            # the same formula as one call (torch >= 2.4): a fused kernel on CUDA; on the CPU (torch 2.13) the same
+            # six elementwise ops as the written-out formula, bit for bit (docs/perf/pre15c.md)
             return torch.rms_norm(x, (x.shape[-1],), w, self.eps)
         xf = x.float()  # bf16/fp16 (or mixed dtypes): the statistics and the scaling in fp32, rounded once at the end
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
