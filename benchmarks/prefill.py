@@ -13,21 +13,28 @@ absolute difference) so that a fast wrong answer cannot pass unseen.
     .venv/bin/python benchmarks/prefill.py [--quick] [--threads 2] [--lengths 512 1024 2048] [--repeats 3]
 
 --quick: tiny configs, lengths 16 and 32, one repeat (the smoke test, tests/test_benchmark_decode_floor.py).
---ablate: a third, interleaved contender, "qkv full top block": the same model with every block over every
-position (what last_only did before the top block learned to skip the other positions' queries and FFN), so
-the table shows what that change buys on the same run.
+--ablate: two more interleaved contenders: "qkv full top block", the same model with every block over every
+position (what last_only did before the top block learned to skip the other positions' queries and FFN), and
+"qkv new temporaries", the same model with the inference forward's in-place temporaries switched off (RoPE,
+the FFN activation, RMSNorm's x^2 buffer: nn.position.ROPE_IN_PLACE, nn.ffn.ACT_IN_PLACE,
+nn.norm.RMS_LEAN_MIN_NUMEL; the same values bit for bit, more (T, d) tensors allocated), so the table shows
+what each change buys on the same run.
+Besides the wall-clock medians every call's process CPU time (user + sys of both threads) is recorded: on a
+machine shared with other jobs it is far less noisy than wall time, and its ratio is given as well.
 Writes OUT/prefill.json and prefill.md (OUT = benchmarks/results; --md also copies the table).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
@@ -40,6 +47,31 @@ sys.path.insert(0, str(ROOT))
 import qkv  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from decode_floor import FULL, NO_DROPOUT, QUICK  # noqa: E402
+
+
+@contextlib.contextmanager
+def new_temporaries():
+    """The inference forward as before its in-place temporaries (the --ablate control): the same values."""
+    from qkv.nn import ffn, norm, position
+
+    old = position.ROPE_IN_PLACE, ffn.ACT_IN_PLACE, norm.RMS_LEAN_MIN_NUMEL
+    position.ROPE_IN_PLACE, ffn.ACT_IN_PLACE, norm.RMS_LEAN_MIN_NUMEL = False, False, 0
+    try:
+        yield
+    finally:
+        position.ROPE_IN_PLACE, ffn.ACT_IN_PLACE, norm.RMS_LEAN_MIN_NUMEL = old
+
+
+def cpu_timed(fns: dict, cpu: dict) -> dict:
+    """fns with each call's process CPU time (all threads, user + sys) appended to cpu[name]."""
+    def wrap(k, fn):
+        def call():
+            c0 = time.process_time()
+            out = fn()
+            cpu[k].append(time.process_time() - c0)
+            return out
+        return call
+    return {k: wrap(k, fn) for k, fn in fns.items()}
 
 
 def build(name: str, quick: bool, tmp: Path, max_len: int):
@@ -82,29 +114,47 @@ def main(argv: list[str] | None = None) -> dict:
                        "transformers": lambda x=x, m=hf: m(x, logits_to_keep=1).logits[:, -1]}
                 if a.ablate:  # the decoder without last_only, then the LM head on the last position (as before)
                     fns["full_top"] = lambda x=x, m=ours: m.lm_head(m.decoder(m.tok_emb(x)).hidden[:, -1:])[:, -1]
+
+                    def before(x=x, m=ours):
+                        with new_temporaries():
+                            return m(x, last_only=True).logits[:, -1]
+                    fns["new_temps"] = before
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the logits compared
                 diff = max((o - outs["transformers"]).abs().max().item() for k, o in outs.items())
-                times, _ = interleaved(fns, a.repeats)
+                same = all(torch.equal(outs["qkv"], outs[k]) for k in ("new_temps",) if k in outs)
+                cpu = {k: [] for k in fns}
+                times, _ = interleaved(cpu_timed(fns, cpu), a.repeats)
                 med = {k: statistics.median(v) for k, v in times.items()}
+                cmed = {k: statistics.median(v) for k, v in cpu.items()}
                 rows.append({"family": name, "tokens": n, "qkv_s": round(med["qkv"], 4),
                              "hf_s": round(med["transformers"], 4), "qkv_tok_s": round(n / med["qkv"], 1),
                              "hf_tok_s": round(n / med["transformers"], 1),
                              "speedup": round(med["transformers"] / med["qkv"], 3), "max_abs_logit_diff": diff,
+                             "qkv_cpu_s": round(cmed["qkv"], 4), "hf_cpu_s": round(cmed["transformers"], 4),
+                             "cpu_speedup": round(cmed["transformers"] / cmed["qkv"], 3),
                              **({"full_top_s": round(med["full_top"], 4),
-                                 "full_top_speedup": round(med["transformers"] / med["full_top"], 3)}
+                                 "full_top_speedup": round(med["transformers"] / med["full_top"], 3),
+                                 "new_temps_s": round(med["new_temps"], 4),
+                                 "new_temps_speedup": round(med["transformers"] / med["new_temps"], 3),
+                                 "new_temps_cpu_speedup": round(cmed["transformers"] / cmed["new_temps"], 3),
+                                 "new_temps_logits_equal": same}
                                 if a.ablate else {})})
             del hf, ours, fns  # free one model pair before building the next
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.processor() or platform.machine(),
             "repeats": a.repeats, "quick": a.quick, "ablate": a.ablate}
-    ab_head = " qkv full top block s | its speed-up |" if a.ablate else ""
+    ab_head = (" qkv full top block s | its speed-up | qkv new temporaries s | its speed-up | its CPU-time speed-up |"
+               if a.ablate else "")
     lines = [f"fp32, batch 1, {a.threads} threads, CPU {meta['cpu_capability']}; one forward, last-position logits; "
-             f"median of {a.repeats} interleaved repeats", "",
+             f"median of {a.repeats} interleaved repeats; CPU-time speed-up: the same ratio of the calls' process CPU "
+             "time (user + sys, both threads)", "",
              "| model | prompt tokens | qkv s | transformers s | qkv tok/s | transformers tok/s | qkv speed-up | "
-             "max abs logit diff |" + ab_head, "|---|---|---|---|---|---|---|---|" + "---|---|" * a.ablate]
+             "CPU-time speed-up | max abs logit diff |" + ab_head,
+             "|---|---|---|---|---|---|---|---|---|" + "---|---|---|---|---|" * a.ablate]
     lines += [f"| {r['family']} | {r['tokens']} | {r['qkv_s']} | {r['hf_s']} | {r['qkv_tok_s']} | {r['hf_tok_s']} | "
-              f"{r['speedup']}x | {r['max_abs_logit_diff']:.1e} |"
-              + (f" {r['full_top_s']} | {r['full_top_speedup']}x |" if a.ablate else "") for r in rows]
+              f"{r['speedup']}x | {r['cpu_speedup']}x | {r['max_abs_logit_diff']:.1e} |"
+              + (f" {r['full_top_s']} | {r['full_top_speedup']}x | {r['new_temps_s']} | {r['new_temps_speedup']}x | "
+                 f"{r['new_temps_cpu_speedup']}x |" if a.ablate else "") for r in rows]
     table = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -47,3 +47,6 @@ def test_prefill_quick(tmp_path):
         assert r["max_abs_logit_diff"] < 1e-4, r  # the same function as transformers
         assert r["qkv_tok_s"] > 0 and r["hf_tok_s"] > 0
         assert r["full_top_s"] > 0  # --ablate: the full-top-block control ran (its logits are in the diff above)
+        # --ablate: the control with new temporaries ran and gave the same logits bit for bit
+        assert r["new_temps_s"] > 0 and r["new_temps_logits_equal"] is True
+        assert r["qkv_cpu_s"] > 0 and r["hf_cpu_s"] > 0

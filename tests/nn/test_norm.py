@@ -127,3 +127,31 @@ def test_rmsnorm_equals_the_formula_in_every_dtype(dtype):
     got = norm(x)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rmsnorm_long_input_without_autograd_is_torch_rms_norm_bit_for_bit(dtype):
+    """A long prompt's rows without autograd take the allocation-lean form (norm.RMS_LEAN_MIN_NUMEL: the output
+    written into the x^2 buffer): the same values as torch.rms_norm bit for bit, contiguous or strided input, and
+    the formula in float64; with autograd the torch.rms_norm path runs and its gradients flow."""
+    from qkv.nn import norm as N
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x = (torch.randn(2, 600, 64) * 3).to(dtype)
+    assert x.numel() >= N.RMS_LEAN_MIN_NUMEL
+    for xx in (x, x.transpose(0, 1)):
+        with torch.no_grad():
+            got = norm(xx)
+        assert torch.equal(got, torch.rms_norm(xx, (64,), norm.weight, 1e-5))
+        xd, wd = xx.double(), norm.weight.double()
+        want = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * wd
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    xg = x.clone().requires_grad_()
+    y = norm(xg)
+    assert torch.equal(y.detach(), got.transpose(0, 1))
+    y.sum().backward()
+    assert xg.grad is not None and norm.weight.grad is not None

@@ -14,6 +14,12 @@ NORMS = ("layernorm", "rmsnorm", "batchnorm")
 # control of benchmarks/decode_floor.py --ab)
 STEP_DOT_NORM = True
 _frozen_stats = 0  # > 0 while activation checkpointing recomputes a forward pass
+# RMSNorm on CPU in fp32/fp64 with at least this many elements (a long prompt's rows, not a decoding step's): the
+# formula of torch.rms_norm's CPU implementation (pow, mean, rsqrt, mul, mul by the weight; the same result bit
+# for bit) with its output written into the x^2 temporary, so one (T, d) tensor is allocated instead of two.
+# Large fresh tensors are what a long prefill pays for in page faults (docs/perf/pre15c.md). 0: always
+# torch.rms_norm (benchmarks/prefill.py --ablate).
+RMS_LEAN_MIN_NUMEL = 1 << 16
 
 
 @contextmanager
@@ -52,8 +58,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
         w = self._parameters["weight"]  # not through nn.Module.__getattr__: 2 norms per layer of every step
         if x.dtype == w.dtype and x.dtype in (torch.float32, torch.float64):
-            # the same formula as one kernel (torch >= 2.4; a fused CPU/CUDA kernel in recent versions) instead
-            # of six elementwise passes: the norms are a visible share of a long prompt's prefill
+            if RMS_LEAN_MIN_NUMEL and x.numel() >= RMS_LEAN_MIN_NUMEL and x.is_cpu and not torch.is_grad_enabled():
+                y = x.pow(2)
+                return torch.mul(x, y.mean(-1, keepdim=True).add_(self.eps).rsqrt_(), out=y).mul_(w)
+            # the same formula as one call (torch >= 2.4): a fused kernel on CUDA; on the CPU (torch 2.13) the same
+            # six elementwise ops as the written-out formula, bit for bit (docs/perf/pre15c.md)
             return torch.rms_norm(x, (x.shape[-1],), w, self.eps)
         xf = x.float()  # bf16/fp16 (or mixed dtypes): the statistics and the scaling in fp32, rounded once at the end
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
