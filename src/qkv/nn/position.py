@@ -211,16 +211,7 @@ class RoPE(PositionalEncoding):
     def rotate(self, q: Tensor, k: Tensor, offset: int | Tensor = 0) -> tuple[Tensor, Tensor]:
         T = q.shape[-2]
         self.check_length(offset, T)  # grows the table (a no-op when the stack has reserved enough)
-        if isinstance(offset, int) and offset >= 0:
-            # one offset for the batch: a view of the tables (no index kernels; this runs in every layer)
-            cos, sin = self.cos.narrow(0, offset, T), self.sin_rot.narrow(0, offset, T)  # (T, hd)
-        else:
-            pos = positions(offset, T, q.device)
-            cos, sin = self.cos[pos], self.sin_rot[pos]  # (T, hd) or (B, T, hd)
-            if cos.dim() == 3:
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-        if cos.dtype != q.dtype:
-            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        cos, sin = self._tables(offset, T, q)
         # x * cos + swap_halves(x) * sin, the sum and the second product written into the two fresh temporaries:
         # the same arithmetic bit for bit, two (T, hd)-per-head allocations fewer per tensor, which at 2048 tokens
         # cost more than the products (allocation, first-touch page faults; docs/perf/pre15c.md). Autograd-safe:
@@ -253,6 +244,7 @@ class RoPE(PositionalEncoding):
         """cos and the sign-folded sin of the T positions from offset, broadcastable over (B, n, T, hd) (as in
         rotate)."""
         if isinstance(offset, int) and offset >= 0:
+            # one offset for the batch: a view of the tables (no index kernels; this runs in every layer)
             cos, sin = self.cos.narrow(0, offset, T), self.sin_rot.narrow(0, offset, T)  # (T, hd)
         else:
             pos = positions(offset, T, q.device)
