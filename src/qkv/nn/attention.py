@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.nn.linear import Linear
-from qkv.nn.paged import PoolRows
+from qkv.nn.paged import PoolKeys, PoolRows
 
 if TYPE_CHECKING:  # pragma: no cover
     from qkv.nn.cache import KVCache
@@ -397,18 +397,20 @@ class MultiHeadAttention(nn.Module):
                 if T == 1:
                     q = q.view(B, H, 1, hd)
                 q, k = position.rotate(q, k, offset)  # linear in q: commutes with the folded scale
-            # (B, Hkv, Tk, hd): cached + new; the paged cache's values may stay in its pool (PoolRows)
+            # (B, Hkv, Tk, hd): cached + new; the paged cache's keys/values may stay in its pool (PoolKeys/Rows)
             k, v = getattr(cache, "step_update", cache.update)(layer, k, v)
-        Tk = k.shape[2]
         # query head h = j * G + g uses key/value head j (as repeat_interleave in the forward pass)
         q = q.reshape(B * Hkv, (H // Hkv) * T, hd)
-        kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
-        scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in the same op
+        if isinstance(k, PoolKeys):  # the paged cache's keys stay in its pool: q @ K^T read from there
+            scores = k.scores(q) if add is None else k.scores(q).add_(add)
+        else:
+            kt = k.reshape(B * Hkv, k.shape[2], hd).transpose(1, 2)
+            scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in one op
         probs = torch.softmax(scores, dim=-1)
         if isinstance(v, PoolRows):
             y = v.weighted_sum(probs)
         else:
-            y = torch.bmm(probs, v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
+            y = torch.bmm(probs, v.reshape(B * Hkv, scores.shape[-1], hd))  # (B * Hkv, G * T, hd)
         y = y.view(B, C) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, C)
         return mods["out_proj"].step(y)
 
