@@ -142,18 +142,50 @@ def block_digest(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
+class _ValueBags:
+    """The index tensors of one decoding step's probs @ V over the real (unmasked) columns only, made once
+    per query-group size and reused by every layer of the step: one bag per (batch-head r, query head g),
+    holding the value pool rows of r's real columns; `weights` picks those columns' probabilities. Built
+    with ragged aranges (repeat_interleave), not boolean masks: a mask over (B, H, G, tk) took ~10 ms."""
+
+    def __init__(self, rows: Tensor, real: Tensor, total: int, tk: int) -> None:
+        # rows: (B * H * tk,) right-aligned value rows; real: (B,) real columns of each sequence, total: their sum
+        self.rows, self.real, self.total = rows.view(real.shape[0], -1, tk), real, total
+        self._by_group: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def group(self, G: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows (n_real,) pool rows in (b, h, g, t) order, offsets (B * H * G,) first row of each bag,
+        weights (n_real,) indices into the flattened (B * H, G, tk) probs)."""
+        if G not in self._by_group:
+            B, H, tk = self.rows.shape
+            per_bag = self.real.repeat_interleave(H * G)  # (B * H * G,) real columns of each bag
+            offsets = torch.cumsum(per_bag, 0) - per_bag
+            n = self.total * H * G
+            bag = torch.repeat_interleave(torch.arange(B * H * G, device=per_bag.device), per_bag, output_size=n)
+            col = torch.arange(n, device=per_bag.device) + (tk - per_bag - offsets).index_select(0, bag)
+            rows = self.rows.reshape(-1).index_select(0, torch.div(bag, G, rounding_mode="floor") * tk + col)
+            self._by_group[G] = (rows, offsets, bag * tk + col)
+        return self._by_group[G]
+
+
 class PoolRows(NamedTuple):
     """A decoding step's values left in the pool (PagedKVCache.step_update): row index[i, t] of `pool` (one
     layer's (H_kv * slots, hd) values) is key column t of batch-head i. weighted_sum(probs) is probs @ V
     computed straight from the pool by one embedding_bag (a weighted sum of rows), instead of gathering V
-    into a contiguous copy and multiplying: one read of the values instead of a read, a write and a read."""
+    into a contiguous copy and multiplying: one read of the values instead of a read, a write and a read.
+    With `real` (one token per sequence), only the real columns' rows are summed, not the padding ones."""
 
     pool: Tensor
     index: Tensor  # (B * H_kv, Tk) pool rows
+    real: _ValueBags | None = None
 
     def weighted_sum(self, probs: Tensor) -> Tensor:
         """probs: (B * H_kv, G * T, Tk) attention weights (G query heads per key/value head) -> (B * H_kv, G * T, hd)."""
         n, q, tk = probs.shape
+        if self.real is not None:  # q = G query heads of one token; the masked columns' weights are 0
+            rows, offsets, weights = self.real.group(q)
+            w = probs.reshape(-1).index_select(0, weights)
+            return F.embedding_bag(rows, self.pool, offsets, mode="sum", per_sample_weights=w).view(n, q, -1)
         idx = self.index if q == 1 else self.index.unsqueeze(1).expand(n, q, tk).reshape(n * q, tk)
         out = F.embedding_bag(idx, self.pool, mode="sum", per_sample_weights=probs.reshape(n * q, tk))
         return out.view(n, q, -1)
@@ -178,7 +210,7 @@ class _KeyBags:
         self.r = r[real]  # (n_blocks,) the batch-head of each block
         per_r = count.repeat_interleave(H)  # (B * H,) blocks of each batch-head
         self.start = torch.cumsum(per_r, 0) - per_r  # first block of each batch-head
-        self.pos = pos.repeat_interleave(H, 0)  # (B * H, tk)
+        self.pos = pos  # (B, tk)
         self.hd, self.bs = hd, bs
         self._by_group: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
@@ -190,8 +222,11 @@ class _KeyBags:
             g = torch.arange(G, device=dev)
             bags = (self.base.unsqueeze(1) + torch.arange(self.hd, device=dev)).repeat_interleave(G, 0)
             rows = (self.r.unsqueeze(1) * G + g).reshape(-1)
-            blk = self.start.unsqueeze(1) + torch.div(self.pos, bs, rounding_mode="floor")  # (B * H, tk)
-            cols = (blk.unsqueeze(1) * G + g.view(1, G, 1)) * bs + (self.pos % bs).unsqueeze(1)
+            # column t of (r, g) is element i of bag (start[r] + j) * G + g, for position j * bs + i
+            B, tk = self.pos.shape
+            u = torch.div(self.pos, bs, rounding_mode="floor") * (G * bs) + self.pos % bs  # (B, tk)
+            first = self.start.view(B, -1, 1, 1) * (G * bs) + g.view(1, 1, G, 1) * bs  # (B, H, G, 1)
+            cols = (first + u.view(B, 1, 1, tk)).view(-1, G, tk)
             self._by_group[G] = (bags, rows, cols)
         return self._by_group[G]
 
@@ -221,11 +256,13 @@ class _Plan:
     gather (update) or their bags (step_update)."""
 
     def __init__(self, write: Tensor, gather: Tensor, key_write: Tensor, gather_slots: Tensor, blocks: Tensor,
-                 count: Tensor, pos: Tensor) -> None:
+                 count: Tensor, pos: Tensor, real: Tensor, total: int) -> None:
         self.write, self.gather, self.key_write, self.gather_slots = write, gather, key_write, gather_slots
         self.blocks, self.count, self.pos = blocks, count, pos  # (B, H, width) key blocks, (B,) in use, (B, tk)
+        self.real, self.total = real, total  # (B,) real columns of each sequence, their sum
         self.key_gather: Tensor | None = None
         self.key_bags: _KeyBags | None = None
+        self.value_bags: _ValueBags | None = None
 
 
 class PagedKVCache(KVCache):
@@ -384,7 +421,8 @@ class PagedKVCache(KVCache):
         head = (torch.arange(self.n_kv_heads, device=self.device) * self.slots).view(1, -1, 1)
         blocks = tables.unsqueeze(1) + (head // bs)  # (B, H, width) rows of the key pool's (head * block) blocks
         return _Plan((head + write.unsqueeze(1)).reshape(-1), (head + gather.unsqueeze(1)).reshape(-1),
-                     self._key_elements(write), gather, blocks, -(-(self._lens_t + T) // bs), p)
+                     self._key_elements(write), gather, blocks, -(-(self._lens_t + T) // bs), p,
+                     self._lens_t + T, sum(self.lens[s] for s in self.active) + T * len(self.active))
 
     def _key_elements(self, slots: Tensor) -> Tensor:
         """(B, n) slots -> (B * H * n * hd,) elements of one layer's flattened key pool, (B, H, n, hd) order."""
@@ -437,7 +475,10 @@ class PagedKVCache(KVCache):
         if plan.key_bags is None:
             plan.key_bags = _KeyBags(plan.blocks, plan.count, plan.pos, hd, self.block_size)
         tk = plan.gather.shape[0] // (B * H)
-        return PoolKeys(self.k[layer], plan.key_bags), PoolRows(self.v[layer], plan.gather.view(B * H, tk))
+        if plan.value_bags is None:
+            plan.value_bags = _ValueBags(plan.gather, plan.real, plan.total, tk)
+        return PoolKeys(self.k[layer], plan.key_bags), PoolRows(self.v[layer], plan.gather.view(B * H, tk),
+                                                                  plan.value_bags)
 
     def advance(self, n: int) -> None:
         for s in self.active:
