@@ -280,3 +280,14 @@ def test_prefill_pieces_of_equal_length_share_one_forward(position):
     assert out[a] == _alone(m, first, 3)
     for rid, p, n in zip(ids, prompts, news):
         assert out[rid] == _alone(m, p, n)
+
+
+def test_engine_split_cost_auto_cuts_the_batch_only_where_the_step_gathers():
+    # the CPU float32 paged step reads K/V in place (no padding read): one forward per decoding step
+    m = tiny_gpt("rope", context=64)
+    assert Engine(m).split_cost is None and Engine(m).cache.step_reads_in_place
+    assert Engine(m, split_cost=4096).split_cost == 4096
+    half = Engine(m.to(torch.bfloat16))  # bf16 gathers K/V: the length split pays for itself
+    assert not half.cache.step_reads_in_place and half.split_cost == 4096
+    with pytest.raises(ValueError, match="split_cost"):
+        Engine(m, split_cost="none")

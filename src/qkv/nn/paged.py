@@ -256,10 +256,10 @@ class _Plan:
     gather (update) or their bags (step_update)."""
 
     def __init__(self, write: Tensor, gather: Tensor, key_write: Tensor, gather_slots: Tensor, blocks: Tensor,
-                 count: Tensor, pos: Tensor, real: Tensor, total: int) -> None:
+                 count: Tensor, pos: Tensor, real: Tensor) -> None:
         self.write, self.gather, self.key_write, self.gather_slots = write, gather, key_write, gather_slots
         self.blocks, self.count, self.pos = blocks, count, pos  # (B, H, width) key blocks, (B,) in use, (B, tk)
-        self.real, self.total = real, total  # (B,) real columns of each sequence, their sum
+        self.real = real  # (B,) real columns of each sequence
         self.key_gather: Tensor | None = None
         self.key_bags: _KeyBags | None = None
         self.value_bags: _ValueBags | None = None
@@ -391,6 +391,11 @@ class PagedKVCache(KVCache):
         return torch.arange(tk, device=self.device).unsqueeze(0) >= start
 
     @property
+    def step_reads_in_place(self) -> bool:
+        """Whether step_update() leaves the keys/values in the pool (PoolKeys, PoolRows): CPU, float32/64."""
+        return self.k.device.type == "cpu" and self.k.dtype in (torch.float32, torch.float64)
+
+    @property
     def blocks_in_use(self) -> int:
         return self.allocator.num_used
 
@@ -422,7 +427,7 @@ class PagedKVCache(KVCache):
         blocks = tables.unsqueeze(1) + (head // bs)  # (B, H, width) rows of the key pool's (head * block) blocks
         return _Plan((head + write.unsqueeze(1)).reshape(-1), (head + gather.unsqueeze(1)).reshape(-1),
                      self._key_elements(write), gather, blocks, -(-(self._lens_t + T) // bs), p,
-                     self._lens_t + T, sum(self.lens[s] for s in self.active) + T * len(self.active))
+                     self._lens_t + T)
 
     def _key_elements(self, slots: Tensor) -> Tensor:
         """(B, n) slots -> (B * H * n * hd,) elements of one layer's flattened key pool, (B, H, n, hd) order."""
@@ -469,14 +474,14 @@ class PagedKVCache(KVCache):
         probs @ V with PoolRows.weighted_sum). A decoding step's time on the CPU is mostly memory traffic over
         the cached keys/values, and this saves copying them (benchmarks/serve.py). Otherwise: update()."""
         B, H, T, hd = k.shape
-        if T != 1 or self.k.device.type != "cpu" or self.k.dtype not in (torch.float32, torch.float64):
+        if T != 1 or not self.step_reads_in_place:
             return self.update(layer, k, v)
         plan = self._write(layer, k, v)
         if plan.key_bags is None:
             plan.key_bags = _KeyBags(plan.blocks, plan.count, plan.pos, hd, self.block_size)
         tk = plan.gather.shape[0] // (B * H)
         if plan.value_bags is None:
-            plan.value_bags = _ValueBags(plan.gather, plan.real, plan.total, tk)
+            plan.value_bags = _ValueBags(plan.gather, plan.real, int(plan.real.sum()), tk)  # CPU: no device sync
         return PoolKeys(self.k[layer], plan.key_bags), PoolRows(self.v[layer], plan.gather.view(B * H, tk),
                                                                   plan.value_bags)
 
