@@ -23,7 +23,7 @@ special; keep_mask() hides the unused left part, and offset gives each sequence 
 The write/gather indices are computed once per step (first layer) and reused by every layer, and the
 gathered keys/values go into two buffers the cache keeps (every layer of every step reuses them): a fresh
 tensor of that size per layer cost ~4x the copy itself on CPU (page faults of newly mapped memory).
-The decoding step (step_update, one token per sequence, CPU float32) gathers nothing: the scores and the
+The decoding step (step_update, one token per sequence, CPU float32/64) gathers nothing: the scores and the
 weighted sum of the values are read from the pools (PoolKeys, PoolRows).
 """
 
