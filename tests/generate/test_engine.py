@@ -236,10 +236,13 @@ def test_engine_reads_only_written_cache_slots():
     prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (7, 2, 13, 5)]
     engine = Engine(m, block_size=4, num_blocks=12, max_batch_size=4, prefill_chunk=5)
     c = engine.cache
-    for pool in (c.k, c.v):
-        heads = pool.view(pool.shape[0], c.n_kv_heads, c.slots, -1)
-        heads[:, :, 1:] = float("nan")
-        assert bool((heads[:, :, 0] == 0).all())
+    heads = c.v.view(c.v.shape[0], c.n_kv_heads, c.slots, -1)  # values: (layer, head, slot, hd)
+    heads[:, :, 1:] = float("nan")
+    assert bool((heads[:, :, 0] == 0).all())
+    blocks = c.k.view(c.k.shape[0], c.n_kv_heads, c.num_blocks, -1, c.block_size)  # keys: each block transposed
+    blocks[:, :, 1:] = float("nan")
+    blocks[:, :, 0, :, 1:] = float("nan")
+    assert bool((blocks[:, :, 0, :, 0] == 0).all())
     ids = [engine.add_request(p, 9) for p in prompts]
     out = engine.run()
     assert engine.stats()["preemptions"] > 0  # recomputation and block reuse are part of the run
@@ -277,3 +280,14 @@ def test_prefill_pieces_of_equal_length_share_one_forward(position):
     assert out[a] == _alone(m, first, 3)
     for rid, p, n in zip(ids, prompts, news):
         assert out[rid] == _alone(m, p, n)
+
+
+def test_engine_split_cost_auto_cuts_the_batch_only_where_the_step_gathers():
+    # the CPU float32 paged step reads K/V in place (no padding read): one forward per decoding step
+    m = tiny_gpt("rope", context=64)
+    assert Engine(m).split_cost is None and Engine(m).cache.step_reads_in_place
+    assert Engine(m, split_cost=4096).split_cost == 4096
+    half = Engine(m.to(torch.bfloat16))  # bf16 gathers K/V: the length split pays for itself
+    assert not half.cache.step_reads_in_place and half.split_cost == 4096
+    with pytest.raises(ValueError, match="split_cost"):
+        Engine(m, split_cost="none")

@@ -45,32 +45,72 @@ def test_reorder_to_another_batch_size_reallocates():
     torch.testing.assert_close(kl[:, :, :2], k[0].index_select(0, torch.tensor([0, 0, 1, 1, 1])), rtol=0, atol=0)
 
 
-def test_paged_step_update_leaves_values_in_the_pool_and_weighs_them_like_a_matmul():
-    """The paged cache's decoding-step update: the keys equal update()'s gathered keys, and the values'
-    weighted sum (embedding_bag over pool rows) equals probs @ the gathered values, computed in float64, for
-    grouped queries (3 query heads per key/value head) and rows of different lengths (masked columns)."""
-    from qkv.nn.paged import PagedKVCache, PoolRows
+def test_paged_step_update_reads_keys_and_values_from_the_pool_like_the_gathered_path():
+    """The paged cache's decoding step leaves the keys and values in the pool: PoolKeys.scores(q) equals
+    q @ K^T over update()'s gathered keys, and PoolRows.weighted_sum(probs) equals probs @ the gathered values,
+    in float64, on two layers and two steps, for grouped queries (3 query heads per key/value head), rows of
+    different lengths (masked columns), partial last blocks, a block boundary crossed by the step, prefix
+    blocks shared by two sequences and a copy-on-write of a shared block. update()'s gathered keys are checked
+    against the keys that were written (the key pool is stored block-transposed)."""
+    from qkv.nn.paged import PagedKVCache, PoolKeys, PoolRows
 
     torch.manual_seed(0)
-    H, hd, G = 2, 8, 3
-    caches = [PagedKVCache(1, H, hd, num_blocks=12, block_size=4) for _ in range(2)]
+    L, H, hd, G, bs = 2, 2, 8, 3, 4
+    dt = torch.float64
+    caches = [PagedKVCache(L, H, hd, num_blocks=40, block_size=bs, dtype=dt) for _ in range(2)]
+    written: dict[int, list[torch.Tensor]] = {}  # sequence -> per layer (H, n, hd) keys written so far
+
+    def fill(c, s, k, v):
+        c.set_active([s])
+        for layer in range(L):
+            c.update(layer, k[layer], v[layer])
+        c.advance(k.shape[3])
+
+    def rand(n):
+        return torch.randn(L, 1, H, n, hd, dtype=dt), torch.randn(L, 1, H, n, hd, dtype=dt)
+
+    plain = {0: rand(5), 3: rand(8), 2: rand(1)}
+    tail1 = rand(7)
     for c in caches:
-        for s in range(3):
+        for s, (k, v) in plain.items():
             c.add_sequence(s)
-    fills = {s: (torch.randn(1, H, n, hd), torch.randn(1, H, n, hd)) for s, n in enumerate([5, 11, 1])}
-    for c in caches:
-        for s, (k, v) in fills.items():
-            c.set_active([s])
-            c.update(0, k, v)
-            c.advance(k.shape[2])
-        c.set_active([0, 1, 2])
-    k1, v1 = torch.randn(3, H, 1, hd), torch.randn(3, H, 1, hd)
-    kr, vr = caches[0].update(0, k1, v1)
-    ks, vs = caches[1].step_update(0, k1, v1)
-    assert isinstance(vs, PoolRows) and torch.equal(ks, kr)
-    tk = kr.shape[2]
-    keep = caches[1].keep_mask(1)  # (3, tk)
-    scores = torch.randn(3 * H, G, tk).masked_fill(~keep.repeat_interleave(H, 0)[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, -1)
-    want = probs.double() @ vr.reshape(3 * H, tk, hd).double()
-    torch.testing.assert_close(vs.weighted_sum(probs).double(), want, atol=1e-6, rtol=1e-6)
+            fill(c, s, k, v)
+        c.add_sequence(1, shared=c.tables[0][:1])  # shares sequence 0's first (full) block, then 7 more
+        fill(c, 1, *tail1)
+        c.add_sequence(4, shared=c.tables[3][:2])  # sequence 3's two full blocks; the step rewrites position 7
+        c.set_length(4, 7)
+    for s, (k, _) in plain.items():
+        written[s] = [k[layer, 0] for layer in range(L)]
+    written[1] = [torch.cat([plain[0][0][layer, 0, :, :4], tail1[0][layer, 0]], 1) for layer in range(L)]
+    written[4] = [plain[3][0][layer, 0, :, :7] for layer in range(L)]
+    order = [0, 1, 2, 3, 4]
+    assert caches[1].tables[1][0] == caches[1].tables[0][0]  # shared before the step
+    B = len(order)
+    for _ in range(2):
+        for c in caches:
+            c.set_active(order)
+        keep = caches[1].keep_mask(1).repeat_interleave(H, 0).unsqueeze(1)  # (B * H, 1, tk)
+        for layer in range(L):
+            k1, v1 = torch.randn(B, H, 1, hd, dtype=dt), torch.randn(B, H, 1, hd, dtype=dt)
+            for i, s in enumerate(order):
+                written[s][layer] = torch.cat([written[s][layer], k1[i]], 1)
+            kr, vr = caches[0].update(layer, k1, v1)
+            ks, vs = caches[1].step_update(layer, k1, v1)
+            assert isinstance(ks, PoolKeys) and isinstance(vs, PoolRows)
+            tk = kr.shape[2]
+            for i, s in enumerate(order):  # the gathered keys: the written ones, right-aligned
+                n = written[s][layer].shape[1]
+                assert torch.equal(kr[i, :, tk - n:], written[s][layer])
+            q = torch.randn(B * H, G, hd, dtype=dt)
+            want = q @ kr.reshape(B * H, tk, hd).transpose(1, 2)
+            got = ks.scores(q)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=1e-12, rtol=1e-12)
+            probs = torch.softmax(torch.randn(B * H, G, tk, dtype=dt).masked_fill(~keep, float("-inf")), -1)
+            torch.testing.assert_close(vs.weighted_sum(probs), probs @ vr.reshape(B * H, tk, hd),
+                                       atol=1e-12, rtol=1e-12)
+        for c in caches:
+            c.advance(1)
+    assert caches[1].copies == 1 and caches[1].tables[4][1] != caches[1].tables[3][1]  # copy-on-write
+    assert caches[1].tables[1][0] == caches[1].tables[0][0]  # the shared prefix block stays shared
+

@@ -116,7 +116,7 @@ class Engine:
         prefix_caching: bool = True,
         preemption: str = "newest",
         tokenizer: Any = None,
-        split_cost: int | None = 4096,
+        split_cost: int | None | str = "auto",
         **options: Any,
     ) -> None:
         dec = as_decoder(model)
@@ -140,6 +140,10 @@ class Engine:
         self.prefix_caching = prefix_caching
         self.preemption = preemption
         self.watermark = max(1, self.cache.allocator.num_blocks // 100)
+        if split_cost == "auto":  # the split saves padding traffic, which only a step that gathers K/V has
+            split_cost = None if self.cache.step_reads_in_place else 4096
+        elif isinstance(split_cost, str):
+            raise ValueError(f"split_cost must be an int, None or 'auto', got {split_cost!r}")
         self.split_cost, self.split_depth = split_cost, 2  # see _length_groups
         seed = self.cfg.seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
@@ -400,7 +404,10 @@ class Engine:
         sequence, so a batch of 16..768-token sequences spends about half its key/value traffic on padding.
         Cutting the length-sorted batch where sum(rows x longest) + split_cost per extra forward (the fixed
         cost of a forward, weights and Python, in row x key units) is smaller saves that traffic; binary cuts,
-        at most 2 ** split_depth groups. split_cost=None: one forward."""
+        at most 2 ** split_depth groups. split_cost=None: one forward. The default ("auto") is None where the
+        paged cache's decoding step reads the keys/values in place (CPU, float32/64: no padding is read, and
+        one forward over the whole batch was 1.11x in CPU time on the serve load, docs/perf/srv13c.md), 4096
+        where it gathers them (GPU, bf16)."""
         n = len(batch)
         if self.split_cost is None or n < 4:
             return [list(range(n))]

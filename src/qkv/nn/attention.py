@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.nn.linear import Linear
-from qkv.nn.paged import PoolRows
+from qkv.nn.paged import PoolKeys, PoolRows
 
 if TYPE_CHECKING:  # pragma: no cover
     from qkv.nn.cache import KVCache
@@ -417,15 +417,19 @@ class MultiHeadAttention(nn.Module):
                 q, k = rotate_heads(qk, offset).split_with_sizes([H, Hkv], dim=1)
             else:
                 q, k, v = self._step_heads(qkv, B, T, position, offset)
-            # (B, Hkv, Tk, hd): cached + new; the paged cache's values may stay in its pool (PoolRows)
+            # (B, Hkv, Tk, hd): cached + new; the paged cache's keys/values may stay in its pool (PoolKeys/Rows)
             k, v = getattr(cache, "step_update", cache.update)(layer, k, v)
-        Tk = k.shape[2]
         # query head h = j * G + g uses key/value head j (as repeat_interleave in the forward pass)
         q = q.reshape(B * Hkv, (H // Hkv) * T, hd)
-        kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
+        pooled = isinstance(k, PoolKeys)  # the paged cache's keys stay in its pool: q @ K^T read from there
+        Tk = k.bags.pos.shape[1] if pooled else k.shape[2]
         threads = _serial_threads(x, B * Hkv * Tk * hd)
         try:
-            scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in the same op
+            if pooled:
+                scores = k.scores(q) if add is None else k.scores(q).add_(add)
+            else:
+                kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
+                scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in one op
             probs = torch.softmax(scores, dim=-1)
             if isinstance(v, PoolRows):
                 y = v.weighted_sum(probs)
