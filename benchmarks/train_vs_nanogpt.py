@@ -215,6 +215,27 @@ class TrainerSteps:
         return (marks["t1"] - marks["t0"]) / n
 
 
+def optimizer_update_ms(model: torch.nn.Module, rounds: int) -> dict[str, float]:
+    """The AdamW update alone (opt.step() on fixed random gradients, qkv's two decay groups) per
+    implementation, interleaved over `rounds` rounds after 2 warm-up updates: median milliseconds."""
+    from qkv.train import build_optimizer
+
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    for p in m.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    opts = {impl: build_optimizer(m, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, impl=impl)[0]
+            for impl in ("loop", "foreach", "fused")}
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for r in range(rounds + 2):
+        for k, opt in opts.items():
+            t0 = time.perf_counter()
+            opt.step()
+            if r >= 2:
+                times[k].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
 def make_step(kind: str, model: torch.nn.Module, precision: str, optimizer: str = "default"):
     """One optimizer step of `model` on a batch x (B, T): the next-token loss over positions 0..T-2."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), **OPTIMIZERS[optimizer])
@@ -333,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{m} {p} {tokens / times[(m, p)][-1]:.0f}"
                                                        for m, p in order) + " tok/s", flush=True)
     tmp.cleanup()
+    update_ms = optimizer_update_ms(ours, 3 if a.quick else 5 * a.rounds) if a.recipes else {}
 
     def ref_of(m: str, p: str) -> tuple | None:  # the nanoGPT row a row is compared with
         key = (RECIPE_NANO if m.startswith("recipe:") else "nanoGPT GPT", p)
@@ -375,7 +397,8 @@ def main(argv: list[str] | None = None) -> None:
               "nanogpt_path": str(Path(a.nanogpt).resolve()), "warmup": a.warmup, "rounds": a.rounds,
               "steps_per_round": a.steps, "rows": rows, "ratios": ratios, "bar": BAR, "meets_bar": meets,
               "first_step_loss": first, "machine": machine,
-              "recipes": {"ratios": recipe, "optimizers": impls, "notes": notes} if a.recipes else None}
+              "recipes": {"ratios": recipe, "optimizers": impls, "notes": notes,
+                          "adamw_update_ms": update_ms} if a.recipes else None}
 
     def fmt(x: float | None) -> str:
         return "" if x is None or x != x else f"{x:.2f}x"  # x != x: NaN
@@ -412,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
                          f"Trainer.fit overhead over the bare qkv loop **{ov['median'] * 100:+.1f}%** "
                          f"({ov['min'] * 100:+.1f}..{ov['max'] * 100:+.1f}%; issue 15: <= 5%).")
             md.append(" ".join(parts))
+    if update_ms:
+        md.append("AdamW update alone on qkv's parameters (opt.step(), median ms): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in update_ms.items()) + ".")
     md += [*notes, "",
            f"Medians of per-round ratios over {a.rounds} interleaved rounds x {a.steps} steps ({a.warmup} warmup). "
            f"Bar: qkv >= {BAR}x nanoGPT (same optimizer) in {' and '.join(precisions)}: {'met' if meets else 'NOT met'}. "

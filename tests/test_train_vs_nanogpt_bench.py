@@ -124,6 +124,7 @@ def test_quick_benchmark_with_a_stand_in_nanogpt(tmp_path):
         assert len(result["recipes"]["ratios"][p]["trainer_overhead"]["per_round"]) == 2
     assert abs(loss["recipe: qkv loop, Trainer's AdamW fp32"] - loss["recipe: nanoGPT loop, its configure_optimizers AdamW fp32"]) < 1e-4
     assert "Trainer.fit overhead over the bare qkv loop" in md and "each recipe" in md
+    assert set(result["recipes"]["adamw_update_ms"]) == {"loop", "foreach", "fused"} and "AdamW update alone" in md
 
 
 def test_optimizer_choice_applies_to_every_model(tmp_path):
