@@ -139,6 +139,9 @@ class Trainer:
         self.optimizer, self.group_summary = build_optimizer(
             model, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, impl=cfg.optimizer_impl)
         self.optimizer_impl = implementation(self.optimizer)  # kept across load_checkpoint (which resets it)
+        # every parameter that can have a gradient, listed once (the optimizer's, after any FSDP sharding)
+        # instead of walking model.parameters() (~0.1 ms for a 6-layer GPT) twice per step
+        self._trainable = [p for g in self.optimizer.param_groups for p in g["params"]]
         engine: nn.Module = torch.compile(model) if cfg.compile else model
         if self.dist.mode == "ddp":
             engine = dist_.wrap(engine, self.dist, block_types=(Block,), find_unused=cfg.ddp_find_unused)
@@ -225,7 +228,7 @@ class Trainer:
         return loss, int(n_total), int(tokens_total), batches
 
     def _grad_norm(self) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._trainable if p.grad is not None]
         if not grads:
             return 0.0
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None)
@@ -241,7 +244,7 @@ class Trainer:
     def _scale_grads(self, factor: float) -> None:
         """grad *= factor for every gradient, as one multi-tensor op (what torch's own clip_grad_norm_ calls):
         the same products as a mul_ per tensor, without a Python loop of one small kernel per parameter."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._trainable if p.grad is not None]
         if grads:
             with torch.no_grad():
                 torch._foreach_mul_(grads, factor)
