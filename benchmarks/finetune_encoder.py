@@ -7,6 +7,15 @@ seq 128 with a padding mask (row lengths 64..128, as dynamic padding leaves them
 a temporary folder and loaded through qkv.from_pretrained), see the SAME batches and use the same optimizer;
 the first step's losses are printed to show that both compute the same function.
 
+Optimizers: the rows "qkv BERT ..." and "HF ..." all train with the same `torch.optim.AdamW(lr=2e-5,
+wd=0.01)` (`--optimizer`: torch's default, on CPU the per-parameter loop; foreach; fused), no clipping: only
+the models differ. The rows "recipe: ..." (`--no-recipes` skips them) use the AdamW each project's trainer
+builds, with clip_grad_norm_(1.0) as both trainers do by default: qkv's `qkv.train.build_optimizer` (what `qkv
+finetune` trains with: fused on CPU and CUDA, no decay on norms, biases and embeddings) and the one
+`transformers.Trainer` builds by default (`TrainingArguments.optim`, "adamw_torch_fused" for torch >= 2.8:
+fused; no decay on biases and LayerNorm weights; betas (0.9, 0.999)). qkv's own recipe: lr 2e-5, wd 0.01,
+betas (0.9, 0.999), eps 1e-8 for both.
+
 Timing: `--warmup` steps each, then `--repeats` rounds; in each round every (model, dtype) pair runs `--steps`
 steps, the order reversed every other round (ABBA) so drift of a shared machine hits all alike. Reported:
 median tokens/s (padding included: the tokens the models process) and the median of per-round ratios.
@@ -35,6 +44,11 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 import qkv  # noqa: E402
 from qkv.nn import linear as qkv_linear  # noqa: E402
 from qkv.nn import linear_backend  # noqa: E402
+from qkv.train import build_optimizer  # noqa: E402
+from qkv.train.optim import implementation  # noqa: E402
+
+RECIPE_QKV = "recipe: qkv BERT, qkv Trainer's AdamW + clip"
+RECIPE_HF = "recipe: HF BERT, HF Trainer's AdamW + clip"
 
 BASE = dict(hidden=768, heads=12, ff=3072, vocab=30522, seq=128, batch=16, labels=2)
 QUICK = dict(hidden=64, heads=4, ff=128, vocab=1000, seq=32, batch=4, labels=2)
@@ -71,10 +85,37 @@ def batches(shape: dict, n: int, device: str) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def make_step(model, dtype: str, device: str, backend: str = "auto"):
+OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}  # --optimizer: all models alike
+
+
+def hf_trainer_optimizer(model) -> torch.optim.Optimizer:
+    """The AdamW `transformers.Trainer` builds with default TrainingArguments (lr and wd as below): its
+    decay split (Trainer.get_decay_parameter_names: not in a LayerNorm, no bias/norm in the name) and its
+    default `optim` (read from the TrainingArguments field, so it follows the installed version)."""
+    import dataclasses
+
+    import transformers
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    optim = str({f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}["optim"])
+    optim = getattr(optim, "value", optim)
+    patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    decay = set(get_parameter_names(model, [torch.nn.LayerNorm], patterns))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": 0.01},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    if optim not in ("adamw_torch", "adamw_torch_fused", "OptimizerNames.ADAMW_TORCH", "OptimizerNames.ADAMW_TORCH_FUSED"):
+        raise SystemExit(f"finetune_encoder: error: transformers' default optim {optim!r} is not torch's AdamW")
+    return torch.optim.AdamW(groups, lr=2e-5, betas=(0.9, 0.999), eps=1e-8, fused=optim.lower().endswith("fused"))
+
+
+def make_step(model, dtype: str, device: str, backend: str = "auto", optimizer: str = "default",
+              opt: torch.optim.Optimizer | None = None):
     """One optimizer step, qkv's linear layers under `backend` (qkv.nn.linear_backend: "aten" = the same MKL
-    GEMMs Hugging Face uses, "onednn" = oneDNN's): separates that kernel choice from the rest of the model."""
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01)
+    GEMMs Hugging Face uses, "onednn" = oneDNN's): separates that kernel choice from the rest of the model.
+    With `opt` given (a project's recipe) the gradients are clipped to norm 1.0 first, as both trainers do."""
+    clip = opt is not None
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01, **OPTIMIZERS[optimizer])
 
     def step(b: dict[str, torch.Tensor]) -> float:
         ctx = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
@@ -82,6 +123,8 @@ def make_step(model, dtype: str, device: str, backend: str = "auto"):
             with ctx:
                 loss = model(**b).loss
             loss.float().backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
         if device == "cuda":
@@ -105,6 +148,10 @@ def main() -> None:
                     help="skip the qkv fp32 run with the other linear backend (oneDNN vs aten/MKL)")
     ap.add_argument("--no-padded-row", dest="padded_row", action="store_false",
                     help="skip the qkv runs with unpadding off (all B x T positions through every layer, as HF)")
+    ap.add_argument("--optimizer", default="default", choices=list(OPTIMIZERS),
+                    help="AdamW for the model-comparison rows (all alike): torch's default (CPU: the loop), foreach, fused")
+    ap.add_argument("--no-recipes", dest="recipes", action="store_false",
+                    help="skip the rows with each project's own trainer AdamW (+ clipping)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     shape = dict(QUICK if a.quick else BASE)
@@ -119,21 +166,32 @@ def main() -> None:
     tokens = shape["batch"] * shape["seq"]
     # one model copy per (model, dtype): each keeps its own optimizer state, all from the same weights
     steps = {}
+    recipe_impls: dict[str, str] = {}
     # the default ("auto") linear backend on this CPU, and the alternative as an extra fp32 row
     other = "aten" if qkv_linear._onednn_on() else "onednn"
     for dt in dtypes:
-        steps[("qkv BERT", dt)] = make_step(copy.deepcopy(ours), dt, a.device)
-        steps[("HF BertForSequenceClassification (sdpa)", dt)] = make_step(copy.deepcopy(hf), dt, a.device)
+        steps[("qkv BERT", dt)] = make_step(copy.deepcopy(ours), dt, a.device, optimizer=a.optimizer)
+        steps[("HF BertForSequenceClassification (sdpa)", dt)] = make_step(copy.deepcopy(hf), dt, a.device,
+                                                                            optimizer=a.optimizer)
         if dt == "fp32" and a.device == "cpu" and a.mkl_row and qkv_linear.onednn_available():
             # (bf16 autocast never takes the oneDNN fp32 path)
-            steps[(f"qkv BERT, linear backend {other}", dt)] = make_step(copy.deepcopy(ours), dt, a.device, other)
+            steps[(f"qkv BERT, linear backend {other}", dt)] = make_step(copy.deepcopy(ours), dt, a.device, other,
+                                                                         a.optimizer)
         if a.padded_row:
             padded = copy.deepcopy(ours)
             padded.unpad_in_training = False  # every layer on all B x T positions, as HF
-            steps[("qkv BERT, unpadding off", dt)] = make_step(padded, dt, a.device)
+            steps[("qkv BERT, unpadding off", dt)] = make_step(padded, dt, a.device, optimizer=a.optimizer)
             if dt == "fp32" and a.device == "cpu" and a.mkl_row and qkv_linear.onednn_available():
                 steps[(f"qkv BERT, unpadding off, linear backend {other}", dt)] = make_step(
-                    copy.deepcopy(padded), dt, a.device, other)
+                    copy.deepcopy(padded), dt, a.device, other, a.optimizer)
+        if a.recipes:
+            q = copy.deepcopy(ours)
+            q_opt, _ = build_optimizer(q, lr=2e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+            steps[(RECIPE_QKV, dt)] = make_step(q, dt, a.device, opt=q_opt)
+            h = copy.deepcopy(hf)
+            h_opt = hf_trainer_optimizer(h)
+            steps[(RECIPE_HF, dt)] = make_step(h, dt, a.device, opt=h_opt)
+            recipe_impls = {"qkv": implementation(q_opt), "HF": implementation(h_opt)}
     first = {f"{m} {dt}": fn(data[0]) for (m, dt), fn in steps.items()}
     print("first-step loss: " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()), flush=True)
     for fn in steps.values():
@@ -161,18 +219,26 @@ def main() -> None:
         per_round_cpu = [hh / oo for oo, hh in zip(cpu[("qkv BERT", dt)], hc)]
         ratios[dt] = {"per_round": per_round, "median": statistics.median(per_round),
                       "per_round_cpu_time": per_round_cpu, "median_cpu_time": statistics.median(per_round_cpu)}
+        if (RECIPE_HF, dt) in times:  # each project's trainer optimizer: qkv's recipe vs HF's
+            rq, rh = times[(RECIPE_QKV, dt)], times[(RECIPE_HF, dt)]
+            pr = [hh / oo for oo, hh in zip(rq, rh)]
+            ratios[dt]["recipe"] = {"per_round": pr, "median": statistics.median(pr)}
         for (m, d2), t in times.items():
             if d2 == dt:
                 med = statistics.median(t)
+                # recipe rows against HF's recipe row, the others against HF with the same optimizer
+                ref = (RECIPE_HF, dt) if m.startswith("recipe:") else hf_key
                 rows.append({"model": m, "dtype": dt, "median_step_s": med, "tokens_per_s": tokens / med,
                              "min_step_s": min(t), "max_step_s": max(t),
-                             "ratio_vs_hf": statistics.median([hh / tt for tt, hh in zip(t, h)]),
+                             "ratio_vs_hf": statistics.median([hh / tt for tt, hh in zip(t, times[ref])]),
                              "ratio_vs_hf_cpu_time": statistics.median([hh / tt for tt, hh in
-                                                                        zip(cpu[(m, d2)], hc)])})
+                                                                        zip(cpu[(m, d2)], cpu[ref])])})
     result = {
         "benchmark": "finetune_encoder", "quick": a.quick,
         "config": {**shape, "layers": a.layers, "device": a.device, "dropout": 0.0,
-                   "optimizer": "AdamW(lr=2e-5, wd=0.01)", "padding": "row lengths uniform in [seq/2, seq]"},
+                   "optimizer": f"AdamW(lr=2e-5, wd=0.01), {a.optimizer}" + (
+                       " (torch's default: on CPU the per-parameter loop)" if a.optimizer == "default" else ""),
+                   "recipe_optimizers": recipe_impls or None, "padding": "row lengths uniform in [seq/2, seq]"},
         "warmup": a.warmup, "repeats": a.repeats, "steps_per_round": a.steps, "rows": rows, "ratios": ratios,
         "bar": 1.2, "first_step_loss": first,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -185,9 +251,13 @@ def main() -> None:
             f"{r['min_step_s']:.3f}..{r['max_step_s']:.3f} | {r['ratio_vs_hf']:.2f}x | "
             f"{r['ratio_vs_hf_cpu_time']:.2f}x |" for r in rows], ""]
     for dt, rr in ratios.items():
-        md.append(f"{dt}: qkv / HF throughput, median of per-round ratios **{rr['median']:.2f}x** "
-                  f"(range {min(rr['per_round']):.2f}..{max(rr['per_round']):.2f}; in process CPU time "
-                  f"{rr['median_cpu_time']:.2f}x; bar 1.2x: {'met' if rr['median'] >= 1.2 else 'NOT met'}).")
+        md.append(f"{dt}, same optimizer ({a.optimizer}): qkv / HF throughput, median of per-round ratios "
+                  f"**{rr['median']:.2f}x** (range {min(rr['per_round']):.2f}..{max(rr['per_round']):.2f}; in process "
+                  f"CPU time {rr['median_cpu_time']:.2f}x; bar 1.2x: {'met' if rr['median'] >= 1.2 else 'NOT met'}).")
+        if "recipe" in rr:
+            rc = rr["recipe"]
+            md.append(f"{dt}, each trainer's AdamW (qkv {recipe_impls['qkv']}, HF {recipe_impls['HF']}) + clipping: "
+                      f"qkv / HF **{rc['median']:.2f}x** (range {min(rc['per_round']):.2f}..{max(rc['per_round']):.2f}).")
     md.append(f"{a.layers} layers x hidden {shape['hidden']}, batch {shape['batch']} x seq {shape['seq']}, "
               f"{a.repeats} rounds x {a.steps} steps, {a.warmup} warmup, {a.device}, torch {torch.__version__}, "
               f"transformers {tf_version}, {torch.get_num_threads()} threads, CPU capability "

@@ -202,3 +202,28 @@ def test_rope_in_place_temporaries_give_the_out_of_place_values_and_gradients(mo
     for a, b in zip(new, old):
         assert torch.equal(a, b)
     assert new[0].shape[0] == 3  # the broadcast case did broadcast
+
+
+@pytest.mark.parametrize("skip,offset", [(0, 0), (0, 3), (2, 0), (2, 4)])
+def test_learned_table_read_by_slice_equals_the_gather_with_its_gradients(skip, offset):
+    # an int offset reads a slice of the table; the reference is the gather of the same rows (what a
+    # tensor offset still does): same output and the same gradients for the table and the input, bit for bit
+    torch.manual_seed(0)
+    pe = Learned(8, 10, skip=skip)
+    with torch.no_grad():
+        pe.weight.normal_()
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    w_ref = pe.weight.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out = pe.embed(x, offset)
+    ref = x_ref + w_ref[torch.arange(offset + skip, offset + skip + 5)]
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(pe.weight.grad, w_ref.grad) and torch.equal(x.grad, x_ref.grad)
+    rows = torch.zeros(10 + skip, dtype=torch.bool)
+    rows[offset + skip: offset + skip + 5] = True
+    assert pe.weight.grad[~rows].abs().sum() == 0  # rows no position read get no gradient
+    # a per-row tensor offset (the gather path) gives the same rows
+    assert torch.equal(pe.embed(x, torch.full((3,), offset)), out)

@@ -30,10 +30,13 @@ def test_resume_is_bit_identical(tmp_path, make_gpt, toy_data, cfg_factory):
     assert s1["steps"] == n and latest_checkpoint(tmp_path / "b" / "checkpoints").name == f"step_{n:08d}"
     second, cb2 = loss_recorder()
     model = make_gpt(seed=123, dropout=0.1)  # different init: everything must come from the checkpoint
-    s2 = Trainer(model, cfg_factory(max_steps=2 * n, out_dir=str(tmp_path / "b"), resume=True), toy_data,
-                 callbacks=[cb2]).fit()
+    tr2 = Trainer(model, cfg_factory(max_steps=2 * n, out_dir=str(tmp_path / "b"), resume=True), toy_data,
+                  callbacks=[cb2])
+    s2 = tr2.fit()
     assert s2["steps"] == 2 * n and sorted(second) == list(range(n + 1, 2 * n + 1))
     assert {**first, **second} == full  # exact float equality, step by step
+    # the default AdamW on CPU is the fused kernel, and the resumed optimizer still runs it
+    assert tr2.optimizer_impl == "fused" and all(g["fused"] and not g["foreach"] for g in tr2.optimizer.param_groups)
 
     # metrics.jsonl of the resumed run describes one run: steps 1..2n once each
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
@@ -250,3 +253,45 @@ def test_resuming_a_finished_run_logs_nothing_again(tmp_path, make_gpt, toy_data
     again = Trainer(make_gpt(seed=7), cfg_factory(**cfg, resume=True), toy_data).fit()
     assert metrics.read_bytes() == before
     assert again["steps"] == 5 and again["eval"] == first["eval"] and again["final_loss"] == first["final_loss"]
+
+
+def test_checkpoint_written_before_optimizer_impl_resumes_with_the_configured_one(tmp_path, make_gpt, toy_data,
+                                                                                   cfg_factory, monkeypatch):
+    # before TrainConfig.optimizer_impl, build_optimizer left torch's defaults (foreach=None, fused=None: the
+    # per-parameter loop on CPU) and checkpoints carry those settings in their param groups
+    import qkv.train.trainer as trainer_mod
+    from qkv.train import param_groups
+
+    def old_build_optimizer(model, *, lr, betas, eps, weight_decay, impl="auto"):
+        groups, summary = param_groups(model, weight_decay)
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps), summary
+
+    n = 3
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "build_optimizer", old_build_optimizer)
+        old = Trainer(make_gpt(), cfg_factory(max_steps=2 * n, out_dir=str(tmp_path / "b")), toy_data,
+                      callbacks=[StopAt(n)])
+        assert old.fit()["steps"] == n
+    assert old.optimizer_impl == "loop"
+    path = latest_checkpoint(tmp_path / "b" / "checkpoints")
+    _, saved = read_checkpoint(path)
+    assert all(g["fused"] is None and g["foreach"] is None for g in saved["optimizer"]["param_groups"])
+
+    new = Trainer(make_gpt(seed=5), cfg_factory(max_steps=2 * n, out_dir=str(tmp_path / "b")), toy_data)
+    new.load_checkpoint(path)
+    # the state loads as saved (moments and step counts bit for bit); the groups run the configured kernel
+    param = dict(new.model.named_parameters())
+    assert len(saved["optimizer"]["state"]) == len(param)
+    for key, st in saved["optimizer"]["state"].items():
+        got = new.optimizer.state[param[key]]
+        assert all(torch.equal(got[k], st[k]) for k in ("exp_avg", "exp_avg_sq", "step")), key
+    assert new.optimizer_impl == "fused" and all(g["fused"] and not g["foreach"] for g in new.optimizer.param_groups)
+    new.resume = True
+    assert new.fit()["steps"] == 2 * n
+
+    # and the continuation equals an uninterrupted run with torch's loop to float rounding
+    ref = Trainer(make_gpt(), cfg_factory(max_steps=2 * n, out_dir=str(tmp_path / "ref"), optimizer_impl="loop"),
+                  toy_data)
+    ref.fit()
+    for (name, p), q in zip(new.model.named_parameters(), ref.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

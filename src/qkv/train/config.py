@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from qkv.config import ConfigError
+from qkv.train.optim import OPTIMIZER_IMPLS, OptimizerImpl
 
 Schedule = Literal["noam", "inverse_sqrt", "cosine", "linear", "constant"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -30,6 +31,8 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # the seeds: beta2 in 0.95..0.98
     eps: float = 1e-8  # the seeds: 1e-6..1e-8
     weight_decay: float = 0.1  # decoupled; never applied to norms, biases or embeddings
+    optimizer_impl: OptimizerImpl = "auto"  # auto | fused | foreach | loop: torch's AdamW kernel; auto = fused
+    #   where torch has it (CPU, CUDA), else foreach. Same update to float rounding (qkv/train/optim.py)
     # -- schedule ----------------------------------------------------------------------------------------
     schedule: Schedule = "cosine"  # noam | inverse_sqrt | cosine | linear | constant
     warmup: float = 0.02  # >= 1: steps; < 1: fraction of max_steps. 0 = no warmup (the ablation)
@@ -79,6 +82,9 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas}")
         if self.eps <= 0 or self.weight_decay < 0:
             raise ConfigError("TrainConfig: eps must be > 0 and weight_decay >= 0")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ConfigError(f"TrainConfig.optimizer_impl: {self.optimizer_impl!r} is not one of "
+                              f"{', '.join(OPTIMIZER_IMPLS)}")
         if self.warmup < 0:
             raise ConfigError(f"TrainConfig.warmup must be >= 0 (steps, or a fraction < 1), got {self.warmup}")
         if self.warmup >= 1 and not float(self.warmup).is_integer():
