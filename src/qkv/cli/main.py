@@ -320,7 +320,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens fed per engine step (0: whole)")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
-    p.add_argument("--preemption", choices=["newest", "least_work"], default="newest",
+    p.add_argument("--preemption", choices=["least_work", "newest"], default="least_work",
                    help="which request gives its blocks back when the pool runs out")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
 

@@ -23,7 +23,7 @@ from qkv.serve.model import Served, TextCodec, load_served
 
 
 def build_engine(served: Served, *, block_size: int = 16, num_blocks: int | None = None, max_batch_size: int = 32,
-                 prefill_chunk: int | None = 1024, prefix_caching: bool = True, preemption: str = "newest") -> Any:
+                 prefill_chunk: int | None = 1024, prefix_caching: bool = True, preemption: str = "least_work") -> Any:
     """The Engine for a served model: the folder's generation defaults plus the tokenizer's eos ids."""
     from qkv.generate.engine import Engine
 
