@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
+from _timing import interleaved  # noqa: E402
 
 FULL = dict(n_layer=6, n_head=6, n_embd=384, block=256, batch=8, vocab=65)
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block=32, batch=2, vocab=65)
@@ -236,13 +237,9 @@ def optimizer_update_ms(model: torch.nn.Module, rounds: int) -> dict[str, float]
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
     opts = {impl: build_optimizer(m, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, impl=impl)[0]
             for impl in ("loop", "foreach", "fused")}
-    times: dict[str, list[float]] = {k: [] for k in opts}
-    for r in range(rounds + 2):
-        for k, opt in opts.items():
-            t0 = time.perf_counter()
-            opt.step()
-            if r >= 2:
-                times[k].append(time.perf_counter() - t0)
+    steps = {k: opt.step for k, opt in opts.items()}
+    interleaved(steps, 2)  # warm-up updates
+    times, _ = interleaved(steps, rounds)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
