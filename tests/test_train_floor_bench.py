@@ -52,8 +52,9 @@ def test_quick_floor_with_flash_and_with_hand_written_attention(tmp_path):
     loss = flash["fp32_first_step_loss"]
     assert abs(loss["qkv step"] - loss["nanoGPT step"]) < 1e-4  # the same function on the same weights
     r = flash["ratios"]
-    assert 0 < r["floor / nanoGPT step"]["median"] and r["nanoGPT step / floor (largest speedup over nanoGPT with "
-                                                          "the rest at zero)"]["median"] > 0
+    # the kernels replayed alone take less than the whole step that runs them (and more than nothing)
+    assert 0 < r["floor / nanoGPT step (time)"]["max"] < 1 and 0 < r["floor / qkv step (time)"]["max"] < 1
+    assert set(flash["per_round_ms"]) >= {"the step's GEMMs alone", "the step's attention kernels alone"}
     manual = run(tmp_path / "manual", STAND_IN)
     assert manual["same_gemm_and_attention_calls"] is False  # bmm + softmax instead of the flash kernel
     assert manual["calls"]["attention_nanogpt"] == 0 and manual["calls"]["gemm_nanogpt"] > manual["calls"]["gemm"]
