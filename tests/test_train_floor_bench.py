@@ -59,3 +59,22 @@ def test_quick_floor_with_flash_and_with_hand_written_attention(tmp_path):
     manual = run(tmp_path / "manual", STAND_IN)
     assert manual["same_gemm_and_attention_calls"] is False  # bmm + softmax instead of the flash kernel
     assert manual["calls"]["attention_nanogpt"] == 0 and manual["calls"]["gemm_nanogpt"] > manual["calls"]["gemm"]
+
+
+def test_the_sigmoid_form_of_the_tanh_gelu_is_the_same_function():
+    """The candidate measured by the benchmark: equal to F.gelu(approximate="tanh") in value and gradient
+    (float64), and its hand-written backward passes gradcheck."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from train_floor import SigmoidGeluTanh
+
+    x = torch.linspace(-12, 12, 301, dtype=torch.float64).requires_grad_()
+    g = torch.cos(torch.arange(301, dtype=torch.float64))
+    y, ref = SigmoidGeluTanh.apply(x), F.gelu(x, approximate="tanh")
+    assert torch.allclose(y, ref, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(ref, x, g)[0], rtol=1e-12, atol=1e-14)
+    assert torch.autograd.gradcheck(SigmoidGeluTanh.apply, (torch.randn(4, 7, dtype=torch.float64, requires_grad=True),))
+    x32 = torch.randn(64, 96)
+    assert (SigmoidGeluTanh.apply(x32) - F.gelu(x32, approximate="tanh")).abs().max() < 1e-6
