@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
                 inside_cpu["qkv"], cpu["qkv step, kernels clocked"]),
             "by CPU time: kernels / whole step, nanoGPT (both clocked)": med_ratio(
                 inside_cpu["nanoGPT"], cpu["nanoGPT step, kernels clocked"]),
+            "by CPU time: qkv kernels in its step / nanoGPT kernels in its step": med_ratio(inside_cpu["qkv"],
+                                                                                        inside_cpu["nanoGPT"]),
             "by CPU time: nanoGPT step / floor (qkv's in-step kernels)": med_ratio(cpu["nanoGPT step"],
                                                                                   inside_cpu["qkv"]),
             "qkv step with SDPA math vs with flash (speed)": med_ratio(qkv_t, times["qkv step, SDPA math"]),
