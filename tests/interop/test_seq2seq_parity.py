@@ -163,3 +163,22 @@ def test_unsupported_variants_are_refused_clearly(tmp_path, builder, change, mes
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(CheckpointError, match=message):
         qkv.from_pretrained(tmp_path)
+
+
+def test_beam_search_two_stage_topk_matches_transformers_generate(pair, monkeypatch):
+    """With the beam search's two-stage top-k forced on this tiny vocabulary (blocks of 4 entries; it otherwise
+    starts at 8192 words), the tokens are still transformers'."""
+    from qkv.generate import search
+
+    monkeypatch.setattr(search, "TOPK_BLOCK", 4)
+    monkeypatch.setattr(search, "TOPK_TWO_STAGE_MIN", 0)
+    calls = []
+    real = search._row_topk
+    monkeypatch.setattr(search, "_row_topk", lambda x, k: (calls.append(x.shape), real(x, k))[1])
+    name, _, hf, ours = pair
+    x, mask = _inputs(3)
+    opts = dict(num_beams=4, length_penalty=0.6, no_repeat_ngram_size=3, early_stopping=True, max_length=14)
+    ref = _hf_generate(hf, x, mask, do_sample=False, **opts)
+    got = generate(ours, x, attention_mask=mask, **opts)
+    _same(got, ref, hf.generation_config.pad_token_id)
+    assert calls and calls[-1][0] == 12
