@@ -161,13 +161,17 @@ def test_memory_mask_of_the_wrong_shape_is_a_clear_error():
 
 @pytest.mark.parametrize("rows", [1, 2, 64])
 @pytest.mark.parametrize("scale", [1.0, 0.25])
-def test_output_head_step_with_logits_bias_equals_the_formula(rows, scale, monkeypatch):
+@pytest.mark.parametrize("switch", [True, False])
+def test_output_head_step_with_logits_bias_equals_the_formula(rows, scale, switch, monkeypatch):
     """OutputHead.step (BART / Marian: final_logits_bias; T5: output_scale) equals (h * s) W^T + b computed in
     float64, on every path: one row (the transposed copy, bias inside addmm) and a batched step (beam search's
     batch x num_beams rows: the oneDNN-packed copy with the bias fused, where oneDNN is there), and the batched
     path is taken (it would otherwise be the addmm path, also correct: the spy tells them apart)."""
+    from qkv.models import encdec
     from qkv.models.encdec import OutputHead
     from qkv.nn import linear as lin
+
+    monkeypatch.setattr(encdec, "HEAD_STEP_ONEDNN", switch)  # False: the addmm path (the benchmark's A/B control)
 
     torch.manual_seed(0)
     head = OutputHead(48, 301, scale=scale, logits_bias=True).eval()
@@ -191,7 +195,7 @@ def test_output_head_step_with_logits_bias_equals_the_formula(rows, scale, monke
         full = head(h)
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got, full, atol=1e-4, rtol=1e-5)
-    batched = rows >= lin.STEP_PACKED_MIN_ROWS > 0 and lin.onednn_packable()
+    batched = switch and rows >= lin.STEP_PACKED_MIN_ROWS > 0 and lin.onednn_packable()
     assert (rows in calls) == batched
     # a weight update reaches the packed copy (the copy is keyed on the weight's version)
     with torch.no_grad():

@@ -94,6 +94,12 @@ class EncoderDecoderConfig(TransformerConfig):
         return None
 
 
+# OutputHead.step with final_logits_bias (BART, Marian) on a batched fp32 CPU step: through the oneDNN-packed copy
+# with the bias fused (as Linear.step for a head without bias). False: addmm over the transposed copy, as before
+# (the A/B control of benchmarks/seq2seq_beam.py --ab).
+HEAD_STEP_ONEDNN = True
+
+
 class OutputHead(Linear):
     """The output projection with T5's input scaling and BART / Marian's final_logits_bias (a buffer, as in
     Hugging Face: saved, not trained): logits = (h * scale) W^T + final_logits_bias. forward and the decoding
@@ -115,7 +121,7 @@ class OutputHead(Linear):
             y = super().step(x, scale_first)
             return y if bias is None else y + bias
         # the bias added inside the product (one pass over the (rows, vocab) logits instead of two)
-        if x.dtype == torch.float32 and _linear.STEP_PACKED_MIN_ROWS \
+        if HEAD_STEP_ONEDNN and x.dtype == torch.float32 and _linear.STEP_PACKED_MIN_ROWS \
                 and x.shape[0] >= _linear.STEP_PACKED_MIN_ROWS and _linear.onednn_packable() \
                 and not torch.is_autocast_enabled("cpu"):
             # a batched step (beam search: batch x num_beams rows) through the oneDNN-packed copy, as
