@@ -123,7 +123,7 @@ class OutputHead(Linear):
         # the bias added inside the product (one pass over the (rows, vocab) logits instead of two)
         if HEAD_STEP_ONEDNN and x.dtype == torch.float32 and _linear.STEP_PACKED_MIN_ROWS \
                 and x.shape[0] >= _linear.STEP_PACKED_MIN_ROWS and _linear.onednn_packable() \
-                and not torch.is_autocast_enabled("cpu"):
+                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling():
             # a batched step (beam search: batch x num_beams rows) through the oneDNN-packed copy, as
             # Linear.step does for a head without bias: MKL's sgemm through W^T ran at ~75% of its speed here
             # (64 x 512 @ 512 x 58101, Marian's head: 112 vs 85 ms on one AVX2 core; docs/perf/beam14d.md)
