@@ -7,6 +7,10 @@ Two comparisons, each the same work on the same weights, profiled in interleaved
            `model.step(ids, cache)` vs a transformers forward with its cache (one new token); the caches are cut
            back after each profiled step, so every round times the same position; --family gpt2|llama.
            Calls per step / number of layers = aten ops per layer.
+  beam     one beam search (num_beams 4, length_penalty 0.6, no_repeat_ngram_size 3, early stopping, 32 new
+           tokens) of a batch of --tokens source sentences (default 16 when --tokens is not given) through the
+           Marian-shaped model of benchmarks/seq2seq_beam.py: qkv `generate` vs `MarianMTModel.generate`, the same
+           weights and sources (issue 14).
   train    one fp32 training step (forward + loss + backward + AdamW + zero_grad, as
            benchmarks/train_vs_nanogpt.py): qkv GPT (GPT-2's tanh GELU), qkv GPT with the exact GELU, and
            nanoGPT's model.py (--nanogpt PATH, never shipped).
@@ -18,6 +22,7 @@ in the ops below them.
     .venv/bin/python benchmarks/profile_ops.py prefill --family gpt2 --tokens 2048 [--rounds 3]
     .venv/bin/python benchmarks/profile_ops.py step --family llama [--rounds 20]
     .venv/bin/python benchmarks/profile_ops.py train --nanogpt PATH/model.py [--rounds 4]
+    .venv/bin/python benchmarks/profile_ops.py beam --threads 1 [--rounds 2]
 
 --quick: tiny models, one round (the smoke test, tests/test_profile_ops_bench.py). Writes
 OUT/profile_<what>[_<family>[_<tokens>]].json and .md (OUT = benchmarks/results).
@@ -59,6 +64,8 @@ def contenders(a: argparse.Namespace) -> tuple[dict, str]:
         return fns, f"prefill, {a.family}, {n} tokens, batch 1, fp32, last-position logits; ms per forward"
     if a.what == "step":
         return step_contenders(a)
+    if a.what == "beam":
+        return beam_contenders(a)
     import train_vs_nanogpt as tv
 
     s = tv.QUICK if a.quick else tv.FULL
@@ -99,11 +106,29 @@ def step_contenders(a: argparse.Namespace) -> tuple[dict, str]:
             f"included; ms per step")
 
 
+def beam_contenders(a: argparse.Namespace) -> tuple[dict, str]:
+    """One beam search over a batch of sentences in each library (benchmarks/seq2seq_beam.py's model and inputs)."""
+    import seq2seq_beam as sb
+    from qkv.generate import generate
+
+    shape = sb.QUICK if a.quick else sb.FULL
+    n = 4 if a.quick else (a.tokens if a.tokens_given else 16)
+    new = 8 if a.quick else 32
+    hf, ours = sb.build_models(shape)
+    x, m = sb.sources(n, shape["vocab_size"], n)[0]
+    opts = dict(sb.BEAM, max_new_tokens=new)
+    fns = {"qkv": lambda: generate(ours, x, attention_mask=m, **opts),
+           "transformers": lambda: hf.generate(input_ids=x, attention_mask=m, do_sample=False, **opts)}
+    return fns, (f"beam search (num_beams 4, lp 0.6, no_repeat_ngram 3, early stopping, {new} new tokens), "
+                 f"Marian-shaped ({shape['decoder_layers']}+{shape['encoder_layers']} layers, {shape['d_model']} "
+                 f"wide, vocabulary {shape['vocab_size']}), {n} sentences, fp32; ms per beam search")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["prefill", "step", "train"])
+    ap.add_argument("what", choices=["prefill", "step", "train", "beam"])
     ap.add_argument("--family", default="gpt2", choices=["gpt2", "llama"])
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=None, help="prefill: prompt tokens (2048); beam: sentences (16)")
     ap.add_argument("--nanogpt", default=None, metavar="PATH", help="nanoGPT's model.py (train)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -113,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     if a.what == "train" and not a.nanogpt:
         ap.error("train needs --nanogpt PATH (nanoGPT's model.py)")
+    a.tokens_given = a.tokens is not None
+    a.tokens = a.tokens if a.tokens is not None else 2048
     if a.quick:
         a.rounds = 1
     torch.set_num_threads(a.threads)
@@ -170,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stem = "profile_" + a.what + (f"_{a.family}_{16 if a.quick else a.tokens}" if a.what == "prefill" else "")
     stem += f"_{a.family}" if a.what == "step" else ""
+    stem += f"_{4 if a.quick else (a.tokens if a.tokens_given else 16)}" if a.what == "beam" else ""
     stem += "_quick" if a.quick else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     (out / f"{stem}.md").write_text(table, encoding="utf-8")

@@ -52,3 +52,10 @@ def test_step_profile_quick(tmp_path):
     # one new token through each library's 2 layers: both read the KV cache and call the same matrix kernels
     assert calls(res, "aten::mm", "qkv") > 0 and calls(res, "aten::mm", "transformers") > 0
     assert res["aten_calls"]["qkv"] > 0 and "decoding step" in res["what"]
+
+
+def test_beam_profile_quick(tmp_path):
+    res = run(tmp_path, "beam")
+    # both libraries run the output projection and a top-k every step of the same beam search
+    assert calls(res, "aten::topk", "qkv") > 0 and calls(res, "aten::topk", "transformers") > 0
+    assert res["total_ms"]["qkv"] > 0 and "beam search" in res["what"]

@@ -297,3 +297,27 @@ def test_shared_cross_attention_kv_equals_the_repeated_one(gqa, chunk):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(a, full, atol=1e-5, rtol=1e-5)
             assert not torch.equal(a[0], a[4])  # the sources differ: the case is not vacuous
+
+
+@pytest.mark.parametrize("V", [8192, 58101, 9000 + 77])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_two_stage_row_topk_equals_torch_topk(V, k):
+    """beam search's top-k per row (block maxima, then the best blocks' entries) gives torch.topk's values and
+    indices: distinct values, banned (-inf) entries, a row whose best entries share one block, a row whose best
+    entry is in the tail past the last full block, and rows with fewer finite entries than blocks."""
+    from qkv.generate import search
+
+    g = torch.Generator().manual_seed(V + k)
+    x = torch.randn(6, V, generator=g, dtype=torch.float64).float()
+    x[:, ::5] = float("-inf")  # no_repeat_ngram / bad words bans
+    x[1, 300:300 + k] = 50.0 + torch.arange(k, dtype=torch.float32)  # all k best in one block
+    x[2, V - 1] = 99.0  # the very last entry (the tail when V is not a multiple of the block)
+    x[3, :] = float("-inf")
+    x[3, [7, V // 2]] = torch.tensor([1.0, 2.0])  # only 2 finite entries
+    assert V // search.TOPK_BLOCK >= k and V >= search.TOPK_TWO_STAGE_MIN  # the two-stage path runs
+    s, i = search._row_topk(x, k)
+    ref_s, ref_i = x.topk(k, dim=1)
+    assert torch.equal(s, ref_s)
+    finite = ref_s > float("-inf")  # the order of the equal -inf entries is unspecified in both
+    assert torch.equal(i[finite], ref_i[finite])
+    assert torch.equal(x.gather(1, i), s)

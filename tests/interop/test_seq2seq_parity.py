@@ -163,3 +163,52 @@ def test_unsupported_variants_are_refused_clearly(tmp_path, builder, change, mes
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(CheckpointError, match=message):
         qkv.from_pretrained(tmp_path)
+
+
+def test_beam_search_two_stage_topk_matches_transformers_generate(pair, monkeypatch):
+    """With the beam search's two-stage top-k forced on this tiny vocabulary (blocks of 4 entries; it otherwise
+    starts at 8192 words), the tokens are still transformers'."""
+    from qkv.generate import search
+
+    monkeypatch.setattr(search, "TOPK_BLOCK", 4)
+    monkeypatch.setattr(search, "TOPK_TWO_STAGE_MIN", 0)
+    calls = []
+    real = search._row_topk
+    monkeypatch.setattr(search, "_row_topk", lambda x, k: (calls.append(x.shape), real(x, k))[1])
+    name, _, hf, ours = pair
+    x, mask = _inputs(3)
+    opts = dict(num_beams=4, length_penalty=0.6, no_repeat_ngram_size=3, early_stopping=True, max_length=14)
+    ref = _hf_generate(hf, x, mask, do_sample=False, **opts)
+    got = generate(ours, x, attention_mask=mask, **opts)
+    _same(got, ref, hf.generation_config.pad_token_id)
+    assert calls and calls[-1][0] == 12
+
+
+@pytest.mark.parametrize("num_beams, bias", [(4, 0.8), (4, 0.9), (4, 1.5), (1, 1.5)],
+                         ids=["one-ends-at-7", "ends-at-1-and-4", "all-end-at-once", "greedy-all-end"])
+def test_beam_search_with_early_eos_matches_transformers_generate(tmp_path, monkeypatch, bias, num_beams):
+    """Marian with its eos made likely (final_logits_bias raised on eos, saved with the folder): sentences of very
+    different source lengths finish at different steps (the bias picks where: 0.8 ends one sentence at 7 tokens
+    of 12, 0.9 three at 1 and one at 4, 1.5 all at once), or every beam at once, with early stopping; the batched
+    head step (oneDNN path) and the two-stage top-k (forced on this vocabulary) give transformers' tokens."""
+    from qkv.generate import search
+
+    monkeypatch.setattr(search, "TOPK_BLOCK", 4)
+    monkeypatch.setattr(search, "TOPK_TWO_STAGE_MIN", 0)
+    hf = BUILDERS["marian"](tmp_path)
+    with torch.no_grad():
+        hf.final_logits_bias[0, 0] += bias  # eos_token_id 0
+    hf.save_pretrained(tmp_path)
+    ours = qkv.from_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(3, V - 1, (4, 12), generator=g)
+    mask = torch.ones_like(x)
+    for r, n in enumerate([12, 2, 7, 1]):  # very different lengths
+        mask[r, n:] = 0
+    opts = dict(num_beams=num_beams, length_penalty=0.6, no_repeat_ngram_size=3, early_stopping=True,
+                max_new_tokens=12)
+    ref = _hf_generate(hf, x, mask, do_sample=False, **opts)
+    got = generate(ours, x, attention_mask=mask, **opts)
+    _same(got, ref, hf.generation_config.pad_token_id)
+    lengths = (ref != hf.generation_config.pad_token_id).sum(1)
+    assert lengths.min() < 12  # some sentence ended before the limit: the case is not vacuous
