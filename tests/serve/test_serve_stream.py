@@ -168,6 +168,6 @@ def test_sse_events_are_json_dumps_of_their_payload(gpt2_folder):
             assert len(lines) >= 2
             for line in lines:
                 assert line == "data: " + json.dumps(json.loads(line[6:]))
-            texts = [(e["choices"][0].get("text") or e["choices"][0]["delta"].get("content") or "")
-                     for e in map(lambda x: json.loads(x[6:]), lines)]
+            choices = [json.loads(x[6:])["choices"][0] for x in lines]
+            texts = [c["text"] if "text" in c else c["delta"].get("content") for c in choices]
             assert any(texts)
