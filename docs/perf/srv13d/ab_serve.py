@@ -8,7 +8,7 @@ tok/s, the server process's CPU seconds, medians over rounds, ratios to the firs
 stream's text equals the decoded Engine output.
 
     OMP_NUM_THREADS=2 .venv/bin/python docs/perf/srv13d/ab_serve.py old=/tmp/old/src new=src --engine \\
-        --rounds 3 [--clients 64 --prompt-max 512 --new-max 256] --out docs/perf/srv13d/ab_serve.json
+        --rounds 3 [--clients 64 --prompt-max 512 --new-max 256] [--tiny] --out docs/perf/srv13d/ab_serve.json
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--prompt-max", type=int, default=512)
     ap.add_argument("--new-max", type=int, default=256)
     ap.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp")
+    ap.add_argument("--tiny", action="store_true",
+                    help="benchmarks/serve.py's --quick model (2 layers, 64 wide): the HTTP/streaming cost dominates")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     trees = dict(t.split("=", 1) for t in a.trees)
@@ -97,7 +99,7 @@ def main() -> None:
     times: dict[str, list] = {k: [] for k in [*trees, *(["engine"] if a.engine else [])]}
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        folder = bench.make_folder(Path(tmp) / "model", False)
+        folder = bench.make_folder(Path(tmp) / "model", a.tiny)
         served = load_served(folder)
         ref = run_engine(served.model, prompts, news)["ids"]  # warm-up and the reference texts
         want = [served.codec.decode(r) for r in ref]
@@ -118,7 +120,7 @@ def main() -> None:
     rows = {k: {"tok_s": round(total / w, 1), "cpu_s": round(c, 1), "wall_s": round(w, 2),
                 "speed_vs_" + first: round(med[first][0] / w, 3), "cpu_vs_" + first: round(med[first][1] / c, 3),
                 "runs": [[round(w, 2), round(c, 2)] for w, c in times[k]]} for k, (w, c) in med.items()}
-    result = {"clients": a.clients, "client": a.client, "prompt_max": a.prompt_max, "new_max": a.new_max, "generated_tokens": total,
+    result = {"model": "tiny" if a.tiny else "gpt-bench", "clients": a.clients, "client": a.client, "prompt_max": a.prompt_max, "new_max": a.new_max, "generated_tokens": total,
               "rounds": a.rounds, "threads": torch.get_num_threads(), "same_text_everywhere": ok, "rows": rows}
     print(f"| arm | tok/s (wall) | CPU s | vs {first} (wall) | vs {first} (CPU) |\n|---|---|---|---|---|")
     for k, r in rows.items():
