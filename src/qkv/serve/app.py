@@ -30,6 +30,7 @@ from qkv.serve.metrics import Metrics
 from qkv.serve.model import Served
 from qkv.serve.worker import EngineWorker, Ticket
 
+_MARK = "\x00piece\x00"  # a stand-in text that json.dumps writes in one unmistakable way
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
 
 
@@ -213,59 +214,107 @@ class API:
         self.metrics.observe(t, reason)
 
     # -- generation ------------------------------------------------------------------------------------
-    async def tokens(self, t: Ticket, request: Request) -> AsyncIterator[tuple[str, Any]]:
-        """The ticket's ("token", id) items, then ("done", reason). Cancels the request if the consumer
-        stops early (a disconnected client) or the client disconnects while we wait."""
+    async def batches(self, t: Ticket, request: Request) -> AsyncIterator[list[tuple[str, Any]]]:
+        """The ticket's items as the engine steps deliver them: lists of ("token", id), the last one ending
+        with ("done", reason). Cancels the request if the consumer stops early (a disconnected client) or the
+        client disconnects while we wait. One wait per delivery (an engine step), not per token; the
+        disconnect check runs when a 1 s watchdog wakes a wait that got nothing."""
         done = False
+        loop = t.loop
+        watch: asyncio.TimerHandle | None = None
+
+        def tick() -> None:
+            nonlocal watch
+            t.wake()
+            watch = loop.call_later(1.0, tick)
+
         try:
+            watch = loop.call_later(1.0, tick)
             while True:
-                try:
-                    kind, value = await asyncio.wait_for(t.out.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
+                if not t.items:
+                    t.waiter = loop.create_future()
+                    await t.waiter
+                    if not t.items:  # the watchdog
+                        if await request.is_disconnected():
+                            return
+                        continue
+                items, t.items = t.items, []
+                for i, (kind, value) in enumerate(items):
+                    if kind == "error":
+                        done = True
+                        raise APIError(500, value, None, "engine_error", "server_error")
+                    if kind == "done":
+                        done = True
+                        yield items[:i + 1]
                         return
-                    continue
-                if kind == "error":
-                    done = True
-                    raise APIError(500, value, None, "engine_error", "server_error")
-                yield kind, value
-                if kind == "done":
-                    done = True
-                    return
+                yield items
         finally:
+            if watch is not None:
+                watch.cancel()
             if not done:
                 self.worker.cancel(t)
 
 
 class TextStream:
     """Token ids -> text pieces, holding back what could still become a stop string (OpenAI leaves the stop
-    string out) or an incomplete character."""
+    string out) or an incomplete character.
+
+    Incremental (as Hugging Face's TextStreamer and vLLM detokenize): each token decodes a short window, the
+    tokens from `prefix` on, and emits what it adds to the window's text before the token; the window moves
+    on once its text is complete (no trailing U+FFFD: a character whose bytes are still split across tokens).
+    Decoding all ids every token cost O(length) a token. The end (push(None)) decodes all ids once and sends
+    the rest of THAT text, so the pieces add up to decode(all ids) (cut at the first stop string) exactly
+    whenever the windows agreed with it so far; `mismatch` says they did not (a decoder whose text of a token
+    depends on more than the tokens of the window: none of the tokenizers qkv serves, tests/serve)."""
 
     def __init__(self, decode, stop: list[str]) -> None:
         self.decode, self.stop = decode, stop
         self.ids: list[int] = []
-        self.sent = 0
+        self.prefix = 0  # first token of the decoding window
+        self.read = 0  # tokens whose text is in self.text
+        self.before = ""  # decode(ids[prefix:read])
+        self.text = ""  # the text of ids[:read], piece by piece
+        self.sent = 0  # characters of self.text sent
+        self.scanned = 0  # stop strings were searched for in text[:scanned]
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.stopped = False
+        self.mismatch = False
+
+    def _cut(self, text: str, start: int) -> int:
+        """The first stop string's position in text, looking at matches that end after `start`; -1: none."""
+        return min((i for i in (text.find(s, max(0, start - len(s) + 1)) for s in self.stop) if i >= 0),
+                   default=-1)
 
     def push(self, tok: int | None) -> str:
         """The new text after tok (None: the end: flush)."""
         if self.stopped:
             return ""
-        if tok is not None:
-            self.ids.append(tok)
-        text = self.decode(self.ids)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        if tok is None:
             self.stopped = True
-            end = cut
-        elif tok is None:
-            end = len(text)
-        else:
-            end = len(text) - self.hold
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
-        piece = text[self.sent:end] if end > self.sent else ""
+            full = self.decode(self.ids)
+            if not full.startswith(self.text[:self.sent]):  # cannot happen with a window-consistent decoder
+                self.mismatch = True
+                full = self.text + self.decode(self.ids[self.prefix:])[len(self.before):]
+            cut = self._cut(full, self.sent) if self.stop else -1
+            end = cut if cut >= 0 else len(full)
+            return full[self.sent:end] if end > self.sent else ""
+        self.ids.append(tok)
+        now = self.decode(self.ids[self.prefix:])
+        if len(now) <= len(self.before) or now.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character still incomplete
+        self.text += now[len(self.before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.before = self.decode(self.ids[self.prefix:self.read])
+        if self.stop:
+            cut = self._cut(self.text, self.scanned)
+            self.scanned = len(self.text)
+            if cut >= 0:
+                self.stopped = True
+                piece = self.text[self.sent:cut] if cut > self.sent else ""
+                self.sent = max(self.sent, cut)
+                return piece
+        end = len(self.text) - self.hold
+        piece = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return piece
 
@@ -343,11 +392,12 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
             ids_out: list[int] = []
             reason = None
             try:
-                async for kind, v in api.tokens(t, request):
-                    if kind == "token":
-                        ids_out.append(v)
-                    else:
-                        reason = v
+                async for items in api.batches(t, request):
+                    for kind, v in items:
+                        if kind == "token":
+                            ids_out.append(v)
+                        else:
+                            reason = v
             finally:
                 api.release(t, reason)
             if reason is None or reason == "cancelled":
@@ -374,24 +424,32 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
                 choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
             return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice], **extra})}\n\n"
 
+        # a token's event is chunk(piece, None) with only the piece changing: made once, the piece put in
+        # with json.dumps (the same bytes as chunk's, tests/serve: no dict and no whole-object dumps a token)
+        head, tail = chunk(_MARK, None).split(json.dumps(_MARK))
+
         async def events() -> AsyncIterator[str]:
             n, reason = 0, None
             try:
                 if chat:
                     yield chunk(None, None, first=True)
-                async for kind, v in api.tokens(t, request):
-                    if kind == "token":
-                        n += 1
-                        piece = text.push(v)
-                        if piece:
-                            yield chunk(piece, None)
-                    else:
-                        reason = v
+                async for items in api.batches(t, request):
+                    out = []
+                    for kind, v in items:
+                        if kind == "token":
+                            n += 1
+                            piece = text.push(v)
+                            if piece:
+                                out.append(head + json.dumps(piece) + tail)
+                        else:
+                            reason = v
+                    if out:  # the events of one delivery in one write
+                        yield "".join(out)
                 if reason in (None, "cancelled"):
                     return
-                tail = text.push(None)
+                tail_text = text.push(None)
                 usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
-                yield chunk(tail, reason, usage=usage)  # usage in every response: the last chunk carries it
+                yield chunk(tail_text, reason, usage=usage)  # usage in every response: the last chunk carries it
                 if so.get("include_usage"):
                     yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"

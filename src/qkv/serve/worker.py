@@ -2,8 +2,10 @@
 
 The HTTP handlers (asyncio) never touch the engine. They put commands ("add", "cancel") on a thread-safe
 queue; the engine thread drains it before every step (so a cancel from a disconnected client takes effect
-at the next step), runs engine.step(), and hands each request's new tokens and its end back to the handler's
-asyncio.Queue with loop.call_soon_threadsafe. With nothing to do the thread blocks on the queue.
+at the next step), runs engine.step(), and hands the new tokens and ends of ALL requests of that step back
+to the event loop in one loop.call_soon_threadsafe (one wake-up of the loop a step, not one a token: with 64
+streams that was 64 self-pipe writes and 64 callbacks a step); on the loop, `deliver` appends each item to
+its ticket and wakes the handler waiting on it. With nothing to do the thread blocks on the queue.
 """
 
 from __future__ import annotations
@@ -25,10 +27,24 @@ class Ticket:
     key: int
     prompt_len: int
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("token", id) ... then ("done", reason)
+    items: list = field(default_factory=list)  # ("token", id) ... then ("done", reason): delivered, not yet read
+    waiter: asyncio.Future | None = None  # the handler waits on it for items (event-loop thread only)
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     released: bool = False  # the handler is done with it (API.release)
+
+    def wake(self) -> None:
+        """Wake the handler waiting for items (event-loop thread)."""
+        w, self.waiter = self.waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+def deliver(batch: list[tuple[Ticket, tuple]]) -> None:
+    """On the event loop: one engine step's items, in order, to their tickets (see the module doc)."""
+    for t, item in batch:
+        t.items.append(item)
+        t.wake()
 
 
 class EngineWorker:
@@ -38,6 +54,7 @@ class EngineWorker:
         self._tickets: dict[int, Ticket] = {}  # engine request id -> ticket (engine thread only)
         self._by_key: dict[int, int] = {}  # ticket key -> engine request id (engine thread only)
         self._next_key = 0
+        self._outbox: list[tuple[Ticket, tuple]] = []  # items of this step, sent together by _flush (engine thread)
         self._lock = threading.Lock()
         self.stats: dict[str, Any] = engine.stats()  # a snapshot, refreshed after every step
         self.error: BaseException | None = None
@@ -71,7 +88,21 @@ class EngineWorker:
 
     # -- the engine thread ----------------------------------------------------------------------------
     def _send(self, t: Ticket, item: tuple) -> None:
-        t.loop.call_soon_threadsafe(t.out.put_nowait, item)
+        self._outbox.append((t, item))
+
+    def _flush(self) -> None:
+        """Hand the items gathered since the last flush to their event loops: one callback per loop."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        loops: dict[asyncio.AbstractEventLoop, list] = {}
+        for t, item in batch:
+            loops.setdefault(t.loop, []).append((t, item))
+        for loop, items in loops.items():
+            try:
+                loop.call_soon_threadsafe(deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -106,6 +137,7 @@ class EngineWorker:
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_work)
+                self._flush()
                 if self._stop.is_set():
                     break
                 if self.engine.has_work:
@@ -118,6 +150,7 @@ class EngineWorker:
                                 t.first_token = now
                             self._send(t, ("token", tok))
                     self._finish_all()
+                    self._flush()
                 self.stats = self.engine.stats()
         except BaseException as e:  # noqa: BLE001  every waiting client hears about it
             self.error = e
@@ -130,4 +163,5 @@ class EngineWorker:
             for t in self._tickets.values():
                 self._send(t, ("done", "cancelled"))
             self._tickets.clear()
+            self._flush()
             self.stats = self.engine.stats()
