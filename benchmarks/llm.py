@@ -12,11 +12,15 @@ loaded by both libraries from that folder. Measured, side by side in one run:
 Every timed configuration runs --repeats times, interleaved (round robin); the table reports medians. The
 machine is shared: only ratios within one run mean much.
 
-    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--ab]
+    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--ab] [--ab-tiles]
 
 --ab: at batch > 1 a third library row, "qkv mkl-step": qkv with the batched step's products through MKL as before
 issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same interleaved rounds; at batch 1 a row
 "qkv previous step": qkv with step12c's batch-1 fast paths off (benchmarks/_step_switches.py).
+
+--ab-tiles: for bf16 weights a row "qkv bf16 F.linear": qkv with every bf16 product through F.linear, as before the
+fp32-tile route for several rows (qkv.nn.linear.BF16_TILE_MIN_ROWS = 0; it applies on CPUs without native bf16), in
+the same interleaved rounds, decode and prefill.
 
 --quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
 Writes benchmarks/results/llm.json and llm.md.
@@ -108,6 +112,15 @@ def _without_packed_step(fn):
         qkv.nn.linear.STEP_PACKED_MIN_ROWS = old
 
 
+def _without_bf16_tiles(fn):
+    """fn() with every bf16 product through F.linear (qkv.nn.linear's fp32-tile route for several rows off)."""
+    old, qkv.nn.linear.BF16_TILE_MIN_ROWS = qkv.nn.linear.BF16_TILE_MIN_ROWS, 0
+    try:
+        return fn()
+    finally:
+        qkv.nn.linear.BF16_TILE_MIN_ROWS = old
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a tiny model and a few tokens (smoke test)")
@@ -119,6 +132,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--ab", action="store_true", help="also time qkv without the packed batched step (batch > 1)")
+    ap.add_argument("--ab-tiles", action="store_true", help="also time bf16 qkv with its products through F.linear")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     if a.quick:
@@ -142,6 +156,8 @@ def main() -> None:
         assert next(models[name][1].parameters()).dtype == dtype
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
             "machine": platform.processor() or platform.machine(), "quick": a.quick, "model": spec,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": qkv.nn.linear.native_bf16(),
             "prompt": a.prompt, "new_tokens": a.new, "prefill": a.prefill, "repeats": a.repeats,
             "note": "shared, loaded machine: medians of interleaved repeats; compare ratios within this run"}
 
@@ -169,6 +185,9 @@ def main() -> None:
             if a.ab and B > 1:
                 fns["qkv mkl-step"] = lambda x=x, m=ours: _without_packed_step(
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
+            if a.ab_tiles and name == "bfloat16":
+                fns["qkv bf16 F.linear"] = lambda x=x, m=ours: _without_bf16_tiles(
+                    lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared
                 times, _ = interleaved(fns, a.repeats)
@@ -189,6 +208,8 @@ def main() -> None:
         hf, ours = models[name]
         fns = {"qkv": lambda m=ours: m(x, last_only=True),
                "transformers": lambda m=hf: m(x, logits_to_keep=1)}
+        if a.ab_tiles and name == "bfloat16":
+            fns["qkv bf16 F.linear"] = lambda m=ours: _without_bf16_tiles(lambda: m(x, last_only=True))
         with torch.no_grad():
             for fn in fns.values():
                 fn()
@@ -198,7 +219,8 @@ def main() -> None:
             prefill.append({"dtype": name, "library": k, "tok_per_s": round(a.prefill / med[k], 1),
                             "vs_transformers": round(med["transformers"] / med[k], 3)})
 
-    lines = [f"read bandwidth {gbps:.1f} GB/s; {a.threads} threads; prompt {a.prompt}, {a.new} new tokens (greedy), "
+    lines = [f"CPU {meta['cpu_capability']} (native bf16: {qkv.nn.linear.native_bf16()}); "
+             f"read bandwidth {gbps:.1f} GB/s; {a.threads} threads; prompt {a.prompt}, {a.new} new tokens (greedy), "
              f"median of {a.repeats} interleaved repeats", "",
              "| dtype | batch | library | ms/step | tok/s | x transformers | floor ms | x floor |",
              "|---|---|---|---|---|---|---|---|"]
