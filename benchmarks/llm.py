@@ -219,8 +219,8 @@ def main() -> None:
             prefill.append({"dtype": name, "library": k, "tok_per_s": round(a.prefill / med[k], 1),
                             "vs_transformers": round(med["transformers"] / med[k], 3)})
 
-    lines = [f"CPU {meta['cpu_capability']} (native bf16: {qkv.nn.linear.native_bf16()}); "
-             f"read bandwidth {gbps:.1f} GB/s; {a.threads} threads; prompt {a.prompt}, {a.new} new tokens (greedy), "
+    lines = [f"read bandwidth {gbps:.1f} GB/s; CPU {meta['cpu_capability']} (native bf16: {meta['native_bf16']}); "
+             f"{a.threads} threads; prompt {a.prompt}, {a.new} new tokens (greedy), "
              f"median of {a.repeats} interleaved repeats", "",
              "| dtype | batch | library | ms/step | tok/s | x transformers | floor ms | x floor |",
              "|---|---|---|---|---|---|---|---|"]
