@@ -18,9 +18,9 @@ machine is shared: only ratios within one run mean much.
 issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same interleaved rounds; at batch 1 a row
 "qkv previous step": qkv with step12c's batch-1 fast paths off (benchmarks/_step_switches.py).
 
---ab-tiles: for bf16 weights a row "qkv bf16 F.linear": qkv with every bf16 product through F.linear, as before the
-fp32-tile route for several rows (qkv.nn.linear.BF16_TILE_MIN_ROWS = 0; it applies on CPUs without native bf16), in
-the same interleaved rounds, decode and prefill.
+--ab-tiles: for bf16 weights a row "qkv bf16 before": qkv with its bf16 paths for CPUs without native bf16 off
+(products of several rows through fp32 tiles of the weight, the step's attention products in fp32, RMSNorm.step's bf16
+row: _step_switches.previous_bf16), in the same interleaved rounds, decode and prefill.
 
 --quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
 Writes benchmarks/results/llm.json and llm.md.
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
 import qkv.nn.linear  # noqa: E402
-from _step_switches import previous_step  # noqa: E402
+from _step_switches import previous_bf16, previous_step  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
@@ -112,13 +112,10 @@ def _without_packed_step(fn):
         qkv.nn.linear.STEP_PACKED_MIN_ROWS = old
 
 
-def _without_bf16_tiles(fn):
-    """fn() with every bf16 product through F.linear (qkv.nn.linear's fp32-tile route for several rows off)."""
-    old, qkv.nn.linear.BF16_TILE_MIN_ROWS = qkv.nn.linear.BF16_TILE_MIN_ROWS, 0
-    try:
+def _bf16_before(fn):
+    """fn() with bf16 as before issue 12's bf16 pass (benchmarks/_step_switches.py previous_bf16)."""
+    with previous_bf16():
         return fn()
-    finally:
-        qkv.nn.linear.BF16_TILE_MIN_ROWS = old
 
 
 def main() -> None:
@@ -132,7 +129,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--ab", action="store_true", help="also time qkv without the packed batched step (batch > 1)")
-    ap.add_argument("--ab-tiles", action="store_true", help="also time bf16 qkv with its products through F.linear")
+    ap.add_argument("--ab-tiles", action="store_true", help="also time bf16 qkv as before its bf16 paths")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     if a.quick:
@@ -186,7 +183,7 @@ def main() -> None:
                 fns["qkv mkl-step"] = lambda x=x, m=ours: _without_packed_step(
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
             if a.ab_tiles and name == "bfloat16":
-                fns["qkv bf16 F.linear"] = lambda x=x, m=ours: _without_bf16_tiles(
+                fns["qkv bf16 before"] = lambda x=x, m=ours: _bf16_before(
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared
@@ -209,7 +206,7 @@ def main() -> None:
         fns = {"qkv": lambda m=ours: m(x, last_only=True),
                "transformers": lambda m=hf: m(x, logits_to_keep=1)}
         if a.ab_tiles and name == "bfloat16":
-            fns["qkv bf16 F.linear"] = lambda m=ours: _without_bf16_tiles(lambda: m(x, last_only=True))
+            fns["qkv bf16 before"] = lambda m=ours: _bf16_before(lambda: m(x, last_only=True))
         with torch.no_grad():
             for fn in fns.values():
                 fn()

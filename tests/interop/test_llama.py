@@ -253,12 +253,14 @@ def test_last_only_logits_equal_transformers_logits_to_keep(pair):
 
 @pytest.mark.parametrize("name", ["llama-gqa3-tied-llama3", "qwen2-bias-gqa3-tied"])
 def test_bf16_greedy_through_fp32_tiles(tmp_path, monkeypatch, name):
-    """A bf16 folder, batch 4 and batch 1: with the prefill's and the batched step's bf16 products through fp32 tiles of
-    the weights (qkv.nn.linear.bf16_tiled_linear, forced on as on a CPU without native bf16) every greedy token equals
-    qkv's with those products through F.linear, and transformers' bf16 generate up to its first near-tie: qkv and
-    transformers round differently elsewhere (attention, norms), so in bf16 they may part where transformers' own top
-    two logits are closer than the two libraries' bf16 logits differ there (teacher-forced on transformers' tokens; so
-    before the tiles too: the 135M benchmark's tokens agree 93-99%), never at a margin wider than that difference."""
+    """A bf16 folder, batch 4 and batch 1, with the bf16 paths of a CPU without native bf16 forced on (the prefill's
+    and the batched step's products through fp32 tiles of the weights, qkv.nn.linear.bf16_tiled_linear; the step's
+    attention products in fp32): every greedy token equals qkv's with every product in bf16 as before; and transformers'
+    bf16 generate up to where the two part, which may only be where transformers' own top two logits are closer than
+    the two libraries' bf16 logits differ there (teacher-forced on transformers' tokens). qkv and transformers round
+    differently elsewhere (attention, norms), so in bf16 they part at such near-ties; so before these paths too (the
+    135M benchmark's tokens agree 93-99%)."""
+    import qkv.nn.attention as attention
     import qkv.nn.linear as L
 
     monkeypatch.setattr(L, "_NATIVE_BF16", False)
@@ -277,8 +279,10 @@ def test_bf16_greedy_through_fp32_tiles(tmp_path, monkeypatch, name):
         got = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24)
         assert calls and (batch == 1 or any(s[0] == batch for s in calls))  # prefill rows; a batch's step rows
         monkeypatch.setattr(L, "BF16_TILE_MIN_ROWS", 0)
+        monkeypatch.setattr(attention, "STEP_BF16_FP32_PRODUCTS", False)
         plain = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24)
         monkeypatch.setattr(L, "BF16_TILE_MIN_ROWS", 4)
+        monkeypatch.setattr(attention, "STEP_BF16_FP32_PRODUCTS", True)
         assert got.tolist() == plain.tolist()
         for r in range(batch):
             differ = (got[r, 10:] != out.sequences[r, 10:]).nonzero()

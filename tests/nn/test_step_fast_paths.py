@@ -170,8 +170,9 @@ def test_rmsnorm_bf16_step_equals_forward_and_formula(monkeypatch):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_bf16_step_equals_forward_and_the_previous_step(two_threads, monkeypatch, batch):
-    """A bf16 step of a Llama-shaped model (batch 4: the products through fp32 tiles, forced on as on a CPU without
-    native bf16) against the full forward and against the step with every fast path and the tiles off."""
+    """A bf16 step of a Llama-shaped model (batch 4: the products through fp32 tiles; the attention products in fp32;
+    forced on as on a CPU without native bf16) against the full forward and against the step with every fast path,
+    the tiles and the fp32 attention products off."""
     monkeypatch.setattr(linear, "_NATIVE_BF16", False)
     model = _llama_like().bfloat16()
     ids = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(6))
@@ -181,6 +182,7 @@ def test_bf16_step_equals_forward_and_the_previous_step(two_threads, monkeypatch
         for fast in (True, False):
             _fast_paths(monkeypatch, fast)
             monkeypatch.setattr(linear, "BF16_TILE_MIN_ROWS", 4 if fast else 0)
+            monkeypatch.setattr(attention, "STEP_BF16_FP32_PRODUCTS", fast)
             cache = model.make_cache(batch, 16)
             model.prefill(ids[:, :-1], cache)
             steps[fast] = model.step(ids[:, -1:], cache).float()
@@ -188,3 +190,29 @@ def test_bf16_step_equals_forward_and_the_previous_step(two_threads, monkeypatch
     assert (steps[True] - full).abs().max() <= 0.03 * scale  # bf16 rounding through 2 layers
     assert (steps[True] - steps[False]).abs().max() <= 0.03 * scale
     assert (steps[True].argmax(-1) == full.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_bf16_step_attention_products_equal_the_bf16_bmm_and_the_formula(masked):
+    torch.manual_seed(7)
+    B, Hkv, G, Tk, hd = 3, 2, 3, 21, 16
+    q = torch.randn(B * Hkv, G, hd).bfloat16()
+    cache_k, cache_v = torch.randn(B, Hkv, 32, hd).bfloat16(), torch.randn(B, Hkv, 32, hd).bfloat16()
+    k, v = cache_k[:, :, :Tk], cache_v[:, :, :Tk]  # views of a longer cache, as the step reads them
+    add = None
+    if masked:
+        keep = torch.rand(B, Tk) > 0.3
+        keep[:, -1] = True
+        add = attention.step_scores_bias(B, Hkv * G, Hkv, 1, Tk, bias=None, keep=keep, causal=True,
+                                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    got = attention._bf16_step_products(q, k, v, add, B * Hkv, Tk, hd)
+    kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
+    scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)
+    want = torch.bmm(torch.softmax(scores, -1), v.reshape(B * Hkv, Tk, hd))  # the bf16 products, as before
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7 + 1e-3).all()
+    s64 = q.double() @ k.double().reshape(B * Hkv, Tk, hd).transpose(1, 2)
+    if add is not None:
+        s64 = s64 + add.double()
+    ref = torch.softmax(s64, -1) @ v.double().reshape(B * Hkv, Tk, hd)
+    assert (got.double() - ref).abs().max() <= 0.02 * ref.abs().max()  # bf16 scores, probabilities and output

@@ -13,6 +13,7 @@ NORMS = ("layernorm", "rmsnorm", "batchnorm")
 # RMSNorm.step on one fp32 or bf16 CPU row: the mean square as one BLAS product (False: forward(), as before; the A/B
 # control of benchmarks/decode_floor.py --ab)
 STEP_DOT_NORM = True
+STEP_DOT_NORM_BF16 = True  # the same for one bf16 row (False: forward(), as before; benchmarks/llm.py --ab-tiles)
 _frozen_stats = 0  # > 0 while activation checkpointing recomputes a forward pass
 # RMSNorm on CPU in fp32/fp64 with at least this many elements (a long prompt's rows, not a decoding step's): the
 # formula of torch.rms_norm's CPU implementation (pow, mean, rsqrt, mul, mul by the weight; the same result bit
@@ -83,6 +84,8 @@ class RMSNorm(nn.Module):
             with torch.inference_mode(False):
                 cell = self.__dict__["_eps_cell"] = (self.eps, torch.full((1, 1), self.eps))
         if x.dtype == torch.bfloat16:
+            if not STEP_DOT_NORM_BF16:
+                return self.forward(x, keep)
             # forward()'s bf16 formula (statistics and scaling in fp32, the bf16 gain promoted exactly, one rounding
             # at the end) with the mean square as the fp32 dot product: 6 kernels instead of 9 (30 vs 42 us a call,
             # 2 threads, AVX2; docs/perf/bf16_12d.md)
