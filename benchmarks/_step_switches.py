@@ -2,6 +2,8 @@
 
     with previous_step():   # the step as before step12c: every switch off
         ...
+    with previous_bf16():   # bf16 as before issue 12's bf16 pass (docs/perf/bf16_12d.md): every bf16 switch off
+        ...
 Switches (module constants, read at every step): attention.STEP_SERIAL_MAX (the step's attention products on one
 thread), linear.JOINT_STEP (a gated FFN's gate and up as one product), attention.STEP_JOINT_ROTATE (RoPE's query
 and key heads rotated in one pass), norm.STEP_DOT_NORM (RMSNorm's mean square as one BLAS product).
@@ -16,18 +18,31 @@ import qkv.nn.attention as attention
 import qkv.nn.linear as linear
 import qkv.nn.norm as norm
 
+# bf16 on a CPU without native bf16: products of several rows through fp32 tiles of the weight, the step's attention
+# products in fp32, RMSNorm.step's bf16 row
+BF16_SWITCHES = ((linear, "BF16_TILE_MIN_ROWS", 0), (attention, "STEP_BF16_FP32_PRODUCTS", False),
+                 (norm, "STEP_DOT_NORM_BF16", False))
 SWITCHES = ((attention, "STEP_SERIAL_MAX", 0), (linear, "JOINT_STEP", False), (attention, "STEP_JOINT_ROTATE", False),
             (norm, "STEP_DOT_NORM", False))
 
 
 @contextlib.contextmanager
-def previous_step() -> Iterator[None]:
-    """Every fast path of step12c off inside the block (restored after)."""
-    old = [getattr(mod, name) for mod, name, _ in SWITCHES]
+def _off(switches: tuple) -> Iterator[None]:
+    old = [getattr(mod, name) for mod, name, _ in switches]
     try:
-        for mod, name, off in SWITCHES:
+        for mod, name, off in switches:
             setattr(mod, name, off)
         yield
     finally:
-        for (mod, name, _), value in zip(SWITCHES, old):
+        for (mod, name, _), value in zip(switches, old):
             setattr(mod, name, value)
+
+
+def previous_step() -> contextlib.AbstractContextManager[None]:
+    """Every fast path of step12c off inside the block (restored after)."""
+    return _off(SWITCHES)
+
+
+def previous_bf16() -> contextlib.AbstractContextManager[None]:
+    """Every bf16 path of issue 12's bf16 pass off inside the block (restored after): bf16 as before."""
+    return _off(BF16_SWITCHES)

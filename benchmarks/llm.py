@@ -12,11 +12,15 @@ loaded by both libraries from that folder. Measured, side by side in one run:
 Every timed configuration runs --repeats times, interleaved (round robin); the table reports medians. The
 machine is shared: only ratios within one run mean much.
 
-    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--ab]
+    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--ab] [--ab-tiles]
 
 --ab: at batch > 1 a third library row, "qkv mkl-step": qkv with the batched step's products through MKL as before
 issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same interleaved rounds; at batch 1 a row
 "qkv previous step": qkv with step12c's batch-1 fast paths off (benchmarks/_step_switches.py).
+
+--ab-tiles: for bf16 weights a row "qkv bf16 before": qkv with its bf16 paths for CPUs without native bf16 off
+(products of several rows through fp32 tiles of the weight, the step's attention products in fp32, RMSNorm.step's bf16
+row: _step_switches.previous_bf16), in the same interleaved rounds, decode and prefill.
 
 --quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
 Writes benchmarks/results/llm.json and llm.md.
@@ -44,7 +48,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
 import qkv.nn.linear  # noqa: E402
-from _step_switches import previous_step  # noqa: E402
+from _step_switches import previous_bf16, previous_step  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
@@ -108,6 +112,12 @@ def _without_packed_step(fn):
         qkv.nn.linear.STEP_PACKED_MIN_ROWS = old
 
 
+def _bf16_before(fn):
+    """fn() with bf16 as before issue 12's bf16 pass (benchmarks/_step_switches.py previous_bf16)."""
+    with previous_bf16():
+        return fn()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a tiny model and a few tokens (smoke test)")
@@ -119,6 +129,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--ab", action="store_true", help="also time qkv without the packed batched step (batch > 1)")
+    ap.add_argument("--ab-tiles", action="store_true", help="also time bf16 qkv as before its bf16 paths")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     if a.quick:
@@ -142,6 +153,8 @@ def main() -> None:
         assert next(models[name][1].parameters()).dtype == dtype
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
             "machine": platform.processor() or platform.machine(), "quick": a.quick, "model": spec,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": qkv.nn.linear.native_bf16(),
             "prompt": a.prompt, "new_tokens": a.new, "prefill": a.prefill, "repeats": a.repeats,
             "note": "shared, loaded machine: medians of interleaved repeats; compare ratios within this run"}
 
@@ -169,6 +182,9 @@ def main() -> None:
             if a.ab and B > 1:
                 fns["qkv mkl-step"] = lambda x=x, m=ours: _without_packed_step(
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
+            if a.ab_tiles and name == "bfloat16":
+                fns["qkv bf16 before"] = lambda x=x, m=ours: _bf16_before(
+                    lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared
                 times, _ = interleaved(fns, a.repeats)
@@ -189,6 +205,8 @@ def main() -> None:
         hf, ours = models[name]
         fns = {"qkv": lambda m=ours: m(x, last_only=True),
                "transformers": lambda m=hf: m(x, logits_to_keep=1)}
+        if a.ab_tiles and name == "bfloat16":
+            fns["qkv bf16 before"] = lambda m=ours: _bf16_before(lambda: m(x, last_only=True))
         with torch.no_grad():
             for fn in fns.values():
                 fn()
@@ -198,7 +216,8 @@ def main() -> None:
             prefill.append({"dtype": name, "library": k, "tok_per_s": round(a.prefill / med[k], 1),
                             "vs_transformers": round(med["transformers"] / med[k], 3)})
 
-    lines = [f"read bandwidth {gbps:.1f} GB/s; {a.threads} threads; prompt {a.prompt}, {a.new} new tokens (greedy), "
+    lines = [f"read bandwidth {gbps:.1f} GB/s; CPU {meta['cpu_capability']} (native bf16: {meta['native_bf16']}); "
+             f"{a.threads} threads; prompt {a.prompt}, {a.new} new tokens (greedy), "
              f"median of {a.repeats} interleaved repeats", "",
              "| dtype | batch | library | ms/step | tok/s | x transformers | floor ms | x floor |",
              "|---|---|---|---|---|---|---|---|"]

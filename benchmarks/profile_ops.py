@@ -20,7 +20,7 @@ stands out. Wrapper ops (aten::linear, aten::matmul, autograd nodes) are left ou
 in the ops below them.
 
     .venv/bin/python benchmarks/profile_ops.py prefill --family gpt2 --tokens 2048 [--rounds 3]
-    .venv/bin/python benchmarks/profile_ops.py step --family llama [--rounds 20]
+    .venv/bin/python benchmarks/profile_ops.py step --family llama [--rounds 20] [--dtype bfloat16] [--batch 8]
     .venv/bin/python benchmarks/profile_ops.py train --nanogpt PATH/model.py [--rounds 4]
     .venv/bin/python benchmarks/profile_ops.py beam --threads 1 [--rounds 2]
 
@@ -80,15 +80,23 @@ def contenders(a: argparse.Namespace) -> tuple[dict, str]:
 
 
 def step_contenders(a: argparse.Namespace) -> tuple[dict, str]:
-    """One decoding step at batch 1 in each library, at the same position every call (the caches are cut back)."""
+    """One decoding step at batch --batch in each library, at the same position every call (the caches are cut
+    back). --dtype bfloat16: both models from the same weights saved as a bf16 folder."""
+    import qkv
     from prefill import build
 
     prompt_len = 8 if a.quick else 32
-    hf, ours = build(a.family, a.quick, Path(tempfile.mkdtemp(prefix="qkv-prof-")), prompt_len + 8)
-    x = torch.randint(4, ours.output_vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    nxt = torch.tensor([[5]])
+    tmp = Path(tempfile.mkdtemp(prefix="qkv-prof-"))
+    hf, ours = build(a.family, a.quick, tmp, prompt_len + 8)
+    if a.dtype != "float32":  # the fp32 weights rounded once, saved as a folder in that dtype, loaded by both
+        hf = hf.to(getattr(torch, a.dtype))
+        hf.save_pretrained(tmp / a.dtype)
+        ours = qkv.from_pretrained(tmp / a.dtype).eval()
+    B = a.batch
+    x = torch.randint(4, ours.output_vocab_size, (B, prompt_len), generator=torch.Generator().manual_seed(0))
+    nxt = torch.full((B, 1), 5)
     with torch.no_grad():
-        cache = ours.make_cache(1, prompt_len + 2)
+        cache = ours.make_cache(B, prompt_len + 2)
         ours.prefill(x, cache)
         past = hf(x, use_cache=True).past_key_values
 
@@ -102,7 +110,7 @@ def step_contenders(a: argparse.Namespace) -> tuple[dict, str]:
 
     layers = len(ours.decoder.blocks)
     return ({"qkv": qkv_step, "transformers": hf_step},
-            f"decoding step, {a.family} ({layers} layers), batch 1, fp32, after a {prompt_len}-token prompt, argmax "
+            f"decoding step, {a.family} ({layers} layers), batch {B}, {a.dtype}, after a {prompt_len}-token prompt, argmax "
             f"included; ms per step")
 
 
@@ -131,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=None, help="prefill: prompt tokens (2048); beam: sentences (16)")
     ap.add_argument("--nanogpt", default=None, metavar="PATH", help="nanoGPT's model.py (train)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights of step")
+    ap.add_argument("--batch", type=int, default=1, help="rows of step")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-ms", type=float, default=3.0, help="ops under this on every side go into one row")
     ap.add_argument("--quick", action="store_true")
@@ -198,6 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     stem = "profile_" + a.what + (f"_{a.family}_{16 if a.quick else a.tokens}" if a.what == "prefill" else "")
     stem += f"_{a.family}" if a.what == "step" else ""
     stem += f"_{4 if a.quick else (a.tokens if a.tokens_given else 16)}" if a.what == "beam" else ""
+    stem += f"_{a.dtype}" if a.what == "step" and a.dtype != "float32" else ""
+    stem += f"_b{a.batch}" if a.what == "step" and a.batch != 1 else ""
     stem += "_quick" if a.quick else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     (out / f"{stem}.md").write_text(table, encoding="utf-8")

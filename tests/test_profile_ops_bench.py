@@ -47,11 +47,14 @@ def test_train_profile_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_step_profile_quick(tmp_path):
-    res = run(tmp_path, "step", "--family", "llama")
+@pytest.mark.parametrize("extra", [(), ("--dtype", "bfloat16", "--batch", "4")])
+def test_step_profile_quick(tmp_path, extra):
+    res = run(tmp_path, "step", "--family", "llama", *extra)
     # one new token through each library's 2 layers: both read the KV cache and call the same matrix kernels
     assert calls(res, "aten::mm", "qkv") > 0 and calls(res, "aten::mm", "transformers") > 0
     assert res["aten_calls"]["qkv"] > 0 and "decoding step" in res["what"]
+    if extra:
+        assert "batch 4, bfloat16" in res["what"]
 
 
 def test_beam_profile_quick(tmp_path):

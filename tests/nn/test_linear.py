@@ -186,3 +186,73 @@ def test_batched_step_copy_is_rebuilt_dropped_and_never_copied(monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps the aten path (its bf16 product)
             lin.step(x)
         assert "_decode_onednn" not in lin.__dict__
+
+
+# -- bf16 products of several rows on a CPU without native bf16: fp32 tiles of the weight ------------------------
+@pytest.fixture
+def no_native_bf16(monkeypatch):
+    """The tiled bf16 route applies only where the CPU lacks native bf16: forced here, so every machine tests it."""
+    monkeypatch.setattr(L, "_NATIVE_BF16", False)
+
+
+def _bf16_bound(x: torch.Tensor, w: torch.Tensor, ref64: torch.Tensor) -> torch.Tensor:
+    """One bf16 rounding of the exact result (half an ulp: 2^-8 relative) plus fp32 summation error."""
+    return ref64.abs() * 2.0 ** -8 + 1e-5 * (x.double().abs() @ w.double().abs().t())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape,out,tile", [((4, 48), 72, 1 << 18), ((8, 48), 72, 48 * 5), ((2, 3, 40), 33, 7 * 40),
+                                            ((32, 24), 1000, 24 * 64), ((5, 7), 3, 1)])
+def test_bf16_tiles_equal_f_linear_and_the_float64_product(monkeypatch, no_native_bf16, shape, out, tile, bias):
+    monkeypatch.setattr(L, "BF16_TILE_ELEMS", tile)  # several tiles, a ragged last one, one row per tile
+    x = torch.randn(*shape).bfloat16()
+    w = (torch.randn(out, shape[-1]) * shape[-1] ** -0.5).bfloat16()
+    b = torch.randn(out).bfloat16() if bias else None
+    with torch.no_grad():
+        assert L.use_bf16_tiles(x, w)
+        got = L.linear(x, w, b)
+        want = F.linear(x, w, b)
+    ref64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    x2, r2 = x.reshape(-1, shape[-1]), ref64.reshape(-1, out)
+    assert ((got.double().reshape(-1, out) - r2).abs() <= _bf16_bound(x2, w, r2)).all()
+    # the same products and fp32 sums as F.linear's bf16 kernel: equal but for a rare 1-ulp rounding flip
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2.0 ** -7 + 1e-30).all() and (diff > 0).float().mean() < 0.01
+
+
+def test_bf16_tiles_are_taken_only_where_meant(no_native_bf16, monkeypatch):
+    w = torch.randn(8, 16).bfloat16()
+    with torch.no_grad():
+        assert L.use_bf16_tiles(torch.randn(4, 16).bfloat16(), w)
+        assert not L.use_bf16_tiles(torch.randn(3, 16).bfloat16(), w)  # one row (a batch-1 step): F.linear's kernel
+        assert not L.use_bf16_tiles(torch.randn(4, 16), w.float())  # fp32 untouched
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not L.use_bf16_tiles(torch.randn(4, 16).bfloat16(), w)
+        monkeypatch.setattr(L, "BF16_TILE_MIN_ROWS", 0)
+        assert not L.use_bf16_tiles(torch.randn(4, 16).bfloat16(), w)  # the switch off
+        monkeypatch.setattr(L, "BF16_TILE_MIN_ROWS", 4)
+        monkeypatch.setattr(L, "_NATIVE_BF16", True)
+        assert not L.use_bf16_tiles(torch.randn(4, 16).bfloat16(), w)  # native bf16: oneDNN's kernels
+    monkeypatch.setattr(L, "_NATIVE_BF16", False)
+    assert not L.use_bf16_tiles(torch.randn(4, 16).bfloat16(), w)  # autograd (training): F.linear, with its backward
+    layer = L.Linear(16, 8).bfloat16()
+    x = torch.randn(6, 16, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_bf16_step_takes_the_tiles_and_equals_f_linear(no_native_bf16, monkeypatch, rows):
+    calls = []
+    real = L.bf16_tiled_linear
+    monkeypatch.setattr(L, "bf16_tiled_linear", lambda *a: calls.append(1) or real(*a))
+    lin = L.Linear(40, 24).bfloat16()
+    x = torch.randn(rows, 40).bfloat16()
+    with torch.no_grad():
+        got, scaled = lin.step(x), lin.step(x, (10, 0.5))
+        want = F.linear(x, lin.weight, lin.bias)
+    assert len(calls) == (2 if rows >= L.BF16_TILE_MIN_ROWS else 0)
+    assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2.0 ** -7
+    torch.testing.assert_close(scaled[:, :10], got[:, :10] * 0.5, rtol=0, atol=0)
+    torch.testing.assert_close(scaled[:, 10:], got[:, 10:], rtol=0, atol=0)

@@ -148,3 +148,71 @@ def test_one_thread_region_restores_the_thread_count_on_error(two_threads):
         attn.step(torch.randn(1, 32), 1, cache, 0, bad_add, model.decoder.position, 0)
     assert torch.get_num_threads() == 2
     assert attention.STEP_SERIAL_MAX > 0
+
+
+def test_rmsnorm_bf16_step_equals_forward_and_formula(monkeypatch):
+    torch.manual_seed(5)
+    norm = RMSNorm(48, eps=1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(48))
+    x = (3 * torch.randn(1, 48)).bfloat16()
+    xd, wd = x.double(), norm.weight.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * wd
+    with torch.no_grad():
+        want = norm(x)
+        monkeypatch.setattr(norm, "forward", lambda *a: pytest.fail("the bf16 row went through forward()"))
+        got = norm.step(x)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6).all()  # one bf16 rounding of the formula
+    # forward()'s formula with the mean square summed in another order: equal but for a rare 1-ulp flip
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7).all()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_bf16_step_equals_forward_and_the_previous_step(two_threads, monkeypatch, batch):
+    """A bf16 step of a Llama-shaped model (batch 4: the products through fp32 tiles; the attention products in fp32;
+    forced on as on a CPU without native bf16) against the full forward and against the step with every fast path,
+    the tiles and the fp32 attention products off."""
+    monkeypatch.setattr(linear, "_NATIVE_BF16", False)
+    model = _llama_like().bfloat16()
+    ids = torch.randint(0, 61, (batch, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = model(ids).logits[:, -1].float()
+        steps = {}
+        for fast in (True, False):
+            _fast_paths(monkeypatch, fast)
+            monkeypatch.setattr(linear, "BF16_TILE_MIN_ROWS", 4 if fast else 0)
+            monkeypatch.setattr(attention, "STEP_BF16_FP32_PRODUCTS", fast)
+            cache = model.make_cache(batch, 16)
+            model.prefill(ids[:, :-1], cache)
+            steps[fast] = model.step(ids[:, -1:], cache).float()
+    scale = full.abs().max()
+    assert (steps[True] - full).abs().max() <= 0.03 * scale  # bf16 rounding through 2 layers
+    assert (steps[True] - steps[False]).abs().max() <= 0.03 * scale
+    assert (steps[True].argmax(-1) == full.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_bf16_step_attention_products_equal_the_bf16_bmm_and_the_formula(masked):
+    torch.manual_seed(7)
+    B, Hkv, G, Tk, hd = 3, 2, 3, 21, 16
+    q = torch.randn(B * Hkv, G, hd).bfloat16()
+    cache_k, cache_v = torch.randn(B, Hkv, 32, hd).bfloat16(), torch.randn(B, Hkv, 32, hd).bfloat16()
+    k, v = cache_k[:, :, :Tk], cache_v[:, :, :Tk]  # views of a longer cache, as the step reads them
+    add = None
+    if masked:
+        keep = torch.rand(B, Tk) > 0.3
+        keep[:, -1] = True
+        add = attention.step_scores_bias(B, Hkv * G, Hkv, 1, Tk, bias=None, keep=keep, causal=True,
+                                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    got = attention._bf16_step_products(q, k, v, add, B * Hkv, Tk, hd)
+    kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
+    scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)
+    want = torch.bmm(torch.softmax(scores, -1), v.reshape(B * Hkv, Tk, hd))  # the bf16 products, as before
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7 + 1e-3).all()
+    s64 = q.double() @ k.double().reshape(B * Hkv, Tk, hd).transpose(1, 2)
+    if add is not None:
+        s64 = s64 + add.double()
+    ref = torch.softmax(s64, -1) @ v.double().reshape(B * Hkv, Tk, hd)
+    assert (got.double() - ref).abs().max() <= 0.02 * ref.abs().max()  # bf16 scores, probabilities and output

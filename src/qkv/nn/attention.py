@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.nn.linear import Linear
+from qkv.nn.linear import Linear, native_bf16
 from qkv.nn.paged import PoolKeys, PoolRows
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -176,6 +176,12 @@ def scaled_dot_product_attention(
 # 34 us on two, and the attention products 17 of a Llama-135M step's 73 ms (docs/perf/step12c.md). Past it (long
 # contexts, large batches) the products are big enough to share. 0: never (the previous behaviour).
 STEP_SERIAL_MAX = 1 << 18
+# A bf16 CPU step without native bf16 (no AVX512-BF16/AMX): the attention products multiply fp32 copies of q, the
+# cached keys and values (made per call, dropped after) instead of calling the bf16 bmm, which on such a CPU loops
+# over the batch and is 3-10x slower: (24 x 3 x 64) @ (24 x 64 x 288) and back took 6.5 ms vs 0.6 ms, 1 thread, AVX2
+# (docs/perf/bf16_12d.md). The scores and the output are rounded to bf16 where the bf16 products round them, and the
+# softmax is the same bf16 op, so the step computes what it did up to fp32 summation order. False: bf16 bmm as before.
+STEP_BF16_FP32_PRODUCTS = True
 # One token, RoPE: the step rotates its query and key heads as one tensor (RoPE.rotate_heads). False: rotate(q, k)
 # as before (the A/B control of benchmarks/decode_floor.py --ab).
 STEP_JOINT_ROTATE = True
@@ -193,6 +199,17 @@ def _serial_threads(x: Tensor, work: int) -> int:
         return 0
     torch.set_num_threads(1)
     return threads
+
+
+def _bf16_step_products(q: Tensor, k: Tensor, v: Tensor, add: Tensor | None, n: int, Tk: int, hd: int) -> Tensor:
+    """softmax(q k^T + add) v of a bf16 step (see STEP_BF16_FP32_PRODUCTS) on fp32 copies: q (n, rows, hd), k and v
+    (B, Hkv, Tk, hd) bf16 (views of the cache); returns (n, rows, hd) bf16. The scores are rounded to bf16 before the
+    (bf16) softmax and the output once at the end, as the bf16 products round them."""
+    kt = k.float().reshape(n, Tk, hd).transpose(1, 2)  # one pass over the cached keys: bf16 -> fp32, contiguous
+    q32 = q.float()
+    scores = torch.bmm(q32, kt) if add is None else torch.baddbmm(add.float(), q32, kt)
+    probs = torch.softmax(scores.to(torch.bfloat16), dim=-1)
+    return torch.bmm(probs.float(), v.float().reshape(n, Tk, hd)).to(torch.bfloat16)
 
 
 def step_scores_bias(
@@ -424,17 +441,22 @@ class MultiHeadAttention(nn.Module):
         pooled = isinstance(k, PoolKeys)  # the paged cache's keys stay in its pool: q @ K^T read from there
         Tk = k.bags.pos.shape[1] if pooled else k.shape[2]
         threads = _serial_threads(x, B * Hkv * Tk * hd)
+        y = None
         try:
-            if pooled:
+            if not pooled and q.dtype == torch.bfloat16 and STEP_BF16_FP32_PRODUCTS and q.is_cpu \
+                    and not isinstance(v, PoolRows) and not native_bf16():
+                y = _bf16_step_products(q, k, v, add, B * Hkv, Tk, hd)  # bf16 without native bf16: fp32 products
+            elif pooled:
                 scores = k.scores(q) if add is None else k.scores(q).add_(add)
             else:
                 kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
                 scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in one op
-            probs = torch.softmax(scores, dim=-1)
-            if isinstance(v, PoolRows):
-                y = v.weighted_sum(probs)
-            else:
-                y = torch.bmm(probs, v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
+            if y is None:
+                probs = torch.softmax(scores, dim=-1)
+                if isinstance(v, PoolRows):
+                    y = v.weighted_sum(probs)
+                else:
+                    y = torch.bmm(probs, v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
         finally:
             if threads:
                 torch.set_num_threads(threads)

@@ -10,9 +10,10 @@ import torch
 from torch import Tensor, nn
 
 NORMS = ("layernorm", "rmsnorm", "batchnorm")
-# RMSNorm.step on one fp32 CPU row: the mean square as one BLAS product (False: forward(), as before; the A/B
+# RMSNorm.step on one fp32 or bf16 CPU row: the mean square as one BLAS product (False: forward(), as before; the A/B
 # control of benchmarks/decode_floor.py --ab)
 STEP_DOT_NORM = True
+STEP_DOT_NORM_BF16 = True  # the same for one bf16 row (False: forward(), as before; benchmarks/llm.py --ab-tiles)
 _frozen_stats = 0  # > 0 while activation checkpointing recomputes a forward pass
 # RMSNorm on CPU in fp32/fp64 with at least this many elements (a long prompt's rows, not a decoding step's): the
 # formula of torch.rms_norm's CPU implementation (pow, mean, rsqrt, mul, mul by the weight; the same result bit
@@ -69,18 +70,28 @@ class RMSNorm(nn.Module):
         return (y * w.float()).to(x.dtype)
 
     def step(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
-        """forward() for the rows of a decoding step (Block.step). One fp32 row on the CPU (batch-1 decoding):
+        """forward() for the rows of a decoding step (Block.step). One fp32 (or bf16: below) row on the CPU (batch-1 decoding):
         mean(x^2) + eps as one BLAS product, addmm(eps, x, x^T, alpha=1/d), then rsqrt and two scalings: four
         kernels where torch.rms_norm's CPU composite dispatches ~20 (measured 10 vs 15.5 us a call, 1 thread, AVX2;
         61 norms a step in a 30-layer model). Equal to forward() up to the dot product's summation order (~1e-7)."""
         w = self._parameters["weight"]
-        if not STEP_DOT_NORM or x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 \
-                or w.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not STEP_DOT_NORM or x.dim() != 2 or x.shape[0] != 1 or x.dtype != w.dtype \
+                or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or torch.is_grad_enabled() \
+                or torch.compiler.is_compiling():
             return self.forward(x, keep)
         cell = self.__dict__.get("_eps_cell")  # (eps, eps as a (1, 1) tensor: addmm's input)
         if cell is None or cell[0] != self.eps:
             with torch.inference_mode(False):
                 cell = self.__dict__["_eps_cell"] = (self.eps, torch.full((1, 1), self.eps))
+        if x.dtype == torch.bfloat16:
+            if not STEP_DOT_NORM_BF16:
+                return self.forward(x, keep)
+            # forward()'s bf16 formula (statistics and scaling in fp32, the bf16 gain promoted exactly, one rounding
+            # at the end) with the mean square as the fp32 dot product: 6 kernels instead of 9 (30 vs 42 us a call,
+            # 2 threads, AVX2; docs/perf/bf16_12d.md)
+            xf = x.float()
+            r = torch.addmm(cell[1], xf, xf.t(), alpha=1.0 / x.shape[1]).rsqrt_()
+            return torch.mul(xf, r).mul_(w).to(torch.bfloat16)
         r = torch.addmm(cell[1], x, x.t(), alpha=1.0 / x.shape[1]).rsqrt_()
         return torch.mul(x, r).mul_(w)
 
