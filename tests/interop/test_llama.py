@@ -264,6 +264,7 @@ def test_bf16_greedy_through_fp32_tiles(tmp_path, monkeypatch, name):
     import qkv.nn.linear as L
 
     monkeypatch.setattr(L, "_NATIVE_BF16", False)
+    monkeypatch.setattr(L, "BF16_TILE_MIN_ROWS", 4)  # every prefill and batch-4 step here, not only >= 32 rows
     calls = []
     real = L.bf16_tiled_linear
     monkeypatch.setattr(L, "bf16_tiled_linear", lambda *a: calls.append(a[0].shape) or real(*a))

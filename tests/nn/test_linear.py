@@ -205,6 +205,7 @@ def _bf16_bound(x: torch.Tensor, w: torch.Tensor, ref64: torch.Tensor) -> torch.
                                             ((32, 24), 1000, 24 * 64), ((5, 7), 3, 1)])
 def test_bf16_tiles_equal_f_linear_and_the_float64_product(monkeypatch, no_native_bf16, shape, out, tile, bias):
     monkeypatch.setattr(L, "BF16_TILE_ELEMS", tile)  # several tiles, a ragged last one, one row per tile
+    monkeypatch.setattr(L, "BF16_TILE_MIN_ROWS", 4)  # the route itself, for shapes of 4 rows and more
     x = torch.randn(*shape).bfloat16()
     w = (torch.randn(out, shape[-1]) * shape[-1] ** -0.5).bfloat16()
     b = torch.randn(out).bfloat16() if bias else None
@@ -224,8 +225,10 @@ def test_bf16_tiles_equal_f_linear_and_the_float64_product(monkeypatch, no_nativ
 def test_bf16_tiles_are_taken_only_where_meant(no_native_bf16, monkeypatch):
     w = torch.randn(8, 16).bfloat16()
     with torch.no_grad():
-        assert L.use_bf16_tiles(torch.randn(4, 16).bfloat16(), w)
-        assert not L.use_bf16_tiles(torch.randn(3, 16).bfloat16(), w)  # one row (a batch-1 step): F.linear's kernel
+        n = L.BF16_TILE_MIN_ROWS
+        assert L.use_bf16_tiles(torch.randn(n, 16).bfloat16(), w)
+        assert not L.use_bf16_tiles(torch.randn(n - 1, 16).bfloat16(), w)  # a small batch's step: F.linear's kernel
+        assert not L.use_bf16_tiles(torch.randn(1, 16).bfloat16(), w)  # one row (a batch-1 step)
         assert not L.use_bf16_tiles(torch.randn(4, 16), w.float())  # fp32 untouched
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not L.use_bf16_tiles(torch.randn(4, 16).bfloat16(), w)
@@ -242,7 +245,7 @@ def test_bf16_tiles_are_taken_only_where_meant(no_native_bf16, monkeypatch):
     assert x.grad is not None and layer.weight.grad is not None
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("rows", [1, 8, 32, 40])
 def test_bf16_step_takes_the_tiles_and_equals_f_linear(no_native_bf16, monkeypatch, rows):
     calls = []
     real = L.bf16_tiled_linear

@@ -55,10 +55,13 @@ JOINT_STEP = True
 # multiplied there by the fp32 BLAS and the result rounded to bf16 once (`bf16_tiled_linear`). The weight stays
 # bf16 (no fp32 copy is kept); the products of bf16 numbers are exact in fp32 and the sums are fp32 in both routes,
 # so the result equals F.linear's up to fp32 summation order (a bf16 rounding flip, 1 ulp, now and then). Measured
-# on the AVX2 EPYC (docs/perf/bf16_12d.md): the layers of a 135M Llama at 8 rows 255 -> 110 ms, at 32 rows
-# 941 -> 150 ms (1 thread); one row stays with F.linear (its bf16 matrix-vector kernel is as fast as the upcast
-# alone). 0: never (every bf16 product through F.linear, as before).
-BF16_TILE_MIN_ROWS = 4
+# on the AVX2 EPYC (docs/perf/bf16_12d.md): the layers of a 135M Llama at 32 rows 941 -> 150 ms (1 thread), at
+# 2 threads on a quiet machine 377 -> 189 ms at 32 rows, 180 -> 139 at 16, but 107 -> 112 at 8 and 51 -> 69 at 4;
+# in a whole batch-8 decoding step (2 threads, quiet) the tiles' upcasts made the step 146 -> 186 ms, so the
+# threshold is 32 rows: prefills and large batched steps take the tiles, small batches keep torch's bf16 kernel.
+# One row stays with F.linear (its bf16 matrix-vector kernel is as fast as the upcast alone). 0: never (every
+# bf16 product through F.linear, as before).
+BF16_TILE_MIN_ROWS = 32
 BF16_TILE_ELEMS = 1 << 18  # 1 MB of fp32 per tile: the buffer stays in the cache while the rows are multiplied
 
 
