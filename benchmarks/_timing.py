@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -19,3 +21,12 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[s
             last[k] = fn()
             times[k].append(time.perf_counter() - t0)
     return times, last
+
+
+def write_results(out: str | Path, stem: str, result: dict, lines: list[str]) -> None:
+    """OUT/STEM.json (the result) and OUT/STEM.md (the table lines), and the table on stdout."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))

@@ -19,7 +19,6 @@ and .md (OUT = benchmarks/results).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -34,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from _timing import interleaved  # noqa: E402
+from _timing import interleaved, write_results  # noqa: E402
 from qkv.nn import attention, linear  # noqa: E402
 from qkv.nn.norm import RMSNorm  # noqa: E402
 
@@ -131,12 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
               for r in rows]
     result = {"cpu_capability": cpu, "native_bf16": linear.native_bf16(), "threads": a.threads, "rounds": s["rounds"],
               "torch": torch.__version__, "quick": a.quick, "rows": rows}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "bf16_routes_quick" if a.quick else "bf16_routes"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print("\n".join(lines))
+    write_results(a.out, "bf16_routes_quick" if a.quick else "bf16_routes", result, lines)
     return result
 
 

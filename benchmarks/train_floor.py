@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import platform
 import statistics
 import sys
@@ -44,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-
 import train_vs_nanogpt as tv  # noqa: E402
+from _timing import write_results  # noqa: E402
 
 aten = torch.ops.aten
 GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -360,12 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
               "of its own each round); rest = step - floor; \"replayed alone\" = the same calls with the same arguments "
               "run back to back outside the step. fp32 first-step losses: "
               + ", ".join(f"{k} {v:.6f}" for k, v in result["fp32_first_step_loss"].items()) + "."]
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "train_floor_quick" if a.quick else "train_floor"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print("\n".join(lines))
+    write_results(a.out, "train_floor_quick" if a.quick else "train_floor", result, lines)
     return result
 
 
