@@ -355,17 +355,13 @@ class Linear(nn.Linear):
     def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
         """x (..., in) -> (..., out) for inference on a few rows (a decoding step); scale_first=(n, s)
         returns the first n outputs multiplied by s."""
-        if x.dtype == torch.bfloat16 and use_bf16_tiles(x, self.weight):  # a batch's rows, bf16 without native bf16
-            y = bf16_tiled_linear(x, self.weight, self.bias)
-            if scale_first is not None:
-                y[..., : scale_first[0]] *= scale_first[1]
-            return y
-        if not x.is_cpu or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        tiles = x.dtype == torch.bfloat16 and use_bf16_tiles(x, self.weight)  # a batch's rows, bf16, no native bf16
+        if tiles or not x.is_cpu or x.dtype != torch.float32 or torch.compiler.is_compiling():
             # under torch.compile the data-pointer lookup of the transposed copy cannot be traced;
             # accelerators read either layout at full speed; on CPU the transposed copy is a win in fp32 only:
             # a bf16 (1 x 576) @ (576 x 1536) product took 2.1 ms through it vs 0.27 ms through F.linear
             # (oneDNN's bf16 kernel wants the (out, in) layout; benchmarks/llm.py)
-            y = F.linear(x, self.weight, self.bias)
+            y = (bf16_tiled_linear if tiles else F.linear)(x, self.weight, self.bias)
             if scale_first is not None:
                 y[..., : scale_first[0]] *= scale_first[1]
             return y
