@@ -82,3 +82,43 @@ def test_encdec_decode_last_only_equals_full(placement):
         last, out = m.decode(tgt, memory, memory_mask=src_mask, last_only=True)
     assert out.hidden.shape == (2, 1, 32)
     torch.testing.assert_close(last[:, -1], full[:, -1], **TOL)
+
+
+@pytest.mark.parametrize("norm,placement,position,gqa", MATRIX, ids=IDS)
+def test_step_last_only_equals_the_full_step_and_fills_the_same_cache(norm, placement, position, gqa):
+    """Stack.step(last_only=True) (model.step's route: a chunk of T tokens, the Engine's chunked prefill) gives the
+    full step's last-token hidden state and the same cached keys/values, with left padding, per-row offsets
+    and a key mask; on the paged cache too (its own keys/values layout), with rows of different lengths."""
+    m = _gpt(norm, placement, position, gqa)
+    ids = torch.randint(0, V, (3, 9), generator=torch.Generator().manual_seed(2))
+    keep = torch.ones(3, 9, dtype=torch.bool)
+    keep[1, :4] = keep[2, :2] = False
+    offset = -(~keep).sum(1)
+    with torch.no_grad():
+        caches = [m.make_cache(3, 12), m.make_cache(3, 12)]
+        for c in caches:  # the first 5 tokens cached, then a 4-token step
+            m(ids[:, :5], attention_mask=keep[:, :5], cache=c, offset=offset)
+        x = m.embed_target(ids[:, 5:])
+        full = m.decoder.step(x, cache=caches[0], keep=keep, offset=offset + 5)
+        last = m.decoder.step(x, cache=caches[1], keep=keep, offset=offset + 5, last_only=True)
+        assert full.shape == (3, 4, 32) and last.shape == (3, 1, 32)
+        torch.testing.assert_close(last[:, 0], full[:, -1], **TOL)
+        torch.testing.assert_close(caches[1].k, caches[0].k, **TOL)
+        torch.testing.assert_close(caches[1].v, caches[0].v, **TOL)
+        # paged: two sequences of 5 and 2 cached tokens (the engine's per-row offsets and key mask)
+        paged = [m.make_paged_cache(8, 4, max_batch_size=2), m.make_paged_cache(8, 4, max_batch_size=2)]
+        for c in paged:
+            c.k.zero_(), c.v.zero_()  # the pools are not zeroed (never-written slots hold anything)
+            for sid, n in ((0, 5), (1, 2)):
+                c.add_sequence(sid)
+                c.set_active([sid])
+                m.step(ids[sid:sid + 1, :n], c)
+            c.set_active([0, 1])
+        k2 = paged[0].keep_mask(3)
+        x = m.embed_target(ids[:2, 5:8])
+        full = m.decoder.step(x, cache=paged[0], keep=k2)
+        last = m.decoder.step(x, cache=paged[1], keep=k2, last_only=True)
+        torch.testing.assert_close(last[:, 0], full[:, -1], **TOL)
+        torch.testing.assert_close(paged[1].k, paged[0].k, **TOL)
+        torch.testing.assert_close(paged[1].v, paged[0].v, **TOL)
+        assert paged[0].lens == paged[1].lens == {0: 8, 1: 5}

@@ -187,8 +187,9 @@ class TransformerDecoderModel(QKVModel):
     def step(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
              offset: int | Tensor | None = None) -> Tensor:
         """Next-token logits (B, V) after the newest ids (B, T) over a filled cache: the decoder stack's fast
-        path (Stack.step) and the output projection's (Linear.step)."""
-        h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset)
+        path (Stack.step, for the last token only: the others' outputs are not read) and the output
+        projection's (Linear.step)."""
+        h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset, last_only=True)
         return self.lm_head.step(h[:, -1])
 
     @property

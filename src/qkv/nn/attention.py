@@ -397,6 +397,7 @@ class MultiHeadAttention(nn.Module):
         add: Tensor | None = None,
         position: PositionalEncoding | None = None,
         offset: int | Tensor = 0,
+        last_only: bool = False,
     ) -> Tensor:
         """The decoding step: the same function as forward() for the T newest tokens of `batch` sequences
         over a cache, for inference. x: (batch * T, d_model), the new tokens' rows (row b * T + t), so every
@@ -408,7 +409,9 @@ class MultiHeadAttention(nn.Module):
         Differences from forward() are in how, not what: pre-transposed weights (Linear.step) with the
         1/sqrt(d_k) scale folded into the query columns, and grouped-query attention by folding the query
         heads of one key/value head into rows of one batched matmul instead of repeating the cached keys.
-        Every new token must be a real token (its own key visible)."""
+        Every new token must be a real token (its own key visible). last_only (self-attention, the top block of a
+        step whose caller wants the last token only): all T tokens' keys/values go into the cache, but only the
+        last token queries them: returns (batch, d_model), that token's rows."""
         B, C = batch, self.q_dim
         T = x.shape[0] // B
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
@@ -436,6 +439,9 @@ class MultiHeadAttention(nn.Module):
                 q, k, v = self._step_heads(qkv, B, T, position, offset)
             # (B, Hkv, Tk, hd): cached + new; the paged cache's keys/values may stay in its pool (PoolKeys/Rows)
             k, v = getattr(cache, "step_update", cache.update)(layer, k, v)
+            if last_only and T > 1:  # the other queries' outputs would only feed rows nobody reads
+                q, T = q[:, :, -1:], 1
+                add = None if add is None else add.view(B * Hkv, H // Hkv, -1, add.shape[-1])[:, :, -1]
         # query head h = j * G + g uses key/value head j (as repeat_interleave in the forward pass)
         q = q.reshape(B * Hkv, (H // Hkv) * T, hd)
         pooled = isinstance(k, PoolKeys)  # the paged cache's keys stay in its pool: q @ K^T read from there

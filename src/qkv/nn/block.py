@@ -144,6 +144,7 @@ class Block(nn.Module):
         keep: Tensor | None = None,
         position: PositionalEncoding | None = None,
         offset: int | Tensor = 0,
+        last_only: bool = False,
     ) -> Tensor:
         """The decoding step (inference): the same function as forward() for the few newest tokens of
         `batch` sequences over a cache, on their (batch * T, d) rows, through the sublayers' own step methods
@@ -152,13 +153,31 @@ class Block(nn.Module):
         keep: the (batch * T,) real-token mask of the rows (for the norms). The per-call overhead of Python
         is a large part of a small model's step, so submodules are read from _modules (nn.Module.__getattr__
         costs ~1 us a lookup) and the norms' forward is called directly (module hooks are for inspecting
-        forward(), not this inference path)."""
+        forward(), not this inference path). last_only (the top block of a step that wants the last token only,
+        without cross-attention): self-attention still caches every new token's keys/values, and it and
+        everything after it compute the last token's row only: returns (batch, d)."""
         m = self._modules
-        x = self._residual(x, _norm_step(m["norm1"]), m["attn"].step, keep, batch, cache, layer, add, position, offset)
+        if last_only and x.shape[0] > batch:
+            x, keep = self._last_step_residual(x, _norm_step(m["norm1"]), keep, batch, cache, layer, add, position,
+                                               offset)
+        else:
+            x = self._residual(x, _norm_step(m["norm1"]), m["attn"].step, keep, batch, cache, layer, add, position,
+                               offset)
         cross = m.get("cross")  # absent (a plain None) without cross-attention
         if cross is not None:
             x = self._residual(x, _norm_step(m["norm_cross"]), cross.step, keep, batch, cache, layer, cross_add)
         return self._residual(x, _norm_step(m["norm2"]), m["ffn"].step, keep)
+
+
+    def _last_step_residual(self, x: Tensor, norm: Callable[..., Tensor], keep: Tensor | None, batch: int,
+                            *args: object) -> tuple[Tensor, Tensor | None]:
+        """Block.step's self-attention residual with last_only: the attention reads the (batch * T, d) rows and
+        returns the last token's (batch, d); the residual adds it to those rows' x (Pre-LN), or norms the sum
+        (Post-LN). Returns the rows and their keep-mask."""
+        y = self._modules["attn"].step(norm(x, keep) if self.placement == "pre" else x, batch, *args, True)
+        last = x.view(batch, -1, x.shape[-1])[:, -1]
+        keep = None if keep is None else keep.view(batch, -1)[:, -1]
+        return (last + y if self.placement == "pre" else norm(last + y, keep)), keep
 
 
 def _norm_step(norm: nn.Module) -> Callable[..., Tensor]:

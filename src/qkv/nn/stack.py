@@ -145,6 +145,7 @@ class Stack(nn.Module):
         cache: KVCache,
         keep: Tensor | None = None,
         offset: int | Tensor | None = None,
+        last_only: bool = False,
     ) -> Tensor:
         """The decoding step: forward() for the few newest tokens over a filled cache, for inference.
 
@@ -154,7 +155,11 @@ class Stack(nn.Module):
         (an encoder-decoder's decoder) reads the encoder K/V and their mask from the cache, which the first,
         prefilling forward() filled. The position bias, the key padding and the causal mask among the new
         tokens are folded into one additive term per step (step_scores_bias), shared by every layer. No
-        dropout and no attention weights: use forward() for those."""
+        dropout and no attention weights: use forward() for those. last_only=True: only the last token's
+        hidden state is wanted, (B, 1, d): the top block caches every token's keys/values but computes the rest
+        (its attention's queries, output projection, feed-forward) for the last token only, as forward's
+        last_only (a prefill chunk of T tokens saves ~(T - 1) / T of that work; decoder-only stacks: with
+        cross-attention every token goes through)."""
         if self.training:
             raise RuntimeError("Stack.step is the inference path (no dropout): call model.eval() first")
         B, T, _ = x.shape
@@ -181,9 +186,13 @@ class Stack(nn.Module):
         row_keep = None if tok_keep is None else tok_keep.reshape(B * T)
         # only an encoding that rotates (RoPE) is handed to the attention layers; the others did their work above
         rotating = self.position if type(self.position).rotate is not PositionalEncoding.rotate else None
+        top = len(self.blocks) - 1 if last_only and T > 1 and cross_add is None and self.blocks \
+            and self.blocks[0].cross is None else -1
         for i, block in enumerate(self.blocks):  # positional arguments: a keyword call costs more, 6-24 times a step
-            rows = block.step(rows, B, cache, i, add, cross_add, row_keep, rotating, offset)
+            rows = block.step(rows, B, cache, i, add, cross_add, row_keep, rotating, offset, i == top)
         cache.advance(T)
+        if top >= 0:  # the top block returned the last token's rows
+            T, row_keep = 1, None if row_keep is None else row_keep.view(B, -1)[:, -1]
         if self.final_norm is not None:
             rows = getattr(self.final_norm, "step", self.final_norm)(rows, row_keep)  # RMSNorm's step path
         return rows.view(B, T, -1)
