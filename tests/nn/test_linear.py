@@ -268,9 +268,10 @@ needs_fp16 = pytest.mark.skipif(not L.fp16_packable(), reason="this torch build 
 @needs_fp16
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape,out", [((1, 48), 72), ((3, 40), 33), ((2, 1, 64), 130), ((1, 576), 1000)])
-def test_bf16_fp16_step_equals_f_linear_and_the_float64_product(no_native_bf16, shape, out, bias):
+def test_bf16_fp16_step_equals_f_linear_and_the_float64_product(no_native_bf16, monkeypatch, shape, out, bias):
     """Linear.step's fp16 route against F.linear's bf16 kernel and the float64 product, with weights over a wide range
     (tiny ones that fp16 holds only after the power-of-two scaling, one row of zeros, large ones) and scale_first."""
+    monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)  # small layers here
     layer = L.Linear(shape[-1], out, bias=bias).bfloat16()
     with torch.no_grad():
         w = torch.randn(out, shape[-1]) * torch.rand(out, shape[-1]).pow(8) * 30  # |w| from ~1e-9 to ~100
@@ -304,6 +305,7 @@ def test_bf16_fp16_step_copy_is_rebuilt_dropped_and_taken_only_where_meant(no_na
     import copy
     import pickle
 
+    monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)
     layer = L.Linear(16, 8).bfloat16()
     x = torch.randn(1, 16).bfloat16()
     with torch.no_grad():
@@ -324,6 +326,9 @@ def test_bf16_fp16_step_copy_is_rebuilt_dropped_and_taken_only_where_meant(no_na
         monkeypatch.setattr(L, "STEP_BF16_VIA_FP16", False)
         assert not L.use_fp16_step(x, w)  # the switch off
         monkeypatch.setattr(L, "STEP_BF16_VIA_FP16", True)
+        monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", w.numel() + 1)
+        assert not L.use_fp16_step(x, w)  # a small layer: F.linear
+        monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)
         monkeypatch.setattr(L, "_NATIVE_BF16", True)
         assert not L.use_fp16_step(x, w)  # native bf16: oneDNN's kernels
     monkeypatch.setattr(L, "_NATIVE_BF16", False)

@@ -81,6 +81,10 @@ STEP_BF16_VIA_FP16 = True
 # EPYC the 151 products of a 135M Llama step took 31 ms of CPU on one thread vs 37 on two (47 vs 55 ms wall), the
 # (49152 x 576) head alone timed the same on one and two. False: torch's thread count.
 STEP_FP16_ONE_THREAD = True
+# ... for weights of at least this many elements: the route's three ops (x in fp32, the product, the rounding) cost
+# ~10 us more than F.linear's one, more than the faster kernel saves on a small layer (a 64-wide model's products
+# went 0.3-0.7x in benchmarks/bf16_routes.py --quick); the 135M Llama's smallest product has 331,776.
+STEP_FP16_MIN_WEIGHT = 1 << 16
 
 
 def _backend_from_env() -> str:
@@ -267,13 +271,14 @@ def fp16_packable() -> bool:
 
 def use_fp16_step(x: Tensor, weight: Tensor) -> bool:
     """Does a bf16 decoding step x @ weight^T go through the fp16 copy (see STEP_BF16_VIA_FP16)? CPU, bf16 input and
-    weight, fewer than BF16_TILE_MIN_ROWS rows (more take the tiles), no autograd, no autocast, not under
-    torch.compile, plain tensors, and a CPU without native bf16 whose torch has fbgemm."""
+    weight of at least STEP_FP16_MIN_WEIGHT elements, fewer than BF16_TILE_MIN_ROWS rows (more take the tiles; the
+    caller checks), no autograd, no autocast, not under torch.compile, plain tensors, and a CPU without native bf16
+    whose torch has fbgemm."""
     if not STEP_BF16_VIA_FP16 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu:
         return False
     if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return False
-    if type(x) is not Tensor or type(weight) not in (Tensor, nn.Parameter):
+    if weight.numel() < STEP_FP16_MIN_WEIGHT or type(x) is not Tensor or type(weight) not in (Tensor, nn.Parameter):
         return False
     return not native_bf16() and fp16_packable()
 
