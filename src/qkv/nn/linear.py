@@ -287,10 +287,10 @@ def fp16_pack(weight: Tensor, bias: Tensor | None) -> tuple[object, Tensor]:
     """(fbgemm's packed fp16 copy of weight * 2^e, 2^-e as a 1-element fp32 tensor) for `use_fp16_step`: e puts the largest |weight| in
     [2^14, 2^15), inside fp16's range, so that every bf16 weight from 2^-32 of the largest up is an fp16 number
     exactly (see STEP_BF16_VIA_FP16); the bias is kept in fp32, unscaled (the input is scaled by 2^-e instead)."""
-    w = weight.detach().float()
-    top = w.abs().max().item()
+    top = weight.detach().abs().amax().item()
     e = 14 - math.floor(math.log2(top)) if top > 0 and math.isfinite(top) else 0
-    w16 = w.mul_(2.0 ** e).half().float()  # round once to fp16 here: the tiny weights fbgemm would saturate become 0
+    # rounded to fp16 here (the tiny weights fbgemm would saturate become 0), as one chain: no fp32 copy held on
+    w16 = weight.detach().float().mul_(2.0 ** e).half().float()
     b = None if bias is None else bias.detach().float()
     return torch.ops.quantized.linear_prepack_fp16(w16, b), torch.tensor([2.0 ** -e])
 
