@@ -18,18 +18,20 @@ def counted(self):
     calls["n"] += 1; return orig(self)
 linear.Linear._fp16_packed = counted
 def run(on):
-    linear.STEP_BF16_VIA_FP16 = on
+    linear.STEP_BF16_VIA_FP16 = on != "off"
+    linear.STEP_FP16_SERIAL_MAX = 0 if on == "2thr" else 1 << 21
     with torch.no_grad():
         w0, c0 = time.perf_counter(), time.process_time()
         out = generate(m, x, max_new_tokens=N, min_new_tokens=N)
         return out, (time.perf_counter() - w0) / N * 1e3, (time.process_time() - c0) / N * 1e3
-a, _, _ = run(True); print("fp16 calls per token", calls["n"] / N)
-b, _, _ = run(False); print("tokens equal on/off:", torch.equal(a, b))
-res = {True: [], False: []}
+a, _, _ = run("on"); print("fp16 calls per token", calls["n"] / N)
+b, _, _ = run("off"); print("tokens equal on/off:", torch.equal(a, b))
+V = ("on", "off", "2thr")
+res = {v: [] for v in V}
 for r in range(int(sys.argv[3]) if len(sys.argv) > 3 else 5):
-    for on in (True, False):
+    for on in V:
         res[on].append(run(on)[1:])
-for on in (True, False):
-    print(f"fp16 step {'on ' if on else 'off'}: wall median {statistics.median(w for w, _ in res[on]):.1f} ms/step (min {min(w for w, _ in res[on]):.1f}), "
+for on in V:
+    print(f"fp16 step {on}: wall median {statistics.median(w for w, _ in res[on]):.1f} ms/step (min {min(w for w, _ in res[on]):.1f}), "
           f"cpu median {statistics.median(c for _, c in res[on]):.1f} ms/step")
 print("load", os.getloadavg())

@@ -76,11 +76,13 @@ BF16_TILE_ELEMS = 1 << 18  # 1 MB of fp32 per tile: the buffer stays in the cach
 # weight, built at the first step like the fp32 path's transposed copies; `free_packed` drops it). Needs fbgemm (x86
 # builds). False: F.linear as before.
 STEP_BF16_VIA_FP16 = True
-# ... and a one-row product of that route runs on ONE thread: fbgemm's fp16 kernel reads a layer's weight in tens of
-# microseconds, about what waking the pool's sleeping second thread costs (OMP_WAIT_POLICY=PASSIVE); on the busy 2-core
-# EPYC the 151 products of a 135M Llama step took 31 ms of CPU on one thread vs 37 on two (47 vs 55 ms wall), the
-# (49152 x 576) head alone timed the same on one and two. False: torch's thread count.
-STEP_FP16_ONE_THREAD = True
+# ... and a one-row product of that route with a weight of at most STEP_FP16_SERIAL_MAX elements runs on ONE thread:
+# fbgemm's fp16 kernel reads such a layer in tens of microseconds, about what waking the pool's sleeping second thread
+# costs (OMP_WAIT_POLICY=PASSIVE). On the busy 2-core EPYC the 151 products of a 135M Llama step took 31 ms of CPU on
+# one thread vs 37 on two (47 vs 55 ms wall); the (49152 x 576) head, larger than this, timed the same on one and two
+# there and keeps torch's thread count (two cores read memory faster than one on a quiet machine). 0: every product
+# on torch's thread count.
+STEP_FP16_SERIAL_MAX = 1 << 21
 # ... for weights of at least this many elements: the route's three ops (x in fp32, the product, the rounding) cost
 # ~10 us more than F.linear's one, more than the faster kernel saves on a small layer (a 64-wide model's products
 # went 0.3-0.7x in benchmarks/bf16_routes.py --quick); the 135M Llama's smallest product has 331,776.
@@ -439,7 +441,7 @@ class Linear(nn.Linear):
             _, packed, inv = self._fp16_packed()
             x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
             # x * 2^-e in fp32 in one op (a 1-element fp32 tensor promotes the product to fp32); exact
-            threads = torch.get_num_threads() if STEP_FP16_ONE_THREAD and x2.shape[0] == 1 else 1
+            threads = torch.get_num_threads() if x2.shape[0] == 1 and self.weight.numel() <= STEP_FP16_SERIAL_MAX else 1
             if threads > 1:
                 torch.set_num_threads(1)  # process-wide; restored in the finally (~0.3 us each way)
             try:
