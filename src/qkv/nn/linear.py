@@ -299,9 +299,9 @@ def fp16_pack(weight: Tensor, bias: Tensor | None) -> tuple[object, Tensor]:
 
 # -- the decoding path: weights pre-transposed once -----------------------------------------------------
 def free_packed(module: nn.Module) -> int:
-    """Drop the pre-transposed decoding copies of every Linear in `module`, and the joined copies of `joint_step`
-    (to free their memory, or after changing weights through `.data`); they are rebuilt at the next decoding
-    step. Returns how many."""
+    """Drop the decoding copies of every Linear in `module` (pre-transposed, oneDNN-packed, the bf16 step's fp16),
+    and the joined copies of `joint_step` (to free their memory, or after changing weights through `.data`); they
+    are rebuilt at the next decoding step. Returns how many."""
     n = 0
     for m in module.modules():
         if isinstance(m, Linear):
@@ -356,7 +356,9 @@ class Linear(nn.Linear):
     (`free_packed` drops it). A step of STEP_PACKED_MIN_ROWS rows or more (a batch) multiplies instead by a
     copy packed by oneDNN (`_onednn_packed`, same bytes, made at the first such step): a process that decodes
     both single rows and batches holds both copies, twice the weight on top of it (`free_packed` drops both).
-    On accelerators `step` is F.linear (cuBLAS reads either layout at full speed)."""
+    A bf16 step on a CPU without native bf16 multiplies by an fp16 copy through fbgemm instead (`_fp16_packed`,
+    STEP_BF16_VIA_FP16; half the weight's fp32 bytes). On accelerators `step` is F.linear (cuBLAS reads either
+    layout at full speed)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
