@@ -89,6 +89,16 @@ def fp16_step_cases(s: dict) -> list[dict]:
     layers = [lin(*sh) for _ in range(s["layers"]) for sh in shapes]
     head = lin(s["vocab"], s["d"])
     out = []
+    old_min, linear.STEP_FP16_MIN_WEIGHT = linear.STEP_FP16_MIN_WEIGHT, 0  # the route itself, even for --quick's layers
+    try:
+        _fp16_rows(s, layers, head, g, out)
+    finally:
+        linear.STEP_FP16_MIN_WEIGHT = old_min
+    return out
+
+
+def _fp16_rows(s: dict, layers: list, head: linear.Linear, g: torch.Generator, out: list) -> None:
+    """fp16_step_cases' rows (1, 2 and 8 rows; the layers, the head) appended to out."""
     for R in (1, 2, 8):
         xs = {n: torch.randn(R, n, generator=g).bfloat16() for n in (s["d"], s["ff"])}
         for what, mods in (("layers", layers), ("head", [head])):
@@ -102,7 +112,6 @@ def fp16_step_cases(s: dict) -> list[dict]:
             out.append({"bench": "linear fp16 step", "case": f"{what}, {R} rows", "before_ms": round(med["F.linear"], 3),
                         "qkv_ms": round(med["fp16 step"], 3), "speedup": round(med["F.linear"] / med["fp16 step"], 2),
                         "max_abs_diff": diff})
-    return out
 
 
 def _attention_fns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, Tk: int, hd: int) -> dict:
