@@ -2,7 +2,9 @@
 
     with previous_step():   # the step as before step12c: every switch off
         ...
-    with previous_bf16():   # bf16 as before issue 12's bf16 pass (docs/perf/bf16_12d.md): every bf16 switch off
+    with previous_bf16():   # bf16 as before issue 12's bf16 passes (docs/perf/bf16_12d.md, bf16_12e.md): every bf16 switch off
+        ...
+    with previous_fp16_step():  # only the bf16 step's fp16 copy off (docs/perf/bf16_12e.md): torch's bf16 kernel
         ...
 Switches (module constants, read at every step): attention.STEP_SERIAL_MAX (the step's attention products on one
 thread), linear.JOINT_STEP (a gated FFN's gate and up as one product), attention.STEP_JOINT_ROTATE (RoPE's query
@@ -19,9 +21,10 @@ import qkv.nn.linear as linear
 import qkv.nn.norm as norm
 
 # bf16 on a CPU without native bf16: products of several rows through fp32 tiles of the weight, the step's attention
-# products in fp32, RMSNorm.step's bf16 row
+# products in fp32, RMSNorm.step's bf16 row; the step's products of few rows through an fp16 copy (FP16_STEP)
+FP16_STEP = ((linear, "STEP_BF16_VIA_FP16", False),)
 BF16_SWITCHES = ((linear, "BF16_TILE_MIN_ROWS", 0), (attention, "STEP_BF16_FP32_PRODUCTS", False),
-                 (norm, "STEP_DOT_NORM_BF16", False))
+                 (norm, "STEP_DOT_NORM_BF16", False)) + FP16_STEP
 SWITCHES = ((attention, "STEP_SERIAL_MAX", 0), (linear, "JOINT_STEP", False), (attention, "STEP_JOINT_ROTATE", False),
             (norm, "STEP_DOT_NORM", False))
 
@@ -44,5 +47,10 @@ def previous_step() -> contextlib.AbstractContextManager[None]:
 
 
 def previous_bf16() -> contextlib.AbstractContextManager[None]:
-    """Every bf16 path of issue 12's bf16 pass off inside the block (restored after): bf16 as before."""
+    """Every bf16 path of issue 12's bf16 passes off inside the block (restored after): bf16 as before."""
     return _off(BF16_SWITCHES)
+
+
+def previous_fp16_step() -> contextlib.AbstractContextManager[None]:
+    """Only the bf16 step's fp16 copy (linear.STEP_BF16_VIA_FP16) off inside the block: torch's bf16 kernel."""
+    return _off(FP16_STEP)

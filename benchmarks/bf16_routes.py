@@ -6,6 +6,8 @@ on the 135M Llama's shapes, side by side in interleaved rounds (A B A B ..., med
              by R rows: F.linear (torch's bf16 kernel) vs qkv.nn.linear.bf16_tiled_linear (fp32 tiles of the weight)
   attention  a decoding step's attention products of one layer, (B * 3 kv heads) x (3 query heads) over Tk cached keys:
              bf16 bmm + softmax + bmm vs qkv.nn.attention._bf16_step_products (the products on fp32 copies)
+  linear fp16 step  the same weights multiplied by 1, 2 or 8 rows: F.linear vs Linear.step's fp16 copy (fbgemm's fp16
+             GEMM, qkv.nn.linear.STEP_BF16_VIA_FP16; docs/perf/bf16_12e.md), where this torch has fbgemm
   rmsnorm    one bf16 row of width 576: RMSNorm.forward vs RMSNorm.step
 Every route is checked against the one it replaces (max |difference| in the table). The machine may be shared: compare
 ratios within one run.
@@ -70,6 +72,48 @@ def linear_cases(s: dict) -> list[dict]:
     return rows_out
 
 
+def fp16_step_cases(s: dict) -> list[dict]:
+    """The step's products of few rows: F.linear vs Linear.step's fp16 copy (linear.STEP_BF16_VIA_FP16), the same
+    weights as linear_cases (a Linear per weight; the copies are made before timing)."""
+    if not linear.fp16_packable() or linear.native_bf16():
+        return []
+    g = torch.Generator().manual_seed(0)
+    hd = s["d"] // s["heads"]
+    shapes = [(s["d"] + 2 * s["kv"] * hd, s["d"]), (s["d"], s["d"]), (s["ff"], s["d"]), (s["ff"], s["d"]), (s["d"], s["ff"])]
+
+    def lin(out: int, inp: int) -> linear.Linear:
+        m = linear.Linear(inp, out, bias=False).bfloat16().requires_grad_(False)
+        m.weight.copy_((torch.randn(out, inp, generator=g) * 0.05).bfloat16())
+        return m
+
+    layers = [lin(*sh) for _ in range(s["layers"]) for sh in shapes]
+    head = lin(s["vocab"], s["d"])
+    out = []
+    old_min, linear.STEP_FP16_MIN_WEIGHT = linear.STEP_FP16_MIN_WEIGHT, 0  # the route itself, even for --quick's layers
+    try:
+        _fp16_rows(s, layers, head, g, out)
+    finally:
+        linear.STEP_FP16_MIN_WEIGHT = old_min
+    return out
+
+
+def _fp16_rows(s: dict, layers: list, head: linear.Linear, g: torch.Generator, out: list) -> None:
+    """fp16_step_cases' rows (1, 2 and 8 rows; the layers, the head) appended to out."""
+    for R in (1, 2, 8):
+        xs = {n: torch.randn(R, n, generator=g).bfloat16() for n in (s["d"], s["ff"])}
+        for what, mods in (("layers", layers), ("head", [head])):
+            fns = {"F.linear": lambda mods=mods, xs=xs: [F.linear(xs[m.in_features], m.weight) for m in mods],
+                   "fp16 step": lambda mods=mods, xs=xs: [m.step(xs[m.in_features]) for m in mods]}
+            with torch.no_grad():
+                a, b = (torch.cat([t.flatten() for t in fn()]) for fn in fns.values())  # also makes the copies
+                diff = (a.float() - b.float()).abs().max().item()
+                times, _ = interleaved(fns, s["rounds"])
+            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            out.append({"bench": "linear fp16 step", "case": f"{what}, {R} rows", "before_ms": round(med["F.linear"], 3),
+                        "qkv_ms": round(med["fp16 step"], 3), "speedup": round(med["F.linear"] / med["fp16 step"], 2),
+                        "max_abs_diff": diff})
+
+
 def _attention_fns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, Tk: int, hd: int) -> dict:
     def bf16_bmm():
         scores = torch.bmm(q, k.reshape(n, Tk, hd).transpose(1, 2))
@@ -120,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     s = dict(QUICK if a.quick else FULL, rounds=1 if a.quick else a.rounds)
-    rows = linear_cases(s) + attention_cases(s) + rmsnorm_case(s)
+    rows = linear_cases(s) + fp16_step_cases(s) + attention_cases(s) + rmsnorm_case(s)
     cpu = torch.backends.cpu.get_cpu_capability()
     head = (f"CPU {cpu} (native bf16: {linear.native_bf16()}), {platform.machine()}, torch {torch.__version__}, "
             f"{a.threads} threads, median of {s['rounds']} interleaved rounds (x20 attention, x200 rmsnorm); bf16 weights "

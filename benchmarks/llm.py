@@ -21,6 +21,8 @@ issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same inter
 --ab-tiles: for bf16 weights a row "qkv bf16 before": qkv with its bf16 paths for CPUs without native bf16 off
 (products of several rows through fp32 tiles of the weight, the step's attention products in fp32, RMSNorm.step's bf16
 row: _step_switches.previous_bf16), in the same interleaved rounds, decode and prefill.
+With --ab-tiles also a row "qkv no fp16 step": only the bf16 step's fp16 copy off (linear.STEP_BF16_VIA_FP16,
+_step_switches.previous_fp16_step; docs/perf/bf16_12e.md), decode only.
 
 --quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
 Writes benchmarks/results/llm.json and llm.md.
@@ -48,7 +50,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
 import qkv.nn.linear  # noqa: E402
-from _step_switches import previous_bf16, previous_step  # noqa: E402
+from _step_switches import previous_bf16, previous_fp16_step, previous_step  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
@@ -113,8 +115,14 @@ def _without_packed_step(fn):
 
 
 def _bf16_before(fn):
-    """fn() with bf16 as before issue 12's bf16 pass (benchmarks/_step_switches.py previous_bf16)."""
+    """fn() with bf16 as before issue 12's bf16 passes (benchmarks/_step_switches.py previous_bf16)."""
     with previous_bf16():
+        return fn()
+
+
+def _no_fp16_step(fn):
+    """fn() with only the bf16 step's fp16 copy off (benchmarks/_step_switches.py previous_fp16_step)."""
+    with previous_fp16_step():
         return fn()
 
 
@@ -184,6 +192,8 @@ def main() -> None:
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
             if a.ab_tiles and name == "bfloat16":
                 fns["qkv bf16 before"] = lambda x=x, m=ours: _bf16_before(
+                    lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
+                fns["qkv no fp16 step"] = lambda x=x, m=ours: _no_fp16_step(
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared

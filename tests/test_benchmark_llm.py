@@ -20,9 +20,9 @@ def test_llm_benchmark_quick(tmp_path):
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "llm_quick.json").read_text())
-    # --ab-tiles: the bf16 A/B row (qkv's bf16 paths off) beside qkv and transformers
+    # --ab-tiles: the bf16 A/B rows (qkv's bf16 paths off; only the step's fp16 copy off) beside qkv and transformers
     assert {(d["library"], d["batch"]) for d in result["decode"]} == {("qkv", 1), ("transformers", 1),
-                                                                       ("qkv bf16 before", 1)}
+                                                                       ("qkv bf16 before", 1), ("qkv no fp16 step", 1)}
     assert all(d["tok_per_s"] > 0 and d["floor_ms"] > 0 for d in result["decode"])
     assert set(result["token_agreement"].values()) == {1.0}
     assert result["load"]["qkv bfloat16"]["dtype"] == "torch.bfloat16"

@@ -259,3 +259,77 @@ def test_bf16_step_takes_the_tiles_and_equals_f_linear(no_native_bf16, monkeypat
     assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2.0 ** -7
     torch.testing.assert_close(scaled[:, :10], got[:, :10] * 0.5, rtol=0, atol=0)
     torch.testing.assert_close(scaled[:, 10:], got[:, 10:], rtol=0, atol=0)
+
+
+# -- bf16 decoding steps of few rows on a CPU without native bf16: an fp16 copy for fbgemm's fp16 GEMM ------------
+needs_fp16 = pytest.mark.skipif(not L.fp16_packable(), reason="this torch build has no fbgemm fp16 GEMM")
+
+
+@needs_fp16
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape,out", [((1, 48), 72), ((3, 40), 33), ((2, 1, 64), 130), ((1, 576), 1000)])
+def test_bf16_fp16_step_equals_f_linear_and_the_float64_product(no_native_bf16, monkeypatch, shape, out, bias):
+    """Linear.step's fp16 route against F.linear's bf16 kernel and the float64 product, with weights over a wide range
+    (tiny ones that fp16 holds only after the power-of-two scaling, one row of zeros, large ones) and scale_first."""
+    monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)  # small layers here
+    layer = L.Linear(shape[-1], out, bias=bias).bfloat16()
+    with torch.no_grad():
+        w = torch.randn(out, shape[-1]) * torch.rand(out, shape[-1]).pow(8) * 30  # |w| from ~1e-9 to ~100
+        w[1] = 0
+        layer.weight.copy_(w)
+    x = torch.randn(*shape).bfloat16()
+    threads = torch.get_num_threads()
+    with torch.no_grad():
+        assert L.use_fp16_step(x, layer.weight)
+        got = layer.step(x)
+        scaled = layer.step(x, (5, 0.125))
+        want = F.linear(x, layer.weight, layer.bias)
+    assert torch.get_num_threads() == threads  # the one-thread product restores the count
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape and "_decode_fp16" in layer.__dict__
+    b = None if layer.bias is None else layer.bias.double()
+    ref64 = F.linear(x.double(), layer.weight.double(), b).reshape(-1, out)
+    x2 = x.reshape(-1, shape[-1])
+    assert ((got.double().reshape(-1, out) - ref64).abs() <= _bf16_bound(x2, layer.weight, ref64)).all()
+    # the same (exact) products and fp32 sums as F.linear's bf16 kernel: within one ulp of the output plus what the
+    # order of an fp32 sum can change (where the terms cancel), and equal but for rare rounding flips
+    ulp = 2.0 ** (want.float().abs().clamp_min(2.0 ** -126).log2().floor() - 7)
+    order = 2.0 ** -24 * shape[-1] * (x2.double().abs() @ layer.weight.double().abs().t()).reshape(want.shape)
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= ulp + order.float()).all() and (diff > 0).float().mean() < 0.01
+    torch.testing.assert_close(scaled[..., :5], (got[..., :5] * 0.125), atol=0, rtol=0)
+    assert torch.equal(scaled[..., 5:], got[..., 5:])
+
+
+@needs_fp16
+def test_bf16_fp16_step_copy_is_rebuilt_dropped_and_taken_only_where_meant(no_native_bf16, monkeypatch):
+    import copy
+    import pickle
+
+    monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)
+    layer = L.Linear(16, 8).bfloat16()
+    x = torch.randn(1, 16).bfloat16()
+    with torch.no_grad():
+        first = layer.step(x)
+        layer.weight.mul_(2)  # an in-place change: the copy is rebuilt
+        torch.testing.assert_close(layer.step(x), F.linear(x, layer.weight, layer.bias), atol=0.05, rtol=0.02)
+        assert not torch.equal(layer.step(x), first)
+    assert "_decode_fp16" in layer.__dict__
+    assert copy.deepcopy(layer).__dict__["_decode_fp16"] == {}  # an opaque packed copy: never copied or pickled
+    assert pickle.loads(pickle.dumps(layer)).__dict__["_decode_fp16"] == {}
+    assert L.free_packed(layer) == 1 and "_decode_fp16" not in layer.__dict__
+    w = layer.weight
+    with torch.no_grad():
+        assert L.use_fp16_step(torch.randn(3, 16).bfloat16(), w)
+        assert not L.use_fp16_step(torch.randn(1, 16), w.float())  # fp32 untouched
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not L.use_fp16_step(x, w)
+        monkeypatch.setattr(L, "STEP_BF16_VIA_FP16", False)
+        assert not L.use_fp16_step(x, w)  # the switch off
+        monkeypatch.setattr(L, "STEP_BF16_VIA_FP16", True)
+        monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", w.numel() + 1)
+        assert not L.use_fp16_step(x, w)  # a small layer: F.linear
+        monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)
+        monkeypatch.setattr(L, "_NATIVE_BF16", True)
+        assert not L.use_fp16_step(x, w)  # native bf16: oneDNN's kernels
+    monkeypatch.setattr(L, "_NATIVE_BF16", False)
+    assert not L.use_fp16_step(x, w)  # autograd: F.linear

@@ -25,6 +25,7 @@ relative).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 
@@ -63,6 +64,29 @@ JOINT_STEP = True
 # bf16 product through F.linear, as before).
 BF16_TILE_MIN_ROWS = 32
 BF16_TILE_ELEMS = 1 << 18  # 1 MB of fp32 per tile: the buffer stays in the cache while the rows are multiplied
+# A bf16 decoding step of fewer than BF16_TILE_MIN_ROWS rows (batch-1 decoding above all) on a CPU without native
+# bf16 multiplies by an fp16 copy of the weight packed for fbgemm's fp16 GEMM (`Linear._fp16_packed`,
+# torch.ops.quantized.linear_dynamic_fp16: F16C hardware conversion, fp32 multiply-adds) instead of torch's bf16
+# kernel, which converts bf16 -> fp32 in software and ran at ~7 GB/s of weights per core on the AVX2 EPYC (both
+# cores busy), the fp16 kernel at ~11 GB/s streaming and ~35 GB/s from cache on ONE core (docs/perf/bf16_12e.md).
+# The copy is scaled by a power of two 2^e (and the input by 2^-e) so that every bf16 weight down to 2^-32 of the
+# largest is an fp16 number exactly (8 significant bits; smaller ones are below fp32's resolution of the row's sum):
+# the products x_k w_k are exact in fp32 in both routes and both sum in fp32, so the result equals F.linear's up to
+# fp32 summation order (a 1-ulp bf16 rounding flip now and then). Costs one more copy of the weight (2 bytes per
+# weight, built at the first step like the fp32 path's transposed copies; `free_packed` drops it). Needs fbgemm (x86
+# builds). False: F.linear as before.
+STEP_BF16_VIA_FP16 = True
+# ... and a one-row product of that route with a weight of at most STEP_FP16_SERIAL_MAX elements runs on ONE thread:
+# fbgemm's fp16 kernel reads such a layer in tens of microseconds, about what waking the pool's sleeping second thread
+# costs (OMP_WAIT_POLICY=PASSIVE). On the busy 2-core EPYC the 151 products of a 135M Llama step took 31 ms of CPU on
+# one thread vs 37 on two (47 vs 55 ms wall); the (49152 x 576) head, larger than this, timed the same on one and two
+# there and keeps torch's thread count (two cores read memory faster than one on a quiet machine). 0: every product
+# on torch's thread count.
+STEP_FP16_SERIAL_MAX = 1 << 21
+# ... for weights of at least this many elements: the route's three ops (x in fp32, the product, the rounding) cost
+# ~10 us more than F.linear's one, more than the faster kernel saves on a small layer (a 64-wide model's products
+# went 0.3-0.7x in benchmarks/bf16_routes.py --quick); the 135M Llama's smallest product has 331,776.
+STEP_FP16_MIN_WEIGHT = 1 << 16
 
 
 def _backend_from_env() -> str:
@@ -231,16 +255,59 @@ def bf16_tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     return y.to(torch.bfloat16).view(*x.shape[:-1], n_out)
 
 
+_FP16_PACKABLE: bool | None = None
+
+
+def fp16_packable() -> bool:
+    """Can this torch build pack a weight for fbgemm's fp16 GEMM (torch.ops.quantized.linear_prepack_fp16)?"""
+    global _FP16_PACKABLE
+    if _FP16_PACKABLE is None:
+        try:
+            x, w = torch.linspace(-1, 1, 12).view(4, 3), torch.linspace(-2, 1, 6).view(2, 3)
+            y = torch.ops.quantized.linear_dynamic_fp16(x, torch.ops.quantized.linear_prepack_fp16(w, None))
+            _FP16_PACKABLE = bool(torch.allclose(y, F.linear(x, w), atol=1e-3))
+        except Exception:  # builds without fbgemm (non-x86)
+            _FP16_PACKABLE = False
+    return _FP16_PACKABLE
+
+
+def use_fp16_step(x: Tensor, weight: Tensor) -> bool:
+    """Does a bf16 decoding step x @ weight^T go through the fp16 copy (see STEP_BF16_VIA_FP16)? CPU, bf16 input and
+    weight of at least STEP_FP16_MIN_WEIGHT elements, fewer than BF16_TILE_MIN_ROWS rows (more take the tiles; the
+    caller checks), no autograd, no autocast, not under torch.compile, plain tensors, and a CPU without native bf16
+    whose torch has fbgemm."""
+    if not STEP_BF16_VIA_FP16 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu:
+        return False
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return False
+    if weight.numel() < STEP_FP16_MIN_WEIGHT or type(x) is not Tensor or type(weight) not in (Tensor, nn.Parameter):
+        return False
+    return not native_bf16() and fp16_packable()
+
+
+def fp16_pack(weight: Tensor, bias: Tensor | None) -> tuple[object, Tensor]:
+    """(fbgemm's packed fp16 copy of weight * 2^e, 2^-e as a 1-element fp32 tensor) for `use_fp16_step`: e puts the largest |weight| in
+    [2^14, 2^15), inside fp16's range, so that every bf16 weight from 2^-32 of the largest up is an fp16 number
+    exactly (see STEP_BF16_VIA_FP16); the bias is kept in fp32, unscaled (the input is scaled by 2^-e instead)."""
+    top = weight.detach().abs().amax().item()
+    e = 14 - math.floor(math.log2(top)) if top > 0 and math.isfinite(top) else 0
+    # rounded to fp16 here (the tiny weights fbgemm would saturate become 0), as one chain: no fp32 copy held on
+    w16 = weight.detach().float().mul_(2.0 ** e).half().float()
+    b = None if bias is None else bias.detach().float()
+    return torch.ops.quantized.linear_prepack_fp16(w16, b), torch.tensor([2.0 ** -e])
+
+
 # -- the decoding path: weights pre-transposed once -----------------------------------------------------
 def free_packed(module: nn.Module) -> int:
-    """Drop the pre-transposed decoding copies of every Linear in `module`, and the joined copies of `joint_step`
-    (to free their memory, or after changing weights through `.data`); they are rebuilt at the next decoding
-    step. Returns how many."""
+    """Drop the decoding copies of every Linear in `module` (pre-transposed, oneDNN-packed, the bf16 step's fp16),
+    and the joined copies of `joint_step` (to free their memory, or after changing weights through `.data`); they
+    are rebuilt at the next decoding step. Returns how many."""
     n = 0
     for m in module.modules():
         if isinstance(m, Linear):
             had = m.__dict__.pop("_decode_copy", None) is not None
             had |= bool(m.__dict__.pop("_decode_onednn", None))
+            had |= bool(m.__dict__.pop("_decode_fp16", None))
             n += had
         n += m.__dict__.pop("_decode_joined", None) is not None  # joint_step's copies (e.g. an FFN's gate + up)
     return n
@@ -289,7 +356,9 @@ class Linear(nn.Linear):
     (`free_packed` drops it). A step of STEP_PACKED_MIN_ROWS rows or more (a batch) multiplies instead by a
     copy packed by oneDNN (`_onednn_packed`, same bytes, made at the first such step): a process that decodes
     both single rows and batches holds both copies, twice the weight on top of it (`free_packed` drops both).
-    On accelerators `step` is F.linear (cuBLAS reads either layout at full speed)."""
+    A bf16 step on a CPU without native bf16 multiplies by an fp16 copy through fbgemm instead (`_fp16_packed`,
+    STEP_BF16_VIA_FP16; half the weight's fp32 bytes). On accelerators `step` is F.linear (cuBLAS reads either
+    layout at full speed)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
@@ -348,6 +417,20 @@ class Linear(nn.Linear):
             self.__dict__["_decode_onednn"] = _Transient(copy=packed)
         return packed
 
+    def _fp16_packed(self) -> tuple:
+        """(key, fbgemm's fp16 copy, input scale) for a bf16 step (`use_fp16_step`, `fp16_pack`), made and refreshed
+        like `_packed`'s copy (the same key)."""
+        params = self._parameters
+        w, b = params["weight"], params["bias"]
+        key = (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version)
+        holder = self.__dict__.get("_decode_fp16")
+        packed = None if holder is None else holder.get("copy")
+        if packed is None or packed[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                packed = (key, *fp16_pack(w, b))
+            self.__dict__["_decode_fp16"] = _Transient(copy=packed)
+        return packed
+
     def packed_weight(self) -> Tensor:
         """W^T (in, out), contiguous, detached (see packed)."""
         return self._packed(None)[1]
@@ -356,6 +439,22 @@ class Linear(nn.Linear):
         """x (..., in) -> (..., out) for inference on a few rows (a decoding step); scale_first=(n, s)
         returns the first n outputs multiplied by s."""
         tiles = x.dtype == torch.bfloat16 and use_bf16_tiles(x, self.weight)  # a batch's rows, bf16, no native bf16
+        if not tiles and x.dtype == torch.bfloat16 and use_fp16_step(x, self.weight):
+            _, packed, inv = self._fp16_packed()
+            x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+            # x * 2^-e in fp32 in one op (a 1-element fp32 tensor promotes the product to fp32); exact
+            threads = torch.get_num_threads() if x2.shape[0] == 1 and self.weight.numel() <= STEP_FP16_SERIAL_MAX else 1
+            if threads > 1:
+                torch.set_num_threads(1)  # process-wide; restored in the finally (~0.3 us each way)
+            try:
+                y = torch.ops.quantized.linear_dynamic_fp16(x2 * inv, packed).to(torch.bfloat16)
+            finally:
+                if threads > 1:
+                    torch.set_num_threads(threads)
+            y = y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+            if scale_first is not None:
+                y[..., : scale_first[0]] *= scale_first[1]
+            return y
         if tiles or not x.is_cpu or x.dtype != torch.float32 or torch.compiler.is_compiling():
             # under torch.compile the data-pointer lookup of the transposed copy cannot be traced;
             # accelerators read either layout at full speed; on CPU the transposed copy is a win in fp32 only:
