@@ -323,12 +323,17 @@ def test_bf16_autocast_route_gives_only_the_gradients_asked_for(no_native_bf16):
     _assert_bf16_of(gw, _r(x2).sum(0).expand(8, 16), _r(x2).abs().sum(0).expand(8, 16))
 
 
+class _Sub(torch.Tensor):
+    """A tensor subclass (as DTensor or a quantised weight): its own ops, never the route."""
+
+
 def test_bf16_autocast_route_is_taken_only_where_meant(no_native_bf16, monkeypatch):
     w, b = torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
     x = torch.randn(2, 20, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert L.use_bf16_autocast_fp32(x)
         assert not L.use_bf16_autocast_fp32(torch.randn(L.BF16_TILE_MIN_ROWS - 1, 16))  # few rows: autocast's kernel
+        assert L.use_bf16_autocast_fp32(x, w) and not L.use_bf16_autocast_fp32(x, w.detach().as_subclass(_Sub))
         with torch.no_grad():  # an evaluation under autocast takes it too
             assert L.use_bf16_autocast_fp32(x)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -364,7 +369,7 @@ def test_a_tiny_bert_fine_tune_step_under_bf16_autocast_matches_autocast_kernels
     taken = []
     real = L.use_bf16_autocast_fp32
     monkeypatch.setattr(A, "use_bf16_autocast_fp32", lambda q: taken.append("attention") or real(q))
-    monkeypatch.setattr(L, "use_bf16_autocast_fp32", lambda x: real(x) and not taken.append("linear"))
+    monkeypatch.setattr(L, "use_bf16_autocast_fp32", lambda x, w: real(x, w) and not taken.append("linear"))
     results = []
     for on in (True, False):
         monkeypatch.setattr(L, "BF16_AUTOCAST_FP32", on)

@@ -191,7 +191,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return _OneDNNLinear.apply(x.contiguous(), weight, bias)
     if x.dtype == torch.bfloat16 and use_bf16_tiles(x, weight):
         return bf16_tiled_linear(x, weight, bias)
-    if use_bf16_autocast_fp32(x):
+    if use_bf16_autocast_fp32(x, weight):
         return _Bf16AutocastLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -242,16 +242,18 @@ def bf16_tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
 
 
 # -- bf16 autocast (training) on a CPU without native bf16: the fp32 BLAS on bf16-rounded operands --------------
-def use_bf16_autocast_fp32(x: Tensor) -> bool:
+def use_bf16_autocast_fp32(x: Tensor, weight: Tensor | None = None) -> bool:
     """Does a product with input x (linear's x, attention's q) take the fp32 route of bf16 autocast
     (`_Bf16AutocastLinear`, and `bf16_autocast_sdpa` in nn/attention.py)? BF16_AUTOCAST_FP32 on, CPU autocast to
-    bf16 on, a CPU without native bf16, at least BF16_TILE_MIN_ROWS rows, not under torch.compile, a plain tensor.
-    Grad mode does not matter (an evaluation under autocast takes it too)."""
+    bf16 on, a CPU without native bf16, at least BF16_TILE_MIN_ROWS rows, not under torch.compile, plain tensors
+    (x and the weight, if given). Grad mode does not matter (an evaluation under autocast takes it too)."""
     if not BF16_AUTOCAST_FP32 or not x.is_cpu or not torch.is_autocast_enabled("cpu"):
         return False
     if torch.get_autocast_dtype("cpu") != torch.bfloat16 or x.numel() < max(1, BF16_TILE_MIN_ROWS) * x.shape[-1]:
         return False
     if type(x) not in (Tensor, nn.Parameter) or torch.compiler.is_compiling():
+        return False
+    if weight is not None and type(weight) not in (Tensor, nn.Parameter):
         return False
     return not native_bf16()
 
