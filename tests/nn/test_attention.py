@@ -348,3 +348,55 @@ def test_cuda_kernels_agree_and_fully_masked_rows_stay_finite(dtype):
     causal_only, _ = scaled_dot_product_attention(q, k, v, causal=True, backend="fused")  # is_causal kernel
     ref2, _ = scaled_dot_product_attention(q.float(), k.float(), v.float(), causal=True, backend="naive")
     torch.testing.assert_close(causal_only.float(), ref2, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("causal,padded", [(False, True), (True, False), (True, True)])
+def test_bf16_autocast_attention_route_equals_the_bf16_computation_and_autocast(monkeypatch, causal, padded):
+    """bf16 autocast on a CPU without native bf16 (forced): the fused backend runs the fp32 kernel on bf16-rounded
+    q, k, v (bf16_autocast_sdpa). Output and gradients equal the same attention written out in float64 on the
+    rounded operands, each result rounded to bf16 (within bf16 rounding plus fp32 sums), and autocast's own bf16
+    kernel within bf16 tolerance."""
+    from qkv.nn import attention as A
+    from qkv.nn import linear as L
+
+    monkeypatch.setattr(L, "_NATIVE_BF16", False)
+    torch.manual_seed(0)
+    B, H, T, D = 2, 3, 24, 16
+    q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
+    mask = (torch.arange(T)[None] < torch.tensor([T, 15])[:, None])[:, None, None, :] if padded else None
+    g = torch.randn(B, H, T, D).bfloat16()
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal, backend="fused")
+        return (out, *torch.autograd.grad(out, [q, k, v], g))
+
+    calls = []
+    real = A.bf16_autocast_sdpa
+    monkeypatch.setattr(A, "bf16_autocast_sdpa", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = run()
+    assert calls == [1] and got[0].dtype == torch.bfloat16
+    # fp32 inputs get fp32 gradients (autocast's cast backward) holding bf16 values (the bf16 kernel's gradients)
+    assert all(t.dtype == torch.float32 and torch.equal(t, t.bfloat16().float()) for t in got[1:])
+    # the reference, written out in float64 on the rounded operands
+    qr, kr, vr = (t.detach().bfloat16().double().requires_grad_() for t in (q, k, v))
+    scores = qr @ kr.transpose(-2, -1) / math.sqrt(D)
+    keep = torch.ones(T, T, dtype=torch.bool)
+    if causal:
+        keep = causal_mask(T, T)
+    if mask is not None:
+        keep = keep & mask
+    p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    out = p @ vr
+    want = (out, *torch.autograd.grad(out, [qr, kr, vr], g.double()))
+    for have, exact in zip(got, want):
+        exact = exact.detach()
+        assert ((have.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
+        assert ((have.double() - exact.bfloat16().double()) != 0).double().mean() < 0.02
+    # autocast's own bf16 kernel (the route off): within bf16 tolerance (it also rounds the probabilities)
+    monkeypatch.setattr(L, "BF16_AUTOCAST_FP32", False)
+    native = run()
+    assert calls == [1]
+    for have, other in zip(got, native):
+        assert have.dtype == other.dtype
+        torch.testing.assert_close(have.float(), other.float(), rtol=1e-2, atol=2e-2)

@@ -333,3 +333,129 @@ def test_bf16_fp16_step_copy_is_rebuilt_dropped_and_taken_only_where_meant(no_na
         assert not L.use_fp16_step(x, w)  # native bf16: oneDNN's kernels
     monkeypatch.setattr(L, "_NATIVE_BF16", False)
     assert not L.use_fp16_step(x, w)  # autograd: F.linear
+
+
+# -- bf16 autocast (training) on a CPU without native bf16: the fp32 BLAS on bf16-rounded operands --------------
+def _r(t: torch.Tensor) -> torch.Tensor:
+    """What autocast multiplies: the value rounded to bf16 (exact in float64)."""
+    return t.detach().bfloat16().double()
+
+
+def _assert_bf16_of(got: torch.Tensor, exact: torch.Tensor, abs_terms: torch.Tensor) -> None:
+    """got is `exact` (a float64 sum of products) rounded to bf16 after an fp32 summation: within half a bf16 ulp of
+    it plus the fp32 summation error (bounded by 1e-5 of the sum of |terms|); and equal to exact's own bf16
+    rounding but for rare 1-ulp flips."""
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5 * abs_terms).all()
+    assert ((got.double() - exact.bfloat16().double()) != 0).double().mean() < 0.02
+
+
+def _autocast_linear(x, w, b, g):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = L.linear(x, w, b)
+    return y, torch.autograd.grad(y, [x, w] + ([b] if b is not None else []), g)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape,out,x_dtype", [((4, 20, 48), 72, torch.float32), ((130, 48), 40, torch.float32),
+                                               ((64, 33), 65, torch.bfloat16)])
+def test_bf16_autocast_route_equals_the_bf16_computation_and_autocast(no_native_bf16, monkeypatch, shape, out,
+                                                                      x_dtype, bias):
+    torch.manual_seed(0)
+    x = torch.randn(*shape).to(x_dtype).requires_grad_()
+    w = (torch.randn(out, shape[-1]) * shape[-1] ** -0.5).requires_grad_()
+    b = torch.randn(out, requires_grad=True) if bias else None
+    g = torch.randn(*shape[:-1], out).bfloat16()  # autocast's output is bf16, so is its gradient
+    y, grads = _autocast_linear(x, w, b, g)
+    assert type(y.grad_fn).__name__ == "_Bf16AutocastLinearBackward" and y.dtype == torch.bfloat16
+    assert [t.dtype for t in grads] == [x_dtype, torch.float32] + ([torch.float32] if bias else [])
+    # the reference, written out: bf16-rounded operands, an exact sum, one bf16 rounding of each result
+    x2, g2 = _r(x).reshape(-1, shape[-1]), g.double().reshape(-1, out)
+    wr = _r(w)
+    _assert_bf16_of(y.reshape(-1, out), x2 @ wr.t() + (_r(b) if bias else 0), x2.abs() @ wr.abs().t())
+    _assert_bf16_of(grads[0].reshape(-1, shape[-1]), g2 @ wr, g2.abs() @ wr.abs())
+    _assert_bf16_of(grads[1], g2.t() @ x2, g2.abs().t() @ x2.abs())
+    if bias:
+        _assert_bf16_of(grads[2], g2.sum(0), g2.abs().sum(0))
+    # and autocast's own bf16 kernels (the route off): the same values within bf16 rounding
+    monkeypatch.setattr(L, "BF16_AUTOCAST_FP32", False)
+    y_n, grads_n = _autocast_linear(x, w, b, g)
+    assert "Bf16" not in type(y_n.grad_fn).__name__ and y_n.dtype == torch.bfloat16
+    for have, want in zip((y, *grads), (y_n, *grads_n)):
+        assert have.dtype == want.dtype
+        torch.testing.assert_close(have.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_autocast_route_gives_only_the_gradients_asked_for(no_native_bf16):
+    x, w = torch.randn(40, 16, requires_grad=True), torch.randn(8, 16)
+    g = torch.ones(40, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (gx,) = torch.autograd.grad(L.linear(x, w), [x], g)
+    torch.testing.assert_close(gx.double(), _r(w).sum(0).bfloat16().double().expand(40, 16), rtol=0, atol=0)
+    x2, w2 = torch.randn(40, 16), torch.randn(8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (gw,) = torch.autograd.grad(L.linear(x2, w2), [w2], g)
+    _assert_bf16_of(gw, _r(x2).sum(0).expand(8, 16), _r(x2).abs().sum(0).expand(8, 16))
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (as DTensor or a quantised weight): its own ops, never the route."""
+
+
+def test_bf16_autocast_route_is_taken_only_where_meant(no_native_bf16, monkeypatch):
+    w, b = torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
+    x = torch.randn(2, 20, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert L.use_bf16_autocast_fp32(x)
+        assert not L.use_bf16_autocast_fp32(torch.randn(L.BF16_TILE_MIN_ROWS - 1, 16))  # few rows: autocast's kernel
+        assert L.use_bf16_autocast_fp32(x, w) and not L.use_bf16_autocast_fp32(x, w.detach().as_subclass(_Sub))
+        with torch.no_grad():  # an evaluation under autocast takes it too
+            assert L.use_bf16_autocast_fp32(x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not L.use_bf16_autocast_fp32(x)
+    assert not L.use_bf16_autocast_fp32(x)  # no autocast
+    # autocast off, fp32: F.linear untouched (bit for bit, with its own backward)
+    with qkv.nn.linear_backend("aten"):
+        y = L.linear(x, w, b)
+    assert type(y.grad_fn).__name__ != "_Bf16AutocastLinearBackward" and y.dtype == torch.float32
+    assert torch.equal(y, F.linear(x, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        monkeypatch.setattr(L, "BF16_AUTOCAST_FP32", False)
+        assert not L.use_bf16_autocast_fp32(x)  # the switch off
+        monkeypatch.setattr(L, "BF16_AUTOCAST_FP32", True)
+        monkeypatch.setattr(L, "_NATIVE_BF16", True)
+        assert not L.use_bf16_autocast_fp32(x)  # native bf16: oneDNN's kernels
+        y = L.linear(x, w, b)
+        assert y.dtype == torch.bfloat16 and type(y.grad_fn).__name__ != "_Bf16AutocastLinearBackward"
+
+
+def test_a_tiny_bert_fine_tune_step_under_bf16_autocast_matches_autocast_kernels(no_native_bf16, monkeypatch):
+    """One classification step of a small BERT (padding, unpadded rows, fused attention) under bf16 autocast: the
+    route (every Linear of the layers and the attention) gives autocast's loss and gradients within bf16 tolerance."""
+    from qkv.models.bert import BERT, BERTConfig
+    from qkv.nn import attention as A
+
+    torch.manual_seed(0)
+    model = BERT(BERTConfig(vocab_size=50, n_layers=2, d_model=64, n_heads=4, context_length=32, head="classify",
+                            num_labels=3, dropout=0.0)).train()
+    ids = torch.randint(0, 50, (4, 24))
+    mask = (torch.arange(24)[None] < torch.tensor([24, 20, 13, 17])[:, None]).long()
+    labels = torch.tensor([0, 2, 1, 2])
+    taken = []
+    real = L.use_bf16_autocast_fp32
+    monkeypatch.setattr(A, "use_bf16_autocast_fp32", lambda q: taken.append("attention") or real(q))
+    monkeypatch.setattr(L, "use_bf16_autocast_fp32", lambda x, w: real(x, w) and not taken.append("linear"))
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(L, "BF16_AUTOCAST_FP32", on)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.float().backward()
+        results.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert taken.count("linear") == 2 * 4 and "attention" in taken  # 4 linears per layer took the route, once
+    (loss, grads), (loss_n, grads_n) = results
+    assert grads.keys() == grads_n.keys()
+    assert abs(loss - loss_n) <= 1e-2 * abs(loss_n)
+    for name, gr in grads.items():
+        rel = (gr - grads_n[name]).norm() / grads_n[name].norm().clamp_min(1e-12)
+        assert rel < 5e-2, name

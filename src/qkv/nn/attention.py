@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.nn.linear import Linear, native_bf16
+from qkv.nn.linear import Linear, native_bf16, use_bf16_autocast_fp32
 from qkv.nn.paged import PoolKeys, PoolRows
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,6 +88,25 @@ class Unpadded(NamedTuple):
         return x.reshape(self.batch * self.length, *x.shape[2:]).index_select(0, self.index)
 
 
+def bf16_autocast_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw) -> Tensor:
+    """F.scaled_dot_product_attention under CPU bf16 autocast on a CPU without native bf16 (see
+    linear.BF16_AUTOCAST_FP32): q, k, v (and a float mask) rounded to bf16 as autocast casts them, the fp32 kernel
+    on those values, the output rounded to bf16. Autocast's bf16 flash kernel emulates every product on such a CPU
+    (~6x the fp32 kernel's time in a BERT-base layer's forward + backward). The gradients of q, k, v come back
+    rounded to bf16 (the backward of the rounding casts), as the bf16 kernel's do. One difference in the forward:
+    the bf16 kernel rounds the probabilities to bf16 before multiplying by v; here they stay fp32. The kernel saves
+    fp32 q, k, v and output for the backward: twice the bf16 kernel's bytes for those four tensors."""
+
+    def rounded(t: Tensor) -> Tensor:
+        return t.to(torch.bfloat16).float()
+
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = rounded(attn_mask)
+    with torch.autocast("cpu", enabled=False):
+        out = F.scaled_dot_product_attention(rounded(q), rounded(k), rounded(v), attn_mask=attn_mask, **kw)
+    return out.to(torch.bfloat16)
+
+
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
@@ -132,9 +151,11 @@ def scaled_dot_product_attention(
             k = k.repeat_interleave(H // Hkv, dim=1)
             v = v.repeat_interleave(H // Hkv, dim=1)
 
+    # bf16 autocast on a CPU without native bf16: the fp32 kernel on bf16-rounded operands (bf16_autocast_sdpa)
+    sdpa = bf16_autocast_sdpa if backend == "fused" and use_bf16_autocast_fp32(q) else F.scaled_dot_product_attention
     if backend == "fused" and causal and mask is None and bias is None and Tq == Tk:
         # The common training case: let the kernel generate the (square) causal mask itself.
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
+        out = sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
         return out, None
     full = _combined_mask(Tq, Tk, mask, causal, q.device)
 
@@ -143,9 +164,7 @@ def scaled_dot_product_attention(
         if bias is not None:
             attn_mask = bias if full is None else bias.masked_fill(~full, float("-inf"))
             attn_mask = attn_mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, **gqa
-        )
+        out = sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, **gqa)
         weights = None
     elif backend == "naive":
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)

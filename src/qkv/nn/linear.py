@@ -89,6 +89,16 @@ STEP_FP16_SERIAL_MAX = 1 << 21
 STEP_FP16_MIN_WEIGHT = 1 << 16
 
 
+# Training (and evaluation) under torch.autocast("cpu", dtype=torch.bfloat16) on a CPU without native bf16: autocast
+# turns every linear into a bf16 matmul, which such a CPU emulates (a BERT-base layer's forward + backward ~50 s
+# against ~0.5 s in fp32, docs/perf/beam14d_finetune_bf16.md). With this on, qkv's Linear of at least
+# BF16_TILE_MIN_ROWS rows and the fused attention compute the same bf16 products with the fp32 BLAS instead:
+# operands rounded to bf16, fp32 sums, outputs and gradients rounded to bf16 (`_Bf16AutocastLinear`,
+# attention.bf16_autocast_sdpa): bf16 mixed precision's numerics at about fp32 speed (docs/perf/ft14e.md).
+# False: autocast's own kernels, as before.
+BF16_AUTOCAST_FP32 = True
+
+
 def _backend_from_env() -> str:
     name = os.environ.get("QKV_LINEAR_BACKEND", "").strip().lower()
     if name in BACKENDS:
@@ -207,6 +217,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return _OneDNNLinear.apply(x.contiguous(), weight, bias)
     if x.dtype == torch.bfloat16 and use_bf16_tiles(x, weight):
         return bf16_tiled_linear(x, weight, bias)
+    if use_bf16_autocast_fp32(x, weight):
+        return _Bf16AutocastLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -295,6 +307,66 @@ def fp16_pack(weight: Tensor, bias: Tensor | None) -> tuple[object, Tensor]:
     w16 = weight.detach().float().mul_(2.0 ** e).half().float()
     b = None if bias is None else bias.detach().float()
     return torch.ops.quantized.linear_prepack_fp16(w16, b), torch.tensor([2.0 ** -e])
+
+
+# -- bf16 autocast (training) on a CPU without native bf16: the fp32 BLAS on bf16-rounded operands --------------
+def use_bf16_autocast_fp32(x: Tensor, weight: Tensor | None = None) -> bool:
+    """Does a product with input x (linear's x, attention's q) take the fp32 route of bf16 autocast
+    (`_Bf16AutocastLinear`, and `bf16_autocast_sdpa` in nn/attention.py)? BF16_AUTOCAST_FP32 on, CPU autocast to
+    bf16 on, a CPU without native bf16, at least BF16_TILE_MIN_ROWS rows, not under torch.compile, plain tensors
+    (x and the weight, if given). Grad mode does not matter (an evaluation under autocast takes it too)."""
+    if not BF16_AUTOCAST_FP32 or not x.is_cpu or not torch.is_autocast_enabled("cpu"):
+        return False
+    if torch.get_autocast_dtype("cpu") != torch.bfloat16 or x.numel() < max(1, BF16_TILE_MIN_ROWS) * x.shape[-1]:
+        return False
+    if type(x) not in (Tensor, nn.Parameter) or torch.compiler.is_compiling():
+        return False
+    if weight is not None and type(weight) not in (Tensor, nn.Parameter):
+        return False
+    return not native_bf16()
+
+
+def _bf16(t: Tensor) -> Tensor:
+    return t.to(torch.bfloat16)
+
+
+class _Bf16AutocastLinear(torch.autograd.Function):
+    """F.linear under CPU bf16 autocast, with autocast's numerics and the fp32 BLAS's speed: x, weight and bias are
+    rounded to bf16 (what autocast casts them to), multiplied in fp32 (products of bf16 numbers are exact in fp32;
+    the sums are fp32 in both) and the output rounded to bf16 once. The backward likewise: the (bf16) output
+    gradient times the bf16-rounded weight / input in fp32, each gradient rounded to bf16 (autocast's addmm
+    backward returns bf16) and handed back in its input's dtype (autocast's cast backward: fp32 for fp32 master
+    weights). Saved for backward: the bf16 input (as autocast's addmm saves it) and the weight itself (a
+    parameter: no copy), rounded again in the backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        xb = _bf16(x)
+        ctx.save_for_backward(xb, weight)
+        ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
+        x2 = xb.reshape(-1, xb.shape[-1]).float()
+        # the whole weight rounded in one fp32 copy (not bf16_tiled_linear's tiles: a training step holds the fp32
+        # weight anyway, and one product avoids the tiles' strided writes)
+        wt = _bf16(weight).float().t()
+        with torch.autocast("cpu", enabled=False):  # the fp32 products below must stay fp32
+            y = torch.mm(x2, wt) if bias is None else torch.addmm(_bf16(bias).float(), x2, wt)
+        return _bf16(y).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        xb, weight = ctx.saved_tensors
+        x_dtype, b_dtype = ctx.dtypes
+        g = grad.reshape(-1, grad.shape[-1]).float()  # (N, out); bf16 values (autocast's output dtype)
+        gx = gw = gb = None
+        with torch.autocast("cpu", enabled=False):
+            if ctx.needs_input_grad[0]:
+                gx = _bf16(g @ _bf16(weight).float()).to(x_dtype).view(xb.shape)
+            if ctx.needs_input_grad[1]:
+                gw = _bf16(g.t() @ xb.reshape(-1, xb.shape[-1]).float()).to(weight.dtype)
+            if b_dtype is not None and ctx.needs_input_grad[2]:
+                gb = _bf16(g.sum(0)).to(b_dtype)
+        return gx, gw, gb
 
 
 # -- the decoding path: weights pre-transposed once -----------------------------------------------------
