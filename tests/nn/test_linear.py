@@ -274,7 +274,8 @@ def test_bf16_fp16_step_equals_f_linear_and_the_float64_product(no_native_bf16, 
     monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)  # small layers here
     layer = L.Linear(shape[-1], out, bias=bias).bfloat16()
     with torch.no_grad():
-        w = torch.randn(out, shape[-1]) * torch.rand(out, shape[-1]).pow(8) * 30  # |w| from ~1e-9 to ~100
+        # |w| from 1e-7 to 100 (a span of 2^30: inside what fp16 holds exactly after the power-of-two scaling)
+        w = torch.randn(out, shape[-1]).sign() * 10 ** (torch.rand(out, shape[-1]) * 9 - 7)
         w[1] = 0
         layer.weight.copy_(w)
     x = torch.randn(*shape).bfloat16()
@@ -285,7 +286,8 @@ def test_bf16_fp16_step_equals_f_linear_and_the_float64_product(no_native_bf16, 
         scaled = layer.step(x, (5, 0.125))
         want = F.linear(x, layer.weight, layer.bias)
     assert torch.get_num_threads() == threads  # the one-thread product restores the count
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape and "_decode_fp16" in layer.__dict__
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert layer.__dict__["_decode_fp16"]["copy"][1] is not None  # the fp16 copy was made and used
     b = None if layer.bias is None else layer.bias.double()
     ref64 = F.linear(x.double(), layer.weight.double(), b).reshape(-1, out)
     x2 = x.reshape(-1, shape[-1])
@@ -459,3 +461,19 @@ def test_a_tiny_bert_fine_tune_step_under_bf16_autocast_matches_autocast_kernels
     for name, gr in grads.items():
         rel = (gr - grads_n[name]).norm() / grads_n[name].norm().clamp_min(1e-12)
         assert rel < 5e-2, name
+
+
+@needs_fp16
+def test_bf16_fp16_step_keeps_f_linear_for_a_weight_fp16_cannot_hold(no_native_bf16, monkeypatch):
+    """A weight spanning more than 2^32 (a row of 1e-12 beside weights of 1) is not exact in fp16 even after the
+    scaling: no fp16 copy, and the step equals F.linear's bf16 product bit for bit (the tiny row included)."""
+    monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)
+    layer = L.Linear(32, 8, bias=False).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(8, 32))
+        layer.weight[3] = torch.randn(32) * 1e-12
+    x = torch.randn(1, 32).bfloat16()
+    with torch.no_grad():
+        got, want = layer.step(x), F.linear(x, layer.weight, layer.bias)
+    assert layer.__dict__["_decode_fp16"]["copy"][1] is None
+    assert want[0, 3] != 0 and torch.equal(got, want)  # an fp16 copy would have rounded row 3 to zeros

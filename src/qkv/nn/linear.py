@@ -297,13 +297,20 @@ def use_fp16_step(x: Tensor, weight: Tensor) -> bool:
     return not native_bf16() and fp16_packable()
 
 
-def fp16_pack(weight: Tensor, bias: Tensor | None) -> tuple[object, Tensor]:
-    """(fbgemm's packed fp16 copy of weight * 2^e, 2^-e as a 1-element fp32 tensor) for `use_fp16_step`: e puts the largest |weight| in
-    [2^14, 2^15), inside fp16's range, so that every bf16 weight from 2^-32 of the largest up is an fp16 number
-    exactly (see STEP_BF16_VIA_FP16); the bias is kept in fp32, unscaled (the input is scaled by 2^-e instead)."""
+def fp16_pack(weight: Tensor, bias: Tensor | None) -> tuple[object, Tensor] | tuple[None, None]:
+    """(fbgemm's packed fp16 copy of weight * 2^e, 2^-e as a 1-element fp32 tensor) for `use_fp16_step`: e puts the
+    largest |weight| in [2^14, 2^15), inside fp16's range, so that every bf16 weight from 2^-32 of the largest up is
+    an fp16 number exactly (see STEP_BF16_VIA_FP16); the bias is kept in fp32, unscaled (the input is scaled by 2^-e
+    instead). (None, None) where some nonzero weight is smaller than that (it would not be exact in fp16: a matrix
+    whose weights span more than 2^32): such a layer keeps F.linear."""
     top = weight.detach().abs().amax().item()
     e = 14 - math.floor(math.log2(top)) if top > 0 and math.isfinite(top) else 0
-    # rounded to fp16 here (the tiny weights fbgemm would saturate become 0), as one chain: no fp32 copy held on
+    # a bf16 number (8 significant bits) times 2^e is an fp16 number when it is >= 2^-17 (fp16's subnormals are
+    # multiples of 2^-24) and <= 65504 (the choice of e)
+    nonzero = weight.detach().abs().masked_fill(weight.detach() == 0, float("inf"))
+    if nonzero.amin().item() * 2.0 ** e < 2.0 ** -17:
+        return None, None
+    # rounded to fp16 here, as one chain: no fp32 copy held on
     w16 = weight.detach().float().mul_(2.0 ** e).half().float()
     b = None if bias is None else bias.detach().float()
     return torch.ops.quantized.linear_prepack_fp16(w16, b), torch.tensor([2.0 ** -e])
@@ -511,8 +518,10 @@ class Linear(nn.Linear):
         """x (..., in) -> (..., out) for inference on a few rows (a decoding step); scale_first=(n, s)
         returns the first n outputs multiplied by s."""
         tiles = x.dtype == torch.bfloat16 and use_bf16_tiles(x, self.weight)  # a batch's rows, bf16, no native bf16
+        packed = None
         if not tiles and x.dtype == torch.bfloat16 and use_fp16_step(x, self.weight):
-            _, packed, inv = self._fp16_packed()
+            _, packed, inv = self._fp16_packed()  # packed None: a weight fp16 cannot hold exactly (fp16_pack)
+        if packed is not None:
             x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
             # x * 2^-e in fp32 in one op (a 1-element fp32 tensor promotes the product to fp32); exact
             threads = torch.get_num_threads() if x2.shape[0] == 1 and self.weight.numel() <= STEP_FP16_SERIAL_MAX else 1
