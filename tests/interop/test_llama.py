@@ -270,6 +270,7 @@ def test_bf16_greedy_through_fp32_tiles(tmp_path, monkeypatch, name):
     real = L.bf16_tiled_linear
     monkeypatch.setattr(L, "bf16_tiled_linear", lambda *a: calls.append(a[0].shape) or real(*a))
     monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)  # this model's layers are small
+    monkeypatch.setattr(L, "STEP_FP16_MIN_ROWS", 1)  # batch 1's one-row steps too (by default they keep torch's kernel)
     fp16_steps = []  # the steps' products of fewer rows through the fp16 copy (STEP_BF16_VIA_FP16), where fbgemm is
     real_fp16 = L.Linear._fp16_packed
     monkeypatch.setattr(L.Linear, "_fp16_packed", lambda self: fp16_steps.append(1) or real_fp16(self))

@@ -272,6 +272,7 @@ def test_bf16_fp16_step_equals_f_linear_and_the_float64_product(no_native_bf16, 
     """Linear.step's fp16 route against F.linear's bf16 kernel and the float64 product, with weights over a wide range
     (tiny ones that fp16 holds only after the power-of-two scaling, one row of zeros, large ones) and scale_first."""
     monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)  # small layers here
+    monkeypatch.setattr(L, "STEP_FP16_MIN_ROWS", 1)  # one row too (by default one row keeps torch's kernel)
     layer = L.Linear(shape[-1], out, bias=bias).bfloat16()
     with torch.no_grad():
         # |w| from 1e-7 to 100 (a span of 2^30: inside what fp16 holds exactly after the power-of-two scaling)
@@ -279,13 +280,11 @@ def test_bf16_fp16_step_equals_f_linear_and_the_float64_product(no_native_bf16, 
         w[1] = 0
         layer.weight.copy_(w)
     x = torch.randn(*shape).bfloat16()
-    threads = torch.get_num_threads()
     with torch.no_grad():
         assert L.use_fp16_step(x, layer.weight)
         got = layer.step(x)
         scaled = layer.step(x, (5, 0.125))
         want = F.linear(x, layer.weight, layer.bias)
-    assert torch.get_num_threads() == threads  # the one-thread product restores the count
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert layer.__dict__["_decode_fp16"]["copy"][1] is not None  # the fp16 copy was made and used
     b = None if layer.bias is None else layer.bias.double()
@@ -309,7 +308,7 @@ def test_bf16_fp16_step_copy_is_rebuilt_dropped_and_taken_only_where_meant(no_na
 
     monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)
     layer = L.Linear(16, 8).bfloat16()
-    x = torch.randn(1, 16).bfloat16()
+    x = torch.randn(2, 16).bfloat16()
     with torch.no_grad():
         first = layer.step(x)
         layer.weight.mul_(2)  # an in-place change: the copy is rebuilt
@@ -322,6 +321,7 @@ def test_bf16_fp16_step_copy_is_rebuilt_dropped_and_taken_only_where_meant(no_na
     w = layer.weight
     with torch.no_grad():
         assert L.use_fp16_step(torch.randn(3, 16).bfloat16(), w)
+        assert not L.use_fp16_step(torch.randn(1, 16).bfloat16(), w)  # one row: torch's bf16 kernel
         assert not L.use_fp16_step(torch.randn(1, 16), w.float())  # fp32 untouched
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not L.use_fp16_step(x, w)
@@ -468,6 +468,7 @@ def test_bf16_fp16_step_keeps_f_linear_for_a_weight_fp16_cannot_hold(no_native_b
     """A weight spanning more than 2^32 (a row of 1e-12 beside weights of 1) is not exact in fp16 even after the
     scaling: no fp16 copy, and the step equals F.linear's bf16 product bit for bit (the tiny row included)."""
     monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)
+    monkeypatch.setattr(L, "STEP_FP16_MIN_ROWS", 1)
     layer = L.Linear(32, 8, bias=False).bfloat16()
     with torch.no_grad():
         layer.weight.copy_(torch.randn(8, 32))

@@ -168,7 +168,6 @@ class Block(nn.Module):
             x = self._residual(x, _norm_step(m["norm_cross"]), cross.step, keep, batch, cache, layer, cross_add)
         return self._residual(x, _norm_step(m["norm2"]), m["ffn"].step, keep)
 
-
     def _last_step_residual(self, x: Tensor, norm: Callable[..., Tensor], keep: Tensor | None, batch: int,
                             *args: object) -> tuple[Tensor, Tensor | None]:
         """Block.step's self-attention residual with last_only: the attention reads the (batch * T, d) rows and

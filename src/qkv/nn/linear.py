@@ -64,25 +64,22 @@ JOINT_STEP = True
 # bf16 product through F.linear, as before).
 BF16_TILE_MIN_ROWS = 32
 BF16_TILE_ELEMS = 1 << 18  # 1 MB of fp32 per tile: the buffer stays in the cache while the rows are multiplied
-# A bf16 decoding step of fewer than BF16_TILE_MIN_ROWS rows (batch-1 decoding above all) on a CPU without native
+# A bf16 decoding step of STEP_FP16_MIN_ROWS to BF16_TILE_MIN_ROWS - 1 rows (a batched step) on a CPU without native
 # bf16 multiplies by an fp16 copy of the weight packed for fbgemm's fp16 GEMM (`Linear._fp16_packed`,
 # torch.ops.quantized.linear_dynamic_fp16: F16C hardware conversion, fp32 multiply-adds) instead of torch's bf16
-# kernel, which converts bf16 -> fp32 in software and ran at ~7 GB/s of weights per core on the AVX2 EPYC (both
-# cores busy), the fp16 kernel at ~11 GB/s streaming and ~35 GB/s from cache on ONE core (docs/perf/bf16_12e.md).
-# The copy is scaled by a power of two 2^e (and the input by 2^-e) so that every bf16 weight down to 2^-32 of the
-# largest is an fp16 number exactly (8 significant bits; smaller ones are below fp32's resolution of the row's sum):
+# kernel, which converts bf16 -> fp32 in software (~7 GB/s of weights per core on the AVX2 EPYC) and costs about one
+# row-time per row (docs/perf/bf16_12e.md). The copy is scaled by a power of two 2^e (and the input by 2^-e) so that
+# every bf16 weight is an fp16 number exactly (`fp16_pack` checks; a weight spanning more than 2^32 keeps F.linear):
 # the products x_k w_k are exact in fp32 in both routes and both sum in fp32, so the result equals F.linear's up to
 # fp32 summation order (a 1-ulp bf16 rounding flip now and then). Costs one more copy of the weight (2 bytes per
 # weight, built at the first step like the fp32 path's transposed copies; `free_packed` drops it). Needs fbgemm (x86
 # builds). False: F.linear as before.
 STEP_BF16_VIA_FP16 = True
-# ... and a one-row product of that route with a weight of at most STEP_FP16_SERIAL_MAX elements runs on ONE thread:
-# fbgemm's fp16 kernel reads such a layer in tens of microseconds, about what waking the pool's sleeping second thread
-# costs (OMP_WAIT_POLICY=PASSIVE). On the busy 2-core EPYC the 151 products of a 135M Llama step took 31 ms of CPU on
-# one thread vs 37 on two (47 vs 55 ms wall); the (49152 x 576) head, larger than this, timed the same on one and two
-# there and keeps torch's thread count (two cores read memory faster than one on a quiet machine). 0: every product
-# on torch's thread count.
-STEP_FP16_SERIAL_MAX = 1 << 21
+# ... for products of at least this many rows: ONE row (batch-1 decoding) keeps torch's bf16 matrix-vector kernel,
+# which spreads the rows over both cores; on the quiet EPYC the 135M Llama's batch-1 step took 76.8 ms through the
+# fp16 copy (its layers on one thread) and 64.0 ms without it (84.7 / 81.6 / 68.1 ms with the fp16 layers on one
+# thread / on two / off, docs/perf/stop24/); batch 8 gains ~2.7x.
+STEP_FP16_MIN_ROWS = 2
 # ... for weights of at least this many elements: the route's three ops (x in fp32, the product, the rounding) cost
 # ~10 us more than F.linear's one, more than the faster kernel saves on a small layer (a 64-wide model's products
 # went 0.3-0.7x in benchmarks/bf16_routes.py --quick); the 135M Llama's smallest product has 331,776.
@@ -285,14 +282,16 @@ def fp16_packable() -> bool:
 
 def use_fp16_step(x: Tensor, weight: Tensor) -> bool:
     """Does a bf16 decoding step x @ weight^T go through the fp16 copy (see STEP_BF16_VIA_FP16)? CPU, bf16 input and
-    weight of at least STEP_FP16_MIN_WEIGHT elements, fewer than BF16_TILE_MIN_ROWS rows (more take the tiles; the
-    caller checks), no autograd, no autocast, not under torch.compile, plain tensors, and a CPU without native bf16
+    weight of at least STEP_FP16_MIN_WEIGHT elements, at least STEP_FP16_MIN_ROWS and fewer than BF16_TILE_MIN_ROWS
+    rows (more take the tiles; the caller checks), no autograd, no autocast, not under torch.compile, plain tensors, and a CPU without native bf16
     whose torch has fbgemm."""
     if not STEP_BF16_VIA_FP16 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu:
         return False
     if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return False
-    if weight.numel() < STEP_FP16_MIN_WEIGHT or type(x) is not Tensor or type(weight) not in (Tensor, nn.Parameter):
+    if weight.numel() < STEP_FP16_MIN_WEIGHT or x.numel() < STEP_FP16_MIN_ROWS * x.shape[-1]:
+        return False
+    if type(x) is not Tensor or type(weight) not in (Tensor, nn.Parameter):
         return False
     return not native_bf16() and fp16_packable()
 
@@ -524,14 +523,7 @@ class Linear(nn.Linear):
         if packed is not None:
             x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
             # x * 2^-e in fp32 in one op (a 1-element fp32 tensor promotes the product to fp32); exact
-            threads = torch.get_num_threads() if x2.shape[0] == 1 and self.weight.numel() <= STEP_FP16_SERIAL_MAX else 1
-            if threads > 1:
-                torch.set_num_threads(1)  # process-wide; restored in the finally (~0.3 us each way)
-            try:
-                y = torch.ops.quantized.linear_dynamic_fp16(x2 * inv, packed).to(torch.bfloat16)
-            finally:
-                if threads > 1:
-                    torch.set_num_threads(threads)
+            y = torch.ops.quantized.linear_dynamic_fp16(x2 * inv, packed).to(torch.bfloat16)
             y = y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
             if scale_first is not None:
                 y[..., : scale_first[0]] *= scale_first[1]
