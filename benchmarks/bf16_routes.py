@@ -63,13 +63,18 @@ def linear_cases(s: dict) -> list[dict]:
             with torch.no_grad():
                 a, b = fns["F.linear"](), fns["fp32 tiles"]()
                 a, b = (a, b) if what == "head" else (torch.cat([t.flatten() for t in a]), torch.cat([t.flatten() for t in b]))
-                diff = (a.float() - b.float()).abs().max().item()
-                times, _ = interleaved(fns, s["rounds"])
-            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            rows_out.append({"bench": "linear", "case": f"{what}, {R} rows", "before_ms": round(med["F.linear"], 3),
-                             "qkv_ms": round(med["fp32 tiles"], 3), "speedup": round(med["F.linear"] / med["fp32 tiles"], 2),
-                             "max_abs_diff": diff})
+            rows_out.append(_route_row("linear", f"{what}, {R} rows", fns, s["rounds"], a, b))
     return rows_out
+
+
+def _route_row(bench: str, case: str, fns: dict, rounds: int, a: torch.Tensor, b: torch.Tensor) -> dict:
+    """One table row: fns (the bf16 op first, qkv's route second) timed interleaved; a, b their outputs."""
+    before, route = fns
+    with torch.no_grad():
+        times, _ = interleaved(fns, rounds)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return {"bench": bench, "case": case, "before_ms": round(med[before], 3), "qkv_ms": round(med[route], 3),
+            "speedup": round(med[before] / med[route], 2), "max_abs_diff": (a.float() - b.float()).abs().max().item()}
 
 
 def fp16_step_cases(s: dict) -> list[dict]:
@@ -89,11 +94,13 @@ def fp16_step_cases(s: dict) -> list[dict]:
     layers = [lin(*sh) for _ in range(s["layers"]) for sh in shapes]
     head = lin(s["vocab"], s["d"])
     out = []
-    old_min, linear.STEP_FP16_MIN_WEIGHT = linear.STEP_FP16_MIN_WEIGHT, 0  # the route itself, even for --quick's layers
+    # the route itself, even for --quick's layers and for one row (where qkv's step keeps F.linear: STEP_FP16_MIN_ROWS)
+    old = linear.STEP_FP16_MIN_WEIGHT, linear.STEP_FP16_MIN_ROWS
+    linear.STEP_FP16_MIN_WEIGHT, linear.STEP_FP16_MIN_ROWS = 0, 1
     try:
         _fp16_rows(s, layers, head, g, out)
     finally:
-        linear.STEP_FP16_MIN_WEIGHT = old_min
+        linear.STEP_FP16_MIN_WEIGHT, linear.STEP_FP16_MIN_ROWS = old
     return out
 
 
@@ -106,12 +113,7 @@ def _fp16_rows(s: dict, layers: list, head: linear.Linear, g: torch.Generator, o
                    "fp16 step": lambda mods=mods, xs=xs: [m.step(xs[m.in_features]) for m in mods]}
             with torch.no_grad():
                 a, b = (torch.cat([t.flatten() for t in fn()]) for fn in fns.values())  # also makes the copies
-                diff = (a.float() - b.float()).abs().max().item()
-                times, _ = interleaved(fns, s["rounds"])
-            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            out.append({"bench": "linear fp16 step", "case": f"{what}, {R} rows", "before_ms": round(med["F.linear"], 3),
-                        "qkv_ms": round(med["fp16 step"], 3), "speedup": round(med["F.linear"] / med["fp16 step"], 2),
-                        "max_abs_diff": diff})
+            out.append(_route_row("linear fp16 step", f"{what}, {R} rows", fns, s["rounds"], a, b))
 
 
 def _attention_fns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, Tk: int, hd: int) -> dict:
