@@ -303,25 +303,17 @@ def test_bad_flags_and_out_folders(gpt2_chat, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_lora_under_torchrun_ddp_and_fsdp_give_the_same_folder(gpt2_chat, tmp_path):
+def test_lora_under_torchrun_ddp_and_fsdp_give_the_same_folder(gpt2_chat, tmp_path, torchrun):
     """The recipe under torchrun (2 CPU processes, gloo): DDP and FSDP2 train the same adapters, and under FSDP
     the sharded model is rebuilt on rank 0 from the full checkpoint before merging and saving."""
-    import shutil
-
     from safetensors.torch import load_file
 
-    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    if exe is None:
-        pytest.skip("torchrun not found next to the python executable")
     data = write_jsonl(tmp_path / "d.jsonl", chats())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for mode in ("ddp", "fsdp"):
-        cmd = [exe, "--standalone", "--nproc_per_node=2", "-m", "qkv.cli.main", "finetune", str(gpt2_chat), "--data",
-               str(data), "--out", str(tmp_path / mode), "--no-progress", "--lora", "--lora-targets", "all-linear",
-               "train.max_steps=3", "train.batch_size=2", "train.lr=1e-2", f"train.distributed={mode}",
-               "train.plot=false", "train.tensorboard=false"]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        r = torchrun(["-m", "qkv.cli.main", "finetune", gpt2_chat, "--data", data, "--out", tmp_path / mode,
+                      "--no-progress", "--lora", "--lora-targets", "all-linear", "train.max_steps=3",
+                      "train.batch_size=2", "train.lr=1e-2", f"train.distributed={mode}", "train.plot=false",
+                      "train.tensorboard=false"])
         assert f"distributed {mode} x2" in r.stderr
     a, b = load_file(tmp_path / "ddp" / "model.safetensors"), load_file(tmp_path / "fsdp" / "model.safetensors")
     base = load_file(gpt2_chat / "model.safetensors")

@@ -5,10 +5,7 @@ process's backward; everything is fp32), weights after 4 AdamW steps within 1e-5
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,19 +18,13 @@ SCRIPT = HERE / "dist_train.py"
 pytestmark = pytest.mark.distributed
 
 
-def torchrun(mode, out, timeout=300, device="cpu"):
-    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    if exe is None:
-        pytest.skip("torchrun not found next to the python executable")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([exe, "--standalone", "--nproc_per_node=2", str(SCRIPT), mode, str(out), device], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def launch(run, mode, out, device="cpu"):
+    run([SCRIPT, mode, out, device], timeout=300)
     return json.loads((out / "losses.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, torchrun):
     """Each run once per module: the in-process reference and the torchrun runs (cached by mode)."""
     cache = {}
 
@@ -45,7 +36,7 @@ def runs(tmp_path_factory):
 
                 cache[mode] = out, main("none", out)
             else:
-                cache[mode] = out, torchrun(mode, out)
+                cache[mode] = out, launch(torchrun, mode, out)
         return cache[mode]
 
     return get
@@ -92,11 +83,11 @@ def test_fsdp_checkpoint_resumes_in_one_process(runs, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_nccl_matches_single_gpu(mode, tmp_path):
+def test_nccl_matches_single_gpu(mode, tmp_path, torchrun):
     from dist_train import main
 
     ref = main("none", tmp_path / "single", device="cuda")
-    got = torchrun(mode, tmp_path / mode, device="cuda")
+    got = launch(torchrun, mode, tmp_path / mode, device="cuda")
     for step, (loss, _) in ref["losses"].items():
         assert got["losses"][step][0] == pytest.approx(loss, rel=1e-4), step  # TF32/NCCL reduction order
 
@@ -109,17 +100,11 @@ TINY_LM = ["--max-steps", "2", "--no-progress", "model.n_layers=1", "model.d_mod
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_readme_torchrun_command_trains_evaluates_and_saves(mode, tmp_path):
-    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    if exe is None:
-        pytest.skip("torchrun not found next to the python executable")
+def test_readme_torchrun_command_trains_evaluates_and_saves(mode, tmp_path, torchrun):
     out = tmp_path / mode
     # README: torchrun --standalone --nproc_per_node=N -m qkv.cli.main train configs/charlm.yaml [train.distributed=fsdp]
-    cmd = [exe, "--standalone", "--nproc_per_node=2", "-m", "qkv.cli.main", "train", "configs/charlm.yaml",
-           "--out", str(out), *TINY_LM] + (["train.distributed=fsdp"] if mode == "fsdp" else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = torchrun(["-m", "qkv.cli.main", "train", "configs/charlm.yaml", "--out", out, *TINY_LM]
+                 + (["train.distributed=fsdp"] if mode == "fsdp" else []), cwd=ROOT)
     assert f"distributed {mode} x2" in r.stderr
     result = json.loads((out / "results.json").read_text())
     assert result["metrics"]["n_tokens"] > 0 and result["samples"] and result["train"]["steps"] == 2
