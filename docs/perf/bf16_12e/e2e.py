@@ -1,4 +1,9 @@
-"""Decode step A/B in one process: qkv generate with STEP_BF16_VIA_FP16 on/off, wall + CPU time, interleaved."""
+"""Decode step A/B in one process: qkv generate with STEP_BF16_VIA_FP16 on/off, wall + CPU time, interleaved.
+
+The record of round 7 (docs/perf/bf16_12e.md), kept as it was run. Since stop 24 one-row products keep F.linear
+(linear.STEP_FP16_MIN_ROWS = 2) and STEP_FP16_SERIAL_MAX is gone: setting it below does nothing, so at batch 1 the
+three rows now time the same code.
+"""
 import os, sys, time, statistics, tempfile, torch, transformers
 sys.path.insert(0, "benchmarks")
 import qkv

@@ -283,13 +283,14 @@ def fp16_packable() -> bool:
 def use_fp16_step(x: Tensor, weight: Tensor) -> bool:
     """Does a bf16 decoding step x @ weight^T go through the fp16 copy (see STEP_BF16_VIA_FP16)? CPU, bf16 input and
     weight of at least STEP_FP16_MIN_WEIGHT elements, at least STEP_FP16_MIN_ROWS and fewer than BF16_TILE_MIN_ROWS
-    rows (more take the tiles; the caller checks), no autograd, no autocast, not under torch.compile, plain tensors, and a CPU without native bf16
-    whose torch has fbgemm."""
+    rows (more take the tiles; the caller checks), no autograd, no autocast, not under torch.compile, plain tensors,
+    and a CPU without native bf16 whose torch has fbgemm."""
     if not STEP_BF16_VIA_FP16 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu:
         return False
-    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+    # the size tests first: they turn away every one-row product (batch-1 decoding), and cost least
+    if x.numel() < STEP_FP16_MIN_ROWS * x.shape[-1] or weight.numel() < STEP_FP16_MIN_WEIGHT:
         return False
-    if weight.numel() < STEP_FP16_MIN_WEIGHT or x.numel() < STEP_FP16_MIN_ROWS * x.shape[-1]:
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return False
     if type(x) is not Tensor or type(weight) not in (Tensor, nn.Parameter):
         return False
@@ -516,38 +517,44 @@ class Linear(nn.Linear):
     def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
         """x (..., in) -> (..., out) for inference on a few rows (a decoding step); scale_first=(n, s)
         returns the first n outputs multiplied by s."""
-        tiles = x.dtype == torch.bfloat16 and use_bf16_tiles(x, self.weight)  # a batch's rows, bf16, no native bf16
+        params = self._parameters  # not nn.Module.__getattr__ (~1 us a lookup): 151 calls a step of a 30-layer model
+        weight, bias = params["weight"], params["bias"]
+        bf16 = x.dtype == torch.bfloat16
+        tiles = bf16 and use_bf16_tiles(x, weight)  # a batch's rows, bf16, no native bf16
         packed = None
-        if not tiles and x.dtype == torch.bfloat16 and use_fp16_step(x, self.weight):
+        if bf16 and not tiles and use_fp16_step(x, weight):
             _, packed, inv = self._fp16_packed()  # packed None: a weight fp16 cannot hold exactly (fp16_pack)
         if packed is not None:
             x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
             # x * 2^-e in fp32 in one op (a 1-element fp32 tensor promotes the product to fp32); exact
             y = torch.ops.quantized.linear_dynamic_fp16(x2 * inv, packed).to(torch.bfloat16)
             y = y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-            if scale_first is not None:
-                y[..., : scale_first[0]] *= scale_first[1]
-            return y
+            return y if scale_first is None else _scale_first(y, scale_first)
         if tiles or not x.is_cpu or x.dtype != torch.float32 or torch.compiler.is_compiling():
             # under torch.compile the data-pointer lookup of the transposed copy cannot be traced;
             # accelerators read either layout at full speed; on CPU the transposed copy is a win in fp32 only:
             # a bf16 (1 x 576) @ (576 x 1536) product took 2.1 ms through it vs 0.27 ms through F.linear
             # (oneDNN's bf16 kernel wants the (out, in) layout; benchmarks/llm.py)
-            y = (bf16_tiled_linear if tiles else F.linear)(x, self.weight, self.bias)
-            if scale_first is not None:
-                y[..., : scale_first[0]] *= scale_first[1]
-            return y
+            y = (bf16_tiled_linear if tiles else F.linear)(x, weight, bias)
+            return y if scale_first is None else _scale_first(y, scale_first)
         rows = x.numel() // self.in_features
         if STEP_PACKED_MIN_ROWS and rows >= STEP_PACKED_MIN_ROWS and onednn_packable() \
                 and not torch.is_autocast_enabled("cpu"):
             _, wp, b = self._onednn_packed(scale_first)
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), wp, b, "none", [], "")
         if scale_first is None and STEP_NARROW_DIRECT and self.in_features > self.out_features:
-            return F.linear(x, self.weight, self.bias)  # narrowing: the original layout, no transposed copy
+            return F.linear(x, weight, bias)  # narrowing: the original layout, no transposed copy
         if x.dim() != 2:
             return self.step(x.reshape(-1, x.shape[-1]), scale_first).view(*x.shape[:-1], self.out_features)
         _, wt, b = self._packed(scale_first)
         return torch.addmm(b, x, wt) if b is not None else torch.mm(x, wt)
+
+
+def _scale_first(y: Tensor, scale_first: tuple[int, float]) -> Tensor:
+    """y with its first n outputs multiplied by s in place, scale_first = (n, s): two ops (a view and mul_) where
+    `y[..., :n] *= s` dispatches four (it also copies the view onto itself)."""
+    y.narrow(-1, 0, scale_first[0]).mul_(scale_first[1])
+    return y
 
 
 def joint_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -> Tensor | None:
