@@ -1,5 +1,5 @@
 import sys, time, statistics, torch
-sys.path.insert(0, "/work/main/src")
+sys.path.insert(0, "src")  # run from the repository root
 from qkv.nn.attention import _bf16_step_products
 torch.set_num_threads(1)
 for T in (160, 1024, 2048):

@@ -1,5 +1,5 @@
 import sys, time, statistics, torch
-sys.path.insert(0, "/work/main/src")
+sys.path.insert(0, "src")  # run from the repository root
 import qkv
 from qkv.generate import generate
 torch.set_num_threads(2)
