@@ -32,7 +32,7 @@ def torchrun():
     CompletedProcess, failing the test unless it exits 0.
 
     gloo's TCP transport now and then aborts a rank (SIGABRT, "Connection reset by peer" on the other; seen once
-    in CI on a loaded 2-core machine, never in 125 runs here, 40 of them with the cores hogged; pytorch/gloo#168).
+    in CI on a loaded 2-core machine, never in 99 runs here, 40 of them with the cores hogged; pytorch/gloo#168).
     A run in which a rank died of a signal is run once more, with a warning in the test summary; a rank that
     fails in Python (exit code 1: a wrong value, an exception), or a second crash, fails the test. The failure
     message keeps the start of every rank's error as well as the end of the output, so the first error is never
