@@ -12,7 +12,7 @@ loaded by both libraries from that folder. Measured, side by side in one run:
 Every timed configuration runs --repeats times, interleaved (round robin); the table reports medians. The
 machine is shared: only ratios within one run mean much.
 
-    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--ab] [--ab-tiles]
+    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--ab] [--ab-tiles] [--ab-12g]
 
 --ab: at batch > 1 a third library row, "qkv mkl-step": qkv with the batched step's products through MKL as before
 issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same interleaved rounds; at batch 1 a row
@@ -23,6 +23,10 @@ issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same inter
 row: _step_switches.previous_bf16), in the same interleaved rounds, decode and prefill.
 With --ab-tiles also a row "qkv no fp16 step": only the bf16 step's fp16 copy off (linear.STEP_BF16_VIA_FP16,
 _step_switches.previous_fp16_step; docs/perf/bf16_12e.md), decode only.
+
+--ab-12g: for bf16 weights a row "qkv before 12g": qkv without docs/perf/bf16_12g.md's routes (the output head's
+one-row product through its fp16 copy; a batch's gate and up through one joined fp16 copy;
+_step_switches.previous_12g), in the same interleaved rounds, decode only.
 
 --quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
 Writes benchmarks/results/llm.json and llm.md.
@@ -50,7 +54,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
 import qkv.nn.linear  # noqa: E402
-from _step_switches import previous_bf16, previous_fp16_step, previous_step  # noqa: E402
+from _step_switches import previous_12g, previous_bf16, previous_fp16_step, previous_step  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
@@ -138,6 +142,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--ab", action="store_true", help="also time qkv without the packed batched step (batch > 1)")
     ap.add_argument("--ab-tiles", action="store_true", help="also time bf16 qkv as before its bf16 paths")
+    ap.add_argument("--ab-12g", action="store_true", help="also time bf16 qkv without bf16_12g's fp16 routes")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     if a.quick:
@@ -195,6 +200,11 @@ def main() -> None:
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
                 fns["qkv no fp16 step"] = lambda x=x, m=ours: _no_fp16_step(
                     lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
+            if a.ab_12g and name == "bfloat16":
+                def before_12g(x=x, m=ours):
+                    with previous_12g():
+                        return generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new)
+                fns["qkv before 12g"] = before_12g
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared
                 times, _ = interleaved(fns, a.repeats)

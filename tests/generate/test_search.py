@@ -4,6 +4,7 @@ search), context overflow, streaming, stop strings, attention weights, the fast 
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -112,7 +113,13 @@ def test_context_overflow_error_and_slide():
             window = out[:, max(0, t - 16) : t]
             assert int(m(window).logits[0, -1].argmax()) == int(out[0, t])
     assert torch.equal(out, generate(m, x, 14, context_overflow="slide", use_cache=False))
-    assert generate(tiny_gpt("rope", context=16), x, 10).shape == (1, 20)  # RoPE has no hard limit
+    rope = tiny_gpt("rope", context=16)
+    with pytest.warns(UserWarning, match="20 positions runs past the model's context_length of 16") as caught:
+        assert generate(rope, x, 10).shape == (1, 20)  # RoPE has no hard limit: a warning, not an error
+    assert caught[0].filename == __file__  # it points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert generate(rope, x, 6).shape == (1, 16)  # within the context: no warning
     with pytest.raises(ValueError, match="context"):
         generate(tiny_encdec(context=8), torch.tensor([[3, 4]]), 8)
 

@@ -321,7 +321,11 @@ def test_bf16_fp16_step_copy_is_rebuilt_dropped_and_taken_only_where_meant(no_na
     w = layer.weight
     with torch.no_grad():
         assert L.use_fp16_step(torch.randn(3, 16).bfloat16(), w)
-        assert not L.use_fp16_step(torch.randn(1, 16).bfloat16(), w)  # one row: torch's bf16 kernel
+        assert not L.use_fp16_step(torch.randn(1, 16).bfloat16(), w)  # one row: torch's bf16 kernel ...
+        monkeypatch.setattr(L, "STEP_FP16_ONE_ROW_MIN_WEIGHT", w.numel())
+        assert L.use_fp16_step(torch.randn(1, 16).bfloat16(), w)  # ... but for a large weight (an output head)
+        monkeypatch.setattr(L, "STEP_FP16_ONE_ROW_MIN_WEIGHT", 0)
+        assert not L.use_fp16_step(torch.randn(1, 16).bfloat16(), w)  # 0: never at one row
         assert not L.use_fp16_step(torch.randn(1, 16), w.float())  # fp32 untouched
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not L.use_fp16_step(x, w)

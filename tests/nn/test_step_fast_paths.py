@@ -74,6 +74,85 @@ def test_joint_step_steps_aside_where_it_does_not_apply():
     assert x.grad is not None
 
 
+needs_fp16 = pytest.mark.skipif(not linear.fp16_packable(), reason="this torch build has no fbgemm fp16 GEMM")
+
+
+def _bf16_products(x: torch.Tensor, linears: tuple) -> torch.Tensor:
+    """torch's own bf16 products of x by each linear, side by side (what the joined copy replaces)."""
+    return torch.cat([F.linear(x, lin.weight, lin.bias) for lin in linears], dim=-1)
+
+
+def _within_ulp_and_order(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, linears: tuple) -> None:
+    """got equals want (both bf16 products of x) but for the order of their fp32 sums: within one bf16 ulp of the
+    output plus what reordering an fp32 sum of these terms can change, and equal almost everywhere."""
+    w = torch.cat([lin.weight for lin in linears]).double()
+    ulp = 2.0 ** (want.float().abs().clamp_min(2.0 ** -126).log2().floor() - 7)
+    order = 2.0 ** -24 * x.shape[-1] * (x.double().abs() @ w.abs().t())
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= ulp + order.float()).all() and (diff > 0).float().mean() < 0.02
+
+
+@needs_fp16
+@pytest.mark.parametrize("rows", [2, 5])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_joint_gate_up_step_through_one_fp16_copy(monkeypatch, rows, bias):
+    """A bf16 gated FFN's gate and up at a batch's few rows: one product through one joined fbgemm fp16 copy (the layers' own
+    fp16 copies never built), equal to torch's two bf16 products up to fp32 summation order, rebuilt after a weight
+    changes in place, never copied or pickled, dropped by free_packed; the whole step equals the float64 formula to
+    bf16 precision."""
+    import copy
+    import pickle
+
+    monkeypatch.setattr(linear, "_NATIVE_BF16", False)  # the route is for CPUs without native bf16: forced here
+    monkeypatch.setattr(linear, "STEP_FP16_MIN_WEIGHT", 0)  # a small FFN here
+    torch.manual_seed(0)
+    ffn = FeedForward(48, 40, "swiglu", bias=bias).bfloat16().eval()
+    pair = (ffn.gate, ffn.up)
+    x = torch.randn(rows, 48).bfloat16()
+    with torch.no_grad():
+        gu = linear.joint_step(ffn, x, pair)
+        assert gu is not None and gu.dtype == torch.bfloat16 and gu.shape == (rows, 80)
+        assert ffn.__dict__["_decode_joined_fp16"]["copy"][1] is not None
+        _within_ulp_and_order(gu, _bf16_products(x, pair), x, pair)
+        y = ffn.step(x)
+        assert "_decode_fp16" not in ffn.gate.__dict__ and "_decode_fp16" not in ffn.up.__dict__
+        ref = _ffn_reference(ffn, x)  # float64 from the bf16 parameters; bf16 rounds g, h, the product, the output
+        torch.testing.assert_close(y.double(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+        ffn.gate.weight.mul_(-2.0)  # an in-place change (optimizer step, load_state_dict): the copy is rebuilt
+        if bias:
+            ffn.up.bias.add_(1.0)
+        _within_ulp_and_order(linear.joint_step(ffn, x, pair), _bf16_products(x, pair), x, pair)
+    assert copy.deepcopy(ffn).__dict__["_decode_joined_fp16"] == {}  # an opaque packed copy
+    assert pickle.loads(pickle.dumps(ffn)).__dict__["_decode_joined_fp16"] == {}
+    assert linear.free_packed(ffn) >= 1 and "_decode_joined_fp16" not in ffn.__dict__
+
+
+@needs_fp16
+def test_bf16_joint_step_steps_aside_where_it_does_not_apply(monkeypatch):
+    monkeypatch.setattr(linear, "_NATIVE_BF16", False)
+    monkeypatch.setattr(linear, "STEP_FP16_MIN_WEIGHT", 0)
+    ffn = FeedForward(16, 24, "swiglu", bias=False).bfloat16().eval()
+    pair, x = (ffn.gate, ffn.up), torch.randn(2, 16).bfloat16()
+    with torch.no_grad():
+        assert linear.joint_step(ffn, x, pair) is not None
+        assert linear.joint_step(ffn, x[:1], pair) is None  # one row: torch's bf16 kernel for each
+        assert linear.joint_step(ffn, torch.randn(linear.BF16_TILE_MIN_ROWS, 16).bfloat16(), pair) is None  # tiles
+        for name, off in (("JOINT_STEP_BF16", False), ("STEP_BF16_VIA_FP16", False), ("JOINT_STEP", False),
+                          ("STEP_FP16_MIN_WEIGHT", 2 * 16 * 24 + 1), ("_NATIVE_BF16", True)):
+            with monkeypatch.context() as m:
+                m.setattr(linear, name, off)
+                assert linear.joint_step(ffn, x, pair) is None, name
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert linear.joint_step(ffn, x, pair) is None
+        ffn.gate.weight[0, 0] = 2.0 ** -40  # beside weights near 1: more than fp16 can hold exactly after scaling
+        assert linear.joint_step(ffn, x, pair) is None  # each Linear.step then (F.linear for such a weight)
+        ref = _ffn_reference(ffn, x)
+        torch.testing.assert_close(ffn.step(x).double(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+        assert "_decode_fp16" in ffn.up.__dict__  # up through its own fp16 copy; gate (the tiny weight) F.linear
+        assert ffn.gate.__dict__["_decode_fp16"]["copy"][1] is None
+    assert linear.joint_step(ffn, x, pair) is None  # autograd on
+
+
 @pytest.mark.parametrize("offset", [0, 7, "rows"])
 def test_rotate_heads_equals_rotate(offset):
     rope = RoPE(16, max_len=8)

@@ -21,6 +21,10 @@ concatenated; the key mask is a slice of a preallocated buffer and is None when 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +126,8 @@ class _Run:
                     f"context of {ctx}; shorten the prompt, lower max_new_tokens, or pass "
                     f"context_overflow='slide' to recompute on the last {ctx} tokens")
             self.slide = True
+        elif ctx is None and not self.seq2seq:
+            _warn_past_trained_context(model, self.T, max_new, self.total)
         self.ctx = ctx
         dev = prompt.device
         self.buf = torch.full((self.B, self.total), self.pad, dtype=torch.long, device=dev)
@@ -546,6 +552,30 @@ def stream(
                 except StopIteration:
                     return
             yield tok
+
+
+def _warn_past_trained_context(model: Any, T: int, max_new: int, total: int) -> None:
+    """RoPE and ALiBi have no hard position limit (context_limit None: extrapolation is a research question qkv lets
+    one ask), but a model configured or trained for context_length positions (a Llama folder's
+    max_position_embeddings) is not known to work past them: say so once per call instead of silently going on."""
+    config = getattr(model, "config", None)
+    trained = getattr(config, "context_length", None)
+    if getattr(config, "position", None) in ("rope", "alibi") and isinstance(trained, int) and total > trained:
+        warnings.warn(f"prompt of {T} tokens + max_new_tokens={max_new} = {total} positions runs past the model's "
+                      f"context_length of {trained} (max_position_embeddings): {config.position} positions go on, "
+                      f"but the model was not configured for them and its output may degrade",
+                      stacklevel=_outside_level())
+
+
+def _outside_level() -> int:
+    """warnings.warn's stacklevel for the first frame outside qkv, torch and contextlib (generate's decorators), so
+    that the warning names the caller's line (Python 3.12's skip_file_prefixes, for 3.10+)."""
+    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__),
+              os.path.dirname(contextlib.__file__) + os.sep + "contextlib")
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 __all__ = ["GenerationOutput", "beam_search", "generate", "settings", "stream"]

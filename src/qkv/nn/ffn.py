@@ -95,7 +95,7 @@ class FeedForward(nn.Module):
         mods = self._modules
         gate = mods.get("gate")  # absent (a plain None) for ungated activations
         if gate is not None:
-            # one row (batch-1 decoding): gate and up as one matrix-vector product over a joined copy
+            # gate and up as one product over a joined copy (fp32: one row; bf16: a batch's rows; linear.joint_step)
             gu = joint_step(self, x, (gate, mods["up"]))
             if gu is not None:
                 g, h = gu.split_with_sizes([gate.out_features, gate.out_features], dim=-1)

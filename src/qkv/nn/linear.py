@@ -80,6 +80,18 @@ STEP_BF16_VIA_FP16 = True
 # fp16 copy (its layers on one thread) and 64.0 ms without it (84.7 / 81.6 / 68.1 ms with the fp16 layers on one
 # thread / on two / off, docs/perf/stop24/); batch 8 gains ~2.7x.
 STEP_FP16_MIN_ROWS = 2
+# ... and for ONE row when the weight has at least this many elements (the output head of a large vocabulary): the
+# 135M Llama's 49152 x 576 head took 3.4 ms through the fp16 copy vs 4.4-6.0 ms through torch's bf16 kernel (2
+# threads, AVX2 EPYC), and a whole batch-1 step 0.9-1.6 ms less (paired A/B, docs/perf/bf16_12g.md); the layers'
+# one-row products stay with torch's kernel (no gain there, bf16_12f.md). Costs the head's fp16 copy (2 bytes a
+# weight) while decoding. 0: one row always keeps torch's kernel.
+STEP_FP16_ONE_ROW_MIN_WEIGHT = 1 << 22
+# A gated FFN's gate and up in a bf16 step of STEP_FP16_MIN_ROWS to BF16_TILE_MIN_ROWS - 1 rows (a batch; the same
+# conditions as the fp16 copy) multiply by ONE joined fp16 copy of both weights (`joint_step`) instead of one copy
+# each: the same bytes, one product fewer per layer; whole steps of the 135M Llama 1.9 / 4.0 / 4.5 ms faster at batch
+# 2 / 8 / 16 (paired A/B, docs/perf/bf16_12g.md). One row keeps torch's kernel for both: there the joined fp16
+# product made the step 1.5-2.1 ms slower. False: each projection its own copy, as before.
+JOINT_STEP_BF16 = True
 # ... for weights of at least this many elements: the route's three ops (x in fp32, the product, the rounding) cost
 # ~10 us more than F.linear's one, more than the faster kernel saves on a small layer (a 64-wide model's products
 # went 0.3-0.7x in benchmarks/bf16_routes.py --quick); the 135M Llama's smallest product has 331,776.
@@ -282,13 +294,21 @@ def fp16_packable() -> bool:
 
 def use_fp16_step(x: Tensor, weight: Tensor) -> bool:
     """Does a bf16 decoding step x @ weight^T go through the fp16 copy (see STEP_BF16_VIA_FP16)? CPU, bf16 input and
-    weight of at least STEP_FP16_MIN_WEIGHT elements, at least STEP_FP16_MIN_ROWS and fewer than BF16_TILE_MIN_ROWS
-    rows (more take the tiles; the caller checks), no autograd, no autocast, not under torch.compile, plain tensors,
-    and a CPU without native bf16 whose torch has fbgemm."""
-    if not STEP_BF16_VIA_FP16 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu:
+    weight of at least STEP_FP16_MIN_WEIGHT elements, at least STEP_FP16_MIN_ROWS rows (or one row and a weight of at
+    least STEP_FP16_ONE_ROW_MIN_WEIGHT) and fewer than BF16_TILE_MIN_ROWS rows (more take the tiles; the caller
+    checks), and `fp16_step_applies`."""
+    if not STEP_BF16_VIA_FP16 or weight.numel() < STEP_FP16_MIN_WEIGHT:  # the size tests first: they cost least
         return False
-    # the size tests first: they turn away every one-row product (batch-1 decoding), and cost least
-    if x.numel() < STEP_FP16_MIN_ROWS * x.shape[-1] or weight.numel() < STEP_FP16_MIN_WEIGHT:
+    if x.numel() < STEP_FP16_MIN_ROWS * x.shape[-1] and not (
+            STEP_FP16_ONE_ROW_MIN_WEIGHT and weight.numel() >= STEP_FP16_ONE_ROW_MIN_WEIGHT):
+        return False
+    return fp16_step_applies(x, weight)
+
+
+def fp16_step_applies(x: Tensor, weight: Tensor) -> bool:
+    """The conditions of the fp16 copy beyond sizes: bf16 input and weight on the CPU, no autograd, no autocast, not
+    under torch.compile, plain tensors, and a CPU without native bf16 whose torch has fbgemm."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu:
         return False
     if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return False
@@ -389,6 +409,7 @@ def free_packed(module: nn.Module) -> int:
             had |= bool(m.__dict__.pop("_decode_fp16", None))
             n += had
         n += m.__dict__.pop("_decode_joined", None) is not None  # joint_step's copies (e.g. an FFN's gate + up)
+        n += bool(m.__dict__.pop("_decode_joined_fp16", None))
     return n
 
 
@@ -559,7 +580,8 @@ def _scale_first(y: Tensor, scale_first: tuple[int, float]) -> Tensor:
 
 def joint_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -> Tensor | None:
     """[l.step(x) for l in linears] concatenated along the last dimension, as ONE product, for a single-row fp32
-    CPU decoding step (several projections of the same input: a gated FFN's gate and up). x: (1, in). Returns None
+    CPU decoding step (several projections of the same input: a gated FFN's gate and up), or a bf16 step of a batch's
+    few rows on a CPU without native bf16 (`_joint_fp16_step`, JOINT_STEP_BF16). x: (rows, in). Returns None
     where that does not apply (another shape, dtype or device, autograd, torch.compile); the caller then calls
     each Linear.step. The joined transposed copy (in, sum of outs) lives on `owner` and is rebuilt when any of
     the weights or biases changed (the same test as Linear._packed); the linears' own transposed copies are then
@@ -567,8 +589,11 @@ def joint_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -> Tens
     matrix-vector product instead of k saves k - 1 calls (and k - 1 wake-ups of the BLAS threads) per layer of
     every step; the bytes read are the same. The results are the separate products' (the same dot products,
     placed side by side) up to the kernel's blocking (~1e-7 relative)."""
-    if not JOINT_STEP or x.dim() != 2 or x.shape[0] != 1 or not x.is_cpu or x.dtype != torch.float32 \
-            or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if not JOINT_STEP or x.dim() != 2 or not x.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if x.dtype == torch.bfloat16:
+        return _joint_fp16_step(owner, x, linears)
+    if x.shape[0] != 1 or x.dtype != torch.float32:
         return None
     key = []
     for lin in linears:
@@ -587,3 +612,39 @@ def joint_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -> Tens
         joined = owner.__dict__["_decode_joined"] = (key, wt, bias)
     _, wt, bias = joined
     return torch.addmm(bias, x, wt) if bias is not None else torch.mm(x, wt)
+
+
+def _joint_fp16_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -> Tensor | None:
+    """joint_step for a bf16 step of STEP_FP16_MIN_ROWS to BF16_TILE_MIN_ROWS - 1 rows (see JOINT_STEP_BF16): one product through
+    ONE fbgemm fp16 copy of the linears' weights joined along the outputs (`fp16_pack`: exact, the input scaled by
+    2^-e), on `owner`, rebuilt when a weight or bias changed. None where it does not apply: the caller then steps
+    each Linear (which may take its own fp16 copy)."""
+    rows = x.shape[0]
+    if not (JOINT_STEP_BF16 and STEP_BF16_VIA_FP16) or rows < STEP_FP16_MIN_ROWS \
+            or (BF16_TILE_MIN_ROWS and rows >= BF16_TILE_MIN_ROWS):
+        return None
+    key, size = [], 0
+    for lin in linears:
+        w, b = lin._parameters["weight"], lin._parameters["bias"]
+        if not fp16_step_applies(x, w):
+            return None
+        key += (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version)
+        size += w.numel()
+    if size < STEP_FP16_MIN_WEIGHT:
+        return None
+    holder = owner.__dict__.get("_decode_joined_fp16")
+    joined = None if holder is None else holder.get("copy")
+    if joined is None or joined[0] != key:
+        with torch.inference_mode(False), torch.no_grad():
+            weight = torch.cat([lin.weight.detach() for lin in linears])
+            bias = None
+            if any(lin.bias is not None for lin in linears):
+                bias = torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
+                                  for lin in linears])
+            joined = (key, *fp16_pack(weight, bias))
+            del weight
+        owner.__dict__["_decode_joined_fp16"] = _Transient(copy=joined)
+    _, packed, inv = joined
+    if packed is None:  # weights fp16 cannot hold exactly
+        return None
+    return torch.ops.quantized.linear_dynamic_fp16(x * inv, packed).to(torch.bfloat16)
