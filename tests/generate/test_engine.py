@@ -65,6 +65,31 @@ def test_engine_checks_requests():
         engine.add_request([1, 2], 3, stop_strings=["x"])
 
 
+def test_max_model_len_defaults_to_the_configured_context_of_rope_models():
+    """RoPE has no hard position limit, but the engine (like vLLM's max_model_len) refuses requests past the
+    context the model was configured for, unless max_model_len raises it on purpose; learned positions cannot go
+    past their table at all."""
+    m = tiny_gpt("rope", context=16)
+    engine = Engine(m, block_size=4, max_batch_size=2)
+    assert engine.context == 16
+    with pytest.raises(ValueError, match="exceeds the model's context of 16 positions"):
+        engine.add_request(list(range(1, 11)), 7)
+    engine.check_request(10, 6)
+    wide = Engine(m, block_size=4, num_blocks=8, max_batch_size=2, max_model_len=24)  # extrapolation, asked for
+    rid = wide.add_request(list(range(1, 11)), 14)
+    out = wide.run()[rid]
+    with pytest.warns(UserWarning, match="24 positions runs past the model's context_length of 16"):
+        want = generate(m, torch.tensor([list(range(1, 11))]), 14)[0, 10:].tolist()
+    assert len(out) == 14 and out == want
+    learned = tiny_gpt("learned", context=16)
+    assert Engine(learned, block_size=4).context == 16
+    with pytest.raises(ValueError, match="exceeds the model's context of 16"):
+        Engine(learned, block_size=4, max_model_len=17)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_model_len must be a positive integer"):
+            Engine(m, block_size=4, max_model_len=bad)
+
+
 @pytest.mark.parametrize("policy", ["least_work", "newest"])
 def test_preemption_by_recomputation_keeps_greedy_outputs(policy):
     # blocks are taken lazily: both requests start at once, the pool runs out, one is preempted and recomputed

@@ -201,17 +201,21 @@ def test_full_queue_answers_429_with_retry_after(run_folder):
         assert httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=60).status_code == 200
 
 
-def test_qkv_serve_command_exits_0_on_sigterm(run_folder):
+def test_qkv_serve_command_takes_max_model_len_and_exits_0_on_sigterm(run_folder):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "qkv.cli.main", "serve", str(run_folder), "--port", "0",
-                          "--name", "lm"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                          "--name", "lm", "--max-model-len", "32"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = p.stdout.readline()
         assert "http://127.0.0.1:" in line, line + p.stderr.read()
         base = line.split("at ")[1].split()[0]
-        assert httpx.get(base + "/models", timeout=30).json()["data"][0]["id"] == "lm"
+        model = httpx.get(base + "/models", timeout=30).json()["data"][0]
+        assert model["id"] == "lm" and model["max_model_len"] == 32  # --max-model-len, below the model's 64
         r = httpx.post(base + "/completions", json={"model": "lm", "prompt": "x", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200
+        r = httpx.post(base + "/completions", json={"model": "lm", "prompt": "x" * 20, "max_tokens": 20}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
     finally:

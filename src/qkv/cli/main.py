@@ -323,6 +323,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption", choices=["least_work", "newest"], default="least_work",
                    help="which request gives its blocks back when the pool runs out")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="most prompt + output tokens a request may ask for (default: the model's context; for "
+                        "RoPE/ALiBi models the context_length they were configured for, max_position_embeddings)")
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -334,7 +337,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(a.model, host=a.host, port=a.port, name=a.name, max_waiting=a.max_waiting,
                  shutdown_timeout=a.shutdown_timeout, block_size=a.block_size, num_blocks=a.num_blocks,
                  max_batch_size=a.max_batch_size, prefill_chunk=a.prefill_chunk or None,
-                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption)
+                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption, max_model_len=a.max_model_len)
 
 
 def cmd_finetune(a: argparse.Namespace) -> int:

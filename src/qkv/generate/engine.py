@@ -62,7 +62,7 @@ from torch import Tensor
 from qkv.generate.config import GenerationConfig
 from qkv.generate.processors import Context, Pipeline
 from qkv.generate.search import settings
-from qkv.models.decoding import as_decoder
+from qkv.models.decoding import as_decoder, configured_context
 from qkv.nn.checks import check_id_list
 from qkv.nn.paged import block_digest
 
@@ -119,6 +119,7 @@ class Engine:
         preemption: str = "least_work",
         tokenizer: Any = None,
         split_cost: int | None | str = "auto",
+        max_model_len: int | None = None,
         **options: Any,
     ) -> None:
         dec = as_decoder(model)
@@ -134,7 +135,17 @@ class Engine:
         self.decode_text: Callable[[list[int]], str] | None = (
             None if tokenizer is None else tokenizer.decode if hasattr(tokenizer, "decode") else tokenizer)
         self._check(self.cfg)
-        self.context = dec.context_limit  # None: no hard position limit
+        # the longest prompt + output a request may ask for (checked before it takes blocks): by default the model's
+        # context, for RoPE / ALiBi models the context they were configured for (as vLLM's max_model_len)
+        self.context = configured_context(dec)
+        if max_model_len is not None:
+            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+                raise ValueError(f"max_model_len must be a positive integer (or None: the model's), got "
+                                 f"{max_model_len!r}")
+            if dec.context_limit is not None and max_model_len > dec.context_limit:
+                raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
+                                 f"{dec.context_limit} positions (its position table ends there)")
+            self.context = max_model_len
         self.cache = dec.make_paged_cache(num_blocks, block_size, max_batch_size=max_batch_size)
         self.device = self.cache.device
         self.max_batch_size = max_batch_size

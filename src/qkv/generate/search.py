@@ -35,7 +35,7 @@ from torch import Tensor
 from qkv.generate.config import GenerationConfig, resolve
 from qkv.generate.graphed import GraphedSteps, cache_bucket, check_graphable, check_owner, static_cache
 from qkv.generate.processors import Context, Pipeline
-from qkv.models.decoding import Decoder, as_decoder
+from qkv.models.decoding import Decoder, as_decoder, configured_context
 from qkv.nn.cache import KVCache
 
 # stopping_criteria(sequences (B, T_so_far), new_tokens (B,)) -> (B,) bool: True = this sequence stops now
@@ -558,12 +558,11 @@ def _warn_past_trained_context(model: Any, T: int, max_new: int, total: int) -> 
     """RoPE and ALiBi have no hard position limit (context_limit None: extrapolation is a research question qkv lets
     one ask), but a model configured or trained for context_length positions (a Llama folder's
     max_position_embeddings) is not known to work past them: say so once per call instead of silently going on."""
-    config = getattr(model, "config", None)
-    trained = getattr(config, "context_length", None)
-    if getattr(config, "position", None) in ("rope", "alibi") and isinstance(trained, int) and total > trained:
+    trained = configured_context(model)
+    if trained is not None and total > trained:
         warnings.warn(f"prompt of {T} tokens + max_new_tokens={max_new} = {total} positions runs past the model's "
-                      f"context_length of {trained} (max_position_embeddings): {config.position} positions go on, "
-                      f"but the model was not configured for them and its output may degrade",
+                      f"context_length of {trained} (max_position_embeddings): {model.config.position} positions "
+                      f"go on, but the model was not configured for them and its output may degrade",
                       stacklevel=_outside_level())
 
 

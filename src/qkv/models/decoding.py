@@ -49,6 +49,19 @@ class Source:
         return Source(self.memory.index_select(0, rows), mask)
 
 
+def configured_context(model: Any) -> int | None:
+    """The most positions a model is meant to see: its hard context_limit where it has one (absolute positions);
+    for a RoPE or ALiBi decoder, which has none, the context_length it was configured with (a Llama folder's
+    max_position_embeddings): positions past it run, but the model was not trained on them. None: no limit known
+    (the LSTM, positions "none")."""
+    limit = getattr(model, "context_limit", None)
+    if limit is not None:
+        return limit
+    config = getattr(model, "config", None)
+    trained = getattr(config, "context_length", None)
+    return trained if getattr(config, "position", None) in ("rope", "alibi") and isinstance(trained, int) else None
+
+
 @runtime_checkable
 class Decoder(Protocol):
     is_seq2seq: bool

@@ -23,8 +23,10 @@ from qkv.serve.model import Served, TextCodec, load_served
 
 
 def build_engine(served: Served, *, block_size: int = 16, num_blocks: int | None = None, max_batch_size: int = 32,
-                 prefill_chunk: int | None = 1024, prefix_caching: bool = True, preemption: str = "least_work") -> Any:
-    """The Engine for a served model: the folder's generation defaults plus the tokenizer's eos ids."""
+                 prefill_chunk: int | None = 1024, prefix_caching: bool = True, preemption: str = "least_work",
+                 max_model_len: int | None = None) -> Any:
+    """The Engine for a served model: the folder's generation defaults plus the tokenizer's eos ids; max_model_len
+    None: the model's (configured) context."""
     from qkv.generate.engine import Engine
 
     base = served.model.generation_defaults().get("eos_token_id")
@@ -32,7 +34,7 @@ def build_engine(served: Served, *, block_size: int = 16, num_blocks: int | None
     eos = sorted(i for i in ids if 0 <= i < served.model.output_vocab_size) or None
     return Engine(served.model, block_size=block_size, num_blocks=num_blocks, max_batch_size=max_batch_size,
                   prefill_chunk=prefill_chunk, prefix_caching=prefix_caching, preemption=preemption,
-                  tokenizer=served.codec, eos_token_id=eos)
+                  tokenizer=served.codec, eos_token_id=eos, max_model_len=max_model_len)
 
 
 def _server_class():
