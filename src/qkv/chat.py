@@ -28,6 +28,7 @@ from typing import Any, TextIO
 import torch
 
 from qkv.generate import GenerationConfig, stream
+from qkv.models.decoding import configured_context
 
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
 DEFAULT_ANSWER_TOKENS = 512  # an answer's length when none is asked for, capped by the model's context
@@ -75,8 +76,7 @@ class ChatSession:
         model_eos = defaults.get("eos_token_id")
         if model_eos is not None:
             self.stop_ids |= set(model_eos if isinstance(model_eos, list) else [model_eos])
-        limit = getattr(self.model, "context_limit", None)
-        self.context = limit or getattr(self.model.config, "context_length", None)
+        self.context = configured_context(self.model)  # the limit generate() and qkv serve hold to
 
     @classmethod
     def from_folder(cls, folder: str | Path, **kwargs: Any) -> ChatSession:

@@ -479,7 +479,7 @@ class Linear(nn.Linear):
         linear of every decoding step."""
         params = self._parameters
         w, b = params["weight"], params["bias"]
-        key = (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version, scale_first)
+        key = (*_changed_key(self), scale_first)
         packed = self.__dict__.get("_decode_copy")
         if packed is None or packed[0] != key:
             # a normal tensor even when the first step runs under torch.inference_mode
@@ -499,7 +499,7 @@ class Linear(nn.Linear):
         weight, made and refreshed like `_packed`'s (the same key)."""
         params = self._parameters
         w, b = params["weight"], params["bias"]
-        key = (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version, scale_first)
+        key = (*_changed_key(self), scale_first)
         holder = self.__dict__.get("_decode_onednn")
         packed = None if holder is None else holder.get("copy")
         if packed is None or packed[0] != key:
@@ -522,7 +522,7 @@ class Linear(nn.Linear):
         like `_packed`'s copy (the same key)."""
         params = self._parameters
         w, b = params["weight"], params["bias"]
-        key = (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version)
+        key = _changed_key(self)
         holder = self.__dict__.get("_decode_fp16")
         packed = None if holder is None else holder.get("copy")
         if packed is None or packed[0] != key:
@@ -578,6 +578,23 @@ def _scale_first(y: Tensor, scale_first: tuple[int, float]) -> Tensor:
     return y
 
 
+def _changed_key(lin: Linear) -> tuple:
+    """What tells a decode-time copy of lin's weight and bias that they changed (see Linear._packed): the weight's
+    storage address, version counter and dtype, and the bias's version counter."""
+    w, b = lin._parameters["weight"], lin._parameters["bias"]
+    return (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version)
+
+
+def _joined(linears: tuple[Linear, ...]) -> tuple[Tensor, Tensor | None]:
+    """The linears' weights stacked along the outputs (sum of outs, in), detached, and their biases likewise (zeros
+    for a linear without one; None when none has one)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    return weight, torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
+                              for lin in linears])
+
+
 def joint_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -> Tensor | None:
     """[l.step(x) for l in linears] concatenated along the last dimension, as ONE product, for a single-row fp32
     CPU decoding step (several projections of the same input: a gated FFN's gate and up), or a bf16 step of a batch's
@@ -595,20 +612,15 @@ def joint_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -> Tens
         return _joint_fp16_step(owner, x, linears)
     if x.shape[0] != 1 or x.dtype != torch.float32:
         return None
-    key = []
-    for lin in linears:
-        w, b = lin._parameters["weight"], lin._parameters["bias"]
-        key += (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version)
+    key = [_changed_key(lin) for lin in linears]
     joined = owner.__dict__.get("_decode_joined")
     if joined is None or joined[0] != key:
         if any(lin.weight.dtype != torch.float32 for lin in linears):
             return None
         with torch.inference_mode(False), torch.no_grad():
-            wt = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).contiguous()
-            bias = None
-            if any(lin.bias is not None for lin in linears):
-                bias = torch.cat([lin.bias.detach() if lin.bias is not None else wt.new_zeros(lin.out_features)
-                                  for lin in linears])
+            weight, bias = _joined(linears)
+            wt = weight.t().contiguous()
+            del weight
         joined = owner.__dict__["_decode_joined"] = (key, wt, bias)
     _, wt, bias = joined
     return torch.addmm(bias, x, wt) if bias is not None else torch.mm(x, wt)
@@ -623,24 +635,18 @@ def _joint_fp16_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -
     if not (JOINT_STEP_BF16 and STEP_BF16_VIA_FP16) or rows < STEP_FP16_MIN_ROWS \
             or (BF16_TILE_MIN_ROWS and rows >= BF16_TILE_MIN_ROWS):
         return None
-    key, size = [], 0
-    for lin in linears:
-        w, b = lin._parameters["weight"], lin._parameters["bias"]
-        if not fp16_step_applies(x, w):
-            return None
-        key += (w.data_ptr(), w._version, w.dtype, -1 if b is None else b._version)
-        size += w.numel()
-    if size < STEP_FP16_MIN_WEIGHT:
+    weights = [lin._parameters["weight"] for lin in linears]
+    if not fp16_step_applies(x, weights[0]) or any(w.dtype != torch.bfloat16 or type(w) is not type(weights[0])
+                                                   for w in weights):
+        return None
+    if sum(w.numel() for w in weights) < STEP_FP16_MIN_WEIGHT:
         return None
     holder = owner.__dict__.get("_decode_joined_fp16")
     joined = None if holder is None else holder.get("copy")
+    key = [_changed_key(lin) for lin in linears]
     if joined is None or joined[0] != key:
         with torch.inference_mode(False), torch.no_grad():
-            weight = torch.cat([lin.weight.detach() for lin in linears])
-            bias = None
-            if any(lin.bias is not None for lin in linears):
-                bias = torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
-                                  for lin in linears])
+            weight, bias = _joined(linears)
             joined = (key, *fp16_pack(weight, bias))
             del weight
         owner.__dict__["_decode_joined_fp16"] = _Transient(copy=joined)
