@@ -94,3 +94,23 @@ def test_bad_options_are_clear_errors(kw):
 
 def test_log_math_sanity():  # the hand case above relies on these probabilities
     assert math.isclose(sum([0.5, 0.3, 0.15, 0.05]), 1.0)
+
+
+def test_a_temperature_below_the_minimum_decodes_greedily():
+    """logits / 1e-40 overflow fp32 (NaN probabilities, a crash in the sampler): a temperature below
+    MIN_TEMPERATURE decodes greedily, its limit, in generate() and in the engine alike."""
+    from qkv.generate import GenerationConfig
+    from qkv.generate.config import MIN_TEMPERATURE
+    from qkv.generate.engine import Engine
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    ids = torch.randint(0, 11, (1, 5))
+    greedy = generate(model, ids, 12)
+    for t in (1e-40, 1e-45, MIN_TEMPERATURE / 2):
+        tiny = generate(model, ids, GenerationConfig(max_new_tokens=12, do_sample=True, temperature=t))
+        assert torch.equal(tiny, greedy)
+        engine = Engine(model, block_size=4, max_new_tokens=12)
+        rid = engine.add_request(ids[0], do_sample=True, temperature=t, seed=3)
+        assert engine.run()[rid] == greedy[0, 5:].tolist()
+    assert GenerationConfig(do_sample=True, temperature=MIN_TEMPERATURE).sampling  # the line itself samples

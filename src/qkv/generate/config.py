@@ -24,6 +24,9 @@ from qkv.config import ConfigError, _closest, from_dict, load_yaml, replace, to_
 EARLY_STOPPING = (True, False, "never")
 CONTEXT_OVERFLOW = ("error", "slide")
 DEFAULT_MAX_NEW_TOKENS = 32
+# Temperatures below this decode greedily, their limit: logits divided by less overflow fp32 (a temperature of 1e-40
+# turned every score into +-inf and the sampler's probabilities into NaN). vLLM draws the line at the same place.
+MIN_TEMPERATURE = 1e-5
 
 # generation_config.json keys that say nothing about which tokens are produced: bookkeeping, and what to
 # return or which cache class to use
@@ -46,7 +49,7 @@ class GenerationConfig:
     length_penalty: float = 1.0  # beam score = sum log p / length ** length_penalty
     early_stopping: bool | str = "never"  # beams: True stop at num_beams finished; False HF's heuristic; "never" exact
     # -- logits processors (processors.py) ----------------------------------------------------------------
-    temperature: float = 1.0  # divide the logits (sampling); 0 = greedy
+    temperature: float = 1.0  # divide the logits (sampling); 0, or below MIN_TEMPERATURE, = greedy
     top_k: int | None = None  # keep the k most likely tokens (sampling)
     top_p: float | None = None  # nucleus: the smallest set with probability >= top_p (sampling)
     min_p: float | None = None  # drop tokens below min_p x the top token's probability (sampling)
@@ -204,7 +207,7 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> bool:
-        return self.do_sample and self.temperature > 0
+        return self.do_sample and self.temperature >= MIN_TEMPERATURE
 
 
 def resolve(defaults: dict[str, Any], config: GenerationConfig | None, overrides: dict[str, Any]) -> GenerationConfig:

@@ -180,6 +180,12 @@ class Engine:
             raise ValueError("stop_strings need the Engine's tokenizer= (to decode the tokens)")
 
     # -- requests ---------------------------------------------------------------------------------------
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of this length can ask for: what the context and the whole KV pool leave
+        (the last new token is never written to the cache). < 1: the prompt alone does not fit."""
+        pool = self.cache.allocator.num_blocks * self.cache.block_size - prompt_len + 1
+        return pool if self.context is None else min(pool, self.context - prompt_len)
+
     def check_request(self, prompt_len: int, max_new: int) -> None:
         """ValueError when a request of this size can never run (over the context, or the whole pool)."""
         if self.context is not None and prompt_len + max_new > self.context:

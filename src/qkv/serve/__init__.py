@@ -82,7 +82,16 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name:
     shown = f"[{host}]" if ":" in host else host
     print(f"qkv serve: model '{served.name}' at http://{shown}:{bound}/v1  (Ctrl-C to stop)", flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
-    _server_class()(config).run(sockets=[sock])
+    server = _server_class()(config)
+    worker = app.state.api.worker
+    # an engine that died (a bug, out of memory) cannot serve again: stop the process, as vLLM does, so that a
+    # supervisor restarts it rather than keeping a server that answers 503 forever
+    worker.on_error = lambda e: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])
+    if worker.error is not None:
+        print(f"qkv serve: stopped: the engine failed ({type(worker.error).__name__}: {worker.error})",
+              file=sys.stderr, flush=True)
+        return 1
     print("qkv serve: stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from qkv.generate.config import MIN_TEMPERATURE
 from qkv.generate.engine import Engine
 from qkv.serve.metrics import Metrics
 from qkv.serve.model import Served
@@ -75,6 +76,25 @@ def _range(ok: bool, name: str, message: str) -> None:
         raise APIError(400, f"'{name}' {message}", name, "invalid_value")
 
 
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """400 for OpenAI fields this server does not implement, set to anything but their "off" value: answering as
+    if they had been honoured would be worse (a logit_bias or a JSON response_format silently ignored)."""
+    off: dict[str, tuple] = {
+        "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+        "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+        "top_logprobs": (None, 0),
+        # chat's logprobs is a switch; completions' an int, where 0 asks for the sampled token's logprob
+        "logprobs": (None, False) if chat else (None,)}
+    for name, values in off.items():
+        v = body.get(name)
+        if not any(v is a or (type(v) is type(a) and v == a) for a in values):
+            raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError(400, "'response_format' is not supported by this server (only {\"type\": \"text\"})",
+                       "response_format", "unsupported")
+
+
 class API:
     def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
         self.served, self.engine, self.settings = served, engine, settings
@@ -107,9 +127,7 @@ class API:
         _range(n == 1, "n", f"must be 1: this server returns one choice per request (got {n})")
         if _field(body, "best_of", _is_int, "an integer", 1) != 1:
             raise APIError(400, "'best_of' > 1 is not supported", "best_of", "unsupported")
-        for name in ("logprobs", "echo", "top_logprobs"):
-            if body.get(name) not in (None, False, 0):
-                raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported")
+        _refuse_unsupported(body, "messages" in body)
         for name in ("presence_penalty", "frequency_penalty"):
             v = _field(body, name, _is_num, "a number", 0)
             _range(v == 0, name, "is not supported (only 0)")
@@ -120,6 +138,7 @@ class API:
         top_k = _field(body, "top_k", _is_int, "an integer", -1)
         _range(top_k == -1 or top_k >= 1, "top_k", f"must be -1 (off) or >= 1, got {top_k}")
         seed = _field(body, "seed", _is_int, "an integer")
+        _range(seed is None or -(2 ** 63) <= seed < 2 ** 64, "seed", f"must be a 64-bit integer, got {seed}")
         stop = _field(body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(
             isinstance(s, str) for s in v)), "a string or a list of strings")
         stop = [stop] if isinstance(stop, str) else list(stop or [])
@@ -128,21 +147,19 @@ class API:
         max_tokens = _field(body, name, _is_int, "an integer")
         _range(max_tokens is None or max_tokens > 0, name, f"must be > 0, got {max_tokens}")
         ctx = self.engine.context
-        room = None if ctx is None else ctx - prompt_len
-        if room is not None and room <= 0:
+        if ctx is not None and prompt_len >= ctx:
             raise APIError(400, f"the prompt has {prompt_len} tokens; the model's context is {ctx}",
                            "messages" if "messages" in body else "prompt", "context_length_exceeded")
-        if max_tokens is None:
+        if max_tokens is None:  # the default: at most what the context and the KV pool leave (at least 1)
             max_tokens = default_max if default_max is not None else self.settings.max_tokens_cap
-            if room is not None:
-                max_tokens = min(max_tokens, room)
+            max_tokens = max(1, min(max_tokens, self.engine.room(prompt_len)))
         try:
             self.engine.check_request(prompt_len, max_tokens)
         except ValueError as e:
             raise APIError(400, f"{e}: lower max_tokens or shorten the prompt", name,
                            "context_length_exceeded") from None
         opts: dict[str, Any] = {"max_new_tokens": max_tokens, "seed": seed}
-        if temperature > 0:
+        if temperature >= MIN_TEMPERATURE:  # below: greedy, the limit (GenerationConfig.sampling)
             opts.update(do_sample=True, temperature=float(temperature), top_p=float(top_p),
                         top_k=top_k if top_k > 0 else None)
         else:
@@ -194,6 +211,9 @@ class API:
         return ids
 
     def admit(self, prompt: list[int], opts: dict[str, Any]) -> Ticket:
+        if self.worker.error is not None:
+            raise APIError(503, f"the engine stopped after an internal error ({self.worker.error}): the server must "
+                           "be restarted", None, "engine_dead", "server_error")
         if self.shutting_down or not self.worker.alive:
             raise APIError(503, "the server is shutting down", None, "unavailable", "server_error")
         if self.active >= self.capacity:
@@ -379,7 +399,8 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
 
     async def run(request: Request, chat: bool) -> Response:
         body = await api.body(request)
-        ids = api.chat_ids(body) if chat else api.prompt_ids(body)
+        # off the event loop: a long prompt's tokenizing (or template) must not stall the other clients' streams
+        ids = await asyncio.to_thread(api.chat_ids if chat else api.prompt_ids, body)
         opts = api.options(body, len(ids), None if chat else DEFAULT_MAX_TOKENS)
         stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
         so = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
@@ -433,25 +454,31 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
             try:
                 if chat:
                     yield chunk(None, None, first=True)
-                async for items in api.batches(t, request):
-                    out = []
-                    for kind, v in items:
-                        if kind == "token":
-                            n += 1
-                            piece = text.push(v)
-                            if piece:
-                                out.append(head + json.dumps(piece) + tail)
-                        else:
-                            reason = v
-                    if out:  # the events of one delivery in one write
-                        yield "".join(out)
+                try:
+                    async for items in api.batches(t, request):
+                        out = []
+                        for kind, v in items:
+                            if kind == "token":
+                                n += 1
+                                piece = text.push(v)
+                                if piece:
+                                    out.append(head + json.dumps(piece) + tail)
+                            else:
+                                reason = v
+                        if out:  # the events of one delivery in one write
+                            yield "".join(out)
+                except APIError as e:  # the status line is long gone: the error as an event, as vLLM sends it
+                    yield f"data: {json.dumps(json.loads(e.response().body))}\n\ndata: [DONE]\n\n"
+                    return
                 if reason in (None, "cancelled"):
                     return
                 tail_text = text.push(None)
                 usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
-                yield chunk(tail_text, reason, usage=usage)  # usage in every response: the last chunk carries it
-                if so.get("include_usage"):
+                if so.get("include_usage"):  # OpenAI's form: usage only on a last chunk of its own
+                    yield chunk(tail_text, reason, usage=None)
                     yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
+                else:  # an extension (as vLLM's continuous usage): the last chunk carries it
+                    yield chunk(tail_text, reason, usage=usage)
                 yield "data: [DONE]\n\n"
             finally:
                 api.release(t, reason)

@@ -14,6 +14,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self.stats: dict[str, Any] = engine.stats()  # a snapshot, refreshed after every step
         self.error: BaseException | None = None
+        self.on_error: Callable[[BaseException], None] | None = None  # called on the engine thread when it dies
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="qkv-engine", daemon=True)
 
@@ -156,6 +158,8 @@ class EngineWorker:
             self.error = e
             for t in self._tickets.values():
                 self._send(t, ("error", f"the engine stopped: {e}"))
+            if self.on_error is not None:
+                self.on_error(e)
             raise
         finally:
             for rid in list(self._tickets):

@@ -1,0 +1,185 @@
+"""qkv serve under requests that used to hurt it: a near-zero temperature, seeds past 64 bits, OpenAI fields the
+server does not implement, a default max_tokens the KV pool cannot hold, a slow tokenizer, and an engine that dies
+mid-stream. Each against a server on a loopback port, checked with raw httpx or the official openai client."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+from _servehelpers import running_server
+
+from qkv.generate import generate
+from qkv.serve import load_served
+
+
+def _sse(lines):
+    """(payloads, ended with [DONE]) of an SSE stream."""
+    events, done = [], False
+    for line in lines:
+        if line.startswith("data: "):
+            if line == "data: [DONE]":
+                done = True
+                break
+            events.append(json.loads(line[len("data: "):]))
+    return events, done
+
+
+def test_tiny_temperature_big_seed_and_unsupported_fields(run_folder):
+    served = load_served(run_folder)
+    ok = {"model": served.name, "prompt": "ab", "max_tokens": 6}
+    with running_server(run_folder, block_size=4) as (url, app):
+        greedy = httpx.post(url + "/v1/completions", json={**ok, "temperature": 0}, timeout=60).json()
+        for t in (1e-45, 1e-38, 1e-6):  # greedy, and the engine keeps running
+            r = httpx.post(url + "/v1/completions", json={**ok, "temperature": t, "seed": 1}, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+        assert app.state.api.worker.alive
+        for seed in (2 ** 64, -(2 ** 63) - 1):
+            for stream in (False, True):
+                r = httpx.post(url + "/v1/completions", json={**ok, "seed": seed, "stream": stream}, timeout=60)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        for seed in (2 ** 64 - 1, -(2 ** 63)):
+            assert httpx.post(url + "/v1/completions", json={**ok, "seed": seed}, timeout=60).status_code == 200
+        refused = [("logit_bias", {"5": 100}), ("response_format", {"type": "json_object"}), ("suffix", "x"),
+                   ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+                   ("logprobs", 0), ("logprobs", 2), ("echo", True), ("top_logprobs", 2)]
+        for name, value in refused:
+            r = httpx.post(url + "/v1/completions", json={**ok, name: value}, timeout=60)
+            assert r.status_code == 400, (name, value, r.text)
+            assert r.json()["error"]["code"] == "unsupported" and r.json()["error"]["param"] == name
+        accepted = [("logit_bias", {}), ("logit_bias", None), ("response_format", {"type": "text"}), ("suffix", ""),
+                    ("tools", []), ("tool_choice", "none"), ("logprobs", None), ("echo", False)]
+        for name, value in accepted:
+            r = httpx.post(url + "/v1/completions", json={**ok, name: value}, timeout=60)
+            assert r.status_code == 200, (name, value, r.text)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            client.completions.create(model=served.name, prompt="ab", max_tokens=3, logit_bias={"5": 100})
+
+
+def test_default_max_tokens_fits_the_kv_pool(run_folder):
+    """Without max_tokens the answer is as long as the pool allows (4 blocks of 4 = 16 positions, below the
+    context of 64), not a 400 about a max_tokens the client never sent."""
+    served = load_served(run_folder)
+    prompt = "abcdefghij"
+    n_prompt = len(served.codec.encode(prompt))
+    with running_server(run_folder, block_size=4, num_blocks=4) as (url, app):
+        r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": prompt, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        room = 4 * 4 - n_prompt + 1  # the last new token is never written to the cache
+        assert room < 16  # the completions default (16) would not have fit
+        assert body["usage"]["completion_tokens"] == room and body["choices"][0]["finish_reason"] == "length"
+        ref = generate(served.model, torch.tensor([served.codec.encode(prompt)]), room)[0, n_prompt:].tolist()
+        assert body["choices"][0]["text"] == served.codec.decode(ref)
+        # asked for explicitly, the same length over the pool is still refused before any block is taken
+        r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": prompt, "max_tokens": room + 1},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_include_usage_puts_usage_on_its_own_last_chunk_only(run_folder):
+    served = load_served(run_folder)
+    body = {"model": served.name, "prompt": "ab", "max_tokens": 5, "temperature": 0, "stream": True}
+    with running_server(run_folder, block_size=4) as (url, app):
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream_options": {"include_usage": True}},
+                          timeout=60) as r:
+            events, done = _sse(r.iter_lines())
+        assert done and events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+        assert all(e.get("usage") is None for e in events[:-1])  # OpenAI's form: a client may add them up
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        chunks = list(client.completions.create(model=served.name, prompt="ab", max_tokens=5, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert sum(c.usage.completion_tokens for c in chunks if c.usage) == 5
+
+
+def test_a_slow_tokenizer_does_not_stall_the_event_loop(run_folder):
+    """A prompt is tokenized off the event loop: while one request's encode is held, /health still answers."""
+    served = load_served(run_folder)
+    with running_server(run_folder, block_size=4) as (url, app):
+        codec = app.state.api.served.codec
+        encode, entered, release = codec.encode, threading.Event(), threading.Event()
+
+        def held(text):
+            if text == "held":
+                entered.set()
+                release.wait(60)
+            return encode(text)
+
+        codec.encode = held
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+            url + "/v1/completions", json={"model": served.name, "prompt": "held", "max_tokens": 2}, timeout=60)))
+        th.start()
+        try:
+            assert entered.wait(30)
+            assert httpx.get(url + "/health", timeout=10).status_code == 200  # would time out on a blocked loop
+        finally:
+            release.set()
+            th.join(60)
+        assert out["r"].status_code == 200
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected failure
+def test_an_engine_that_dies_mid_stream(run_folder):
+    """The stream ends with an error event and [DONE] (its status line went out long ago), later requests get a
+    503 that says why, /health is 503, and the worker's on_error hook (qkv serve: stop the process) runs once."""
+    served = load_served(run_folder)
+    with running_server(run_folder, block_size=4) as (url, app):
+        api = app.state.api
+        engine, calls, seen = api.engine, [0], []
+        step = engine.step
+
+        def failing_step():
+            calls[0] += 1
+            if calls[0] > 3:
+                raise RuntimeError("injected failure")
+            return step()
+
+        engine.step = failing_step
+        api.worker.on_error = seen.append
+        body = {"model": served.name, "prompt": "ab", "max_tokens": 20, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events, done = _sse(r.iter_lines())
+        assert done and "error" in events[-1] and "injected failure" in events[-1]["error"]["message"]
+        assert events[-1]["error"]["code"] == "engine_error"
+        assert len(seen) == 1 and "injected failure" in str(seen[0])
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "injected failure" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected failure
+def test_qkv_serve_stops_with_status_1_when_its_engine_dies(run_folder, monkeypatch, capsys):
+    """serve() (what `qkv serve` runs) ends, returning 1 and saying why, once the engine thread has died."""
+    from qkv.generate.engine import Engine
+    from qkv.serve import serve
+
+    def broken_step(self):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(Engine, "step", broken_step)
+    result = {}
+    # a daemon thread: were the server never to stop, the test fails below and the thread dies with the process
+    th = threading.Thread(target=lambda: result.setdefault("status", serve(run_folder, port=0, name="lm")),
+                          daemon=True)
+    th.start()
+    out = ""
+    for _ in range(600):
+        out += capsys.readouterr().out
+        if "http://127.0.0.1:" in out:
+            break
+        th.join(0.05)
+    base = out.split("at ")[1].split()[0]
+    r = httpx.post(base + "/completions", json={"model": "lm", "prompt": "ab", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    th.join(60)
+    assert not th.is_alive() and result["status"] == 1
+    assert "the engine failed (RuntimeError: injected failure)" in capsys.readouterr().err
