@@ -50,7 +50,8 @@ def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "c
 def _load(folder: Path, meta: dict, map_location: str | torch.device) -> nn.Module:
     if "qkv_family" not in meta:
         if "model_type" in meta:
-            return load_hf(folder)
+            model = load_hf(folder)  # read on the CPU, then moved as a qkv folder's tensors are
+            return model if torch.device(map_location).type == "cpu" else model.to(map_location)
         raise CheckpointError(f"{folder}/config.json names neither a qkv family nor a Hugging Face model_type")
     if not isinstance(meta.get("config"), dict):
         raise CheckpointError(f"{folder}/{CONFIG_NAME} has no 'config' mapping beside 'qkv_family'")

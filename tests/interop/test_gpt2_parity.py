@@ -4,6 +4,8 @@ generation equals HF generate() token for token; the exporter writes a folder HF
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -187,3 +189,21 @@ def test_gpt2_last_only_equals_hf_logits_to_keep(tmp_path):
         got = ours(x, last_only=True).logits[:, -1]
     assert ref.std() > 0.1
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_token_ids_of_config_json_are_kept_and_exported(tmp_path):
+    """A GPT-2 folder without generation_config.json: generate() stops at config.json's eos as transformers does,
+    and an export writes the model's ids back, not vocab_size - 1."""
+    from qkv.interop.gpt2 import export_gpt2
+
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=5,
+                                  eos_token_id=7)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "in")
+    (tmp_path / "in" / "generation_config.json").unlink(missing_ok=True)
+    ours = qkv.from_pretrained(tmp_path / "in")
+    defaults = ours.generation_defaults()
+    assert defaults["eos_token_id"] == 7 and defaults["bos_token_id"] == 5
+    export_gpt2(ours, tmp_path / "out")
+    meta = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert meta["eos_token_id"] == 7 and meta["bos_token_id"] == 5
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").eos_token_id == 7

@@ -169,6 +169,26 @@ def test_sliding_window_is_refused_past_the_window(tmp_path):
         ours(torch.randint(0, BASE["vocab_size"], (1, 17)))
 
 
+def test_a_window_as_long_as_the_context_is_kept(tmp_path):
+    """RoPE runs past max_position_embeddings, and there transformers' window limits attention: a window equal to the
+    context is kept (refusing longer sequences), not dropped (which computed another function past it), and exported
+    back as mistral."""
+    from qkv.models.decoding import configured_context
+
+    hf = build_hf("mistral-gqa2-window", sliding_window=32, max_position_embeddings=32)
+    hf.save_pretrained(tmp_path / "in")
+    ours = qkv.from_pretrained(tmp_path / "in")
+    assert ours.config.sliding_window == 32 and ours.context_limit == 32 and configured_context(ours) == 32
+    ids = torch.randint(0, BASE["vocab_size"], (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids[:, :32]).logits, hf(ids[:, :32]).logits, atol=1e-4, rtol=0)
+        with pytest.raises(ValueError):
+            ours(ids)
+    export_llama(ours, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "mistral" and config["sliding_window"] == 32
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn' is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic' is not supported"),

@@ -84,8 +84,10 @@ def test_pickle_with_code_is_refused(tmp_path):
 
     with open(tmp_path / "pytorch_model.bin", "wb") as f:
         pickle.dump({"wte.weight": Evil()}, f, protocol=2)
-    with pytest.raises(CheckpointError, match="cannot be read as a plain tensor state dict"):
+    with pytest.raises(CheckpointError, match="refused: it holds pickled objects other than tensors") as e:
         qkv.from_pretrained(tmp_path)
+    # one line naming what was found, without torch's advice to retry with weights_only=False (which runs it)
+    assert "\n" not in str(e.value) and "it would call print" in str(e.value) and "weights_only" not in str(e.value)
 
 
 def test_unsupported_gpt2_option(tmp_path):
@@ -139,3 +141,43 @@ def test_shard_symlink_pointing_outside_is_refused(tmp_path):
         json.dumps({"weight_map": {k: "shard-1.safetensors" for k in keys}}))
     with pytest.raises(CheckpointError, match="outside the model folder"):
         qkv.from_pretrained(folder)
+
+
+def _tiny_llama(path):
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("make, field", [(_gpt2_folder, "n_embd"), (_tiny_llama, "hidden_size")])
+def test_a_config_without_a_required_field_or_with_a_bad_value(tmp_path, make, field):
+    folder = make(tmp_path)
+    meta = json.loads((folder / "config.json").read_text())
+    del meta[field]
+    (folder / "config.json").write_text(json.dumps(meta))
+    if make is _tiny_llama:  # GPT-2's fields have defaults, as in transformers
+        with pytest.raises(CheckpointError, match=f"needs the field '{field}', which is missing"):
+            qkv.from_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({**meta, field: "forty"}))
+    with pytest.raises(CheckpointError, match="config.json: a .* field has an unusable value"):
+        qkv.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("make", [_gpt2_folder, _tiny_llama])
+@pytest.mark.parametrize("weight_map", [[], {"wte.weight": None}, "x"])
+def test_a_malformed_shard_index_is_one_clear_error(tmp_path, make, weight_map):
+    """Both readers (the Llama family's tensor-at-a-time one and the generic one) share shard_files."""
+    folder = make(tmp_path)
+    (folder / "model.safetensors").rename(folder / "shard-1.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names to shard file names"):
+        qkv.from_pretrained(folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(CheckpointError, match="not a valid shard index"):
+        qkv.from_pretrained(folder)
+
+
+def test_map_location_applies_to_a_hugging_face_folder(tmp_path):
+    model = qkv.from_pretrained(_tiny_llama(tmp_path), map_location="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}

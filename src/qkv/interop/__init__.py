@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qkv.config import ConfigError
 from qkv.storage import CheckpointError
 
 LOADERS: dict[str, Callable[[Path, dict[str, Any]], Any]] = {}
@@ -53,4 +54,13 @@ def load_hf(folder: str | Path) -> Any:
     if mt not in LOADERS:
         raise CheckpointError(f"{folder}: Hugging Face model_type {mt!r} is not supported; "
                               f"supported: {sorted(_MODULES)}")
-    return LOADERS[mt](folder, meta)
+    try:
+        return LOADERS[mt](folder, meta)
+    except (CheckpointError, ConfigError):
+        raise
+    except KeyError as e:  # a loader reads a field config.json does not have: one line naming it
+        if not (isinstance(e.args[0], str) and e.args[0] not in meta):
+            raise
+        raise CheckpointError(f"{folder}/config.json: {mt} needs the field {e.args[0]!r}, which is missing") from None
+    except (TypeError, ValueError) as e:  # e.g. int("forty")
+        raise CheckpointError(f"{folder}/config.json: a {mt} field has an unusable value ({e})") from None

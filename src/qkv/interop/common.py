@@ -57,7 +57,15 @@ def _load_torch_bin(path: Path) -> dict[str, Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
     except Exception as e:  # UnpicklingError for disallowed globals, RuntimeError for a corrupt file
-        raise CheckpointError(f"{path}: cannot be read as a plain tensor state dict ({e})") from None
+        # torch's text is many lines and suggests weights_only=False, which would run the file's code: keep the
+        # one line that says what was found
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found is None:
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise CheckpointError(f"{path}: cannot be read as a plain tensor state dict ({first})") from None
+        raise CheckpointError(f"{path}: refused: it holds pickled objects other than tensors (it would call "
+                              f"{found.group(1)}); loading them would run code from the file. Convert it to "
+                              "safetensors.") from None
     if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a mapping of names to tensors")
     return dict(state)
@@ -72,22 +80,30 @@ def _load_safetensors(path: Path) -> dict[str, Tensor]:
         raise CheckpointError(f"{path}: cannot be read as safetensors ({e})") from None
 
 
-def _load_sharded(index: Path, reader: Callable[[Path], dict[str, Tensor]]) -> dict[str, Tensor]:
+def shard_files(index: Path) -> list[Path]:
+    """The shard files a `*.index.json` names, each checked to be a file of the index's folder (no absolute
+    paths, no `..`, no symlink pointing outside); a clear error for an index of any other shape."""
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{index}: not a valid shard index ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid shard index ({type(e).__name__}: {e})") from None
     if not isinstance(weight_map, Mapping) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
     folder = index.parent.resolve()
-    state: dict[str, Tensor] = {}
+    files = []
     for shard in sorted(set(weight_map.values())):
-        # a shard is a file of this folder: no absolute paths, no `..`, no symlink pointing outside
         if Path(shard).is_absolute() or not (folder / shard).resolve().is_relative_to(folder):
             raise CheckpointError(f"{index} lists shard {shard!r}, which is outside the model folder")
         if not (index.parent / shard).is_file():
             raise CheckpointError(f"{index} lists shard {shard!r}, which is not in the folder")
-        state.update(reader(index.parent / shard))
+        files.append(index.parent / shard)
+    return files
+
+
+def _load_sharded(index: Path, reader: Callable[[Path], dict[str, Tensor]]) -> dict[str, Tensor]:
+    state: dict[str, Tensor] = {}
+    for shard in shard_files(index):
+        state.update(reader(shard))
     return state
 
 
@@ -187,9 +203,13 @@ def convert_state(
 def load_converted(model: nn.Module, state: Mapping[str, Tensor], sources: Mapping[str, list[str]],
                    source: str = "checkpoint") -> None:
     """Copy our-key tensors into `model` after the library's one fit check (every parameter filled, tied
-    copies excepted; every shape equal), naming the file's keys in errors. Dtypes follow the model (a fp16
-    checkpoint loads into a fp32 model)."""
+    copies excepted; every shape equal), naming the file's keys in errors. A file whose floating tensors are all
+    bf16 (or all fp16) keeps that dtype, as transformers loads it: the model is cast to it first, so the copies are
+    exact and nothing is held twice in fp32. Files of other (or mixed) dtypes load into the model's dtype."""
     check_state_fits(model, state, source, name=lambda k: ", ".join(sources.get(k, [k])))
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(dtypes) == 1 and (half := next(iter(dtypes))) in (torch.bfloat16, torch.float16):
+        model.to(dtype=half)
     own = model.state_dict()
     with torch.no_grad():
         for ours, t in state.items():

@@ -55,6 +55,8 @@ TRANSFORMS = {k: (lambda t: t.t().contiguous()) for k in CONV1D}
 # Tensors older checkpoints carry that hold no weights: the causal-mask buffers of GPT2Attention.
 IGNORE = ("h.{}.attn.bias", "h.{}.attn.masked_bias")
 
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json's, kept on load and written on export
+
 # HF activation_function -> our ffn name. gelu_new / gelu_pytorch_tanh are the tanh approximation.
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu": "gelu", "relu": "relu"}
@@ -92,7 +94,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
 
 
 def load_gpt2(folder: Path, hf_config: dict[str, Any]) -> GPT:
-    """A GPT2LMHeadModel or GPT2Model folder -> our GPT (eval mode, fp32 unless the model is cast)."""
+    """A GPT2LMHeadModel or GPT2Model folder -> our GPT (eval mode; a bf16 or fp16 file keeps its dtype)."""
     config = config_from_hf(hf_config)
     hf_state, source = read_hf_state(folder)
     hf_state = strip_prefix(hf_state, ("transformer.",))
@@ -108,6 +110,8 @@ def load_gpt2(folder: Path, hf_config: dict[str, Any]) -> GPT:
         mapping.update(UNTIED_HEAD)
     model = GPT(config)
     load_hf_weights(model, hf_state, mapping, transforms=TRANSFORMS, ignore=ignore, source=source)
+    # config.json's token ids, as transformers reads them (generation_config.json, read by load_model, overrides)
+    model.folder_generation_config = {k: hf_config[k] for k in TOKEN_IDS if hf_config.get(k) is not None}
     return model.eval()
 
 
@@ -127,7 +131,7 @@ def config_to_hf(config: GPTConfig) -> dict[str, Any]:
         "scale_attn_weights": config.scaled, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
         "attn_pdrop": config.attn_dropout, "initializer_range": config.init_std,
         "tie_word_embeddings": config.tie_embeddings, "bos_token_id": config.vocab_size - 1,
-        "eos_token_id": config.vocab_size - 1,
+        "eos_token_id": config.vocab_size - 1,  # GPT-2's <|endoftext|>, unless the model has its own (export_gpt2)
     }
 
 
@@ -135,6 +139,8 @@ def export_gpt2(model: GPT, path: str | os.PathLike) -> Path:
     """Write `model` as a Hugging Face GPT2LMHeadModel folder (config.json + model.safetensors)."""
     model = unwrap(model)
     hf_config = config_to_hf(model.config)
+    own = model.generation_defaults() if hasattr(model, "generation_defaults") else {}
+    hf_config.update({k: own[k] for k in TOKEN_IDS if own.get(k) is not None})
     mapping = expand(KEY_MAP, model.config.n_layers)
     if not model.config.tie_embeddings:
         mapping.update(UNTIED_HEAD)

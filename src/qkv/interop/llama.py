@@ -17,7 +17,6 @@ files, each file opened only while its tensors are copied (benchmarks/llm.py mea
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +33,7 @@ from qkv.interop.common import (
     export_state,
     read_hf_state,
     require,
+    shard_files,
     write_hf_folder,
 )
 from qkv.models.gpt import GPT, GPTConfig
@@ -110,9 +110,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> GPTConfig:
         window = hf.get("sliding_window")
     elif hf.get("use_sliding_window", False) or "sliding_attention" in (hf.get("layer_types") or ()):
         raise CheckpointError(f"{mt}: sliding-window layers (use_sliding_window / layer_types) are not supported")
+    # kept even when it is as long as the context: RoPE runs past the context, and there the window limits attention
     context = int(hf.get("max_position_embeddings", 2048))
-    if window is not None and int(window) >= context:
-        window = None  # a window as long as the context never limits attention
     return GPTConfig(
         vocab_size=int(hf["vocab_size"]),
         n_layers=int(hf["num_hidden_layers"]),
@@ -171,19 +170,8 @@ class _Tensors:
             files = [folder / SAFETENSORS]
             self.source = str(files[0])
         elif (folder / SAFETENSORS_INDEX).is_file():
-            index = folder / SAFETENSORS_INDEX
-            self.source = str(index)
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid shard index ({e})") from None
-            root = folder.resolve()
-            files = []
-            for shard in sorted(set(weight_map.values())):
-                path = (folder / shard).resolve()
-                if Path(shard).is_absolute() or not path.is_relative_to(root) or not path.is_file():
-                    raise CheckpointError(f"{index}: shard {shard!r} is not a file of this folder")
-                files.append(path)
+            self.source = str(folder / SAFETENSORS_INDEX)
+            files = shard_files(folder / SAFETENSORS_INDEX)
         else:
             self.loaded, self.source = read_hf_state(folder)  # pytorch_model.bin (weights_only) and its index
             return

@@ -50,16 +50,16 @@ class Source:
 
 
 def configured_context(model: Any) -> int | None:
-    """The most positions a model is meant to see: its hard context_limit where it has one (absolute positions);
-    for a RoPE or ALiBi decoder, which has none, the context_length it was configured with (a Llama folder's
-    max_position_embeddings): positions past it run, but the model was not trained on them. None: no limit known
-    (the LSTM, positions "none")."""
+    """The most positions a model is meant to see: its hard context_limit (absolute positions, a sliding window);
+    for a RoPE or ALiBi decoder, the context_length it was configured with (a Llama folder's
+    max_position_embeddings) where that is smaller: positions past it run, but the model was not trained on them.
+    None: no limit known (the LSTM, positions "none")."""
     limit = getattr(model, "context_limit", None)
-    if limit is not None:
-        return limit
     config = getattr(model, "config", None)
     trained = getattr(config, "context_length", None)
-    return trained if getattr(config, "position", None) in ("rope", "alibi") and isinstance(trained, int) else None
+    if getattr(config, "position", None) not in ("rope", "alibi") or not isinstance(trained, int):
+        return limit
+    return trained if limit is None else min(limit, trained)  # a sliding window's limit may lie past the context
 
 
 @runtime_checkable
