@@ -38,24 +38,9 @@ NO_TEMPLATE_NOTE = ("qkv: note: {folder} has no chat template (no chat_template.
 
 
 def end_of_turn_ids(tok: Any) -> set[int]:
-    """The ids that end an assistant turn: the tokenizer's eos ids and the special token the template writes
-    right after an assistant message's content (found by rendering a probe conversation)."""
-    ids = set(tok.eos_token_ids)
-    if not tok.has_chat_template:
-        return ids
-    probe = "qkv-probe-answer"
-    try:
-        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}])
-    except ValueError:  # a template that refuses the probe (e.g. wants a system message first)
-        return ids
-    at = text.find(probe)
-    if at >= 0:
-        after = text[at + len(probe):].lstrip(" ")
-        first = tok.encode(after, add_special_tokens=False)[:1] if after else []
-        specials = {i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special}
-        if first and first[0] in specials:
-            ids.add(first[0])
-    return ids
+    """The ids that end an assistant turn (HFTokenizer.end_of_turn_ids: the eos ids and the special token the
+    template writes right after an assistant message's content; the same ids the fine-tuning loss covers)."""
+    return set(tok.end_of_turn_ids)
 
 
 @dataclass

@@ -148,6 +148,34 @@ def test_assistant_mask_without_generation_blocks_locates_the_content(bpe, tmp_p
     assert said == CONVERSATION[2]["content"] + "<|im_end|>" + CONVERSATION[4]["content"] + "<|im_end|>"
 
 
+SHORT_ANSWERS = [  # answers that also occur inside the template's own text ("a" in "assistant", "end" in <|im_end|>)
+    {"role": "system", "content": "Answer with one letter."},
+    {"role": "user", "content": "First?"},
+    {"role": "assistant", "content": "a"},
+    {"role": "user", "content": "Then?"},
+    {"role": "assistant", "content": "d"},
+    {"role": "user", "content": "And?"},
+    {"role": "assistant", "content": "end"},
+]
+
+
+@pytest.mark.parametrize("conversation", [CONVERSATION, SHORT_ANSWERS], ids=["sentences", "short"])
+@pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"])
+def test_assistant_mask_without_generation_blocks_like_transformers(bpe, tmp_path, conversation, eos):
+    """The located spans equal transformers' mask of the same format written with generation blocks: also when
+    an answer occurs inside the template's own text before it (searched from where the generation prompt of the
+    messages before it ends), and when the end-of-turn token (<|im_end|>) is not the folder's eos (a base model's
+    <|endoftext|>): the token the template writes after an answer is learned, so a fine-tuned model stops."""
+    ref = save_folder(bpe, tmp_path / "ref", CHATML_GENERATION, eos=eos)
+    out = ref.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    save_folder(bpe, tmp_path / "plain", CHATML_PLAIN, eos=eos)
+    tok = load_hf_tokenizer(tmp_path / "plain")
+    ids, mask = tok.apply_chat_template(conversation, return_assistant_mask=True)
+    assert ids == list(out["input_ids"])
+    assert mask == list(out["assistant_masks"])
+    assert tok.end_of_turn_ids >= {tok.token_to_id("<|im_end|>"), tok.token_to_id(eos)}
+
+
 def test_assistant_mask_llama2_strips_and_covers_eos(bpe, tmp_path):
     save_folder(bpe, tmp_path, LLAMA2, bos="<s>", eos="</s>")
     tok = load_hf_tokenizer(tmp_path)

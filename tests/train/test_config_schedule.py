@@ -49,15 +49,37 @@ def test_warmup_then_cosine_to_floor():
     kw = dict(schedule="cosine", lr=1e-3, warmup=10, max_steps=110, min_lr=1e-5)
     assert lr_at(1, **kw) == pytest.approx(1e-4)  # linear warmup: lr * step / warmup
     assert lr_at(10, **kw) == pytest.approx(1e-3)
-    assert lr_at(60, **kw) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))  # halfway down the cosine
-    assert lr_at(110, **kw) == pytest.approx(1e-5)
+    assert lr_at(11, **kw) == pytest.approx(1e-3)  # the first update after the warmup still at the peak
+    assert lr_at(61, **kw) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))  # halfway down the cosine
+    assert lr_at(110, **kw) > 1e-5  # the last update is not wasted at the floor
+    assert lr_at(111, **kw) == pytest.approx(1e-5)
     assert lr_at(500, **kw) == pytest.approx(1e-5)  # clamped past the end
+
+
+@pytest.mark.parametrize("max_steps, warmup", [(1, 0), (2, 0), (8, 0), (8, 3), (100, 10)])
+def test_cosine_and_linear_decay_equal_transformers_schedules(max_steps, warmup):
+    """After the warmup, update k (1-based) gets transformers' LambdaLR factor at its step k - 1 (counted from 0):
+    no update runs at lr 0, even in a one-update run (which used to change nothing)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    for name, make in (("cosine", transformers.get_cosine_schedule_with_warmup),
+                       ("linear", transformers.get_linear_schedule_with_warmup)):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = make(opt, warmup, max_steps)
+        for k in range(1, max_steps + 1):
+            want = opt.param_groups[0]["lr"]
+            if k > warmup:  # (the warmups differ: transformers' first update runs at 0, ours at lr / warmup)
+                assert lr_at(k, schedule=name, lr=1.0, warmup=warmup, max_steps=max_steps) == pytest.approx(want)
+                assert want > 0
+            opt.step()
+            sched.step()
 
 
 def test_inverse_sqrt_linear_constant():
     assert lr_at(5, schedule="inverse_sqrt", lr=1.0, warmup=10, max_steps=100) == pytest.approx(0.5)
     assert lr_at(40, schedule="inverse_sqrt", lr=1.0, warmup=10, max_steps=100) == pytest.approx(math.sqrt(10 / 40))
-    assert lr_at(55, schedule="linear", lr=1.0, warmup=10, max_steps=100, min_lr=0.1) == pytest.approx(0.55)
+    assert lr_at(56, schedule="linear", lr=1.0, warmup=10, max_steps=100, min_lr=0.1) == pytest.approx(0.55)
     assert lr_at(1, schedule="constant", lr=0.3, warmup=0, max_steps=100) == 0.3  # the no-warmup ablation
     assert lr_at(1, schedule="constant", lr=0.3, warmup=3, max_steps=100) == pytest.approx(0.1)
     with pytest.raises(ConfigError, match="unknown schedule"):

@@ -186,6 +186,7 @@ class HFTokenizer:
         # add_bos_token / add_eos_token: Llama-style folders say it here; the post-processor may already do it
         self.add_bos_token = bool(config.get("add_bos_token", False))
         self.add_eos_token = bool(config.get("add_eos_token", False))
+        self._end_of_turn: frozenset[int] | None = None
 
     # -- vocabulary ---------------------------------------------------------------------------------------
     @property
@@ -228,6 +229,29 @@ class HFTokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     # -- chat ------------------------------------------------------------------------------------------------
+    @property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        """The ids that end an assistant turn: the eos ids and the special token the chat template writes right
+        after an assistant message's content (ChatML's <|im_end|> in a folder whose eos is <|endoftext|>), found
+        by rendering a probe conversation once."""
+        if self._end_of_turn is None:
+            ids = set(self.eos_token_ids)
+            probe = "qkv-probe-answer"
+            try:
+                text = self.apply_chat_template([{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": probe}]) if self.chat_template else ""
+            except ValueError:  # a template that refuses the probe (e.g. wants a system message first)
+                text = ""
+            at = text.find(probe)
+            if at >= 0:
+                after = text[at + len(probe):].lstrip(" ")
+                first = self.encode(after, add_special_tokens=False)[:1] if after else []
+                specials = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+                if first and first[0] in specials:
+                    ids.add(first[0])
+            self._end_of_turn = frozenset(ids)
+        return self._end_of_turn
+
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False,
                     track_generation: bool = False, **variables: Any) -> tuple[str, list[tuple[int, int]]]:
         if not self.chat_template:
@@ -245,8 +269,8 @@ class HFTokenizer:
         what the template writes, as transformers does), or with return_assistant_mask=True a pair
         (ids, mask) where mask[i] = 1 for a token overlapping what the assistant says: the template's
         `{% generation %}` blocks when it has them, else each assistant message's content located in the
-        rendered text plus an end-of-sequence token that follows it (after whitespace at most) (so a model fine-tuned on the
-        mask learns to stop). Extra keyword arguments are template variables (e.g. enable_thinking=False).
+        rendered text plus an end-of-turn token that follows it (after whitespace at most; `end_of_turn_ids`)
+        (so a model fine-tuned on the mask learns to stop). Extra keyword arguments are template variables (e.g. enable_thinking=False).
         """
         if not return_assistant_mask:
             text, _ = self.render_chat(messages, add_generation_prompt, **variables)
@@ -255,15 +279,18 @@ class HFTokenizer:
         text, spans = self.render_chat(messages, add_generation_prompt, track_generation=generation,
                                        **variables)
         if not generation:
-            spans = self._assistant_spans(text, messages)
+            spans = self._assistant_spans(text, messages, variables)
         enc = self._encode(text, add_special_tokens=False)
         return list(enc.ids), spans_to_token_mask(spans, enc.offsets)
 
-    def _assistant_spans(self, text: str, messages: Sequence[Message]) -> list[tuple[int, int]]:
-        """Character spans of each assistant message's content in the rendered `text`, found in message order
-        (a message's content searched after the previous message's), extended over an end-of-sequence token
-        that directly follows. Templates that rewrite the content beyond trimming it cannot be located."""
-        enders = sorted({t for t in (self.id_to_token(i) for i in self.eos_token_ids) if t}, key=len,
+    def _assistant_spans(self, text: str, messages: Sequence[Message],
+                         variables: Mapping[str, Any]) -> list[tuple[int, int]]:
+        """Character spans of each assistant message's content in the rendered `text`, found in message order,
+        extended over an end-of-turn token that directly follows. An assistant message's content is searched
+        from where the render of the messages before it with the generation prompt ends, when that is a prefix
+        of `text` (so a short answer, "a", is not found inside the template's own role header), else after the
+        previous message's content. Templates that rewrite the content beyond trimming it cannot be located."""
+        enders = sorted({t for t in (self.id_to_token(i) for i in self.end_of_turn_ids) if t}, key=len,
                         reverse=True)
         spans: list[tuple[int, int]] = []
         cursor = 0
@@ -271,6 +298,13 @@ class HFTokenizer:
             content = m.get("content")
             if not isinstance(content, str) or not content.strip():
                 continue
+            if m.get("role") == "assistant" and i > 0:
+                try:
+                    head, _ = self.render_chat(messages[:i], add_generation_prompt=True, **variables)
+                except ValueError:  # a template that refuses the shorter conversation
+                    head = ""
+                if head and text.startswith(head):
+                    cursor = max(cursor, len(head))
             needle = content  # as written, else as a template that trims it writes it
             at = text.find(needle, cursor)
             if at < 0:

@@ -66,7 +66,8 @@ def load_served(path: str | Path, name: str | None = None) -> Served:
         from qkv.interop.tokenizer import load_hf_tokenizer
 
         tok = load_hf_tokenizer(folder)
-        eos = {i for i in tok.eos_token_ids if i < model.output_vocab_size}
+        # the template's end-of-turn token too (ChatML's <|im_end|> where eos is <|endoftext|>), as qkv chat stops
+        eos = {i for i in tok.end_of_turn_ids if i < model.output_vocab_size}
     else:
         tok, eos = _folder_tokenizer(folder), set()
     return Served(model, TextCodec(tok, eos), name or path.resolve().name, path)

@@ -7,8 +7,10 @@ step and the rollback multiplier. `step` counts updates: the first optimizer ste
   with `factor` = TrainConfig.lr (The Annotated Transformer uses factor 1 or 2) and d_model from the
   model's config. It peaks at step == warmup with factor * (d_model * warmup)^-0.5.
 - inverse_sqrt: linear warmup to lr, then lr * sqrt(warmup / step) (the seeds' LambdaLR recipe).
-- cosine: linear warmup to lr, then a half cosine from lr down to min_lr at max_steps.
-- linear: linear warmup to lr, then a straight line down to min_lr at max_steps.
+- cosine: linear warmup to lr, then a half cosine from lr (at update warmup + 1) towards min_lr, which it would
+  reach one update after the last (max_steps + 1): no update runs at min_lr (0 by default), as in transformers'
+  get_cosine_schedule_with_warmup and nanoGPT, whose steps count from 0.
+- linear: the same with a straight line down.
 - constant: linear warmup to lr (if warmup > 0), then lr. With warmup 0: the no-warmup ablation.
 """
 
@@ -44,7 +46,7 @@ def lr_at(step: int, *, schedule: str, lr: float, warmup: int, max_steps: int, m
         return lr
     if schedule == "inverse_sqrt":
         return lr * math.sqrt(max(warmup, 1) / step)
-    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    progress = min(1.0, (step - 1 - warmup) / max(1, max_steps - warmup))
     if schedule == "cosine":
         return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
     return lr - (lr - min_lr) * progress  # linear
