@@ -132,7 +132,28 @@ def test_folder_without_template_uses_a_plain_transcript(bpe, tmp_path):
     answer = s.reply("hi")
     assert "User:" not in answer
     text = s.tokenizer.decode(s.prompt_ids(12))
-    assert text == f"Be brief.\n\nUser: hi\nAssistant: {answer}\nAssistant:"
+    assert text == f"Be brief.\n\nUser: hi\nAssistant: {answer}<|endoftext|>\nAssistant:"
+
+
+def test_plain_prompt_is_a_prefix_of_what_finetuning_trains_on(bpe, tmp_path):
+    """Without a template, the prompt qkv chat builds for a later turn is the start of the text qkv finetune trains
+    on for the same conversation: the eos after earlier answers, and the bos tokenizer_config.json asks for."""
+    import json
+
+    from qkv.finetune.chat import IGNORE, encode_chat
+
+    path = make_folder(bpe, tmp_path, template=None)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+    s = ChatSession.from_folder(path, system="Be brief.", generation_config=greedy(4), note=lambda m: None)
+    s.history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there."},
+                 {"role": "user", "content": "Sure?"}]
+    prompt = s.prompt_ids(4)
+    ids, labels = encode_chat(s.tokenizer, [{"role": "system", "content": "Be brief."}, *s.history,
+                                            {"role": "assistant", "content": "Yes."}])
+    assert prompt[0] == s.tokenizer.bos_token_id and ids[:len(prompt)] == prompt
+    learned = s.tokenizer.decode([t for t in labels if t != IGNORE])
+    assert learned == " Hello there.<|endoftext|> Yes.<|endoftext|>"
 
 
 def test_interactive_loop_on_scripted_input(folder):

@@ -37,6 +37,26 @@ NO_TEMPLATE_NOTE = ("qkv: note: {folder} has no chat template (no chat_template.
                     "not follow it")
 
 
+def plain_transcript(messages: list[dict[str, str]], eos: str, *, reply: bool) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as qkv writes it for a folder without a chat template, in chat and in fine-tuning alike:
+    "system\n\nUser: ...\nAssistant: ...<eos>\nUser: ...", every answer followed by the eos (which fine-tuning
+    teaches the model to write), ending with "Assistant:" when a reply is wanted. Returns the text and the
+    character spans of each " answer<eos>"."""
+    text, spans = "", []
+    for m in messages:
+        if m["role"] == "system":
+            text += m["content"] + "\n\n"
+        elif m["role"] == "user":
+            text += f"{PLAIN_USER} {m['content']}\n"
+        else:
+            text += PLAIN_ASSISTANT
+            start = len(text)
+            text += f" {m['content']}{eos}"
+            spans.append((start, len(text)))
+            text += "\n"
+    return (text + PLAIN_ASSISTANT if reply else text.rstrip("\n")), spans
+
+
 def end_of_turn_ids(tok: Any) -> set[int]:
     """The ids that end an assistant turn (HFTokenizer.end_of_turn_ids: the eos ids and the special token the
     template writes right after an assistant message's content; the same ids the fine-tuning loss covers)."""
@@ -91,10 +111,8 @@ class ChatSession:
         if self.templated:
             return self.tokenizer.apply_chat_template(self._messages(turns), add_generation_prompt=True,
                                                       tokenize=True)
-        lines = [self.system, ""] if self.system else []
-        for t in turns:
-            lines.append(f"{PLAIN_USER if t['role'] == 'user' else PLAIN_ASSISTANT} {t['content']}")
-        text = "\n".join(lines + [PLAIN_ASSISTANT])
+        eos = getattr(self.tokenizer, "eos_token", None) or ""
+        text, _ = plain_transcript(self._messages(turns), eos, reply=True)
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def prompt_ids(self, max_new_tokens: int) -> list[int]:

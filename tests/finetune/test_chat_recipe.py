@@ -165,8 +165,9 @@ def test_lora_trains_only_adapters_and_merges_on_save(gpt2_chat_lora, tmp_path, 
     assert _finetune(gpt2_chat_lora, data, out, "--lora", "--lora-rank", "8", "--lora-targets", "all-linear",
                      "--lora-dropout", "0", "train.max_steps=100", "train.lr=1e-2", "train.warmup=5") == 0
     report = capsys.readouterr().out
-    # r * (in + out) per adapted matrix: qkv (64 -> 192), out (64 -> 64), up (64 -> 256), down (256 -> 64)
-    expected = 2 * 8 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64))
+    # r * (in + out) per adapted matrix: q, k, v (64 -> 64 each: all-linear adapts the fused c_attn slice by
+    # slice), out (64 -> 64), up (64 -> 256), down (256 -> 64)
+    expected = 2 * 8 * (3 * (64 + 64) + (64 + 64) + (64 + 256) + (256 + 64))
     assert f"{expected:,} of" in report
     tok = load_hf_tokenizer(gpt2_chat_lora)
     ex, _ = build_examples(tok, read_chats(data), 96, "train", "error")
@@ -285,8 +286,24 @@ def test_too_long_is_an_error_or_a_counted_skip(gpt2_chat, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "d.jsonl:4: the conversation is" in err and "longer than the context of 96" in err
     assert _finetune(gpt2_chat, data, tmp_path / "o", "--too-long", "skip", "train.max_steps=1") == 0
-    assert "skipped 1 training record(s) over 96 tokens (lines 4)" in capsys.readouterr().out
+    assert f"skipped 1 training record(s) over 96 tokens ({data} lines 4)" in capsys.readouterr().out
     assert json.loads((tmp_path / "o" / "finetune.json").read_text())["skipped_lines"] == [4]
+    # skipped dev records are named too, and a dev file left empty says there is no dev loss
+    dev = write_jsonl(tmp_path / "dev.jsonl", [{"prompt": "word " * 200, "completion": "long"}] * 2)
+    assert _finetune(gpt2_chat, data, tmp_path / "o2", "--too-long", "skip", "--dev", str(dev),
+                     "train.max_steps=1") == 0
+    out = capsys.readouterr().out
+    assert f"skipped 2 dev record(s) over 96 tokens ({dev} lines 1, 2); no dev record is left: no dev loss" in out
+
+
+def test_bad_system_and_max_length_are_refused(gpt2_chat, tmp_path, capsys):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "completion": "c", "system": 5}])
+    assert _finetune(gpt2_chat, bad, tmp_path / "o") == 2
+    assert "bad.jsonl:1: 'system' must be a string" in capsys.readouterr().err
+    data = write_jsonl(tmp_path / "d.jsonl", chats())
+    for n in ("0", "-3"):
+        assert _finetune(gpt2_chat, data, tmp_path / "o", "--max-length", n) == 2
+        assert "--max-length must be a positive number of tokens" in capsys.readouterr().err
 
 
 def test_bad_flags_and_out_folders(gpt2_chat, tmp_path, capsys):

@@ -40,7 +40,9 @@ def _perturb(model) -> None:
     # the formula r * (in + out) per adapted matrix, written from the shapes, not read from the code
     (["q", "v"], None, [(D, D), (D, D)]),
     (["q_proj", "k_proj", "v_proj", "o_proj"], 2, [(D, D), (D, D // 2), (D, D // 2), (D, D)]),  # GQA 2:1
-    (["all-linear"], None, [(D, 3 * D), (D, D), (D, FF), (FF, D)]),
+    # all-linear: the fused qkv_proj as its q, k, v slices (the HF model's q_proj, k_proj, v_proj), not one adapter
+    (["all-linear"], None, [(D, D), (D, D), (D, D), (D, D), (D, FF), (FF, D)]),
+    (["all-linear"], 2, [(D, D), (D, D // 2), (D, D // 2), (D, D), (D, FF), (FF, D)]),
     (["qkv_proj", "up"], None, [(D, 3 * D), (D, FF)]),
 ])
 def test_trainable_count_is_the_formula(targets, kv_heads, per_layer):

@@ -79,7 +79,9 @@ def _messages(obj: Any, where: str) -> list[dict[str, str]]:
         if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("completion"), str):
             raise ConfigError(f"{where}: a prompt/completion record needs both as strings")
         out = [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["completion"]}]
-        if isinstance(obj.get("system"), str):
+        if obj.get("system") is not None:
+            if not isinstance(obj["system"], str):
+                raise ConfigError(f"{where}: 'system' must be a string")
             out.insert(0, {"role": "system", "content": obj["system"]})
     else:
         raise ConfigError(f"{where}: missing 'messages' (or 'prompt' and 'completion'); the record has "
@@ -137,27 +139,15 @@ def _plain(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[in
     """The plain transcript `qkv chat` uses for a folder without a template ("system\n\nUser: ...\nAssistant:
     ..."), with the eos token written after each answer; the loss on " answer<eos>". Tokenized as one text
     (as qkv chat tokenizes it), the answers located by character offsets."""
-    from qkv.chat import PLAIN_ASSISTANT, PLAIN_USER
+    from qkv.chat import plain_transcript
     from qkv.interop.tokenizer import spans_to_token_mask
 
     if tok.eos_token is None:
         raise ConfigError("the model folder has no chat template and no eos token: cannot mark where an answer "
                           "ends")
-    text, spans = "", []
-    for m in messages:
-        if m["role"] == "system":
-            text += m["content"] + "\n\n"
-        elif m["role"] == "user":
-            text += f"{PLAIN_USER} {m['content']}\n"
-        else:
-            text += PLAIN_ASSISTANT
-            start = len(text)
-            text += f" {m['content']}{tok.eos_token}"
-            spans.append((start, len(text)))
-            text += "\n"
-    enc = tok.tokenizer.encode(text.rstrip("\n"), add_special_tokens=True)
-    ids = list(enc.ids)
-    mask = spans_to_token_mask(spans, enc.offsets)
+    text, spans = plain_transcript(messages, tok.eos_token, reply=False)
+    ids, offsets = tok.encode_with_offsets(text, add_special_tokens=True)  # as qkv chat encodes its prompt
+    mask = spans_to_token_mask(spans, offsets)
     return ids, [i if m else IGNORE for i, m in zip(ids, mask)]
 
 
@@ -283,7 +273,9 @@ def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool
         epochs = shared(args, "epochs", 1.0)
         if epochs <= 0:
             raise ConfigError(f"--epochs must be positive, got {epochs}")
-        per_update = bs * int(cfg.get("grad_accum", 1))
+        from qkv.train.distributed import world_size
+
+        per_update = bs * int(cfg.get("grad_accum", 1)) * world_size()  # sequences per update, all ranks
         cfg["max_steps"] = max(1, math.ceil(epochs * n_train / per_update))
     if n_dev and "max_eval_batches" not in train:
         cfg["max_eval_batches"] = -(-n_dev // bs)
@@ -424,6 +416,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if lora is None and dtype != torch.float32:
         model.float()  # full fine-tuning updates the weights themselves: in fp32 (saved back in the source dtype)
     context = getattr(model.config, "context_length", None)
+    if args.max_length is not None and args.max_length < 1:
+        raise ConfigError(f"--max-length must be a positive number of tokens, got {args.max_length}")
     max_length = args.max_length or context
     if max_length is None:
         raise ConfigError("the model declares no context length: pass --max-length")
@@ -476,10 +470,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     what = (f"LoRA r={lora.rank} alpha={lora.alpha:g} on {','.join(lora.targets)}: " if lora else "full fine-tuning: ")
     lines = [f"fine-tuned {source} on {len(train)} conversations ({args.data}), {summary['steps']} steps; {what}"
              f"{trainable:,} of {total:,} parameters trained ({100 * trainable / total:.2f}%)"]
-    if skipped or dev_skipped:
-        lines.append(f"skipped {len(skipped)} training record(s) over {max_length} tokens (lines "
-                     f"{', '.join(map(str, skipped[:20]))}{' ...' if len(skipped) > 20 else ''})"
-                     + (f" and {len(dev_skipped)} dev record(s)" if dev_skipped else ""))
+    def listed(lines_: list[int]) -> str:
+        return ", ".join(map(str, lines_[:20])) + (" ..." if len(lines_) > 20 else "")
+
+    if skipped:
+        lines.append(f"skipped {len(skipped)} training record(s) over {max_length} tokens ({args.data} lines "
+                     f"{listed(skipped)})")
+    if dev_skipped:
+        lines.append(f"skipped {len(dev_skipped)} dev record(s) over {max_length} tokens ({args.dev} lines "
+                     f"{listed(dev_skipped)})" + ("; no dev record is left: no dev loss" if not dev else ""))
     lines += notes
     lines.append(f"train loss (assistant tokens), last step: {summary['final_loss']:.4f}")
     if dev:

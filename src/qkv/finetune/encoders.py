@@ -274,8 +274,11 @@ def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
     bad = [k for k in raw if not k.startswith("train.")]
     if bad:
         raise ConfigError(f"overrides must be train.key=value; got {bad[0]!r}")
+    from qkv.train.distributed import world_size
+
     batch = int(raw.get("train.batch_size", FINETUNE_DEFAULTS["batch_size"]))
-    per_epoch = max(1, math.ceil(n_train / max(batch, 1)))
+    accum = int(raw.get("train.grad_accum", FINETUNE_DEFAULTS.get("grad_accum", 1)))
+    per_epoch = max(1, math.ceil(n_train / max(batch * accum * world_size(), 1)))  # updates, all ranks together
     epochs = float(shared(args, "epochs", 3.0))
     if epochs <= 0:
         raise ConfigError(f"--epochs must be > 0, got {epochs}")

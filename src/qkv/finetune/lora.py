@@ -22,7 +22,10 @@ Targets (comma separated in `--lora-targets`):
   q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj   the Hugging Face (Llama) names of the same
   out_proj, qkv_proj, up, gate, down, lm_head, ...                  any Linear by its own (last) name
   *.blocks.0.*   a glob with `*` or `.`, matched against the full module name
-  all-linear     every Linear except the output head
+  all-linear     every Linear except the output head, a fused projection as its q, k, v slices: the same
+                 adapters as listing every Linear's Hugging Face name (q_proj,k_proj,v_proj,o_proj,gate_proj,...),
+                 i.e. PEFT's all-linear on a model whose q, k and v are separate Linears (Llama, Qwen, BERT, T5, ...;
+                 not GPT-2, whose c_attn is one fused Conv1D there)
 """
 
 from __future__ import annotations
@@ -208,7 +211,10 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[tupl
                     hits.append((name, s))
             elif t == "all-linear":
                 if leaf not in HEADS:
-                    hits.append((name, full))
+                    # a fused projection (self-attention's qkv_proj, cross-attention's kv_proj) stands for the
+                    # separate q/k/v Linears of the Hugging Face model: one adapter per slice, as q,k,v give
+                    parts = [s for s in (_slices_of(model, name, w) for w in SLICE_TARGETS) if s is not None]
+                    hits.extend((name, s) for s in parts or [full])
             elif "*" in t or "." in t or "?" in t:
                 if fnmatch.fnmatchcase(name, t):
                     hits.append((name, full))

@@ -213,13 +213,20 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. add_special_tokens: what the folder's post-processor adds (bos for Llama),
         plus bos/eos when tokenizer_config.json asks for them and the post-processor did not add them."""
-        ids = list(self._encode(text, add_special_tokens).ids)
+        return self.encode_with_offsets(text, add_special_tokens)[0]
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode(), and each token's character range in `text` ((0, 0) for a special token added here)."""
+        enc = self._encode(text, add_special_tokens)
+        ids, offsets = list(enc.ids), list(enc.offsets)
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
                 ids.insert(0, self.bos_token_id)
+                offsets.insert(0, (0, 0))
             if self.add_eos_token and self.eos_token_id is not None and ids[-1:] != [self.eos_token_id]:
                 ids.append(self.eos_token_id)
-        return ids
+                offsets.append((len(text), len(text)))
+        return ids, offsets
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -45,6 +45,12 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def world_size() -> int:
+    """The processes of this launch (torchrun's WORLD_SIZE; 1 without torchrun), known before the process group
+    starts: what a recipe divides an epoch by, since every rank reads its own share of each batch."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+
+
 def setup(mode: str, device: torch.device) -> tuple[DistInfo, torch.device]:
     """Initialise the process group when launched by torchrun; returns the info and this rank's device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
