@@ -71,3 +71,41 @@ def _first_errors(stderr: str, context: int = 6) -> str:
             seen.add(line.strip())
             picked.extend(lines[max(0, i - context):i + 1] + ["..."])
     return "\n".join(picked[-200:])[:8000]
+
+
+@pytest.fixture(scope="session")
+def llama_sp(tmp_path_factory):
+    """A tiny random Llama folder with a SentencePiece-style tokenizer (Metaspace, prepend_scheme="first", byte
+    fallback, bos added by the post-processor), as converted Llama-2 / Mistral / TinyLlama folders have: (folder,
+    the tokenizers.Tokenizer, the transformers model). The head scores only word-start ("▁...") tokens, so every
+    generated token begins with a space: the one a decoder drops at the start of a text."""
+    import json
+    import pydoc_data.topics
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    folder = tmp_path_factory.mktemp("llama_sp")
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(list(pydoc_data.topics.topics.values())[:60], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True}), encoding="utf-8")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1,
+                                   eos_token_id=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for i in range(cfg.vocab_size):
+            if not tok.id_to_token(i).startswith("▁") or len(tok.id_to_token(i)) < 2:
+                model.lm_head.weight[i] = 0.0
+    model.save_pretrained(folder)
+    return folder, tok, model

@@ -450,8 +450,13 @@ def hf_folder_tokenizer(folder: str | Path) -> Any:
 
 def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig, stream: bool) -> str:
     """A Hugging Face folder: its tokenizer adds what its post-processor adds (Llama's bos); the
-    continuation is decoded without special tokens, streamed piece by piece when asked."""
+    continuation is decoded without special tokens, streamed piece by piece when asked.
+    The continuation is what decoding prompt + new ids together adds to the decoded prompt (as transformers'
+    decode of the whole output): decoded on its own, a SentencePiece-style (Metaspace) decoder would drop the
+    leading space of its first token ("Hellocon" for "Hello con"). Streaming, the incremental decoder is
+    given the prompt ids first, so that its pieces add up to the same suffix."""
     from qkv.generate import stream as stream_tokens
+    from qkv.interop.tokenizer import decode_continuation
 
     ids = tok.encode(prompt, add_special_tokens=True)
     if not ids:
@@ -461,9 +466,12 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
     x = torch.tensor([ids])
     if not stream:
         out = model.generate(x, cfg)
-        return prompt + tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+        return prompt + decode_continuation(lambda t: tok.decode(t, skip_special_tokens=True), ids,
+                                            out[0, len(ids):].tolist())
     print(prompt, end="", flush=True)
     pieces, decoder = [], tok.stream_decoder(skip_special_tokens=True)
+    for i in ids:  # the prompt's text is already printed: only the decoder's context (not flushed: that resets it)
+        decoder.push(i)
     for new in stream_tokens(model, x, cfg):
         pieces.append(decoder.push(int(new[0])))
         print(pieces[-1], end="", flush=True)

@@ -328,3 +328,60 @@ def test_two_stage_row_topk_equals_torch_topk(V, k):
     finite = ref_s > float("-inf")  # the order of the equal -inf entries is unspecified in both
     assert torch.equal(i[finite], ref_i[finite])
     assert torch.equal(x.gather(1, i), s)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("pad_token_id", 11), ("pad_token_id", -1), ("eos_token_id", 99), ("eos_token_id", [3, -2]),
+    ("forced_bos_token_id", -3), ("forced_eos_token_id", 11), ("bad_words_ids", [[99]]),
+])
+@pytest.mark.parametrize("beams", [1, 2])
+def test_special_token_ids_outside_the_vocabulary_are_refused(name, value, beams):
+    """A pad id is fed to the model for finished rows, an eos id outside the vocabulary never stops, a forced or
+    banned one indexes past the logits (negative: wraps around): each is one clear error before any step runs."""
+    model = tiny_gpt()  # vocab 11
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match=f"{name} .* outside the model's vocabulary \\[0, 11\\)"):
+        generate(model, ids, 4, num_beams=beams, **{name: value})
+
+
+def test_encoder_decoder_token_ids_must_be_a_batch():
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, length\), got shape \(5,\)"):
+        generate(tiny_encdec(), torch.tensor([1, 2, 3, 4, 5]), 4)
+
+
+def test_max_length_below_the_prompt_is_refused():
+    """max_length counts the prompt: one at or below its length would generate nothing (transformers refuses)."""
+    model, ids = tiny_gpt(), torch.tensor([[1, 2, 3, 4, 5]])
+    for n in (3, 5):
+        with pytest.raises(ValueError, match=f"max_length={n} counts the prompt, which has 5 tokens"):
+            generate(model, ids, max_length=n)
+    assert generate(model, ids, max_length=7).shape == (1, 7)
+
+
+def test_beam_search_takes_the_models_num_beams():
+    """beam_search() uses 4 beams only when neither the call, its config nor the model's defaults say how many."""
+    model = tiny_gpt()
+    ids = torch.tensor([[1, 2, 3]])
+    model.folder_generation_config = {"num_beams": 3}
+    try:
+        assert torch.equal(beam_search(model, ids, 5).sequences, generate(model, ids, 5, num_beams=3))
+        assert torch.equal(beam_search(model, ids, 5, num_beams=2).sequences, generate(model, ids, 5, num_beams=2))
+    finally:
+        model.folder_generation_config = {}
+    assert torch.equal(beam_search(model, ids, 5).sequences, generate(model, ids, 5, num_beams=4))
+
+
+@pytest.mark.parametrize("prompt, error", [
+    (torch.tensor([1.7, 2.2]), "1-D integer token ids"), (torch.tensor([[1, 2]]), "1-D integer token ids"),
+    ([1, 2.5], "list of int token ids, got float 2.5"), ([1, True], "list of int token ids, got bool True"),
+])
+def test_engine_refuses_prompts_that_are_not_token_ids(prompt, error):
+    from qkv.generate.engine import Engine
+
+    engine = Engine(tiny_gpt(), block_size=4, max_new_tokens=3)
+    with pytest.raises(TypeError, match=error):
+        engine.add_request(prompt)
+    import numpy as np
+
+    rid = engine.add_request(np.array([1, 2, 3]))  # numpy integers are integers
+    assert len(engine.run()[rid]) == 3

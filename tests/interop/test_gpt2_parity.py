@@ -207,3 +207,28 @@ def test_token_ids_of_config_json_are_kept_and_exported(tmp_path):
     meta = json.loads((tmp_path / "out" / "config.json").read_text())
     assert meta["eos_token_id"] == 7 and meta["bos_token_id"] == 5
     assert transformers.AutoConfig.from_pretrained(tmp_path / "out").eos_token_id == 7
+
+
+@pytest.mark.parametrize("early_stopping", [False, "never"])
+def test_beam_search_with_several_eos_ids_equals_hf(tmp_path, early_stopping):
+    """Three eos ids among the best first candidates: every beam still gets an open candidate (transformers keeps
+    (1 + number of eos ids) x num_beams of them, as qkv now does), so both return the same beams and scores."""
+    hf = _hf_gpt2(noise=0.3, n_layer=2, n_positions=64)
+    hf.save_pretrained(tmp_path)
+    ours = qkv.from_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(12):
+        prompt = torch.randint(1, VOCAB, (1, 5), generator=g)
+        with torch.no_grad():
+            first = hf(prompt).logits[0, -1].topk(4).indices.tolist()
+        eos = first[1:]  # the 2nd..4th best first tokens: 2 x num_beams candidates would leave one open beam
+        pad = next(i for i in range(1, VOCAB) if i not in eos)  # not 0: transformers fills with eos for a pad of 0
+        # length_penalty 2: long open beams beat the one-token eos hypotheses, so the open beams decide the result
+        kw = dict(num_beams=2, eos_token_id=eos, pad_token_id=pad, max_new_tokens=4, early_stopping=early_stopping,
+                  num_return_sequences=2, length_penalty=2.0)
+        with torch.no_grad():
+            ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, **kw)
+        got = ours.generate(prompt, return_dict=True, **kw)
+        assert got.sequences.tolist() == ref.sequences.tolist()
+        torch.testing.assert_close(got.scores, ref.sequences_scores, atol=1e-5, rtol=0)

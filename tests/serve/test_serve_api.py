@@ -25,8 +25,7 @@ from qkv.serve import load_served
 def _alone(served, ids, n):
     """The reference: generate() on this prompt alone, greedy, stopping at the served eos ids."""
     eos = sorted(served.codec.eos_ids) or None
-    out = generate(served.model, torch.tensor([ids]), n, eos_token_id=eos, pad_token_id=-1)[0, len(ids):].tolist()
-    return [t for t in out if t != -1]
+    return generate(served.model, torch.tensor([ids]), n, eos_token_id=eos)[0, len(ids):].tolist()  # one row
 
 
 def _sse(lines):

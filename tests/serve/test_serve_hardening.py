@@ -183,3 +183,24 @@ def test_qkv_serve_stops_with_status_1_when_its_engine_dies(run_folder, monkeypa
     th.join(60)
     assert not th.is_alive() and result["status"] == 1
     assert "the engine failed (RuntimeError: injected failure)" in capsys.readouterr().err
+
+
+def test_a_completion_keeps_the_space_before_its_first_word(llama_sp):
+    """A SentencePiece-style folder: /v1/completions' text is what the prompt's continuation adds to the decoded
+    prompt (" con ar" after "Hello"), streamed or not, as transformers' decode of the whole output has it."""
+    folder, tok, model = llama_sp
+    served = load_served(folder)
+    with running_server(folder, block_size=4) as (url, app):
+        for prompt in ("Hello", "The class of"):
+            ids = tok.encode(prompt).ids
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                     pad_token_id=2)[0].tolist()
+            want = tok.decode(out, skip_special_tokens=True)[len(prompt):]
+            assert want.startswith(" ") and want.strip()
+            body = {"model": served.name, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+            assert whole["choices"][0]["text"] == want
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                events, done = _sse(r.iter_lines())
+            assert done and "".join(e["choices"][0]["text"] for e in events) == want

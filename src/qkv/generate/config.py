@@ -189,7 +189,10 @@ class GenerationConfig:
         if self.max_new_tokens is not None:
             return self.max_new_tokens
         if self.max_length is not None:
-            return max(0, self.max_length - prompt_len)
+            if self.max_length <= prompt_len:  # as transformers refuses it, rather than generating nothing
+                raise ValueError(f"max_length={self.max_length} counts the prompt, which has {prompt_len} tokens: "
+                                 "nothing would be generated; set max_new_tokens instead (or a larger max_length)")
+            return self.max_length - prompt_len
         return DEFAULT_MAX_NEW_TOKENS
 
     def min_tokens(self, prompt_len: int) -> int:

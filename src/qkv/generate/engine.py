@@ -51,6 +51,7 @@ Stop strings need `tokenizer` (an object with .decode(ids) or a callable ids -> 
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -200,7 +201,15 @@ class Engine:
                     **options: Any) -> int:
         """Queue a prompt (1-D ids) with this request's settings on top of the engine's (a GenerationConfig,
         or an int = max_new_tokens, and/or keywords); returns the request id used by step(), run(), cancel()."""
-        ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, Tensor) else prompt)]
+        if isinstance(prompt, Tensor):
+            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool or prompt.dim() != 1:
+                raise TypeError(f"a prompt tensor must be 1-D integer token ids, got {prompt.dtype} of shape "
+                                f"{tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        bad = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+        if bad is not None:  # 1.7 would become token 1 without a word
+            raise TypeError(f"a prompt is a list of int token ids, got {type(bad).__name__} {bad!r}")
+        ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("a request needs at least one prompt token")
         check_id_list(ids, self.model.output_vocab_size)  # the one check, where the ids enter

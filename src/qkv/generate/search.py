@@ -72,6 +72,20 @@ def _left_padding(attention_mask: Tensor | None, shape: torch.Size) -> Tensor | 
     return (m.shape[1] - n_real).long()
 
 
+def _check_special_ids(cfg: GenerationConfig, vocab: int) -> None:
+    """The config's token ids are ids of this model's vocabulary: a pad id is fed to the model for finished rows, an
+    eos id outside it would never stop, a forced or banned one would index past the logits (or, negative, wrap)."""
+    named = {"eos_token_id": cfg.eos_ids, "pad_token_id": [cfg.pad_token_id],
+             "forced_bos_token_id": [cfg.forced_bos_token_id], "forced_eos_token_id": cfg.forced_eos_token_id,
+             "decoder_start_token_id": [cfg.decoder_start_token_id],
+             "bad_words_ids": [i for w in (cfg.bad_words_ids or []) for i in w]}
+    for name, ids in named.items():
+        ids = ids if isinstance(ids, list) else [ids]
+        bad = [i for i in ids if i is not None and not 0 <= int(i) < vocab]
+        if bad:
+            raise ValueError(f"{name} {bad[0]} is outside the model's vocabulary [0, {vocab})")
+
+
 def settings(model: Decoder, generation_config: GenerationConfig | int | None, options: dict[str, Any]) -> GenerationConfig:
     """The GenerationConfig of one call. An int in the config's place is max_new_tokens (the short form
     generate(model, ids, 50)); keyword options left at None change nothing (None = "the default")."""
@@ -90,13 +104,14 @@ class _Run:
                  expand: int) -> None:
         self.model, self.cfg = model, cfg
         self.seq2seq = model.is_seq2seq  # its input is the encoder's (ids, or audio for Whisper)
-        if not self.seq2seq and input_ids.dim() != 2:
+        if input_ids.dim() != 2 and not (self.seq2seq and input_ids.is_floating_point()):  # (audio: features)
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         if input_ids.shape[-1] == 0:
             raise ValueError("input_ids is empty: give at least one prompt token")
         # validates the ids where they enter (once per call; generated ids are in range by construction)
         self.source = model.encode_source(input_ids, attention_mask)
         self.eos = cfg.eos_ids
+        _check_special_ids(cfg, model.output_vocab_size)
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else (self.eos[0] if self.eos else 0)
         self.pad = int(pad)
         if self.seq2seq:
@@ -312,10 +327,9 @@ def beam_search(model: Any, input_ids: Tensor, generation_config: GenerationConf
       early_stopping=False              Hugging Face's heuristic: the best open beam, scored at its current
                                          length, cannot beat the worst finished one."""
     dec = as_decoder(model)
-    if "num_beams" not in options and not (isinstance(generation_config, GenerationConfig)
-                                           and generation_config.num_beams > 1):
-        options["num_beams"] = 4
     cfg = settings(dec, generation_config, options)
+    if cfg.num_beams == 1 and "num_beams" not in options:  # neither the call, its config nor the model asks
+        cfg = cfg.replace(num_beams=4)
     with _EvalMode(model):
         return _beam_search(dec, input_ids, cfg, attention_mask)
 
@@ -359,10 +373,13 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
         # The beam's score is added to its row's 2K candidates only, not to all V log-probabilities: a constant
         # per row never changes which entries of the row are best, and each candidate's sum is the same float
         # addition as before (one pass over the (rows, V) scores fewer).
-        kr = min(2 * K, V)
+        # (with several eos ids: (1 + their number) * K candidates, as Hugging Face keeps, so that eos candidates,
+        # which finish hypotheses, can never crowd out the K open ones: every eos id may be among the best)
+        width = max(2, 1 + len(s.eos)) * K
+        kr = min(width, V)
         row_s, row_i = _row_topk(logp, kr)
         row_s += beam_scores.view(-1, 1)
-        top_s, j = row_s.view(B0, Kc * kr).topk(min(2 * K, Kc * kr), dim=1)
+        top_s, j = row_s.view(B0, Kc * kr).topk(min(width, Kc * kr), dim=1)
         src_b, tok_b = (j // kr).tolist(), row_i.view(B0, Kc * kr).gather(1, j).tolist()
         top_l = top_s.tolist()
         L = step + 1

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
@@ -333,6 +333,17 @@ class HFTokenizer:
             spans.append((at, end))
             cursor = end
         return spans
+
+
+def decode_continuation(decode: Callable[[list[int]], str], context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text `ids` add after `context`: decode(context + ids) minus decode(context). A SentencePiece-style
+    (Metaspace) decoder drops the leading space of a text's first token, so a continuation decoded on its own loses
+    the space between the prompt and its first word ("Hellocon" for "Hello con"). The ids decoded alone should the
+    context's own text change once more ids follow it (none of the decoders qkv reads does)."""
+    if not context:
+        return decode(list(ids))
+    head, full = decode(list(context)), decode([*context, *ids])
+    return full[len(head):] if full.startswith(head) else decode(list(ids))
 
 
 def spans_to_token_mask(spans: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]) -> list[int]:

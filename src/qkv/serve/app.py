@@ -17,7 +17,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qkv.generate.config import MIN_TEMPERATURE
 from qkv.generate.engine import Engine
+from qkv.interop.tokenizer import decode_continuation as continuation
 from qkv.serve.metrics import Metrics
 from qkv.serve.model import Served
 from qkv.serve.worker import EngineWorker, Ticket
@@ -285,14 +286,22 @@ class TextStream:
     Decoding all ids every token cost O(length) a token. The end (push(None)) decodes all ids once and sends
     the rest of THAT text, so the pieces add up to decode(all ids) (cut at the first stop string) exactly
     whenever the windows agreed with it so far; `mismatch` says they did not (a decoder whose text of a token
-    depends on more than the tokens of the window: none of the tokenizers qkv serves, tests/serve)."""
+    depends on more than the tokens of the window: none of the tokenizers qkv serves, tests/serve).
 
-    def __init__(self, decode, stop: list[str]) -> None:
+    `context`: the prompt's last few ids, decoded before the first new token and never sent: a SentencePiece-style
+    (Metaspace) decoder drops the leading space of a text's first token, so a completion decoded on its own
+    would lose the space between the prompt and its first word (as vLLM, which starts its windows in the prompt)."""
+
+    CONTEXT = 5  # prompt tokens read as context (vLLM's initial detokenization offset)
+
+    def __init__(self, decode, stop: list[str], context: Sequence[int] = ()) -> None:
         self.decode, self.stop = decode, stop
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context)
+        self.n_context = len(self.ids)
+        self.head = decode(self.ids) if self.ids else ""  # the context's own text, never sent
         self.prefix = 0  # first token of the decoding window
-        self.read = 0  # tokens whose text is in self.text
-        self.before = ""  # decode(ids[prefix:read])
+        self.read = self.n_context  # tokens whose text is in self.text (after the context's)
+        self.before = self.head  # decode(ids[prefix:read])
         self.text = ""  # the text of ids[:read], piece by piece
         self.sent = 0  # characters of self.text sent
         self.scanned = 0  # stop strings were searched for in text[:scanned]
@@ -311,7 +320,7 @@ class TextStream:
             return ""
         if tok is None:
             self.stopped = True
-            full = self.decode(self.ids)
+            full = continuation(self.decode, self.ids[:self.n_context], self.ids[self.n_context:])
             if not full.startswith(self.text[:self.sent]):  # cannot happen with a window-consistent decoder
                 self.mismatch = True
                 full = self.text + self.decode(self.ids[self.prefix:])[len(self.before):]
@@ -407,7 +416,8 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         t = api.admit(ids, opts)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        text = TextStream(served.codec.decode, opts.get("stop_strings", []))
+        context = ids[-TextStream.CONTEXT:]
+        text = TextStream(served.codec.decode, opts.get("stop_strings", []), context)
         base = {"id": rid, "created": created, "model": served.name}
         if not stream:
             ids_out: list[int] = []
@@ -424,7 +434,7 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
             if reason is None or reason == "cancelled":
                 raise APIError(503, "the request was cancelled (client gone or server shutting down)", None,
                                "cancelled", "server_error")
-            content = cut_at_stop(served.codec.decode(ids_out), text.stop)
+            content = cut_at_stop(continuation(served.codec.decode, context, ids_out), text.stop)
             n = len(ids_out)
             usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
             if chat:
