@@ -101,8 +101,44 @@ def test_failed_resume_writes_nothing(lm_run, tmp_path):
     r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress",
                 "model.d_model=64")  # same task, another shape: the checkpoint check fails, still before writing
     assert "shape" in one_error_line(r)
+    r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress",
+                "model.ffn=relu", "model.scaled=false")  # the same shapes, another function: refused too
+    assert "the model differs from the run's checkpoint (ffn gelu_tanh -> relu, scaled True -> False)" in \
+        one_error_line(r)
     assert {f: ((out / f).read_bytes(), (out / f).stat().st_mtime_ns) for f in files} == before
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_resume_applies_changed_adamw_settings(lm_run, tmp_path):
+    """weight_decay / betas / eps named on a resume's command line are what the optimizer runs with (the saved
+    optimizer state used to put the old ones back), and the note says they changed."""
+    out = copy_run(lm_run, tmp_path)
+    r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress",
+                "train.weight_decay=0.0", "train.betas=[0.5,0.6]", "train.eps=1e-3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    note = next(ln for ln in r.stderr.splitlines() if "changed settings" in ln)
+    assert "weight_decay 0.1 -> 0.0" in note and "betas [0.9, 0.99] -> [0.5, 0.6]" in note and "eps" in note
+    import torch
+
+    groups = torch.load(out / "checkpoints" / "step_00000003" / "train_state.pt", weights_only=True)["optimizer"][
+        "param_groups"]
+    assert {tuple(g["betas"]) for g in groups} == {(0.5, 0.6)} and {g["eps"] for g in groups} == {1e-3}
+    assert {g["weight_decay"] for g in groups} == {0.0}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["model.vocab_size=5"], "model.vocab_size=5 is below what the task 'charlm' needs"),
+    (["train.device=cuda:x"], "TrainConfig.device: 'cuda:x' is not auto, cpu, cuda or cuda:N"),
+])
+def test_settings_that_cannot_work_are_refused_before_writing(tmp_path, flags, message):
+    out = tmp_path / "run"
+    r = run_cli("train", "charlm", "--out", str(out), "--max-steps", "2", *TINY, *flags)
+    assert message in one_error_line(r)
+    assert not out.exists()
+
+
+def test_info_depth_must_be_positive():
+    assert "--depth must be at least 1" in one_error_line(run_cli("info", "gpt-nano", "--depth", "0"))
 
 
 def test_resume_keeps_the_saved_settings(lm_run, tmp_path):

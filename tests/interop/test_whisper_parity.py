@@ -58,7 +58,7 @@ def test_whisper_greedy_matches_hf(tmp_path):
             seq = torch.cat([seq, nxt], 1)
     from qkv.generate import generate
 
-    got = generate(ours, audio, max_new_tokens=n, eos_token_id=-1)  # -1: never stop early
+    got = generate(ours, audio, max_new_tokens=n, eos_token_id=[])  # []: no eos, never stop early
     assert torch.equal(got, seq[:, 1:])
 
 

@@ -66,7 +66,7 @@ def test_greedy_generate_equals_argmax_loop():
         for _ in range(6):
             logits = model(audio, decoder_input_ids=seq).logits[:, -1]
             seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
-    got = generate(model, audio, max_new_tokens=6, eos_token_id=-1)
+    got = generate(model, audio, max_new_tokens=6, eos_token_id=[])  # no eos: never stop early
     assert torch.equal(got, seq[:, 1:])
 
 

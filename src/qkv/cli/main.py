@@ -150,7 +150,10 @@ def _add_info(p: argparse.ArgumentParser) -> None:
 def cmd_info(a: argparse.Namespace) -> int:
     import qkv
     from qkv.cli.info import format_table, parameter_table
+    from qkv.config import ConfigError
 
+    if a.depth < 1:
+        raise ConfigError(f"--depth must be at least 1 (module path parts per row), got {a.depth}")
     if Path(a.target).exists():
         from qkv.run import load_model_any
 

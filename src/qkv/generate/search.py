@@ -83,7 +83,8 @@ def _check_special_ids(cfg: GenerationConfig, vocab: int) -> None:
         ids = ids if isinstance(ids, list) else [ids]
         bad = [i for i in ids if i is not None and not 0 <= int(i) < vocab]
         if bad:
-            raise ValueError(f"{name} {bad[0]} is outside the model's vocabulary [0, {vocab})")
+            hint = " (eos_token_id=[]: no eos, never stop early)" if name == "eos_token_id" else ""
+            raise ValueError(f"{name} {bad[0]} is outside the model's vocabulary [0, {vocab}){hint}")
 
 
 def settings(model: Decoder, generation_config: GenerationConfig | int | None, options: dict[str, Any]) -> GenerationConfig:

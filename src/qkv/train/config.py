@@ -7,6 +7,7 @@ ConfigError naming the closest valid key, and `validate()` rejects inconsistent 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -104,7 +105,7 @@ class TrainConfig:
                 raise ConfigError(f"TrainConfig.{name} must be >= 0, got {value}")
         if self.max_eval_batches is not None and self.max_eval_batches < 0:
             raise ConfigError(f"TrainConfig.max_eval_batches must be >= 0, got {self.max_eval_batches}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"TrainConfig.device: {self.device!r} is not auto, cpu, cuda or cuda:N")
 
     def warmup_steps(self) -> int:

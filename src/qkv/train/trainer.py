@@ -59,6 +59,13 @@ class BatchSource(Protocol):
 EvalFn = Callable[[nn.Module], dict[str, float]]
 
 
+def _differs(saved: Any, now: Any) -> bool:
+    """A saved setting differs from this run's (a saved list equals the tuple it was written from)."""
+    if isinstance(saved, (list, tuple)) and isinstance(now, (list, tuple)):
+        return list(saved) != list(now)
+    return saved != now
+
+
 class Trainer:
     """Trainer(model, cfg, data, eval_fn=None, callbacks=(), resume=None).fit() -> summary dict.
 
@@ -91,6 +98,13 @@ class Trainer:
         self.cfg = cfg
         self.data = data
         self.eval_fn = eval_fn
+        if cfg.schedule in ("cosine", "linear") and cfg.warmup_steps() >= cfg.max_steps:  # a smoke run's, often
+            warnings.warn(f"warmup of {cfg.warmup_steps()} steps >= max_steps={cfg.max_steps}: the {cfg.schedule} "
+                          "schedule never reaches train.lr and never decays (a warmup < 1 is a share of max_steps)",
+                          stacklevel=2)
+        if cfg.eval_every and not self._eval_enabled():
+            warnings.warn(f"train.eval_every={cfg.eval_every} has nothing to evaluate (no evaluation function, "
+                          "train.max_eval_batches=0): no evaluation runs during training", stacklevel=2)
         self.callbacks = list(callbacks)
         self.resume = cfg.resume if resume is None else resume
         self.out_dir = Path(cfg.out_dir)
@@ -289,7 +303,8 @@ class Trainer:
                 log.info(f"resumed from {resumed_from} at step {self.step}")
                 saved = self._resumed_config
                 changed = {k: (v, getattr(cfg, k)) for k, v in saved.items()
-                           if k in ("batch_size", "seed", "schedule", "lr", "max_steps", "warmup") and v != getattr(cfg, k)}
+                           if k in ("batch_size", "seed", "schedule", "lr", "max_steps", "warmup", "weight_decay",
+                                    "betas", "eps") and _differs(v, getattr(cfg, k))}
                 if saved.get("grad_accum", cfg.grad_accum) * self._resumed_world != cfg.grad_accum * info.world_size:
                     changed["micro-batches per update"] = (saved.get("grad_accum", 0) * self._resumed_world,
                                                            cfg.grad_accum * info.world_size)
@@ -403,7 +418,7 @@ class Trainer:
                     record[key] = value
             if self.precision.scaler is not None:
                 record["loss_scale"] = float(self.precision.scaler.get_scale())
-            if cfg.eval_every and step % cfg.eval_every == 0:
+            if cfg.eval_every and step % cfg.eval_every == 0 and self._eval_enabled():
                 record.update({f"eval/{k}": v for k, v in self._run_eval().items() if not k.startswith("_")})
             if step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps or self.should_stop \
                     or any(k.startswith("eval/") for k in record):
@@ -499,7 +514,9 @@ class Trainer:
             stats[0] += out.loss.double() * count * weight
             stats[1] += count * weight
         dist_.all_reduce_sum(stats, info)
-        return {"loss": float(stats[0] / stats[1].clamp_min(1))}
+        if float(stats[1]) == 0:  # no target in the batches: no loss to report (never a fake 0.0)
+            return {"loss": float("nan")}
+        return {"loss": float(stats[0] / stats[1])}
 
     def _logged_at_resume(self) -> tuple[dict[str, Any], float | None]:
         """(evaluation, training loss) already logged at the step training resumes from (the logger keeps the
@@ -589,8 +606,13 @@ class Trainer:
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{folder}: optimizer state does not fit this model/optimizer ({e})") from None
         # load_state_dict replaced the groups' settings with the saved ones (the loop, for checkpoints written
-        # before optimizer_impl existed): run what this config chose
+        # before optimizer_impl existed): run what this config chose, with this config's AdamW settings (a
+        # resumed run's command line overrides what it names; the note at fit() lists what changed)
         set_impl(self.optimizer, self.optimizer_impl)
+        for group in self.optimizer.param_groups:
+            group["betas"], group["eps"] = tuple(self.cfg.betas), self.cfg.eps
+            if group.get("name") == "decay":
+                group["weight_decay"] = self.cfg.weight_decay
         self.step = int(state["step"])
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.precision.load_state_dict(state.get("scaler") or {})
