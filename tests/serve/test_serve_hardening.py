@@ -204,3 +204,20 @@ def test_a_completion_keeps_the_space_before_its_first_word(llama_sp):
             with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
                 events, done = _sse(r.iter_lines())
             assert done and "".join(e["choices"][0]["text"] for e in events) == want
+
+
+def test_repetition_penalty_is_honoured(run_folder):
+    """vLLM's extension: a request's repetition_penalty equals generate()'s with the same setting."""
+    served = load_served(run_folder)
+    ids = served.codec.encode("abab")
+    with running_server(run_folder, block_size=4) as (url, app):
+        body = {"model": served.name, "prompt": "abab", "max_tokens": 12, "temperature": 0, "repetition_penalty": 3.0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        ref = generate(served.model, torch.tensor([ids]), 12, repetition_penalty=3.0)[0, len(ids):].tolist()
+        plain = generate(served.model, torch.tensor([ids]), 12)[0, len(ids):].tolist()
+        assert ref != plain  # the penalty changes this continuation: the comparison means something
+        assert r.json()["choices"][0]["text"] == served.codec.decode(ref)
+        for bad in (0, -1, 11, "x"):
+            r = httpx.post(url + "/v1/completions", json={**body, "repetition_penalty": bad}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"

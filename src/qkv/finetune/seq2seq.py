@@ -176,6 +176,7 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
 # -- the recipe -------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from qkv import from_pretrained
+    from qkv.extras import require
     from qkv.tasks.tokenizers import find_tokenizer
     from qkv.train import Trainer, read_checkpoint, seed_everything
 
@@ -184,6 +185,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--epochs must be positive, --batch-size and --num-beams at least 1")
     if args.max_source_length < 1 or args.max_target_length < 1:
         raise ConfigError("--max-source-length and --max-target-length must be at least 1")
+    if args.dev:  # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
+        require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq --dev")
     seed_everything(args.seed)  # before anything is built: one seed gives the same run in a new process
     source = Path(args.model)
     model = from_pretrained(source)

@@ -136,6 +136,8 @@ class API:
         _range(0 <= temperature <= 2, "temperature", f"must be in [0, 2], got {temperature}")
         top_p = _field(body, "top_p", _is_num, "a number", 1.0)
         _range(0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p}")
+        repetition = _field(body, "repetition_penalty", _is_num, "a number", 1.0)  # an extension, as vLLM's
+        _range(0 < repetition <= 10, "repetition_penalty", f"must be in (0, 10], got {repetition}")
         top_k = _field(body, "top_k", _is_int, "an integer", -1)
         _range(top_k == -1 or top_k >= 1, "top_k", f"must be -1 (off) or >= 1, got {top_k}")
         seed = _field(body, "seed", _is_int, "an integer")
@@ -167,6 +169,8 @@ class API:
             opts["do_sample"] = False
         if stop:
             opts["stop_strings"] = stop
+        if repetition != 1.0:
+            opts["repetition_penalty"] = float(repetition)
         return opts
 
     def prompt_ids(self, body: dict) -> list[int]:
