@@ -306,7 +306,7 @@ class TextStream:
         self.prefix = 0  # first token of the decoding window
         self.read = self.n_context  # tokens whose text is in self.text (after the context's)
         self.before = self.head  # decode(ids[prefix:read])
-        self.text = ""  # the text of ids[:read], piece by piece
+        self.text = ""  # the text of ids[n_context:read] (after the context's), piece by piece
         self.sent = 0  # characters of self.text sent
         self.scanned = 0  # stop strings were searched for in text[:scanned]
         self.hold = max((len(s) for s in stop), default=1) - 1
