@@ -39,6 +39,11 @@ def test_gpt_greedy_tokens_equal_eager_with_left_padding_and_one_graph():
     shorter = generate(m, ids[1:], 7, attention_mask=mask[1:], compile="eager")
     assert torch.equal(shorter, generate(m, ids[1:], 7, attention_mask=mask[1:]))
     assert _unique_graphs() - before == 2  # batch 2 is a new shape; 7 new tokens are not
+    # the same batch, other lengths: the token buffer's row stride changes, the compiled step's input must not
+    for new in (3, 20):
+        assert torch.equal(generate(m, ids, new, attention_mask=mask, compile="eager"),
+                           generate(m, ids, new, attention_mask=mask))
+    assert _unique_graphs() - before == 2
 
 
 def test_llama_style_sampling_and_encoder_decoder_equal_eager():

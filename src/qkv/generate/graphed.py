@@ -135,6 +135,10 @@ class GraphedSteps:
         """Next-token logits (B, V) after ids (B, 1); advances the cache by one."""
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten now
+        # ids is a column of the generation's token buffer, whose row stride is the generation's length: passed
+        # as is, every generation of another length would fail the compiled graph's stride guard and compile
+        # again (and past torch._dynamo's cache limit fall back to eager). A kept buffer has one layout.
+        ids = _buffer(self.cache, "ids", ids)
         logits = self.fn(self.model, ids, self.cache, self.index, self.n_pad, self.keep)
         self.cache.advance(1)
         self.index.add_(1)
