@@ -43,11 +43,20 @@ def test_per_sequence_offsets_equal_int_offsets_row_by_row(cls):
     pe = cls(8, 20)
     if cls is Learned:
         torch.nn.init.normal_(pe.weight)
-    x = torch.randn(3, 4, 8)
-    offsets = torch.tensor([0, 5, 11])
+    offsets = torch.tensor([0, 5, 11, -2])  # -2: a left-padded row, its padding clamped to position 0
+    x = torch.randn(4, 4, 8)
     batched = pe.embed(x, offset=offsets)
-    for b in range(3):
+    for b in range(4):
         torch.testing.assert_close(batched[b], pe.embed(x[b : b + 1], offset=int(offsets[b]))[0])
+    table = pe.table if cls is Sinusoidal else pe.weight
+    torch.testing.assert_close(batched[3], x[3] + table[torch.tensor([0, 0, 0, 1])].to(x.dtype))
+
+
+def test_rope_negative_int_offset_is_clamped_like_a_tensor_offset():
+    rope = RoPE(8, 20)
+    q, k = torch.randn(2, 1, 2, 4, 8).unbind(0)
+    for got, want in zip(rope.rotate(q, k, -2), rope.rotate(q, k, torch.tensor([-2])), strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_learned_embed_adds_its_rows():

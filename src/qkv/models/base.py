@@ -18,7 +18,7 @@ from qkv.config import TransformerConfig
 from qkv.models.decoding import Source
 from qkv.nn.block import Block
 from qkv.nn.cache import StaticCache
-from qkv.nn.checks import check_length, check_token_ids
+from qkv.nn.checks import check_batch, check_length, check_token_ids
 from qkv.nn.paged import PagedKVCache
 from qkv.nn.params import count_parameters
 from qkv.nn.position import PositionalEncoding, build_position
@@ -240,6 +240,7 @@ class Seq2SeqModel(TransformerDecoderModel):
                offset: int | Tensor | None = None, return_attentions: bool = False, last_only: bool = False):
         """Decoder over `memory` (B, S, d): returns (logits (B, T|1, vocab), StackOutput); with last_only the
         StackOutput's hidden states are the last position's only (Stack.forward)."""
+        check_batch(decoder_input_ids, "decoder_input_ids")
         check_token_ids(decoder_input_ids, self.config.target_vocab_size, "decoder_input_ids")
         past = cache.length if cache is not None else 0
         check_length(past + decoder_input_ids.shape[1], self.context_limit, "target sequence")

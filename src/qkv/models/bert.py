@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from qkv.config import ConfigError, TransformerConfig
 from qkv.models.base import ModelOutput, QKVModel, build_stack, token_loss
 from qkv.models.registry import register_family, register_preset
-from qkv.nn.checks import check_length, check_token_ids
+from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
 from qkv.nn.norm import build_norm
 
 HEADS = ("none", "mlm", "classify", "tag")
@@ -115,8 +115,13 @@ class BERT(QKVModel):
         where no prediction is wanted (mlm head), (B,) class ids (classify head), or (B, T) label ids with
         -100 on positions without a label (tag head)."""
         c = self.config
+        check_batch(input_ids)
         check_token_ids(input_ids, c.vocab_size)
         check_length(input_ids.shape[1], c.context_length)
+        if labels is not None and c.head in ("mlm", "tag"):
+            check_labels(labels, input_ids)
+        if token_type_ids is not None and self.type_emb is None:
+            raise ValueError("token_type_ids given, but this model has no segment embeddings (type_vocab_size=0)")
         x = self.tok_emb(input_ids)
         if self.type_emb is not None:
             tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)

@@ -24,7 +24,7 @@ from qkv.config import ConfigError, TransformerConfig
 from qkv.models.base import ModelOutput, QKVModel, build_stack
 from qkv.models.registry import register_family, register_preset
 from qkv.models.vit import ViT, ViTConfig
-from qkv.nn.checks import check_length, check_token_ids
+from qkv.nn.checks import check_batch, check_length, check_token_ids
 
 
 def _default_vision() -> ViTConfig:
@@ -83,6 +83,7 @@ class CLIP(QKVModel):
     def encode_text(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """(B, T) right-padded token ids (mask 1 = real) -> (B, embed_dim), unit length."""
         c = self.config
+        check_batch(input_ids)
         check_token_ids(input_ids, c.vocab_size)
         check_length(input_ids.shape[1], self.text.context_limit, "text")
         keep = attention_mask.bool() if attention_mask is not None else None

@@ -29,7 +29,7 @@ from qkv.config import ConfigError, TransformerConfig
 from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack
 from qkv.models.registry import register_family, register_preset
 from qkv.nn import linear as _linear
-from qkv.nn.checks import check_length, check_token_ids
+from qkv.nn.checks import check_batch, check_length, check_token_ids
 from qkv.nn.linear import Linear
 from qkv.nn.position import SINUSOIDAL_LAYOUTS, Learned, PositionalEncoding, RelativeBias, Sinusoidal
 
@@ -166,6 +166,7 @@ class EncoderDecoder(Seq2SeqModel):
     def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                return_attentions: bool = False) -> tuple[Tensor, list | None]:
         c = self.config
+        check_batch(input_ids)
         check_token_ids(input_ids, c.src_vocab_size)
         # only absolute encodings (learned, sinusoidal) limit the source; RoPE / ALiBi / none take any length
         check_length(input_ids.shape[1], self.encoder.context_limit, "source sequence")

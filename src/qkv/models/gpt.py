@@ -15,7 +15,7 @@ from qkv.config import ConfigError, TransformerConfig
 from qkv.models.base import ModelOutput, TransformerDecoderModel, build_stack, token_loss
 from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
-from qkv.nn.checks import check_length, check_token_ids
+from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
 from qkv.nn.linear import Linear
 
 
@@ -62,7 +62,10 @@ class GPT(TransformerDecoderModel):
         work that position needs (its keys and values still cover, and fill the cache for, every position),
         and last_hidden_state is that position's (B, 1, d) unless return_attentions is set."""
         c = self.config
+        check_batch(input_ids)
         check_token_ids(input_ids, c.vocab_size)
+        if labels is not None:
+            check_labels(labels, input_ids)
         past = cache.length if cache is not None else 0
         check_length(past + input_ids.shape[1], self.context_limit)  # only absolute positions have a limit
         x = self.tok_emb(input_ids)  # (B, T, d)

@@ -30,7 +30,7 @@ from qkv.config import ConfigError
 from qkv.models.base import ModelOutput, QKVModel, token_loss
 from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
-from qkv.nn.checks import check_token_ids
+from qkv.nn.checks import check_batch, check_token_ids
 
 MODES = ("lm", "classify")
 
@@ -201,6 +201,7 @@ class LSTM(QKVModel):
         c = self.config
         if return_attentions:
             raise ValueError("an LSTM has no attention weights to return")
+        check_batch(input_ids)
         check_token_ids(input_ids, c.vocab_size)
         x = self.drop(self.tok_emb(input_ids))  # (B, T, d)
         if c.mode == "classify":

@@ -157,6 +157,9 @@ class SwinConfig(TransformerConfig):
             raise ConfigError("SwinConfig.placement must be 'pre'")
         if not self.depths or any(d < 1 for d in self.depths):
             raise ConfigError("SwinConfig.depths must be a non-empty list of positive layer counts")
+        for name in ("image_size", "patch_size", "window_size", "n_channels"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"SwinConfig.{name} must be positive, got {getattr(self, name)}")
         if self.image_size % self.patch_size:
             raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
         grid = self.image_size // self.patch_size

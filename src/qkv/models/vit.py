@@ -53,6 +53,9 @@ class ViTConfig(TransformerConfig):
                                      ("patch_position", self.patch_position, PATCH_POSITIONS)]:
             if value not in choices:
                 raise ConfigError(f"ViTConfig.{name}: {value!r} is not one of {list(choices)}")
+        for name in ("image_size", "patch_size", "n_channels", "n_layers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ViTConfig.{name} must be positive, got {getattr(self, name)}")
         if self.image_size % self.patch_size:
             raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
         if self.patch_position == "sinusoidal2d" and self.d_model % 4:

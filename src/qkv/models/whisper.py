@@ -67,9 +67,11 @@ class WhisperConfig(TransformerConfig):
         super().validate()
         if self.placement != "pre":
             raise ConfigError("WhisperConfig.placement must be 'pre' (Whisper is Pre-LN)")
-        if self.d_model % 2:
-            raise ConfigError("WhisperConfig.d_model must be even (sinusoidal audio positions)")
-        for name in ("vocab_size", "n_audio_ctx", "n_text_ctx", "n_mels", "hop_length"):
+        if self.d_model % 2 or self.d_model < 4:
+            raise ConfigError(f"WhisperConfig.d_model must be even and at least 4 (sinusoidal audio positions: "
+                              f"their frequencies step over d_model / 2 - 1), got {self.d_model}")
+        for name in ("vocab_size", "n_audio_ctx", "n_text_ctx", "n_mels", "hop_length", "n_encoder_layers",
+                     "n_decoder_layers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"WhisperConfig.{name} must be positive")
 

@@ -33,6 +33,21 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids", *, en
         raise ValueError(f"{what} contains token id {bad}, outside the vocabulary [0, {vocab_size})")
 
 
+def check_batch(ids: Tensor, what: str = "input_ids") -> None:
+    """ids must be a (batch, length) tensor: a clear error for one unbatched sequence (an IndexError on
+    shape[1] otherwise) or an extra dimension."""
+    if ids.dim() != 2:
+        hint = f"; for one sequence pass {what}.unsqueeze(0)" if ids.dim() == 1 else ""
+        raise ValueError(f"{what} must be (batch, length), got shape {tuple(ids.shape)}{hint}")
+
+
+def check_labels(labels: Tensor, ids: Tensor, what: str = "input_ids") -> None:
+    """Per-token labels must have the shape of the tokens they label (cross-entropy's error after flattening
+    names row counts instead)."""
+    if labels.shape != ids.shape:
+        raise ValueError(f"labels must have the shape of {what} {tuple(ids.shape)}, got {tuple(labels.shape)}")
+
+
 def check_id_list(ids: list[int], vocab_size: int, what: str = "prompt") -> None:
     """check_token_ids for a Python list (a request of the serving engine)."""
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)

@@ -29,7 +29,7 @@ def positions(offset: int | Tensor, length: int, device: torch.device) -> Tensor
     ar = torch.arange(length, device=device)
     if isinstance(offset, Tensor):
         return (offset.to(device).view(-1, 1) + ar).clamp_min(0)
-    return ar + offset
+    return (ar + offset).clamp_min(0) if offset < 0 else ar + offset
 
 
 def last_position(offset: int | Tensor, length: int) -> int | None:
@@ -126,7 +126,7 @@ class Learned(PositionalEncoding):
 
     def embed(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         self.check_length(offset, x.shape[1])
-        if isinstance(offset, int):
+        if isinstance(offset, int) and offset >= 0:
             # contiguous rows: a slice (a view; its backward copies the gradient into a zero table) instead of
             # a gather, whose backward is an accumulating index_put_ (~1% of a CPU training step). Same values
             # and the same gradient bit for bit (each row is read once either way)
