@@ -219,6 +219,59 @@ def test_crash_before_the_config_rename_leaves_a_loadable_folder(tmp_path, monke
     assert torch.equal(logits(load_model(tmp_path), ids), logits(new, ids))
 
 
+def test_crash_between_the_renames_over_another_function_is_refused_at_load(tmp_path, monkeypatch):
+    # the same shapes, another function (ffn, scaled): the new weights beside the old config would load silently
+    # into the old architecture; the weights carry their config's digest, so the pair is refused
+    save_model(qkv.build(TINY["gpt"]), tmp_path)
+    new = qkv.build({**TINY["gpt"], "ffn": "relu", "scaled": False})
+    real_replace = os.replace
+
+    def crash_on_config(src, dst):
+        if str(dst).endswith(CONFIG_NAME):
+            raise KeyboardInterrupt("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_config)
+    with pytest.raises(KeyboardInterrupt):
+        save_model(new, tmp_path)
+    monkeypatch.setattr(os, "replace", real_replace)
+    with pytest.raises(CheckpointError, match=r"saved for another model than the config.json beside it describes: "
+                                              r"ffn relu \(weights\) vs gelu \(config.json\), scaled False"):
+        load_model(tmp_path)
+    meta = json.loads((tmp_path / CONFIG_NAME).read_text())
+    meta["config"].update(ffn="relu", scaled=False, dropout=0.3)  # an edited config.json: dropout may differ
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
+    assert load_model(tmp_path).config.dropout == 0.3
+    save_model(new, tmp_path)  # saving again mends it
+    ids = torch.randint(0, 19, (1, 5))
+    assert torch.equal(logits(load_model(tmp_path), ids), logits(new, ids))
+
+
+def test_saved_files_and_folders_follow_the_umask(tmp_path):
+    # tempfile creates owner-only files (0600) and folders (0700), which the renames kept: a model another account
+    # serves, or a team folder, could not read them. Now what open() / mkdir() give under the umask.
+    # (training checkpoints: tests/train/test_trainer.py)
+    old = os.umask(0o022)
+    try:
+        save_model(qkv.build(TINY["gpt"]), tmp_path / "m")
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
+        assert modes == {CONFIG_NAME: 0o644, WEIGHTS_NAME: 0o644}
+        os.umask(0o077)
+        save_model(qkv.build(TINY["gpt"]), tmp_path / "private")
+        assert {p.stat().st_mode & 0o777 for p in (tmp_path / "private").iterdir()} == {0o600}
+    finally:
+        os.umask(old)
+
+
+def test_a_file_that_is_not_a_json_config_is_a_checkpoint_error(tmp_path):
+    save_model(qkv.build(TINY["gpt"]), tmp_path)
+    with pytest.raises(CheckpointError, match="not valid JSON.*pass the model folder"):
+        qkv.from_pretrained(tmp_path / WEIGHTS_NAME)
+    (tmp_path / CONFIG_NAME).write_bytes(b'{"qkv_family": "gpt\xc0"}')
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        qkv.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("name,old,new", [("vit-digits", "pos_emb", "encoder.position.weight"),
                                           ("whisper-digits", "audio_pos", "encoder.position.weight")])
 def test_folders_written_before_a_position_table_moved_still_load(name, old, new, tmp_path):

@@ -23,11 +23,15 @@ from qkv.storage import (  # noqa: F401  (the checkpoint API, re-exported from t
     CheckpointError,
     atomic_save_safetensors,
     atomic_write_json,
+    check_saved_config,
     check_state_fits,
     clean_state_dict,
+    config_changes,
+    describe_changes,
     load_state_into,
     read_config,
     save_model,
+    umask_mode,
     unwrap,
 )
 
@@ -69,4 +73,5 @@ def _load(folder: Path, meta: dict, map_location: str | torch.device) -> nn.Modu
     except Exception as e:  # safetensors raises its own error type for a truncated or corrupt file
         raise CheckpointError(f"{weights}: cannot read the weights ({e})") from None
     load_state_into(model, state, str(weights))
+    check_saved_config(weights, meta["config"])  # after the shape check: a wrong family's error names that
     return model

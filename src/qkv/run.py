@@ -153,7 +153,7 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     from qkv.tasks import load_tokenizer
     from qkv.tasks.tokenizers import TokenizerError
     from qkv.train import latest_checkpoint
-    from qkv.train.checkpoint import check_fits
+    from qkv.train.checkpoint import check_fits, check_same_architecture
 
     out = Path(out) if out else default_out(cfg)
     if out.exists() and not out.is_dir():
@@ -171,32 +171,9 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     task, model, train_cfg, ev, extra = build_parts(cfg, out, tokenizer, extra_evals or {})
     if resume and newest is not None:
         check_fits(model, newest)
-        _check_same_architecture(model, newest)
+        check_same_architecture(model, newest)
     cfg = {**cfg, "train": {**(cfg.get("train") or {}), "out_dir": str(out)}}
     return Run(cfg, out, task, model, train_cfg, ev, extra, newest if resume else None)
-
-
-# model fields a resumed run may change: how it trains or computes, not the function its weights were trained for
-RESUME_MAY_CHANGE = frozenset({"dropout", "attn_dropout", "init_std", "embed_init_std", "attention",
-                               "context_length"})
-
-
-def _check_same_architecture(model: torch.nn.Module, checkpoint: Path) -> None:
-    """ConfigError when the model to resume differs from the checkpoint's in a field that changes the function its
-    weights compute (model.ffn=relu on a GELU run, model.scaled=false): the shapes still fit, so nothing else would
-    notice, and the run would go on training other weights than it says."""
-    from qkv.config import to_dict
-
-    path = checkpoint / "config.json"
-    saved = json.loads(path.read_text(encoding="utf-8")).get("config") if path.is_file() else None
-    if not isinstance(saved, dict) or not hasattr(model, "config"):
-        return
-    now = json.loads(json.dumps(to_dict(model.config)))
-    diff = {k: (saved[k], now[k]) for k in saved if k in now and k not in RESUME_MAY_CHANGE and saved[k] != now[k]}
-    if diff:
-        raise ConfigError("--resume: the model differs from the run's checkpoint (" + ", ".join(
-            f"{k} {a} -> {b}" for k, (a, b) in diff.items()) + "); its weights were trained for the saved one: "
-            "resume without the change, or start a new run in another --out")
 
 
 def _context_keys(overrides: dict[str, Any]) -> list[str]:

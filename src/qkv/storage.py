@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -36,6 +37,15 @@ class CheckpointError(ValueError):
 
 
 # -- atomic writes --------------------------------------------------------------------------------------
+def umask_mode(kind: str) -> int:
+    """The mode open() / mkdir() would give a new file ("file", 0o666) or folder ("dir", 0o777) under the
+    process umask. tempfile's mkstemp / mkdtemp create theirs owner-only (0o600 / 0o700), which a rename
+    keeps: a checkpoint another account serves or a team shares would be unreadable."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o666 if kind == "file" else 0o777) & ~mask
+
+
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Run write(tmp) on a temporary sibling of `path` (a file name ending in .tmp), fsync it, rename it
     over `path`: the one atomic writer every other helper (and any file format) goes through."""
@@ -44,6 +54,7 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, umask_mode("file"))
         with open(tmp, "rb") as f:  # on disk before the rename, so a crash cannot leave an empty file
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -149,16 +160,58 @@ def load_state_into(model: nn.Module, state: Mapping[str, torch.Tensor], source:
 
 
 # -- model folders --------------------------------------------------------------------------------------
+SAVED_CONFIG = "qkv_config"  # the safetensors metadata key: the config (JSON) the weights were saved with
+# model fields that change how a model trains or computes, not the function its weights compute: a resumed run
+# may change them (train/checkpoint.py), and an edit of config.json may
+MAY_DIFFER = frozenset({"dropout", "attn_dropout", "init_std", "embed_init_std", "attention", "context_length"})
+
+
+def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (saved, now)} for the fields outside MAY_DIFFER whose values differ (compared as JSON values)."""
+    now = json.loads(json.dumps(now))
+    return {k: (saved[k], now[k]) for k in saved if k in now and k not in MAY_DIFFER and saved[k] != now[k]}
+
+
+def describe_changes(diff: Mapping[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
+
+
 def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write `config.json` {"qkv_family", "config"} + `model.safetensors` into folder `path`, atomically:
-    weights first, config last, so a folder with a config always has complete weights beside it."""
+    weights first, config last, so a folder with a config always has complete weights beside it. Each file is
+    replaced atomically, but not the pair: a kill between the two renames over an older save leaves the new
+    weights beside the old config, so the weights carry their config (SAVED_CONFIG) and `check_saved_config`
+    refuses such a pair when it is loaded."""
     model = unwrap(model)
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     state = clean_state_dict(model.state_dict())
-    atomic_save_safetensors(state, folder / WEIGHTS_NAME, metadata={"qkv_family": model.family})
-    atomic_write_json({"qkv_family": model.family, "config": to_dict(model.config)}, folder / CONFIG_NAME)
+    config = to_dict(model.config)
+    atomic_save_safetensors(state, folder / WEIGHTS_NAME,
+                            metadata={"qkv_family": model.family, SAVED_CONFIG: json.dumps(config, sort_keys=True)})
+    atomic_write_json({"qkv_family": model.family, "config": config}, folder / CONFIG_NAME)
     return folder
+
+
+def check_saved_config(weights: Path, config: Mapping[str, Any]) -> None:
+    """CheckpointError when `weights` were saved for a model that computes another function than `config`
+    describes (their SAVED_CONFIG metadata; fields in MAY_DIFFER may differ: an edited dropout is fine). Files
+    written before the metadata existed, and training checkpoints, which are replaced as one folder, pass."""
+    try:
+        with safe_open(str(weights), "pt") as f:
+            saved = (f.metadata() or {}).get(SAVED_CONFIG)
+    except Exception as e:  # safetensors raises its own error type for a truncated or corrupt file
+        raise CheckpointError(f"{weights}: cannot read the weights ({e})") from None
+    try:
+        saved = json.loads(saved) if saved is not None else None
+    except ValueError:
+        saved = None
+    diff = config_changes(saved, config) if isinstance(saved, dict) else {}
+    if diff:
+        fields = ", ".join(f"{k} {a} (weights) vs {b} ({CONFIG_NAME})" for k, (a, b) in diff.items())
+        raise CheckpointError(f"{weights.parent}: {weights.name} was saved for another model than the "
+                              f"{CONFIG_NAME} beside it describes: {fields} (a save interrupted between its two "
+                              f"files, or an edited {CONFIG_NAME}); save the model again")
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -171,5 +224,6 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{folder} has no {CONFIG_NAME}; not a qkv or Hugging Face model folder")
     try:
         return json.loads(cfg.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        hint = f"; pass the model folder (with its {CONFIG_NAME}), not a file" if cfg.name != CONFIG_NAME else ""
+        raise CheckpointError(f"{cfg}: not valid JSON ({e}){hint}") from None

@@ -208,3 +208,12 @@ def test_signal_saves_the_current_step_and_exits_with_one_line(tmp_path, sig, co
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if "loss" in json.loads(x)]
     assert [x["step"] for x in rows] == list(range(1, step + 3))
+
+
+def test_a_closed_pipe_stops_quietly():
+    """qkv presets | head -1 once the reader has gone: no BrokenPipeError traceback, the shell's 128 + SIGPIPE."""
+    p = subprocess.Popen([sys.executable, "-m", "qkv.cli.main", "presets"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=ROOT)
+    p.stdout.close()  # the reader goes away before qkv writes
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -13,6 +13,8 @@ Exit status (the same for every subcommand):
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +23,8 @@ from typing import Any
 EXIT_USER_ERROR = 2
 EXIT_NAN_GUARD = 3
 EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN guard, "
-          "130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue with --resume)")
+          "130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue with --resume), "
+          "141 the reader of stdout went away (qkv presets | head)")
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
@@ -466,6 +469,13 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + e.signum
         print("qkv: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (qkv presets | head -3): stop quietly, as a Unix tool; stdout goes to
+        # devnull so that the interpreter's own flush at exit does not raise again
+        if a.debug:
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as e:  # one clear line for user errors; --debug for the traceback
         from qkv.checkpoint import CheckpointError
         from qkv.config import ConfigError

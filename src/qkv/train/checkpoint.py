@@ -42,6 +42,10 @@ from qkv.checkpoint import (
     atomic_write_json,
     check_state_fits,
     clean_state_dict,
+    config_changes,
+    describe_changes,
+    umask_mode,
+    unwrap,
 )
 from qkv.config import to_dict
 
@@ -87,6 +91,7 @@ def write_checkpoint(folder: Path, model_state: dict[str, torch.Tensor], meta: d
     """Write one checkpoint folder atomically (temporary sibling folder + rename)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    os.chmod(tmp, umask_mode("dir"))
     try:
         atomic_save_safetensors(clean_state_dict(model_state), tmp / WEIGHTS_NAME,
                                 metadata={"qkv_family": str(meta.get("qkv_family"))})
@@ -195,6 +200,28 @@ def check_fits(model: nn.Module, folder: Path) -> None:
     except Exception as e:
         raise CheckpointError(f"{weights}: cannot read checkpoint ({type(e).__name__}: {e})") from None
     check_model_state(model, {k: torch.empty(v, device="meta") for k, v in shapes.items()}, str(folder))
+
+
+def check_same_architecture(model: nn.Module, folder: Path) -> None:
+    """CheckpointError when `model` differs from the checkpoint's config.json in a field that changes the
+    function its weights compute (ffn=relu on a GELU run, scaled=false): the shapes still fit, so nothing
+    else would notice, and a resumed run would go on training other weights than it says."""
+    path = Path(folder) / CONFIG_NAME
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8")).get("config") if path.is_file() else None
+    except (ValueError, AttributeError):  # not JSON, or not an object: nothing to compare with
+        saved = None
+    config = getattr(unwrap(model), "config", None)
+    if not isinstance(saved, dict) or config is None:
+        return
+    try:
+        diff = config_changes(saved, to_dict(config))  # what a resume may change: storage.MAY_DIFFER
+    except TypeError:  # not a dataclass config
+        return
+    if diff:
+        raise CheckpointError(f"resume: the model differs from the run's checkpoint ({describe_changes(diff)}) in "
+                              f"{folder}; its weights were trained for the saved one: resume without the change, "
+                              "or start a new run in another output folder")
 
 
 def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -278,6 +278,10 @@ class Trainer:
                 self.load_checkpoint(path)
                 resumed_from = path
         if resumed_from is None:
+            existing = ckpt.list_checkpoints(self.ckpt_root)
+            if existing:  # a fresh run's pruning would keep the older run's higher steps and delete its own
+                raise ConfigError(f"{self.ckpt_root} already holds checkpoints of another run (up to step "
+                                  f"{existing[-1][0]}): resume=True continues it; a new run needs another out_dir")
             seed_everything(cfg.seed + info.rank)
         self.logger = RunLogger(self.out_dir, enabled=info.is_main, progress=cfg.progress,
                                 tensorboard=cfg.tensorboard, total_steps=cfg.max_steps, start_step=self.step)
@@ -289,11 +293,6 @@ class Trainer:
         try:
             for line in repaired:
                 log.info(f"checkpoints: {line} (left by an interrupted process)")
-            if info.is_main:
-                existing = ckpt.list_checkpoints(self.ckpt_root)
-                if existing and resumed_from is None:
-                    log.info(f"note: {self.ckpt_root} already holds checkpoints up to step {existing[-1][0]}; "
-                             "starting a fresh run (resume=true continues one)")
             n_params = count_parameters(self.model)
             log.info(f"training {type(self.model).__name__} ({n_params:,} parameters) on {self.device}, "
                      f"precision {cfg.precision}, distributed {info.mode} x{info.world_size}, "
@@ -600,6 +599,7 @@ class Trainer:
         folder = Path(folder)
         model_state, state = ckpt.read_checkpoint(folder)
         ckpt.check_model_state(self.model, model_state, str(folder))
+        ckpt.check_same_architecture(self.model, folder)
         optim_state = state.get("optimizer")
         try:
             dist_.load_full_state(self.model, self.optimizer, model_state, optim_state)
