@@ -7,8 +7,10 @@ folders too), and nearest neighbours by cosine similarity.
 One text per line of texts.txt -> one row of emb.npy (float32, L2-normalised unless --no-normalize). Pooling:
 the mean of the last hidden states over the real tokens (special tokens included, padding excluded: what
 sentence-transformers' mean pooling computes), or the first token's state (cls). A sentence-transformers
-folder's 1_Pooling/config.json picks the default. Texts are sorted by length into batches (less padding) and
-put back in input order; texts over the model's context are truncated and counted.
+folder's 1_Pooling/config.json picks the default, its sentence_bert_config.json's max_seq_length the length texts
+are cut at (as sentence-transformers cuts them: often below the model's context, e.g. 256 of 512), and a module in
+its modules.json that qkv does not apply (a Dense projection) is refused rather than left out. Texts are sorted by
+length into batches (less padding) and put back in input order; texts over the limit are truncated and counted.
 """
 
 from __future__ import annotations
@@ -39,6 +41,40 @@ def folder_pooling(folder: str | Path) -> str | None:
     raise ConfigError(f"{cfg}: only mean or cls pooling is supported")
 
 
+# sentence-transformers modules (modules.json "type") that `qkv embed` computes: the encoder, mean/cls pooling,
+# and L2 normalisation (on by default, --no-normalize turns it off)
+APPLIED_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+def folder_max_length(folder: str | Path) -> int | None:
+    """A sentence-transformers folder's max_seq_length (sentence_bert_config.json), the length it cuts texts at;
+    a module its modules.json lists that qkv does not apply is a ConfigError (its embeddings would differ)."""
+    folder = Path(folder)
+    modules = folder / "modules.json"
+    if modules.is_file():
+        try:
+            listed = json.loads(modules.read_text(encoding="utf-8"))
+            types = [str(m.get("type", "")) for m in listed]
+        except (ValueError, AttributeError, TypeError) as e:
+            raise ConfigError(f"{modules}: not a sentence-transformers module list ({e})") from None
+        other = [t for t in types if t.rsplit(".", 1)[-1] not in APPLIED_MODULES]
+        if other:
+            raise ConfigError(f"{modules} lists {', '.join(other)}, which qkv embed does not apply (it computes "
+                              f"{', '.join(APPLIED_MODULES)}): its embeddings would not be the folder's")
+    cfg = folder / "sentence_bert_config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        value = json.loads(cfg.read_text(encoding="utf-8")).get("max_seq_length")
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"{cfg}: not a JSON object ({e})") from None
+    if value is None:
+        return None
+    if not isinstance(value, int) or value < 2:
+        raise ConfigError(f"{cfg}: max_seq_length must be an integer >= 2, got {value!r}")
+    return value
+
+
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
     """(B, T, d), (B, T) -> (B, d): the masked mean over tokens, or the first token."""
     if pooling == "cls":
@@ -51,7 +87,12 @@ def read_texts(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"input file not found: {path}")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    # "\n" only (and a "\r" before it): str.splitlines also breaks at form feeds, U+2028 and other characters
+    # inside a line, which would shift every later row against its line
+    text = path.read_text(encoding="utf-8")
+    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in text.split("\n")]
+    if lines and lines[-1] == "":  # the newline that ends the last line
+        lines.pop()
     for i, line in enumerate(lines, 1):
         if not line.strip():
             raise ConfigError(f"{path} line {i} is empty: one text per line, each row of the output is one line")
@@ -61,9 +102,11 @@ def read_texts(path: str | Path) -> list[str]:
 
 
 def embed_texts(encoder: Any, texts: list[str], *, pooling: str = "mean", normalize: bool = True,
-                batch_size: int = 32, device: str = "cpu", progress: bool = False) -> tuple[np.ndarray, int]:
+                batch_size: int = 32, device: str = "cpu", progress: bool = False,
+                max_length: int | None = None) -> tuple[np.ndarray, int]:
     """(embeddings (N, d) float32 in input order, how many texts were truncated). `encoder` is a
-    qkv.finetune.encoders.EncoderFolder (open_encoder(folder))."""
+    qkv.finetune.encoders.EncoderFolder (open_encoder(folder)); texts are cut at max_length tokens (a
+    sentence-transformers folder's max_seq_length: folder_max_length) or the model's context, the smaller."""
     from tqdm import tqdm
 
     from qkv.finetune.encoders import encode, pad_batch
@@ -73,7 +116,8 @@ def embed_texts(encoder: Any, texts: list[str], *, pooling: str = "mean", normal
     if batch_size < 1:
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     model = encoder.model.to(device).eval()
-    encs, cut = encode(encoder.tokenizer, texts, None, encoder.max_length, "truncate", "input")
+    limit = encoder.max_length if max_length is None else min(max_length, encoder.max_length)
+    encs, cut = encode(encoder.tokenizer, texts, None, limit, "truncate", "input")
     order = sorted(range(len(encs)), key=lambda i: len(encs[i].ids))
     out = np.zeros((len(encs), model.config.d_model), dtype=np.float32)
     starts = range(0, len(order), batch_size)
@@ -112,12 +156,15 @@ def run(folder: str, input_path: str, *, out: str | None = None, query: str | No
     texts = read_texts(input_path)
     encoder = open_encoder(folder)
     pooling = pooling or folder_pooling(folder) or "mean"
+    max_length = folder_max_length(folder)
+    limit = encoder.max_length if max_length is None else min(max_length, encoder.max_length)
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     emb, cut = embed_texts(encoder, texts, pooling=pooling, normalize=normalize, batch_size=batch_size,
-                           device=dev, progress=progress)
+                           device=dev, progress=progress, max_length=limit)
     lines = []
     if cut:
-        lines.append(f"note: {cut} text(s) longer than the model's context of {encoder.max_length} tokens were truncated")
+        what = "the model's context" if limit == encoder.max_length else "the folder's max_seq_length"
+        lines.append(f"note: {cut} text(s) longer than {what} of {limit} tokens were truncated")
     if out is not None:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,10 +178,10 @@ def run(folder: str, input_path: str, *, out: str | None = None, query: str | No
         lines.append(f"wrote {path}: {emb.shape[0]} x {emb.shape[1]} float32 ({pooling} pooling"
                      f"{', L2-normalised' if normalize else ''})")
     if query is not None:
-        q, _ = embed_texts(encoder, [query], pooling=pooling, normalize=normalize, device=dev)
+        q, _ = embed_texts(encoder, [query], pooling=pooling, normalize=normalize, device=dev, max_length=limit)
         for rank, (i, sim) in enumerate(nearest(emb, q[0], top_k), 1):
             lines.append(f"{rank:>3}  {sim:.4f}  line {i + 1}: {texts[i][:100]}")
     return lines
 
 
-__all__ = ["POOLINGS", "embed_texts", "folder_pooling", "nearest", "pool", "read_texts", "run"]
+__all__ = ["POOLINGS", "embed_texts", "folder_max_length", "folder_pooling", "nearest", "pool", "read_texts", "run"]

@@ -63,6 +63,21 @@ def test_engine_checks_requests():
         engine.add_request([1, 2], 3, stop_strings=["x"])
 
 
+def test_engine_sizes_are_checked_and_zero_new_tokens_is_reported_finished():
+    m = tiny_gpt("rope", context=32)
+    for kw, name in [(dict(block_size=0), "block_size"), (dict(max_batch_size=0), "max_batch_size"),
+                     (dict(max_batch_size=-1), "max_batch_size"), (dict(num_blocks=0), "num_blocks")]:
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+            Engine(m, **kw)
+    # max_new_tokens=0 ended at once but never reached take_finished(): an EngineWorker ticket waited forever
+    engine = Engine(m, block_size=4)
+    rid = engine.add_request([1, 2], 0)
+    other = engine.add_request([1, 2], 2)
+    engine.run()
+    assert sorted(engine.take_finished()) == [rid, other] and engine.counters.finished == 2
+    assert engine.finished[rid] == [] and engine.finish_reason[rid] == "length"
+
+
 def test_max_model_len_defaults_to_the_configured_context_of_rope_models():
     """RoPE has no hard position limit, but the engine (like vLLM's max_model_len) refuses requests past the
     context the model was configured for, unless max_model_len raises it on purpose; learned positions cannot go

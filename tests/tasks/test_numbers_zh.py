@@ -126,6 +126,19 @@ def test_length_bounds_are_exact_and_batches_fit():
         assert t.tokenizer.unk_id not in row.tolist()
 
 
+def test_length_bounds_are_exact_for_any_max_value():
+    """The bound used to come from repeated digits (777...) and max_value only: below 300 the longest words are
+    "one hundred and seventy-three" (29), not 222's or 300's, and training cut such sources short."""
+    import itertools
+
+    english = list(itertools.accumulate((len(english_number(v)) for v in range(60_001)), max))
+    chinese = list(itertools.accumulate((len(chinese_number(v)) for v in range(60_001)), max))
+    for limit in (0, 9, 15, 173, 299, 300, 1005, 12_345, 20_000, 54_321, 60_000):
+        task = build_task("numbers_zh", max_value=limit, date_fraction=0.0)
+        assert (task.max_src_tokens, task.max_tgt_tokens) == (english[limit], chinese[limit]), limit
+    assert english[300] == 29 and english[20_000] == 50
+
+
 class ZhOracle(torch.nn.Module):
     """Answers each held-out source with its reference (or the reference minus its last character)."""
 

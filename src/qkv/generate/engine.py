@@ -128,6 +128,11 @@ class Engine:
             raise ValueError("Engine serves decoder-only models; use generate() for encoder-decoders")
         if preemption not in PREEMPTION:
             raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
+        for name, value in (("block_size", block_size), ("max_batch_size", max_batch_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive integer (or None: max_batch_size sequences of the context), got {num_blocks!r}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prompts), got {prefill_chunk}")
         self.model = dec
@@ -231,8 +236,10 @@ class Engine:
         req = _Request(rid, ids, cfg, max_new, set(cfg.eos_ids), pipe, list(cfg.stop_strings or []))
         if len(ids) >= self.cache.block_size:
             req.head = block_digest(b"", ids[:self.cache.block_size])
-        if max_new == 0:
+        if max_new == 0:  # done at once, but reported like any other end (take_finished, the counters)
             self.finished[rid], self.finish_reason[rid] = [], "length"
+            self.counters.finished += 1
+            self.just_finished.append(rid)
         else:
             self.waiting.append(req)
         return rid

@@ -114,6 +114,71 @@ def chinese_number(n: int) -> str:
     return out[1:] if out.startswith("一十") else out
 
 
+def _groups(n: int, base: int) -> list[int]:
+    """n's digits in `base`, most significant first."""
+    out = []
+    while True:
+        n, g = divmod(n, base)
+        out.append(g)
+        if not n:
+            return out[::-1]
+
+
+def _longest(limit: int, base: int, part_len: Any) -> int:
+    """max over 0 < n <= limit of sum(part_len(i, g, state)) over n's groups g in `base` (i: the group's index from
+    the lowest), by dynamic programming over the groups, most significant first. A state is (tight: the groups so
+    far equal limit's, state): part_len returns (length added, next state); the first state is None. The
+    longest form is not the one of any simple pattern (777 is not below 300, but 173 beats 222), so every
+    group value is tried: at most 1000 or 10000 values a group, a few groups."""
+    digits = _groups(limit, base)
+    best: dict[tuple[bool, Any], int] = {(True, None): 0}
+    for k, top in enumerate(digits):
+        i = len(digits) - 1 - k
+        nxt: dict[tuple[bool, Any], int] = {}
+        for (tight, state), total in best.items():
+            for g in range(top + 1 if tight else base):
+                add, new = part_len(i, g, state)
+                key = (tight and g == top, new)
+                if nxt.get(key, -1) < total + add:
+                    nxt[key] = total + add
+        best = nxt
+    return max(best.values())
+
+
+def longest_english(limit: int) -> int:
+    """max(len(english_number(n)) for n in range(limit + 1)), without enumerating the range."""
+    below = [len(_below_1000(g)) for g in range(1000)]
+    names = [""] + [name for _, name in reversed(SCALES)]  # group i from the lowest: "", thousand, million, ...
+
+    def part_len(i: int, g: int, parts: int | None) -> tuple[int, int]:
+        parts = parts or 0  # the words so far ("" joined by spaces: a space before every part but the first)
+        if not g:
+            return 0, parts
+        if i:
+            return below[g] + 1 + len(names[i]) + (1 if parts else 0), parts + 1
+        return below[g] + (4 if parts and g < 100 else 0) + (1 if parts else 0), parts + 1  # "and "
+
+    return max(len("zero"), _longest(limit, 1000, part_len))
+
+
+def longest_chinese(limit: int) -> int:
+    """max(len(chinese_number(n)) for n in range(limit + 1)), without enumerating the range."""
+    group = [len(_zh_group(g)) if g else 0 for g in range(10000)]
+
+    def part_len(i: int, g: int, state: tuple[bool, bool] | None) -> tuple[int, tuple[bool, bool]]:
+        started, zero_gap = state or (False, False)  # chinese_number's `out` non-empty, and its zero_gap
+        if not g:
+            return 0, (started, zero_gap or started)
+        n = group[g] + len(ZH_GROUP_UNITS[i])
+        if started and (zero_gap or g < 1000):
+            n += 1  # 零
+        if not started and 10 <= g < 20:
+            n -= 1  # a leading 一十 is written 十
+        return n, (True, False)
+
+    return max(len("零"), _longest(limit, 10000, part_len))
+
+
 def english_date(year: int, month: int, day: int) -> str:
     return f"{MONTHS[month - 1]} {day}, {year}"
 
@@ -156,19 +221,11 @@ class NumbersZhTask(SyntheticTask):
         return _all_chars()
 
     def max_lengths(self) -> tuple[int, int]:
-        """Exact bounds: the longest English words of a k-digit group come from repeating 7 ("seven hundred
-        and seventy-seven"), the longest Chinese from all digits non-zero; compare every digit count and
-        the longest date."""
+        """Exact bounds: the longest English and Chinese forms of any number in 0..max_value
+        (longest_english / longest_chinese), and the longest date."""
         o = self.options
-        cands = {o.max_value}
-        for k in range(1, len(str(o.max_value)) + 1):
-            for d in "123456789":
-                v = int(d * k)
-                if v <= o.max_value:
-                    cands.add(v)
-                cands.add(min(o.max_value, 10**k - 1))
-        src = max(len(english_number(v)) for v in cands) if o.date_fraction < 1 else 0
-        tgt = max(len(chinese_number(v)) for v in cands) if o.date_fraction < 1 else 0
+        src = longest_english(o.max_value) if o.date_fraction < 1 else 0
+        tgt = longest_chinese(o.max_value) if o.date_fraction < 1 else 0
         if o.date_fraction > 0:
             src = max(src, max(len(english_date(o.year_max, m, 28)) for m in range(1, 13)))
             tgt = max(tgt, len(chinese_date(o.year_max, 12, 31)))
