@@ -193,3 +193,13 @@ def test_build_from_names_configs_and_mappings():
 def test_config_round_trips_through_a_dict():
     cfg = GPTConfig(vocab_size=10, n_layers=1, d_model=16, n_heads=2, position="rope", n_kv_heads=1)
     assert from_dict(GPTConfig, to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("seed", [2**62, -(2**62), 123456789012345678901])
+def test_a_seed_past_64_bits_is_named(seed):
+    """It failed at the first torch.manual_seed with 'Overflow when unpacking long long', naming no setting."""
+    from qkv.train import TrainConfig
+
+    with pytest.raises(ConfigError, match="TrainConfig.seed must be an integer of magnitude below 2..62"):
+        from_dict(TrainConfig, {"seed": seed})
+    from_dict(TrainConfig, {"seed": 2**62 - 1})

@@ -83,6 +83,8 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas}")
         if self.eps <= 0 or self.weight_decay < 0:
             raise ConfigError("TrainConfig: eps must be > 0 and weight_decay >= 0")
+        if abs(self.seed) >= 2**62:  # torch.manual_seed takes 64 bits; ranks and rollbacks add offsets to it
+            raise ConfigError(f"TrainConfig.seed must be an integer of magnitude below 2**62, got {self.seed}")
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ConfigError(f"TrainConfig.optimizer_impl: {self.optimizer_impl!r} is not one of "
                               f"{', '.join(OPTIMIZER_IMPLS)}")
