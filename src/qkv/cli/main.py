@@ -222,8 +222,11 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the suite's quick size (under a minute)")
     p.add_argument("--scale", choices=("cpu", "gpu"), default="cpu",
                    help="size profile: cpu (the file as written) or gpu (its `scales: gpu` section)")
-    p.add_argument("--only", default=None, help="run only the variants whose name contains this string")
-    p.add_argument("--force", action="store_true", help="redo runs that already finished")
+    p.add_argument("--only", default=None, metavar="FILTER",
+                   help="run only the variants with every comma-separated item of FILTER: whole key=value items "
+                        "of their names (n_heads=1 is not n_heads=16) or variant names, e.g. "
+                        "'name=reverse,position=rope'; the report still covers every finished run in --out")
+    p.add_argument("--force", action="store_true", help="redo runs that already finished (those --only selects)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (1 is best on a busy CPU)")
     p.add_argument("--jobs", type=int, default=None,
                    help="runs trained at once, each in its own process on the same device (default: the "
@@ -241,13 +244,17 @@ def cmd_ablate(a: argparse.Namespace) -> int:
 
 def _add_attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, checkpoint folder or Hugging Face folder")
-    p.add_argument("--input", required=True, help="text to run through the model")
+    p.add_argument("--input", required=True,
+                   help="text to run through the model (a ViT: N, the first N held-out images in order, 1..32)")
     p.add_argument("--target", default=None, help="decoder input for encoder-decoders (default: greedy output)")
-    p.add_argument("--out", default="attention.png", help="PNG to write (one per attention kind)")
+    p.add_argument("--out", default="attention.png",
+                   help="PNG to write (one per attention kind; .png is added to a name without an extension)")
 
 
 def cmd_attention(a: argparse.Namespace) -> int:
-    for line in attention_report(a.checkpoint, a.input, Path(a.out), target=a.target):
+    from qkv.experiments.attention import image_path
+
+    for line in attention_report(a.checkpoint, a.input, image_path(a.out), target=a.target):
         print(line)
     return 0
 
@@ -255,7 +262,7 @@ def cmd_attention(a: argparse.Namespace) -> int:
 def _add_explore(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a run folder, checkpoint folder or Hugging Face folder (gpt2, bert, vit, whisper)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on, 1..65535 (default 8000; it must be free)")
     p.add_argument("--input", default=None, help="with --export: the input to show (text; image index for a ViT)")
     p.add_argument("--target", default=None, help="with --export: decoder input of an encoder-decoder")
     p.add_argument("--wav", default=None, help="with --export: a WAV file for an audio model")
@@ -281,9 +288,13 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
     return [f"wrote {p}" for p in res.pngs] + [res.entropy_table()]
 
 
+VIT_MAX_IMAGES = 32  # one row of images in one figure: wider than this is unreadable
+
+
 def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list[str]:
     """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
-    task (`--input N`, default 8), titled with predicted / true class."""
+    task, in order (`--input N`, default 8, at most VIT_MAX_IMAGES and the held-out images there are), titled
+    with predicted / true class."""
     import torch
 
     from qkv.config import ConfigError
@@ -297,13 +308,28 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     except ValueError:
         raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
     task = load_run_task(path)
-    batch = task.batch(0, max(1, min(n, 32)), "val")
+    if hasattr(task, "split_indices") and hasattr(task, "images"):  # the digits task: the held-out images, in order
+        held_out = task.split_indices("val")
+        available = min(len(held_out), VIT_MAX_IMAGES)
+        what = f"the task has {len(held_out)} held-out images" if len(held_out) < VIT_MAX_IMAGES else \
+            f"at most {VIT_MAX_IMAGES} fit one figure"
+    else:  # another image task: only its batch sampler
+        held_out, available, what = None, VIT_MAX_IMAGES, f"at most {VIT_MAX_IMAGES} fit one figure"
+    if not 1 <= n <= available:
+        raise ConfigError(f"for a ViT, --input is the number of held-out images to show, 1..{available} "
+                          f"({what}), got {n}")
+    if held_out is not None:
+        idx = held_out[:n]
+        batch = {"pixel_values": task.images[idx], "labels": task.labels[idx]}
+    else:
+        batch = task.batch(0, n, "val")
     model.eval()
     with torch.no_grad():
         pred = model(pixel_values=batch["pixel_values"]).logits.argmax(-1)
     classes = getattr(task, "classes", None)
     names = [classes[int(i)] if classes else str(int(i)) for i in pred]
     truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
+    out_png.parent.mkdir(parents=True, exist_ok=True)
     save_attention_overlay(model, batch["pixel_values"], str(out_png),
                            titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
     return [f"wrote {out_png}"]

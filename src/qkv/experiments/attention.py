@@ -163,6 +163,21 @@ class AttentionMaps:
         return "\n".join(lines)
 
 
+def image_path(out: str | Path) -> Path:
+    """The file a figure is written to: `out`, with .png added when it has no extension (matplotlib would add
+    it silently, and the path printed would not be the file written); an existing folder, or a file where a
+    folder above it should be, is a one-line error before any work."""
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"{out} is a folder, not an image file: give a file name, e.g. {out / 'attention.png'}")
+    if not out.suffix:
+        out = out.with_name(out.name + ".png")
+    for p in out.parents:
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"cannot write {out}: {p} is a file, not a folder")
+    return out
+
+
 def plot_grid(maps: list[Tensor], q_labels: list[str], k_labels: list[str], title: str, out_png: Path,
               stats: list[HeadStat] | None = None, max_label_tokens: int = 48) -> Path:
     """One PNG: rows = layers, columns = heads; each cell the (Tq, Tk) map of batch item 0."""
@@ -216,7 +231,7 @@ def attention_maps(
     ([bos] + generated tokens) is used. out_png: for a single attention kind, that file; otherwise one
     file per kind named <stem>_<kind>.png next to it. Also writes <stem>_entropy.json (per-head stats).
     labels: display labels of the input tokens (default: from the tokenizer, or the ids themselves)."""
-    out_png = Path(out_png)
+    out_png = image_path(out_png)
     ids, tok_labels = tokenize(tokenizer_or_ids, text)
     if not ids:
         raise ValueError("the input has no tokens")

@@ -200,8 +200,10 @@ def plot_metric_vs(out: Path, suite: Suite, results: list[dict[str, Any]]) -> li
     return paths
 
 
-def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path) -> Path:
-    """results.csv, summary.md, summary.json, loss_curves.png, metric_vs_*.png in `out`; returns summary.md."""
+def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path, expected: int | None = None) -> Path:
+    """results.csv, summary.md, summary.json, loss_curves.png, metric_vs_*.png in `out`; returns summary.md.
+    results: every finished run of the suite in `out` (not only those just run: `qkv ablate --only` rewrites
+    the whole report). expected: the suite's number of runs; with fewer results, summary.md says how many."""
     out = Path(out)
     if suite.kind == "efficiency":
         from qkv.experiments.efficiency import add_ratios
@@ -235,6 +237,9 @@ def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path) -
         lines += [f"Metric: {suite.metric.name} ({'higher' if suite.metric.goal == 'max' else 'lower'} is better{thr}), "
                   f"mean ± std over seeds {suite.seeds}. Diverged: non-finite loss, a stop by the trainer's NaN "
                   "policy, or a final loss above the first logged loss.", ""]
+    if expected is not None and len(results) < expected:  # a partial table must not read as the whole suite
+        lines += [f"Partial: {len(results)} of the suite's {expected} runs have finished in this folder "
+                  "(`qkv ablate` again, without --only, runs the rest).", ""]
     lines += [markdown_table(rows), ""]
     errors = [r for r in results if r.get("error")]
     if errors:

@@ -9,11 +9,25 @@ Layout of an output folder:
         result.json                    written last, atomically: a run with result.json is finished
     OUT/results.csv, OUT/summary.md, OUT/*.png     the report (qkv.experiments.report)
 
-A run whose folder has result.json is never redone (resumability); a folder without one is a run that was
-interrupted: resumed from its newest checkpoint when it has one (Ctrl-C checkpoints the current step), else
-started again from scratch. Each run is built and trained by qkv.run.train_run, the function behind
-`qkv train`, so its folder is also an ordinary run folder (run.yaml, task.json: `qkv eval RUN_DIR` works). Runs that diverge (non-finite loss, an exception from the
-trainer's NaN policy) are recorded as diverged, not as crashes of the suite.
+A run whose folder has result.json is never redone (resumability), as long as its run.json holds the settings
+the suite gives it now: a suite edited since (other steps, sizes, metric, ...) is refused before anything
+trains, naming the run and the keys that differ (use another --out, or delete the run's folder to redo it). A
+folder without result.json is a run that was interrupted: resumed from its newest checkpoint when it has one
+(Ctrl-C checkpoints the current step), else started again from scratch. Each run is built and trained by
+qkv.run.train_run, the function behind `qkv train`, so its folder is also an ordinary run folder (run.yaml,
+task.json); the trainer's checkpoints/ are deleted when the run ends (keep_trainer_checkpoints keeps them),
+so evaluate or load the final model: `qkv eval RUN_DIR/final`, `qkv.from_pretrained(RUN_DIR / "final")`.
+Runs that diverge (non-finite loss, an exception from the trainer's NaN policy) are recorded as diverged, not
+as crashes of the suite.
+
+Seeds: a suite's `seeds` set train.seed, which draws the model's initialisation and dropout; the data (the
+training batches and the held-out set) come from the task's own seed (task.seed, default 0), the same in every
+run, so the spread over seeds is the spread over initialisations on one data stream. To vary the data too,
+sweep it: `grid: {task.seed: [0, 1, 2]}` (one variant per data seed; each is also trained with every seed).
+
+Before the first run starts, every run's settings are checked as `qkv train` checks them (model fields, task
+options, Trainer and eval settings) and the suite's metric against the task's metrics, so a typo in the last
+variant does not surface after the others have trained.
 """
 
 from __future__ import annotations
@@ -28,8 +42,8 @@ from typing import Any
 
 import torch
 
-from qkv.config import ConfigError
-from qkv.experiments.suite import RunSpec, Suite, check_jobs, expand, load_suite
+from qkv.config import ConfigError, to_dict
+from qkv.experiments.suite import RunSpec, Suite, _fmt, check_jobs, expand, load_suite
 from qkv.nn.params import count_parameters
 from qkv.storage import atomic_write_text
 
@@ -244,6 +258,177 @@ def _run_parallel(suite: Suite, pending: list[tuple[int, RunSpec, Path]], total:
 
 
 # -- the suite ----------------------------------------------------------------------------------------------
+def _check_out(out: Path) -> None:
+    """The output folder, or any folder above it, must not be an existing file (one line, as `qkv train`)."""
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"--out {out} is a file, not a folder" if p == out else
+                              f"--out {out}: {p} is a file, not a folder")
+
+
+def check_runs(suite: Suite, specs: list[RunSpec]) -> None:
+    """Every run's settings checked as `qkv train` checks them, nothing built or trained: model fields (the
+    family's config), task options, Trainer and eval settings, extra evaluations, and, for train suites, the
+    metric against the task's metrics. Run before the first run starts: a typo in a later variant (or a
+    misspelt metric) is an error now, not after the earlier runs have trained."""
+    from qkv.config import from_dict
+    from qkv.models.registry import config_for
+    from qkv.run import EvalSettings
+    from qkv.tasks.base import build_options, build_task, kind_for, task_spec
+    from qkv.train import TrainConfig
+
+    tasks: dict[tuple[str, str], list[str]] = {}  # (task name, family) -> the metric names its evaluate() reports
+    checked: set[str] = set()
+    for spec in specs:
+        if spec.variant in checked:  # the seed changes no setting that can be invalid
+            continue
+        checked.add(spec.variant)
+        cfg = run_config(suite, spec)
+        try:
+            model = dict(cfg["model"])
+            base = {k: model.pop(k) for k in ("preset", "family") if k in model}
+            if not base:
+                raise ConfigError("model needs 'preset' or 'family'")
+            fam, _ = config_for(base, **model)
+            options = dict(cfg["task"])
+            if "name" not in options:
+                raise ConfigError("task needs a 'name'")
+            name = options.pop("name")
+            kind_for(name, task_spec(name).kinds, fam.name)
+            build_options(name, options)
+            for ev in suite.extra_evals:
+                build_options(name, {**options, **ev.task})
+            from_dict(TrainConfig, cfg["train"], "train")
+            from_dict(EvalSettings, cfg["eval"], "eval")
+        except ConfigError as e:
+            raise ConfigError(f"suite {suite.name!r}, variant {spec.variant!r}: {e}") from None
+        if suite.kind != "train" or suite.metric.name == "train_loss":
+            continue
+        if (name, fam.name) not in tasks:  # built once per task: its class says what evaluate() reports
+            tasks[(name, fam.name)] = list(build_task(name, family=fam.name, **options).metrics)
+        if suite.metric.name not in tasks[(name, fam.name)]:
+            raise ConfigError(f"suite {suite.name!r}: metric.name {suite.metric.name!r} is not a metric of task "
+                              f"{name!r} (it reports {', '.join(tasks[(name, fam.name)])}; or use train_loss)")
+
+
+def _only_items(spec: RunSpec) -> set[str]:
+    """What --only can name of a run: its whole variant name, its explicit variant's name (alone or as
+    variant=NAME), and each swept value as key=value, written as in the table and the folder names."""
+    items = {spec.variant}
+    for k, v in spec.values.items():
+        items.add(f"{k}={_fmt(v)}")
+        if k == "variant":
+            items.add(str(v))
+    return items
+
+
+def _same_value(raw: str, value: Any) -> bool:
+    """`raw` (typed after key= in --only) names `value`: as displayed (True, 0.001), or as YAML reads it (true,
+    1e-3, 1.0 for 1), without taking a bool for a number."""
+    import yaml
+
+    if raw == _fmt(value):
+        return True
+    try:
+        parsed = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return False
+    if isinstance(parsed, bool) or isinstance(value, bool):
+        return parsed is value
+    if isinstance(value, (int, float)):
+        try:
+            return float(raw) == float(value)
+        except ValueError:
+            return False
+    return parsed == value
+
+
+def matches_only(spec: RunSpec, only: str) -> bool:
+    """--only FILTER: comma-separated items, each a whole key=value of the variant's name (n_heads=1 is not
+    n_heads=16) or an explicit variant's name; a run is selected when it has every item."""
+    if only.strip() == spec.variant:
+        return True
+    items = _only_items(spec)
+    for item in (w.strip() for w in only.split(",")):
+        if not item or item in items:
+            continue
+        key, eq, raw = item.partition("=")
+        if not (eq and key.strip() in spec.values and _same_value(raw.strip(), spec.values[key.strip()])):
+            return False
+    return True
+
+
+def select_runs(suite: Suite, specs: list[RunSpec], only: str | None) -> set[int]:
+    """The indices of the runs --only selects (all without it); a filter that selects none is an error that
+    lists what it can name."""
+    if not only:
+        return set(range(len(specs)))
+    chosen = {i for i, spec in enumerate(specs) if matches_only(spec, only)}
+    if not chosen:
+        names = list(dict.fromkeys(spec.variant for spec in specs))
+        raise ConfigError(f"--only {only!r} matches no run of suite {suite.name!r}: give comma-separated whole "
+                          f"key=value items or variant names of its variants: {'; '.join(names)}")
+    return chosen
+
+
+def run_record(suite: Suite, spec: RunSpec) -> dict[str, Any]:
+    """What run.json holds: the settings that decide a run's result (its sections, seed, and how it is measured),
+    compared with a finished run's saved one before that run is reused."""
+    measure: dict[str, Any] = {"kind": suite.kind, "metric": to_dict(suite.metric), "judge": suite.judge,
+                               "eval_n": suite.eval_n, "extra_evals": [to_dict(ev) for ev in suite.extra_evals],
+                               "budget_s": suite.budget_s, "budget_clock": suite.budget_clock}
+    if suite.kind == "efficiency":
+        measure["efficiency"] = to_dict(suite.efficiency)
+    return {"suite": suite.name, "variant": spec.variant, "values": spec.values, "seed": spec.seed,
+            "family": spec.family, "model": spec.model, "task": spec.task, "train": spec.train, "measure": measure}
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The dotted keys whose values differ, as 'key: old -> new' (measure.* shown without its prefix). Sections
+    a run.json from an older qkv lacks (measure) are not compared."""
+    now = json.loads(json.dumps(now, sort_keys=True, default=str))  # as it would be saved
+    old = _flatten({k: v for k, v in saved.items() if k in now})
+    new = _flatten({k: v for k, v in now.items() if k in saved})
+    unset = object()
+    out = []
+    for key in sorted(set(old) | set(new), key=lambda k: (k.startswith("measure."), k)):
+        a, b = old.get(key, unset), new.get(key, unset)
+        if a != b:
+            def show(v: Any) -> str:
+                return "(unset)" if v is unset else json.dumps(v)
+
+            out.append(f"{key.removeprefix('measure.')}: {show(a)} -> {show(b)}")
+    return out
+
+
+def check_saved_run(suite: Suite, spec: RunSpec, run_dir: Path) -> None:
+    """A run folder kept from an earlier `qkv ablate` (finished, or interrupted with a checkpoint to resume)
+    must have been run with the settings the suite gives it now: reusing it otherwise would put numbers of
+    another configuration in the table."""
+    path = run_dir / "run.json"
+    if not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        saved = {"run.json": "(unreadable)"}
+    diff = _differences(saved, run_record(suite, spec)) if isinstance(saved, dict) else ["run.json: not a mapping"]
+    if diff:
+        shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+        raise ConfigError(f"{run_dir} was run with other settings than suite {suite.name!r} gives it now "
+                          f"({shown}): use another --out, or delete runs/{spec.run_id} to redo it")
+
+
 def run_suite(
     path_or_suite: str | Path | dict | Suite,
     out_dir: str | Path | None = None,
@@ -260,7 +445,9 @@ def run_suite(
     """Run (or resume) every run of a suite and write the report; returns the path of summary.md.
 
     scale: "cpu" (the file as written) or "gpu" (its `scales: {gpu: ...}` profile).
-    only: run just the variants whose name contains this string. force: redo finished runs.
+    only: run just the runs this filter selects (see matches_only: comma-separated whole key=value items or
+    variant names, e.g. "name=reverse,position=rope"; one that selects nothing is an error); the report
+    still covers every finished run of the suite in out_dir. force: redo the selected runs even if finished.
     train_fn(suite, spec, run_dir) -> result dict: replaces the default trainer-based run (tests, custom
     measurements). Efficiency suites (kind: efficiency) use qkv.experiments.efficiency instead.
     threads: torch intra-op threads for the runs (torch.set_num_threads). On a machine shared with other
@@ -275,47 +462,57 @@ def run_suite(
     if jobs > 1 and suite.kind == "efficiency":
         raise ConfigError(f"suite {suite.name!r} times its runs (kind: efficiency): run it with --jobs 1, "
                           "parallel runs would share the device and distort the timings")
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"threads must be at least 1, got {threads}")
-        torch.set_num_threads(threads)
+    if threads is not None and threads < 1:
+        raise ConfigError(f"threads must be at least 1, got {threads}")
     out = Path(out_dir or Path("runs") / "ablations" / (suite.name + ("-quick" if quick else "") +
                                                         ("-gpu" if scale == "gpu" else "")))
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    import yaml
-
-    from qkv.config import to_dict
-
-    (out / "suite.yaml").write_text(yaml.safe_dump(to_dict(suite), sort_keys=False), encoding="utf-8")
-    if train_fn is None:
+    _check_out(out)
+    specs = expand(suite)
+    selected = select_runs(suite, specs, only)
+    if train_fn is None:  # the runner's own runs: checked like `qkv train` before the first one starts
+        check_runs(suite, specs)
         if suite.kind == "efficiency":
             from qkv.experiments.efficiency import efficiency_run
 
             train_fn = efficiency_run
         else:
             train_fn = train_run
-    specs = expand(suite)
     from qkv.train import latest_checkpoint
 
+    # decide what happens to every run folder before touching any: a refused one leaves the folder as it was
     by_index: dict[int, dict[str, Any]] = {}
-    pending: list[tuple[int, RunSpec, Path]] = []
+    todo: list[tuple[int, RunSpec, Path, bool]] = []  # (index, spec, folder, delete it first)
     for i, spec in enumerate(specs):
-        if only and only not in spec.variant:
-            continue
         run_dir = out / "runs" / spec.run_id
         done = run_dir / RESULT
-        if done.is_file() and not force:
+        redo = force and i in selected
+        # only train_run resumes a run from its checkpoint; other run functions start an unfinished run again
+        resumable = train_fn is train_run and latest_checkpoint(run_dir / "checkpoints") is not None
+        if not redo and (done.is_file() or (i in selected and resumable)):  # kept: its settings must still hold
+            check_saved_run(suite, spec, run_dir)
+        if i not in selected:  # not run now; reported when it finished earlier (the report covers the suite)
+            if done.is_file():
+                by_index[i] = json.loads(done.read_text(encoding="utf-8"))
+            continue
+        if done.is_file() and not redo:
             if log:
                 log(f"[{i + 1}/{len(specs)}] {spec.run_id}: done earlier, skipped")
             by_index[i] = json.loads(done.read_text(encoding="utf-8"))
             continue
-        if run_dir.exists() and (force or train_fn is not train_run
-                                 or latest_checkpoint(run_dir / "checkpoints") is None):
-            shutil.rmtree(run_dir)  # an interrupted run without a checkpoint: start it again
+        todo.append((i, spec, run_dir, run_dir.exists() and (redo or done.is_file() or not resumable)))
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    import yaml
+
+    (out / "suite.yaml").write_text(yaml.safe_dump(to_dict(suite), sort_keys=False), encoding="utf-8")
+    pending: list[tuple[int, RunSpec, Path]] = []
+    for i, spec, run_dir, wipe in todo:
+        if wipe:
+            shutil.rmtree(run_dir)  # an interrupted run without a checkpoint, or --force: start it again
         run_dir.mkdir(parents=True, exist_ok=True)  # one with a checkpoint: train_run resumes it
-        _write_json({"suite": suite.name, "variant": spec.variant, "values": spec.values, "seed": spec.seed,
-                     "family": spec.family, "model": spec.model, "task": spec.task, "train": spec.train},
-                    run_dir / "run.json")
+        _write_json(run_record(suite, spec), run_dir / "run.json")
         pending.append((i, spec, run_dir))
 
     def finish(i: int, spec: RunSpec, run_dir: Path, res: dict[str, Any]) -> None:
@@ -335,6 +532,8 @@ def run_suite(
     else:
         _run_parallel(suite, pending, len(specs), train_fn, jobs, threads, finish, log)
     results = [by_index[i] for i in sorted(by_index)]  # file order, however the runs finished
+    if log and len(results) < len(specs):
+        log(f"the report covers the {len(results)} of {len(specs)} runs finished in {out}")
     if suite.kind == "efficiency" and suite.efficiency.interleave and not torch.cuda.is_available() and results:
         from qkv.experiments.efficiency import interleaved_timing
 
@@ -352,4 +551,4 @@ def run_suite(
                 r["step_ms"] = timing[r["variant"]]
                 r["tokens_per_s"] = r["batch_tokens"] / (r["step_ms"] / 1000)
                 r["metric"] = r["step_ms"]
-    return write_report(suite, results, out)
+    return write_report(suite, results, out, expected=len(specs))

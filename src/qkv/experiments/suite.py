@@ -14,13 +14,14 @@
     variants:                        # optional explicit variants (crossed with the grid); each a name plus
       - {name: lstm, family: lstm, model: {preset: lstm-tiny}}   # dotted overrides, a whole section
                                                                  # (model/task/train), or another family
-    seeds: [0, 1]
+    seeds: [0, 1]                    # train.seed of each run: the initialisation and dropout; the data (batches,
+                                     # held-out set) follow task.seed, the same in every run (grid task.seed)
     metric: {name: exact_match, goal: max, threshold: 0.9}   # a key of task.evaluate(), or train_loss
     judge: metric                    # metric | train_loss: the verdict from the training curve, the held-out
                                      # metric still measured and shown beside it (memorisation gap)
     eval_n: 200
     extra_evals: [{name: len_2x, task: {min_len: 9, max_len: 16}}]   # same model, other task options
-    budget_s: null                   # time cap per run (equal-time comparisons)
+    budget_s: null                   # time cap per run in seconds, > 0 (equal-time comparisons); null: none
     budget_clock: wall               # wall: elapsed time | cpu: the run's own CPU time (a shared machine)
     jobs: 1                          # runs trained at once, each in its own process (`qkv ablate --jobs N`)
     quick: {train.max_steps: 10, seeds: [0]}        # overrides of this file for the < 1 minute version
@@ -33,6 +34,7 @@ Everything is checked strictly (qkv.config.from_dict): a misspelt key names the 
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,12 +124,38 @@ class Suite:
                     _check_dotted(key, self.name)
         if not self.seeds:
             raise ConfigError(f"suite {self.name!r}: seeds must not be empty")
+        if len(set(self.seeds)) < len(self.seeds):  # one folder per (variant, seed): a repeat is the same run
+            raise ConfigError(f"suite {self.name!r}: seeds {self.seeds} repeat a seed")
+        self._check_run_ids()
+        # 0 or a negative budget would stop every run after its first step; null is the way to say "no budget"
+        if self.budget_s is not None and (isinstance(self.budget_s, bool) or not self.budget_s > 0
+                                          or not math.isfinite(self.budget_s)):
+            raise ConfigError(f"suite {self.name!r}: budget_s must be a number of seconds > 0, or null for no "
+                              f"time budget, got {self.budget_s!r}")
         if self.eval_n < 1:
             raise ConfigError(f"suite {self.name!r}: eval_n must be >= 1")
         check_jobs(self.jobs, f"suite {self.name!r}: jobs")
         if self.judge == "train_loss" and self.metric.name == "train_loss":
             raise ConfigError(f"suite {self.name!r}: judge: train_loss needs a held-out metric to report beside "
                               "it (metric.name is train_loss already; leave judge at 'metric')")
+
+    def _check_run_ids(self) -> None:
+        """Each variant has its own run folder: the folder name is the variant's name with punctuation turned
+        into '_' (_slug), so two names that differ only there, or a grid value listed twice, would make two
+        variants share (and overwrite) one folder."""
+        for key, values in self.grid.items():
+            shown = [_fmt(v) for v in values]
+            for v in shown:
+                if shown.count(v) > 1:
+                    raise ConfigError(f"suite {self.name!r}: grid[{key!r}] lists the value {v} twice")
+        folders: dict[str, str] = {}
+        for name in variant_names(self):
+            slug = _slug(name)
+            if slug in folders and folders[slug] != name:
+                raise ConfigError(f"suite {self.name!r}: variants {folders[slug]!r} and {name!r} would share the "
+                                  f"run folder runs/{slug}__seed*: rename one (folder names keep only letters, "
+                                  "digits and _ . = + -)")
+            folders[slug] = name
 
 
 def check_jobs(jobs: Any, what: str = "--jobs") -> int:
@@ -174,6 +202,12 @@ def load_suite(path_or_suite: str | Path | dict | Suite, quick: bool = False, sc
                     f", nor a shipped suite: {', '.join(names)})" if names else ")"))
         data = load_yaml(p)
         data.setdefault("name", p.stem)
+    # an empty file, or one without the two sections every suite needs: name them, not the dataclass's arguments
+    missing = [k for k in ("model", "task") if k not in data]
+    if missing:
+        where = f" ({path_or_suite})" if isinstance(path_or_suite, (str, Path)) else ""
+        raise ConfigError(f"suite {data.get('name', '?')!r}{where} has no {' and no '.join(s + ':' for s in missing)} "
+                          "section (a suite needs at least model: and task:; see docs/ablations.md)")
     suite = from_dict(Suite, data, "suite")
     if quick:
         if not suite.quick:
@@ -242,18 +276,13 @@ def _apply_variant(sections: dict[str, dict[str, Any]], overrides: dict[str, Any
             apply_overrides(sections[head], {rest: value}, head)
 
 
-def expand(suite: Suite) -> list[RunSpec]:
-    """Every (variant, seed) of the suite: explicit variants x grid product, in file order."""
+def _variants(suite: Suite):
+    """(explicit variant, grid overrides, swept values, display name) of every variant, in file order."""
     keys = list(suite.grid)
     combos = list(itertools.product(*(suite.grid[k] for k in keys))) if keys else [()]
-    variants = suite.variants or [{}]
-    runs = []
-    for var in variants:
+    for var in suite.variants or [{}]:
         for combo in combos:
-            sections = {"model": dict(suite.model), "task": dict(suite.task), "train": dict(suite.train)}
-            _apply_variant(sections, var)
             grid_over = dict(zip(keys, combo))
-            _apply_variant(sections, grid_over)
             values: dict[str, Any] = {}
             parts = []
             if var:
@@ -262,8 +291,22 @@ def expand(suite: Suite) -> list[RunSpec]:
             for k, v in grid_over.items():
                 values[_short(k)] = v
                 parts.append(f"{_short(k)}={_fmt(v)}")
-            name = ",".join(parts) or "base"
-            for seed in suite.seeds:
-                runs.append(RunSpec(suite.name, name, values, seed, sections["model"], sections["task"],
-                                    sections["train"], var.get("family", suite.family)))
+            yield var, grid_over, values, ",".join(parts) or "base"
+
+
+def variant_names(suite: Suite) -> list[str]:
+    """The display names of the suite's variants (explicit variants x grid product), in file order."""
+    return [name for *_, name in _variants(suite)]
+
+
+def expand(suite: Suite) -> list[RunSpec]:
+    """Every (variant, seed) of the suite: explicit variants x grid product, in file order."""
+    runs = []
+    for var, grid_over, values, name in _variants(suite):
+        sections = {"model": dict(suite.model), "task": dict(suite.task), "train": dict(suite.train)}
+        _apply_variant(sections, var)
+        _apply_variant(sections, grid_over)
+        for seed in suite.seeds:
+            runs.append(RunSpec(suite.name, name, values, seed, sections["model"], sections["task"],
+                                sections["train"], var.get("family", suite.family)))
     return runs

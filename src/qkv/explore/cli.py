@@ -6,19 +6,23 @@ import base64
 from pathlib import Path
 
 from qkv.explore.adapter import ExploreError, load
+from qkv.explore.export import check_export_path
 
 
 def explore(model: str, *, host: str = "127.0.0.1", port: int = 8000, text: str | None = None,
             target: str | None = None, export: str | None = None, wav: str | None = None) -> int:
-    if not 0 <= port <= 65535:
-        raise ExploreError(f"--port must be in 0..65535, got {port}")
+    # 0 ("any free port") is refused: the page's address is printed before uvicorn picks one, so it would be wrong
+    if not 1 <= port <= 65535:
+        raise ExploreError(f"--port must be in 1..65535, got {port}")
+    if export is not None:
+        check_export_path(Path(export))  # before loading the model: a wrong path fails at once
     ld = load(model)
     if export is not None:
         from qkv.explore.export import export_html
 
         kw: dict = {}
         if wav is not None:
-            kw["wav_base64"] = base64.b64encode(Path(wav).read_bytes()).decode()
+            kw["wav_base64"] = base64.b64encode(_read_wav(Path(wav))).decode()
             text = text or ""
         if text is None:
             raise ExploreError("--export needs --input (the text to show; an image index for a ViT; or --wav)")
@@ -34,3 +38,15 @@ def explore(model: str, *, host: str = "127.0.0.1", port: int = 8000, text: str 
 
     serve(ld, host=host, port=port)
     return 0
+
+
+def _read_wav(path: Path) -> bytes:
+    """The bytes of --wav, or one line saying why not (missing, a folder, unreadable)."""
+    if not path.exists():
+        raise ExploreError(f"--wav file not found: {path}")
+    if not path.is_file():
+        raise ExploreError(f"--wav {path} is not a file (give a .wav file)")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ExploreError(f"cannot read --wav {path}: {e.strerror or e}") from None

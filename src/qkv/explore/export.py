@@ -51,12 +51,27 @@ def render_page(data: dict[str, Any]) -> str:
                                 f"<script>\n{js}</script>")
 
 
+def check_export_path(out: Path) -> None:
+    """--export names a file that can be written: not an existing folder, no file where a folder should be."""
+    if out.is_dir():
+        raise ExploreError(f"--export {out} is a folder: give the page's file name, e.g. {out / 'page.html'}")
+    for p in out.parents:
+        if p.exists() and not p.is_dir():
+            raise ExploreError(f"--export {out}: {p} is a file, not a folder")
+
+
 def export_html(ld: Loaded, text: str, out: str | Path, **kw: Any) -> Path:
-    """Write the self-contained page for `text` to `out` (atomically)."""
+    """Write the self-contained page for `text` to `out` (atomically: a temporary file renamed, removed again
+    if the write fails, so a failure leaves nothing behind)."""
     out = Path(out)
+    check_export_path(out)
     page = render_page(export_data(ld, text, **kw))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ExploreError(f"cannot write --export {out}: {e.strerror or e}") from None
     return out

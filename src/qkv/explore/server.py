@@ -14,6 +14,8 @@ and the traceback goes to the server log only.
 
 from __future__ import annotations
 
+import errno
+import socket
 from importlib import resources
 from typing import Any
 
@@ -107,11 +109,36 @@ def create_app(ld: Loaded) -> Any:
     return app
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and listening, or a one-line ExploreError: uvicorn, left to bind it
+    itself, logs the failure and exits with status 3 (sys.exit), past the CLI's error handling."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise ExploreError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free to reuse
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ExploreError(f"port {port} on {host} is in use: choose another with --port") from None
+        raise ExploreError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
+    return sock
+
+
 def serve(ld: Loaded, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the app with uvicorn until interrupted."""
+    """Run the app with uvicorn until interrupted, on a socket bound here first (see listen)."""
     import uvicorn
 
+    sock = listen(host, port)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"qkv explore: listening on {host}: anyone who can reach this address can use the model")
-    print(f"qkv explore: http://{'[' + host + ']' if ':' in host else host}:{port}/  (Ctrl-C to stop)")
-    uvicorn.run(create_app(ld), host=host, port=port, log_level="warning")
+    print(f"qkv explore: http://{'[' + host + ']' if ':' in host else host}:{port}/  (Ctrl-C to stop)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(ld), log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

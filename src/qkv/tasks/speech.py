@@ -47,8 +47,9 @@ TRAIN_VOICES = [f"{a}+{v}" for v in TRAIN_VARIANTS for a in TRAIN_ACCENTS]
 TEST_VOICES = ["en-us-nyc+m4", "en-us-nyc+f3", "en-gb-x-gbclan+m8", "en-gb-x-gbcwmd+f1"]
 
 
-class EspeakMissingError(RuntimeError):
-    """espeak-ng is not installed."""
+class EspeakMissingError(FileNotFoundError, RuntimeError):
+    """espeak-ng is not installed: a missing program, so a user error (FileNotFoundError: the CLI prints one
+    line with the install instruction and exits 2); still a RuntimeError for code that caught it as one."""
 
 
 def espeak_binary() -> str:
