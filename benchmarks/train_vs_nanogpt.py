@@ -48,7 +48,9 @@ import copy
 import importlib.util
 import io
 import json
+import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -219,6 +221,9 @@ class TrainerSteps:
                                weight_decay=0.1, schedule="constant", warmup=0, clip_grad=1.0, precision=self.precision,
                                device="cpu", distributed="none", progress=False, tensorboard=False, plot=False,
                                save_every=0, keep_last=1, out_dir=self.out_dir)
+        # each round is a fresh run: drop the previous round's final checkpoint (the Trainer refuses a fresh run
+        # in a folder holding another run's checkpoints)
+        shutil.rmtree(os.path.join(self.out_dir, "checkpoints"), ignore_errors=True)
         tr = self.Trainer(self.model, cfg, self.data, callbacks=[cb])
         self.impl = tr.optimizer_impl
         with contextlib.redirect_stderr(io.StringIO()):  # its run log

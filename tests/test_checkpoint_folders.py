@@ -198,11 +198,8 @@ def test_torch_compile_wrapper_is_unwrapped(tmp_path):
     load_model(tmp_path)
 
 
-def test_crash_before_the_config_rename_leaves_a_loadable_folder(tmp_path, monkeypatch):
-    # weights first, config last: a crash between the two renames leaves the new weights beside the old
-    # (same-architecture) config: the folder still loads, to the new model, and has no temporary files
-    save_model(qkv.build(TINY["gpt"]), tmp_path)
-    new = qkv.build(TINY["gpt"])
+def _save_killed_before_the_config(model, folder, monkeypatch):
+    """save_model(model, folder) killed between its two renames: the weights replaced, the config not."""
     real_replace = os.replace
 
     def crash_on_config(src, dst):
@@ -212,8 +209,16 @@ def test_crash_before_the_config_rename_leaves_a_loadable_folder(tmp_path, monke
 
     monkeypatch.setattr(os, "replace", crash_on_config)
     with pytest.raises(KeyboardInterrupt):
-        save_model(new, tmp_path)
+        save_model(model, folder)
     monkeypatch.setattr(os, "replace", real_replace)
+
+
+def test_crash_before_the_config_rename_leaves_a_loadable_folder(tmp_path, monkeypatch):
+    # weights first, config last: a crash between the two renames leaves the new weights beside the old
+    # (same-architecture) config: the folder still loads, to the new model, and has no temporary files
+    save_model(qkv.build(TINY["gpt"]), tmp_path)
+    new = qkv.build(TINY["gpt"])
+    _save_killed_before_the_config(new, tmp_path, monkeypatch)
     assert sorted(os.listdir(tmp_path)) == [CONFIG_NAME, WEIGHTS_NAME]
     ids = torch.randint(0, 19, (1, 5))
     assert torch.equal(logits(load_model(tmp_path), ids), logits(new, ids))
@@ -221,20 +226,10 @@ def test_crash_before_the_config_rename_leaves_a_loadable_folder(tmp_path, monke
 
 def test_crash_between_the_renames_over_another_function_is_refused_at_load(tmp_path, monkeypatch):
     # the same shapes, another function (ffn, scaled): the new weights beside the old config would load silently
-    # into the old architecture; the weights carry their config's digest, so the pair is refused
+    # into the old architecture; the weights carry their config (metadata), so the pair is refused
     save_model(qkv.build(TINY["gpt"]), tmp_path)
     new = qkv.build({**TINY["gpt"], "ffn": "relu", "scaled": False})
-    real_replace = os.replace
-
-    def crash_on_config(src, dst):
-        if str(dst).endswith(CONFIG_NAME):
-            raise KeyboardInterrupt("killed")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", crash_on_config)
-    with pytest.raises(KeyboardInterrupt):
-        save_model(new, tmp_path)
-    monkeypatch.setattr(os, "replace", real_replace)
+    _save_killed_before_the_config(new, tmp_path, monkeypatch)
     with pytest.raises(CheckpointError, match=r"saved for another model than the config.json beside it describes: "
                                               r"ffn relu \(weights\) vs gelu \(config.json\), scaled False"):
         load_model(tmp_path)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from qkv.config import ConfigError
+from qkv.tasks.base import text_lines
 
 POOLINGS = ("mean", "cls")
 
@@ -87,12 +88,7 @@ def read_texts(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"input file not found: {path}")
-    # "\n" only (and a "\r" before it): str.splitlines also breaks at form feeds, U+2028 and other characters
-    # inside a line, which would shift every later row against its line
-    text = path.read_text(encoding="utf-8")
-    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in text.split("\n")]
-    if lines and lines[-1] == "":  # the newline that ends the last line
-        lines.pop()
+    lines = text_lines(path.read_text(encoding="utf-8"))  # not str.splitlines: see text_lines
     for i, line in enumerate(lines, 1):
         if not line.strip():
             raise ConfigError(f"{path} line {i} is empty: one text per line, each row of the output is one line")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 import shutil
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from qkv.config import ConfigError, apply_overrides, parse_overrides
 from qkv.finetune import shared
+from qkv.tasks.base import text_lines
 
 # the encoder model_types and the module whose Layout writes them back
 FAMILIES = {"bert": ("qkv.interop.bert", "BERT_LAYOUT"), "roberta": ("qkv.interop.roberta", "ROBERTA_LAYOUT"),
@@ -127,7 +129,7 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     text = path.read_text(encoding="utf-8")
     if ext in (".jsonl", ".json", ".ndjson"):
         out = []
-        for i, line in enumerate(text.splitlines(), 1):
+        for i, line in enumerate(text_lines(text), 1):
             if not line.strip():
                 continue
             try:
@@ -140,7 +142,8 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
         return out
     if ext not in (".csv", ".tsv", ".tab", ".txt"):
         raise ConfigError(f"{path}: unknown data format {ext!r} (use .csv, .tsv or .jsonl)")
-    reader = csv.DictReader(text.splitlines(), delimiter="," if ext == ".csv" else "\t")
+    # the csv module splits the rows itself (a quoted field may hold a line break), at "\n" and "\r" only
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="," if ext == ".csv" else "\t")
     if not reader.fieldnames:
         raise ConfigError(f"{path}: empty file (a header row naming the columns is needed)")
     return [(reader.line_num, row) for row in reader if any((v or "").strip() for v in row.values())]

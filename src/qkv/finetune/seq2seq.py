@@ -27,7 +27,7 @@ import torch
 
 from qkv.config import ConfigError, parse_overrides
 from qkv.finetune import Recipe, register_recipe, shared
-from qkv.tasks.base import read_text_file
+from qkv.tasks.base import read_text_file, text_lines
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
                    "source.spm", "target.spm", "vocab.json", "generation_config.json")
@@ -45,7 +45,7 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
 def read_pairs(path: str | Path) -> list[tuple[str, str, int]]:
     """(source, target, line number) of a `source<TAB>target` file; bad rows are one clear error."""
     p = Path(path)
-    lines = read_text_file(p, "TSV file").splitlines()  # missing, not UTF-8 or empty: one clear error
+    lines = text_lines(read_text_file(p, "TSV file"))  # missing, not UTF-8 or empty: one clear error
     pairs = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -34,6 +34,7 @@ from qkv.finetune.encoders import (
     train_config,
 )
 from qkv.storage import atomic_write_json
+from qkv.tasks.base import text_lines
 
 METRICS = {"f1": "max", "precision": "max", "recall": "max", "token_accuracy": "max"}
 CHUNK_TAGS = ("B", "I", "E", "S")
@@ -53,7 +54,7 @@ def read_conll(path: str | Path, tag_column: int = -1) -> list[tuple[list[str], 
     sentences: list[tuple[list[str], list[str]]] = []
     words: list[str] = []
     tags: list[str] = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines() + [""], 1):
+    for i, line in enumerate(text_lines(Path(path).read_text(encoding="utf-8")) + [""], 1):
         parts = line.split()
         if not parts or parts[0] == "-DOCSTART-":
             if words:

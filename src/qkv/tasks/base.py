@@ -167,6 +167,17 @@ class Task:
         return f"{type(self).__name__}(family={self.family!r}, {self.options})"
 
 
+def text_lines(text: str) -> list[str]:
+    """The lines of a data file's text: split at "\n" only (a "\r" before it dropped), as `wc -l`, a file's
+    iteration and JSON Lines count them. str.splitlines also splits at form feeds, U+2028, NEL and other
+    characters that may sit inside a line (raw U+2028 is valid inside a JSON string), which would cut a record
+    in two and shift every later line number."""
+    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in text.split("\n")]
+    if lines and lines[-1] == "":  # the newline that ends the last line
+        lines.pop()
+    return lines
+
+
 def read_text_file(path: str | os.PathLike, what: str = "text file") -> str:
     """A UTF-8 text file's contents; a clear ConfigError when it is missing, not a file, not UTF-8, or empty."""
     p = Path(path)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkv.config import ConfigError
-from qkv.tasks.base import Task, read_text_file, register_task, rng_for
+from qkv.tasks.base import Task, read_text_file, register_task, rng_for, text_lines
 from qkv.tasks.seq2seq import PairTask
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
 
@@ -26,7 +26,7 @@ def read_pairs(path: str | Path) -> list[tuple[str, str]]:
     p = Path(path)
     text = read_text_file(p, "TSV file")
     pairs = []
-    for i, line in enumerate(text.splitlines(), 1):
+    for i, line in enumerate(text_lines(text), 1):
         if not line.strip():
             continue
         cols = line.split("\t")
