@@ -258,6 +258,25 @@ def test_saved_files_and_folders_follow_the_umask(tmp_path):
         os.umask(old)
 
 
+def test_the_umask_is_read_without_being_changed(monkeypatch):
+    # Reading the umask by setting it to 0 and back would give a file another thread creates in that instant
+    # world-writable modes; on Linux it is read from /proc/self/status instead.
+    from qkv.storage import process_umask
+
+    old = os.umask(0o027)
+    try:
+        calls = []
+        monkeypatch.setattr(os, "umask", lambda m: calls.append(m) or 0o027)
+        if os.path.exists("/proc/self/status"):
+            assert process_umask() == 0o027 and calls == []
+        monkeypatch.undo()
+        for mask in (0o022, 0o077, 0o002):
+            os.umask(mask)
+            assert process_umask() == mask
+    finally:
+        os.umask(old)
+
+
 def test_a_file_that_is_not_a_json_config_is_a_checkpoint_error(tmp_path):
     save_model(qkv.build(TINY["gpt"]), tmp_path)
     with pytest.raises(CheckpointError, match="not valid JSON.*pass the model folder"):

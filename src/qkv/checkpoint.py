@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from qkv.config import ConfigError, from_dict
@@ -30,6 +29,7 @@ from qkv.storage import (  # noqa: F401  (the checkpoint API, re-exported from t
     describe_changes,
     load_state_into,
     read_config,
+    read_weights,
     save_model,
     umask_mode,
     unwrap,
@@ -68,10 +68,7 @@ def _load(folder: Path, meta: dict, map_location: str | torch.device) -> nn.Modu
     weights = folder / WEIGHTS_NAME
     if not weights.is_file():
         raise CheckpointError(f"{folder} has no {WEIGHTS_NAME}")
-    try:
-        state = load_file(str(weights), device=str(map_location))
-    except Exception as e:  # safetensors raises its own error type for a truncated or corrupt file
-        raise CheckpointError(f"{weights}: cannot read the weights ({e})") from None
+    state, metadata = read_weights(weights, str(map_location))
     load_state_into(model, state, str(weights))
-    check_saved_config(weights, meta["config"])  # after the shape check: a wrong family's error names that
+    check_saved_config(weights, metadata, meta["config"])  # after the shape check: a wrong family's error names that
     return model

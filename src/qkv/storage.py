@@ -41,9 +41,22 @@ def umask_mode(kind: str) -> int:
     """The mode open() / mkdir() would give a new file ("file", 0o666) or folder ("dir", 0o777) under the
     process umask. tempfile's mkstemp / mkdtemp create theirs owner-only (0o600 / 0o700), which a rename
     keeps: a checkpoint another account serves or a team shares would be unreadable."""
+    return (0o666 if kind == "file" else 0o777) & ~process_umask()
+
+
+def process_umask() -> int:
+    """The umask, read without changing it where the OS shows it (Linux: /proc/self/status): setting it to
+    read it back would give a file another thread creates in that instant the modes of umask 0."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
-    return (0o666 if kind == "file" else 0o777) & ~mask
+    return mask
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
@@ -193,15 +206,20 @@ def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
     return folder
 
 
-def check_saved_config(weights: Path, config: Mapping[str, Any]) -> None:
-    """CheckpointError when `weights` were saved for a model that computes another function than `config`
-    describes (their SAVED_CONFIG metadata; fields in MAY_DIFFER may differ: an edited dropout is fine). Files
-    written before the metadata existed, and training checkpoints, which are replaced as one folder, pass."""
+def read_weights(weights: Path, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A safetensors file's tensors and its metadata, from one opening of the file."""
     try:
-        with safe_open(str(weights), "pt") as f:
-            saved = (f.metadata() or {}).get(SAVED_CONFIG)
+        with safe_open(str(weights), "pt", device=device) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
     except Exception as e:  # safetensors raises its own error type for a truncated or corrupt file
         raise CheckpointError(f"{weights}: cannot read the weights ({e})") from None
+
+
+def check_saved_config(weights: Path, metadata: Mapping[str, str], config: Mapping[str, Any]) -> None:
+    """CheckpointError when `weights` were saved for a model that computes another function than `config`
+    describes (their SAVED_CONFIG `metadata`; fields in MAY_DIFFER may differ: an edited dropout is fine). Files
+    written before the metadata existed, and training checkpoints, which are replaced as one folder, pass."""
+    saved = metadata.get(SAVED_CONFIG)
     try:
         saved = json.loads(saved) if saved is not None else None
     except ValueError:
