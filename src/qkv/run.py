@@ -158,6 +158,9 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     out = Path(out) if out else default_out(cfg)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"--out {out} is under a file ({blocking}), not a folder")
     newest = latest_checkpoint(out / "checkpoints")
     if newest is not None and not resume:
         raise ConfigError(f"{out} already holds a trained run; pass --resume to continue it or choose another --out")
@@ -169,6 +172,8 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
         except TokenizerError:
             tokenizer = None  # image tasks have none
     task, model, train_cfg, ev, extra = build_parts(cfg, out, tokenizer, extra_evals or {})
+    if resume and getattr(task, "missing", None):  # its text file is gone: nothing to train on
+        raise ConfigError(task.missing)
     if resume and newest is not None:
         check_fits(model, newest)
         check_same_architecture(model, newest)
@@ -220,7 +225,8 @@ def build_parts(cfg: dict[str, Any], out_dir: Path | None = None, tokenizer: Any
                 context[k] = max(context.get(k, own[k]), v)
     needs = task.config_overrides()  # the sizes the task's data needs: a smaller one would fail mid-run
     for k, v in fields.items():
-        if "vocab" in k and isinstance(needs.get(k), int) and isinstance(v, int) and v < needs[k]:
+        sized = "vocab" in k or k in _context_keys(needs)
+        if sized and isinstance(needs.get(k), int) and isinstance(v, int) and v < needs[k]:
             raise ConfigError(f"model.{k}={v} is below what the task {name!r} needs ({needs[k]})")
     model = task.build_model(base, **{**context, **fields})
     return task, model, train_cfg, ev, extra
@@ -398,9 +404,14 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
         cfg = cfg.replace(do_sample=cfg.num_beams == 1)  # a given config decides for itself
     if greedy:
         cfg = cfg.replace(do_sample=False)
+    if cfg.num_return_sequences > 1:  # only the first would be printed
+        raise ConfigError(f"num_return_sequences={cfg.num_return_sequences}: qkv generate prints one sequence; "
+                          "for several, call qkv.generate.generate from Python")
     if cfg.seed is None:
         cfg = cfg.replace(seed=seed)
     if run is not None:
+        if generation_config is not None and "do_sample" not in cfg.given():
+            cfg = cfg.replace(do_sample=cfg.do_sample)  # the config's own (default: greedy), not the task's sampling
         task = load_run_task(run)
         _check_prompt_vocabulary(task.tokenizer, prompt, strict)
         if stream and task.kind == "decoder" and hasattr(task, "chars_per_token"):
@@ -469,15 +480,19 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
             raise ConfigError("an empty prompt needs a bos token, and this tokenizer has none: give --prompt")
         ids = [tok.bos_token_id]
     x = torch.tensor([ids])
+
+    def text_of(t: list[int]) -> str:  # the text stop_strings are matched in
+        return tok.decode(t, skip_special_tokens=True)
+
     if not stream:
-        out = model.generate(x, cfg)
+        out = model.generate(x, cfg, tokenizer=text_of)
         return prompt + decode_continuation(lambda t: tok.decode(t, skip_special_tokens=True), ids,
                                             out[0, len(ids):].tolist())
     print(prompt, end="", flush=True)
     pieces, decoder = [], tok.stream_decoder(skip_special_tokens=True)
     for i in ids:  # the prompt's text is already printed: only the decoder's context (not flushed: that resets it)
         decoder.push(i)
-    for new in stream_tokens(model, x, cfg):
+    for new in stream_tokens(model, x, cfg, tokenizer=text_of):
         pieces.append(decoder.push(int(new[0])))
         print(pieces[-1], end="", flush=True)
     pieces.append(decoder.flush())
@@ -500,16 +515,18 @@ def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
 def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig) -> str:
     """Print a language model's continuation token by token as it is produced (qkv.generate.stream)."""
     from qkv.generate import stream
+    from qkv.interop.tokenizer import StreamDecoder
 
     ids = _encode(tok, prompt) or [getattr(tok, "eos_id", 0)]
     print(prompt, end="", flush=True)
-    pieces = []
+    # a byte-level BPE character can span tokens: decoded one by one it would print U+FFFD for each part
+    pieces, decoder = [], StreamDecoder(tok.decode)
     x = torch.tensor([ids])
-    for new in stream(model, x, cfg.replace(context_overflow="slide")):
-        piece = _decode(tok, new.tolist())
-        print(piece, end="", flush=True)
-        pieces.append(piece)
-    print()
+    for new in stream(model, x, cfg.replace(context_overflow="slide"), tokenizer=tok):
+        pieces.append(decoder.push(int(new[0])))
+        print(pieces[-1], end="", flush=True)
+    pieces.append(decoder.flush())
+    print(pieces[-1])
     return prompt + "".join(pieces)
 
 

@@ -217,3 +217,92 @@ def test_a_closed_pipe_stops_quietly():
     p.stdout.close()  # the reader goes away before qkv writes
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+# -- stop 29's review: settings refused before anything is written, run folders usable from anywhere -------
+@pytest.mark.parametrize("flags, message", [
+    (["model.context_length=8"], "model.context_length=8 is below what the task 'charlm' needs (16)"),
+    (["task.sample_tokens=-3"], "sample_tokens must be >= 0"),
+    (["task.top_k=0"], "top_k must be at least 1"),
+    (["task.temperature=.nan"], "temperature must be a positive number"),
+])
+def test_settings_that_fail_after_training_are_refused_up_front(tmp_path, flags, message):
+    # each of these trained, evaluated, then failed in the final sampling or evaluation: no results.json
+    out = tmp_path / "run"
+    r = run_cli("train", "charlm", "--out", str(out), "--max-steps", "2", *TINY, *flags)
+    assert message in one_error_line(r)
+    assert not out.exists()
+
+
+def test_out_under_a_file(tmp_path):
+    (tmp_path / "taken").write_text("x")
+    r = run_cli("train", "charlm", "--out", str(tmp_path / "taken" / "run"), "--max-steps", "1", *TINY)
+    assert f"is under a file ({tmp_path / 'taken'})" in one_error_line(r)
+
+
+@pytest.fixture(scope="module")
+def book_run(tmp_path_factory):
+    """A run trained on a user's text file given by a relative path (task.path=book.txt, cwd = its folder)."""
+    folder = tmp_path_factory.mktemp("book")
+    (folder / "book.txt").write_text("alpha beta gamma delta\n" * 200, encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "train", "charlm", "--out", "run", "--max-steps", "2",
+                        "task.path=book.txt", *TINY], capture_output=True, text=True, cwd=folder, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return folder
+
+
+def test_a_run_on_a_relative_text_path_evaluates_from_elsewhere(book_run):
+    # task.json kept "book.txt" as typed: `qkv eval` from another folder could not find it
+    r = run_cli("eval", str(book_run / "run"), "-n", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((book_run / "run" / "task.json").read_text())["options"]["path"] == str(book_run / "book.txt")
+
+
+def test_a_resume_whose_text_is_gone_writes_nothing(book_run, tmp_path):
+    out = copy_run(book_run / "run", tmp_path)
+    options = json.loads((out / "task.json").read_text())
+    options["options"]["path"] = str(tmp_path / "gone.txt")
+    (out / "task.json").write_text(json.dumps(options))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    r = run_cli("train", "--out", str(out), "--resume", "--max-steps", "4")
+    assert "text file not found" in one_error_line(r)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # run.yaml etc. untouched
+
+
+def test_a_changed_text_is_refused_rather_than_read_as_unk(book_run, tmp_path):
+    out = copy_run(book_run / "run", tmp_path)
+    changed = tmp_path / "book.txt"
+    changed.write_text("alpha beta gamma delta\n" * 100 + "ZYXWV 0123456789 QRSTU\n" * 100, encoding="utf-8")
+    options = json.loads((out / "task.json").read_text())
+    options["options"]["path"] = str(changed)
+    (out / "task.json").write_text(json.dumps(options))
+    line = one_error_line(run_cli("eval", str(out), "-n", "2"))
+    assert "character(s) the run's saved vocabulary does not have" in line and "'Z'" in line
+
+
+def test_a_text_path_with_a_tilde_and_a_bom(tmp_path, monkeypatch):
+    from qkv.tasks.base import read_text_file
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "b.txt").write_bytes("\ufeffhello".encode())
+    assert read_text_file("~/b.txt") == "hello"
+
+
+@pytest.mark.parametrize("tokenizer_json, config_json, message", [
+    ('{"qkv_tokenizer": "char", "specials": []}', None, "needs 'symbols'"),
+    ("[1, 2]", None, "expected a JSON object, got list"),
+    (None, "{bad", "tokenizer_config.json: not valid JSON"),
+])
+def test_a_damaged_tokenizer_file_names_itself(tmp_path, tokenizer_json, config_json, message):
+    from qkv.tasks import load_tokenizer
+    from qkv.tasks.tokenizers import CharTokenizer, TokenizerError
+
+    CharTokenizer.from_text("abc").save(tmp_path)
+    if tokenizer_json is not None:
+        (tmp_path / "tokenizer.json").write_text(tokenizer_json)
+    if config_json is not None:
+        (tmp_path / "tokenizer_config.json").write_text(config_json)
+    with pytest.raises(TokenizerError, match=message):
+        load_tokenizer(tmp_path)

@@ -86,10 +86,11 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: an LM's sample length, 200; a seq2seq task's longest target)")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="divide the logits when sampling (default: the task's or the folder's, else 1.0)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--num-beams", type=int, default=1)
+    p.add_argument("--num-beams", type=int, default=None, help="> 1: beam search (default 1)")
     p.add_argument("--length-penalty", type=float, default=None, help="beam score = log p / length ** this")
     p.add_argument("--no-repeat-ngram-size", type=int, default=None, help="no n-gram of this size occurs twice")
     p.add_argument("--min-new-tokens", type=int, default=None, help="no eos before this many tokens")
@@ -113,15 +114,15 @@ def _check_generate_flags(a: argparse.Namespace) -> None:
 
     if a.max_new_tokens is not None and a.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
-    if a.num_beams < 1:
+    if a.num_beams is not None and a.num_beams < 1:
         raise ConfigError(f"--num-beams must be at least 1, got {a.num_beams}")
-    if not (math.isfinite(a.temperature) and a.temperature > 0):
+    if a.temperature is not None and not (math.isfinite(a.temperature) and a.temperature > 0):
         raise ConfigError(f"--temperature must be a positive number, got {a.temperature}")
     if a.top_k is not None and a.top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {a.top_k}")
     if a.top_p is not None and not 0 < a.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {a.top_p}")
-    if a.stream and a.num_beams > 1:
+    if a.stream and (a.num_beams or 1) > 1:
         raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
                           "only knows its sequence at the end: use one or the other")
 
@@ -132,9 +133,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     _check_generate_flags(a)
     cfg = GenerationConfig.from_file(a.generation_config) if a.generation_config else None
-    defaults = {"temperature": 1.0, "num_beams": 1}  # flags at their default leave the file's value alone
+    # a flag left out leaves the file's (or the task's, the folder's) value alone; one given wins, even at 1.0
     flags = {k: v for k, v in dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                                   top_p=a.top_p, num_beams=a.num_beams).items() if v != defaults.get(k)}
+                                   top_p=a.top_p, num_beams=a.num_beams).items() if v is not None}
     early = {"true": True, "false": False, "never": "never"}.get(a.early_stopping)
     flags.update({k: v for k, v in dict(length_penalty=a.length_penalty, no_repeat_ngram_size=a.no_repeat_ngram_size,
                                         min_new_tokens=a.min_new_tokens, early_stopping=early).items() if v is not None})
@@ -400,8 +401,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from qkv.generate import GenerationConfig
 
     flags = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
-    _check_generate_flags(argparse.Namespace(**{**flags, "temperature": a.temperature or 1.0}, num_beams=1,
-                                             stream=False))
+    _check_generate_flags(argparse.Namespace(**flags, num_beams=None, stream=False))
     if a.message is not None and not all(m.strip() for m in a.message):
         raise ConfigError("--message is empty")
     cfg = GenerationConfig(**{k: v for k, v in flags.items() if v is not None}, seed=a.seed)

@@ -12,6 +12,7 @@ one field here plus one processor class there. Token-id fields left at None take
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import warnings
@@ -35,6 +36,22 @@ _HF_METADATA = {"_from_model_config", "transformers_version", "_commit_hash", "g
                 "return_dict_in_generate", "cache_implementation", "cache_config"}
 
 
+def _remember_given_fields(cls: type) -> type:
+    """Wrap a dataclass's __init__ to record which fields the caller named (`_given`): a field set *to* its
+    default (do_sample=False, temperature=1.0) must still win over a model folder's generation_config.json,
+    as it does in transformers, and a value alone cannot tell "set to the default" from "left unset"."""
+    init, names = cls.__init__, [f.name for f in fields(cls)]
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        self._given = frozenset(names[:len(args)]) | frozenset(kwargs)
+        init(self, *args, **kwargs)
+
+    __init__.__doc__, __init__.__signature__ = init.__doc__, inspect.signature(init)
+    cls.__init__ = __init__
+    return cls
+
+
+@_remember_given_fields
 @dataclass
 class GenerationConfig:
     # -- length -------------------------------------------------------------------------------------------
@@ -176,12 +193,21 @@ class GenerationConfig:
         for key in overrides:
             if key not in names:
                 raise ConfigError(f"unknown generation option {key!r}{_closest(key, names)}")
-        return replace(self, **overrides)
+        new = replace(self, **overrides)
+        new._given = self.given() | frozenset(overrides)
+        return new
+
+    def given(self) -> frozenset[str]:
+        """The fields named when this config was built or replaced (set, even if to their default)."""
+        return getattr(self, "_given", frozenset())
 
     def explicit(self) -> dict[str, Any]:
-        """The fields set to something other than their default (what a merge carries over)."""
-        default = GenerationConfig()
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+        """What a merge carries over: the fields given a value (even their default's: do_sample=False over a
+        folder's do_sample=true), and any other field that differs from its default. A field left at None
+        stays unset: token ids then come from the model, as the module docstring says."""
+        default, given = GenerationConfig(), self.given()
+        return {f.name: v for f in fields(self)
+                if ((v := getattr(self, f.name)) is not None and f.name in given) or v != getattr(default, f.name)}
 
     # -- derived values -----------------------------------------------------------------------------------
     def new_tokens(self, prompt_len: int) -> int:
@@ -215,12 +241,21 @@ class GenerationConfig:
 
 def resolve(defaults: dict[str, Any], config: GenerationConfig | None, overrides: dict[str, Any]) -> GenerationConfig:
     """The settings of one call, as Hugging Face merges them: the model's defaults (HF names), then the
-    fields a passed config sets away from their default, then keyword overrides."""
+    fields a passed config gives (config.explicit()), then keyword overrides."""
+    if config is not None and not isinstance(config, GenerationConfig):
+        raise TypeError(f"generation_config must be a GenerationConfig, got {type(config).__name__}")
+    chosen = dict(config.explicit()) if config is not None else {}
+    chosen.update(overrides)
+    if isinstance(chosen.get("stop_strings"), str):
+        chosen["stop_strings"] = [chosen["stop_strings"]]
     base = GenerationConfig.from_dict(defaults) if defaults else GenerationConfig()
-    if config is not None:
-        if not isinstance(config, GenerationConfig):
-            raise TypeError(f"generation_config must be a GenerationConfig, got {type(config).__name__}")
-        base = base.replace(**config.explicit())
-    if isinstance(overrides.get("stop_strings"), str):
-        overrides = {**overrides, "stop_strings": [overrides["stop_strings"]]}
-    return base.replace(**overrides) if overrides else base
+    return merge(base, chosen)
+
+
+def merge(base: GenerationConfig, chosen: dict[str, Any]) -> GenerationConfig:
+    """`base` (defaults: a model folder's, a task's) with the caller's `chosen` fields over it. Beams asked
+    for without a word on sampling switch off the defaults' do_sample (an instruct model's folder samples by
+    default; beam search and sampling are exclusive), rather than failing on a setting the caller never made."""
+    if chosen.get("num_beams", 1) > 1 and "do_sample" not in chosen:
+        chosen = {**chosen, "do_sample": False}
+    return base.replace(**chosen) if chosen else base

@@ -233,7 +233,7 @@ class HFTokenizer:
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """An incremental decoder for streamed tokens (text is emitted once it is complete UTF-8)."""
-        return StreamDecoder(self, skip_special_tokens)
+        return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens))
 
     # -- chat ------------------------------------------------------------------------------------------------
     @property
@@ -366,27 +366,27 @@ class StreamDecoder:
 
     Decoding a token alone is wrong for byte-level BPE (a character may span tokens) and SentencePiece (a
     leading space depends on the previous token), so each step decodes a short window of recent tokens and
-    emits what it adds, holding text back while it ends in an incomplete character (U+FFFD)."""
+    emits what it adds, holding text back while it ends in an incomplete character (U+FFFD). `decode` is any
+    ids -> str function: a Hugging Face tokenizer's (HFTokenizer.stream_decoder) or a task tokenizer's."""
 
-    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool = True) -> None:
-        self.tok = tokenizer
-        self.skip = skip_special_tokens
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
         self.ids: list[int] = []
         self.prefix = 0  # window start
         self.read = 0  # tokens whose text has been emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
-        now = self.tok.decode(self.ids[self.prefix:], self.skip)
+        before = self.decode(self.ids[self.prefix:self.read])
+        now = self.decode(self.ids[self.prefix:])
         if len(now) > len(before) and not now.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return now[len(before):]
         return ""
 
     def flush(self) -> str:
-        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
-        now = self.tok.decode(self.ids[self.prefix:], self.skip)
+        before = self.decode(self.ids[self.prefix:self.read])
+        now = self.decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return now[len(before):]
 

@@ -180,13 +180,13 @@ def text_lines(text: str) -> list[str]:
 
 def read_text_file(path: str | os.PathLike, what: str = "text file") -> str:
     """A UTF-8 text file's contents; a clear ConfigError when it is missing, not a file, not UTF-8, or empty."""
-    p = Path(path)
+    p = Path(path).expanduser()  # task.path=~/book.txt: the shell does not expand ~ after "key="
     if not p.exists():
         raise ConfigError(f"{what} not found: {p}")
     if not p.is_file():
         raise ConfigError(f"not a file: {p}")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (Excel, Notepad) is not text
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not text.strip():

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
-from qkv.generate.config import GenerationConfig
+from qkv.generate.config import GenerationConfig, merge
 from qkv.tasks.base import Task, check_split, model_device, read_text_file, register_task, rng_for
 from qkv.tasks.corpora import CORPORA, pydoc_text, stdlib_texts
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
@@ -66,8 +67,12 @@ class LMOptions:
             raise ConfigError(f"context must be at least 2 tokens, got {self.context}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.temperature <= 0:
-            raise ConfigError("temperature must be positive")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ConfigError(f"temperature must be a positive number, got {self.temperature}")
+        if self.sample_tokens < 0:
+            raise ConfigError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"top_k must be at least 1 (or unset), got {self.top_k}")
 
 
 class LMTask(Task):
@@ -78,6 +83,8 @@ class LMTask(Task):
         self.options = o = options
         self.family = family
         self.missing: str | None = None
+        if o.path:  # absolute in task.json: `qkv eval` and --resume from another folder read the same file
+            o.path = str(Path(o.path).expanduser().resolve())
         try:
             if o.corpus == "stdlib":
                 split = stdlib_texts(o.val_fraction)
@@ -98,6 +105,12 @@ class LMTask(Task):
                 tokenizer = CharTokenizer.from_text(train_text + val_text)
             else:
                 tokenizer = BPETokenizer.train(_chunks(train_text), vocab_size=o.bpe_vocab_size)
+        elif unknown := tokenizer.unknown_symbols(train_text + val_text):
+            # the run's saved vocabulary on a text that changed since: it would train and evaluate on <unk>
+            shown = ", ".join(repr(u) for u in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
+            raise ConfigError(f"{o.path or o.corpus}: {len(unknown)} character(s) the run's saved vocabulary does "
+                              f"not have ({shown}): the text changed since the run was trained; train a new run "
+                              "(another --out)")
         self.tokenizer = tokenizer
         self.data = {"train": self._encode(train_text), "val": self._encode(val_text)}
         self.n_chars = {"train": len(train_text), "val": len(val_text)}
@@ -166,13 +179,13 @@ class LMTask(Task):
         then the config's explicit fields, then keywords (None = unset). greedy=True (or do_sample=False, or
         num_beams > 1) decodes deterministically."""
         o = self.options
-        cfg = GenerationConfig(max_new_tokens=o.sample_tokens, do_sample=True, temperature=o.temperature,
-                               top_k=o.top_k, seed=o.seed)
-        if generation_config is not None:
-            cfg = cfg.replace(**generation_config.explicit())
-        cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None})
-        if greedy or cfg.num_beams > 1:
-            cfg = cfg.replace(do_sample=False)
+        base = GenerationConfig(max_new_tokens=o.sample_tokens, do_sample=True, temperature=o.temperature,
+                                top_k=o.top_k, seed=o.seed)
+        chosen = dict(generation_config.explicit()) if generation_config is not None else {}
+        chosen.update({k: v for k, v in options.items() if v is not None})
+        if greedy:
+            chosen["do_sample"] = False
+        cfg = merge(base, chosen)
         if cfg.max_new_tokens is None:
             cfg = cfg.replace(max_new_tokens=cfg.new_tokens(0) if cfg.max_length is not None else o.sample_tokens)
         return cfg
@@ -200,8 +213,10 @@ class LMTask(Task):
             produced: list[int] = []
             while len(produced) < new:
                 step = min(ctx - seq.shape[1], new - len(produced))
-                res = model.generate(seq, step, generator=gen, **kw)
+                res = model.generate(seq, step, generator=gen, tokenizer=self.tokenizer, **kw)
                 produced += res[0, seq.shape[1]:].tolist()
+                if res.shape[1] - seq.shape[1] < step:  # it ended early: an eos id or one of stop_strings
+                    break
                 seq = res[:, -(ctx // 2):]
             out.append(prompt + self.tokenizer.decode(produced))
         return out

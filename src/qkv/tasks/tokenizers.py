@@ -229,6 +229,17 @@ def save_tokenizer(tokenizer: Tokenizer, folder: str | os.PathLike) -> Path:
     return tokenizer.save(folder)
 
 
+def _read_mapping(path: Path) -> dict[str, Any]:
+    """A JSON object file, or a TokenizerError naming it (a damaged run folder)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
     """Read the tokenizer saved by `save_tokenizer` (a folder, or the tokenizer.json path itself)."""
     p = Path(folder)
@@ -238,20 +249,18 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
     kind = None
     cfg = path.parent / TOKENIZER_CONFIG_FILE
     if cfg.is_file():
-        kind = json.loads(cfg.read_text(encoding="utf-8")).get("kind")
+        kind = _read_mapping(cfg).get("kind")
     if kind == "bpe":
         return BPETokenizer.from_file(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    data = _read_mapping(path)
     kind = kind or data.get("qkv_tokenizer") or ("bpe" if "model" in data else None)
     if kind == "bpe":
         return BPETokenizer.from_file(path)
-    if kind == "char":
-        return CharTokenizer.from_dict(data)
-    if kind == "word":
-        return WordTokenizer.from_dict(data)
+    if kind in ("char", "word"):
+        symbols = data.get("symbols")
+        if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
+            raise TokenizerError(f"{path}: a {kind} tokenizer file needs 'symbols', a list of strings")
+        return (CharTokenizer if kind == "char" else WordTokenizer).from_dict(data)
     raise TokenizerError(f"{path}: unknown tokenizer kind {kind!r} (expected char, word or bpe)")
 
 

@@ -104,7 +104,8 @@ class Trainer:
                           stacklevel=2)
         if cfg.eval_every and not self._eval_enabled():
             warnings.warn(f"train.eval_every={cfg.eval_every} has nothing to evaluate (no evaluation function, "
-                          "train.max_eval_batches=0): no evaluation runs during training", stacklevel=2)
+                          "train.max_eval_batches=0): no evaluation runs during training (qkv train: set "
+                          "eval.during_training=N held-out examples)", stacklevel=2)
         self.callbacks = list(callbacks)
         self.resume = cfg.resume if resume is None else resume
         self.out_dir = Path(cfg.out_dir)
