@@ -329,3 +329,19 @@ def test_engine_split_cost_auto_cuts_the_batch_only_where_the_step_gathers():
     assert not half.cache.step_reads_in_place and half.split_cost == 4096
     with pytest.raises(ValueError, match="split_cost"):
         Engine(m, split_cost="none")
+
+
+def test_a_request_whose_sampling_fails_fails_alone():
+    """A repetition_penalty of 1e-300 divides the seen tokens' logits into inf (then NaN probabilities, which
+    torch.multinomial refuses): that request finishes with "error" and its message, the engine keeps stepping and
+    the request beside it gets the tokens it gets alone."""
+    m = tiny_gpt("rope", context=64)
+    engine = Engine(m, block_size=4, max_batch_size=4)
+    bad = engine.add_request([1, 2, 3], 8, do_sample=True, repetition_penalty=1e-300, seed=0)
+    good = engine.add_request([3, 3], 6)
+    out = engine.run()
+    assert engine.finish_reason[bad] == "error" and out[bad] == []
+    assert "sampling failed" in engine.errors[bad]
+    assert out[good] == _alone(m, [3, 3], 6) and engine.finish_reason[good] == "length"
+    assert engine.cache.blocks_in_use == 0
+    assert engine.pop_finished(bad) == ([], "error") and bad not in engine.errors

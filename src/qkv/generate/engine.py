@@ -169,7 +169,8 @@ class Engine:
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.finished: dict[int, list[int]] = {}
-        self.finish_reason: dict[int, str] = {}  # "stop" (eos / stop string), "length", "cancelled"
+        self.finish_reason: dict[int, str] = {}  # "stop" (eos / stop string), "length", "cancelled", "error"
+        self.errors: dict[int, str] = {}  # why a request finished with "error" (until pop_finished)
         self.just_finished: list[int] = []  # ids finished or cancelled since the last take_finished()
         self.counters = Counters()
         self._next_id = 0
@@ -267,6 +268,7 @@ class Engine:
         """(tokens, finish reason) of a finished request, forgotten by the engine (a server's memory bound)."""
         if request_id not in self.finished:
             return None
+        self.errors.pop(request_id, None)
         return self.finished.pop(request_id), self.finish_reason.pop(request_id)
 
     def take_finished(self) -> list[int]:
@@ -294,10 +296,11 @@ class Engine:
         }
 
     # -- token choice -----------------------------------------------------------------------------------
-    def _choose(self, reqs: list[_Request], logits: Tensor) -> list[int]:
+    def _choose(self, reqs: list[_Request], logits: Tensor) -> list[int | None]:
         """Each request's next token from its row of logits, through its own settings. Plain greedy rows
-        share one argmax; rows sharing a settings object with no sequence-dependent processor one draw."""
-        out: list[int] = [0] * len(reqs)
+        share one argmax; rows sharing a settings object with no sequence-dependent processor one draw.
+        None: that request's own settings broke its token choice (self.errors says how); the others go on."""
+        out: list[int | None] = [0] * len(reqs)
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(reqs):
             p = r.pipe
@@ -307,28 +310,39 @@ class Engine:
             sub = logits if len(rows) == len(reqs) else logits[rows]
             if key == -1:
                 toks = sub.argmax(-1).tolist()
-            elif reqs[rows[0]].pipe.processors:
-                r = reqs[rows[0]]
-                ids = torch.tensor([r.tokens], dtype=torch.long, device=self.device)
-                toks = r.pipe.choose(ids, sub).tolist()
             else:
-                toks = reqs[rows[0]].pipe.choose(None, sub).tolist()
+                r = reqs[rows[0]]
+                ids = torch.tensor([r.tokens], dtype=torch.long, device=self.device) if r.pipe.processors else None
+                try:
+                    toks = r.pipe.choose(ids, sub).tolist()
+                except RuntimeError as e:
+                    # settings that turn this request's scores non-finite (a repetition_penalty of 1e-300 divides
+                    # them into inf, softmax makes NaN, torch.multinomial refuses them) fail this request only:
+                    # raised here, they stopped the whole engine and every other request with it
+                    for i in rows:
+                        out[i] = None
+                        self.errors[reqs[i].id] = f"sampling failed for this request's settings: {e}"
+                    continue
             for i, t in zip(rows, toks):
                 out[i] = t
         return out
 
-    def _emit(self, req: _Request, tok: int, events: list[tuple[int, int]]) -> bool:
-        """Record a token; True when the request is finished (and then it has left the engine)."""
-        req.output.append(tok)
-        events.append((req.id, tok))
-        self.counters.generated_tokens += 1
-        reason = None
-        if tok in req.eos:
-            reason = "stop"
-        elif req.stop and any(s in self.decode_text(req.output) for s in req.stop):  # type: ignore[misc]
-            reason = "stop"
-        elif len(req.output) >= req.max_new_tokens:
-            reason = "length"
+    def _emit(self, req: _Request, tok: int | None, events: list[tuple[int, int]]) -> bool:
+        """Record a token; True when the request is finished (and then it has left the engine). tok None: its
+        token choice failed (_choose): it finishes with "error"."""
+        if tok is None:
+            reason: str | None = "error"
+        else:
+            req.output.append(tok)
+            events.append((req.id, tok))
+            self.counters.generated_tokens += 1
+            reason = None
+            if tok in req.eos:
+                reason = "stop"
+            elif req.stop and any(s in self.decode_text(req.output) for s in req.stop):  # type: ignore[misc]
+                reason = "stop"
+            elif len(req.output) >= req.max_new_tokens:
+                reason = "length"
         if reason is None:
             return False
         self.cache.free_sequence(req.id)

@@ -34,6 +34,10 @@ from qkv.serve.worker import EngineWorker, Ticket
 
 _MARK = "\x00piece\x00"  # a stand-in text that json.dumps writes in one unmistakable way
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
+# the smallest repetition_penalty accepted: seen tokens' positive logits are divided by it, and 1e-300 overflowed
+# float32 (inf, then NaN probabilities); at 0.01 a logit of 1e4 becomes 1e6, far from float32's 3e38, and a 100x
+# boost of every seen token is already past any useful setting
+MIN_REPETITION_PENALTY = 0.01
 
 
 class APIError(Exception):
@@ -137,7 +141,9 @@ class API:
         top_p = _field(body, "top_p", _is_num, "a number", 1.0)
         _range(0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p}")
         repetition = _field(body, "repetition_penalty", _is_num, "a number", 1.0)  # an extension, as vLLM's
-        _range(0 < repetition <= 10, "repetition_penalty", f"must be in (0, 10], got {repetition}")
+        # bounded below too: seen logits are divided by it, and 1e-300 made them inf (then NaN probabilities)
+        _range(MIN_REPETITION_PENALTY <= repetition <= 10, "repetition_penalty",
+               f"must be in [{MIN_REPETITION_PENALTY}, 10], got {repetition}")
         top_k = _field(body, "top_k", _is_int, "an integer", -1)
         _range(top_k == -1 or top_k >= 1, "top_k", f"must be -1 (off) or >= 1, got {top_k}")
         seed = _field(body, "seed", _is_int, "an integer")
@@ -265,9 +271,10 @@ class API:
                         continue
                 items, t.items = t.items, []
                 for i, (kind, value) in enumerate(items):
-                    if kind == "error":
+                    if kind in ("error", "failed"):  # the engine died / this request failed alone
                         done = True
-                        raise APIError(500, value, None, "engine_error", "server_error")
+                        raise APIError(500, value, None, "engine_error" if kind == "error" else "request_failed",
+                                       "server_error")
                     if kind == "done":
                         done = True
                         yield items[:i + 1]
