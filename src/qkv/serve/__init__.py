@@ -25,16 +25,26 @@ from qkv.serve.model import Served, TextCodec, load_served
 def build_engine(served: Served, *, block_size: int = 16, num_blocks: int | None = None, max_batch_size: int = 32,
                  prefill_chunk: int | None = 1024, prefix_caching: bool = True, preemption: str = "least_work",
                  max_model_len: int | None = None) -> Any:
-    """The Engine for a served model: the folder's generation defaults plus the tokenizer's eos ids; max_model_len
-    None: the model's (configured) context."""
+    """The Engine for a served model: the folder's token ids plus the tokenizer's eos ids as its base settings;
+    max_model_len None: the model's (configured) context."""
     from qkv.generate.engine import Engine
 
     base = served.model.generation_defaults().get("eos_token_id")
     ids = set(served.codec.eos_ids) | ({base} if isinstance(base, int) else set(base or []))
     eos = sorted(i for i in ids if 0 <= i < served.model.output_vocab_size) or None
-    return Engine(served.model, block_size=block_size, num_blocks=num_blocks, max_batch_size=max_batch_size,
-                  prefill_chunk=prefill_chunk, prefix_caching=prefix_caching, preemption=preemption,
-                  tokenizer=served.codec, eos_token_id=eos, max_model_len=max_model_len)
+    from qkv.generate.config import GenerationConfig
+
+    engine = Engine(served.model, block_size=block_size, num_blocks=num_blocks, max_batch_size=max_batch_size,
+                    prefill_chunk=prefill_chunk, prefix_caching=prefix_caching, preemption=preemption,
+                    tokenizer=served.codec, eos_token_id=eos, max_model_len=max_model_len)
+    # of the folder's generation settings the engine's base keeps only the token ids: a request's sampling is all
+    # the API's (app.py: the request's values, else the folder's five sampling defaults as vLLM takes them, else
+    # OpenAI's), and the rest of a generation_config.json (no_repeat_ngram_size, bad_words_ids, min_length, ...)
+    # is not part of OpenAI's API: applied unasked, no request could turn it off
+    base = engine.cfg
+    engine.cfg = GenerationConfig(eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
+                                  bos_token_id=base.bos_token_id)
+    return engine
 
 
 def _server_class():

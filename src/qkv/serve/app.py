@@ -100,9 +100,18 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
                        "response_format", "unsupported")
 
 
+# The sampling fields a folder's generation_config.json may set for the requests that leave them out (vLLM's
+# --generation-config auto: the same five); OpenAI's values where it does not.
+FOLDER_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class API:
     def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
         self.served, self.engine, self.settings = served, engine, settings
+        folder = served.model.generation_defaults()
+        self.sampling_defaults = {**OPENAI_SAMPLING, **{k: folder[k] for k in FOLDER_SAMPLING
+                                                         if folder.get(k) is not None}}
         self.worker = EngineWorker(engine)
         self.metrics = Metrics(self.worker)
         self.active = 0  # accepted requests not finished (event-loop thread only)
@@ -136,16 +145,20 @@ class API:
         for name in ("presence_penalty", "frequency_penalty"):
             v = _field(body, name, _is_num, "a number", 0)
             _range(v == 0, name, "is not supported (only 0)")
-        temperature = _field(body, "temperature", _is_num, "a number", 1.0)
+        # each sampling field: the request's value, else the folder's default, else OpenAI's (sampling_defaults)
+        d = self.sampling_defaults
+        temperature = _field(body, "temperature", _is_num, "a number", d["temperature"])
         _range(0 <= temperature <= 2, "temperature", f"must be in [0, 2], got {temperature}")
-        top_p = _field(body, "top_p", _is_num, "a number", 1.0)
+        top_p = _field(body, "top_p", _is_num, "a number", d["top_p"])
         _range(0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p}")
-        repetition = _field(body, "repetition_penalty", _is_num, "a number", 1.0)  # an extension, as vLLM's
+        top_k = _field(body, "top_k", _is_int, "an integer", d["top_k"])  # extensions from here, as vLLM's
+        _range(top_k >= -1, "top_k", f"must be -1 or 0 (off) or >= 1, got {top_k}")
+        min_p = _field(body, "min_p", _is_num, "a number", d["min_p"])
+        _range(0 <= min_p <= 1, "min_p", f"must be in [0, 1], got {min_p}")
+        repetition = _field(body, "repetition_penalty", _is_num, "a number", d["repetition_penalty"])
         # bounded below too: seen logits are divided by it, and 1e-300 made them inf (then NaN probabilities)
         _range(MIN_REPETITION_PENALTY <= repetition <= 10, "repetition_penalty",
                f"must be in [{MIN_REPETITION_PENALTY}, 10], got {repetition}")
-        top_k = _field(body, "top_k", _is_int, "an integer", -1)
-        _range(top_k == -1 or top_k >= 1, "top_k", f"must be -1 (off) or >= 1, got {top_k}")
         seed = _field(body, "seed", _is_int, "an integer")
         _range(seed is None or -(2 ** 63) <= seed < 2 ** 64, "seed", f"must be a 64-bit integer, got {seed}")
         stop = _field(body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(
@@ -167,16 +180,15 @@ class API:
         except ValueError as e:
             raise APIError(400, f"{e}: lower max_tokens or shorten the prompt", name,
                            "context_length_exceeded") from None
-        opts: dict[str, Any] = {"max_new_tokens": max_tokens, "seed": seed}
-        if temperature >= MIN_TEMPERATURE:  # below: greedy, the limit (GenerationConfig.sampling)
-            opts.update(do_sample=True, temperature=float(temperature), top_p=float(top_p),
-                        top_k=top_k if top_k > 0 else None)
-        else:
-            opts["do_sample"] = False
+        # every setting explicit, "off" included: the engine applies a request's options over its own base
+        # config (build_engine: the folder's token ids only), and an option left out would keep that base's value
+        opts: dict[str, Any] = {
+            "max_new_tokens": max_tokens, "seed": seed,
+            "do_sample": temperature >= MIN_TEMPERATURE,  # below: greedy, the limit (GenerationConfig.sampling)
+            "temperature": float(temperature), "top_p": float(top_p), "top_k": max(top_k, 0), "min_p": float(min_p),
+            "repetition_penalty": float(repetition)}
         if stop:
             opts["stop_strings"] = stop
-        if repetition != 1.0:
-            opts["repetition_penalty"] = float(repetition)
         return opts
 
     def prompt_ids(self, body: dict) -> list[int]:

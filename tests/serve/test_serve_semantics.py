@@ -1,0 +1,75 @@
+"""What a request means: which settings apply (the request's, else the folder's generation_config.json, else
+OpenAI's), where a stop string cuts, which fields and shapes are accepted. Against a server on a loopback port;
+references are generate() / transformers run alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+import torch
+from _servehelpers import running_server
+
+from qkv.generate import generate
+from qkv.serve import load_served
+
+
+def _sse(lines):
+    """(payloads, ended with [DONE]) of an SSE stream."""
+    events, done = [], False
+    for line in lines:
+        if line.startswith("data: "):
+            if line == "data: [DONE]":
+                done = True
+                break
+            events.append(json.loads(line[len("data: "):]))
+    return events, done
+
+
+@pytest.fixture(scope="module")
+def folder_with_defaults(gpt2_folder, tmp_path_factory):
+    """gpt2_folder with a generation_config.json as chat models ship one (Qwen's: sampling, top_k, a repetition
+    penalty), plus a setting outside vLLM's five (no_repeat_ngram_size) that a server must not apply unasked."""
+    path = tmp_path_factory.mktemp("gc") / "lm"
+    shutil.copytree(gpt2_folder, path)
+    (path / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.6, "top_k": 1, "repetition_penalty": 5.0, "no_repeat_ngram_size": 2,
+        "transformers_version": "4.45.0"}))
+    return path
+
+
+def test_a_request_sets_its_sampling_and_the_folder_fills_what_it_leaves_out(folder_with_defaults):
+    """vLLM's rule: a field the request sends wins, "off" values included (top_k -1, repetition_penalty 1); a
+    field it leaves out takes the folder's generation_config.json value (temperature, top_p, top_k, min_p,
+    repetition_penalty), else OpenAI's; nothing else of the folder's settings applies."""
+    served = load_served(folder_with_defaults)
+    prompt, n = "The class of", 12
+    ids = served.codec.encode(prompt)
+
+    def ref(**kw):  # generate() with the folder's own defaults overridden to the stated settings
+        out = generate(served.model, torch.tensor([ids]), n, min_new_tokens=n, no_repeat_ngram_size=0, **kw)
+        return served.codec.decode(out[0, len(ids):].tolist())
+
+    plain, penalised = ref(do_sample=False, repetition_penalty=1.0), ref(do_sample=False, repetition_penalty=5.0)
+    assert plain != penalised  # the folder's penalty changes this continuation: the checks below mean something
+    body = {"model": served.name, "prompt": prompt, "max_tokens": n}
+    with running_server(folder_with_defaults, block_size=4) as (url, app):
+        app.state.api.engine.cfg = app.state.api.engine.cfg.replace(eos_token_id=None)  # n tokens, always
+
+        def text(**kw):
+            r = httpx.post(url + "/v1/completions", json={**body, **kw}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        # greedy with the penalty turned off: plain greedy (the folder's 5.0 used to stay on)
+        assert text(temperature=0, repetition_penalty=1.0) == plain
+        # left out: the folder's penalty (as vLLM); its top_k 1 makes its sampling the penalised argmax
+        assert text(temperature=0) == penalised
+        assert text() == penalised and text(seed=3) == penalised
+        # top_k -1 turns the folder's top_k 1 off: sampling at temperature 1 leaves greedy
+        assert any(text(temperature=1.0, top_k=-1, repetition_penalty=1.0, seed=s) != plain for s in range(4))
+        for bad in ({"min_p": 1.5}, {"min_p": "x"}, {"top_k": -2}):
+            r = httpx.post(url + "/v1/completions", json={**body, **bad}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
