@@ -73,3 +73,23 @@ def test_a_request_sets_its_sampling_and_the_folder_fills_what_it_leaves_out(fol
         for bad in ({"min_p": 1.5}, {"min_p": "x"}, {"top_k": -2}):
             r = httpx.post(url + "/v1/completions", json={**body, **bad}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
+
+
+def test_a_stop_string_at_the_start_of_a_sentencepiece_output_stops_it(llama_sp):
+    """A stop string that is the first word with its leading space (" con" after "Hello") is cut from the text
+    AND ends the generation: finish "stop" after one token (it used to be "length", every token generated)."""
+    folder, tok, model = llama_sp
+    served = load_served(folder)
+    with running_server(folder, block_size=4) as (url, app):
+        body = {"model": served.name, "prompt": "Hello", "max_tokens": 8, "temperature": 0}
+        whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        word = " " + whole.split()[0]
+        assert whole.startswith(word)
+        r = httpx.post(url + "/v1/completions", json={**body, "stop": word}, timeout=60).json()
+        assert r["choices"][0] == {**r["choices"][0], "text": "", "finish_reason": "stop"}
+        assert r["usage"]["completion_tokens"] == 1
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stop": word, "stream": True},
+                          timeout=60) as s:
+            events, done = _sse(s.iter_lines())
+        assert done and "".join(e["choices"][0]["text"] for e in events) == ""
+        assert events[-1]["choices"][0]["finish_reason"] == "stop" and events[-1]["usage"]["completion_tokens"] == 1

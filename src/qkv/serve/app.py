@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qkv.generate.config import MIN_TEMPERATURE
-from qkv.generate.engine import Engine
+from qkv.generate.engine import TEXT_CONTEXT, Engine
 from qkv.interop.tokenizer import decode_continuation as continuation
 from qkv.serve.metrics import Metrics
 from qkv.serve.model import Served
@@ -315,7 +315,7 @@ class TextStream:
     (Metaspace) decoder drops the leading space of a text's first token, so a completion decoded on its own
     would lose the space between the prompt and its first word (as vLLM, which starts its windows in the prompt)."""
 
-    CONTEXT = 5  # prompt tokens read as context (vLLM's initial detokenization offset)
+    CONTEXT = TEXT_CONTEXT  # prompt tokens read as context (the engine's stop check reads the same ones)
 
     def __init__(self, decode, stop: list[str], context: Sequence[int] = ()) -> None:
         self.decode, self.stop = decode, stop
