@@ -70,22 +70,46 @@ def _server_class():
     return Server
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening yet); a clear error when it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:  # a port in use, an address not of this machine, a name that does not resolve (gaierror)
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           max_waiting: int = 64, shutdown_timeout: float = 30.0, **engine_options: Any) -> int:
     """Load MODEL, start the engine thread and serve until SIGINT / SIGTERM: then stop accepting, let
     running requests finish for up to shutdown_timeout seconds, cancel the rest, return 0."""
-    import uvicorn
-
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {port}")
-    served = load_served(model, name)
-    engine = build_engine(served, **engine_options)
-    app = create_app(served, engine, ServeSettings(max_waiting=max_waiting))
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # connections wait in the backlog from now on, even before uvicorn's loop runs
+    if not shutdown_timeout >= 0:  # uvicorn would cancel every request at once (and NaN compares false)
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
+    # bound before the model loads (minutes for a big one), so that a port in use is said at once; listening
+    # only after it: a client connecting meanwhile is refused rather than left waiting in the backlog
+    sock = _bind(host, port)
+    try:
+        served = load_served(model, name)
+        engine = build_engine(served, **engine_options)
+        app = create_app(served, engine, ServeSettings(max_waiting=max_waiting))
+        try:
+            sock.listen(2048)  # connections wait in the backlog from now on, even before uvicorn's loop runs
+        except OSError as e:  # another socket took the port first (both bound with SO_REUSEADDR)
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        return _run(app, served, sock, host, shutdown_timeout)
+    finally:
+        sock.close()
+
+
+def _run(app: Any, served: Served, sock: socket.socket, host: str, shutdown_timeout: float) -> int:
+    import uvicorn
+
     bound = sock.getsockname()[1]
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"qkv serve: listening on {host}: anyone who can reach this address can use the model")
