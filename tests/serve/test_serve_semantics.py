@@ -93,3 +93,26 @@ def test_a_stop_string_at_the_start_of_a_sentencepiece_output_stops_it(llama_sp)
             events, done = _sse(s.iter_lines())
         assert done and "".join(e["choices"][0]["text"] for e in events) == ""
         assert events[-1]["choices"][0]["finish_reason"] == "stop" and events[-1]["usage"]["completion_tokens"] == 1
+
+
+def test_bodies_the_json_parser_refuses_are_400_and_a_bug_is_a_json_500(run_folder):
+    """Nesting too deep for the parser (RecursionError) and an integer of over 4300 digits (ValueError) are a
+    400 invalid_json, not a plain-text 500; an unexpected exception is a 500 in OpenAI's shape."""
+    served = load_served(run_folder)
+    with running_server(run_folder, block_size=4) as (url, app):
+        for raw in ("[" * 100_000 + "]" * 100_000, '{"model": "x", "max_tokens": ' + "1" * 5000 + "}"):
+            r = httpx.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
+                           timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text[:200]
+        codec = app.state.api.served.codec
+
+        def broken(text):
+            raise RuntimeError("injected tokenizer bug")
+
+        codec.encode = broken
+        r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": "ab"}, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+        assert "injected tokenizer bug" in r.json()["error"]["message"]
+        del codec.encode
+        r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": "ab", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200

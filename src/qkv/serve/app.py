@@ -123,8 +123,10 @@ class API:
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over 4300 digits; nesting
+        # too deep for the parser is a RecursionError: all of them a malformed body, not a server error
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]})", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
         model = body.get("model")
@@ -404,6 +406,12 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return e.response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        # a bug: OpenAI's error shape still (a client parses it), not Starlette's plain-text 500; uvicorn logs it
+        return APIError(500, f"internal server error ({type(e).__name__}: {str(e)[:200]})", None,
+                        "internal_error", "server_error").response()
 
     @app.exception_handler(404)
     async def _not_found(request: Request, e: Exception) -> JSONResponse:
