@@ -116,3 +116,19 @@ def test_bodies_the_json_parser_refuses_are_400_and_a_bug_is_a_json_500(run_fold
         del codec.encode
         r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": "ab", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
+
+
+def test_models_retrieve(run_folder):
+    """GET /v1/models/{id}: the openai client's models.retrieve(); another name is a 404 model_not_found."""
+    import openai
+
+    served = load_served(run_folder)
+    with running_server(run_folder, block_size=4) as (url, app):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        m = client.models.retrieve(served.name)
+        assert m.id == served.name and m.object == "model"
+        assert m.model_dump() == client.models.list().data[0].model_dump()
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("other")
+        r = httpx.get(url + "/v1/models/org/other", timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -2,7 +2,7 @@
 
     POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream", ...}
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...}  (the model's chat template)
-    GET  /v1/models, /health, /metrics (Prometheus text format)
+    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text format)
 
 Every request is checked before it reaches the engine (types, ranges, the model name, the context and the
 KV pool): a bad one gets OpenAI's error shape {"error": {"message", "type", "param", "code"}} and never
@@ -427,10 +427,18 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         ok = api.worker.alive and not api.shutting_down
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
+    card = {"id": served.name, "object": "model", "created": 0, "owned_by": "qkv", "max_model_len": engine.context}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "qkv",
-                                            "max_model_len": engine.context}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # the openai client's models.retrieve(); ids may hold a "/"
+    async def model(model_id: str) -> dict:
+        if model_id != served.name:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server has '{served.name}'", "model",
+                           "model_not_found")
+        return card
 
     @app.get("/metrics")
     async def metrics() -> Response:
