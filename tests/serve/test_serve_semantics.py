@@ -132,3 +132,16 @@ def test_models_retrieve(run_folder):
             client.models.retrieve("other")
         r = httpx.get(url + "/v1/models/org/other", timeout=60)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_stream_options_need_a_stream_and_include_usage_a_boolean(run_folder):
+    served = load_served(run_folder)
+    body = {"model": served.name, "prompt": "ab", "max_tokens": 3, "temperature": 0}
+    with running_server(run_folder, block_size=4) as (url, app):
+        for extra in ({"stream_options": {"include_usage": True}}, {"stream": False, "stream_options": {}},
+                      {"stream": True, "stream_options": {"include_usage": "no"}},
+                      {"stream": True, "stream_options": {"include_usage": 1}}):
+            r = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", (extra, r.text)
+        for extra in ({"stream_options": None}, {"stream": True, "stream_options": {"include_usage": False}}):
+            assert httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60).status_code == 200

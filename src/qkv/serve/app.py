@@ -452,6 +452,13 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         opts = api.options(body, len(ids), None if chat else DEFAULT_MAX_TOKENS)
         stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
         so = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+        if body.get("stream_options") is not None and not stream:  # as OpenAI and vLLM answer it
+            raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
+                           "invalid_value")
+        include_usage = so.get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):  # "no" is not false
+            raise APIError(400, f"'stream_options.include_usage' must be a boolean, got "
+                           f"{json.dumps(include_usage)[:60]}", "stream_options", "invalid_type")
         t = api.admit(ids, opts)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -523,7 +530,7 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
                     return
                 tail_text = text.push(None)
                 usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
-                if so.get("include_usage"):  # OpenAI's form: usage only on a last chunk of its own
+                if include_usage:  # OpenAI's form: usage only on a last chunk of its own
                     yield chunk(tail_text, reason, usage=None)
                     yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
                 else:  # an extension (as vLLM's continuous usage): the last chunk carries it
