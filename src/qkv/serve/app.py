@@ -52,6 +52,13 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+def _cancelled(shutdown: bool) -> APIError:
+    """A request the server cut short: a 503 before the status line, an event + [DONE] after it. shutdown: uvicorn
+    cancelled it, --shutdown-timeout having run out."""
+    why = "the server is shutting down" if shutdown else "client gone or server shutting down"
+    return APIError(503, f"the request was cancelled ({why})", None, "cancelled", "server_error")
+
+
 @dataclass
 class ServeSettings:
     max_waiting: int = 64  # queued requests beyond the running batch before 429
@@ -375,7 +382,8 @@ class TextStream:
 
 class _Stream(StreamingResponse):
     """A StreamingResponse that always runs on_close, even when the client is gone before the body's first
-    chunk (the generator's own finally never runs then)."""
+    chunk (the generator's own finally never runs then), and that ends quietly when uvicorn cancels it at the
+    end of a graceful shutdown (the stream has sent its last event: events() in create_app)."""
 
     def __init__(self, content: Any, on_close: Any, **kw: Any) -> None:
         super().__init__(content, **kw)
@@ -384,6 +392,8 @@ class _Stream(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:  # uvicorn stops the task either way; re-raised, it logs a traceback
+            pass
         finally:
             self.on_close()
 
@@ -475,11 +485,12 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
                             ids_out.append(v)
                         else:
                             reason = v
+            except asyncio.CancelledError:  # --shutdown-timeout ran out (uvicorn cancels what still runs)
+                raise _cancelled(shutdown=True) from None
             finally:
                 api.release(t, reason)
             if reason is None or reason == "cancelled":
-                raise APIError(503, "the request was cancelled (client gone or server shutting down)", None,
-                               "cancelled", "server_error")
+                raise _cancelled(shutdown=False)
             content = cut_at_stop(continuation(served.codec.decode, context, ids_out), text.stop)
             n = len(ids_out)
             usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
@@ -505,6 +516,9 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         # with json.dumps (the same bytes as chunk's, tests/serve: no dict and no whole-object dumps a token)
         head, tail = chunk(_MARK, None).split(json.dumps(_MARK))
 
+        def error_event(e: APIError) -> str:
+            return f"data: {json.dumps(json.loads(e.response().body))}\n\ndata: [DONE]\n\n"
+
         async def events() -> AsyncIterator[str]:
             n, reason = 0, None
             try:
@@ -524,8 +538,16 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
                         if out:  # the events of one delivery in one write
                             yield "".join(out)
                 except APIError as e:  # the status line is long gone: the error as an event, as vLLM sends it
-                    yield f"data: {json.dumps(json.loads(e.response().body))}\n\ndata: [DONE]\n\n"
+                    yield error_event(e)
                     return
+                except asyncio.CancelledError:
+                    # uvicorn cancels the responses still running when --shutdown-timeout runs out: end the stream
+                    # as any other ends, with a reason, rather than cut it (a client would wait for more), and
+                    # without an "Exception in ASGI application" traceback (_Stream.__call__)
+                    yield error_event(_cancelled(shutdown=True))
+                    return
+                if reason == "cancelled":  # by the engine thread's end (shutdown): say so; None: the client left
+                    yield error_event(_cancelled(shutdown=False))
                 if reason in (None, "cancelled"):
                     return
                 tail_text = text.push(None)
