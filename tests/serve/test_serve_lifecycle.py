@@ -130,3 +130,20 @@ def test_a_stream_whose_request_the_engine_cancels_ends_with_an_error_and_done(r
             app.state.api.worker._commands.put(("cancel", 0))  # the first (only) ticket, as a shutdown cancels it
             events, done = _sse([first, *lines])
     assert done and events[-1]["error"]["code"] == "cancelled" and len(events) < 50
+
+
+def test_the_exit_signal_stops_admitting_requests_at_once(run_folder):
+    """qkv serve's server marks the app shutting down in its signal handler (uvicorn closes the listener then;
+    the app used to learn of it only in its lifespan's end, after the running requests were done), so that a
+    request accepted on a connection before the signal but not yet admitted gets a 503 (API.admit)."""
+    import signal
+
+    from qkv.serve import _make_server as make_server
+    from qkv.serve import build_engine, create_app
+
+    served = load_served(run_folder)
+    app = create_app(served, build_engine(served, block_size=4))
+    server = make_server(app, 1.0)
+    assert not app.state.api.shutting_down
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit and app.state.api.shutting_down

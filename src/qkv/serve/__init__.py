@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,15 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server, but a SIGINT / SIGTERM ends a graceful shutdown with exit status 0 (uvicorn
-        re-raises the signal after shutting down, which would kill the process with it)."""
+        re-raises the signal after shutting down, which would kill the process with it), and calls on_exit
+        at once (the app's shutting_down flag: _make_server)."""
+
+        on_exit: Callable[[], None] | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if self.on_exit is not None:
+                self.on_exit()
 
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
@@ -107,20 +115,29 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name:
         sock.close()
 
 
-def _run(app: Any, served: Served, sock: socket.socket, host: str, shutdown_timeout: float) -> int:
+def _make_server(app: Any, shutdown_timeout: float) -> Any:
     import uvicorn
 
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
+    server = _server_class()(config)
+    api = app.state.api
+    # from the signal on, a request not yet admitted (its connection accepted before uvicorn closed the listener)
+    # gets a 503 "shutting down" instead of starting: only those already running get the shutdown timeout
+    server.on_exit = lambda: setattr(api, "shutting_down", True)
+    # an engine that died (a bug, out of memory) cannot serve again: stop the process, as vLLM does, so that a
+    # supervisor restarts it rather than keeping a server that answers 503 forever
+    api.worker.on_error = lambda e: setattr(server, "should_exit", True)
+    return server
+
+
+def _run(app: Any, served: Served, sock: socket.socket, host: str, shutdown_timeout: float) -> int:
     bound = sock.getsockname()[1]
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"qkv serve: listening on {host}: anyone who can reach this address can use the model")
     shown = f"[{host}]" if ":" in host else host
     print(f"qkv serve: model '{served.name}' at http://{shown}:{bound}/v1  (Ctrl-C to stop)", flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
-    server = _server_class()(config)
+    server = _make_server(app, shutdown_timeout)
     worker = app.state.api.worker
-    # an engine that died (a bug, out of memory) cannot serve again: stop the process, as vLLM does, so that a
-    # supervisor restarts it rather than keeping a server that answers 503 forever
-    worker.on_error = lambda e: setattr(server, "should_exit", True)
     server.run(sockets=[sock])
     if worker.error is not None:
         print(f"qkv serve: stopped: the engine failed ({type(worker.error).__name__}: {worker.error})",
