@@ -145,3 +145,28 @@ def test_stream_options_need_a_stream_and_include_usage_a_boolean(run_folder):
             assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", (extra, r.text)
         for extra in ({"stream_options": None}, {"stream": True, "stream_options": {"include_usage": False}}):
             assert httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60).status_code == 200
+
+
+def test_chat_content_as_text_parts_and_head_health(gpt2_folder):
+    """A message's content may be OpenAI's list of parts: the text parts are joined with newlines (as vLLM);
+    an image part is a 400. HEAD /health answers like GET."""
+    served = load_served(gpt2_folder)
+    base = {"model": served.name, "max_tokens": 4, "temperature": 0}
+    with running_server(gpt2_folder, block_size=4) as (url, app):
+        parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "a class?"}]
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={**base, "messages": [{"role": "user", "content": parts}]})
+        same = httpx.post(url + "/v1/chat/completions", timeout=60,
+                          json={**base, "messages": [{"role": "user", "content": "What is\na class?"}]})
+        assert r.status_code == 200 and same.status_code == 200, r.text
+        assert r.json()["choices"] == same.json()["choices"] and r.json()["usage"] == same.json()["usage"]
+        image = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={**base, "messages": [{"role": "user", "content": image}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported", r.text
+        for bad in (None, 3, [{"type": "text"}]):
+            r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           json={**base, "messages": [{"role": "user", "content": bad}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0]", r.text
+        r = httpx.head(url + "/health", timeout=60)
+        assert r.status_code == 200

@@ -227,10 +227,17 @@ class API:
             raise APIError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
         clean = []
         for i, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise APIError(400, f"messages[{i}] must be an object with string 'role' and 'content'",
-                               f"messages[{i}]", "invalid_type")
-            clean.append({"role": m["role"], "content": m["content"]})
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # OpenAI's content parts: text ones joined (as vLLM), others refused
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": "
+                                   "...}) are supported by this server", f"messages[{i}]", "unsupported")
+                content = "\n".join(p["text"] for p in content)
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
+                raise APIError(400, f"messages[{i}] must be an object with string 'role' and 'content' (a string "
+                               "or a list of text parts)", f"messages[{i}]", "invalid_type")
+            clean.append({"role": m["role"], "content": content})
         if not self.served.codec.has_chat_template:
             raise APIError(400, f"the model '{self.served.name}' has no chat template: use /v1/completions",
                            "messages", "no_chat_template")
@@ -432,7 +439,7 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         return APIError(405, f"{request.method} is not allowed on {request.url.path}", None,
                         "method_not_allowed").response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers' checks send
     async def health() -> JSONResponse:
         ok = api.worker.alive and not api.shutting_down
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
