@@ -147,3 +147,12 @@ def test_the_exit_signal_stops_admitting_requests_at_once(run_folder):
     assert not app.state.api.shutting_down
     server.handle_exit(signal.SIGTERM, None)
     assert server.should_exit and app.state.api.shutting_down
+
+
+def test_serve_help_states_its_own_exit_statuses(capsys):
+    """serve ends with 0 on SIGINT / SIGTERM (tests/serve/test_serve_api.py), not the 130 / 143 of training."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0 stopped by SIGINT/SIGTERM" in out and "1 the engine failed" in out and "130" not in out
