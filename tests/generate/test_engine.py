@@ -329,3 +329,56 @@ def test_engine_split_cost_auto_cuts_the_batch_only_where_the_step_gathers():
     assert not half.cache.step_reads_in_place and half.split_cost == 4096
     with pytest.raises(ValueError, match="split_cost"):
         Engine(m, split_cost="none")
+
+
+def test_a_request_whose_sampling_fails_fails_alone():
+    """A repetition_penalty of 1e-300 divides the seen tokens' logits into inf (then NaN probabilities, which
+    torch.multinomial refuses): that request finishes with "error" and its message, the engine keeps stepping and
+    the request beside it gets the tokens it gets alone."""
+    m = tiny_gpt("rope", context=64)
+    engine = Engine(m, block_size=4, max_batch_size=4)
+    bad = engine.add_request([1, 2, 3], 8, do_sample=True, repetition_penalty=1e-300, seed=0)
+    good = engine.add_request([3, 3], 6)
+    out = engine.run()
+    assert engine.finish_reason[bad] == "error" and out[bad] == []
+    assert "sampling failed" in engine.errors[bad]
+    assert out[good] == _alone(m, [3, 3], 6) and engine.finish_reason[good] == "length"
+    assert engine.cache.blocks_in_use == 0
+    assert engine.pop_finished(bad) == ([], "error") and bad not in engine.errors
+
+
+def test_a_stop_string_with_the_first_words_leading_space_stops_the_request(llama_sp):
+    """A SentencePiece-style folder: the output's text is what it adds after the prompt, " con..." with its space
+    (the server's text, decoded after the prompt's tail). A stop string " con" at its very start stops the
+    request at once; the output decoded alone ("con...") lost that space, so the request used to run on."""
+    from qkv.interop.tokenizer import decode_continuation
+    from qkv.serve import load_served
+
+    served = load_served(llama_sp[0])
+    decode = served.codec.decode
+    ids = served.codec.encode("Hello")
+    engine = Engine(served.model, block_size=4, tokenizer=served.codec)
+    rid = engine.add_request(ids, 8)
+    out = engine.run()[rid]
+    text = decode_continuation(decode, ids[-5:], out)
+    word = " " + text.split()[0]
+    assert text.startswith(word) and not decode(out).startswith(" ")  # what the old check looked in
+    rid = engine.add_request(ids, 8, stop_strings=[word])
+    assert engine.run()[rid] == out[:1] and engine.finish_reason[rid] == "stop"
+
+
+def test_the_stop_check_decodes_a_window_not_the_whole_output():
+    """Each token decodes the last 4 x (longest stop) + 1 tokens and a few before them, not the whole output
+    (O(length) a token): the longest decode is bounded whatever the output's length."""
+    m = tiny_gpt("rope", context=128)
+    lengths = []
+
+    def decode(ids):
+        lengths.append(len(ids))
+        return "".join("abcdefghijk"[i] for i in ids)
+
+    engine = Engine(m, block_size=4, tokenizer=decode)
+    rid = engine.add_request([1, 2, 3], 60, stop_strings=["zz"])  # never found: a-k only
+    out = engine.run()[rid]
+    assert len(out) == 60 and engine.finish_reason[rid] == "length"
+    assert max(lengths) <= 5 + 4 * 2 + 1

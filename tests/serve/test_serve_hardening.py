@@ -218,6 +218,32 @@ def test_repetition_penalty_is_honoured(run_folder):
         plain = generate(served.model, torch.tensor([ids]), 12)[0, len(ids):].tolist()
         assert ref != plain  # the penalty changes this continuation: the comparison means something
         assert r.json()["choices"][0]["text"] == served.codec.decode(ref)
-        for bad in (0, -1, 11, "x"):
+        for bad in (0, -1, 11, "x", 1e-300, 0.009):
             r = httpx.post(url + "/v1/completions", json={**body, "repetition_penalty": bad}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+
+
+def test_a_request_whose_sampling_fails_fails_alone_and_the_server_goes_on(run_folder):
+    """A request whose settings make its probabilities NaN (a repetition_penalty of 1e-300 let past the checks:
+    the API refuses it, above) gets a 500 naming the failure, streamed or not; the engine thread lives on and the
+    next request is answered as before (it used to stop the whole server)."""
+    served = load_served(run_folder)
+    body = {"model": served.name, "prompt": "abab", "max_tokens": 6, "temperature": 1.0, "seed": 0}
+    with running_server(run_folder, block_size=4) as (url, app):
+        api = app.state.api
+        r = httpx.post(url + "/v1/completions", json={**body, "repetition_penalty": 1e-300}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+        options = api.options
+        api.options = lambda *a: {**options(*a), "repetition_penalty": 1e-300}  # past the API's checks
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", r.text
+        assert "sampling failed" in r.json()["error"]["message"]
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            events, done = _sse(s.iter_lines())
+        assert done and events[-1]["error"]["code"] == "request_failed"
+        api.options = options
+        assert api.worker.alive and httpx.get(url + "/health", timeout=10).status_code == 200
+        r = httpx.post(url + "/v1/completions", json={**body, "temperature": 0}, timeout=60)
+        ids = served.codec.encode("abab")
+        ref = generate(served.model, torch.tensor([ids]), 6)[0, len(ids):].tolist()
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == served.codec.decode(ref)

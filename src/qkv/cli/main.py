@@ -25,6 +25,10 @@ EXIT_NAN_GUARD = 3
 EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN guard, "
           "130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue with --resume), "
           "141 the reader of stdout went away (qkv presets | head)")
+# serve stops on SIGINT / SIGTERM by design (a graceful shutdown): that is its normal end, status 0
+SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutdown, 1 the engine failed (so that a "
+                "supervisor restarts it), 2 user error (one line 'qkv: error: ...', e.g. an address it cannot "
+                "listen on)")
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
@@ -465,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, setup, run) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           epilog=SERVE_EPILOG if name == "serve" else EPILOG)
         setup(p)
         p.set_defaults(func=run)
     return parser

@@ -46,7 +46,8 @@ every request's base; a request may bring its own config and keywords on top (ma
 top_k, top_p, eos_token_id, stop_strings, seed, ...). Greedy requests without sequence-dependent processors
 share one argmax; the others go through their own logits processors (and, with a seed, their own random
 generator, so a seeded request draws the same tokens whatever else is in the batch).
-Stop strings need `tokenizer` (an object with .decode(ids) or a callable ids -> str).
+Stop strings need `tokenizer` (an object with .decode(ids) or a callable ids -> str); they are looked for in the
+output's last tokens decoded after the few tokens before them (the prompt's tail at first: _hits_stop).
 """
 
 from __future__ import annotations
@@ -63,11 +64,15 @@ from torch import Tensor
 from qkv.generate.config import GenerationConfig
 from qkv.generate.processors import Context, Pipeline
 from qkv.generate.search import settings
+from qkv.interop.tokenizer import decode_continuation
 from qkv.models.decoding import as_decoder, configured_context
 from qkv.nn.checks import check_id_list
 from qkv.nn.paged import block_digest
 
 PREEMPTION = ("least_work", "newest")
+# tokens decoded before a text and never part of it (vLLM's initial detokenization offset): a SentencePiece-style
+# (Metaspace) decoder drops the leading space of a text's first token, which a continuation of a prompt keeps
+TEXT_CONTEXT = 5
 
 
 @dataclass(eq=False)  # identity: `req in self.running` must not compare every field
@@ -84,6 +89,7 @@ class _Request:
     digests: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
     preemptions: int = 0
     head: bytes = b""  # prefix-cache key of its first block (b"": shorter than a block)
+    stop_window: int = 0  # output tokens decoded to look for a stop string (_hits_stop)
 
     @property
     def tokens(self) -> list[int]:
@@ -169,7 +175,8 @@ class Engine:
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.finished: dict[int, list[int]] = {}
-        self.finish_reason: dict[int, str] = {}  # "stop" (eos / stop string), "length", "cancelled"
+        self.finish_reason: dict[int, str] = {}  # "stop" (eos / stop string), "length", "cancelled", "error"
+        self.errors: dict[int, str] = {}  # why a request finished with "error" (until pop_finished)
         self.just_finished: list[int] = []  # ids finished or cancelled since the last take_finished()
         self.counters = Counters()
         self._next_id = 0
@@ -234,6 +241,9 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         req = _Request(rid, ids, cfg, max_new, set(cfg.eos_ids), pipe, list(cfg.stop_strings or []))
+        # a stop string of c characters lies in the text of its last 4c tokens at most (a character is at most 4
+        # bytes, a byte-level or byte-fallback token at least 1), + 1 to spare
+        req.stop_window = 4 * max((len(s) for s in req.stop), default=0) + 1
         if len(ids) >= self.cache.block_size:
             req.head = block_digest(b"", ids[:self.cache.block_size])
         if max_new == 0:  # done at once, but reported like any other end (take_finished, the counters)
@@ -267,6 +277,7 @@ class Engine:
         """(tokens, finish reason) of a finished request, forgotten by the engine (a server's memory bound)."""
         if request_id not in self.finished:
             return None
+        self.errors.pop(request_id, None)
         return self.finished.pop(request_id), self.finish_reason.pop(request_id)
 
     def take_finished(self) -> list[int]:
@@ -294,10 +305,11 @@ class Engine:
         }
 
     # -- token choice -----------------------------------------------------------------------------------
-    def _choose(self, reqs: list[_Request], logits: Tensor) -> list[int]:
+    def _choose(self, reqs: list[_Request], logits: Tensor) -> list[int | None]:
         """Each request's next token from its row of logits, through its own settings. Plain greedy rows
-        share one argmax; rows sharing a settings object with no sequence-dependent processor one draw."""
-        out: list[int] = [0] * len(reqs)
+        share one argmax; rows sharing a settings object with no sequence-dependent processor one draw.
+        None: that request's own settings broke its token choice (self.errors says how); the others go on."""
+        out: list[int | None] = [0] * len(reqs)
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(reqs):
             p = r.pipe
@@ -307,28 +319,39 @@ class Engine:
             sub = logits if len(rows) == len(reqs) else logits[rows]
             if key == -1:
                 toks = sub.argmax(-1).tolist()
-            elif reqs[rows[0]].pipe.processors:
-                r = reqs[rows[0]]
-                ids = torch.tensor([r.tokens], dtype=torch.long, device=self.device)
-                toks = r.pipe.choose(ids, sub).tolist()
             else:
-                toks = reqs[rows[0]].pipe.choose(None, sub).tolist()
+                r = reqs[rows[0]]
+                ids = torch.tensor([r.tokens], dtype=torch.long, device=self.device) if r.pipe.processors else None
+                try:
+                    toks = r.pipe.choose(ids, sub).tolist()
+                except RuntimeError as e:
+                    # settings that turn this request's scores non-finite (a repetition_penalty of 1e-300 divides
+                    # them into inf, softmax makes NaN, torch.multinomial refuses them) fail this request only:
+                    # raised here, they stopped the whole engine and every other request with it
+                    for i in rows:
+                        out[i] = None
+                        self.errors[reqs[i].id] = f"sampling failed for this request's settings: {e}"
+                    continue
             for i, t in zip(rows, toks):
                 out[i] = t
         return out
 
-    def _emit(self, req: _Request, tok: int, events: list[tuple[int, int]]) -> bool:
-        """Record a token; True when the request is finished (and then it has left the engine)."""
-        req.output.append(tok)
-        events.append((req.id, tok))
-        self.counters.generated_tokens += 1
-        reason = None
-        if tok in req.eos:
-            reason = "stop"
-        elif req.stop and any(s in self.decode_text(req.output) for s in req.stop):  # type: ignore[misc]
-            reason = "stop"
-        elif len(req.output) >= req.max_new_tokens:
-            reason = "length"
+    def _emit(self, req: _Request, tok: int | None, events: list[tuple[int, int]]) -> bool:
+        """Record a token; True when the request is finished (and then it has left the engine). tok None: its
+        token choice failed (_choose): it finishes with "error"."""
+        if tok is None:
+            reason: str | None = "error"
+        else:
+            req.output.append(tok)
+            events.append((req.id, tok))
+            self.counters.generated_tokens += 1
+            reason = None
+            if tok in req.eos:
+                reason = "stop"
+            elif req.stop and self._hits_stop(req):
+                reason = "stop"
+            elif len(req.output) >= req.max_new_tokens:
+                reason = "length"
         if reason is None:
             return False
         self.cache.free_sequence(req.id)
@@ -337,6 +360,21 @@ class Engine:
         self.counters.finished += 1
         self.just_finished.append(req.id)
         return True
+
+    def _hits_stop(self, req: _Request) -> bool:
+        """Whether req's output text now contains one of its stop strings. The text is decoded after the
+        TEXT_CONTEXT tokens before it (the prompt's last ones at first), as a server decodes what it sends
+        (serve/app.py, TextStream): decoded alone, a SentencePiece-style output lost its first leading space, so
+        a stop string " he" at the very start was cut from the server's text but never stopped the request
+        (finish "length", every token generated). And only the last stop_window tokens: decoding the whole
+        output on every token cost O(length) a token."""
+        out, start = req.output, max(0, len(req.output) - req.stop_window)
+        if start >= TEXT_CONTEXT:
+            context = out[start - TEXT_CONTEXT:start]
+        else:
+            context = req.prompt[len(req.prompt) - (TEXT_CONTEXT - start):] + out[:start]
+        text = decode_continuation(self.decode_text, context, out[start:])  # type: ignore[arg-type]
+        return any(s in text for s in req.stop)
 
     # -- scheduling -------------------------------------------------------------------------------------
     def _prefix_blocks(self, req: _Request) -> tuple[list[int], list[bytes]]:

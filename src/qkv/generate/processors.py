@@ -273,7 +273,7 @@ class MinP(LogitsProcessor):
 
     @classmethod
     def from_config(cls, cfg: GenerationConfig, ctx: Context) -> MinP | None:
-        return cls(cfg.min_p) if cfg.min_p is not None else None
+        return cls(cfg.min_p) if cfg.min_p else None  # 0 keeps every token: nothing to do
 
     def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
         probs = torch.softmax(scores.float(), dim=-1)

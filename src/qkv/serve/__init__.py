@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +25,26 @@ from qkv.serve.model import Served, TextCodec, load_served
 def build_engine(served: Served, *, block_size: int = 16, num_blocks: int | None = None, max_batch_size: int = 32,
                  prefill_chunk: int | None = 1024, prefix_caching: bool = True, preemption: str = "least_work",
                  max_model_len: int | None = None) -> Any:
-    """The Engine for a served model: the folder's generation defaults plus the tokenizer's eos ids; max_model_len
-    None: the model's (configured) context."""
+    """The Engine for a served model: the folder's token ids plus the tokenizer's eos ids as its base settings;
+    max_model_len None: the model's (configured) context."""
     from qkv.generate.engine import Engine
 
     base = served.model.generation_defaults().get("eos_token_id")
     ids = set(served.codec.eos_ids) | ({base} if isinstance(base, int) else set(base or []))
     eos = sorted(i for i in ids if 0 <= i < served.model.output_vocab_size) or None
-    return Engine(served.model, block_size=block_size, num_blocks=num_blocks, max_batch_size=max_batch_size,
-                  prefill_chunk=prefill_chunk, prefix_caching=prefix_caching, preemption=preemption,
-                  tokenizer=served.codec, eos_token_id=eos, max_model_len=max_model_len)
+    from qkv.generate.config import GenerationConfig
+
+    engine = Engine(served.model, block_size=block_size, num_blocks=num_blocks, max_batch_size=max_batch_size,
+                    prefill_chunk=prefill_chunk, prefix_caching=prefix_caching, preemption=preemption,
+                    tokenizer=served.codec, eos_token_id=eos, max_model_len=max_model_len)
+    # of the folder's generation settings the engine's base keeps only the token ids: a request's sampling is all
+    # the API's (app.py: the request's values, else the folder's five sampling defaults as vLLM takes them, else
+    # OpenAI's), and the rest of a generation_config.json (no_repeat_ngram_size, bad_words_ids, min_length, ...)
+    # is not part of OpenAI's API: applied unasked, no request could turn it off
+    base = engine.cfg
+    engine.cfg = GenerationConfig(eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
+                                  bos_token_id=base.bos_token_id)
+    return engine
 
 
 def _server_class():
@@ -42,7 +52,15 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server, but a SIGINT / SIGTERM ends a graceful shutdown with exit status 0 (uvicorn
-        re-raises the signal after shutting down, which would kill the process with it)."""
+        re-raises the signal after shutting down, which would kill the process with it), and calls on_exit
+        at once (the app's shutting_down flag: _make_server)."""
+
+        on_exit: Callable[[], None] | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if self.on_exit is not None:
+                self.on_exit()
 
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
@@ -60,33 +78,66 @@ def _server_class():
     return Server
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening yet); a clear error when it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:  # a port in use, an address not of this machine, a name that does not resolve (gaierror)
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           max_waiting: int = 64, shutdown_timeout: float = 30.0, **engine_options: Any) -> int:
     """Load MODEL, start the engine thread and serve until SIGINT / SIGTERM: then stop accepting, let
     running requests finish for up to shutdown_timeout seconds, cancel the rest, return 0."""
-    import uvicorn
-
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {port}")
-    served = load_served(model, name)
-    engine = build_engine(served, **engine_options)
-    app = create_app(served, engine, ServeSettings(max_waiting=max_waiting))
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # connections wait in the backlog from now on, even before uvicorn's loop runs
+    if not shutdown_timeout >= 0:  # uvicorn would cancel every request at once (and NaN compares false)
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
+    # bound before the model loads (minutes for a big one), so that a port in use is said at once; listening
+    # only after it: a client connecting meanwhile is refused rather than left waiting in the backlog
+    sock = _bind(host, port)
+    try:
+        served = load_served(model, name)
+        engine = build_engine(served, **engine_options)
+        app = create_app(served, engine, ServeSettings(max_waiting=max_waiting))
+        try:
+            sock.listen(2048)  # connections wait in the backlog from now on, even before uvicorn's loop runs
+        except OSError as e:  # another socket took the port first (both bound with SO_REUSEADDR)
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        return _run(app, served, sock, host, shutdown_timeout)
+    finally:
+        sock.close()
+
+
+def _make_server(app: Any, shutdown_timeout: float) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
+    server = _server_class()(config)
+    api = app.state.api
+    # from the signal on, a request not yet admitted (its connection accepted before uvicorn closed the listener)
+    # gets a 503 "shutting down" instead of starting: only those already running get the shutdown timeout
+    server.on_exit = lambda: setattr(api, "shutting_down", True)
+    # an engine that died (a bug, out of memory) cannot serve again: stop the process, as vLLM does, so that a
+    # supervisor restarts it rather than keeping a server that answers 503 forever
+    api.worker.on_error = lambda e: setattr(server, "should_exit", True)
+    return server
+
+
+def _run(app: Any, served: Served, sock: socket.socket, host: str, shutdown_timeout: float) -> int:
     bound = sock.getsockname()[1]
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"qkv serve: listening on {host}: anyone who can reach this address can use the model")
     shown = f"[{host}]" if ":" in host else host
     print(f"qkv serve: model '{served.name}' at http://{shown}:{bound}/v1  (Ctrl-C to stop)", flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
-    server = _server_class()(config)
+    server = _make_server(app, shutdown_timeout)
     worker = app.state.api.worker
-    # an engine that died (a bug, out of memory) cannot serve again: stop the process, as vLLM does, so that a
-    # supervisor restarts it rather than keeping a server that answers 503 forever
-    worker.on_error = lambda e: setattr(server, "should_exit", True)
     server.run(sockets=[sock])
     if worker.error is not None:
         print(f"qkv serve: stopped: the engine failed ({type(worker.error).__name__}: {worker.error})",

@@ -2,7 +2,7 @@
 
     POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream", ...}
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...}  (the model's chat template)
-    GET  /v1/models, /health, /metrics (Prometheus text format)
+    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text format)
 
 Every request is checked before it reaches the engine (types, ranges, the model name, the context and the
 KV pool): a bad one gets OpenAI's error shape {"error": {"message", "type", "param", "code"}} and never
@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qkv.generate.config import MIN_TEMPERATURE
-from qkv.generate.engine import Engine
+from qkv.generate.engine import TEXT_CONTEXT, Engine
 from qkv.interop.tokenizer import decode_continuation as continuation
 from qkv.serve.metrics import Metrics
 from qkv.serve.model import Served
@@ -34,6 +34,10 @@ from qkv.serve.worker import EngineWorker, Ticket
 
 _MARK = "\x00piece\x00"  # a stand-in text that json.dumps writes in one unmistakable way
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
+# the smallest repetition_penalty accepted: seen tokens' positive logits are divided by it, and 1e-300 overflowed
+# float32 (inf, then NaN probabilities); at 0.01 a logit of 1e4 becomes 1e6, far from float32's 3e38, and a 100x
+# boost of every seen token is already past any useful setting
+MIN_REPETITION_PENALTY = 0.01
 
 
 class APIError(Exception):
@@ -46,6 +50,13 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _cancelled(shutdown: bool) -> APIError:
+    """A request the server cut short: a 503 before the status line, an event + [DONE] after it. shutdown: uvicorn
+    cancelled it, --shutdown-timeout having run out."""
+    why = "the server is shutting down" if shutdown else "client gone or server shutting down"
+    return APIError(503, f"the request was cancelled ({why})", None, "cancelled", "server_error")
 
 
 @dataclass
@@ -96,9 +107,18 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
                        "response_format", "unsupported")
 
 
+# The sampling fields a folder's generation_config.json may set for the requests that leave them out (vLLM's
+# --generation-config auto: the same five); OpenAI's values where it does not.
+FOLDER_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class API:
     def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
         self.served, self.engine, self.settings = served, engine, settings
+        folder = served.model.generation_defaults()
+        self.sampling_defaults = {**OPENAI_SAMPLING, **{k: folder[k] for k in FOLDER_SAMPLING
+                                                         if folder.get(k) is not None}}
         self.worker = EngineWorker(engine)
         self.metrics = Metrics(self.worker)
         self.active = 0  # accepted requests not finished (event-loop thread only)
@@ -110,8 +130,10 @@ class API:
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over 4300 digits; nesting
+        # too deep for the parser is a RecursionError: all of them a malformed body, not a server error
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]})", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
         model = body.get("model")
@@ -132,14 +154,20 @@ class API:
         for name in ("presence_penalty", "frequency_penalty"):
             v = _field(body, name, _is_num, "a number", 0)
             _range(v == 0, name, "is not supported (only 0)")
-        temperature = _field(body, "temperature", _is_num, "a number", 1.0)
+        # each sampling field: the request's value, else the folder's default, else OpenAI's (sampling_defaults)
+        d = self.sampling_defaults
+        temperature = _field(body, "temperature", _is_num, "a number", d["temperature"])
         _range(0 <= temperature <= 2, "temperature", f"must be in [0, 2], got {temperature}")
-        top_p = _field(body, "top_p", _is_num, "a number", 1.0)
+        top_p = _field(body, "top_p", _is_num, "a number", d["top_p"])
         _range(0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p}")
-        repetition = _field(body, "repetition_penalty", _is_num, "a number", 1.0)  # an extension, as vLLM's
-        _range(0 < repetition <= 10, "repetition_penalty", f"must be in (0, 10], got {repetition}")
-        top_k = _field(body, "top_k", _is_int, "an integer", -1)
-        _range(top_k == -1 or top_k >= 1, "top_k", f"must be -1 (off) or >= 1, got {top_k}")
+        top_k = _field(body, "top_k", _is_int, "an integer", d["top_k"])  # extensions from here, as vLLM's
+        _range(top_k >= -1, "top_k", f"must be -1 or 0 (off) or >= 1, got {top_k}")
+        min_p = _field(body, "min_p", _is_num, "a number", d["min_p"])
+        _range(0 <= min_p <= 1, "min_p", f"must be in [0, 1], got {min_p}")
+        repetition = _field(body, "repetition_penalty", _is_num, "a number", d["repetition_penalty"])
+        # bounded below too: seen logits are divided by it, and 1e-300 made them inf (then NaN probabilities)
+        _range(MIN_REPETITION_PENALTY <= repetition <= 10, "repetition_penalty",
+               f"must be in [{MIN_REPETITION_PENALTY}, 10], got {repetition}")
         seed = _field(body, "seed", _is_int, "an integer")
         _range(seed is None or -(2 ** 63) <= seed < 2 ** 64, "seed", f"must be a 64-bit integer, got {seed}")
         stop = _field(body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(
@@ -161,16 +189,15 @@ class API:
         except ValueError as e:
             raise APIError(400, f"{e}: lower max_tokens or shorten the prompt", name,
                            "context_length_exceeded") from None
-        opts: dict[str, Any] = {"max_new_tokens": max_tokens, "seed": seed}
-        if temperature >= MIN_TEMPERATURE:  # below: greedy, the limit (GenerationConfig.sampling)
-            opts.update(do_sample=True, temperature=float(temperature), top_p=float(top_p),
-                        top_k=top_k if top_k > 0 else None)
-        else:
-            opts["do_sample"] = False
+        # every setting explicit, "off" included: the engine applies a request's options over its own base
+        # config (build_engine: the folder's token ids only), and an option left out would keep that base's value
+        opts: dict[str, Any] = {
+            "max_new_tokens": max_tokens, "seed": seed,
+            "do_sample": temperature >= MIN_TEMPERATURE,  # below: greedy, the limit (GenerationConfig.sampling)
+            "temperature": float(temperature), "top_p": float(top_p), "top_k": max(top_k, 0), "min_p": float(min_p),
+            "repetition_penalty": float(repetition)}
         if stop:
             opts["stop_strings"] = stop
-        if repetition != 1.0:
-            opts["repetition_penalty"] = float(repetition)
         return opts
 
     def prompt_ids(self, body: dict) -> list[int]:
@@ -200,10 +227,17 @@ class API:
             raise APIError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
         clean = []
         for i, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise APIError(400, f"messages[{i}] must be an object with string 'role' and 'content'",
-                               f"messages[{i}]", "invalid_type")
-            clean.append({"role": m["role"], "content": m["content"]})
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # OpenAI's content parts: text ones joined (as vLLM), others refused
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": "
+                                   "...}) are supported by this server", f"messages[{i}]", "unsupported")
+                content = "\n".join(p["text"] for p in content)
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
+                raise APIError(400, f"messages[{i}] must be an object with string 'role' and 'content' (a string "
+                               "or a list of text parts)", f"messages[{i}]", "invalid_type")
+            clean.append({"role": m["role"], "content": content})
         if not self.served.codec.has_chat_template:
             raise APIError(400, f"the model '{self.served.name}' has no chat template: use /v1/completions",
                            "messages", "no_chat_template")
@@ -265,9 +299,10 @@ class API:
                         continue
                 items, t.items = t.items, []
                 for i, (kind, value) in enumerate(items):
-                    if kind == "error":
+                    if kind in ("error", "failed"):  # the engine died / this request failed alone
                         done = True
-                        raise APIError(500, value, None, "engine_error", "server_error")
+                        raise APIError(500, value, None, "engine_error" if kind == "error" else "request_failed",
+                                       "server_error")
                     if kind == "done":
                         done = True
                         yield items[:i + 1]
@@ -296,7 +331,7 @@ class TextStream:
     (Metaspace) decoder drops the leading space of a text's first token, so a completion decoded on its own
     would lose the space between the prompt and its first word (as vLLM, which starts its windows in the prompt)."""
 
-    CONTEXT = 5  # prompt tokens read as context (vLLM's initial detokenization offset)
+    CONTEXT = TEXT_CONTEXT  # prompt tokens read as context (the engine's stop check reads the same ones)
 
     def __init__(self, decode, stop: list[str], context: Sequence[int] = ()) -> None:
         self.decode, self.stop = decode, stop
@@ -354,7 +389,8 @@ class TextStream:
 
 class _Stream(StreamingResponse):
     """A StreamingResponse that always runs on_close, even when the client is gone before the body's first
-    chunk (the generator's own finally never runs then)."""
+    chunk (the generator's own finally never runs then), and that ends quietly when uvicorn cancels it at the
+    end of a graceful shutdown (the stream has sent its last event: events() in create_app)."""
 
     def __init__(self, content: Any, on_close: Any, **kw: Any) -> None:
         super().__init__(content, **kw)
@@ -363,6 +399,8 @@ class _Stream(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:  # uvicorn stops the task either way; re-raised, it logs a traceback
+            pass
         finally:
             self.on_close()
 
@@ -386,6 +424,12 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return e.response()
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        # a bug: OpenAI's error shape still (a client parses it), not Starlette's plain-text 500; uvicorn logs it
+        return APIError(500, f"internal server error ({type(e).__name__}: {str(e)[:200]})", None,
+                        "internal_error", "server_error").response()
+
     @app.exception_handler(404)
     async def _not_found(request: Request, e: Exception) -> JSONResponse:
         return APIError(404, f"no route {request.method} {request.url.path}", None, "not_found").response()
@@ -395,15 +439,23 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         return APIError(405, f"{request.method} is not allowed on {request.url.path}", None,
                         "method_not_allowed").response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers' checks send
     async def health() -> JSONResponse:
         ok = api.worker.alive and not api.shutting_down
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
+    card = {"id": served.name, "object": "model", "created": 0, "owned_by": "qkv", "max_model_len": engine.context}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "qkv",
-                                            "max_model_len": engine.context}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # the openai client's models.retrieve(); ids may hold a "/"
+    async def model(model_id: str) -> dict:
+        if model_id != served.name:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server has '{served.name}'", "model",
+                           "model_not_found")
+        return card
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -417,6 +469,13 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         opts = api.options(body, len(ids), None if chat else DEFAULT_MAX_TOKENS)
         stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
         so = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+        if body.get("stream_options") is not None and not stream:  # as OpenAI and vLLM answer it
+            raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
+                           "invalid_value")
+        include_usage = so.get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):  # "no" is not false
+            raise APIError(400, f"'stream_options.include_usage' must be a boolean, got "
+                           f"{json.dumps(include_usage)[:60]}", "stream_options", "invalid_type")
         t = api.admit(ids, opts)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -433,11 +492,12 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
                             ids_out.append(v)
                         else:
                             reason = v
+            except asyncio.CancelledError:  # --shutdown-timeout ran out (uvicorn cancels what still runs)
+                raise _cancelled(shutdown=True) from None
             finally:
                 api.release(t, reason)
             if reason is None or reason == "cancelled":
-                raise APIError(503, "the request was cancelled (client gone or server shutting down)", None,
-                               "cancelled", "server_error")
+                raise _cancelled(shutdown=False)
             content = cut_at_stop(continuation(served.codec.decode, context, ids_out), text.stop)
             n = len(ids_out)
             usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
@@ -463,6 +523,9 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         # with json.dumps (the same bytes as chunk's, tests/serve: no dict and no whole-object dumps a token)
         head, tail = chunk(_MARK, None).split(json.dumps(_MARK))
 
+        def error_event(e: APIError) -> str:
+            return f"data: {json.dumps(json.loads(e.response().body))}\n\ndata: [DONE]\n\n"
+
         async def events() -> AsyncIterator[str]:
             n, reason = 0, None
             try:
@@ -482,13 +545,21 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
                         if out:  # the events of one delivery in one write
                             yield "".join(out)
                 except APIError as e:  # the status line is long gone: the error as an event, as vLLM sends it
-                    yield f"data: {json.dumps(json.loads(e.response().body))}\n\ndata: [DONE]\n\n"
+                    yield error_event(e)
                     return
+                except asyncio.CancelledError:
+                    # uvicorn cancels the responses still running when --shutdown-timeout runs out: end the stream
+                    # as any other ends, with a reason, rather than cut it (a client would wait for more), and
+                    # without an "Exception in ASGI application" traceback (_Stream.__call__)
+                    yield error_event(_cancelled(shutdown=True))
+                    return
+                if reason == "cancelled":  # by the engine thread's end (shutdown): say so; None: the client left
+                    yield error_event(_cancelled(shutdown=False))
                 if reason in (None, "cancelled"):
                     return
                 tail_text = text.push(None)
                 usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
-                if so.get("include_usage"):  # OpenAI's form: usage only on a last chunk of its own
+                if include_usage:  # OpenAI's form: usage only on a last chunk of its own
                     yield chunk(tail_text, reason, usage=None)
                     yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
                 else:  # an extension (as vLLM's continuous usage): the last chunk carries it

@@ -28,7 +28,9 @@ class Ticket:
     key: int
     prompt_len: int
     loop: asyncio.AbstractEventLoop
-    items: list = field(default_factory=list)  # ("token", id) ... then ("done", reason): delivered, not yet read
+    # ("token", id) ... then ("done", reason), or ("failed", why) (this request), or ("error", why) (the engine
+    # died): delivered, not yet read
+    items: list = field(default_factory=list)
     waiter: asyncio.Future | None = None  # the handler waits on it for items (event-loop thread only)
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -130,10 +132,11 @@ class EngineWorker:
     def _finish_all(self) -> None:
         for rid in self.engine.take_finished():
             t = self._tickets.pop(rid, None)
+            error = self.engine.errors.get(rid)  # a request that failed on its own (the engine goes on)
             done = self.engine.pop_finished(rid)
             if t is not None:
                 self._by_key.pop(t.key, None)
-                self._send(t, ("done", done[1] if done else "cancelled"))
+                self._send(t, ("failed", error) if error is not None else ("done", done[1] if done else "cancelled"))
 
     def _run(self) -> None:
         try:
