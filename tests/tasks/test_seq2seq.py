@@ -122,7 +122,8 @@ class Oracle(nn.Module):
         self.w = nn.Parameter(torch.zeros(1))
         self.calls = []
 
-    def generate(self, x, max_new_tokens, *, attention_mask=None, eos_token_id=None):
+    def generate(self, x, max_new_tokens, *, attention_mask=None, eos_token_id=None, do_sample=False):
+        assert not do_sample  # a translation is decided, not sampled
         tok, fam = self.task.tokenizer, self.task.family
         self.calls.append(x.clone())
         rows = []
