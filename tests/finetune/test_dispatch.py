@@ -43,8 +43,9 @@ def test_cli_missing_files_exit_2(fake_recipes, tmp_path, capsys):
 
 def test_cli_runs_the_recipe_of_the_model_kind(fake_recipes, tmp_path, monkeypatch, capsys):
     (tmp_path / "d.jsonl").write_text("{}\n")
+    (tmp_path / "m").mkdir()
     monkeypatch.setattr(ft, "model_kind", lambda folder: "encoder")
-    assert main(["finetune", str(tmp_path), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o")]) == 0
+    assert main(["finetune", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o")]) == 0
     assert fake_recipes == ["classify"] and capsys.readouterr().out.strip() == "classify"
 
 

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError, from_dict, parse_overrides
-from qkv.finetune import Recipe, register_recipe, shared
+from qkv.finetune import FINETUNE_FILE, Recipe, register_recipe, shared
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100
@@ -49,7 +49,6 @@ IGNORE = -100
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "generation_config.json")
-FINETUNE_FILE = "finetune.json"
 # Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
 EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
                                                       ("llama", "mistral", "qwen2", "qwen3")}}
@@ -282,17 +281,6 @@ def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool
     return from_dict(TrainConfig, cfg, "train")
 
 
-def _check_out(out: Path, resume: bool) -> None:
-    from qkv.train import latest_checkpoint
-
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder")
-    if latest_checkpoint(out / "checkpoints") is not None and not resume:
-        raise ConfigError(f"{out} already holds a fine-tuning run; pass --resume to continue it or choose another --out")
-    if (out / "config.json").is_file() and not (out / FINETUNE_FILE).is_file():
-        raise ConfigError(f"--out {out} already holds a model folder that qkv finetune did not write; choose another --out")
-
-
 def _lora_config(args: argparse.Namespace) -> Any:
     from qkv.finetune.lora import LoRAConfig
 
@@ -343,7 +331,8 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
         model.save_pretrained(out)
         fmt = "qkv"
     for name in TOKENIZER_FILES:
-        if (source / name).is_file():
+        # never a file onto itself (check_out refuses OUT = the source; this guards any other alias of it)
+        if (source / name).is_file() and not ((out / name).exists() and (out / name).samefile(source / name)):
             shutil.copyfile(source / name, out / name)
     return fmt
 
@@ -388,8 +377,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from qkv.train.rng import seed_everything
 
     source = model_folder(args.model)
-    out = Path(args.out)
-    _check_out(out, args.resume)
+    out = Path(args.out)  # checked by qkv.finetune.check_out before this recipe runs
     check_exportable(source)
     lora = _lora_config(args) if args.lora else None
     records = read_chats(args.data)

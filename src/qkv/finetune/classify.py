@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
-from qkv.finetune import Recipe, register_recipe, shared
+from qkv.finetune import Recipe, mark_out, register_recipe, shared
 from qkv.finetune.encoders import (
     EncodedData,
     best_state,
@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = train_config(args, len(train), dev is not None)
     model = new_head_model(enc, "classify", n_labels, args.seed)
     out = Path(args.out)
+    mark_out(out, "classify")  # the data are read and checked: the run starts
     trainer = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None)
     summary = trainer.fit()
     best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.load_state_dict(best)
     model.cpu().eval()
     export_folder(enc, model, out, names)
-    result: dict[str, Any] = {"task": "classify", "labels": [names[i] for i in range(n_labels)],
+    result: dict[str, Any] = {"recipe": "classify", "task": "classify", "labels": [names[i] for i in range(n_labels)],
                               "train_examples": len(train), "truncated": {"train": cut, "dev": dev_cut},
                               "steps": summary["steps"], "best": summary.get("best_eval"), "out": str(out)}
     lines = [f"fine-tuned {enc.model_type} for {summary['steps']} steps on {len(train)} examples "

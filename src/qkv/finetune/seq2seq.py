@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError, parse_overrides
-from qkv.finetune import Recipe, register_recipe, shared
+from qkv.finetune import Recipe, mark_out, register_recipe, shared
 from qkv.tasks.base import read_text_file, text_lines
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
@@ -167,7 +167,7 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
         save_bart(model, out, meta)
     else:
         raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, marian)")
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:  # never a file onto itself
         if (source / name).is_file() and (source / name).resolve() != (out / name).resolve():
             shutil.copyfile(source / name, out / name)
     return out
@@ -225,6 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return scores(translate(m, tok, dev.sources, cfg.pad_token_id, **gen), refs)
 
     model.train()
+    mark_out(args.out, "seq2seq")  # the data are read and checked: the run starts
     trainer = Trainer(model, train_cfg, data, eval_fn=eval_fn if dev is not None else None, resume=args.resume)
     summary = trainer.fit()
     best = summary.get("best_checkpoint")
