@@ -239,7 +239,8 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
                         "out_proj, up, gate, down, Hugging Face names (q_proj, o_proj, ...), globs, or all-linear "
                         "(default q,v)")
     g.add_argument("--max-length", type=int, default=None,
-                   help="longest conversation in tokens (default: the model's context length)")
+                   help="longest conversation in tokens (default and upper bound: the longest sequence the model "
+                        "accepts, its context length or a shorter sliding window)")
 
 
 def _tokenizer(folder: Path) -> Any:
@@ -403,7 +404,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = _source_dtype(model)
     if lora is None and dtype != torch.float32:
         model.float()  # full fine-tuning updates the weights themselves: in fp32 (saved back in the source dtype)
-    context = getattr(model.config, "context_length", None)
+    # the longest sequence the model accepts: its context_limit where it has one (an absolute position table,
+    # or a sliding window it refuses to exceed: Mistral), else the context length it declares (RoPE)
+    context = getattr(model, "context_limit", None) or getattr(model.config, "context_length", None)
     if args.max_length is not None and args.max_length < 1:
         raise ConfigError(f"--max-length must be a positive number of tokens, got {args.max_length}")
     max_length = args.max_length or context
