@@ -218,7 +218,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not key.startswith("train."):
             raise ConfigError(f"override {key!r}: qkv finetune takes Trainer settings as train.key=value")
         train_cfg[key[len("train."):]] = value
-    gen = {"num_beams": args.num_beams, "max_new_tokens": max_tgt, "do_sample": False}
+    # the decoder holds its start token too: a target as long as the context leaves one position fewer to generate
+    max_new = min(max_tgt, model.context_limit - 1) if model.context_limit else max_tgt
+    gen = {"num_beams": args.num_beams, "max_new_tokens": max_new, "do_sample": False}
     refs = [t for _, t in dev.texts] if dev is not None else []
 
     def eval_fn(m: Any) -> dict[str, float]:
