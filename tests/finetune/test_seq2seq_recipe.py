@@ -85,7 +85,7 @@ def test_tiny_t5_learns_to_reverse_words_and_round_trips(tmp_path, capsys):
 
 @pytest.mark.parametrize("content,message", [
     ("a b\tb a\na b c\n", "train.tsv:2: no tab between source and target"),
-    ("a b\tb a\n\nb c\tc b\n", "train.tsv:2: empty row"),
+    ("a b\tb a\n\t\n", "train.tsv:2: empty source"),
     ("a b\t \n", "train.tsv:1: empty target"),
     ("a b\tb a\tx\n", "train.tsv:1: 2 tabs"),
     ("a b c d e f a b c d e f\tb a\n", "train.tsv:1: source is 13 tokens, over --max-source-length 8"),
@@ -134,3 +134,17 @@ def test_dev_decoding_fits_the_decoder_context(tmp_path, capsys):
                "train.plot=false", "train.tensorboard=false"])
     assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "out" / "checkpoints" / "best" / "eval.json").is_file()
+
+
+def test_pairs_file_bom_blank_lines_and_encoding(tmp_path):
+    """A UTF-8 byte order mark is dropped, blank lines (a trailing one included) are skipped as the other
+    readers skip them, and bytes that are not UTF-8 are one error naming the file and line."""
+    from qkv.config import ConfigError
+    from qkv.finetune.seq2seq import read_pairs
+
+    path = tmp_path / "p.tsv"
+    path.write_bytes(b"\xef\xbb\xbfa b\tb a\n\nc\tc\n\n")
+    assert read_pairs(path) == [("a b", "b a", 1), ("c", "c", 3)]
+    path.write_bytes(b"a\tb\nc\xe9\td\n")
+    with pytest.raises(ConfigError, match=r"p.tsv:2: not UTF-8 text \(byte 0xe9 at column 2\)"):
+        read_pairs(path)

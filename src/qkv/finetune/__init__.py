@@ -99,6 +99,24 @@ def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any
     return value
 
 
+def read_data_text(path: str | Path, where: str = "{path} line {line}") -> str:
+    """The text of a data file, UTF-8, with a leading byte order mark dropped (Windows editors write one; left in,
+    it would become part of the first column's name or the first record). Bytes that are not UTF-8 are one
+    ConfigError naming the file, line and column (`where` formats the file and line as the reader's other
+    errors do)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = raw.rfind(b"\n", 0, e.start) + 1
+        at = where.format(path=path, line=raw.count(b"\n", 0, e.start) + 1)
+        raise ConfigError(f"{at}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start - line_start + 1}); "
+                          "save the file as UTF-8") from None
+
+
 def model_kind(folder: str | Path) -> str:
     """The kind of the model in `folder`, read from its config.json alone (no weights are loaded)."""
     from qkv.interop import KINDS
@@ -204,4 +222,4 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
 
 
 __all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose", "finetune",
-           "mark_out", "model_kind", "recipes", "register_recipe", "shared", "written_by"]
+           "mark_out", "model_kind", "read_data_text", "recipes", "register_recipe", "shared", "written_by"]

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError, from_dict, parse_overrides
-from qkv.finetune import FINETUNE_FILE, Recipe, register_recipe, shared
+from qkv.finetune import FINETUNE_FILE, Recipe, read_data_text, register_recipe, shared
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100
@@ -94,22 +94,15 @@ def read_chats(path: str | Path) -> list[tuple[int, list[dict[str, str]]]]:
     """[(line number, messages)] of a JSONL file. Blank lines are skipped; anything else that is not a valid
     record is one ConfigError naming the file and line."""
     path = Path(path)
-    raw = path.read_bytes()
-    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors)
-        raw = raw[3:]
-    if not raw.strip():
+    text = read_data_text(path, "{path}:{line}")  # a byte order mark dropped; not UTF-8: file:line
+    if not text.strip():
         raise ConfigError(f"{path}: the file is empty (expected one JSON object per line)")
     out = []
-    for n, line in enumerate(raw.split(b"\n"), 1):
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") \
-                from None
-        if not text.strip():
+    for n, line in enumerate(text.split("\n"), 1):  # at "\n" only, as wc -l counts (see tasks.base.text_lines)
+        if not line.strip():
             continue
         try:
-            obj = json.loads(text)
+            obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
         out.append((n, _messages(obj, f"{path}:{n}")))

@@ -99,7 +99,7 @@ def label_set(values: list[Any], model_names: dict[int, str] | None) -> tuple[di
     """(label -> id, id -> name). All integers: they are the ids (0..max), named by the folder's id2label when
     it has one for each; otherwise names, given ids in sorted order."""
     as_str = [str(v).strip() for v in values]
-    if all(s.lstrip("-").isdigit() for s in as_str):
+    if all(s.lstrip("-").isdigit() and s.isascii() for s in as_str):  # "²" is a digit to isdigit, not to int()
         ids = sorted({int(s) for s in as_str})
         if ids[0] < 0:
             raise ConfigError(f"label ids must be >= 0, got {ids[0]}")
@@ -132,7 +132,8 @@ def _examples(path: str, args: argparse.Namespace, enc: Any) -> tuple[list[Any],
     pairs = column(path, records, args.text_pair_column, "text pair")
     pairs = [str(p) for p in pairs] if args.text_pair_column else None
     labels = column(path, records, args.label_column, "label")
-    encodings, cut = encode(enc.tokenizer, texts, pairs, enc.max_length, too_long(args), path)
+    encodings, cut = encode(enc.tokenizer, texts, pairs, enc.max_length, too_long(args), path,
+                            lines=[line for line, _ in records])
     return encodings, labels, records, cut
 
 

@@ -1,9 +1,9 @@
 """`qkv finetune DIR --task seq2seq --data pairs.tsv [--dev dev.tsv] --out OUT`: fine-tune an encoder-decoder
 (T5, BART, Marian folders, or a qkv encdec checkpoint) on the user's source/target pairs.
 
-Data: one pair per line, `source<TAB>target`, UTF-8. A line without a tab, with an empty source or target, or
-longer than --max-source-length / --max-target-length tokens (after tokenisation) is one clear error naming
-the file and line (--too-long truncate: cut and count instead). Training is the library's Trainer (AdamW, warmup +
+Data: one pair per line, `source<TAB>target`, UTF-8 (blank lines skipped). A line without a tab, with an empty
+source or target, or longer than --max-source-length / --max-target-length tokens (after tokenisation) is one
+clear error naming the file and line (--too-long truncate: cut and count instead). Training is the library's Trainer (AdamW, warmup +
 decay, clipping, bf16, checkpoints, --resume), seeded before anything is built; an epoch is one pass over the
 shuffled pairs. Every epoch the dev pairs are decoded (greedy, or --num-beams) and scored with sacrebleu's
 BLEU and chrF, plus exact match; checkpoints/best keeps the best epoch (train.best_metric, default bleu).
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError, parse_overrides
-from qkv.finetune import Recipe, mark_out, register_recipe, shared
-from qkv.tasks.base import read_text_file, text_lines
+from qkv.finetune import Recipe, mark_out, read_data_text, register_recipe, shared
+from qkv.tasks.base import text_lines
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
                    "source.spm", "target.spm", "vocab.json", "generation_config.json")
@@ -45,11 +45,11 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
 def read_pairs(path: str | Path) -> list[tuple[str, str, int]]:
     """(source, target, line number) of a `source<TAB>target` file; bad rows are one clear error."""
     p = Path(path)
-    lines = text_lines(read_text_file(p, "TSV file"))  # missing, not UTF-8 or empty: one clear error
+    lines = text_lines(read_data_text(p, "{path}:{line}"))  # a BOM dropped; not UTF-8: file:line
     pairs = []
     for n, line in enumerate(lines, 1):
-        if not line.strip():
-            raise ConfigError(f"{p}:{n}: empty row (each line is source<TAB>target)")
+        if not line.strip() and "\t" not in line:
+            continue  # a blank line (the other readers skip them too); a lone tab is an empty source below
         if "\t" not in line:
             raise ConfigError(f"{p}:{n}: no tab between source and target (each line is source<TAB>target)")
         parts = line.split("\t")

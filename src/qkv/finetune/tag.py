@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
-from qkv.finetune import Recipe, mark_out, register_recipe, shared
+from qkv.finetune import Recipe, mark_out, read_data_text, register_recipe, shared
 from qkv.finetune.encoders import (
     EncodedData,
     best_state,
@@ -54,7 +54,7 @@ def read_conll(path: str | Path, tag_column: int = -1) -> list[tuple[list[str], 
     sentences: list[tuple[list[str], list[str]]] = []
     words: list[str] = []
     tags: list[str] = []
-    for i, line in enumerate(text_lines(Path(path).read_text(encoding="utf-8")) + [""], 1):
+    for i, line in enumerate(text_lines(read_data_text(path)) + [""], 1):  # a BOM dropped; not UTF-8: file and line
         parts = line.split()
         if not parts or parts[0] == "-DOCSTART-":
             if words:
