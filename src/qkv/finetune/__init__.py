@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import pkgutil
 from collections.abc import Callable
@@ -115,6 +116,22 @@ def read_data_text(path: str | Path, where: str = "{path} line {line}") -> str:
         at = where.format(path=path, line=raw.count(b"\n", 0, e.start) + 1)
         raise ConfigError(f"{at}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start - line_start + 1}); "
                           "save the file as UTF-8") from None
+
+
+def epoch_updates(n_examples: int, batch_size: int, grad_accum: int = 1) -> int:
+    """Optimizer updates in one pass over `n_examples`: each update reads batch_size x grad_accum examples on
+    each rank of the launch (torchrun's WORLD_SIZE), the values after the train.key=value overrides. What every
+    recipe turns --epochs into steps with, and evaluates and saves by."""
+    from qkv.train.distributed import world_size
+
+    return max(1, math.ceil(n_examples / max(1, batch_size * grad_accum * world_size())))
+
+
+def epochs_to_steps(epochs: float, per_epoch: int) -> int:
+    """train.max_steps for --epochs passes of `per_epoch` updates (a started pass counts whole)."""
+    if epochs <= 0:
+        raise ConfigError(f"--epochs must be positive, got {epochs:g}")
+    return max(1, math.ceil(epochs * per_epoch - 1e-9))  # 1e-9: 0.1 x 30 is 3.0000000000000004 in floats
 
 
 def model_kind(folder: str | Path) -> str:
@@ -221,5 +238,5 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     return recipe.run(args)
 
 
-__all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose", "finetune",
+__all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose", "epoch_updates", "epochs_to_steps", "finetune",
            "mark_out", "model_kind", "read_data_text", "recipes", "register_recipe", "shared", "written_by"]

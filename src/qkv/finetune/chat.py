@@ -30,7 +30,6 @@ import argparse
 import importlib
 import inspect
 import json
-import math
 import shutil
 import sys
 from dataclasses import dataclass
@@ -41,7 +40,15 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError, from_dict, parse_overrides
-from qkv.finetune import FINETUNE_FILE, Recipe, read_data_text, register_recipe, shared
+from qkv.finetune import (
+    FINETUNE_FILE,
+    Recipe,
+    epoch_updates,
+    epochs_to_steps,
+    read_data_text,
+    register_recipe,
+    shared,
+)
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100
@@ -263,13 +270,8 @@ def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool
         cfg["progress"] = False
     bs = int(cfg["batch_size"])
     if "max_steps" not in train:
-        epochs = shared(args, "epochs", 1.0)
-        if epochs <= 0:
-            raise ConfigError(f"--epochs must be positive, got {epochs}")
-        from qkv.train.distributed import world_size
-
-        per_update = bs * int(cfg.get("grad_accum", 1)) * world_size()  # sequences per update, all ranks
-        cfg["max_steps"] = max(1, math.ceil(epochs * n_train / per_update))
+        per_epoch = epoch_updates(n_train, bs, int(cfg.get("grad_accum", 1)))
+        cfg["max_steps"] = epochs_to_steps(float(shared(args, "epochs", 1.0)), per_epoch)
     if n_dev and "max_eval_batches" not in train:
         cfg["max_eval_batches"] = -(-n_dev // bs)
     return from_dict(TrainConfig, cfg, "train")

@@ -11,7 +11,6 @@ import argparse
 import csv
 import io
 import json
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError, apply_overrides, parse_overrides
-from qkv.finetune import read_data_text, shared
+from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
 from qkv.tasks.base import text_lines
 
 # the encoder model_types and the module whose Layout writes them back
@@ -292,15 +291,10 @@ def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
     bad = [k for k in raw if not k.startswith("train.")]
     if bad:
         raise ConfigError(f"overrides must be train.key=value; got {bad[0]!r}")
-    from qkv.train.distributed import world_size
-
     batch = int(raw.get("train.batch_size", FINETUNE_DEFAULTS["batch_size"]))
     accum = int(raw.get("train.grad_accum", FINETUNE_DEFAULTS.get("grad_accum", 1)))
-    per_epoch = max(1, math.ceil(n_train / max(batch * accum * world_size(), 1)))  # updates, all ranks together
-    epochs = float(shared(args, "epochs", 3.0))
-    if epochs <= 0:
-        raise ConfigError(f"--epochs must be > 0, got {epochs}")
-    base = {**FINETUNE_DEFAULTS, "max_steps": max(1, round(epochs * per_epoch)),
+    per_epoch = epoch_updates(n_train, batch, accum)
+    base = {**FINETUNE_DEFAULTS, "max_steps": epochs_to_steps(float(shared(args, "epochs", 3.0)), per_epoch),
             "eval_every": per_epoch if has_dev else 0, "save_every": per_epoch, "out_dir": str(args.out),
             "resume": bool(args.resume), "seed": int(args.seed), "progress": not args.no_progress}
     data = apply_overrides({"train": base}, raw, "fine-tuning settings")

@@ -26,7 +26,15 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError, parse_overrides
-from qkv.finetune import Recipe, mark_out, read_data_text, register_recipe, shared
+from qkv.finetune import (
+    Recipe,
+    epoch_updates,
+    epochs_to_steps,
+    mark_out,
+    read_data_text,
+    register_recipe,
+    shared,
+)
 from qkv.tasks.base import text_lines
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
@@ -209,15 +217,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise ConfigError(f"{path}: the tokenizer gives id {bad[0]}, outside the model's vocabulary "
                                   f"of {cfg.target_vocab_size}: tokenizer and model do not match")
     data = PairSource(train, cfg.pad_token_id, args.seed)
-    per_epoch = math.ceil(len(data) / args.batch_size)
-    train_cfg = {"max_steps": max(1, round(epochs * per_epoch)), "batch_size": args.batch_size, "lr": args.lr or 3e-4,
-                 "warmup": 0.06, "schedule": "linear", "weight_decay": 0.01, "betas": [0.9, 0.999],
-                 "eval_every": per_epoch if dev is not None else 0, "save_every": per_epoch,
-                 "out_dir": str(args.out), "seed": args.seed, "progress": not args.no_progress}
+    train_cfg = {"batch_size": args.batch_size, "lr": args.lr or 3e-4, "warmup": 0.06, "schedule": "linear",
+                 "weight_decay": 0.01, "betas": [0.9, 0.999], "out_dir": str(args.out), "seed": args.seed,
+                 "progress": not args.no_progress}
+    over = {}
     for key, value in parse_overrides(list(args.overrides)).items():
         if not key.startswith("train."):
             raise ConfigError(f"override {key!r}: qkv finetune takes Trainer settings as train.key=value")
-        train_cfg[key[len("train."):]] = value
+        over[key[len("train."):]] = value
+    train_cfg.update(over)
+    # an epoch in updates of the batch the Trainer will read (train.batch_size / grad_accum overrides included)
+    per_epoch = epoch_updates(len(data), int(train_cfg["batch_size"]), int(train_cfg.get("grad_accum", 1)))
+    train_cfg = {"max_steps": epochs_to_steps(float(epochs), per_epoch),
+                 "eval_every": per_epoch if dev is not None else 0, "save_every": per_epoch, **train_cfg}
     # the decoder holds its start token too: a target as long as the context leaves one position fewer to generate
     max_new = min(max_tgt, model.context_limit - 1) if model.context_limit else max_tgt
     gen = {"num_beams": args.num_beams, "max_new_tokens": max_new, "do_sample": False}
