@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dev", default=None, help="held-out data file, evaluated during and after training")
     p.add_argument("--out", required=True, help="output folder (a model folder qkv and transformers load)")
     p.add_argument("--task", default=None, help="recipe: " + ", ".join(sorted(recipes())) +
-                   " (default: from the model's kind)")
+                   " (default: from the model's kind); the flags of another recipe's group below are refused")
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -79,13 +79,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # own default (see shared())
     p.add_argument("--epochs", type=float, default=None,
                    help="passes over the training data when train.max_steps is not given (default: chat 1, "
-                        "classify/tag 3, seq2seq: its own)")
+                        "classify/tag/seq2seq 3)")
     p.add_argument("--too-long", choices=("error", "skip", "truncate"), default=None,
                    help="an example over the length limit: error naming it, skip it (chat) or truncate it "
-                        "(classify, tag); default: error for chat, truncate for classify/tag")
+                        "(classify, tag, seq2seq); default: error for chat and seq2seq, truncate for classify/tag")
     for r in recipes().values():
         if r.add_arguments is not None:
+            known = {id(a) for a in p._actions}
             r.add_arguments(p.add_argument_group(f"--task {r.name}", r.description))
+            for action in p._actions:
+                if id(action) not in known:  # this recipe's own flag: parsed as None when not given
+                    _FLAGS[action.dest] = RecipeFlag(r.name, action.option_strings[0], action.default)
+                    action.default = None
+
+
+@dataclass(frozen=True)
+class RecipeFlag:
+    recipe: str  # the recipe whose group added it
+    option: str  # "--lora-rank"
+    default: Any  # the value it takes when not given
+
+
+_FLAGS: dict[str, RecipeFlag] = {}  # dest -> the recipe flag (filled by add_arguments)
+
+
+def resolve_flags(args: argparse.Namespace, recipe: str) -> None:
+    """Refuse a flag of another recipe (it would be silently ignored: e.g. --lora with --task classify trained
+    every weight), then give the chosen recipe's flags that were not given their defaults. args.given_flags:
+    the dests of the recipe flags the user set (a recipe may refuse combinations, e.g. --lora-rank without
+    --lora)."""
+    given = {dest for dest in _FLAGS if getattr(args, dest, None) is not None}
+    for dest in sorted(given, key=lambda d: _FLAGS[d].option):
+        flag = _FLAGS[dest]
+        if flag.recipe != recipe:
+            hint = f"; set train.{dest}=... instead" if dest in ("batch_size", "lr") else ""
+            raise ConfigError(f"{flag.option} is not supported by --task {recipe} (it is a --task {flag.recipe} "
+                              f"flag){hint}")
+    for dest, flag in _FLAGS.items():
+        if dest not in given:
+            setattr(args, dest, flag.default)
+    args.given_flags = given
 
 
 def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any, ...] | None = None,
@@ -234,6 +267,7 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     if args.dev is not None and not Path(args.dev).is_file():
         raise ConfigError(f"dev file not found: {args.dev}")
     recipe = choose(args.task, model_kind(args.model))
+    resolve_flags(args, recipe.name)
     check_out(args.out, args.model, recipe.name, args.resume)  # before anything is read, trained or written
     return recipe.run(args)
 

@@ -372,6 +372,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from qkv.train import Trainer
     from qkv.train.rng import seed_everything
 
+    stray = sorted(d for d in getattr(args, "given_flags", ()) if d.startswith("lora_"))
+    if stray and not args.lora:  # LoRA settings without LoRA: the user meant LoRA, full fine-tuning would run
+        raise ConfigError(f"--{stray[0].replace('_', '-')} needs --lora (without it every weight is trained)")
     source = model_folder(args.model)
     out = Path(args.out)  # checked by qkv.finetune.check_out before this recipe runs
     check_exportable(source)

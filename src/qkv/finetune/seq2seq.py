@@ -42,11 +42,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--batch-size", type=int, default=16, help="pairs per batch (seq2seq)")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (seq2seq; default 3e-4)")
-    g.add_argument("--max-source-length", type=int, default=256, help="source tokens at most (seq2seq)")
-    g.add_argument("--max-target-length", type=int, default=128, help="target tokens at most (seq2seq)")
-    g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (seq2seq)")
+    g.add_argument("--batch-size", type=int, default=16,
+                   help="pairs per batch (default 16; train.batch_size overrides it)")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4; train.lr overrides it)")
+    g.add_argument("--max-source-length", type=int, default=256, help="source tokens at most (default 256)")
+    g.add_argument("--max-target-length", type=int, default=128, help="target tokens at most (default 128)")
+    g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (default 1: greedy)")
 
 
 # -- data -------------------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise ConfigError(f"{path}: the tokenizer gives id {bad[0]}, outside the model's vocabulary "
                                   f"of {cfg.target_vocab_size}: tokenizer and model do not match")
     data = PairSource(train, cfg.pad_token_id, args.seed)
-    train_cfg = {"batch_size": args.batch_size, "lr": args.lr or 3e-4, "warmup": 0.06, "schedule": "linear",
+    train_cfg = {"batch_size": args.batch_size, "lr": args.lr, "warmup": 0.06, "schedule": "linear",
                  "weight_decay": 0.01, "betas": [0.9, 0.999], "out_dir": str(args.out), "seed": args.seed,
                  "progress": not args.no_progress}
     over = {}
