@@ -372,3 +372,19 @@ def test_sliding_window_is_the_length_limit(gpt2_chat, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     short = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Hi", "completion": "Yo."}])
     assert _finetune(folder, short, tmp_path / "o", "train.max_steps=2", "train.batch_size=1") == 0
+
+
+def test_resume_refuses_other_lora_settings(gpt2_chat, tmp_path, capsys):
+    """A different rank would not fit the checkpoint, but a different alpha (the update's scale) loaded silently
+    and trained another function; full fine-tuning vs LoRA likewise. Refused before anything is written."""
+    data = write_jsonl(tmp_path / "d.jsonl", chats())
+    args = ("--lora", "train.max_steps=1", "train.batch_size=2")
+    assert _finetune(gpt2_chat, data, tmp_path / "o", *args) == 0
+    capsys.readouterr()
+    for extra, message in ((("--lora", "--lora-alpha", "32"), "trained with --lora-alpha 16, not 32"),
+                           (("--lora", "--lora-targets", "q,k,v"), "trained with --lora-targets q,v, not q,k,v"),
+                           ((), "is a LoRA run; pass --lora and its settings")):
+        assert _finetune(gpt2_chat, data, tmp_path / "o", *extra, "train.max_steps=2", "--resume") == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert _finetune(gpt2_chat, data, tmp_path / "o", *args[:1], "train.max_steps=2", "--resume") == 0

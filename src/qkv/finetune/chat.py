@@ -286,6 +286,39 @@ def _lora_config(args: argparse.Namespace) -> Any:
     return cfg
 
 
+def _lora_settings(lora: Any) -> dict[str, Any] | None:
+    """What finetune.json records of the LoRA settings (None: full fine-tuning)."""
+    return None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                                      "targets": lora.targets}
+
+
+def _check_same_lora(out: Path, lora: Any) -> None:
+    """--resume continues the run OUT recorded: refuse other LoRA settings. A different rank would not fit the
+    checkpoint, but a different alpha (the update's scale), dropout or target list would load and silently
+    train another function than the one the checkpoint's adapters were trained for."""
+    try:
+        saved = json.loads((out / FINETUNE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if not isinstance(saved, dict) or "lora" not in saved:
+        return
+    before, now = saved["lora"], _lora_settings(lora)
+    if before == now:
+        return
+    if before is None or now is None:
+        raise ConfigError(f"--resume: {out} is a {'full fine-tuning' if before is None else 'LoRA'} run; pass "
+                          f"{'no --lora flags' if before is None else '--lora and its settings'} as it was started")
+    key = next((k for k in now if now[k] != before.get(k)), None)
+    if key is None:
+        raise ConfigError(f"--resume: {out} was trained with other LoRA settings ({before}); pass the same ones")
+    raise ConfigError(f"--resume: {out} was trained with --lora-{key} {_show(before.get(key))}, not "
+                      f"{_show(now[key])}; pass the same LoRA settings to continue it")
+
+
+def _show(value: Any) -> str:
+    return ",".join(value) if isinstance(value, list) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _source_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
@@ -379,6 +412,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)  # checked by qkv.finetune.check_out before this recipe runs
     check_exportable(source)
     lora = _lora_config(args) if args.lora else None
+    if args.resume:
+        _check_same_lora(out, lora)
     records = read_chats(args.data)
     dev_records = read_chats(args.dev) if args.dev else []
 
@@ -427,8 +462,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "examples": len(train), "dev_examples": len(dev), "skipped_lines": skipped,
                 "dev_skipped_lines": dev_skipped, "max_length": max_length, "seed": args.seed,
                 "chat_template": tok.has_chat_template,
-                "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                                                   "targets": lora.targets},
+                "lora": _lora_settings(lora),
                 "trainable_parameters": trainable, "parameters": total}
     before = assistant_loss(model, dev, pad, cfg.batch_size) if dev else None
     trainer = Trainer(model, cfg, data, resume=args.resume)
