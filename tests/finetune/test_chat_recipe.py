@@ -339,3 +339,52 @@ def test_lora_under_torchrun_ddp_and_fsdp_give_the_same_folder(gpt2_chat, tmp_pa
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
     assert not torch.equal(a["transformer.h.0.attn.c_attn.weight"], base["transformer.h.0.attn.c_attn.weight"])
     assert torch.equal(a["transformer.wte.weight"], base["transformer.wte.weight"])  # frozen under LoRA
+
+
+def test_sliding_window_is_the_length_limit(gpt2_chat, tmp_path, capsys):
+    """A Mistral folder whose sliding window (24) is shorter than its context (96): the model refuses longer
+    sequences, so the recipe's default --max-length and its upper bound are the window, checked before training
+    (it used to check against 96 and die mid-run with a partial OUT)."""
+    import shutil
+
+    import transformers
+    from tokenizers import Tokenizer
+
+    from conftest import CHATML, _write_tokenizer_config
+
+    folder = tmp_path / "mistral"
+    folder.mkdir()
+    shutil.copyfile(gpt2_chat / "tokenizer.json", folder / "tokenizer.json")
+    _write_tokenizer_config(folder, CHATML)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                                     sliding_window=24, eos_token_id=tok.token_to_id("<|im_end|>"))
+    transformers.MistralForCausalLM(cfg).save_pretrained(folder)
+    data = write_jsonl(tmp_path / "d.jsonl", chats())
+    capsys.readouterr()
+    assert _finetune(folder, data, tmp_path / "o") == 2
+    err = capsys.readouterr().err
+    assert "d.jsonl:1: the conversation is" in err and "longer than the context of 24" in err, err
+    assert _finetune(folder, data, tmp_path / "o", "--max-length", "32") == 2
+    assert "--max-length 32 is over the model's context of 24" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    short = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Hi", "completion": "Yo."}])
+    assert _finetune(folder, short, tmp_path / "o", "train.max_steps=2", "train.batch_size=1") == 0
+
+
+def test_resume_refuses_other_lora_settings(gpt2_chat, tmp_path, capsys):
+    """A different rank would not fit the checkpoint, but a different alpha (the update's scale) loaded silently
+    and trained another function; full fine-tuning vs LoRA likewise. Refused before anything is written."""
+    data = write_jsonl(tmp_path / "d.jsonl", chats())
+    args = ("--lora", "train.max_steps=1", "train.batch_size=2")
+    assert _finetune(gpt2_chat, data, tmp_path / "o", *args) == 0
+    capsys.readouterr()
+    for extra, message in ((("--lora", "--lora-alpha", "32"), "trained with --lora-alpha 16, not 32"),
+                           (("--lora", "--lora-targets", "q,k,v"), "trained with --lora-targets q,v, not q,k,v"),
+                           ((), "is a LoRA run; pass --lora and its settings")):
+        assert _finetune(gpt2_chat, data, tmp_path / "o", *extra, "train.max_steps=2", "--resume") == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert _finetune(gpt2_chat, data, tmp_path / "o", *args[:1], "train.max_steps=2", "--resume") == 0

@@ -132,3 +132,37 @@ def test_same_seed_same_weights_and_resume(bert, tmp_path):
     assert "resumed from" in (tmp_path / "c" / "train.log").read_text()
     c = load_file(str(tmp_path / "c" / "model.safetensors"))
     assert all(torch.allclose(a[k], c[k], atol=1e-6) for k in a)  # 2 + 2 steps == 4 steps
+
+
+@pytest.mark.parametrize("content, message", [
+    # a row with more fields than the header: the label used to become a text fragment, or (a row with empty
+    # fields) an AttributeError traceback
+    ('text,label\n"w1 good",pos\nw2 bad,neg,extra\n', "t.csv line 3: 3 fields, the header has 2 (quote texts that "
+     "contain commas)"),
+    ("text,label\nw1 good,pos\nw2 bad,neg\n,,x\n", "t.csv line 4: 3 fields, the header has 2"),
+    ('text,label\n"w1 good",pos\n"w2 bad"\n', "t.csv line 3: 1 fields, the header has 2"),
+    ("text,label\nw1 good,pos\nw2 caf\xe9,neg\n".encode("latin-1"), "t.csv line 3: not UTF-8 text (byte 0xe9"),
+    ("text,label\nw1 good,pos\n" + "w1 " * 80 + ",neg\n", "(first: line 3, 82 tokens)"),
+])
+def test_csv_rows_are_checked_against_the_header(bert, tmp_path, capsys, content, message):
+    data = tmp_path / "t.csv"
+    data.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out", str(tmp_path / "o"),
+                 "--no-progress", "--too-long", "error"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qkv: error:") and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_byte_order_mark_and_unicode_digits_in_labels(tmp_path):
+    """A CSV saved with a UTF-8 byte order mark (Excel) has the header 'text', not '\\ufefftext'; a label such as
+    '²' (a digit to str.isdigit, not to int) is a name, not an id."""
+    from qkv.finetune.encoders import read_records
+
+    data = tmp_path / "bom.csv"
+    data.write_bytes(b"\xef\xbb\xbftext,label\nw1 good,1\nw2 bad,\xc2\xb2\n")
+    records = read_records(data)
+    assert [r for _, r in records] == [{"text": "w1 good", "label": "1"}, {"text": "w2 bad", "label": "²"}]
+    from qkv.finetune.classify import label_set
+
+    assert label_set(["1", "²"], None)[0] == {"1": 0, "²": 1}

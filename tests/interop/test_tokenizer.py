@@ -176,6 +176,36 @@ def test_assistant_mask_without_generation_blocks_like_transformers(bpe, tmp_pat
     assert tok.end_of_turn_ids >= {tok.token_to_id("<|im_end|>"), tok.token_to_id(eos)}
 
 
+SYSTEM_FIRST = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('start with a system message') }}{% endif %}"
+
+
+def test_end_of_turn_found_when_the_template_wants_a_system_message(bpe, tmp_path):
+    """A template that refuses a conversation without a system message first refused the end-of-turn probe too
+    (user + assistant), so <|im_end|>, not the folder's eos, was left out of the assistant mask: a model tuned on
+    it never learns to stop. The probe is retried with a system message; the mask equals transformers' mask of
+    the same format written with generation blocks."""
+    eos = "<|endoftext|>"
+    ref = save_folder(bpe, tmp_path / "ref", CHATML_GENERATION, eos=eos)
+    out = ref.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    save_folder(bpe, tmp_path / "plain", SYSTEM_FIRST + CHATML_PLAIN, eos=eos)
+    tok = load_hf_tokenizer(tmp_path / "plain")
+    assert tok.token_to_id("<|im_end|>") in tok.end_of_turn_ids
+    ids, mask = tok.apply_chat_template(CONVERSATION, return_assistant_mask=True)
+    assert ids == list(out["input_ids"]) and mask == list(out["assistant_masks"])
+
+
+def test_end_of_turn_after_a_newline(bpe, tmp_path):
+    """A template that writes a newline between the answer and its end-of-turn token: found all the same."""
+    template = CHATML_PLAIN.replace("message['content'] + '<|im_end|>'", "message['content'] + '\\n<|im_end|>'")
+    assert template != CHATML_PLAIN
+    save_folder(bpe, tmp_path, template, eos="<|endoftext|>")
+    tok = load_hf_tokenizer(tmp_path)
+    assert tok.token_to_id("<|im_end|>") in tok.end_of_turn_ids
+    ids, mask = tok.apply_chat_template(CONVERSATION, return_assistant_mask=True)
+    said = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert said == CONVERSATION[2]["content"] + "\n<|im_end|>" + CONVERSATION[4]["content"] + "\n<|im_end|>"
+
+
 def test_assistant_mask_llama2_strips_and_covers_eos(bpe, tmp_path):
     save_folder(bpe, tmp_path, LLAMA2, bos="<s>", eos="</s>")
     tok = load_hf_tokenizer(tmp_path)

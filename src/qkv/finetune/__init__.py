@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import math
+import os
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from typing import Any
 from qkv.config import ConfigError, _closest
 
 DEFAULT_BY_KIND = {"decoder": "chat", "encoder": "classify", "seq2seq": "seq2seq"}
+FINETUNE_FILE = "finetune.json"  # in OUT: the recipe that wrote it, its settings and results
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dev", default=None, help="held-out data file, evaluated during and after training")
     p.add_argument("--out", required=True, help="output folder (a model folder qkv and transformers load)")
     p.add_argument("--task", default=None, help="recipe: " + ", ".join(sorted(recipes())) +
-                   " (default: from the model's kind)")
+                   " (default: from the model's kind); the flags of another recipe's group below are refused")
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -75,13 +79,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # own default (see shared())
     p.add_argument("--epochs", type=float, default=None,
                    help="passes over the training data when train.max_steps is not given (default: chat 1, "
-                        "classify/tag 3, seq2seq: its own)")
+                        "classify/tag/seq2seq 3)")
     p.add_argument("--too-long", choices=("error", "skip", "truncate"), default=None,
                    help="an example over the length limit: error naming it, skip it (chat) or truncate it "
-                        "(classify, tag); default: error for chat, truncate for classify/tag")
+                        "(classify, tag, seq2seq); default: error for chat and seq2seq, truncate for classify/tag")
     for r in recipes().values():
         if r.add_arguments is not None:
+            known = {id(a) for a in p._actions}
             r.add_arguments(p.add_argument_group(f"--task {r.name}", r.description))
+            for action in p._actions:
+                if id(action) not in known:  # this recipe's own flag: parsed as None when not given
+                    _FLAGS[action.dest] = RecipeFlag(r.name, action.option_strings[0], action.default)
+                    action.default = None
+
+
+@dataclass(frozen=True)
+class RecipeFlag:
+    recipe: str  # the recipe whose group added it
+    option: str  # "--lora-rank"
+    default: Any  # the value it takes when not given
+
+
+_FLAGS: dict[str, RecipeFlag] = {}  # dest -> the recipe flag (filled by add_arguments)
+
+
+def resolve_flags(args: argparse.Namespace, recipe: str) -> None:
+    """Refuse a flag of another recipe (it would be silently ignored: e.g. --lora with --task classify trained
+    every weight), then give the chosen recipe's flags that were not given their defaults. args.given_flags:
+    the dests of the recipe flags the user set (a recipe may refuse combinations, e.g. --lora-rank without
+    --lora)."""
+    given = {dest for dest in _FLAGS if getattr(args, dest, None) is not None}
+    for dest in sorted(given, key=lambda d: _FLAGS[d].option):
+        flag = _FLAGS[dest]
+        if flag.recipe != recipe:
+            hint = f"; set train.{dest}=... instead" if dest in ("batch_size", "lr") else ""
+            raise ConfigError(f"{flag.option} is not supported by --task {recipe} (it is a --task {flag.recipe} "
+                              f"flag){hint}")
+    for dest, flag in _FLAGS.items():
+        if dest not in given:
+            setattr(args, dest, flag.default)
+    args.given_flags = given
 
 
 def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any, ...] | None = None,
@@ -94,6 +131,40 @@ def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any
         flag = "--" + name.replace("_", "-")
         raise ConfigError(f"{flag} {value} is not supported by --task {recipe}; choose one of {', '.join(allowed)}")
     return value
+
+
+def read_data_text(path: str | Path, where: str = "{path} line {line}") -> str:
+    """The text of a data file, UTF-8, with a leading byte order mark dropped (Windows editors write one; left in,
+    it would become part of the first column's name or the first record). Bytes that are not UTF-8 are one
+    ConfigError naming the file, line and column (`where` formats the file and line as the reader's other
+    errors do)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = raw.rfind(b"\n", 0, e.start) + 1
+        at = where.format(path=path, line=raw.count(b"\n", 0, e.start) + 1)
+        raise ConfigError(f"{at}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start - line_start + 1}); "
+                          "save the file as UTF-8") from None
+
+
+def epoch_updates(n_examples: int, batch_size: int, grad_accum: int = 1) -> int:
+    """Optimizer updates in one pass over `n_examples`: each update reads batch_size x grad_accum examples on
+    each rank of the launch (torchrun's WORLD_SIZE), the values after the train.key=value overrides. What every
+    recipe turns --epochs into steps with, and evaluates and saves by."""
+    from qkv.train.distributed import world_size
+
+    return max(1, math.ceil(n_examples / max(1, batch_size * grad_accum * world_size())))
+
+
+def epochs_to_steps(epochs: float, per_epoch: int) -> int:
+    """train.max_steps for --epochs passes of `per_epoch` updates (a started pass counts whole)."""
+    if epochs <= 0:
+        raise ConfigError(f"--epochs must be positive, got {epochs:g}")
+    return max(1, math.ceil(epochs * per_epoch - 1e-9))  # 1e-9: 0.1 x 30 is 3.0000000000000004 in floats
 
 
 def model_kind(folder: str | Path) -> str:
@@ -126,6 +197,67 @@ def choose(task: str | None, kind: str) -> Recipe:
     return r
 
 
+def written_by(folder: Path) -> str | None:
+    """The recipe whose output `folder` is (its finetune.json's "recipe", or "task" in older classify/tag
+    folders), or None when qkv finetune did not write it."""
+    try:
+        meta = json.loads((folder / FINETUNE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = meta.get("recipe") or meta.get("task") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) -> None:
+    """Refuse, before anything is read or written, an --out whose contents a run would destroy: the source
+    model folder itself or a folder inside it, a file, a model folder or other files that qkv finetune did not
+    write, another recipe's output, or this recipe's run with checkpoints when --resume is not given. What is
+    left is a new or empty folder, or this recipe's own output (continued with --resume, else written over)."""
+    from qkv.train import latest_checkpoint
+
+    out, source = Path(out), Path(source)
+    where, src = out.resolve(), source.resolve()
+    if where == src:
+        raise ConfigError(f"--out {out} already holds a model folder: the source model being fine-tuned; "
+                          "choose another --out")
+    if src in where.parents:
+        raise ConfigError(f"--out {out} lies inside the source model folder {source}; choose another --out")
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"--out {out} is a file, not a folder" if p == out else
+                              f"--out {out}: {p} is a file, not a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    owner = written_by(out)
+    if owner is None:
+        if (out / "config.json").is_file():
+            raise ConfigError(f"--out {out} already holds a model folder that qkv finetune did not write; "
+                              "choose another --out")
+        names = sorted(p.name for p in out.iterdir())
+        raise ConfigError(f"--out {out} already holds other files ({', '.join(names[:3])}"
+                          f"{', ...' if len(names) > 3 else ''}); choose a new or empty folder")
+    if owner != recipe:
+        raise ConfigError(f"--out {out} already holds the output of qkv finetune --task {owner}; choose another "
+                          "--out")
+    if latest_checkpoint(out / "checkpoints") is not None and not resume:
+        raise ConfigError(f"--out {out} already holds a fine-tuning run; pass --resume to continue it or choose "
+                          "another --out")
+
+
+def mark_out(out: str | Path, recipe: str) -> None:
+    """Write OUT/finetune.json naming the recipe (rank 0 only), before training starts: it is what check_out
+    recognises a run by, so an interrupted run can be resumed. The recipe rewrites the file with its results
+    at the end."""
+    from qkv.checkpoint import atomic_write_json
+    from qkv.train.distributed import launched_by_torchrun
+
+    out = Path(out)
+    if (launched_by_torchrun() and os.environ["RANK"] != "0") or written_by(out) == recipe:  # a resumed run keeps the settings it recorded
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json({"recipe": recipe}, out / FINETUNE_FILE)
+
+
 def finetune(args: argparse.Namespace) -> dict[str, Any]:
     """Run the chosen recipe (what `qkv finetune` calls)."""
     if not Path(args.model).exists():
@@ -134,8 +266,11 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"data file not found: {args.data}")
     if args.dev is not None and not Path(args.dev).is_file():
         raise ConfigError(f"dev file not found: {args.dev}")
-    return choose(args.task, model_kind(args.model)).run(args)
+    recipe = choose(args.task, model_kind(args.model))
+    resolve_flags(args, recipe.name)
+    check_out(args.out, args.model, recipe.name, args.resume)  # before anything is read, trained or written
+    return recipe.run(args)
 
 
-__all__ = ["DEFAULT_BY_KIND", "Recipe", "add_arguments", "choose", "finetune", "model_kind", "recipes",
-           "register_recipe", "shared"]
+__all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose", "epoch_updates", "epochs_to_steps", "finetune",
+           "mark_out", "model_kind", "read_data_text", "recipes", "register_recipe", "shared", "written_by"]

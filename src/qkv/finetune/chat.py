@@ -30,7 +30,6 @@ import argparse
 import importlib
 import inspect
 import json
-import math
 import shutil
 import sys
 from dataclasses import dataclass
@@ -41,7 +40,15 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError, from_dict, parse_overrides
-from qkv.finetune import Recipe, register_recipe, shared
+from qkv.finetune import (
+    FINETUNE_FILE,
+    Recipe,
+    epoch_updates,
+    epochs_to_steps,
+    read_data_text,
+    register_recipe,
+    shared,
+)
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100
@@ -49,7 +56,6 @@ IGNORE = -100
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "generation_config.json")
-FINETUNE_FILE = "finetune.json"
 # Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
 EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
                                                       ("llama", "mistral", "qwen2", "qwen3")}}
@@ -95,22 +101,15 @@ def read_chats(path: str | Path) -> list[tuple[int, list[dict[str, str]]]]:
     """[(line number, messages)] of a JSONL file. Blank lines are skipped; anything else that is not a valid
     record is one ConfigError naming the file and line."""
     path = Path(path)
-    raw = path.read_bytes()
-    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors)
-        raw = raw[3:]
-    if not raw.strip():
+    text = read_data_text(path, "{path}:{line}")  # a byte order mark dropped; not UTF-8: file:line
+    if not text.strip():
         raise ConfigError(f"{path}: the file is empty (expected one JSON object per line)")
     out = []
-    for n, line in enumerate(raw.split(b"\n"), 1):
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") \
-                from None
-        if not text.strip():
+    for n, line in enumerate(text.split("\n"), 1):  # at "\n" only, as wc -l counts (see tasks.base.text_lines)
+        if not line.strip():
             continue
         try:
-            obj = json.loads(text)
+            obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
         out.append((n, _messages(obj, f"{path}:{n}")))
@@ -240,7 +239,8 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
                         "out_proj, up, gate, down, Hugging Face names (q_proj, o_proj, ...), globs, or all-linear "
                         "(default q,v)")
     g.add_argument("--max-length", type=int, default=None,
-                   help="longest conversation in tokens (default: the model's context length)")
+                   help="longest conversation in tokens (default and upper bound: the longest sequence the model "
+                        "accepts, its context length or a shorter sliding window)")
 
 
 def _tokenizer(folder: Path) -> Any:
@@ -270,27 +270,11 @@ def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool
         cfg["progress"] = False
     bs = int(cfg["batch_size"])
     if "max_steps" not in train:
-        epochs = shared(args, "epochs", 1.0)
-        if epochs <= 0:
-            raise ConfigError(f"--epochs must be positive, got {epochs}")
-        from qkv.train.distributed import world_size
-
-        per_update = bs * int(cfg.get("grad_accum", 1)) * world_size()  # sequences per update, all ranks
-        cfg["max_steps"] = max(1, math.ceil(epochs * n_train / per_update))
+        per_epoch = epoch_updates(n_train, bs, int(cfg.get("grad_accum", 1)))
+        cfg["max_steps"] = epochs_to_steps(float(shared(args, "epochs", 1.0)), per_epoch)
     if n_dev and "max_eval_batches" not in train:
         cfg["max_eval_batches"] = -(-n_dev // bs)
     return from_dict(TrainConfig, cfg, "train")
-
-
-def _check_out(out: Path, resume: bool) -> None:
-    from qkv.train import latest_checkpoint
-
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder")
-    if latest_checkpoint(out / "checkpoints") is not None and not resume:
-        raise ConfigError(f"{out} already holds a fine-tuning run; pass --resume to continue it or choose another --out")
-    if (out / "config.json").is_file() and not (out / FINETUNE_FILE).is_file():
-        raise ConfigError(f"--out {out} already holds a model folder that qkv finetune did not write; choose another --out")
 
 
 def _lora_config(args: argparse.Namespace) -> Any:
@@ -300,6 +284,39 @@ def _lora_config(args: argparse.Namespace) -> Any:
                      targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()])
     cfg.validate()
     return cfg
+
+
+def _lora_settings(lora: Any) -> dict[str, Any] | None:
+    """What finetune.json records of the LoRA settings (None: full fine-tuning)."""
+    return None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                                      "targets": lora.targets}
+
+
+def _check_same_lora(out: Path, lora: Any) -> None:
+    """--resume continues the run OUT recorded: refuse other LoRA settings. A different rank would not fit the
+    checkpoint, but a different alpha (the update's scale), dropout or target list would load and silently
+    train another function than the one the checkpoint's adapters were trained for."""
+    try:
+        saved = json.loads((out / FINETUNE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if not isinstance(saved, dict) or "lora" not in saved:
+        return
+    before, now = saved["lora"], _lora_settings(lora)
+    if before == now:
+        return
+    if before is None or now is None:
+        raise ConfigError(f"--resume: {out} is a {'full fine-tuning' if before is None else 'LoRA'} run; pass "
+                          f"{'no --lora flags' if before is None else '--lora and its settings'} as it was started")
+    key = next((k for k in now if now[k] != before.get(k)), None)
+    if key is None:
+        raise ConfigError(f"--resume: {out} was trained with other LoRA settings ({before}); pass the same ones")
+    raise ConfigError(f"--resume: {out} was trained with --lora-{key} {_show(before.get(key))}, not "
+                      f"{_show(now[key])}; pass the same LoRA settings to continue it")
+
+
+def _show(value: Any) -> str:
+    return ",".join(value) if isinstance(value, list) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _source_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -343,7 +360,8 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
         model.save_pretrained(out)
         fmt = "qkv"
     for name in TOKENIZER_FILES:
-        if (source / name).is_file():
+        # never a file onto itself (check_out refuses OUT = the source; this guards any other alias of it)
+        if (source / name).is_file() and not ((out / name).exists() and (out / name).samefile(source / name)):
             shutil.copyfile(source / name, out / name)
     return fmt
 
@@ -387,11 +405,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from qkv.train import Trainer
     from qkv.train.rng import seed_everything
 
+    stray = sorted(d for d in getattr(args, "given_flags", ()) if d.startswith("lora_"))
+    if stray and not args.lora:  # LoRA settings without LoRA: the user meant LoRA, full fine-tuning would run
+        raise ConfigError(f"--{stray[0].replace('_', '-')} needs --lora (without it every weight is trained)")
     source = model_folder(args.model)
-    out = Path(args.out)
-    _check_out(out, args.resume)
+    out = Path(args.out)  # checked by qkv.finetune.check_out before this recipe runs
     check_exportable(source)
     lora = _lora_config(args) if args.lora else None
+    if args.resume:
+        _check_same_lora(out, lora)
     records = read_chats(args.data)
     dev_records = read_chats(args.dev) if args.dev else []
 
@@ -415,7 +437,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = _source_dtype(model)
     if lora is None and dtype != torch.float32:
         model.float()  # full fine-tuning updates the weights themselves: in fp32 (saved back in the source dtype)
-    context = getattr(model.config, "context_length", None)
+    # the longest sequence the model accepts: its context_limit where it has one (an absolute position table,
+    # or a sliding window it refuses to exceed: Mistral), else the context length it declares (RoPE)
+    context = getattr(model, "context_limit", None) or getattr(model.config, "context_length", None)
     if args.max_length is not None and args.max_length < 1:
         raise ConfigError(f"--max-length must be a positive number of tokens, got {args.max_length}")
     max_length = args.max_length or context
@@ -438,8 +462,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "examples": len(train), "dev_examples": len(dev), "skipped_lines": skipped,
                 "dev_skipped_lines": dev_skipped, "max_length": max_length, "seed": args.seed,
                 "chat_template": tok.has_chat_template,
-                "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                                                   "targets": lora.targets},
+                "lora": _lora_settings(lora),
                 "trainable_parameters": trainable, "parameters": total}
     before = assistant_loss(model, dev, pad, cfg.batch_size) if dev else None
     trainer = Trainer(model, cfg, data, resume=args.resume)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
-from qkv.finetune import Recipe, register_recipe, shared
+from qkv.finetune import Recipe, mark_out, register_recipe, shared
 from qkv.finetune.encoders import (
     EncodedData,
     best_state,
@@ -99,7 +99,7 @@ def label_set(values: list[Any], model_names: dict[int, str] | None) -> tuple[di
     """(label -> id, id -> name). All integers: they are the ids (0..max), named by the folder's id2label when
     it has one for each; otherwise names, given ids in sorted order."""
     as_str = [str(v).strip() for v in values]
-    if all(s.lstrip("-").isdigit() for s in as_str):
+    if all(s.lstrip("-").isdigit() and s.isascii() for s in as_str):  # "²" is a digit to isdigit, not to int()
         ids = sorted({int(s) for s in as_str})
         if ids[0] < 0:
             raise ConfigError(f"label ids must be >= 0, got {ids[0]}")
@@ -132,7 +132,8 @@ def _examples(path: str, args: argparse.Namespace, enc: Any) -> tuple[list[Any],
     pairs = column(path, records, args.text_pair_column, "text pair")
     pairs = [str(p) for p in pairs] if args.text_pair_column else None
     labels = column(path, records, args.label_column, "label")
-    encodings, cut = encode(enc.tokenizer, texts, pairs, enc.max_length, too_long(args), path)
+    encodings, cut = encode(enc.tokenizer, texts, pairs, enc.max_length, too_long(args), path,
+                            lines=[line for line, _ in records])
     return encodings, labels, records, cut
 
 
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = train_config(args, len(train), dev is not None)
     model = new_head_model(enc, "classify", n_labels, args.seed)
     out = Path(args.out)
+    mark_out(out, "classify")  # the data are read and checked: the run starts
     trainer = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None)
     summary = trainer.fit()
     best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.load_state_dict(best)
     model.cpu().eval()
     export_folder(enc, model, out, names)
-    result: dict[str, Any] = {"task": "classify", "labels": [names[i] for i in range(n_labels)],
+    result: dict[str, Any] = {"recipe": "classify", "task": "classify", "labels": [names[i] for i in range(n_labels)],
                               "train_examples": len(train), "truncated": {"train": cut, "dev": dev_cut},
                               "steps": summary["steps"], "best": summary.get("best_eval"), "out": str(out)}
     lines = [f"fine-tuned {enc.model_type} for {summary['steps']} steps on {len(train)} examples "

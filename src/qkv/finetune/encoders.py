@@ -11,7 +11,6 @@ import argparse
 import csv
 import io
 import json
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError, apply_overrides, parse_overrides
-from qkv.finetune import shared
+from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
 from qkv.tasks.base import text_lines
 
 # the encoder model_types and the module whose Layout writes them back
@@ -126,7 +125,7 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, record) of a CSV, TSV or JSONL file; the format follows the file's extension."""
     path = Path(path)
     ext = path.suffix.lower()
-    text = path.read_text(encoding="utf-8")
+    text = read_data_text(path)  # a byte order mark dropped; not UTF-8: the file and line
     if ext in (".jsonl", ".json", ".ndjson"):
         out = []
         for i, line in enumerate(text_lines(text), 1):
@@ -143,10 +142,23 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     if ext not in (".csv", ".tsv", ".tab", ".txt"):
         raise ConfigError(f"{path}: unknown data format {ext!r} (use .csv, .tsv or .jsonl)")
     # the csv module splits the rows itself (a quoted field may hold a line break), at "\n" and "\r" only
-    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="," if ext == ".csv" else "\t")
+    sep = "," if ext == ".csv" else "\t"
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=sep)
     if not reader.fieldnames:
         raise ConfigError(f"{path}: empty file (a header row naming the columns is needed)")
-    return [(reader.line_num, row) for row in reader if any((v or "").strip() for v in row.values())]
+    out = []
+    for row in reader:
+        # DictReader puts a row's fields beyond the header's under the key None (a list), and gives the missing
+        # ones the value None: either way the columns are misaligned, so the row would be read wrongly
+        extra, values = row.pop(None, None) or [], list(row.values())
+        if not any((v or "").strip() for v in values + extra):
+            continue  # a blank row
+        if extra or any(v is None for v in values):
+            n = sum(v is not None for v in values) + len(extra)
+            hint = " (quote texts that contain commas)" if sep == "," and extra else ""
+            raise ConfigError(f"{path} line {reader.line_num}: {n} fields, the header has {len(values)}{hint}")
+        out.append((reader.line_num, row))
+    return out
 
 
 def column(path: str | Path, records: list[tuple[int, dict[str, Any]]], name: str | None, what: str,
@@ -171,16 +183,18 @@ def column(path: str | Path, records: list[tuple[int, dict[str, Any]]], name: st
 
 
 def encode(tokenizer: Any, texts: list[Any], pairs: list[Any] | None, max_length: int, too_long: str,
-           source: str, *, pretokenized: bool = False) -> tuple[list[Any], int]:
+           source: str, *, pretokenized: bool = False, lines: list[int] | None = None) -> tuple[list[Any], int]:
     """Encodings with the tokenizer's special tokens; texts longer than `max_length` tokens are cut
-    (longest_first for pairs) and counted, or, with too_long="error", refused naming the first one."""
+    (longest_first for pairs) and counted, or, with too_long="error", refused naming the first one (by its
+    line in `source` when `lines` gives each text's line, else by its position)."""
     items = list(zip(texts, pairs)) if pairs is not None else texts
     full = tokenizer.encode_batch(items, is_pretokenized=pretokenized)
     long_rows = [i for i, e in enumerate(full) if len(e.ids) > max_length]
     if long_rows and too_long == "error":
         i = long_rows[0]
+        first = f"line {lines[i]}" if lines is not None else f"example {i + 1}"
         raise ConfigError(f"{source}: {len(long_rows)} example(s) longer than the model's context of {max_length} "
-                          f"tokens (first: example {i + 1}, {len(full[i].ids)} tokens); shorten them or pass "
+                          f"tokens (first: {first}, {len(full[i].ids)} tokens); shorten them or pass "
                           "--too-long truncate")
     if long_rows:
         tokenizer.enable_truncation(max_length, strategy="longest_first")
@@ -277,15 +291,10 @@ def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
     bad = [k for k in raw if not k.startswith("train.")]
     if bad:
         raise ConfigError(f"overrides must be train.key=value; got {bad[0]!r}")
-    from qkv.train.distributed import world_size
-
     batch = int(raw.get("train.batch_size", FINETUNE_DEFAULTS["batch_size"]))
     accum = int(raw.get("train.grad_accum", FINETUNE_DEFAULTS.get("grad_accum", 1)))
-    per_epoch = max(1, math.ceil(n_train / max(batch * accum * world_size(), 1)))  # updates, all ranks together
-    epochs = float(shared(args, "epochs", 3.0))
-    if epochs <= 0:
-        raise ConfigError(f"--epochs must be > 0, got {epochs}")
-    base = {**FINETUNE_DEFAULTS, "max_steps": max(1, round(epochs * per_epoch)),
+    per_epoch = epoch_updates(n_train, batch, accum)
+    base = {**FINETUNE_DEFAULTS, "max_steps": epochs_to_steps(float(shared(args, "epochs", 3.0)), per_epoch),
             "eval_every": per_epoch if has_dev else 0, "save_every": per_epoch, "out_dir": str(args.out),
             "resume": bool(args.resume), "seed": int(args.seed), "progress": not args.no_progress}
     data = apply_overrides({"train": base}, raw, "fine-tuning settings")

@@ -1,9 +1,9 @@
 """`qkv finetune DIR --task seq2seq --data pairs.tsv [--dev dev.tsv] --out OUT`: fine-tune an encoder-decoder
 (T5, BART, Marian folders, or a qkv encdec checkpoint) on the user's source/target pairs.
 
-Data: one pair per line, `source<TAB>target`, UTF-8. A line without a tab, with an empty source or target, or
-longer than --max-source-length / --max-target-length tokens (after tokenisation) is one clear error naming
-the file and line (--too-long truncate: cut and count instead). Training is the library's Trainer (AdamW, warmup +
+Data: one pair per line, `source<TAB>target`, UTF-8 (blank lines skipped). A line without a tab, with an empty
+source or target, or longer than --max-source-length / --max-target-length tokens (after tokenisation) is one
+clear error naming the file and line (--too-long truncate: cut and count instead). Training is the library's Trainer (AdamW, warmup +
 decay, clipping, bf16, checkpoints, --resume), seeded before anything is built; an epoch is one pass over the
 shuffled pairs. Every epoch the dev pairs are decoded (greedy, or --num-beams) and scored with sacrebleu's
 BLEU and chrF, plus exact match; checkpoints/best keeps the best epoch (train.best_metric, default bleu).
@@ -26,30 +26,39 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError, parse_overrides
-from qkv.finetune import Recipe, register_recipe, shared
-from qkv.tasks.base import read_text_file, text_lines
+from qkv.finetune import (
+    Recipe,
+    epoch_updates,
+    epochs_to_steps,
+    mark_out,
+    read_data_text,
+    register_recipe,
+    shared,
+)
+from qkv.tasks.base import text_lines
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
                    "source.spm", "target.spm", "vocab.json", "generation_config.json")
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--batch-size", type=int, default=16, help="pairs per batch (seq2seq)")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (seq2seq; default 3e-4)")
-    g.add_argument("--max-source-length", type=int, default=256, help="source tokens at most (seq2seq)")
-    g.add_argument("--max-target-length", type=int, default=128, help="target tokens at most (seq2seq)")
-    g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (seq2seq)")
+    g.add_argument("--batch-size", type=int, default=16,
+                   help="pairs per batch (default 16; train.batch_size overrides it)")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4; train.lr overrides it)")
+    g.add_argument("--max-source-length", type=int, default=256, help="source tokens at most (default 256)")
+    g.add_argument("--max-target-length", type=int, default=128, help="target tokens at most (default 128)")
+    g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (default 1: greedy)")
 
 
 # -- data -------------------------------------------------------------------------------------------------
 def read_pairs(path: str | Path) -> list[tuple[str, str, int]]:
     """(source, target, line number) of a `source<TAB>target` file; bad rows are one clear error."""
     p = Path(path)
-    lines = text_lines(read_text_file(p, "TSV file"))  # missing, not UTF-8 or empty: one clear error
+    lines = text_lines(read_data_text(p, "{path}:{line}"))  # a BOM dropped; not UTF-8: file:line
     pairs = []
     for n, line in enumerate(lines, 1):
-        if not line.strip():
-            raise ConfigError(f"{p}:{n}: empty row (each line is source<TAB>target)")
+        if not line.strip() and "\t" not in line:
+            continue  # a blank line (the other readers skip them too); a lone tab is an empty source below
         if "\t" not in line:
             raise ConfigError(f"{p}:{n}: no tab between source and target (each line is source<TAB>target)")
         parts = line.split("\t")
@@ -167,7 +176,7 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
         save_bart(model, out, meta)
     else:
         raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, marian)")
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:  # never a file onto itself
         if (source / name).is_file() and (source / name).resolve() != (out / name).resolve():
             shutil.copyfile(source / name, out / name)
     return out
@@ -209,22 +218,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise ConfigError(f"{path}: the tokenizer gives id {bad[0]}, outside the model's vocabulary "
                                   f"of {cfg.target_vocab_size}: tokenizer and model do not match")
     data = PairSource(train, cfg.pad_token_id, args.seed)
-    per_epoch = math.ceil(len(data) / args.batch_size)
-    train_cfg = {"max_steps": max(1, round(epochs * per_epoch)), "batch_size": args.batch_size, "lr": args.lr or 3e-4,
-                 "warmup": 0.06, "schedule": "linear", "weight_decay": 0.01, "betas": [0.9, 0.999],
-                 "eval_every": per_epoch if dev is not None else 0, "save_every": per_epoch,
-                 "out_dir": str(args.out), "seed": args.seed, "progress": not args.no_progress}
+    train_cfg = {"batch_size": args.batch_size, "lr": args.lr, "warmup": 0.06, "schedule": "linear",
+                 "weight_decay": 0.01, "betas": [0.9, 0.999], "out_dir": str(args.out), "seed": args.seed,
+                 "progress": not args.no_progress}
+    over = {}
     for key, value in parse_overrides(list(args.overrides)).items():
         if not key.startswith("train."):
             raise ConfigError(f"override {key!r}: qkv finetune takes Trainer settings as train.key=value")
-        train_cfg[key[len("train."):]] = value
-    gen = {"num_beams": args.num_beams, "max_new_tokens": max_tgt, "do_sample": False}
+        over[key[len("train."):]] = value
+    train_cfg.update(over)
+    # an epoch in updates of the batch the Trainer will read (train.batch_size / grad_accum overrides included)
+    per_epoch = epoch_updates(len(data), int(train_cfg["batch_size"]), int(train_cfg.get("grad_accum", 1)))
+    train_cfg = {"max_steps": epochs_to_steps(float(epochs), per_epoch),
+                 "eval_every": per_epoch if dev is not None else 0, "save_every": per_epoch, **train_cfg}
+    # the decoder holds its start token too: a target as long as the context leaves one position fewer to generate
+    max_new = min(max_tgt, model.context_limit - 1) if model.context_limit else max_tgt
+    gen = {"num_beams": args.num_beams, "max_new_tokens": max_new, "do_sample": False}
     refs = [t for _, t in dev.texts] if dev is not None else []
 
     def eval_fn(m: Any) -> dict[str, float]:
         return scores(translate(m, tok, dev.sources, cfg.pad_token_id, **gen), refs)
 
     model.train()
+    mark_out(args.out, "seq2seq")  # the data are read and checked: the run starts
     trainer = Trainer(model, train_cfg, data, eval_fn=eval_fn if dev is not None else None, resume=args.resume)
     summary = trainer.fit()
     best = summary.get("best_checkpoint")

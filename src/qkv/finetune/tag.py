@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
-from qkv.finetune import Recipe, register_recipe, shared
+from qkv.finetune import Recipe, mark_out, read_data_text, register_recipe, shared
 from qkv.finetune.encoders import (
     EncodedData,
     best_state,
@@ -54,7 +54,7 @@ def read_conll(path: str | Path, tag_column: int = -1) -> list[tuple[list[str], 
     sentences: list[tuple[list[str], list[str]]] = []
     words: list[str] = []
     tags: list[str] = []
-    for i, line in enumerate(text_lines(Path(path).read_text(encoding="utf-8")) + [""], 1):
+    for i, line in enumerate(text_lines(read_data_text(path)) + [""], 1):  # a BOM dropped; not UTF-8: file and line
         parts = line.split()
         if not parts or parts[0] == "-DOCSTART-":
             if words:
@@ -178,13 +178,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = train_config(args, len(train), dev is not None)
     model = new_head_model(enc, "tag", len(names), args.seed)
     out = Path(args.out)
+    mark_out(out, "tag")  # the data are read and checked: the run starts
     summary = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None).fit()
     best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
     if best is not None:
         model.load_state_dict(best)
     model.cpu().eval()
     export_folder(enc, model, out, id2tag)
-    result: dict[str, Any] = {"task": "tag", "tags": names, "train_sentences": len(train),
+    result: dict[str, Any] = {"recipe": "tag", "task": "tag", "tags": names, "train_sentences": len(train),
                               "truncated": {"train": cut, "dev": dev_cut}, "steps": summary["steps"],
                               "best": summary.get("best_eval"), "out": str(out)}
     lines = [f"fine-tuned {enc.model_type} for token classification, {summary['steps']} steps on {len(train)} "

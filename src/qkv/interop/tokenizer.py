@@ -244,14 +244,19 @@ class HFTokenizer:
         if self._end_of_turn is None:
             ids = set(self.eos_token_ids)
             probe = "qkv-probe-answer"
-            try:
-                text = self.apply_chat_template([{"role": "user", "content": "hi"},
-                                                 {"role": "assistant", "content": probe}]) if self.chat_template else ""
-            except ValueError:  # a template that refuses the probe (e.g. wants a system message first)
-                text = ""
+            text = ""
+            turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}]
+            # a template may refuse a conversation without a system message first (raise_exception): then
+            # probe with one, rather than miss the end-of-turn token (a model tuned without it never stops)
+            for messages in (turn, [{"role": "system", "content": "hi"}, *turn]) if self.chat_template else ():
+                try:
+                    text = self.apply_chat_template(messages)
+                    break
+                except ValueError:
+                    continue
             at = text.find(probe)
             if at >= 0:
-                after = text[at + len(probe):].lstrip(" ")
+                after = text[at + len(probe):].lstrip()  # spaces or a newline before the token (Llama-2: " </s>")
                 first = self.encode(after, add_special_tokens=False)[:1] if after else []
                 specials = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
                 if first and first[0] in specials:

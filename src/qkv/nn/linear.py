@@ -605,8 +605,11 @@ def joint_step(owner: nn.Module, x: Tensor, linears: tuple[Linear, ...]) -> Tens
     never built, so it costs no memory beyond what their separate copies did (`free_packed` drops it). One
     matrix-vector product instead of k saves k - 1 calls (and k - 1 wake-ups of the BLAS threads) per layer of
     every step; the bytes read are the same. The results are the separate products' (the same dot products,
-    placed side by side) up to the kernel's blocking (~1e-7 relative)."""
+    placed side by side) up to the kernel's blocking (~1e-7 relative). A subclass with its own step (an
+    unmerged LoRA adapter adds its update there: qkv.finetune.lora) is never joined: None."""
     if not JOINT_STEP or x.dim() != 2 or not x.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if any(type(lin).step is not Linear.step for lin in linears):
         return None
     if x.dtype == torch.bfloat16:
         return _joint_fp16_step(owner, x, linears)
