@@ -515,7 +515,7 @@ def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
 def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig) -> str:
     """Print a language model's continuation token by token as it is produced (qkv.generate.stream)."""
     from qkv.generate import stream
-    from qkv.interop.tokenizer import StreamDecoder
+    from qkv.generate.text import StreamDecoder
 
     ids = _encode(tok, prompt) or [getattr(tok, "eos_id", 0)]
     print(prompt, end="", flush=True)

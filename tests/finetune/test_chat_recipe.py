@@ -348,9 +348,8 @@ def test_sliding_window_is_the_length_limit(gpt2_chat, tmp_path, capsys):
     import shutil
 
     import transformers
+    from _chatfolders import CHATML, _write_tokenizer_config
     from tokenizers import Tokenizer
-
-    from conftest import CHATML, _write_tokenizer_config
 
     folder = tmp_path / "mistral"
     folder.mkdir()

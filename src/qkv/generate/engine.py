@@ -64,7 +64,7 @@ from torch import Tensor
 from qkv.generate.config import GenerationConfig
 from qkv.generate.processors import Context, Pipeline
 from qkv.generate.search import settings
-from qkv.interop.tokenizer import decode_continuation
+from qkv.generate.text import decode_continuation
 from qkv.models.decoding import as_decoder, configured_context
 from qkv.nn.checks import check_id_list
 from qkv.nn.paged import block_digest

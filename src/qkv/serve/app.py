@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qkv.generate.config import MIN_TEMPERATURE
 from qkv.generate.engine import TEXT_CONTEXT, Engine
-from qkv.interop.tokenizer import decode_continuation as continuation
+from qkv.generate.text import decode_continuation as continuation
 from qkv.serve.metrics import Metrics
 from qkv.serve.model import Served
 from qkv.serve.worker import EngineWorker, Ticket
