@@ -241,7 +241,10 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     if not cfg.is_file():
         raise CheckpointError(f"{folder} has no {CONFIG_NAME}; not a qkv or Hugging Face model folder")
     try:
-        return json.loads(cfg.read_text(encoding="utf-8"))
+        data = json.loads(cfg.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         hint = f"; pass the model folder (with its {CONFIG_NAME}), not a file" if cfg.name != CONFIG_NAME else ""
         raise CheckpointError(f"{cfg}: not valid JSON ({e}){hint}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{cfg}: expected a JSON object, got {type(data).__name__}")
+    return data

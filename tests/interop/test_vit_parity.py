@@ -76,3 +76,14 @@ def test_vit_unsupported_layouts_are_clear_errors(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("option, message", [({"pooler_act": "relu"}, "pooler_act is 'relu'"),
+                                              ({"pooler_output_size": 24}, "pooler_output_size")])
+def test_vit_pooler_options_are_refused_not_ignored(tmp_path, option, message):
+    # a relu pooler loaded as tanh gave pooled outputs 0.19 away from transformers' with no word
+    from qkv.checkpoint import CheckpointError
+
+    transformers.ViTModel(_cfg(**option)).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        load_hf(tmp_path)

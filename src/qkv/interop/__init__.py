@@ -7,13 +7,12 @@ config.json's `model_type`.
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
-from qkv.storage import CheckpointError
+from qkv.storage import CheckpointError, read_config
 
 LOADERS: dict[str, Callable[[Path, dict[str, Any]], Any]] = {}
 
@@ -44,8 +43,10 @@ KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "
 
 def load_hf(folder: str | Path) -> Any:
     folder = Path(folder)
-    meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    meta = read_config(folder)
     mt = meta.get("model_type")
+    if not isinstance(mt, str):
+        raise CheckpointError(f"{folder}/config.json: model_type must be a string, got {mt!r}")
     if mt not in LOADERS and mt in _MODULES:
         try:
             importlib.import_module(_MODULES[mt])

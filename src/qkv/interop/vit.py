@@ -82,6 +82,10 @@ def load_vit(folder: Path, meta: dict[str, Any]) -> ViT:
     cfg = vit_config_from_hf(meta, classify=classify, pooler=pooler)
     if not meta.get("qkv_bias", True):
         raise CheckpointError("ViT folders with qkv_bias=false are not supported (our Block has one bias flag)")
+    if pooler and meta.get("pooler_act", "tanh") != "tanh":  # our ViT's pooler is BERT's: dense + tanh
+        raise CheckpointError(f"ViT folders whose pooler_act is {meta['pooler_act']!r} are not supported (tanh only)")
+    if pooler and meta.get("pooler_output_size", meta["hidden_size"]) != meta["hidden_size"]:
+        raise CheckpointError("ViT folders whose pooler_output_size differs from hidden_size are not supported")
     if classify:
         cfg.num_labels = sd["classifier.weight"].shape[0]
     model = ViT(cfg)
