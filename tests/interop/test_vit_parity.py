@@ -87,3 +87,39 @@ def test_vit_pooler_options_are_refused_not_ignored(tmp_path, option, message):
     transformers.ViTModel(_cfg(**option)).save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match=message):
         load_hf(tmp_path)
+
+
+def test_vit_folders_of_another_architecture_or_more_layers_are_refused(tmp_path):
+    # the loader picked keys by name: a masked-image-modeling folder loaded as a plain ViT with its decoder
+    # dropped, and a 3-layer file under a 2-layer config.json loaded truncated
+    import json
+
+    from qkv.checkpoint import CheckpointError
+
+    transformers.ViTForMaskedImageModeling(_cfg()).save_pretrained(tmp_path / "mim")
+    with pytest.raises(CheckpointError, match="unexpected key"):
+        load_hf(tmp_path / "mim")
+    transformers.ViTForImageClassification(_cfg(num_hidden_layers=3)).save_pretrained(tmp_path / "three")
+    meta = json.loads((tmp_path / "three" / "config.json").read_text())
+    (tmp_path / "three" / "config.json").write_text(json.dumps({**meta, "num_hidden_layers": 2}))
+    with pytest.raises(CheckpointError, match=r"unexpected key.*layer\.2"):
+        load_hf(tmp_path / "three")
+
+
+def test_vit_half_sharded_and_corrupt_folders(tmp_path):
+    from qkv.checkpoint import CheckpointError
+
+    torch.manual_seed(0)
+    hf = transformers.ViTForImageClassification(_cfg()).eval()
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # every other family loaded these already
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf(tmp_path / "sharded")(x).logits, hf(pixel_values=x).logits,
+                                   atol=1e-5, rtol=1e-5)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert {p.dtype for p in load_hf(tmp_path / "bf16").parameters()} == {torch.bfloat16}  # was loaded as fp32
+    f = tmp_path / "bf16" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:300])
+    with pytest.raises(CheckpointError, match="cannot be read as safetensors"):  # was a raw SafetensorError
+        load_hf(tmp_path / "bf16")

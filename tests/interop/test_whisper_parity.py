@@ -68,3 +68,17 @@ def test_whisper_mismatched_stacks_are_a_clear_error(tmp_path):
     _hf(tmp_path, decoder_attention_heads=2)
     with pytest.raises(CheckpointError, match="heads or ffn"):
         load_hf(tmp_path)
+
+
+def test_whisper_fp16_folder_stays_fp16_and_extra_layers_are_refused(tmp_path):
+    import json
+
+    from qkv.checkpoint import CheckpointError
+
+    hf = _hf(tmp_path / "fp32")
+    hf.to(torch.float16).save_pretrained(tmp_path / "fp16")
+    assert {p.dtype for p in load_hf(tmp_path / "fp16").parameters()} == {torch.float16}  # was loaded as fp32
+    meta = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    (tmp_path / "fp32" / "config.json").write_text(json.dumps({**meta, "decoder_layers": 1}))
+    with pytest.raises(CheckpointError, match=r"unexpected key.*decoder\.layers\.1"):
+        load_hf(tmp_path / "fp32")

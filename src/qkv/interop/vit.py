@@ -12,21 +12,39 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from qkv.interop import LOADERS
+from qkv.interop.common import load_converted, read_hf_state
 from qkv.models.vit import ViT, ViTConfig
-from qkv.storage import CheckpointError, load_state_into
+from qkv.storage import CheckpointError
 
 _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors of a HF folder (no pickle: a pytorch_model.bin is refused)."""
-    path = folder / "model.safetensors"
-    if not path.is_file():
-        raise CheckpointError(f"{folder} has no model.safetensors (pickled .bin weights are not loaded)")
-    return load_file(str(path))
+class ReadTensors(dict):
+    """A folder's tensors that remember which were read: a loader that picks keys by name would otherwise take
+    a folder of another architecture (ViTForMaskedImageModeling's decoder) or with more layers than its
+    config.json says without a word."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__(state)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def check_all_read(self, folder: Path, family: str) -> None:
+        unread = sorted(set(self) - self.read)
+        if unread:
+            more = f" (+{len(unread) - 3} more)" if len(unread) > 3 else ""
+            raise CheckpointError(f"{folder}: unexpected key(s) {unread[:3]}{more} in a Hugging Face {family} folder: "
+                                  "another architecture or more layers than config.json says")
+
+
+def read_hf_weights(folder: Path) -> ReadTensors:
+    """All tensors of a HF folder (model.safetensors, shards, or a pytorch_model.bin read without running code)."""
+    return ReadTensors(read_hf_state(folder)[0])
 
 
 def hf_activation(name: str) -> str:
@@ -98,7 +116,8 @@ def load_vit(folder: Path, meta: dict[str, Any]) -> ViT:
         state["pooler.bias"] = sd[f"{prefix}pooler.dense.bias"]
     if classify:
         state["classifier.weight"], state["classifier.bias"] = sd["classifier.weight"], sd["classifier.bias"]
-    load_state_into(model, state, f"{folder} (Hugging Face ViT)")
+    sd.check_all_read(folder, "ViT")
+    load_converted(model, state, {}, f"{folder} (Hugging Face ViT)")  # a bf16 / fp16 folder stays in its dtype
     return model.eval()
 
 

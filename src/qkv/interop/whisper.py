@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from qkv.interop import LOADERS
+from qkv.interop.common import load_converted
 from qkv.interop.vit import hf_activation, read_hf_weights
 from qkv.models.whisper import Whisper, WhisperConfig
-from qkv.storage import CheckpointError, load_state_into
+from qkv.storage import CheckpointError
 
 
 def whisper_config_from_hf(meta: dict[str, Any]) -> WhisperConfig:
@@ -97,7 +98,8 @@ def load_whisper(folder: Path, meta: dict[str, Any]) -> Whisper:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
         raise CheckpointError(f"{folder}: untied Whisper without proj_out.weight")
-    load_state_into(model, state, f"{folder} (Hugging Face Whisper)")
+    sd.check_all_read(folder, "Whisper")
+    load_converted(model, state, {}, f"{folder} (Hugging Face Whisper)")  # a bf16 / fp16 folder stays in its dtype
     return model.eval()
 
 
