@@ -59,6 +59,11 @@ def config_path(name_or_path: str) -> Path:
         if f.is_file():
             return Path(str(f))
     names = sorted(x.name[:-5] for x in shipped.iterdir() if x.name.endswith(".yaml")) if shipped.is_dir() else []
+    from qkv.tasks import task_names
+
+    if name_or_path in task_names():  # `qkv train bpelm`: a task without a shipped config of its own
+        raise ConfigError(f"config file not found: {name_or_path}; {name_or_path!r} is a task: pass "
+                          f"--task {name_or_path} --model PRESET (see `qkv presets`)")
     raise ConfigError(f"config file not found: {name_or_path}" + (_closest(name_or_path, names).replace(
         "valid keys", "shipped configs") if names else ""))
 

@@ -306,3 +306,15 @@ def test_a_damaged_tokenizer_file_names_itself(tmp_path, tokenizer_json, config_
         (tmp_path / "tokenizer_config.json").write_text(config_json)
     with pytest.raises(TokenizerError, match=message):
         load_tokenizer(tmp_path)
+
+
+def test_a_task_name_given_as_a_config_names_the_flag(tmp_path):
+    r = run_cli("train", "bpelm", "--out", str(tmp_path / "x"), "--max-steps", "1")
+    assert "'bpelm' is a task: pass --task bpelm --model PRESET" in one_error_line(r)
+
+
+def test_eval_prints_counts_as_integers(lm_run):
+    r = run_cli("eval", str(lm_run), "-n", "3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    values = dict(line.split(": ", 1) for line in r.stdout.splitlines())
+    assert values["n_tokens"].isdigit() and "." in values["val_loss"]

@@ -81,7 +81,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
     metrics = evaluate_run(a.checkpoint, n=a.n)
     for k, v in metrics.items():
-        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+        count = k == "n" or k.startswith("n_")  # examples and tokens: "n: 10", not "n: 10.0000"
+        print(f"{k}: {int(v)}" if count and float(v).is_integer() else f"{k}: {v:.4f}" if isinstance(v, float)
+              else f"{k}: {v}")
     return 0
 
 

@@ -15,8 +15,9 @@ stream seeded by (seed, split, index). input_ids = labels = the window (B, conte
 labels, so a window gives context - 1 next-token targets, and the model's context_length is `context`.
 
 Evaluation: mean next-token cross-entropy over windows that tile the val split (stride context - 1, so
-each val token after the first is predicted exactly once, with 1 to context - 1 tokens of context; n < all
-takes n evenly spaced windows), reported as val_loss (nats/token), perplexity = exp(val_loss) and bits per
+each val token after the first is predicted at most once, with 1 to context - 1 tokens of context; the split's
+last tokens after the last whole window, fewer than context - 1, are not scored; n < all takes n evenly spaced
+windows), reported as val_loss (nats/token), perplexity = exp(val_loss) and bits per
 character bpc = val_loss / ln 2 * (val tokens / val characters) (1 token = 1 character for `char`).
 """
 
