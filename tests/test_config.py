@@ -203,3 +203,16 @@ def test_a_seed_past_64_bits_is_named(seed):
     with pytest.raises(ConfigError, match="TrainConfig.seed must be an integer of magnitude below 2..62"):
         from_dict(TrainConfig, {"seed": seed})
     from_dict(TrainConfig, {"seed": 2**62 - 1})
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"train:\n  lr: 1e-3\n caf\xe9: 1\n", "not UTF-8 text"),
+    (b"train: {lr: 1e-3\nmodel: x\n", "not valid YAML at line"),
+])
+def test_a_bad_yaml_file_is_one_line_naming_it(tmp_path, content, message):
+    from qkv.config import load_yaml
+
+    (tmp_path / "run.yaml").write_bytes(content)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_yaml(tmp_path / "run.yaml")
+    assert str(tmp_path / "run.yaml") in str(e.value) and "\n" not in str(e.value)

@@ -175,8 +175,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {p}")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:  # one line: PyYAML's message spans several, with a "<unicode string>" mark
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{p}: not valid YAML{where} ({problem})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -437,8 +437,8 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
         if stream:
             print(text)
         return text
-    if cfg.max_new_tokens is None and cfg.max_length is None:
-        cfg = cfg.replace(max_new_tokens=200)
+    if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(model.generation_defaults())):
+        cfg = cfg.replace(max_new_tokens=200)  # the folder's own generation_config.json length, else 200
     hf = hf_folder_tokenizer(folder)
     if hf is not None:
         return _generate_hf(model, hf, prompt, cfg, stream)

@@ -130,3 +130,15 @@ def test_a_byte_level_bpe_run_streams_whole_characters(tmp_path, monkeypatch, ca
     monkeypatch.setattr(qkv.generate, "stream", lambda *a, **k: iter(torch.tensor([[i]]) for i in ids))
     assert _stream_lm(None, tok, "> ", GenerationConfig()) == "> 日本語 ok"
     assert capsys.readouterr().out == "> 日本語 ok\n"
+
+
+def test_the_folders_own_length_is_the_default(sampling_folder, llama_sp, capsys):
+    # a decoder folder's generation_config.json max_new_tokens was overridden by the CLI's 200
+    folder, tok, _ = sampling_folder
+    meta = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**meta, "max_new_tokens": 3, "min_new_tokens": 3}))
+    assert main(["generate", str(folder), "--prompt", "Hello", "--greedy"]) == 0
+    want = _reference(llama_sp, "Hello")  # 8 greedy tokens; the first 3 are the folder's answer
+    out = capsys.readouterr().out.rstrip("\n")
+    assert want.startswith(out[len("Hello"):]) and 0 < len(out) - len("Hello") < len(want)
+    assert len(tok.encode(out).ids) == len(tok.encode("Hello").ids) + 3
