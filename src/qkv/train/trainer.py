@@ -278,6 +278,10 @@ class Trainer:
             if path is not None:
                 self.load_checkpoint(path)
                 resumed_from = path
+                on_disk = self._best_on_disk() if info.is_main else None
+                if on_disk is not None and self._is_better(on_disk["value"], self.best):
+                    self.best = on_disk
+                self.best = dist_.broadcast_object(self.best, info)  # rank 0 read checkpoints/best
         if resumed_from is None:
             existing = ckpt.list_checkpoints(self.ckpt_root)
             if existing:  # a fresh run's pruning would keep the older run's higher steps and delete its own
@@ -450,11 +454,13 @@ class Trainer:
             path = ckpt.latest_checkpoint(self.ckpt_root)
             if path is not None:
                 new_scale = self.lr_scale * cfg.rollback_lr_factor
-                counters = (self.rollbacks + 1, self.skipped, self.truncated)
+                # the best so far stays the best: checkpoints/best holds it even if it came after `path`,
+                # and forgetting it would let a worse evaluation of the replayed steps overwrite it
+                counters = (self.rollbacks + 1, self.skipped, self.truncated, self.best)
                 self.load_checkpoint(path)
                 log.rewind(self.step)  # the records after the restored step describe an abandoned path
                 self.lr_scale = new_scale
-                self.rollbacks, self.skipped, self.truncated = counters
+                self.rollbacks, self.skipped, self.truncated, self.best = counters
                 log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}) in "
                          f"{', '.join(layers[:5])}; rolled back to {path.name} (step {self.step}), "
                          f"LR x{new_scale:.3g} (rollback {self.rollbacks}/{cfg.max_rollbacks})")
@@ -547,14 +553,26 @@ class Trainer:
                               f"{sorted(metrics)} (step {self.step}; checkpoint saved)")
         value = metrics[self.best_metric]
         if math.isfinite(value):
-            better = self.best is None or (value < self.best["value"] if self.best_mode == "min"
-                                           else value > self.best["value"])
-            if better:
+            if self._is_better(value, self.best):
                 previous, self.best = self.best, {"metric": self.best_metric, "value": value, "step": self.step}
                 if self.save_checkpoint(self.ckpt_root / ckpt.BEST,
                                         extra={"eval.json": {**metrics, "step": self.step}}) is None:
                     self.best = previous  # a non-finite state is no best
         return metrics
+
+    def _is_better(self, value: float, than: dict[str, Any] | None) -> bool:
+        return than is None or (value < than["value"] if self.best_mode == "min" else value > than["value"])
+
+    def _best_on_disk(self) -> dict[str, Any] | None:
+        """checkpoints/best's record ({"metric", "value", "step"}), or None. It can be newer than the step
+        checkpoint a run resumes from (an evaluation after the last periodic save)."""
+        try:
+            record = ckpt.read_json(self.ckpt_root / ckpt.BEST / "eval.json")
+            value = float(record[self.best_metric])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return {"metric": self.best_metric, "value": value, "step": int(record.get("step", 0))} \
+            if math.isfinite(value) else None
 
     # ---------------------------------------------------------------------------------------------------
     def train_state(self) -> dict[str, Any]:

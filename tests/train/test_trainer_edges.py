@@ -1,0 +1,107 @@
+"""Edge cases of the training loop on a tiny MLP (fast): best-checkpoint bookkeeping across rollbacks and
+resumes, config checks on a directly built TrainConfig, what a stopped run logs, model return types."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from qkv.train import TrainConfig, Trainer
+
+
+class Out:
+    def __init__(self, loss, n_targets):
+        self.loss, self.n_targets = loss, n_targets
+
+
+class MLP(nn.Module):
+    """forward(x, y) -> Out(mean cross-entropy, targets); `nan_at`: the n-th training forward's loss is NaN."""
+
+    def __init__(self, d: int = 8, nan_at: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.fc, self.head = nn.Embedding(10, d), nn.Linear(d, d), nn.Linear(d, 10)
+        self.nan_at, self.calls = nan_at, 0
+
+    def loss(self, x, y):
+        h = self.head(torch.relu(self.fc(self.emb(x))))
+        return nn.functional.cross_entropy(h.view(-1, 10), y.view(-1))
+
+    def forward(self, x, y):
+        loss = self.loss(x, y)
+        if self.training:
+            self.calls += 1
+            if self.calls == self.nan_at:
+                loss = loss * float("nan")
+        return Out(loss, y.numel())
+
+
+class Data:
+    def batch(self, index, batch_size, split="train"):
+        g = torch.Generator().manual_seed(index + (10**6 if split == "val" else 0))
+        x = torch.randint(0, 10, (batch_size, 4), generator=g)
+        return {"x": x, "y": (x + 1) % 10}
+
+
+def cfg(tmp_path, **kw) -> TrainConfig:
+    d = dict(max_steps=5, batch_size=4, out_dir=str(tmp_path / "run"), progress=False, tensorboard=False,
+             plot=False, log_every=1, warmup=0, schedule="constant", lr=1e-2)
+    d.update(kw)
+    return TrainConfig(**d)
+
+
+def logged(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_rollback_keeps_the_best_found_after_the_checkpoint_it_returns_to(tmp_path):
+    # best at step 6 (0.9); step 7 is NaN -> back to step 4's checkpoint; the replayed step 6 scores 0.6
+    trainers = []
+
+    def acc(model):
+        t = trainers[0]
+        return {"acc": {2: 0.5, 4: 0.4, 6: 0.9 if t.rollbacks == 0 else 0.6, 8: 0.3}[t.step]}
+
+    c = cfg(tmp_path, max_steps=8, eval_every=2, save_every=4, nan_policy="rollback", best_metric="acc",
+            best_mode="max")
+    t = Trainer(MLP(nan_at=7), c, Data(), eval_fn=acc)
+    trainers.append(t)
+    s = t.fit()
+    assert s["rollbacks"] == 1
+    assert s["best_eval"]["value"] == 0.9 and s["best_eval"]["step"] == 6
+    assert json.loads((tmp_path / "run/checkpoints/best/eval.json").read_text())["acc"] == 0.9
+
+
+def test_resume_keeps_a_best_newer_than_the_step_checkpoint(tmp_path):
+    # steps 1..4 with a checkpoint at 2 only; the best (step 3) is newer than it. The resumed run replays
+    # steps 3..4 with worse scores: checkpoints/best must stay step 3's
+    scores = {1: 0.5, 2: 0.4, 3: 0.1, 4: 0.3}
+    trainers = []
+
+    def ev(model):
+        return {"loss": scores[trainers[-1].step]}
+
+    class Crash(Exception):
+        pass
+
+    t = Trainer(MLP(), cfg(tmp_path, max_steps=4, eval_every=1, save_every=2), Data(), eval_fn=ev)
+    trainers.append(t)
+    real_save = t.save_checkpoint
+
+    def save(folder=None, extra=None, **kw):  # a hard kill after step 3: no checkpoint past step 2
+        if folder is None and t.step > 2:
+            raise Crash
+        return real_save(folder, extra, **kw)
+
+    t.save_checkpoint = save
+    with pytest.raises(Crash):
+        t.fit()
+    scores.update({3: 0.6, 4: 0.7})
+    t2 = Trainer(MLP(), cfg(tmp_path, max_steps=4, eval_every=1, save_every=2, resume=True), Data(), eval_fn=ev)
+    trainers.append(t2)
+    s = t2.fit()
+    assert s["best_eval"] == {"metric": "loss", "value": 0.1, "step": 3}
+    assert json.loads((tmp_path / "run/checkpoints/best/eval.json").read_text())["step"] == 3
