@@ -105,3 +105,24 @@ def test_resume_keeps_a_best_newer_than_the_step_checkpoint(tmp_path):
     s = t2.fit()
     assert s["best_eval"] == {"metric": "loss", "value": 0.1, "step": 3}
     assert json.loads((tmp_path / "run/checkpoints/best/eval.json").read_text())["step"] == 3
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"best_mode": "Min"}, "best_mode"), ({"nan_policy": "skp"}, "nan_policy"), ({"schedule": "cosin"}, "schedule"),
+    ({"precision": "bf-16"}, "precision"), ({"distributed": "dpp"}, "distributed"),
+    ({"optimizer_impl": "fast"}, "optimizer_impl"), ({"max_steps": "10"}, "max_steps"),
+    ({"max_steps": 2.5}, "max_steps"), ({"compile": "no"}, "compile"), ({"betas": 0.9}, "betas")])
+def test_a_directly_built_train_config_is_checked_like_a_mapping(tmp_path, bad, field):
+    from qkv.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match=f"TrainConfig.{field}") as direct:
+        cfg(tmp_path, **bad).validate()
+    with pytest.raises(ConfigError) as mapped:
+        from_dict(TrainConfig, bad)
+    assert str(direct.value) == str(mapped.value)  # one rule, one message
+
+
+def test_a_directly_built_train_config_is_normalised_like_a_mapping(tmp_path):
+    c = cfg(tmp_path, max_steps=3.0, betas=(0.9, 0.95))
+    c.validate()
+    assert c.max_steps == 3 and type(c.max_steps) is int and c.betas == [0.9, 0.95]

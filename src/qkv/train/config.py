@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from qkv.config import ConfigError
-from qkv.train.optim import OPTIMIZER_IMPLS, OptimizerImpl
+from qkv.config import ConfigError, check_fields
+from qkv.train.optim import OptimizerImpl
 
 Schedule = Literal["noam", "inverse_sqrt", "cosine", "linear", "constant"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -71,6 +71,7 @@ class TrainConfig:
     seed: int = 0  # python, numpy and torch RNGs (data order comes from the batch source's own seed)
 
     def validate(self) -> None:
+        check_fields(self)  # types and choices, also for a TrainConfig(...) built directly in Python
         for name in ("lr", "min_lr", "eps", "weight_decay", "warmup", "rollback_lr_factor", "clip_grad"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
@@ -85,9 +86,6 @@ class TrainConfig:
             raise ConfigError("TrainConfig: eps must be > 0 and weight_decay >= 0")
         if abs(self.seed) >= 2**62:  # torch.manual_seed takes 64 bits; ranks and rollbacks add offsets to it
             raise ConfigError(f"TrainConfig.seed must be an integer of magnitude below 2**62, got {self.seed}")
-        if self.optimizer_impl not in OPTIMIZER_IMPLS:
-            raise ConfigError(f"TrainConfig.optimizer_impl: {self.optimizer_impl!r} is not one of "
-                              f"{', '.join(OPTIMIZER_IMPLS)}")
         if self.warmup < 0:
             raise ConfigError(f"TrainConfig.warmup must be >= 0 (steps, or a fraction < 1), got {self.warmup}")
         if self.warmup >= 1 and not float(self.warmup).is_integer():
