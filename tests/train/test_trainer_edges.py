@@ -4,6 +4,7 @@ resumes, config checks on a directly built TrainConfig, what a stopped run logs,
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -126,3 +127,24 @@ def test_a_directly_built_train_config_is_normalised_like_a_mapping(tmp_path):
     c = cfg(tmp_path, max_steps=3.0, betas=(0.9, 0.95))
     c.validate()
     assert c.max_steps == 3 and type(c.max_steps) is int and c.betas == [0.9, 0.95]
+
+
+def test_heldout_loss_of_a_model_without_n_targets_weighs_batches_by_rows(tmp_path):
+    class NoCount(MLP):  # as a Hugging Face model's output: a loss, no n_targets
+        def forward(self, x, y):
+            return types.SimpleNamespace(loss=super().forward(x, y).loss)
+
+    model = NoCount()
+    s = Trainer(model, cfg(tmp_path, max_eval_batches=3, max_steps=2), Data()).fit()
+    model.eval()
+    with torch.no_grad():  # every val batch has 4 rows: the row-weighted mean is the plain mean
+        want = sum(float(model.loss(**Data().batch(i, 4, "val"))) for i in range(3)) / 3
+    assert s["eval"]["loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_resuming_a_finished_run_whose_last_loss_was_nan(tmp_path):
+    c = dict(max_steps=4, nan_policy="skip")
+    Trainer(MLP(nan_at=4), cfg(tmp_path, **c), Data()).fit()  # step 4 skipped: logs loss "nan"
+    assert logged(tmp_path)[-1]["loss"] == "nan"
+    s = Trainer(MLP(), cfg(tmp_path, resume=True, **c), Data()).fit()
+    assert s["steps"] == 4 and isinstance(s["final_loss"], float)

@@ -515,7 +515,8 @@ class Trainer:
             batch = self.data.batch(i if i < n else info.rank % n, cfg.batch_size, "val")
             batch = to_device(truncate_batch(batch, self.context_length)[0], self.device)
             out = self.model(**batch)
-            count = float(out.n_targets) if out.n_targets is not None else float(batch_rows(batch))
+            n_targets = getattr(out, "n_targets", None)  # HF outputs have none: weigh by rows, as training does
+            count = float(n_targets) if n_targets is not None else float(batch_rows(batch))
             weight = 1.0 if i < n else 0.0
             stats[0] += out.loss.double() * count * weight
             stats[1] += count * weight
@@ -533,9 +534,10 @@ class Trainer:
         for record in reversed(self.logger.records if self.logger is not None else []):
             if record.get("step") != self.step:
                 break
-            metrics = {k[len("eval/"):]: v for k, v in record.items() if k.startswith("eval/")}
+            # float(): metrics.jsonl writes a non-finite value as the string "nan"/"inf" (JSON has none)
+            metrics = {k[len("eval/"):]: float(v) for k, v in record.items() if k.startswith("eval/")}
             evaluation = {**metrics, "_step": self.step} if metrics and not evaluation else evaluation
-            loss = record["loss"] if loss is None and "loss" in record else loss
+            loss = float(record["loss"]) if loss is None and "loss" in record else loss
         return evaluation, loss
 
     def _run_eval(self) -> dict[str, float]:
