@@ -148,3 +148,31 @@ def test_resuming_a_finished_run_whose_last_loss_was_nan(tmp_path):
     assert logged(tmp_path)[-1]["loss"] == "nan"
     s = Trainer(MLP(), cfg(tmp_path, resume=True, **c), Data()).fit()
     assert s["steps"] == 4 and isinstance(s["final_loss"], float)
+
+
+def test_a_run_stopped_by_a_callback_logs_its_last_step_and_resumes_with_its_loss(tmp_path):
+    from qkv.train import StopAt
+
+    s = Trainer(MLP(), cfg(tmp_path, max_steps=20, log_every=10), Data(), callbacks=[StopAt(7)]).fit()
+    assert s["steps"] == 7
+    assert [r["step"] for r in logged(tmp_path)] == [1, 7]
+    assert logged(tmp_path)[-1]["loss"] == pytest.approx(s["final_loss"])
+    again = Trainer(MLP(), cfg(tmp_path, max_steps=7, log_every=10, resume=True), Data()).fit()
+    assert again["steps"] == 7 and again["final_loss"] == pytest.approx(s["final_loss"])
+
+
+def test_a_run_stopped_by_a_signal_logs_its_last_step(tmp_path):
+    import os
+    import signal
+
+    from qkv.train import LambdaCallback, TrainingInterrupted
+
+    def send(trainer, step, micro, batch):
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGINT)
+        return batch
+
+    with pytest.raises(TrainingInterrupted):
+        Trainer(MLP(), cfg(tmp_path, max_steps=20, log_every=10), Data(),
+                callbacks=[LambdaCallback(on_batch=send)]).fit()
+    assert [r["step"] for r in logged(tmp_path)] == [1, 7]

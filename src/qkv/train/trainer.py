@@ -424,8 +424,9 @@ class Trainer:
                 record["loss_scale"] = float(self.precision.scaler.get_scale())
             if cfg.eval_every and step % cfg.eval_every == 0 and self._eval_enabled():
                 record.update({f"eval/{k}": v for k, v in self._run_eval().items() if not k.startswith("_")})
-            if step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps or self.should_stop \
-                    or any(k.startswith("eval/") for k in record):
+            logged = step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps or self.should_stop \
+                or any(k.startswith("eval/") for k in record)
+            if logged:
                 log.log(record)
                 interval_time, interval_tokens = 0.0, 0
             log.progress(step, loss, lr, record["tokens_per_s"])
@@ -433,6 +434,8 @@ class Trainer:
                 self.save_checkpoint()
             for cb in self.callbacks:
                 cb.on_step_end(self, step, record)
+            if not logged and (self.should_stop or self._signal is not None or self._interrupted()):
+                log.log(record)  # the last step of a stopped run: a resume reads its loss back from the log
 
     # ---------------------------------------------------------------------------------------------------
     def _nonfinite(self, step: int, loss: float, grad_norm: float, batches: list[dict[str, Any]]) -> None:
