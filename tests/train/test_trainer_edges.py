@@ -176,3 +176,29 @@ def test_a_run_stopped_by_a_signal_logs_its_last_step(tmp_path):
         Trainer(MLP(), cfg(tmp_path, max_steps=20, log_every=10), Data(),
                 callbacks=[LambdaCallback(on_batch=send)]).fit()
     assert [r["step"] for r in logged(tmp_path)] == [1, 7]
+
+
+def test_an_exception_in_eval_fn_keeps_the_steps_done_and_a_resume_continues(tmp_path):
+    from qkv.train import latest_checkpoint
+
+    trainers = []
+
+    def ev(model):
+        if trainers[0].step == 6:
+            raise ZeroDivisionError("metric bug")
+        return {"loss": 1.0}
+
+    t = Trainer(MLP(), cfg(tmp_path, max_steps=8, eval_every=3, save_every=4), Data(), eval_fn=ev)
+    trainers.append(t)
+    with pytest.raises(ZeroDivisionError, match="metric bug"):  # the original exception, unmasked
+        t.fit()
+    assert latest_checkpoint(tmp_path / "run/checkpoints").name.endswith("00000006")
+    s = Trainer(MLP(), cfg(tmp_path, max_steps=8, save_every=4, resume=True), Data()).fit()
+    assert s["steps"] == 8
+
+
+def test_resume_without_a_checkpoint_says_it_starts_fresh(tmp_path):
+    with pytest.warns(UserWarning, match="holds no checkpoint: starting fresh"):
+        s = Trainer(MLP(), cfg(tmp_path, max_steps=2, resume=True), Data()).fit()
+    assert s["steps"] == 2
+    assert "starting fresh" in (tmp_path / "run/train.log").read_text()

@@ -268,7 +268,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, info = self.cfg, self.dist
         t_start = time.perf_counter()
-        resumed_from = None
+        resumed_from, fresh_note = None, ""
         repaired: list[str] = []
         if info.is_main:  # before anything is read or written: repair what a killed process left
             repaired = ckpt.clean_stale(self.ckpt_root)
@@ -282,6 +282,9 @@ class Trainer:
                 if on_disk is not None and self._is_better(on_disk["value"], self.best):
                     self.best = on_disk
                 self.best = dist_.broadcast_object(self.best, info)  # rank 0 read checkpoints/best
+            else:
+                fresh_note = f"resume=True but {self.ckpt_root} holds no checkpoint: starting fresh"
+                warnings.warn(fresh_note, stacklevel=2)
         if resumed_from is None:
             existing = ckpt.list_checkpoints(self.ckpt_root)
             if existing:  # a fresh run's pruning would keep the older run's higher steps and delete its own
@@ -298,6 +301,8 @@ class Trainer:
         try:
             for line in repaired:
                 log.info(f"checkpoints: {line} (left by an interrupted process)")
+            if fresh_note:
+                log.info(fresh_note)
             n_params = count_parameters(self.model)
             log.info(f"training {type(self.model).__name__} ({n_params:,} parameters) on {self.device}, "
                      f"precision {cfg.precision}, distributed {info.mode} x{info.world_size}, "
@@ -336,9 +341,27 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_fit_end(self, summary)
             return summary
+        except NonFiniteError:
+            raise  # it saved what it should (never a non-finite state)
+        except Exception:
+            self._save_after_error()
+            raise
         finally:
             self._restore_signal_handlers()
             log.close(plot=self.cfg.plot)
+
+    def _save_after_error(self) -> None:
+        """An exception (eval_fn, a callback, the batch source) is leaving fit(): checkpoint the completed steps
+        so a resume need not redo them. Best effort, never masking that exception, and single-process only:
+        saving is collective under DDP/FSDP and the other ranks may be elsewhere."""
+        if self.dist.enabled or self.step == 0 or self.last_checkpoint == ckpt.step_dir(self.ckpt_root, self.step):
+            return
+        try:
+            path = self.save_checkpoint()
+            if path is not None and self.logger is not None:
+                self.logger.info(f"step {self.step}: stopped by an exception; checkpoint saved to {path}")
+        except Exception:  # noqa: BLE001 - the original exception is the one to report
+            pass
 
     # -- SIGINT / SIGTERM: finish the step, checkpoint, stop --------------------------------------------------
     def _install_signal_handlers(self) -> None:
