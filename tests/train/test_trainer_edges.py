@@ -202,3 +202,26 @@ def test_resume_without_a_checkpoint_says_it_starts_fresh(tmp_path):
         s = Trainer(MLP(), cfg(tmp_path, max_steps=2, resume=True), Data()).fit()
     assert s["steps"] == 2
     assert "starting fresh" in (tmp_path / "run/train.log").read_text()
+
+
+def test_fit_again_on_the_same_trainer_continues_its_own_run(tmp_path):
+    import os
+    import signal
+
+    from qkv.train import LambdaCallback, TrainingInterrupted
+
+    def send(trainer, step, micro, batch):
+        if step == 3 and not sent:
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGINT)
+        return batch
+
+    sent: list[int] = []
+    t = Trainer(MLP(), cfg(tmp_path, max_steps=6), Data(), callbacks=[LambdaCallback(on_batch=send)])
+    with pytest.raises(TrainingInterrupted):
+        t.fit()
+    s = t.fit()  # a notebook's second run of the cell
+    assert s["steps"] == 6 and [r["step"] for r in logged(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    ref = Trainer(MLP(), cfg(tmp_path / "ref", max_steps=6), Data()).fit()
+    assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6)  # the same run as one uninterrupted fit
+    assert t.fit()["steps"] == 6  # and once more after it finished: nothing to do

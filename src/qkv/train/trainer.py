@@ -273,8 +273,12 @@ class Trainer:
         if info.is_main:  # before anything is read or written: repair what a killed process left
             repaired = ckpt.clean_stale(self.ckpt_root)
         dist_.barrier(info)
-        if self.resume:
-            path = ckpt.latest_checkpoint(self.ckpt_root)
+        self.should_stop = False
+        path = ckpt.latest_checkpoint(self.ckpt_root)
+        # fit() again on this trainer (after Ctrl-C in a notebook, or to see the summary again): the newest
+        # checkpoint is its own, so continue from it as a resume would
+        again = self.step > 0 and path is not None and path == self.last_checkpoint
+        if self.resume or again:
             if path is not None:
                 self.load_checkpoint(path)
                 resumed_from = path
