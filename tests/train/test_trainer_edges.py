@@ -225,3 +225,26 @@ def test_fit_again_on_the_same_trainer_continues_its_own_run(tmp_path):
     ref = Trainer(MLP(), cfg(tmp_path / "ref", max_steps=6), Data()).fit()
     assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6)  # the same run as one uninterrupted fit
     assert t.fit()["steps"] == 6  # and once more after it finished: nothing to do
+
+
+@pytest.mark.parametrize("returns", ["tensor", "dict"])
+def test_a_model_returning_its_loss_as_a_tensor_or_a_dict_trains(tmp_path, returns):
+    class Plain(MLP):
+        def forward(self, x, y):
+            loss = super().forward(x, y).loss
+            return loss if returns == "tensor" else {"loss": loss}
+
+    s = Trainer(Plain(), cfg(tmp_path, max_steps=3, max_eval_batches=2), Data()).fit()
+    ref = Trainer(MLP(), cfg(tmp_path / "ref", max_steps=3, max_eval_batches=2), Data()).fit()
+    # rows weigh the loss instead of targets: every batch has 4 rows of 4 targets, so the same updates
+    assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6)
+    assert s["eval"]["loss"] == pytest.approx(ref["eval"]["loss"], rel=1e-6)
+
+
+def test_a_model_returning_no_loss_is_told_the_contract(tmp_path):
+    class Logits(MLP):
+        def forward(self, x, y):
+            return self.head(self.emb(x))
+
+    with pytest.raises(ValueError, match=r"returned a tensor of shape \(4, 4, 10\) without a loss: it must return"):
+        Trainer(Logits(), cfg(tmp_path, max_steps=1), Data()).fit()

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,6 +59,23 @@ class BatchSource(Protocol):
 EvalFn = Callable[[nn.Module], dict[str, float]]
 
 
+def loss_and_count(out: Any, batch: dict[str, Any]) -> tuple[Tensor, Any]:
+    """(mean loss, targets it averages) from a forward's return: an object with .loss (ModelOutput, Hugging
+    Face outputs), a mapping with "loss", or the scalar loss itself. Without n_targets the batch's rows
+    weigh it (exact for sequence-level losses)."""
+    if isinstance(out, Tensor):
+        loss, n = (out, None) if out.ndim == 0 else (None, None)
+    elif isinstance(out, Mapping):
+        loss, n = out.get("loss"), out.get("n_targets")
+    else:
+        loss, n = getattr(out, "loss", None), getattr(out, "n_targets", None)
+    if loss is None:
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"the model's forward returned {got} without a loss: it must return a scalar loss, "
+                         "a mapping with 'loss' or an object with .loss (does the batch have labels?)")
+    return loss, n if n is not None else batch_rows(batch)
+
+
 def _differs(saved: Any, now: Any) -> bool:
     """A saved setting differs from this run's (a saved list equals the tuple it was written from)."""
     if isinstance(saved, (list, tuple)) and isinstance(now, (list, tuple)):
@@ -70,7 +87,8 @@ class Trainer:
     """Trainer(model, cfg, data, eval_fn=None, callbacks=(), resume=None).fit() -> summary dict.
 
     model: an nn.Module (normally a qkv model) whose forward(**batch) returns an object with `.loss`
-      (mean over targets) and `.n_targets`; `model.config.d_model` feeds the Noam schedule and
+      (mean over targets) and `.n_targets` (else the batch's rows weigh it), a {"loss": ...} mapping, or the
+      scalar loss itself; `model.config.d_model` feeds the Noam schedule and
       `model.config.context_length` the length truncation, when present.
     cfg: TrainConfig, or a mapping checked by qkv.config.from_dict.
     data: a batch source, `data.batch(index, batch_size, split) -> dict of tensors` (model kwargs).
@@ -222,12 +240,10 @@ class Trainer:
             with dist_.sync_context(self.engine, info, sync=micro == ga - 1):
                 with self.precision.autocast():
                     out = self.engine(**batch)
-                if getattr(out, "loss", None) is None:
-                    raise ValueError("the model returned no loss: the batch needs labels (or the model a loss head)")
-                n = out.n_targets if getattr(out, "n_targets", None) is not None else batch_rows(batch)
-                n = torch.as_tensor(n, device=out.loss.device).to(torch.float32)
-                self.precision.scale(out.loss.float() * n * c).backward()
-            loss_sum += out.loss.detach().double() * n.double()
+                out_loss, n = loss_and_count(out, batch)
+                n = torch.as_tensor(n, device=out_loss.device).to(torch.float32)
+                self.precision.scale(out_loss.float() * n * c).backward()
+            loss_sum += out_loss.detach().double() * n.double()
             n_sum += n.double()
         flag = 1.0 if self._signal is not None else 0.0  # a signal on any rank stops every rank after this step
         stats = torch.cat([torch.stack([loss_sum, n_sum]),
@@ -544,11 +560,9 @@ class Trainer:
             i = j * info.world_size + info.rank
             batch = self.data.batch(i if i < n else info.rank % n, cfg.batch_size, "val")
             batch = to_device(truncate_batch(batch, self.context_length)[0], self.device)
-            out = self.model(**batch)
-            n_targets = getattr(out, "n_targets", None)  # HF outputs have none: weigh by rows, as training does
-            count = float(n_targets) if n_targets is not None else float(batch_rows(batch))
+            out_loss, count = loss_and_count(self.model(**batch), batch)
             weight = 1.0 if i < n else 0.0
-            stats[0] += out.loss.double() * count * weight
+            stats[0] += out_loss.double() * float(count) * weight
             stats[1] += count * weight
         dist_.all_reduce_sum(stats, info)
         if float(stats[1]) == 0:  # no target in the batches: no loss to report (never a fake 0.0)
