@@ -248,3 +248,19 @@ def test_a_model_returning_no_loss_is_told_the_contract(tmp_path):
 
     with pytest.raises(ValueError, match=r"returned a tensor of shape \(4, 4, 10\) without a loss: it must return"):
         Trainer(Logits(), cfg(tmp_path, max_steps=1), Data()).fit()
+
+
+def test_an_on_batch_callback_may_change_the_batch_in_place_and_return_none(tmp_path):
+    from qkv.train import LambdaCallback
+
+    def shift(trainer, step, micro, batch):
+        batch["y"] = (batch["x"] + 2) % 10  # in place; returns None
+
+    class Shifted(Data):
+        def batch(self, index, batch_size, split="train"):
+            b = super().batch(index, batch_size, split)
+            return {"x": b["x"], "y": (b["x"] + 2) % 10}
+
+    s = Trainer(MLP(), cfg(tmp_path, max_steps=3), Data(), callbacks=[LambdaCallback(on_batch=shift)]).fit()
+    ref = Trainer(MLP(), cfg(tmp_path / "ref", max_steps=3), Shifted()).fit()
+    assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6)  # the change took effect

@@ -219,7 +219,8 @@ class Trainer:
                 warnings.warn(w.message, LengthTruncationWarning, stacklevel=3)
         batch = to_device(batch, self.device)
         for cb in self.callbacks:
-            batch = cb.on_batch(self, step, micro, batch)
+            changed = cb.on_batch(self, step, micro, batch)
+            batch = batch if changed is None else changed  # None: changed in place, or not at all
         return batch
 
     def compute_gradients(self, step: int) -> tuple[float, int, int, list[dict[str, Any]]]:
