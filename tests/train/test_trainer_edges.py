@@ -264,3 +264,15 @@ def test_an_on_batch_callback_may_change_the_batch_in_place_and_return_none(tmp_
     s = Trainer(MLP(), cfg(tmp_path, max_steps=3), Data(), callbacks=[LambdaCallback(on_batch=shift)]).fit()
     ref = Trainer(MLP(), cfg(tmp_path / "ref", max_steps=3), Shifted()).fit()
     assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6)  # the change took effect
+
+
+def test_max_eval_batches_reaches_an_eval_fn_that_names_it(tmp_path):
+    got = []
+
+    def ev(model, max_eval_batches=None):
+        got.append(max_eval_batches)
+        return {"loss": 1.0}
+
+    Trainer(MLP(), cfg(tmp_path, max_eval_batches=7, max_steps=1), Data(), eval_fn=ev).fit()
+    Trainer(MLP(), cfg(tmp_path / "b", max_steps=1), Data(), eval_fn=lambda m: {"loss": 1.0}).fit()  # not named
+    assert got == [7]

@@ -54,7 +54,8 @@ class TrainConfig:
     # -- logging, evaluation, checkpoints ----------------------------------------------------------------
     log_every: int = 10  # steps between metrics.jsonl records (every step when 1)
     eval_every: int = 0  # steps between eval_fn calls (0 = only at the end)
-    max_eval_batches: int | None = None  # handed to eval callables that accept it (see Trainer.evaluate)
+    max_eval_batches: int | None = None  # held-out "val" batches for the loss when there is no eval_fn; an
+    #                                      eval_fn with a `max_eval_batches` parameter receives it
     save_every: int = 500  # steps between checkpoints (0 = only at the end). SIGINT/SIGTERM always save the
     #                        current step; this bounds what a hard kill (SIGKILL, OOM, power) loses: HF Trainer's
     #                        default, minutes of CPU work for the shipped configs, < 1% of the time in writes

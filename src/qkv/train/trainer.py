@@ -13,6 +13,7 @@ One update (nanoGPT's order, made token-exact):
 
 from __future__ import annotations
 
+import inspect
 import math
 import signal
 import threading
@@ -92,7 +93,7 @@ class Trainer:
       `model.config.context_length` the length truncation, when present.
     cfg: TrainConfig, or a mapping checked by qkv.config.from_dict.
     data: a batch source, `data.batch(index, batch_size, split) -> dict of tensors` (model kwargs).
-    eval_fn: called as eval_fn(model) in eval mode under no_grad (and autocast) every eval_every steps
+    eval_fn: called as eval_fn(model) (plus max_eval_batches=, if it names that parameter) in eval mode under no_grad (and autocast) every eval_every steps
       and at the end; returns {metric: value}, logged as `eval/<metric>`. Without one, and with
       cfg.max_eval_batches > 0, the held-out loss over that many "val" batches is used.
     resume: continue from out_dir/checkpoints' newest checkpoint (default: cfg.resume).
@@ -541,7 +542,7 @@ class Trainer:
         try:
             with torch.no_grad(), self.precision.autocast():
                 if self.eval_fn is not None:
-                    metrics = self.eval_fn(self.model)
+                    metrics = self.eval_fn(self.model, **self._eval_kwargs())
                 else:
                     metrics = self._heldout_loss()
         finally:
@@ -549,6 +550,14 @@ class Trainer:
             set_rng_state(saved_rng)
         metrics = {k: float(v) for k, v in dict(metrics).items()}
         return dist_.broadcast_object(metrics, self.dist)  # every rank acts on rank 0's numbers
+
+    def _eval_kwargs(self) -> dict[str, Any]:
+        """max_eval_batches for an eval_fn with a parameter of that name (when set): one knob bounds both."""
+        try:
+            named = "max_eval_batches" in inspect.signature(self.eval_fn).parameters
+        except (TypeError, ValueError):  # a builtin or C callable without a signature
+            named = False
+        return {"max_eval_batches": self.cfg.max_eval_batches} if named and self.cfg.max_eval_batches is not None else {}
 
     def _heldout_loss(self) -> dict[str, float]:
         """Token-weighted loss over the first max_eval_batches "val" batches (global: rank r takes r, r + W,
