@@ -276,3 +276,24 @@ def test_max_eval_batches_reaches_an_eval_fn_that_names_it(tmp_path):
     Trainer(MLP(), cfg(tmp_path, max_eval_batches=7, max_steps=1), Data(), eval_fn=ev).fit()
     Trainer(MLP(), cfg(tmp_path / "b", max_steps=1), Data(), eval_fn=lambda m: {"loss": 1.0}).fit()  # not named
     assert got == [7]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "inverse_sqrt"])
+def test_a_warmup_as_long_as_the_run_is_flagged_for_every_warming_schedule(tmp_path, schedule):
+    from qkv.train import lr_at
+
+    c = cfg(tmp_path, max_steps=4, warmup=8, schedule=schedule, lr=1.0)
+    assert max(lr_at(s, schedule=schedule, lr=1.0, warmup=8, max_steps=4) for s in range(1, 5)) < 1.0  # the fact
+    with pytest.warns(UserWarning, match=f"the {schedule} schedule never reaches train.lr"):
+        Trainer(MLP(), c, Data())
+
+
+def test_noam_with_a_long_warmup_is_not_flagged(tmp_path, recwarn):
+    import warnings
+
+    class WithDModel(MLP):
+        config = types.SimpleNamespace(d_model=8)
+
+    warnings.simplefilter("always")
+    Trainer(WithDModel(), cfg(tmp_path, max_steps=4, warmup=8, schedule="noam"), Data())
+    assert not [w for w in recwarn if "warmup" in str(w.message)]

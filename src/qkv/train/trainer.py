@@ -117,9 +117,11 @@ class Trainer:
         self.cfg = cfg
         self.data = data
         self.eval_fn = eval_fn
-        if cfg.schedule in ("cosine", "linear") and cfg.warmup_steps() >= cfg.max_steps:  # a smoke run's, often
+        # every schedule but noam (whose warmup sets its peak) ramps linearly to train.lr over the warmup
+        if cfg.schedule != "noam" and cfg.warmup_steps() >= cfg.max_steps:  # a smoke run's, often
+            decays = " and never decays" if cfg.schedule != "constant" else ""
             warnings.warn(f"warmup of {cfg.warmup_steps()} steps >= max_steps={cfg.max_steps}: the {cfg.schedule} "
-                          "schedule never reaches train.lr and never decays (a warmup < 1 is a share of max_steps)",
+                          f"schedule never reaches train.lr{decays} (a warmup < 1 is a share of max_steps)",
                           stacklevel=2)
         if cfg.eval_every and not self._eval_enabled():
             warnings.warn(f"train.eval_every={cfg.eval_every} has nothing to evaluate (no evaluation function, "
