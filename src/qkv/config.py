@@ -120,6 +120,19 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str | None = None) -> T
     return obj
 
 
+def check_fields(cfg: Any, where: str | None = None) -> None:
+    """Type-check a dataclass built directly in Python as from_dict checks a mapping (its validate() calls
+    this, so a Literal typo or a "10" for an int is the same ConfigError either way); normalises in place
+    what from_dict would (an int field's 10.0 -> 10, a tuple -> list)."""
+    where = where or type(cfg).__name__
+    hints = _type_hints(type(cfg))
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        checked = _coerce(value, hints[f.name], f"{where}.{f.name}")
+        if checked is not value:
+            setattr(cfg, f.name, checked)
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 

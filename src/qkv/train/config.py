@@ -2,6 +2,7 @@
 
 Built with `qkv.config.from_dict(TrainConfig, mapping)` (YAML / CLI overrides): an unknown key is a
 ConfigError naming the closest valid key, and `validate()` rejects inconsistent values in one sentence.
+A `TrainConfig(...)` built directly gets the same type and choice checks from `validate()` (the Trainer calls it).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from qkv.config import ConfigError
-from qkv.train.optim import OPTIMIZER_IMPLS, OptimizerImpl
+from qkv.config import ConfigError, check_fields
+from qkv.train.optim import OptimizerImpl
 
 Schedule = Literal["noam", "inverse_sqrt", "cosine", "linear", "constant"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -54,7 +55,8 @@ class TrainConfig:
     # -- logging, evaluation, checkpoints ----------------------------------------------------------------
     log_every: int = 10  # steps between metrics.jsonl records (every step when 1)
     eval_every: int = 0  # steps between eval_fn calls (0 = only at the end)
-    max_eval_batches: int | None = None  # handed to eval callables that accept it (see Trainer.evaluate)
+    max_eval_batches: int | None = None  # held-out "val" batches for the loss when there is no eval_fn; an
+    #                                      eval_fn with a `max_eval_batches` parameter receives it
     save_every: int = 500  # steps between checkpoints (0 = only at the end). SIGINT/SIGTERM always save the
     #                        current step; this bounds what a hard kill (SIGKILL, OOM, power) loses: HF Trainer's
     #                        default, minutes of CPU work for the shipped configs, < 1% of the time in writes
@@ -71,6 +73,7 @@ class TrainConfig:
     seed: int = 0  # python, numpy and torch RNGs (data order comes from the batch source's own seed)
 
     def validate(self) -> None:
+        check_fields(self)  # types and choices, also for a TrainConfig(...) built directly in Python
         for name in ("lr", "min_lr", "eps", "weight_decay", "warmup", "rollback_lr_factor", "clip_grad"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
@@ -85,9 +88,6 @@ class TrainConfig:
             raise ConfigError("TrainConfig: eps must be > 0 and weight_decay >= 0")
         if abs(self.seed) >= 2**62:  # torch.manual_seed takes 64 bits; ranks and rollbacks add offsets to it
             raise ConfigError(f"TrainConfig.seed must be an integer of magnitude below 2**62, got {self.seed}")
-        if self.optimizer_impl not in OPTIMIZER_IMPLS:
-            raise ConfigError(f"TrainConfig.optimizer_impl: {self.optimizer_impl!r} is not one of "
-                              f"{', '.join(OPTIMIZER_IMPLS)}")
         if self.warmup < 0:
             raise ConfigError(f"TrainConfig.warmup must be >= 0 (steps, or a fraction < 1), got {self.warmup}")
         if self.warmup >= 1 and not float(self.warmup).is_integer():

@@ -17,6 +17,7 @@ implementation continues correctly but not bit-identically.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -27,7 +28,11 @@ from torch.autograd.graph import increment_version
 from qkv.config import ConfigError
 from qkv.nn.position import PositionalEncoding
 
-_NO_DECAY_NAME_PARTS = ("emb", "cls_token", "pos_", "position", "mask_token")
+# words of a parameter's own name (split on "_" and ".") that mark an embedding-like table: whole words, so
+# `ensemble_weight` or `decomposition` are not caught by the "emb" / "position" inside them
+_NO_DECAY_WORDS = frozenset({"emb", "embed", "embeds", "embedding", "embeddings", "pos", "position", "positions",
+                             "positional"})
+_NO_DECAY_PAIRS = frozenset({("cls", "token"), ("mask", "token")})
 
 OptimizerImpl = Literal["auto", "fused", "foreach", "loop"]
 OPTIMIZER_IMPLS: tuple[str, ...] = get_args(OptimizerImpl)
@@ -54,10 +59,14 @@ def no_decay_names(model: nn.Module) -> set[str]:
     for mod_name, mod in model.named_modules():
         for p_name, p in mod.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if p.dim() < 2 or isinstance(mod, (nn.Embedding, PositionalEncoding)) \
-                    or any(part in p_name.lower() for part in _NO_DECAY_NAME_PARTS):
+            if p.dim() < 2 or isinstance(mod, (nn.Embedding, PositionalEncoding)) or _embedding_like(p_name):
                 names.add(full)
     return names
+
+
+def _embedding_like(name: str) -> bool:
+    words = re.split(r"[._]", name.lower())
+    return bool(_NO_DECAY_WORDS.intersection(words)) or any(pair in _NO_DECAY_PAIRS for pair in zip(words, words[1:]))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> tuple[list[dict], GroupSummary]:

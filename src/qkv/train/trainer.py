@@ -13,12 +13,13 @@ One update (nanoGPT's order, made token-exact):
 
 from __future__ import annotations
 
+import inspect
 import math
 import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,6 +60,23 @@ class BatchSource(Protocol):
 EvalFn = Callable[[nn.Module], dict[str, float]]
 
 
+def loss_and_count(out: Any, batch: dict[str, Any]) -> tuple[Tensor, Any]:
+    """(mean loss, targets it averages) from a forward's return: an object with .loss (ModelOutput, Hugging
+    Face outputs), a mapping with "loss", or the scalar loss itself. Without n_targets the batch's rows
+    weigh it (exact for sequence-level losses)."""
+    if isinstance(out, Tensor):
+        loss, n = (out, None) if out.ndim == 0 else (None, None)
+    elif isinstance(out, Mapping):
+        loss, n = out.get("loss"), out.get("n_targets")
+    else:
+        loss, n = getattr(out, "loss", None), getattr(out, "n_targets", None)
+    if loss is None:
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"the model's forward returned {got} without a loss: it must return a scalar loss, "
+                         "a mapping with 'loss' or an object with .loss (does the batch have labels?)")
+    return loss, n if n is not None else batch_rows(batch)
+
+
 def _differs(saved: Any, now: Any) -> bool:
     """A saved setting differs from this run's (a saved list equals the tuple it was written from)."""
     if isinstance(saved, (list, tuple)) and isinstance(now, (list, tuple)):
@@ -70,11 +88,12 @@ class Trainer:
     """Trainer(model, cfg, data, eval_fn=None, callbacks=(), resume=None).fit() -> summary dict.
 
     model: an nn.Module (normally a qkv model) whose forward(**batch) returns an object with `.loss`
-      (mean over targets) and `.n_targets`; `model.config.d_model` feeds the Noam schedule and
+      (mean over targets) and `.n_targets` (else the batch's rows weigh it), a {"loss": ...} mapping, or the
+      scalar loss itself; `model.config.d_model` feeds the Noam schedule and
       `model.config.context_length` the length truncation, when present.
     cfg: TrainConfig, or a mapping checked by qkv.config.from_dict.
     data: a batch source, `data.batch(index, batch_size, split) -> dict of tensors` (model kwargs).
-    eval_fn: called as eval_fn(model) in eval mode under no_grad (and autocast) every eval_every steps
+    eval_fn: called as eval_fn(model) (plus max_eval_batches=, if it names that parameter) in eval mode under no_grad (and autocast) every eval_every steps
       and at the end; returns {metric: value}, logged as `eval/<metric>`. Without one, and with
       cfg.max_eval_batches > 0, the held-out loss over that many "val" batches is used.
     resume: continue from out_dir/checkpoints' newest checkpoint (default: cfg.resume).
@@ -98,9 +117,11 @@ class Trainer:
         self.cfg = cfg
         self.data = data
         self.eval_fn = eval_fn
-        if cfg.schedule in ("cosine", "linear") and cfg.warmup_steps() >= cfg.max_steps:  # a smoke run's, often
+        # every schedule but noam (whose warmup sets its peak) ramps linearly to train.lr over the warmup
+        if cfg.schedule != "noam" and cfg.warmup_steps() >= cfg.max_steps:  # a smoke run's, often
+            decays = " and never decays" if cfg.schedule != "constant" else ""
             warnings.warn(f"warmup of {cfg.warmup_steps()} steps >= max_steps={cfg.max_steps}: the {cfg.schedule} "
-                          "schedule never reaches train.lr and never decays (a warmup < 1 is a share of max_steps)",
+                          f"schedule never reaches train.lr{decays} (a warmup < 1 is a share of max_steps)",
                           stacklevel=2)
         if cfg.eval_every and not self._eval_enabled():
             warnings.warn(f"train.eval_every={cfg.eval_every} has nothing to evaluate (no evaluation function, "
@@ -201,7 +222,8 @@ class Trainer:
                 warnings.warn(w.message, LengthTruncationWarning, stacklevel=3)
         batch = to_device(batch, self.device)
         for cb in self.callbacks:
-            batch = cb.on_batch(self, step, micro, batch)
+            changed = cb.on_batch(self, step, micro, batch)
+            batch = batch if changed is None else changed  # None: changed in place, or not at all
         return batch
 
     def compute_gradients(self, step: int) -> tuple[float, int, int, list[dict[str, Any]]]:
@@ -222,12 +244,10 @@ class Trainer:
             with dist_.sync_context(self.engine, info, sync=micro == ga - 1):
                 with self.precision.autocast():
                     out = self.engine(**batch)
-                if getattr(out, "loss", None) is None:
-                    raise ValueError("the model returned no loss: the batch needs labels (or the model a loss head)")
-                n = out.n_targets if getattr(out, "n_targets", None) is not None else batch_rows(batch)
-                n = torch.as_tensor(n, device=out.loss.device).to(torch.float32)
-                self.precision.scale(out.loss.float() * n * c).backward()
-            loss_sum += out.loss.detach().double() * n.double()
+                out_loss, n = loss_and_count(out, batch)
+                n = torch.as_tensor(n, device=out_loss.device).to(torch.float32)
+                self.precision.scale(out_loss.float() * n * c).backward()
+            loss_sum += out_loss.detach().double() * n.double()
             n_sum += n.double()
         flag = 1.0 if self._signal is not None else 0.0  # a signal on any rank stops every rank after this step
         stats = torch.cat([torch.stack([loss_sum, n_sum]),
@@ -268,16 +288,27 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, info = self.cfg, self.dist
         t_start = time.perf_counter()
-        resumed_from = None
+        resumed_from, fresh_note = None, ""
         repaired: list[str] = []
         if info.is_main:  # before anything is read or written: repair what a killed process left
             repaired = ckpt.clean_stale(self.ckpt_root)
         dist_.barrier(info)
-        if self.resume:
-            path = ckpt.latest_checkpoint(self.ckpt_root)
+        self.should_stop = False
+        path = ckpt.latest_checkpoint(self.ckpt_root)
+        # fit() again on this trainer (after Ctrl-C in a notebook, or to see the summary again): the newest
+        # checkpoint is its own, so continue from it as a resume would
+        again = self.step > 0 and path is not None and path == self.last_checkpoint
+        if self.resume or again:
             if path is not None:
                 self.load_checkpoint(path)
                 resumed_from = path
+                on_disk = self._best_on_disk() if info.is_main else None
+                if on_disk is not None and self._is_better(on_disk["value"], self.best):
+                    self.best = on_disk
+                self.best = dist_.broadcast_object(self.best, info)  # rank 0 read checkpoints/best
+            else:
+                fresh_note = f"resume=True but {self.ckpt_root} holds no checkpoint: starting fresh"
+                warnings.warn(fresh_note, stacklevel=2)
         if resumed_from is None:
             existing = ckpt.list_checkpoints(self.ckpt_root)
             if existing:  # a fresh run's pruning would keep the older run's higher steps and delete its own
@@ -294,6 +325,8 @@ class Trainer:
         try:
             for line in repaired:
                 log.info(f"checkpoints: {line} (left by an interrupted process)")
+            if fresh_note:
+                log.info(fresh_note)
             n_params = count_parameters(self.model)
             log.info(f"training {type(self.model).__name__} ({n_params:,} parameters) on {self.device}, "
                      f"precision {cfg.precision}, distributed {info.mode} x{info.world_size}, "
@@ -332,9 +365,27 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_fit_end(self, summary)
             return summary
+        except NonFiniteError:
+            raise  # it saved what it should (never a non-finite state)
+        except Exception:
+            self._save_after_error()
+            raise
         finally:
             self._restore_signal_handlers()
             log.close(plot=self.cfg.plot)
+
+    def _save_after_error(self) -> None:
+        """An exception (eval_fn, a callback, the batch source) is leaving fit(): checkpoint the completed steps
+        so a resume need not redo them. Best effort, never masking that exception, and single-process only:
+        saving is collective under DDP/FSDP and the other ranks may be elsewhere."""
+        if self.dist.enabled or self.step == 0 or self.last_checkpoint == ckpt.step_dir(self.ckpt_root, self.step):
+            return
+        try:
+            path = self.save_checkpoint()
+            if path is not None and self.logger is not None:
+                self.logger.info(f"step {self.step}: stopped by an exception; checkpoint saved to {path}")
+        except Exception:  # noqa: BLE001 - the original exception is the one to report
+            pass
 
     # -- SIGINT / SIGTERM: finish the step, checkpoint, stop --------------------------------------------------
     def _install_signal_handlers(self) -> None:
@@ -420,8 +471,9 @@ class Trainer:
                 record["loss_scale"] = float(self.precision.scaler.get_scale())
             if cfg.eval_every and step % cfg.eval_every == 0 and self._eval_enabled():
                 record.update({f"eval/{k}": v for k, v in self._run_eval().items() if not k.startswith("_")})
-            if step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps or self.should_stop \
-                    or any(k.startswith("eval/") for k in record):
+            logged = step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps or self.should_stop \
+                or any(k.startswith("eval/") for k in record)
+            if logged:
                 log.log(record)
                 interval_time, interval_tokens = 0.0, 0
             log.progress(step, loss, lr, record["tokens_per_s"])
@@ -429,6 +481,8 @@ class Trainer:
                 self.save_checkpoint()
             for cb in self.callbacks:
                 cb.on_step_end(self, step, record)
+            if not logged and (self.should_stop or self._signal is not None or self._interrupted()):
+                log.log(record)  # the last step of a stopped run: a resume reads its loss back from the log
 
     # ---------------------------------------------------------------------------------------------------
     def _nonfinite(self, step: int, loss: float, grad_norm: float, batches: list[dict[str, Any]]) -> None:
@@ -450,11 +504,13 @@ class Trainer:
             path = ckpt.latest_checkpoint(self.ckpt_root)
             if path is not None:
                 new_scale = self.lr_scale * cfg.rollback_lr_factor
-                counters = (self.rollbacks + 1, self.skipped, self.truncated)
+                # the best so far stays the best: checkpoints/best holds it even if it came after `path`,
+                # and forgetting it would let a worse evaluation of the replayed steps overwrite it
+                counters = (self.rollbacks + 1, self.skipped, self.truncated, self.best)
                 self.load_checkpoint(path)
                 log.rewind(self.step)  # the records after the restored step describe an abandoned path
                 self.lr_scale = new_scale
-                self.rollbacks, self.skipped, self.truncated = counters
+                self.rollbacks, self.skipped, self.truncated, self.best = counters
                 log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}) in "
                          f"{', '.join(layers[:5])}; rolled back to {path.name} (step {self.step}), "
                          f"LR x{new_scale:.3g} (rollback {self.rollbacks}/{cfg.max_rollbacks})")
@@ -488,7 +544,7 @@ class Trainer:
         try:
             with torch.no_grad(), self.precision.autocast():
                 if self.eval_fn is not None:
-                    metrics = self.eval_fn(self.model)
+                    metrics = self.eval_fn(self.model, **self._eval_kwargs())
                 else:
                     metrics = self._heldout_loss()
         finally:
@@ -496,6 +552,14 @@ class Trainer:
             set_rng_state(saved_rng)
         metrics = {k: float(v) for k, v in dict(metrics).items()}
         return dist_.broadcast_object(metrics, self.dist)  # every rank acts on rank 0's numbers
+
+    def _eval_kwargs(self) -> dict[str, Any]:
+        """max_eval_batches for an eval_fn with a parameter of that name (when set): one knob bounds both."""
+        try:
+            named = "max_eval_batches" in inspect.signature(self.eval_fn).parameters
+        except (TypeError, ValueError):  # a builtin or C callable without a signature
+            named = False
+        return {"max_eval_batches": self.cfg.max_eval_batches} if named and self.cfg.max_eval_batches is not None else {}
 
     def _heldout_loss(self) -> dict[str, float]:
         """Token-weighted loss over the first max_eval_batches "val" batches (global: rank r takes r, r + W,
@@ -508,10 +572,9 @@ class Trainer:
             i = j * info.world_size + info.rank
             batch = self.data.batch(i if i < n else info.rank % n, cfg.batch_size, "val")
             batch = to_device(truncate_batch(batch, self.context_length)[0], self.device)
-            out = self.model(**batch)
-            count = float(out.n_targets) if out.n_targets is not None else float(batch_rows(batch))
+            out_loss, count = loss_and_count(self.model(**batch), batch)
             weight = 1.0 if i < n else 0.0
-            stats[0] += out.loss.double() * count * weight
+            stats[0] += out_loss.double() * float(count) * weight
             stats[1] += count * weight
         dist_.all_reduce_sum(stats, info)
         if float(stats[1]) == 0:  # no target in the batches: no loss to report (never a fake 0.0)
@@ -527,9 +590,10 @@ class Trainer:
         for record in reversed(self.logger.records if self.logger is not None else []):
             if record.get("step") != self.step:
                 break
-            metrics = {k[len("eval/"):]: v for k, v in record.items() if k.startswith("eval/")}
+            # float(): metrics.jsonl writes a non-finite value as the string "nan"/"inf" (JSON has none)
+            metrics = {k[len("eval/"):]: float(v) for k, v in record.items() if k.startswith("eval/")}
             evaluation = {**metrics, "_step": self.step} if metrics and not evaluation else evaluation
-            loss = record["loss"] if loss is None and "loss" in record else loss
+            loss = float(record["loss"]) if loss is None and "loss" in record else loss
         return evaluation, loss
 
     def _run_eval(self) -> dict[str, float]:
@@ -547,14 +611,26 @@ class Trainer:
                               f"{sorted(metrics)} (step {self.step}; checkpoint saved)")
         value = metrics[self.best_metric]
         if math.isfinite(value):
-            better = self.best is None or (value < self.best["value"] if self.best_mode == "min"
-                                           else value > self.best["value"])
-            if better:
+            if self._is_better(value, self.best):
                 previous, self.best = self.best, {"metric": self.best_metric, "value": value, "step": self.step}
                 if self.save_checkpoint(self.ckpt_root / ckpt.BEST,
                                         extra={"eval.json": {**metrics, "step": self.step}}) is None:
                     self.best = previous  # a non-finite state is no best
         return metrics
+
+    def _is_better(self, value: float, than: dict[str, Any] | None) -> bool:
+        return than is None or (value < than["value"] if self.best_mode == "min" else value > than["value"])
+
+    def _best_on_disk(self) -> dict[str, Any] | None:
+        """checkpoints/best's record ({"metric", "value", "step"}), or None. It can be newer than the step
+        checkpoint a run resumes from (an evaluation after the last periodic save)."""
+        try:
+            record = ckpt.read_json(self.ckpt_root / ckpt.BEST / "eval.json")
+            value = float(record[self.best_metric])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return {"metric": self.best_metric, "value": value, "step": int(record.get("step", 0))} \
+            if math.isfinite(value) else None
 
     # ---------------------------------------------------------------------------------------------------
     def train_state(self) -> dict[str, Any]:
