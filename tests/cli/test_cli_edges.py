@@ -129,6 +129,11 @@ def test_resume_applies_changed_adamw_settings(lm_run, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["model.vocab_size=5"], "model.vocab_size=5 is below what the task 'charlm' needs"),
     (["train.device=cuda:x"], "TrainConfig.device: 'cuda:x' is not auto, cpu, cuda or cuda:N"),
+    # these trained, evaluated, then failed in the final sampling or evaluation, leaving no results.json
+    (["model.context_length=8"], "model.context_length=8 is below what the task 'charlm' needs (16)"),
+    (["task.sample_tokens=-3"], "sample_tokens must be >= 0"),
+    (["task.top_k=0"], "top_k must be at least 1"),
+    (["task.temperature=.nan"], "temperature must be a positive number"),
 ])
 def test_settings_that_cannot_work_are_refused_before_writing(tmp_path, flags, message):
     out = tmp_path / "run"
@@ -220,20 +225,6 @@ def test_a_closed_pipe_stops_quietly():
 
 
 # -- stop 29's review: settings refused before anything is written, run folders usable from anywhere -------
-@pytest.mark.parametrize("flags, message", [
-    (["model.context_length=8"], "model.context_length=8 is below what the task 'charlm' needs (16)"),
-    (["task.sample_tokens=-3"], "sample_tokens must be >= 0"),
-    (["task.top_k=0"], "top_k must be at least 1"),
-    (["task.temperature=.nan"], "temperature must be a positive number"),
-])
-def test_settings_that_fail_after_training_are_refused_up_front(tmp_path, flags, message):
-    # each of these trained, evaluated, then failed in the final sampling or evaluation: no results.json
-    out = tmp_path / "run"
-    r = run_cli("train", "charlm", "--out", str(out), "--max-steps", "2", *TINY, *flags)
-    assert message in one_error_line(r)
-    assert not out.exists()
-
-
 def test_out_under_a_file(tmp_path):
     (tmp_path / "taken").write_text("x")
     r = run_cli("train", "charlm", "--out", str(tmp_path / "taken" / "run"), "--max-steps", "1", *TINY)

@@ -89,17 +89,8 @@ def test_several_return_sequences_are_refused(sampling_folder, tmp_path, capsys)
     assert "prints one sequence" in capsys.readouterr().err
 
 
-@pytest.fixture
-def lm_run(tmp_path):
-    task = build_task("charlm", family="gpt", context=16)
-    model = task.build_model("gpt-nano", d_model=24, n_heads=2, position="rope")
-    task.save(tmp_path)
-    model.save_pretrained(tmp_path)
-    return tmp_path, task, model
-
-
-def test_greedy_and_temperature_flags_on_a_run(lm_run, capsys):
-    folder, task, model = lm_run
+def test_greedy_and_temperature_flags_on_a_run(tiny_lm_run, capsys):
+    folder, task, model = tiny_lm_run
     ids = torch.tensor([task.tokenizer.encode("def ")])
     with torch.no_grad():  # greedy, by a plain loop over full forwards
         for _ in range(10):

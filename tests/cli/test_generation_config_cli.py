@@ -8,17 +8,11 @@ import json
 import pytest
 
 from qkv.cli.main import main
-from qkv.tasks import build_task
 
 
 @pytest.fixture
-def lm_run(tmp_path):
-    """A run folder with a tiny character LM (task.json + tokenizer + model), no training needed."""
-    task = build_task("charlm", family="gpt", context=16)
-    model = task.build_model("gpt-nano", d_model=24, n_heads=2, position="rope")
-    task.save(tmp_path)
-    model.save_pretrained(tmp_path)
-    return tmp_path
+def lm_run(tiny_lm_run):
+    return tiny_lm_run[0]
 
 
 def test_generation_config_file_and_flags(lm_run, tmp_path, capsys):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -37,3 +38,15 @@ def running_server(folder, *, settings: ServeSettings | None = None, shutdown_ti
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def sse_events(lines) -> tuple[list[dict], bool]:
+    """(payloads, ended with [DONE]) of an SSE stream's lines."""
+    events, done = [], False
+    for line in lines:
+        if line.startswith("data: "):
+            if line == "data: [DONE]":
+                done = True
+                break
+            events.append(json.loads(line[len("data: "):]))
+    return events, done

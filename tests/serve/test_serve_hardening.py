@@ -4,29 +4,16 @@ mid-stream. Each against a server on a loopback port, checked with raw httpx or 
 
 from __future__ import annotations
 
-import json
 import threading
 
 import httpx
 import openai
 import pytest
 import torch
-from _servehelpers import running_server
+from _servehelpers import running_server, sse_events
 
 from qkv.generate import generate
 from qkv.serve import load_served
-
-
-def _sse(lines):
-    """(payloads, ended with [DONE]) of an SSE stream."""
-    events, done = [], False
-    for line in lines:
-        if line.startswith("data: "):
-            if line == "data: [DONE]":
-                done = True
-                break
-            events.append(json.loads(line[len("data: "):]))
-    return events, done
 
 
 def test_tiny_temperature_big_seed_and_unsupported_fields(run_folder):
@@ -89,7 +76,7 @@ def test_include_usage_puts_usage_on_its_own_last_chunk_only(run_folder):
     with running_server(run_folder, block_size=4) as (url, app):
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream_options": {"include_usage": True}},
                           timeout=60) as r:
-            events, done = _sse(r.iter_lines())
+            events, done = sse_events(r.iter_lines())
         assert done and events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
         assert all(e.get("usage") is None for e in events[:-1])  # OpenAI's form: a client may add them up
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -146,7 +133,7 @@ def test_an_engine_that_dies_mid_stream(run_folder):
         body = {"model": served.name, "prompt": "ab", "max_tokens": 20, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
-            events, done = _sse(r.iter_lines())
+            events, done = sse_events(r.iter_lines())
         assert done and "error" in events[-1] and "injected failure" in events[-1]["error"]["message"]
         assert events[-1]["error"]["code"] == "engine_error"
         assert len(seen) == 1 and "injected failure" in str(seen[0])
@@ -202,7 +189,7 @@ def test_a_completion_keeps_the_space_before_its_first_word(llama_sp):
             whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
             assert whole["choices"][0]["text"] == want
             with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-                events, done = _sse(r.iter_lines())
+                events, done = sse_events(r.iter_lines())
             assert done and "".join(e["choices"][0]["text"] for e in events) == want
 
 
@@ -239,7 +226,7 @@ def test_a_request_whose_sampling_fails_fails_alone_and_the_server_goes_on(run_f
         assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", r.text
         assert "sampling failed" in r.json()["error"]["message"]
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
-            events, done = _sse(s.iter_lines())
+            events, done = sse_events(s.iter_lines())
         assert done and events[-1]["error"]["code"] == "request_failed"
         api.options = options
         assert api.worker.alive and httpx.get(url + "/health", timeout=10).status_code == 200

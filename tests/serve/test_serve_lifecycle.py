@@ -3,7 +3,6 @@ runs out, a request cancelled under a stream."""
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -11,22 +10,10 @@ import time
 
 import httpx
 import pytest
-from _servehelpers import running_server
+from _servehelpers import running_server, sse_events
 
 from qkv.cli.main import main
 from qkv.serve import load_served
-
-
-def _sse(lines):
-    """(payloads, ended with [DONE]) of an SSE stream."""
-    events, done = [], False
-    for line in lines:
-        if line.startswith("data: "):
-            if line == "data: [DONE]":
-                done = True
-                break
-            events.append(json.loads(line[len("data: "):]))
-    return events, done
 
 
 @pytest.fixture
@@ -107,7 +94,7 @@ def test_streams_cut_by_the_end_of_the_shutdown_timeout_end_with_an_error_and_do
                     assert time.monotonic() < deadline
                     time.sleep(0.01)
                 app.state.server.should_exit = True
-                events, done = _sse([first, *lines])
+                events, done = sse_events([first, *lines])
             th.join(60)
     finally:
         logging.getLogger("uvicorn.error").removeHandler(log)
@@ -128,7 +115,7 @@ def test_a_stream_whose_request_the_engine_cancels_ends_with_an_error_and_done(r
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             app.state.api.worker._commands.put(("cancel", 0))  # the first (only) ticket, as a shutdown cancels it
-            events, done = _sse([first, *lines])
+            events, done = sse_events([first, *lines])
     assert done and events[-1]["error"]["code"] == "cancelled" and len(events) < 50
 
 

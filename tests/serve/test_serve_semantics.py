@@ -10,22 +10,10 @@ import shutil
 import httpx
 import pytest
 import torch
-from _servehelpers import running_server
+from _servehelpers import running_server, sse_events
 
 from qkv.generate import generate
 from qkv.serve import load_served
-
-
-def _sse(lines):
-    """(payloads, ended with [DONE]) of an SSE stream."""
-    events, done = [], False
-    for line in lines:
-        if line.startswith("data: "):
-            if line == "data: [DONE]":
-                done = True
-                break
-            events.append(json.loads(line[len("data: "):]))
-    return events, done
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +78,7 @@ def test_a_stop_string_at_the_start_of_a_sentencepiece_output_stops_it(llama_sp)
         assert r["usage"]["completion_tokens"] == 1
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stop": word, "stream": True},
                           timeout=60) as s:
-            events, done = _sse(s.iter_lines())
+            events, done = sse_events(s.iter_lines())
         assert done and "".join(e["choices"][0]["text"] for e in events) == ""
         assert events[-1]["choices"][0]["finish_reason"] == "stop" and events[-1]["usage"]["completion_tokens"] == 1
 
