@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -81,6 +82,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
     if tp is str:
+        if isinstance(value, os.PathLike):  # a Path for a folder field (TrainConfig(out_dir=Path(...)))
+            return os.fspath(value)
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value

@@ -183,6 +183,8 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
         check_fits(model, newest)
         check_same_architecture(model, newest)
     cfg = {**cfg, "train": {**(cfg.get("train") or {}), "out_dir": str(out)}}
+    if getattr(getattr(task, "options", None), "path", None):  # absolute, as in task.json: a resume from elsewhere
+        cfg["task"] = {**cfg["task"], "path": task.options.path}
     return Run(cfg, out, task, model, train_cfg, ev, extra, newest if resume else None)
 
 

@@ -249,15 +249,15 @@ def test_a_run_on_a_relative_text_path_evaluates_from_elsewhere(book_run):
     r = run_cli("eval", str(book_run / "run"), "-n", "2")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((book_run / "run" / "task.json").read_text())["options"]["path"] == str(book_run / "book.txt")
+    import yaml
+
+    assert yaml.safe_load((book_run / "run" / "run.yaml").read_text())["task"]["path"] == str(book_run / "book.txt")
 
 
 def test_a_resume_whose_text_is_gone_writes_nothing(book_run, tmp_path):
     out = copy_run(book_run / "run", tmp_path)
-    options = json.loads((out / "task.json").read_text())
-    options["options"]["path"] = str(tmp_path / "gone.txt")
-    (out / "task.json").write_text(json.dumps(options))
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    r = run_cli("train", "--out", str(out), "--resume", "--max-steps", "4")
+    r = run_cli("train", "--out", str(out), "--resume", "--max-steps", "4", f"task.path={tmp_path / 'gone.txt'}")
     assert "text file not found" in one_error_line(r)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # run.yaml etc. untouched
 
@@ -271,6 +271,12 @@ def test_a_changed_text_is_refused_rather_than_read_as_unk(book_run, tmp_path):
     (out / "task.json").write_text(json.dumps(options))
     line = one_error_line(run_cli("eval", str(out), "-n", "2"))
     assert "character(s) the run's saved vocabulary does not have" in line and "'Z'" in line
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    r = run_cli("train", "--out", str(out), "--resume", "--max-steps", "4", f"task.path={changed}")
+    assert "character(s)" in one_error_line(r)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    r = run_cli("generate", str(out), "--prompt", "alpha", "--max-new-tokens", "5")  # needs only the vocabulary
+    assert r.returncode == 0 and r.stdout.startswith("alpha"), r.stderr[-2000:]
 
 
 def test_a_text_path_with_a_tilde_and_a_bom(tmp_path, monkeypatch):

@@ -133,3 +133,12 @@ def test_the_folders_own_length_is_the_default(sampling_folder, llama_sp, capsys
     out = capsys.readouterr().out.rstrip("\n")
     assert want.startswith(out[len("Hello"):]) and 0 < len(out) - len("Hello") < len(want)
     assert len(tok.encode(out).ids) == len(tok.encode("Hello").ids) + 3
+
+
+def test_a_dataclasses_copy_does_not_give_every_field():
+    import dataclasses
+
+    folder = {"do_sample": True, "temperature": 0.6}
+    copy = dataclasses.replace(GenerationConfig(), max_new_tokens=5)
+    cfg = resolve(folder, copy, {})
+    assert (cfg.do_sample, cfg.temperature, cfg.max_new_tokens) == (True, 0.6, 5)  # the folder's, as .replace gives

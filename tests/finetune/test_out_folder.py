@@ -130,3 +130,25 @@ def test_save_model_folder_onto_its_source(gpt2_chat, tmp_path):
     folder = shutil.copytree(gpt2_chat, tmp_path / "m")
     assert save_model_folder(qkv.from_pretrained(folder), folder, folder) == "hf:gpt2"
     assert (folder / "tokenizer.json").read_bytes() == (gpt2_chat / "tokenizer.json").read_bytes()
+
+
+def test_runs_of_an_older_qkv_finetune_resume_and_dotfiles_do_not_count(tmp_path):
+    # before finetune.json marked every recipe's folder, seq2seq never wrote one and classify/tag only at the end:
+    # such a run with a step checkpoint is continued with --resume (and still refused without it)
+    from qkv.train.checkpoint import STATE_NAME, WEIGHTS_NAME
+
+    source = tmp_path / "src"
+    source.mkdir()
+    old = tmp_path / "old"
+    step = old / "checkpoints" / "step_00000010"
+    step.mkdir(parents=True)
+    (step / STATE_NAME).write_bytes(b"x")
+    (step / WEIGHTS_NAME).write_bytes(b"x")
+    (old / "config.json").write_text("{}")
+    check_out(old, source, "seq2seq", resume=True)
+    with pytest.raises(ConfigError, match="did not write"):
+        check_out(old, source, "seq2seq", resume=False)
+    dot = tmp_path / "dot"
+    dot.mkdir()
+    (dot / ".gitkeep").write_text("")
+    check_out(dot, source, "classify", resume=False)

@@ -297,3 +297,13 @@ def test_noam_with_a_long_warmup_is_not_flagged(tmp_path, recwarn):
     warnings.simplefilter("always")
     Trainer(WithDModel(), cfg(tmp_path, max_steps=4, warmup=8, schedule="noam"), Data())
     assert not [w for w in recwarn if "warmup" in str(w.message)]
+
+
+def test_a_path_out_dir_and_a_torch_device_are_accepted(tmp_path):
+    # the type checks of a directly built TrainConfig refused the two most natural values from Python
+    c = cfg(tmp_path / "run", max_steps=1)
+    c.out_dir, c.device = tmp_path / "run", torch.device("cpu")
+    c.validate()
+    assert c.out_dir == str(tmp_path / "run") and c.device == "cpu"
+    Trainer(MLP(), c, Data()).fit()
+    assert (tmp_path / "run" / "checkpoints").is_dir()

@@ -226,9 +226,11 @@ def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) ->
         if p.exists() and not p.is_dir():
             raise ConfigError(f"--out {out} is a file, not a folder" if p == out else
                               f"--out {out}: {p} is a file, not a folder")
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or not any(p for p in out.iterdir() if not p.name.startswith(".")):  # .gitkeep, .DS_Store
         return
     owner = written_by(out)
+    if owner is None and resume and latest_checkpoint(out / "checkpoints") is not None:
+        return  # a run of a qkv finetune from before finetune.json marked its folders: --resume continues it
     if owner is None:
         if (out / "config.json").is_file():
             raise ConfigError(f"--out {out} already holds a model folder that qkv finetune did not write; "

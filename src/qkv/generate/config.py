@@ -43,7 +43,10 @@ def _remember_given_fields(cls: type) -> type:
     init, names = cls.__init__, [f.name for f in fields(cls)]
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        self._given = frozenset(names[:len(args)]) | frozenset(kwargs)
+        given = frozenset(names[:len(args)]) | frozenset(kwargs)
+        # every field named: a copy (dataclasses.replace, a whole to_dict), not a caller's choice of each; the
+        # fields that differ from their defaults then stand for what was set (explicit())
+        self._given = given if len(given) < len(names) else frozenset()
         init(self, *args, **kwargs)
 
     __init__.__doc__, __init__.__signature__ = init.__doc__, inspect.signature(init)

@@ -107,11 +107,14 @@ class LMTask(Task):
             else:
                 tokenizer = BPETokenizer.train(_chunks(train_text), vocab_size=o.bpe_vocab_size)
         elif unknown := tokenizer.unknown_symbols(train_text + val_text):
-            # the run's saved vocabulary on a text that changed since: it would train and evaluate on <unk>
+            # the run's saved vocabulary on a text that changed since: training and evaluation would read <unk>, so
+            # they say so (as for a text that is gone); the tokenizer still serves generate_text()/samples()
             shown = ", ".join(repr(u) for u in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
-            raise ConfigError(f"{o.path or o.corpus}: {len(unknown)} character(s) the run's saved vocabulary does "
-                              f"not have ({shown}): the text changed since the run was trained; train a new run "
-                              "(another --out)")
+            self.missing = (f"{o.path or o.corpus}: {len(unknown)} character(s) the run's saved vocabulary does not "
+                            f"have ({shown}): the text changed since the run was trained; train a new run on it "
+                            "(another --out)")
+            self.tokenizer, self.data, self.n_chars = tokenizer, {}, {}
+            return
         self.tokenizer = tokenizer
         self.data = {"train": self._encode(train_text), "val": self._encode(val_text)}
         self.n_chars = {"train": len(train_text), "val": len(val_text)}

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from qkv.config import ConfigError, check_fields
 from qkv.train.optim import OptimizerImpl
 
@@ -73,6 +75,8 @@ class TrainConfig:
     seed: int = 0  # python, numpy and torch RNGs (data order comes from the batch source's own seed)
 
     def validate(self) -> None:
+        if isinstance(self.device, torch.device):  # TrainConfig(device=torch.device("cuda", 1)) from Python
+            self.device = str(self.device)
         check_fields(self)  # types and choices, also for a TrainConfig(...) built directly in Python
         for name in ("lr", "min_lr", "eps", "weight_decay", "warmup", "rollback_lr_factor", "clip_grad"):
             value = getattr(self, name)
