@@ -156,6 +156,7 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
       laid over the saved ones. extra_evals: {name: {"task": {option: value}, "n": examples}}: more held-out
       sets for the same model (same tokenizer, other task options; the model's context covers them all)."""
     from qkv.tasks import load_tokenizer
+    from qkv.tasks.base import check_recorded_data, recorded_data_sha256
     from qkv.tasks.tokenizers import TokenizerError
     from qkv.train import latest_checkpoint
     from qkv.train.checkpoint import check_fits, check_same_architecture
@@ -177,7 +178,9 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
         except TokenizerError:
             tokenizer = None  # image tasks have none
     task, model, train_cfg, ev, extra = build_parts(cfg, out, tokenizer, extra_evals or {})
-    if resume and getattr(task, "missing", None):  # its text file is gone: nothing to train on
+    if resume:
+        check_recorded_data(task, recorded_data_sha256(out))
+    if resume and getattr(task, "missing", None):  # its text file is gone or changed: nothing to train on
         raise ConfigError(task.missing)
     if resume and newest is not None:
         check_fits(model, newest)

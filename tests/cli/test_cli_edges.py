@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from qkv.config import ConfigError
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "task.context=16", "train.batch_size=4",
         "train.lr=5e-3", "train.warmup=1", "eval.n=4", "eval.samples=0", "--no-progress"]
@@ -277,6 +279,46 @@ def test_a_changed_text_is_refused_rather_than_read_as_unk(book_run, tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     r = run_cli("generate", str(out), "--prompt", "alpha", "--max-new-tokens", "5")  # needs only the vocabulary
     assert r.returncode == 0 and r.stdout.startswith("alpha"), r.stderr[-2000:]
+
+
+def test_a_text_changed_within_the_same_characters_is_refused(book_run, tmp_path):
+    # the same characters in another order: the vocabulary check cannot see it, the digest task.json records does
+    out = copy_run(book_run / "run", tmp_path)
+    changed = tmp_path / "book.txt"
+    changed.write_text("delta gamma beta alpha\n" * 200, encoding="utf-8")
+    options = json.loads((out / "task.json").read_text())
+    assert len(options["data_sha256"]) == 64
+    options["options"]["path"] = str(changed)
+    (out / "task.json").write_text(json.dumps(options))
+    line = one_error_line(run_cli("eval", str(out), "-n", "2"))
+    assert "the file changed since the run was trained" in line and str(changed) in line
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    r = run_cli("train", "--out", str(out), "--resume", "--max-steps", "4", f"task.path={changed}")
+    assert "the file changed since the run was trained" in one_error_line(r)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    r = run_cli("generate", str(out), "--prompt", "alpha", "--max-new-tokens", "5")  # needs only the vocabulary
+    assert r.returncode == 0 and r.stdout.startswith("alpha"), r.stderr[-2000:]
+    changed.write_text("alpha beta gamma delta\n" * 200, encoding="utf-8")  # the run's own text again
+    assert run_cli("eval", str(out), "-n", "2").returncode == 0
+
+
+def test_a_tsv_run_records_its_file_absolute_with_its_digest(tmp_path, monkeypatch):
+    from qkv.tasks import build_task
+    from qkv.tasks.base import task_from_dict
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pairs.tsv").write_text("".join(f"w{i}\tv{i}\n" for i in range(20)), encoding="utf-8")
+    task = build_task("tsv", path="pairs.tsv", max_len=8)
+    saved = task.to_dict()
+    assert saved["options"]["path"] == str(tmp_path / "pairs.tsv")
+    monkeypatch.chdir("/")
+    assert task_from_dict(saved, tokenizer=task.tokenizer).missing is None
+    (tmp_path / "pairs.tsv").write_text("".join(f"w{i}\tv{19 - i}\n" for i in range(20)), encoding="utf-8")
+    rebuilt = task_from_dict(saved, tokenizer=task.tokenizer)
+    with pytest.raises(ConfigError, match="the file changed since the run was trained"):
+        rebuilt.batch(0, 2)
+    old = {k: v for k, v in saved.items() if k != "data_sha256"}  # a run saved before digests: not checked
+    assert task_from_dict(old, tokenizer=task.tokenizer).missing is None
 
 
 def test_a_text_path_with_a_tilde_and_a_bom(tmp_path, monkeypatch):

@@ -99,6 +99,11 @@ class Task:
     # the scores evaluate() reports, each with its direction ("max" = higher is better); the first is the
     # primary one: the default train.best_metric (checkpoints/best) and what a run is judged by
     metrics: dict[str, str] = {}
+    # SHA-256 of the user's data file the task was built from (None: a built-in corpus or dataset), recorded in
+    # task.json: a run rebuilt on a file that changed since (same characters, other text) must not train or
+    # evaluate on it as if it were the run's data (check_recorded_data)
+    data_sha256: str | None = None
+    missing: str | None = None  # why batches and evaluation are refused (the data is gone or changed)
 
     @classmethod
     def primary_metric(cls) -> str:
@@ -151,8 +156,12 @@ class Task:
         return fam.model_class(config_for(preset_or_config, **{**self.config_overrides(), **overrides})[1])
 
     def to_dict(self) -> dict[str, Any]:
-        """{"task": name, "family": family, "options": {...}}: with the saved tokenizer, rebuilds this task."""
-        return {"task": self.name, "family": self.family, "options": to_dict(self.options)}
+        """{"task": name, "family": family, "options": {...}} (and "data_sha256" for a user's data file): with
+        the saved tokenizer, rebuilds this task."""
+        out = {"task": self.name, "family": self.family, "options": to_dict(self.options)}
+        if self.data_sha256 is not None:
+            out["data_sha256"] = self.data_sha256
+        return out
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write task.json and the tokenizer (tokenizer.json + tokenizer_config.json) into `folder`."""
@@ -176,6 +185,32 @@ def text_lines(text: str) -> list[str]:
     if lines and lines[-1] == "":  # the newline that ends the last line
         lines.pop()
     return lines
+
+
+def text_sha256(text: str) -> str:
+    """The digest task.json records of a data file's text (Task.data_sha256)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def check_recorded_data(task: Task, recorded: str | None) -> None:
+    """A task rebuilt from a run (task.json's data_sha256 = `recorded`) on a data file whose text changed since:
+    batches and evaluation are refused (task.missing), as for a file that is gone; generation still works (it
+    needs only the saved tokenizer). Runs saved before digests were recorded are not checked."""
+    if recorded is None or task.missing or task.data_sha256 in (None, recorded):
+        return
+    path = getattr(task.options, "path", None)
+    task.missing = (f"{path}: the file changed since the run was trained (its SHA-256 is not the one the run's "
+                    "task.json records); train a new run on it (another --out), or restore the file")
+
+
+def recorded_data_sha256(folder: str | os.PathLike) -> str | None:
+    """The data digest a run folder's task.json records (None: none recorded, or no readable task.json)."""
+    try:
+        data = json.loads((Path(folder) / TASK_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    digest = data.get("data_sha256") if isinstance(data, dict) else None
+    return digest if isinstance(digest, str) else None
 
 
 def read_text_file(path: str | os.PathLike, what: str = "text file") -> str:
@@ -265,10 +300,13 @@ def task_from_dict(data: dict[str, Any], tokenizer: Tokenizer | None = None) -> 
     """Inverse of Task.to_dict()."""
     if not isinstance(data, dict) or "task" not in data:
         raise ConfigError("a task description needs a 'task' key (and optionally 'family', 'options')")
-    unknown = set(data) - {"task", "family", "options"}
+    unknown = set(data) - {"task", "family", "options", "data_sha256"}
     if unknown:
-        raise ConfigError(f"unknown key {sorted(unknown)[0]!r} in task description; valid keys: family, options, task")
-    return build_task(data["task"], data.get("family"), saved_tokenizer=tokenizer, **(data.get("options") or {}))
+        raise ConfigError(f"unknown key {sorted(unknown)[0]!r} in task description; valid keys: data_sha256, family, "
+                          "options, task")
+    task = build_task(data["task"], data.get("family"), saved_tokenizer=tokenizer, **(data.get("options") or {}))
+    check_recorded_data(task, data.get("data_sha256"))
+    return task
 
 
 def load_task(folder: str | os.PathLike) -> Task:

@@ -33,7 +33,15 @@ from torch import Tensor
 
 from qkv.config import ConfigError
 from qkv.generate.config import GenerationConfig, merge
-from qkv.tasks.base import Task, check_split, model_device, read_text_file, register_task, rng_for
+from qkv.tasks.base import (
+    Task,
+    check_split,
+    model_device,
+    read_text_file,
+    register_task,
+    rng_for,
+    text_sha256,
+)
 from qkv.tasks.corpora import CORPORA, pydoc_text, stdlib_texts
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
 
@@ -83,7 +91,7 @@ class LMTask(Task):
     def __init__(self, options: LMOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options = o = options
         self.family = family
-        self.missing: str | None = None
+        self.missing = None
         if o.path:  # absolute in task.json: `qkv eval` and --resume from another folder read the same file
             o.path = str(Path(o.path).expanduser().resolve())
         try:
@@ -92,6 +100,8 @@ class LMTask(Task):
                 train_text, val_text = split["train"], split["val"]
             else:
                 text = read_text_file(o.path) if o.path else default_corpus()
+                if o.path:
+                    self.data_sha256 = text_sha256(text)
                 cut = int(len(text) * (1 - o.val_fraction))
                 train_text, val_text = text[:cut], text[cut:]
         except ConfigError as e:

@@ -17,14 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkv.config import ConfigError
-from qkv.tasks.base import Task, read_text_file, register_task, rng_for, text_lines
+from qkv.tasks.base import Task, read_text_file, register_task, rng_for, text_lines, text_sha256
 from qkv.tasks.seq2seq import PairTask
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
 
 
 def read_pairs(path: str | Path) -> list[tuple[str, str]]:
     p = Path(path)
-    text = read_text_file(p, "TSV file")
+    return parse_pairs(read_text_file(p, "TSV file"), p)
+
+
+def parse_pairs(text: str, p: Path) -> list[tuple[str, str]]:
+    """The sentence pairs of a TSV file's text (read_pairs); errors name `p` and the line."""
     pairs = []
     for i, line in enumerate(text_lines(text), 1):
         if not line.strip():
@@ -71,9 +75,13 @@ class TSVTask(PairTask):
         self.options = o = options
         self.family = family
         self.bleu_tokenize = o.bleu_tokenize
-        self.missing: str | None = None
+        self.missing = None
+        # absolute in task.json: `qkv eval` and --resume from another folder read the same file
+        o.path = str(Path(o.path).expanduser().resolve())
         try:
-            pairs = read_pairs(o.path)
+            text = read_text_file(o.path, "TSV file")
+            self.data_sha256 = text_sha256(text)
+            pairs = parse_pairs(text, Path(o.path))
         except ConfigError as e:
             if tokenizer is None:
                 raise
