@@ -104,6 +104,19 @@ def test_bodies_the_json_parser_refuses_are_400_and_a_bug_is_a_json_500(run_fold
         del codec.encode
         r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": "ab", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
+        assert httpx.get(url + "/no/such/path").status_code == 404
+        counts = response_counts(httpx.get(url + "/metrics").text)
+        assert counts == {("/v1/completions", "400"): 2, ("/v1/completions", "500"): 1, ("/v1/completions", "200"): 1,
+                          ("other", "404"): 1}
+
+
+def response_counts(text: str) -> dict[tuple[str, str], int]:
+    """qkv_http_responses_total{endpoint, status} from a /metrics page (the /metrics request itself is counted
+    after its page is written)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.labels["endpoint"], s.labels["status"]): int(s.value) for f in text_string_to_metric_families(text)
+            if f.name == "qkv_http_responses" for s in f.samples if s.name == "qkv_http_responses_total"}
 
 
 def test_models_retrieve(run_folder):

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from qkv.generate.config import MIN_TEMPERATURE
 from qkv.generate.engine import TEXT_CONTEXT, Engine
 from qkv.generate.text import decode_continuation as continuation
-from qkv.serve.metrics import Metrics
+from qkv.serve.metrics import Metrics, ResponseCounter
 from qkv.serve.model import Served
 from qkv.serve.worker import EngineWorker, Ticket
 
@@ -419,6 +419,7 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
 
     app = FastAPI(title="qkv serve", lifespan=lifespan)
     app.state.api = api
+    app.add_middleware(ResponseCounter, counter=api.metrics.responses)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:

@@ -56,6 +56,9 @@ class Metrics:
                                 ["finish_reason"], registry=self.registry)
         self.rejected = Counter("qkv_requests_rejected_full", "requests answered 429 (queue full)",
                                 registry=self.registry)
+        self.responses = Counter("qkv_http_responses", "HTTP responses by endpoint and status code (4xx: the "
+                                 "client's error, 5xx: the server's), counted when the response starts",
+                                 ["endpoint", "status"], registry=self.registry)
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = Histogram("qkv_time_to_first_token_seconds", "request accepted -> first token",
                               buckets=buckets, registry=self.registry)
@@ -70,3 +73,39 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# the routes a response is counted under; any other path (a typo, a scanner) is "other", so that unknown paths cannot
+# grow the number of series without bound
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class ResponseCounter:
+    """ASGI middleware counting every HTTP response in `counter` (Metrics.responses) by endpoint and status code.
+    A plain ASGI wrapper of `send`, not Starlette's BaseHTTPMiddleware, which would buffer streamed responses. An
+    exception that escapes the app before any response started becomes the app's 500 (the error handler outside
+    this middleware writes it), so it is counted as one here."""
+
+    def __init__(self, app: Any, counter: Counter) -> None:
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        started = False
+
+        async def counting_send(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                self.counter.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.counter.labels(endpoint, "500").inc()
+            raise
