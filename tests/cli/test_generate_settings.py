@@ -142,3 +142,34 @@ def test_a_dataclasses_copy_does_not_give_every_field():
     copy = dataclasses.replace(GenerationConfig(), max_new_tokens=5)
     cfg = resolve(folder, copy, {})
     assert (cfg.do_sample, cfg.temperature, cfg.max_new_tokens) == (True, 0.6, 5)  # the folder's, as .replace gives
+
+
+def test_context_overflow_flag_on_a_folder_with_a_fixed_context(tmp_path, capsys):
+    """A GPT-2 folder (learned positions, n_positions=24) refuses prompt + new tokens over its context and names
+    the flag that slides instead; with --context-overflow slide each new token is the argmax of transformers'
+    logits over the last 24 tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=len(vocab), n_positions=24, n_embd=16, n_layer=1, n_head=2,
+                                  bos_token_id=None, eos_token_id=None, initializer_range=0.5)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    prompt = "the quick brown fox"  # 19 tokens
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path), "--prompt", prompt, "--max-new-tokens", "10", "--greedy"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's context of 24" in err and "--context-overflow slide" in err
+    assert main(["generate", str(tmp_path), "--prompt", prompt, "--max-new-tokens", "10", "--greedy",
+                 "--context-overflow", "slide"]) == 0
+    ids = [vocab[c] for c in prompt]
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(hf(torch.tensor([ids[-24:]])).logits[0, -1].argmax()))
+    inverse = {i: c for c, i in vocab.items()}
+    # the prompt as typed, then the new tokens as the WordLevel decoder joins them (with spaces)
+    assert capsys.readouterr().out.rstrip("\n") == prompt + " " + " ".join(inverse[i] for i in ids[19:])

@@ -103,6 +103,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
                    help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sample for LMs)")
+    p.add_argument("--context-overflow", choices=["error", "slide"], default=None,
+                   help="prompt + new tokens longer than the model's context: refuse (error, the default for a "
+                        "model folder), or go on over the last context-many tokens (slide, an LM run's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--generation-config", default=None, metavar="FILE",
@@ -144,7 +147,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                                    top_p=a.top_p, num_beams=a.num_beams).items() if v is not None}
     early = {"true": True, "false": False, "never": "never"}.get(a.early_stopping)
     flags.update({k: v for k, v in dict(length_penalty=a.length_penalty, no_repeat_ngram_size=a.no_repeat_ngram_size,
-                                        min_new_tokens=a.min_new_tokens, early_stopping=early).items() if v is not None})
+                                        min_new_tokens=a.min_new_tokens, early_stopping=early,
+                                        context_overflow=a.context_overflow).items() if v is not None})
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
                         **flags)
     if not a.stream:

@@ -140,7 +140,8 @@ class _Run:
                 raise ValueError(
                     f"{what} + max_new_tokens={max_new} = {self.total} positions exceeds the model's "
                     f"context of {ctx}; shorten the prompt, lower max_new_tokens, or pass "
-                    f"context_overflow='slide' to recompute on the last {ctx} tokens")
+                    f"context_overflow='slide' (qkv generate: --context-overflow slide) to recompute on the last "
+                    f"{ctx} tokens")
             self.slide = True
         elif ctx is None and not self.seq2seq:
             _warn_past_trained_context(model, self.T, max_new, self.total)

@@ -92,7 +92,10 @@ class Trainer:
       scalar loss itself; `model.config.d_model` feeds the Noam schedule and
       `model.config.context_length` the length truncation, when present.
     cfg: TrainConfig, or a mapping checked by qkv.config.from_dict.
-    data: a batch source, `data.batch(index, batch_size, split) -> dict of tensors` (model kwargs).
+    data: a batch source, `data.batch(index, batch_size, split) -> dict of tensors` (model kwargs). It must be
+      a pure function of its arguments (a random one seeded by them, as the tasks' are): an exact resume asks
+      for batch `index` again instead of restoring a sampler's state, and under DDP/FSDP each rank asks for its
+      own indices, so a source that keeps state between calls resumes on other data and may feed ranks the same.
     eval_fn: called as eval_fn(model) (plus max_eval_batches=, if it names that parameter) in eval mode under no_grad (and autocast) every eval_every steps
       and at the end; returns {metric: value}, logged as `eval/<metric>`. Without one, and with
       cfg.max_eval_batches > 0, the held-out loss over that many "val" batches is used.
