@@ -171,3 +171,19 @@ def test_chat_content_as_text_parts_and_head_health(gpt2_folder):
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0]", r.text
         r = httpx.head(url + "/health", timeout=60)
         assert r.status_code == 200
+
+
+def test_a_prompt_alone_over_the_pool_without_max_tokens_names_the_prompt(run_folder):
+    """Without max_tokens a request asks for what fits: when the prompt alone does not fit the KV pool, the 400
+    names the prompt (the field to change), not a max_tokens the client never sent; with max_tokens it names that."""
+    served = load_served(run_folder)
+    with running_server(run_folder, block_size=4, num_blocks=3) as (url, app):  # 12 cached positions, context 64
+        body = {"model": served.name, "prompt": "a" * 20}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt" and "shorten it" in err["message"], r.text
+        assert "max_tokens" not in err["message"]
+        r = httpx.post(url + "/v1/completions", json={**body, "prompt": "a" * 8, "max_tokens": 10}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        r = httpx.post(url + "/v1/completions", json={**body, "prompt": "a" * 8}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text

@@ -181,14 +181,18 @@ class API:
         if ctx is not None and prompt_len >= ctx:
             raise APIError(400, f"the prompt has {prompt_len} tokens; the model's context is {ctx}",
                            "messages" if "messages" in body else "prompt", "context_length_exceeded")
-        if max_tokens is None:  # the default: at most what the context and the KV pool leave (at least 1)
+        given = max_tokens is not None
+        if not given:  # the default: at most what the context and the KV pool leave (at least 1)
             max_tokens = default_max if default_max is not None else self.settings.max_tokens_cap
             max_tokens = max(1, min(max_tokens, self.engine.room(prompt_len)))
         try:
             self.engine.check_request(prompt_len, max_tokens)
         except ValueError as e:
-            raise APIError(400, f"{e}: lower max_tokens or shorten the prompt", name,
-                           "context_length_exceeded") from None
+            # without max_tokens the request asked for what fits: the prompt alone does not, and is what to change
+            prompt_field = "messages" if "messages" in body else "prompt"
+            raise APIError(400, f"{e}: lower max_tokens or shorten the prompt" if given else
+                           f"{e}: the prompt of {prompt_len} tokens alone does not fit; shorten it",
+                           name if given else prompt_field, "context_length_exceeded") from None
         # every setting explicit, "off" included: the engine applies a request's options over its own base
         # config (build_engine: the folder's token ids only), and an option left out would keep that base's value
         opts: dict[str, Any] = {
