@@ -7,6 +7,7 @@ A folder written by `save_model` (qkv.storage) rebuilds its model from itself al
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,11 +45,21 @@ def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "c
     if folder.is_file():  # the path of the folder's config.json itself
         folder = folder.parent
     model = _load(folder, meta, map_location)
-    generation = GenerationConfig.from_model_folder(folder).explicit()
-    if generation and hasattr(model, "folder_generation_config"):
-        # over what the loader found in config.json (a HF folder's token ids)
-        model.folder_generation_config = {**model.folder_generation_config, **generation}
+    try:
+        generation = GenerationConfig.from_model_folder(folder).explicit()
+    except ConfigError as e:  # transformers loads such a folder too, with config.json's settings: so do we, and say so
+        warnings.warn(f"{e}: its generation settings are not used (config.json's are)", stacklevel=2)
+        return model
+    if (folder / "generation_config.json").is_file() and hasattr(model, "folder_generation_config"):
+        # transformers (5.x) takes a folder's generation settings from generation_config.json alone when there is one:
+        # the num_beams, max_length, ... an older config.json holds count only without it; its token ids stay, as
+        # the fallback of ids the file leaves out
+        model.folder_generation_config = {k: v for k, v in model.folder_generation_config.items() if k in TOKEN_IDS}
+        model.folder_generation_config.update(generation)
     return model
+
+
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
 def _load(folder: Path, meta: dict, map_location: str | torch.device) -> nn.Module:

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides
-from qkv.generate.config import GenerationConfig
+from qkv.generate.config import GenerationConfig, resolve
 from qkv.nn.params import count_parameters
 
 SECTIONS = ("model", "task", "train", "eval")
@@ -412,8 +412,9 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     folder_seq2seq = run is None and getattr(model, "is_seq2seq", False)
     if generation_config is None and "do_sample" not in options and not folder_seq2seq:
         cfg = cfg.replace(do_sample=cfg.num_beams == 1)  # a given config decides for itself
-    if greedy:
-        cfg = cfg.replace(do_sample=False)
+    if greedy:  # one sequence, the argmax each step: not a folder's beams either (OPUS-MT's and BART-CNN's are 4+)
+        cfg = cfg.replace(do_sample=False, **({} if "num_beams" in options and options["num_beams"] is not None
+                                               else {"num_beams": 1}))
     if cfg.num_return_sequences > 1:  # only the first would be printed
         raise ConfigError(f"num_return_sequences={cfg.num_return_sequences}: qkv generate prints one sequence; "
                           "for several, call qkv.generate.generate from Python")
@@ -431,12 +432,15 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
             print(text)
         return text
     folder = _model_folder(Path(path))
+    _warn_unused_sampling(resolve(model.generation_defaults(), cfg, {}), cfg)
     if folder_seq2seq:  # the prompt is the source; the output is the target alone
         tok = _folder_tokenizer(folder)
         _check_prompt_vocabulary(tok, prompt, strict)
         folder_defaults = model.generation_defaults()
         if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(folder_defaults)):
-            cfg = cfg.replace(max_new_tokens=200)
+            # 200, or what the decoder's positions hold after its start token (BART's 1024, a small model's less)
+            ctx = model.context_limit
+            cfg = cfg.replace(max_new_tokens=200 if ctx is None else max(1, min(200, ctx - 1)))
         out = model.generate(torch.tensor([_encode(tok, prompt)]), cfg)
         text = _decode(tok, out[0].tolist())
         if stream:
@@ -446,6 +450,7 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
         cfg = cfg.replace(max_new_tokens=200)  # the folder's own generation_config.json length, else 200
     hf = hf_folder_tokenizer(folder)
     if hf is not None:
+        _check_prompt_vocabulary(hf, prompt, strict)
         return _generate_hf(model, hf, prompt, cfg, stream)
     tok = _folder_tokenizer(folder)
     _check_prompt_vocabulary(tok, prompt, strict)
@@ -510,9 +515,40 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
     return prompt + "".join(pieces)
 
 
+def _warn_unused_sampling(final: GenerationConfig, cfg: GenerationConfig) -> None:
+    """Sampling settings given (a flag, a --generation-config file) where the decoding, once a model folder's own
+    generation_config.json is merged, does not sample: said on stderr, as transformers warns, not dropped silently."""
+    given = [k for k in ("temperature", "top_k", "top_p", "min_p") if k in cfg.explicit()]
+    if given and not final.do_sample:
+        how = f"beam search ({final.num_beams} beams)" if final.num_beams > 1 else "greedy decoding"
+        print(f"qkv: warning: {', '.join(given)} only apply when sampling, and this decodes with {how} (the model "
+              "folder's generation_config.json, or --greedy); add --sample to sample", file=sys.stderr)
+
+
+def _unknown_pieces(tok: Any, prompt: str) -> list[str]:
+    """The parts of `prompt` a tokenizer reads as its unknown token: a qkv char/word tokenizer's symbols, or the
+    text under each unk id of a Hugging Face `tokenizers` tokenizer (WordLevel / WordPiece / Unigram vocabularies
+    have one; byte-level BPE never needs it)."""
+    if tok is None:
+        return []
+    if hasattr(tok, "unknown_symbols"):
+        return tok.unknown_symbols(prompt)
+    from tokenizers import Tokenizer
+
+    inner = getattr(tok, "tokenizer", tok)  # interop.tokenizer.HFTokenizer wraps one
+    if not isinstance(inner, Tokenizer):
+        return []
+    unk = getattr(inner.model, "unk_token", None)
+    unk_id = inner.token_to_id(unk) if isinstance(unk, str) else getattr(inner.model, "unk_id", None)
+    if unk_id is None:
+        return []
+    enc = inner.encode(prompt, add_special_tokens=False)
+    return list(dict.fromkeys(prompt[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id))
+
+
 def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
-    """A char/word model reads symbols it never saw as <unk>: say which (or refuse, strict=True)."""
-    unknown = tok.unknown_symbols(prompt) if tok is not None and hasattr(tok, "unknown_symbols") else []
+    """A model reads symbols its vocabulary lacks as <unk>: say which (or refuse, strict=True)."""
+    unknown = _unknown_pieces(tok, prompt)
     if not unknown:
         return
     shown = ", ".join(repr(u) for u in unknown[:10]) + (f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else "")

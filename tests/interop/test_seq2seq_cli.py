@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 TEXTS = ["abc dea fgh", "hhh gab", "ef ef ef cab"]
+EMPTY = "(empty output: the model ended the sequence at once, or generated only special tokens)"
 
 
 def _spm_files(folder) -> None:
@@ -64,7 +65,7 @@ def test_marian_sentencepiece_folder(tmp_path, capsys):
                         "--length-penalty", "0.6", "--no-repeat-ngram-size", "3", "--max-new-tokens", "10",
                         "--early-stopping", "true")
     assert rc == 0, err
-    assert out == (expected if expected.strip() else "(empty output: the model ended the sequence at once)")
+    assert out == (expected if expected.strip() else EMPTY)
 
 
 def _bart_tokenizer(folder) -> None:
@@ -91,10 +92,110 @@ def test_bart_tokenizer_json_folder_greedy_with_forced_bos_eos(tmp_path, capsys)
     expected = ref_tok.decode(ref[0], skip_special_tokens=True)
     rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--max-new-tokens", "9")
     assert rc == 0, err
-    assert out == (expected if expected.strip() else "(empty output: the model ended the sequence at once)")
+    assert out == (expected if expected.strip() else EMPTY)
 
 
 def test_folder_without_tokenizer_is_one_clear_error(tmp_path, capsys):
     bart(tmp_path)
     rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", "w5 w6")
     assert rc == 2 and err.startswith("qkv: error:") and "tokenizer" in err and len(err.splitlines()) == 1
+
+
+# -- stop 30's review: the folder's settings, the flags, and what the command says about them ------------------
+from _seq2seq_models import _add_generation_settings  # noqa: E402
+
+
+def test_greedy_overrides_a_folders_beams_and_sample_samples(tmp_path, capsys):
+    """A folder whose generation_config.json asks for 4 beams (OPUS-MT, BART-CNN): --greedy is transformers'
+    greedy (num_beams=1), not the beams; sampling flags without --sample are named in a warning; --sample samples
+    with them, as transformers' do_sample=True with the same seed."""
+    bart(tmp_path, seed=4)
+    _bart_tokenizer(tmp_path)
+    _add_generation_settings(tmp_path, num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, early_stopping=True)
+    hf = transformers.BartForConditionalGeneration.from_pretrained(tmp_path).eval()
+    ref_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    text = "w10 w11 w12"
+    x = torch.tensor([ref_tok(text).input_ids])
+    with torch.no_grad():
+        beams = hf.generate(input_ids=x, max_new_tokens=10)
+        greedy = hf.generate(input_ids=x, max_new_tokens=10, num_beams=1)
+    assert not torch.equal(beams, greedy)  # the case is one where the two differ
+    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--greedy", "--max-new-tokens", "10")
+    assert rc == 0 and out == (ref_tok.decode(greedy[0], skip_special_tokens=True) or EMPTY), err
+    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--temperature", "1.5",
+                        "--max-new-tokens", "10")
+    assert rc == 0 and out == (ref_tok.decode(beams[0], skip_special_tokens=True) or EMPTY)
+    assert "qkv: warning: temperature only apply when sampling" in err and "beam search (4 beams)" in err
+    import qkv
+
+    model = qkv.from_pretrained(tmp_path)
+    outs = set()
+    for seed in (1, 2, 3):
+        rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--sample", "--temperature", "1.5",
+                            "--max-new-tokens", "10", "--seed", str(seed))
+        want = model.generate(x, max_new_tokens=10, do_sample=True, num_beams=1, temperature=1.5, seed=seed)
+        assert rc == 0 and "warning" not in err
+        assert out == (ref_tok.decode(want[0], skip_special_tokens=True) or EMPTY)
+        outs.add(out)
+    assert len(outs) > 1  # sampled, not three greedy copies
+
+
+def test_an_all_padding_source_row_is_refused(tmp_path):
+    import qkv
+    from qkv.generate import generate
+
+    marian(tmp_path)
+    model = qkv.from_pretrained(tmp_path)
+    x = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.raises(ValueError, match="a source in the batch is all padding"):
+        generate(model, x, attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]), max_new_tokens=3)
+
+
+def test_config_json_generation_keys_count_only_without_generation_config(tmp_path):
+    """transformers 5 reads generation settings from generation_config.json alone when the folder has one."""
+    import qkv
+
+    hf = bart(tmp_path, seed=2)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    meta.update(num_beams=3, no_repeat_ngram_size=1, max_length=9, min_length=6)
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    model = qkv.from_pretrained(tmp_path)
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert model.generation_defaults().get("num_beams", 1) == (hf.generation_config.num_beams or 1) == 1
+    x = torch.tensor([[10, 11, 12, 13]])
+    with torch.no_grad():
+        assert model.generate(x, max_new_tokens=6).tolist() == hf.generate(x, max_new_tokens=6)[:, 1:].tolist()
+    (tmp_path / "generation_config.json").unlink()  # an older folder: config.json's keys are the settings
+    assert qkv.from_pretrained(tmp_path).generation_defaults()["num_beams"] == 3
+
+
+@pytest.mark.parametrize("content, message", [(b'{"num_beams": 4', "not valid JSON"),
+                                              (b'{"num_beams": \xff}', "not UTF-8")])
+def test_an_unreadable_generation_config_is_named_and_the_folder_still_loads(tmp_path, capsys, content, message):
+    bart(tmp_path)
+    _bart_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_bytes(content)
+    with pytest.warns(UserWarning, match=f"generation_config.json: {message}"):
+        rc, out, err = _run(capsys, "info", str(tmp_path))
+    assert rc == 0 and "EncoderDecoder" in out, err
+    from qkv.generate import GenerationConfig
+
+    with pytest.raises(Exception, match=f"generation_config.json: {message}"):
+        GenerationConfig.from_file(tmp_path / "generation_config.json")
+
+
+def test_strict_and_the_unknown_word_warning_on_a_tokenizer_json_folder(tmp_path, capsys):
+    bart(tmp_path)
+    _bart_tokenizer(tmp_path)  # a WordLevel vocabulary with <unk>
+    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", "hello w10 bye", "--max-new-tokens", "3",
+                        "--strict")
+    assert rc == 2 and "2 symbol(s) outside the model's vocabulary: 'hello', 'bye'" in err
+    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", "hello w10", "--max-new-tokens", "3")
+    assert rc == 0 and "warning: 1 prompt symbol(s) outside the model's vocabulary" in err
+
+
+def test_the_default_length_fits_a_small_decoder_context(tmp_path, capsys):
+    bart(tmp_path)  # max_position_embeddings 40: 200 new tokens would not fit
+    _bart_tokenizer(tmp_path)
+    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", "w10 w11 w12")
+    assert rc == 0, err

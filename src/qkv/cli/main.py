@@ -102,7 +102,13 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-new-tokens", type=int, default=None, help="no eos before this many tokens")
     p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
                    help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sample for LMs)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--greedy", action="store_true",
+                     help="greedy decoding: the argmax each step, one beam (default: sample for LMs; a model "
+                          "folder's generation_config.json decides for itself)")
+    how.add_argument("--sample", action="store_true",
+                     help="sample (with --temperature / --top-k / --top-p), also where a model folder's "
+                          "generation_config.json decodes greedily or with beams")
     p.add_argument("--context-overflow", choices=["error", "slide"], default=None,
                    help="prompt + new tokens longer than the model's context: refuse (error, the default for a "
                         "model folder), or go on over the last context-many tokens (slide, an LM run's default)")
@@ -149,10 +155,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     flags.update({k: v for k, v in dict(length_penalty=a.length_penalty, no_repeat_ngram_size=a.no_repeat_ngram_size,
                                         min_new_tokens=a.min_new_tokens, early_stopping=early,
                                         context_overflow=a.context_overflow).items() if v is not None})
+    if a.sample:  # one sampled sequence: not a folder's beams
+        flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
                         **flags)
     if not a.stream:
-        print(out if out.strip() else "(empty output: the model ended the sequence at once)")
+        print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated only "
+                                      "special tokens)")
     return 0
 
 

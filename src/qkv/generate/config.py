@@ -159,13 +159,7 @@ class GenerationConfig:
         path = Path(folder) / "generation_config.json"
         if not path.is_file():
             return cls()
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
-        return cls.from_hf_dict(data, str(path))
+        return cls.from_hf_dict(_json_mapping(path), str(path))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> GenerationConfig:
@@ -177,10 +171,7 @@ class GenerationConfig:
         else:
             if not p.is_file():
                 raise ConfigError(f"generation config not found: {p}")
-            try:
-                data = json.loads(p.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{p}: not valid JSON ({e})") from None
+            data = _json_mapping(p)
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping")
         if "transformers_version" in data or "_from_model_config" in data:
@@ -240,6 +231,19 @@ class GenerationConfig:
     @property
     def sampling(self) -> bool:
         return self.do_sample and self.temperature >= MIN_TEMPERATURE
+
+
+def _json_mapping(path: Path) -> dict[str, Any]:
+    """A JSON file whose top level is a mapping; a ConfigError naming the file otherwise (not UTF-8 included)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
 
 
 def resolve(defaults: dict[str, Any], config: GenerationConfig | None, overrides: dict[str, Any]) -> GenerationConfig:

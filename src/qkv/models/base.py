@@ -224,6 +224,9 @@ class Seq2SeqModel(TransformerDecoderModel):
 
     def encode_source(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Source:
         self.check_source(inputs)
+        if attention_mask is not None and attention_mask.dim() == 2 and bool((attention_mask == 0).all(1).any()):
+            # its cross-attention would see no key: a softmax over nothing (as a decoder-only prompt of padding)
+            raise ValueError("a source in the batch is all padding (attention_mask row of zeros)")
         memory, _ = self.encode(inputs, attention_mask)
         return Source(memory, attention_mask)
 
