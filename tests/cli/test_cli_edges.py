@@ -148,6 +148,12 @@ def test_info_depth_must_be_positive():
     assert "--depth must be at least 1" in one_error_line(run_cli("info", "gpt-nano", "--depth", "0"))
 
 
+@pytest.mark.parametrize("target", ["./nope", "runs/nope", "~/nope"])
+def test_info_on_a_missing_folder_says_so(target):
+    # it was read as a preset name: "unknown preset './nope'; known presets: ..."
+    assert one_error_line(run_cli("info", target)) == f"qkv: error: no such folder: {target}"
+
+
 def test_resume_keeps_the_saved_settings(lm_run, tmp_path):
     import yaml
 

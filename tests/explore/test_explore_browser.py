@@ -253,3 +253,21 @@ def test_vit_patches_drawn_over_the_image(page, tmp_path_factory):
         assert _not_blank(before) > 0.001 and before != after
     finally:
         stop()
+
+
+def test_an_exported_page_draws_whatever_the_input_holds(browser, hf_gpt2, tmp_path):
+    """Inlined JSON with "<!--<script>" in it put the parser into its double-escaped state: the data script never
+    closed and the page drew nothing (no QKV_EXPORT). Every '<', '>', '&' is now a JSON escape."""
+    from qkv.cli.main import main
+
+    text = "a <!--<script> b </script> & c"
+    out = tmp_path / "hostile.html"
+    assert main(["explore", str(hf_gpt2), "--input", text, "--export", str(out)]) == 0
+    pg = browser.new_page()
+    pg.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(out.as_uri())
+    pg.wait_for_selector("#heatmap rect.cell")
+    assert pg.evaluate("window.QKV_EXPORT.input") == text and not errors
+    pg.close()

@@ -50,7 +50,7 @@ def test_export_writes_one_self_contained_file(charlm_run, tmp_path, capsys):
     html = out.read_text(encoding="utf-8")
     assert "window.QKV_EXPORT = " in html and 'src="static/' not in html and 'href="static/' not in html
     start = html.index("window.QKV_EXPORT = ") + len("window.QKV_EXPORT = ")
-    data = json.loads(html[start: html.index(";</script>", start)].replace("<\\/", "</"))
+    data = json.loads(html[start: html.index(";</script>", start)])
     assert data["input"] == "x = 1" and data["analysis"]["tokens"]["input"] == ["x", "␣", "=", "␣", "1"]
     assert len(data["generation"]["steps"]) == 16 and data["positions"]["encodings"][0]["kind"] == "learned"
     assert "wrote" in capsys.readouterr().out

@@ -186,6 +186,8 @@ def cmd_info(a: argparse.Namespace) -> int:
         if hf_type:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
             title += f" (Hugging Face {hf_type} folder, {dtype})"
+    elif "/" in a.target or a.target.startswith((".", "~")) or os.sep in a.target:  # meant as a path, not a preset
+        raise ConfigError(f"no such folder: {a.target}")
     else:
         model = qkv.build(a.target)
         title = f"preset {a.target}: {type(model).__name__}"

@@ -299,6 +299,10 @@ def audio(ld: Loaded, text: str, wav_base64: str | None) -> tuple[Tensor, str]:
         bad = sorted(set(text) - alphabet)
         if bad:
             raise ExploreError(f"this task renders only {''.join(sorted(alphabet))}; unknown: {' '.join(map(repr, bad))}")
+        most = getattr(getattr(ld.task, "options", None), "max_digits", None)
+        if most is not None and len(text) > most:  # the task cuts its clip: the last digits would not be heard
+            raise ExploreError(f"{len(text)} digits: type at most {most} (the task's max_digits; a longer string "
+                               f"may not fit its {c.n_samples / c.sample_rate:.2f} s clip), as a longer WAV is refused")
         wave = ld.task.render(text, random.Random(0), "val")
         return torch.as_tensor(wave, dtype=torch.float32)[None, : c.n_samples], f"{text!r} rendered by the task"
     raise ExploreError("this audio model has no task to render text: choose a WAV file")

@@ -20,9 +20,16 @@ CSS_LINK = '<link rel="stylesheet" href="static/explore.css">'
 JS_TAG = '<script src="static/explore.js"></script>'
 
 
+# characters the HTML parser reads inside a <script> (or a JS engine as a line end), written as JSON's \u escapes:
+# "</script" would close the tag, "<!--<script>" switches the parser into its double-escaped state (the tag then
+# never closes), U+2028/9 end a line in older engines. The escaped text is the same JSON value.
+_SCRIPT_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
+                                 "\u2029": "\\u2029"})
+
+
 def _json_for_script(obj: Any) -> str:
-    """JSON that is safe inside <script>: no '</' can close the tag early."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).replace("</", "<\\/")
+    """JSON that is safe inside <script>, whatever strings it holds (inputs, tokens, generated text)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_SCRIPT_ESCAPES)
 
 
 def export_data(ld: Loaded, text: str, *, target: str | None = None, image_index: int = 0,

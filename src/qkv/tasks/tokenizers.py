@@ -264,6 +264,15 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
     raise TokenizerError(f"{path}: unknown tokenizer kind {kind!r} (expected char, word or bpe)")
 
 
+def _hf_tokenizer_settings(folder: Path) -> dict[str, Any]:
+    """A Hugging Face folder's tokenizer_config.json as a mapping ({} when absent or unreadable)."""
+    try:
+        data = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def find_tokenizer(path: str | Path) -> Any:
     """The tokenizer saved with a checkpoint: a qkv tokenizer (tokenizer_config.json + tokenizer.json, in the
     folder or up to two levels above, e.g. a run folder), else a Hugging Face tokenizer.json or a BERT
@@ -282,7 +291,12 @@ def find_tokenizer(path: str | Path) -> Any:
     if (folder / "vocab.txt").is_file():
         from tokenizers import BertWordPieceTokenizer
 
-        return BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=True)
+        # as transformers' BertTokenizer: lower case unless the folder's tokenizer_config.json says otherwise (a
+        # cased BERT); accents are stripped when lowercasing unless strip_accents says
+        settings = _hf_tokenizer_settings(folder)
+        lower = settings.get("do_lower_case", True)
+        return BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=bool(lower),
+                                      strip_accents=settings.get("strip_accents"))
     # Marian's source.spm / T5's spiece.model, through the sentencepiece package (qkv[seq2seq])
     from qkv.tasks.spm import sentencepiece_tokenizer
 
