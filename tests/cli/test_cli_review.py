@@ -51,8 +51,23 @@ def test_attention_out_without_extension_writes_and_prints_the_png(gpt_run, rev_
     out = capsys.readouterr().out
     written = sorted(p.name for p in (tmp_path / "rev").iterdir())
     assert written == ["att_cross.png", "att_decoder_self.png", "att_encoder_self.png", "att_entropy.json"]
-    for name in written[:3]:
+    for name in written:  # the per-head statistics file too: it was written (over any earlier one) unannounced
         assert f"wrote {tmp_path / 'rev' / name}\n" in out
+
+
+@pytest.mark.parametrize("preset, message", [("clip-digits", "CLIP is a two-tower model"),
+                                             ("lstm-tiny", "an LSTM has no attention to show"),
+                                             ("whisper-digits", "qkv attention draws text and image models")])
+def test_attention_refuses_what_it_cannot_draw_in_one_line(tmp_path, capsys, preset, message):
+    # CLIP crashed with a TypeError traceback; Whisper fed token ids in as audio ("audio must be a float waveform")
+    import qkv
+
+    folder = tmp_path / preset
+    qkv.build(preset).save_pretrained(folder)
+    assert main(["attention", str(folder), "--input", "1 2 3", "--out", str(tmp_path / "a.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkv: error:") and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "a.png").exists()
 
 
 # -- 8: --out under a file, or a folder ------------------------------------------------------------------------

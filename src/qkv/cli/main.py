@@ -300,14 +300,23 @@ def cmd_explore(a: argparse.Namespace) -> int:
 def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
     """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table.
     (Here, above both qkv.run and qkv.experiments, so that neither needs the other.)"""
+    from qkv.config import ConfigError
     from qkv.experiments import attention_from_checkpoint
+    from qkv.explore.adapter import UNSUPPORTED
     from qkv.run import load_model_any, model_folder
 
     model = load_model_any(path)
+    family = getattr(model, "family", "") or type(model).__name__.lower()
+    if family in UNSUPPORTED:  # the same refusals as qkv explore's
+        raise ConfigError(f"{path}: {UNSUPPORTED[family]}")
+    if model.kind == "audio":
+        raise ConfigError(f"{path}: qkv attention draws text and image models; for an audio model use qkv explore "
+                          f"{path} (the page, or --wav FILE --export PAGE.html; a DTMF run renders typed digits)")
     if model.kind == "image":
         return _vit_overlay(model, path, text, out_png)
     res = attention_from_checkpoint(model_folder(path), text, out_png, target=target)
-    return [f"wrote {p}" for p in res.pngs] + [res.entropy_table()]
+    wrote = [*res.pngs, *([res.json_path] if res.json_path is not None else [])]
+    return [f"wrote {p}" for p in wrote] + [res.entropy_table()]
 
 
 VIT_MAX_IMAGES = 32  # one row of images in one figure: wider than this is unreadable
