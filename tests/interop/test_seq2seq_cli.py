@@ -98,3 +98,44 @@ def test_folder_without_tokenizer_is_one_clear_error(tmp_path, capsys):
     bart(tmp_path)
     rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", "w5 w6")
     assert rc == 2 and err.startswith("qkv: error:") and "tokenizer" in err and len(err.splitlines()) == 1
+
+
+class _Writes:
+    """A stdout that records each non-empty write: how many pieces arrive, and what they add up to."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+
+    def write(self, s: str) -> int:
+        if s:
+            self.pieces.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_stream_prints_the_target_piece_by_piece(tmp_path, monkeypatch, capsys, sampling):
+    """--stream on an encoder-decoder folder prints the target as the decoder produces it (it printed the
+    whole text once, at the end): several pieces that add up to the non-streamed output, which for greedy
+    decoding is transformers' generate under the folder's generation_config.json (forced BOS / EOS)."""
+    hf = bart(tmp_path, seed=4)
+    _bart_tokenizer(tmp_path)
+    ref_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    text = "w5 w9 w17 w30 w8"
+    flags = ["--temperature", "1.5", "--top-k", "20"] if sampling else []
+    argv = ["generate", str(tmp_path), "--input", text, "--max-new-tokens", "9", "--min-new-tokens", "9",
+            "--seed", "3", *flags]
+    rc, plain, err = _run(capsys, *argv)
+    assert rc == 0, err
+    if not sampling:
+        with torch.no_grad():
+            ref = hf.generate(input_ids=torch.tensor([ref_tok(text).input_ids]), max_new_tokens=9, min_new_tokens=9)
+        assert plain == ref_tok.decode(ref[0], skip_special_tokens=True)
+    writes = _Writes()
+    monkeypatch.setattr("sys.stdout", writes)
+    assert main([*argv, "--stream"]) == 0
+    monkeypatch.undo()
+    assert "".join(writes.pieces).strip() == plain
+    assert len([p for p in writes.pieces if p.strip()]) > 1, writes.pieces
