@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from _seq2seq_models import V, bart, marian
+from _seq2seq_models import V, bart, marian, t5
 
 from qkv.cli.main import main
 from qkv.tasks.tokenizers import find_tokenizer
@@ -139,3 +139,26 @@ def test_stream_prints_the_target_piece_by_piece(tmp_path, monkeypatch, capsys, 
     monkeypatch.undo()
     assert "".join(writes.pieces).strip() == plain
     assert len([p for p in writes.pieces if p.strip()]) > 1, writes.pieces
+
+
+def test_t5_spiece_folder_reads_sentinels(tmp_path, capsys):
+    """A T5 folder with only spiece.model (google/t5-v1_1-*): a source with <extra_id_N> sentinels is encoded as
+    T5Tokenizer encodes it, so the output is transformers' generate decoded by T5Tokenizer."""
+    hf = t5(tmp_path, gated=True, seed=5)
+    rnd = random.Random(1)
+    lines = [" ".join(rnd.choice("house small the is a big cat dog runs fast slow tree green".split()) for _ in range(8)) for _ in range(300)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=30, pad_id=0,
+                                   eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
+    (tmp_path / "spiece.model").write_bytes(buf.getvalue())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"extra_ids": V - 30}))  # ids 30..60
+    ref_tok = transformers.T5Tokenizer.from_pretrained(tmp_path)
+    text = "the big cat <extra_id_0> house <extra_id_1>"
+    ids = ref_tok(text).input_ids
+    assert V - 1 in ids and V - 2 in ids  # <extra_id_0>, <extra_id_1>
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8)
+    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--max-new-tokens", "8",
+                        "--min-new-tokens", "8")
+    assert rc == 0, err
+    assert out == ref_tok.decode(ref[0], skip_special_tokens=True)
