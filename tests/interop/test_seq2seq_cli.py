@@ -115,15 +115,24 @@ class _Writes:
         pass
 
 
+@pytest.mark.parametrize("kind", ["bart", "marian"])
 @pytest.mark.parametrize("sampling", [False, True])
-def test_stream_prints_the_target_piece_by_piece(tmp_path, monkeypatch, capsys, sampling):
+def test_stream_prints_the_target_piece_by_piece(tmp_path, monkeypatch, capsys, sampling, kind):
     """--stream on an encoder-decoder folder prints the target as the decoder produces it (it printed the
     whole text once, at the end): several pieces that add up to the non-streamed output, which for greedy
-    decoding is transformers' generate under the folder's generation_config.json (forced BOS / EOS)."""
-    hf = bart(tmp_path, seed=4)
-    _bart_tokenizer(tmp_path)
-    ref_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
-    text = "w5 w9 w17 w30 w8"
+    decoding is transformers' generate under the folder's generation_config.json (forced BOS / EOS) decoded
+    by its tokenizer (a tokenizer.json; Marian's SentencePiece files)."""
+    if kind == "bart":
+        hf = bart(tmp_path, seed=4)
+        _bart_tokenizer(tmp_path)
+        ref_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+        text = "w5 w9 w17 w30 w8"
+    else:
+        hf = marian(tmp_path, seed=3)
+        _spm_files(tmp_path)
+        ref_tok = transformers.MarianTokenizer(str(tmp_path / "source.spm"), str(tmp_path / "target.spm"),
+                                               str(tmp_path / "vocab.json"))
+        text = TEXTS[0]
     flags = ["--temperature", "1.5", "--top-k", "20"] if sampling else []
     argv = ["generate", str(tmp_path), "--input", text, "--max-new-tokens", "9", "--min-new-tokens", "9",
             "--seed", "3", *flags]
