@@ -441,11 +441,11 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
             # 200, or what the decoder's positions hold after its start token (BART's 1024, a small model's less)
             ctx = model.context_limit
             cfg = cfg.replace(max_new_tokens=200 if ctx is None else max(1, min(200, ctx - 1)))
-        out = model.generate(torch.tensor([_encode(tok, prompt)]), cfg)
-        text = _decode(tok, out[0].tolist())
+        source = torch.tensor([_encode(tok, prompt)])
         if stream:
-            print(text)
-        return text
+            return _stream_seq2seq(model, tok, source, cfg)
+        out = model.generate(source, cfg)
+        return _decode(tok, out[0].tolist())
     if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(model.generation_defaults())):
         cfg = cfg.replace(max_new_tokens=200)  # the folder's own generation_config.json length, else 200
     hf = hf_folder_tokenizer(folder)
@@ -544,6 +544,24 @@ def _unknown_pieces(tok: Any, prompt: str) -> list[str]:
         return []
     enc = inner.encode(prompt, add_special_tokens=False)
     return list(dict.fromkeys(prompt[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id))
+
+
+def _stream_seq2seq(model: torch.nn.Module, tok: Any, source: torch.Tensor, cfg: GenerationConfig) -> str:
+    """An encoder-decoder folder, streamed: the target's tokens are printed as the decoder produces them
+    (qkv.generate.stream, greedy or sampling: the same tokens model.generate returns). Each piece is what the
+    new token adds to the decoded target so far (StreamDecoder over the folder tokenizer's decode, special
+    tokens skipped), so the pieces add up to the non-streamed text. The decoder start token is not yielded;
+    every tokenizer here skips it (a special token) when decoding the whole output."""
+    from qkv.generate import stream as stream_tokens
+    from qkv.generate.text import StreamDecoder
+
+    pieces, decoder = [], StreamDecoder(lambda ids: _decode(tok, ids))
+    for new in stream_tokens(model, source, cfg):
+        pieces.append(decoder.push(int(new[0])))
+        print(pieces[-1], end="", flush=True)
+    pieces.append(decoder.flush())
+    print(pieces[-1])
+    return "".join(pieces)
 
 
 def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:

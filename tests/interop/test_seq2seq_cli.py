@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from _seq2seq_models import V, bart, marian
+from _seq2seq_models import V, bart, marian, t5
 
 from qkv.cli.main import main
 from qkv.tasks.tokenizers import find_tokenizer
@@ -199,3 +199,76 @@ def test_the_default_length_fits_a_small_decoder_context(tmp_path, capsys):
     _bart_tokenizer(tmp_path)
     rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", "w10 w11 w12")
     assert rc == 0, err
+
+
+class _Writes:
+    """A stdout that records each non-empty write: how many pieces arrive, and what they add up to."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+
+    def write(self, s: str) -> int:
+        if s:
+            self.pieces.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["bart", "marian"])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_stream_prints_the_target_piece_by_piece(tmp_path, monkeypatch, capsys, sampling, kind):
+    """--stream on an encoder-decoder folder prints the target as the decoder produces it (it printed the
+    whole text once, at the end): several pieces that add up to the non-streamed output, which for greedy
+    decoding is transformers' generate under the folder's generation_config.json (forced BOS / EOS) decoded
+    by its tokenizer (a tokenizer.json; Marian's SentencePiece files)."""
+    if kind == "bart":
+        hf = bart(tmp_path, seed=4)
+        _bart_tokenizer(tmp_path)
+        ref_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+        text = "w5 w9 w17 w30 w8"
+    else:
+        hf = marian(tmp_path, seed=3)
+        _spm_files(tmp_path)
+        ref_tok = transformers.MarianTokenizer(str(tmp_path / "source.spm"), str(tmp_path / "target.spm"),
+                                               str(tmp_path / "vocab.json"))
+        text = TEXTS[0]
+    flags = ["--temperature", "1.5", "--top-k", "20"] if sampling else []
+    argv = ["generate", str(tmp_path), "--input", text, "--max-new-tokens", "9", "--min-new-tokens", "9",
+            "--seed", "3", *flags]
+    rc, plain, err = _run(capsys, *argv)
+    assert rc == 0, err
+    if not sampling:
+        with torch.no_grad():
+            ref = hf.generate(input_ids=torch.tensor([ref_tok(text).input_ids]), max_new_tokens=9, min_new_tokens=9)
+        assert plain == ref_tok.decode(ref[0], skip_special_tokens=True)
+    writes = _Writes()
+    monkeypatch.setattr("sys.stdout", writes)
+    assert main([*argv, "--stream"]) == 0
+    monkeypatch.undo()
+    assert "".join(writes.pieces).strip() == plain
+    assert len([p for p in writes.pieces if p.strip()]) > 1, writes.pieces
+
+
+def test_t5_spiece_folder_reads_sentinels(tmp_path, capsys):
+    """A T5 folder with only spiece.model (google/t5-v1_1-*): a source with <extra_id_N> sentinels is encoded as
+    T5Tokenizer encodes it, so the output is transformers' generate decoded by T5Tokenizer."""
+    hf = t5(tmp_path, gated=True, seed=5)
+    rnd = random.Random(1)
+    lines = [" ".join(rnd.choice("house small the is a big cat dog runs fast slow tree green".split()) for _ in range(8)) for _ in range(300)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=30, pad_id=0,
+                                   eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
+    (tmp_path / "spiece.model").write_bytes(buf.getvalue())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"extra_ids": V - 30}))  # ids 30..60
+    ref_tok = transformers.T5Tokenizer.from_pretrained(tmp_path)
+    text = "the big cat <extra_id_0> house <extra_id_1>"
+    ids = ref_tok(text).input_ids
+    assert V - 1 in ids and V - 2 in ids  # <extra_id_0>, <extra_id_1>
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8)
+    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--max-new-tokens", "8",
+                        "--min-new-tokens", "8")
+    assert rc == 0, err
+    assert out == ref_tok.decode(ref[0], skip_special_tokens=True)

@@ -268,7 +268,10 @@ def _add_attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, checkpoint folder or Hugging Face folder")
     p.add_argument("--input", required=True,
                    help="text to run through the model (a ViT: N, the first N held-out images in order, 1..32)")
-    p.add_argument("--target", default=None, help="decoder input for encoder-decoders (default: greedy output)")
+    p.add_argument("--target", default=None,
+                   help="encoder-decoders: the target sentence; the decoder reads [decoder start] + its tokens less "
+                        "the final eos, as teacher forcing (default: [decoder start] + the greedy output, as "
+                        "qkv generate --greedy)")
     p.add_argument("--out", default="attention.png",
                    help="PNG to write (one per attention kind; .png is added to a name without an extension)")
 

@@ -131,19 +131,57 @@ def _label(tok: Any, i: int) -> str:
     return str(i)
 
 
+def _decoding_settings(model: nn.Module) -> Any:
+    """The model's resolved generation settings (a Hugging Face folder's generation_config.json included):
+    where its decoder starts and which ids end a sequence, as qkv.generate reads them."""
+    from qkv.generate.search import settings
+    from qkv.models.decoding import as_decoder
+
+    return settings(as_decoder(model), None, {})
+
+
+def decoder_start(model: nn.Module) -> int:
+    """The encoder-decoder's first decoder token: decoder_start_token_id, else bos_token_id (as generate)."""
+    cfg = _decoding_settings(model)
+    start = cfg.decoder_start_token_id if cfg.decoder_start_token_id is not None else cfg.bos_token_id
+    if start is None:
+        raise ValueError("this encoder-decoder has no decoder_start_token_id (or bos_token_id) to start from")
+    return int(start)
+
+
+def teacher_forced_input(model: nn.Module, target_ids: list[int]) -> list[int]:
+    """The decoder input that teacher forcing on `target_ids` (labels, with the tokenizer's special tokens)
+    feeds: [decoder start] + the labels, less a final eos. This is transformers' shift_tokens_right for labels
+    that end in eos (every T5 / BART / Marian tokenizer appends one): the eos is only ever predicted, never
+    read. Labels without a final eos are kept whole."""
+    ids = [int(i) for i in target_ids]
+    if ids and ids[-1] in _decoding_settings(model).eos_ids:
+        ids = ids[:-1]
+    return [decoder_start(model), *ids]
+
+
 @torch.no_grad()
 def greedy_target(model: nn.Module, src: Tensor, max_new_tokens: int = 32) -> Tensor:
-    """Decoder input for an encoder-decoder's maps when no target is given: [bos] + greedy output."""
-    c = model.config
-    ids = torch.full((src.shape[0], 1), c.bos_token_id, dtype=torch.long, device=src.device)
-    memory, _ = model.encode(src)
-    for _ in range(min(max_new_tokens, c.context_length - 1)):
-        logits, _ = model.decode(ids, memory, last_only=True)
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], dim=1)
-        if bool((nxt == c.eos_token_id).all()):
-            break
-    return ids
+    """Decoder input for an encoder-decoder's maps when no target is given: [decoder start] + the greedy
+    output, from qkv.generate under the model's settings (decoder_start_token_id, forced BOS / EOS, banned
+    words, min length of a Hugging Face folder's generation_config.json): the sequence `qkv generate --greedy`
+    decodes, beams and sampling aside."""
+    from qkv.generate import generate
+    from qkv.models.decoding import as_decoder
+
+    limit = as_decoder(model).context_limit  # the start token takes one decoder position
+    n = max_new_tokens if limit is None else max(1, min(max_new_tokens, limit - 1))
+    out = generate(model, src, max_new_tokens=n, do_sample=False, num_beams=1, num_return_sequences=1)
+    # generate returns the target without its start token (rows that stop early are padded after their eos)
+    return torch.cat([torch.full_like(out[:, :1], decoder_start(model)), out], dim=1)
+
+
+def _target_ids(tok: Any, text: str) -> list[int]:
+    """A target sentence's ids as labels: the tokenizer's target side (Marian's target.spm) when it has one,
+    with the special tokens its post-processor adds (as transformers' `text_target=`)."""
+    encode = getattr(tok, "encode_target", None) or tok.encode
+    enc = encode(text)
+    return list(enc.ids) if hasattr(enc, "ids") else [int(i) for i in enc]
 
 
 # -- plotting ----------------------------------------------------------------------------------------------
@@ -227,8 +265,10 @@ def attention_maps(
     """Plot every layer x head attention map for one input.
 
     tokenizer_or_ids: a tokenizer (see `tokenize`) applied to `text`, or the token ids themselves.
-    Encoder-decoder models: `target` (text or ids) is the decoder input; without it, the greedy output
-    ([bos] + generated tokens) is used. out_png: for a single attention kind, that file; otherwise one
+    Encoder-decoder models: the decoder input is [decoder start] + `target` (text, or its ids, with the
+    tokenizer's special tokens) less its final eos, as teacher forcing on it as labels (transformers'
+    shift_tokens_right); without a target, [decoder start] + the greedy output of qkv.generate under the
+    model's generation settings (eos included), i.e. what `qkv generate --greedy` decodes. out_png: for a single attention kind, that file; otherwise one
     file per kind named <stem>_<kind>.png next to it. Also writes <stem>_entropy.json (per-head stats).
     labels: display labels of the input tokens (default: from the tokenizer, or the ids themselves)."""
     out_png = image_path(out_png)
@@ -242,18 +282,20 @@ def attention_maps(
     src = torch.tensor([ids], dtype=torch.long, device=device)
     tokens = {"input": labels}
     if _is_encdec(model):
+        label_tok = target_tokenizer or tokenizer_or_ids
+        ids_only = isinstance(label_tok, (list, tuple, Tensor))
         if target is None:
             was = model.training
             model.eval()
-            tgt = greedy_target(model, src, max_new_tokens)
+            t_ids = greedy_target(model, src, max_new_tokens)[0].tolist()
             model.train(was)
-            t_ids = tgt[0].tolist()
-            label_tok = target_tokenizer or tokenizer_or_ids
-            ids_only = isinstance(label_tok, (list, tuple, Tensor))
-            t_labels = [str(i) if ids_only else _label(label_tok, i) for i in t_ids]
+        elif isinstance(target, str):
+            if ids_only:
+                raise ValueError("a text target needs a tokenizer: give the target as token ids")
+            t_ids = teacher_forced_input(model, _target_ids(label_tok, target))
         else:
-            t_ids, t_labels = tokenize(target_tokenizer or tokenizer_or_ids, target) if isinstance(target, str) \
-                else tokenize(list(target), None)
+            t_ids = teacher_forced_input(model, list(target))
+        t_labels = [str(i) if ids_only else _label(label_tok, i) for i in t_ids]
         tokens = {"source": labels, "target": t_labels}
         batch = {"input_ids": src, "decoder_input_ids": torch.tensor([t_ids], dtype=torch.long, device=device)}
     else:

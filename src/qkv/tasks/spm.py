@@ -3,7 +3,8 @@ package (the optional extra `qkv[seq2seq]`):
 
   Marian / OPUS-MT   source.spm (source text -> pieces), target.spm (pieces -> target text) and vocab.json
                      (piece -> id, one vocabulary for both sides); eos (</s>) appended, as MarianTokenizer
-  T5 (slow files)    spiece.model (pieces and ids), eos (</s>) appended, as T5Tokenizer
+  T5 (slow files)    spiece.model (pieces and ids) + the sentinels <extra_id_N> after them, eos (</s>)
+                     appended, as T5Tokenizer (only when config.json's model_type is "t5")
 
 encode(text) -> ids, decode(ids) -> text (special tokens skipped), the interface find_tokenizer's other
 tokenizers have. Folders with a tokenizer.json never come here (the `tokenizers` package reads those).
@@ -12,6 +13,7 @@ tokenizers have. Folders with a tokenizer.json never come here (the `tokenizers`
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +73,85 @@ class SPTokenizer:
         return int(self.sp.get_piece_size())
 
 
+class T5SPTokenizer(SPTokenizer):
+    """T5's spiece.model plus the special tokens `transformers.T5Tokenizer` adds after the pieces: the sentinels
+    `<extra_id_N>` (tokenizer_config.json's `extra_ids`, default 100; `<extra_id_N>` is id
+    piece_size + extra_ids - 1 - N) and any other `additional_special_tokens`, in that order.
+
+    Encoding splits the text at special tokens (the sentinels, and the pad / eos / unk pieces written out), as
+    T5Tokenizer's added tokens do, and gives each stretch between them to SentencePiece: a stretch starts a new
+    word (its own leading "▁") and the whitespace around a special token goes (SentencePiece drops a stretch's
+    outer whitespace). Decoding joins the pieces, special tokens as their text unless skipped, with "▁" read as a
+    space and the first token's leading space dropped: T5Tokenizer's Metaspace decoder, so that " fast" after a
+    sentinel keeps its space ("the cat<extra_id_0> fast")."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder / "spiece.model")
+        settings = _read_json(folder / "tokenizer_config.json")
+        extra_ids = settings.get("extra_ids", 100)
+        listed = settings.get("additional_special_tokens") or []
+        if not isinstance(extra_ids, int) or extra_ids < 0 or not isinstance(listed, list):
+            raise ValueError(f"{folder / 'tokenizer_config.json'}: extra_ids must be a count and "
+                             "additional_special_tokens a list")
+        listed = [t["content"] if isinstance(t, dict) else str(t) for t in listed]
+        # as T5Tokenizer.from_pretrained: the extra_ids sentinels first (N-1 down to 0), then the listed tokens
+        # not among them, in their order (so extra_ids 0 + a listed <extra_id_N> keeps the list's order)
+        added = [f"<extra_id_{i}>" for i in reversed(range(extra_ids))]
+        added += [t for t in listed if t not in added]
+        size = self.sp.get_piece_size()
+        self.added: dict[str, int] = {t: size + i for i, t in enumerate(dict.fromkeys(added))}
+        self.added_text = {i: t for t, i in self.added.items()}
+        # the special tokens: the listed ones, plus every sentinel when the list names none. A sentinel left out
+        # of a list that names some (extra_ids larger than the list: no released folder does this) keeps its id
+        # but is not split out of the text; T5Tokenizer then matches it as a piece inside a word, qkv does not.
+        special = listed if any(t.startswith("<extra_id_") for t in listed) else [*listed, *added]
+        self.special |= {self.added[t] for t in special}
+        # split points: those and the special pieces (<pad>, </s>, <unk>), longest first
+        splits = {**{t: self.added[t] for t in special}, **{self.sp.id_to_piece(i): i for i in self.special if i < size}}
+        self.splits = splits
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(splits, key=len, reverse=True)) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for k, part in enumerate(self._split.split(text)):
+            if k % 2:  # a special token's text
+                ids.append(self.splits[part])
+            elif part:
+                ids += self.sp.encode(part)
+        return ids + [self.eos_id]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        size, pieces = self.sp.get_piece_size(), []
+        for i in ids:
+            if skip_special_tokens and i in self.special:
+                continue
+            if i < size:
+                pieces.append(self.sp.id_to_piece(i))
+            elif i in self.added_text:
+                pieces.append(self.added_text[i])
+        text = "".join(pieces).replace("\u2581", " ")
+        return text[1:] if pieces and pieces[0].startswith("\u2581") else text
+
+    def get_vocab_size(self) -> int:
+        return int(self.sp.get_piece_size()) + len(self.added)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def sentencepiece_tokenizer(folder: str | Path) -> Any:
-    """The SentencePiece tokenizer of `folder`, or None when it has none."""
+    """The SentencePiece tokenizer of `folder`, or None when it has none. A T5 folder (config.json's
+    model_type "t5") also gets T5's sentinels; other spiece.model folders get the bare SentencePiece model."""
     folder = Path(folder)
     if (folder / "source.spm").is_file() and (folder / "vocab.json").is_file():
         return MarianSPTokenizer(folder)
     if (folder / "spiece.model").is_file():
+        if _read_json(folder / "config.json").get("model_type") == "t5":
+            return T5SPTokenizer(folder)
         return SPTokenizer(folder / "spiece.model")
     return None
