@@ -169,7 +169,7 @@ def train_flags(args: argparse.Namespace, recipe: str) -> None:
             continue
         if dest == "out":
             value: Any = str(over[f"train.{key}"])
-            same = given and Path(value) == Path(current)
+            same = given and Path(value).resolve() == Path(current).resolve()  # ./o is o
         elif dest == "no_progress":
             value = not _as(key, over[f"train.{key}"], bool)
             same = given and value == current
