@@ -88,9 +88,20 @@ def default_out(cfg: dict[str, Any]) -> Path:
     return Path("runs") / f"{(cfg.get('task') or {}).get('name', 'task')}-{m.get('preset', m.get('family', 'model'))}"
 
 
+def wants_resume(cfg: dict[str, Any], resume: bool = False) -> bool:
+    """Whether a run continues its out folder: the --resume flag (`resume`) or train.resume in the config,
+    which is the same setting, as train.max_steps is --max-steps's (a value that is not true/false is an
+    error here, before anything is read)."""
+    value = (cfg.get("train") or {}).get("resume", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"train.resume must be true or false, got {value!r}")
+    return resume or value
+
+
 def command_line_config(config: str | None, overrides: list[str], out: str | Path | None,
-                        resume: bool) -> tuple[dict[str, Any], Path]:
-    """(run config, out folder) for `qkv train CONFIG overrides... [--out OUT] [--resume]`.
+                        resume: bool) -> tuple[dict[str, Any], Path, bool]:
+    """(run config, out folder, resume) for `qkv train CONFIG overrides... [--out OUT] [--resume]`; resume is
+    --resume or the config's train.resume (wants_resume).
 
     A fresh run: the YAML plus the overrides. A resume of a folder holding run.yaml: only what the command
     line names (the overrides, plus the YAML's task and model names, so that resuming with another task
@@ -98,15 +109,16 @@ def command_line_config(config: str | None, overrides: list[str], out: str | Pat
     shipped YAML cannot put back settings the saved run changed (lr, batch size, warmup, ...)."""
     full = load_run_config(config, overrides)
     folder = Path(out) if out else default_out(full)
+    resume = wants_resume(full, resume)
     if not (resume and (folder / RUN_FILE).is_file()):
-        return full, folder
+        return full, folder, resume
     named = load_run_config(None, overrides)
     if config:
         ident = load_run_config(config)
         for section, key in (("task", "name"), ("model", "preset"), ("model", "family")):
             if key in (ident.get(section) or {}):
                 named.setdefault(section, {}).setdefault(key, ident[section][key])
-    return named, folder
+    return named, folder, resume
 
 
 @dataclass
@@ -162,6 +174,7 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     from qkv.train.checkpoint import check_fits, check_same_architecture
 
     out = Path(out) if out else default_out(cfg)
+    resume = wants_resume(cfg, resume)  # train.resume: true is --resume
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
@@ -185,7 +198,10 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     if resume and newest is not None:
         check_fits(model, newest)
         check_same_architecture(model, newest)
-    cfg = {**cfg, "train": {**(cfg.get("train") or {}), "out_dir": str(out)}}
+    # run.yaml describes the run, not how this command started it: a copy of it given to a new run must not
+    # make that run continue this folder (as --resume, which is not recorded either)
+    train = {k: v for k, v in (cfg.get("train") or {}).items() if k != "resume"}
+    cfg = {**cfg, "train": {**train, "out_dir": str(out)}}
     if getattr(getattr(task, "options", None), "path", None):  # absolute, as in task.json: a resume from elsewhere
         cfg["task"] = {**cfg["task"], "path": task.options.path}
     return Run(cfg, out, task, model, train_cfg, ev, extra, newest if resume else None)
@@ -612,7 +628,7 @@ def _decode(tok: Any, ids: list[int]) -> str:
     return tok.decode(ids)
 
 
-__all__ = ["EvalSettings", "Run", "build_parts", "build_run", "command_line_config",
+__all__ = ["EvalSettings", "Run", "build_parts", "build_run", "command_line_config", "wants_resume",
            "evaluate_run", "generate_text", "hf_folder_tokenizer", "load_model_any", "load_run_config", "load_run_task", "model_folder",
            "prepare",
            "train_run"]

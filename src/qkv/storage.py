@@ -92,6 +92,44 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metada
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
+# Shard indexes a folder may hold from an earlier save (Hugging Face's names): a save of one model.safetensors
+# replaces them, see remove_replaced_shards
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def remove_replaced_shards(folder: Path, written: str = WEIGHTS_NAME) -> list[str]:
+    """Remove the sharded weights of an earlier save from `folder`, once `written` (the one weights file of the
+    new save) is complete in it: each SHARD_INDEXES file and the shard files its weight_map names. Left beside
+    the new file they are a second, stale set of weights: transformers and qkv read model.safetensors first, but
+    a tool that globs model*.safetensors or follows the index reads the old model, and they take the disk of a
+    whole model. transformers' own save_pretrained removes its earlier shards the same way.
+
+    Only the index files and what they name are touched, and of that only a plain file name of this folder
+    ending in .safetensors or .bin (never a path elsewhere, never `written`): nothing else in the folder goes
+    (a pytorch_model.bin beside it stays). An index that is not JSON names nothing, and only it goes. Returns
+    the names removed."""
+    removed: list[str] = []
+    for index_name in SHARD_INDEXES:
+        index = folder / index_name
+        if not index.is_file():
+            continue
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            weight_map = None
+        names = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        for name in sorted(n for n in names if isinstance(n, str)):
+            shard = folder / name
+            plain = Path(name).name == name and name not in (".", "..")
+            if plain and name != written and name.endswith((".safetensors", ".bin")) and \
+                    (shard.is_file() or shard.is_symlink()):
+                shard.unlink()  # a symlink (the hub cache's snapshots/) goes, not the blob it points to
+                removed.append(name)
+        index.unlink()
+        removed.append(index_name)
+    return removed
+
+
 # -- state dicts ----------------------------------------------------------------------------------------
 def unwrap(model: nn.Module) -> nn.Module:
     """Strip DDP/FSDP `module` and torch.compile `_orig_mod` wrappers (nanoGPT #325, #351)."""
@@ -203,6 +241,7 @@ def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
     atomic_save_safetensors(state, folder / WEIGHTS_NAME,
                             metadata={"qkv_family": model.family, SAVED_CONFIG: json.dumps(config, sort_keys=True)})
     atomic_write_json({"qkv_family": model.family, "config": config}, folder / CONFIG_NAME)
+    remove_replaced_shards(folder)  # the new weights are complete: an earlier sharded save's files are stale
     return folder
 
 

@@ -142,7 +142,7 @@ def test_same_seed_same_weights_and_resume(bert, tmp_path):
     ("text,label\nw1 good,pos\nw2 bad,neg\n,,x\n", "t.csv line 4: 3 fields, the header has 2"),
     ('text,label\n"w1 good",pos\n"w2 bad"\n', "t.csv line 3: 1 fields, the header has 2"),
     ("text,label\nw1 good,pos\nw2 caf\xe9,neg\n".encode("latin-1"), "t.csv line 3: not UTF-8 text (byte 0xe9"),
-    ("text,label\nw1 good,pos\n" + "w1 " * 80 + ",neg\n", "(first: line 3, 82 tokens)"),
+    ("text,label\nw1 good,pos\n" + "w1 " * 80 + ",neg\n", "t.csv line 3: 1 example(s) longer than the model's context of 64 tokens (this is the first, 82 tokens)"),
 ])
 def test_csv_rows_are_checked_against_the_header(bert, tmp_path, capsys, content, message):
     data = tmp_path / "t.csv"

@@ -68,6 +68,15 @@ def test_entities_of_known_sequences():
     ("w1 O\nalice PERSON\n", None, "'PERSON' is not a BIO/IOBES tag"),
     ("\n\n", None, "no sentences"),
     ("w1 O\nalice B-PER\n", "rome B-LOC\n", "tag 'B-LOC' (in 'rome') does not occur in the training data"),
+    # uneven columns (a token with a space in it, a missing POS column) used to be read silently, a wrong column
+    # then taken for the tag when --tag-column is not the last
+    ("w1 NN O\nalice NNP B-PER\n\nw2 O\n", None, "t.conll line 4: 2 columns, line 1 has 3 (every token line"),
+    ("w1 NN O\nnew york NNP B-LOC\n", None, "t.conll line 2: 4 columns, line 1 has 3"),
+    # the dev file's unknown tag: its line (the sentence's first line + the token's place in it)
+    ("w1 O\nalice B-PER\n", "w1 O\n\nw2 O\nrome B-LOC\n", "d.conll line 4: tag 'B-LOC' (in 'w2 rome')"),
+    # a sentence over the context (64) names the file and its first line, not "example 2"
+    ("w1 O\n\n" + "w2 O\n" * 70 + "\nw3 O\n", None,
+     "t.conll line 3: 1 example(s) longer than the model's context of 64 tokens (this is the first, 72 tokens)"),
 ])
 def test_bad_conll_is_one_line_and_exit_2(tmp_path, capsys, text, dev, message):
     folder = make_folder(tmp_path / "bert", "bert", layers=1)
@@ -78,9 +87,10 @@ def test_bad_conll_is_one_line_and_exit_2(tmp_path, capsys, text, dev, message):
         (tmp_path / "d.conll").write_text(dev)
         flags = ["--dev", str(tmp_path / "d.conll")]
     assert main(["finetune", str(folder), "--task", "tag", "--data", str(tmp_path / "t.conll"),
-                 "--out", str(tmp_path / "o"), *flags]) == 2
+                 "--out", str(tmp_path / "o"), "--too-long", "error", *flags]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("qkv: error:") and message in err and len(err.splitlines()) == 1
+    assert err.startswith("qkv: error:") and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_conll_byte_order_mark_and_encoding(tmp_path):
@@ -95,3 +105,14 @@ def test_conll_byte_order_mark_and_encoding(tmp_path):
     path.write_bytes(b"alice B-PER\ncaf\xe9 O\n")
     with pytest.raises(ConfigError, match=r"d.conll line 2: not UTF-8 text \(byte 0xe9 at column 4\)"):
         read_conll(path)
+
+
+def test_conll_sentences_keep_their_first_line(tmp_path):
+    """-DOCSTART- and runs of blank lines between sentences: each sentence's first token line, counted by hand."""
+    from qkv.finetune.tag import read_conll_lines
+
+    path = tmp_path / "d.conll"
+    path.write_text("-DOCSTART- O\n\nalice B-PER\nsmith I-PER\n\n\n\nrome B-LOC\n-DOCSTART- O\nw1 O\n")
+    sentences, lines = read_conll_lines(path)
+    assert sentences == [(["alice", "smith"], ["B-PER", "I-PER"]), (["rome"], ["B-LOC"]), (["w1"], ["O"])]
+    assert lines == [3, 8, 10]

@@ -39,8 +39,31 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder (default runs/<task>-<preset>)")
     p.add_argument("--max-steps", type=int, help="training steps (train.max_steps)")
     p.add_argument("--seed", type=int, help="random seed (train.seed and task.seed)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT's last checkpoint")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume", action="store_true", help="continue from OUT's last checkpoint (train.resume)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (train.progress=false)")
+
+
+def _check_flag_overrides(a: argparse.Namespace, over: list[str]) -> None:
+    """A flag and the key=value it is a shortcut for are one setting: both on the command line with different
+    values is one error naming the two (it used to be the flag, silently). Over the YAML file the command
+    line wins, flag or key=value alike."""
+    from qkv.config import ConfigError, parse_overrides
+
+    given = parse_overrides(over)
+    pairs = [("--task", a.task, "task.name"), ("--model", a.model, "model.preset"),
+             ("--max-steps", a.max_steps, "train.max_steps"), ("--seed", a.seed, "train.seed"),
+             ("--seed", a.seed, "task.seed"), ("--out", a.out, "train.out_dir"),
+             ("--resume", True if a.resume else None, "train.resume"),
+             ("--no-progress", False if a.no_progress else None, "train.progress")]
+    for flag, value, key in pairs:
+        if value is None or key not in given:
+            continue
+        same = (Path(str(given[key])).resolve() == Path(value).resolve() if key == "train.out_dir"
+                else given[key] == value)
+        if not same:
+            written = next(o for o in reversed(over) if o.split("=", 1)[0].strip() == key)
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise ConfigError(f"{flag}{shown} and {written.strip()} disagree; give one of them")
 
 
 def cmd_train(a: argparse.Namespace) -> int:
@@ -50,6 +73,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.config and "=" in a.config:  # `qkv train key=value ...` without a YAML file
         over.insert(0, a.config)
         a.config = None
+    _check_flag_overrides(a, over)
     if a.task:
         over.append(f"task.name={a.task}")
     if a.model:
@@ -60,8 +84,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         over += [f"train.seed={a.seed}", f"task.seed={a.seed}"]
     if a.no_progress:
         over.append("train.progress=false")
-    cfg, out = command_line_config(a.config, over, a.out, a.resume)
-    summary = train_run(cfg, out=out, resume=a.resume)
+    cfg, out, resume = command_line_config(a.config, over, a.out, a.resume)  # resume: or train.resume: true
+    summary = train_run(cfg, out=out, resume=resume)
     if summary["report"]:  # empty on ranks other than 0 under torchrun
         print(summary["report"])
     return 0

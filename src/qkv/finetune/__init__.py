@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError, _closest
+from qkv.config import ConfigError, _closest, parse_overrides
 
 DEFAULT_BY_KIND = {"decoder": "chat", "encoder": "classify", "seq2seq": "seq2seq"}
 FINETUNE_FILE = "finetune.json"  # in OUT: the recipe that wrote it, its settings and results
@@ -73,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=None, help="recipe: " + ", ".join(sorted(recipes())) +
                    " (default: from the model's kind); the flags of another recipe's group below are refused")
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default 0; the same as train.seed)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (train.progress=false)")
     # flags several recipes share, defined once here (argparse refuses a second definition); None = the recipe's
     # own default (see shared())
     p.add_argument("--epochs", type=float, default=None,
@@ -119,6 +119,71 @@ def resolve_flags(args: argparse.Namespace, recipe: str) -> None:
         if dest not in given:
             setattr(args, dest, flag.default)
     args.given_flags = given
+
+
+# The flags that stand for a Trainer setting: (args dest, train key, flag). Both say the same thing, so each
+# recipe must read one value whichever the user wrote: see train_flags.
+TRAIN_FLAGS = (("out", "out_dir", "--out"), ("resume", "resume", "--resume"), ("seed", "seed", "--seed"),
+               ("no_progress", "progress", "--no-progress"), ("batch_size", "batch_size", "--batch-size"),
+               ("lr", "lr", "--lr"))
+
+
+def _as(key: str, value: Any, kind: type) -> Any:
+    """An override's value as the flag's type (a clear error for one that is not)."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind is float:
+        try:
+            if not isinstance(value, bool):
+                return float(value)  # YAML reads 3e-4 (no dot) as a string
+        except (TypeError, ValueError):
+            pass
+    else:
+        return value
+    raise ConfigError(f"train.{key}={value!r}: expected {'true or false' if kind is bool else kind.__name__}")
+
+
+def train_flags(args: argparse.Namespace, recipe: str) -> None:
+    """Make each flag of TRAIN_FLAGS and its train.key=value override one setting, for every recipe alike:
+    either may be given (the override then sets the flag's value in args, which the recipe reads before the
+    Trainer: the seed of the data order and the new head, check_out's resume, the batch --epochs counts in),
+    and both given with different values is one error naming the two rather than one silently winning. Run
+    after resolve_flags (a recipe flag is given when args.given_flags holds it)."""
+    over = parse_overrides(list(getattr(args, "overrides", None) or []))
+    given_recipe = getattr(args, "given_flags", set())
+    for dest, key, flag in TRAIN_FLAGS:
+        if dest in _FLAGS and _FLAGS[dest].recipe != recipe:
+            continue  # another recipe's flag (refused by resolve_flags when given): train.key is the only way
+        current = getattr(args, dest, None)
+        if dest in _FLAGS:
+            given = dest in given_recipe
+        elif dest in ("resume", "no_progress"):
+            given = bool(current)  # store_true: only True can be written
+        else:
+            given = current is not None  # --out is required; --seed defaults to None
+        if f"train.{key}" not in over:
+            continue
+        if dest == "out":
+            value: Any = str(over[f"train.{key}"])
+            same = given and Path(value).resolve() == Path(current).resolve()  # ./o is o
+        elif dest == "no_progress":
+            value = not _as(key, over[f"train.{key}"], bool)
+            same = given and value == current
+        else:
+            kind = {"resume": bool, "seed": int, "batch_size": int, "lr": float}[dest]
+            value = _as(key, over[f"train.{key}"], kind)
+            same = given and value == current
+        if given and not same:
+            shown = "" if isinstance(current, bool) else f" {current}"
+            written = next(o for o in reversed(args.overrides) if o.split("=", 1)[0].strip() == f"train.{key}")
+            raise ConfigError(f"{flag}{shown} and {written.strip()} disagree; give one of them")
+        setattr(args, dest, value)
+    if getattr(args, "seed", None) is None:
+        args.seed = 0
 
 
 def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any, ...] | None = None,
@@ -270,9 +335,10 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"dev file not found: {args.dev}")
     recipe = choose(args.task, model_kind(args.model))
     resolve_flags(args, recipe.name)
+    train_flags(args, recipe.name)  # before check_out: train.resume=true is --resume
     check_out(args.out, args.model, recipe.name, args.resume)  # before anything is read, trained or written
     return recipe.run(args)
 
 
 __all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose", "epoch_updates", "epochs_to_steps", "finetune",
-           "mark_out", "model_kind", "read_data_text", "recipes", "register_recipe", "shared", "written_by"]
+           "mark_out", "model_kind", "read_data_text", "recipes", "register_recipe", "shared", "train_flags", "written_by"]

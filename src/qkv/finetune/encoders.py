@@ -192,10 +192,11 @@ def encode(tokenizer: Any, texts: list[Any], pairs: list[Any] | None, max_length
     long_rows = [i for i, e in enumerate(full) if len(e.ids) > max_length]
     if long_rows and too_long == "error":
         i = long_rows[0]
-        first = f"line {lines[i]}" if lines is not None else f"example {i + 1}"
-        raise ConfigError(f"{source}: {len(long_rows)} example(s) longer than the model's context of {max_length} "
-                          f"tokens (first: {first}, {len(full[i].ids)} tokens); shorten them or pass "
-                          "--too-long truncate")
+        # "FILE line N: ..." like every other data error, when the caller knows the lines
+        where, first = (f"{source} line {lines[i]}", "this is the first") if lines is not None else \
+            (source, f"the first is example {i + 1}")
+        raise ConfigError(f"{where}: {len(long_rows)} example(s) longer than the model's context of {max_length} "
+                          f"tokens ({first}, {len(full[i].ids)} tokens); shorten them or pass --too-long truncate")
     if long_rows:
         tokenizer.enable_truncation(max_length, strategy="longest_first")
         try:

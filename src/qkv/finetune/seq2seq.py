@@ -43,8 +43,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--batch-size", type=int, default=16,
-                   help="pairs per batch (default 16; train.batch_size overrides it)")
-    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4; train.lr overrides it)")
+                   help="pairs per batch (default 16; the same as train.batch_size: give one)")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4; the same as train.lr: give one)")
     g.add_argument("--max-source-length", type=int, default=256, help="source tokens at most (default 256)")
     g.add_argument("--max-target-length", type=int, default=128, help="target tokens at most (default 128)")
     g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (default 1: greedy)")

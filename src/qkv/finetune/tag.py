@@ -51,18 +51,34 @@ def too_long(args: argparse.Namespace) -> str:
 # -- CoNLL files ----------------------------------------------------------------------------------------
 def read_conll(path: str | Path, tag_column: int = -1) -> list[tuple[list[str], list[str]]]:
     """Sentences as (words, tags); a tag that is not O / B-X / I-X / E-X / S-X is an error naming the line."""
+    return read_conll_lines(path, tag_column)[0]
+
+
+def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple[list[str], list[str]]], list[int]]:
+    """(sentences, the line of each sentence's first token): a sentence's token j is on line first + j, so an
+    error about a sentence (too long, an unknown tag) can name the file and line like the other readers do.
+    Every token line has the columns of the file's first one: a line with more or fewer (a token with a space
+    in it, a missing POS column) would put another column under --tag-column, so it is an error naming it."""
     sentences: list[tuple[list[str], list[str]]] = []
+    starts: list[int] = []
     words: list[str] = []
     tags: list[str] = []
+    width: tuple[int, int] | None = None  # (columns, line) of the first token line
     for i, line in enumerate(text_lines(read_data_text(path)) + [""], 1):  # a BOM dropped; not UTF-8: file and line
         parts = line.split()
         if not parts or parts[0] == "-DOCSTART-":
             if words:
                 sentences.append((words, tags))
+                starts.append(i - len(words))
             words, tags = [], []
             continue
         if len(parts) < 2:
             raise ConfigError(f"{path} line {i}: expected a token and its tag, got {line.strip()!r}")
+        if width is None:
+            width = (len(parts), i)
+        elif len(parts) != width[0]:
+            raise ConfigError(f"{path} line {i}: {len(parts)} columns, line {width[1]} has {width[0]} (every token "
+                              "line of a CoNLL file has the same columns)")
         try:
             tag = parts[tag_column]
         except IndexError:
@@ -73,7 +89,7 @@ def read_conll(path: str | Path, tag_column: int = -1) -> list[tuple[list[str], 
         tags.append(tag)
     if not sentences:
         raise ConfigError(f"{path}: no sentences (CoNLL: token ... tag per line, blank line between sentences)")
-    return sentences
+    return sentences, starts
 
 
 # -- entity-level scores (conlleval's chunk rules) ------------------------------------------------------------
@@ -140,33 +156,34 @@ def predicted_tags(logits: Any, encoding: Any, n_words: int, names: dict[int, st
 
 
 def _encode(enc: Any, sentences: list[tuple[list[str], list[str]]], args: argparse.Namespace,
-            source: str) -> tuple[list[Any], int]:
+            source: str, lines: list[int]) -> tuple[list[Any], int]:
     return encode(enc.tokenizer, [w for w, _ in sentences], None, enc.max_length, too_long(args), source,
-                  pretokenized=True)
+                  pretokenized=True, lines=lines)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from qkv.train import Trainer
 
     enc = open_encoder(args.model)
-    train_s = read_conll(args.data, args.tag_column)
+    train_s, train_lines = read_conll_lines(args.data, args.tag_column)
     names = sorted({t for _, tags in train_s for t in tags}, key=lambda t: (t != "O", t[2:], t))
     tag_id = {t: i for i, t in enumerate(names)}
     id2tag = dict(enumerate(names))
-    train_enc, cut = _encode(enc, train_s, args, args.data)
+    train_enc, cut = _encode(enc, train_s, args, args.data, train_lines)
     types = enc.model.config.type_vocab_size > 1
     train = EncodedData(train_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(train_enc, train_s)],
                         enc.pad_id, args.seed, METRICS, token_types=types)
     dev = dev_s = None
     dev_cut = 0
     if args.dev:
-        dev_s = read_conll(args.dev, args.tag_column)
-        for words, tags in dev_s:
-            unknown = [t for t in tags if t not in tag_id]
+        dev_s, dev_lines = read_conll_lines(args.dev, args.tag_column)
+        for (words, tags), first in zip(dev_s, dev_lines):
+            unknown = [j for j, t in enumerate(tags) if t not in tag_id]
             if unknown:
-                raise ConfigError(f"{args.dev}: tag {unknown[0]!r} (in {' '.join(words[:8])!r}) does not occur in "
-                                  f"the training data (tags: {', '.join(names[:20])})")
-        dev_enc, dev_cut = _encode(enc, dev_s, args, args.dev)
+                j = unknown[0]
+                raise ConfigError(f"{args.dev} line {first + j}: tag {tags[j]!r} (in {' '.join(words[:8])!r}) does "
+                                  f"not occur in the training data (tags: {', '.join(names[:20])})")
+        dev_enc, dev_cut = _encode(enc, dev_s, args, args.dev, dev_lines)
         dev = EncodedData(dev_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(dev_enc, dev_s)],
                           enc.pad_id, args.seed, token_types=types)
 

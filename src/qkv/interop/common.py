@@ -38,6 +38,7 @@ from qkv.storage import (
     atomic_write_json,
     check_state_fits,
     read_config,
+    remove_replaced_shards,
 )
 
 Transform = Callable[[Tensor], Tensor]
@@ -236,11 +237,15 @@ def load_hf_weights(
 
 def write_hf_folder(folder: str | Path, state: Mapping[str, Tensor], hf_config: Mapping[str, Any]) -> Path:
     """A Hugging Face model folder: `model.safetensors` (HF's "pt" format tag) and `config.json`, each
-    written atomically; what every exporter in this package ends with."""
+    written atomically; what every exporter in this package ends with. Exporting into a folder that holds a
+    sharded model (its source folder, or an earlier sharded save) replaces it the way a single
+    model.safetensors is replaced: once the new files are written, the old index and the shards it names
+    are removed (qkv.storage.remove_replaced_shards), so the folder holds one set of weights."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(dict(state), folder / "model.safetensors", metadata={"format": "pt"})
     atomic_write_json(dict(hf_config), folder / "config.json")
+    remove_replaced_shards(folder)
     return folder
 
 
