@@ -122,3 +122,7 @@ def test_target_text_is_teacher_forced_as_transformers_shifts_labels(tmp_path, c
     assert main(["attention", str(tmp_path), "--input", SOURCE, "--target", TARGET, "--out",
                  str(tmp_path / "cli.png")]) == 0
     assert json.loads((tmp_path / "cli_entropy.json").read_text())["tokens"]["target"] == res.tokens["target"]
+    # and qkv explore's page teacher-forces a typed target the same way (it built [bos] + the target's ids)
+    from qkv.explore import analyze, load
+
+    assert analyze(load(tmp_path), SOURCE, target=TARGET)["ids"]["target"] == dec

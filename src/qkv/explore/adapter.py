@@ -389,6 +389,18 @@ def head_stats(ld: Loaded, kind: str, layers: list[Tensor]) -> list[Any]:
 
 
 @torch.no_grad()
+def teacher_forced_target(ld: Loaded, target: str) -> list[int]:
+    """The decoder input for a typed target of a seq2seq model, as `qkv attention --target` builds it: [decoder
+    start] + the target's label ids (the special tokens labels carry, e.g. BART's <s> ... </s>), less a final eos."""
+    from qkv.experiments.attention import _target_ids as label_ids
+    from qkv.experiments.attention import teacher_forced_input
+
+    ids, _ = tokenize(ld, target, "target")  # its checks: empty, too long, unknown symbols, the id range
+    if ld.tokenizer is not None:
+        ids = label_ids(ld.tokenizer, target)
+    return teacher_forced_input(ld.model, ids)
+
+
 def greedy_target(ld: Loaded, src: Tensor, max_new_tokens: int) -> list[int]:
     """[bos] + the greedy output of a seq2seq model (the decoder input the maps are drawn for)."""
     from qkv.experiments.attention import greedy_target as greedy

@@ -119,11 +119,12 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
 
 
 def _target_ids(ld: Loaded, src: Tensor, target: str | None, max_new: int) -> list[int]:
-    """[bos] + the typed target, or [bos] + the greedy output."""
+    """The decoder input the maps are drawn for, as `qkv attention` builds it: a typed target teacher-forced
+    ([decoder start] + its label ids, less a final eos: experiments.attention.teacher_forced_input), or [decoder
+    start] + the greedy output."""
     tctx = adapter.target_context(ld)
     if target is not None and target.strip():
-        t_ids, _ = adapter.tokenize(ld, target, "target")
-        t_ids = [int(adapter.special_ids(ld)["bos"])] + t_ids
+        t_ids = adapter.teacher_forced_target(ld, target)
     else:
         t_ids = adapter.greedy_target(ld, src, min(max_new, tctx - 1))
     adapter.check_length(len(t_ids), tctx, "target (with its start token)")
