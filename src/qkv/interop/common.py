@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from qkv.storage import (
     CheckpointError,
@@ -249,11 +250,31 @@ def meta_of(state: Mapping[str, Tensor], name: str) -> Tensor:
 M = TypeVar("M", bound=nn.Module)
 
 
+# the in-place fills that initialisers (torch.nn.init, reset_parameters, init_weights) run on a parameter
+_INIT_OPS = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "mul_", "add_", "sub_", "div_", "clamp_",
+                       "erfinv_", "exponential_", "log_normal_", "bernoulli_", "random_", "cauchy_", "geometric_"})
+
+
+class _SkipInitOnMeta(TorchFunctionMode):
+    """Initialising a meta tensor computes nothing, but torch routes some fills on meta (normal_) through its
+    reference implementations, whose first use imports torch._dynamo: ~75 MB of resident memory for nothing. The
+    skeleton's initialisers are skipped instead (their results would be overwritten by the file anyway)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _INIT_OPS:
+            # Tensor.normal_(t, ...) passes the tensor first; torch.nn.init.normal_ passes it as tensor=
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, Tensor) and target.device.type == "meta":
+                return target
+        return func(*args, **kwargs)
+
+
 @contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """While active, every parameter a module registers is moved to the meta device at once (nn.Linear's
-    torch.empty is never touched; its reset_parameters and our init_weights then run on meta tensors, for
-    nothing). Buffers stay where __init__ computed them: positional tables, masks, mel filters are real."""
+    torch.empty is never touched; its reset_parameters and our init_weights then skip the meta tensors). Buffers
+    stay where __init__ computed them: positional tables, masks, mel filters are real."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -263,7 +284,8 @@ def _parameters_on_meta() -> Iterator[None]:
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
-        yield
+        with _SkipInitOnMeta():
+            yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
