@@ -1,14 +1,14 @@
 """Peak resident memory of qkv.from_pretrained on Hugging Face folders, as a multiple of the weights' bytes.
 
-Folders: random-weight GPT2LMHeadModel (GPT-2 small's shape, 124M) and BertModel (BERT-base's shape, 110M), built
-by transformers and saved as model.safetensors in fp32 and in bf16 (a temporary folder). Each folder is loaded in a
+Folders: random-weight GPT2LMHeadModel (GPT-2 small's shape, 124M) and BertModel (BERT-base's shape, 110M), and for
+comparison LlamaForCausalLM (SmolLM-135M's shape, the Llama-family loader's; benchmarks/llm.py), built by transformers and saved as model.safetensors in fp32 and in bf16 (a temporary folder). Each folder is loaded in a
 fresh subprocess per code version, after the imports the load needs (torch, qkv, the family's loader, safetensors):
 
     ratio = (VmHWM after the load - VmRSS before it) / bytes of the loaded model's parameters
 
 `--before REF` adds rows for the src/ of a git ref (extracted with git archive into the temporary folder), so one
 run compares the code before and after a change on the same folders and machine; `--transformers` adds rows for
-transformers' AutoModel.from_pretrained(dtype="auto") on the same folders (its own model classes).
+transformers' from_pretrained(dtype="auto") on the same folders (AutoModelForCausalLM / AutoModel) (its own model classes).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/load_memory.py [--before main] [--transformers] [--quick]
         [--out benchmarks/results]
@@ -37,11 +37,17 @@ SHAPES = {
                                                                  n_positions=1024)),
     "bert-base": ("BertConfig", "BertModel", "bert", dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
                                                           intermediate_size=3072, vocab_size=30522)),
+    # the Llama-family loader's figures (benchmarks/llm.py's SmolLM-135M shape), for comparison
+    "llama-135M": ("LlamaConfig", "LlamaForCausalLM", "llama", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)),
 }
 QUICK = {
     "gpt2-124M": dict(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=64),
     "bert-base": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
                       vocab_size=500, max_position_embeddings=64),
+    "llama-135M": dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True),
 }
 
 _PROBE = r"""
@@ -56,7 +62,8 @@ import torch, safetensors.torch
 if library == "transformers":
     import transformers
     before = rss("VmRSS:")
-    model = transformers.AutoModel.from_pretrained(folder, dtype="auto")
+    auto = transformers.AutoModelForCausalLM if family in ("gpt2", "llama") else transformers.AutoModel
+    model = auto.from_pretrained(folder, dtype="auto")
 else:
     import qkv
     importlib.import_module("qkv.interop." + family)  # the loader's imports are not the load's memory

@@ -255,7 +255,7 @@ _INIT_OPS = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "mul_",
                        "erfinv_", "exponential_", "log_normal_", "bernoulli_", "random_", "cauchy_", "geometric_"})
 
 
-class _SkipInitOnMeta(TorchFunctionMode):
+class SkipInitOnMeta(TorchFunctionMode):
     """Initialising a meta tensor computes nothing, but torch routes some fills on meta (normal_) through its
     reference implementations, whose first use imports torch._dynamo: ~75 MB of resident memory for nothing. The
     skeleton's initialisers are skipped instead (their results would be overwritten by the file anyway)."""
@@ -284,7 +284,7 @@ def _parameters_on_meta() -> Iterator[None]:
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
-        with _SkipInitOnMeta():
+        with SkipInitOnMeta():
             yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
