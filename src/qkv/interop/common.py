@@ -312,6 +312,9 @@ def _materialise(model: nn.Module, dtype: torch.dtype | None) -> None:
                 want = dtype if dtype is not None and p.is_floating_point() else p.dtype
                 made[id(p)] = type(p)(torch.empty(p.shape, dtype=want), requires_grad=p.requires_grad)
             module._parameters[name] = made[id(p)]
+    left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if left:  # a constructor that derived a buffer from a parameter: build_skeleton cannot be used for it
+        raise CheckpointError(f"{type(model).__name__}: buffer(s) {left[:3]} were left on the meta device (a loader bug)")
     if dtype is not None:
         model.to(dtype=dtype)
 
