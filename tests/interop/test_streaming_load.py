@@ -244,3 +244,33 @@ def test_a_sharded_bf16_folder_streams_from_its_shards(tmp_path, reads):
     ids = torch.randint(0, V, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits.float(), hf(ids).logits.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_skeleton_leaves_modules_other_threads_build_alone():
+    """The hook that moves parameters to meta acts only in the thread inside build_skeleton, and is torch's own
+    register_parameter again afterwards."""
+    import threading
+
+    from qkv.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=V, n_layers=1, d_model=16, n_heads=2, context_length=16)
+    original = torch.nn.Module.register_parameter
+    inside, done, other = threading.Event(), threading.Event(), {}
+
+    def elsewhere():
+        inside.wait()
+        other["model"] = torch.nn.Linear(4, 4)
+        done.set()
+
+    def build():
+        inside.set()
+        done.wait(10)
+        return GPT(cfg)
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    skeleton = build_skeleton(build)
+    t.join()
+    assert {p.device.type for p in skeleton.parameters()} == {"meta"}
+    assert other["model"].weight.device.type == "cpu" and other["model"].weight.abs().sum() > 0
+    assert torch.nn.Module.register_parameter is original

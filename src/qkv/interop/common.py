@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -270,24 +271,41 @@ class SkipInitOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_building = threading.local()  # .depth: how many build_skeleton calls this thread is inside
+_hook = threading.Lock()
+_hook_users = 0  # threads inside build_skeleton: the hook is installed while there is one
+_register_parameter = nn.Module.register_parameter  # what the hook calls (set when it is installed)
+
+
+def _register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    if getattr(_building, "depth", 0) and param is not None and param.device.type != "meta":
+        param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+    _register_parameter(module, name, param)
+
+
 @contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """While active, every parameter a module registers is moved to the meta device at once (nn.Linear's
-    torch.empty is never touched; its reset_parameters and our init_weights then skip the meta tensors). Buffers
-    stay where __init__ computed them: positional tables, masks, mel filters are real."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    """While active, every parameter a module registers in this thread is moved to the meta device at once
+    (nn.Linear's torch.empty is never touched; its reset_parameters and our init_weights then skip the meta
+    tensors). Buffers stay where __init__ computed them: positional tables, masks, mel filters are real. Modules
+    that other threads build meanwhile are passed through untouched (the switch is per thread), and
+    nn.Module.register_parameter is torch's own again once no thread is building."""
+    global _hook_users, _register_parameter
+    with _hook:
+        if _hook_users == 0:
+            _register_parameter = nn.Module.register_parameter
+            nn.Module.register_parameter = _register_on_meta  # type: ignore[method-assign]
+        _hook_users += 1
+    _building.depth = getattr(_building, "depth", 0) + 1
     try:
         with SkipInitOnMeta():
             yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        _building.depth -= 1
+        with _hook:
+            _hook_users -= 1
+            if _hook_users == 0:
+                nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
 
 
 def build_skeleton(build: Callable[[], M]) -> M:
