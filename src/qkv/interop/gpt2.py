@@ -48,7 +48,8 @@ UNTIED_HEAD = {"lm_head.weight": "lm_head.weight"}
 
 # Conv1D weights are (in, out); nn.Linear's are (out, in). Transposing is its own inverse.
 CONV1D = ("h.{}.attn.c_attn.weight", "h.{}.attn.c_proj.weight", "h.{}.mlp.c_fc.weight", "h.{}.mlp.c_proj.weight")
-TRANSFORMS = {k: (lambda t: t.t().contiguous()) for k in CONV1D}
+# a view: load_hf_weights copies it into place and export_state makes its own contiguous copy
+TRANSFORMS = {k: (lambda t: t.t()) for k in CONV1D}
 
 # Tensors older checkpoints carry that hold no weights: the causal-mask buffers of GPT2Attention.
 IGNORE = ("h.{}.attn.bias", "h.{}.attn.masked_bias")
