@@ -1,8 +1,10 @@
 """Peak resident memory of qkv.from_pretrained on Hugging Face folders, as a multiple of the weights' bytes.
 
 Folders: random-weight GPT2LMHeadModel (GPT-2 small's shape, 124M) and BertModel (BERT-base's shape, 110M), and for
-comparison LlamaForCausalLM (SmolLM-135M's shape, the Llama-family loader's; benchmarks/llm.py), built by transformers and saved as model.safetensors in fp32 and in bf16 (a temporary folder). Each folder is loaded in a
-fresh subprocess per code version, after the imports the load needs (torch, qkv, the family's loader, safetensors):
+comparison LlamaForCausalLM (SmolLM-135M's shape: the Llama-family loader, benchmarks/llm.py's model), built by
+transformers and saved as model.safetensors in fp32 and in bf16 (a temporary folder); GPT-2's fp32 weights also as
+a pytorch_model.bin (torch.save of the state dict). Each folder is loaded in a fresh subprocess per code version,
+after the imports the load needs (torch, qkv, the family's loader, safetensors):
 
     ratio = (VmHWM after the load - VmRSS before it) / bytes of the loaded model's parameters
 
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +103,14 @@ def make_folders(tmp: Path, quick: bool) -> dict[str, tuple[Path, str]]:
             folder = tmp / f"{name}-{dtype}"
             (model if dtype == "fp32" else model.to(torch.bfloat16)).save_pretrained(folder)
             folders[f"{name} {dtype}"] = (folder, family)
+        if family == "gpt2":  # the same fp32 weights as an older folder's pytorch_model.bin (a pickle, read whole)
+            from safetensors.torch import load_file
+
+            folder = tmp / f"{name}-bin"
+            shutil.copytree(tmp / f"{name}-fp32", folder)
+            torch.save(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin")
+            (folder / "model.safetensors").unlink()
+            folders[f"{name} fp32 .bin"] = (folder, family)
         del model
     return folders
 

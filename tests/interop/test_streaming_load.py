@@ -274,3 +274,30 @@ def test_a_skeleton_leaves_modules_other_threads_build_alone():
     assert {p.device.type for p in skeleton.parameters()} == {"meta"}
     assert other["model"].weight.device.type == "cpu" and other["model"].weight.abs().sum() > 0
     assert torch.nn.Module.register_parameter is original
+
+
+def test_a_pickles_tensors_are_released_as_they_are_copied(tmp_path):
+    """pytorch_model.bin is read whole (a pickle), but each of its tensors is dropped once copied: the file's
+    tensors and the model are not both held until the end. The tied head it stores is still compared."""
+    import gc
+    import weakref
+
+    from qkv.interop.common import expand, load_hf_weights
+    from qkv.interop.gpt2 import KEY_MAP, TRANSFORMS, config_from_hf
+    from qkv.models.gpt import GPT
+
+    _gpt2(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["lm_head.weight"] = state["transformer.wte.weight"].clone()
+    torch.save({k.removeprefix("transformer."): v for k, v in state.items()}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    tensors = HFTensors(tmp_path)
+    refs = {k: weakref.ref(tensors[k]) for k in tensors}
+    config = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    model = build_skeleton(lambda: GPT(config))
+    load_hf_weights(model, tensors, expand(KEY_MAP, config.n_layers), transforms=TRANSFORMS,
+                    ignore=("lm_head.weight",), tied={"lm_head.weight": ("wte.weight", "differs")})
+    gc.collect()
+    alive = {k for k, r in refs.items() if r() is not None}
+    assert alive == {"wte.weight", "lm_head.weight"}  # the tie's two sides, kept for the comparison
+    assert torch.equal(model.tok_emb.weight, state["transformer.wte.weight"])

@@ -222,6 +222,12 @@ class HFTensors(Mapping[str, Tensor]):
         del self[name]
         return True
 
+    def release(self, name: str) -> None:
+        """Drop the in-memory tensor `name` (and its name) once it has been copied, so that a pickle's tensors are
+        freed one by one as the model fills rather than all at the end. Nothing for a name read from a
+        safetensors file: such a tensor is not held."""
+        self._memory.pop(name, None)
+
     def meta(self, name: str) -> Tensor:
         """A meta tensor with `name`'s shape and dtype: nothing is read."""
         if name in self._memory:
@@ -475,7 +481,8 @@ def load_hf_weights(
     all fp16) keeps that dtype, else the model's. Then each parameter gets its storage and is filled piece by
     piece (a fused q/k/v is never concatenated: each piece is copied into its rows).
     tied: {file key: (the file key it must equal, the error if it does not)}, for copies of tied tensors that a
-    file may store; checked after the copy, against the parameter the reference filled, so nothing is read twice."""
+    file may store; checked after the copy, against the parameter the reference filled, so nothing is read twice.
+    An HFTensors is consumed: the tensors it holds in memory (a pickle's) are released as they are copied."""
     compiled = [(_pattern(t), fn) for t, fn in (transforms or {}).items()]
     _check_names(hf_state, mapping, ignore, source)
     groups = _groups(mapping)
@@ -490,6 +497,7 @@ def load_hf_weights(
     check_state_fits(model, shapes, source, name=lambda k: ", ".join(groups.get(k, [k])))
     _materialise(model, _half_dtype(dtypes))
     own = model.state_dict()
+    needed = {ref for ref, _ in (tied or {}).values()}  # compared after the fill
     with torch.no_grad():
         for ours, hfs in groups.items():
             target, start = own[ours], 0
@@ -498,6 +506,8 @@ def load_hf_weights(
                 (target if len(hfs) == 1 else target.narrow(0, start, t.shape[0])).copy_(t)
                 start += t.shape[0] if t.dim() else 0
                 del t
+                if isinstance(hf_state, HFTensors) and hf not in needed:
+                    hf_state.release(hf)  # a pickle's tensor: freed as soon as it is copied
     for k, (ref, message) in (tied or {}).items():
         if k not in hf_state or ref not in hf_state:
             continue
