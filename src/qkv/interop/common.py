@@ -24,8 +24,8 @@ folder's names, shapes and dtypes from the file headers and each tensor only whe
 runs on those shapes before anything is allocated; the model is built with its parameters on the meta device
 (`build_skeleton`: buffers computed in __init__, e.g. Marian's sinusoids and Whisper's mel filters, are built
 for real) and given storage in the dtype it will keep; then each parameter is filled from its pieces, one piece
-at a time. A pytorch_model.bin is a pickle, which torch.load can only read whole: those folders still hold the
-file's tensors beside the model while it is filled.
+at a time. A pytorch_model.bin is a pickle, which torch.load can only read whole: its tensors are held in memory
+and each is released once copied.
 """
 
 from __future__ import annotations
