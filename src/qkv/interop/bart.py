@@ -30,7 +30,15 @@ from typing import Any
 import torch
 
 from qkv.interop import LOADERS
-from qkv.interop.common import expand, export_state, load_hf_weights, read_hf_state, require, write_hf_folder
+from qkv.interop.common import (
+    HFTensors,
+    build_skeleton,
+    expand,
+    export_state,
+    load_hf_weights,
+    require,
+    write_hf_folder,
+)
 from qkv.interop.t5 import generation_from_config
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 
@@ -102,20 +110,25 @@ def key_map(cfg: EncoderDecoderConfig) -> dict[str, str]:
 
 
 def load_bart(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
-    hf_state, source = read_hf_state(folder)
+    hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+    source = hf_state.source
     if "model.shared.weight" not in hf_state and "shared.weight" in hf_state:  # a base BartModel / MarianModel
-        hf_state = {("" if k == "final_logits_bias" else "model.") + k: v for k, v in hf_state.items()}
+        hf_state.rename(lambda k: ("" if k == "final_logits_bias" else "model.") + k)
     require("model.shared.weight" in hf_state, f"{source}: no model.shared.weight")
-    shared = hf_state["model.shared.weight"]
-    for k in TIED_COPIES:  # copies of the shared embedding carry nothing
-        if k in hf_state:
-            require(hf_state[k].shape == shared.shape and torch.equal(hf_state[k], shared),
+    shared_meta = hf_state.meta("model.shared.weight")
+    copies = [k for k in TIED_COPIES if k in hf_state]
+    if copies:  # copies of the shared embedding carry nothing (read before the model is built, one at a time)
+        shared = hf_state["model.shared.weight"]
+        for k in copies:
+            copy = hf_state[k]
+            require(copy.shape == shared.shape and torch.equal(copy, shared),
                     f"{source}: {k} differs from model.shared.weight; qkv loads tied embeddings only")
-            del hf_state[k]
-    if "final_logits_bias" not in hf_state:  # a base model has none: zeros are exact
-        hf_state["final_logits_bias"] = torch.zeros(1, shared.shape[0])
+            del hf_state[k], copy
+        del shared
+    if "final_logits_bias" not in hf_state:  # a base model has none: zeros are exact (in the file's dtype)
+        hf_state["final_logits_bias"] = torch.zeros(1, shared_meta.shape[0], dtype=shared_meta.dtype)
     cfg = config_from_hf(meta)
-    model = EncoderDecoder(cfg)
+    model = build_skeleton(lambda: EncoderDecoder(cfg))  # parameters on meta; Marian's sinusoids are computed
     # Marian's sinusoidal tables, where a file has them, are recomputed (the same formula, checked by the tests)
     ignore = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight") \
         if cfg.position == "sinusoidal" else ()

@@ -21,17 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from qkv.interop import LOADERS
 from qkv.interop.common import (
+    HFTensors,
+    build_skeleton,
     expand,
     export_state,
     load_hf_weights,
-    read_hf_state,
     require,
-    strip_prefix,
     write_hf_folder,
 )
 from qkv.models.bert import BERT, BERTConfig
@@ -137,15 +134,12 @@ class Layout:
     pooler_act: str = "tanh"
 
 
-def _normalise_keys(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+def _normalise_key(key: str, prefix: str) -> str:
     """The task model's prefix off; the TF-era LayerNorm names gamma/beta -> weight/bias."""
-    state = strip_prefix(state, (prefix,))
-    out = {}
-    for k, v in state.items():
-        if ".LayerNorm.gamma" in k or ".LayerNorm.beta" in k:
-            k = k.replace(".LayerNorm.gamma", ".LayerNorm.weight").replace(".LayerNorm.beta", ".LayerNorm.bias")
-        out[k] = v
-    return out
+    key = key.removeprefix(prefix)
+    if ".LayerNorm.gamma" in key or ".LayerNorm.beta" in key:
+        key = key.replace(".LayerNorm.gamma", ".LayerNorm.weight").replace(".LayerNorm.beta", ".LayerNorm.bias")
+    return key
 
 
 def _mapping(layout: Layout, config: BERTConfig) -> dict[str, str]:
@@ -160,17 +154,16 @@ def _mapping(layout: Layout, config: BERTConfig) -> dict[str, str]:
 
 
 def load_encoder(folder: Path, hf_config: dict[str, Any], layout: Layout) -> BERT:
-    """Any BERT-family folder -> our BERT, with the head the file holds."""
-    hf_state, source = read_hf_state(folder)
-    hf_state = _normalise_keys(hf_state, layout.prefix)
+    """Any BERT-family folder -> our BERT, with the head the file holds (a bf16 or fp16 file keeps its dtype)."""
+    hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+    source = hf_state.source
+    hf_state.rename(lambda k: _normalise_key(k, layout.prefix))
     head = next((h for h, keys in layout.detect if all(k in hf_state for k in keys)), "none")
     has_pooler = any(k in hf_state for k in layout.pooler)
     config = layout.config_from_hf(hf_config, head=head, pooler=has_pooler or head == "classify")
-    for k, ref in layout.tied.items():
-        if k in hf_state and ref in hf_state:
-            require(torch.equal(hf_state[k], hf_state[ref]), f"{source}: {k} is not tied as this loader assumes")
-    model = BERT(config)
-    load_hf_weights(model, hf_state, _mapping(layout, config), ignore=layout.ignore, source=source)
+    tied = {k: (ref, f"{source}: {k} is not tied as this loader assumes") for k, ref in layout.tied.items()}
+    model = build_skeleton(lambda: BERT(config))  # parameters on meta: storage comes in the file's dtype
+    load_hf_weights(model, hf_state, _mapping(layout, config), ignore=layout.ignore, source=source, tied=tied)
     return model.eval()
 
 

@@ -12,16 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from qkv.interop import LOADERS
 from qkv.interop.common import (
+    HFTensors,
+    build_skeleton,
     expand,
     export_state,
     load_hf_weights,
-    read_hf_state,
     require,
-    strip_prefix,
     write_hf_folder,
 )
 from qkv.models.gpt import GPT, GPTConfig
@@ -50,7 +48,8 @@ UNTIED_HEAD = {"lm_head.weight": "lm_head.weight"}
 
 # Conv1D weights are (in, out); nn.Linear's are (out, in). Transposing is its own inverse.
 CONV1D = ("h.{}.attn.c_attn.weight", "h.{}.attn.c_proj.weight", "h.{}.mlp.c_fc.weight", "h.{}.mlp.c_proj.weight")
-TRANSFORMS = {k: (lambda t: t.t().contiguous()) for k in CONV1D}
+# a view: load_hf_weights copies it into place and export_state makes its own contiguous copy
+TRANSFORMS = {k: (lambda t: t.t()) for k in CONV1D}
 
 # Tensors older checkpoints carry that hold no weights: the causal-mask buffers of GPT2Attention.
 IGNORE = ("h.{}.attn.bias", "h.{}.attn.masked_bias")
@@ -96,20 +95,20 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
 def load_gpt2(folder: Path, hf_config: dict[str, Any]) -> GPT:
     """A GPT2LMHeadModel or GPT2Model folder -> our GPT (eval mode; a bf16 or fp16 file keeps its dtype)."""
     config = config_from_hf(hf_config)
-    hf_state, source = read_hf_state(folder)
-    hf_state = strip_prefix(hf_state, ("transformer.",))
+    hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+    hf_state.rename(lambda k: k.removeprefix("transformer."))
     mapping = expand(KEY_MAP, config.n_layers)
-    ignore = IGNORE
+    ignore, tied = IGNORE, {}
     if config.tie_embeddings:
         # a tied head is usually omitted by HF; when a file stores it, it must equal the embedding
-        if "lm_head.weight" in hf_state and "wte.weight" in hf_state:
-            require(torch.equal(hf_state["lm_head.weight"], hf_state["wte.weight"]),
-                    f"{source}: lm_head.weight differs from wte.weight although tie_word_embeddings is true")
-            ignore = (*IGNORE, "lm_head.weight")
+        ignore = (*IGNORE, "lm_head.weight")
+        tied = {"lm_head.weight": ("wte.weight", f"{hf_state.source}: lm_head.weight differs from wte.weight "
+                                                 "although tie_word_embeddings is true")}
     else:
         mapping.update(UNTIED_HEAD)
-    model = GPT(config)
-    load_hf_weights(model, hf_state, mapping, transforms=TRANSFORMS, ignore=ignore, source=source)
+    model = build_skeleton(lambda: GPT(config))  # parameters on meta: storage comes in the file's dtype
+    load_hf_weights(model, hf_state, mapping, transforms=TRANSFORMS, ignore=ignore, source=hf_state.source,
+                    tied=tied)
     # config.json's token ids, as transformers reads them (generation_config.json, read by load_model, overrides)
     model.folder_generation_config = {k: hf_config[k] for k in TOKEN_IDS if hf_config.get(k) is not None}
     return model.eval()

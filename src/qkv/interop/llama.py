@@ -23,17 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from qkv.interop import LOADERS
 from qkv.interop.common import (
-    SAFETENSORS,
-    SAFETENSORS_INDEX,
+    HFTensors,
     expand,
     export_state,
-    read_hf_state,
     require,
-    shard_files,
     write_hf_folder,
 )
 from qkv.models.gpt import GPT, GPTConfig
@@ -154,57 +150,6 @@ def key_map(config: GPTConfig) -> dict[str, str]:
     return expand(m, config.n_layers)
 
 
-# -- reading tensors one at a time -----------------------------------------------------------------------
-class _Tensors:
-    """The tensor names of a folder's weights, and each tensor read on demand: safetensors files are opened
-    only for the read (so their mapped pages are released as loading proceeds); other formats are read
-    whole by common.read_hf_state."""
-
-    def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self.where: dict[str, Path] = {}
-        self.loaded: dict[str, Tensor] | None = None
-        if (folder / SAFETENSORS).is_file():
-            files = [folder / SAFETENSORS]
-            self.source = str(files[0])
-        elif (folder / SAFETENSORS_INDEX).is_file():
-            self.source = str(folder / SAFETENSORS_INDEX)
-            files = shard_files(folder / SAFETENSORS_INDEX)
-        else:
-            self.loaded, self.source = read_hf_state(folder)  # pytorch_model.bin (weights_only) and its index
-            return
-        self.dtypes: dict[str, torch.dtype] = {}
-        for path in files:
-            try:
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        self.where[name] = path
-                        self.dtypes[name] = f.get_slice(name).get_dtype()
-            except Exception as e:  # safetensors' own error type for a truncated or corrupt file
-                raise CheckpointError(f"{path}: cannot be read as safetensors ({e})") from None
-
-    def names(self) -> list[str]:
-        return list(self.loaded) if self.loaded is not None else list(self.where)
-
-    def dtype(self, name: str) -> torch.dtype:
-        if self.loaded is not None:
-            return self.loaded[name].dtype
-        text = self.dtypes[name]  # safetensors' names: F32, BF16, F16
-        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                "F64": torch.float64}.get(str(text), torch.float32)
-
-    def read(self, names: list[str]) -> list[Tensor]:
-        if self.loaded is not None:
-            return [self.loaded[n] for n in names]
-        out = []
-        for path in dict.fromkeys(self.where[n] for n in names):
-            with self._open(str(path), framework="pt", device="cpu") as f:
-                out += [f.get_tensor(n) for n in names if self.where[n] == path]
-        return out
-
-
 def _empty_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
     """A GPT whose weights are uninitialised storage in `dtype` (nothing is computed or copied twice)."""
     with torch.device("meta"):
@@ -220,12 +165,12 @@ def _empty_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
     return model
 
 
-def fill_model(model: GPT, tensors: _Tensors, mapping: Mapping[str, str]) -> None:
+def fill_model(model: GPT, tensors: HFTensors, mapping: Mapping[str, str]) -> None:
     """Copy the folder's tensors into `model` through `mapping`, one parameter at a time, checking names
     (missing / unexpected) and shapes, and that every parameter is filled."""
     import re
 
-    names = set(tensors.names())
+    names = set(tensors)
     source = tensors.source
     missing = [k for k in mapping if k not in names]
     if missing:
@@ -249,7 +194,7 @@ def fill_model(model: GPT, tensors: _Tensors, mapping: Mapping[str, str]) -> Non
             if ours not in own:
                 raise CheckpointError(f"{source}: the model has no parameter {ours!r} (a key-map bug)")
             target = own[ours]
-            pieces = tensors.read(hfs)
+            pieces = [tensors[n] for n in hfs]
             rows = sum(t.shape[0] for t in pieces)
             shape = (rows, *pieces[0].shape[1:])
             if shape != tuple(target.shape) or any(t.shape[1:] != pieces[0].shape[1:] for t in pieces):
@@ -266,7 +211,7 @@ def fill_model(model: GPT, tensors: _Tensors, mapping: Mapping[str, str]) -> Non
     if unfilled:
         raise CheckpointError(f"{source}: nothing in the key map fills {sorted(unfilled)[:3]} (a key-map bug)")
     if model.config.tie_embeddings and "lm_head.weight" in names:
-        (head,) = tensors.read(["lm_head.weight"])
+        head = tensors["lm_head.weight"]
         require(torch.equal(head.to(model.tok_emb.weight.dtype), model.tok_emb.weight),
                 f"{source}: lm_head.weight differs from the embedding although tie_word_embeddings is true")
 
@@ -275,11 +220,11 @@ def load_llama(folder: Path, hf_config: dict[str, Any]) -> GPT:
     """A LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM folder -> our GPT, in
     eval mode, in the dtype of the folder's embedding weights."""
     config = config_from_hf(hf_config)
-    tensors = _Tensors(folder)
-    require("model.embed_tokens.weight" in tensors.names(),
+    tensors = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+    require("model.embed_tokens.weight" in tensors,
             f"{tensors.source}: no model.embed_tokens.weight (a base-model folder without the 'model.' prefix "
             "is not supported)")
-    dtype = tensors.dtype("model.embed_tokens.weight")
+    dtype = tensors.meta("model.embed_tokens.weight").dtype
     model = _empty_model(config, dtype if dtype.is_floating_point else torch.float32)
     fill_model(model, tensors, key_map(config))
     # the model's own token ids (generation_config.json, read by load_model, adds to and overrides them)

@@ -29,7 +29,15 @@ from typing import Any
 import torch
 
 from qkv.interop import LOADERS
-from qkv.interop.common import expand, export_state, load_hf_weights, read_hf_state, require, write_hf_folder
+from qkv.interop.common import (
+    HFTensors,
+    build_skeleton,
+    expand,
+    export_state,
+    load_hf_weights,
+    require,
+    write_hf_folder,
+)
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 
 FFN = {"relu": "relu", "gated-gelu": "geglu_tanh", "gated-gelu_new": "geglu_tanh", "gelu": "gelu",
@@ -119,18 +127,22 @@ TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm
 
 
 def load_t5(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
-    hf_state, source = read_hf_state(folder)
-    hf_state = {k: v for k, v in hf_state.items()}
+    hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+    source = hf_state.source
     require("shared.weight" in hf_state, f"{source}: no shared.weight (not a T5ForConditionalGeneration folder?)")
-    shared = hf_state["shared.weight"]
-    # copies of the shared embedding (older files store them) carry nothing; a different lm_head is untied
-    for k in TIED_COPIES:
-        if k in hf_state and hf_state[k].shape == shared.shape and torch.equal(hf_state[k], shared):
-            del hf_state[k]
+    # copies of the shared embedding (older files store them) carry nothing; a different lm_head is untied.
+    # Deciding that reads them before the model is built (each beside the shared embedding, then dropped).
+    copies = [k for k in TIED_COPIES if k in hf_state and hf_state.meta(k).shape == hf_state.meta("shared.weight").shape]
+    if copies:
+        shared = hf_state["shared.weight"]
+        for k in copies:
+            if torch.equal(hf_state[k], shared):
+                del hf_state[k]
+        del shared
     for k in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
         require(k not in hf_state, f"{source}: {k} differs from shared.weight; qkv's T5 shares one embedding")
     cfg = config_from_hf(meta, tied="lm_head.weight" not in hf_state)
-    model = EncoderDecoder(cfg)
+    model = build_skeleton(lambda: EncoderDecoder(cfg))  # parameters on meta: storage comes in the file's dtype
     load_hf_weights(model, hf_state, key_map(cfg), source=source)
     model.folder_generation_config = generation_from_config(meta)
     return model.eval()

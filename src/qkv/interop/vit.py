@@ -11,40 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from qkv.interop import LOADERS
-from qkv.interop.common import load_converted, read_hf_state
+from qkv.interop.common import HFTensors, build_skeleton, load_hf_weights
 from qkv.models.vit import ViT, ViTConfig
 from qkv.storage import CheckpointError
 
 _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
-
-
-class ReadTensors(dict):
-    """A folder's tensors that remember which were read: a loader that picks keys by name would otherwise take
-    a folder of another architecture (ViTForMaskedImageModeling's decoder) or with more layers than its
-    config.json says without a word."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        super().__init__(state)
-        self.read: set[str] = set()
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def check_all_read(self, folder: Path, family: str) -> None:
-        unread = sorted(set(self) - self.read)
-        if unread:
-            more = f" (+{len(unread) - 3} more)" if len(unread) > 3 else ""
-            raise CheckpointError(f"{folder}: unexpected key(s) {unread[:3]}{more} in a Hugging Face {family} folder: "
-                                  "another architecture or more layers than config.json says")
-
-
-def read_hf_weights(folder: Path) -> ReadTensors:
-    """All tensors of a HF folder (model.safetensors, shards, or a pytorch_model.bin read without running code)."""
-    return ReadTensors(read_hf_state(folder)[0])
 
 
 def hf_activation(name: str) -> str:
@@ -64,36 +36,35 @@ def vit_config_from_hf(meta: dict[str, Any], *, classify: bool, pooler: bool) ->
     )
 
 
-def vit_state_from_hf(sd: dict[str, torch.Tensor], n_layers: int, prefix: str = "") -> dict[str, torch.Tensor]:
-    """HF ViT encoder keys (under `prefix`) -> our keys; the Q/K/V linears are fused into qkv_proj."""
+def vit_key_map(n_layers: int, prefix: str = "", *, pooler: bool = False, classify: bool = False) -> dict[str, str]:
+    """HF ViT keys (the encoder under `prefix`) -> ours; query/key/value map to one qkv_proj (concatenated in
+    that order). Every key is required: a folder with keys this map does not use (another architecture, more
+    layers than config.json says) is refused by load_hf_weights, as one with keys missing."""
     p = prefix
-    out = {
-        "cls_emb": sd[f"{p}embeddings.cls_token"],
-        "encoder.position.weight": sd[f"{p}embeddings.position_embeddings"],
-        "patch_emb.proj.weight": sd[f"{p}embeddings.patch_embeddings.projection.weight"],
-        "patch_emb.proj.bias": sd[f"{p}embeddings.patch_embeddings.projection.bias"],
-        "encoder.final_norm.weight": sd[f"{p}layernorm.weight"],
-        "encoder.final_norm.bias": sd[f"{p}layernorm.bias"],
+    m = {
+        f"{p}embeddings.cls_token": "cls_emb",
+        f"{p}embeddings.position_embeddings": "encoder.position.weight",
+        f"{p}embeddings.patch_embeddings.projection.weight": "patch_emb.proj.weight",
+        f"{p}embeddings.patch_embeddings.projection.bias": "patch_emb.proj.bias",
+        f"{p}layernorm.weight": "encoder.final_norm.weight",
+        f"{p}layernorm.bias": "encoder.final_norm.bias",
     }
+    simple = {"attention.output.dense": "attn.out_proj", "intermediate.dense": "ffn.up", "output.dense": "ffn.down",
+              "layernorm_before": "norm1", "layernorm_after": "norm2"}
     for i in range(n_layers):
         h, o = f"{p}encoder.layer.{i}.", f"encoder.blocks.{i}."
-        att = h + "attention.attention."
-        out[o + "attn.qkv_proj.weight"] = torch.cat([sd[att + f"{n}.weight"] for n in ("query", "key", "value")])
-        if att + "query.bias" in sd:
-            out[o + "attn.qkv_proj.bias"] = torch.cat([sd[att + f"{n}.bias"] for n in ("query", "key", "value")])
-        simple = {
-            "attention.output.dense": "attn.out_proj", "intermediate.dense": "ffn.up", "output.dense": "ffn.down",
-            "layernorm_before": "norm1", "layernorm_after": "norm2",
-        }
-        for hf, ours in simple.items():
-            for kind in ("weight", "bias"):
-                if h + f"{hf}.{kind}" in sd:
-                    out[o + f"{ours}.{kind}"] = sd[h + f"{hf}.{kind}"]
-    return out
+        for kind in ("weight", "bias"):
+            m.update({f"{h}attention.attention.{n}.{kind}": f"{o}attn.qkv_proj.{kind}" for n in ("query", "key", "value")})
+            m.update({f"{h}{hf}.{kind}": f"{o}{ours}.{kind}" for hf, ours in simple.items()})
+    if pooler:
+        m.update({f"{p}pooler.dense.weight": "pooler.weight", f"{p}pooler.dense.bias": "pooler.bias"})
+    if classify:
+        m.update({"classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"})
+    return m
 
 
 def load_vit(folder: Path, meta: dict[str, Any]) -> ViT:
-    sd = read_hf_weights(folder)
+    sd = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
     classify = "classifier.weight" in sd
     prefix = "vit." if any(k.startswith("vit.") for k in sd) else ""
     pooler = f"{prefix}pooler.dense.weight" in sd
@@ -105,19 +76,10 @@ def load_vit(folder: Path, meta: dict[str, Any]) -> ViT:
     if pooler and meta.get("pooler_output_size", meta["hidden_size"]) != meta["hidden_size"]:
         raise CheckpointError("ViT folders whose pooler_output_size differs from hidden_size are not supported")
     if classify:
-        cfg.num_labels = sd["classifier.weight"].shape[0]
-    model = ViT(cfg)
-    try:
-        state = vit_state_from_hf(sd, cfg.n_layers, prefix)
-    except KeyError as e:
-        raise CheckpointError(f"{folder}: Hugging Face ViT weight {e} is missing") from None
-    if pooler:
-        state["pooler.weight"] = sd[f"{prefix}pooler.dense.weight"]
-        state["pooler.bias"] = sd[f"{prefix}pooler.dense.bias"]
-    if classify:
-        state["classifier.weight"], state["classifier.bias"] = sd["classifier.weight"], sd["classifier.bias"]
-    sd.check_all_read(folder, "ViT")
-    load_converted(model, state, {}, f"{folder} (Hugging Face ViT)")  # a bf16 / fp16 folder stays in its dtype
+        cfg.num_labels = sd.meta("classifier.weight").shape[0]
+    model = build_skeleton(lambda: ViT(cfg))  # parameters on meta: storage comes in the file's dtype
+    # a bf16 / fp16 folder stays in its dtype
+    load_hf_weights(model, sd, vit_key_map(cfg.n_layers, prefix, pooler=pooler, classify=classify), source=sd.source)
     return model.eval()
 
 

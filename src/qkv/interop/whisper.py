@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from qkv.interop import LOADERS
-from qkv.interop.common import load_converted
-from qkv.interop.vit import hf_activation, read_hf_weights
+from qkv.interop.common import HFTensors, build_skeleton, load_hf_weights
+from qkv.interop.vit import hf_activation
 from qkv.models.whisper import Whisper, WhisperConfig
 from qkv.storage import CheckpointError
 
@@ -40,66 +40,65 @@ def whisper_config_from_hf(meta: dict[str, Any]) -> WhisperConfig:
     )
 
 
-def _attention(sd: dict[str, torch.Tensor], h: str, o: str, cross: bool) -> dict[str, torch.Tensor]:
-    """q/k/v/out of one HF attention (prefix h) -> our fused projections (prefix o)."""
-    q_w, k_w, v_w = (sd[f"{h}{n}_proj.weight"] for n in "qkv")
-    q_b, v_b = sd[f"{h}q_proj.bias"], sd[f"{h}v_proj.bias"]
-    k_b = sd.get(f"{h}k_proj.bias", torch.zeros_like(q_b))  # Whisper's k_proj has no bias: zero is exact
-    out = {f"{o}out_proj.weight": sd[f"{h}out_proj.weight"], f"{o}out_proj.bias": sd[f"{h}out_proj.bias"]}
-    if cross:
-        out.update({f"{o}q_proj.weight": q_w, f"{o}q_proj.bias": q_b,
-                    f"{o}kv_proj.weight": torch.cat([k_w, v_w]), f"{o}kv_proj.bias": torch.cat([k_b, v_b])})
-    else:
-        out.update({f"{o}qkv_proj.weight": torch.cat([q_w, k_w, v_w]),
-                    f"{o}qkv_proj.bias": torch.cat([q_b, k_b, v_b])})
+def _attention(h: str, o: str, cross: bool) -> dict[str, str]:
+    """q/k/v/out of one HF attention (prefix h) -> our fused projections (prefix o), in concatenation order."""
+    out: dict[str, str] = {}
+    for kind in ("weight", "bias"):
+        if cross:
+            out.update({f"{h}q_proj.{kind}": f"{o}q_proj.{kind}", f"{h}k_proj.{kind}": f"{o}kv_proj.{kind}",
+                        f"{h}v_proj.{kind}": f"{o}kv_proj.{kind}"})
+        else:
+            out.update({f"{h}{n}_proj.{kind}": f"{o}qkv_proj.{kind}" for n in "qkv"})
+        out[f"{h}out_proj.{kind}"] = f"{o}out_proj.{kind}"
     return out
 
 
-def _ln(sd: dict[str, torch.Tensor], h: str, o: str) -> dict[str, torch.Tensor]:
-    return {f"{o}.weight": sd[f"{h}.weight"], f"{o}.bias": sd[f"{h}.bias"]}
+def _ln(h: str, o: str) -> dict[str, str]:
+    return {f"{h}.weight": f"{o}.weight", f"{h}.bias": f"{o}.bias"}
 
 
-def whisper_state_from_hf(sd: dict[str, torch.Tensor], n_enc: int, n_dec: int) -> dict[str, torch.Tensor]:
-    p = "model." if any(k.startswith("model.") for k in sd) else ""
-    e, d = f"{p}encoder.", f"{p}decoder."
-    out = {
-        "conv1.weight": sd[e + "conv1.weight"], "conv1.bias": sd[e + "conv1.bias"],
-        "conv2.weight": sd[e + "conv2.weight"], "conv2.bias": sd[e + "conv2.bias"],
-        "encoder.position.weight": sd[e + "embed_positions.weight"],
-        "tok_emb.weight": sd[d + "embed_tokens.weight"],
-        "decoder.position.weight": sd[d + "embed_positions.weight"],
-        **_ln(sd, e + "layer_norm", "encoder.final_norm"), **_ln(sd, d + "layer_norm", "decoder.final_norm"),
+def whisper_key_map(prefix: str, n_enc: int, n_dec: int, *, untied: bool) -> dict[str, str]:
+    """HF Whisper keys (under `prefix`: "model." or "") -> ours. k_proj.bias is in the map although Whisper's
+    files have none: the loader adds zeros for it (exact), so our fused bias is filled whole."""
+    e, d = f"{prefix}encoder.", f"{prefix}decoder."
+    m = {
+        e + "conv1.weight": "conv1.weight", e + "conv1.bias": "conv1.bias",
+        e + "conv2.weight": "conv2.weight", e + "conv2.bias": "conv2.bias",
+        e + "embed_positions.weight": "encoder.position.weight",
+        d + "embed_tokens.weight": "tok_emb.weight",
+        d + "embed_positions.weight": "decoder.position.weight",
+        **_ln(e + "layer_norm", "encoder.final_norm"), **_ln(d + "layer_norm", "decoder.final_norm"),
     }
     for stack, h0, n in (("encoder", e, n_enc), ("decoder", d, n_dec)):
         for i in range(n):
             h, o = f"{h0}layers.{i}.", f"{stack}.blocks.{i}."
-            out.update(_attention(sd, h + "self_attn.", o + "attn.", cross=False))
-            out.update(_ln(sd, h + "self_attn_layer_norm", o + "norm1"))
-            out.update(_ln(sd, h + "final_layer_norm", o + "norm2"))
-            out.update({o + "ffn.up.weight": sd[h + "fc1.weight"], o + "ffn.up.bias": sd[h + "fc1.bias"],
-                        o + "ffn.down.weight": sd[h + "fc2.weight"], o + "ffn.down.bias": sd[h + "fc2.bias"]})
+            m.update(_attention(h + "self_attn.", o + "attn.", cross=False))
+            m.update(_ln(h + "self_attn_layer_norm", o + "norm1"))
+            m.update(_ln(h + "final_layer_norm", o + "norm2"))
+            m.update({h + "fc1.weight": o + "ffn.up.weight", h + "fc1.bias": o + "ffn.up.bias",
+                      h + "fc2.weight": o + "ffn.down.weight", h + "fc2.bias": o + "ffn.down.bias"})
             if stack == "decoder":
-                out.update(_attention(sd, h + "encoder_attn.", o + "cross.", cross=True))
-                out.update(_ln(sd, h + "encoder_attn_layer_norm", o + "norm_cross"))
-    if "proj_out.weight" in sd:
-        out["lm_head.weight"] = sd["proj_out.weight"]
-    return out
+                m.update(_attention(h + "encoder_attn.", o + "cross.", cross=True))
+                m.update(_ln(h + "encoder_attn_layer_norm", o + "norm_cross"))
+    if untied:
+        m["proj_out.weight"] = "lm_head.weight"
+    return m
 
 
 def load_whisper(folder: Path, meta: dict[str, Any]) -> Whisper:
     cfg = whisper_config_from_hf(meta)
-    sd = read_hf_weights(folder)
-    model = Whisper(cfg)
-    try:
-        state = whisper_state_from_hf(sd, cfg.n_encoder_layers, cfg.n_decoder_layers)
-    except KeyError as e:
-        raise CheckpointError(f"{folder}: Hugging Face Whisper weight {e} is missing") from None
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in state:
+    sd = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+    if not cfg.tie_embeddings and "proj_out.weight" not in sd:
         raise CheckpointError(f"{folder}: untied Whisper without proj_out.weight")
-    sd.check_all_read(folder, "Whisper")
-    load_converted(model, state, {}, f"{folder} (Hugging Face Whisper)")  # a bf16 / fp16 folder stays in its dtype
+    prefix = "model." if any(k.startswith("model.") for k in sd) else ""
+    mapping = whisper_key_map(prefix, cfg.n_encoder_layers, cfg.n_decoder_layers, untied=not cfg.tie_embeddings)
+    for k in mapping:  # Whisper's k_proj has no bias: a zero one (the q bias's shape and dtype) is exact
+        q = k.replace(".k_proj.bias", ".q_proj.bias")
+        if k.endswith(".k_proj.bias") and k not in sd and q in sd:
+            sd[k] = torch.zeros(sd.meta(q).shape, dtype=sd.meta(q).dtype)
+    model = build_skeleton(lambda: Whisper(cfg))  # parameters on meta; the mel filters are computed
+    # a tied head is a copy of the token embedding: read by nothing (as before); a bf16 / fp16 folder keeps its dtype
+    load_hf_weights(model, sd, mapping, ignore=("proj_out.weight",) if cfg.tie_embeddings else (), source=sd.source)
     return model.eval()
 
 
