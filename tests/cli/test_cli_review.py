@@ -124,3 +124,18 @@ def test_speech_task_without_espeak_is_a_one_line_error(tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("qkv: error: the speech task needs the espeak-ng synthesiser")
     assert err.count("\n") == 1 and "apt-get install espeak-ng" in err
+
+
+def test_attention_loads_the_model_once_and_names_unknown_symbols(gpt_run, tmp_path, capsys, monkeypatch):
+    # it loaded the model twice (a second full copy alive during the second load: twice the memory of a 7B
+    # folder), and read symbols outside the vocabulary as <unk> without a word (qkv generate warns, explore refuses)
+    import qkv
+
+    calls = []
+    real = qkv.from_pretrained
+    monkeypatch.setattr(qkv, "from_pretrained", lambda *a, **k: calls.append(a) or real(*a, **k))
+    capsys.readouterr()
+    assert main(["attention", str(gpt_run), "--input", "12x", "--out", str(tmp_path / "a.png")]) == 0
+    assert len(calls) == 1
+    err = capsys.readouterr().err
+    assert "qkv: warning: 1 symbol(s) outside the model's vocabulary, drawn as <unk>: 'x'" in err

@@ -212,3 +212,13 @@ def test_beam_search_with_early_eos_matches_transformers_generate(tmp_path, monk
     _same(got, ref, hf.generation_config.pad_token_id)
     lengths = (ref != hf.generation_config.pad_token_id).sum(1)
     assert lengths.min() < 12  # some sentence ended before the limit: the case is not vacuous
+
+
+def test_a_marian_folder_with_its_own_target_vocabulary_is_refused_by_name(tmp_path):
+    # a real such folder (not a config edit): its weights have no model.shared.weight, and the weight check,
+    # which ran first, answered "no model.shared.weight" instead of naming the variant
+    from qkv.storage import CheckpointError
+
+    BUILDERS["marian"](tmp_path, share_encoder_decoder_embeddings=False, decoder_vocab_size=70)
+    with pytest.raises(CheckpointError, match="separate source/target embeddings"):
+        qkv.from_pretrained(tmp_path)

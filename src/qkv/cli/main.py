@@ -297,7 +297,8 @@ def _add_attention(p: argparse.ArgumentParser) -> None:
                         "the final eos, as teacher forcing (default: [decoder start] + the greedy output, as "
                         "qkv generate --greedy)")
     p.add_argument("--out", default="attention.png",
-                   help="PNG to write (one per attention kind; .png is added to a name without an extension)")
+                   help="PNG to write (one per attention kind; .png is added to a name without an extension); "
+                        "the per-head statistics go to <name>_entropy.json beside it")
 
 
 def cmd_attention(a: argparse.Namespace) -> int:
@@ -341,7 +342,13 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
                           f"{path} (the page, or --wav FILE --export PAGE.html; a DTMF run renders typed digits)")
     if model.kind == "image":
         return _vit_overlay(model, path, text, out_png)
-    res = attention_from_checkpoint(model_folder(path), text, out_png, target=target)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # said as the CLI says things: one line on stderr
+        warnings.simplefilter("always")
+        res = attention_from_checkpoint(model_folder(path), text, out_png, target=target, model=model)
+    for w in caught:
+        print(f"qkv: warning: {w.message}", file=sys.stderr)
     wrote = [*res.pngs, *([res.json_path] if res.json_path is not None else [])]
     return [f"wrote {p}" for p in wrote] + [res.entropy_table()]
 

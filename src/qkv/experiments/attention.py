@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,13 +328,21 @@ def attention_maps(
 
 # -- the `qkv attention CHECKPOINT --input TEXT` entry point ------------------------------------------------
 def attention_from_checkpoint(checkpoint: str | Path, text: str, out_png: str | Path, *,
-                              target: str | None = None, max_new_tokens: int = 32) -> AttentionMaps:
-    """Load a qkv or Hugging Face checkpoint folder (qkv.from_pretrained) and its tokenizer, and plot the
-    attention maps of `text`. Without a tokenizer, `text` must be whitespace-separated token ids."""
+                              target: str | None = None, max_new_tokens: int = 32,
+                              model: nn.Module | None = None) -> AttentionMaps:
+    """Load a qkv or Hugging Face checkpoint folder (qkv.from_pretrained; `model`: the one already loaded from
+    it, not loaded twice) and its tokenizer, and plot the attention maps of `text`. Without a tokenizer, `text`
+    must be whitespace-separated token ids. Symbols a character/word vocabulary lacks (read as <unk>) are named
+    in a warning."""
     import qkv
 
-    model = qkv.from_pretrained(checkpoint)
+    model = model if model is not None else qkv.from_pretrained(checkpoint)
     tok = find_tokenizer(checkpoint)
+    unknown = tok.unknown_symbols(text + (target or "")) if hasattr(tok, "unknown_symbols") else []
+    if unknown:
+        shown = ", ".join(repr(u) for u in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
+        warnings.warn(f"{len(unknown)} symbol(s) outside the model's vocabulary, drawn as <unk>: {shown}",
+                      stacklevel=2)
     if tok is None:
         try:
             ids = [int(t) for t in text.split()]

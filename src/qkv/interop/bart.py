@@ -110,6 +110,7 @@ def key_map(cfg: EncoderDecoderConfig) -> dict[str, str]:
 
 
 def load_bart(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
+    cfg = config_from_hf(meta)  # first: a variant it refuses (Marian with its own target vocabulary) says so by name
     hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
     source = hf_state.source
     if "model.shared.weight" not in hf_state and "shared.weight" in hf_state:  # a base BartModel / MarianModel
@@ -127,7 +128,6 @@ def load_bart(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
         del shared
     if "final_logits_bias" not in hf_state:  # a base model has none: zeros are exact (in the file's dtype)
         hf_state["final_logits_bias"] = torch.zeros(1, shared_meta.shape[0], dtype=shared_meta.dtype)
-    cfg = config_from_hf(meta)
     model = build_skeleton(lambda: EncoderDecoder(cfg))  # parameters on meta; Marian's sinusoids are computed
     # Marian's sinusoidal tables, where a file has them, are recomputed (the same formula, checked by the tests)
     ignore = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight") \
