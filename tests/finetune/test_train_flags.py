@@ -106,3 +106,18 @@ def test_an_override_of_the_wrong_type_is_one_error(tmp_path):
     ft.resolve_flags(args, "classify")
     with pytest.raises(ConfigError, match="train.seed='abc': expected int"):
         ft.train_flags(args, "classify")
+
+
+def test_recipes_that_do_not_run_under_torchrun_say_so_before_anything(t5, tmp_path, capsys, monkeypatch):
+    """Under torchrun every rank of the classify / tag / seq2seq recipes evaluated and exported into OUT at once
+    (and under FSDP crashed after training); only the chat recipe divides the work (rank 0 writes). The others
+    are now refused on every rank before anything is read or written, as their docs say."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    capsys.readouterr()
+    rc = main(["finetune", str(t5), "--task", "seq2seq", "--data", str(_data(tmp_path)), "--out",
+               str(tmp_path / "o"), "--epochs", "1", *COMMON])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--task seq2seq does not run under torchrun yet (only --task chat does)" in err, err
+    assert not (tmp_path / "o").exists()
+    assert {r.name for r in ft.recipes().values() if r.distributed} == {"chat"}

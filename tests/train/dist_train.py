@@ -36,9 +36,14 @@ def main(mode: str, out: Path, device: str = "cpu") -> dict:
     summary = trainer.fit()
     result = {"losses": losses, "eval": summary["eval"], "world": trainer.dist.world_size,
               "allreduce_calls": calls[0]}
+    trainer.close()
+    # close() lets go of the DDP wrapper before the process group goes: one freed later deadlocked gloo at exit
+    import gc
+
+    result["ddp_alive_after_close"] = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel)
+                                          for o in gc.get_objects())
     if trainer.dist.is_main:
         (out / "losses.json").write_text(json.dumps(result))
-    trainer.close()
     return result
 
 

@@ -54,6 +54,15 @@ def test_matches_single_process(mode, runs):
     assert got["eval"]["loss"] == pytest.approx(ref["eval"]["loss"], rel=1e-5)
     if mode == "ddp":  # 4 updates x 2 micro-batches, one bucket (a 40k-parameter model): sync on the last only
         assert got["allreduce_calls"] == 4
+    assert got["ddp_alive_after_close"] == 0
+    # the same tensors in the checkpoint as one process writes: a tied weight once (FSDP stored lm_head twice)
+    from safetensors import safe_open
+
+    def keys(folder):
+        with safe_open(str(folder / "checkpoints" / "step_00000004" / "model.safetensors"), "pt") as f:
+            return sorted(f.keys())
+
+    assert keys(out) == keys(ref_dir) and "lm_head.weight" not in keys(out)
     # the checkpoint written by rank 0 (gathered from shards under FSDP) loads in this single process
     a = qkv.from_pretrained(out / "checkpoints" / "step_00000004")
     b = qkv.from_pretrained(ref_dir / "checkpoints" / "step_00000004")
@@ -105,7 +114,7 @@ def test_readme_torchrun_command_trains_evaluates_and_saves(mode, tmp_path, torc
     # README: torchrun --standalone --nproc_per_node=N -m qkv.cli.main train configs/charlm.yaml [train.distributed=fsdp]
     r = torchrun(["-m", "qkv.cli.main", "train", "configs/charlm.yaml", "--out", out, *TINY_LM]
                  + (["train.distributed=fsdp"] if mode == "fsdp" else []), cwd=ROOT)
-    assert f"distributed {mode} x2" in r.stderr
+    assert f"distributed {mode} x2" in r.stderr and "training GPT (" in r.stderr  # not FSDP's FSDPGPT
     result = json.loads((out / "results.json").read_text())
     assert result["metrics"]["n_tokens"] > 0 and result["samples"] and result["train"]["steps"] == 2
     assert "held-out" in r.stdout
@@ -113,3 +122,22 @@ def test_readme_torchrun_command_trains_evaluates_and_saves(mode, tmp_path, torc
     from qkv.run import evaluate_run
 
     assert evaluate_run(out, n=4)["val_loss"] == pytest.approx(result["metrics"]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_evaluation_that_generates_during_training(tmp_path, torchrun):
+    """The reverse task evaluates by generating (encode_source, decoding steps, the head: not the root forward,
+    whose FSDP hook gathers the root's parameters): under FSDP it died at the first evaluation ("mixed
+    torch.Tensor and DTensor"), and the completed steps were lost. The evaluation now sees whole parameters."""
+    out = tmp_path / "rev"
+    r = torchrun(["-m", "qkv.cli.main", "train", "configs/reverse.yaml", "--out", out, "--max-steps", "4",
+                  "--no-progress", "model.n_encoder_layers=1", "model.n_decoder_layers=1", "model.d_model=32",
+                  "model.n_heads=2", "train.batch_size=4", "eval.n=8", "eval.samples=1", "eval.during_training=8",
+                  "train.eval_every=2", "train.warmup=1", "train.distributed=fsdp"], cwd=ROOT)
+    assert "distributed fsdp x2" in r.stderr
+    result = json.loads((out / "results.json").read_text())
+    assert result["train"]["steps"] == 4 and "exact_match" in result["metrics"]
+    # the evaluations during training agree with one process evaluating the same checkpoint
+    from qkv.run import evaluate_run
+
+    assert evaluate_run(out, n=8)["exact_match"] == pytest.approx(result["metrics"]["exact_match"])

@@ -43,6 +43,7 @@ class Recipe:
     description: str
     run: Callable[[argparse.Namespace], dict[str, Any]]
     add_arguments: Callable[[argparse._ArgumentGroup], None] | None = None  # its own flags, in its own group
+    distributed: bool = False  # runs under torchrun (DDP/FSDP): rank 0 alone evaluates, exports and reports
 
 
 _RECIPES: dict[str, Recipe] = {}
@@ -334,6 +335,11 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     if args.dev is not None and not Path(args.dev).is_file():
         raise ConfigError(f"dev file not found: {args.dev}")
     recipe = choose(args.task, model_kind(args.model))
+    from qkv.train.distributed import world_size
+
+    if world_size() > 1 and not recipe.distributed:  # every rank would evaluate and export into OUT at once
+        raise ConfigError(f"--task {recipe.name} does not run under torchrun yet (only --task chat does); run it "
+                          "as one process")
     resolve_flags(args, recipe.name)
     train_flags(args, recipe.name)  # before check_out: train.resume=true is --resume
     check_out(args.out, args.model, recipe.name, args.resume)  # before anything is read, trained or written

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,10 +150,48 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tup
     prefixes. Collective under DDP/FSDP: every rank must call it (rank 0 receives the tensors)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
+    from qkv.nn.params import tied_names
+
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if optimizer is None:
-        return get_model_state_dict(model, options=opts), {}
-    return get_state_dict(model, optimizer, options=opts)
+        model_state, optim_state = get_model_state_dict(model, options=opts), {}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer, options=opts)
+    # a tied weight once, under its first name, as in every other checkpoint: FSDP's gathered copies do not share
+    # storage (so storage.clean_state_dict's dedup by pointer cannot see them), and a second copy of a 49k-word
+    # embedding is ~100 MB per checkpoint
+    for name in tied_names(model):
+        model_state.pop(name, None)
+    return model_state, optim_state
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module, info: DistInfo) -> Iterator[None]:
+    """Under FSDP2, the model's parameters gathered whole for the duration (then sharded again). Evaluation may
+    call into the model other than through its root forward, whose hook does the gathering: generate() runs the
+    encoder, the decoding steps and the head directly, and found the root's embedding still a DTensor shard.
+    Collective: every rank must enter it. Elsewhere it does nothing."""
+    if info.mode != "fsdp":
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:  # and kept whole: a block's own forward (an encoder pass, a prefill) would reshard it after
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:  # wrap()'s settings again: blocks reshard after their forward, the root (FSDP's rule) not
+            m.set_reshard_after_forward(m is not model, recurse=False)
+            m.reshard()
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The model's own class name: fully_shard swaps in a class FSDP<name>(FSDPModule, <the class>)."""
+    own = next((c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed")), type(model))
+    return own.__name__
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,

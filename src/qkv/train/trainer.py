@@ -13,6 +13,7 @@ One update (nanoGPT's order, made token-exact):
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 import signal
@@ -331,7 +332,7 @@ class Trainer:
             if fresh_note:
                 log.info(fresh_note)
             n_params = count_parameters(self.model)
-            log.info(f"training {type(self.model).__name__} ({n_params:,} parameters) on {self.device}, "
+            log.info(f"training {dist_.model_class_name(self.model)} ({n_params:,} parameters) on {self.device}, "
                      f"precision {cfg.precision}, distributed {info.mode} x{info.world_size}, "
                      f"global batch {cfg.batch_size * cfg.grad_accum * info.world_size} sequences")
             log.info(f"{self.group_summary.line()}; AdamW {self.optimizer_impl}")
@@ -545,7 +546,7 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), self.precision.autocast():
+            with torch.no_grad(), self.precision.autocast(), dist_.unsharded(self.model, self.dist):
                 if self.eval_fn is not None:
                     metrics = self.eval_fn(self.model, **self._eval_kwargs())
                 else:
@@ -724,5 +725,11 @@ class Trainer:
         }
 
     def close(self) -> None:
-        """Tear down the process group this trainer initialised (call once at the end of a torchrun script)."""
+        """Tear down the process group this trainer initialised (call once at the end of a torchrun script, on
+        every rank). The DDP wrapper is dropped first, while the group exists: freed after the group is destroyed
+        (when the caller lets go of the trainer), its reducer's gloo work joined a thread that waited for the GIL
+        the freeing thread held, and the process never exited (seen under torchrun, 4 runs in 9)."""
+        if self.engine is not self.model and isinstance(self.engine, nn.parallel.DistributedDataParallel):
+            self.engine = self.model
+            gc.collect()
         dist_.teardown(self.dist)
