@@ -1,0 +1,157 @@
+"""Mixtral / Qwen2-MoE / Qwen3-MoE folders: qkv against transformers on random-weight models built and saved here.
+Logits to 1e-4 relative (fp32), 24 greedy tokens through qkv's generate (KV cache) equal to transformers', the
+load-balancing loss equal to transformers' load_balancing_loss_func, export back to a folder transformers loads
+(same logits), and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import qkv
+from qkv.generate import generate
+from qkv.interop.moe import config_from_hf, export_moe
+from qkv.nn.moe import MoEFeedForward
+from qkv.storage import CheckpointError
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=300, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.3,
+            num_experts_per_tok=2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+CASES = {
+    # name: (config class, model class, fields)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, rope_theta=1e6)),
+    "qwen2_moe-shared-sparse-step": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=6, moe_intermediate_size=24, shared_expert_intermediate_size=40, decoder_sparse_step=1,
+        mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe-renorm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, head_dim=16, norm_topk_prob=True,
+        tie_word_embeddings=True)),
+}
+
+
+def build_hf(name: str, seed: int = 0, **extra):
+    cls, model_cls, fields = CASES[name]
+    config = getattr(transformers, cls)(**{**BASE, **fields, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # HF initialises biases and norms to constants, the router to zeros: make them random
+        for n, p in model.named_parameters():
+            if n.endswith(".bias") or "norm" in n or n.endswith("mlp.gate.weight") or "shared_expert_gate" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = build_hf(request.param)
+    hf.save_pretrained(folder)
+    return request.param, hf, folder, qkv.from_pretrained(folder)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < rel, f"max error {err:.2e} of the largest logit"
+
+
+def test_logits_equal_transformers(pair):
+    name, hf, _, ours = pair
+    ids = torch.randint(0, BASE["vocab_size"], (2, 33))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours(ids).logits
+    _close(got, want)
+    assert want.std() > 0.5
+
+
+def test_layers_are_moe_where_transformers_has_experts(pair):
+    name, hf, _, ours = pair
+    theirs = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+    assert [isinstance(b.ffn, MoEFeedForward) for b in ours.decoder.blocks] == theirs
+    assert any(theirs)
+
+
+def test_greedy_24_tokens_equal_transformers(pair):
+    name, hf, _, ours = pair
+    prompt = torch.randint(3, BASE["vocab_size"], (2, 9))
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, min_new_tokens=24,
+                           do_sample=False)
+    got = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24)
+    uncached = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24, use_cache=False)
+    assert torch.equal(got, want[:, :got.shape[1]]) and got.shape == want.shape
+    assert torch.equal(got, uncached)
+
+
+def test_aux_loss_equals_transformers(pair):
+    name, hf, _, ours = pair
+    ids = torch.randint(0, BASE["vocab_size"], (2, 17))
+    with torch.no_grad():
+        hf_out = hf(ids, output_router_logits=True)
+    ours.train()
+    try:
+        out = ours(ids, labels=ids)
+    finally:
+        ours.eval()
+    torch.testing.assert_close(out.aux_loss.double(), hf_out.aux_loss.double(), atol=1e-5, rtol=1e-5)
+    plain = ours(ids, labels=ids).loss  # eval: the LM loss alone
+    torch.testing.assert_close(out.loss, plain + ours.config.moe.aux_loss_coef * out.aux_loss, atol=1e-5, rtol=0)
+
+
+def test_export_round_trip(pair, tmp_path):
+    name, hf, folder, ours = pair
+    export_moe(ours, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == json.loads((folder / "config.json").read_text())["model_type"]
+    back = getattr(transformers, CASES[name][1]).from_pretrained(tmp_path).eval()
+    again = qkv.from_pretrained(tmp_path)
+    ids = torch.randint(0, BASE["vocab_size"], (1, 20))
+    with torch.no_grad():
+        want = hf(ids).logits
+        _close(back(ids).logits, want, 1e-6)  # transformers reads back its own weights
+        assert torch.equal(again(ids).logits, ours(ids).logits)  # and qkv reads back the same model
+    assert again.config == ours.config
+
+
+def test_config_translation():
+    cfg = config_from_hf(build_hf("qwen2_moe-shared-sparse-step").config.to_dict())
+    m = cfg.moe
+    assert (m.n_experts, m.n_experts_per_tok, m.ffn_dim, m.layers, m.shared_ffn_dim, m.shared_expert_gate,
+            m.norm_topk) == (6, 2, 24, [0, 2], 40, True, False)
+    assert cfg.d_ff == 64 and cfg.qkv_bias
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_local_experts": 0}, "num_experts must be positive"),
+    ({"model_type": "olmoe"}, "not a mixture-of-experts decoder"),
+])
+def test_unsupported_configs_are_clear_errors(change, message):
+    hf = {**build_hf("mixtral").config.to_dict(), **change}
+    with pytest.raises(CheckpointError, match=message):
+        config_from_hf(hf)
+
+
+def test_fused_expert_tensors_are_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = build_hf("mixtral")
+    hf.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    w1 = [state.pop(f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight") for e in range(4)]
+    state["model.layers.0.block_sparse_moe.experts.gate_up_proj"] = torch.stack(w1)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing key 'model.layers.0.block_sparse_moe.experts.0.w1.weight'"):
+        qkv.from_pretrained(tmp_path)
+
+
+def test_dense_export_refuses_an_moe_model(pair, tmp_path):
+    from qkv.interop.llama import export_llama
+
+    with pytest.raises(CheckpointError, match="mixture-of-experts"):
+        export_llama(pair[3], tmp_path)
