@@ -155,3 +155,35 @@ def test_dense_export_refuses_an_moe_model(pair, tmp_path):
 
     with pytest.raises(CheckpointError, match="mixture-of-experts"):
         export_llama(pair[3], tmp_path)
+
+
+def test_cli_info_and_generate_take_a_mixtral_folder(tmp_path, capsys):
+    """qkv info / generate on a Mixtral folder with a tokenizer.json: the text transformers generates."""
+    import pydoc_data.topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from qkv.cli.main import main
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(pydoc_data.topics.topics.values())[:20], trainers.BpeTrainer(
+        vocab_size=BASE["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    hf = build_hf("mixtral")
+    hf.save_pretrained(tmp_path)
+
+    assert main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "mixtral" in out and f"{sum(p.numel() for p in hf.parameters()):,}" in out
+
+    prompt = "The with statement"
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = ref(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    want_text = prompt + ref.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+    assert main(["generate", str(tmp_path), "--prompt", prompt, "--greedy", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == want_text + "\n"

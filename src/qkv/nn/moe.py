@@ -51,7 +51,9 @@ class MoEConfig:
     bias_rate: float = 0.001  # that bias's step per update (DeepSeek-V3's gamma)
     aux_loss_coef: float = 0.02  # load-balancing loss weight in the training loss (Mixtral's router_aux_loss_coef)
 
-    def validate(self, n_layers: int) -> None:
+    def validate(self, n_layers: int | None = None) -> None:
+        """n_layers: the model's, to check `layers` against (config.from_dict validates without it; the
+        model config validates again with it)."""
         check_fields(self, "moe")
         if self.n_experts < 0:
             raise ConfigError(f"moe.n_experts must be >= 0 (0 = dense), got {self.n_experts}")
@@ -69,7 +71,7 @@ class MoEConfig:
         if self.n_experts_per_tok > self.topk_group * (self.n_experts // self.n_group):
             raise ConfigError(f"moe.n_experts_per_tok ({self.n_experts_per_tok}) exceeds the experts of "
                               f"topk_group={self.topk_group} groups")
-        bad = [i for i in self.layers or () if not 0 <= i < n_layers]
+        bad = [i for i in self.layers or () if i < 0 or (n_layers is not None and i >= n_layers)]
         if bad:
             raise ConfigError(f"moe.layers {bad} are not blocks of a {n_layers}-layer model")
         for name in ("ffn_dim", "shared_ffn_dim"):
@@ -90,9 +92,9 @@ class MoEConfig:
 
 
 class Routing(NamedTuple):
-    weights: Tensor  # (N, k) fp32: what each chosen expert's output is multiplied by
+    weights: Tensor  # (N, k) fp32 (fp64 for fp64 x): what each chosen expert's output is multiplied by
     experts: Tensor  # (N, k) long: the chosen experts
-    probs: Tensor  # (N, E) fp32: scores normalised to sum 1 per token (the P of the balancing loss)
+    probs: Tensor  # (N, E) fp32 (or fp64): scores normalised to sum 1 per token (the P of the balancing loss)
 
 
 class RouterStats(NamedTuple):
@@ -128,7 +130,8 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         c = self.cfg
-        logits = F.linear(x, self.weight).float()  # in x's dtype, scored in fp32 (as transformers' routers)
+        logits = F.linear(x, self.weight)  # in x's dtype, scored in at least fp32 (as transformers' routers)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = logits.softmax(-1) if c.score == "softmax" else logits.sigmoid()
         choice = scores + self.score_bias if c.bias_balance else scores
         if c.n_group > 1:
