@@ -165,7 +165,7 @@ def dispatch(x: Tensor, routing: Routing, counts: list[int], experts: nn.ModuleL
     k = routing.experts.shape[1]
     order = routing.experts.reshape(-1).argsort(stable=True)
     token = order // k  # the row of x behind each sorted assignment
-    chunks = x[token].split(counts)
+    chunks = x.index_select(0, token).split(counts)  # backward: one index_add_ (x[token]: a slower index_put_)
     ys = torch.cat([experts[e](chunk) for e, chunk in enumerate(chunks) if chunk.shape[0]]) if len(order) \
         else x.new_zeros(0, x.shape[-1])
     ys = ys * routing.weights.reshape(-1)[order].unsqueeze(-1)  # fp32 weights: the sum is formed in fp32
