@@ -2,13 +2,15 @@
 
 Model: MixtralConfig(4 layers, hidden 256, 8 / 2 query / key-value heads, 8 experts of intermediate 512, top-2,
 vocab 4096), built by transformers with random weights, saved to a temporary folder in fp32 and loaded by both.
-Measured (medians of --repeats interleaved rounds; the machine may be shared, so only ratios in one run mean much):
-  decode   greedy, prompt 32, --new tokens, batch 1: tok/s of qkv.generate (KV cache) and transformers' generate
+Measured as CPU time of this process (time.process_time, medians of --repeats), one thread by default: on a
+shared machine wall time mostly measures the other processes. Only ratios within one run mean much.
+  decode   greedy, prompt 32, --new tokens, batch 1: tokens per CPU second of qkv.generate (KV cache) and
+           transformers' generate
   prefill  one forward over a 512-token prompt
   train    one forward+backward of qkv's GPT over (8, 256) tokens: the MoE model, and the dense model with the
            same active FFN width (d_ff = 2 x 512 = 1024: what each token runs), for the dispatch's overhead
 
-    .venv/bin/python benchmarks/moe.py [--threads 2] [--new 64] [--repeats 3]
+    .venv/bin/python benchmarks/moe.py [--threads 1] [--new 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ import torch
 def timed(fn, repeats: int) -> float:
     out = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        out.append(time.perf_counter() - t)
+        out.append(time.process_time() - t)
     return statistics.median(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
@@ -62,8 +64,8 @@ def main() -> None:
         our_gen = timed(lambda: generate(ours, prompt, **kw), a.repeats)
         hf_pre = timed(lambda: hf(long, logits_to_keep=1), a.repeats)
         our_pre = timed(lambda: ours(long, last_only=True), a.repeats)
-    rows += [("decode tok/s, batch 1", a.new / our_gen, a.new / hf_gen), ("prefill 512 ms", our_pre * 1e3,
-                                                                          hf_pre * 1e3)]
+    rows += [("decode tokens per CPU s, batch 1", a.new / our_gen, a.new / hf_gen),
+             ("prefill 512, CPU ms", our_pre * 1e3, hf_pre * 1e3)]
     same = dict(ours.config.__dict__)
     dense_cfg = type(ours.config)(**{**same, "moe": MoEConfig(), "d_ff": 1024})
     moe_train, dense = ours.train(), GPT(dense_cfg).train()
@@ -78,7 +80,7 @@ def main() -> None:
     print("| measure | qkv | transformers |\n|---|---|---|")
     for name, x, y in rows:
         print(f"| {name} | {x:.1f} | {y:.1f} |")
-    print(f"\ntrain step (8 x 256 tokens): MoE {t_moe * 1e3:.0f} ms, dense (same active width) {t_dense * 1e3:.0f} ms "
+    print(f"\ntrain step (8 x 256 tokens), CPU ms: MoE {t_moe * 1e3:.0f}, dense (same active width) {t_dense * 1e3:.0f} "
           f"({ours.num_parameters():,} vs {dense.num_parameters():,} parameters)")
 
 
