@@ -137,16 +137,29 @@ def test_unsupported_configs_are_clear_errors(change, message):
         config_from_hf(hf)
 
 
-def test_fused_expert_tensors_are_refused_by_name(tmp_path):
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_fused_layout_loads_as_the_per_expert_one(tmp_path, name):
+    """save_pretrained(save_original_format=False) keeps transformers 5's fused 3-D expert parameters."""
+    from safetensors import safe_open
+
+    hf = build_hf(name)
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)
+    hf.save_pretrained(tmp_path / "plain")
+    with safe_open(str(tmp_path / "fused" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    fused, plain = qkv.from_pretrained(tmp_path / "fused"), qkv.from_pretrained(tmp_path / "plain")
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(fused.state_dict().values(), plain.state_dict().values()))
+
+
+def test_a_fused_folder_with_a_wrong_expert_shape_is_a_clear_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    hf = build_hf("mixtral")
-    hf.save_pretrained(tmp_path)
+    build_hf("mixtral").save_pretrained(tmp_path, save_original_format=False)
     state = load_file(tmp_path / "model.safetensors")
-    w1 = [state.pop(f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight") for e in range(4)]
-    state["model.layers.0.block_sparse_moe.experts.gate_up_proj"] = torch.stack(w1)
+    state["model.layers.1.mlp.experts.down_proj"] = state["model.layers.1.mlp.experts.down_proj"][:, :, :-1].clone()
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="missing key 'model.layers.0.block_sparse_moe.experts.0.w1.weight'"):
+    with pytest.raises(CheckpointError, match="experts.0.w2.weight have shape"):
         qkv.from_pretrained(tmp_path)
 
 

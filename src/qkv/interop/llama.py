@@ -223,10 +223,13 @@ def load_llama(folder: Path, hf_config: dict[str, Any]) -> GPT:
     return load_decoder(folder, hf_config, config, key_map(config))
 
 
-def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, mapping: Mapping[str, str]) -> GPT:
+def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, mapping: Mapping[str, str],
+                 tensors: HFTensors | None = None) -> GPT:
     """A Llama-style folder whose config and key map are already made (here, and for the MoE variants in
-    interop/moe.py) -> our GPT, in eval mode, in the dtype of the folder's embedding weights."""
-    tensors = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+    interop/moe.py) -> our GPT, in eval mode, in the dtype of the folder's embedding weights. tensors: the
+    folder's tensors, when the caller has opened (or renamed) them."""
+    if tensors is None:
+        tensors = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
     require("model.embed_tokens.weight" in tensors,
             f"{tensors.source}: no model.embed_tokens.weight (a base-model folder without the 'model.' prefix "
             "is not supported)")

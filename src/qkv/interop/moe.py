@@ -10,21 +10,27 @@ MoE fields and the experts' keys added; loading and export go through the same f
            Qwen mlp.experts.e.gate_proj/up_proj/down_proj
   shared   Qwen2-MoE mlp.shared_expert.*, shared_expert_gate.weight (1, d) -> ffn.shared.*, ffn.shared_gate
 
-Folders are read in the per-expert layout transformers 5 writes (save_pretrained converts its fused 3-D
-gate_up_proj / down_proj parameters back to it, as on the Hub); a folder of fused expert tensors is refused by
-the key check, naming the first unexpected key.
+Folders hold the per-expert layout above (what transformers 5's save_pretrained writes by default, converting
+its fused 3-D parameters back, and what the Hub has) or, after save_pretrained(save_original_format=False), the
+fused one: mlp.experts.gate_up_proj (E, 2I, d) = [gate; up] per expert, mlp.experts.down_proj (E, d, I), and
+Mixtral's router as mlp.gate. FusedExperts shows a fused folder under the per-expert names, so one key map
+serves both; export writes the per-expert layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from qkv.interop import LOADERS, llama
-from qkv.interop.common import require
+from qkv.interop.common import HFTensors, require
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.nn.moe import MoEConfig
 from qkv.storage import unwrap
@@ -94,10 +100,75 @@ def key_map(config: GPTConfig, model_type: str) -> dict[str, str]:
     return out
 
 
+class FusedExperts(Mapping[str, Tensor]):
+    """A folder's tensors (HFTensors) with transformers 5's fused expert parameters shown as the per-expert tensors
+    of the default layout. A fused tensor is read when its first expert is asked for and kept until another one
+    is (the loader copies a layer's experts one after another): one layer's experts in memory beside the model."""
+
+    FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)")
+
+    def __init__(self, tensors: HFTensors, model_type: str) -> None:
+        self.tensors, self.source = tensors, tensors.source
+        self.views: dict[str, tuple[str, int | None, slice]] = {}  # name -> (file name, expert, rows)
+        self._held: tuple[str | None, Tensor | None] = (None, None)
+        mixtral = model_type == "mixtral"
+        names = dict(EXPERT_KEYS["mixtral" if mixtral else "qwen"])  # HF projection -> ours, inverted below
+        gate, up, down = (next(a for a, b in names.items() if b == x) for x in ("gate", "up", "down"))
+        for name in tensors:
+            m = self.FUSED.fullmatch(name)
+            if m is None or not (mixtral or m.group(3)):  # Qwen's router keeps its name
+                continue
+            prefix = f"model.layers.{m.group(1)}.{'block_sparse_moe' if mixtral else 'mlp'}"
+            if m.group(3) is None:
+                self.views[f"{prefix}.gate.weight"] = (name, None, slice(None))
+                continue
+            E, rows = tensors.meta(name).shape[:2]
+            parts = ((gate, slice(0, rows // 2)), (up, slice(rows // 2, rows))) if m.group(3) == "gate_up_proj" \
+                else ((down, slice(None)),)
+            for e in range(E):
+                for proj, r in parts:
+                    self.views[f"{prefix}.experts.{e}.{proj}.weight"] = (name, e, r)
+        self.hidden = {file for file, _, _ in self.views.values()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*(n for n in self.tensors if n not in self.hidden), *self.views])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.views or (name in self.tensors and name not in self.hidden)
+
+    def _file_tensor(self, name: str) -> Tensor:
+        if self._held[0] != name:
+            self._held = (None, None)  # the previous layer's experts first
+            self._held = (name, self.tensors[name])
+        return self._held[1]
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self.hidden:
+            raise KeyError(name)
+        if name not in self.views:
+            return self.tensors[name]
+        file, e, rows = self.views[name]
+        return self._file_tensor(file) if e is None else self._file_tensor(file)[e, rows]
+
+    def meta(self, name: str) -> Tensor:
+        if name not in self.views:
+            return self.tensors.meta(name)
+        file, e, rows = self.views[name]
+        t = self.tensors.meta(file)
+        return t if e is None else torch.empty_like(t[e, rows], device="meta")
+
+
 def load_moe(folder: Path, hf_config: dict[str, Any]) -> GPT:
     """A MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM folder -> our GPT (eval mode)."""
     config = config_from_hf(hf_config)
-    return llama.load_decoder(folder, hf_config, config, key_map(config, hf_config["model_type"]))
+    mt = hf_config["model_type"]
+    tensors: Any = HFTensors(folder)
+    if any(name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for name in tensors):
+        tensors = FusedExperts(tensors, mt)
+    return llama.load_decoder(folder, hf_config, config, key_map(config, mt), tensors)
 
 
 # -- export ------------------------------------------------------------------------------------------------
