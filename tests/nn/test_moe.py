@@ -96,7 +96,7 @@ def test_the_selection_bias_chooses_but_does_not_weigh():
 def test_bias_update_moves_towards_the_underloaded_experts():
     layer = MoEFeedForward(D, MoEConfig(n_experts=4, n_experts_per_tok=1, score="sigmoid", bias_balance=True,
                                         bias_rate=0.1), d_ff=8).train()
-    layer.router.load.copy_(torch.tensor([10.0, 0.0, 5.0, 5.0]))
+    layer.router.load.copy_(torch.tensor([10, 0, 5, 5]))
     layer.router.update_bias()
     torch.testing.assert_close(layer.router.score_bias, torch.tensor([-0.1, 0.1, 0.0, 0.0]))
     assert layer.router.load.sum() == 0

@@ -126,7 +126,8 @@ class Router(nn.Module):
         if cfg.bias_balance:
             # persistent (a checkpoint keeps the balance reached), never trained (no Parameter)
             self.register_buffer("score_bias", torch.zeros(cfg.n_experts))
-            self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)  # tokens since the update
+            # tokens per expert since the last update: integers, which a model.to(bf16) leaves exact
+            self.register_buffer("load", torch.zeros(cfg.n_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x: Tensor) -> Routing:
         c = self.cfg
@@ -151,12 +152,12 @@ class Router(nn.Module):
         chosen less. Under torch.distributed the load is summed over ranks first (the biases stay equal)."""
         if not self.cfg.bias_balance:
             return
-        load = self.load
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(load)
+            torch.distributed.all_reduce(self.load)
+        load = self.load.double()
         if load.sum() > 0:
-            self.score_bias += self.cfg.bias_rate * torch.sign(load.mean() - load)
-        load.zero_()
+            self.score_bias += self.cfg.bias_rate * torch.sign(load.mean() - load).to(self.score_bias.dtype)
+        self.load.zero_()
 
 
 def dispatch(x: Tensor, routing: Routing, counts: list[int], experts: nn.ModuleList) -> Tensor:
