@@ -222,3 +222,34 @@ def test_bf16_folder_loads_in_bf16_and_each_moe_layer_matches_transformers(tmp_p
     assert compared
     out = generate(ours, torch.randint(3, BASE["vocab_size"], (1, 6)), max_new_tokens=8, min_new_tokens=8)
     assert out.shape == (1, 14)
+
+
+def test_qkv_finetune_on_a_qwen2_moe_chat_folder_writes_a_qwen2_moe_folder(tmp_path, capsys):
+    """qkv finetune (full) on a Qwen2-MoE folder: the aux loss is logged, OUT is a qwen2_moe folder transformers
+    loads with qkv's logits."""
+    import sys
+    from pathlib import Path
+
+    from qkv.cli.main import main
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "finetune"))
+    from _chatfolders import write_tokenizer
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    ids = write_tokenizer(src, vocab=BASE["vocab_size"])
+    hf = build_hf("qwen2_moe-shared-sparse-step", bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+    hf.save_pretrained(src)
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in (("Who wrote Hamlet?", "Shakespeare."), ("What do bees make?", "Honey."))] * 4
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert main(["finetune", str(src), "--data", str(data), "--out", str(out), "--no-progress", "train.max_steps=4",
+                 "train.batch_size=4", "train.plot=false", "train.tensorboard=false"]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2_moe"
+    logged = [json.loads(line) for line in next(out.rglob("metrics.jsonl")).read_text().splitlines()]
+    assert any("aux_loss" in r for r in logged)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, BASE["vocab_size"], (1, 12))
+    with torch.no_grad():
+        _close(qkv.from_pretrained(out)(x).logits, back(x).logits)
