@@ -253,3 +253,21 @@ def test_qkv_finetune_on_a_qwen2_moe_chat_folder_writes_a_qwen2_moe_folder(tmp_p
     x = torch.randint(0, BASE["vocab_size"], (1, 12))
     with torch.no_grad():
         _close(qkv.from_pretrained(out)(x).logits, back(x).logits)
+
+
+def test_aux_loss_skips_padding_as_transformers_does(pair):
+    name, hf, _, ours = pair
+    ids = torch.randint(3, BASE["vocab_size"], (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[2, :7] = 0
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, output_router_logits=True).aux_loss
+    ours.train()
+    try:
+        got = ours(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).aux_loss
+        unmasked = ours(ids, labels=ids).aux_loss
+    finally:
+        ours.eval()
+    torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(unmasked, got)  # the control: the padding did count without the mask

@@ -11,6 +11,7 @@ final norm (see stack.py); Post-LN needs none.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor, nn
@@ -135,7 +136,10 @@ class Block(nn.Module):
             x = self._residual(x, self.norm1, self_attention, keep)
         if self.cross is not None:
             x = self._residual(x, self.norm_cross, cross_attention, keep)
-        return self._residual(x, self.norm2, self.ffn, keep), weights
+        ffn = self.ffn
+        if keep is not None and isinstance(ffn, MoEFeedForward):  # its balancing statistics skip the padding
+            ffn = partial(ffn, keep=keep)
+        return self._residual(x, self.norm2, ffn, keep), weights
 
     def step(
         self,

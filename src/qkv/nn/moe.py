@@ -100,7 +100,7 @@ class Routing(NamedTuple):
 class RouterStats(NamedTuple):
     counts: Tensor  # (E,) tokens that chose each expert
     prob_sum: Tensor  # (E,) router probabilities summed over tokens (carries the gradient)
-    rows: int  # tokens routed
+    rows: int | Tensor  # tokens routed (real ones: a tensor when a keep-mask counted them)
 
 
 def limit_to_groups(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
@@ -188,20 +188,35 @@ class MoEFeedForward(nn.Module):
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.stats: RouterStats | None = None  # the last training forward's, until moe_aux_loss takes it
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
+        """x (..., d). keep: the real-token mask of x's positions (Block passes it): padded tokens are routed
+        like the others (their output is never read) but left out of the balancing statistics."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         routing = self.router(x)
-        counts_t = torch.bincount(routing.experts.reshape(-1), minlength=self.cfg.n_experts)
-        y = dispatch(x, routing, counts_t.tolist(), self.experts)
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.cfg.n_experts)
+        y = dispatch(x, routing, counts.tolist(), self.experts)
         if self.shared is not None:
             s = self.shared(x)
             y = y + (torch.sigmoid(self.shared_gate(x)) * s if self.shared_gate is not None else s)
         if self.training:
-            self.stats = RouterStats(counts_t.float(), routing.probs.sum(0), x.shape[0])
-            if self.cfg.bias_balance:
-                self.router.load += counts_t
+            self._record(routing, counts, keep)
         return y.view(shape)
+
+    def _record(self, routing: Routing, counts: Tensor, keep: Tensor | None) -> None:
+        """The training forward's statistics: for the balancing loss (stats) and the selection bias (load)."""
+        probs = routing.probs
+        if keep is not None:
+            real = keep.reshape(-1).to(probs.dtype)
+            k = routing.experts.shape[1]
+            counts = torch.bincount(routing.experts.reshape(-1), weights=real.repeat_interleave(k),
+                                    minlength=self.cfg.n_experts).round().long()
+            probs, rows = probs * real.unsqueeze(-1), real.sum()
+        else:
+            rows = probs.shape[0]
+        self.stats = RouterStats(counts.to(probs.dtype), probs.sum(0), rows)
+        if self.cfg.bias_balance:
+            self.router.load += counts
 
     def step(self, x: Tensor) -> Tensor:
         """The decoding step is the same function on the step's rows."""
