@@ -266,3 +266,20 @@ def test_save_and_load_keep_the_experts_and_the_selection_bias(tmp_path):
     ids = torch.randint(0, 40, (2, 9))
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_aux_loss():
+    """The recomputation in backward routes the same tokens the same way (no state changes between the two)."""
+    ids = torch.randint(0, 40, (2, 10))
+    grads, aux = [], []
+    for checkpointing in (False, True):
+        model = tiny_moe_gpt(seed=3, n_shared_experts=1, score="sigmoid", bias_balance=True).train()
+        model.set_gradient_checkpointing(checkpointing)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        aux.append(out.aux_loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        assert int(model.decoder.blocks[1].ffn.router.load.sum()) >= 20  # counted (the recomputation counts again)
+    torch.testing.assert_close(aux[0], aux[1])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], msg=n)
