@@ -29,6 +29,9 @@ _MODULES = {
     "mistral": "qkv.interop.llama",
     "qwen2": "qkv.interop.llama",
     "qwen3": "qkv.interop.llama",
+    "mixtral": "qkv.interop.moe",
+    "qwen2_moe": "qkv.interop.moe",
+    "qwen3_moe": "qkv.interop.moe",
     "t5": "qkv.interop.t5",
     "bart": "qkv.interop.bart",
     "marian": "qkv.interop.bart",
@@ -37,6 +40,7 @@ _MODULES = {
 
 # model_type -> the kind of model it loads as (qkv.models kinds), readable without loading any weights
 KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
+         "mixtral": "decoder", "qwen2_moe": "decoder", "qwen3_moe": "decoder",
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
          "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "whisper": "audio"}
 

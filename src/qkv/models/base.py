@@ -35,6 +35,7 @@ class ModelOutput:
     attentions: list[dict[str, Tensor]] | None = None  # decoder (or sole stack) attention weights per layer
     encoder_attentions: list[dict[str, Tensor]] | None = None
     pooled: Tensor | None = None  # (B, d_model) pooled representation where a family has one
+    aux_loss: Tensor | None = None  # a training forward's auxiliary loss (MoE load balancing), logged by the Trainer
 
 
 def token_loss(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -54,8 +55,8 @@ def build_stack(
     """An encoder (causal=False) or decoder (causal=True, cross=True for encoder-decoder) stack. position:
     the config's encoding by default, another name, or an encoding object (ViT's patch grid, Whisper's
     audio table)."""
-    blocks = [Block(cfg.d_model, cfg.n_heads, causal=causal, cross_attention=cross, **cfg.block_kwargs())
-              for _ in range(n_layers)]
+    blocks = [Block(cfg.d_model, cfg.n_heads, causal=causal, cross_attention=cross, **cfg.block_kwargs(),
+                    **cfg.layer_kwargs(i)) for i in range(n_layers)]
     if isinstance(position, PositionalEncoding):
         pos = position
     else:
@@ -112,6 +113,7 @@ class QKVModel(nn.Module):
             is_embedding = "emb" in name or name.endswith("position.weight")
             nn.init.normal_(p, mean=0.0, std=estd if is_embedding else std)
             if name.endswith("attn.out_proj.weight") or name.endswith("ffn.down.weight") \
+                    or (".ffn." in name and name.endswith(".down.weight")) \
                     or name.endswith("cross.out_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * max(1, n_residual_layers)))
 

@@ -11,12 +11,14 @@ final norm (see stack.py); Post-LN needs none.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor, nn
 
 from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.ffn import FeedForward
+from qkv.nn.moe import MoEConfig, MoEFeedForward
 from qkv.nn.norm import build_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +52,7 @@ class Block(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool | None = None,
         qk_norm: bool = False,
+        moe: MoEConfig | None = None,
     ) -> None:
         super().__init__()
         if placement not in PLACEMENTS:
@@ -61,7 +64,9 @@ class Block(nn.Module):
         self.norm1 = build_norm(norm, d_model, norm_eps, bias)
         self.cross = MultiHeadAttention(d_model, n_heads, cross=True, **mha) if cross_attention else None
         self.norm_cross = build_norm(norm, d_model, norm_eps, bias) if cross_attention else None
-        self.ffn = FeedForward(d_model, d_ff or 4 * d_model, ffn, bias)
+        # an MoE block is the same block with a mixture of experts in the feed-forward's place (moe.py)
+        self.ffn = FeedForward(d_model, d_ff or 4 * d_model, ffn, bias) if moe is None \
+            else MoEFeedForward(d_model, moe, d_ff or 4 * d_model, ffn, bias)
         self.norm2 = build_norm(norm, d_model, norm_eps, bias)
         self.drop = nn.Dropout(dropout)
 
@@ -131,7 +136,10 @@ class Block(nn.Module):
             x = self._residual(x, self.norm1, self_attention, keep)
         if self.cross is not None:
             x = self._residual(x, self.norm_cross, cross_attention, keep)
-        return self._residual(x, self.norm2, self.ffn, keep), weights
+        ffn = self.ffn
+        if keep is not None and isinstance(ffn, MoEFeedForward):  # its balancing statistics skip the padding
+            ffn = partial(ffn, keep=keep)
+        return self._residual(x, self.norm2, ffn, keep), weights
 
     def step(
         self,
