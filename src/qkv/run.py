@@ -486,7 +486,7 @@ def hf_folder_tokenizer(folder: str | Path) -> Any:
         return None
     try:
         meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(meta, dict) or "model_type" not in meta or "qkv_family" in meta:
         return None

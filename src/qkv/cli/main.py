@@ -227,7 +227,7 @@ def _hf_model_type(path: str) -> str | None:
 
     try:
         meta = json.loads((model_folder(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # read_config, when the model loads, says what is wrong
         return None
     return meta.get("model_type") if isinstance(meta, dict) and "qkv_family" not in meta else None
 
