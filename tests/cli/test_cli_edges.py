@@ -111,6 +111,39 @@ def test_failed_resume_writes_nothing(lm_run, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
 
 
+def test_a_resume_whose_train_state_is_a_pickle_writes_nothing(lm_run, tmp_path):
+    """A train_state.pt holding a pickled object (an argparse.Namespace): one line, without torch's seven lines
+    of colour-coded advice, and run.yaml keeps its max_steps (it was rewritten before the state was read)."""
+    import argparse
+
+    import torch
+
+    out = copy_run(lm_run, tmp_path)
+    state = out / "checkpoints" / "step_00000002" / "train_state.pt"
+    torch.save({"step": 2, "args": argparse.Namespace(lr=1.0)}, state)
+    before = (out / "run.yaml").read_bytes()
+    r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "5", "--no-progress")
+    line = one_error_line(r)
+    assert f"{state}: refused: it holds pickled objects other than tensors (argparse.Namespace)" in line
+    assert "\x1b" not in r.stderr and "weights_only" not in r.stderr
+    assert (out / "run.yaml").read_bytes() == before
+
+
+def test_train_run_checks_its_sections_as_the_command_line(tmp_path):
+    """The Python API refuses what the CLI refuses: a misspelt section (it trained and ignored it) and a section
+    that is not a mapping (an obscure ValueError), before anything is written."""
+    from qkv.run import train_run
+
+    tiny = {"task": {"name": "charlm", "context": 16}, "train": {"max_steps": 1, "progress": False}}
+    with pytest.raises(ConfigError, match="unknown section 'modle' in run config; did you mean 'model'"):
+        train_run({"modle": {"n_layers": 1}, "model": {"preset": "gpt-tiny"}, **tiny}, out=tmp_path / "a", quiet=True)
+    with pytest.raises(ConfigError, match="run config section 'model' must be a mapping, got 'gpt-tiny'"):
+        train_run({"model": "gpt-tiny", **tiny}, out=tmp_path / "b", quiet=True)
+    with pytest.raises(ConfigError, match="a run config must be a mapping of sections, got list"):
+        train_run([("model", {})], out=tmp_path / "c", quiet=True)
+    assert not any(tmp_path.iterdir())
+
+
 def test_resume_applies_changed_adamw_settings(lm_run, tmp_path):
     """weight_decay / betas / eps named on a resume's command line are what the optimizer runs with (the saved
     optimizer state used to put the old ones back), and the note says they changed."""

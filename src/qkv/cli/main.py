@@ -547,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(a, "func", None):
         parser.print_help()
         return 0
+    import warnings
+
+    # a warning is said as the CLI says things: one line on stderr (not Python's two, with a source line)
+    warnings.showwarning = lambda message, *_, **__: print(f"qkv: warning: {message}", file=sys.stderr)
     try:
         return a.func(a)
     except KeyboardInterrupt as e:
