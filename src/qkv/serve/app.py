@@ -429,11 +429,25 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
+def _drop_cancel_record(record: logging.LogRecord) -> bool:
+    return not (isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"))
+
+
+def _quiet_expected_cancel() -> None:
+    """uvicorn logs "ERROR: Cancel N running task(s), timeout graceful shutdown exceeded" when --shutdown-timeout
+    runs out, which is the documented end of such requests (each is answered "cancelled"): not an error. Its
+    logger is configured when uvicorn starts, so the filter goes on at the app's startup (once)."""
+    logger = logging.getLogger("uvicorn.error")
+    if _drop_cancel_record not in logger.filters:
+        logger.addFilter(_drop_cancel_record)
+
+
 def create_app(served: Served, engine: Engine, settings: ServeSettings | None = None) -> FastAPI:
     api = API(served, engine, settings or ServeSettings())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        _quiet_expected_cancel()
         api.worker.start()
         try:
             yield
