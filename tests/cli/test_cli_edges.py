@@ -396,3 +396,28 @@ def test_eval_prints_counts_as_integers(lm_run):
     assert r.returncode == 0, r.stderr[-2000:]
     values = dict(line.split(": ", 1) for line in r.stdout.splitlines())
     assert values["n_tokens"].isdigit() and "." in values["val_loss"]
+
+
+def test_help_does_not_import_torch_and_omp_threads_wait_passively(monkeypatch):
+    """`qkv --help` answers without importing torch (it took seconds), and the CLI sets OMP_WAIT_POLICY=PASSIVE
+    before torch loads unless the user chose a policy."""
+    code = ("import os, sys; from qkv.cli.main import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))")
+    for env, policy in (({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE")):
+        base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                           env={**base, **env}, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[-1] == f"False {policy}"
+
+
+def test_generate_says_loading_at_a_terminal_only(lm_run, capsys, monkeypatch):
+    from qkv.cli.main import main
+
+    args = ["generate", str(lm_run), "--prompt", "ab", "--max-new-tokens", "2", "--greedy"]
+    assert main(args) == 0
+    assert "loading" not in capsys.readouterr().err  # a script's stderr keeps only what went wrong
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(args) == 0
+    assert capsys.readouterr().err.startswith(f"loading {lm_run}...")

@@ -78,9 +78,9 @@ def test_streams_cut_by_the_end_of_the_shutdown_timeout_end_with_an_error_and_do
     served = load_served(run_folder)
     body = {"model": served.name, "prompt": "ab", "max_tokens": 50, "temperature": 0}
     log = _Records()
-    logging.getLogger("uvicorn.error").addHandler(log)
     try:
         with running_server(run_folder, block_size=4, shutdown_timeout=0.5) as (url, app):
+            logging.getLogger("uvicorn.error").addHandler(log)  # after uvicorn has configured (reset) its loggers
             _slow(app.state.api.engine)
             plain = {}
             th = threading.Thread(target=lambda: plain.setdefault("r", httpx.post(
