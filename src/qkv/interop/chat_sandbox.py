@@ -9,19 +9,18 @@ died with a TypeError (the environment has no loader). `LimitedEnvironment` refu
          above MAX_SIZE to a method or filter (`'x'.ljust(10**10)`, `'x'|center(10**10)`), a format width
          of 8 or more digits, a power with a large exponent; nothing is constant-folded at compile time (the
          optimizer would compute `'x' * 3000000000` while compiling);
-  time   `render_limited` runs the render under a tracer that checks a deadline (MAX_SECONDS) on every line
-         the template executes, so a loop of any kind stops; code outside the template runs untraced;
+  time   `render_limited` stops a render that runs past MAX_SECONDS (an exception raised in its thread by a
+         timer), so a loop of any kind stops;
   files  include / import / extends find no template.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import re
-import sys
-import time
+import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import jinja2
@@ -38,8 +37,8 @@ class TemplateLimitError(jinja2.exceptions.TemplateError):
     """A chat template went past a size or time limit."""
 
 
-def _size(x: Any) -> int | None:
-    return len(x) if isinstance(x, (str, bytes, list, tuple)) else None
+def _sized(x: Any) -> bool:
+    return isinstance(x, (str, bytes, list, tuple))
 
 
 def _check_args(args: tuple, kwargs: dict) -> None:
@@ -100,13 +99,15 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
         return super().wrap_str_format(value)
 
     def call_binop(self, context: Any, operator_: str, left: Any, right: Any) -> Any:
-        if operator_ == "*":
-            n, count = (_size(left), right) if _size(left) is not None else (_size(right), left)
-            if n is not None and isinstance(count, int) and n * count > MAX_SIZE:
-                raise TemplateLimitError(f"a repetition of {n} x {count} is over the size limit ({MAX_SIZE})")
-        elif operator_ == "+":
-            if _size(left) is not None and _size(right) is not None and _size(left) + _size(right) > MAX_SIZE:
-                raise TemplateLimitError(f"a concatenation over the size limit ({MAX_SIZE})")
+        # on every `+` of a template's text: kept to a few cheap checks
+        if operator_ == "+":
+            if type(left) is str and type(right) is str or _sized(left) and _sized(right):
+                if len(left) + len(right) > MAX_SIZE:
+                    raise TemplateLimitError(f"a concatenation over the size limit ({MAX_SIZE})")
+        elif operator_ == "*":
+            seq, count = (left, right) if _sized(left) else (right, left)
+            if _sized(seq) and isinstance(count, int) and len(seq) * count > MAX_SIZE:
+                raise TemplateLimitError(f"a repetition of {len(seq)} x {count} is over the size limit ({MAX_SIZE})")
         elif operator_ == "%":
             if isinstance(left, str) and _BIG_WIDTH.search(left):
                 raise TemplateLimitError("a format width over the size limit")
@@ -120,37 +121,49 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
 
-@contextmanager
-def _deadline(seconds: float) -> Iterator[None]:
-    """Check the clock on every line a template's compiled code runs (only its frames are traced line by
-    line: their file is "<template>"); a tracer already installed (coverage, a debugger) is restored after."""
-    end = time.monotonic() + seconds
+class _Expired(BaseException):
+    """Raised in the rendering thread when its time is up (a BaseException: the template's code cannot catch it)."""
 
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if time.monotonic() > end:
-            raise TemplateLimitError(f"rendering took longer than {seconds:g} s")
-        return local
 
-    def enter(frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename != "<template>":
-            return None
-        return local(frame, event, arg)
+def _with_deadline(fn: Callable[[], None], seconds: float) -> None:
+    """Run fn(); past `seconds`, a timer thread raises _Expired in this thread (CPython's
+    PyThreadState_SetAsyncExc), which stops a loop of any kind at its next bytecode; then TemplateLimitError.
+    Nothing is traced: a render within its time costs one timer thread. Once fn has returned the timer can no
+    longer fire (the lock), and an exception it set but that was not yet raised is withdrawn."""
+    thread, lock, state = threading.get_ident(), threading.Lock(), {"done": False, "fired": False}
 
-    previous = sys.gettrace()
-    sys.settrace(enter)
+    def expire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(_Expired))
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
     try:
-        yield
-    finally:
-        sys.settrace(previous)
+        try:
+            fn()
+        finally:
+            with lock:
+                state["done"] = True
+                if state["fired"]:  # set but perhaps not raised yet: withdrawn
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
+            timer.cancel()
+    except _Expired:
+        raise TemplateLimitError(f"rendering took longer than {seconds:g} s") from None
 
 
 def render_limited(blocks: Iterator[str], out: list[str], *, seconds: float | None = None) -> None:
     """Drain a template's `generate()` into `out` under the time limit, refusing output past MAX_SIZE
     characters (`out` grows block by block: the `{% generation %}` tag reads what is already there)."""
-    total = 0
-    with _deadline(MAX_SECONDS if seconds is None else seconds):
+
+    def drain() -> None:
+        total = 0
         for block in blocks:
             total += len(block)
             if total > MAX_SIZE:
                 raise TemplateLimitError(f"the rendered text is over the size limit ({MAX_SIZE} characters)")
             out.append(block)
+
+    _with_deadline(drain, MAX_SECONDS if seconds is None else seconds)
