@@ -77,8 +77,8 @@ def load_run_config(path: str | None, overrides: list[str] | None = None) -> dic
 
 
 def check_sections(data: Any) -> None:
-    """A run config is a mapping of known sections, each a mapping: the CLI's YAML and train_run's dict alike (a
-    misspelt section was ignored by the Python API, a section given as a string failed obscurely)."""
+    """A run config is a mapping of known sections, each a mapping: the CLI's YAML and train_run's dict alike
+    (a misspelt section would otherwise be ignored, and a section given as a string fail far from its cause)."""
     if not isinstance(data, dict):
         raise ConfigError(f"a run config must be a mapping of sections, got {type(data).__name__}")
     for key in data:

@@ -130,8 +130,8 @@ def label_ids(values: list[Any], mapping: dict[str, int], path: str, records: li
 
 def checked_labels(values: list[Any], path: str, records: list[tuple[int, Any]]) -> list[Any]:
     """Labels as strings or integers. JSON gives other types, which str() would turn into classes of their own
-    (1 and 1.0 became '1' and '1.0'; [1] became '[1]'): a float equal to an integer is that integer (said in one
-    warning), any other float, a list, an object or a boolean is an error naming the line."""
+    (1 and 1.0 would be '1' and '1.0'; [1] a class '[1]'): a float equal to an integer is that integer (said in
+    one warning), any other float, a list, an object or a boolean is an error naming the line."""
     out, floats = [], []
     for v, (line, _) in zip(values, records):
         if isinstance(v, float) and v.is_integer():

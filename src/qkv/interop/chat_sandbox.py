@@ -2,7 +2,7 @@
 
 Jinja2's sandbox stops a template from reaching Python internals, but not from spending memory or time:
 `{{ 'x' * 3000000000 }}` allocates 3 GB, two nested `range(100000)` loops run for hours, and `{% include %}`
-died with a TypeError (the environment has no loader). `LimitedEnvironment` refuses each of these as a
+raises a TypeError in an environment without a loader. `LimitedEnvironment` refuses each of these as a
 `TemplateLimitError` (a jinja2 TemplateError, so the renderer reports it as one line):
 
   size   a `*`, `+` or `%` whose result would exceed MAX_SIZE characters (or items), an integer argument

@@ -149,7 +149,7 @@ class RunLogger:
 
     def step_line(self, step: int, total: int, loss: float, lr: float, tok_s: float) -> None:
         """One line per logged step (train.log_every) on stdout and in train.log when no progress bar is drawn
-        (--no-progress, or output to a file): `qkv finetune ... > log` said nothing until the first evaluation."""
+        (--no-progress, or output to a file): a run sent to a file shows that it advances."""
         if not self.enabled or (self.bar is not None and not self.bar.disable):
             return
         msg = f"step {step}/{total}: loss {loss:.4f}, lr {lr:.2e}, {tok_s:,.0f} tokens/s"
