@@ -226,6 +226,11 @@ def chat_loop(session: ChatSession, lines: Iterable[str] | None = None, out: Tex
     `out` (default stdout). Returns the number of answers given."""
     out = out or sys.stdout
     source = iter(lines) if lines is not None else None
+    if source is None:
+        try:  # input() then edits the line and recalls earlier messages (arrow keys), where Python has readline
+            import readline  # noqa: F401
+        except ImportError:
+            pass
     answers = 0
 
     def read() -> str | None:

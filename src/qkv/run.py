@@ -72,12 +72,20 @@ def load_run_config(path: str | None, overrides: list[str] | None = None) -> dic
     """Read a run YAML (or start empty) and apply `section.key=value` overrides; sections are checked."""
     data = load_yaml(config_path(path)) if path else {}
     data = apply_overrides(data, parse_overrides(overrides or []), "run config")
+    check_sections(data)
+    return data
+
+
+def check_sections(data: Any) -> None:
+    """A run config is a mapping of known sections, each a mapping: the CLI's YAML and train_run's dict alike
+    (a misspelt section would otherwise be ignored, and a section given as a string fail far from its cause)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a run config must be a mapping of sections, got {type(data).__name__}")
     for key in data:
         if key not in SECTIONS:
-            raise ConfigError(f"unknown section {key!r} in run config{_closest(key, list(SECTIONS))}")
+            raise ConfigError(f"unknown section {key!r} in run config{_closest(str(key), list(SECTIONS))}")
         if not isinstance(data[key], dict):
-            raise ConfigError(f"run config section {key!r} must be a mapping")
-    return data
+            raise ConfigError(f"run config section {key!r} must be a mapping, got {data[key]!r}"[:200])
 
 
 def default_out(cfg: dict[str, Any]) -> Path:
@@ -171,8 +179,9 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     from qkv.tasks.base import check_recorded_data, recorded_data_sha256
     from qkv.tasks.tokenizers import TokenizerError
     from qkv.train import latest_checkpoint
-    from qkv.train.checkpoint import check_fits, check_same_architecture
+    from qkv.train.checkpoint import STATE_NAME, check_fits, check_same_architecture, read_train_state
 
+    check_sections(cfg)
     out = Path(out) if out else default_out(cfg)
     resume = wants_resume(cfg, resume)  # train.resume: true is --resume
     if out.exists() and not out.is_dir():
@@ -198,6 +207,7 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     if resume and newest is not None:
         check_fits(model, newest)
         check_same_architecture(model, newest)
+        read_train_state(newest / STATE_NAME, mmap=True)  # readable before run.yaml is rewritten (mapped, not read)
     # run.yaml describes the run, not how this command started it: a copy of it given to a new run must not
     # make that run continue this folder (as --resume, which is not recorded either)
     train = {k: v for k, v in (cfg.get("train") or {}).items() if k != "resume"}
@@ -486,7 +496,7 @@ def hf_folder_tokenizer(folder: str | Path) -> Any:
         return None
     try:
         meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(meta, dict) or "model_type" not in meta or "qkv_family" in meta:
         return None

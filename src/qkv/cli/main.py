@@ -22,8 +22,11 @@ from typing import Any
 
 EXIT_USER_ERROR = 2
 EXIT_NAN_GUARD = 3
-EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN guard, "
-          "130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue with --resume), "
+TRAIN_EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN "
+                "guard, 130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue "
+                "with --resume), 141 the reader of stdout went away (qkv presets | head)")
+TRAINING = ("train", "demo", "ablate", "finetune")  # the subcommands that train: the NaN guard and --resume
+EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 130/143 interrupted by SIGINT/SIGTERM, "
           "141 the reader of stdout went away (qkv presets | head)")
 # serve stops on SIGINT / SIGTERM by design (a graceful shutdown): that is its normal end, status 0
 SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutdown, 1 the engine failed (so that a "
@@ -170,6 +173,13 @@ def _check_generate_flags(a: argparse.Namespace) -> None:
                           "only knows its sequence at the end: use one or the other")
 
 
+def _loading(model: str) -> None:
+    """Say that a model is loading (seconds for a large one) to a person at a terminal; a script's stderr keeps
+    only what went wrong."""
+    if sys.stderr.isatty():
+        print(f"loading {model}...", file=sys.stderr, flush=True)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from qkv.generate import GenerationConfig
     from qkv.run import generate_text
@@ -187,6 +197,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
     if a.compile:
         flags["compile"] = True
+    _loading(a.checkpoint)
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
                         **flags)
     if not a.stream:
@@ -233,7 +244,7 @@ def _hf_model_type(path: str) -> str | None:
 
     try:
         meta = json.loads((model_folder(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # read_config, when the model loads, says what is wrong
         return None
     return meta.get("model_type") if isinstance(meta, dict) and "qkv_family" not in meta else None
 
@@ -461,30 +472,41 @@ def _add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="default: the folder's generation_config.json")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: the folder's, else sampling)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy decoding. Default: what the folder's generation_config.json says (do_sample); "
+                        "greedy when it says nothing; --temperature / --top-k / --top-p sample")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step with torch.compile (the first answer waits for the compile; "
                         "later runs reuse ~/.cache/qkv/inductor)")
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
+    import secrets
+
     from qkv.chat import ChatSession, chat_loop
     from qkv.config import ConfigError
     from qkv.generate import GenerationConfig
+    from qkv.generate.config import resolve
 
     flags = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
     _check_generate_flags(argparse.Namespace(**flags, num_beams=None, stream=False))
     if a.message is not None and not all(m.strip() for m in a.message):
         raise ConfigError("--message is empty")
-    cfg = GenerationConfig(**{k: v for k, v in flags.items() if v is not None}, seed=a.seed)
+    seed = a.seed if a.seed is not None else secrets.randbelow(2**31)  # unseeded: differs between runs
+    cfg = GenerationConfig(**{k: v for k, v in flags.items() if v is not None}, seed=seed)
     if a.greedy:
         cfg = cfg.replace(do_sample=False)
     elif a.temperature or a.top_k or a.top_p:
         cfg = cfg.replace(do_sample=True)
     if a.compile:
         cfg = cfg.replace(compile=True)
+    _loading(a.model)
     session = ChatSession.from_folder(a.model, system=a.system, generation_config=cfg)
+    defaults = session.model.generation_defaults() if hasattr(session.model, "generation_defaults") else {}
+    if a.seed is None and resolve(defaults, cfg, {}).sampling:
+        print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)
     if a.message is None:
         chat_loop(session)
         return 0
@@ -534,21 +556,28 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; given `argv`, only the subcommand it names gets its flags (finetune's come from
+    its recipes, which import torch: `qkv --help` needs none of them and answers at once)."""
     parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart and scale.",
-                                     epilog=EPILOG)
+                                     epilog=TRAIN_EPILOG)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = None if argv is None else next((x for x in argv if x in SUBCOMMANDS), "")
     for name, (help_text, setup, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           epilog=SERVE_EPILOG if name == "serve" else EPILOG)
-        setup(p)
+                           epilog=SERVE_EPILOG if name == "serve" else TRAIN_EPILOG if name in TRAINING else EPILOG)
+        if chosen is None or name == chosen:
+            setup(p)
         p.set_defaults(func=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    # before torch is imported (it reads this once): idle OpenMP threads sleep rather than spin between ops, which
+    # otherwise keeps every core busy while a chat waits for input or a server for requests; the user's wins
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     a, extra = parser.parse_known_args(argv)
     # dotted key=value overrides may come after options (`qkv train cfg.yaml --out x train.lr=1e-3`)
     if extra and hasattr(a, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
@@ -558,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(a, "func", None):
         parser.print_help()
         return 0
+    import warnings
+
+    # a warning is said as the CLI says things: one line on stderr (not Python's two, with a source line)
+    warnings.showwarning = lambda message, *_, **__: print(f"qkv: warning: {message}", file=sys.stderr)
     try:
         return a.func(a)
     except KeyboardInterrupt as e:

@@ -25,6 +25,7 @@ from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
+    check_sizes,
     expand,
     export_state,
     load_hf_weights,
@@ -58,6 +59,10 @@ ENCODER_MAP = {
     "encoder.layer.{}.output.LayerNorm.bias": "encoder.blocks.{}.norm2.bias",
 }
 TYPE_MAP = {"embeddings.token_type_embeddings.weight": "type_emb.weight"}
+# our config's sizes -> the config.json fields that give them (named when the weights disagree)
+BERT_FIELDS = {"n_layers": "num_hidden_layers", "vocab_size": "vocab_size", "d_model": "hidden_size",
+               "context_length": "max_position_embeddings", "d_ff": "intermediate_size",
+               "type_vocab_size": "type_vocab_size"}
 POOLER_MAP = {"pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias"}
 MLM_MAP = {
     "cls.predictions.transform.dense.weight": "mlm_dense.weight",
@@ -132,6 +137,7 @@ class Layout:
     ignore: tuple[str, ...] = ()
     tied: dict[str, str] = field(default_factory=dict)  # file key -> the key it must equal (tied decoders)
     pooler_act: str = "tanh"
+    fields: dict[str, str] = field(default_factory=lambda: dict(BERT_FIELDS))  # our size -> config.json's field
 
 
 def _normalise_key(key: str, prefix: str) -> str:
@@ -153,6 +159,18 @@ def _mapping(layout: Layout, config: BERTConfig) -> dict[str, str]:
     return mapping
 
 
+def _check_sizes(hf_state: HFTensors, source: str, layout: Layout, c: BERTConfig) -> None:
+    """config.json's sizes against the file's shapes, before the key map is expanded or the model built."""
+    key = {ours: hf for hf, ours in {**layout.encoder, **layout.types}.items()}  # our key -> the file's
+    f = layout.fields
+    check_sizes(hf_state, source, [
+        (f["n_layers"], c.n_layers, key["encoder.blocks.{}.norm1.weight"], None),
+        (f["vocab_size"], c.vocab_size, key["tok_emb.weight"], 0), (f["d_model"], c.d_model, key["tok_emb.weight"], 1),
+        (f["context_length"], c.context_length + c.position_offset, key["encoder.position.weight"], 0),
+        (f["d_ff"], c.d_ff or 4 * c.d_model, key["encoder.blocks.{}.ffn.up.weight"].format(0), 0),
+        *([(f["type_vocab_size"], c.type_vocab_size, key["type_emb.weight"], 0)] if layout.types else [])])
+
+
 def load_encoder(folder: Path, hf_config: dict[str, Any], layout: Layout) -> BERT:
     """Any BERT-family folder -> our BERT, with the head the file holds (a bf16 or fp16 file keeps its dtype)."""
     hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
@@ -161,6 +179,7 @@ def load_encoder(folder: Path, hf_config: dict[str, Any], layout: Layout) -> BER
     head = next((h for h, keys in layout.detect if all(k in hf_state for k in keys)), "none")
     has_pooler = any(k in hf_state for k in layout.pooler)
     config = layout.config_from_hf(hf_config, head=head, pooler=has_pooler or head == "classify")
+    _check_sizes(hf_state, source, layout, config)
     tied = {k: (ref, f"{source}: {k} is not tied as this loader assumes") for k, ref in layout.tied.items()}
     model = build_skeleton(lambda: BERT(config))  # parameters on meta: storage comes in the file's dtype
     load_hf_weights(model, hf_state, _mapping(layout, config), ignore=layout.ignore, source=source, tied=tied)

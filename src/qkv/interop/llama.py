@@ -27,6 +27,7 @@ import torch
 from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
+    check_sizes,
     expand,
     export_state,
     require,
@@ -233,6 +234,15 @@ def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, map
     require("model.embed_tokens.weight" in tensors,
             f"{tensors.source}: no model.embed_tokens.weight (a base-model folder without the 'model.' prefix "
             "is not supported)")
+    c, layer = config, "model.layers.{}.self_attn."
+    hd = c.head_dim or c.d_model // c.n_heads
+    check_sizes(tensors, tensors.source, [
+        ("num_hidden_layers", c.n_layers, "model.layers.{}.input_layernorm.weight", None),
+        ("vocab_size", c.vocab_size, "model.embed_tokens.weight", 0),
+        ("hidden_size", c.d_model, "model.embed_tokens.weight", 1),
+        ("intermediate_size", c.d_ff, "model.layers.0.mlp.up_proj.weight", 0),
+        ("num_attention_heads * head_dim", c.n_heads * hd, layer.format(0) + "q_proj.weight", 0),
+        ("num_key_value_heads * head_dim", (c.n_kv_heads or c.n_heads) * hd, layer.format(0) + "k_proj.weight", 0)])
     dtype = tensors.meta("model.embed_tokens.weight").dtype
     model = _empty_model(config, dtype if dtype.is_floating_point else torch.float32)
     fill_model(model, tensors, mapping)

@@ -6,6 +6,7 @@ MODEL is a qkv run folder (its task's tokenizer), a qkv checkpoint folder, or a 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ class Served:
     codec: TextCodec
     name: str
     path: Path
+    # when the model was loaded (Unix seconds): GET /v1/models' "created"
+    created: int = field(default_factory=lambda: int(time.time()))
 
 
 def load_served(path: str | Path, name: str | None = None) -> Served:

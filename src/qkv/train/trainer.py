@@ -490,6 +490,7 @@ class Trainer:
                 or any(k.startswith("eval/") for k in record)
             if logged:
                 log.log(record)
+                log.step_line(step, cfg.max_steps, loss, lr, record["tokens_per_s"])
                 interval_time, interval_tokens = 0.0, 0
             log.progress(step, loss, lr, record["tokens_per_s"])
             if cfg.save_every and step % cfg.save_every == 0:
