@@ -166,7 +166,9 @@ def main() -> None:
     gbps = read_bandwidth()
 
     rows, agree = [], {}
-    int8 = None if a.no_int8 or "float32" not in folders else _load_int8(folders["float32"])
+    # int8 from the bf16 folder: torch's fused int8 kernel takes bf16 activations (fp32 ones take a slow loop)
+    source = folders.get("bfloat16", folders.get("float32"))
+    int8 = None if a.no_int8 else _load_int8(source)
     for name in a.dtypes:
         hf, ours = models[name]
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
@@ -182,7 +184,7 @@ def main() -> None:
             if not a.no_compile:
                 fns["qkv compiled"] = lambda x=x, m=ours: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new,
                                                                    compile=True)
-            if int8 is not None and name == "float32":
+            if int8 is not None and folders[name] == source:
                 fns["qkv int8"] = lambda x=x, m=int8: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new)
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared
