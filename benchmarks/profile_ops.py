@@ -10,7 +10,7 @@ Two comparisons, each the same work on the same weights, profiled in interleaved
   beam     one beam search (num_beams 4, length_penalty 0.6, no_repeat_ngram_size 3, early stopping, 32 new
            tokens) of a batch of --tokens source sentences (default 16 when --tokens is not given) through the
            Marian-shaped model of benchmarks/seq2seq_beam.py: qkv `generate` vs `MarianMTModel.generate`, the same
-           weights and sources (issue 14).
+           weights and sources.
   train    one fp32 training step (forward + loss + backward + AdamW + zero_grad, as
            benchmarks/train_vs_nanogpt.py): qkv GPT (GPT-2's tanh GELU), qkv GPT with the exact GELU, and
            nanoGPT's model.py (--nanogpt PATH, never shipped).

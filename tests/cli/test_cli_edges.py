@@ -1,4 +1,4 @@
-"""Edge cases of the command line found by a hostile tester (issue 10): flags out of range, what the
+"""Edge cases of the command line found by a hostile tester: flags out of range, what the
 report claims, unknown prompt characters, resumes that must write nothing or keep the saved settings,
 signals, divergence. Every failure is one line `qkv: error: ...` with a documented exit status."""
 
@@ -274,7 +274,7 @@ def test_a_closed_pipe_stops_quietly():
     assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
-# -- stop 29's review: settings refused before anything is written, run folders usable from anywhere -------
+# -- settings refused before anything is written, run folders usable from anywhere -------
 def test_out_under_a_file(tmp_path):
     (tmp_path / "taken").write_text("x")
     r = run_cli("train", "charlm", "--out", str(tmp_path / "taken" / "run"), "--max-steps", "1", *TINY)

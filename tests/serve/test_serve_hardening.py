@@ -213,7 +213,7 @@ def test_repetition_penalty_is_honoured(run_folder):
 def test_a_request_whose_sampling_fails_fails_alone_and_the_server_goes_on(run_folder):
     """A request whose settings make its probabilities NaN (a repetition_penalty of 1e-300 let past the checks:
     the API refuses it, above) gets a 500 naming the failure, streamed or not; the engine thread lives on and the
-    next request is answered as before (it used to stop the whole server)."""
+    next request is still answered (the server keeps running)."""
     served = load_served(run_folder)
     body = {"model": served.name, "prompt": "abab", "max_tokens": 6, "temperature": 1.0, "seed": 0}
     with running_server(run_folder, block_size=4) as (url, app):

@@ -262,7 +262,7 @@ def expected_trainable(in_out_slices: list[tuple[int, int]], rank: int) -> int:
 
 def merge_lora(model: nn.Module) -> nn.Module:
     """Merge every adapter into its weight (W += alpha/r B A) and put plain Linears back: the model is an
-    ordinary model again (adapters gone, every parameter trainable as before LoRA)."""
+    ordinary model again (adapters gone, every parameter trainable, as without LoRA)."""
     for name, m in lora_layers(model):
         m.merge()
         parent_name, _, leaf = name.rpartition(".")

@@ -19,7 +19,7 @@ A family module (gpt2.py, bert.py, vit.py, ...) supplies three things:
 Weights are read from model.safetensors (or its sharded index), or from pytorch_model.bin through
 torch.load(weights_only=True): loading never unpickles arbitrary code.
 
-Loading holds about one copy of the weights (docs/perf/load30.md measures it): `HFTensors` reads a safetensors
+Loading holds about one copy of the weights (benchmarks/load_memory.py measures it): `HFTensors` reads a safetensors
 folder's names, shapes and dtypes from the file headers and each tensor only when it is copied; every check above
 runs on those shapes before anything is allocated; the model is built with its parameters on the meta device
 (`build_skeleton`: buffers computed in __init__, e.g. Marian's sinusoids and Whisper's mel filters, are built

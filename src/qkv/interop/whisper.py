@@ -105,7 +105,7 @@ def load_whisper(folder: Path, meta: dict[str, Any]) -> Whisper:
         if k.endswith(".k_proj.bias") and k not in sd and q in sd:
             sd[k] = torch.zeros(sd.meta(q).shape, dtype=sd.meta(q).dtype)
     model = build_skeleton(lambda: Whisper(cfg))  # parameters on meta; the mel filters are computed
-    # a tied head is a copy of the token embedding: read by nothing (as before); a bf16 / fp16 folder keeps its dtype
+    # a tied head is a copy of the token embedding: never read, so not loaded; a bf16 / fp16 folder keeps its dtype
     load_hf_weights(model, sd, mapping, ignore=("proj_out.weight",) if cfg.tie_embeddings else (), source=sd.source)
     return model.eval()
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

@@ -10,7 +10,7 @@ same update, and its default is NOT the fastest one on CPU: with foreach=None/fu
 takes the multi-tensor (foreach) path only for CUDA tensors and runs a Python loop over the parameters, seven
 elementwise kernels each, on CPU. "auto" picks the fused kernel (one pass per tensor, all of Adam's arithmetic
 in it; CPU and CUDA since torch 2.4) where every parameter allows it, else foreach. Measured on a 10.8M-parameter
-GPT (76 tensors, 2 AVX2 threads): loop ~98 ms, foreach ~86 ms, fused ~21 ms per step (docs/perf/opt15c.md).
+GPT (76 tensors, 2 AVX2 threads): loop ~98 ms, foreach ~86 ms, fused ~21 ms per step.
 The three agree to float rounding (tests/train/test_optim.py), not bit for bit: a run resumed with another
 implementation continues correctly but not bit-identically.
 """
