@@ -111,6 +111,16 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+QUANTIZE_MODES = ("int8", "int4")  # qkv.nn.quant.MODES, written out: the CLI imports torch only when it runs
+
+
+def _add_quantize(p: argparse.ArgumentParser) -> None:
+    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore)."""
+    p.add_argument("--quantize", choices=QUANTIZE_MODES, default=None,
+                   help="weight-only quantized projections and output head for inference: int8 (per output "
+                        "channel) or int4 (per group of 64 inputs); fastest with a bf16 model (docs/llm.md)")
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, a checkpoint folder, or a Hugging Face folder")
     p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
@@ -143,6 +153,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                         "Face names, e.g. a model's generation_config.json); the flags above override it")
     p.add_argument("--strict", action="store_true",
                    help="refuse a prompt with characters outside the model's vocabulary (default: warn, read them as <unk>)")
+    _add_quantize(p)
 
 
 def _check_generate_flags(a: argparse.Namespace) -> None:
@@ -182,7 +193,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.sample:  # one sampled sequence: not a folder's beams
         flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
-                        **flags)
+                        quantize=a.quantize, **flags)
     if not a.stream:
         print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated only "
                                       "special tokens)")
@@ -317,12 +328,14 @@ def _add_explore(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="with --export: decoder input of an encoder-decoder")
     p.add_argument("--wav", default=None, help="with --export: a WAV file for an audio model")
     p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and exit")
+    _add_quantize(p)
 
 
 def cmd_explore(a: argparse.Namespace) -> int:
     from qkv.explore.cli import explore
 
-    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav)
+    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav,
+                   quantize=a.quantize)
 
 
 def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
@@ -423,6 +436,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most prompt + output tokens a request may ask for (default: the model's context; for "
                         "RoPE/ALiBi models the context_length they were configured for, max_position_embeddings)")
+    _add_quantize(p)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -434,7 +448,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(a.model, host=a.host, port=a.port, name=a.name, max_waiting=a.max_waiting,
                  shutdown_timeout=a.shutdown_timeout, block_size=a.block_size, num_blocks=a.num_blocks,
                  max_batch_size=a.max_batch_size, prefill_chunk=a.prefill_chunk or None,
-                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption, max_model_len=a.max_model_len)
+                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption, max_model_len=a.max_model_len,
+                 quantize=a.quantize)
 
 
 def cmd_finetune(a: argparse.Namespace) -> int:
@@ -457,6 +472,7 @@ def _add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: the folder's, else sampling)")
     p.add_argument("--seed", type=int, default=0)
+    _add_quantize(p)
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -473,7 +489,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         cfg = cfg.replace(do_sample=False)
     elif a.temperature or a.top_k or a.top_p:
         cfg = cfg.replace(do_sample=True)
-    session = ChatSession.from_folder(a.model, system=a.system, generation_config=cfg)
+    session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
     if a.message is None:
         chat_loop(session)
         return 0
