@@ -27,7 +27,7 @@ def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
     assert {"qkv bare loop", "HF GPT2LMHeadModel bare loop", "qkv bare loop + torch.compile",
             "qkv.train.Trainer"} <= set(train)
     # the same function; in bf16 on a CPU without native bf16 the eager loop takes qkv's fp32 route of bf16 autocast
-    # (qkv.nn.linear.BF16_AUTOCAST_FP32) and the compiled one Inductor's kernels: equal up to bf16 rounding
+    # and the compiled one Inductor's kernels: equal up to bf16 rounding
     assert abs(train["qkv bare loop"]["loss"] - train["qkv bare loop + torch.compile"]["loss"]) <= 1e-3
     graphed = [row for row in rows if row["section"] == "decode" and row.get("impl") == "qkv graph-captured"]
     assert len(graphed) == 2 and all(row["tokens_equal_eager"] for row in graphed)

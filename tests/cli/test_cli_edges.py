@@ -61,11 +61,20 @@ def test_eval_needs_at_least_one_example(lm_run):
     (["--num-beams", "0"], "--num-beams must be at least 1"),
     (["--stream", "--num-beams", "2"], "--stream"),
     (["--top-p", "0"], "--top-p"),
-    (["--top-k", "0"], "--top-k"),
-    (["--temperature", "0"], "--temperature"),
+    (["--top-k", "-1"], "--top-k"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--temperature", "nan"], "--temperature"),
 ])
 def test_generate_flags_out_of_range(lm_run, flags, message):
     assert message in one_error_line(run_cli("generate", str(lm_run), "--prompt", "The ", *flags))
+
+
+def test_temperature_zero_is_greedy_as_in_the_api_and_the_server(lm_run):
+    base = ("generate", str(lm_run), "--prompt", "The ", "--max-new-tokens", "12")
+    greedy = run_cli(*base, "--greedy")
+    zero = run_cli(*base, "--temperature", "0", "--sample", "--seed", "5")
+    assert greedy.returncode == 0 and zero.returncode == 0, zero.stderr
+    assert zero.stdout == greedy.stdout
 
 
 def test_max_new_tokens_is_obeyed(lm_run):

@@ -127,7 +127,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: an LM's sample length, 200; a seq2seq task's longest target)")
     p.add_argument("--temperature", type=float, default=None,
-                   help="divide the logits when sampling (default: the task's or the folder's, else 1.0)")
+                   help="divide the logits when sampling; 0 = greedy (default: the task's or the folder's, else 1.0)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--num-beams", type=int, default=None, help="> 1: beam search (default 1)")
@@ -153,6 +153,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                         "Face names, e.g. a model's generation_config.json); the flags above override it")
     p.add_argument("--strict", action="store_true",
                    help="refuse a prompt with characters outside the model's vocabulary (default: warn, read them as <unk>)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoding step with torch.compile (the first run compiles for a minute or "
+                        "more, later runs reuse ~/.cache/qkv/inductor; one sequence, no beams)")
     _add_quantize(p)
 
 
@@ -166,10 +169,11 @@ def _check_generate_flags(a: argparse.Namespace) -> None:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
     if a.num_beams is not None and a.num_beams < 1:
         raise ConfigError(f"--num-beams must be at least 1, got {a.num_beams}")
-    if a.temperature is not None and not (math.isfinite(a.temperature) and a.temperature > 0):
-        raise ConfigError(f"--temperature must be a positive number, got {a.temperature}")
-    if a.top_k is not None and a.top_k < 1:
-        raise ConfigError(f"--top-k must be at least 1, got {a.top_k}")
+    # the same bounds as GenerationConfig and the server: temperature 0 decodes greedily, top-k 0 is no top-k
+    if a.temperature is not None and not (math.isfinite(a.temperature) and a.temperature >= 0):
+        raise ConfigError(f"--temperature must be a number >= 0 (0 = greedy), got {a.temperature}")
+    if a.top_k is not None and a.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 = no top-k), got {a.top_k}")
     if a.top_p is not None and not 0 < a.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {a.top_p}")
     if a.stream and (a.num_beams or 1) > 1:
@@ -192,6 +196,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                                         context_overflow=a.context_overflow).items() if v is not None})
     if a.sample:  # one sampled sequence: not a folder's beams
         flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
+    if a.compile:
+        flags["compile"] = True
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
                         quantize=a.quantize, **flags)
     if not a.stream:
@@ -472,6 +478,9 @@ def _add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: the folder's, else sampling)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoding step with torch.compile (the first answer waits for the compile; "
+                        "later runs reuse ~/.cache/qkv/inductor)")
     _add_quantize(p)
 
 
@@ -489,6 +498,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
         cfg = cfg.replace(do_sample=False)
     elif a.temperature or a.top_k or a.top_p:
         cfg = cfg.replace(do_sample=True)
+    if a.compile:
+        cfg = cfg.replace(compile=True)
     session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
     if a.message is None:
         chat_loop(session)

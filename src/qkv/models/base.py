@@ -196,7 +196,7 @@ class TransformerDecoderModel(QKVModel):
         path (Stack.step, for the last token only: the others' outputs are not read) and the output
         projection's (Linear.step)."""
         h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset, last_only=True)
-        return self.lm_head.step(h[:, -1])
+        return self.lm_head(h[:, -1])
 
     @property
     def static_step_supported(self) -> bool:
@@ -208,7 +208,7 @@ class TransformerDecoderModel(QKVModel):
         """step() for one new token per row (ids (B, 1)) with shapes that never change, for torch.compile /
         CUDA graphs (Stack.static_step: the arguments, and the caller advances cache.length)."""
         h = self.decoder.static_step(self.embed_target(ids), cache=cache, index=index, offset=offset, keep=keep)
-        return self.lm_head.step(h[:, -1])
+        return self.lm_head(h[:, -1])
 
 
 class Seq2SeqModel(TransformerDecoderModel):

@@ -147,26 +147,21 @@ class Block(nn.Module):
         last_only: bool = False,
     ) -> Tensor:
         """The decoding step (inference): the same function as forward() for the few newest tokens of
-        `batch` sequences over a cache, on their (batch * T, d) rows, through the sublayers' own step methods
-        (MultiHeadAttention.step, FeedForward.step) and the same norm modules and placement. add / cross_add:
+        `batch` sequences over a cache, on their (batch * T, d) rows, through the attention's step method
+        (MultiHeadAttention.step) and the same norm and feed-forward modules and placement. add / cross_add:
         the additive score terms of the step (attention.step_scores_bias) for self- and cross-attention;
-        keep: the (batch * T,) real-token mask of the rows (for the norms). The per-call overhead of Python
-        is a large part of a small model's step, so submodules are read from _modules (nn.Module.__getattr__
-        costs ~1 us a lookup) and the norms' forward is called directly (module hooks are for inspecting
-        forward(), not this inference path). last_only (the top block of a step that wants the last token only,
+        keep: the (batch * T,) real-token mask of the rows (for the norms). last_only (the top block of a step that wants the last token only,
         without cross-attention): self-attention still caches every new token's keys/values, and it and
         everything after it compute the last token's row only: returns (batch, d)."""
         m = self._modules
         if last_only and x.shape[0] > batch:
-            x, keep = self._last_step_residual(x, _norm_step(m["norm1"]), keep, batch, cache, layer, add, position,
-                                               offset)
+            x, keep = self._last_step_residual(x, m["norm1"], keep, batch, cache, layer, add, position, offset)
         else:
-            x = self._residual(x, _norm_step(m["norm1"]), m["attn"].step, keep, batch, cache, layer, add, position,
-                               offset)
+            x = self._residual(x, m["norm1"], m["attn"].step, keep, batch, cache, layer, add, position, offset)
         cross = m.get("cross")  # absent (a plain None) without cross-attention
         if cross is not None:
-            x = self._residual(x, _norm_step(m["norm_cross"]), cross.step, keep, batch, cache, layer, cross_add)
-        return self._residual(x, _norm_step(m["norm2"]), m["ffn"].step, keep)
+            x = self._residual(x, m["norm_cross"], cross.step, keep, batch, cache, layer, cross_add)
+        return self._residual(x, m["norm2"], m["ffn"], keep)
 
     def _last_step_residual(self, x: Tensor, norm: Callable[..., Tensor], keep: Tensor | None, batch: int,
                             *args: object) -> tuple[Tensor, Tensor | None]:
@@ -178,7 +173,3 @@ class Block(nn.Module):
         keep = None if keep is None else keep.view(batch, -1)[:, -1]
         return (last + y if self.placement == "pre" else norm(last + y, keep)), keep
 
-
-def _norm_step(norm: nn.Module) -> Callable[..., Tensor]:
-    """A norm's decoding-step method where it has one (RMSNorm.step), else its forward."""
-    return getattr(norm, "step", None) or norm.forward

@@ -23,7 +23,6 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
-from torch.autograd.graph import increment_version
 
 from qkv.config import ConfigError
 from qkv.nn.position import PositionalEncoding
@@ -142,15 +141,6 @@ def set_impl(optimizer: torch.optim.Optimizer, impl: str) -> None:
     optimizer._step_supports_amp_scaling = impl == "fused"  # type: ignore[attr-defined]
 
 
-def _bump_versions(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Step post-hook: mark every parameter as modified in place. torch's fused AdamW writes the parameters
-    without bumping their version counters (the loop and foreach paths bump them; torch 2.13, CPU), and
-    qkv's `Linear.step` keys its packed transposed weight on that counter: without this, decoding after a
-    fused update (a dev evaluation with generate) would use the weights of before the update."""
-    if any(g.get("fused") for g in optimizer.param_groups):
-        increment_version([_local(p) for g in optimizer.param_groups for p in g["params"]])
-
-
 def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float] | list[float], eps: float,
                     weight_decay: float, impl: str = "auto") -> tuple[torch.optim.AdamW, GroupSummary]:
     """AdamW over `param_groups(model, weight_decay)`, run by `impl` (auto | fused | foreach | loop; see the
@@ -158,7 +148,6 @@ def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float] |
     groups, summary = param_groups(model, weight_decay)
     chosen = resolve_impl(impl, [p for g in groups for p in g["params"]])
     opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **_flags(chosen))
-    opt.register_step_post_hook(_bump_versions)  # (a no-op unless a group runs fused, see set_impl)
     return opt, summary
 
 
