@@ -127,15 +127,6 @@ def test_int4_equals_the_dequantized_formula(dtype, rows):
     close_to_formula(y, x.bfloat16(), w, q4.bias, torch.bfloat16)
 
 
-def test_step_shim_scales_the_first_outputs():
-    q8 = Int8WeightOnlyLinear.from_linear(_linear(32, 24, True, torch.float32))
-    x = torch.randn(3, 32)
-    with torch.no_grad():
-        y, ys = q8(x), q8.step(x, (8, 0.25))
-    torch.testing.assert_close(ys[:, :8], y[:, :8] * 0.25)
-    torch.testing.assert_close(ys[:, 8:], y[:, 8:])
-
-
 def llama_folder(path, tie=True, hidden=64, vocab=320):
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -169,7 +160,7 @@ def test_quantized_llama_logits_and_greedy_decoding(folder, mode, tol, dtype):
     with torch.no_grad():
         want, got = ref(ids).logits.float(), model(ids).logits.float()
     assert (got - want).abs().max() <= tol * want.abs().max()
-    out = generate(model, ids, max_new_tokens=10, do_sample=False)  # prefill + cached steps (the step shim)
+    out = generate(model, ids, max_new_tokens=10, do_sample=False)  # prefill + cached decoding steps
     assert torch.equal(out, uncached_greedy(model, ids, 10))
     assert torch.equal(generate(model, ids, max_new_tokens=10, do_sample=False), out)  # no state left behind
 

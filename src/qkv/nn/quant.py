@@ -16,14 +16,15 @@ on an AVX-512 EPYC, docs/llm.md): only bf16 activations are vectorized; fp32 and
 (8 x 576) @ (576 x 1536) product 6.0 ms through the int8 kernel against 0.42 ms dequantized + F.linear). The int8
 loop reads 16 inputs at a time with aligned loads and does not check: in_features % 16 != 0 gives wrong sums or a
 segfault, and so does an input row not 32-byte aligned. So the int8 kernel runs where those hold (bf16 on a CPU) and
-every other case computes the same formula as F.linear(x, q * scale): exact, and still reading int8 weights from
-memory. The int4 kernel always gets bf16 (an fp32 input is rounded to bf16 and the output cast back: the rounding
-is far below int4's own error).
+every other case computes the same formula through F.linear(x, q) * scale: exact, and still storing int8 weights.
+The int4 kernel always gets bf16 (an fp32 input is rounded to bf16 and the output cast back: that rounding is far
+below int4's own error).
 
 Quantized layers are inference-only: they hold integer buffers, no parameters, and `.train()` refuses.
-torchao (0.18) was tried: its int8 config works on this CPU through a tensor subclass (same aten kernel family,
-more machinery, CUDA libraries it fails to load on import) and its int4 config needs the mslk package; these two
-aten ops are what it would call, so qkv calls them directly.
+torchao 0.18 was tried (it installs without pulling another torch): its int8 weight-only config dequantizes on a
+CPU (an int8 -> bf16 copy of the weight, mm, the scale: a 576 -> 1536 bf16 layer at one row 2.5x slower than the
+aten int8 kernel, paired timing), and its int4 config needs the mslk package; so qkv calls the aten ops directly
+and adds no dependency.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tens
 
 
 class _WeightOnlyLinear(nn.Module):
-    """What both quantized layers share: the shape, the optional bias, inference only, the step shim."""
+    """What both quantized layers share: the shape, the optional bias, inference only."""
 
     def __init__(self, in_features: int, out_features: int, bias: Tensor | None) -> None:
         super().__init__()
@@ -89,14 +90,6 @@ class _WeightOnlyLinear(nn.Module):
     def _finish(self, y: Tensor, x: Tensor) -> Tensor:
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y.add_(self.bias.to(y.dtype))
-
-    # Compatibility shim: qkv's decoding step calls `proj.step(x, scale_first)` (nn/attention.py, nn/ffn.py).
-    def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
-        """forward(x), with the first n outputs multiplied by s when scale_first = (n, s) (qkv.nn.linear's)."""
-        y = self(x)
-        if scale_first is not None:
-            y.narrow(-1, 0, scale_first[0]).mul_(scale_first[1])
-        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
