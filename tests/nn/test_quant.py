@@ -176,6 +176,10 @@ def test_quantize_model_swaps_the_projections_and_copies_a_tied_head(folder):
     assert linears == []  # every projection and the head are quantized
     with pytest.raises(RuntimeError, match="inference-only"):
         model.train()
+    out = folder.parent / "quantized-copy"
+    with pytest.raises(ValueError, match="quantized model is not saved"):
+        model.save_pretrained(out)
+    assert not out.exists()
 
 
 def test_head_false_keeps_the_head_and_int4_misfits_fall_back_to_int8(tmp_path):

@@ -22,6 +22,7 @@ from qkv.nn.checks import check_batch, check_length, check_token_ids
 from qkv.nn.paged import PagedKVCache
 from qkv.nn.params import count_parameters
 from qkv.nn.position import PositionalEncoding, build_position
+from qkv.nn.quant import quantized_layers
 from qkv.nn.stack import Stack
 from qkv.storage import save_model
 
@@ -126,6 +127,9 @@ class QKVModel(nn.Module):
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         """Write config.json + model.safetensors atomically into folder `path` (qkv.storage.save_model)."""
+        if quantized_layers(self):  # its integer buffers would make a folder no loader reads
+            raise ValueError("a weight-only quantized model is not saved: save the unquantized model and quantize "
+                             "it when loading (qkv.from_pretrained(folder, quantize=...))")
         return save_model(self, path)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:

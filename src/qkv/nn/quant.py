@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.nn.stack import Stack
+
 MODES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 
@@ -185,8 +187,6 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 64, head: b
     Llamas, 576 and 1536); a layer the int4 kernel cannot hold (out_features not a multiple of 16, in_features
     not of group_size) is quantized to int8 instead. A head tied to the token embedding gets a quantized copy:
     the embedding keeps its full-precision table (token lookup reads only one row of it per token)."""
-    from qkv.nn.stack import Stack
-
     check_mode(mode)
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
