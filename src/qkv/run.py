@@ -393,11 +393,12 @@ def run_folder_of(path: str | Path) -> Path | None:
     return None
 
 
-def load_model_any(path: str | Path) -> torch.nn.Module:
-    """A model from a run folder, a qkv checkpoint folder, or a Hugging Face-format folder."""
+def load_model_any(path: str | Path, quantize: str | None = None) -> torch.nn.Module:
+    """A model from a run folder, a qkv checkpoint folder, or a Hugging Face-format folder; quantize: "int8" or
+    "int4" for weight-only quantized inference (qkv.nn.quant)."""
     from qkv import from_pretrained
 
-    return from_pretrained(_model_folder(Path(path)))
+    return from_pretrained(_model_folder(Path(path)), quantize=quantize)
 
 
 def load_run_task(path: str | Path):
@@ -419,7 +420,7 @@ def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
 
 def generate_text(path: str | Path, prompt: str, generation_config: GenerationConfig | None = None, *,
                   greedy: bool = False, seed: int = 0, stream: bool = False, strict: bool = False,
-                  **options: Any) -> str:
+                  quantize: str | None = None, **options: Any) -> str:
     """Decode with whatever the library has: the run's task decides what a prompt means (a source
     sentence for seq2seq, a text prefix for an LM); a Hugging Face folder needs its tokenizer.json.
     Settings: `generation_config` (e.g. read from a file) then `options` (GenerationConfig fields, None =
@@ -427,9 +428,10 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     decides do_sample itself (greedy=True still wins);
     max_new_tokens defaults to the task's natural length (an LM's sample_tokens, a seq2seq task's longest
     target), 200 for a bare model folder. seed seeds the sampling.
-    Prompt characters outside the vocabulary are named in a warning on stderr (strict=True: an error)."""
+    Prompt characters outside the vocabulary are named in a warning on stderr (strict=True: an error).
+    quantize: "int8" / "int4" weight-only quantized weights (qkv.nn.quant)."""
     torch.manual_seed(seed)
-    model = load_model_any(path)
+    model = load_model_any(path, quantize)
     model.eval()
     cfg = generation_config if generation_config is not None else GenerationConfig()
     cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None})

@@ -114,6 +114,16 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+QUANTIZE_MODES = ("int8", "int4")  # qkv.nn.quant.MODES, written out: the CLI imports torch only when it runs
+
+
+def _add_quantize(p: argparse.ArgumentParser) -> None:
+    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore)."""
+    p.add_argument("--quantize", choices=QUANTIZE_MODES, default=None,
+                   help="weight-only quantized projections and output head for inference: int8 (per output "
+                        "channel) or int4 (per group of 64 inputs); fastest with a bf16 model (docs/llm.md)")
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, a checkpoint folder, or a Hugging Face folder")
     p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
@@ -149,6 +159,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step with torch.compile (the first run compiles for a minute or "
                         "more, later runs reuse ~/.cache/qkv/inductor; one sequence, no beams)")
+    _add_quantize(p)
 
 
 def _check_generate_flags(a: argparse.Namespace) -> None:
@@ -199,7 +210,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         flags["compile"] = True
     _loading(a.checkpoint)
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
-                        **flags)
+                        quantize=a.quantize, **flags)
     if not a.stream:
         print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated only "
                                       "special tokens)")
@@ -334,12 +345,14 @@ def _add_explore(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="with --export: decoder input of an encoder-decoder")
     p.add_argument("--wav", default=None, help="with --export: a WAV file for an audio model")
     p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and exit")
+    _add_quantize(p)
 
 
 def cmd_explore(a: argparse.Namespace) -> int:
     from qkv.explore.cli import explore
 
-    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav)
+    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav,
+                   quantize=a.quantize)
 
 
 def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
@@ -440,6 +453,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most prompt + output tokens a request may ask for (default: the model's context; for "
                         "RoPE/ALiBi models the context_length they were configured for, max_position_embeddings)")
+    _add_quantize(p)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -451,7 +465,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(a.model, host=a.host, port=a.port, name=a.name, max_waiting=a.max_waiting,
                  shutdown_timeout=a.shutdown_timeout, block_size=a.block_size, num_blocks=a.num_blocks,
                  max_batch_size=a.max_batch_size, prefill_chunk=a.prefill_chunk or None,
-                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption, max_model_len=a.max_model_len)
+                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption, max_model_len=a.max_model_len,
+                 quantize=a.quantize)
 
 
 def cmd_finetune(a: argparse.Namespace) -> int:
@@ -480,6 +495,7 @@ def _add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step with torch.compile (the first answer waits for the compile; "
                         "later runs reuse ~/.cache/qkv/inductor)")
+    _add_quantize(p)
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -503,7 +519,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     if a.compile:
         cfg = cfg.replace(compile=True)
     _loading(a.model)
-    session = ChatSession.from_folder(a.model, system=a.system, generation_config=cfg)
+    session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
     defaults = session.model.generation_defaults() if hasattr(session.model, "generation_defaults") else {}
     if a.seed is None and resolve(defaults, cfg, {}).sampling:
         print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)

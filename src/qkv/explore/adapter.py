@@ -59,13 +59,14 @@ class Loaded:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time uses the model
 
 
-def load(path: str | Path) -> Loaded:
-    """A qkv run folder, a qkv checkpoint folder or a Hugging Face folder qkv loads (gpt2, bert, vit, whisper)."""
+def load(path: str | Path, quantize: str | None = None) -> Loaded:
+    """A qkv run folder, a qkv checkpoint folder or a Hugging Face folder qkv loads (gpt2, bert, vit, whisper);
+    quantize: "int8" / "int4" weight-only (qkv.nn.quant)."""
     from qkv.run import _model_folder, load_model_any, load_run_task, run_folder_of
     from qkv.tasks.tokenizers import find_tokenizer
 
     path = Path(path)
-    model = load_model_any(path)
+    model = load_model_any(path, quantize)
     model.eval()
     family = getattr(model, "family", "") or type(model).__name__.lower()
     if family in UNSUPPORTED:

@@ -22,6 +22,7 @@ from qkv.nn.checks import check_batch, check_length, check_token_ids
 from qkv.nn.paged import PagedKVCache
 from qkv.nn.params import count_parameters
 from qkv.nn.position import PositionalEncoding, build_position
+from qkv.nn.quant import quantized_layers
 from qkv.nn.stack import Stack
 from qkv.storage import save_model
 
@@ -128,6 +129,9 @@ class QKVModel(nn.Module):
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         """Write config.json + model.safetensors atomically into folder `path` (qkv.storage.save_model)."""
+        if quantized_layers(self):  # its integer buffers would make a folder no loader reads
+            raise ValueError("a weight-only quantized model is not saved: save the unquantized model and quantize "
+                             "it when loading (qkv.from_pretrained(folder, quantize=...))")
         return save_model(self, path)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -162,6 +166,12 @@ class TransformerDecoderModel(QKVModel):
             out["decoder_start_token_id"] = out["bos_token_id"]
         return {**out, **self.folder_generation_config}
 
+    def _float_param(self) -> Tensor:
+        """What gives the caches their dtype and device: the output projection's weight, or, where that holds
+        integer codes (a weight-only quantized head, qkv.nn.quant), the model's first parameter."""
+        w = getattr(self.lm_head, "weight", None)
+        return w if isinstance(w, Tensor) and w.is_floating_point() else next(self.parameters())
+
     def _cache_shape(self) -> tuple[int, int, int]:
         a = self.decoder.blocks[0].attn
         return len(self.decoder.blocks), a.n_kv_heads, a.head_dim
@@ -170,7 +180,7 @@ class TransformerDecoderModel(QKVModel):
                    device: torch.device | str | None = None) -> StaticCache:
         """A preallocated KV cache for the decoder stack: one slot per layer, n_kv_heads heads, `max_len`
         positions (default: the model's context_length)."""
-        p = self.lm_head.weight
+        p = self._float_param()
         n_layers, n_kv, hd = self._cache_shape()
         return StaticCache(n_layers, batch_size, n_kv, hd, max_len or self.config.context_length,
                            dtype=dtype or p.dtype, device=device or p.device)
@@ -179,7 +189,7 @@ class TransformerDecoderModel(QKVModel):
                          dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> PagedKVCache:
         """A pool of num_blocks blocks of block_size positions for the decoder stack (serving); by default
         enough for max_batch_size sequences of the model's context_length."""
-        p = self.lm_head.weight
+        p = self._float_param()
         n_layers, n_kv, hd = self._cache_shape()
         if num_blocks is None:
             num_blocks = max_batch_size * -(-self.config.context_length // block_size)

@@ -52,12 +52,13 @@ class Served:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def load_served(path: str | Path, name: str | None = None) -> Served:
-    """Model + tokenizer of a run folder, a qkv checkpoint folder or a Hugging Face folder."""
+def load_served(path: str | Path, name: str | None = None, quantize: str | None = None) -> Served:
+    """Model + tokenizer of a run folder, a qkv checkpoint folder or a Hugging Face folder (quantize: "int8" /
+    "int4" weight-only, qkv.nn.quant)."""
     from qkv.run import _folder_tokenizer, load_model_any, load_run_task, model_folder, run_folder_of
 
     path = Path(path)
-    model = load_model_any(path).eval()
+    model = load_model_any(path, quantize).eval()
     if getattr(model, "is_seq2seq", True):
         raise ConfigError(f"{path}: qkv serve serves decoder-only language models (this is "
                           f"{type(model).__name__})")
