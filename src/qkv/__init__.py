@@ -13,8 +13,9 @@ __version__ = "0.1.0"
 
 
 def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> Any:
-    """Load a model from a qkv checkpoint folder or a Hugging Face-format folder (config.json's
-    model_type: gpt2, bert, ...). Never executes pickled code."""
+    """Load a model from a qkv checkpoint folder, a Hugging Face-format folder (config.json's model_type: gpt2,
+    bert, ...) or a llama.cpp GGUF file (Llama / Mistral / Qwen2 / Qwen3; `dtype=` for quantized ones). Never
+    executes pickled code."""
     return load_model(path, **kwargs)
 
 

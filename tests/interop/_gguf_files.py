@@ -60,7 +60,8 @@ def spm_vocab(tmp: Path, vocab_size: int = 400) -> dict:
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(prefix), vocab_size=vocab_size,
                                    model_type="bpe", byte_fallback=True, character_coverage=1.0,
                                    unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
-                                   split_digits=True, add_dummy_prefix=True, normalization_rule_name="identity")
+                                   split_digits=True, add_dummy_prefix=True, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False)
     sp = spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
     tokens, scores, types = [], [], []
     for i in range(sp.vocab_size()):  # as convert_hf_to_gguf.py's _create_vocab_sentencepiece
@@ -78,11 +79,33 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_factors(head_dim: int, rope: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs for rope_type llama3: what each frequency is divided by."""
+    import math
+
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def _k_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """Random K-quant blocks with sane f16 scales (gguf.quants cannot quantize K types)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    scale = np.full(data.shape[:2], 0.002, dtype=np.float16).view(np.uint8).reshape(*data.shape[:2], 2)
+    # weights of about 0.1 at most: Q6_K's are d * int8 scale * 6-bit value, Q4_K's d * 6-bit scale * 4-bit value
+    d = 3e-5 if qtype == Q.Q6_K else 1e-4
+    scale = np.full(data.shape[:2], d, dtype=np.float16).view(np.uint8).reshape(*data.shape[:2], 2)
     if qtype == Q.Q6_K:  # ... ql, qh, scales (int8), d
         data[..., -2:] = scale
     else:  # Q4_K / Q5_K: d, dmin, ...
@@ -160,6 +183,9 @@ def write_gguf(path: Path, hf_model, arch: str, vocab: dict, qtype: Q = Q.F32, *
             data = permute(data, cfg.num_key_value_heads)
         if new not in skip:
             w.add_tensor(new, data, raw_dtype=kind)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "llama3":  # as LlamaModel.generate_extra_tensors: the factors, not the parameters
+        w.add_tensor("rope_freqs.weight", llama3_factors(head_dim, rope), raw_dtype=Q.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

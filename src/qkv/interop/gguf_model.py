@@ -91,22 +91,38 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: not a readable GGUF file, truncated or corrupt ({e})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
 
+    def type_of(self, name: str) -> str:
+        """A tensor's GGML type name (F32, Q8_0, ...), refused unless this reader can turn it into floats:
+        F32 / F16 / BF16, or a block-quantized type that gguf.quants dequantizes."""
+        gguf = gguf_module()
+        t = self.tensors[name]
+        try:
+            kind = gguf.GGMLQuantizationType(int(t.tensor_type))
+        except ValueError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has GGML type {int(t.tensor_type)}, which the "
+                                  "installed gguf package does not know") from None
+        quantized = gguf.GGML_QUANT_SIZES[kind][0] > 1  # a block of several values per scale
+        if kind.name not in _FLOATS and not quantized:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has type {kind.name}, which qkv does not read "
+                                  "(supported: F32, F16, BF16 and the quantized block types)")
+        return kind.name
+
     def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """One tensor in PyTorch's dimension order, dequantized if need be, as `dtype`."""
         gguf = gguf_module()
-        t = self.tensors[name]
-        kind = gguf.GGMLQuantizationType(t.tensor_type)
+        t, kind = self.tensors[name], self.type_of(name)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ne order is innermost first
-        if kind.name in ("F32", "F16"):
+        if kind in ("F32", "F16"):
             out = torch.from_numpy(t.data.copy()).reshape(shape)
-        elif kind.name == "BF16":  # stored as raw 16-bit words: the upper half of a float32
+        elif kind == "BF16":  # raw 16-bit words: the upper half of a float32
             out = torch.from_numpy(t.data.copy()).view(torch.int16).view(torch.bfloat16).reshape(shape)
         else:
             try:
-                out = torch.from_numpy(gguf.quants.dequantize(t.data, kind)).reshape(shape)
+                out = torch.from_numpy(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType[kind]))
             except NotImplementedError:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has type {kind.name}, which gguf cannot "
-                                      "dequantize") from None
+                raise CheckpointError(f"{self.path}: tensor {name!r} has type {kind}, which the installed gguf "
+                                      "package cannot dequantize") from None
+            out = out.reshape(shape)
         return out.to(dtype)
 
 
@@ -148,7 +164,7 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         "max_position_embeddings": int(get("context_length")),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": theta,
-        "rope_scaling": _rope_scaling(f, arch),
+        "rope_scaling": _rope_scaling(f, arch, head_dim, theta),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_output.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,
@@ -158,15 +174,35 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     return out
 
 
-def _rope_scaling(f: GGUFFile, arch: str) -> dict[str, Any] | None:
+# Llama 3.1's published rule (Llama 3.2 and 3.3 change only the factor): llama.cpp stores its result as the
+# rope_freqs tensor and drops the parameters, so a file's factors are matched against it
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_scaling(f: GGUFFile, arch: str, head_dim: int, theta: float) -> dict[str, Any] | None:
     kind = f.meta.get(f"{arch}.rope.scaling.type", "none")
-    if "rope_freqs.weight" in f.tensors:  # llama3-style per-frequency factors, stored as a tensor
-        raise CheckpointError(f"{f.path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1+) are not "
-                              "supported yet")
+    if "rope_freqs.weight" in f.tensors:  # per-frequency divisors of the rotation frequencies
+        return _llama3_scaling(f, head_dim, theta)
     if kind == "none":
         return None
     require(kind == "linear", f"{f.path}: RoPE scaling {kind!r} is not supported (supported: none, linear)")
     return {"rope_type": "linear", "factor": float(f.meta[f"{arch}.rope.scaling.factor"])}
+
+
+def _llama3_scaling(f: GGUFFile, head_dim: int, theta: float) -> dict[str, Any]:
+    """The llama3 rope_scaling whose per-frequency factors are the file's rope_freqs, or a clear refusal."""
+    from qkv.nn.position import rope_inv_freq
+
+    factors = f.tensor("rope_freqs.weight", torch.float64)
+    require(factors.shape == (head_dim // 2,), f"{f.path}: rope_freqs.weight has shape {tuple(factors.shape)}, "
+                                               f"expected ({head_dim // 2},)")
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_ROPE}
+    plain = rope_inv_freq(head_dim, theta)
+    implied = plain / rope_inv_freq(head_dim, theta, scaling)
+    require(torch.allclose(implied, factors, rtol=1e-5, atol=0),
+            f"{f.path}: its rope_freqs.weight factors are not Llama 3's rule for any factor (low/high frequency "
+            "factors 1/4 of 8192 positions); such per-frequency RoPE factors are not supported")
+    return scaling
 
 
 def hf_name(name: str) -> str | None:
@@ -186,6 +222,9 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
         self.file, self.dtype, self.source = f, dtype, str(f.path)
         self.names: dict[str, str] = {}  # HF name -> GGUF name
         for name in f.tensors:
+            if name == "rope_freqs.weight":  # read into the config's rope_scaling (hf_config)
+                continue
+            f.type_of(name)  # an unreadable type is refused before any memory is taken
             hf = hf_name(name)
             if hf is None:
                 raise CheckpointError(f"{f.path}: unexpected tensor {name!r}; this {config['model_type']} "
