@@ -181,6 +181,29 @@ def test_chat_stops_on_the_templates_end_of_turn(vocabs, tmp_path):
     assert tok.encode("<|im_start|>", add_special_tokens=False) == [tok.token_to_id("<|im_start|>")]  # kept whole
 
 
+@pytest.mark.parametrize("case, qtype", [("qwen2-bpe-bias-tied", Q.Q8_0), ("llama3-bpe-ropefreqs-mqa", Q.BF16),
+                                         ("llama-spm-untied", Q.F16)])
+def test_header_reads_as_ggufs_own_reader(vocabs, tmp_path, case, qtype):
+    """qkv's header parser (gguf_header.py) against gguf.GGUFReader: every metadata value, every tensor's
+    shape, type and bytes."""
+    import numpy as np
+
+    from qkv.interop.gguf_model import GGUFFile
+
+    path, _ = build(vocabs, tmp_path, case, qtype)
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+    want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.meta.keys() == want.keys()
+    for key, value in want.items():
+        assert ours.meta[key] == pytest.approx(value) if isinstance(value, float) else ours.meta[key] == value, key
+    assert list(ours.tensors) == [t.name for t in theirs.tensors]
+    for t in theirs.tensors:
+        mine = ours.tensors[t.name]
+        assert (mine.shape, mine.ggml_type) == (tuple(reversed(t.shape.tolist())), int(t.tensor_type))
+        raw = np.frombuffer(ours._buf, dtype=np.uint8, count=ours.nbytes(mine), offset=mine.start)
+        assert raw.tobytes() == t.data.tobytes(), t.name
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 def test_truncated_and_foreign_files_are_clear_errors(vocabs, tmp_path):
     path, _ = build(vocabs, tmp_path, "qwen2-bpe-bias-tied")
@@ -219,7 +242,7 @@ def test_unreadable_tensor_type_is_named(vocabs, tmp_path, monkeypatch):
     path, _ = build(vocabs, tmp_path, "llama-spm-untied")
     f = gguf_model.GGUFFile(path)
     t = f.tensors["blk.0.attn_q.weight"]
-    f.tensors["blk.0.attn_q.weight"] = t._replace(tensor_type=gguf.GGMLQuantizationType.F64)
+    f.tensors["blk.0.attn_q.weight"] = t._replace(ggml_type=int(gguf.GGMLQuantizationType.F64))
     with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.attn_q\.weight' has type F64, which qkv does not read"):
         gguf_model.GGUFTensors(f, gguf_model.hf_config(f), torch.float32)
 

@@ -3,7 +3,8 @@
     model = qkv.from_pretrained("model.gguf")                       # every qkv command takes the file too
     model = qkv.from_pretrained("model-Q4_K_M.gguf", dtype=torch.float32)
 
-Read through `gguf`, llama.cpp's own Python reader (pip install qkv[gguf]). A GGUF file is a Hugging Face
+Types, block sizes and dequantization come from `gguf`, llama.cpp's own Python package (pip install qkv[gguf]);
+the header is parsed in gguf_header.py (gguf's reader is slow on large vocabularies). A GGUF file is a Hugging Face
 folder written differently, so loading goes through the Llama folder loader (interop/llama.py) rather than
 beside it: the metadata becomes a config.json dict for `config_from_hf`, and the tensors are offered under
 their Hugging Face names to `fill_model`. What differs from a folder, and is undone here:
@@ -20,19 +21,21 @@ The tokenizer and chat template come from the same file (interop/gguf_tokenizer.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from qkv.interop.common import require
+from qkv.interop.gguf_header import MAGIC, TensorInfo, read_header
 from qkv.interop.llama import _empty_model, config_from_hf, fill_model, key_map
 from qkv.models.gpt import GPT
 from qkv.storage import CheckpointError
 
-MAGIC = b"GGUF"
 # general.architecture -> (HF model_type, whether q/k rows were permuted for ggml's interleaved RoPE)
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 
@@ -76,20 +79,27 @@ def gguf_module() -> Any:
 
 
 class GGUFFile:
-    """A GGUF file's metadata (`meta`, plain Python values) and tensors (read on demand: the file is mapped)."""
+    """A GGUF file's metadata (`meta`, plain Python values) and tensors (`tensors`: where each lies; read on
+    demand from the mapped file)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         gguf = gguf_module()
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            if f.read(4) != MAGIC:
-                raise CheckpointError(f"{self.path}: not a GGUF file (it does not start with the bytes 'GGUF')")
-        try:
-            self.reader = gguf.GGUFReader(str(self.path))
-            self.meta: dict[str, Any] = {k: field.contents() for k, field in self.reader.fields.items()}
-        except (ValueError, IndexError, TypeError, OverflowError, KeyError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{self.path}: not a readable GGUF file, truncated or corrupt ({e})") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.meta, self.tensors, self._buf = read_header(self.path)
+        shards = int(self.meta.get("split.count", 1) or 1)
+        if shards > 1:
+            raise CheckpointError(f"{self.path}: one of {shards} parts of a split GGUF file; join them first "
+                                  "(llama.cpp: llama-gguf-split --merge FIRST-PART OUT.gguf)")
+        for t in self.tensors.values():  # a cut file is refused here, before any memory is taken
+            if t.ggml_type in gguf.GGML_QUANT_SIZES and t.start + self.nbytes(t) > len(self._buf):
+                raise CheckpointError(f"{self.path}: not a readable GGUF file, truncated or corrupt (tensor "
+                                      f"{t.name!r} ends at byte {t.start + self.nbytes(t)}, the file at "
+                                      f"{len(self._buf)})")
+
+    @staticmethod
+    def nbytes(t: TensorInfo) -> int:
+        block, size = gguf_module().GGML_QUANT_SIZES[t.ggml_type]
+        return math.prod(t.shape) // block * size
 
     def type_of(self, name: str) -> str:
         """A tensor's GGML type name (F32, Q8_0, ...), refused unless this reader can turn it into floats:
@@ -97,9 +107,9 @@ class GGUFFile:
         gguf = gguf_module()
         t = self.tensors[name]
         try:
-            kind = gguf.GGMLQuantizationType(int(t.tensor_type))
+            kind = gguf.GGMLQuantizationType(t.ggml_type)
         except ValueError:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has GGML type {int(t.tensor_type)}, which the "
+            raise CheckpointError(f"{self.path}: tensor {name!r} has GGML type {t.ggml_type}, which the "
                                   "installed gguf package does not know") from None
         quantized = gguf.GGML_QUANT_SIZES[kind][0] > 1  # a block of several values per scale
         if kind.name not in _FLOATS and not quantized:
@@ -111,19 +121,19 @@ class GGUFFile:
         """One tensor in PyTorch's dimension order, dequantized if need be, as `dtype`."""
         gguf = gguf_module()
         t, kind = self.tensors[name], self.type_of(name)
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ne order is innermost first
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=self.nbytes(t), offset=t.start)
         if kind in ("F32", "F16"):
-            out = torch.from_numpy(t.data.copy()).reshape(shape)
-        elif kind == "BF16":  # raw 16-bit words: the upper half of a float32
-            out = torch.from_numpy(t.data.copy()).view(torch.int16).view(torch.bfloat16).reshape(shape)
+            out = torch.from_numpy(raw.view(np.float32 if kind == "F32" else np.float16).copy())
+        elif kind == "BF16":  # numpy has no bfloat16: the 16-bit words, reinterpreted by torch
+            out = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
         else:
+            blocks = raw.reshape(math.prod(t.shape[:-1]), -1)
             try:
-                out = torch.from_numpy(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType[kind]))
+                out = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]))
             except NotImplementedError:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has type {kind}, which the installed gguf "
                                       "package cannot dequantize") from None
-            out = out.reshape(shape)
-        return out.to(dtype)
+        return out.reshape(t.shape).to(dtype)
 
 
 def hf_config(f: GGUFFile) -> dict[str, Any]:
@@ -148,7 +158,7 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
             f"{f.path}: RoPE on {rope_dims} of {head_dim} dimensions per head is not supported")
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ()) or None
     if vocab is None:
-        vocab = f.tensors["token_embd.weight"].shape.tolist()[-1] if "token_embd.weight" in f.tensors else None
+        vocab = f.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in f.tensors else None
     require(vocab is not None, f"{f.path}: neither {arch}.vocab_size nor a token list says the vocabulary size")
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     names = f.tensors
@@ -262,9 +272,7 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def _default_dtype(f: GGUFFile) -> torch.dtype:
     """The type of the embedding when it is a float type (as a folder keeps its dtype), else bfloat16: a
     quantized file's weights are dequantized, and in float32 they would take twice the memory."""
-    gguf = gguf_module()
-    t = f.tensors.get("token_embd.weight")
-    kind = gguf.GGMLQuantizationType(t.tensor_type).name if t is not None else "F32"
+    kind = f.type_of("token_embd.weight") if "token_embd.weight" in f.tensors else "F32"
     return _FLOATS.get(kind, torch.bfloat16)
 
 
