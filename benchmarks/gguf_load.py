@@ -5,8 +5,9 @@ converter writes them (tests/interop/_gguf_files.py: q/k rows permuted, norms F3
 Measured per file and library, each in a fresh subprocess: wall time of the load, and peak resident memory
 growth while loading ((VmHWM after - VmRSS before) / bytes of the model's weights as loaded). qkv loads a
 quantized file in bfloat16 by default (`dtype=` changes it), transformers in float32 here (its default), so
-the table also gives qkv with dtype=float32. Then the largest logit difference of qkv vs transformers, both
-float32, on one 64-token batch.
+the table also gives qkv with dtype=float32, and qkv loading the same model from an fp16 Hugging Face folder
+for scale (both include building qkv's GPT, several seconds of a first load in a process). Then the largest
+logit difference of qkv vs transformers, both float32, on one 64-token batch.
 
     .venv/bin/python benchmarks/gguf_load.py [--layers 30] [--types F16,Q8_0,Q4_0]
 """
@@ -39,6 +40,7 @@ def _child(kind: str, path: str, dtype: str) -> None:
     if kind == "qkv":
         import qkv
 
+        dtype = "default" if Path(path).is_dir() else dtype
         model = qkv.from_pretrained(path, dtype=None if dtype == "default" else getattr(torch, dtype))
     else:
         import transformers
@@ -97,6 +99,11 @@ def main() -> None:
                 print(f"| {name} | {size:.0f} | {kind} | {r['dtype']} | {r['s']:.2f} | {r['peak']:.2f} | "
                       f"{diff.item():.2e} |")
             path.unlink()
+        folder = Path(tmp) / "folder-fp16"  # the same model as a Hugging Face folder, for scale
+        hf.half().save_pretrained(folder)
+        r = _measure("qkv", folder, "default")
+        print(f"| HF folder (fp16 safetensors) | {sum(f.stat().st_size for f in folder.iterdir()) / 1e6:.0f} | qkv | "
+              f"{r['dtype']} | {r['s']:.2f} | {r['peak']:.2f} | |")
 
 
 if __name__ == "__main__":
