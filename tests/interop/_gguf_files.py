@@ -184,6 +184,9 @@ def write_gguf(path: Path, hf_model, arch: str, vocab: dict, qtype: Q = Q.F32, *
         if new not in skip:
             w.add_tensor(new, data, raw_dtype=kind)
     rope = cfg.rope_parameters
+    if rope.get("rope_type") == "linear":  # as TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     if rope.get("rope_type") == "llama3":  # as LlamaModel.generate_extra_tensors: the factors, not the parameters
         w.add_tensor("rope_freqs.weight", llama3_factors(head_dim, rope), raw_dtype=Q.F32)
     w.write_header_to_file()

@@ -30,6 +30,9 @@ CASES = {
         tie_word_embeddings=True, num_key_value_heads=1, head_dim=16,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192}, rope_theta=500000.0)),  # all three bands
+    "llama-spm-linear-rope": ("LlamaConfig", "llama", "spm", dict(
+        tie_word_embeddings=False, num_attention_heads=8, num_key_value_heads=8,
+        rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "qwen3-bpe-qknorm": ("Qwen3Config", "qwen3", "bpe", dict(tie_word_embeddings=True, head_dim=16)),
     # K-quants work on rows of 256: a wider model
     "llama-spm-wide": ("LlamaConfig", "llama", "spm", dict(hidden_size=256, intermediate_size=256,

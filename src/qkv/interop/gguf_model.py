@@ -156,10 +156,10 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
     require(rope_dims is None or int(rope_dims) == head_dim,
             f"{f.path}: RoPE on {rope_dims} of {head_dim} dimensions per head is not supported")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ()) or None
-    if vocab is None:
-        vocab = f.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in f.tensors else None
-    require(vocab is not None, f"{f.path}: neither {arch}.vocab_size nor a token list says the vocabulary size")
+    # the embedding's rows are the model's vocabulary (a token list can be shorter than a padded embedding)
+    embedding = f.tensors.get("token_embd.weight")
+    vocab = embedding.shape[0] if embedding is not None else meta.get(f"{arch}.vocab_size")
+    require(vocab is not None, f"{f.path}: missing tensor 'token_embd.weight'")
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     names = f.tensors
     out: dict[str, Any] = {
