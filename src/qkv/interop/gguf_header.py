@@ -1,9 +1,9 @@
 """A GGUF file's header: its metadata and tensor table, read with `struct` from the mapped file.
 
 Why not gguf.GGUFReader, which qkv uses for everything else GGUF (types, block sizes, dequantization): it
-builds a numpy view per metadata element, and a vocabulary is one string element per token. It took 8.5 s to
-open a 49k-token file here (benchmarks/gguf_load.py's model), a 150k-token Qwen2 or Llama 3 vocabulary with its
-merges several times that; this reads the same header in a fraction of a second. The layout (ggml's
+builds a numpy view per metadata element, and a vocabulary is one string element per token: it took 17-29 s to
+open a 49k-token file here (benchmarks/gguf_load.py's model, a loaded machine), this 0.3 s; a 150k-token Qwen2
+or Llama 3 vocabulary with its merges has six times the strings. The layout (ggml's
 docs/gguf.md, versions 2 and 3, little-endian):
 
     "GGUF" | version u32 | tensor count u64 | metadata count u64
@@ -61,6 +61,22 @@ class _Cursor:
         self.pos += n
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings: string() inlined, as a vocabulary and its merges are hundreds of thousands of them."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        length = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise ValueError(f"a string array runs past the end of the file at byte {pos}")
+            n = length(buf, pos)[0]
+            pos += 8
+            if pos + n > end:
+                raise ValueError(f"a string of {n} bytes at byte {pos} runs past the end of the file")
+            out.append(buf[pos:pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind in SCALARS:
             return self.one(SCALARS[kind])
@@ -70,6 +86,8 @@ class _Cursor:
             element, count = self.one("I"), self.one("Q")
             if element in SCALARS:
                 return list(self.take(f"{count}{SCALARS[element]}"))
+            if element == STRING:
+                return self.strings(count)
             return [self.value(element) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {kind} at byte {self.pos}")
 
