@@ -299,3 +299,11 @@ def test_serve_chat_and_explore_load_a_gguf_file(vocabs, tmp_path):
     assert session.templated and session.tokenizer.token_to_id("<|im_end|>") in session.stop_ids
     loaded = load(path)
     assert loaded.kind == "decoder" and loaded.tokenizer.encode("Hello").ids
+
+
+def test_dtype_keyword_casts_a_folder_too(vocabs, tmp_path):
+    """from_pretrained(..., dtype=) is not GGUF-only: a Hugging Face folder is loaded, then cast."""
+    _, hf = build(vocabs, tmp_path, "qwen2-bpe-bias-tied")
+    hf.save_pretrained(tmp_path / "folder")
+    model = qkv.from_pretrained(tmp_path / "folder", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

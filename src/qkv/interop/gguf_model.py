@@ -22,6 +22,7 @@ The tokenizer and chat template come from the same file (interop/gguf_tokenizer.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -133,7 +134,18 @@ class GGUFFile:
             except NotImplementedError:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has type {kind}, which the installed gguf "
                                       "package cannot dequantize") from None
-        return out.reshape(t.shape).to(dtype)
+        out = out.reshape(t.shape).to(dtype)
+        self._release(t.start, self.nbytes(t))
+        return out
+
+    def _release(self, start: int, n: int) -> None:
+        """Drop the file's pages a read tensor was copied out of from this process's memory (read-only file
+        pages, read again from the page cache if ever needed), so loading holds the model, not the model and
+        the file."""
+        page = mmap.PAGESIZE
+        first = start - start % page
+        if hasattr(mmap, "MADV_DONTNEED"):  # not on Windows
+            self._buf.madvise(mmap.MADV_DONTNEED, first, start + n - first)
 
 
 def hf_config(f: GGUFFile) -> dict[str, Any]:
