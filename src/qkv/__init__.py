@@ -26,8 +26,9 @@ def __getattr__(name: str) -> Any:
 
 
 def from_pretrained(path: str | os.PathLike, *, quantize: str | None = None, **kwargs: Any) -> Any:
-    """Load a model from a qkv checkpoint folder or a Hugging Face-format folder (config.json's
-    model_type: gpt2, bert, ...). Never executes pickled code. quantize="int8" or "int4": its Transformer
+    """Load a model from a qkv checkpoint folder, a Hugging Face-format folder (config.json's model_type: gpt2,
+    bert, ...) or a llama.cpp GGUF file (Llama / Mistral / Qwen2 / Qwen3; `dtype=` for quantized ones). Never
+    executes pickled code. quantize="int8" or "int4": its Transformer
     blocks' projections and output head weight-only quantized right after loading, for inference only
     (qkv.nn.quant; docs/llm.md)."""
     from qkv.checkpoint import load_model

@@ -364,10 +364,12 @@ def _jsonable(x: Any) -> Any:
 
 
 def _model_folder(path: Path) -> Path:
-    """A folder holding config.json: the path itself, or a run folder's best/newest checkpoint."""
+    """A folder holding config.json: the path itself, or a run folder's best/newest checkpoint (a GGUF file is a
+    model folder of its own)."""
+    from qkv.interop.gguf_model import is_gguf
     from qkv.train import latest_checkpoint
 
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() or is_gguf(path):
         return path
     ck = latest_checkpoint(path / "checkpoints")
     if ck is not None:
@@ -492,8 +494,14 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
 
 def hf_folder_tokenizer(folder: str | Path) -> Any:
     """The HFTokenizer (special tokens, chat template) of a Hugging Face model folder (config.json with a
-    model_type and a tokenizer.json); None for qkv folders and folders without tokenizer.json."""
+    model_type and a tokenizer.json) or of a GGUF file; None for qkv folders and folders without tokenizer.json."""
+    from qkv.interop.gguf_model import is_gguf
+
     folder = Path(folder)
+    if is_gguf(folder):
+        from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(folder)
     if not (folder / "tokenizer.json").is_file() or (folder / "task.json").is_file():
         return None
     try:

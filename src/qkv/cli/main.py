@@ -125,7 +125,7 @@ def _add_quantize(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, or a Hugging Face folder")
+    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, a Hugging Face folder or a GGUF file")
     p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: an LM's sample length, 200; a seq2seq task's longest target)")
@@ -218,7 +218,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def _add_info(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", help="a preset name or a checkpoint folder")
+    p.add_argument("target", help="a preset name, a checkpoint folder or a GGUF file")
     p.add_argument("--depth", type=int, default=3, help="module path depth of the table")
 
 
@@ -237,7 +237,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         hf_type = _hf_model_type(a.target)
         if hf_type:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            title += f" (Hugging Face {hf_type} folder, {dtype})"
+            title += f" ({hf_type} file, {dtype})" if hf_type.startswith("GGUF") else f" (Hugging Face {hf_type} folder, {dtype})"
     elif "/" in a.target or a.target.startswith((".", "~")) or os.sep in a.target:  # meant as a path, not a preset
         raise ConfigError(f"no such folder: {a.target}")
     else:
@@ -251,8 +251,13 @@ def cmd_info(a: argparse.Namespace) -> int:
 def _hf_model_type(path: str) -> str | None:
     import json
 
+    from qkv.interop.gguf_model import is_gguf
     from qkv.run import model_folder
 
+    if is_gguf(path):
+        from qkv.interop.gguf_model import GGUFFile
+
+        return f"GGUF {GGUFFile(path).meta.get('general.architecture')}"
     try:
         meta = json.loads((model_folder(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):  # read_config, when the model loads, says what is wrong
@@ -338,7 +343,7 @@ def cmd_attention(a: argparse.Namespace) -> int:
 
 
 def _add_explore(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a run folder, checkpoint folder or Hugging Face folder (gpt2, bert, vit, whisper)")
+    p.add_argument("model", help="a run folder, checkpoint folder, Hugging Face folder (gpt2, bert, vit, whisper) or GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on, 1..65535 (default 8000; it must be free)")
     p.add_argument("--input", default=None, help="with --export: the input to show (text; image index for a ViT)")
@@ -437,7 +442,7 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder or a Hugging Face folder")
+    p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
     p.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
@@ -479,7 +484,7 @@ def cmd_finetune(a: argparse.Namespace) -> int:
 
 
 def _add_chat(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template)")
+    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template), or a GGUF file")
     p.add_argument("--message", action="append", default=None,
                    help="answer this message and exit (repeat for several turns); without it: interactive")
     p.add_argument("--system", default=None, help="system prompt")
