@@ -24,6 +24,7 @@ _MODULES = {
     "xlm-roberta": "qkv.interop.roberta",
     "distilbert": "qkv.interop.distilbert",
     "vit": "qkv.interop.vit",
+    "resnet": "qkv.interop.resnet",
     "whisper": "qkv.interop.whisper",
     "llama": "qkv.interop.llama",
     "mistral": "qkv.interop.llama",
@@ -38,7 +39,8 @@ _MODULES = {
 # model_type -> the kind of model it loads as (qkv.models kinds), readable without loading any weights
 KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
-         "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "whisper": "audio"}
+         "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "resnet": "image",
+         "whisper": "audio"}
 
 
 def load_hf(folder: str | Path) -> Any:
