@@ -25,6 +25,7 @@ _MODULES = {
     "distilbert": "qkv.interop.distilbert",
     "vit": "qkv.interop.vit",
     "resnet": "qkv.interop.resnet",
+    "swin": "qkv.interop.swin",
     "whisper": "qkv.interop.whisper",
     "llama": "qkv.interop.llama",
     "mistral": "qkv.interop.llama",
@@ -40,7 +41,7 @@ _MODULES = {
 KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
          "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "resnet": "image",
-         "whisper": "audio"}
+         "swin": "image", "whisper": "audio"}
 
 
 def load_hf(folder: str | Path) -> Any:
