@@ -124,3 +124,17 @@ def test_predict_on_a_qkv_image_run(tmp_path):
     assert abs(sum(p for _, p in rows[0][1]) - 1) < 1e-5
     r = run_cli("eval", str(out), "-n", "4")
     assert r.returncode == 0 and "accuracy:" in r.stdout, r.stderr
+
+
+def test_vit_attention_overlay_on_an_image_folder_run(tmp_path):
+    # the image tasks keep uint8 pixels: the overlay normalises them as the task's batches do
+    from tests.tasks.test_images import _write_images
+
+    root = _write_images(tmp_path / "pets", {"cat": [(20, 20)] * 5, "dog": [(24, 16)] * 5})
+    out = tmp_path / "vit"
+    r = run_cli("train", "--task", "image_folder", "--model", "vit-digits", "--out", str(out), "--max-steps", "1",
+                f"task.path={root}", "task.image_size=8", "task.channels=1", "train.batch_size=4",
+                "train.progress=false", "train.plot=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli("attention", str(out), "--input", "1", "--out", str(tmp_path / "att.png"))
+    assert r.returncode == 0 and (tmp_path / "att.png").is_file(), r.stderr[-2000:]

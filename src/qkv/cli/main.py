@@ -385,7 +385,9 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
                           f"({what}), got {n}")
     if held_out is not None:
         idx = held_out[:n]
-        batch = {"pixel_values": task.images[idx], "labels": task.labels[idx]}
+        px = task.images[idx]
+        px = task.normalize(px) if hasattr(task, "normalize") else px  # the image tasks store raw uint8 pixels
+        batch = {"pixel_values": px, "labels": task.labels[idx]}
     else:
         batch = task.batch(0, n, "val")
     model.eval()
