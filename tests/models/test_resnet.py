@@ -116,11 +116,11 @@ def test_save_load_and_a_few_training_steps(tmp_path):
         def batch(self, index, batch_size, split="train"):
             return {"pixel_values": x, "labels": y}
 
-    before = float(m(x, labels=y).loss)
+    before = m(x, labels=y).loss.item()
     Trainer(m, {"max_steps": 15, "lr": 1e-2, "batch_size": 16, "progress": False, "log_every": 5, "plot": False,
                 "tensorboard": False, "save_every": 0, "out_dir": str(tmp_path / "run")}, Fixed()).fit()
     m.train()
-    assert float(m(x, labels=y).loss) < before / 2
+    assert m(x, labels=y).loss.item() < before / 2
     m.eval()
     m.save_pretrained(tmp_path / "saved")
     back = qkv.from_pretrained(tmp_path / "saved").eval()
