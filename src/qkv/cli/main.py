@@ -420,7 +420,9 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
                           f"({what}), got {n}")
     if held_out is not None:
         idx = held_out[:n]
-        batch = {"pixel_values": task.images[idx], "labels": task.labels[idx]}
+        px = task.images[idx]
+        px = task.normalize(px) if hasattr(task, "normalize") else px  # the image tasks store raw uint8 pixels
+        batch = {"pixel_values": px, "labels": task.labels[idx]}
     else:
         batch = task.batch(0, n, "val")
     model.eval()
@@ -433,6 +435,20 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     save_attention_overlay(model, batch["pixel_values"], str(out_png),
                            titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
     return [f"wrote {out_png}"]
+
+
+def _add_predict(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="an image classifier: a Hugging Face folder (vit, resnet) or a qkv image run")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+    p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
+
+
+def cmd_predict(a: argparse.Namespace) -> int:
+    from qkv.predict import format_predictions, predict_images
+
+    for line in format_predictions(predict_images(a.model, a.images, a.top_k)):
+        print(line)
+    return 0
 
 
 def _add_finetune(p: argparse.ArgumentParser) -> None:
@@ -570,6 +586,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "ablate": ("run an ablation suite and write its table and plots", _add_ablate, cmd_ablate),
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
+    "predict": ("an image classifier's top classes for image files", _add_predict, cmd_predict),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
     "chat": ("chat with a model folder (its chat template), interactively or --message", _add_chat, cmd_chat),

@@ -34,6 +34,7 @@ from torch import Tensor
 KINDS = {"gpt": "decoder", "encdec": "seq2seq", "whisper": "audio", "bert": "encoder", "vit": "image"}
 UNSUPPORTED = {
     "lstm": "an LSTM has no attention to show",
+    "resnet": "a ResNet is a convolutional network: it has no attention to show",
     "swin": "Swin attends within shifted windows; the explorer shows full attention maps only",
     "clip": "CLIP is a two-tower model; explore its towers as separate ViT / text models",
 }

@@ -24,6 +24,8 @@ _MODULES = {
     "xlm-roberta": "qkv.interop.roberta",
     "distilbert": "qkv.interop.distilbert",
     "vit": "qkv.interop.vit",
+    "resnet": "qkv.interop.resnet",
+    "swin": "qkv.interop.swin",
     "whisper": "qkv.interop.whisper",
     "llama": "qkv.interop.llama",
     "mistral": "qkv.interop.llama",
@@ -42,7 +44,8 @@ _MODULES = {
 KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
          "mixtral": "decoder", "qwen2_moe": "decoder", "qwen3_moe": "decoder",
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
-         "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "whisper": "audio"}
+         "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "resnet": "image",
+         "swin": "image", "whisper": "audio"}
 
 
 def load_hf(folder: str | Path) -> Any:
