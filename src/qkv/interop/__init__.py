@@ -23,6 +23,7 @@ _MODULES = {
     "roberta": "qkv.interop.roberta",
     "xlm-roberta": "qkv.interop.roberta",
     "distilbert": "qkv.interop.distilbert",
+    "deberta-v2": "qkv.interop.deberta",
     "vit": "qkv.interop.vit",
     "whisper": "qkv.interop.whisper",
     "llama": "qkv.interop.llama",
@@ -38,6 +39,7 @@ _MODULES = {
 # model_type -> the kind of model it loads as (qkv.models kinds), readable without loading any weights
 KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
+         "deberta-v2": "encoder",
          "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "whisper": "audio"}
 
 
