@@ -100,3 +100,41 @@ def test_embed(deberta, tmp_path, capsys):
             h = hf(input_ids=ids).last_hidden_state[0]
         rows.append(torch.nn.functional.normalize(h.mean(0), dim=-1))
     np.testing.assert_allclose(emb, torch.stack(rows).numpy(), atol=1e-5)
+
+
+def test_a_sentencepiece_only_folder(tmp_path, capsys):
+    """A folder with only DeBERTa-v3's spm.model is refused with the one-line conversion; after it (transformers
+    writes tokenizer.json) `qkv embed` reads the texts as transformers' SentencePiece tokenizer does."""
+    spm = pytest.importorskip("sentencepiece")
+    import io
+    import shutil
+
+    folder = make_folder(tmp_path / "deb", "deberta", layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    texts = [r["text"] for r in sentiment_rows(40, 7)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(  # DeBERTa-v3's special pieces and ids; 60 pieces + [MASK] fit the model's 65
+        sentence_iterator=iter(texts), model_writer=buf, vocab_size=60, hard_vocab_limit=False, pad_id=0,
+        bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]", unk_piece="[UNK]")
+    (folder / "spm.model").write_bytes(buf.getvalue())
+    (tmp_path / "texts.txt").write_text("\n".join(texts[:6]) + "\n")
+    out = tmp_path / "emb.npy"
+    args = ["embed", str(folder), "--input", str(tmp_path / "texts.txt"), "--out", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "spm.model" in err and "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)" in err
+    assert not out.exists()
+
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "spm.model"))  # the reference: the pieces' own ids
+    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)  # the conversion the error names
+    assert (folder / "tokenizer.json").is_file()
+    assert main(args) == 0
+    hf = transformers.AutoModel.from_pretrained(folder).eval()
+    rows = []
+    for t in texts[:6]:
+        ids = torch.tensor([[1, *sp.encode(t), 2]])  # [CLS] pieces [SEP]
+        with torch.no_grad():
+            rows.append(torch.nn.functional.normalize(hf(input_ids=ids).last_hidden_state[0].mean(0), dim=-1))
+    np.testing.assert_allclose(np.load(out), torch.stack(rows).numpy(), atol=1e-5)
+    shutil.rmtree(folder)

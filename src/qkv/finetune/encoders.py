@@ -82,7 +82,11 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
     tok = find_tokenizer(folder)
     tok = getattr(tok, "hf", tok)  # a tokenizer.json that qkv's BPE wrapper accepted: the tokenizers object inside
     if tok is None or not hasattr(tok, "encode_batch") or not hasattr(tok, "no_truncation"):
-        raise ConfigError(f"{folder} has no Hugging Face tokenizer (tokenizer.json or vocab.txt)")
+        spm = [n for n in ("spm.model", "sentencepiece.bpe.model") if (folder / n).is_file()]
+        # a SentencePiece-only upload (DeBERTa-v3's spm.model, some XLM-R): transformers converts it once
+        hint = (f"; it has only the SentencePiece model {spm[0]}: write tokenizer.json once with transformers, "
+                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)") if spm else ""
+        raise ConfigError(f"{folder} has no Hugging Face tokenizer (tokenizer.json or vocab.txt){hint}")
     tok.no_truncation()  # a saved tokenizer.json may carry its own settings: lengths are ours to decide
     tok.no_padding()
     return EncoderFolder(folder, model, tok, meta, mt)
