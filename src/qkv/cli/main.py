@@ -553,7 +553,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT folder (Hugging Face format)")
+    p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa folder (Hugging Face format)")
     p.add_argument("--input", required=True, help="text file, one text per line")
     p.add_argument("--out", default=None, help="write the embeddings here (.npy, one row per line)")
     p.add_argument("--query", default=None, help="print the input lines nearest to this text")

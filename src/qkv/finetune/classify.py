@@ -5,8 +5,8 @@
 
 Data: CSV, TSV or JSONL (by extension) with a header / keys; labels are names ("pos") or ids ("1"). The
 classifier reads the pooled [CLS] vector (BERT's tanh pooler, RoBERTa's classifier.dense, DistilBERT's
-pre_classifier: one Linear + activation), trained with qkv.train.Trainer (linear decay after warmup, AdamW,
-clipping, bf16 with train.precision=bf16, a checkpoint each epoch, --resume). With --dev: accuracy and macro-F1
+pre_classifier, DeBERTa's ContextPooler: one Linear + activation), trained with qkv.train.Trainer (linear
+decay after warmup, AdamW, clipping, bf16 with train.precision=bf16, a checkpoint each epoch, --resume). With --dev: accuracy and macro-F1
 each epoch, the best (macro-F1) checkpoint kept and exported, and confusion.png. OUT is then a Hugging Face
 folder (AutoModelForSequenceClassification; qkv.from_pretrained) with the source's tokenizer files.
 """

@@ -23,6 +23,7 @@ _MODULES = {
     "roberta": "qkv.interop.roberta",
     "xlm-roberta": "qkv.interop.roberta",
     "distilbert": "qkv.interop.distilbert",
+    "deberta-v2": "qkv.interop.deberta",
     "vit": "qkv.interop.vit",
     "resnet": "qkv.interop.resnet",
     "swin": "qkv.interop.swin",
@@ -44,6 +45,7 @@ _MODULES = {
 KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
          "mixtral": "decoder", "qwen2_moe": "decoder", "qwen3_moe": "decoder",
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
+         "deberta-v2": "encoder",
          "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "resnet": "image",
          "swin": "image", "whisper": "audio"}
 

@@ -122,7 +122,8 @@ class Layout:
     Keys are those of the base model (BertModel, RobertaModel, ...); task models put them under `prefix`
     and keep their head outside it. `heads[h]` maps a head's tensors (head "classify" may bring the pooler:
     RoBERTa's classifier.dense, DistilBERT's pre_classifier); `detect` lists (head, the keys that prove it)
-    in order of precedence; `pooler_act` is the classify pooler's activation."""
+    in order of precedence; `pooler_act` is the classify pooler's activation (None: the family's config.json
+    names it, and the model's config carries it); `model_class` is the qkv model built (BERT or a subclass)."""
 
     model_type: str
     prefix: str
@@ -136,8 +137,10 @@ class Layout:
     config_to_hf: Callable[[BERTConfig], dict[str, Any]]
     ignore: tuple[str, ...] = ()
     tied: dict[str, str] = field(default_factory=dict)  # file key -> the key it must equal (tied decoders)
-    pooler_act: str = "tanh"
+    pooler_act: str | None = "tanh"
     fields: dict[str, str] = field(default_factory=lambda: dict(BERT_FIELDS))  # our size -> config.json's field
+    model_class: type = BERT
+    extra: Callable[[BERTConfig], dict[str, str]] | None = None  # more tensors, as the config decides
 
 
 def _normalise_key(key: str, prefix: str) -> str:
@@ -156,6 +159,8 @@ def _mapping(layout: Layout, config: BERTConfig) -> dict[str, str]:
     if config.pooler and not any(v.startswith("pooler.") for v in head_map.values()):
         mapping.update(layout.pooler)
     mapping.update(head_map)
+    if layout.extra is not None:
+        mapping.update(layout.extra(config))
     return mapping
 
 
@@ -181,7 +186,7 @@ def load_encoder(folder: Path, hf_config: dict[str, Any], layout: Layout) -> BER
     config = layout.config_from_hf(hf_config, head=head, pooler=has_pooler or head == "classify")
     _check_sizes(hf_state, source, layout, config)
     tied = {k: (ref, f"{source}: {k} is not tied as this loader assumes") for k, ref in layout.tied.items()}
-    model = build_skeleton(lambda: BERT(config))  # parameters on meta: storage comes in the file's dtype
+    model = build_skeleton(lambda: layout.model_class(config))  # parameters on meta: storage comes in the file's dtype
     load_hf_weights(model, hf_state, _mapping(layout, config), ignore=layout.ignore, source=source, tied=tied)
     return model.eval()
 
@@ -196,7 +201,7 @@ def export_encoder(model: BERT, path: str | os.PathLike, layout: Layout, *, base
     c: BERTConfig = model.config
     require(c.head in ("none", "classify", "tag"), f"exporting a BERT with head {c.head!r} is not supported "
                                                    "(none, classify, tag)")
-    require(c.pooler_act == layout.pooler_act or c.head != "classify",
+    require(layout.pooler_act in (None, c.pooler_act) or c.head != "classify",
             f"a {layout.model_type} classifier pools with {layout.pooler_act}, this model with {c.pooler_act}")
     mapping = _mapping(layout, c)
     if c.head == "tag":  # HF token classifiers have no pooler (and one in the file would read as "classify")
