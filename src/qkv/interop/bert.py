@@ -171,7 +171,9 @@ def _check_sizes(hf_state: HFTensors, source: str, layout: Layout, c: BERTConfig
     check_sizes(hf_state, source, [
         (f["n_layers"], c.n_layers, key["encoder.blocks.{}.norm1.weight"], None),
         (f["vocab_size"], c.vocab_size, key["tok_emb.weight"], 0), (f["d_model"], c.d_model, key["tok_emb.weight"], 1),
-        (f["context_length"], c.context_length + c.position_offset, key["encoder.position.weight"], 0),
+        # an absolute position table only where the family has one (DeBERTa's positions are relative)
+        *([(f["context_length"], c.context_length + c.position_offset, key["encoder.position.weight"], 0)]
+          if "encoder.position.weight" in key else []),
         (f["d_ff"], c.d_ff or 4 * c.d_model, key["encoder.blocks.{}.ffn.up.weight"].format(0), 0),
         *([(f["type_vocab_size"], c.type_vocab_size, key["type_emb.weight"], 0)] if layout.types else [])])
 
