@@ -221,16 +221,13 @@ def load_llama(folder: Path, hf_config: dict[str, Any]) -> GPT:
     """A LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM folder -> our GPT, in
     eval mode, in the dtype of the folder's embedding weights."""
     config = config_from_hf(hf_config)
-    return load_decoder(folder, hf_config, config, key_map(config))
+    tensors = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+    check_decoder_sizes(tensors, config)  # before the key map is expanded per layer
+    return load_decoder(folder, hf_config, config, key_map(config), tensors)
 
 
-def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, mapping: Mapping[str, str],
-                 tensors: HFTensors | None = None) -> GPT:
-    """A Llama-style folder whose config and key map are already made (here, and for the MoE variants in
-    interop/moe.py) -> our GPT, in eval mode, in the dtype of the folder's embedding weights. tensors: the
-    folder's tensors, when the caller has opened (or renamed) them."""
-    if tensors is None:
-        tensors = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+def check_decoder_sizes(tensors: Any, config: GPTConfig) -> None:
+    """config.json's sizes against the file's headers, before anything is expanded or allocated from them."""
     require("model.embed_tokens.weight" in tensors,
             f"{tensors.source}: no model.embed_tokens.weight (a base-model folder without the 'model.' prefix "
             "is not supported)")
@@ -243,6 +240,16 @@ def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, map
         ("intermediate_size", c.d_ff, "model.layers.0.mlp.up_proj.weight", 0),
         ("num_attention_heads * head_dim", c.n_heads * hd, layer.format(0) + "q_proj.weight", 0),
         ("num_key_value_heads * head_dim", (c.n_kv_heads or c.n_heads) * hd, layer.format(0) + "k_proj.weight", 0)])
+
+
+def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, mapping: Mapping[str, str],
+                 tensors: HFTensors | None = None) -> GPT:
+    """A Llama-style folder whose config and key map are already made (here, and for the MoE variants in
+    interop/moe.py) -> our GPT, in eval mode, in the dtype of the folder's embedding weights. tensors: the
+    folder's tensors, when the caller has opened (or renamed) them."""
+    if tensors is None:
+        tensors = HFTensors(folder)
+    check_decoder_sizes(tensors, config)
     dtype = tensors.meta("model.embed_tokens.weight").dtype
     model = _empty_model(config, dtype if dtype.is_floating_point else torch.float32)
     fill_model(model, tensors, mapping)

@@ -168,6 +168,7 @@ def load_moe(folder: Path, hf_config: dict[str, Any]) -> GPT:
     tensors: Any = HFTensors(folder)
     if any(name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for name in tensors):
         tensors = FusedExperts(tensors, mt)
+    llama.check_decoder_sizes(tensors, config)  # before the key map is expanded per layer
     return llama.load_decoder(folder, hf_config, config, key_map(config, mt), tensors)
 
 
