@@ -11,7 +11,7 @@ Timing: --warmup calls each, then --repeats rounds, each timing every case once 
 (benchmarks/_timing.interleaved); reported: median seconds and tokens/s (padding included), and the median of
 the per-round ratios qkv / HF time.
 
-    .venv/bin/python benchmarks/deberta.py [--quick] [--layers 6] [--out docs/perf]
+    .venv/bin/python benchmarks/deberta.py [--quick] [--layers 6] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 layers, width 128, vocab 1000, batch 2 x 32: a smoke run")
-    ap.add_argument("--out", default="docs/perf")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args()
     width, heads, vocab = (128, 2, 1000) if a.quick else (768, 12, 128100)
     layers, B, T = (2, 2, 32) if a.quick else (a.layers, a.batch, a.seq)
