@@ -2,8 +2,8 @@
 has llama-cpp-python, gguf and safetensors (never qkv's: llama.cpp is an optional peer, not a dependency), so
 this file imports neither torch nor qkv.
 
-    PY write CONFIG_JSON FP32_SAFETENSORS OUT_DIR   GGUF files of a Hugging Face Llama folder: OUT_DIR/{F32,BF16,Q8_0}.gguf
-    PY serve THREADS N_CTX NAME=GGUF ...            load each GGUF once, then answer JSON requests, one per stdin line:
+    PY write FOLDER OUT_DIR               GGUF files of an fp32 Hugging Face Llama folder: OUT_DIR/{F32,BF16,Q8_0}.gguf
+    PY serve THREADS N_CTX NAME=GGUF ...  load each GGUF once, then answer JSON requests, one per stdin line:
         {"op": "decode", "model": NAME, "prompt": [ids], "new": N}
             -> {"seconds": s, "tokens": [N ids]}   the prompt is evaluated first (not timed), then N greedy steps:
                                                    argmax of the last logits, one-token llama_decode (timed)
@@ -64,12 +64,14 @@ def hyper(cfg: dict) -> dict:
             "ctx": cfg.get("max_position_embeddings", 2048)}
 
 
-def write_gguf(cfg_path: str, weights_path: str, out_dir: str) -> None:
+def write_gguf(folder: str, out_dir: str) -> None:
     import gguf
     from safetensors.numpy import load_file
 
-    h = hyper(json.loads(Path(cfg_path).read_text()))
-    tensors = load_file(weights_path)
+    h = hyper(json.loads((Path(folder) / "config.json").read_text()))
+    tensors = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):  # numpy has no bf16: the folder is fp32
+        tensors.update(load_file(shard))
     files = {"F32": gguf.LlamaFileType.ALL_F32, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
              "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
     for fmt, ftype in files.items():
@@ -153,7 +155,7 @@ def last_logits(llama_cpp, llm) -> np.ndarray:
 
 if __name__ == "__main__":
     if sys.argv[1] == "write":
-        write_gguf(*sys.argv[2:5])
+        write_gguf(*sys.argv[2:4])
     elif sys.argv[1] == "serve":
         serve(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
     else:

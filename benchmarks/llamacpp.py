@@ -127,8 +127,8 @@ def peer_python(arg: str | None) -> tuple[str | None, str]:
 
 
 def write_gguf(python: str, folder: Path, out: Path) -> dict[str, Path]:
-    r = subprocess.run([python, str(PEER), "write", str(folder / "config.json"), str(folder / "model.safetensors"),
-                        str(out)], capture_output=True, text=True, timeout=1800)
+    r = subprocess.run([python, str(PEER), "write", str(folder), str(out)], capture_output=True, text=True,
+                       timeout=1800)
     if r.returncode:
         raise RuntimeError(f"writing the GGUF files failed: {r.stderr[-3000:]}")
     return {fmt: out / f"{fmt}.gguf" for _, fmt in PAIRS}
