@@ -1,7 +1,7 @@
 """LoRA vs full fine-tuning: the time of one training step at the same batch, side by side in one run.
 
-Model: a random Llama-style decoder on qkv's blocks (RMSNorm, SwiGLU, RoPE, GQA, no biases, tied head) of the
-issue's 135M-class shape by default: 30 layers, hidden 576, 9 query / 3 key-value heads, intermediate 1536,
+Model: a random Llama-style decoder on qkv's blocks (RMSNorm, SwiGLU, RoPE, GQA, no biases, tied head) of a
+135M-class shape by default: 30 layers, hidden 576, 9 query / 3 key-value heads, intermediate 1536,
 vocab 49152. One step = forward + backward + AdamW update (clip 1.0) on a batch of random token ids with
 labels, the same loop as qkv.train.Trainer's inner step without its logging. Modes:
     full   every parameter trains

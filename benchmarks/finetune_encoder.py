@@ -42,8 +42,6 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
-from qkv.nn import linear as qkv_linear  # noqa: E402
-from qkv.nn import linear_backend  # noqa: E402
 from qkv.train import build_optimizer  # noqa: E402
 from qkv.train.optim import implementation  # noqa: E402
 
@@ -109,24 +107,22 @@ def hf_trainer_optimizer(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=2e-5, betas=(0.9, 0.999), eps=1e-8, fused=optim.lower().endswith("fused"))
 
 
-def make_step(model, dtype: str, device: str, backend: str = "auto", optimizer: str = "default",
+def make_step(model, dtype: str, device: str, optimizer: str = "default",
               opt: torch.optim.Optimizer | None = None):
-    """One optimizer step, qkv's linear layers under `backend` (qkv.nn.linear_backend: "aten" = the same MKL
-    GEMMs Hugging Face uses, "onednn" = oneDNN's): separates that kernel choice from the rest of the model.
-    With `opt` given (a project's recipe) the gradients are clipped to norm 1.0 first, as both trainers do."""
+    """One optimizer step of `model` (bf16: under torch.autocast). With `opt` given (a project's recipe) the
+    gradients are clipped to norm 1.0 first, as both trainers do."""
     clip = opt is not None
     opt = opt or torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01, **OPTIMIZERS[optimizer])
 
     def step(b: dict[str, torch.Tensor]) -> float:
         ctx = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
-        with linear_backend(backend):
-            with ctx:
-                loss = model(**b).loss
-            loss.float().backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        with ctx:
+            loss = model(**b).loss
+        loss.float().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
         return float(loss.detach())
@@ -144,8 +140,6 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--no-mkl-row", dest="mkl_row", action="store_false",
-                    help="skip the qkv fp32 run with the other linear backend (oneDNN vs aten/MKL)")
     ap.add_argument("--no-padded-row", dest="padded_row", action="store_false",
                     help="skip the qkv runs with unpadding off (all B x T positions through every layer, as HF)")
     ap.add_argument("--optimizer", default="default", choices=list(OPTIMIZERS),
@@ -167,23 +161,14 @@ def main() -> None:
     # one model copy per (model, dtype): each keeps its own optimizer state, all from the same weights
     steps = {}
     recipe_impls: dict[str, str] = {}
-    # the default ("auto") linear backend on this CPU, and the alternative as an extra fp32 row
-    other = "aten" if qkv_linear._onednn_on() else "onednn"
     for dt in dtypes:
         steps[("qkv BERT", dt)] = make_step(copy.deepcopy(ours), dt, a.device, optimizer=a.optimizer)
         steps[("HF BertForSequenceClassification (sdpa)", dt)] = make_step(copy.deepcopy(hf), dt, a.device,
                                                                             optimizer=a.optimizer)
-        if dt == "fp32" and a.device == "cpu" and a.mkl_row and qkv_linear.onednn_available():
-            # (bf16 autocast never takes the oneDNN fp32 path)
-            steps[(f"qkv BERT, linear backend {other}", dt)] = make_step(copy.deepcopy(ours), dt, a.device, other,
-                                                                         a.optimizer)
         if a.padded_row:
             padded = copy.deepcopy(ours)
             padded.unpad_in_training = False  # every layer on all B x T positions, as HF
             steps[("qkv BERT, unpadding off", dt)] = make_step(padded, dt, a.device, optimizer=a.optimizer)
-            if dt == "fp32" and a.device == "cpu" and a.mkl_row and qkv_linear.onednn_available():
-                steps[(f"qkv BERT, unpadding off, linear backend {other}", dt)] = make_step(
-                    copy.deepcopy(padded), dt, a.device, other, a.optimizer)
         if a.recipes:
             q = copy.deepcopy(ours)
             q_opt, _ = build_optimizer(q, lr=2e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -1,4 +1,4 @@
-"""qkv on one CUDA GPU, side by side with Hugging Face `transformers` in the same process (issue 15).
+"""qkv on one CUDA GPU, side by side with Hugging Face `transformers` in the same process.
 
 Sections (all by default; name some to run only those):
   peak    the measured bf16 matmul ceiling (8192^3), next to the spec's dense bf16 peak (--spec-tflops)
@@ -366,7 +366,7 @@ def section_flash(b: Bench) -> None:
             opt.step()
             b.sync()
             emit(section="flash", what=f"one {T}-token training step (batch 1, bf16 autocast, AdamW)", impl=name,
-                 peak_gib=b.peak_gib(), ms=round((time.perf_counter() - t) * 1e3, 1))
+                 peak_gib=b.peak_gib(), ms=round((time.perf_counter() - t) * 1e3, 1), loss=round(float(loss), 5))
         except torch.OutOfMemoryError as e:
             emit(section="flash", what=f"one {T}-token training step", impl=name, error=f"out of memory: {e}"[:200])
         del model, opt

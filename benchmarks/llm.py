@@ -12,21 +12,11 @@ loaded by both libraries from that folder. Measured, side by side in one run:
 Every timed configuration runs --repeats times, interleaved (round robin); the table reports medians. The
 machine is shared: only ratios within one run mean much.
 
-    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--ab] [--ab-tiles] [--ab-12g]
+    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--no-compile] [--no-int8]
 
---ab: at batch > 1 a third library row, "qkv mkl-step": qkv with the batched step's products through MKL as before
-issue 12's fix (qkv.nn.linear.STEP_PACKED_MIN_ROWS = 0), timed in the same interleaved rounds; at batch 1 a row
-"qkv previous step": qkv with step12c's batch-1 fast paths off (benchmarks/_step_switches.py).
-
---ab-tiles: for bf16 weights a row "qkv bf16 before": qkv with its bf16 paths for CPUs without native bf16 off
-(products of several rows through fp32 tiles of the weight, the step's attention products in fp32, RMSNorm.step's bf16
-row: _step_switches.previous_bf16), in the same interleaved rounds, decode and prefill.
-With --ab-tiles also a row "qkv no fp16 step": only the bf16 step's fp16 copy off (linear.STEP_BF16_VIA_FP16,
-_step_switches.previous_fp16_step; docs/perf/bf16_12e.md), decode only.
-
---ab-12g: for bf16 weights a row "qkv before 12g": qkv without docs/perf/bf16_12g.md's routes (the output head's
-one-row product through its fp16 copy; a batch's gate and up through one joined fp16 copy;
-_step_switches.previous_12g), in the same interleaved rounds, decode only.
+Rows: "qkv" (eager), "qkv compiled" (GenerationConfig(compile=True): the decoding step through torch.compile,
+compile time excluded: each configuration is warmed up first), "qkv int8" (weight-only int8, where
+qkv.from_pretrained(..., quantize="int8") exists), "transformers".
 
 --quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
 Writes benchmarks/results/llm.json and llm.md.
@@ -53,8 +43,6 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
-import qkv.nn.linear  # noqa: E402
-from _step_switches import previous_12g, previous_bf16, previous_fp16_step, previous_step  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
@@ -109,25 +97,28 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def _without_packed_step(fn):
-    """fn() with Linear.step's batched oneDNN path off (the MKL products of the step before issue 12's fix)."""
-    old, qkv.nn.linear.STEP_PACKED_MIN_ROWS = qkv.nn.linear.STEP_PACKED_MIN_ROWS, 0
+def native_bf16() -> bool:
+    """Does this CPU multiply bf16 natively (AVX512-BF16 or AMX)? Reported, never acted on."""
     try:
-        return fn()
-    finally:
-        qkv.nn.linear.STEP_PACKED_MIN_ROWS = old
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _bf16_before(fn):
-    """fn() with bf16 as before issue 12's bf16 passes (benchmarks/_step_switches.py previous_bf16)."""
-    with previous_bf16():
-        return fn()
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers a decoding step reads (a tied weight once)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    seen = {t.data_ptr(): t for t in tensors if t.is_floating_point() or t.dtype == torch.int8}
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
-def _no_fp16_step(fn):
-    """fn() with only the bf16 step's fp16 copy off (benchmarks/_step_switches.py previous_fp16_step)."""
-    with previous_fp16_step():
-        return fn()
+def _load_int8(folder: Path):
+    """qkv's weight-only int8 model of `folder`, or None where this qkv has no quantize= argument."""
+    try:
+        return qkv.from_pretrained(folder, quantize="int8")
+    except TypeError:
+        return None
 
 
 def main() -> None:
@@ -140,9 +131,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--ab", action="store_true", help="also time qkv without the packed batched step (batch > 1)")
-    ap.add_argument("--ab-tiles", action="store_true", help="also time bf16 qkv as before its bf16 paths")
-    ap.add_argument("--ab-12g", action="store_true", help="also time bf16 qkv without bf16_12g's fp16 routes")
+    ap.add_argument("--no-compile", action="store_true", help="skip the 'qkv compiled' rows")
+    ap.add_argument("--no-int8", action="store_true", help="skip the 'qkv int8' rows")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     if a.quick:
@@ -167,7 +157,7 @@ def main() -> None:
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
             "machine": platform.processor() or platform.machine(), "quick": a.quick, "model": spec,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native_bf16": qkv.nn.linear.native_bf16(),
+            "native_bf16": native_bf16(),
             "prompt": a.prompt, "new_tokens": a.new, "prefill": a.prefill, "repeats": a.repeats,
             "note": "shared, loaded machine: medians of interleaved repeats; compare ratios within this run"}
 
@@ -176,10 +166,14 @@ def main() -> None:
     gbps = read_bandwidth()
 
     rows, agree = [], {}
+    # int8 from the bf16 folder: torch's fused int8 kernel takes bf16 activations (fp32 ones take a slow loop)
+    source = folders.get("bfloat16", folders.get("float32"))
+    int8 = None if a.no_int8 else _load_int8(source)
     for name in a.dtypes:
         hf, ours = models[name]
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
         floor_ms = weight_bytes / (gbps * 1e9) * 1000
+        int8_floor_ms = None if int8 is None else model_bytes(int8) / (gbps * 1e9) * 1000
         for B in a.batches:
             x = torch.randint(3, spec["vocab_size"], (B, a.prompt), generator=torch.Generator().manual_seed(B))
             fns = {
@@ -187,24 +181,11 @@ def main() -> None:
                 "transformers": lambda x=x, m=hf: m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.new,
                                                              min_new_tokens=a.new, do_sample=False, pad_token_id=0),
             }
-            if a.ab and B == 1:
-                def previous(x=x, m=ours):
-                    with previous_step():
-                        return generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new)
-                fns["qkv previous step"] = previous
-            if a.ab and B > 1:
-                fns["qkv mkl-step"] = lambda x=x, m=ours: _without_packed_step(
-                    lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
-            if a.ab_tiles and name == "bfloat16":
-                fns["qkv bf16 before"] = lambda x=x, m=ours: _bf16_before(
-                    lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
-                fns["qkv no fp16 step"] = lambda x=x, m=ours: _no_fp16_step(
-                    lambda: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new))
-            if a.ab_12g and name == "bfloat16":
-                def before_12g(x=x, m=ours):
-                    with previous_12g():
-                        return generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new)
-                fns["qkv before 12g"] = before_12g
+            if not a.no_compile:
+                fns["qkv compiled"] = lambda x=x, m=ours: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new,
+                                                                   compile=True)
+            if int8 is not None and folders[name] == source:
+                fns["qkv int8"] = lambda x=x, m=int8: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new)
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared
                 times, _ = interleaved(fns, a.repeats)
@@ -215,9 +196,11 @@ def main() -> None:
             med = {k: statistics.median(v) for k, v in times.items()}
             for k in fns:
                 ms = 1000 * med[k] / a.new
-                rows.append({"dtype": name, "batch": B, "library": k, "ms_per_step": round(ms, 2),
-                             "tok_per_s": round(B * a.new / med[k], 1), "vs_transformers": round(med["transformers"] / med[k], 3),
-                             "floor_ms": round(floor_ms, 2), "x_floor": round(ms / floor_ms, 2)})
+                floor = int8_floor_ms if k == "qkv int8" else floor_ms
+                rows.append({"dtype": "int8" if k == "qkv int8" else name, "batch": B, "library": k,
+                             "ms_per_step": round(ms, 2), "tok_per_s": round(B * a.new / med[k], 1),
+                             "vs_transformers": round(med["transformers"] / med[k], 3),
+                             "floor_ms": round(floor, 2), "x_floor": round(ms / floor, 2)})
 
     prefill = []
     x = torch.randint(3, spec["vocab_size"], (1, a.prefill), generator=torch.Generator().manual_seed(7))
@@ -225,8 +208,6 @@ def main() -> None:
         hf, ours = models[name]
         fns = {"qkv": lambda m=ours: m(x, last_only=True),
                "transformers": lambda m=hf: m(x, logits_to_keep=1)}
-        if a.ab_tiles and name == "bfloat16":
-            fns["qkv bf16 before"] = lambda m=ours: _bf16_before(lambda: m(x, last_only=True))
         with torch.no_grad():
             for fn in fns.values():
                 fn()

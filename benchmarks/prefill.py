@@ -1,9 +1,9 @@
-"""Prefill of long prompts (512..2048 tokens): qkv vs transformers on the same weights (issue 15; bar >= 1.2x).
+"""Prefill of long prompts (512..2048 tokens): qkv vs transformers on the same weights.
 
 One forward over a B=1 prompt of each length, logits of the last position only in both libraries (what
 generation needs: qkv `model(ids, last_only=True)`, transformers `model(ids, logits_to_keep=1)`), under
 torch.no_grad. Models (random weights, built by transformers from a config, saved to a temporary folder and
-loaded by both; the same shapes as benchmarks/decode_floor.py):
+loaded by both):
   gpt2    GPT-2 124M (12 x 768, learned positions up to 2048 here so that 2048-token prompts fit)
   llama   a 135M-class Llama (30 x 576, 9/3 GQA heads, RoPE, RMSNorm, SwiGLU, tied)
 Every (model, length) pair runs --repeats times with the two libraries interleaved (qkv, transformers, qkv,
@@ -12,13 +12,10 @@ absolute difference) so that a fast wrong answer cannot pass unseen.
 
     .venv/bin/python benchmarks/prefill.py [--quick] [--threads 2] [--lengths 512 1024 2048] [--repeats 3]
 
---quick: tiny configs, lengths 16 and 32, one repeat (the smoke test, tests/test_benchmark_decode_floor.py).
---ablate: two more interleaved contenders: "qkv full top block", the same model with every block over every
-position (what last_only did before the top block learned to skip the other positions' queries and FFN), and
-"qkv new temporaries", the same model with the inference forward's in-place temporaries switched off (RoPE,
-the FFN activation, RMSNorm's x^2 buffer: nn.position.ROPE_IN_PLACE, nn.ffn.ACT_IN_PLACE,
-nn.norm.RMS_LEAN_MIN_NUMEL; the same values bit for bit, more (T, d) tensors allocated), so the table shows
-what each change buys on the same run.
+--quick: tiny configs, lengths 16 and 32, one repeat (the smoke test, tests/test_benchmark_prefill.py).
+--ablate: one more interleaved contender, "qkv full top block": the same model with every block over every
+position and the LM head applied to the last one, so the table shows what last_only's skipping of the top
+block's other queries and FFN rows buys on the same run.
 Besides the wall-clock medians every call's process CPU time (user + sys of both threads) is recorded: on a
 machine shared with other jobs it is far less noisy than wall time, and its ratio is given as well.
 Writes OUT/prefill.json and prefill.md (OUT = benchmarks/results; --md also copies the table).
@@ -27,7 +24,6 @@ Writes OUT/prefill.json and prefill.md (OUT = benchmarks/results; --md also copi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -46,20 +42,22 @@ sys.path.insert(0, str(ROOT))
 
 import qkv  # noqa: E402
 from _timing import interleaved  # noqa: E402
-from decode_floor import FULL, NO_DROPOUT, QUICK  # noqa: E402
 
-
-@contextlib.contextmanager
-def new_temporaries():
-    """The inference forward as before its in-place temporaries (the --ablate control): the same values."""
-    from qkv.nn import ffn, norm, position
-
-    old = position.ROPE_IN_PLACE, ffn.ACT_IN_PLACE, norm.RMS_LEAN_MIN_NUMEL
-    position.ROPE_IN_PLACE, ffn.ACT_IN_PLACE, norm.RMS_LEAN_MIN_NUMEL = False, False, 0
-    try:
-        yield
-    finally:
-        position.ROPE_IN_PLACE, ffn.ACT_IN_PLACE, norm.RMS_LEAN_MIN_NUMEL = old
+FULL = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
+                                                   n_head=12)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                                      num_hidden_layers=30, num_attention_heads=9,
+                                                      num_key_value_heads=3, max_position_embeddings=2048,
+                                                      tie_word_embeddings=True)),
+}
+QUICK = {
+    "gpt2": dict(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4),
+    "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True),
+}
+# dropout off in the saved configs, so that the folder both libraries load describes the inference model
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
 
 
 def cpu_timed(fns: dict, cpu: dict) -> dict:
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--families", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     ap.add_argument("--ablate", action="store_true", help="also time qkv with its top block over every position")
     ap.add_argument("--out", default=str(ROOT / "results"))
-    ap.add_argument("--md", default=None, help="also write the markdown table here (e.g. docs/perf/prefill.md)")
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
     a = ap.parse_args(argv)
     if a.quick:
         a.lengths, a.repeats = [16, 32], 1
@@ -112,16 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
                 x = torch.randint(4, ours.output_vocab_size, (1, n), generator=gen)
                 fns = {"qkv": lambda x=x, m=ours: m(x, last_only=True).logits[:, -1],
                        "transformers": lambda x=x, m=hf: m(x, logits_to_keep=1).logits[:, -1]}
-                if a.ablate:  # the decoder without last_only, then the LM head on the last position (as before)
+                if a.ablate:  # the decoder over every position, then the LM head on the last one
                     fns["full_top"] = lambda x=x, m=ours: m.lm_head(m.decoder(m.tok_emb(x)).hidden[:, -1:])[:, -1]
-
-                    def before(x=x, m=ours):
-                        with new_temporaries():
-                            return m(x, last_only=True).logits[:, -1]
-                    fns["new_temps"] = before
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the logits compared
                 diff = max((o - outs["transformers"]).abs().max().item() for k, o in outs.items())
-                same = all(torch.equal(outs["qkv"], outs[k]) for k in ("new_temps",) if k in outs)
                 cpu = {k: [] for k in fns}
                 times, _ = interleaved(cpu_timed(fns, cpu), a.repeats)
                 med = {k: statistics.median(v) for k, v in times.items()}
@@ -133,28 +125,22 @@ def main(argv: list[str] | None = None) -> dict:
                              "qkv_cpu_s": round(cmed["qkv"], 4), "hf_cpu_s": round(cmed["transformers"], 4),
                              "cpu_speedup": round(cmed["transformers"] / cmed["qkv"], 3),
                              **({"full_top_s": round(med["full_top"], 4),
-                                 "full_top_speedup": round(med["transformers"] / med["full_top"], 3),
-                                 "new_temps_s": round(med["new_temps"], 4),
-                                 "new_temps_speedup": round(med["transformers"] / med["new_temps"], 3),
-                                 "new_temps_cpu_speedup": round(cmed["transformers"] / cmed["new_temps"], 3),
-                                 "new_temps_logits_equal": same}
+                                 "full_top_speedup": round(med["transformers"] / med["full_top"], 3)}
                                 if a.ablate else {})})
             del hf, ours, fns  # free one model pair before building the next
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.processor() or platform.machine(),
             "repeats": a.repeats, "quick": a.quick, "ablate": a.ablate}
-    ab_head = (" qkv full top block s | its speed-up | qkv new temporaries s | its speed-up | its CPU-time speed-up |"
-               if a.ablate else "")
+    ab_head = " qkv full top block s | its speed-up |" if a.ablate else ""
     lines = [f"fp32, batch 1, {a.threads} threads, CPU {meta['cpu_capability']}; one forward, last-position logits; "
              f"median of {a.repeats} interleaved repeats; CPU-time speed-up: the same ratio of the calls' process CPU "
              "time (user + sys, both threads)", "",
              "| model | prompt tokens | qkv s | transformers s | qkv tok/s | transformers tok/s | qkv speed-up | "
              "CPU-time speed-up | max abs logit diff |" + ab_head,
-             "|---|---|---|---|---|---|---|---|---|" + "---|---|---|---|---|" * a.ablate]
+             "|---|---|---|---|---|---|---|---|---|" + "---|---|" * a.ablate]
     lines += [f"| {r['family']} | {r['tokens']} | {r['qkv_s']} | {r['hf_s']} | {r['qkv_tok_s']} | {r['hf_tok_s']} | "
               f"{r['speedup']}x | {r['cpu_speedup']}x | {r['max_abs_logit_diff']:.1e} |"
-              + (f" {r['full_top_s']} | {r['full_top_speedup']}x | {r['new_temps_s']} | {r['new_temps_speedup']}x | "
-                 f"{r['new_temps_cpu_speedup']}x |" if a.ablate else "") for r in rows]
+              + (f" {r['full_top_s']} | {r['full_top_speedup']}x |" if a.ablate else "") for r in rows]
     table = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,16 +1,16 @@
-"""Where the time goes, op by op: qkv against its reference, under torch.profiler, in one process (issue 15).
+"""Where the time goes, op by op: qkv against its reference, under torch.profiler, in one process.
 
 Two comparisons, each the same work on the same weights, profiled in interleaved rounds (A B .. B A ..):
   prefill  one forward over a B=1 prompt, last-position logits (as benchmarks/prefill.py): qkv
            `model(ids, last_only=True)` vs transformers `model(ids, logits_to_keep=1)`; --family gpt2|llama.
-  step     one batch-1 greedy decoding step over a 32-token prompt's cache (as benchmarks/decode_floor.py): qkv
+  step     one batch-1 greedy decoding step over a 32-token prompt's cache : qkv
            `model.step(ids, cache)` vs a transformers forward with its cache (one new token); the caches are cut
            back after each profiled step, so every round times the same position; --family gpt2|llama.
            Calls per step / number of layers = aten ops per layer.
   beam     one beam search (num_beams 4, length_penalty 0.6, no_repeat_ngram_size 3, early stopping, 32 new
            tokens) of a batch of --tokens source sentences (default 16 when --tokens is not given) through the
            Marian-shaped model of benchmarks/seq2seq_beam.py: qkv `generate` vs `MarianMTModel.generate`, the same
-           weights and sources (issue 14).
+           weights and sources.
   train    one fp32 training step (forward + loss + backward + AdamW + zero_grad, as
            benchmarks/train_vs_nanogpt.py): qkv GPT (GPT-2's tanh GELU), qkv GPT with the exact GELU, and
            nanoGPT's model.py (--nanogpt PATH, never shipped).

@@ -11,12 +11,7 @@ the table reports medians of sentences/s, the median of the per-round ratios to 
 ratio measured in process CPU time (less sensitive to other jobs on a shared machine), and whether the two
 libraries produced the same tokens. Only ratios within one run count.
 
---ab adds a third contender, "qkv, beam14d paths off": the same qkv beam search with the two changes of docs/perf/beam14d.md
-switched off (the Marian head's batched step through addmm instead of the oneDNN-packed copy,
-`qkv.models.encdec.HEAD_STEP_ONEDNN`; torch.topk over each full row instead of the two-stage top-k,
-`qkv.generate.search.TOPK_TWO_STAGE_MIN`), to show what they gain in the same rounds.
-
-    .venv/bin/python benchmarks/seq2seq_beam.py [--quick] [--ab] [--out DIR]
+    .venv/bin/python benchmarks/seq2seq_beam.py [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -40,8 +35,6 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
 from qkv.generate import generate  # noqa: E402
-from qkv.generate import search as qkv_search  # noqa: E402
-from qkv.models import encdec as qkv_encdec  # noqa: E402
 
 FULL = dict(vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=512)
@@ -90,7 +83,6 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--ab", action="store_true", help="also run qkv with the beam14d changes off")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     if a.quick:
@@ -109,18 +101,7 @@ def main() -> None:
         with torch.no_grad():
             return [hf.generate(input_ids=x, attention_mask=m, do_sample=False, **opts)[:, 1:] for x, m in bs]
 
-    def run_qkv_off(bs=batches) -> list[torch.Tensor]:
-        saved = qkv_encdec.HEAD_STEP_ONEDNN, qkv_search.TOPK_TWO_STAGE_MIN
-        qkv_encdec.HEAD_STEP_ONEDNN, qkv_search.TOPK_TWO_STAGE_MIN = False, 1 << 62
-        try:
-            return run_qkv(bs)
-        finally:
-            qkv_encdec.HEAD_STEP_ONEDNN, qkv_search.TOPK_TWO_STAGE_MIN = saved
-
     configs = {"qkv beam search": run_qkv, "HF MarianMTModel.generate": run_hf}
-    if a.ab:
-        configs = {"qkv beam search": run_qkv, "qkv, beam14d paths off": run_qkv_off,
-                   "HF MarianMTModel.generate": run_hf}
     for fn in configs.values():  # warm-up: the first batch
         fn(batches[:1])
     times: dict[str, list[float]] = {k: [] for k in configs}
@@ -165,7 +146,7 @@ def main() -> None:
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "shape": shape, "sentences": a.sentences, "batch_size": a.batch_size, "max_new_tokens": a.max_new_tokens,
-            "repeats": a.repeats, "quick": a.quick, "ab": a.ab, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+            "repeats": a.repeats, "quick": a.quick, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "seq2seq_beam.json").write_text(json.dumps({"meta": meta, "rows": rows, "tokens_equal": equal}, indent=2))

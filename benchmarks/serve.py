@@ -1,4 +1,4 @@
-"""qkv serve under load (issue 13), CPU, one run, five parts:
+"""qkv serve under load, CPU, one run, five parts:
 
 1. load   N concurrent streaming clients (asyncio + aiohttp, or --client httpx) on a loopback server, mixed prompt lengths and
           output lengths, greedy; total generated tok/s vs sequential generate() at batch 1 on the same
@@ -19,7 +19,7 @@ Models (--family): 'gpt' = qkv's 'gpt-bench' run folder (6 layers, 384 wide, voc
 1024-position table; 'llama' = the 135M-class Llama of benchmarks/llm.py (30 layers, hidden 576, 9 / 3 heads,
 vocab 49152, tied; random weights) saved by `transformers` as a Hugging Face folder with a word-level
 `tokenizer.json` of its own (no eos, so every request runs to its length). --parts picks the parts to run
-(the Llama model is ~6x the GPT's work per token: `--family llama --parts load` is the issue's headline figure).
+(the Llama model is ~6x the GPT's work per token: `--family llama --parts load` is the headline figure).
 
     .venv/bin/python benchmarks/serve.py [--quick] [--family gpt|llama] [--parts load static prefix preempt chunk]
         [--clients 64] [--prompt-max 512] [--new-max 256] [--client aiohttp|httpx]
@@ -92,7 +92,7 @@ def make_folder(path: Path, quick: bool, family: str = "gpt") -> Path:
 
 
 async def client(c, url: str, name: str, prompt: list[int], n: int) -> dict:
-    """One streaming client over httpx (aiter_lines): the benchmark's client before srv13d (--client httpx)."""
+    """One streaming client over httpx (aiter_lines), --client httpx: heavier than aiohttp, its CPU time competes."""
     body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     stamps: list[float] = []
@@ -324,7 +324,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--family", choices=["gpt", "llama"], default="gpt")
     ap.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
-                    help="the load generator's HTTP client (httpx: the heavier client used before srv13d)")
+                    help="the load generator's HTTP client (httpx: heavier, its CPU time competes with the server)")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serve[_llama].json)")
     a = ap.parse_args()

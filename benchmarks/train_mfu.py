@@ -73,16 +73,8 @@ class BigramText:
 
 
 def matmul_peak(dtype: torch.dtype, repeats: int) -> tuple[float, float]:
-    """Best median GFLOP/s of square matmuls n x n @ n x n: (per wall second, per CPU second of this process).
-
-    Both GEMM libraries bundled with torch are timed (MKL through `a @ b`, oneDNN through the inner product
-    qkv's fp32 Linear uses) and the faster one is the peak: MFU against the slower library alone would
-    read above 100% on CPUs where oneDNN wins (this one)."""
-    from qkv.nn import linear as qlin
-
+    """Best median GFLOP/s of square matmuls n x n @ n x n: (per wall second, per CPU second of this process)."""
     kernels = [lambda a, b: a @ b]
-    if dtype == torch.float32 and qlin.onednn_available():
-        kernels.append(lambda a, b: qlin._mm(a, b))  # a @ b^T: the same FLOPs
     best_wall = best_cpu = 0.0
     for n in (1024, 1536, 2048):
         a = torch.randn(n, n).to(dtype)

@@ -30,8 +30,6 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 import qkv  # noqa: E402
-from qkv.nn import linear as qkv_linear  # noqa: E402
-from qkv.nn import linear_backend  # noqa: E402
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK, BATCH, VOCAB = 6, 6, 384, 256, 8, 65
 
@@ -53,18 +51,15 @@ def build_models(seed: int = 0):
     return hf.train(), ours.train(), transformers.__version__
 
 
-def make_step(model, lr: float = 3e-4, backend: str = "auto"):
-    """One optimizer step, qkv's linear layers under `backend` (qkv.nn.linear_backend): "aten" runs the same
-    MKL GEMMs Hugging Face uses, "onednn" oneDNN's; the two rows separate that kernel choice from the rest of
-    the model. For the HF model the setting changes nothing."""
+def make_step(model, lr: float = 3e-4):
+    """One optimizer step (forward with loss, backward, AdamW, zero_grad) of `model` on a batch."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
 
     def step(x: torch.Tensor) -> float:
-        with linear_backend(backend):
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     return step
@@ -85,15 +80,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
 
     hf, ours, tf_version = build_models()
-    import copy
-
-    # both linear backends as separate rows in the same interleaved rounds; "qkv GPT" is what the default
-    # ("auto") takes on this CPU, the other row the alternative (when this build has oneDNN at all)
-    auto = "onednn" if qkv_linear._onednn_on() else "aten"
-    other = {"onednn": "aten", "aten": "onednn"}[auto]
-    steps = {"qkv GPT": make_step(ours, backend=auto), "HF GPT2LMHeadModel (sdpa)": make_step(hf)}
-    if qkv_linear.onednn_available():
-        steps[f"qkv GPT, linear backend {other}"] = make_step(copy.deepcopy(ours), backend=other)
+    steps = {"qkv GPT": make_step(ours), "HF GPT2LMHeadModel (sdpa)": make_step(hf)}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, VOCAB, (BATCH, BLOCK), generator=g) for _ in range(4)]
     tokens = BATCH * BLOCK
@@ -120,13 +107,6 @@ def main() -> None:
     ours_name, hf_name = order[:2]
     ratios = [h / o for o, h in zip(times[ours_name], times[hf_name])]
     cpu_ratios = [h / o for o, h in zip(cpu[ours_name], cpu[hf_name])]
-    alt_name = order[2] if len(order) > 2 else None
-    # oneDNN / aten throughput per round (> 1: oneDNN faster), the A/B of the linear backend
-    if alt_name is not None:
-        on, off = (times[ours_name], times[alt_name]) if auto == "onednn" else (times[alt_name], times[ours_name])
-        ab = [b / a for a, b in zip(on, off)]
-    else:
-        ab = []
     rows = []
     for name in order:
         med = statistics.median(times[name])
@@ -143,8 +123,6 @@ def main() -> None:
         "warmup": a.warmup, "repeats": a.repeats, "steps_per_round": a.steps,
         "rows": rows, "ratio_per_round": ratios, "ratio_median": ratio,
         "cpu_time_ratio_per_round": cpu_ratios, "cpu_time_ratio_median": statistics.median(cpu_ratios),
-        "linear_backend_auto": auto, "onednn_over_aten_per_round": ab,
-        "onednn_over_aten_median": statistics.median(ab) if ab else None,
         "ratio_min": min(ratios), "ratio_max": max(ratios), "bar": 1.1, "meets_bar": ratio >= 1.1,
         "first_step_loss": first,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -161,10 +139,7 @@ def main() -> None:
         f"qkv / HF throughput: median of per-round ratios **{ratio:.2f}x** (range {min(ratios):.2f}..{max(ratios):.2f}, "
         f"{a.repeats} rounds x {a.steps} steps, {a.warmup} warmup; bar 1.1x: {'met' if ratio >= 1.1 else 'NOT met'}).",
         f"Process-CPU-time ratio (less sensitive to other load on the machine): "
-        f"{statistics.median(cpu_ratios):.2f}x. qkv GPT = linear backend '{auto}' (what 'auto' takes on this CPU, "
-        f"capability {torch.backends.cpu.get_cpu_capability()})"
-        + (f"; oneDNN / aten linear, per-round throughput ratio: median {statistics.median(ab):.2f}x "
-           f"(range {min(ab):.2f}..{max(ab):.2f})." if ab else "; this torch build has no oneDNN linear."),
+        f"{statistics.median(cpu_ratios):.2f}x. CPU capability {torch.backends.cpu.get_cpu_capability()}.",
         f"torch {torch.__version__}, transformers {tf_version}, {torch.get_num_threads()} threads.",
     ]
     out = Path(a.out)

@@ -29,12 +29,12 @@ Two comparisons in one run:
   autocast, clip 1.0, logging every 10 steps, no progress bar): a fresh Trainer per round runs `--steps` + 1
   updates and the per-update time of the last `--steps` is taken between its on_step_start callbacks and
   after the last on_step_end (the Trainer's final checkpoint is outside the timed part). Trainer overhead
-  = time(Trainer.fit step) / time(qkv loop step) - 1 (issue 15: <= 5%).
+  = time(Trainer.fit step) / time(qkv loop step) - 1 (bar: <= 5%).
 
 Timing: in one process, `--warmup` steps each, then `--rounds` rounds; in each round every (model, precision)
 pair runs `--steps` steps, the order reversed every other round (ABC..CBA), so load from other jobs on a
 shared machine hits all alike. Reported: the median tokens/s of each pair, and the medians (with min..max)
-of the per-round ratios qkv/nanoGPT, qkv/HF and bf16/fp32. Bar (issue 15): qkv >= 1.1x nanoGPT's model in
+of the per-round ratios qkv/nanoGPT, qkv/HF and bf16/fp32. Bar: qkv >= 1.1x nanoGPT's model in
 both precisions.
 
     .venv/bin/python benchmarks/train_vs_nanogpt.py --nanogpt PATH/model.py [--quick] [--rounds N]
@@ -70,7 +70,7 @@ FULL = dict(n_layer=6, n_head=6, n_embd=384, block=256, batch=8, vocab=65)
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block=32, batch=2, vocab=65)
 RECIPE_NANO = "recipe: nanoGPT loop, its configure_optimizers AdamW"
 RECIPE_QKV = "recipe: qkv loop, Trainer's AdamW"
-RECIPE_QKV_OLD = "recipe: qkv loop, AdamW as before (torch default)"
+RECIPE_QKV_OLD = "recipe: qkv loop, torch's default AdamW"
 RECIPE_TRAINER = "recipe: qkv Trainer.fit"
 MODELS = ("qkv GPT", "nanoGPT GPT", "HF GPT2LMHeadModel (sdpa)", "qkv GPT, exact GELU")
 # GPT-2 (and so qkv's GPT-2 model and HF's) uses the tanh approximation of GELU; nanoGPT's model the exact erf
@@ -329,13 +329,13 @@ def main(argv: list[str] | None = None) -> None:
             q = copy.deepcopy(ours)
             q_opt, _ = build_optimizer(q, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
             steps[(RECIPE_QKV, p)] = make_recipe_step("qkv GPT", q, p, q_opt)
-            q_old = copy.deepcopy(ours)  # the Trainer's optimizer before optimizer_impl: torch's default
+            q_old = copy.deepcopy(ours)  # torch's default AdamW (CPU: a loop over the parameters)
             q_old_opt = torch.optim.AdamW(param_groups(q_old, 0.1)[0], lr=3e-4, betas=(0.9, 0.95))
             steps[(RECIPE_QKV_OLD, p)] = make_recipe_step("qkv GPT", q_old, p, q_old_opt)
             trainers[(RECIPE_TRAINER, p)] = TrainerSteps(copy.deepcopy(ours), p, batches, f"{tmp.name}/{p}")
             impls = {"nanoGPT recipe": implementation(nano_opt) if nano_opt is not None else None,
                      "qkv recipe (Trainer's build_optimizer)": implementation(q_opt),
-                     "qkv before optimizer_impl": implementation(q_old_opt)}
+                     "qkv torch default": implementation(q_old_opt)}
     else:
         impls = {}
 
@@ -396,9 +396,9 @@ def main(argv: list[str] | None = None) -> None:
         if (RECIPE_NANO, p) in times:
             rp["qkv Trainer.fit/nanoGPT recipe"] = ratio_stats(times[(RECIPE_TRAINER, p)], times[(RECIPE_NANO, p)])
             rp["qkv loop/nanoGPT recipe"] = ratio_stats(times[(RECIPE_QKV, p)], times[(RECIPE_NANO, p)])
-        rp["qkv loop/qkv loop before"] = ratio_stats(times[(RECIPE_QKV, p)], times[(RECIPE_QKV_OLD, p)])
+        rp["qkv loop/torch default AdamW"] = ratio_stats(times[(RECIPE_QKV, p)], times[(RECIPE_QKV_OLD, p)])
         # in process CPU time too: less moved by other jobs on a shared machine than wall time
-        rp["qkv loop/qkv loop before, CPU time"] = ratio_stats(cpu[(RECIPE_QKV, p)], cpu[(RECIPE_QKV_OLD, p)])
+        rp["qkv loop/torch default AdamW, CPU time"] = ratio_stats(cpu[(RECIPE_QKV, p)], cpu[(RECIPE_QKV_OLD, p)])
         over_cpu = [t / b - 1 for t, b in zip(cpu[(RECIPE_TRAINER, p)], cpu[(RECIPE_QKV, p)])]
         rp["trainer_overhead_cpu_time"] = {"median": statistics.median(over_cpu), "per_round": over_cpu}
         over = [t / b - 1 for t, b in zip(times[(RECIPE_TRAINER, p)], times[(RECIPE_QKV, p)])]
@@ -450,12 +450,12 @@ def main(argv: list[str] | None = None) -> None:
                 t, b = rp["qkv Trainer.fit/nanoGPT recipe"], rp["qkv loop/nanoGPT recipe"]
                 parts.append(f"qkv Trainer.fit / nanoGPT **{t['median']:.2f}x** ({t['min']:.2f}..{t['max']:.2f}), "
                              f"qkv loop / nanoGPT {b['median']:.2f}x ({b['min']:.2f}..{b['max']:.2f});")
-            o, ov = rp["qkv loop/qkv loop before"], rp["trainer_overhead"]
-            oc, ovc = rp["qkv loop/qkv loop before, CPU time"], rp["trainer_overhead_cpu_time"]
-            parts.append(f"qkv's AdamW now / before {o['median']:.2f}x ({o['min']:.2f}..{o['max']:.2f}; in process "
+            o, ov = rp["qkv loop/torch default AdamW"], rp["trainer_overhead"]
+            oc, ovc = rp["qkv loop/torch default AdamW, CPU time"], rp["trainer_overhead_cpu_time"]
+            parts.append(f"qkv's Trainer AdamW / torch's default {o['median']:.2f}x ({o['min']:.2f}..{o['max']:.2f}; in process "
                          f"CPU time {oc['median']:.2f}x); Trainer.fit overhead over the bare qkv loop "
                          f"**{ov['median'] * 100:+.1f}%** ({ov['min'] * 100:+.1f}..{ov['max'] * 100:+.1f}%; in CPU time "
-                         f"{ovc['median'] * 100:+.1f}%; issue 15: <= 5%).")
+                         f"{ovc['median'] * 100:+.1f}%; bar <= 5%).")
             md.append(" ".join(parts))
     if update_ms:
         md.append("AdamW update alone on qkv's parameters (opt.step(), median ms): "

@@ -16,16 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_llm_benchmark_quick(tmp_path):
     pytest.importorskip("transformers")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llm.py"), "--quick", "--threads", "1", "--ab-tiles",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llm.py"), "--quick", "--threads", "1", "--no-compile",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "llm_quick.json").read_text())
-    # --ab-tiles: the bf16 A/B rows (qkv's bf16 paths off; only the step's fp16 copy off) beside qkv and transformers
-    assert {(d["library"], d["batch"]) for d in result["decode"]} == {("qkv", 1), ("transformers", 1),
-                                                                       ("qkv bf16 before", 1), ("qkv no fp16 step", 1)}
+    assert {(d["library"], d["batch"]) for d in result["decode"]} >= {("qkv", 1), ("transformers", 1)}
     assert all(d["tok_per_s"] > 0 and d["floor_ms"] > 0 for d in result["decode"])
-    assert set(result["token_agreement"].values()) == {1.0}
+    assert result["token_agreement"]["bfloat16 batch 1"] == 1.0
     assert result["load"]["qkv bfloat16"]["dtype"] == "torch.bfloat16"
-    assert {p["library"] for p in result["prefill"]} == {"qkv", "transformers", "qkv bf16 before"}
+    assert {p["library"] for p in result["prefill"]} == {"qkv", "transformers"}
     assert result["meta"]["cpu_capability"] and isinstance(result["meta"]["native_bf16"], bool)
     assert (tmp_path / "llm_quick.md").read_text().startswith("read bandwidth")

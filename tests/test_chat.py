@@ -198,3 +198,46 @@ def test_default_answer_length_is_capped_by_a_small_context(bpe, tmp_path):
     with pytest.raises(ValueError, match="does not fit the model's context of 64"):  # nothing fits: the clear error
         s.reply("word " * 200)
     assert s.history == []
+
+
+def test_chat_help_says_what_decides_greedy_and_lists_no_training_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "greedy when it says nothing" in text and "a new one each run, printed on stderr" in text
+    assert "NaN guard" not in text and "--resume" not in text
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "NaN guard" in " ".join(capsys.readouterr().out.split())
+
+
+def test_unseeded_sampling_draws_a_seed_and_says_it(folder, capsys):
+    """Without --seed a sampling chat differs between runs (it always used seed 0) and prints the seed it drew;
+    --seed with that number repeats the answer. A greedy chat says nothing about seeds."""
+    import re
+
+    args = ["chat", str(folder), "--message", "hello there", "--temperature", "1.5", "--max-new-tokens", "12"]
+    seeds, answers = [], []
+    for _ in range(2):
+        assert main(args) == 0
+        captured = capsys.readouterr()
+        seeds.append(int(re.search(r"qkv: sampling with seed (\d+) \(--seed \1 repeats it\)", captured.err).group(1)))
+        answers.append(captured.out)
+    assert seeds[0] != seeds[1]
+    assert main([*args, "--seed", str(seeds[0])]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == answers[0] and "seed" not in captured.err
+    assert main(["chat", str(folder), "--message", "hi", "--max-new-tokens", "4"]) == 0  # the folder: greedy
+    assert "seed" not in capsys.readouterr().err
+
+
+def test_interactive_chat_has_line_editing(folder, monkeypatch):
+    """The interactive loop reads with input() after importing readline (arrow keys, history), where it exists."""
+    import builtins
+    import sys
+
+    s = ChatSession.from_folder(folder, generation_config=greedy(2))
+    monkeypatch.delitem(sys.modules, "readline", raising=False)
+    monkeypatch.setattr(builtins, "input", lambda: (_ for _ in ()).throw(EOFError))
+    assert chat_loop(s, out=io.StringIO()) == 0
+    assert "readline" in sys.modules

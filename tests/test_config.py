@@ -72,7 +72,7 @@ def test_bad_choices(key, value, message):
     ({"position": "rope", "d_model": 12, "n_heads": 4}, "even head dimension"),
     ({"dropout": 1.0}, "dropout"),
     ({"vocab_size": 0}, "positive"),
-    ({"norm_eps": -1e-5}, "norm_eps"),  # these passed validation and crashed (or gave NaN) later (issue 10)
+    ({"norm_eps": -1e-5}, "norm_eps"),  # these passed validation and crashed (or gave NaN) later
     ({"rope_base": 0}, "rope_base"),
     ({"rope_base": -10000.0}, "rope_base"),
     ({"init_std": -0.02}, "init_std"),

@@ -117,9 +117,9 @@ def test_quick_benchmark_with_a_stand_in_nanogpt(tmp_path):
     # each project's recipe: nanoGPT's configure_optimizers on CPU = torch's loop, qkv's Trainer = fused AdamW
     recipes = {row["model"] for row in result["rows"] if row["model"].startswith("recipe:")}
     assert recipes == {"recipe: nanoGPT loop, its configure_optimizers AdamW", "recipe: qkv loop, Trainer's AdamW",
-                       "recipe: qkv loop, AdamW as before (torch default)", "recipe: qkv Trainer.fit"}
+                       "recipe: qkv loop, torch's default AdamW", "recipe: qkv Trainer.fit"}
     assert result["recipes"]["optimizers"] == {"nanoGPT recipe": "loop", "qkv recipe (Trainer's build_optimizer)": "fused",
-                                               "qkv before optimizer_impl": "loop"}
+                                               "qkv torch default": "loop"}
     for p in ("fp32", "bf16"):
         assert len(result["recipes"]["ratios"][p]["trainer_overhead"]["per_round"]) == 2
     assert abs(loss["recipe: qkv loop, Trainer's AdamW fp32"] - loss["recipe: nanoGPT loop, its configure_optimizers AdamW fp32"]) < 1e-4

@@ -84,7 +84,8 @@ class ChatSession:
         self.context = configured_context(self.model)  # the limit generate() and qkv serve hold to
 
     @classmethod
-    def from_folder(cls, folder: str | Path, **kwargs: Any) -> ChatSession:
+    def from_folder(cls, folder: str | Path, quantize: str | None = None, **kwargs: Any) -> ChatSession:
+        """A session over a Hugging Face folder; quantize: "int8" / "int4" weight-only (qkv.nn.quant)."""
         from qkv.run import hf_folder_tokenizer, load_model_any, model_folder
 
         mf = model_folder(folder)
@@ -94,7 +95,7 @@ class ChatSession:
 
             raise ConfigError(f"{folder}: qkv chat needs a Hugging Face model folder with a tokenizer.json "
                               "(config.json with a model_type)")
-        model = load_model_any(folder).eval()
+        model = load_model_any(folder, quantize).eval()
         session = cls(model, tok, **kwargs)
         if not session.templated:
             session.note(NO_TEMPLATE_NOTE.format(folder=folder))
@@ -226,6 +227,11 @@ def chat_loop(session: ChatSession, lines: Iterable[str] | None = None, out: Tex
     `out` (default stdout). Returns the number of answers given."""
     out = out or sys.stdout
     source = iter(lines) if lines is not None else None
+    if source is None:
+        try:  # input() then edits the line and recalls earlier messages (arrow keys), where Python has readline
+            import readline  # noqa: F401
+        except ImportError:
+            pass
     answers = 0
 
     def read() -> str | None:

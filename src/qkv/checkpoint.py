@@ -1,7 +1,8 @@
 """Model folders: `config.json` (family + config) and `model.safetensors`. Atomic writes, no pickle.
 
 A folder written by `save_model` (qkv.storage) rebuilds its model from itself alone: `load_model(folder)`
-(= `qkv.from_pretrained`). Hugging Face-format folders are read by qkv.interop instead (dispatch below).
+(= `qkv.from_pretrained`). Hugging Face-format folders and GGUF files are read by qkv.interop instead
+(dispatch below).
 """
 
 from __future__ import annotations
@@ -37,10 +38,20 @@ from qkv.storage import (  # noqa: F401  (the checkpoint API, re-exported from t
 )
 
 
-def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild a model from a qkv folder, or from a Hugging Face folder (by config.json's model_type). A
-    generation_config.json beside it becomes the model's generation defaults (model.generation_defaults())."""
+def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> nn.Module:
+    """Rebuild a model from a qkv folder, a Hugging Face folder (by config.json's model_type) or a llama.cpp GGUF
+    file. A generation_config.json beside it becomes the model's generation defaults (model.generation_defaults()).
+    dtype: the floating-point type of the weights (a GGUF file's are dequantized straight into it)."""
     folder = Path(path)
+    from qkv.interop.gguf_model import is_gguf
+
+    if is_gguf(folder):
+        from qkv.interop.gguf_model import load_gguf
+
+        return load_gguf(folder, dtype).to(map_location)
+    if dtype is not None:
+        return load_model(folder, map_location=map_location).to(dtype)
     meta = read_config(folder)
     if folder.is_file():  # the path of the folder's config.json itself
         folder = folder.parent

@@ -290,3 +290,7 @@ class TransformerConfig:
             attention=self.attention, scaled=self.scaled, head_dim=self.head_dim, qkv_bias=self.qkv_bias,
             qk_norm=self.qk_norm,
         )
+
+    def layer_kwargs(self, layer: int) -> dict[str, Any]:
+        """Keyword arguments of nn.Block that differ per layer (a family with MoE blocks adds `moe`)."""
+        return {}

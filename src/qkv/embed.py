@@ -1,5 +1,5 @@
-"""Sentence embeddings from a BERT-family folder (BERT, RoBERTa, XLM-R, DistilBERT; sentence-transformers
-folders too), and nearest neighbours by cosine similarity.
+"""Sentence embeddings from a BERT-family folder (BERT, RoBERTa, XLM-R, DistilBERT, DeBERTa-v2/v3;
+sentence-transformers folders too), and nearest neighbours by cosine similarity.
 
     qkv embed DIR --input texts.txt --out emb.npy [--pooling mean|cls] [--batch-size 32]
     qkv embed DIR --input texts.txt --query "a question" [--top-k 5]

@@ -72,12 +72,20 @@ def load_run_config(path: str | None, overrides: list[str] | None = None) -> dic
     """Read a run YAML (or start empty) and apply `section.key=value` overrides; sections are checked."""
     data = load_yaml(config_path(path)) if path else {}
     data = apply_overrides(data, parse_overrides(overrides or []), "run config")
+    check_sections(data)
+    return data
+
+
+def check_sections(data: Any) -> None:
+    """A run config is a mapping of known sections, each a mapping: the CLI's YAML and train_run's dict alike
+    (a misspelt section would otherwise be ignored, and a section given as a string fail far from its cause)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a run config must be a mapping of sections, got {type(data).__name__}")
     for key in data:
         if key not in SECTIONS:
-            raise ConfigError(f"unknown section {key!r} in run config{_closest(key, list(SECTIONS))}")
+            raise ConfigError(f"unknown section {key!r} in run config{_closest(str(key), list(SECTIONS))}")
         if not isinstance(data[key], dict):
-            raise ConfigError(f"run config section {key!r} must be a mapping")
-    return data
+            raise ConfigError(f"run config section {key!r} must be a mapping, got {data[key]!r}"[:200])
 
 
 def default_out(cfg: dict[str, Any]) -> Path:
@@ -171,8 +179,9 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     from qkv.tasks.base import check_recorded_data, recorded_data_sha256
     from qkv.tasks.tokenizers import TokenizerError
     from qkv.train import latest_checkpoint
-    from qkv.train.checkpoint import check_fits, check_same_architecture
+    from qkv.train.checkpoint import STATE_NAME, check_fits, check_same_architecture, read_train_state
 
+    check_sections(cfg)
     out = Path(out) if out else default_out(cfg)
     resume = wants_resume(cfg, resume)  # train.resume: true is --resume
     if out.exists() and not out.is_dir():
@@ -198,6 +207,7 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     if resume and newest is not None:
         check_fits(model, newest)
         check_same_architecture(model, newest)
+        read_train_state(newest / STATE_NAME, mmap=True)  # readable before run.yaml is rewritten (mapped, not read)
     # run.yaml describes the run, not how this command started it: a copy of it given to a new run must not
     # make that run continue this folder (as --resume, which is not recorded either)
     train = {k: v for k, v in (cfg.get("train") or {}).items() if k != "resume"}
@@ -354,10 +364,12 @@ def _jsonable(x: Any) -> Any:
 
 
 def _model_folder(path: Path) -> Path:
-    """A folder holding config.json: the path itself, or a run folder's best/newest checkpoint."""
+    """A folder holding config.json: the path itself, or a run folder's best/newest checkpoint (a GGUF file is a
+    model folder of its own)."""
+    from qkv.interop.gguf_model import is_gguf
     from qkv.train import latest_checkpoint
 
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() or is_gguf(path):
         return path
     ck = latest_checkpoint(path / "checkpoints")
     if ck is not None:
@@ -383,11 +395,12 @@ def run_folder_of(path: str | Path) -> Path | None:
     return None
 
 
-def load_model_any(path: str | Path) -> torch.nn.Module:
-    """A model from a run folder, a qkv checkpoint folder, or a Hugging Face-format folder."""
+def load_model_any(path: str | Path, quantize: str | None = None) -> torch.nn.Module:
+    """A model from a run folder, a qkv checkpoint folder, or a Hugging Face-format folder; quantize: "int8" or
+    "int4" for weight-only quantized inference (qkv.nn.quant)."""
     from qkv import from_pretrained
 
-    return from_pretrained(_model_folder(Path(path)))
+    return from_pretrained(_model_folder(Path(path)), quantize=quantize)
 
 
 def load_run_task(path: str | Path):
@@ -409,7 +422,7 @@ def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
 
 def generate_text(path: str | Path, prompt: str, generation_config: GenerationConfig | None = None, *,
                   greedy: bool = False, seed: int = 0, stream: bool = False, strict: bool = False,
-                  **options: Any) -> str:
+                  quantize: str | None = None, **options: Any) -> str:
     """Decode with whatever the library has: the run's task decides what a prompt means (a source
     sentence for seq2seq, a text prefix for an LM); a Hugging Face folder needs its tokenizer.json.
     Settings: `generation_config` (e.g. read from a file) then `options` (GenerationConfig fields, None =
@@ -417,9 +430,10 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     decides do_sample itself (greedy=True still wins);
     max_new_tokens defaults to the task's natural length (an LM's sample_tokens, a seq2seq task's longest
     target), 200 for a bare model folder. seed seeds the sampling.
-    Prompt characters outside the vocabulary are named in a warning on stderr (strict=True: an error)."""
+    Prompt characters outside the vocabulary are named in a warning on stderr (strict=True: an error).
+    quantize: "int8" / "int4" weight-only quantized weights (qkv.nn.quant)."""
     torch.manual_seed(seed)
-    model = load_model_any(path)
+    model = load_model_any(path, quantize)
     model.eval()
     cfg = generation_config if generation_config is not None else GenerationConfig()
     cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None})
@@ -480,13 +494,19 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
 
 def hf_folder_tokenizer(folder: str | Path) -> Any:
     """The HFTokenizer (special tokens, chat template) of a Hugging Face model folder (config.json with a
-    model_type and a tokenizer.json); None for qkv folders and folders without tokenizer.json."""
+    model_type and a tokenizer.json) or of a GGUF file; None for qkv folders and folders without tokenizer.json."""
+    from qkv.interop.gguf_model import is_gguf
+
     folder = Path(folder)
+    if is_gguf(folder):
+        from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(folder)
     if not (folder / "tokenizer.json").is_file() or (folder / "task.json").is_file():
         return None
     try:
         meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(meta, dict) or "model_type" not in meta or "qkv_family" in meta:
         return None

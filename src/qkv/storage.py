@@ -284,6 +284,8 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         hint = f"; pass the model folder (with its {CONFIG_NAME}), not a file" if cfg.name != CONFIG_NAME else ""
         raise CheckpointError(f"{cfg}: not valid JSON ({e}){hint}") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise CheckpointError(f"{cfg}: nested too deeply to be a model config") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{cfg}: expected a JSON object, got {type(data).__name__}")
     return data

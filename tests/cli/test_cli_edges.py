@@ -1,4 +1,4 @@
-"""Edge cases of the command line found by a hostile tester (issue 10): flags out of range, what the
+"""Edge cases of the command line found by a hostile tester: flags out of range, what the
 report claims, unknown prompt characters, resumes that must write nothing or keep the saved settings,
 signals, divergence. Every failure is one line `qkv: error: ...` with a documented exit status."""
 
@@ -61,11 +61,20 @@ def test_eval_needs_at_least_one_example(lm_run):
     (["--num-beams", "0"], "--num-beams must be at least 1"),
     (["--stream", "--num-beams", "2"], "--stream"),
     (["--top-p", "0"], "--top-p"),
-    (["--top-k", "0"], "--top-k"),
-    (["--temperature", "0"], "--temperature"),
+    (["--top-k", "-1"], "--top-k"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--temperature", "nan"], "--temperature"),
 ])
 def test_generate_flags_out_of_range(lm_run, flags, message):
     assert message in one_error_line(run_cli("generate", str(lm_run), "--prompt", "The ", *flags))
+
+
+def test_temperature_zero_is_greedy_as_in_the_api_and_the_server(lm_run):
+    base = ("generate", str(lm_run), "--prompt", "The ", "--max-new-tokens", "12")
+    greedy = run_cli(*base, "--greedy")
+    zero = run_cli(*base, "--temperature", "0", "--sample", "--seed", "5")
+    assert greedy.returncode == 0 and zero.returncode == 0, zero.stderr
+    assert zero.stdout == greedy.stdout
 
 
 def test_max_new_tokens_is_obeyed(lm_run):
@@ -109,6 +118,39 @@ def test_failed_resume_writes_nothing(lm_run, tmp_path):
         one_error_line(r)
     assert {f: ((out / f).read_bytes(), (out / f).stat().st_mtime_ns) for f in files} == before
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_a_resume_whose_train_state_is_a_pickle_writes_nothing(lm_run, tmp_path):
+    """A train_state.pt holding a pickled object (an argparse.Namespace): one line, without torch's seven lines
+    of colour-coded advice, and run.yaml keeps its max_steps (it was rewritten before the state was read)."""
+    import argparse
+
+    import torch
+
+    out = copy_run(lm_run, tmp_path)
+    state = out / "checkpoints" / "step_00000002" / "train_state.pt"
+    torch.save({"step": 2, "args": argparse.Namespace(lr=1.0)}, state)
+    before = (out / "run.yaml").read_bytes()
+    r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "5", "--no-progress")
+    line = one_error_line(r)
+    assert f"{state}: refused: it holds pickled objects other than tensors (argparse.Namespace)" in line
+    assert "\x1b" not in r.stderr and "weights_only" not in r.stderr
+    assert (out / "run.yaml").read_bytes() == before
+
+
+def test_train_run_checks_its_sections_as_the_command_line(tmp_path):
+    """The Python API refuses what the CLI refuses: a misspelt section (it trained and ignored it) and a section
+    that is not a mapping (an obscure ValueError), before anything is written."""
+    from qkv.run import train_run
+
+    tiny = {"task": {"name": "charlm", "context": 16}, "train": {"max_steps": 1, "progress": False}}
+    with pytest.raises(ConfigError, match="unknown section 'modle' in run config; did you mean 'model'"):
+        train_run({"modle": {"n_layers": 1}, "model": {"preset": "gpt-tiny"}, **tiny}, out=tmp_path / "a", quiet=True)
+    with pytest.raises(ConfigError, match="run config section 'model' must be a mapping, got 'gpt-tiny'"):
+        train_run({"model": "gpt-tiny", **tiny}, out=tmp_path / "b", quiet=True)
+    with pytest.raises(ConfigError, match="a run config must be a mapping of sections, got list"):
+        train_run([("model", {})], out=tmp_path / "c", quiet=True)
+    assert not any(tmp_path.iterdir())
 
 
 def test_resume_applies_changed_adamw_settings(lm_run, tmp_path):
@@ -232,7 +274,7 @@ def test_a_closed_pipe_stops_quietly():
     assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
-# -- stop 29's review: settings refused before anything is written, run folders usable from anywhere -------
+# -- settings refused before anything is written, run folders usable from anywhere -------
 def test_out_under_a_file(tmp_path):
     (tmp_path / "taken").write_text("x")
     r = run_cli("train", "charlm", "--out", str(tmp_path / "taken" / "run"), "--max-steps", "1", *TINY)
@@ -363,3 +405,28 @@ def test_eval_prints_counts_as_integers(lm_run):
     assert r.returncode == 0, r.stderr[-2000:]
     values = dict(line.split(": ", 1) for line in r.stdout.splitlines())
     assert values["n_tokens"].isdigit() and "." in values["val_loss"]
+
+
+def test_help_does_not_import_torch_and_omp_threads_wait_passively(monkeypatch):
+    """`qkv --help` answers without importing torch (it took seconds), and the CLI sets OMP_WAIT_POLICY=PASSIVE
+    before torch loads unless the user chose a policy."""
+    code = ("import os, sys; from qkv.cli.main import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))")
+    for env, policy in (({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE")):
+        base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                           env={**base, **env}, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[-1] == f"False {policy}"
+
+
+def test_generate_says_loading_at_a_terminal_only(lm_run, capsys, monkeypatch):
+    from qkv.cli.main import main
+
+    args = ["generate", str(lm_run), "--prompt", "ab", "--max-new-tokens", "2", "--greedy"]
+    assert main(args) == 0
+    assert "loading" not in capsys.readouterr().err  # a script's stderr keeps only what went wrong
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(args) == 0
+    assert capsys.readouterr().err.startswith(f"loading {lm_run}...")

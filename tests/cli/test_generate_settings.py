@@ -1,7 +1,7 @@
 """What `qkv generate` decodes with: a setting the user gives wins over the folder's generation_config.json or the
 task's sampling defaults even when it equals GenerationConfig's default (--greedy, do_sample=False,
 --temperature 1.0), as in transformers; beams switch off a folder's sampling; stop_strings from a file work;
-a byte-level BPE run streams whole characters. (stop 29's review: these all sampled, failed or printed U+FFFD.)"""
+a byte-level BPE run streams whole characters."""
 
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ def test_suite_by_name_and_unknown_name():
         load_suite("no_such_suite")
 
 
-# -- one way to build a run (issue 11 item 6, with issue 10): the runner trains through qkv.run.train_run ------
+# -- one way to build a run: the runner trains through qkv.run.train_run ------
 def _strip(path):
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s")} for r in rows]

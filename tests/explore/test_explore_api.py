@@ -290,7 +290,7 @@ def test_a_bug_is_a_json_500_without_traceback(charlm_run, clients, monkeypatch)
 
 def test_only_the_adapter_touches_the_rest_of_qkv():
     """analysis, server, export and cli import nothing of qkv but qkv.explore (function-level imports too),
-    so a change of the model interfaces (issue 11) is absorbed by adapter.py alone."""
+    so a change of the model interfaces is absorbed by adapter.py alone."""
     import ast
     from pathlib import Path
 

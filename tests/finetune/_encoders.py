@@ -23,6 +23,9 @@ def tokenizer_json(family: str) -> tuple[object, dict[str, int]]:
     if family == "roberta":
         specials = ["<s>", "<pad>", "</s>", "<unk>"]  # RoBERTa's ids: pad = 1
         cls, sep, unk = "<s>", "</s>", "<unk>"
+    elif family == "deberta":
+        specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]  # DeBERTa-v3's ids
+        cls, sep, unk = "[CLS]", "[SEP]", "[UNK]"
     else:
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         cls, sep, unk = "[CLS]", "[SEP]", "[UNK]"
@@ -40,7 +43,9 @@ def tokenizer_json(family: str) -> tuple[object, dict[str, int]]:
 
 def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int = 32, max_pos: int = 64,
                 seed: int = 0) -> Path:
-    """A base model (BertModel / RobertaModel / DistilBertModel) folder with its tokenizer.json."""
+    """A base model (BertModel / RobertaModel / DistilBertModel / DebertaV2Model) folder with its tokenizer.json.
+    DeBERTa's is v3's configuration (relative positions only, shared keys, LayerNorm'd table, no token
+    types) with 8 position buckets, so that the tests' sentences reach the log-bucketed distances."""
     import transformers
 
     tok, vocab = tokenizer_json(family)
@@ -55,6 +60,14 @@ def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int
         cfg = transformers.DistilBertConfig(vocab_size=len(vocab), dim=width, n_layers=layers, n_heads=4,
                                             hidden_dim=2 * width, max_position_embeddings=max_pos, pad_token_id=0)
         model = transformers.DistilBertModel(cfg)
+    elif family == "deberta":
+        cfg = transformers.DebertaV2Config(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
+                                           num_attention_heads=4, intermediate_size=2 * width,
+                                           max_position_embeddings=max_pos, relative_attention=True,
+                                           position_buckets=8, max_relative_positions=max_pos,
+                                           pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
+                                           position_biased_input=False, type_vocab_size=0, pad_token_id=0)
+        model = transformers.DebertaV2Model(cfg)
     else:
         cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
                                       num_attention_heads=4, intermediate_size=2 * width,

@@ -166,3 +166,26 @@ def test_byte_order_mark_and_unicode_digits_in_labels(tmp_path):
     from qkv.finetune.classify import label_set
 
     assert label_set(["1", "²"], None)[0] == {"1": 0, "²": 1}
+
+
+def test_json_labels_are_strings_or_integers(bert, tmp_path, capsys):
+    """JSON labels 1 and 1.0 are one class (it trained '0', '1', '1.0'), said in a warning; a list, an object,
+    a boolean or a fractional float is an error naming its line (it trained classes such as '[1]')."""
+    data = tmp_path / "d.jsonl"
+    rows = [{"text": "w1 good", "label": 1}, {"text": "w2 bad", "label": 0}, {"text": "w1 good", "label": 1.0}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
+    out = tmp_path / "out"
+    assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out", str(out),
+                 "--no-progress", "train.max_steps=1", "train.plot=false", "train.tensorboard=false"]) == 0
+    assert json.loads((out / "finetune.json").read_text())["labels"] == ["0", "1"]
+    err = capsys.readouterr().err
+    assert f"qkv: warning: {data}: 2 label(s) written as floats equal to integers (line 3 first)" in err
+    for bad, shown in (([1], "[1]"), ({"a": 1}, '{"a": 1}'), (True, "true"), (0.5, "0.5")):
+        rows = [{"text": "w1 good", "label": 1}, {"text": "w2 bad", "label": bad}]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out",
+                     str(tmp_path / "o2"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"qkv: error: {data} line 2: label {shown} is a {type(bad).__name__}; labels must be " \
+                      "strings or integers", err
+        assert not (tmp_path / "o2").exists()

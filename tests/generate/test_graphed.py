@@ -61,6 +61,24 @@ def test_llama_style_sampling_and_encoder_decoder_equal_eager():
     assert torch.equal(generate(e, src, 8, attention_mask=src_mask, compile="eager"), want)
 
 
+@pytest.mark.slow
+def test_inductor_compiled_greedy_equals_eager_and_keeps_its_code_under_the_qkv_cache(tmp_path, monkeypatch):
+    """compile=True on the CPU: Inductor's generated code (not only a trace) gives eager's greedy tokens, and that
+    code is kept under $QKV_CACHE/inductor, where a second process finds it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-below")  # recorded, so the test leaves it as it found it
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("QKV_CACHE", str(tmp_path))
+    torch._dynamo.reset()
+    m = tiny_gpt("rope", gqa=True, norm="rmsnorm", ffn="swiglu", bias=False)
+    ids = torch.randint(0, 11, (2, 4))
+    import os
+
+    assert torch.equal(generate(m, ids, 8, compile=True), generate(m, ids, 8))
+    kept = [p.suffix for p in (tmp_path / "inductor").rglob("*") if p.is_file()]
+    assert ".py" in kept or ".cpp" in kept, (os.environ.get("TORCHINDUCTOR_CACHE_DIR"), kept)
+    torch._dynamo.reset()
+
+
 def test_static_step_logits_equal_step_over_the_whole_cache():
     """The function itself, eagerly: static_step attends over every column of the cache with the future
     masked; its logits equal step()'s over the cached prefix (to fp32 rounding), position after position."""

@@ -85,10 +85,7 @@ def test_greedy_64_tokens_equal_transformers_and_cached_equals_uncached(pair):
 
 
 def test_greedy_batch_equals_transformers(pair):
-    """A batch of 4 rows: the decoding step's batched products (Linear.step through oneDNN's packed weights where
-    the build has them, qkv.nn.linear.STEP_PACKED_MIN_ROWS) keep every greedy token equal to transformers'."""
-    from qkv.nn.linear import onednn_packable
-
+    """A batch of 4 rows: the decoding step's batched products keep every greedy token equal to transformers'."""
     name, hf, _, ours = pair
     prompt = torch.randint(3, BASE["vocab_size"], (4, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -96,8 +93,6 @@ def test_greedy_batch_equals_transformers(pair):
                            do_sample=False, pad_token_id=0)
     got = generate(ours, prompt, max_new_tokens=32, min_new_tokens=32)
     assert got.tolist() == want.tolist()
-    if onednn_packable():  # the batched path was the one taken
-        assert ours.lm_head.__dict__["_decode_onednn"]["copy"] is not None
 
 
 def test_config_translation(pair):
@@ -214,7 +209,7 @@ def test_wrong_shapes_and_missing_keys_are_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="lm_head.weight differs"):
         qkv.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**meta, "num_hidden_layers": 3}))
-    with pytest.raises(CheckpointError, match="missing key 'model.layers.2"):
+    with pytest.raises(CheckpointError, match="num_hidden_layers is 3, but .* holds 2 layers"):
         qkv.from_pretrained(tmp_path)
 
 
@@ -272,28 +267,11 @@ def test_last_only_logits_equal_transformers_logits_to_keep(pair):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa3-tied-llama3", "qwen2-bias-gqa3-tied"])
-def test_bf16_greedy_through_fp32_tiles(tmp_path, monkeypatch, name):
-    """A bf16 folder, batch 4 and batch 1, with the bf16 paths of a CPU without native bf16 forced on (the prefill's
-    and the batched step's products through fp32 tiles of the weights, qkv.nn.linear.bf16_tiled_linear; the step's
-    attention products in fp32; batch 1's step products through fp16 copies of the weights, Linear._fp16_packed):
-    every greedy token equals qkv's with every product in bf16 as before; and transformers' bf16 generate up to where
-    the two part, which may only be where transformers' own top two logits are closer than the two libraries' bf16
-    logits differ there (teacher-forced on transformers' tokens). qkv and transformers round differently elsewhere
-    (attention, norms), so in bf16 they part at such near-ties; so before these paths too (the 135M benchmark's tokens
-    agree 93-99%)."""
-    import qkv.nn.attention as attention
-    import qkv.nn.linear as L
-
-    monkeypatch.setattr(L, "_NATIVE_BF16", False)
-    monkeypatch.setattr(L, "BF16_TILE_MIN_ROWS", 4)  # every prefill and batch-4 step here, not only >= 32 rows
-    calls = []
-    real = L.bf16_tiled_linear
-    monkeypatch.setattr(L, "bf16_tiled_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    monkeypatch.setattr(L, "STEP_FP16_MIN_WEIGHT", 0)  # this model's layers are small
-    monkeypatch.setattr(L, "STEP_FP16_MIN_ROWS", 1)  # batch 1's one-row steps too (by default they keep torch's kernel)
-    fp16_steps = []  # the steps' products of fewer rows through the fp16 copy (STEP_BF16_VIA_FP16), where fbgemm is
-    real_fp16 = L.Linear._fp16_packed
-    monkeypatch.setattr(L.Linear, "_fp16_packed", lambda self: fp16_steps.append(1) or real_fp16(self))
+def test_bf16_greedy_equals_transformers_up_to_near_ties(tmp_path, name):
+    """A bf16 folder, batch 4 and batch 1: every greedy token equals transformers' bf16 generate up to where the two
+    part, which may only be where transformers' own top two logits are closer than the two libraries' bf16 logits
+    differ there (teacher-forced on transformers' tokens): qkv and transformers round differently (attention,
+    norms), so in bf16 they may part at such near-ties."""
     hf = build_hf(name).to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
     ours = qkv.from_pretrained(tmp_path)
@@ -302,19 +280,7 @@ def test_bf16_greedy_through_fp32_tiles(tmp_path, monkeypatch, name):
         with torch.no_grad():
             out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, min_new_tokens=24,
                               do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
-        calls.clear()
-        fp16_steps.clear()
         got = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24)
-        assert calls and (batch == 1 or any(s[0] == batch for s in calls))  # prefill rows; a batch's step rows
-        assert bool(fp16_steps) == (batch == 1 and L.fp16_packable())  # batch 1: the one-row steps
-        monkeypatch.setattr(L, "BF16_TILE_MIN_ROWS", 0)
-        monkeypatch.setattr(attention, "STEP_BF16_FP32_PRODUCTS", False)
-        monkeypatch.setattr(L, "STEP_BF16_VIA_FP16", False)
-        plain = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24)
-        monkeypatch.setattr(L, "BF16_TILE_MIN_ROWS", 4)
-        monkeypatch.setattr(attention, "STEP_BF16_FP32_PRODUCTS", True)
-        monkeypatch.setattr(L, "STEP_BF16_VIA_FP16", True)
-        assert got.tolist() == plain.tolist()
         for r in range(batch):
             differ = (got[r, 10:] != out.sequences[r, 10:]).nonzero()
             if len(differ):

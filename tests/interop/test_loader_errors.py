@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
+
+import _seq2seq_models  # noqa: E402
 
 import qkv  # noqa: E402
 from qkv.checkpoint import CheckpointError  # noqa: E402
@@ -206,4 +209,91 @@ def test_map_location_applies_to_a_hugging_face_folder(tmp_path):
 def test_a_config_json_of_another_shape_is_one_error(tmp_path, config, message):
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(CheckpointError, match=message):
+        qkv.from_pretrained(tmp_path)
+
+
+# -- config.json sizes against the weights, before anything is allocated ------------------------------------
+def _bert_folder(path, cls="BertConfig", model="BertModel", **kw):
+    cfg = getattr(transformers, cls)(vocab_size=40, max_position_embeddings=20, **kw)
+    getattr(transformers, model)(cfg).save_pretrained(path)
+    return path
+
+
+def _bert(path):
+    return _bert_folder(path, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24)
+
+
+def _distilbert(path):
+    return _bert_folder(path, "DistilBertConfig", "DistilBertModel", dim=16, n_layers=2, n_heads=2, hidden_dim=24)
+
+
+def _vit(path):
+    cfg = transformers.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=24)
+    transformers.ViTModel(cfg).save_pretrained(path)
+    return path
+
+
+def _whisper(path):
+    cfg = transformers.WhisperConfig(vocab_size=40, num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+                                     decoder_ffn_dim=24, max_source_positions=10, max_target_positions=12,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1)
+    transformers.WhisperForConditionalGeneration(cfg).save_pretrained(path)
+    return path
+
+
+def _t5(path):
+    _seq2seq_models.t5(path)
+    return path
+
+
+def _bart(path):
+    _seq2seq_models.bart(path)
+    return path
+
+
+HUGE = [(_gpt2_folder, "n_layer", 10**9), (_gpt2_folder, "n_embd", 10**9), (_gpt2_folder, "vocab_size", 10**12),
+        (_gpt2_folder, "n_positions", 10**10), (_gpt2_folder, "n_inner", 10**9),
+        (_tiny_llama, "num_hidden_layers", 10**9), (_tiny_llama, "vocab_size", 10**12),
+        (_tiny_llama, "hidden_size", 10**9), (_tiny_llama, "intermediate_size", 10**9),
+        (_bert, "num_hidden_layers", 10**9), (_bert, "max_position_embeddings", 10**10),
+        (_bert, "intermediate_size", 10**9), (_distilbert, "dim", 10**9), (_distilbert, "n_layers", 10**9),
+        (_vit, "num_hidden_layers", 10**9), (_vit, "image_size", 8 * 10**5), (_vit, "intermediate_size", 10**9),
+        (_whisper, "decoder_layers", 10**9), (_whisper, "max_source_positions", 10**10),
+        (_whisper, "vocab_size", 10**12), (_t5, "num_layers", 10**9), (_t5, "vocab_size", 10**12),
+        (_t5, "d_ff", 10**9), (_bart, "decoder_layers", 10**9), (_bart, "d_model", 10**9),
+        (_bart, "max_position_embeddings", 10**10)]
+
+
+@pytest.mark.parametrize("make, field, value", HUGE, ids=[f"{m.__name__}-{f}" for m, f, _ in HUGE])
+def test_a_config_size_the_weights_do_not_have_is_named_before_anything_is_built(tmp_path, make, field, value):
+    """config.json's sizes are checked against the shapes in the file's header first: a huge field is named at
+    once (it expanded the key map per layer, or allocated the model, until memory ran out)."""
+    folder = make(tmp_path / "m")
+    meta = json.loads((folder / "config.json").read_text())
+    meta[field] = value
+    (folder / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=rf"config\.json: {re.escape(field)}.* is {value}|{field}.*but"):
+        qkv.from_pretrained(folder)
+
+
+def test_a_huge_size_is_one_cli_error(tmp_path, capsys):
+    from qkv.cli.main import main
+
+    folder = _gpt2_folder(tmp_path / "m")
+    meta = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**meta, "n_embd": 10**9}))
+    capsys.readouterr()
+    for argv in (["info", str(folder)], ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines() == [f"qkv: error: {folder}/config.json: n_embd is 1000000000, but "
+                                            f"{folder}/model.safetensors has wte.weight of shape (50, 16) "
+                                            "(n_embd would be 16)"]
+
+
+def test_a_deeply_nested_config_is_one_error(tmp_path):
+    (tmp_path / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CheckpointError, match="nested too deeply"):
         qkv.from_pretrained(tmp_path)

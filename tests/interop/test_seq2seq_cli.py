@@ -101,7 +101,7 @@ def test_folder_without_tokenizer_is_one_clear_error(tmp_path, capsys):
     assert rc == 2 and err.startswith("qkv: error:") and "tokenizer" in err and len(err.splitlines()) == 1
 
 
-# -- stop 30's review: the folder's settings, the flags, and what the command says about them ------------------
+# -- the folder's settings, the flags, and what the command says about them ------------------
 from _seq2seq_models import _add_generation_settings  # noqa: E402
 
 

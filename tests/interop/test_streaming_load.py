@@ -139,7 +139,7 @@ def test_build_skeleton_puts_parameters_on_meta_and_keeps_buffers_and_ties():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_random_model_is_initialised_first(tmp_path, monkeypatch, dtype):
     """The skeleton's parameters are on meta while the constructor initialises them, and get storage in the file's
-    dtype afterwards: no random fp32 model is drawn and then overwritten (or cast) as before."""
+    dtype afterwards: no random fp32 model is drawn and then overwritten (or cast)."""
     cfg = transformers.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=16)
     transformers.GPT2LMHeadModel(cfg).to(dtype).save_pretrained(tmp_path)
     drawn = []

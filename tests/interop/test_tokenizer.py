@@ -226,6 +226,44 @@ def test_raise_exception_and_sandbox(bpe, tmp_path):
         load_hf_tokenizer(tmp_path).apply_chat_template(CONVERSATION)
 
 
+HOSTILE = {
+    "include": ("{% include 'other.jinja' %}", "includes, imports or extends 'other.jinja'"),
+    "repeat": ("{{ 'x' * 3000000000 }}", "repetition of 1 x 3000000000 is over the size limit"),
+    "doubling": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                 "{% endfor %}", "concatenation over the size limit"),
+    "filter": ("{{ 'x'|center(3000000000) }}", "argument of 3000000000 is over the size limit"),
+    "method": ("{{ 'x'.ljust(3000000000) }}", "argument of 3000000000 is over the size limit"),
+    "format": ("{{ '{:>3000000000}'.format('x') }}", "format width over the size limit"),
+    "percent": ("{{ '%3000000000s' % 'x' }}", "format width over the size limit"),
+    "loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+              "rendering took longer than 0.5 s"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_template_is_refused_in_one_line_naming_it(bpe, tmp_path, monkeypatch, name):
+    """A template that would read other files, allocate gigabytes or loop for hours is refused (a TypeError
+    traceback, a MemoryError, a hang), with the folder it came from in the message."""
+    from qkv.interop import chat_sandbox
+
+    monkeypatch.setattr(chat_sandbox, "MAX_SECONDS", 0.5)
+    source, message = HOSTILE[name]
+    save_folder(bpe, tmp_path, CHATML)
+    (tmp_path / "chat_template.jinja").write_text(source)
+    with pytest.raises(ValueError, match=f"chat template of {tmp_path}: .*{message}") as e:
+        load_hf_tokenizer(tmp_path).apply_chat_template(CONVERSATION)
+    assert "\n" not in str(e.value)
+
+
+def test_the_limits_leave_ordinary_templates_alone(bpe, tmp_path):
+    save_folder(bpe, tmp_path, CHATML)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ '=' * 3 }}{{ 'a' ~ 1 }}{{ '%d' % 5 }}{{ '{}!'.format('b') }}{{ 'c'|center(3) }}{{ 2 ** 10 }}"
+        "{% for m in messages %}{{ m.role + ':' }}{% endfor %}")
+    text = load_hf_tokenizer(tmp_path).apply_chat_template(CONVERSATION)
+    assert text == "===a15b! c 1024" + "".join(m["role"] + ":" for m in CONVERSATION)
+
+
 def test_encode_decode_and_special_ids_like_transformers(bpe, tmp_path):
     ref = save_folder(bpe, tmp_path, None, bos="<s>", eos="</s>", post_bos=True)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4], "bos_token_id": 3}))

@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) on every decoder family's TRAINING forward and backward (issue 15), and no
+"""torch.compile(fullgraph=True) on every decoder family's TRAINING forward and backward, and no
 value read back to the host in a training step or a decoding step.
 
 backend="aot_eager" runs Dynamo (fullgraph=True: any graph break, e.g. an `int(tensor)` or `.item()`,

@@ -1,4 +1,4 @@
-"""On a CUDA GPU (skipped elsewhere; issue 15): no device-to-host synchronisation in a training step or a
+"""On a CUDA GPU (skipped elsewhere): no device-to-host synchronisation in a training step or a
 decoding step, under torch.cuda.set_sync_debug_mode("error") (every synchronising call raises), and the
 flash-attention kernel actually taken for training and prefill (SDPA restricted to FLASH_ATTENTION raises
 when the inputs do not qualify). The CPU proxies are tests/models/test_compile_train.py (fullgraph, meta)."""

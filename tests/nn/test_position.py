@@ -185,34 +185,6 @@ def test_rope_table_grown_after_a_bf16_cast_keeps_exact_frequencies():
     torch.testing.assert_close(got.double(), rope_reference(x[0, 0, 0], 3000), atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("offset", [3, "rows", "broadcast"])
-def test_rope_in_place_temporaries_give_the_out_of_place_values_and_gradients(monkeypatch, offset):
-    """RoPE writes x * cos + swap(x) * sin into its own fresh temporaries (position.ROPE_IN_PLACE): the same values
-    bit for bit as the four-new-tensors form, the inputs untouched, the same float64 gradients, also for per-row
-    positions and for one row broadcast over several rows' positions (where it falls back to out of place)."""
-    import qkv.nn.position as P
-
-    rope = RoPE(8)
-    B = 1 if offset == "broadcast" else 3
-    off = 3 if offset == 3 else torch.tensor([0, 3, 9])
-
-    def run(in_place: bool):
-        monkeypatch.setattr(P, "ROPE_IN_PLACE", in_place)
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(B, 4, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
-        k = torch.randn(B, 2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
-        q0, k0 = q.detach().clone(), k.detach().clone()
-        rq, rk = rope.double().rotate(q, k, off)
-        assert torch.equal(q.detach(), q0) and torch.equal(k.detach(), k0)  # the inputs are not written
-        (rq.pow(2).sum() + (rq.sum(1, keepdim=True) * rk.sum(1, keepdim=True)).sum()).backward()
-        return rq.detach(), rk.detach(), q.grad, k.grad
-
-    new, old = run(True), run(False)
-    for a, b in zip(new, old):
-        assert torch.equal(a, b)
-    assert new[0].shape[0] == 3  # the broadcast case did broadcast
-
-
 @pytest.mark.parametrize("skip,offset", [(0, 0), (0, 3), (2, 0), (2, 4)])
 def test_learned_table_read_by_slice_equals_the_gather_with_its_gradients(skip, offset):
     # an int offset reads a slice of the table; the reference is the gather of the same rows (what a

@@ -213,7 +213,7 @@ def test_repetition_penalty_is_honoured(run_folder):
 def test_a_request_whose_sampling_fails_fails_alone_and_the_server_goes_on(run_folder):
     """A request whose settings make its probabilities NaN (a repetition_penalty of 1e-300 let past the checks:
     the API refuses it, above) gets a 500 naming the failure, streamed or not; the engine thread lives on and the
-    next request is answered as before (it used to stop the whole server)."""
+    next request is still answered (the server keeps running)."""
     served = load_served(run_folder)
     body = {"model": served.name, "prompt": "abab", "max_tokens": 6, "temperature": 1.0, "seed": 0}
     with running_server(run_folder, block_size=4) as (url, app):
@@ -234,3 +234,80 @@ def test_a_request_whose_sampling_fails_fails_alone_and_the_server_goes_on(run_f
         ids = served.codec.encode("abab")
         ref = generate(served.model, torch.tensor([ids]), 6)[0, len(ids):].tolist()
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == served.codec.decode(ref)
+
+
+HOSTILE_TEMPLATE = (
+    "{% if messages[0]['content'] == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+    "{% endfor %}{% elif messages[0]['content'] == 'big' %}{{ 'x' * 3000000000 }}"
+    "{% elif messages[0]['content'] == 'include' %}{% include 'other.jinja' %}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_a_chat_template_past_its_limits_is_a_400_and_the_server_goes_on(gpt2_folder, tmp_path, monkeypatch):
+    """A template that loops for hours, allocates gigabytes or includes a file answers 400 naming the template
+    (it hung the server, died with a MemoryError, or answered 500), and the next request is served."""
+    import json
+    import shutil
+
+    from qkv.interop import chat_sandbox
+
+    monkeypatch.setattr(chat_sandbox, "MAX_SECONDS", 0.5)
+    folder = tmp_path / "hostile"
+    shutil.copytree(gpt2_folder, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HOSTILE_TEMPLATE}))
+    with running_server(folder, block_size=4) as (url, app):
+        name = app.state.api.served.name
+        for content, why in (("loop", "took longer than 0.5 s"), ("big", "over the size limit"),
+                             ("include", "includes, imports or extends 'other.jinja'")):
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": name, "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert f"chat template of {folder}" in r.json()["error"]["message"] and why in r.text
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": name, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code == 200, r.text
+
+
+def test_a_lone_surrogate_is_a_400_naming_its_field(gpt2_folder):
+    body = '{"model": "%s", "max_tokens": 2, %s}'
+    with running_server(gpt2_folder, block_size=4) as (url, app):
+        name = app.state.api.served.name
+        for path, field in (("/v1/completions", '"prompt": "hi \\ud800 there"'),
+                            ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi \\udfff"}]')):
+            r = httpx.post(url + path, content=body % (name, field), timeout=60,
+                           headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == field.split('"')[1] and "lone surrogate" in r.text
+        assert httpx.post(url + "/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2},
+                          timeout=60).status_code == 200
+
+
+def test_a_client_that_sends_part_of_a_body_costs_one_log_line(run_folder):
+    """A client that disconnects mid-body: one warning line each, not uvicorn's "Exception in ASGI application"
+    traceback; and GET /v1/models says when the model was loaded (it said "created": 0)."""
+    import logging
+    import socket
+    import time
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("uvicorn.error")
+    try:
+        with running_server(run_folder, block_size=4) as (url, app):
+            logger.addHandler(handler)  # after uvicorn has configured its loggers
+            host, port = url.removeprefix("http://").split(":")
+            for _ in range(3):
+                with socket.create_connection((host, int(port))) as s:
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 200\r\n\r\n{\"model\": ")
+                    time.sleep(0.2)
+            time.sleep(0.5)
+            created = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["created"]
+            assert abs(created - time.time()) < 600
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if r.exc_info or "Exception in ASGI" in r.getMessage()]
+    assert len([r for r in records if "went away" in r.getMessage()]) == 3

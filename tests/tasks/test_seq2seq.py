@@ -249,7 +249,7 @@ def test_rebuild_from_dict_and_run_folder(tmp_path):
         load_task(tmp_path / "nowhere")
 
 
-# -- issue 10 item 5: relative positions have no hard limit; qkv generate honours max_new_tokens ------------
+# -- relative positions have no hard limit; qkv generate honours max_new_tokens ------------
 def test_relative_positions_take_sources_longer_than_the_context():
     task = build_task("reverse", family="encdec", min_len=3, max_len=5)
     long_src = task.tokenizer.encode("0123456789012")  # 13 symbols; the context is max(5, 5 + 2) = 7

@@ -140,7 +140,7 @@ def test_compile_trains_same_as_eager(tmp_path, make_gpt, toy_data, cfg_factory)
     print(f"compile run took {time.perf_counter() - t0:.0f}s")
 
 
-# -- kills at the worst moments (issue 10, items 9 and 10) -----------------------------------------------
+# -- kills at the worst moments -----------------------------------------------
 class Killed(BaseException):
     """Stands for SIGKILL: nothing after it runs (not even `finally: cleanup` that catches Exception)."""
 
@@ -214,7 +214,7 @@ def test_nonfinite_state_never_displaces_a_good_checkpoint(tmp_path, make_gpt, t
     assert info.value.checkpoint is None and "not saved" in str(info.value)
 
 
-# -- best checkpoint by the task's own metric (issue 10, item 2) ---------------------------------------------
+# -- best checkpoint by the task's own metric ---------------------------------------------
 def _reverse_trainer(tmp_path, **train):
     from qkv.tasks import build_task
     from qkv.train import TrainConfig

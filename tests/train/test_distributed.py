@@ -101,7 +101,7 @@ def test_nccl_matches_single_gpu(mode, tmp_path, torchrun):
         assert got["losses"][step][0] == pytest.approx(loss, rel=1e-4), step  # TF32/NCCL reduction order
 
 
-# -- the README's commands, end to end through the CLI (issue 10, item 15) ----------------------------------
+# -- the README's commands, end to end through the CLI ----------------------------------
 ROOT = HERE.parents[1]
 TINY_LM = ["--max-steps", "2", "--no-progress", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
            "task.context=16", "train.batch_size=4", "eval.n=4", "eval.samples=1"]

@@ -111,3 +111,16 @@ def test_resume_appends_to_metrics_never_rewrites(tmp_path, make_gpt, toy_data, 
     lines = path.read_bytes().decode().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert path.read_bytes().startswith(before)  # resumed at step 5: its record stays, byte for byte
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_a_line_per_logged_step_without_a_progress_bar(tmp_path, make_gpt, toy_data, cfg_factory, capsys, progress):
+    """Without a drawn bar (progress off, or output not a terminal: pytest's is not) every logged step is a line on
+    stdout and in train.log; a run sent to a file said nothing until its first evaluation."""
+    cfg = cfg_factory(max_steps=5, log_every=2, progress=progress, eval_every=0, plot=False, tensorboard=False)
+    Trainer(make_gpt(), cfg, toy_data).fit()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert [ln.split(":")[0] for ln in lines] == ["step 1/5", "step 2/5", "step 4/5", "step 5/5"]
+    assert "loss" in lines[0] and "tokens/s" in lines[0]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert all(ln in log for ln in lines)

@@ -1,5 +1,5 @@
 """SIGINT / SIGTERM during training: a checkpoint at the end of the current step, then a clean stop that a
-resume continues exactly (issue 10, item 8)."""
+resume continues exactly."""
 
 import os
 import signal

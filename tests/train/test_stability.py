@@ -143,7 +143,7 @@ def test_trainer_truncates_to_context_with_warning(make_gpt, cfg_factory):
     assert s["truncated"] == 2 * 3  # input_ids, labels, attention_mask cut at each of 2 steps
 
 
-# -- clear ends instead of endless skipping or duplicated records (issue 10, item 11) ------------------------
+# -- clear ends instead of endless skipping or duplicated records ------------------------
 def test_skip_policy_gives_up_by_default(make_gpt, toy_data, cfg_factory):
     from qkv.train import TrainConfig
 

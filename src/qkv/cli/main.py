@@ -22,8 +22,11 @@ from typing import Any
 
 EXIT_USER_ERROR = 2
 EXIT_NAN_GUARD = 3
-EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN guard, "
-          "130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue with --resume), "
+TRAIN_EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN "
+                "guard, 130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue "
+                "with --resume), 141 the reader of stdout went away (qkv presets | head)")
+TRAINING = ("train", "demo", "ablate", "finetune")  # the subcommands that train: the NaN guard and --resume
+EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 130/143 interrupted by SIGINT/SIGTERM, "
           "141 the reader of stdout went away (qkv presets | head)")
 # serve stops on SIGINT / SIGTERM by design (a graceful shutdown): that is its normal end, status 0
 SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutdown, 1 the engine failed (so that a "
@@ -111,13 +114,23 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+QUANTIZE_MODES = ("int8", "int4")  # qkv.nn.quant.MODES, written out: the CLI imports torch only when it runs
+
+
+def _add_quantize(p: argparse.ArgumentParser) -> None:
+    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore)."""
+    p.add_argument("--quantize", choices=QUANTIZE_MODES, default=None,
+                   help="weight-only quantized projections and output head for inference: int8 (per output "
+                        "channel) or int4 (per group of 64 inputs); fastest with a bf16 model (docs/llm.md)")
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, or a Hugging Face folder")
+    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, a Hugging Face folder or a GGUF file")
     p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: an LM's sample length, 200; a seq2seq task's longest target)")
     p.add_argument("--temperature", type=float, default=None,
-                   help="divide the logits when sampling (default: the task's or the folder's, else 1.0)")
+                   help="divide the logits when sampling; 0 = greedy (default: the task's or the folder's, else 1.0)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--num-beams", type=int, default=None, help="> 1: beam search (default 1)")
@@ -143,6 +156,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                         "Face names, e.g. a model's generation_config.json); the flags above override it")
     p.add_argument("--strict", action="store_true",
                    help="refuse a prompt with characters outside the model's vocabulary (default: warn, read them as <unk>)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoding step with torch.compile (the first run compiles for a minute or "
+                        "more, later runs reuse ~/.cache/qkv/inductor; one sequence, no beams)")
+    _add_quantize(p)
 
 
 def _check_generate_flags(a: argparse.Namespace) -> None:
@@ -155,15 +172,23 @@ def _check_generate_flags(a: argparse.Namespace) -> None:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
     if a.num_beams is not None and a.num_beams < 1:
         raise ConfigError(f"--num-beams must be at least 1, got {a.num_beams}")
-    if a.temperature is not None and not (math.isfinite(a.temperature) and a.temperature > 0):
-        raise ConfigError(f"--temperature must be a positive number, got {a.temperature}")
-    if a.top_k is not None and a.top_k < 1:
-        raise ConfigError(f"--top-k must be at least 1, got {a.top_k}")
+    # the same bounds as GenerationConfig and the server: temperature 0 decodes greedily, top-k 0 is no top-k
+    if a.temperature is not None and not (math.isfinite(a.temperature) and a.temperature >= 0):
+        raise ConfigError(f"--temperature must be a number >= 0 (0 = greedy), got {a.temperature}")
+    if a.top_k is not None and a.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 = no top-k), got {a.top_k}")
     if a.top_p is not None and not 0 < a.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {a.top_p}")
     if a.stream and (a.num_beams or 1) > 1:
         raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
                           "only knows its sequence at the end: use one or the other")
+
+
+def _loading(model: str) -> None:
+    """Say that a model is loading (seconds for a large one) to a person at a terminal; a script's stderr keeps
+    only what went wrong."""
+    if sys.stderr.isatty():
+        print(f"loading {model}...", file=sys.stderr, flush=True)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -181,8 +206,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
                                         context_overflow=a.context_overflow).items() if v is not None})
     if a.sample:  # one sampled sequence: not a folder's beams
         flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
+    if a.compile:
+        flags["compile"] = True
+    _loading(a.checkpoint)
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
-                        **flags)
+                        quantize=a.quantize, **flags)
     if not a.stream:
         print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated only "
                                       "special tokens)")
@@ -190,7 +218,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def _add_info(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", help="a preset name or a checkpoint folder")
+    p.add_argument("target", help="a preset name, a checkpoint folder or a GGUF file")
     p.add_argument("--depth", type=int, default=3, help="module path depth of the table")
 
 
@@ -209,7 +237,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         hf_type = _hf_model_type(a.target)
         if hf_type:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            title += f" (Hugging Face {hf_type} folder, {dtype})"
+            title += f" ({hf_type} file, {dtype})" if hf_type.startswith("GGUF") else f" (Hugging Face {hf_type} folder, {dtype})"
     elif "/" in a.target or a.target.startswith((".", "~")) or os.sep in a.target:  # meant as a path, not a preset
         raise ConfigError(f"no such folder: {a.target}")
     else:
@@ -223,11 +251,16 @@ def cmd_info(a: argparse.Namespace) -> int:
 def _hf_model_type(path: str) -> str | None:
     import json
 
+    from qkv.interop.gguf_model import is_gguf
     from qkv.run import model_folder
 
+    if is_gguf(path):
+        from qkv.interop.gguf_model import GGUFFile
+
+        return f"GGUF {GGUFFile(path).meta.get('general.architecture')}"
     try:
         meta = json.loads((model_folder(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # read_config, when the model loads, says what is wrong
         return None
     return meta.get("model_type") if isinstance(meta, dict) and "qkv_family" not in meta else None
 
@@ -310,19 +343,21 @@ def cmd_attention(a: argparse.Namespace) -> int:
 
 
 def _add_explore(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a run folder, checkpoint folder or Hugging Face folder (gpt2, bert, vit, whisper)")
+    p.add_argument("model", help="a run folder, checkpoint folder, Hugging Face folder (gpt2, bert, vit, whisper) or GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on, 1..65535 (default 8000; it must be free)")
     p.add_argument("--input", default=None, help="with --export: the input to show (text; image index for a ViT)")
     p.add_argument("--target", default=None, help="with --export: decoder input of an encoder-decoder")
     p.add_argument("--wav", default=None, help="with --export: a WAV file for an audio model")
     p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and exit")
+    _add_quantize(p)
 
 
 def cmd_explore(a: argparse.Namespace) -> int:
     from qkv.explore.cli import explore
 
-    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav)
+    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav,
+                   quantize=a.quantize)
 
 
 def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
@@ -385,7 +420,9 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
                           f"({what}), got {n}")
     if held_out is not None:
         idx = held_out[:n]
-        batch = {"pixel_values": task.images[idx], "labels": task.labels[idx]}
+        px = task.images[idx]
+        px = task.normalize(px) if hasattr(task, "normalize") else px  # the image tasks store raw uint8 pixels
+        batch = {"pixel_values": px, "labels": task.labels[idx]}
     else:
         batch = task.batch(0, n, "val")
     model.eval()
@@ -400,6 +437,20 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     return [f"wrote {out_png}"]
 
 
+def _add_predict(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="an image classifier: a Hugging Face folder (vit, resnet) or a qkv image run")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+    p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
+
+
+def cmd_predict(a: argparse.Namespace) -> int:
+    from qkv.predict import format_predictions, predict_images
+
+    for line in format_predictions(predict_images(a.model, a.images, a.top_k)):
+        print(line)
+    return 0
+
+
 def _add_finetune(p: argparse.ArgumentParser) -> None:
     from qkv.finetune import add_arguments
 
@@ -407,7 +458,7 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder or a Hugging Face folder")
+    p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
     p.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
@@ -423,6 +474,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most prompt + output tokens a request may ask for (default: the model's context; for "
                         "RoPE/ALiBi models the context_length they were configured for, max_position_embeddings)")
+    _add_quantize(p)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -434,7 +486,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(a.model, host=a.host, port=a.port, name=a.name, max_waiting=a.max_waiting,
                  shutdown_timeout=a.shutdown_timeout, block_size=a.block_size, num_blocks=a.num_blocks,
                  max_batch_size=a.max_batch_size, prefill_chunk=a.prefill_chunk or None,
-                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption, max_model_len=a.max_model_len)
+                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption, max_model_len=a.max_model_len,
+                 quantize=a.quantize)
 
 
 def cmd_finetune(a: argparse.Namespace) -> int:
@@ -447,7 +500,7 @@ def cmd_finetune(a: argparse.Namespace) -> int:
 
 
 def _add_chat(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template)")
+    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template), or a GGUF file")
     p.add_argument("--message", action="append", default=None,
                    help="answer this message and exit (repeat for several turns); without it: interactive")
     p.add_argument("--system", default=None, help="system prompt")
@@ -455,25 +508,42 @@ def _add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="default: the folder's generation_config.json")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: the folder's, else sampling)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy decoding. Default: what the folder's generation_config.json says (do_sample); "
+                        "greedy when it says nothing; --temperature / --top-k / --top-p sample")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoding step with torch.compile (the first answer waits for the compile; "
+                        "later runs reuse ~/.cache/qkv/inductor)")
+    _add_quantize(p)
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
+    import secrets
+
     from qkv.chat import ChatSession, chat_loop
     from qkv.config import ConfigError
     from qkv.generate import GenerationConfig
+    from qkv.generate.config import resolve
 
     flags = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
     _check_generate_flags(argparse.Namespace(**flags, num_beams=None, stream=False))
     if a.message is not None and not all(m.strip() for m in a.message):
         raise ConfigError("--message is empty")
-    cfg = GenerationConfig(**{k: v for k, v in flags.items() if v is not None}, seed=a.seed)
+    seed = a.seed if a.seed is not None else secrets.randbelow(2**31)  # unseeded: differs between runs
+    cfg = GenerationConfig(**{k: v for k, v in flags.items() if v is not None}, seed=seed)
     if a.greedy:
         cfg = cfg.replace(do_sample=False)
     elif a.temperature or a.top_k or a.top_p:
         cfg = cfg.replace(do_sample=True)
-    session = ChatSession.from_folder(a.model, system=a.system, generation_config=cfg)
+    if a.compile:
+        cfg = cfg.replace(compile=True)
+    _loading(a.model)
+    session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
+    defaults = session.model.generation_defaults() if hasattr(session.model, "generation_defaults") else {}
+    if a.seed is None and resolve(defaults, cfg, {}).sampling:
+        print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)
     if a.message is None:
         chat_loop(session)
         return 0
@@ -483,7 +553,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT folder (Hugging Face format)")
+    p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa folder (Hugging Face format)")
     p.add_argument("--input", required=True, help="text file, one text per line")
     p.add_argument("--out", default=None, help="write the embeddings here (.npy, one row per line)")
     p.add_argument("--query", default=None, help="print the input lines nearest to this text")
@@ -516,6 +586,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "ablate": ("run an ablation suite and write its table and plots", _add_ablate, cmd_ablate),
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
+    "predict": ("an image classifier's top classes for image files", _add_predict, cmd_predict),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
     "chat": ("chat with a model folder (its chat template), interactively or --message", _add_chat, cmd_chat),
@@ -523,21 +594,28 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; given `argv`, only the subcommand it names gets its flags (finetune's come from
+    its recipes, which import torch: `qkv --help` needs none of them and answers at once)."""
     parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart and scale.",
-                                     epilog=EPILOG)
+                                     epilog=TRAIN_EPILOG)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = None if argv is None else next((x for x in argv if x in SUBCOMMANDS), "")
     for name, (help_text, setup, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           epilog=SERVE_EPILOG if name == "serve" else EPILOG)
-        setup(p)
+                           epilog=SERVE_EPILOG if name == "serve" else TRAIN_EPILOG if name in TRAINING else EPILOG)
+        if chosen is None or name == chosen:
+            setup(p)
         p.set_defaults(func=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    # before torch is imported (it reads this once): idle OpenMP threads sleep rather than spin between ops, which
+    # otherwise keeps every core busy while a chat waits for input or a server for requests; the user's wins
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     a, extra = parser.parse_known_args(argv)
     # dotted key=value overrides may come after options (`qkv train cfg.yaml --out x train.lr=1e-3`)
     if extra and hasattr(a, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
@@ -547,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(a, "func", None):
         parser.print_help()
         return 0
+    import warnings
+
+    # a warning is said as the CLI says things: one line on stderr (not Python's two, with a source line)
+    warnings.showwarning = lambda message, *_, **__: print(f"qkv: warning: {message}", file=sys.stderr)
     try:
         return a.func(a)
     except KeyboardInterrupt as e:

@@ -2,7 +2,7 @@
 
 Everything else in `qkv.explore` works on what this module returns (ids, labels, attention tensors, cache
 byte counts, position tables), so when the model interfaces change (a decoder protocol, model kinds, a
-generation config: issue 11) only this file changes. What it reuses:
+generation config) only this file changes. What it reuses:
 
   loading          run.load_model_any / run_folder_of / load_run_task, tasks.tokenizers.find_tokenizer
   attention        experiments.attention.collect_attentions / visible_keys / greedy_target (naive softmax)
@@ -30,10 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# family name -> kind; the explorer branches on the kind only (issue 11 moves this onto the families)
+# family name -> kind; the explorer branches on the kind only, so a new family needs one entry here
 KINDS = {"gpt": "decoder", "encdec": "seq2seq", "whisper": "audio", "bert": "encoder", "vit": "image"}
 UNSUPPORTED = {
     "lstm": "an LSTM has no attention to show",
+    "resnet": "a ResNet is a convolutional network: it has no attention to show",
     "swin": "Swin attends within shifted windows; the explorer shows full attention maps only",
     "clip": "CLIP is a two-tower model; explore its towers as separate ViT / text models",
 }
@@ -59,13 +60,14 @@ class Loaded:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time uses the model
 
 
-def load(path: str | Path) -> Loaded:
-    """A qkv run folder, a qkv checkpoint folder or a Hugging Face folder qkv loads (gpt2, bert, vit, whisper)."""
+def load(path: str | Path, quantize: str | None = None) -> Loaded:
+    """A qkv run folder, a qkv checkpoint folder or a Hugging Face folder qkv loads (gpt2, bert, vit, whisper);
+    quantize: "int8" / "int4" weight-only (qkv.nn.quant)."""
     from qkv.run import _model_folder, load_model_any, load_run_task, run_folder_of
     from qkv.tasks.tokenizers import find_tokenizer
 
     path = Path(path)
-    model = load_model_any(path)
+    model = load_model_any(path, quantize)
     model.eval()
     family = getattr(model, "family", "") or type(model).__name__.lower()
     if family in UNSUPPORTED:
@@ -495,7 +497,7 @@ def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
         c = config(ld)
         from qkv.nn.position import PatchGrid
 
-        pos = m.encoder.position  # issue 11: ViT's patch positions are the encoder's PatchGrid encoding
+        pos = m.encoder.position  # ViT's patch positions are the encoder's PatchGrid encoding
         table = pos.table((c.grid, c.grid)) if isinstance(pos, PatchGrid) else None
         n_extra = 1 if c.pooling == "cls" else 0
         if table is None:
@@ -505,7 +507,7 @@ def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
                           "table": table[0, n_extra:].detach().float(), "grid": [c.grid, c.grid]})
     if ld.kind == "audio":
         found.append({"where": "encoder (audio frames)", "kind": "sinusoidal (fixed)",
-                      "table": m.encoder.position.weight.detach().float()})  # issue 11: FixedTable
+                      "table": m.encoder.position.weight.detach().float()})  # a FixedTable
     for role, stack in stacks(ld).items():
         p = stack.position
         if ld.kind in ("image", "audio") and role == "encoder":

@@ -10,13 +10,14 @@ from qkv.explore.export import check_export_path
 
 
 def explore(model: str, *, host: str = "127.0.0.1", port: int = 8000, text: str | None = None,
-            target: str | None = None, export: str | None = None, wav: str | None = None) -> int:
+            target: str | None = None, export: str | None = None, wav: str | None = None,
+            quantize: str | None = None) -> int:
     # 0 ("any free port") is refused: the page's address is printed before uvicorn picks one, so it would be wrong
     if not 1 <= port <= 65535:
         raise ExploreError(f"--port must be in 1..65535, got {port}")
     if export is not None:
         check_export_path(Path(export))  # before loading the model: a wrong path fails at once
-    ld = load(model)
+    ld = load(model, quantize)
     if export is not None:
         from qkv.explore.export import export_html
 

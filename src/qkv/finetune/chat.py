@@ -58,7 +58,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 # Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
 EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
-                                                      ("llama", "mistral", "qwen2", "qwen3")}}
+                                                      ("llama", "mistral", "qwen2", "qwen3")},
+             **{mt: "qkv.interop.moe:export_moe" for mt in ("mixtral", "qwen2_moe", "qwen3_moe")}}
 
 
 # -- reading the data --------------------------------------------------------------------------------------
@@ -507,7 +508,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if dev:
         lines.append(f"dev loss (assistant tokens): {before:.4f} before -> {after:.4f} after")
     lines.append(f"model folder: {out} ({'Hugging Face ' + fmt[3:] if fmt.startswith('hf:') else 'qkv'} format"
-                 f"{', LoRA merged' if lora else ''}); try: qkv chat {out}")
+                 f"{', LoRA merged' if lora else ''}): the weights of the last step, {summary['steps']}; "
+                 f"try: qkv chat {out}")
+    best = summary.get("best_eval")
+    if best and best.get("step") != summary["steps"]:  # the training log names the best step: say it is not here
+        lines.append(f"the best dev {best['metric']} ({best['value']:.4f}) was at step {best['step']}, not in the model "
+                     f"folder: its training checkpoint is {summary['best_checkpoint']}")
     return {"report": "\n".join(lines), "train": summary, "settings": settings, "out": out}
 
 

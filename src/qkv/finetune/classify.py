@@ -5,8 +5,8 @@
 
 Data: CSV, TSV or JSONL (by extension) with a header / keys; labels are names ("pos") or ids ("1"). The
 classifier reads the pooled [CLS] vector (BERT's tanh pooler, RoBERTa's classifier.dense, DistilBERT's
-pre_classifier: one Linear + activation), trained with qkv.train.Trainer (linear decay after warmup, AdamW,
-clipping, bf16 with train.precision=bf16, a checkpoint each epoch, --resume). With --dev: accuracy and macro-F1
+pre_classifier, DeBERTa's ContextPooler: one Linear + activation), trained with qkv.train.Trainer (linear
+decay after warmup, AdamW, clipping, bf16 with train.precision=bf16, a checkpoint each epoch, --resume). With --dev: accuracy and macro-F1
 each epoch, the best (macro-F1) checkpoint kept and exported, and confusion.png. OUT is then a Hugging Face
 folder (AutoModelForSequenceClassification; qkv.from_pretrained) with the source's tokenizer files.
 """
@@ -14,6 +14,8 @@ folder (AutoModelForSequenceClassification; qkv.from_pretrained) with the source
 from __future__ import annotations
 
 import argparse
+import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -126,12 +128,31 @@ def label_ids(values: list[Any], mapping: dict[str, int], path: str, records: li
     return out
 
 
+def checked_labels(values: list[Any], path: str, records: list[tuple[int, Any]]) -> list[Any]:
+    """Labels as strings or integers. JSON gives other types, which str() would turn into classes of their own
+    (1 and 1.0 would be '1' and '1.0'; [1] a class '[1]'): a float equal to an integer is that integer (said in
+    one warning), any other float, a list, an object or a boolean is an error naming the line."""
+    out, floats = [], []
+    for v, (line, _) in zip(values, records):
+        if isinstance(v, float) and v.is_integer():
+            floats.append(line)
+            v = int(v)
+        elif isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise ConfigError(f"{path} line {line}: label {json.dumps(v)[:60]} is a {type(v).__name__}; labels "
+                              "must be strings or integers")
+        out.append(v)
+    if floats:
+        warnings.warn(f"{path}: {len(floats)} label(s) written as floats equal to integers (line {floats[0]} "
+                      "first) are read as those integers", stacklevel=2)
+    return out
+
+
 def _examples(path: str, args: argparse.Namespace, enc: Any) -> tuple[list[Any], list[Any], list[tuple[int, Any]], int]:
     records = read_records(path)
     texts = [str(t) for t in column(path, records, args.text_column, "text")]
     pairs = column(path, records, args.text_pair_column, "text pair")
     pairs = [str(p) for p in pairs] if args.text_pair_column else None
-    labels = column(path, records, args.label_column, "label")
+    labels = checked_labels(column(path, records, args.label_column, "label"), path, records)
     encodings, cut = encode(enc.tokenizer, texts, pairs, enc.max_length, too_long(args), path,
                             lines=[line for line, _ in records])
     return encodings, labels, records, cut

@@ -26,10 +26,11 @@ from qkv.tasks.base import text_lines
 # the encoder model_types and the module whose Layout writes them back
 FAMILIES = {"bert": ("qkv.interop.bert", "BERT_LAYOUT"), "roberta": ("qkv.interop.roberta", "ROBERTA_LAYOUT"),
             "xlm-roberta": ("qkv.interop.roberta", "XLM_ROBERTA_LAYOUT"),
-            "distilbert": ("qkv.interop.distilbert", "DISTILBERT_LAYOUT")}
+            "distilbert": ("qkv.interop.distilbert", "DISTILBERT_LAYOUT"),
+            "deberta-v2": ("qkv.interop.deberta", "DEBERTA_LAYOUT")}
 # tokenizer files a Hugging Face folder may carry; copied to the output folder so it is complete
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                   "merges.txt", "sentencepiece.bpe.model", "added_tokens.json")
+                   "merges.txt", "sentencepiece.bpe.model", "spm.model", "added_tokens.json")
 
 
 def flag(group: argparse._ArgumentGroup, name: str, **kwargs: Any) -> None:
@@ -65,8 +66,8 @@ class EncoderFolder:
 
 
 def open_encoder(folder: str | Path) -> EncoderFolder:
-    """A Hugging Face BERT / RoBERTa / XLM-R / DistilBERT folder and its tokenizer (tokenizer.json, else
-    vocab.txt), found by the library's one lookup (qkv.tasks.tokenizers.find_tokenizer)."""
+    """A Hugging Face BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa-v2/v3 folder and its tokenizer
+    (tokenizer.json, else vocab.txt), found by the library's one lookup (qkv.tasks.tokenizers.find_tokenizer)."""
     from qkv import from_pretrained
     from qkv.storage import read_config
     from qkv.tasks.tokenizers import find_tokenizer
@@ -81,7 +82,11 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
     tok = find_tokenizer(folder)
     tok = getattr(tok, "hf", tok)  # a tokenizer.json that qkv's BPE wrapper accepted: the tokenizers object inside
     if tok is None or not hasattr(tok, "encode_batch") or not hasattr(tok, "no_truncation"):
-        raise ConfigError(f"{folder} has no Hugging Face tokenizer (tokenizer.json or vocab.txt)")
+        spm = [n for n in ("spm.model", "sentencepiece.bpe.model") if (folder / n).is_file()]
+        # a SentencePiece-only upload (DeBERTa-v3's spm.model, some XLM-R): transformers converts it once
+        hint = (f"; it has only the SentencePiece model {spm[0]}: write tokenizer.json once with transformers, "
+                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)") if spm else ""
+        raise ConfigError(f"{folder} has no Hugging Face tokenizer (tokenizer.json or vocab.txt){hint}")
     tok.no_truncation()  # a saved tokenizer.json may carry its own settings: lengths are ours to decide
     tok.no_padding()
     return EncoderFolder(folder, model, tok, meta, mt)
@@ -103,16 +108,15 @@ def export_folder(enc: EncoderFolder, model: Any, out: Path, id2label: dict[int,
 
 
 def new_head_model(enc: EncoderFolder, head: str, num_labels: int, seed: int) -> Any:
-    """A BERT with `head` (classify: the pooler kept or added; tag: per token) over the folder's encoder.
-    Seeded before building so the new head's initial weights are the same in every run."""
+    """The folder's model class (BERT, or DeBERTa) with `head` (classify: the pooler kept or added; tag: per
+    token) over the folder's encoder. Seeded before building so the new head's initial weights are the same
+    in every run."""
     from dataclasses import replace
-
-    from qkv.models.bert import BERT
 
     cfg = replace(enc.model.config, head=head, num_labels=num_labels,
                   pooler=head == "classify" or (head != "tag" and enc.model.config.pooler))
     torch.manual_seed(seed)
-    model = BERT(cfg)
+    model = type(enc.model)(cfg)
     own = model.state_dict()
     src = {k: v for k, v in enc.model.state_dict().items()
            if k in own and own[k].shape == v.shape and not k.startswith(("classifier.", "mlm_"))}

@@ -7,14 +7,12 @@ Only A and B train; W and b stay frozen. After training, `merge_lora` folds B A 
 model is an ordinary model again (same architecture, same speed, loadable anywhere).
 
 Why our own module and not `peft`: peft replaces each target with its own wrapper around the original layer
-(`lora.Linear(base_layer)`), which (1) drops qkv's `Linear.step`, the decoding path every attention and
-feed-forward sublayer calls (nn/attention.py, nn/ffn.py), so generation with an unmerged adapter would fail;
-(2) renames the state-dict keys (`qkv_proj.base_layer.weight`), so checkpoints and the interop key maps stop
+(`lora.Linear(base_layer)`), which (1) hides the module's type, by which qkv finds its projections; (2) renames the state-dict keys (`qkv_proj.base_layer.weight`), so checkpoints and the interop key maps stop
 matching; (3) cannot adapt one part of a fused projection: our self-attention computes Q, K and V with one
 `qkv_proj` matmul, and the LoRA paper's default (adapt W_q and W_v) needs separate adapters on slices of its
 output; (4) pulls in `transformers` and `accelerate` as hard dependencies of the library. The module below is
 a subclass of qkv's Linear holding the *same* weight and bias Parameters (keys unchanged, tying preserved)
-plus A/B pairs for output slices, with a forward for training and a `step` for decoding.
+plus A/B pairs for output slices; its forward serves training and decoding alike.
 
 Targets (comma separated in `--lora-targets`):
   q, k, v        the query / key / value slice of a fused self-attention projection (qkv_proj), or a
@@ -82,7 +80,7 @@ class LoRALinear(Linear):
         nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a new weight
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
-        self.register_parameter("bias", base.bias)  # registered even when None: Linear.step reads _parameters
+        self.register_parameter("bias", base.bias)  # registered even when None, as nn.Linear does
         self.slices = tuple(sorted(slices))
         for (a, b), (c, _) in zip(self.slices, self.slices[1:]):
             if c < b:
@@ -128,21 +126,6 @@ class LoRALinear(Linear):
             parts.append(y[..., pos:])
         return torch.cat(parts, dim=-1)
 
-    def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
-        """The decoding path: the frozen weight's packed step plus the adapters (no dropout); scale_first
-        (attention's folded 1/sqrt(d_k) on the query columns) applies to the adapters' columns too."""
-        if x.dim() != 2:
-            return self.step(x.reshape(-1, x.shape[-1]), scale_first).view(*x.shape[:-1], self.out_features)
-        y = super().step(x, scale_first)
-        if self.merged:
-            return y
-        for i, (a, b) in enumerate(self.slices):
-            d = self._delta(x, i).to(y.dtype)
-            if scale_first is not None and a < scale_first[0]:
-                d[:, : min(b, scale_first[0]) - a] *= scale_first[1]
-            y[:, a:b] += d
-        return y
-
     @torch.no_grad()
     def delta_weight(self) -> list[tuple[int, int, Tensor]]:
         """[(start, stop, scaling * B A)] in fp32: what merge() adds to the weight rows start:stop."""
@@ -151,7 +134,7 @@ class LoRALinear(Linear):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """W[start:stop] += scaling * B A (in place: the packed decoding copy is rebuilt, see Linear._packed)."""
+        """W[start:stop] += scaling * B A, in place."""
         if not self.merged:
             for a, b, d in self.delta_weight():
                 self.weight[a:b] += d.to(self.weight.dtype)
@@ -279,7 +262,7 @@ def expected_trainable(in_out_slices: list[tuple[int, int]], rank: int) -> int:
 
 def merge_lora(model: nn.Module) -> nn.Module:
     """Merge every adapter into its weight (W += alpha/r B A) and put plain Linears back: the model is an
-    ordinary model again (adapters gone, every parameter trainable as before LoRA)."""
+    ordinary model again (adapters gone, every parameter trainable, as without LoRA)."""
     for name, m in lora_layers(model):
         m.merge()
         parent_name, _, leaf = name.rpartition(".")

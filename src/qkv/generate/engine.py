@@ -37,8 +37,7 @@ freed and it goes back to the head of the waiting queue with its S; when re-admi
 S (its full blocks often still in the prefix cache). Victims: `preemption="least_work"` (default) takes the
 running request with the fewest computed tokens (the cheapest to recompute), "newest" (vLLM's order) the latest
 arrival. On benchmarks/serve.py's load with a third of the blocks it needs, least_work threw away 26.7k computed
-tokens against newest's 35.5k, and finished sooner in both quiet passes of this engine (stops 21 and 22,
-docs/serving.md); with the older engine of stop 20 (prefill budget 256) newest had been ahead. Greedy outputs
+tokens against newest's 35.5k, and finished sooner in both quiet passes (docs/serving.md). Greedy outputs
 do not change: the recomputed keys/values are those of the same tokens.
 
 Settings: the engine's GenerationConfig (model defaults, then the config and keywords given to Engine) is
@@ -479,7 +478,7 @@ class Engine:
         cost of a forward, weights and Python, in row x key units) is smaller saves that traffic; binary cuts,
         at most 2 ** split_depth groups. split_cost=None: one forward. The default ("auto") is None where the
         paged cache's decoding step reads the keys/values in place (CPU, float32/64: no padding is read, and
-        one forward over the whole batch was 1.11x in CPU time on the serve load, docs/perf/srv13c.md), 4096
+        one forward over the whole batch was 1.11x in CPU time on the serve load), 4096
         where it gathers them (GPU, bf16)."""
         n = len(batch)
         if self.split_cost is None or n < 4:

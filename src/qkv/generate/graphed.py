@@ -11,12 +11,18 @@ on a GPU. On the CPU the same code runs (Inductor, or any backend named), with n
 compile=True means backend="inductor", mode="reduce-overhead"; a string names another torch.compile backend
 ("eager", "aot_eager": tracing without code generation, which the tests use). The compiled step is kept per
 model and backend, so later generate() calls reuse it (a new batch size or cache length compiles again).
+
+Inductor keeps the code it generates on disk, under $QKV_CACHE/inductor (default ~/.cache/qkv/inductor; an
+explicit TORCHINDUCTOR_CACHE_DIR wins): a second process that compiles the same model and shapes traces again
+but reuses the compiled kernels, so it starts in seconds rather than the first compile's minutes.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,9 +101,23 @@ def check_graphable(model: Any) -> None:
                          "(their bias depends on the query position); use compile=False")
 
 
+def inductor_cache_dir() -> Path:
+    """Where Inductor keeps its compiled code: TORCHINDUCTOR_CACHE_DIR if set, else $QKV_CACHE/inductor (default
+    ~/.cache/qkv/inductor), set in the environment for this process (Inductor reads it there)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # torch writes its own default into the variable the first time it looks: that value is not a user's choice
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        root = Path(os.environ.get("QKV_CACHE", Path.home() / ".cache" / "qkv"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
 def compiled_step(model: Any, compile: bool | str) -> Callable[..., Tensor]:
     """The compiled `_step` for `model` (kept per model and backend)."""
     backend = "inductor" if compile is True else str(compile)
+    if backend == "inductor":
+        inductor_cache_dir()
     per_model = _COMPILED.setdefault(model, {})
     fn = per_model.get(backend)
     if fn is None:

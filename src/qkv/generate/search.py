@@ -299,8 +299,7 @@ def _row_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     a row's k best lies in a block whose maximum is among the k largest block maxima (k other blocks with
     larger maxima would hold k entries larger than it). Only the order among EQUAL values may differ from
     torch.topk's, which torch leaves unspecified as well. torch.topk over a (64 x 58101) beam-search score
-    matrix copies every row into (value, index) pairs and took ~10x the two-stage time on the AVX2 machine
-    (docs/perf/beam14d.md)."""
+    matrix copies every row into (value, index) pairs and took ~10x the two-stage time on the AVX2 machine."""
     R, V = x.shape
     c = TOPK_BLOCK
     n = V // c
@@ -374,7 +373,7 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
         # 2K of those Kc*2K (the same set as a top-2K over the (B0, Kc*V) scores; 5.7 vs 9.1 ms at 64 x 58k, 1 thread).
         # The beam's score is added to its row's 2K candidates only, not to all V log-probabilities: a constant
         # per row never changes which entries of the row are best, and each candidate's sum is the same float
-        # addition as before (one pass over the (rows, V) scores fewer).
+        # addition as adding to every entry first, with one pass over the (rows, V) scores fewer.
         # (with several eos ids: (1 + their number) * K candidates, as Hugging Face keeps, so that eos candidates,
         # which finish hypotheses, can never crowd out the K open ones: every eos id may be among the best)
         width = max(2, 1 + len(s.eos)) * K
@@ -409,7 +408,7 @@ def _beam_search(model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
                 if j == K:
                     break
             if j < K:
-                nsrc[j:] = [0] * (K - j)  # empty slots (score -inf) copy beam 0, as before
+                nsrc[j:] = [0] * (K - j)  # empty slots (score -inf) copy beam 0: any valid source does for a -inf hypothesis
             finished[b] = sorted(finished[b], key=lambda h: -h[0])[:K]
             best_open = ns[0]
             if best_open == float("-inf"):

@@ -23,12 +23,18 @@ _MODULES = {
     "roberta": "qkv.interop.roberta",
     "xlm-roberta": "qkv.interop.roberta",
     "distilbert": "qkv.interop.distilbert",
+    "deberta-v2": "qkv.interop.deberta",
     "vit": "qkv.interop.vit",
+    "resnet": "qkv.interop.resnet",
+    "swin": "qkv.interop.swin",
     "whisper": "qkv.interop.whisper",
     "llama": "qkv.interop.llama",
     "mistral": "qkv.interop.llama",
     "qwen2": "qkv.interop.llama",
     "qwen3": "qkv.interop.llama",
+    "mixtral": "qkv.interop.moe",
+    "qwen2_moe": "qkv.interop.moe",
+    "qwen3_moe": "qkv.interop.moe",
     "t5": "qkv.interop.t5",
     "bart": "qkv.interop.bart",
     "marian": "qkv.interop.bart",
@@ -37,8 +43,11 @@ _MODULES = {
 
 # model_type -> the kind of model it loads as (qkv.models kinds), readable without loading any weights
 KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
+         "mixtral": "decoder", "qwen2_moe": "decoder", "qwen3_moe": "decoder",
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
-         "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "whisper": "audio"}
+         "deberta-v2": "encoder",
+         "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "resnet": "image",
+         "swin": "image", "whisper": "audio"}
 
 
 def load_hf(folder: str | Path) -> Any:
@@ -65,3 +74,8 @@ def load_hf(folder: str | Path) -> Any:
         raise CheckpointError(f"{folder}/config.json: {mt} needs the field {e.args[0]!r}, which is missing") from None
     except (TypeError, ValueError) as e:  # e.g. int("forty")
         raise CheckpointError(f"{folder}/config.json: a {mt} field has an unusable value ({e})") from None
+    except (MemoryError, RuntimeError) as e:  # a size no weight shape checks (e.g. a computed position table)
+        if isinstance(e, RuntimeError) and "allocate" not in str(e):
+            raise
+        raise CheckpointError(f"{folder}/config.json: the {mt} model it describes does not fit in memory "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'out of memory'})") from None

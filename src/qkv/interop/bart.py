@@ -33,6 +33,7 @@ from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
+    check_sizes,
     expand,
     export_state,
     load_hf_weights,
@@ -117,6 +118,14 @@ def load_bart(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
         hf_state.rename(lambda k: ("" if k == "final_logits_bias" else "model.") + k)
     require("model.shared.weight" in hf_state, f"{source}: no model.shared.weight")
     shared_meta = hf_state.meta("model.shared.weight")
+    positions = ("max_position_embeddings" + (f" + {cfg.position_skip}" if cfg.position_skip else ""),
+                 cfg.context_length + cfg.position_skip)  # BART's learned table has 2 rows more
+    check_sizes(hf_state, source, [
+        ("encoder_layers", cfg.n_encoder_layers, "model.encoder.layers.{}.final_layer_norm.weight", None),
+        ("decoder_layers", cfg.n_decoder_layers, "model.decoder.layers.{}.final_layer_norm.weight", None),
+        ("vocab_size", cfg.src_vocab_size, "model.shared.weight", 0), ("d_model", cfg.d_model, "model.shared.weight", 1),
+        (*positions, "model.encoder.embed_positions.weight", 0),
+        ("encoder_ffn_dim", cfg.d_ff, "model.encoder.layers.0.fc1.weight", 0)])
     copies = [k for k in TIED_COPIES if k in hf_state]
     if copies:  # copies of the shared embedding carry nothing (read before the model is built, one at a time)
         shared = hf_state["model.shared.weight"]

@@ -25,6 +25,7 @@ from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
+    check_sizes,
     expand,
     export_state,
     load_hf_weights,
@@ -58,6 +59,10 @@ ENCODER_MAP = {
     "encoder.layer.{}.output.LayerNorm.bias": "encoder.blocks.{}.norm2.bias",
 }
 TYPE_MAP = {"embeddings.token_type_embeddings.weight": "type_emb.weight"}
+# our config's sizes -> the config.json fields that give them (named when the weights disagree)
+BERT_FIELDS = {"n_layers": "num_hidden_layers", "vocab_size": "vocab_size", "d_model": "hidden_size",
+               "context_length": "max_position_embeddings", "d_ff": "intermediate_size",
+               "type_vocab_size": "type_vocab_size"}
 POOLER_MAP = {"pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias"}
 MLM_MAP = {
     "cls.predictions.transform.dense.weight": "mlm_dense.weight",
@@ -117,7 +122,8 @@ class Layout:
     Keys are those of the base model (BertModel, RobertaModel, ...); task models put them under `prefix`
     and keep their head outside it. `heads[h]` maps a head's tensors (head "classify" may bring the pooler:
     RoBERTa's classifier.dense, DistilBERT's pre_classifier); `detect` lists (head, the keys that prove it)
-    in order of precedence; `pooler_act` is the classify pooler's activation."""
+    in order of precedence; `pooler_act` is the classify pooler's activation (None: the family's config.json
+    names it, and the model's config carries it); `model_class` is the qkv model built (BERT or a subclass)."""
 
     model_type: str
     prefix: str
@@ -131,7 +137,10 @@ class Layout:
     config_to_hf: Callable[[BERTConfig], dict[str, Any]]
     ignore: tuple[str, ...] = ()
     tied: dict[str, str] = field(default_factory=dict)  # file key -> the key it must equal (tied decoders)
-    pooler_act: str = "tanh"
+    pooler_act: str | None = "tanh"
+    fields: dict[str, str] = field(default_factory=lambda: dict(BERT_FIELDS))  # our size -> config.json's field
+    model_class: type = BERT
+    extra: Callable[[BERTConfig], dict[str, str]] | None = None  # more tensors, as the config decides
 
 
 def _normalise_key(key: str, prefix: str) -> str:
@@ -150,7 +159,23 @@ def _mapping(layout: Layout, config: BERTConfig) -> dict[str, str]:
     if config.pooler and not any(v.startswith("pooler.") for v in head_map.values()):
         mapping.update(layout.pooler)
     mapping.update(head_map)
+    if layout.extra is not None:
+        mapping.update(layout.extra(config))
     return mapping
+
+
+def _check_sizes(hf_state: HFTensors, source: str, layout: Layout, c: BERTConfig) -> None:
+    """config.json's sizes against the file's shapes, before the key map is expanded or the model built."""
+    key = {ours: hf for hf, ours in {**layout.encoder, **layout.types}.items()}  # our key -> the file's
+    f = layout.fields
+    check_sizes(hf_state, source, [
+        (f["n_layers"], c.n_layers, key["encoder.blocks.{}.norm1.weight"], None),
+        (f["vocab_size"], c.vocab_size, key["tok_emb.weight"], 0), (f["d_model"], c.d_model, key["tok_emb.weight"], 1),
+        # an absolute position table only where the family has one (DeBERTa's positions are relative)
+        *([(f["context_length"], c.context_length + c.position_offset, key["encoder.position.weight"], 0)]
+          if "encoder.position.weight" in key else []),
+        (f["d_ff"], c.d_ff or 4 * c.d_model, key["encoder.blocks.{}.ffn.up.weight"].format(0), 0),
+        *([(f["type_vocab_size"], c.type_vocab_size, key["type_emb.weight"], 0)] if layout.types else [])])
 
 
 def load_encoder(folder: Path, hf_config: dict[str, Any], layout: Layout) -> BERT:
@@ -161,8 +186,9 @@ def load_encoder(folder: Path, hf_config: dict[str, Any], layout: Layout) -> BER
     head = next((h for h, keys in layout.detect if all(k in hf_state for k in keys)), "none")
     has_pooler = any(k in hf_state for k in layout.pooler)
     config = layout.config_from_hf(hf_config, head=head, pooler=has_pooler or head == "classify")
+    _check_sizes(hf_state, source, layout, config)
     tied = {k: (ref, f"{source}: {k} is not tied as this loader assumes") for k, ref in layout.tied.items()}
-    model = build_skeleton(lambda: BERT(config))  # parameters on meta: storage comes in the file's dtype
+    model = build_skeleton(lambda: layout.model_class(config))  # parameters on meta: storage comes in the file's dtype
     load_hf_weights(model, hf_state, _mapping(layout, config), ignore=layout.ignore, source=source, tied=tied)
     return model.eval()
 
@@ -177,7 +203,7 @@ def export_encoder(model: BERT, path: str | os.PathLike, layout: Layout, *, base
     c: BERTConfig = model.config
     require(c.head in ("none", "classify", "tag"), f"exporting a BERT with head {c.head!r} is not supported "
                                                    "(none, classify, tag)")
-    require(c.pooler_act == layout.pooler_act or c.head != "classify",
+    require(layout.pooler_act in (None, c.pooler_act) or c.head != "classify",
             f"a {layout.model_type} classifier pools with {layout.pooler_act}, this model with {c.pooler_act}")
     mapping = _mapping(layout, c)
     if c.head == "tag":  # HF token classifiers have no pooler (and one in the file would read as "classify")

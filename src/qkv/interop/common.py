@@ -19,7 +19,7 @@ A family module (gpt2.py, bert.py, vit.py, ...) supplies three things:
 Weights are read from model.safetensors (or its sharded index), or from pytorch_model.bin through
 torch.load(weights_only=True): loading never unpickles arbitrary code.
 
-Loading holds about one copy of the weights (docs/perf/load30.md measures it): `HFTensors` reads a safetensors
+Loading holds about one copy of the weights (benchmarks/load_memory.py measures it): `HFTensors` reads a safetensors
 folder's names, shapes and dtypes from the file headers and each tensor only when it is copied; every check above
 runs on those shapes before anything is allocated; the model is built with its parameters on the meta device
 (`build_skeleton`: buffers computed in __init__, e.g. Marian's sinusoids and Whisper's mel filters, are built
@@ -252,6 +252,36 @@ class HFTensors(Mapping[str, Tensor]):
 def meta_of(state: Mapping[str, Tensor], name: str) -> Tensor:
     """The shape and dtype of `state[name]` as a meta tensor, without reading it from an HFTensors."""
     return state.meta(name) if isinstance(state, HFTensors) else state[name].to("meta")
+
+
+# -- config.json's sizes against the file, before anything is built ------------------------------------
+# (config.json field, its value, a file key, the dim of that key's shape the field sizes); dim None: the key is a
+# template with "{}" for the layer index, and the value is the number of layers
+SizeCheck = tuple[str, Any, str, int | None]
+
+
+def check_sizes(state: Mapping[str, Tensor], source: str, checks: Iterable[SizeCheck]) -> None:
+    """Every size config.json gives (layers, width, vocabulary, positions, ...) against the file's tensor shapes,
+    read from its headers: a wrong field is named before a key map is expanded or a model built from it (a
+    config saying n_layer = 10**9 or vocab_size = 10**12 would otherwise allocate until memory runs out). A key
+    the file lacks is not checked here: the key map reports it as missing."""
+    config = Path(source).parent / "config.json"
+    for field, value, key, dim in checks:
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue  # not a size at all: building the config says so (load_hf's "unusable value")
+        if dim is None:
+            layer = re.compile("^" + re.escape(key).replace(re.escape("{}"), r"(\d+)") + "$")
+            found = {m.group(1) for k in state if (m := layer.match(k))}
+            if value != len(found):
+                raise CheckpointError(f"{config}: {field} is {value!r}, but {source} holds {len(found)} layers "
+                                      f"(keys {key.replace('{}', 'N')!r})")
+            continue
+        if key not in state:
+            continue
+        shape = tuple(meta_of(state, key).shape)
+        if dim >= len(shape) or value != shape[dim]:
+            raise CheckpointError(f"{config}: {field} is {value!r}, but {source} has {key} of shape {shape}"
+                                  + (f" ({field} would be {shape[dim]})" if dim < len(shape) else ""))
 
 
 # -- building a model without allocating its weights --------------------------------------------------

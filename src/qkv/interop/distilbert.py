@@ -100,6 +100,8 @@ DISTILBERT_LAYOUT = Layout(
                    "tag": "DistilBertForTokenClassification"},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, ignore=IGNORE,
     tied={"vocab_projector.weight": "embeddings.word_embeddings.weight"}, pooler_act="relu",
+    fields={"n_layers": "n_layers", "vocab_size": "vocab_size", "d_model": "dim",
+            "context_length": "max_position_embeddings", "d_ff": "hidden_dim"},
 )
 
 

@@ -16,6 +16,7 @@ from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
+    check_sizes,
     expand,
     export_state,
     load_hf_weights,
@@ -97,6 +98,11 @@ def load_gpt2(folder: Path, hf_config: dict[str, Any]) -> GPT:
     config = config_from_hf(hf_config)
     hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
     hf_state.rename(lambda k: k.removeprefix("transformer."))
+    c = config
+    check_sizes(hf_state, hf_state.source, [
+        ("n_layer", c.n_layers, "h.{}.ln_1.weight", None), ("vocab_size", c.vocab_size, "wte.weight", 0),
+        ("n_embd", c.d_model, "wte.weight", 1), ("n_positions", c.context_length, "wpe.weight", 0),
+        ("n_inner", c.d_ff, "h.0.mlp.c_fc.weight", 1)])  # Conv1D: (in, out)
     mapping = expand(KEY_MAP, config.n_layers)
     ignore, tied = IGNORE, {}
     if config.tie_embeddings:

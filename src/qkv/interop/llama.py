@@ -27,6 +27,7 @@ import torch
 from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
+    check_sizes,
     expand,
     export_state,
     require,
@@ -220,13 +221,31 @@ def load_llama(folder: Path, hf_config: dict[str, Any]) -> GPT:
     """A LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM folder -> our GPT, in
     eval mode, in the dtype of the folder's embedding weights."""
     config = config_from_hf(hf_config)
-    tensors = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
+    return load_decoder(folder, hf_config, config, key_map(config))
+
+
+def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, mapping: Mapping[str, str],
+                 tensors: HFTensors | None = None) -> GPT:
+    """A Llama-style folder whose config and key map are already made (here, and for the MoE variants in
+    interop/moe.py) -> our GPT, in eval mode, in the dtype of the folder's embedding weights. tensors: the
+    folder's tensors, when the caller has opened (or renamed) them."""
+    if tensors is None:
+        tensors = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
     require("model.embed_tokens.weight" in tensors,
             f"{tensors.source}: no model.embed_tokens.weight (a base-model folder without the 'model.' prefix "
             "is not supported)")
+    c, layer = config, "model.layers.{}.self_attn."
+    hd = c.head_dim or c.d_model // c.n_heads
+    check_sizes(tensors, tensors.source, [
+        ("num_hidden_layers", c.n_layers, "model.layers.{}.input_layernorm.weight", None),
+        ("vocab_size", c.vocab_size, "model.embed_tokens.weight", 0),
+        ("hidden_size", c.d_model, "model.embed_tokens.weight", 1),
+        ("intermediate_size", c.d_ff, "model.layers.0.mlp.up_proj.weight", 0),
+        ("num_attention_heads * head_dim", c.n_heads * hd, layer.format(0) + "q_proj.weight", 0),
+        ("num_key_value_heads * head_dim", (c.n_kv_heads or c.n_heads) * hd, layer.format(0) + "k_proj.weight", 0)])
     dtype = tensors.meta("model.embed_tokens.weight").dtype
     model = _empty_model(config, dtype if dtype.is_floating_point else torch.float32)
-    fill_model(model, tensors, key_map(config))
+    fill_model(model, tensors, mapping)
     # the model's own token ids (generation_config.json, read by load_model, adds to and overrides them)
     ids = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config.get(k) is not None}
     model.folder_generation_config = ids
@@ -250,6 +269,8 @@ def config_to_hf(config: GPTConfig, model_type: str | None = None) -> dict[str, 
     """The inverse of config_from_hf for configs these architectures can express."""
     mt = model_type or model_type_of(config)
     require(mt in MODEL_TYPES, f"cannot export to model_type {mt!r}; choose one of {MODEL_TYPES}")
+    require(not config.moe.n_experts, "a mixture-of-experts model is exported as mixtral, qwen2_moe or qwen3_moe "
+                                      "(qkv.interop.moe.export_moe)")
     ok = (config.position == "rope" and config.placement == "pre" and config.norm == "rmsnorm"
           and config.ffn == "swiglu" and config.scaled and config.attention in ("fused", "naive"))
     require(ok, "only Llama-shaped configs (RoPE, Pre-LN, RMSNorm, SwiGLU, scaled attention) can be exported "
@@ -293,8 +314,13 @@ def export_llama(model: GPT, path: str | os.PathLike, *, model_type: str | None 
     transformers loads as LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM.
     token_ids: bos/eos/pad ids for config.json (default: the model's generation defaults)."""
     model = unwrap(model)
+    return export_decoder(model, path, config_to_hf(model.config, model_type), key_map(model.config), token_ids)
+
+
+def export_decoder(model: GPT, path: str | os.PathLike, hf_config: dict[str, Any], mapping: Mapping[str, str],
+                   token_ids: Mapping[str, Any] | None = None) -> Path:
+    """export_llama's writer for a config.json and key map already made (here, and in interop/moe.py)."""
     config = model.config
-    hf_config = config_to_hf(config, model_type)
     defaults = model.generation_defaults() if hasattr(model, "generation_defaults") else {}
     ids = dict(token_ids) if token_ids is not None else defaults
     hf_config.update({k: ids.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
@@ -303,7 +329,7 @@ def export_llama(model: GPT, path: str | os.PathLike, *, model_type: str | None 
     state = model.state_dict()
     fused = {k: v for k, v in state.items() if ".attn.qkv_proj." in k}
     # q/k/v rows differ in size under GQA: split them here, the rest goes through the generic inverse map
-    mapping = {hf: ours for hf, ours in key_map(config).items() if ours not in fused}
+    mapping = {hf: ours for hf, ours in mapping.items() if ours not in fused}
     out = export_state(state, mapping)
     for ours, t in fused.items():
         layer, kind = ours.split(".")[2], ours.rsplit(".", 1)[1]
@@ -315,4 +341,5 @@ def export_llama(model: GPT, path: str | os.PathLike, *, model_type: str | None 
 for _mt in MODEL_TYPES:
     LOADERS[_mt] = load_llama
 
-__all__ = ["KEY_MAP", "config_from_hf", "config_to_hf", "export_llama", "key_map", "load_llama", "model_type_of"]
+__all__ = ["KEY_MAP", "config_from_hf", "config_to_hf", "export_decoder", "export_llama", "key_map", "load_decoder",
+           "load_llama", "model_type_of"]

@@ -32,6 +32,7 @@ from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
+    check_sizes,
     expand,
     export_state,
     load_hf_weights,
@@ -142,6 +143,15 @@ def load_t5(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
     for k in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
         require(k not in hf_state, f"{source}: {k} differs from shared.weight; qkv's T5 shares one embedding")
     cfg = config_from_hf(meta, tied="lm_head.weight" not in hf_state)
+    ffn = "wi_0" if cfg.ffn == "geglu_tanh" else "wi"
+    attn = "encoder.block.0.layer.0.SelfAttention."
+    check_sizes(hf_state, source, [
+        ("num_layers", cfg.n_encoder_layers, "encoder.block.{}.layer.0.layer_norm.weight", None),
+        ("num_decoder_layers", cfg.n_decoder_layers, "decoder.block.{}.layer.0.layer_norm.weight", None),
+        ("vocab_size", cfg.src_vocab_size, "shared.weight", 0), ("d_model", cfg.d_model, "shared.weight", 1),
+        ("num_heads * d_kv", cfg.n_heads * cfg.head_dim, attn + "q.weight", 0),
+        ("relative_attention_num_buckets", cfg.relative_buckets, attn + "relative_attention_bias.weight", 0),
+        ("d_ff", cfg.d_ff, f"encoder.block.0.layer.1.DenseReluDense.{ffn}.weight", 0)])
     model = build_skeleton(lambda: EncoderDecoder(cfg))  # parameters on meta: storage comes in the file's dtype
     load_hf_weights(model, hf_state, key_map(cfg), source=source)
     model.folder_generation_config = generation_from_config(meta)

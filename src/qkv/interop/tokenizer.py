@@ -96,7 +96,8 @@ def compile_chat_template(source: str) -> Any:
     import jinja2
     import jinja2.ext
     import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from qkv.interop.chat_sandbox import LimitedEnvironment
 
     class GenerationTag(jinja2.ext.Extension):
         """`{% generation %}body{% endgeneration %}`: renders body unchanged and, while a render is tracking,
@@ -119,8 +120,7 @@ def compile_chat_template(source: str) -> Any:
                 spans.append((start, start + len(text)))
             return text
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env = LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -131,29 +131,32 @@ def compile_chat_template(source: str) -> Any:
 
 
 def render_chat_template(source: str, messages: Sequence[Message], *, add_generation_prompt: bool = False,
-                         track_generation: bool = False, **variables: Any) -> tuple[str, list[tuple[int, int]]]:
-    """Render `source` for `messages`; returns (text, character spans of `{% generation %}` blocks)."""
+                         track_generation: bool = False, origin: str = "",
+                         **variables: Any) -> tuple[str, list[tuple[int, int]]]:
+    """Render `source` for `messages` under qkv.interop.chat_sandbox's size and time limits; returns (text,
+    character spans of `{% generation %}` blocks). origin: where the template came from, for errors."""
     import jinja2
 
+    from qkv.interop.chat_sandbox import render_limited
+
+    name = f"chat template{f' of {origin}' if origin else ''}"
     template = compile_chat_template(source)
     # as transformers does: keys whose value is None are dropped, so `message.tool_calls is defined` works
     msgs = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
     kwargs = {"messages": msgs, "add_generation_prompt": add_generation_prompt, "tools": None,
               "documents": None, **variables}
+    blocks: list[str] = []
+    spans: list[tuple[int, int]] = []
+    token = _SPANS.set((blocks, spans) if track_generation else None)
     try:
-        if not track_generation:
-            return template.render(**kwargs), []
-        blocks: list[str] = []
-        spans: list[tuple[int, int]] = []
-        token = _SPANS.set((blocks, spans))
-        try:
-            for block in template.generate(**kwargs):
-                blocks.append(block)
-        finally:
-            _SPANS.reset(token)
-        return "".join(blocks), spans
-    except jinja2.exceptions.TemplateError as e:  # raise_exception() in the template, or a sandbox refusal
-        raise ValueError(f"chat template: {e}") from None
+        render_limited(template.generate(**kwargs), blocks)
+    except jinja2.exceptions.TemplateError as e:  # raise_exception(), a sandbox refusal, a limit, an include
+        raise ValueError(f"{name}: {e}") from None
+    except (MemoryError, OverflowError, RecursionError) as e:  # past what the limits foresee
+        raise ValueError(f"{name}: refused ({type(e).__name__})") from None
+    finally:
+        _SPANS.reset(token)
+    return "".join(blocks), spans
 
 
 def has_generation_blocks(source: str) -> bool:
@@ -169,6 +172,7 @@ class HFTokenizer:
         config = dict(config or {})
         self.config = config
         self.chat_template = chat_template
+        self.chat_template_origin = ""  # the folder it came from (load_hf_tokenizer), named in render errors
         self.special_tokens: dict[str, str] = {}
         for name in SPECIAL_NAMES:
             text = _token_text(config.get(name))
@@ -271,7 +275,8 @@ class HFTokenizer:
             raise ValueError("this tokenizer has no chat template (no chat_template.jinja and no "
                              "`chat_template` in tokenizer_config.json)")
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    track_generation=track_generation, **{**self.special_tokens, **variables})
+                                    track_generation=track_generation, origin=self.chat_template_origin,
+                                    **{**self.special_tokens, **variables})
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = False,
                             tokenize: bool = False, return_assistant_mask: bool = False,
@@ -391,4 +396,6 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
     extra: list[int] = []
     for name in ("generation_config.json", "config.json"):
         extra += _ids(_read_json(folder / name).get("eos_token_id"))
-    return HFTokenizer(tokenizer, config, _chat_template(folder, config), extra)
+    tok = HFTokenizer(tokenizer, config, _chat_template(folder, config), extra)
+    tok.chat_template_origin = str(folder)
+    return tok

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.interop import LOADERS
-from qkv.interop.common import HFTensors, build_skeleton, load_hf_weights
+from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights
 from qkv.models.vit import ViT, ViTConfig
 from qkv.storage import CheckpointError
 
@@ -77,6 +77,12 @@ def load_vit(folder: Path, meta: dict[str, Any]) -> ViT:
         raise CheckpointError("ViT folders whose pooler_output_size differs from hidden_size are not supported")
     if classify:
         cfg.num_labels = sd.meta("classifier.weight").shape[0]
+    e, proj = f"{prefix}encoder.layer.", f"{prefix}embeddings.patch_embeddings.projection.weight"
+    check_sizes(sd, sd.source, [
+        ("num_hidden_layers", cfg.n_layers, e + "{}.layernorm_before.weight", None),
+        ("hidden_size", cfg.d_model, proj, 0), ("num_channels", cfg.n_channels, proj, 1),
+        ("patch_size", cfg.patch_size, proj, 2), ("intermediate_size", cfg.d_ff, e + "0.intermediate.dense.weight", 0),
+        ("(image_size / patch_size)**2 + 1", cfg.grid**2 + 1, f"{prefix}embeddings.position_embeddings", 1)])
     model = build_skeleton(lambda: ViT(cfg))  # parameters on meta: storage comes in the file's dtype
     # a bf16 / fp16 folder stays in its dtype
     load_hf_weights(model, sd, vit_key_map(cfg.n_layers, prefix, pooler=pooler, classify=classify), source=sd.source)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from qkv.interop import LOADERS
-from qkv.interop.common import HFTensors, build_skeleton, load_hf_weights
+from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights
 from qkv.interop.vit import hf_activation
 from qkv.models.whisper import Whisper, WhisperConfig
 from qkv.storage import CheckpointError
@@ -91,13 +91,21 @@ def load_whisper(folder: Path, meta: dict[str, Any]) -> Whisper:
     if not cfg.tie_embeddings and "proj_out.weight" not in sd:
         raise CheckpointError(f"{folder}: untied Whisper without proj_out.weight")
     prefix = "model." if any(k.startswith("model.") for k in sd) else ""
+    e, d = f"{prefix}encoder.", f"{prefix}decoder."
+    check_sizes(sd, sd.source, [
+        ("encoder_layers", cfg.n_encoder_layers, e + "layers.{}.final_layer_norm.weight", None),
+        ("decoder_layers", cfg.n_decoder_layers, d + "layers.{}.final_layer_norm.weight", None),
+        ("vocab_size", cfg.vocab_size, d + "embed_tokens.weight", 0), ("d_model", cfg.d_model, d + "embed_tokens.weight", 1),
+        ("max_source_positions", cfg.n_audio_ctx, e + "embed_positions.weight", 0),
+        ("max_target_positions", cfg.n_text_ctx, d + "embed_positions.weight", 0),
+        ("num_mel_bins", cfg.n_mels, e + "conv1.weight", 1), ("encoder_ffn_dim", cfg.d_ff, e + "layers.0.fc1.weight", 0)])
     mapping = whisper_key_map(prefix, cfg.n_encoder_layers, cfg.n_decoder_layers, untied=not cfg.tie_embeddings)
     for k in mapping:  # Whisper's k_proj has no bias: a zero one (the q bias's shape and dtype) is exact
         q = k.replace(".k_proj.bias", ".q_proj.bias")
         if k.endswith(".k_proj.bias") and k not in sd and q in sd:
             sd[k] = torch.zeros(sd.meta(q).shape, dtype=sd.meta(q).dtype)
     model = build_skeleton(lambda: Whisper(cfg))  # parameters on meta; the mel filters are computed
-    # a tied head is a copy of the token embedding: read by nothing (as before); a bf16 / fp16 folder keeps its dtype
+    # a tied head is a copy of the token embedding: never read, so not loaded; a bf16 / fp16 folder keeps its dtype
     load_hf_weights(model, sd, mapping, ignore=("proj_out.weight",) if cfg.tie_embeddings else (), source=sd.source)
     return model.eval()
 

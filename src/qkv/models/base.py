@@ -22,6 +22,7 @@ from qkv.nn.checks import check_batch, check_length, check_token_ids
 from qkv.nn.paged import PagedKVCache
 from qkv.nn.params import count_parameters
 from qkv.nn.position import PositionalEncoding, build_position
+from qkv.nn.quant import quantized_layers
 from qkv.nn.stack import Stack
 from qkv.storage import save_model
 
@@ -35,6 +36,7 @@ class ModelOutput:
     attentions: list[dict[str, Tensor]] | None = None  # decoder (or sole stack) attention weights per layer
     encoder_attentions: list[dict[str, Tensor]] | None = None
     pooled: Tensor | None = None  # (B, d_model) pooled representation where a family has one
+    aux_loss: Tensor | None = None  # a training forward's auxiliary loss (MoE load balancing), logged by the Trainer
 
 
 def token_loss(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -54,8 +56,8 @@ def build_stack(
     """An encoder (causal=False) or decoder (causal=True, cross=True for encoder-decoder) stack. position:
     the config's encoding by default, another name, or an encoding object (ViT's patch grid, Whisper's
     audio table)."""
-    blocks = [Block(cfg.d_model, cfg.n_heads, causal=causal, cross_attention=cross, **cfg.block_kwargs())
-              for _ in range(n_layers)]
+    blocks = [Block(cfg.d_model, cfg.n_heads, causal=causal, cross_attention=cross, **cfg.block_kwargs(),
+                    **cfg.layer_kwargs(i)) for i in range(n_layers)]
     if isinstance(position, PositionalEncoding):
         pos = position
     else:
@@ -112,6 +114,7 @@ class QKVModel(nn.Module):
             is_embedding = "emb" in name or name.endswith("position.weight")
             nn.init.normal_(p, mean=0.0, std=estd if is_embedding else std)
             if name.endswith("attn.out_proj.weight") or name.endswith("ffn.down.weight") \
+                    or (".ffn." in name and name.endswith(".down.weight")) \
                     or name.endswith("cross.out_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * max(1, n_residual_layers)))
 
@@ -126,6 +129,9 @@ class QKVModel(nn.Module):
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         """Write config.json + model.safetensors atomically into folder `path` (qkv.storage.save_model)."""
+        if quantized_layers(self):  # its integer buffers would make a folder no loader reads
+            raise ValueError("a weight-only quantized model is not saved: save the unquantized model and quantize "
+                             "it when loading (qkv.from_pretrained(folder, quantize=...))")
         return save_model(self, path)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -160,6 +166,12 @@ class TransformerDecoderModel(QKVModel):
             out["decoder_start_token_id"] = out["bos_token_id"]
         return {**out, **self.folder_generation_config}
 
+    def _float_param(self) -> Tensor:
+        """What gives the caches their dtype and device: the output projection's weight, or, where that holds
+        integer codes (a weight-only quantized head, qkv.nn.quant), the model's first parameter."""
+        w = getattr(self.lm_head, "weight", None)
+        return w if isinstance(w, Tensor) and w.is_floating_point() else next(self.parameters())
+
     def _cache_shape(self) -> tuple[int, int, int]:
         a = self.decoder.blocks[0].attn
         return len(self.decoder.blocks), a.n_kv_heads, a.head_dim
@@ -168,7 +180,7 @@ class TransformerDecoderModel(QKVModel):
                    device: torch.device | str | None = None) -> StaticCache:
         """A preallocated KV cache for the decoder stack: one slot per layer, n_kv_heads heads, `max_len`
         positions (default: the model's context_length)."""
-        p = self.lm_head.weight
+        p = self._float_param()
         n_layers, n_kv, hd = self._cache_shape()
         return StaticCache(n_layers, batch_size, n_kv, hd, max_len or self.config.context_length,
                            dtype=dtype or p.dtype, device=device or p.device)
@@ -177,7 +189,7 @@ class TransformerDecoderModel(QKVModel):
                          dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> PagedKVCache:
         """A pool of num_blocks blocks of block_size positions for the decoder stack (serving); by default
         enough for max_batch_size sequences of the model's context_length."""
-        p = self.lm_head.weight
+        p = self._float_param()
         n_layers, n_kv, hd = self._cache_shape()
         if num_blocks is None:
             num_blocks = max_batch_size * -(-self.config.context_length // block_size)
@@ -190,7 +202,7 @@ class TransformerDecoderModel(QKVModel):
         path (Stack.step, for the last token only: the others' outputs are not read) and the output
         projection's (Linear.step)."""
         h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset, last_only=True)
-        return self.lm_head.step(h[:, -1])
+        return self.lm_head(h[:, -1])
 
     @property
     def static_step_supported(self) -> bool:
@@ -202,7 +214,7 @@ class TransformerDecoderModel(QKVModel):
         """step() for one new token per row (ids (B, 1)) with shapes that never change, for torch.compile /
         CUDA graphs (Stack.static_step: the arguments, and the caller advances cache.length)."""
         h = self.decoder.static_step(self.embed_target(ids), cache=cache, index=index, offset=offset, keep=keep)
-        return self.lm_head.step(h[:, -1])
+        return self.lm_head(h[:, -1])
 
 
 class Seq2SeqModel(TransformerDecoderModel):

@@ -21,7 +21,8 @@ from qkv.nn.checks import check_batch, check_labels, check_length, check_token_i
 from qkv.nn.norm import build_norm
 
 HEADS = ("none", "mlm", "classify", "tag")
-POOLER_ACTS = ("tanh", "relu")
+# the pooler's activation: BERT's tanh, DistilBERT's relu (pre_classifier), DeBERTa's ContextPooler gelu
+POOLER_ACTS = {"tanh": torch.tanh, "relu": torch.relu, "gelu": F.gelu}
 
 
 @dataclass
@@ -35,7 +36,7 @@ class BERTConfig(TransformerConfig):
     pooler: bool = True  # tanh(W h_[CLS] + b), as in BERT
     head: str = "none"  # none (like BertModel) | mlm | classify | tag (one label per token)
     num_labels: int = 2  # classes of the classification (or tagging) head
-    pooler_act: str = "tanh"  # tanh (BERT, RoBERTa's classifier.dense) | relu (DistilBERT's pre_classifier)
+    pooler_act: str = "tanh"  # tanh (BERT, RoBERTa's classifier.dense) | relu (DistilBERT) | gelu (DeBERTa)
     # RoBERTa counts positions from padding_idx + 1 = 2: the learned table then has context_length +
     # position_offset rows, the first position_offset never used by a real token (0 = BERT)
     position_offset: int = 0
@@ -53,6 +54,8 @@ class BERTConfig(TransformerConfig):
             raise ConfigError(f"BERTConfig.head: {self.head!r} is not one of {list(HEADS)}")
         if self.head == "classify" and not self.pooler:
             raise ConfigError("head=classify needs pooler=true")
+        if self.pooler_act not in POOLER_ACTS:
+            raise ConfigError(f"{type(self).__name__}.pooler_act: {self.pooler_act!r} is not one of {list(POOLER_ACTS)}")
 
 
 class BERT(QKVModel):
@@ -102,6 +105,19 @@ class BERT(QKVModel):
         first_real = (input_ids != c.pad_token_id).int().argmax(dim=1)
         return c.position_offset - first_real
 
+    def _embed(self, input_ids: Tensor, token_type_ids: Tensor | None, keep: Tensor | None) -> Tensor:
+        """Token (+ segment) embeddings, the stack's input; keep: (B, T) real tokens (a subclass may use it)."""
+        x = self.tok_emb(input_ids)
+        if self.type_emb is not None:
+            tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+            check_token_ids(tt, self.config.type_vocab_size, "token_type_ids")
+            x = x + self.type_emb(tt)
+        return x
+
+    def _pool(self, h: Tensor) -> Tensor:
+        """(B, T, d) -> (B, d): the pooler on the first position."""
+        return POOLER_ACTS[self.config.pooler_act](self.pooler(h[:, 0]))
+
     def forward(
         self,
         input_ids: Tensor,
@@ -122,19 +138,12 @@ class BERT(QKVModel):
             check_labels(labels, input_ids)
         if token_type_ids is not None and self.type_emb is None:
             raise ValueError("token_type_ids given, but this model has no segment embeddings (type_vocab_size=0)")
-        x = self.tok_emb(input_ids)
-        if self.type_emb is not None:
-            tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
-            check_token_ids(tt, c.type_vocab_size, "token_type_ids")
-            x = x + self.type_emb(tt)
         keep = attention_mask.bool() if attention_mask is not None else None
+        x = self._embed(input_ids, token_type_ids, keep)
         out = self.encoder(x, keep=keep, offset=self._offset(input_ids), return_weights=return_attentions,
                            unpad=self.training and self.unpad_in_training)
         h = out.hidden
-        pooled = None
-        if self.pooler is not None:
-            pooled = self.pooler(h[:, 0])
-            pooled = torch.relu(pooled) if c.pooler_act == "relu" else torch.tanh(pooled)
+        pooled = self._pool(h) if self.pooler is not None else None
         logits = loss = n = None
         if c.head == "mlm":
             logits = self.mlm_decoder(self.mlm_norm(F.gelu(self.mlm_dense(h))))

@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from qkv.config import ConfigError, TransformerConfig
 from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack
 from qkv.models.registry import register_family, register_preset
-from qkv.nn import linear as _linear
 from qkv.nn.checks import check_batch, check_length, check_token_ids
 from qkv.nn.linear import Linear
 from qkv.nn.position import SINUSOIDAL_LAYOUTS, Learned, PositionalEncoding, RelativeBias, Sinusoidal
@@ -94,16 +93,9 @@ class EncoderDecoderConfig(TransformerConfig):
         return None
 
 
-# OutputHead.step with final_logits_bias (BART, Marian) on a batched fp32 CPU step: through the oneDNN-packed copy
-# with the bias fused (as Linear.step for a head without bias). False: addmm over the transposed copy, as before
-# (the A/B control of benchmarks/seq2seq_beam.py --ab).
-HEAD_STEP_ONEDNN = True
-
-
 class OutputHead(Linear):
     """The output projection with T5's input scaling and BART / Marian's final_logits_bias (a buffer, as in
-    Hugging Face: saved, not trained): logits = (h * scale) W^T + final_logits_bias. forward and the decoding
-    step (Linear.step) compute the same function."""
+    Hugging Face: saved, not trained): logits = (h * scale) W^T + final_logits_bias."""
 
     def __init__(self, d_model: int, vocab: int, scale: float = 1.0, logits_bias: bool = False) -> None:
         super().__init__(d_model, vocab, bias=False)
@@ -113,23 +105,6 @@ class OutputHead(Linear):
     def forward(self, x: Tensor) -> Tensor:
         y = super().forward(x * self.scale if self.scale != 1.0 else x)
         return y if self.final_logits_bias is None else y + self.final_logits_bias
-
-    def step(self, x: Tensor, scale_first: tuple[int, float] | None = None) -> Tensor:
-        x = x * self.scale if self.scale != 1.0 else x
-        bias = self.final_logits_bias
-        if bias is None or not x.is_cpu or x.dim() != 2 or scale_first is not None:
-            y = super().step(x, scale_first)
-            return y if bias is None else y + bias
-        # the bias added inside the product (one pass over the (rows, vocab) logits instead of two)
-        if HEAD_STEP_ONEDNN and x.dtype == torch.float32 and _linear.STEP_PACKED_MIN_ROWS \
-                and x.shape[0] >= _linear.STEP_PACKED_MIN_ROWS and _linear.onednn_packable() \
-                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling():
-            # a batched step (beam search: batch x num_beams rows) through the oneDNN-packed copy, as
-            # Linear.step does for a head without bias: MKL's sgemm through W^T ran at ~75% of its speed here
-            # (64 x 512 @ 512 x 58101, Marian's head: 112 vs 85 ms on one AVX2 core; docs/perf/beam14d.md)
-            _, wp, _ = self._onednn_packed(None)
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), wp, bias.reshape(-1), "none", [], "")
-        return torch.addmm(bias, x, self.packed_weight())
 
 
 class EncoderDecoder(Seq2SeqModel):

@@ -6,7 +6,7 @@ token ids (B, T) -> token embedding -> [position.embed] -> N causal Pre-LN block
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
@@ -17,6 +17,7 @@ from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
 from qkv.nn.linear import Linear
+from qkv.nn.moe import MoEConfig, moe_aux_loss, update_router_biases
 
 
 @dataclass
@@ -25,11 +26,16 @@ class GPTConfig(TransformerConfig):
     n_layers: int = 4  # decoder blocks
     context_length: int = 256  # longest sequence (positions) the model accepts
     tie_embeddings: bool = True  # share the token embedding with the LM head (Press & Wolf 2017)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts blocks (nn/moe.py); n_experts=0: none
 
     def validate(self) -> None:
         super().validate()
         if self.vocab_size < 1 or self.n_layers < 1 or self.context_length < 1:
             raise ConfigError("vocab_size, n_layers and context_length must be positive")
+        self.moe.validate(self.n_layers)
+
+    def layer_kwargs(self, layer: int) -> dict[str, Any]:
+        return {"moe": self.moe} if self.moe.is_moe(layer) else {}
 
 
 class GPT(TransformerDecoderModel):
@@ -77,8 +83,16 @@ class GPT(TransformerDecoderModel):
         loss = n = None
         if labels is not None:
             loss, n = token_loss(logits[:, :-1], labels[:, 1:])
+        aux = moe_aux_loss(self) if self.training and c.moe.n_experts else None
+        if aux is not None and loss is not None and c.moe.aux_loss_coef:
+            loss = loss + c.moe.aux_loss_coef * aux
         return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=out.hidden,
-                           attentions=out.attentions or None)
+                           attentions=out.attentions or None, aux_loss=aux)
+
+    def after_update(self) -> None:
+        """Called by the Trainer after each optimizer update: the bias-balanced routers move their biases."""
+        if self.config.moe.bias_balance:
+            update_router_biases(self)
 
     # -- the decoder protocol (models/decoding.py); step() and the caches come from TransformerDecoderModel
     @property

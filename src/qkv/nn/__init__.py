@@ -5,7 +5,7 @@ from qkv.nn.block import Block
 from qkv.nn.cache import KVCache, StaticCache
 from qkv.nn.checks import check_length, check_token_ids
 from qkv.nn.ffn import ACTIVATIONS, FeedForward
-from qkv.nn.linear import Linear, free_packed, get_linear_backend, linear_backend, set_linear_backend
+from qkv.nn.linear import Linear
 from qkv.nn.norm import BatchNorm, LayerNorm, RMSNorm, build_norm
 from qkv.nn.paged import BlockAllocator, PagedKVCache
 from qkv.nn.params import count_parameters, tied_names
@@ -26,7 +26,6 @@ __all__ = [
     "ACTIVATIONS", "ALiBi", "BatchNorm", "Block", "BlockAllocator", "FeedForward", "FixedTable", "KVCache",
     "LayerNorm", "Learned", "Linear", "MultiHeadAttention", "NoPosition", "PagedKVCache", "PatchGrid",
     "PositionalEncoding", "RMSNorm", "RoPE", "Sinusoidal", "Stack", "StackOutput", "StaticCache", "build_norm",
-    "build_position", "causal_mask", "check_length", "check_token_ids", "count_parameters", "free_packed",
-    "get_linear_backend", "linear_backend", "scaled_dot_product_attention", "set_linear_backend", "step_scores_bias",
-    "tied_names",
+    "build_position", "causal_mask", "check_length", "check_token_ids", "count_parameters",
+    "scaled_dot_product_attention", "step_scores_bias", "tied_names",
 ]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.nn.linear import Linear, native_bf16, use_bf16_autocast_fp32
+from qkv.nn.linear import Linear
 from qkv.nn.paged import PoolKeys, PoolRows
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,25 +88,6 @@ class Unpadded(NamedTuple):
         return x.reshape(self.batch * self.length, *x.shape[2:]).index_select(0, self.index)
 
 
-def bf16_autocast_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw) -> Tensor:
-    """F.scaled_dot_product_attention under CPU bf16 autocast on a CPU without native bf16 (see
-    linear.BF16_AUTOCAST_FP32): q, k, v (and a float mask) rounded to bf16 as autocast casts them, the fp32 kernel
-    on those values, the output rounded to bf16. Autocast's bf16 flash kernel emulates every product on such a CPU
-    (~6x the fp32 kernel's time in a BERT-base layer's forward + backward). The gradients of q, k, v come back
-    rounded to bf16 (the backward of the rounding casts), as the bf16 kernel's do. One difference in the forward:
-    the bf16 kernel rounds the probabilities to bf16 before multiplying by v; here they stay fp32. The kernel saves
-    fp32 q, k, v and output for the backward: twice the bf16 kernel's bytes for those four tensors."""
-
-    def rounded(t: Tensor) -> Tensor:
-        return t.to(torch.bfloat16).float()
-
-    if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = rounded(attn_mask)
-    with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(rounded(q), rounded(k), rounded(v), attn_mask=attn_mask, **kw)
-    return out.to(torch.bfloat16)
-
-
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
@@ -151,8 +132,7 @@ def scaled_dot_product_attention(
             k = k.repeat_interleave(H // Hkv, dim=1)
             v = v.repeat_interleave(H // Hkv, dim=1)
 
-    # bf16 autocast on a CPU without native bf16: the fp32 kernel on bf16-rounded operands (bf16_autocast_sdpa)
-    sdpa = bf16_autocast_sdpa if backend == "fused" and use_bf16_autocast_fp32(q) else F.scaled_dot_product_attention
+    sdpa = F.scaled_dot_product_attention
     if backend == "fused" and causal and mask is None and bias is None and Tq == Tk:
         # The common training case: let the kernel generate the (square) causal mask itself.
         out = sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
@@ -186,49 +166,6 @@ def scaled_dot_product_attention(
         visible = full.any(dim=-1, keepdim=True)  # (..., Tq, 1)
         out = out.masked_fill(~visible, 0.0)
     return out, (weights if return_weights else None)
-
-
-# The attention products of a CPU decoding step read at most this many cached key elements (B * Hkv * Tk * hd) on
-# ONE thread: a few microseconds of work, where opening a parallel region (bmm and softmax each do) costs more
-# than it saves: waking the pool's sleeping threads (OMP_WAIT_POLICY=PASSIVE), or a scheduler time slice when the
-# cores are busy. Measured on the 2-core AVX2 EPYC: bmm (3 x 3 x 64) @ (3 x 64 x 100) took 7.6 us on one thread and
-# 34 us on two, and the attention products 17 of a Llama-135M step's 73 ms (docs/perf/step12c.md). Past it (long
-# contexts, large batches) the products are big enough to share. 0: never (the previous behaviour).
-STEP_SERIAL_MAX = 1 << 18
-# A bf16 CPU step without native bf16 (no AVX512-BF16/AMX): the attention products multiply fp32 copies of q, the
-# cached keys and values (made per call, dropped after) instead of calling the bf16 bmm, which on such a CPU loops
-# over the batch and is 3-10x slower: (24 x 3 x 64) @ (24 x 64 x 288) and back took 6.5 ms vs 0.6 ms, 1 thread, AVX2
-# (docs/perf/bf16_12d.md). The scores and the output are rounded to bf16 where the bf16 products round them, and the
-# softmax is the same bf16 op, so the step computes what it did up to fp32 summation order. False: bf16 bmm as before.
-STEP_BF16_FP32_PRODUCTS = True
-# One token, RoPE: the step rotates its query and key heads as one tensor (RoPE.rotate_heads). False: rotate(q, k)
-# as before (the A/B control of benchmarks/decode_floor.py --ab).
-STEP_JOINT_ROTATE = True
-
-
-def _serial_threads(x: Tensor, work: int) -> int:
-    """Set torch to one thread for a step's small attention products: returns the thread count to restore
-    afterwards (0: nothing changed). torch.set_num_threads is a process-wide setting (the OpenMP and MKL counts
-    of the calling thread and torch's default for new threads) and costs ~0.3 us; the caller restores it in a
-    `finally`, so an exception never leaves the process on one thread."""
-    if work > STEP_SERIAL_MAX or not x.is_cpu or torch.compiler.is_compiling():
-        return 0
-    threads = torch.get_num_threads()
-    if threads == 1:
-        return 0
-    torch.set_num_threads(1)
-    return threads
-
-
-def _bf16_step_products(q: Tensor, k: Tensor, v: Tensor, add: Tensor | None, n: int, Tk: int, hd: int) -> Tensor:
-    """softmax(q k^T + add) v of a bf16 step (see STEP_BF16_FP32_PRODUCTS) on fp32 copies: q (n, rows, hd), k and v
-    (B, Hkv, Tk, hd) bf16 (views of the cache); returns (n, rows, hd) bf16. The scores are rounded to bf16 before the
-    (bf16) softmax and the output once at the end, as the bf16 products round them."""
-    kt = k.float().reshape(n, Tk, hd).transpose(1, 2)  # one pass over the cached keys: bf16 -> fp32, contiguous
-    q32 = q.float()
-    scores = torch.bmm(q32, kt) if add is None else torch.baddbmm(add.float(), q32, kt)
-    probs = torch.softmax(scores.to(torch.bfloat16), dim=-1)
-    return torch.bmm(probs.float(), v.float().reshape(n, Tk, hd)).to(torch.bfloat16)
 
 
 def step_scores_bias(
@@ -425,37 +362,26 @@ class MultiHeadAttention(nn.Module):
         put there by the first, prefilling forward). add: step_scores_bias(...), the position bias, key
         padding and causal mask of this step in one additive term (None: nothing to add).
 
-        Differences from forward() are in how, not what: pre-transposed weights (Linear.step) with the
-        1/sqrt(d_k) scale folded into the query columns, and grouped-query attention by folding the query
-        heads of one key/value head into rows of one batched matmul instead of repeating the cached keys.
-        Every new token must be a real token (its own key visible). last_only (self-attention, the top block of a
-        step whose caller wants the last token only): all T tokens' keys/values go into the cache, but only the
-        last token queries them: returns (batch, d_model), that token's rows."""
+        Differences from forward() are in how, not what: the new tokens are rows rather than (B, T) sequences,
+        and grouped-query attention folds the query heads of one key/value head into rows of one batched matmul
+        instead of repeating the cached keys. Every new token must be a real token (its own key visible).
+        last_only (self-attention, the top block of a step whose caller wants the last token only): all T tokens'
+        keys/values go into the cache, but only the last token queries them: returns (batch, d_model), that
+        token's rows."""
         B, C = batch, self.q_dim
         T = x.shape[0] // B
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        mods = self._modules  # not nn.Module.__getattr__ (~1 us a lookup): this runs for every layer of every step
-        q_norm = mods.get("q_norm")  # absent (a plain None) without qk_norm
-        # 1/sqrt(d_k), folded into the packed q weights; after the norm instead when one follows the projection
-        scale = (C, self.scale) if self.scale != 1.0 and q_norm is None else None
         if self.cross:
             if not cache.has_cross(layer):
                 raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill first")
-            q = mods["q_proj"].step(x, scale)
+            q = self._scaled(self.q_proj(x))
             k, v = cache.get_cross(layer)
             if k.shape[0] != B:
                 return self._shared_cross_step(q, k, v, B, T, add)
             q = q if T == 1 else q.view(B, T, H, hd).transpose(1, 2)  # one token: (B, C) is (B, H, 1, hd)
         else:
-            qkv = mods["qkv_proj"].step(x, scale)
-            rotate_heads = getattr(position, "rotate_heads", None) if STEP_JOINT_ROTATE else None  # RoPE's
-            if T == 1 and q_norm is None and rotate_heads is not None:
-                # one token: the query and key heads are adjacent in the projection's output, (B, H + Hkv, 1, hd)
-                # as a view, rotated in one pass instead of two (positions reserved by Stack.step)
-                qk, v = qkv.view(B, H + 2 * Hkv, 1, hd).split_with_sizes([H + Hkv, Hkv], dim=1)
-                q, k = rotate_heads(qk, offset).split_with_sizes([H, Hkv], dim=1)
-            else:
-                q, k, v = self._step_heads(qkv, B, T, position, offset)
+            q, k, v = self._step_heads(self.qkv_proj(x), B, T, position, offset)
+            q = self._scaled(q)
             # (B, Hkv, Tk, hd): cached + new; the paged cache's keys/values may stay in its pool (PoolKeys/Rows)
             k, v = getattr(cache, "step_update", cache.update)(layer, k, v)
             if last_only and T > 1:  # the other queries' outputs would only feed rows nobody reads
@@ -463,30 +389,24 @@ class MultiHeadAttention(nn.Module):
                 add = None if add is None else add.view(B * Hkv, H // Hkv, -1, add.shape[-1])[:, :, -1]
         # query head h = j * G + g uses key/value head j (as repeat_interleave in the forward pass)
         q = q.reshape(B * Hkv, (H // Hkv) * T, hd)
-        pooled = isinstance(k, PoolKeys)  # the paged cache's keys stay in its pool: q @ K^T read from there
-        Tk = k.bags.pos.shape[1] if pooled else k.shape[2]
-        threads = _serial_threads(x, B * Hkv * Tk * hd)
-        y = None
-        try:
-            if not pooled and q.dtype == torch.bfloat16 and STEP_BF16_FP32_PRODUCTS and q.is_cpu \
-                    and not isinstance(v, PoolRows) and not native_bf16():
-                y = _bf16_step_products(q, k, v, add, B * Hkv, Tk, hd)  # bf16 without native bf16: fp32 products
-            elif pooled:
-                scores = k.scores(q) if add is None else k.scores(q).add_(add)
-            else:
-                kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
-                scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in one op
-            if y is None:
-                probs = torch.softmax(scores, dim=-1)
-                if isinstance(v, PoolRows):
-                    y = v.weighted_sum(probs)
-                else:
-                    y = torch.bmm(probs, v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
-        finally:
-            if threads:
-                torch.set_num_threads(threads)
+        if isinstance(k, PoolKeys):  # the paged cache's keys stay in its pool: q @ K^T read from there
+            scores = k.scores(q) if add is None else k.scores(q).add_(add)
+            Tk = k.bags.pos.shape[1]
+        else:
+            Tk = k.shape[2]
+            kt = k.reshape(B * Hkv, Tk, hd).transpose(1, 2)
+            scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)  # bias and mask in one op
+        probs = torch.softmax(scores, dim=-1)
+        if isinstance(v, PoolRows):
+            y = v.weighted_sum(probs)
+        else:
+            y = torch.bmm(probs, v.reshape(B * Hkv, Tk, hd))  # (B * Hkv, G * T, hd)
         y = y.view(B, C) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, C)
-        return mods["out_proj"].step(y)
+        return self.out_proj(y)
+
+    def _scaled(self, q: Tensor) -> Tensor:
+        """q times 1/sqrt(d_k) (RoPE is linear in q, so before or after the rotation is the same function)."""
+        return q if self.scale == 1.0 else q * self.scale
 
     def _step_heads(self, qkv: Tensor, B: int, T: int, position: PositionalEncoding | None,
                     offset: int | Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -499,16 +419,12 @@ class MultiHeadAttention(nn.Module):
             k, v = k.view(B, Hkv, 1, hd), v.view(B, Hkv, 1, hd)
         else:
             q, k, v = (t.view(B, T, n, hd).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
-        q_norm = self._modules.get("q_norm")
-        if q_norm is not None:
-            q = q_norm(q.view(B, H, 1, hd) if T == 1 else q)
-            k = self._modules["k_norm"](k)
-            if self.scale != 1.0:
-                q = q * self.scale
+        if T == 1:
+            q = q.view(B, H, 1, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if position is not None:
-            if T == 1:
-                q = q.view(B, H, 1, hd)
-            q, k = position.rotate(q, k, offset)  # linear in q: commutes with the folded scale
+            q, k = position.rotate(q, k, offset)
         return q, k, v
 
     def _shared_cross_step(self, q: Tensor, k: Tensor, v: Tensor, B: int, T: int, add: Tensor | None) -> Tensor:
@@ -526,4 +442,4 @@ class MultiHeadAttention(nn.Module):
         scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)
         y = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B0 * Hkv, S, hd))  # (B0 * Hkv, R * G * T, hd)
         y = y.view(B0, Hkv, R, G, T, hd).permute(0, 2, 4, 1, 3, 5).reshape(B * T, self.q_dim)
-        return self._modules["out_proj"].step(y)
+        return self.out_proj(y)

@@ -11,12 +11,14 @@ final norm (see stack.py); Post-LN needs none.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor, nn
 
 from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.ffn import FeedForward
+from qkv.nn.moe import MoEConfig, MoEFeedForward
 from qkv.nn.norm import build_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +52,7 @@ class Block(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool | None = None,
         qk_norm: bool = False,
+        moe: MoEConfig | None = None,
     ) -> None:
         super().__init__()
         if placement not in PLACEMENTS:
@@ -61,7 +64,9 @@ class Block(nn.Module):
         self.norm1 = build_norm(norm, d_model, norm_eps, bias)
         self.cross = MultiHeadAttention(d_model, n_heads, cross=True, **mha) if cross_attention else None
         self.norm_cross = build_norm(norm, d_model, norm_eps, bias) if cross_attention else None
-        self.ffn = FeedForward(d_model, d_ff or 4 * d_model, ffn, bias)
+        # an MoE block is the same block with a mixture of experts in the feed-forward's place (moe.py)
+        self.ffn = FeedForward(d_model, d_ff or 4 * d_model, ffn, bias) if moe is None \
+            else MoEFeedForward(d_model, moe, d_ff or 4 * d_model, ffn, bias)
         self.norm2 = build_norm(norm, d_model, norm_eps, bias)
         self.drop = nn.Dropout(dropout)
 
@@ -131,7 +136,10 @@ class Block(nn.Module):
             x = self._residual(x, self.norm1, self_attention, keep)
         if self.cross is not None:
             x = self._residual(x, self.norm_cross, cross_attention, keep)
-        return self._residual(x, self.norm2, self.ffn, keep), weights
+        ffn = self.ffn
+        if keep is not None and isinstance(ffn, MoEFeedForward):  # its balancing statistics skip the padding
+            ffn = partial(ffn, keep=keep)
+        return self._residual(x, self.norm2, ffn, keep), weights
 
     def step(
         self,
@@ -147,26 +155,21 @@ class Block(nn.Module):
         last_only: bool = False,
     ) -> Tensor:
         """The decoding step (inference): the same function as forward() for the few newest tokens of
-        `batch` sequences over a cache, on their (batch * T, d) rows, through the sublayers' own step methods
-        (MultiHeadAttention.step, FeedForward.step) and the same norm modules and placement. add / cross_add:
+        `batch` sequences over a cache, on their (batch * T, d) rows, through the attention's step method
+        (MultiHeadAttention.step) and the same norm and feed-forward modules and placement. add / cross_add:
         the additive score terms of the step (attention.step_scores_bias) for self- and cross-attention;
-        keep: the (batch * T,) real-token mask of the rows (for the norms). The per-call overhead of Python
-        is a large part of a small model's step, so submodules are read from _modules (nn.Module.__getattr__
-        costs ~1 us a lookup) and the norms' forward is called directly (module hooks are for inspecting
-        forward(), not this inference path). last_only (the top block of a step that wants the last token only,
+        keep: the (batch * T,) real-token mask of the rows (for the norms). last_only (the top block of a step that wants the last token only,
         without cross-attention): self-attention still caches every new token's keys/values, and it and
         everything after it compute the last token's row only: returns (batch, d)."""
         m = self._modules
         if last_only and x.shape[0] > batch:
-            x, keep = self._last_step_residual(x, _norm_step(m["norm1"]), keep, batch, cache, layer, add, position,
-                                               offset)
+            x, keep = self._last_step_residual(x, m["norm1"], keep, batch, cache, layer, add, position, offset)
         else:
-            x = self._residual(x, _norm_step(m["norm1"]), m["attn"].step, keep, batch, cache, layer, add, position,
-                               offset)
+            x = self._residual(x, m["norm1"], m["attn"].step, keep, batch, cache, layer, add, position, offset)
         cross = m.get("cross")  # absent (a plain None) without cross-attention
         if cross is not None:
-            x = self._residual(x, _norm_step(m["norm_cross"]), cross.step, keep, batch, cache, layer, cross_add)
-        return self._residual(x, _norm_step(m["norm2"]), m["ffn"].step, keep)
+            x = self._residual(x, m["norm_cross"], cross.step, keep, batch, cache, layer, cross_add)
+        return self._residual(x, m["norm2"], m["ffn"], keep)
 
     def _last_step_residual(self, x: Tensor, norm: Callable[..., Tensor], keep: Tensor | None, batch: int,
                             *args: object) -> tuple[Tensor, Tensor | None]:
@@ -178,7 +181,3 @@ class Block(nn.Module):
         keep = None if keep is None else keep.view(batch, -1)[:, -1]
         return (last + y if self.placement == "pre" else norm(last + y, keep)), keep
 
-
-def _norm_step(norm: nn.Module) -> Callable[..., Tensor]:
-    """A norm's decoding-step method where it has one (RMSNorm.step), else its forward."""
-    return getattr(norm, "step", None) or norm.forward

@@ -43,9 +43,6 @@ def last_position(offset: int | Tensor, length: int) -> int | None:
     return offset + length
 
 
-# RoPE writes x * cos + swap_halves(x) * sin into its own fresh temporaries (the same values bit for bit, two
-# allocations fewer per rotated tensor); False: four new tensors, as before (benchmarks/prefill.py --ablate).
-ROPE_IN_PLACE = True
 SINUSOIDAL_LAYOUTS = ("interleaved", "halves")
 
 
@@ -218,33 +215,7 @@ class RoPE(PositionalEncoding):
         T = q.shape[-2]
         self.check_length(offset, T)  # grows the table (a no-op when the stack has reserved enough)
         cos, sin = self._tables(offset, T, q)
-        # x * cos + swap_halves(x) * sin, the sum and the second product written into the two fresh temporaries:
-        # the same arithmetic bit for bit, two (T, hd)-per-head allocations fewer per tensor, which at 2048 tokens
-        # cost more than the products (allocation, first-touch page faults; docs/perf/pre15c.md). Autograd-safe:
-        # neither product saves its output. Out of place where sin would broadcast beyond x (per-row positions).
-        if not ROPE_IN_PLACE:  # every product and the sum into a new tensor, as before (prefill.py --ablate)
-            return q * cos + self._swap_halves(q) * sin, k * cos + self._swap_halves(k) * sin
-        qc, qs, kc, ks = q * cos, self._swap_halves(q), k * cos, self._swap_halves(k)
-        if qs.shape == qc.shape and ks.shape == kc.shape:
-            return qc.add_(qs.mul_(sin)), kc.add_(ks.mul_(sin))
-        return qc.add_(qs * sin), kc.add_(ks * sin)
-
-    def rotate_heads(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
-        """rotate() for one (..., n, T, hd) tensor of heads: the decoding step rotates its query and key heads,
-        adjacent in the fused projection's output, in one pass (four kernels instead of ten, on every layer).
-        The same values as rotate() (torch.roll by hd/2 is the swap of the halves); the caller has reserved the
-        positions (Stack.step does). An int offset's table rows are looked up once and reused by every layer of
-        the step (the last lookup is kept)."""
-        T = x.shape[-2]
-        memo = self.__dict__.get("_rows")
-        if isinstance(offset, int) and memo is not None and memo[0] == offset and memo[1] == T \
-                and memo[2] is self.cos and memo[3] == x.dtype:
-            cos, sin = memo[4], memo[5]
-        else:
-            cos, sin = self._tables(offset, T, x)
-            if isinstance(offset, int) and not torch.compiler.is_compiling():
-                self.__dict__["_rows"] = (offset, T, self.cos, x.dtype, cos, sin)
-        return x * cos + torch.roll(x, self.head_dim // 2, -1) * sin
+        return q * cos + self._swap_halves(q) * sin, k * cos + self._swap_halves(k) * sin
 
     def _tables(self, offset: int | Tensor, T: int, q: Tensor) -> tuple[Tensor, Tensor]:
         """cos and the sign-folded sin of the T positions from offset, broadcastable over (B, n, T, hd) (as in

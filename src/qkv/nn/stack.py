@@ -182,19 +182,19 @@ class Stack(nn.Module):
                                    causal=self.causal)
             if self.blocks[0].cross is not None and cache.memory_keep is not None:
                 cross_add = _cross_scores_bias(heads, cache.memory_keep)
-        rows = x.reshape(B * T, x.shape[-1])  # the blocks work on the new tokens' rows: one addmm per linear
+        rows = x.reshape(B * T, x.shape[-1])  # the blocks work on the new tokens' rows: one product per linear
         row_keep = None if tok_keep is None else tok_keep.reshape(B * T)
         # only an encoding that rotates (RoPE) is handed to the attention layers; the others did their work above
         rotating = self.position if type(self.position).rotate is not PositionalEncoding.rotate else None
         top = len(self.blocks) - 1 if last_only and T > 1 and cross_add is None and self.blocks \
             and self.blocks[0].cross is None else -1
-        for i, block in enumerate(self.blocks):  # positional arguments: a keyword call costs more, 6-24 times a step
+        for i, block in enumerate(self.blocks):
             rows = block.step(rows, B, cache, i, add, cross_add, row_keep, rotating, offset, i == top)
         cache.advance(T)
         if top >= 0:  # the top block returned the last token's rows
             T, row_keep = 1, None if row_keep is None else row_keep.view(B, -1)[:, -1]
         if self.final_norm is not None:
-            rows = getattr(self.final_norm, "step", self.final_norm)(rows, row_keep)  # RMSNorm's step path
+            rows = self.final_norm(rows, row_keep)
         return rows.view(B, T, -1)
 
     @property

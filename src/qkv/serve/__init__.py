@@ -92,9 +92,11 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
-          max_waiting: int = 64, shutdown_timeout: float = 30.0, **engine_options: Any) -> int:
-    """Load MODEL, start the engine thread and serve until SIGINT / SIGTERM: then stop accepting, let
-    running requests finish for up to shutdown_timeout seconds, cancel the rest, return 0."""
+          max_waiting: int = 64, shutdown_timeout: float = 30.0, quantize: str | None = None,
+          **engine_options: Any) -> int:
+    """Load MODEL (quantize: "int8" / "int4" weight-only, qkv.nn.quant), start the engine thread and serve until
+    SIGINT / SIGTERM: then stop accepting, let running requests finish for up to shutdown_timeout seconds,
+    cancel the rest, return 0."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {port}")
     if not shutdown_timeout >= 0:  # uvicorn would cancel every request at once (and NaN compares false)
@@ -103,7 +105,7 @@ def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name:
     # only after it: a client connecting meanwhile is refused rather than left waiting in the backlog
     sock = _bind(host, port)
     try:
-        served = load_served(model, name)
+        served = load_served(model, name, quantize)
         engine = build_engine(served, **engine_options)
         app = create_app(served, engine, ServeSettings(max_waiting=max_waiting))
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -24,6 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from qkv.generate.config import MIN_TEMPERATURE
 from qkv.generate.engine import TEXT_CONTEXT, Engine
@@ -72,6 +74,18 @@ def _is_int(v: Any) -> bool:
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_text(body: dict) -> None:
+    """400 for a string holding a lone UTF-16 surrogate ("\\ud800" is legal JSON, but no text: the tokenizer
+    cannot encode it), naming the field it is in."""
+    for name, value in body.items():
+        try:
+            json.dumps({name: value}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start:e.end].encode("unicode_escape").decode("ascii")
+            raise APIError(400, f"'{name}' holds a lone surrogate ({bad}), which is not text", name,
+                           "invalid_value") from None
 
 
 def _field(body: dict, name: str, check, what: str, default: Any = None) -> Any:
@@ -127,7 +141,12 @@ class API:
 
     # -- the parts every endpoint shares ---------------------------------------------------------------
     async def body(self, request: Request) -> dict:
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # nobody to answer; uvicorn would log a traceback for each such client
+            client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+            logging.getLogger("uvicorn.error").warning("%s went away before sending its whole request body", client)
+            raise APIError(400, "the request body was cut short", None, "incomplete_body") from None
         try:
             body = json.loads(raw)
         # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over 4300 digits; nesting
@@ -136,6 +155,7 @@ class API:
             raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]})", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+        _check_text(body)
         model = body.get("model")
         if not isinstance(model, str):
             raise APIError(400, "'model' is required (a string: see GET /v1/models)", "model", "invalid_type")
@@ -409,11 +429,25 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
+def _drop_cancel_record(record: logging.LogRecord) -> bool:
+    return not (isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"))
+
+
+def _quiet_expected_cancel() -> None:
+    """uvicorn logs "ERROR: Cancel N running task(s), timeout graceful shutdown exceeded" when --shutdown-timeout
+    runs out, which is the documented end of such requests (each is answered "cancelled"): not an error. Its
+    logger is configured when uvicorn starts, so the filter goes on at the app's startup (once)."""
+    logger = logging.getLogger("uvicorn.error")
+    if _drop_cancel_record not in logger.filters:
+        logger.addFilter(_drop_cancel_record)
+
+
 def create_app(served: Served, engine: Engine, settings: ServeSettings | None = None) -> FastAPI:
     api = API(served, engine, settings or ServeSettings())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        _quiet_expected_cancel()
         api.worker.start()
         try:
             yield
@@ -449,7 +483,7 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         ok = api.worker.alive and not api.shutting_down
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    card = {"id": served.name, "object": "model", "created": 0, "owned_by": "qkv", "max_model_len": engine.context}
+    card = {"id": served.name, "object": "model", "created": served.created, "owned_by": "qkv", "max_model_len": engine.context}
 
     @app.get("/v1/models")
     async def models() -> dict:

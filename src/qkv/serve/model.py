@@ -6,6 +6,7 @@ MODEL is a qkv run folder (its task's tokenizer), a qkv checkpoint folder, or a 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,14 +48,20 @@ class Served:
     codec: TextCodec
     name: str
     path: Path
+    # when the model was loaded (Unix seconds): GET /v1/models' "created"
+    created: int = field(default_factory=lambda: int(time.time()))
 
 
-def load_served(path: str | Path, name: str | None = None) -> Served:
-    """Model + tokenizer of a run folder, a qkv checkpoint folder or a Hugging Face folder."""
+def load_served(path: str | Path, name: str | None = None, quantize: str | None = None) -> Served:
+    """Model + tokenizer of a run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF file (quantize:
+    "int8" / "int4" weight-only, qkv.nn.quant)."""
+    from qkv.interop.gguf_model import is_gguf
+    from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
+    from qkv.interop.tokenizer import load_hf_tokenizer
     from qkv.run import _folder_tokenizer, load_model_any, load_run_task, model_folder, run_folder_of
 
     path = Path(path)
-    model = load_model_any(path).eval()
+    model = load_model_any(path, quantize).eval()
     if getattr(model, "is_seq2seq", True):
         raise ConfigError(f"{path}: qkv serve serves decoder-only language models (this is "
                           f"{type(model).__name__})")
@@ -62,10 +69,8 @@ def load_served(path: str | Path, name: str | None = None) -> Served:
     if run_folder_of(path) is not None:
         tok = load_run_task(path).tokenizer
         eos: set[int] = set()
-    elif (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():
-        from qkv.interop.tokenizer import load_hf_tokenizer
-
-        tok = load_hf_tokenizer(folder)
+    elif is_gguf(folder) or ((folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file()):
+        tok = load_gguf_tokenizer(folder) if is_gguf(folder) else load_hf_tokenizer(folder)
         # the template's end-of-turn token too (ChatML's <|im_end|> where eos is <|endoftext|>), as qkv chat stops
         eos = {i for i in tok.end_of_turn_ids if i < model.output_vocab_size}
     else:

@@ -3,7 +3,7 @@
     pydoc   Python's bundled documentation text (`pydoc_data.topics`): ~0.5 MB, one text, split by position
     stdlib  the Python standard library's own `.py` sources (~12 MB), split by FILE: no file is in both splits
 
-The pydoc text is memorised by 25-50M-parameter models within a few thousand steps (issue 17: train loss
+The pydoc text is memorised by 25-50M-parameter models within a few thousand steps (train loss
 0.07 against val 2.14), so at that scale its val loss measures overfitting. The stdlib sources are ~25x
 larger, and the file-level split means the val loss is measured on modules the model never saw a line of.
 

@@ -200,7 +200,7 @@ class SpeechTask(AudioDigitsTask):
 
     def _perturb(self, x: np.ndarray, rng: random.Random) -> np.ndarray:
         """Train-only augmentation of the clean clip (before gain/offset/noise); draws nothing when off, so the
-        default options give the same batches as before these options existed."""
+        default options leave the random stream, and so the batches, untouched."""
         o = self.options
         if o.speed_perturb > 0:  # linear-interpolation resampling: factor > 1 is faster and higher
             factor = rng.uniform(1 - o.speed_perturb, 1 + o.speed_perturb)

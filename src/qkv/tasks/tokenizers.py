@@ -276,8 +276,14 @@ def _hf_tokenizer_settings(folder: Path) -> dict[str, Any]:
 def find_tokenizer(path: str | Path) -> Any:
     """The tokenizer saved with a checkpoint: a qkv tokenizer (tokenizer_config.json + tokenizer.json, in the
     folder or up to two levels above, e.g. a run folder), else a Hugging Face tokenizer.json or a BERT
-    vocab.txt in the folder; None when there is none."""
+    vocab.txt in the folder, or a GGUF file's own; None when there is none."""
     folder = Path(path)
+    from qkv.interop.gguf_model import is_gguf
+
+    if is_gguf(folder):
+        from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(folder).tokenizer
     for d in [folder, folder.parent, folder.parent.parent]:
         if (d / "tokenizer_config.json").is_file():
             try:

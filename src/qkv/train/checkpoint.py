@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -232,12 +233,28 @@ def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
         raise CheckpointError(f"{folder} is not a complete training checkpoint (needs {WEIGHTS_NAME} and {STATE_NAME})")
     try:
         model_state = load_file(str(weights))
-        train_state = torch.load(state, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file: one clear sentence instead of a deep trace
         raise CheckpointError(f"{folder}: cannot read checkpoint ({type(e).__name__}: {e})") from None
+    return model_state, read_train_state(state)
+
+
+def read_train_state(path: Path, *, mmap: bool = False) -> dict[str, Any]:
+    """train_state.pt through torch.load(weights_only=True), any failure one line: torch's own text for a
+    pickled object is several lines, with terminal colour codes, and suggests weights_only=False, which would
+    run the file's code. mmap: map the tensors instead of reading them (a cheap check before a resume)."""
+    try:
+        train_state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", re.sub(r"\x1b\[[0-9;]*m", "", str(e)))
+        called = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(f"{path}: refused: it holds pickled objects other than tensors{called}; loading them "
+                              "would run code from the file (qkv writes plain tensors and numbers)") from None
+    except Exception as e:  # a truncated or foreign file
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        raise CheckpointError(f"{path.parent}: cannot read checkpoint ({type(e).__name__}: {first})") from None
     if not isinstance(train_state, dict) or "step" not in train_state:
-        raise CheckpointError(f"{state} is not a qkv training state")
-    return model_state, train_state
+        raise CheckpointError(f"{path} is not a qkv training state")
+    return train_state
 
 
 def check_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

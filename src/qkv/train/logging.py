@@ -147,6 +147,16 @@ class RunLogger:
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
             self.bar.refresh()
 
+    def step_line(self, step: int, total: int, loss: float, lr: float, tok_s: float) -> None:
+        """One line per logged step (train.log_every) on stdout and in train.log when no progress bar is drawn
+        (--no-progress, or output to a file): a run sent to a file shows that it advances."""
+        if not self.enabled or (self.bar is not None and not self.bar.disable):
+            return
+        msg = f"step {step}/{total}: loss {loss:.4f}, lr {lr:.2e}, {tok_s:,.0f} tokens/s"
+        self._log_file.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
+        self._log_file.flush()
+        print(msg, flush=True)
+
     def close(self, plot: bool = True) -> None:
         if not self.enabled:
             return

@@ -10,7 +10,7 @@ same update, and its default is NOT the fastest one on CPU: with foreach=None/fu
 takes the multi-tensor (foreach) path only for CUDA tensors and runs a Python loop over the parameters, seven
 elementwise kernels each, on CPU. "auto" picks the fused kernel (one pass per tensor, all of Adam's arithmetic
 in it; CPU and CUDA since torch 2.4) where every parameter allows it, else foreach. Measured on a 10.8M-parameter
-GPT (76 tensors, 2 AVX2 threads): loop ~98 ms, foreach ~86 ms, fused ~21 ms per step (docs/perf/opt15c.md).
+GPT (76 tensors, 2 AVX2 threads): loop ~98 ms, foreach ~86 ms, fused ~21 ms per step.
 The three agree to float rounding (tests/train/test_optim.py), not bit for bit: a run resumed with another
 implementation continues correctly but not bit-identically.
 """
@@ -23,7 +23,6 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
-from torch.autograd.graph import increment_version
 
 from qkv.config import ConfigError
 from qkv.nn.position import PositionalEncoding
@@ -142,15 +141,6 @@ def set_impl(optimizer: torch.optim.Optimizer, impl: str) -> None:
     optimizer._step_supports_amp_scaling = impl == "fused"  # type: ignore[attr-defined]
 
 
-def _bump_versions(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Step post-hook: mark every parameter as modified in place. torch's fused AdamW writes the parameters
-    without bumping their version counters (the loop and foreach paths bump them; torch 2.13, CPU), and
-    qkv's `Linear.step` keys its packed transposed weight on that counter: without this, decoding after a
-    fused update (a dev evaluation with generate) would use the weights of before the update."""
-    if any(g.get("fused") for g in optimizer.param_groups):
-        increment_version([_local(p) for g in optimizer.param_groups for p in g["params"]])
-
-
 def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float] | list[float], eps: float,
                     weight_decay: float, impl: str = "auto") -> tuple[torch.optim.AdamW, GroupSummary]:
     """AdamW over `param_groups(model, weight_decay)`, run by `impl` (auto | fused | foreach | loop; see the
@@ -158,7 +148,6 @@ def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float] |
     groups, summary = param_groups(model, weight_decay)
     chosen = resolve_impl(impl, [p for g in groups for p in g["params"]])
     opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **_flags(chosen))
-    opt.register_step_post_hook(_bump_versions)  # (a no-op unless a group runs fused, see set_impl)
     return opt, summary
 
 

@@ -148,6 +148,7 @@ class Trainer:
         self.should_stop = False
         self.last_eval: dict[str, float] = {}
         self.last_loss = float("nan")
+        self.last_aux_loss: float | None = None  # the model's auxiliary loss, mean over the last update's batches
         self.last_checkpoint: Path | None = None
         self._signal: int | None = None  # SIGINT/SIGTERM received during fit()
         self._signal_agreed = False  # under DDP/FSDP: some rank received one (all-reduced with the loss)
@@ -240,6 +241,7 @@ class Trainer:
         n_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0
         batches = []
+        aux_sum = None
         for micro in range(ga):
             index = ((step - 1) * ga + micro) * world + info.rank
             batch = self._prepare(self.data.batch(index, cfg.batch_size, "train"), step, micro)
@@ -249,6 +251,9 @@ class Trainer:
                 with self.precision.autocast():
                     out = self.engine(**batch)
                 out_loss, n = loss_and_count(out, batch)
+                aux = getattr(out, "aux_loss", None)  # an auxiliary loss the model reports (MoE balancing)
+                if aux is not None:
+                    aux_sum = aux.detach().double() + (0.0 if aux_sum is None else aux_sum)
                 n = torch.as_tensor(n, device=out_loss.device).to(torch.float32)
                 self.precision.scale(out_loss.float() * n * c).backward()
             loss_sum += out_loss.detach().double() * n.double()
@@ -264,6 +269,7 @@ class Trainer:
         factor = world / (c * n_total) if n_total > 0 else 0.0
         self._scale_grads(factor)
         loss = loss_total / n_total if n_total > 0 else float("nan")
+        self.last_aux_loss = float(aux_sum) / ga if aux_sum is not None else None
         return loss, int(n_total), int(tokens_total), batches
 
     def _grad_norm(self) -> float:
@@ -456,6 +462,9 @@ class Trainer:
             if scaler_owns_grads and not math.isfinite(grad_norm):
                 self.scaler_skips += 1
             self.precision.step(self.optimizer)
+            after_update = getattr(self.model, "after_update", None)  # state a model moves per update (MoE)
+            if after_update is not None:
+                after_update()
             self.optimizer.zero_grad(set_to_none=True)
             self.step = step
             self.last_loss = loss
@@ -467,6 +476,8 @@ class Trainer:
             record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                       "tokens_per_s": interval_tokens / max(interval_time, 1e-9),
                                       "step_time_s": dt, "tokens": self.tokens_seen, "targets": n_targets}
+            if self.last_aux_loss is not None:
+                record["aux_loss"] = self.last_aux_loss
             for key, value in (("skipped", self.skipped), ("rollbacks", self.rollbacks),
                                ("truncated", self.truncated), ("scaler_skips", self.scaler_skips)):
                 if value:
@@ -479,6 +490,7 @@ class Trainer:
                 or any(k.startswith("eval/") for k in record)
             if logged:
                 log.log(record)
+                log.step_line(step, cfg.max_steps, loss, lr, record["tokens_per_s"])
                 interval_time, interval_tokens = 0.0, 0
             log.progress(step, loss, lr, record["tokens_per_s"])
             if cfg.save_every and step % cfg.save_every == 0:
