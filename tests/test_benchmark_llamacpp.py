@@ -1,0 +1,56 @@
+"""The smoke forms of benchmarks/llamacpp.py (qkv's decoding against llama.cpp on the same weights): qkv's side runs
+end to end without llama.cpp and writes its figures with the peer's rows "n/a"; where a separate environment with
+llama-cpp-python is named by $QKV_LLAMACPP_PYTHON, the GGUF files written from the same Hugging Face folder give
+llama.cpp the same logits and greedy tokens as qkv. The full run and its figures: docs/performance.md."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(out: Path, peer_python: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llamacpp.py"), "--quick", "--threads", "1",
+                        "--llamacpp-python", peer_python, "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "llamacpp_quick.json").read_text())
+
+
+@pytest.mark.slow
+def test_llamacpp_benchmark_quick_without_peer(tmp_path):
+    pytest.importorskip("transformers")
+    result = run(tmp_path, "")
+    rows = {r["qkv"]: r for r in result["rows"]}
+    assert [(r["qkv"], r["llamacpp"]) for r in result["rows"]] == [
+        ("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"), ("int8", "Q8_0")]
+    for name in rows:
+        assert rows[name]["qkv_ms"] > 0 and rows[name]["qkv_floor_ms"] > 0
+        assert rows[name]["llamacpp_ms"] is None and rows[name]["ratio"] is None
+    # int8 weights are a quarter of fp32's bytes, plus scales and the unquantised norms
+    assert rows["int8"]["qkv_floor_ms"] < 0.5 * rows["fp32"]["qkv_floor_ms"]
+    assert result["meta"]["llamacpp"] is None and "llamacpp-python" in result["meta"]["llamacpp_absent"]
+    assert "| fp32 | F32 |" in (tmp_path / "llamacpp_quick.md").read_text()
+
+
+@pytest.mark.slow
+def test_llamacpp_benchmark_quick_with_peer(tmp_path):
+    pytest.importorskip("transformers")
+    peer = os.environ.get("QKV_LLAMACPP_PYTHON")
+    if not peer:
+        pytest.skip("llama.cpp is an optional peer: set QKV_LLAMACPP_PYTHON to a venv's python with llama-cpp-python")
+    result = run(tmp_path, peer)
+    rows = {r["llamacpp"]: r for r in result["rows"]}
+    assert result["meta"]["llamacpp"]["ready"]
+    assert all(r["llamacpp_ms"] > 0 for r in rows.values())
+    # fp32 in both: the GGUF's weights (q/k rows permuted for llama.cpp's RoPE) give qkv's logits and tokens
+    assert rows["F32"]["logits_max_diff"] < 1e-3 * rows["F32"]["logits_scale"]
+    assert rows["F32"]["tokens_equal"] == 1.0
+    # bf16 weights and activations in both: close, not equal
+    assert rows["BF16"]["logits_max_diff"] < 0.05 * rows["BF16"]["logits_scale"]
