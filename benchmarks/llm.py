@@ -107,8 +107,9 @@ def native_bf16() -> bool:
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers a decoding step reads (a tied weight once)."""
-    tensors = [*model.parameters(), *model.buffers()]
+    """Bytes of the weights a decoding step reads: the state dict's tensors (a tied weight once; int8 weights with
+    their scales), not the non-persistent tables (RoPE's cos/sin, masks) of which a step reads one row."""
+    tensors = model.state_dict(keep_vars=True).values()
     seen = {t.data_ptr(): t for t in tensors if t.is_floating_point() or t.dtype == torch.int8}
     return sum(t.numel() * t.element_size() for t in seen.values())
 

@@ -136,6 +136,41 @@ def check_fields(cfg: Any, where: str | None = None) -> None:
             setattr(cfg, f.name, checked)
 
 
+def check_moe(moe: Any, n_layers: int | None = None) -> None:
+    """A mixture-of-experts config (qkv.nn.moe.MoEConfig): n_layers, the model's, to check `layers` against."""
+    from qkv.nn.moe import SCORES
+
+    check_fields(moe, "moe")
+    if moe.n_experts < 0:
+        raise ConfigError(f"moe.n_experts must be >= 0 (0 = dense), got {moe.n_experts}")
+    if not moe.n_experts:
+        return
+    if not 1 <= moe.n_experts_per_tok <= moe.n_experts:
+        raise ConfigError(f"moe.n_experts_per_tok must be in 1..n_experts ({moe.n_experts}), "
+                          f"got {moe.n_experts_per_tok}")
+    if moe.score not in SCORES:
+        raise ConfigError(f"moe.score: {moe.score!r} is not one of {list(SCORES)}")
+    if moe.n_group < 1 or moe.n_experts % moe.n_group:
+        raise ConfigError(f"moe.n_group ({moe.n_group}) must divide n_experts ({moe.n_experts})")
+    if not 1 <= moe.topk_group <= moe.n_group:
+        raise ConfigError(f"moe.topk_group must be in 1..n_group ({moe.n_group}), got {moe.topk_group}")
+    if moe.n_experts_per_tok > moe.topk_group * (moe.n_experts // moe.n_group):
+        raise ConfigError(f"moe.n_experts_per_tok ({moe.n_experts_per_tok}) exceeds the experts of "
+                          f"topk_group={moe.topk_group} groups")
+    bad = [i for i in moe.layers or () if i < 0 or (n_layers is not None and i >= n_layers)]
+    if bad:
+        raise ConfigError(f"moe.layers {bad} are not blocks of a {n_layers}-layer model")
+    for name in ("ffn_dim", "shared_ffn_dim"):
+        if getattr(moe, name) is not None and getattr(moe, name) < 1:
+            raise ConfigError(f"moe.{name} must be positive (or null)")
+    if moe.n_shared_experts < 0 or moe.first_k_dense < 0:
+        raise ConfigError("moe.n_shared_experts and moe.first_k_dense must be >= 0")
+    if moe.shared_expert_gate and not (moe.n_shared_experts or moe.shared_ffn_dim):
+        raise ConfigError("moe.shared_expert_gate needs a shared expert (n_shared_experts or shared_ffn_dim)")
+    if moe.aux_loss_coef < 0 or moe.bias_rate < 0 or moe.routed_scaling <= 0:
+        raise ConfigError("moe.aux_loss_coef and moe.bias_rate must be >= 0, moe.routed_scaling > 0")
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 

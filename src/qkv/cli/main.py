@@ -627,8 +627,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import warnings
 
-    # a warning is said as the CLI says things: one line on stderr (not Python's two, with a source line)
-    warnings.showwarning = lambda message, *_, **__: print(f"qkv: warning: {message}", file=sys.stderr)
+    with warnings.catch_warnings():  # the process's own warning display comes back when the command returns
+        # a warning is said as the CLI says things: one line on stderr (not Python's two, with a source line)
+        warnings.showwarning = lambda message, *_, **__: print(f"qkv: warning: {message}", file=sys.stderr)
+        return _run_command(a)
+
+
+def _run_command(a: argparse.Namespace) -> int:
+    """The chosen command, its errors said in one line (--debug: with the traceback)."""
     try:
         return a.func(a)
     except KeyboardInterrupt as e:

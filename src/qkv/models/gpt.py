@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig
+from qkv.config import ConfigError, TransformerConfig, check_moe
 from qkv.models.base import ModelOutput, TransformerDecoderModel, build_stack, token_loss
 from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
@@ -32,7 +32,7 @@ class GPTConfig(TransformerConfig):
         super().validate()
         if self.vocab_size < 1 or self.n_layers < 1 or self.context_length < 1:
             raise ConfigError("vocab_size, n_layers and context_length must be positive")
-        self.moe.validate(self.n_layers)
+        check_moe(self.moe, self.n_layers)
 
     def layer_kwargs(self, layer: int) -> dict[str, Any]:
         return {"moe": self.moe} if self.moe.is_moe(layer) else {}

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, check_fields
 from qkv.nn.ffn import FeedForward
 
 SCORES = ("softmax", "sigmoid")
@@ -50,39 +49,6 @@ class MoEConfig:
     bias_balance: bool = False  # DeepSeek-V3's selection bias, updated from the load after each optimizer step
     bias_rate: float = 0.001  # that bias's step per update (DeepSeek-V3's gamma)
     aux_loss_coef: float = 0.02  # load-balancing loss weight in the training loss (Mixtral's router_aux_loss_coef)
-
-    def validate(self, n_layers: int | None = None) -> None:
-        """n_layers: the model's, to check `layers` against (config.from_dict validates without it; the
-        model config validates again with it)."""
-        check_fields(self, "moe")
-        if self.n_experts < 0:
-            raise ConfigError(f"moe.n_experts must be >= 0 (0 = dense), got {self.n_experts}")
-        if not self.n_experts:
-            return
-        if not 1 <= self.n_experts_per_tok <= self.n_experts:
-            raise ConfigError(f"moe.n_experts_per_tok must be in 1..n_experts ({self.n_experts}), "
-                              f"got {self.n_experts_per_tok}")
-        if self.score not in SCORES:
-            raise ConfigError(f"moe.score: {self.score!r} is not one of {list(SCORES)}")
-        if self.n_group < 1 or self.n_experts % self.n_group:
-            raise ConfigError(f"moe.n_group ({self.n_group}) must divide n_experts ({self.n_experts})")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ConfigError(f"moe.topk_group must be in 1..n_group ({self.n_group}), got {self.topk_group}")
-        if self.n_experts_per_tok > self.topk_group * (self.n_experts // self.n_group):
-            raise ConfigError(f"moe.n_experts_per_tok ({self.n_experts_per_tok}) exceeds the experts of "
-                              f"topk_group={self.topk_group} groups")
-        bad = [i for i in self.layers or () if i < 0 or (n_layers is not None and i >= n_layers)]
-        if bad:
-            raise ConfigError(f"moe.layers {bad} are not blocks of a {n_layers}-layer model")
-        for name in ("ffn_dim", "shared_ffn_dim"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"moe.{name} must be positive (or null)")
-        if self.n_shared_experts < 0 or self.first_k_dense < 0:
-            raise ConfigError("moe.n_shared_experts and moe.first_k_dense must be >= 0")
-        if self.shared_expert_gate and not (self.n_shared_experts or self.shared_ffn_dim):
-            raise ConfigError("moe.shared_expert_gate needs a shared expert (n_shared_experts or shared_ffn_dim)")
-        if self.aux_loss_coef < 0 or self.bias_rate < 0 or self.routed_scaling <= 0:
-            raise ConfigError("moe.aux_loss_coef and moe.bias_rate must be >= 0, moe.routed_scaling > 0")
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has the MoE FFN."""
