@@ -28,6 +28,7 @@ _MODULES = {
     "resnet": "qkv.interop.resnet",
     "swin": "qkv.interop.swin",
     "whisper": "qkv.interop.whisper",
+    "llava": "qkv.interop.llava",
     "llama": "qkv.interop.llama",
     "mistral": "qkv.interop.llama",
     "qwen2": "qkv.interop.llama",

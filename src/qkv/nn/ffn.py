@@ -11,6 +11,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -29,6 +30,7 @@ ACTIVATIONS: dict[str, Activation] = {
     "swiglu": Activation(F.silu, True),  # Llama, Mistral, Qwen: silu(W3 x) * W1 x
     "silu": Activation(F.silu, False),  # "swish": Marian / OPUS-MT
     "geglu_tanh": Activation(partial(F.gelu, approximate="tanh"), True),  # T5 v1.1 / Flan "gated-gelu"
+    "quick_gelu": Activation(lambda x: x * torch.sigmoid(1.702 * x), False),  # OpenAI CLIP's GELU approximation
 }
 
 

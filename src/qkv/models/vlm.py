@@ -1,0 +1,306 @@
+"""LLaVA (Liu et al. 2023, "Visual Instruction Tuning"): a vision encoder, a projector and a decoder LM.
+
+image (n, C, H, W) -> CLIP-style ViT, run up to layer `feature_layer` -> (n, 1 + N, d_v)
+  -> drop the class token ("default") or keep it ("full") -> projector: Linear-GELU-Linear (LLaVA 1.5's
+  "mlp2x_gelu") or one Linear (LLaVA 1.0) -> image features (n, N', d)
+prompt ids (B, T) holding N' placeholder ids (image_token_id) per image -> token embeddings whose placeholder
+  rows are replaced by the image features, in order -> the decoder (a qkv GPT: Llama blocks) -> logits
+
+The image is part of the prompt: it enters at the prefill, its positions fill the KV cache like any token's,
+and every decoding step after that is the decoder's own. For generation, `with model.images(pixel_values):`
+(or model.generate(ids, pixel_values=...)) hands the images to the prefill; qkv.generate is unchanged.
+
+The vision tower is CLIP's ViT: patches + class token + learned positions, a LayerNorm on the embeddings
+(CLIP's `pre_layrnorm`), Pre-LN blocks with quick-GELU. Only the layers up to the chosen hidden state are
+built and run (LLaVA reads the second-to-last layer; the last one and the final norm would be computed for
+nothing), so `VisionConfig.n_layers` counts the layers the tower runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from qkv.config import ConfigError, TransformerConfig
+from qkv.models.base import ModelOutput, QKVModel, token_loss
+from qkv.models.decoding import Source
+from qkv.models.gpt import GPT, GPTConfig
+from qkv.models.registry import register_family
+from qkv.nn.block import Block
+from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
+from qkv.nn.ffn import ACTIVATIONS
+from qkv.nn.position import build_position
+from qkv.nn.stack import Stack
+
+PROJECTORS = ("mlp", "linear")
+FEATURE_SELECT = ("default", "full")  # LLaVA's vision_feature_select_strategy: drop / keep the class token
+
+
+@dataclass
+class VisionConfig(TransformerConfig):
+    """A CLIP vision tower (the TransformerConfig fields describe its blocks)."""
+
+    image_size: int = 336
+    patch_size: int = 14
+    n_channels: int = 3
+    n_layers: int = 23  # blocks built and run: up to the hidden state the projector reads
+    class_token: bool = True
+    pre_norm: bool = True  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
+    patch_bias: bool = False  # CLIP's patch convolution has no bias
+    d_model: int = 1024
+    n_heads: int = 16
+    d_ff: int | None = 4096
+    ffn: str = "quick_gelu"
+    position: str = "none"  # the tower adds its own learned positions before the blocks
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("image_size", "patch_size", "n_channels"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"VisionConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_layers < 0:
+            raise ConfigError(f"VisionConfig.n_layers must be >= 0, got {self.n_layers}")
+        if self.image_size % self.patch_size:
+            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
+
+    @property
+    def n_positions(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + int(self.class_token)
+
+
+@dataclass
+class VLMConfig:
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    text: GPTConfig = field(default_factory=GPTConfig)
+    image_token_id: int = 32000  # the placeholder id the image features replace
+    feature_select: str = "default"  # default: drop the class token; full: keep it
+    projector: str = "mlp"  # mlp: Linear-act-Linear; linear: one Linear
+    projector_act: str = "gelu"  # an nn.ffn activation
+    projector_bias: bool = True
+
+    def validate(self) -> None:
+        self.vision.validate()
+        self.text.validate()
+        for name, value, choices in [("feature_select", self.feature_select, FEATURE_SELECT),
+                                     ("projector", self.projector, PROJECTORS),
+                                     ("projector_act", self.projector_act, tuple(ACTIVATIONS))]:
+            if value not in choices:
+                raise ConfigError(f"VLMConfig.{name}: {value!r} is not one of {list(choices)}")
+        if ACTIVATIONS[self.projector_act].gated:
+            raise ConfigError(f"VLMConfig.projector_act: {self.projector_act!r} is gated; the projector needs a "
+                              "plain activation")
+        if self.feature_select == "default" and not self.vision.class_token:
+            raise ConfigError("VLMConfig.feature_select='default' drops a class token the vision tower lacks")
+        if self.image_token_id < 0:
+            raise ConfigError(f"VLMConfig.image_token_id must be >= 0, got {self.image_token_id}")
+
+    @property
+    def image_tokens(self) -> int:
+        """Placeholder tokens one image takes in the prompt (the features the projector gives per image)."""
+        v = self.vision
+        return v.n_positions - int(v.class_token and self.feature_select == "default")
+
+    # what generation and chat read from a decoder's config (models.decoding.configured_context)
+    @property
+    def position(self) -> str:
+        return self.text.position
+
+    @property
+    def context_length(self) -> int:
+        return self.text.context_length
+
+
+class VisionTower(nn.Module):
+    """(n, C, H, W) pixels -> (n, N + class token, d_v): the hidden state after the last built block."""
+
+    def __init__(self, c: VisionConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.patch = nn.Conv2d(c.n_channels, c.d_model, c.patch_size, stride=c.patch_size, bias=c.patch_bias)
+        self.cls_emb = nn.Parameter(torch.zeros(1, 1, c.d_model)) if c.class_token else None
+        self.pos_emb = nn.Parameter(torch.zeros(1, c.n_positions, c.d_model))
+        blocks = [Block(c.d_model, c.n_heads, causal=False, **c.block_kwargs()) for _ in range(c.n_layers)]
+        none = build_position("none", d_model=c.d_model, n_heads=c.n_heads, max_len=c.n_positions)
+        # no final norm: the projector reads a block's output as it is (CLIP's post_layernorm is for pooling)
+        self.encoder = Stack(blocks, none, d_model=c.d_model, final_norm=False, norm=c.norm, norm_eps=c.norm_eps,
+                             bias=c.bias, embed_norm=c.pre_norm)
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        c = self.config
+        want = (c.n_channels, c.image_size, c.image_size)
+        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != want:
+            raise ValueError(f"pixel_values must be (n_images, {', '.join(map(str, want))}) (the vision tower's "
+                             f"image size), got {tuple(pixel_values.shape)}")
+        w = self.patch.weight
+        x = self.patch(pixel_values.to(w.dtype)).flatten(2).transpose(1, 2)  # (n, N, d), row-major patches
+        if self.cls_emb is not None:
+            x = torch.cat([self.cls_emb.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
+        return self.encoder(x + self.pos_emb.to(x.dtype)).hidden
+
+
+class Projector(nn.Module):
+    """Vision features (d_v) -> the decoder's embedding width (d)."""
+
+    def __init__(self, d_in: int, d_out: int, kind: str, act: str, bias: bool) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(d_in, d_out, bias=bias)
+        self.act = ACTIVATIONS[act].fn
+        self.linear_2 = nn.Linear(d_out, d_out, bias=bias) if kind == "mlp" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.linear_1(x)
+        return x if self.linear_2 is None else self.linear_2(self.act(x))
+
+
+class LLaVA(QKVModel):
+    """A vision-language decoder; implements qkv's decoder protocol (models/decoding.py) through its GPT."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("decoder",)
+    is_seq2seq: ClassVar[bool] = False
+
+    def __init__(self, config: VLMConfig, language_model: GPT | None = None) -> None:
+        """language_model: a decoder already built (and loaded) for config.text; by default a new one."""
+        super().__init__(config)
+        c = config
+        self.vision = VisionTower(c.vision)
+        self.projector = Projector(c.vision.d_model, c.text.d_model, c.projector, c.projector_act, c.projector_bias)
+        self.language_model = language_model if language_model is not None else GPT(c.text)  # initialises itself
+        for name, p in [*self.vision.named_parameters(), *self.projector.named_parameters()]:
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif not name.startswith("encoder.") or p.dim() > 1:  # the norms' weights stay ones
+                nn.init.normal_(p, std=c.vision.init_std)
+        self._pending: Tensor | None = None  # image features waiting for the prefill (images())
+
+    @classmethod
+    def config_for_task(cls, kind: str, needs: dict[str, Any]) -> dict[str, Any]:
+        raise ConfigError("a LLaVA model is loaded from a Hugging Face llava folder (qkv.from_pretrained); "
+                          "qkv's tasks do not train one from scratch")
+
+    # -- images -> features -> embeddings -----------------------------------------------------------------
+    def image_features(self, pixel_values: Tensor) -> Tensor:
+        """(n, C, H, W) -> (n, image_tokens, d): what replaces each image's placeholder tokens."""
+        h = self.vision(pixel_values)
+        if self.config.feature_select == "default" and self.config.vision.class_token:
+            h = h[:, 1:]
+        return self.projector(h)
+
+    def embed(self, input_ids: Tensor, features: Tensor | None = None) -> Tensor:
+        """Token embeddings (B, T, d) with the placeholders' rows replaced by `features` (n, N', d), filled in
+        reading order (row by row of the batch, left to right): one image's N' placeholders per image."""
+        c = self.config
+        placeholder = input_ids == c.image_token_id
+        n = int(placeholder.sum())
+        # the placeholder id may lie past the vocabulary (its rows are replaced anyway): embed it as id 0
+        x = self.language_model.tok_emb(input_ids.masked_fill(placeholder, 0))
+        have = 0 if features is None else features.shape[0] * features.shape[1]
+        if n != have:
+            images = 0 if features is None else features.shape[0]
+            raise ValueError(f"the prompt holds {n} image placeholder tokens (id {c.image_token_id}) but "
+                             f"{images} image(s) give {have} patch embeddings ({c.image_tokens} per image): "
+                             f"put {c.image_tokens} placeholders per image in the prompt (qkv.interop.llava."
+                             "expand_image_tokens)")
+        if features is None:
+            return x
+        return x.masked_scatter(placeholder.unsqueeze(-1), features.reshape(-1, x.shape[-1]).to(x.dtype))
+
+    def _check_ids(self, input_ids: Tensor, entry: bool = False) -> None:
+        ids = input_ids.masked_fill(input_ids == self.config.image_token_id, 0)
+        check_token_ids(ids, self.config.text.vocab_size, entry=entry)
+
+    def forward(self, input_ids: Tensor, pixel_values: Tensor | None = None, *, image_features: Tensor | None = None,
+                labels: Tensor | None = None, attention_mask: Tensor | None = None, cache: Any = None,
+                offset: int | Tensor | None = None, return_attentions: bool = False,
+                last_only: bool = False) -> ModelOutput:
+        """GPT.forward with images: input_ids (B, T) hold image_tokens placeholders per image of pixel_values
+        (n, C, H, W) (or of precomputed image_features (n, N', d)). labels: (B, T), shifted inside,
+        -100 = ignore (set it at the placeholders)."""
+        lm = self.language_model
+        check_batch(input_ids)
+        self._check_ids(input_ids)
+        if labels is not None:
+            check_labels(labels, input_ids)
+        past = cache.length if cache is not None else 0
+        check_length(past + input_ids.shape[1], lm.context_limit)
+        if pixel_values is not None:
+            if image_features is not None:
+                raise ValueError("give pixel_values or image_features, not both")
+            image_features = self.image_features(pixel_values)
+        x = self.embed(input_ids, image_features)
+        keep = attention_mask.bool() if attention_mask is not None else None
+        out = lm.decoder(x, keep=keep, cache=cache, offset=offset, return_weights=return_attentions,
+                         last_only=last_only)
+        logits = lm.lm_head(out.hidden[:, -1:] if last_only else out.hidden)
+        loss = n = None
+        if labels is not None:
+            loss, n = token_loss(logits[:, :-1], labels[:, 1:])
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=out.hidden,
+                           attentions=out.attentions or None)
+
+    # -- generation: the decoder protocol, the images handed to the prefill ---------------------------------
+    @contextmanager
+    def images(self, pixel_values: Tensor | None) -> Iterator[None]:
+        """Inside, every prefill fills the prompt's placeholders with these images' features (computed once,
+        here). The decoding steps never see them: the image is in the KV cache after the prefill."""
+        saved = self._pending
+        with torch.no_grad():
+            self._pending = None if pixel_values is None else self.image_features(pixel_values)
+        try:
+            yield
+        finally:
+            self._pending = saved
+
+    def generate(self, input_ids: Tensor, *args: Any, pixel_values: Tensor | None = None, **kwargs: Any) -> Any:
+        """qkv.generate.generate with images: the prompt holds image_tokens placeholders per image."""
+        with self.images(pixel_values):
+            return super().generate(input_ids, *args, **kwargs)
+
+    @property
+    def context_limit(self) -> int | None:
+        return self.language_model.context_limit
+
+    @property
+    def output_vocab_size(self) -> int:
+        return self.language_model.output_vocab_size
+
+    def generation_defaults(self) -> dict[str, Any]:
+        return {**self.language_model.generation_defaults(), **self.folder_generation_config}
+
+    def make_cache(self, batch_size: int, max_len: int | None = None, **kwargs: Any) -> Any:
+        return self.language_model.make_cache(batch_size, max_len, **kwargs)
+
+    def make_paged_cache(self, num_blocks: int | None = None, block_size: int = 16, **kwargs: Any) -> Any:
+        return self.language_model.make_paged_cache(num_blocks, block_size, **kwargs)
+
+    def encode_source(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Source | None:
+        self._check_ids(inputs, entry=True)
+        return None
+
+    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None, offset: int | Tensor | None = None,
+                source: Source | None = None, return_attentions: bool = False) -> tuple[Tensor, list | None]:
+        # the images enter with the prompt: a later call over a filled cache (a step run as a full forward, for
+        # its attention weights) holds only new tokens; a recomputation without cache holds the whole prompt
+        first = cache is None or cache.length == 0
+        out = self(ids, image_features=self._pending if first else None, attention_mask=keep, cache=cache, offset=offset,
+                   return_attentions=return_attentions, last_only=True)
+        return out.logits[:, -1], out.attentions
+
+    def step(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
+             offset: int | Tensor | None = None) -> Tensor:
+        return self.language_model.step(ids, cache, keep=keep, offset=offset)
+
+    @property
+    def static_step_supported(self) -> bool:
+        return self.language_model.static_step_supported
+
+    def static_step(self, ids: Tensor, cache: Any, *, index: Tensor, offset: Tensor,
+                    keep: Tensor | None = None) -> Tensor:
+        return self.language_model.static_step(ids, cache, index=index, offset=offset, keep=keep)
+
+
+register_family("llava", VLMConfig, LLaVA)
