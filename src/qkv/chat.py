@@ -266,6 +266,13 @@ def chat_loop(session: ChatSession, lines: Iterable[str] | None = None, out: Tex
             session.reset()
             print("(conversation cleared)", file=out)
             continue
+        if text.startswith("/image") and hasattr(session, "set_image"):  # a vision-language session
+            try:
+                session.set_image(text[len("/image"):].strip())
+                print("(image set: it goes with your next message; the conversation starts again)", file=out)
+            except ValueError as e:
+                print(f"qkv: error: {e}", file=out)
+            continue
         if text.startswith("/"):
             print(f"(unknown command {text.split()[0]}; {HELP})", file=out)
             continue

@@ -504,6 +504,8 @@ def _add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--message", action="append", default=None,
                    help="answer this message and exit (repeat for several turns); without it: interactive")
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--image", default=None, help="an image file for the first message (a vision-language "
+                   "folder: llava); in the interactive chat, /image PATH sets another")
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest answer in tokens (default 512, capped by what the context leaves)")
     p.add_argument("--temperature", type=float, default=None, help="default: the folder's generation_config.json")
     p.add_argument("--top-k", type=int, default=None)
@@ -540,7 +542,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
     if a.compile:
         cfg = cfg.replace(compile=True)
     _loading(a.model)
-    session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
+    from qkv.chat_vision import VisionChatSession, is_vision_folder
+
+    if a.image is not None or is_vision_folder(a.model):  # an image, or a model whose template wants parts
+        session = VisionChatSession.from_folder(a.model, a.quantize, image=a.image, system=a.system,
+                                                generation_config=cfg)
+    else:
+        session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
     defaults = session.model.generation_defaults() if hasattr(session.model, "generation_defaults") else {}
     if a.seed is None and resolve(defaults, cfg, {}).sampling:
         print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)
