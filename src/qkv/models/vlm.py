@@ -269,7 +269,11 @@ class LLaVA(QKVModel):
         return self.language_model.output_vocab_size
 
     def generation_defaults(self) -> dict[str, Any]:
-        return {**self.language_model.generation_defaults(), **self.folder_generation_config}
+        out = {**self.language_model.generation_defaults(), **self.folder_generation_config}
+        c = self.config
+        if c.image_token_id < c.text.vocab_size:  # a placeholder is never generated: images come with the prompt
+            out["bad_words_ids"] = [*(out.get("bad_words_ids") or []), [c.image_token_id]]
+        return out
 
     def make_cache(self, batch_size: int, max_len: int | None = None, **kwargs: Any) -> Any:
         return self.language_model.make_cache(batch_size, max_len, **kwargs)
