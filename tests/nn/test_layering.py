@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv.tasks", "qkv.train"),  # batch sources / the training loop: neither knows the other
     ("qkv.run",),  # one way to build and train a run (train/demo/ablation runner all come here)
     ("qkv.chat", "qkv.predict"),  # qkv chat: a conversation through its chat template; qkv predict: image classes
+    ("qkv.chat_vision",),  # qkv chat --image: a ChatSession whose messages carry an image (LLaVA)
     ("qkv.experiments", "qkv.finetune"),  # ablation suites (each run through qkv.run.train_run); fine-tuning recipes
     ("qkv.embed",),  # sentence embeddings from a BERT-family folder (uses finetune.encoders' folder + tokenizer)
     ("qkv.explore", "qkv.serve"),  # the attention explorer; qkv serve
