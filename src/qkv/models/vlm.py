@@ -137,7 +137,7 @@ class VisionTower(nn.Module):
             raise ValueError(f"pixel_values must be (n_images, {', '.join(map(str, want))}) (the vision tower's "
                              f"image size), got {tuple(pixel_values.shape)}")
         w = self.patch.weight
-        x = self.patch(pixel_values.to(w.dtype)).flatten(2).transpose(1, 2)  # (n, N, d), row-major patches
+        x = self.patch(pixel_values.to(w.device, w.dtype)).flatten(2).transpose(1, 2)  # (n, N, d), row-major
         if self.cls_emb is not None:
             x = torch.cat([self.cls_emb.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         return self.encoder(x + self.pos_emb.to(x.dtype)).hidden
