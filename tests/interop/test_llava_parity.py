@@ -57,6 +57,16 @@ def test_greedy_with_kv_cache_equals_transformers(tmp_path):
     assert ours.generate(ids, 16, pixel_values=pix, min_new_tokens=16, use_cache=False).tolist() == want.tolist()
 
 
+def test_beam_search_equals_transformers(tmp_path):
+    hf = hf_llava()
+    hf.save_pretrained(tmp_path)
+    ours = qkv.from_pretrained(tmp_path)
+    ids, pix = _prompt(16), _pixels()
+    want = hf.generate(input_ids=ids, pixel_values=pix, max_new_tokens=8, min_new_tokens=8, num_beams=3,
+                       do_sample=False)
+    assert ours.generate(ids, 8, pixel_values=pix, min_new_tokens=8, num_beams=3).tolist() == want.tolist()
+
+
 def test_preprocessing_equals_clip_image_processor(tmp_path):
     from PIL import Image
 

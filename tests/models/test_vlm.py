@@ -60,6 +60,8 @@ def test_placeholder_count_must_match_the_patches():
         model(prompt(1), pixels(2))
     with pytest.raises(ValueError, match=r"holds 3 image placeholder tokens .* give 4"):
         model.generate(prompt(1, per_image=3), 2, pixel_values=pixels(1))
+    with pytest.raises(ValueError, match=r"repeated for num_return_sequences > 1 .*not supported"):
+        model.generate(prompt(1), 2, pixel_values=pixels(1), do_sample=True, num_return_sequences=2)
     with pytest.raises(ValueError, match=r"pixel_values must be \(n_images, 3, 16, 16\)"):
         model(prompt(1), torch.zeros(1, 3, 32, 32))
 

@@ -201,10 +201,13 @@ class LLaVA(QKVModel):
         have = 0 if features is None else features.shape[0] * features.shape[1]
         if n != have:
             images = 0 if features is None else features.shape[0]
+            repeated = have and n > have and n % have == 0 and input_ids.shape[0] > 1
             raise ValueError(f"the prompt holds {n} image placeholder tokens (id {c.image_token_id}) but "
                              f"{images} image(s) give {have} patch embeddings ({c.image_tokens} per image): "
                              f"put {c.image_tokens} placeholders per image in the prompt (qkv.interop.llava."
-                             "expand_image_tokens)")
+                             "expand_image_tokens)" + ("; a prompt repeated for num_return_sequences > 1 "
+                                                       "repeats its placeholders, not the images (not supported)"
+                                                       if repeated else ""))
         if features is None:
             return x
         return x.masked_scatter(placeholder.unsqueeze(-1), features.reshape(-1, x.shape[-1]).to(x.dtype))
