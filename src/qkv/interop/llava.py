@@ -229,9 +229,12 @@ class ImageProcessor:
         require(kind in ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil"),
                 f"{path}: image_processor_type {kind!r} is not supported (CLIPImageProcessor only)")
         require(not p.get("do_pad", False), f"{path}: do_pad is not supported")
-        on = lambda flag: p.get(flag, True)  # noqa: E731 - CLIPImageProcessor's steps are all on by default
+        def on(flag: str) -> bool:  # CLIPImageProcessor's steps are all on by default
+            return bool(p.get(flag, True))
+
+        crop = _size(p.get("crop_size", 224), "crop_size")
         return cls(size=_size(p.get("size", 224), "size"), resize=on("do_resize"),
-                   crop=_size(p.get("crop_size", 224), "crop_size") if on("do_center_crop") else None,
+                   crop=((crop, crop) if isinstance(crop, int) else crop) if on("do_center_crop") else None,
                    resample=int(p.get("resample", 3)),
                    rescale_factor=float(p.get("rescale_factor", 1 / 255)) if on("do_rescale") else None,
                    mean=tuple(p.get("image_mean", cls.mean)) if on("do_normalize") else None,

@@ -13,7 +13,9 @@ and every decoding step after that is the decoder's own. For generation, `with m
 The vision tower is CLIP's ViT: patches + class token + learned positions, a LayerNorm on the embeddings
 (CLIP's `pre_layrnorm`), Pre-LN blocks with quick-GELU. Only the layers up to the chosen hidden state are
 built and run (LLaVA reads the second-to-last layer; the last one and the final norm would be computed for
-nothing), so `VisionConfig.n_layers` counts the layers the tower runs.
+nothing), so `VisionConfig.n_layers` counts the layers the tower runs. It is built from the shared Block/Stack
+rather than qkv's ViT class because CLIP's tower differs from that ViT in three places: a norm on the
+embeddings, no final norm on the hidden state the projector reads, and a patch convolution without bias.
 """
 
 from __future__ import annotations
