@@ -180,10 +180,10 @@ def load_llava(folder: Path, meta: dict[str, Any]) -> LLaVA:
                   "vision.embeddings.position_embedding.weight": lambda t: t.unsqueeze(0)}
     mapping = vision_key_map(n_used, patch_bias, linear, config.projector_bias)
     load_hf_weights(parts, sd, mapping, transforms=transforms, source=sd.source)
-    dtype = decoder.lm_head.weight.dtype
-    require(all(p.dtype == dtype for p in parts.parameters()),
-            f"{sd.source}: the vision tower and the decoder are stored in different dtypes (not supported)")
-    model.folder_generation_config = dict(decoder.folder_generation_config)
+    parts.to(decoder.lm_head.weight.dtype)  # one dtype for the model, as transformers loads it (a no-op mostly)
+    # the token ids: the text config's, and the top level's (llava-hf puts pad_token_id there)
+    ids = {k: meta[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if meta.get(k) is not None}
+    model.folder_generation_config = {**decoder.folder_generation_config, **ids}
     return model.eval()
 
 
