@@ -117,45 +117,66 @@ def test_config_errors(change, message):
                         text=GPTConfig(n_layers=1, d_model=32, n_heads=4)))
 
 
-def test_interactive_image_command(tmp_path):
-    """/image PATH in the chat loop sets the image for the next message; a bad path is said, not raised."""
-    from qkv.chat import chat_loop
+class Words:
+    """The smallest tokenizer a ChatSession needs (plain transcript, no template): a word -> an id by its length."""
+
+    has_chat_template, end_of_turn_ids, eos_token = False, frozenset(), ""
+
+    def encode(self, text, add_special_tokens=True):
+        return [IMG if w == "<image>" else 1 + len(w) % 40 for w in text.split()]
+
+    def id_to_token(self, i):
+        return "<image>" if i == IMG else None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+    def stream_decoder(self, skip_special_tokens=True):
+        class Pieces:
+            def push(self, i):
+                return f" {i}"
+
+            def flush(self):
+                return ""
+        return Pieces()
+
+
+def session(tmp_path, max_new_tokens: int = 3):
+    """A VisionChatSession over the tiny model (context 64, 4 placeholders per image) and a red picture."""
+    from PIL import Image
+
     from qkv.chat_vision import VisionChatSession
-
-    class Words:  # the smallest tokenizer a ChatSession needs (plain transcript, no template)
-        has_chat_template, end_of_turn_ids, eos_token = False, frozenset(), ""
-
-        def encode(self, text, add_special_tokens=True):
-            return [IMG if w == "<image>" else 1 + len(w) % 40 for w in text.split()]
-
-        def id_to_token(self, i):
-            return "<image>" if i == IMG else None
-
-        def decode(self, ids, skip_special_tokens=False):
-            return " ".join(map(str, ids))
-
-        def stream_decoder(self, skip_special_tokens=True):
-            class D:
-                def push(self, i):
-                    return f" {i}"
-
-                def flush(self):
-                    return ""
-            return D()
-
     from qkv.generate import GenerationConfig
     from qkv.interop.llava import ImageProcessor
 
-    model = tiny()
-    session = VisionChatSession(model, Words(), generation_config=GenerationConfig(max_new_tokens=3),
-                                processor=ImageProcessor(size=16, crop=(16, 16)))
-    from PIL import Image
-
     Image.new("RGB", (20, 16), (200, 30, 30)).save(tmp_path / "red.png")
+    return VisionChatSession(tiny(), Words(), generation_config=GenerationConfig(max_new_tokens=max_new_tokens),
+                             processor=ImageProcessor(size=16, crop=(16, 16)), note=lambda msg: None)
+
+
+def test_interactive_image_command(tmp_path):
+    """/image PATH in the chat loop sets the image for the next message; a bad path is said, not raised."""
+    from qkv.chat import chat_loop
+
+    chat = session(tmp_path)
     out = io.StringIO()
-    n = chat_loop(session, [f"/image {tmp_path / 'red.png'}", "hello there", "/image nope.png", "again"], out)
+    n = chat_loop(chat, [f"/image {tmp_path / 'red.png'}", "hello there", "/image nope.png", "again"], out)
     text = out.getvalue()
     assert n == 2 and "(image set" in text and "nope.png: no such image file" in text
-    first = session.history[0]
-    assert first["content"] == "hello there" and session._image_message is first
-    assert (session.pixel_values.shape == (1, 3, 16, 16))
+    first = chat.history[0]
+    assert first["content"] == "hello there" and chat._image_message is first
+    assert chat.pixel_values.shape == (1, 3, 16, 16)
+    ids = chat._render(chat.history[:1])
+    assert ids.count(IMG) == 4 and ids[1:5] == [IMG] * 4  # the plain transcript: "User: <image>\nhello there"
+
+
+def test_the_image_is_never_dropped_from_a_chat(tmp_path):
+    chat = session(tmp_path, max_new_tokens=40)
+    chat.set_image(tmp_path / "red.png")
+    chat.reply("what is this")  # ~10 prompt tokens + 40: fits the context of 64
+    with pytest.raises(ValueError, match="no longer fits the model's context with its image"):
+        chat.reply("and now")  # the first exchange would have to go, and the image with it
+    assert len(chat.history) == 2 and chat._image_message is chat.history[0]
+    chat.reset()
+    chat.reply("again")  # the image goes with the next message after /reset
+    assert chat._image_message is chat.history[0] and chat.history[0]["content"] == "again"
