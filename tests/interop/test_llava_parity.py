@@ -83,6 +83,36 @@ def test_preprocessing_equals_clip_image_processor(tmp_path):
     assert (ours([grey, grey]) - ref(images=[grey, grey], return_tensors="pt").pixel_values).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("config", [
+    {"size": 40, "crop_size": 32},  # ints, as older folders write them
+    {"size": {"height": 32, "width": 32}, "do_center_crop": False, "resample": 2},
+    {"size": {"shortest_edge": 36}, "crop_size": {"height": 32, "width": 24}, "do_normalize": False},
+    {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}, "image_mean": [0.5, 0.4, 0.3],
+     "image_std": [0.2, 0.3, 0.4], "rescale_factor": 0.5 / 255},
+])
+def test_preprocessing_options_equal_clip_image_processor(tmp_path, config):
+    from PIL import Image
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "CLIPImageProcessor", **config}))
+    ref = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+    image = Image.open(png(tmp_path / "x.png", (45, 70)))
+    want = ref(images=image, return_tensors="pt").pixel_values
+    got = ImageProcessor.from_folder(tmp_path)(image)
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-5
+
+
+def test_preprocessing_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no preprocessor_config.json"):
+        ImageProcessor.from_folder(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "SiglipImageProcessor"}))
+    with pytest.raises(CheckpointError, match="'SiglipImageProcessor' is not supported"):
+        ImageProcessor.from_folder(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": {"longest_edge": 9}}))
+    with pytest.raises(CheckpointError, match="size .* is not supported"):
+        ImageProcessor.from_folder(tmp_path)
+
+
 def test_processor_expansion_equals_llava_processor(tmp_path):
     from PIL import Image
 
