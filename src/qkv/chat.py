@@ -247,7 +247,8 @@ def chat_loop(session: ChatSession, lines: Iterable[str] | None = None, out: Tex
         except EOFError:
             return None
 
-    print(HELP, file=out)
+    print(HELP + ("; /image PATH sets the image of your next message" if hasattr(session, "set_image") else ""),
+          file=out)
     while True:
         try:
             line = read()

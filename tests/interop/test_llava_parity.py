@@ -67,6 +67,18 @@ def test_beam_search_equals_transformers(tmp_path):
     assert ours.generate(ids, 8, pixel_values=pix, min_new_tokens=8, num_beams=3).tolist() == want.tolist()
 
 
+def test_a_bf16_folder_stays_bf16(tmp_path):
+    hf = hf_llava().to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    ours = qkv.from_pretrained(tmp_path)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    ids, pix = _prompt(16), _pixels()
+    with torch.no_grad():
+        want = hf(input_ids=ids, pixel_values=pix.bfloat16()).logits.float()
+        got = ours(ids, pix).logits.float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()  # bf16 rounding in different op orders
+
+
 def test_preprocessing_equals_clip_image_processor(tmp_path):
     from PIL import Image
 
