@@ -1,0 +1,155 @@
+"""DeepSeek-V3 folders (MLA + sigmoid-routed, group-limited experts with shared experts and dense first layers):
+qkv against transformers' DeepseekV3ForCausalLM on random-weight models built and saved here. Logits to 1e-4
+relative (fp32), 24 greedy tokens through qkv's generate (the latent KV cache) equal to transformers', export back
+to a folder transformers loads (same logits), the fused expert layout, and the refusals (with sizes that would not
+fit in memory refused from the file's headers before anything is built)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import qkv
+from qkv.generate import generate
+from qkv.interop.deepseek import config_from_hf, export_deepseek
+from qkv.nn.mla import LatentCache, MultiHeadLatentAttention
+from qkv.nn.moe import MoEFeedForward
+from qkv.storage import CheckpointError
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=6,
+            routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+            qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+CASES = {"q-lora": {}, "plain-q": {"q_lora_rank": None, "norm_topk_prob": False},
+         "half-split-rope": {"rope_interleave": False, "first_k_dense_replace": 2}}
+
+
+def build_hf(name: str = "q-lora", seed: int = 0, **extra):
+    config = transformers.DeepseekV3Config(**{**BASE, **CASES[name], **extra})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms start at 1, the selection bias at 0: make them random so their use is tested
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+        for layer in model.model.layers[config.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = build_hf(request.param)
+    hf.save_pretrained(folder)
+    return request.param, hf, folder, qkv.from_pretrained(folder)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < rel, f"max error {err:.2e} of the largest logit"
+
+
+def test_logits_equal_transformers(pair):
+    name, hf, _, ours = pair
+    ids = torch.randint(0, BASE["vocab_size"], (2, 33))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours(ids).logits
+    _close(got, want)
+    assert want.std() > 0.1
+
+
+def test_the_layers_are_what_transformers_builds(pair):
+    name, hf, _, ours = pair
+    theirs = [type(layer.mlp).__name__ == "DeepseekV3MoE" for layer in hf.model.layers]
+    assert [isinstance(b.ffn, MoEFeedForward) for b in ours.decoder.blocks] == theirs
+    assert theirs[0] is False and any(theirs)
+    assert all(isinstance(b.attn, MultiHeadLatentAttention) for b in ours.decoder.blocks)
+    bias = hf.model.layers[-1].mlp.gate.e_score_correction_bias
+    assert torch.equal(ours.decoder.blocks[-1].ffn.router.score_bias, bias) and bias.abs().sum() > 0
+
+
+def test_greedy_24_tokens_equal_transformers(pair):
+    name, hf, _, ours = pair
+    assert isinstance(ours.make_cache(1, 8), LatentCache)
+    prompt = torch.randint(3, BASE["vocab_size"], (2, 9))
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, min_new_tokens=24,
+                           do_sample=False)
+    got = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24)
+    uncached = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24, use_cache=False)
+    assert torch.equal(got, want[:, :got.shape[1]]) and got.shape == want.shape
+    assert torch.equal(got, uncached)
+
+
+def test_export_round_trip(pair, tmp_path):
+    name, hf, folder, ours = pair
+    export_deepseek(ours, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == "deepseek_v3" and written["rope_interleave"] is False
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path).eval()
+    again = qkv.from_pretrained(tmp_path)
+    ids = torch.randint(0, BASE["vocab_size"], (1, 20))
+    with torch.no_grad():
+        _close(back(ids).logits, hf(ids).logits, 1e-5)  # transformers reads the exported folder as the same model
+        assert torch.equal(again(ids).logits, ours(ids).logits)  # and qkv reads back the same model
+    assert again.config == ours.config
+
+
+def test_the_fused_expert_layout_loads_as_the_per_expert_one(tmp_path):
+    hf = build_hf()
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)
+    hf.save_pretrained(tmp_path / "plain")
+    fused, plain = qkv.from_pretrained(tmp_path / "fused"), qkv.from_pretrained(tmp_path / "plain")
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(fused.state_dict().values(), plain.state_dict().values()))
+
+
+def test_config_translation():
+    cfg = config_from_hf(build_hf().config.to_dict())
+    m, e = cfg.mla, cfg.moe
+    assert (m.kv_lora_rank, m.q_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (16, 24, 16, 8, 12)
+    assert (e.n_experts, e.n_experts_per_tok, e.ffn_dim, e.first_k_dense, e.n_shared_experts, e.score, e.n_group,
+            e.topk_group, e.routed_scaling, e.bias_balance, e.norm_topk) == (
+        6, 2, 24, 1, 1, "sigmoid", 2, 1, 2.5, True, True)
+    assert cfg.head_dim == 8 and cfg.d_ff == 96 and cfg.position == "rope"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 4096}}, "yarn"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "fp8"),
+])
+def test_unsupported_configs_are_clear_errors(change, message):
+    hf = {**build_hf().config.to_dict(), **change}
+    with pytest.raises(CheckpointError, match=message):
+        config_from_hf(hf)
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 10**9), ("n_routed_experts", 10**9),
+                                          ("kv_lora_rank", 10**9), ("q_lora_rank", 10**9),
+                                          ("moe_intermediate_size", 10**9), ("vocab_size", 10**12)])
+def test_absurd_sizes_are_refused_from_the_headers(tmp_path, field, value):
+    build_hf().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(CheckpointError, match=field):
+        qkv.from_pretrained(tmp_path)
+
+
+def test_deepseek_v2_is_refused(tmp_path):
+    build_hf().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v2"}))
+    with pytest.raises(CheckpointError, match="deepseek_v2 is not supported"):
+        qkv.from_pretrained(tmp_path)
