@@ -153,3 +153,34 @@ def test_deepseek_v2_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v2"}))
     with pytest.raises(CheckpointError, match="deepseek_v2 is not supported"):
         qkv.from_pretrained(tmp_path)
+
+
+def test_cli_generate_works_and_serve_refuses_mla(tmp_path, capsys):
+    """qkv generate decodes a DeepSeek folder (static latent cache) as transformers does; qkv serve's paged
+    engine cannot hold MLA's latent and says so in one line (exit 2)."""
+    import pydoc_data.topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from qkv.cli.main import main
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(pydoc_data.topics.topics.values())[:20], trainers.BpeTrainer(
+        vocab_size=BASE["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    hf = build_hf()
+    hf.save_pretrained(tmp_path)
+    prompt = "The with statement"
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    want_text = transformers.AutoTokenizer.from_pretrained(tmp_path).decode(want[0, ids.shape[1]:],
+                                                                           skip_special_tokens=True)
+    assert main(["generate", str(tmp_path), "--prompt", prompt, "--greedy", "--max-new-tokens", "12"]) == 0
+    assert want_text.strip() and want_text.strip() in capsys.readouterr().out
+    assert main(["serve", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qkv: error: the paged KV cache") and "MLA" in err[0]
