@@ -143,3 +143,26 @@ def test_config_errors(change, match):
     kw = dict(vocab_size=50, n_layers=2, d_model=D, n_heads=H, position="rope", head_dim=4, mla=MLAConfig(**MLA))
     with pytest.raises(ConfigError, match=match):
         GPT(GPTConfig(**{**kw, **change}))
+
+
+@pytest.mark.filterwarnings("ignore:.*the int4 kernel needs")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_decodes(mode):
+    """--quantize swaps kv_b_proj too: the absorbed step reads its weight back from the quantized layer."""
+    from qkv.nn.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_model
+
+    torch.manual_seed(0)
+    mla = MLAConfig(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10)
+    cfg = GPTConfig(vocab_size=50, n_layers=2, d_model=D, n_heads=H, ffn="swiglu", norm="rmsnorm", position="rope",
+                    head_dim=4, bias=False, mla=mla)
+    q = quantize_model(GPT(cfg).eval(), mode, group_size=32)
+    kind = Int4WeightOnlyLinear if mode == "int4" else Int8WeightOnlyLinear
+    assert isinstance(q.decoder.blocks[0].attn.kv_b_proj, kind)
+    ids = torch.randint(0, 50, (1, 6))
+    with torch.no_grad():
+        full = q(ids).logits[:, -1]
+        cache = q.make_cache(1, 8)
+        q.prefill(ids[:, :5], cache)
+        step = q.step(ids[:, 5:], cache)
+    tol = 2e-3 if mode == "int4" else 1e-5  # int4 rounds the forward's activations to bf16 (measured 1.8e-4)
+    torch.testing.assert_close(step, full, rtol=tol, atol=tol)
