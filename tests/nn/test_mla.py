@@ -166,3 +166,15 @@ def test_quantized_model_decodes(mode):
         step = q.step(ids[:, 5:], cache)
     tol = 2e-3 if mode == "int4" else 1e-5  # int4 rounds the forward's activations to bf16 (measured 1.8e-4)
     torch.testing.assert_close(step, full, rtol=tol, atol=tol)
+
+
+def test_left_padded_batch_generates_each_row_as_alone():
+    """Per-row positions (a tensor offset through RoPE) and the key mask reach the latent attention."""
+    model = tiny()
+    a, b = torch.randint(3, 50, (1, 7)), torch.randint(3, 50, (1, 4))
+    ids = torch.cat([a, torch.cat([torch.zeros(1, 3, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    both = model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    assert both[0, 7:].tolist() == model.generate(a, max_new_tokens=6)[0, 7:].tolist()
+    assert both[1, 7:].tolist() == model.generate(b, max_new_tokens=6)[0, 4:].tolist()
