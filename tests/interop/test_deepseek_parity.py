@@ -184,3 +184,12 @@ def test_cli_generate_works_and_serve_refuses_mla(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qkv: error: the paged KV cache") and "MLA" in err[0]
+
+
+def test_a_bf16_folder_loads_in_bf16_and_decodes(tmp_path):
+    build_hf().to(torch.bfloat16).save_pretrained(tmp_path)
+    ours = qkv.from_pretrained(tmp_path)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    assert ours.make_cache(1, 4).k.dtype == torch.bfloat16
+    out = generate(ours, torch.randint(3, BASE["vocab_size"], (1, 5)), max_new_tokens=6, min_new_tokens=6)
+    assert out.shape == (1, 11)
