@@ -187,6 +187,8 @@ def check_mla(cfg: Any) -> None:
         raise ConfigError(f"mla.q_lora_rank must be positive (or null: no query compression), got {m.q_lora_rank}")
     if not (math.isfinite(m.latent_norm_eps) and m.latent_norm_eps >= 0):
         raise ConfigError(f"mla.latent_norm_eps must be a finite number >= 0, got {m.latent_norm_eps}")
+    if m.softmax_scale is not None and not (math.isfinite(m.softmax_scale) and m.softmax_scale > 0):
+        raise ConfigError(f"mla.softmax_scale must be a finite number > 0 (or null), got {m.softmax_scale}")
     if cfg.position != "rope" or cfg.head_dim != m.qk_rope_head_dim:
         raise ConfigError(f"MLA rotates a shared key of mla.qk_rope_head_dim={m.qk_rope_head_dim}: set position=rope "
                           f"and head_dim={m.qk_rope_head_dim} (got position={cfg.position}, head_dim={cfg.head_dim})")

@@ -7,6 +7,7 @@ fit in memory refused from the file's headers before anything is built)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -27,7 +28,11 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermedia
             norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 CASES = {"q-lora": {}, "plain-q": {"q_lora_rank": None, "norm_topk_prob": False},
-         "half-split-rope": {"rope_interleave": False, "first_k_dense_replace": 2}}
+         "half-split-rope": {"rope_interleave": False, "first_k_dense_replace": 2},
+         # DeepSeek-V3's long-context setting: YaRN frequencies, cos/sin times mscale ratio, softmax times mscale^2
+         "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.8,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+                                      "beta_fast": 32, "beta_slow": 1}}}
 
 
 def build_hf(name: str = "q-lora", seed: int = 0, **extra):
@@ -112,6 +117,12 @@ def test_the_fused_expert_layout_loads_as_the_per_expert_one(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fused.state_dict().values(), plain.state_dict().values()))
 
 
+def test_yarn_scales_the_softmax_as_transformers():
+    cfg = config_from_hf(build_hf("yarn").config.to_dict())
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["mscale_all_dim"] == 1.0
+    assert cfg.mla.softmax_scale == pytest.approx(24 ** -0.5 * (0.1 * math.log(4.0) + 1) ** 2)
+
+
 def test_config_translation():
     cfg = config_from_hf(build_hf().config.to_dict())
     m, e = cfg.mla, cfg.moe
@@ -123,8 +134,7 @@ def test_config_translation():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4, "mscale_all_dim": 1.0,
-                          "original_max_position_embeddings": 4096}}, "yarn"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "dynamic"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"num_key_value_heads": 2}, "num_key_value_heads"),
     ({"attention_bias": True}, "attention_bias"),

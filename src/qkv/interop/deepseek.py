@@ -17,9 +17,11 @@ pairs (x0, x1), (x2, x3), ...; qkv's RoPE pairs the two halves. The loader reord
 and kv_a projections (evens, then odds), which gives the same scores: transformers' interleaved rotation returns
 exactly that order. Export writes the half-split layout with rope_interleave false, which transformers reads too.
 
-Not supported (each refused with a one-line error): deepseek_v2 (another router), YaRN rope scaling (DeepSeek-V3's
-long-context setting, which also multiplies the softmax scale by mscale^2), attention_bias, fp8-quantized folders,
-multi-token-prediction layers stored past num_hidden_layers.
+YaRN rope scaling (DeepSeek-V3's long-context setting) is RoPE's yarn rule (nn/position.py) plus, from
+mscale_all_dim, the softmax scale times yarn_mscale(factor, mscale_all_dim)^2, as transformers applies it.
+
+Not supported (each refused with a one-line error): deepseek_v2 (another router), attention_bias, fp8-quantized
+folders, multi-token-prediction layers stored past num_hidden_layers.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from qkv.interop.moe import FusedExperts
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.nn.mla import MLAConfig
 from qkv.nn.moe import MoEConfig
+from qkv.nn.position import yarn_mscale
 from qkv.storage import CheckpointError, unwrap
 
 MODEL_TYPE = "deepseek_v3"
@@ -47,6 +50,16 @@ SWIGLU = (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
 
 def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     return dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+
+
+def _softmax_scale(hf: Mapping[str, Any], scaling: Mapping[str, Any] | None) -> float | None:
+    """transformers' yarn_apply_mscale: with a scaled RoPE that gives mscale_all_dim, the softmax scale
+    1/sqrt(qk_head_dim) is multiplied by yarn_mscale(factor, mscale_all_dim)^2 (None: the plain scale)."""
+    m_all = (scaling or {}).get("mscale_all_dim")
+    if not m_all:
+        return None
+    qk = int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"])
+    return qk ** -0.5 * yarn_mscale(float(scaling["factor"]), float(m_all)) ** 2
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> GPTConfig:
@@ -60,19 +73,13 @@ def config_from_hf(hf: Mapping[str, Any]) -> GPTConfig:
     require(int(hf.get("num_key_value_heads") or heads) == heads,
             "num_key_value_heads != num_attention_heads: MLA's keys and values come from one latent per token")
     require(not hf.get("attention_bias", False), "attention_bias (biases on the MLA projections) is not supported")
-    rope = _rope_fields(hf)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    require(kind != "yarn", "rope scaling 'yarn' is not supported: qkv's RoPE has no YaRN frequencies, and "
-                            "transformers also multiplies the softmax scale by yarn_get_mscale(factor, mscale_all_dim)^2")
-    require(kind == "default" or not rope.get("mscale_all_dim"),
-            "mscale_all_dim rescales DeepSeek's softmax for scaled RoPE, which is not supported")
-    theta, scaling = llama._rope(hf)
+    theta, scaling = llama._rope(hf)  # refuses the rules qkv's RoPE does not have
     n_shared = int(hf["n_shared_experts"] or 0)
     require(n_shared >= 1, "n_shared_experts must be >= 1 (transformers always builds the shared experts)")
     q_rank = hf.get("q_lora_rank")
     mla = MLAConfig(kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=None if q_rank is None else int(q_rank),
                     qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-                    v_head_dim=int(hf["v_head_dim"]))
+                    v_head_dim=int(hf["v_head_dim"]), softmax_scale=_softmax_scale(hf, scaling))
     require(mla.kv_lora_rank > 0, "kv_lora_rank must be positive")
     moe = MoEConfig(n_experts=int(hf["n_routed_experts"]), n_experts_per_tok=int(hf["num_experts_per_tok"]),
                     ffn_dim=int(hf["moe_intermediate_size"]), first_k_dense=int(hf["first_k_dense_replace"]),
@@ -238,6 +245,10 @@ def config_to_hf(config: GPTConfig) -> dict[str, Any]:
     require(e.n_shared_experts >= 1 and e.shared_ffn_dim in (None, e.n_shared_experts * (e.ffn_dim or config.d_ff)),
             "deepseek_v3 has n_shared_experts >= 1 shared experts of moe_intermediate_size each")
     require(m.latent_norm_eps == 1e-6, "deepseek_v3's latent norms use eps 1e-6 (mla.latent_norm_eps)")
+    implied = _softmax_scale({"qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim},
+                             config.rope_scaling)
+    require(m.softmax_scale == implied, f"deepseek_v3 derives the softmax scale from the rope scaling's "
+                                        f"mscale_all_dim ({implied}); mla.softmax_scale is {m.softmax_scale}")
     require(config.ffn == "swiglu" and config.norm == "rmsnorm" and config.placement == "pre" and not config.bias,
             "deepseek_v3 is Pre-LN RMSNorm / SwiGLU without biases")
     base = llama.config_to_hf(dataclasses.replace(config, mla=MLAConfig(), moe=MoEConfig()), "llama")

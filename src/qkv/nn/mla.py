@@ -9,6 +9,7 @@ are linear functions of c.
   keys     k_h = [W_uk,h c | k_R]     values  v_h = W_uv,h c                  (W_kvb = [W_uk; W_uv] per head)
   out      softmax(q_h . k_h * scale) v_h, heads concatenated, W_o
 
+The softmax scale is 1/sqrt(nope + rope) unless the config gives another (DeepSeek's YaRN: times mscale^2).
 The cache therefore holds kv_lora_rank + qk_rope_head_dim numbers per token and layer, against
 2 * n_kv_heads * head_dim for multi-head / grouped-query attention (DeepSeek-V3: 576 against 32768 for its
 128 heads of 128).
@@ -48,6 +49,7 @@ class MLAConfig:
     qk_rope_head_dim: int = 64  # the rotary part: per head for queries, one key shared by all heads
     v_head_dim: int = 128  # per-head value width
     latent_norm_eps: float = 1e-6  # eps of the q / kv latent RMSNorms (DeepSeek's fixed default, not rms_norm_eps)
+    softmax_scale: float | None = None  # None = 1/sqrt(nope + rope); DeepSeek's YaRN multiplies that by mscale^2
 
     @property
     def enabled(self) -> bool:
@@ -98,7 +100,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.cross, self.causal, self.backend, self.dropout = False, causal, backend, dropout
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.head_dim = self.nope + self.rope  # a query's (and key's) width
-        self.scale = 1.0 / math.sqrt(self.head_dim) if scaled else 1.0
+        self.scale = (cfg.softmax_scale or 1.0 / math.sqrt(self.head_dim)) if scaled else 1.0
         q_out = n_heads * self.head_dim
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(d_model, q_out, bias=False)
