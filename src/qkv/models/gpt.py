@@ -120,7 +120,7 @@ class GPT(TransformerDecoderModel):
     def make_paged_cache(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.mla.enabled:
             raise ConfigError("the paged KV cache (qkv serve, the Engine) holds per-head keys and values, not MLA's "
-                              "latent: run this model with generate() (qkv run / chat) instead")
+                              "latent: run this model with generate(), qkv generate or qkv chat instead")
         return super().make_paged_cache(*args, **kwargs)
 
     @property
