@@ -187,3 +187,12 @@ def test_graph_captured_generation_equals_eager():
     ids = torch.randint(0, 50, (1, 5))
     want = model.generate(ids, max_new_tokens=8)
     assert model.generate(ids, max_new_tokens=8, compile="eager").tolist() == want.tolist()
+
+
+def test_training_reaches_every_mla_weight():
+    model = tiny().train()
+    ids = torch.randint(0, 50, (2, 9))
+    model(ids, labels=ids).loss.backward()
+    attn = model.decoder.blocks[0].attn
+    for name, p in attn.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
