@@ -171,6 +171,32 @@ def check_moe(moe: Any, n_layers: int | None = None) -> None:
         raise ConfigError("moe.aux_loss_coef and moe.bias_rate must be >= 0, moe.routed_scaling > 0")
 
 
+def check_mla(cfg: Any) -> None:
+    """Multi-head latent attention (qkv.nn.mla.MLAConfig in cfg.mla) against the rest of a TransformerConfig: its
+    rotary key is RoPE, and the model's head_dim names the rotated width (as transformers' DeepseekV3Config)."""
+    m = cfg.mla
+    check_fields(m, "mla")
+    if m.kv_lora_rank < 0:
+        raise ConfigError(f"mla.kv_lora_rank must be >= 0 (0 = no MLA), got {m.kv_lora_rank}")
+    if not m.kv_lora_rank:
+        return
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"mla.{name} must be positive, got {getattr(m, name)}")
+    if m.q_lora_rank is not None and m.q_lora_rank < 1:
+        raise ConfigError(f"mla.q_lora_rank must be positive (or null: no query compression), got {m.q_lora_rank}")
+    if not (math.isfinite(m.latent_norm_eps) and m.latent_norm_eps >= 0):
+        raise ConfigError(f"mla.latent_norm_eps must be a finite number >= 0, got {m.latent_norm_eps}")
+    if m.softmax_scale is not None and not (math.isfinite(m.softmax_scale) and m.softmax_scale > 0):
+        raise ConfigError(f"mla.softmax_scale must be a finite number > 0 (or null), got {m.softmax_scale}")
+    if cfg.position != "rope" or cfg.head_dim != m.qk_rope_head_dim:
+        raise ConfigError(f"MLA rotates a shared key of mla.qk_rope_head_dim={m.qk_rope_head_dim}: set position=rope "
+                          f"and head_dim={m.qk_rope_head_dim} (got position={cfg.position}, head_dim={cfg.head_dim})")
+    if cfg.n_kv_heads not in (None, cfg.n_heads) or cfg.qk_norm or cfg.qkv_bias or cfg.sliding_window is not None:
+        raise ConfigError("MLA has its own key/value layout: n_kv_heads, qk_norm, qkv_bias and sliding_window "
+                          "must stay unset")
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 

@@ -185,7 +185,8 @@ def test_a_window_as_long_as_the_context_is_kept(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope scaling type 'longrope' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"lacks \['original_max_position_embeddings'\]"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias without mlp_bias"),

@@ -59,7 +59,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
 EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
                                                       ("llama", "mistral", "qwen2", "qwen3")},
-             **{mt: "qkv.interop.moe:export_moe" for mt in ("mixtral", "qwen2_moe", "qwen3_moe")}}
+             **{mt: "qkv.interop.moe:export_moe" for mt in ("mixtral", "qwen2_moe", "qwen3_moe")},
+             "deepseek_v3": "qkv.interop.deepseek:export_deepseek"}
 
 
 # -- reading the data --------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ _MODULES = {
     "mixtral": "qkv.interop.moe",
     "qwen2_moe": "qkv.interop.moe",
     "qwen3_moe": "qkv.interop.moe",
+    "deepseek_v3": "qkv.interop.deepseek",
+    "deepseek_v2": "qkv.interop.deepseek",
     "t5": "qkv.interop.t5",
     "bart": "qkv.interop.bart",
     "marian": "qkv.interop.bart",
@@ -44,7 +46,7 @@ _MODULES = {
 
 # model_type -> the kind of model it loads as (qkv.models kinds), readable without loading any weights
 KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder",
-         "mixtral": "decoder", "qwen2_moe": "decoder", "qwen3_moe": "decoder",
+         "mixtral": "decoder", "qwen2_moe": "decoder", "qwen3_moe": "decoder", "deepseek_v3": "decoder",
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
          "deberta-v2": "encoder",
          "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "resnet": "image",

@@ -65,7 +65,9 @@ UNTIED_HEAD = {"lm_head.weight": "lm_head.weight"}
 IGNORE = ("model.layers.{}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq")  # older checkpoints
 
 _SCALING_KEYS = {"linear": ("factor",),
-                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                 "yarn": ("factor", "original_max_position_embeddings")}
+_OPTIONAL_KEYS = {"yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")}
 
 
 def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -86,7 +88,8 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     need = _SCALING_KEYS[kind]
     missing = [k for k in need if k not in scaling]
     require(not missing, f"rope scaling {kind!r} lacks {missing}")
-    return theta, {"rope_type": kind, **{k: scaling[k] for k in need}}
+    optional = {k: scaling[k] for k in _OPTIONAL_KEYS.get(kind, ()) if scaling.get(k) is not None}
+    return theta, {"rope_type": kind, **{k: scaling[k] for k in need}, **optional}
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> GPTConfig:

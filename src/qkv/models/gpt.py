@@ -11,12 +11,13 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig, check_moe
+from qkv.config import ConfigError, TransformerConfig, check_mla, check_moe
 from qkv.models.base import ModelOutput, TransformerDecoderModel, build_stack, token_loss
 from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
 from qkv.nn.linear import Linear
+from qkv.nn.mla import LatentCache, MLAConfig
 from qkv.nn.moe import MoEConfig, moe_aux_loss, update_router_biases
 
 
@@ -27,15 +28,18 @@ class GPTConfig(TransformerConfig):
     context_length: int = 256  # longest sequence (positions) the model accepts
     tie_embeddings: bool = True  # share the token embedding with the LM head (Press & Wolf 2017)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts blocks (nn/moe.py); n_experts=0: none
+    mla: MLAConfig = field(default_factory=MLAConfig)  # multi-head latent attention (nn/mla.py); kv_lora_rank=0: none
 
     def validate(self) -> None:
         super().validate()
         if self.vocab_size < 1 or self.n_layers < 1 or self.context_length < 1:
             raise ConfigError("vocab_size, n_layers and context_length must be positive")
         check_moe(self.moe, self.n_layers)
+        check_mla(self)
 
     def layer_kwargs(self, layer: int) -> dict[str, Any]:
-        return {"moe": self.moe} if self.moe.is_moe(layer) else {}
+        kw: dict[str, Any] = {"moe": self.moe} if self.moe.is_moe(layer) else {}
+        return {**kw, "mla": self.mla} if self.mla.enabled else kw
 
 
 class GPT(TransformerDecoderModel):
@@ -102,6 +106,22 @@ class GPT(TransformerDecoderModel):
         in full (which would silently compute another function)."""
         limit, window = self.decoder.context_limit, self.config.sliding_window
         return limit if window is None else min(window, limit or window)
+
+    def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: Any = None,
+                   device: Any = None) -> Any:
+        """An MLA model caches the compressed latent and rotary key per token (nn/mla.py's LatentCache)."""
+        m = self.config.mla
+        if not m.enabled:
+            return super().make_cache(batch_size, max_len, dtype=dtype, device=device)
+        p = self._float_param()
+        return LatentCache(self.config.n_layers, batch_size, m.kv_lora_rank, m.qk_rope_head_dim,
+                           max_len or self.config.context_length, dtype=dtype or p.dtype, device=device or p.device)
+
+    def make_paged_cache(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.mla.enabled:
+            raise ConfigError("the paged KV cache (qkv serve, the Engine) holds per-head keys and values, not MLA's "
+                              "latent: run this model with generate(), qkv generate or qkv chat instead")
+        return super().make_paged_cache(*args, **kwargs)
 
     @property
     def output_vocab_size(self) -> int:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.ffn import FeedForward
+from qkv.nn.mla import MLAConfig, MultiHeadLatentAttention
 from qkv.nn.moe import MoEConfig, MoEFeedForward
 from qkv.nn.norm import build_norm
 
@@ -53,6 +54,7 @@ class Block(nn.Module):
         qkv_bias: bool | None = None,
         qk_norm: bool = False,
         moe: MoEConfig | None = None,
+        mla: MLAConfig | None = None,
     ) -> None:
         super().__init__()
         if placement not in PLACEMENTS:
@@ -60,7 +62,10 @@ class Block(nn.Module):
         self.placement = placement
         mha = dict(n_kv_heads=n_kv_heads, bias=bias, dropout=attn_dropout, backend=attention, scaled=scaled,
                    head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=norm_eps)
-        self.attn = MultiHeadAttention(d_model, n_heads, causal=causal, **mha)
+        # multi-head latent attention (mla.py) is the same block with another self-attention module
+        self.attn = MultiHeadAttention(d_model, n_heads, causal=causal, **mha) if mla is None else \
+            MultiHeadLatentAttention(d_model, n_heads, mla, causal=causal, bias=bias, dropout=attn_dropout,
+                                     backend=attention, scaled=scaled)
         self.norm1 = build_norm(norm, d_model, norm_eps, bias)
         self.cross = MultiHeadAttention(d_model, n_heads, cross=True, **mha) if cross_attention else None
         self.norm_cross = build_norm(norm, d_model, norm_eps, bias) if cross_attention else None

@@ -133,7 +133,42 @@ class Learned(PositionalEncoding):
         return x + self.weight[pos + self.skip if self.skip else pos]
 
 
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term 0.1 * mscale * ln(factor) + 1 (1 when the context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """What a scaling rule multiplies cos and sin by (so every q.k by its square): YaRN's attention_factor, or
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) (DeepSeek), or mscale(factor); 1 for the others."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, m, m_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+
+
+def _yarn(inv: Tensor, head_dim: int, base: float, s: Mapping[str, Any]) -> Tensor:
+    """YaRN (Peng et al. 2023): frequencies whose wavelength fits the original context many times (more than
+    beta_fast rotations) are kept, those with fewer than beta_slow rotations are divided by factor, and a linear
+    ramp over the dimensions between blends the two (transformers' _compute_yarn_parameters)."""
+    factor, old = float(s["factor"]), float(s["original_max_position_embeddings"])
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension whose wavelength makes `rotations` turns in `old`
+        return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=inv.dtype, device=inv.device) - low) / (high - low)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Mapping[str, Any] | None = None,
@@ -143,7 +178,8 @@ def rope_inv_freq(head_dim: int, base: float, scaling: Mapping[str, Any] | None 
     2023); {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"} divides only the low frequencies (wavelength above
     original / low_freq_factor) by factor, keeps the high ones (below original / high_freq_factor) and blends
-    linearly between (Llama 3.1)."""
+    linearly between (Llama 3.1); {"rope_type": "yarn", "factor", "original_max_position_embeddings", optional
+    beta_fast, beta_slow, truncate} is YaRN (_yarn; its cos/sin factor: rope_attention_factor)."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
     if not scaling:
         return inv
@@ -155,6 +191,8 @@ def rope_inv_freq(head_dim: int, base: float, scaling: Mapping[str, Any] | None 
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor
+    if kind == "yarn":
+        return _yarn(inv, head_dim, base, scaling)
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old = float(scaling["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv
@@ -190,11 +228,12 @@ class RoPE(PositionalEncoding):
         t = torch.arange(n, dtype=torch.float64, device=dev)
         freqs = torch.outer(t, inv)  # (n, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        a = rope_attention_factor(self.scaling)  # YaRN scales the rotated vectors (1 otherwise: exact)
+        self.register_buffer("cos", (emb.cos() * a).float(), persistent=False)
+        self.register_buffer("sin", (emb.sin() * a).float(), persistent=False)
         # sin with the sign of rotate_half folded in: rotate_half(x) * sin == swap_halves(x) * sin_rot, exactly
         # (a sign flip is exact), one elementwise pass fewer per rotated tensor
-        half = freqs.sin()
+        half = freqs.sin() * a
         self.register_buffer("sin_rot", torch.cat([-half, half], dim=-1).float(), persistent=False)
 
     @staticmethod
