@@ -79,6 +79,35 @@ def test_inductor_compiled_greedy_equals_eager_and_keeps_its_code_under_the_qkv_
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_inductor_compiled_step_sees_weights_changed_after_it_was_compiled():
+    """On a CPU the compiled step holds its weights as constants (frozen): a weight changed in place since (a
+    training step) must compile again, not decode with the old values."""
+    torch._dynamo.reset()
+    m = tiny_gpt("rope", gqa=True, norm="rmsnorm", ffn="swiglu", bias=False)
+    ids = torch.randint(0, 11, (1, 4))
+    assert torch.equal(generate(m, ids, 6, compile=True), generate(m, ids, 6))
+    with torch.no_grad():
+        m.lm_head.weight.mul_(-1.0)  # every logit changes sign
+    want = generate(m, ids, 6)
+    assert torch.equal(generate(m, ids, 6, compile=True), want)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_inductor_compiled_int8_model_equals_its_eager_decoding():
+    """The weight-only int8 model (bf16) through the compiled step: the tokens eager int8 gives."""
+    from qkv.nn.quant import quantize_model
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = quantize_model(tiny_gpt("rope", gqa=True, norm="rmsnorm", ffn="swiglu", bias=False)
+                       .to(torch.bfloat16), "int8")
+    ids = torch.randint(0, 11, (1, 4))
+    assert torch.equal(generate(m, ids, 8, compile=True), generate(m, ids, 8))
+    torch._dynamo.reset()
+
+
 def test_static_step_logits_equal_step_over_the_whole_cache():
     """The function itself, eagerly: static_step attends over every column of the cache with the future
     masked; its logits equal step()'s over the cached prefix (to fp32 rounding), position after position."""

@@ -50,7 +50,7 @@ class GPT(TransformerDecoderModel):
         c = config
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.decoder = build_stack(c, c.n_layers, max_len=c.context_length, causal=True)
-        self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)  # fp32 CPU: oneDNN
+        self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
         self.init_weights(c.n_layers)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight

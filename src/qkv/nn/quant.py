@@ -102,8 +102,15 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
         super().__init__(q.shape[1], q.shape[0], bias)
-        self.register_buffer("q", q.contiguous())
+        q = q.contiguous()
+        # the kernel reads q in 16-byte vectors: a fresh tensor is aligned, a view into a file may not be. Loads
+        # and moves keep a fresh buffer, so the check below only matters for a buffer replaced by hand.
+        self.register_buffer("q", q if q.data_ptr() % 16 == 0 else q.clone())
         self.register_buffer("scale", scale)
+
+    @property
+    def _aligned(self) -> bool:
+        return torch.compiler.is_compiling() or self.q.data_ptr() % 16 == 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -113,13 +120,14 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
     def _kernel_applies(self, x2: Tensor) -> bool:
         """Does the aten int8 kernel compute this product correctly and fast (see the module docstring)?"""
         return (x2.is_cpu and x2.dtype == torch.bfloat16 and self.in_features % 16 == 0
-                and self.q.data_ptr() % 16 == 0 and not x2.requires_grad)
+                and self._aligned and not x2.requires_grad)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
         scale = self.scale.to(x.dtype)
         if self._kernel_applies(x2):
-            if not x2.is_contiguous() or x2.data_ptr() % 32:
+            # (a data pointer is not traceable: under torch.compile always the fresh copy)
+            if torch.compiler.is_compiling() or not x2.is_contiguous() or x2.data_ptr() % 32:
                 x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh tensor is 64-byte aligned
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, scale)
         else:
