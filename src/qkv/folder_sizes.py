@@ -87,7 +87,8 @@ def _meta_model(build: Any, config: Mapping[str, Any], where: str) -> nn.Module 
 
 
 def _field_for(config: Mapping[str, Any], value: int) -> str | None:
-    return next((name for name, v in int_fields(config) if v == value), None)
+    """The config field(s) holding `value` ("d_ff / d_model" when both do), None when none does."""
+    return " / ".join(name for name, v in int_fields(config) if v == value) or None
 
 
 def _check_shapes(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any], where: str,
@@ -104,7 +105,8 @@ def _check_shapes(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], confi
         dim = next((i for i, (a, b) in enumerate(zip(want, shape)) if a != b), None)
         field = _field_for(config, want[dim]) if dim is not None else None
         if field is not None:
-            raise CheckpointError(f"{where}: {field} is {want[dim]}, but {source} has {key} of shape {shape} "
+            verb = "are" if "/" in field else "is"
+            raise CheckpointError(f"{where}: {field} {verb} {want[dim]}, but {source} has {key} of shape {shape} "
                                   f"({field} would be {shape[dim]})")
         raise CheckpointError(f"{source}: {key} has shape {shape}, model expects {want}")
     check_state_fits(model, state, source)
@@ -127,7 +129,7 @@ def _check_memory(model: nn.Module, config: Mapping[str, Any], where: str) -> No
         return
     name, largest = max(tensors, key=lambda nt: nt[1].numel())
     field = next((f for d in sorted(largest.shape, reverse=True) if (f := _field_for(config, d))), None)
-    why = f" ({field} is {config_value(config, field)})" if field else ""
+    why = f" ({field} {'are' if '/' in field else 'is'} {config_value(config, field.split(' / ')[0])})" if field else ""
     raise CheckpointError(f"{where}: the model it describes needs {total / 2**30:,.1f} GiB, more than this machine's "
                           f"{have / 2**30:,.1f} GiB of memory: its {name} alone is {tuple(largest.shape)}{why}")
 
