@@ -82,8 +82,9 @@ def _meta_model(build: Any, config: Mapping[str, Any], where: str) -> nn.Module 
     except (RuntimeError, NotImplementedError) as e:
         if "overflow" not in str(e):
             return None
-        field, value = max(int_fields(config), key=lambda nv: nv[1])  # a tensor of over 2**63 bytes
-        raise CheckpointError(f"{where}: describes tensors too large for any machine ({field} is {value})") from None
+        largest = max(int_fields(config), key=lambda nv: nv[1], default=None)  # a tensor of over 2**63 bytes
+        why = f" ({largest[0]} is {largest[1]})" if largest else ""
+        raise CheckpointError(f"{where}: describes tensors too large for any machine{why}") from None
 
 
 def _field_for(config: Mapping[str, Any], value: int) -> str | None:
@@ -128,14 +129,10 @@ def _check_memory(model: nn.Module, config: Mapping[str, Any], where: str) -> No
     if have is None or total <= have:
         return
     name, largest = max(tensors, key=lambda nt: nt[1].numel())
-    field = next((f for d in sorted(largest.shape, reverse=True) if (f := _field_for(config, d))), None)
-    why = f" ({field} {'are' if '/' in field else 'is'} {config_value(config, field.split(' / ')[0])})" if field else ""
+    named = next(((f, d) for d in sorted(largest.shape, reverse=True) if (f := _field_for(config, d))), None)
+    why = f" ({named[0]} {'are' if '/' in named[0] else 'is'} {named[1]})" if named else ""
     raise CheckpointError(f"{where}: the model it describes needs {total / 2**30:,.1f} GiB, more than this machine's "
                           f"{have / 2**30:,.1f} GiB of memory: its {name} alone is {tuple(largest.shape)}{why}")
-
-
-def config_value(config: Mapping[str, Any], dotted: str) -> Any:
-    return dict(int_fields(config))[dotted]
 
 
 def check_folder_sizes(folder: Path, build: Any, config: Mapping[str, Any], weights: Path) -> None:
