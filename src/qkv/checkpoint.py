@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from qkv.config import ConfigError, from_dict
+from qkv.folder_sizes import check_folder_sizes
 from qkv.generate.config import GenerationConfig
 from qkv.interop import load_hf
 from qkv.models.registry import family
@@ -86,10 +87,12 @@ def _load(folder: Path, meta: dict, map_location: str | torch.device) -> nn.Modu
         config = from_dict(fam.config_class, meta["config"])
     except ConfigError as e:
         raise CheckpointError(f"{folder}: {e}") from None
-    model = fam.model_class(config)
     weights = folder / WEIGHTS_NAME
     if not weights.is_file():
         raise CheckpointError(f"{folder} has no {WEIGHTS_NAME}")
+    # config.json is input: its sizes against the file's header (and the machine's memory) before any allocation
+    check_folder_sizes(folder, lambda: fam.model_class(config), meta["config"], weights)
+    model = fam.model_class(config)
     state, metadata = read_weights(weights, str(map_location))
     load_state_into(model, state, str(weights))
     check_saved_config(weights, metadata, meta["config"])  # after the shape check: a wrong family's error names that

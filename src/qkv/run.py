@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -421,7 +422,7 @@ def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
 
 
 def generate_text(path: str | Path, prompt: str, generation_config: GenerationConfig | None = None, *,
-                  greedy: bool = False, seed: int = 0, stream: bool = False, strict: bool = False,
+                  greedy: bool = False, seed: int | None = 0, stream: bool = False, strict: bool = False,
                   quantize: str | None = None, **options: Any) -> str:
     """Decode with whatever the library has: the run's task decides what a prompt means (a source
     sentence for seq2seq, a text prefix for an LM); a Hugging Face folder needs its tokenizer.json.
@@ -429,9 +430,12 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     unset). Without a config, language models sample unless greedy=True or num_beams > 1; a given config
     decides do_sample itself (greedy=True still wins);
     max_new_tokens defaults to the task's natural length (an LM's sample_tokens, a seq2seq task's longest
-    target), 200 for a bare model folder. seed seeds the sampling.
+    target), 200 for a bare model folder. seed seeds the sampling; None: a new seed each call, said on stderr
+    when the decoding samples (the way to repeat the run).
     Prompt characters outside the vocabulary are named in a warning on stderr (strict=True: an error).
     quantize: "int8" / "int4" weight-only quantized weights (qkv.nn.quant)."""
+    fresh = seed is None
+    seed = secrets.randbelow(2**31) if seed is None else seed  # unseeded: differs between runs
     torch.manual_seed(seed)
     model = load_model_any(path, quantize)
     model.eval()
@@ -450,6 +454,9 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
                           "for several, call qkv.generate.generate from Python")
     if cfg.seed is None:
         cfg = cfg.replace(seed=seed)
+        defaults = model.generation_defaults() if hasattr(model, "generation_defaults") else {}
+        if fresh and resolve(defaults, cfg, {}).sampling:
+            print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)
     if run is not None:
         if generation_config is not None and "do_sample" not in cfg.given():
             cfg = cfg.replace(do_sample=cfg.do_sample)  # the config's own (default: greedy), not the task's sampling

@@ -387,20 +387,3 @@ def test_resume_refuses_other_lora_settings(gpt2_chat, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     assert _finetune(gpt2_chat, data, tmp_path / "o", *args[:1], "train.max_steps=2", "--resume") == 0
-
-
-def test_the_report_says_which_step_the_folder_holds_and_where_the_best_is(gpt2_chat, tmp_path, capsys,
-                                                                          monkeypatch):
-    """The training log names the best evaluation's step; the folder holds the last step's weights: the report
-    says both (it said nothing, and the log's "best eval loss at step 2" read as what was exported)."""
-    from qkv.train import Trainer
-
-    monkeypatch.setattr(Trainer, "_is_better", lambda self, value, than: than is None)  # the first eval stays best
-    data = write_jsonl(tmp_path / "train.jsonl", chats())
-    dev = write_jsonl(tmp_path / "dev.jsonl", chats(with_system=False)[:2])
-    out = tmp_path / "out"
-    assert _finetune(gpt2_chat, data, out, "--dev", str(dev), "train.max_steps=4", "train.eval_every=2") == 0
-    report = capsys.readouterr().out
-    assert f"model folder: {out} (Hugging Face gpt2 format): the weights of the last step, 4" in report
-    assert "the best dev loss (" in report and f"was at step 2, not in the model folder: its training checkpoint " \
-        f"is {out / 'checkpoints' / 'best'}" in report

@@ -149,7 +149,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-overflow", choices=["error", "slide"], default=None,
                    help="prompt + new tokens longer than the model's context: refuse (error, the default for a "
                         "model folder), or go on over the last context-many tokens (slide, an LM run's default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--generation-config", default=None, metavar="FILE",
                    help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, Hugging "

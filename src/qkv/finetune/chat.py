@@ -27,11 +27,10 @@ source folder's tokenizer and chat template: `qkv generate OUT`, `qkv chat OUT` 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
-import shutil
+import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,18 +48,19 @@ from qkv.finetune import (
     register_recipe,
     shared,
 )
+from qkv.finetune.chat_output import (  # noqa: F401  (EXPORTERS, TOKENIZER_FILES: part of this recipe's API)
+    EXPORTERS,
+    TOKENIZER_FILES,
+    best_checkpoint,
+    check_exportable,
+    final_model,
+    save_model_folder,
+    weights_lines,
+)
 
 ROLES = ("system", "user", "assistant")
+FEW_STEPS = 50  # fewer optimizer steps than this, set by --epochs rather than train.max_steps: a warning
 IGNORE = -100
-# the files of a Hugging Face folder that describe its tokenizer and generation: copied to OUT unchanged
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                   "generation_config.json")
-# Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
-EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
-                                                      ("llama", "mistral", "qwen2", "qwen3")},
-             **{mt: "qkv.interop.moe:export_moe" for mt in ("mixtral", "qwen2_moe", "qwen3_moe")},
-             "deepseek_v3": "qkv.interop.deepseek:export_deepseek"}
 
 
 # -- reading the data --------------------------------------------------------------------------------------
@@ -240,6 +240,9 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
                    help="layers to adapt, comma separated: q,k,v (slices of the fused attention projection), "
                         "out_proj, up, gate, down, Hugging Face names (q_proj, o_proj, ...), globs, or all-linear "
                         "(default q,v)")
+    g.add_argument("--export", choices=("best", "last"), default="best",
+                   help="the weights OUT holds: the best dev loss's checkpoint when --dev was evaluated more than "
+                        "once (best, the default), or the last step's (last)")
     g.add_argument("--max-length", type=int, default=None,
                    help="longest conversation in tokens (default and upper bound: the longest sequence the model "
                         "accepts, its context length or a shorter sliding window)")
@@ -273,10 +276,22 @@ def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool
     bs = int(cfg["batch_size"])
     if "max_steps" not in train:
         per_epoch = epoch_updates(n_train, bs, int(cfg.get("grad_accum", 1)))
-        cfg["max_steps"] = epochs_to_steps(float(shared(args, "epochs", 1.0)), per_epoch)
+        epochs = float(shared(args, "epochs", 1.0))
+        cfg["max_steps"] = epochs_to_steps(epochs, per_epoch)
+        if cfg["max_steps"] < FEW_STEPS:
+            warnings.warn(_few_steps(epochs, n_train, bs, cfg["max_steps"], per_epoch, lora), stacklevel=2)
     if n_dev and "max_eval_batches" not in train:
         cfg["max_eval_batches"] = -(-n_dev // bs)
     return from_dict(TrainConfig, cfg, "train")
+
+
+def _few_steps(epochs: float, n_train: int, batch: int, steps: int, per_epoch: int, lora: bool) -> str:
+    """The warning for a run too short to learn: on a small set the default single epoch is a handful of
+    updates, which at fine-tuning learning rates barely moves the loss (50 conversations at batch 8: 7 steps)."""
+    more = math.ceil(FEW_STEPS / per_epoch)
+    hint = "; LoRA learns faster with --lora-targets all-linear and a higher train.lr" if lora else ""
+    return (f"{epochs:g} epoch(s) of {n_train} conversation(s) at batch {batch} is {steps} optimizer step(s), too few "
+            f"to learn much: pass --epochs {more} (~{more * per_epoch} steps) or train.max_steps=N{hint}")
 
 
 def _lora_config(args: argparse.Namespace) -> Any:
@@ -321,71 +336,6 @@ def _show(value: Any) -> str:
     return ",".join(value) if isinstance(value, list) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _source_dtype(model: torch.nn.Module) -> torch.dtype:
-    return next(model.parameters()).dtype
-
-
-def check_exportable(source: Path) -> None:
-    """Refuse, before training, a Hugging Face folder whose format OUT could not be written in."""
-    from qkv.storage import read_config
-
-    model_type = read_config(source).get("model_type")
-    if model_type is not None and model_type not in EXPORTERS:
-        raise ConfigError(f"cannot write a fine-tuned {model_type!r} folder yet: qkv exports "
-                          f"{', '.join(sorted(EXPORTERS))} folders")
-
-
-def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
-    """Write `model` (adapters already merged) into OUT as a model folder of the source's format, plus the
-    source's tokenizer and generation files. Returns the format written ("hf:<model_type>" or "qkv")."""
-    from qkv.storage import read_config
-
-    meta = read_config(source)
-    model_type = meta.get("model_type")
-    if model_type is not None:
-        check_exportable(source)
-        module, _, name = EXPORTERS[model_type].partition(":")
-        fn = getattr(importlib.import_module(module), name)
-        fn(model, out, **({"model_type": model_type} if "model_type" in inspect.signature(fn).parameters else {}))
-        written = json.loads((out / "config.json").read_text(encoding="utf-8"))
-        # the exporter knows the architecture; the source knows its token ids and anything else it declared
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if key in meta:
-                written[key] = meta[key]
-            else:
-                written.pop(key, None)
-        from qkv.checkpoint import atomic_write_json
-
-        atomic_write_json(written, out / "config.json")
-        fmt = f"hf:{model_type}"
-    else:
-        model.save_pretrained(out)
-        fmt = "qkv"
-    for name in TOKENIZER_FILES:
-        # never a file onto itself (check_out refuses OUT = the source; this guards any other alias of it)
-        if (source / name).is_file() and not ((out / name).exists() and (out / name).samefile(source / name)):
-            shutil.copyfile(source / name, out / name)
-    return fmt
-
-
-def _final_model(trainer: Any, build: Any) -> torch.nn.Module:
-    """The trained model on rank 0. Under FSDP the module is sharded: rebuild it and load the full state of
-    the last checkpoint (which save_checkpoint gathered)."""
-    if trainer.dist.mode != "fsdp":
-        return trainer.model
-    from qkv.checkpoint import CheckpointError
-    from qkv.nn.params import tied_names
-    from qkv.train.checkpoint import read_checkpoint
-
-    model = build()
-    state, _ = read_checkpoint(trainer.last_checkpoint)
-    missing, unexpected = model.load_state_dict(state, strict=False)  # a tied weight is stored once
-    if set(missing) - tied_names(model) or unexpected:
-        raise CheckpointError(f"{trainer.last_checkpoint}: does not fit the model (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
-    return model
-
-
 @torch.no_grad()
 def assistant_loss(model: torch.nn.Module, examples: list[Example], pad_id: int, batch_size: int = 8) -> float:
     """Mean cross-entropy per assistant token over `examples` (eval mode)."""
@@ -399,6 +349,50 @@ def assistant_loss(model: torch.nn.Module, examples: list[Example], pad_id: int,
         n += float(out.n_targets)
     model.train(was)
     return total / max(n, 1.0)
+
+
+def _max_length(args: argparse.Namespace, model: torch.nn.Module) -> int:
+    """--max-length, checked against the model's context (its default)."""
+    # the longest sequence the model accepts: its context_limit where it has one (an absolute position table,
+    # or a sliding window it refuses to exceed: Mistral), else the context length it declares (RoPE)
+    context = getattr(model, "context_limit", None) or getattr(model.config, "context_length", None)
+    if args.max_length is not None and args.max_length < 1:
+        raise ConfigError(f"--max-length must be a positive number of tokens, got {args.max_length}")
+    max_length = args.max_length or context
+    if max_length is None:
+        raise ConfigError("the model declares no context length: pass --max-length")
+    if context is not None and max_length > context:
+        raise ConfigError(f"--max-length {max_length} is over the model's context of {context}")
+    return max_length
+
+
+def _report(args: argparse.Namespace, settings: dict[str, Any], summary: dict[str, Any], lora: Any,
+            notes: list[str], exported_best: bool) -> list[str]:
+    """The lines `qkv finetune` prints at the end: what was trained, what was skipped, the losses, and which
+    step's weights the model folder holds."""
+    trainable, total = settings["trainable_parameters"], settings["parameters"]
+    what = (f"LoRA r={lora.rank} alpha={lora.alpha:g} on {','.join(lora.targets)}: " if lora else "full fine-tuning: ")
+    lines = [f"fine-tuned {settings['source']} on {settings['examples']} conversations ({args.data}), "
+             f"{summary['steps']} steps; {what}{trainable:,} of {total:,} parameters trained "
+             f"({100 * trainable / total:.2f}%)"]
+
+    def listed(lines_: list[int]) -> str:
+        return ", ".join(map(str, lines_[:20])) + (" ..." if len(lines_) > 20 else "")
+
+    skipped, dev_skipped, max_length = settings["skipped_lines"], settings["dev_skipped_lines"], settings["max_length"]
+    if skipped:
+        lines.append(f"skipped {len(skipped)} training record(s) over {max_length} tokens ({args.data} lines "
+                     f"{listed(skipped)})")
+    if dev_skipped:
+        lines.append(f"skipped {len(dev_skipped)} dev record(s) over {max_length} tokens ({args.dev} lines "
+                     f"{listed(dev_skipped)})" + ("; no dev record is left: no dev loss" if not settings["dev_examples"]
+                                                 else ""))
+    lines += notes
+    lines.append(f"train loss (assistant tokens), last step: {summary['final_loss']:.4f}")
+    if settings["dev_examples"]:
+        lines.append(f"dev loss (assistant tokens): {settings['dev_loss_before']:.4f} before -> "
+                     f"{settings['dev_loss_after']:.4f} after")
+    return lines + weights_lines(Path(args.out), settings["format"], lora, summary, exported_best)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -436,19 +430,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return m
 
     model = build()
-    dtype = _source_dtype(model)
+    dtype = next(model.parameters()).dtype
     if lora is None and dtype != torch.float32:
         model.float()  # full fine-tuning updates the weights themselves: in fp32 (saved back in the source dtype)
-    # the longest sequence the model accepts: its context_limit where it has one (an absolute position table,
-    # or a sliding window it refuses to exceed: Mistral), else the context length it declares (RoPE)
-    context = getattr(model, "context_limit", None) or getattr(model.config, "context_length", None)
-    if args.max_length is not None and args.max_length < 1:
-        raise ConfigError(f"--max-length must be a positive number of tokens, got {args.max_length}")
-    max_length = args.max_length or context
-    if max_length is None:
-        raise ConfigError("the model declares no context length: pass --max-length")
-    if context is not None and max_length > context:
-        raise ConfigError(f"--max-length {max_length} is over the model's context of {context}")
+    max_length = _max_length(args, model)
     too_long = shared(args, "too_long", "error", ("error", "skip"), "chat")
     train, skipped = build_examples(tok, records, max_length, args.data, too_long)
     dev, dev_skipped = build_examples(tok, dev_records, max_length, args.dev, too_long) if args.dev else ([], [])
@@ -477,7 +462,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not trainer.dist.is_main:
         trainer.close()
         return {"report": "", "train": summary}
-    final = _final_model(trainer, build)
+    best_path = best_checkpoint(args, summary)
+    final = final_model(trainer, build, best_path)
     trainer.close()
     final.eval()
     after = assistant_loss(final, dev, pad, cfg.batch_size) if dev else None
@@ -487,34 +473,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         merge_lora(final)
     final.to(device="cpu", dtype=dtype)
     fmt = save_model_folder(final, source, out)
-    settings.update({"format": fmt, "steps": summary["steps"], "final_train_loss": summary["final_loss"],
+    exported = summary["best_eval"]["step"] if best_path else summary["steps"]
+    settings.update({"format": fmt, "steps": summary["steps"], "exported_step": exported,
+                     "final_train_loss": summary["final_loss"],
                      "dev_loss_before": before, "dev_loss_after": after})
     from qkv.checkpoint import atomic_write_json
 
     atomic_write_json(settings, out / FINETUNE_FILE)
-    what = (f"LoRA r={lora.rank} alpha={lora.alpha:g} on {','.join(lora.targets)}: " if lora else "full fine-tuning: ")
-    lines = [f"fine-tuned {source} on {len(train)} conversations ({args.data}), {summary['steps']} steps; {what}"
-             f"{trainable:,} of {total:,} parameters trained ({100 * trainable / total:.2f}%)"]
-    def listed(lines_: list[int]) -> str:
-        return ", ".join(map(str, lines_[:20])) + (" ..." if len(lines_) > 20 else "")
-
-    if skipped:
-        lines.append(f"skipped {len(skipped)} training record(s) over {max_length} tokens ({args.data} lines "
-                     f"{listed(skipped)})")
-    if dev_skipped:
-        lines.append(f"skipped {len(dev_skipped)} dev record(s) over {max_length} tokens ({args.dev} lines "
-                     f"{listed(dev_skipped)})" + ("; no dev record is left: no dev loss" if not dev else ""))
-    lines += notes
-    lines.append(f"train loss (assistant tokens), last step: {summary['final_loss']:.4f}")
-    if dev:
-        lines.append(f"dev loss (assistant tokens): {before:.4f} before -> {after:.4f} after")
-    lines.append(f"model folder: {out} ({'Hugging Face ' + fmt[3:] if fmt.startswith('hf:') else 'qkv'} format"
-                 f"{', LoRA merged' if lora else ''}): the weights of the last step, {summary['steps']}; "
-                 f"try: qkv chat {out}")
-    best = summary.get("best_eval")
-    if best and best.get("step") != summary["steps"]:  # the training log names the best step: say it is not here
-        lines.append(f"the best dev {best['metric']} ({best['value']:.4f}) was at step {best['step']}, not in the model "
-                     f"folder: its training checkpoint is {summary['best_checkpoint']}")
+    lines = _report(args, settings, summary, lora, notes, best_path is not None)
     return {"report": "\n".join(lines), "train": summary, "settings": settings, "out": out}
 
 

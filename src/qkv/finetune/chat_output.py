@@ -1,0 +1,115 @@
+"""What the chat recipe writes into OUT: the model folder in the source's format (Hugging Face exporters or
+qkv's own), the source's tokenizer and generation files, which step's weights it holds (the best dev loss's by
+default, as transformers' load_best_model_at_end) and the report's lines saying so."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkv.config import ConfigError
+
+# the files of a Hugging Face folder that describe its tokenizer and generation: copied to OUT unchanged
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "generation_config.json")
+# Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
+EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
+                                                      ("llama", "mistral", "qwen2", "qwen3")},
+             **{mt: "qkv.interop.moe:export_moe" for mt in ("mixtral", "qwen2_moe", "qwen3_moe")},
+             "deepseek_v3": "qkv.interop.deepseek:export_deepseek"}
+
+
+def check_exportable(source: Path) -> None:
+    """Refuse, before training, a Hugging Face folder whose format OUT could not be written in."""
+    from qkv.storage import read_config
+
+    model_type = read_config(source).get("model_type")
+    if model_type is not None and model_type not in EXPORTERS:
+        raise ConfigError(f"cannot write a fine-tuned {model_type!r} folder yet: qkv exports "
+                          f"{', '.join(sorted(EXPORTERS))} folders")
+
+
+def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
+    """Write `model` (adapters already merged) into OUT as a model folder of the source's format, plus the
+    source's tokenizer and generation files. Returns the format written ("hf:<model_type>" or "qkv")."""
+    from qkv.storage import read_config
+
+    meta = read_config(source)
+    model_type = meta.get("model_type")
+    if model_type is not None:
+        check_exportable(source)
+        module, _, name = EXPORTERS[model_type].partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        fn(model, out, **({"model_type": model_type} if "model_type" in inspect.signature(fn).parameters else {}))
+        written = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        # the exporter knows the architecture; the source knows its token ids and anything else it declared
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in meta:
+                written[key] = meta[key]
+            else:
+                written.pop(key, None)
+        from qkv.checkpoint import atomic_write_json
+
+        atomic_write_json(written, out / "config.json")
+        fmt = f"hf:{model_type}"
+    else:
+        model.save_pretrained(out)
+        fmt = "qkv"
+    for name in TOKENIZER_FILES:
+        # never a file onto itself (check_out refuses OUT = the source; this guards any other alias of it)
+        if (source / name).is_file() and not ((out / name).exists() and (out / name).samefile(source / name)):
+            shutil.copyfile(source / name, out / name)
+    return fmt
+
+
+def final_model(trainer: Any, build: Any, checkpoint: str | None) -> torch.nn.Module:
+    """The model to export, on rank 0: the trained one, or `checkpoint`'s weights (the best evaluation's) loaded
+    into it. Under FSDP the module is sharded: a rebuilt one gets the full state of `checkpoint`, else of the
+    last checkpoint (save_checkpoint gathered both)."""
+    fsdp = trainer.dist.mode == "fsdp"
+    if not fsdp and checkpoint is None:
+        return trainer.model
+    from qkv.checkpoint import CheckpointError
+    from qkv.nn.params import tied_names
+    from qkv.train.checkpoint import read_checkpoint
+
+    model = build() if fsdp else trainer.model
+    path = checkpoint or trainer.last_checkpoint
+    state, _ = read_checkpoint(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)  # a tied weight is stored once
+    if set(missing) - tied_names(model) or unexpected:
+        raise CheckpointError(f"{path}: does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model
+
+
+def best_checkpoint(args: argparse.Namespace, summary: dict[str, Any]) -> str | None:
+    """The checkpoint to export instead of the last step's weights: the best dev loss's, when --export best and
+    an evaluation before the last step was the best (transformers' load_best_model_at_end)."""
+    best, path = summary.get("best_eval"), summary.get("best_checkpoint")
+    if args.export != "best" or not best or best.get("step") == summary["steps"] or not path:
+        return None
+    return path if Path(path).is_dir() else None
+
+
+def weights_lines(out: Path, fmt: str, lora: Any, summary: dict[str, Any], exported_best: bool) -> list[str]:
+    """What the report says of the model folder: which step's weights it holds, and where the best dev loss
+    is when that is not them (the training log names the best step: it must not read as what was exported)."""
+    kind = f"{'Hugging Face ' + fmt[3:] if fmt.startswith('hf:') else 'qkv'} format{', LoRA merged' if lora else ''}"
+    best, steps = summary.get("best_eval"), summary["steps"]
+    if exported_best:
+        return [f"model folder: {out} ({kind}): the weights of step {best['step']}, the best dev {best['metric']} "
+                f"({best['value']:.4f}; the last step, {steps}, is in {summary['checkpoint']}); "
+                f"try: qkv chat {out}"]
+    lines = [f"model folder: {out} ({kind}): the weights of the last step, {steps}; try: qkv chat {out}"]
+    if best and best.get("step") != steps:
+        lines.append(f"the best dev {best['metric']} ({best['value']:.4f}) was at step {best['step']}, not in the model "
+                     f"folder (--export last): its training checkpoint is {summary['best_checkpoint']}")
+    return lines
