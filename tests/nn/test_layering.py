@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv.models",),  # families, registry, kinds, the decoder protocol
     ("qkv.generate",),  # decoding over the decoder protocol, GenerationConfig, processors, Engine
     ("qkv.interop",),  # Hugging Face folders -> models
+    ("qkv.folder_sizes",),  # a qkv folder's config checked against its weights before anything is built
     ("qkv.checkpoint",),  # load any model folder (qkv or Hugging Face, + generation_config.json)
     ("qkv",),  # the package API (qkv/__init__.py: build, from_pretrained)
     ("qkv.tasks", "qkv.train"),  # batch sources / the training loop: neither knows the other
