@@ -6,8 +6,8 @@ token per row, its K/V written at a device-side column index, attention over eve
 preallocated cache with the future masked. No shape depends on the position and nothing is read back to the
 host, so torch.compile traces one graph for the whole generation, and mode="reduce-overhead" replays it as a
 CUDA graph: one launch per step instead of one per kernel, which is what a small model at batch 1 is bound by
-on a GPU. On the CPU Inductor freezes the weights into the graph and generates its own one-row products
-(CPU_OPTIONS below); any other backend named runs as it is.
+on a GPU. On a CPU the step is bound by the one-row weight products, which Inductor leaves to the same aten
+kernels as eager: compile gains little there (docs/performance.md).
 
 compile=True means backend="inductor", mode="reduce-overhead"; a string names another torch.compile backend
 ("eager", "aot_eager": tracing without code generation, which the tests use). The compiled step is kept per
@@ -114,40 +114,17 @@ def inductor_cache_dir() -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-# Inductor on a CPU: `freezing` folds the weights into the graph as constants and prepacks them for oneDNN, and
-# max-autotune's C++ GEMM template generates a product for one row (batch 1) for the CPU it runs on. Plain
-# Inductor calls the same aten products as eager and gains nothing at batch 1; with these the 135M step ran
-# 1.6-1.8x eager's speed (docs/performance.md). The cost: a longer first compile, and the frozen weights are
-# copies (about twice the weights' memory while the compiled step lives).
-CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-
-
-def _weights_version(model: Any) -> tuple[tuple[int, int], ...]:
-    """Where each weight lives and how often it was changed in place: a frozen graph holds the values it was
-    compiled with, so a changed weight (a training step since) must compile again."""
-    return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
-
-
 def compiled_step(model: Any, compile: bool | str) -> Callable[..., Tensor]:
-    """The compiled `_step` for `model` (kept per model and backend)."""
+    """The compiled `_step` for `model` (kept per model and backend). Weights stay graph inputs (no freezing),
+    so a weight changed in place after compiling is read as it is now."""
     backend = "inductor" if compile is True else str(compile)
     if backend == "inductor":
         inductor_cache_dir()
-    frozen = backend == "inductor" and next(model.parameters()).device.type == "cpu"
     per_model = _COMPILED.setdefault(model, {})
     fn = per_model.get(backend)
-    if fn is not None and frozen and fn.weights_version != _weights_version(model):
-        torch._dynamo.reset()  # the frozen graphs hold the old weights: drop them (every compiled step) and
-        _COMPILED.clear()  # compile again
-        fn, per_model = None, _COMPILED.setdefault(model, {})
     if fn is None:
-        if frozen:
-            fn = torch.compile(_step, backend=backend, options=CPU_OPTIONS, fullgraph=True, dynamic=False)
-            fn.weights_version = _weights_version(model)
-        else:
-            mode = "reduce-overhead" if backend == "inductor" else None  # CUDA graphs on a GPU
-            fn = torch.compile(_step, backend=backend, mode=mode, fullgraph=True, dynamic=False)
-        per_model[backend] = fn
+        mode = "reduce-overhead" if backend == "inductor" else None  # CUDA graphs on a GPU
+        fn = per_model[backend] = torch.compile(_step, backend=backend, mode=mode, fullgraph=True, dynamic=False)
     return fn
 
 
