@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from qkv.experiments.runner import read_metrics
+from qkv.experiments.metrics import read_metrics
 from qkv.experiments.suite import Suite
 
 
