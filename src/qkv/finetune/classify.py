@@ -20,21 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
-from qkv.finetune import Recipe, mark_out, register_recipe, shared
+from qkv.finetune import Recipe, register_recipe, shared
 from qkv.finetune.encoders import (
     EncodedData,
-    best_state,
     column,
     encode,
-    export_folder,
     flag,
-    new_head_model,
-    open_encoder,
     predict,
     read_records,
-    train_config,
 )
-from qkv.storage import atomic_write_json
+from qkv.finetune.phases import EncoderRecipe
 
 METRICS = {"macro_f1": "max", "accuracy": "max"}  # the first selects the best checkpoint
 
@@ -159,62 +154,71 @@ def _examples(path: str, args: argparse.Namespace, enc: Any) -> tuple[list[Any],
 
 
 # -- the recipe -----------------------------------------------------------------------------------------
+class ClassifyRecipe(EncoderRecipe):
+    """Text / text-pair classification in the shared encoder phases (qkv.finetune.phases)."""
+
+    name = head = "classify"
+
+    def setup_data(self) -> EncodedData:
+        s, enc = self.s, self.enc
+        train_enc, train_raw, train_rec, self.cut = _examples(s.data, s.args, enc)
+        folder_names = {int(k): v for k, v in (enc.hf_config.get("id2label") or {}).items()}
+        mapping, self.id2label = label_set(train_raw, folder_names)
+        train_y = label_ids(train_raw, mapping, s.data, train_rec)
+        self.n_labels = len(self.id2label)
+        if self.n_labels < 2:
+            raise ConfigError(f"{s.data}: only one label ({self.id2label[0]!r}); classification needs at least two")
+        types = enc.model.config.type_vocab_size > 1  # one type (RoBERTa): the model's default zeros
+        self.train_data = EncodedData(train_enc, train_y, enc.pad_id, s.seed, METRICS, token_types=types)
+        self.dev_cut = 0
+        if s.dev:
+            dev_enc, dev_raw, dev_rec, self.dev_cut = _examples(s.dev, s.args, enc)
+            self.dev = EncodedData(dev_enc, label_ids(dev_raw, mapping, s.dev, dev_rec), enc.pad_id, s.seed,
+                                   token_types=types)
+        return self.train_data
+
+    def evaluate(self, model: Any) -> dict[str, float]:
+        pred = [int(x.argmax()) for x in predict(model, self.dev)]
+        return scores(self.dev.labels, pred, self.n_labels)
+
+    def results(self) -> dict[str, Any]:
+        """The results, and with --dev the exported model's scores and confusion matrix (OUT/confusion.png)."""
+        summary, out, n = self.summary, self.s.out, self.n_labels
+        result: dict[str, Any] = {"recipe": "classify", "task": "classify",
+                                  "labels": [self.id2label[i] for i in range(n)],
+                                  "train_examples": len(self.train_data),
+                                  "truncated": {"train": self.cut, "dev": self.dev_cut},
+                                  "steps": summary["steps"], "best": summary.get("best_eval"), "out": str(out)}
+        if self.dev is not None:
+            pred = [int(x.argmax()) for x in predict(self.model, self.dev)]
+            final = scores(self.dev.labels, pred, n)
+            m = confusion(self.dev.labels, pred, n)
+            plot_confusion(m, result["labels"], out / "confusion.png",
+                           f"dev: accuracy {final['accuracy']:.3f}, macro-F1 {final['macro_f1']:.3f}")
+            result.update(dev=final, confusion=m)
+        return result
+
+    def report(self) -> list[str]:
+        r, summary, out = self.result, self.summary, self.s.out
+        lines = [f"fine-tuned {self.enc.model_type} for {summary['steps']} steps on {len(self.train_data)} "
+                 f"examples ({self.n_labels} labels: {', '.join(r['labels'][:10])})"]
+        if self.cut or self.dev_cut:
+            lines.append(f"truncated to {self.enc.max_length} tokens: {self.cut} training and {self.dev_cut} dev "
+                         "example(s)")
+        if self.dev is not None:
+            final = r["dev"]
+            which = (f"best checkpoint (step {summary['best_eval']['step']})" if summary.get("best_eval")
+                     else "final model")
+            lines.append(f"dev ({len(self.dev)} examples, {which}): accuracy {final['accuracy']:.4f}, "
+                         f"macro-F1 {final['macro_f1']:.4f}; confusion matrix in {out / 'confusion.png'}")
+        lines.append(f"saved {out} (transformers: AutoModelForSequenceClassification.from_pretrained; "
+                     "qkv.from_pretrained)")
+        return lines
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from qkv.train import Trainer
-
-    enc = open_encoder(args.model)
-    train_enc, train_raw, train_rec, cut = _examples(args.data, args, enc)
-    folder_names = {int(k): v for k, v in (enc.hf_config.get("id2label") or {}).items()}
-    mapping, names = label_set(train_raw, folder_names)
-    train_y = label_ids(train_raw, mapping, args.data, train_rec)
-    n_labels = len(names)
-    if n_labels < 2:
-        raise ConfigError(f"{args.data}: only one label ({names[0]!r}); classification needs at least two")
-    types = enc.model.config.type_vocab_size > 1  # one type (RoBERTa): the model's default zeros
-    train = EncodedData(train_enc, train_y, enc.pad_id, args.seed, METRICS, token_types=types)
-    dev = None
-    dev_cut = 0
-    if args.dev:
-        dev_enc, dev_raw, dev_rec, dev_cut = _examples(args.dev, args, enc)
-        dev = EncodedData(dev_enc, label_ids(dev_raw, mapping, args.dev, dev_rec), enc.pad_id, args.seed,
-                          token_types=types)
-
-    def evaluate(model: Any) -> dict[str, float]:
-        pred = [int(x.argmax()) for x in predict(model, dev)]
-        return scores(dev.labels, pred, n_labels)
-
-    cfg = train_config(args, len(train), dev is not None)
-    model = new_head_model(enc, "classify", n_labels, args.seed)
-    out = Path(args.out)
-    mark_out(out, "classify")  # the data are read and checked: the run starts
-    trainer = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None)
-    summary = trainer.fit()
-    best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
-    if best is not None:
-        model.load_state_dict(best)
-    model.cpu().eval()
-    export_folder(enc, model, out, names)
-    result: dict[str, Any] = {"recipe": "classify", "task": "classify", "labels": [names[i] for i in range(n_labels)],
-                              "train_examples": len(train), "truncated": {"train": cut, "dev": dev_cut},
-                              "steps": summary["steps"], "best": summary.get("best_eval"), "out": str(out)}
-    lines = [f"fine-tuned {enc.model_type} for {summary['steps']} steps on {len(train)} examples "
-             f"({n_labels} labels: {', '.join(result['labels'][:10])})"]
-    if cut or dev_cut:
-        lines.append(f"truncated to {enc.max_length} tokens: {cut} training and {dev_cut} dev example(s)")
-    if dev is not None:
-        pred = [int(x.argmax()) for x in predict(model, dev)]
-        final = scores(dev.labels, pred, n_labels)
-        m = confusion(dev.labels, pred, n_labels)
-        plot_confusion(m, result["labels"], out / "confusion.png",
-                       f"dev: accuracy {final['accuracy']:.3f}, macro-F1 {final['macro_f1']:.3f}")
-        result.update(dev=final, confusion=m)
-        which = f"best checkpoint (step {summary['best_eval']['step']})" if summary.get("best_eval") else "final model"
-        lines.append(f"dev ({len(dev)} examples, {which}): accuracy {final['accuracy']:.4f}, "
-                     f"macro-F1 {final['macro_f1']:.4f}; confusion matrix in {out / 'confusion.png'}")
-    atomic_write_json(result, out / "finetune.json")
-    lines.append(f"saved {out} (transformers: AutoModelForSequenceClassification.from_pretrained; qkv.from_pretrained)")
-    result["report"] = "\n".join(lines)
-    return result
+    """`qkv finetune --task classify`."""
+    return ClassifyRecipe.run(args)
 
 
 register_recipe(Recipe("classify", ("encoder",), "text / text-pair classification with a BERT-family encoder",
