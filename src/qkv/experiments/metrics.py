@@ -30,7 +30,8 @@ def _finite(x: Any) -> bool:
 
 
 def metric_series(rows: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
-    """(step, value) pairs of metric `name` in the trainer's log; eval metrics may carry an eval_/val_ prefix."""
+    """(step, value) pairs of metric `name` in the trainer's log; eval metrics may carry an eval_/val_
+    prefix."""
     keys = ["loss"] if name == "train_loss" else [name, f"eval_{name}", f"val_{name}", f"eval/{name}"]
     out = []
     for r in rows:
@@ -52,7 +53,8 @@ def steps_to_threshold(series: list[tuple[int, float]], threshold: float | None,
 
 
 def final_train_loss(rows: list[dict[str, Any]], tail: float = 0.1) -> float:
-    """Mean of the last `tail` fraction (at least one) of the logged training losses; NaN if any is non-finite."""
+    """Mean of the last `tail` fraction (at least one) of the logged training losses; NaN if any is
+    non-finite."""
     losses = [r["loss"] for r in rows if "loss" in r and isinstance(r["loss"], (int, float))]
     if not losses:
         return float("nan")

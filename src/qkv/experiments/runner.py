@@ -5,8 +5,9 @@ Layout of an output folder:
     OUT/runs/<variant>__seed<k>/       one folder per run:
         run.json                       its model / task / train sections and seed (written first)
         metrics.jsonl, metrics.csv     the trainer's log (one JSON object per logged step)
-        final/                         the final model (config.json + model.safetensors) and its task/tokenizer
-        result.json                    written last, atomically: a run with result.json is finished
+        final/                         the final model (config.json + model.safetensors) and its
+        task/tokenizer result.json                    written last, atomically: a run with result.json is
+        finished
     OUT/results.csv, OUT/summary.md, OUT/*.png     the report (qkv.experiments.report)
 
 A run whose folder has result.json is never redone (resumability), as long as its run.json holds the settings
@@ -161,7 +162,8 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
 
 
 def _worker(train_fn: TrainFn, suite: Suite, spec: RunSpec, run_dir: Path, threads: int) -> dict[str, Any]:
-    """One run in a worker process (spawned: a fresh interpreter, nothing inherited from the parent's torch)."""
+    """One run in a worker process (spawned: a fresh interpreter, nothing inherited from the parent's
+    torch)."""
     torch.set_num_threads(threads)
     return train_fn(suite, spec, run_dir)
 
@@ -220,7 +222,8 @@ def check_runs(suite: Suite, specs: list[RunSpec]) -> None:
     from qkv.tasks.base import build_options, build_task, kind_for, task_spec
     from qkv.train import TrainConfig
 
-    tasks: dict[tuple[str, str], list[str]] = {}  # (task name, family) -> the metric names its evaluate() reports
+    # (task name, family) -> the metric names its evaluate() reports
+    tasks: dict[tuple[str, str], list[str]] = {}
     checked: set[str] = set()
     for spec in specs:
         if spec.variant in checked:  # the seed changes no setting that can be invalid
@@ -255,8 +258,8 @@ def check_runs(suite: Suite, specs: list[RunSpec]) -> None:
 
 
 def run_record(suite: Suite, spec: RunSpec) -> dict[str, Any]:
-    """What run.json holds: the settings that decide a run's result (its sections, seed, and how it is measured),
-    compared with a finished run's saved one before that run is reused."""
+    """What run.json holds: the settings that decide a run's result (its sections, seed, and how it is
+    measured), compared with a finished run's saved one before that run is reused."""
     measure: dict[str, Any] = {"kind": suite.kind, "metric": to_dict(suite.metric), "judge": suite.judge,
                                "eval_n": suite.eval_n, "extra_evals": [to_dict(ev) for ev in suite.extra_evals],
                                "budget_s": suite.budget_s, "budget_clock": suite.budget_clock}
@@ -277,8 +280,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The dotted keys whose values differ, as 'key: old -> new' (measure.* shown without its prefix). Sections
-    a run.json from an older qkv lacks (measure) are not compared."""
+    """The dotted keys whose values differ, as 'key: old -> new' (measure.* shown without its prefix).
+    Sections a run.json from an older qkv lacks (measure) are not compared."""
     now = json.loads(json.dumps(now, sort_keys=True, default=str))  # as it would be saved
     old = _flatten({k: v for k, v in saved.items() if k in now})
     new = _flatten({k: v for k, v in now.items() if k in saved})
@@ -425,7 +428,8 @@ def plan_runs(suite: Suite, specs: list[RunSpec], selected: set[int], out: Path,
         done = run_dir / RESULT
         redo = force and i in selected
         resumable = resumes and latest_checkpoint(run_dir / "checkpoints") is not None
-        if not redo and (done.is_file() or (i in selected and resumable)):  # kept: its settings must still hold
+        # kept: its settings must still hold
+        if not redo and (done.is_file() or (i in selected and resumable)):
             check_saved_run(suite, spec, run_dir)
         if i not in selected:  # not run now; reported when it finished earlier (the report covers the suite)
             if done.is_file():

@@ -21,8 +21,8 @@ def _only_items(spec: RunSpec) -> set[str]:
 
 
 def _same_value(raw: str, value: Any) -> bool:
-    """`raw` (typed after key= in --only) names `value`: as displayed (True, 0.001), or as YAML reads it (true,
-    1e-3, 1.0 for 1), without taking a bool for a number."""
+    """`raw` (typed after key= in --only) names `value`: as displayed (True, 0.001), or as YAML reads it
+    (true, 1e-3, 1.0 for 1), without taking a bool for a number."""
     import yaml
 
     if raw == _fmt(value):

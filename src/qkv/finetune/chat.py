@@ -11,7 +11,8 @@ Each conversation is rendered with the model folder's own chat template (so the 
 exactly as `qkv chat` will prompt it) and tokenized; labels are the token ids on the assistant's tokens (its
 content and the end-of-turn token after it, so the model learns to stop) and -100 everywhere else: the system
 prompt, the user's turns and the template's role markers add nothing to the loss. A folder without a chat
-template gets `qkv chat`'s plain transcript ("User: ...\nAssistant: ..."), each answer followed by eos, with a note.
+template gets `qkv chat`'s plain transcript ("User: ...\nAssistant: ..."), each answer followed by eos, with a
+note.
 
 Batches: one conversation per row, right-padded to the longest row of the batch, rows of similar length
 grouped (within windows of shuffled data) so little is padding. Not packed: packing several conversations into
@@ -122,7 +123,8 @@ def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool
 
 def _few_steps(epochs: float, n_train: int, batch: int, steps: int, per_epoch: int, lora: bool) -> str:
     """The warning for a run too short to learn: on a small set the default single epoch is a handful of
-    updates, which at fine-tuning learning rates barely moves the loss (50 conversations at batch 8: 7 steps)."""
+    updates, which at fine-tuning learning rates barely moves the loss (50 conversations at batch 8: 7
+    steps)."""
     more = math.ceil(FEW_STEPS / per_epoch)
     hint = "; LoRA learns faster with --lora-targets all-linear and a higher train.lr" if lora else ""
     return (f"{epochs:g} epoch(s) of {n_train} conversation(s) at batch {batch} is {steps} optimizer step(s), too few "
@@ -210,7 +212,8 @@ class ChatSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChatSettings:
         stray = sorted(d for d in getattr(args, "given_flags", ()) if d.startswith("lora_"))
-        if stray and not args.lora:  # LoRA settings without LoRA: the user meant LoRA, full fine-tuning would run
+        # LoRA settings without LoRA: the user meant LoRA, full fine-tuning would run
+        if stray and not args.lora:
             raise ConfigError(f"--{stray[0].replace('_', '-')} needs --lora (without it every weight is trained)")
         return cls(model=args.model, data=args.data, out=Path(args.out), dev=args.dev, resume=bool(args.resume),
                    seed=args.seed, lora=_lora_config(args) if args.lora else None, export=args.export,
@@ -251,7 +254,8 @@ class ChatRecipe:
         self.model = self.build()
         self.dtype = next(self.model.parameters()).dtype
         if s.lora is None and self.dtype != torch.float32:
-            self.model.float()  # full fine-tuning updates the weights themselves: in fp32 (saved in the source dtype)
+            # full fine-tuning updates the weights themselves: in fp32 (saved in the source dtype)
+            self.model.float()
         return self.model
 
     def build(self) -> torch.nn.Module:

@@ -63,7 +63,8 @@ def read_chats(path: str | Path) -> list[tuple[int, list[dict[str, str]]]]:
     if not text.strip():
         raise ConfigError(f"{path}: the file is empty (expected one JSON object per line)")
     out = []
-    for n, line in enumerate(text.split("\n"), 1):  # at "\n" only, as wc -l counts (see tasks.base.text_lines)
+    # at "\n" only, as wc -l counts (see tasks.base.text_lines)
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -176,7 +177,8 @@ class ChatData:
 
 
 def collate(rows: list[Example], pad_id: int) -> dict[str, Tensor]:
-    """Right-padded input_ids and labels (IGNORE on the padding); no attention mask (see the module docstring)."""
+    """Right-padded input_ids and labels (IGNORE on the padding); no attention mask (see the module
+    docstring)."""
     T = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)

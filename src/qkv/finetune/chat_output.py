@@ -71,9 +71,9 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
 
 
 def final_model(trainer: Any, build: Any, checkpoint: str | None) -> torch.nn.Module:
-    """The model to export, on rank 0: the trained one, or `checkpoint`'s weights (the best evaluation's) loaded
-    into it. Under FSDP the module is sharded: a rebuilt one gets the full state of `checkpoint`, else of the
-    last checkpoint (save_checkpoint gathered both)."""
+    """The model to export, on rank 0: the trained one, or `checkpoint`'s weights (the best evaluation's)
+    loaded into it. Under FSDP the module is sharded: a rebuilt one gets the full state of `checkpoint`, else
+    of the last checkpoint (save_checkpoint gathered both)."""
     fsdp = trainer.dist.mode == "fsdp"
     if not fsdp and checkpoint is None:
         return trainer.model
@@ -91,8 +91,8 @@ def final_model(trainer: Any, build: Any, checkpoint: str | None) -> torch.nn.Mo
 
 
 def best_checkpoint(args: argparse.Namespace, summary: dict[str, Any]) -> str | None:
-    """The checkpoint to export instead of the last step's weights: the best dev loss's, when --export best and
-    an evaluation before the last step was the best (transformers' load_best_model_at_end)."""
+    """The checkpoint to export instead of the last step's weights: the best dev loss's, when --export best
+    and an evaluation before the last step was the best (transformers' load_best_model_at_end)."""
     best, path = summary.get("best_eval"), summary.get("best_checkpoint")
     if args.export != "best" or not best or best.get("step") == summary["steps"] or not path:
         return None

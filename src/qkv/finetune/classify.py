@@ -1,14 +1,16 @@
 """`qkv finetune DIR --task classify`: text or text-pair classification with a BERT-family encoder.
 
     qkv finetune bert-folder --data train.csv --dev dev.csv --out clf \
-        --text-column sentence [--text-pair-column sentence2] --label-column label [--epochs 3] [train.lr=5e-5]
+        --text-column sentence [--text-pair-column sentence2] --label-column label [--epochs 3]
+        [train.lr=5e-5]
 
 Data: CSV, TSV or JSONL (by extension) with a header / keys; labels are names ("pos") or ids ("1"). The
 classifier reads the pooled [CLS] vector (BERT's tanh pooler, RoBERTa's classifier.dense, DistilBERT's
 pre_classifier, DeBERTa's ContextPooler: one Linear + activation), trained with qkv.train.Trainer (linear
-decay after warmup, AdamW, clipping, bf16 with train.precision=bf16, a checkpoint each epoch, --resume). With --dev: accuracy and macro-F1
-each epoch, the best (macro-F1) checkpoint kept and exported, and confusion.png. OUT is then a Hugging Face
-folder (AutoModelForSequenceClassification; qkv.from_pretrained) with the source's tokenizer files.
+decay after warmup, AdamW, clipping, bf16 with train.precision=bf16, a checkpoint each epoch, --resume). With
+--dev: accuracy and macro-F1 each epoch, the best (macro-F1) checkpoint kept and exported, and confusion.png.
+OUT is then a Hugging Face folder (AutoModelForSequenceClassification; qkv.from_pretrained) with the source's
+tokenizer files.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def label_set(values: list[Any], model_names: dict[int, str] | None) -> tuple[di
     """(label -> id, id -> name). All integers: they are the ids (0..max), named by the folder's id2label when
     it has one for each; otherwise names, given ids in sorted order."""
     as_str = [str(v).strip() for v in values]
-    if all(s.lstrip("-").isdigit() and s.isascii() for s in as_str):  # "²" is a digit to isdigit, not to int()
+    # "²" is a digit to isdigit, not to int()
+    if all(s.lstrip("-").isdigit() and s.isascii() for s in as_str):
         ids = sorted({int(s) for s in as_str})
         if ids[0] < 0:
             raise ConfigError(f"label ids must be >= 0, got {ids[0]}")
@@ -125,8 +128,8 @@ def label_ids(values: list[Any], mapping: dict[str, int], path: str, records: li
 
 def checked_labels(values: list[Any], path: str, records: list[tuple[int, Any]]) -> list[Any]:
     """Labels as strings or integers. JSON gives other types, which str() would turn into classes of their own
-    (1 and 1.0 would be '1' and '1.0'; [1] a class '[1]'): a float equal to an integer is that integer (said in
-    one warning), any other float, a list, an object or a boolean is an error naming the line."""
+    (1 and 1.0 would be '1' and '1.0'; [1] a class '[1]'): a float equal to an integer is that integer (said
+    in one warning), any other float, a list, an object or a boolean is an error naming the line."""
     out, floats = [], []
     for v, (line, _) in zip(values, records):
         if isinstance(v, float) and v.is_integer():
@@ -182,7 +185,8 @@ class ClassifyRecipe(EncoderRecipe):
         return scores(self.dev.labels, pred, self.n_labels)
 
     def results(self) -> dict[str, Any]:
-        """The results, and with --dev the exported model's scores and confusion matrix (OUT/confusion.png)."""
+        """The results, and with --dev the exported model's scores and confusion matrix
+        (OUT/confusion.png)."""
         summary, out, n = self.summary, self.s.out, self.n_labels
         result: dict[str, Any] = {"recipe": "classify", "task": "classify",
                                   "labels": [self.id2label[i] for i in range(n)],

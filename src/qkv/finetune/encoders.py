@@ -67,7 +67,8 @@ class EncoderFolder:
 
 def open_encoder(folder: str | Path) -> EncoderFolder:
     """A Hugging Face BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa-v2/v3 folder and its tokenizer
-    (tokenizer.json, else vocab.txt), found by the library's one lookup (qkv.tasks.tokenizers.find_tokenizer)."""
+    (tokenizer.json, else vocab.txt), found by the library's one lookup
+    (qkv.tasks.tokenizers.find_tokenizer)."""
     from qkv import from_pretrained
     from qkv.storage import read_config
     from qkv.tasks.tokenizers import find_tokenizer
@@ -80,7 +81,8 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
                           f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else ""))
     model = from_pretrained(folder)
     tok = find_tokenizer(folder)
-    tok = getattr(tok, "hf", tok)  # a tokenizer.json that qkv's BPE wrapper accepted: the tokenizers object inside
+    # a tokenizer.json that qkv's BPE wrapper accepted: the tokenizers object inside
+    tok = getattr(tok, "hf", tok)
     if tok is None or not hasattr(tok, "encode_batch") or not hasattr(tok, "no_truncation"):
         spm = [n for n in ("spm.model", "sentencepiece.bpe.model") if (folder / n).is_file()]
         # a SentencePiece-only upload (DeBERTa-v3's spm.model, some XLM-R): transformers converts it once
@@ -152,7 +154,8 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
         raise ConfigError(f"{path}: empty file (a header row naming the columns is needed)")
     out = []
     for row in reader:
-        # DictReader puts a row's fields beyond the header's under the key None (a list), and gives the missing
+        # DictReader puts a row's fields beyond the header's under the key None (a list), and gives the
+        # missing
         # ones the value None: either way the columns are misaligned, so the row would be read wrongly
         extra, values = row.pop(None, None) or [], list(row.values())
         if not any((v or "").strip() for v in values + extra):
@@ -287,8 +290,8 @@ FINETUNE_DEFAULTS = {"lr": 3e-5, "schedule": "linear", "warmup": 0.06, "weight_d
 
 
 def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
-    """TrainConfig for a fine-tuning run: the defaults above, --epochs (max_steps = epochs x batches per epoch),
-    an evaluation and a checkpoint each epoch, then the command line's train.key=value overrides."""
+    """TrainConfig for a fine-tuning run: the defaults above, --epochs (max_steps = epochs x batches per
+    epoch), an evaluation and a checkpoint each epoch, then the command line's train.key=value overrides."""
     from qkv.config import from_dict
     from qkv.train import TrainConfig
 

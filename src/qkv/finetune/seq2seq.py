@@ -3,10 +3,11 @@
 
 Data: one pair per line, `source<TAB>target`, UTF-8 (blank lines skipped). A line without a tab, with an empty
 source or target, or longer than --max-source-length / --max-target-length tokens (after tokenisation) is one
-clear error naming the file and line (--too-long truncate: cut and count instead). Training is the library's Trainer (AdamW, warmup +
-decay, clipping, bf16, checkpoints, --resume), seeded before anything is built; an epoch is one pass over the
-shuffled pairs. Every epoch the dev pairs are decoded (greedy, or --num-beams) and scored with sacrebleu's
-BLEU and chrF, plus exact match; checkpoints/best keeps the best epoch (train.best_metric, default bleu).
+clear error naming the file and line (--too-long truncate: cut and count instead). Training is the library's
+Trainer (AdamW, warmup + decay, clipping, bf16, checkpoints, --resume), seeded before anything is built; an
+epoch is one pass over the shuffled pairs. Every epoch the dev pairs are decoded (greedy, or --num-beams) and
+scored with sacrebleu's BLEU and chrF, plus exact match; checkpoints/best keeps the best epoch
+(train.best_metric, default bleu).
 
 OUT is a model folder: a Hugging Face folder (the source's config.json, generation_config.json and tokenizer
 files, the weights under HF's names) that `transformers` and `qkv.from_pretrained` load to the same logits, or
@@ -211,7 +212,8 @@ class Seq2SeqSettings:
             raise ConfigError("--epochs must be positive, --batch-size and --num-beams at least 1")
         if args.max_source_length < 1 or args.max_target_length < 1:
             raise ConfigError("--max-source-length and --max-target-length must be at least 1")
-        if args.dev:  # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
+        # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
+        if args.dev:
             from qkv.extras import require
 
             require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq --dev")

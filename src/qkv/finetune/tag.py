@@ -1,10 +1,11 @@
-"""`qkv finetune DIR --task tag`: token classification (NER, chunking) from CoNLL files with a BERT-family encoder.
+"""`qkv finetune DIR --task tag`: token classification (NER, chunking) from CoNLL files with a BERT-family
+encoder.
 
     qkv finetune bert-folder --task tag --data train.conll --dev dev.conll --out ner [--epochs 3]
 
 CoNLL: one token per line, its tag in the last column (--tag-column), a blank line between sentences,
--DOCSTART- lines skipped. Tags are BIO (IOB2) or IOBES: O, B-PER, I-PER, ... Each word is labelled on its first
-sub-token (the others and the special tokens carry -100, no loss) and predicted from it.
+-DOCSTART- lines skipped. Tags are BIO (IOB2) or IOBES: O, B-PER, I-PER, ... Each word is labelled on its
+first sub-token (the others and the special tokens carry -100, no loss) and predicted from it.
 
 Metric: entity-level precision / recall / F1 with the chunking rules of CoNLL's conlleval script, which is
 what `seqeval` computes in its default mode: an entity is a maximal chunk of one type, started by B- (or by
@@ -59,7 +60,8 @@ def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple
     words: list[str] = []
     tags: list[str] = []
     width: tuple[int, int] | None = None  # (columns, line) of the first token line
-    for i, line in enumerate(text_lines(read_data_text(path)) + [""], 1):  # a BOM dropped; not UTF-8: file and line
+    # a BOM dropped; not UTF-8: file and line
+    for i, line in enumerate(text_lines(read_data_text(path)) + [""], 1):
         parts = line.split()
         if not parts or parts[0] == "-DOCSTART-":
             if words:
@@ -87,7 +89,8 @@ def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple
     return sentences, starts
 
 
-# -- entity-level scores (conlleval's chunk rules) ------------------------------------------------------------
+# -- entity-level scores (conlleval's chunk rules)
+# ------------------------------------------------------------
 def _split(tag: str) -> tuple[str, str]:
     return ("O", "") if tag == "O" else (tag[0], tag[2:])
 

@@ -37,8 +37,9 @@ def left_padding(attention_mask: Tensor | None, shape: torch.Size) -> Tensor | N
 
 
 def check_special_ids(cfg: GenerationConfig, vocab: int) -> None:
-    """The config's token ids are ids of this model's vocabulary: a pad id is fed to the model for finished rows, an
-    eos id outside it would never stop, a forced or banned one would index past the logits (or, negative, wrap)."""
+    """The config's token ids are ids of this model's vocabulary: a pad id is fed to the model for finished
+    rows, an eos id outside it would never stop, a forced or banned one would index past the logits (or,
+    negative, wrap)."""
     named = {"eos_token_id": cfg.eos_ids, "pad_token_id": [cfg.pad_token_id],
              "forced_bos_token_id": [cfg.forced_bos_token_id], "forced_eos_token_id": cfg.forced_eos_token_id,
              "decoder_start_token_id": [cfg.decoder_start_token_id],
@@ -52,9 +53,10 @@ def check_special_ids(cfg: GenerationConfig, vocab: int) -> None:
 
 
 def warn_past_trained_context(model: Any, T: int, max_new: int, total: int) -> None:
-    """RoPE and ALiBi have no hard position limit (context_limit None: extrapolation is a research question qkv lets
-    one ask), but a model configured or trained for context_length positions (a Llama folder's
-    max_position_embeddings) is not known to work past them: say so once per call instead of silently going on."""
+    """RoPE and ALiBi have no hard position limit (context_limit None: extrapolation is a research question
+    qkv lets one ask), but a model configured or trained for context_length positions (a Llama folder's
+    max_position_embeddings) is not known to work past them: say so once per call instead of silently going
+    on."""
     trained = configured_context(model)
     if trained is not None and total > trained:
         warnings.warn(f"prompt of {T} tokens + max_new_tokens={max_new} = {total} positions runs past the model's "
@@ -64,8 +66,8 @@ def warn_past_trained_context(model: Any, T: int, max_new: int, total: int) -> N
 
 
 def outside_level() -> int:
-    """warnings.warn's stacklevel for the first frame outside qkv, torch and contextlib (generate's decorators), so
-    that the warning names the caller's line (Python 3.12's skip_file_prefixes, for 3.10+)."""
+    """warnings.warn's stacklevel for the first frame outside qkv, torch and contextlib (generate's
+    decorators), so that the warning names the caller's line (Python 3.12's skip_file_prefixes, for 3.10+)."""
     inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__),
               os.path.dirname(contextlib.__file__) + os.sep + "contextlib")
     frame, level = sys._getframe(1), 1

@@ -166,7 +166,8 @@ class _Run:
         if not self.cfg.use_cache:
             return None
         size = self.total if not self.slide else self.ctx
-        if self.cfg.compile and not self.slide:  # one compiled graph, one recorded CUDA graph, for many lengths
+        # one compiled graph, one recorded CUDA graph, for many lengths
+        if self.cfg.compile and not self.slide:
             return static_cache(self.model, self.B, cache_bucket(size, self.ctx), self)
         return self.model.make_cache(self.B, size)
 
@@ -249,7 +250,8 @@ class _EvalMode:
         self.model.train(self.was)
 
 
-# _row_topk: the block width of the two-stage top-k, and the row length from which it is used (shorter rows go to
+# _row_topk: the block width of the two-stage top-k, and the row length from which it is used (shorter rows go
+# to
 # torch.topk directly)
 TOPK_BLOCK = 128
 TOPK_TWO_STAGE_MIN = 8192
