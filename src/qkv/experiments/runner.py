@@ -140,8 +140,10 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         result["eval"] = {k: float(v) for k, v in scores.items() if isinstance(v, (int, float))}
     else:
         result["metric"] = float("nan")
-    result["extra"] = {name: float(scores.get(suite.metric.name, float("nan"))) if finite_model else float("nan")
-                       for name, scores in out["extra"].items()}
+    result["extra"] = {
+        name: float(scores.get(suite.metric.name, float("nan"))) if finite_model else float("nan")
+        for name, scores in out["extra"].items()
+    }
     for ev in suite.extra_evals:
         result["extra"].setdefault(ev.name, float("nan"))
     if suite.judge == "train_loss":  # the verdict from the training curve; the held-out metric kept beside it
@@ -253,20 +255,23 @@ def check_runs(suite: Suite, specs: list[RunSpec]) -> None:
         if (name, fam.name) not in tasks:  # built once per task: its class says what evaluate() reports
             tasks[(name, fam.name)] = list(build_task(name, family=fam.name, **options).metrics)
         if suite.metric.name not in tasks[(name, fam.name)]:
-            raise ConfigError(f"suite {suite.name!r}: metric.name {suite.metric.name!r} is not a metric of task "
-                              f"{name!r} (it reports {', '.join(tasks[(name, fam.name)])}; or use train_loss)")
+            raise ConfigError(f"suite {suite.name!r}: metric.name {suite.metric.name!r} is not a metric of "
+                              f"task {name!r} (it reports {', '.join(tasks[(name, fam.name)])}; or use "
+                              "train_loss)")
 
 
 def run_record(suite: Suite, spec: RunSpec) -> dict[str, Any]:
     """What run.json holds: the settings that decide a run's result (its sections, seed, and how it is
     measured), compared with a finished run's saved one before that run is reused."""
     measure: dict[str, Any] = {"kind": suite.kind, "metric": to_dict(suite.metric), "judge": suite.judge,
-                               "eval_n": suite.eval_n, "extra_evals": [to_dict(ev) for ev in suite.extra_evals],
+                               "eval_n": suite.eval_n,
+                               "extra_evals": [to_dict(ev) for ev in suite.extra_evals],
                                "budget_s": suite.budget_s, "budget_clock": suite.budget_clock}
     if suite.kind == "efficiency":
         measure["efficiency"] = to_dict(suite.efficiency)
     return {"suite": suite.name, "variant": spec.variant, "values": spec.values, "seed": spec.seed,
-            "family": spec.family, "model": spec.model, "task": spec.task, "train": spec.train, "measure": measure}
+            "family": spec.family, "model": spec.model, "task": spec.task, "train": spec.train,
+            "measure": measure}
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -308,26 +313,18 @@ def check_saved_run(suite: Suite, spec: RunSpec, run_dir: Path) -> None:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         saved = {"run.json": "(unreadable)"}
-    diff = _differences(saved, run_record(suite, spec)) if isinstance(saved, dict) else ["run.json: not a mapping"]
+    diff = _differences(saved, run_record(suite, spec)) if isinstance(saved, dict) else ["run.json: not a "
+                                                                                         "mapping"]
     if diff:
         shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
         raise ConfigError(f"{run_dir} was run with other settings than suite {suite.name!r} gives it now "
                           f"({shown}): use another --out, or delete runs/{spec.run_id} to redo it")
 
 
-def run_suite(
-    path_or_suite: str | Path | dict | Suite,
-    out_dir: str | Path | None = None,
-    quick: bool = False,
-    *,
-    scale: str = "cpu",
-    only: str | None = None,
-    force: bool = False,
-    train_fn: TrainFn | None = None,
-    threads: int | None = None,
-    jobs: int | None = None,
-    log: Callable[[str], None] | None = print,
-) -> Path:
+def run_suite(path_or_suite: str | Path | dict | Suite, out_dir: str | Path | None = None,
+              quick: bool = False, *, scale: str = "cpu", only: str | None = None, force: bool = False,
+              train_fn: TrainFn | None = None, threads: int | None = None, jobs: int | None = None,
+              log: Callable[[str], None] | None = print) -> Path:
     """Run (or resume) every run of a suite and write the report; returns the path of summary.md.
 
     scale: "cpu" (the file as written) or "gpu" (its `scales: {gpu: ...}` profile).
@@ -381,7 +378,12 @@ def run_suite(
     results = [by_index[i] for i in sorted(by_index)]  # file order, however the runs finished
     if log and len(results) < len(specs):
         log(f"the report covers the {len(results)} of {len(specs)} runs finished in {out}")
-    if suite.kind == "efficiency" and suite.efficiency.interleave and not torch.cuda.is_available() and results:
+    if (
+        suite.kind == "efficiency"
+        and suite.efficiency.interleave
+        and not torch.cuda.is_available()
+        and results
+    ):
         _interleave(suite, specs, results, out, force, log)
     return write_report(suite, results, out, expected=len(specs))
 

@@ -64,6 +64,6 @@ def select_runs(suite: Suite, specs: list[RunSpec], only: str | None) -> set[int
     chosen = {i for i, spec in enumerate(specs) if matches_only(spec, only)}
     if not chosen:
         names = list(dict.fromkeys(spec.variant for spec in specs))
-        raise ConfigError(f"--only {only!r} matches no run of suite {suite.name!r}: give comma-separated whole "
-                          f"key=value items or variant names of its variants: {'; '.join(names)}")
+        raise ConfigError(f"--only {only!r} matches no run of suite {suite.name!r}: give comma-separated "
+                          f"whole key=value items or variant names of its variants: {'; '.join(names)}")
     return chosen

@@ -135,14 +135,14 @@ class Suite:
         # 0 or a negative budget would stop every run after its first step; null is the way to say "no budget"
         if self.budget_s is not None and (isinstance(self.budget_s, bool) or not self.budget_s > 0
                                           or not math.isfinite(self.budget_s)):
-            raise ConfigError(f"suite {self.name!r}: budget_s must be a number of seconds > 0, or null for no "
-                              f"time budget, got {self.budget_s!r}")
+            raise ConfigError(f"suite {self.name!r}: budget_s must be a number of seconds > 0, or null for "
+                              f"no time budget, got {self.budget_s!r}")
         if self.eval_n < 1:
             raise ConfigError(f"suite {self.name!r}: eval_n must be >= 1")
         check_jobs(self.jobs, f"suite {self.name!r}: jobs")
         if self.judge == "train_loss" and self.metric.name == "train_loss":
-            raise ConfigError(f"suite {self.name!r}: judge: train_loss needs a held-out metric to report beside "
-                              "it (metric.name is train_loss already; leave judge at 'metric')")
+            raise ConfigError(f"suite {self.name!r}: judge: train_loss needs a held-out metric to report "
+                              f"beside it (metric.name is train_loss already; leave judge at 'metric')")
 
     def _check_run_ids(self) -> None:
         """Each variant has its own run folder: the folder name is the variant's name with punctuation turned
@@ -157,9 +157,9 @@ class Suite:
         for name in variant_names(self):
             slug = _slug(name)
             if slug in folders and folders[slug] != name:
-                raise ConfigError(f"suite {self.name!r}: variants {folders[slug]!r} and {name!r} would share the "
-                                  f"run folder runs/{slug}__seed*: rename one (folder names keep only letters, "
-                                  "digits and _ . = + -)")
+                raise ConfigError(f"suite {self.name!r}: variants {folders[slug]!r} and {name!r} would share "
+                                  f"the run folder runs/{slug}__seed*: rename one (folder names keep only "
+                                  f"letters, digits and _ . = + -)")
             folders[slug] = name
 
 
@@ -212,8 +212,9 @@ def load_suite(path_or_suite: str | Path | dict | Suite, quick: bool = False, sc
     missing = [k for k in ("model", "task") if k not in data]
     if missing:
         where = f" ({path_or_suite})" if isinstance(path_or_suite, (str, Path)) else ""
-        raise ConfigError(f"suite {data.get('name', '?')!r}{where} has no {' and no '.join(s + ':' for s in missing)} "
-                          "section (a suite needs at least model: and task:; see docs/ablations.md)")
+        raise ConfigError(f"suite {data.get('name', '?')!r}{where} has no "
+                          f"{' and no '.join(s + ':' for s in missing)} section (a suite needs at least "
+                          "model: and task:; see docs/ablations.md)")
     suite = from_dict(Suite, data, "suite")
     if quick:
         if not suite.quick:

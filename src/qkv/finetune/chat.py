@@ -39,14 +39,7 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError, from_dict, parse_overrides
-from qkv.finetune import (
-    FINETUNE_FILE,
-    Recipe,
-    epoch_updates,
-    epochs_to_steps,
-    register_recipe,
-    shared,
-)
+from qkv.finetune import FINETUNE_FILE, Recipe, epoch_updates, epochs_to_steps, register_recipe, shared
 from qkv.finetune.chat_data import (  # noqa: F401  (the data half of this recipe, imported from here too)
     IGNORE,
     ROLES,
@@ -74,20 +67,22 @@ FEW_STEPS = 50  # fewer optimizer steps than this, set by --epochs rather than t
 
 # -- the recipe ----------------------------------------------------------------------------------------------
 def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--lora", action="store_true", help="train LoRA adapters instead of every weight (merged on save)")
+    g.add_argument("--lora", action="store_true", help="train LoRA adapters instead of every weight (merged "
+                                                       "on save)")
     g.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r (default 8)")
-    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha; the update is scaled by alpha/r (16)")
+    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha; the update is scaled by "
+                                                                  "alpha/r (16)")
     g.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on the adapters' input (0.05)")
     g.add_argument("--lora-targets", default="q,v",
                    help="layers to adapt, comma separated: q,k,v (slices of the fused attention projection), "
-                        "out_proj, up, gate, down, Hugging Face names (q_proj, o_proj, ...), globs, or all-linear "
-                        "(default q,v)")
+                        "out_proj, up, gate, down, Hugging Face names (q_proj, o_proj, ...), globs, or "
+                        "all-linear (default q,v)")
     g.add_argument("--export", choices=("best", "last"), default="best",
-                   help="the weights OUT holds: the best dev loss's checkpoint when --dev was evaluated more than "
-                        "once (best, the default), or the last step's (last)")
+                   help="the weights OUT holds: the best dev loss's checkpoint when --dev was evaluated more "
+                        "than once (best, the default), or the last step's (last)")
     g.add_argument("--max-length", type=int, default=None,
-                   help="longest conversation in tokens (default and upper bound: the longest sequence the model "
-                        "accepts, its context length or a shorter sliding window)")
+                   help="longest conversation in tokens (default and upper bound: the longest sequence the "
+                        "model accepts, its context length or a shorter sliding window)")
 
 
 def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool) -> Any:
@@ -127,8 +122,9 @@ def _few_steps(epochs: float, n_train: int, batch: int, steps: int, per_epoch: i
     steps)."""
     more = math.ceil(FEW_STEPS / per_epoch)
     hint = "; LoRA learns faster with --lora-targets all-linear and a higher train.lr" if lora else ""
-    return (f"{epochs:g} epoch(s) of {n_train} conversation(s) at batch {batch} is {steps} optimizer step(s), too few "
-            f"to learn much: pass --epochs {more} (~{more * per_epoch} steps) or train.max_steps=N{hint}")
+    return (f"{epochs:g} epoch(s) of {n_train} conversation(s) at batch {batch} is {steps} optimizer "
+            f"step(s), too few to learn much: pass --epochs {more} (~{more * per_epoch} steps) or "
+            f"train.max_steps=N{hint}")
 
 
 def _lora_config(args: argparse.Namespace) -> Any:
@@ -160,17 +156,25 @@ def _check_same_lora(out: Path, lora: Any) -> None:
     if before == now:
         return
     if before is None or now is None:
-        raise ConfigError(f"--resume: {out} is a {'full fine-tuning' if before is None else 'LoRA'} run; pass "
-                          f"{'no --lora flags' if before is None else '--lora and its settings'} as it was started")
+        raise ConfigError(f"--resume: {out} is a {'full fine-tuning' if before is None else 'LoRA'} run; "
+                          f"pass {'no --lora flags' if before is None else '--lora and its settings'} as it "
+                          "was started")
     key = next((k for k in now if now[k] != before.get(k)), None)
     if key is None:
-        raise ConfigError(f"--resume: {out} was trained with other LoRA settings ({before}); pass the same ones")
+        raise ConfigError(f"--resume: {out} was trained with other LoRA settings ({before}); pass the same "
+                          "ones")
     raise ConfigError(f"--resume: {out} was trained with --lora-{key} {_show(before.get(key))}, not "
                       f"{_show(now[key])}; pass the same LoRA settings to continue it")
 
 
 def _show(value: Any) -> str:
-    return ",".join(value) if isinstance(value, list) else f"{value:g}" if isinstance(value, float) else str(value)
+    return (
+        ",".join(value)
+        if isinstance(value, list)
+        else f"{value:g}"
+        if isinstance(value, float)
+        else str(value)
+    )
 
 
 def _max_length(requested: int | None, model: torch.nn.Module) -> int:
@@ -214,11 +218,12 @@ class ChatSettings:
         stray = sorted(d for d in getattr(args, "given_flags", ()) if d.startswith("lora_"))
         # LoRA settings without LoRA: the user meant LoRA, full fine-tuning would run
         if stray and not args.lora:
-            raise ConfigError(f"--{stray[0].replace('_', '-')} needs --lora (without it every weight is trained)")
-        return cls(model=args.model, data=args.data, out=Path(args.out), dev=args.dev, resume=bool(args.resume),
-                   seed=args.seed, lora=_lora_config(args) if args.lora else None, export=args.export,
-                   max_length=args.max_length, too_long=shared(args, "too_long", "error", ("error", "skip"), "chat"),
-                   args=args)
+            raise ConfigError(f"--{stray[0].replace('_', '-')} needs --lora (without it every weight is "
+                              "trained)")
+        return cls(model=args.model, data=args.data, out=Path(args.out), dev=args.dev,
+                   resume=bool(args.resume), seed=args.seed, lora=_lora_config(args) if args.lora else None,
+                   export=args.export, max_length=args.max_length,
+                   too_long=shared(args, "too_long", "error", ("error", "skip"), "chat"), args=args)
 
 
 class ChatRecipe:
@@ -249,8 +254,8 @@ class ChatRecipe:
         self.tok = load_hf_tokenizer(self.source)
         if not self.tok.has_chat_template:
             self.notes.append(f"note: {self.source} has no chat template: conversations are rendered as qkv "
-                              "chat's plain 'User: ... / Assistant: ...' transcript, each answer followed by the "
-                              "eos token")
+                              "chat's plain 'User: ... / Assistant: ...' transcript, each answer followed by "
+                              "the eos token")
         self.model = self.build()
         self.dtype = next(self.model.parameters()).dtype
         if s.lora is None and self.dtype != torch.float32:
@@ -277,8 +282,9 @@ class ChatRecipe:
         dev_records = read_chats(s.dev) if s.dev else []
         self.max_length = _max_length(s.max_length, self.model)
         self.train_examples, self.skipped = build_examples(tok, records, self.max_length, s.data, s.too_long)
-        self.dev_examples, self.dev_skipped = (build_examples(tok, dev_records, self.max_length, s.dev, s.too_long)
-                                               if s.dev else ([], []))
+        self.dev_examples, self.dev_skipped = (
+            build_examples(tok, dev_records, self.max_length, s.dev, s.too_long) if s.dev else ([], [])
+        )
         if not self.train_examples:
             raise ConfigError(f"{s.data}: every record was skipped (over --max-length {self.max_length})")
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
@@ -339,8 +345,8 @@ class ChatRecipe:
                  f"({100 * trainable / total:.2f}%)"]
         skipped, dev_skipped, max_length = st["skipped_lines"], st["dev_skipped_lines"], st["max_length"]
         if skipped:
-            lines.append(f"skipped {len(skipped)} training record(s) over {max_length} tokens ({s.data} lines "
-                         f"{_listed(skipped)})")
+            lines.append(f"skipped {len(skipped)} training record(s) over {max_length} tokens ({s.data} "
+                         f"lines {_listed(skipped)})")
         if dev_skipped:
             none_left = "; no dev record is left: no dev loss" if not st["dev_examples"] else ""
             lines.append(f"skipped {len(dev_skipped)} dev record(s) over {max_length} tokens ({s.dev} lines "
@@ -368,5 +374,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"report": "\n".join(recipe.report()), "train": summary, "settings": settings, "out": recipe.s.out}
 
 
-register_recipe(Recipe("chat", ("decoder",), "decoder models: chat / instruction data, loss on the assistant's "
+register_recipe(Recipe("chat", ("decoder",), "decoder models: chat / instruction data, loss on the "
+                                             "assistant's "
                        "tokens only; full fine-tuning or LoRA", run, add_arguments, distributed=True))

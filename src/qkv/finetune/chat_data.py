@@ -42,7 +42,8 @@ def _messages(obj: Any, where: str) -> list[dict[str, str]]:
     elif "prompt" in obj or "completion" in obj:
         if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("completion"), str):
             raise ConfigError(f"{where}: a prompt/completion record needs both as strings")
-        out = [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["completion"]}]
+        out = [{"role": "user", "content": obj["prompt"]},
+               {"role": "assistant", "content": obj["completion"]}]
         if obj.get("system") is not None:
             if not isinstance(obj["system"], str):
                 raise ConfigError(f"{where}: 'system' must be a string")
@@ -101,8 +102,8 @@ def _plain(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[in
     from qkv.interop.tokenizer import spans_to_token_mask
 
     if tok.eos_token is None:
-        raise ConfigError("the model folder has no chat template and no eos token: cannot mark where an answer "
-                          "ends")
+        raise ConfigError("the model folder has no chat template and no eos token: cannot mark where an "
+                          "answer ends")
     text, spans = plain_transcript(messages, tok.eos_token, reply=False)
     ids, offsets = tok.encode_with_offsets(text, add_special_tokens=True)  # as qkv chat encodes its prompt
     mask = spans_to_token_mask(spans, offsets)
@@ -123,9 +124,9 @@ def build_examples(tok: Any, records: list[tuple[int, list[dict[str, str]]]], ma
             if too_long == "skip":
                 skipped.append(line)
                 continue
-            raise ConfigError(f"{path}:{line}: the conversation is {len(ids)} tokens, longer than the context of "
-                              f"{max_length} (--max-length); shorten it, or pass --too-long skip to leave such "
-                              "records out")
+            raise ConfigError(f"{path}:{line}: the conversation is {len(ids)} tokens, longer than the "
+                              f"context of {max_length} (--max-length); shorten it, or pass --too-long skip "
+                              f"to leave such records out")
         if all(x == IGNORE for x in labels[1:]):  # the model predicts labels[1:] (position 0 has no history)
             raise ConfigError(f"{path}:{line}: no assistant token to learn after rendering")
         out.append(Example(line, ids, labels))
@@ -141,7 +142,8 @@ class ChatData:
 
     metrics = {"loss": "min"}
 
-    def __init__(self, train: list[Example], dev: list[Example], pad_id: int, seed: int = 0, window: int = 16):
+    def __init__(self, train: list[Example], dev: list[Example], pad_id: int, seed: int = 0,
+                 window: int = 16):
         if not train:
             raise ConfigError("no training examples left")
         self.train, self.dev, self.pad_id, self.seed, self.window = train, dev, pad_id, seed, window
@@ -189,7 +191,8 @@ def collate(rows: list[Example], pad_id: int) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def assistant_loss(model: torch.nn.Module, examples: list[Example], pad_id: int, batch_size: int = 8) -> float:
+def assistant_loss(model: torch.nn.Module, examples: list[Example], pad_id: int,
+                   batch_size: int = 8) -> float:
     """Mean cross-entropy per assistant token over `examples` (eval mode)."""
     was = model.training
     model.eval()

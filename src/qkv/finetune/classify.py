@@ -23,14 +23,7 @@ from typing import Any
 
 from qkv.config import ConfigError
 from qkv.finetune import Recipe, register_recipe, shared
-from qkv.finetune.encoders import (
-    EncodedData,
-    column,
-    encode,
-    flag,
-    predict,
-    read_records,
-)
+from qkv.finetune.encoders import EncodedData, column, encode, flag, predict, read_records
 from qkv.finetune.phases import EncoderRecipe
 
 METRICS = {"macro_f1": "max", "accuracy": "max"}  # the first selects the best checkpoint
@@ -87,7 +80,8 @@ def plot_confusion(m: list[list[int]], names: list[str], path: Path, title: str)
     top = max(max(r) for r in m) or 1
     for g in range(n):
         for p in range(n):
-            ax.text(p, g, str(m[g][p]), ha="center", va="center", color="white" if m[g][p] > top / 2 else "black")
+            ax.text(p, g, str(m[g][p]), ha="center", va="center",
+                    color="white" if m[g][p] > top / 2 else "black")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -115,7 +109,8 @@ def label_set(values: list[Any], model_names: dict[int, str] | None) -> tuple[di
     return {s: i for i, s in enumerate(names)}, dict(enumerate(names))
 
 
-def label_ids(values: list[Any], mapping: dict[str, int], path: str, records: list[tuple[int, Any]]) -> list[int]:
+def label_ids(values: list[Any], mapping: dict[str, int], path: str,
+              records: list[tuple[int, Any]]) -> list[int]:
     out = []
     for v, (line, _) in zip(values, records):
         s = str(v).strip()
@@ -136,8 +131,8 @@ def checked_labels(values: list[Any], path: str, records: list[tuple[int, Any]])
             floats.append(line)
             v = int(v)
         elif isinstance(v, bool) or not isinstance(v, (str, int)):
-            raise ConfigError(f"{path} line {line}: label {json.dumps(v)[:60]} is a {type(v).__name__}; labels "
-                              "must be strings or integers")
+            raise ConfigError(f"{path} line {line}: label {json.dumps(v)[:60]} is a {type(v).__name__}; "
+                              f"labels must be strings or integers")
         out.append(v)
     if floats:
         warnings.warn(f"{path}: {len(floats)} label(s) written as floats equal to integers (line {floats[0]} "
@@ -145,7 +140,8 @@ def checked_labels(values: list[Any], path: str, records: list[tuple[int, Any]])
     return out
 
 
-def _examples(path: str, args: argparse.Namespace, enc: Any) -> tuple[list[Any], list[Any], list[tuple[int, Any]], int]:
+def _examples(path: str, args: argparse.Namespace,
+              enc: Any) -> tuple[list[Any], list[Any], list[tuple[int, Any]], int]:
     records = read_records(path)
     texts = [str(t) for t in column(path, records, args.text_column, "text")]
     pairs = column(path, records, args.text_pair_column, "text pair")
@@ -170,7 +166,8 @@ class ClassifyRecipe(EncoderRecipe):
         train_y = label_ids(train_raw, mapping, s.data, train_rec)
         self.n_labels = len(self.id2label)
         if self.n_labels < 2:
-            raise ConfigError(f"{s.data}: only one label ({self.id2label[0]!r}); classification needs at least two")
+            raise ConfigError(f"{s.data}: only one label ({self.id2label[0]!r}); classification needs at "
+                              "least two")
         types = enc.model.config.type_vocab_size > 1  # one type (RoBERTa): the model's default zeros
         self.train_data = EncodedData(train_enc, train_y, enc.pad_id, s.seed, METRICS, token_types=types)
         self.dev_cut = 0
@@ -192,7 +189,8 @@ class ClassifyRecipe(EncoderRecipe):
                                   "labels": [self.id2label[i] for i in range(n)],
                                   "train_examples": len(self.train_data),
                                   "truncated": {"train": self.cut, "dev": self.dev_cut},
-                                  "steps": summary["steps"], "best": summary.get("best_eval"), "out": str(out)}
+                                  "steps": summary["steps"], "best": summary.get("best_eval"),
+                                  "out": str(out)}
         if self.dev is not None:
             pred = [int(x.argmax()) for x in predict(self.model, self.dev)]
             final = scores(self.dev.labels, pred, n)
@@ -207,8 +205,8 @@ class ClassifyRecipe(EncoderRecipe):
         lines = [f"fine-tuned {self.enc.model_type} for {summary['steps']} steps on {len(self.train_data)} "
                  f"examples ({self.n_labels} labels: {', '.join(r['labels'][:10])})"]
         if self.cut or self.dev_cut:
-            lines.append(f"truncated to {self.enc.max_length} tokens: {self.cut} training and {self.dev_cut} dev "
-                         "example(s)")
+            lines.append(f"truncated to {self.enc.max_length} tokens: {self.cut} training and {self.dev_cut} "
+                         f"dev example(s)")
         if self.dev is not None:
             final = r["dev"]
             which = (f"best checkpoint (step {summary['best_eval']['step']})" if summary.get("best_eval")

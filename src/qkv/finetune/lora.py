@@ -86,7 +86,8 @@ class LoRALinear(Linear):
         self.slices = tuple(sorted(slices))
         for (a, b), (c, _) in zip(self.slices, self.slices[1:]):
             if c < b:
-                raise ConfigError(f"LoRA targets overlap on the same layer (output slices {a}:{b} and {c}:...)")
+                raise ConfigError(f"LoRA targets overlap on the same layer (output slices {a}:{b} and "
+                                  f"{c}:...)")
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
         w = base.weight
         # adapters train in fp32 even on a bf16/fp16 model: AdamW on half-precision weights loses small
@@ -210,7 +211,8 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[tupl
         if not hits:
             leaves = sorted({n.rpartition(".")[2] for n in linears} | set(SLICE_TARGETS))
             raise ConfigError(f"LoRA target {raw!r} matches no linear layer of this model; "
-                              f"layer names: {', '.join(leaves)} (or a glob like '*.blocks.0.*', or all-linear)")
+                              f"layer names: {', '.join(leaves)} (or a glob like '*.blocks.0.*', or "
+                              "all-linear)")
         for name, s in hits:
             chosen.setdefault(name, set()).add(s)
     out = {}
@@ -244,8 +246,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> dict[str, Any]:
             raise ConfigError(f"{name} already has LoRA adapters")
         shared = [n for n in tied[id(lin.weight)] if n != f"{name}.weight"]
         if shared:
-            raise ConfigError(f"LoRA target {name} shares its weight with {shared[0]} (tied embeddings): merging "
-                              "the adapter would change that too; choose other targets")
+            raise ConfigError(f"LoRA target {name} shares its weight with {shared[0]} (tied embeddings): "
+                              f"merging the adapter would change that too; choose other targets")
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, LoRALinear(lin, slices, config.rank, config.alpha, config.dropout))

@@ -43,7 +43,8 @@ class EncoderSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EncoderSettings:
-        return cls(model=args.model, data=args.data, dev=args.dev, out=Path(args.out), seed=args.seed, args=args)
+        return cls(model=args.model, data=args.data, dev=args.dev, out=Path(args.out), seed=args.seed,
+                   args=args)
 
 
 class EncoderRecipe:
@@ -74,7 +75,8 @@ class EncoderRecipe:
         cfg = train_config(self.s.args, len(self.train_data), self.dev is not None)
         self.model = new_head_model(self.enc, self.head, self.n_labels, self.s.seed)
         mark_out(self.s.out, self.name)  # the data are read and checked: the run starts
-        trainer = Trainer(self.model, cfg, self.train_data, eval_fn=self.evaluate if self.dev is not None else None)
+        trainer = Trainer(self.model, cfg, self.train_data,
+                          eval_fn=self.evaluate if self.dev is not None else None)
         self.summary = trainer.fit()
         return self.summary
 

@@ -45,10 +45,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--batch-size", type=int, default=16,
                    help="pairs per batch (default 16; the same as train.batch_size: give one)")
-    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4; the same as train.lr: give one)")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4; the same as "
+                                                          "train.lr: give one)")
     g.add_argument("--max-source-length", type=int, default=256, help="source tokens at most (default 256)")
     g.add_argument("--max-target-length", type=int, default=128, help="target tokens at most (default 128)")
-    g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (default 1: greedy)")
+    g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (default 1: "
+                                                            "greedy)")
 
 
 # -- data -------------------------------------------------------------------------------------------------
@@ -94,9 +96,12 @@ def encode_pairs(pairs: list[tuple[str, str, int]], tok: Any, path: str, max_src
         s, t = _ids(tok.encode(src)), _ids(enc_target(tgt))
         if len(s) > max_src or len(t) > max_tgt:
             if not truncate:
-                side, length, limit = ("source", len(s), max_src) if len(s) > max_src else ("target", len(t), max_tgt)
+                side, length, limit = (
+                    ("source", len(s), max_src) if len(s) > max_src else ("target", len(t), max_tgt)
+                )
                 raise ConfigError(f"{path}:{n}: {side} is {length} tokens, over --max-{side}-length {limit} "
-                                  f"(raise the limit, or pass --too-long truncate to cut and count such pairs)")
+                                  "(raise the limit, or pass --too-long truncate to cut and count such "
+                                  "pairs)")
             out.truncated += 1
             s, t = s[:max_src], t[:max_tgt]
         out.sources.append(s)
@@ -121,8 +126,9 @@ class PairSource:
         per_epoch = math.ceil(n / batch_size)
         epoch, j = divmod(index, per_epoch)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
-        return collate([self.data.sources[i] for i in order[j * batch_size:(j + 1) * batch_size].tolist()],
-                       [self.data.targets[i] for i in order[j * batch_size:(j + 1) * batch_size].tolist()], self.pad)
+        return collate([self.data.sources[i] for i in order[j * batch_size : (j + 1) * batch_size].tolist()],
+                       [self.data.targets[i] for i in order[j * batch_size : (j + 1) * batch_size].tolist()],
+                       self.pad)
 
 
 def collate(sources: list[list[int]], targets: list[list[int]] | None, pad: int) -> dict[str, torch.Tensor]:
@@ -142,7 +148,8 @@ def collate(sources: list[list[int]], targets: list[list[int]] | None, pad: int)
 
 
 # -- evaluation -------------------------------------------------------------------------------------------
-def translate(model: Any, tok: Any, sources: list[list[int]], pad: int, *, batch_size: int = 32, **gen: Any) -> list[str]:
+def translate(model: Any, tok: Any, sources: list[list[int]], pad: int, *, batch_size: int = 32,
+              **gen: Any) -> list[str]:
     out = []
     for i in range(0, len(sources), batch_size):
         b = collate(sources[i:i + batch_size], None, pad)
@@ -156,7 +163,8 @@ def scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
     from qkv.extras import require
 
     sacrebleu = require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq")
-    return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score, "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
+    return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
+            "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
             "exact_match": sum(h == r for h, r in zip(hyps, refs)) / max(1, len(refs))}
 
 
@@ -176,7 +184,8 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
 
         save_bart(model, out, meta)
     else:
-        raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, marian)")
+        raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, "
+                          "marian)")
     for name in TOKENIZER_FILES:  # never a file onto itself
         if (source / name).is_file() and (source / name).resolve() != (out / name).resolve():
             shutil.copyfile(source / name, out / name)
@@ -246,8 +255,8 @@ class Seq2SeqRecipe:
                               f"{type(self.model).__name__}")
         self.tok = find_tokenizer(source)
         if self.tok is None:
-            raise ConfigError(f"{source} has no tokenizer (tokenizer.json, or source.spm/spiece.model): cannot "
-                              "read text pairs")
+            raise ConfigError(f"{source} has no tokenizer (tokenizer.json, or source.spm/spiece.model): "
+                              f"cannot read text pairs")
         return self.model
 
     def setup_data(self) -> PairSource:
@@ -255,7 +264,9 @@ class Seq2SeqRecipe:
         vocab = model.config.target_vocab_size
         limit = model.encoder.context_limit
         max_src = min(s.max_source_length, limit) if limit else s.max_source_length
-        self.max_tgt = min(s.max_target_length, model.context_limit) if model.context_limit else s.max_target_length
+        self.max_tgt = (
+            min(s.max_target_length, model.context_limit) if model.context_limit else s.max_target_length
+        )
         self.train_pairs = encode_pairs(read_pairs(s.data), tok, s.data, max_src, self.max_tgt, s.truncate)
         self.dev = (encode_pairs(read_pairs(s.dev), tok, s.dev, max_src, self.max_tgt, s.truncate)
                     if s.dev else None)
@@ -263,8 +274,8 @@ class Seq2SeqRecipe:
             if enc is not None:
                 bad = [i for x in enc.sources + enc.targets for i in x if not 0 <= i < vocab]
                 if bad:
-                    raise ConfigError(f"{path}: the tokenizer gives id {bad[0]}, outside the model's vocabulary "
-                                      f"of {vocab}: tokenizer and model do not match")
+                    raise ConfigError(f"{path}: the tokenizer gives id {bad[0]}, outside the model's "
+                                      f"vocabulary of {vocab}: tokenizer and model do not match")
         self.data = PairSource(self.train_pairs, model.config.pad_token_id, s.seed)
         return self.data
 
@@ -298,8 +309,8 @@ class Seq2SeqRecipe:
         train_cfg = self.train_config()
         self.model.train()
         mark_out(self.s.out, "seq2seq")  # the data are read and checked: the run starts
-        trainer = Trainer(self.model, train_cfg, self.data, eval_fn=self.evaluate if self.dev is not None else None,
-                          resume=self.s.resume)
+        trainer = Trainer(self.model, train_cfg, self.data,
+                          eval_fn=self.evaluate if self.dev is not None else None, resume=self.s.resume)
         self.summary = trainer.fit()
         return self.summary
 
@@ -315,7 +326,8 @@ class Seq2SeqRecipe:
 
     def report(self) -> list[str]:
         s, summary, truncated = self.s, self.summary, self.train_pairs.truncated
-        lines = [f"fine-tuned {s.model} on {len(self.data)} pairs ({s.epochs:g} epochs, {summary['steps']} steps)"
+        lines = [f"fine-tuned {s.model} on {len(self.data)} pairs ({s.epochs:g} epochs, {summary['steps']} "
+                 "steps)"
                  + (f"; {truncated} over-long pairs truncated" if truncated else "")]
         if summary.get("best_eval"):
             ev = summary["best_eval"]
@@ -336,5 +348,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {**summary, "report": "\n".join(recipe.report())}
 
 
-register_recipe(Recipe("seq2seq", ("seq2seq",), "encoder-decoder models (T5, BART, Marian): source<TAB>target pairs, "
+register_recipe(Recipe("seq2seq", ("seq2seq",), "encoder-decoder models (T5, BART, Marian): "
+                                                "source<TAB>target pairs, "
                        "BLEU / chrF on --dev each epoch", run, add_arguments))

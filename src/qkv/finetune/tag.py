@@ -23,12 +23,7 @@ from typing import Any
 
 from qkv.config import ConfigError
 from qkv.finetune import Recipe, read_data_text, register_recipe, shared
-from qkv.finetune.encoders import (
-    EncodedData,
-    encode,
-    flag,
-    predict,
-)
+from qkv.finetune.encoders import EncodedData, encode, flag, predict
 from qkv.finetune.phases import EncoderRecipe
 from qkv.tasks.base import text_lines
 
@@ -50,7 +45,8 @@ def read_conll(path: str | Path, tag_column: int = -1) -> list[tuple[list[str], 
     return read_conll_lines(path, tag_column)[0]
 
 
-def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple[list[str], list[str]]], list[int]]:
+def read_conll_lines(path: str | Path,
+                     tag_column: int = -1) -> tuple[list[tuple[list[str], list[str]]], list[int]]:
     """(sentences, the line of each sentence's first token): a sentence's token j is on line first + j, so an
     error about a sentence (too long, an unknown tag) can name the file and line like the other readers do.
     Every token line has the columns of the file's first one: a line with more or fewer (a token with a space
@@ -74,8 +70,8 @@ def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple
         if width is None:
             width = (len(parts), i)
         elif len(parts) != width[0]:
-            raise ConfigError(f"{path} line {i}: {len(parts)} columns, line {width[1]} has {width[0]} (every token "
-                              "line of a CoNLL file has the same columns)")
+            raise ConfigError(f"{path} line {i}: {len(parts)} columns, line {width[1]} has {width[0]} (every "
+                              f"token line of a CoNLL file has the same columns)")
         try:
             tag = parts[tag_column]
         except IndexError:
@@ -85,7 +81,8 @@ def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple
         words.append(parts[0])
         tags.append(tag)
     if not sentences:
-        raise ConfigError(f"{path}: no sentences (CoNLL: token ... tag per line, blank line between sentences)")
+        raise ConfigError(f"{path}: no sentences (CoNLL: token ... tag per line, blank line between "
+                          "sentences)")
     return sentences, starts
 
 
@@ -172,7 +169,8 @@ class TagRecipe(EncoderRecipe):
         self.id2label, self.n_labels = dict(enumerate(self.names)), len(self.names)
         train_enc, self.cut = _encode(enc, train_s, s.args, s.data, train_lines)
         self.types = enc.model.config.type_vocab_size > 1
-        self.train_data = EncodedData(train_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(train_enc, train_s)],
+        self.train_data = EncodedData(train_enc,
+                                      [word_labels(e, t, tag_id) for e, (_, t) in zip(train_enc, train_s)],
                                       enc.pad_id, s.seed, METRICS, token_types=self.types)
         self.dev_cut = 0
         if s.dev:
@@ -187,8 +185,8 @@ class TagRecipe(EncoderRecipe):
             unknown = [j for j, t in enumerate(tags) if t not in tag_id]
             if unknown:
                 j = unknown[0]
-                raise ConfigError(f"{s.dev} line {first + j}: tag {tags[j]!r} (in {' '.join(words[:8])!r}) does "
-                                  f"not occur in the training data (tags: {', '.join(self.names[:20])})")
+                raise ConfigError(f"{s.dev} line {first + j}: tag {tags[j]!r} (in {' '.join(words[:8])!r}) "
+                                  f"does not occur in the training data (tags: {', '.join(self.names[:20])})")
         dev_enc, self.dev_cut = _encode(enc, self.dev_s, s.args, s.dev, dev_lines)
         self.dev = EncodedData(dev_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(dev_enc, self.dev_s)],
                                enc.pad_id, s.seed, token_types=self.types)
@@ -203,18 +201,19 @@ class TagRecipe(EncoderRecipe):
         summary = self.summary
         result: dict[str, Any] = {"recipe": "tag", "task": "tag", "tags": self.names,
                                   "train_sentences": len(self.train_data),
-                                  "truncated": {"train": self.cut, "dev": self.dev_cut}, "steps": summary["steps"],
-                                  "best": summary.get("best_eval"), "out": str(self.s.out)}
+                                  "truncated": {"train": self.cut, "dev": self.dev_cut},
+                                  "steps": summary["steps"], "best": summary.get("best_eval"),
+                                  "out": str(self.s.out)}
         if self.dev is not None:
             result["dev"] = self.evaluate(self.model)
         return result
 
     def report(self) -> list[str]:
-        lines = [f"fine-tuned {self.enc.model_type} for token classification, {self.summary['steps']} steps on "
-                 f"{len(self.train_data)} sentences ({len(self.names)} tags)"]
+        lines = [f"fine-tuned {self.enc.model_type} for token classification, {self.summary['steps']} steps "
+                 f"on {len(self.train_data)} sentences ({len(self.names)} tags)"]
         if self.cut or self.dev_cut:
-            lines.append(f"truncated to {self.enc.max_length} tokens: {self.cut} training and {self.dev_cut} dev "
-                         "sentence(s) (words cut off are predicted O)")
+            lines.append(f"truncated to {self.enc.max_length} tokens: {self.cut} training and {self.dev_cut} "
+                         f"dev sentence(s) (words cut off are predicted O)")
         if self.dev is not None:
             final = self.result["dev"]
             lines.append(f"dev ({len(self.dev)} sentences): entity F1 {final['f1']:.4f} (precision "

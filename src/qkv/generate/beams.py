@@ -75,7 +75,8 @@ class BeamBook:
             self.finished[b] = sorted(self.finished[b], key=lambda h: -h[0])[:K]
             self.done[b] = self._over(b, ns[0], length)
         dev = generated.device
-        return NextBeams(torch.tensor(next_s, device=dev), torch.tensor(next_tok, dtype=torch.long, device=dev),
+        return NextBeams(torch.tensor(next_s, device=dev),
+                         torch.tensor(next_tok, dtype=torch.long, device=dev),
                          torch.tensor(next_src, dtype=torch.long, device=dev))
 
     def _over(self, b: int, best_open: float, length: int) -> bool:
@@ -106,7 +107,9 @@ class BeamBook:
             for k in range(Kc):
                 sc = float(scores[b, k])
                 if sc != NEG_INF and n_gen > 0:
-                    self.finished[b].append((sc / n_gen**self.cfg.length_penalty, generated[b * Kc + k].clone()))
+                    self.finished[b].append(
+                        (sc / n_gen**self.cfg.length_penalty, generated[b * Kc + k].clone())
+                    )
             self.finished[b] = sorted(self.finished[b], key=lambda h: -h[0])[:self.cfg.num_beams]
 
     def best(self, device: torch.device) -> tuple[Tensor, Tensor]:

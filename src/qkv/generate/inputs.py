@@ -59,9 +59,10 @@ def warn_past_trained_context(model: Any, T: int, max_new: int, total: int) -> N
     on."""
     trained = configured_context(model)
     if trained is not None and total > trained:
-        warnings.warn(f"prompt of {T} tokens + max_new_tokens={max_new} = {total} positions runs past the model's "
-                      f"context_length of {trained} (max_position_embeddings): {model.config.position} positions "
-                      f"go on, but the model was not configured for them and its output may degrade",
+        warnings.warn(f"prompt of {T} tokens + max_new_tokens={max_new} = {total} positions runs past the "
+                      f"model's context_length of {trained} (max_position_embeddings): "
+                      f"{model.config.position} positions go on, but the model was not configured for them "
+                      "and its output may degrade",
                       stacklevel=outside_level())
 
 

@@ -50,7 +50,8 @@ class GenerationOutput:
     attentions: list[list[dict[str, Tensor]]] = field(default_factory=list)
 
 
-def settings(model: Decoder, generation_config: GenerationConfig | int | None, options: dict[str, Any]) -> GenerationConfig:
+def settings(model: Decoder, generation_config: GenerationConfig | int | None,
+             options: dict[str, Any]) -> GenerationConfig:
     """The GenerationConfig of one call. An int in the config's place is max_new_tokens (the short form
     generate(model, ids, 50)); keyword options left at None change nothing (None = "the default")."""
     if isinstance(generation_config, int) and not isinstance(generation_config, bool):
@@ -64,8 +65,8 @@ def settings(model: Decoder, generation_config: GenerationConfig | int | None, o
 class _Run:
     """Everything both loops share: the resolved settings, the model, the prompt buffer and its mask."""
 
-    def __init__(self, model: Decoder, input_ids: Tensor, cfg: GenerationConfig, attention_mask: Tensor | None,
-                 expand: int) -> None:
+    def __init__(self, model: Decoder, input_ids: Tensor, cfg: GenerationConfig,
+                 attention_mask: Tensor | None, expand: int) -> None:
         self.model, self.cfg = model, cfg
         self.seq2seq = model.is_seq2seq  # its input is the encoder's (ids, or audio for Whisper)
         if input_ids.dim() != 2 and not (self.seq2seq and input_ids.is_floating_point()):  # (audio: features)
@@ -81,8 +82,10 @@ class _Run:
         if self.seq2seq:
             start = cfg.decoder_start_token_id if cfg.decoder_start_token_id is not None else cfg.bos_token_id
             if start is None:
-                raise ValueError("an encoder-decoder needs decoder_start_token_id (or bos_token_id) to start from")
-            prompt = torch.full((input_ids.shape[0], 1), int(start), dtype=torch.long, device=input_ids.device)
+                raise ValueError("an encoder-decoder needs decoder_start_token_id (or bos_token_id) to start "
+                                 "from")
+            prompt = torch.full((input_ids.shape[0], 1), int(start), dtype=torch.long,
+                                device=input_ids.device)
             n_pad = None
         else:
             prompt, n_pad = input_ids.long(), left_padding(attention_mask, input_ids.shape)
@@ -103,8 +106,8 @@ class _Run:
                 raise ValueError(
                     f"{what} + max_new_tokens={max_new} = {self.total} positions exceeds the model's "
                     f"context of {ctx}; shorten the prompt, lower max_new_tokens, or pass "
-                    f"context_overflow='slide' (qkv generate: --context-overflow slide) to recompute on the last "
-                    f"{ctx} tokens")
+                    "context_overflow='slide' (qkv generate: --context-overflow slide) to recompute on the "
+                    f"last {ctx} tokens")
             self.slide = True
         elif ctx is None and not self.seq2seq:
             warn_past_trained_context(model, self.T, max_new, self.total)
@@ -135,7 +138,8 @@ class _Run:
     def pipeline(self, generator: torch.Generator | None) -> Pipeline:
         return Pipeline(self.cfg, Context(self.T, self.max_new, self.eos, self.n_pad), generator)
 
-    def logits(self, cache: Any, cur: int, inp: Tensor, return_attentions: bool) -> tuple[Tensor, list | None, Any]:
+    def logits(self, cache: Any, cur: int, inp: Tensor,
+               return_attentions: bool) -> tuple[Tensor, list | None, Any]:
         """Logits for the next position after buf[:, :cur]. Returns (logits, attentions, cache); the cache
         is dropped (None) once a sliding window takes over."""
         if cache is not None and cur > cache.max_len:
@@ -147,7 +151,8 @@ class _Run:
                 if self.cfg.compile and inp.shape[1] == 1:
                     check_owner(cache, self)
                     if self.graphed is None or self.graphed.cache is not cache:
-                        self.graphed = GraphedSteps(self.model, self.cfg.compile, cache, self.n_pad, self.keep)
+                        self.graphed = GraphedSteps(self.model, self.cfg.compile, cache, self.n_pad,
+                                                    self.keep)
                     return self.graphed(inp), None, cache
                 return self.model.step(inp, cache, keep=keep, offset=offset), None, cache
             logits, att = self.model.prefill(inp, cache, keep=keep, offset=offset, source=self.source,
@@ -158,8 +163,8 @@ class _Run:
         offset = None
         if self.n_pad is not None:  # the first real token of each row is position 0 of the window
             offset = -(self.n_pad - lo).clamp_min(0)
-        logits, att = self.model.prefill(self.buf[:, lo:cur], None, keep=keep, offset=offset, source=self.source,
-                                         return_attentions=return_attentions)
+        logits, att = self.model.prefill(self.buf[:, lo:cur], None, keep=keep, offset=offset,
+                                         source=self.source, return_attentions=return_attentions)
         return logits, att, None
 
     def new_cache(self) -> Any:
@@ -176,7 +181,8 @@ def _stop_fn(stop_strings: Sequence[str] | None, tokenizer: Any, stopping_criter
              start: int) -> StoppingCriteria | None:
     """Combine stop strings (decoded with tokenizer.decode, or a callable ids -> str) and a user criterion."""
     if stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer (an object with .decode(ids) or a callable ids -> str)")
+        raise ValueError("stop_strings need a tokenizer (an object with .decode(ids) or a callable ids -> "
+                         "str)")
     if not stop_strings and stopping_criteria is None:
         return None
     decode = tokenizer.decode if hasattr(tokenizer, "decode") else tokenizer
@@ -229,7 +235,8 @@ def _result(s: _Run, n: int) -> Tensor:
     return out[:, 1:] if s.seq2seq else out
 
 
-def _generator(generator: torch.Generator | None, seed: int | None, device: torch.device) -> torch.Generator | None:
+def _generator(generator: torch.Generator | None, seed: int | None,
+               device: torch.device) -> torch.Generator | None:
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed, not both")
     if seed is not None:
@@ -383,19 +390,11 @@ def _reorder(cache: Any, rows: Tensor, seq2seq: bool) -> None:
 
 
 @torch.no_grad()
-def generate(
-    model: Any,
-    input_ids: Tensor,
-    generation_config: GenerationConfig | int | None = None,
-    *,
-    attention_mask: Tensor | None = None,
-    tokenizer: Any = None,
-    stopping_criteria: StoppingCriteria | None = None,
-    generator: torch.Generator | None = None,
-    return_attentions: bool = False,
-    return_dict: bool = False,
-    **options: Any,
-) -> Tensor | GenerationOutput:
+def generate(model: Any, input_ids: Tensor, generation_config: GenerationConfig | int | None = None, *,
+             attention_mask: Tensor | None = None, tokenizer: Any = None,
+             stopping_criteria: StoppingCriteria | None = None, generator: torch.Generator | None = None,
+             return_attentions: bool = False, return_dict: bool = False,
+             **options: Any) -> Tensor | GenerationOutput:
     """Generate up to max_new_tokens tokens per sequence.
 
     Settings: a GenerationConfig (`generation_config`, or an int = max_new_tokens) and/or its fields as
@@ -447,17 +446,10 @@ def generate(
         return seqs
 
 
-def stream(
-    model: Any,
-    input_ids: Tensor,
-    generation_config: GenerationConfig | int | None = None,
-    *,
-    attention_mask: Tensor | None = None,
-    tokenizer: Any = None,
-    stopping_criteria: StoppingCriteria | None = None,
-    generator: torch.Generator | None = None,
-    **options: Any,
-) -> Iterator[Tensor]:
+def stream(model: Any, input_ids: Tensor, generation_config: GenerationConfig | int | None = None, *,
+           attention_mask: Tensor | None = None, tokenizer: Any = None,
+           stopping_criteria: StoppingCriteria | None = None, generator: torch.Generator | None = None,
+           **options: Any) -> Iterator[Tensor]:
     """Like generate() (greedy or sampling; num_beams must be 1), but yields the (B,) LongTensor of new
     tokens as each step produces them (pad_token_id for rows that have already stopped). The tokens are
     exactly those generate() returns with the same settings. Iterate it to the end, or close it, to restore
@@ -472,7 +464,8 @@ def stream(
         with torch.no_grad():
             s = _Run(dec, input_ids, cfg, attention_mask, 1)
         stop = _stop_fn(cfg.stop_strings, tokenizer, stopping_criteria, s.T)
-        loop = _decode_loop(s, s.pipeline(_generator(generator, cfg.seed, input_ids.device)), stop, False, None)
+        loop = _decode_loop(s, s.pipeline(_generator(generator, cfg.seed, input_ids.device)), stop, False,
+                            None)
         while True:
             with torch.no_grad():
                 try:

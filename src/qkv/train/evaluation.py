@@ -29,8 +29,8 @@ class Evaluation:
         metric = cfg.best_metric or next(iter(goals))
         mode = cfg.best_mode or goals.get(metric) or ("min" if metric == "loss" else None)
         if mode is None and self._eval_enabled():
-            raise ConfigError(f"train.best_mode (min or max) must be given for best_metric {metric!r}: the task "
-                              f"declares directions only for {sorted(goals)}")
+            raise ConfigError(f"train.best_mode (min or max) must be given for best_metric {metric!r}: the "
+                              f"task declares directions only for {sorted(goals)}")
         return metric, mode or "min"
 
 
@@ -61,7 +61,11 @@ class Evaluation:
             named = "max_eval_batches" in inspect.signature(self.eval_fn).parameters
         except (TypeError, ValueError):  # a builtin or C callable without a signature
             named = False
-        return {"max_eval_batches": self.cfg.max_eval_batches} if named and self.cfg.max_eval_batches is not None else {}
+        return (
+            {"max_eval_batches": self.cfg.max_eval_batches}
+            if named and self.cfg.max_eval_batches is not None
+            else {}
+        )
 
     def _heldout_loss(self) -> dict[str, float]:
         """Token-weighted loss over the first max_eval_batches "val" batches (global: rank r takes r, r + W,
@@ -89,7 +93,9 @@ class Evaluation:
         for cb in self.callbacks:
             cb.on_eval(self, self.step, metrics)
         if self.logger is not None:
-            self.logger.info(f"step {self.step}: eval " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            self.logger.info(
+                f"step {self.step}: eval " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+            )
             if self.cfg.eval_every == 0 or self.step % self.cfg.eval_every:
                 self.logger.log({"step": self.step, **{f"eval/{k}": v for k, v in metrics.items()}})
         if self.best_metric not in metrics:
@@ -99,7 +105,8 @@ class Evaluation:
         value = metrics[self.best_metric]
         if math.isfinite(value):
             if self._is_better(value, self.best):
-                previous, self.best = self.best, {"metric": self.best_metric, "value": value, "step": self.step}
+                previous, self.best = (self.best,
+                                       {"metric": self.best_metric, "value": value, "step": self.step})
                 if self.save_checkpoint(self.ckpt_root / ckpt.BEST,
                                         extra={"eval.json": {**metrics, "step": self.step}}) is None:
                     self.best = previous  # a non-finite state is no best

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from qkv.train.trainer import Trainer
 
 # the settings a resumed run may change at the price of an inexact continuation (listed in a note)
-NOTED_CHANGES = ("batch_size", "seed", "schedule", "lr", "max_steps", "warmup", "weight_decay", "betas", "eps")
+NOTED_CHANGES = ("batch_size", "seed", "schedule", "lr", "max_steps", "warmup", "weight_decay", "betas",
+                 "eps")
 
 
 @dataclass
@@ -64,8 +65,10 @@ def start(trainer: Trainer) -> Start:
     if begin.resumed_from is None:
         existing = ckpt.list_checkpoints(root)
         if existing:
-            raise ConfigError(f"{root} already holds checkpoints of another run (up to step "
-                              f"{existing[-1][0]}): resume=True continues it; a new run needs another out_dir")
+            raise ConfigError(
+                f"{root} already holds checkpoints of another run (up to step "
+                f"{existing[-1][0]}): resume=True continues it; a new run needs another out_dir"
+            )
         seed_everything(trainer.cfg.seed + info.rank)
     return begin
 
@@ -112,7 +115,8 @@ def changed_settings(saved: dict[str, Any], saved_world: int, cfg: TrainConfig,
     changed = {k: (v, getattr(cfg, k)) for k, v in saved.items()
                if k in NOTED_CHANGES and _differs(v, getattr(cfg, k))}
     if saved.get("grad_accum", cfg.grad_accum) * saved_world != cfg.grad_accum * world:
-        changed["micro-batches per update"] = (saved.get("grad_accum", 0) * saved_world, cfg.grad_accum * world)
+        changed["micro-batches per update"] = (saved.get("grad_accum", 0) * saved_world,
+                                               cfg.grad_accum * world)
     return changed
 
 

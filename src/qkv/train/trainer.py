@@ -35,12 +35,13 @@ from qkv.train.callbacks import Callback
 from qkv.train.config import TrainConfig
 from qkv.train.evaluation import Evaluation
 from qkv.train.logging import RunLogger
+from qkv.train.nonfinite import nonfinite_step
 from qkv.train.optim import build_optimizer, implementation
 from qkv.train.precision import Precision, resolve_device
 from qkv.train.rng import rng_state
 from qkv.train.schedule import lr_at
 from qkv.train.signals import SignalStop, TrainingInterrupted
-from qkv.train.stability import NonFiniteError, layer_norms, nonfinite_grads, report
+from qkv.train.stability import NonFiniteError, layer_norms
 
 
 class BatchSource(Protocol):
@@ -84,7 +85,8 @@ class Trainer(Evaluation, SignalStop):
             raise TypeError(f"cfg must be a TrainConfig or a mapping, got {type(cfg).__name__}")
         cfg.validate()
         if not callable(getattr(data, "batch", None)):
-            raise TypeError("data must be a batch source with batch(index, batch_size, split) -> dict of tensors")
+            raise TypeError("data must be a batch source with batch(index, batch_size, split) -> dict of "
+                            "tensors")
         self.cfg = cfg
         self.data = data
         self.eval_fn = eval_fn
@@ -126,7 +128,8 @@ class Trainer(Evaluation, SignalStop):
         model.to(self.device)
         if cfg.grad_checkpointing:
             if not hasattr(model, "set_gradient_checkpointing"):
-                raise ConfigError(f"grad_checkpointing=true but {type(model).__name__} has no set_gradient_checkpointing()")
+                raise ConfigError(f"grad_checkpointing=true but {type(model).__name__} has no "
+                                  "set_gradient_checkpointing()")
             model.set_gradient_checkpointing(True)
         self.model = model  # the module itself: FSDP2 shards it in place; DDP/compile wrap it in `engine`
 
@@ -136,8 +139,9 @@ class Trainer(Evaluation, SignalStop):
 
         if self.dist.mode == "fsdp":
             dist_.wrap(model, self.dist, block_types=(Block,))
-        self.optimizer, self.group_summary = build_optimizer(
-            model, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, impl=cfg.optimizer_impl)
+        self.optimizer, self.group_summary = build_optimizer(model, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                                             weight_decay=cfg.weight_decay,
+                                                             impl=cfg.optimizer_impl)
         self.optimizer_impl = implementation(self.optimizer)  # kept across load_checkpoint (which resets it)
         # every parameter that can have a gradient, listed once (the optimizer's, after any FSDP sharding)
         # instead of walking model.parameters() (~0.1 ms for a 6-layer GPT) twice per step
@@ -155,13 +159,14 @@ class Trainer(Evaluation, SignalStop):
         # every schedule but noam (whose warmup sets its peak) ramps linearly to train.lr over the warmup
         if cfg.schedule != "noam" and cfg.warmup_steps() >= cfg.max_steps:  # a smoke run's, often
             decays = " and never decays" if cfg.schedule != "constant" else ""
-            warnings.warn(f"warmup of {cfg.warmup_steps()} steps >= max_steps={cfg.max_steps}: the {cfg.schedule} "
-                          f"schedule never reaches train.lr{decays} (a warmup < 1 is a share of max_steps)",
+            warnings.warn(f"warmup of {cfg.warmup_steps()} steps >= max_steps={cfg.max_steps}: the "
+                          f"{cfg.schedule} schedule never reaches train.lr{decays} (a warmup < 1 is a share "
+                          "of max_steps)",
                           stacklevel=3)
         if cfg.eval_every and not self._eval_enabled():
-            warnings.warn(f"train.eval_every={cfg.eval_every} has nothing to evaluate (no evaluation function, "
-                          "train.max_eval_batches=0): no evaluation runs during training (qkv train: set "
-                          "eval.during_training=N held-out examples)", stacklevel=3)
+            warnings.warn(f"train.eval_every={cfg.eval_every} has nothing to evaluate (no evaluation "
+                          "function, train.max_eval_batches=0): no evaluation runs during training (qkv "
+                          f"train: set eval.during_training=N held-out examples)", stacklevel=3)
 
     # ---------------------------------------------------------------------------------------------------
     def lr_for(self, step: int) -> float:
@@ -175,7 +180,8 @@ class Trainer(Evaluation, SignalStop):
 
     def _prepare(self, batch: dict[str, Any], step: int, micro: int) -> dict[str, Any]:
         if not isinstance(batch, dict):
-            raise TypeError(f"the batch source returned {type(batch).__name__}; expected a dict of model kwargs")
+            raise TypeError(f"the batch source returned {type(batch).__name__}; expected a dict of model "
+                            "kwargs")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", LengthTruncationWarning)
             batch, n_cut = truncate_batch(batch, self.context_length)
@@ -290,7 +296,8 @@ class Trainer(Evaluation, SignalStop):
                 raise TrainingInterrupted(self._signal or signal.SIGINT, self.step, here)
             summary = self.summary(time.perf_counter() - t_start)
             log.info(f"done: {self.step} steps, final loss {self.last_loss:.4f}"
-                     + (f", best eval {self.best['metric']}={self.best['value']:.4f} at step {self.best['step']}"
+                     + (f", best eval {self.best['metric']}={self.best['value']:.4f} at step "
+                        f"{self.best['step']}"
                         if self.best else ""))
             for cb in self.callbacks:
                 cb.on_fit_end(self, summary)
@@ -329,7 +336,11 @@ class Trainer(Evaluation, SignalStop):
         """An exception (eval_fn, a callback, the batch source) is leaving fit(): checkpoint the completed
         steps so a resume need not redo them. Best effort, never masking that exception, and single-process
         only: saving is collective under DDP/FSDP and the other ranks may be elsewhere."""
-        if self.dist.enabled or self.step == 0 or self.last_checkpoint == ckpt.step_dir(self.ckpt_root, self.step):
+        if (
+            self.dist.enabled
+            or self.step == 0
+            or self.last_checkpoint == ckpt.step_dir(self.ckpt_root, self.step)
+        ):
             return
         try:
             path = self.save_checkpoint()
@@ -414,50 +425,7 @@ class Trainer(Evaluation, SignalStop):
 
     # ---------------------------------------------------------------------------------------------------
     def _nonfinite(self, step: int, loss: float, grad_norm: float, batches: list[dict[str, Any]]) -> None:
-        cfg, log = self.cfg, self.logger
-        assert log is not None
-        layers = nonfinite_grads(self.model)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.precision.scaler is not None:
-            self.precision.scaler.update()  # close this iteration's unscale_ bookkeeping
-        policy = cfg.nan_policy
-        if policy == "skip" and (cfg.max_skips is None or self.skipped < cfg.max_skips):
-            self.skipped += 1
-            self.step = step  # the update slot (and its data) is consumed
-            log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}); "
-                     f"update skipped ({self.skipped} so far); layers: {', '.join(layers[:5])}")
-            log.log({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": self.lr_for(step), "skipped": self.skipped})
-            return
-        if policy == "rollback" and self.rollbacks < cfg.max_rollbacks:
-            path = ckpt.latest_checkpoint(self.ckpt_root)
-            if path is not None:
-                new_scale = self.lr_scale * cfg.rollback_lr_factor
-                # the best so far stays the best: checkpoints/best holds it even if it came after `path`,
-                # and forgetting it would let a worse evaluation of the replayed steps overwrite it
-                counters = (self.rollbacks + 1, self.skipped, self.truncated, self.best)
-                self.load_checkpoint(path)
-                log.rewind(self.step)  # the records after the restored step describe an abandoned path
-                self.lr_scale = new_scale
-                self.rollbacks, self.skipped, self.truncated, self.best = counters
-                log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}) in "
-                         f"{', '.join(layers[:5])}; rolled back to {path.name} (step {self.step}), "
-                         f"LR x{new_scale:.3g} (rollback {self.rollbacks}/{cfg.max_rollbacks})")
-                return
-        # stop (or skip/rollback limits exhausted): keep the evidence, then report. The state saved is the one
-        # before the bad update; it is never pruned against, and not written at all if an earlier update
-        # already left non-finite weights (lr=inf): a non-finite state must not displace a good checkpoint
-        saved = self.save_checkpoint(prune=False)
-        batch_path = None
-        if self.dist.is_main:
-            batch_path = self.out_dir / f"nonfinite_batch_step{step}.pt"
-            torch.save([{k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in b.items()}
-                        for b in batches], batch_path)
-        what = policy if policy == "stop" else f"{policy}, limit reached"
-        newest = ckpt.latest_checkpoint(self.ckpt_root) if saved is None else None
-        msg = report(step, loss, grad_norm, layers, saved, batch_path, what, newest_good=newest)
-        log.info(msg)
-        raise NonFiniteError(msg, step=step, loss=loss, grad_norm=grad_norm, layers=layers,
-                             checkpoint=saved, batch_path=batch_path)
+        nonfinite_step(self, step, loss, grad_norm, batches)
 
     # ---------------------------------------------------------------------------------------------------
     def train_state(self) -> dict[str, Any]:
@@ -497,15 +465,14 @@ class Trainer(Evaluation, SignalStop):
         resume_.restore(self, Path(folder))
 
     def summary(self, elapsed: float) -> dict[str, Any]:
-        return {
-            "steps": self.step, "final_loss": self.last_loss, "best_eval": self.best,
-            "eval": {k: v for k, v in self.last_eval.items() if not k.startswith("_")},
-            "skipped": self.skipped, "rollbacks": self.rollbacks, "truncated": self.truncated,
-            "scaler_skips": self.scaler_skips, "tokens": self.tokens_seen, "elapsed_s": elapsed,
-            "out_dir": str(self.out_dir), "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-            "best_checkpoint": str(self.ckpt_root / ckpt.BEST) if self.best else None,
-            "metrics": str(self.out_dir / "metrics.jsonl"),
-        }
+        return {"steps": self.step, "final_loss": self.last_loss, "best_eval": self.best,
+                "eval": {k: v for k, v in self.last_eval.items() if not k.startswith("_")},
+                "skipped": self.skipped, "rollbacks": self.rollbacks, "truncated": self.truncated,
+                "scaler_skips": self.scaler_skips, "tokens": self.tokens_seen, "elapsed_s": elapsed,
+                "out_dir": str(self.out_dir),
+                "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+                "best_checkpoint": str(self.ckpt_root / ckpt.BEST) if self.best else None,
+                "metrics": str(self.out_dir / "metrics.jsonl")}
 
     def close(self) -> None:
         """Tear down the process group this trainer initialised (call once at the end of a torchrun script, on
