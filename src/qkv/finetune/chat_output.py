@@ -57,7 +57,7 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
                 written[key] = meta[key]
             else:
                 written.pop(key, None)
-        from qkv.checkpoint import atomic_write_json
+        from qkv.storage import atomic_write_json
 
         atomic_write_json(written, out / "config.json")
         fmt = f"hf:{model_type}"

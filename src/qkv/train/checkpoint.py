@@ -39,8 +39,6 @@ from qkv.checkpoint import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     CheckpointError,
-    atomic_save_safetensors,
-    atomic_write_json,
     check_state_fits,
     clean_state_dict,
     config_changes,
@@ -49,6 +47,7 @@ from qkv.checkpoint import (
     unwrap,
 )
 from qkv.config import to_dict
+from qkv.storage import atomic_save_safetensors, atomic_write_json
 
 STATE_NAME = "train_state.pt"
 BEST = "best"
@@ -117,7 +116,9 @@ def _torch_save(obj: Any, path: Path) -> None:
 
 def _replace_dir(src: Path, dst: Path) -> None:
     """Move folder `src` to `dst`. An existing `dst` is moved aside first (`.NAME.old-PID`) and deleted only
-    once the new one is in place; if a kill falls between the two renames, clean_stale restores it."""
+    once the new one is in place; if a kill falls between the two renames, clean_stale restores it. Folder
+    renames, hence os.replace here: qkv.storage's atomic writes replace one file, and a checkpoint is a folder
+    of several files that must appear (and be superseded) all at once."""
     old = None
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
