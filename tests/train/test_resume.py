@@ -8,7 +8,7 @@ import json
 import pytest
 
 from qkv.config import ConfigError
-from qkv.train import StopAt, Trainer, TrainConfig
+from qkv.train import StopAt, TrainConfig, Trainer
 from qkv.train import resume as resume_
 
 
