@@ -28,7 +28,8 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 def _args(model: Path, data: Path, out: Path, **extra) -> argparse.Namespace:
     base = dict(model=str(model), data=str(data), out=str(out), dev=None, resume=False, seed=0, lora=False,
                 lora_rank=8, lora_alpha=16.0, lora_dropout=0.05, lora_targets="q,v", export="best",
-                max_length=None, too_long=None, epochs=None, overrides=[], no_progress=True, given_flags=set())
+                max_length=None, too_long=None, epochs=None, overrides=[], no_progress=True,
+                given_flags=set())
     return argparse.Namespace(**{**base, **extra})
 
 
@@ -53,7 +54,8 @@ def test_setup_data_gives_the_batches_of_the_data_functions(gpt2_chat, tmp_path)
     got = recipe.setup_data()
     tok = load_hf_tokenizer(gpt2_chat)
     examples, skipped = build_examples(tok, read_chats(data), 48, str(data), "error")
-    want = ChatData(examples, [], tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, seed=0)
+    want = ChatData(examples, [], tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                    seed=0)
     assert skipped == [] and recipe.max_length == 48 and recipe.cfg.seed == 0
     for i in range(want.batches_per_epoch(4) + 1):  # one epoch and the first batch of the next
         a, b = got.batch(i, 4), want.batch(i, 4)
@@ -74,7 +76,8 @@ def test_report_is_what_the_command_prints(gpt2_plain, tmp_path, capsys, monkeyp
     assert len(reports) == 1 and out.endswith("\n" + "\n".join(reports[0]) + "\n")
     assert "fine-tuned" not in out.split("\n" + reports[0][0])[0]
     lines = reports[0]
-    assert lines[0].startswith(f"fine-tuned {gpt2_plain} on 6 conversations ({data}), 2 steps; full fine-tuning")
+    assert lines[0].startswith(f"fine-tuned {gpt2_plain} on 6 conversations ({data}), 2 steps; full "
+                               "fine-tuning")
     assert any(line.startswith("note: ") and "no chat template" in line for line in lines)
     assert f"qkv: note: {gpt2_plain} has no chat template" in err  # said before training starts, too
     saved = json.loads((tmp_path / "out" / "finetune.json").read_text(encoding="utf-8"))

@@ -23,8 +23,8 @@ def bert(tmp_path_factory):
 
 
 def _args(model, data, dev, out) -> argparse.Namespace:
-    return argparse.Namespace(model=str(model), data=str(data), dev=str(dev), out=str(out), seed=0, resume=False,
-                              no_progress=True, epochs=None, too_long=None, text_column="text",
+    return argparse.Namespace(model=str(model), data=str(data), dev=str(dev), out=str(out), seed=0,
+                              resume=False, no_progress=True, epochs=None, too_long=None, text_column="text",
                               text_pair_column=None, label_column="label",
                               overrides=["train.max_steps=3", "train.tensorboard=false", "train.plot=false"])
 
@@ -43,9 +43,10 @@ def test_classify_phases_one_by_one_and_the_printed_report(bert, tmp_path, capsy
     assert saved == json.loads(json.dumps(result)) and "report" not in saved
     lines = recipe.report()
 
-    assert main(["finetune", str(bert), "--task", "classify", "--data", str(train), "--dev", str(dev),
-                 "--out", str(tmp_path / "b"), "--no-progress", "train.max_steps=3", "train.tensorboard=false",
-                 "train.plot=false"]) == 0
+    rc = main(["finetune", str(bert), "--task", "classify", "--data", str(train), "--dev", str(dev), "--out",
+               str(tmp_path / "b"), "--no-progress", "train.max_steps=3", "train.tensorboard=false",
+               "train.plot=false"])
+    assert rc == 0
     printed = capsys.readouterr().out
     # one seed, one run: the command's report is the phases' lines, but for the output folder it names
     want = "\n".join(lines).replace(str(tmp_path / "a"), str(tmp_path / "b"))

@@ -34,7 +34,8 @@ def test_an_eos_outside_the_k_best_is_dropped_and_empty_slots_score_minus_infini
 
 def test_when_an_input_is_done():
     done_early = _book(early_stopping=True)
-    done_early.advance([[-1.0, -1.5, -2.0, -9.0]], [[0, 1, 0, 0]], [[0, 0, 3, 4]], 2, torch.tensor([[1], [2]]), 2)
+    done_early.advance([[-1.0, -1.5, -2.0, -9.0]], [[0, 1, 0, 0]], [[0, 0, 3, 4]], 2,
+                       torch.tensor([[1], [2]]), 2)
     assert len(done_early.finished[0]) == 2 and done_early.done == [True]  # K finished hypotheses
     never = _book(early_stopping="never", length_penalty=1.0)
     never.advance([[-1.0, -1.5, -2.0, -9.0]], [[0, 1, 0, 0]], [[0, 0, 3, 4]], 2, torch.tensor([[1], [2]]), 2)

@@ -35,7 +35,8 @@ def test_a_resume_without_checkpoints_starts_fresh_with_a_note(tmp_path, make_gp
 
 
 def test_logged_at_resume_reads_the_last_steps_records():
-    records = [{"step": 3, "loss": 2.0}, {"step": 4, "loss": 1.5}, {"step": 4, "eval/loss": "nan", "eval/acc": 0.5}]
+    records = [{"step": 3, "loss": 2.0}, {"step": 4, "loss": 1.5},
+               {"step": 4, "eval/loss": "nan", "eval/acc": 0.5}]
     evaluation, loss = resume_.logged_at_resume(records, 4)
     assert loss == 1.5 and evaluation["_step"] == 4 and evaluation["acc"] == 0.5
     assert evaluation["loss"] != evaluation["loss"]  # "nan" in metrics.jsonl is read back as a float nan
@@ -46,7 +47,8 @@ def test_changed_settings_name_what_makes_a_resume_inexact():
     cfg = TrainConfig(lr=1e-3, batch_size=8, grad_accum=2, betas=(0.9, 0.95))
     saved = {"lr": 1e-3, "batch_size": 4, "grad_accum": 2, "betas": [0.9, 0.95], "log_every": 5}
     assert resume_.changed_settings(saved, 1, cfg, 1) == {"batch_size": (4, 8)}
-    assert resume_.changed_settings({**saved, "batch_size": 8}, 2, cfg, 1) == {"micro-batches per update": (4, 2)}
+    changed = resume_.changed_settings({**saved, "batch_size": 8}, 2, cfg, 1)
+    assert changed == {"micro-batches per update": (4, 2)}
 
 
 def test_best_on_disk_is_the_record_of_checkpoints_best(tmp_path):

@@ -378,12 +378,8 @@ def run_suite(path_or_suite: str | Path | dict | Suite, out_dir: str | Path | No
     results = [by_index[i] for i in sorted(by_index)]  # file order, however the runs finished
     if log and len(results) < len(specs):
         log(f"the report covers the {len(results)} of {len(specs)} runs finished in {out}")
-    if (
-        suite.kind == "efficiency"
-        and suite.efficiency.interleave
-        and not torch.cuda.is_available()
-        and results
-    ):
+    interleaved = suite.kind == "efficiency" and suite.efficiency.interleave
+    if interleaved and not torch.cuda.is_available() and results:
         _interleave(suite, specs, results, out, force, log)
     return write_report(suite, results, out, expected=len(specs))
 

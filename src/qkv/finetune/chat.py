@@ -168,13 +168,9 @@ def _check_same_lora(out: Path, lora: Any) -> None:
 
 
 def _show(value: Any) -> str:
-    return (
-        ",".join(value)
-        if isinstance(value, list)
-        else f"{value:g}"
-        if isinstance(value, float)
-        else str(value)
-    )
+    if isinstance(value, list):
+        return ",".join(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _max_length(requested: int | None, model: torch.nn.Module) -> int:

@@ -61,11 +61,9 @@ class Evaluation:
             named = "max_eval_batches" in inspect.signature(self.eval_fn).parameters
         except (TypeError, ValueError):  # a builtin or C callable without a signature
             named = False
-        return (
-            {"max_eval_batches": self.cfg.max_eval_batches}
-            if named and self.cfg.max_eval_batches is not None
-            else {}
-        )
+        if not named or self.cfg.max_eval_batches is None:
+            return {}
+        return {"max_eval_batches": self.cfg.max_eval_batches}
 
     def _heldout_loss(self) -> dict[str, float]:
         """Token-weighted loss over the first max_eval_batches "val" batches (global: rank r takes r, r + W,

@@ -29,10 +29,8 @@ def nonfinite_step(trainer: Any, step: int, loss: float, grad_norm: float,
         trainer.step = step  # the update slot (and its data) is consumed
         log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}); "
                  f"update skipped ({trainer.skipped} so far); layers: {', '.join(layers[:5])}")
-        log.log(
-            {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": trainer.lr_for(step),
-             "skipped": trainer.skipped}
-        )
+        log.log({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": trainer.lr_for(step),
+                 "skipped": trainer.skipped})
         return
     if policy == "rollback" and trainer.rollbacks < cfg.max_rollbacks:
         path = ckpt.latest_checkpoint(trainer.ckpt_root)

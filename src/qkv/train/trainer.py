@@ -336,11 +336,8 @@ class Trainer(Evaluation, SignalStop):
         """An exception (eval_fn, a callback, the batch source) is leaving fit(): checkpoint the completed
         steps so a resume need not redo them. Best effort, never masking that exception, and single-process
         only: saving is collective under DDP/FSDP and the other ranks may be elsewhere."""
-        if (
-            self.dist.enabled
-            or self.step == 0
-            or self.last_checkpoint == ckpt.step_dir(self.ckpt_root, self.step)
-        ):
+        saved = self.last_checkpoint == ckpt.step_dir(self.ckpt_root, self.step)
+        if self.dist.enabled or self.step == 0 or saved:
             return
         try:
             path = self.save_checkpoint()
