@@ -64,7 +64,7 @@ def test_only_on_a_fresh_folder_says_the_report_is_partial(tmp_path):
 
 
 def test_only_matches_whole_key_value_items(tmp_path):
-    from qkv.experiments.runner import matches_only
+    from qkv.experiments.selection import matches_only
 
     calls: list[str] = []
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None, only="n_heads=1")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from qkv.config import ConfigError
-from qkv.experiments.runner import is_diverged, run_suite, steps_to_threshold
+from qkv.experiments.metrics import is_diverged, steps_to_threshold
+from qkv.experiments.runner import run_suite
 from qkv.experiments.suite import expand, load_suite
 
 ROOT = Path(__file__).resolve().parents[2]

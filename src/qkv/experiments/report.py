@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from qkv.experiments.runner import read_metrics
+from qkv.experiments.metrics import read_metrics
 from qkv.experiments.suite import Suite
 
 
@@ -66,9 +66,10 @@ def summary_rows(suite: Suite, results: list[dict[str, Any]]) -> list[dict[str, 
                                            for r in rs])
         if suite.metric.threshold is not None:
             reached = [r["steps_to_threshold"] for r in rs if r.get("steps_to_threshold") is not None]
-            row[f"steps to {suite.metric.threshold:g}"] = (
-                f"{statistics.fmean(reached):.0f} ({len(reached)}/{len(rs)})" if reached else f"never (0/{len(rs)})")
-        row["diverged"] = f"{'yes' if any(r.get('diverged') for r in rs) else 'no'} ({sum(bool(r.get('diverged')) for r in rs)}/{len(rs)})"
+            mean = f"{statistics.fmean(reached):.0f}" if reached else "never"
+            row[f"steps to {suite.metric.threshold:g}"] = f"{mean} ({len(reached)}/{len(rs)})"
+        n_diverged = sum(bool(r.get("diverged")) for r in rs)
+        row["diverged"] = f"{'yes' if n_diverged else 'no'} ({n_diverged}/{len(rs)})"
         for ev in suite.extra_evals:
             row[ev.name] = fmt_mean_std([r.get("extra", {}).get(ev.name, float("nan")) for r in rs])
         if suite.metric.name != "train_loss" and suite.judge != "train_loss":
@@ -200,7 +201,8 @@ def plot_metric_vs(out: Path, suite: Suite, results: list[dict[str, Any]]) -> li
     return paths
 
 
-def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path, expected: int | None = None) -> Path:
+def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path,
+                 expected: int | None = None) -> Path:
     """results.csv, summary.md, summary.json, loss_curves.png, metric_vs_*.png in `out`; returns summary.md.
     results: every finished run of the suite in `out` (not only those just run: `qkv ablate --only` rewrites
     the whole report). expected: the suite's number of runs; with fewer results, summary.md says how many."""
@@ -223,20 +225,20 @@ def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path, e
     if suite.claim:
         lines += [f"Claim: {suite.claim}" + (f" ({suite.source})" if suite.source else ""), ""]
     if suite.kind == "efficiency":
-        lines += ["step_ms: median step time with the variants' steps interleaved in one process (robust to a "
-                  "machine whose speed drifts); step_ms_isolated: median in the variant's own process. peak_mb: that "
-                  "process's peak resident memory above its level before the first step (GPU: peak allocated). "
-                  "speedup and memory_ratio are against the first variant.", ""]
+        lines += ["step_ms: median step time with the variants' steps interleaved in one process (robust to "
+                  "a machine whose speed drifts); step_ms_isolated: median in the variant's own process. "
+                  "peak_mb: that process's peak resident memory above its level before the first step (GPU: "
+                  "peak allocated). speedup and memory_ratio are against the first variant.", ""]
     else:
         thr = f", threshold {suite.metric.threshold:g}" if suite.metric.threshold is not None else ""
         if suite.judge == "train_loss":
             lines += [f"Judged on the training curve (final train loss, lower is better{thr}); the held-out "
-                      f"{suite.metric.name} is shown beside it with the gap (held-out minus train), since a model "
-                      "that memorises its corpus has a held-out loss that measures overfitting.", ""]
+                      f"{suite.metric.name} is shown beside it with the gap (held-out minus train), since a "
+                      f"model that memorises its corpus has a held-out loss that measures overfitting.", ""]
             thr = ""
-        lines += [f"Metric: {suite.metric.name} ({'higher' if suite.metric.goal == 'max' else 'lower'} is better{thr}), "
-                  f"mean ± std over seeds {suite.seeds}. Diverged: non-finite loss, a stop by the trainer's NaN "
-                  "policy, or a final loss above the first logged loss.", ""]
+        lines += [f"Metric: {suite.metric.name} ({'higher' if suite.metric.goal == 'max' else 'lower'} is "
+                  f"better{thr}), mean ± std over seeds {suite.seeds}. Diverged: non-finite loss, a stop by "
+                  f"the trainer's NaN policy, or a final loss above the first logged loss.", ""]
     if expected is not None and len(results) < expected:  # a partial table must not read as the whole suite
         lines += [f"Partial: {len(results)} of the suite's {expected} runs have finished in this folder "
                   "(`qkv ablate` again, without --only, runs the rest).", ""]

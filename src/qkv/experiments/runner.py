@@ -5,8 +5,9 @@ Layout of an output folder:
     OUT/runs/<variant>__seed<k>/       one folder per run:
         run.json                       its model / task / train sections and seed (written first)
         metrics.jsonl, metrics.csv     the trainer's log (one JSON object per logged step)
-        final/                         the final model (config.json + model.safetensors) and its task/tokenizer
-        result.json                    written last, atomically: a run with result.json is finished
+        final/                         the final model (config.json + model.safetensors) and its
+        task/tokenizer result.json                    written last, atomically: a run with result.json is
+        finished
     OUT/results.csv, OUT/summary.md, OUT/*.png     the report (qkv.experiments.report)
 
 A run whose folder has result.json is never redone (resumability), as long as its run.json holds the settings
@@ -37,13 +38,22 @@ import math
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from qkv.config import ConfigError, to_dict
-from qkv.experiments.suite import RunSpec, Suite, _fmt, check_jobs, expand, load_suite
+from qkv.experiments.metrics import (
+    final_train_loss,
+    is_diverged,
+    metric_series,
+    read_metrics,
+    steps_to_threshold,
+)
+from qkv.experiments.selection import select_runs
+from qkv.experiments.suite import RunSpec, Suite, check_jobs, expand, load_suite
 from qkv.nn.params import count_parameters
 from qkv.storage import atomic_write_text
 
@@ -53,72 +63,6 @@ TrainFn = Callable[[Suite, RunSpec, Path], dict[str, Any]]
 
 def _write_json(obj: Any, path: Path) -> None:
     atomic_write_text(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n", path)
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl file (a truncated last line from a killed process is ignored)."""
-    rows = []
-    if not path.is_file():
-        return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def metric_series(rows: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
-    """(step, value) pairs of metric `name` in the trainer's log; eval metrics may carry an eval_/val_ prefix."""
-    keys = ["loss"] if name == "train_loss" else [name, f"eval_{name}", f"val_{name}", f"eval/{name}"]
-    out = []
-    for r in rows:
-        for k in keys:
-            if k in r and isinstance(r[k], (int, float)) and "step" in r:
-                out.append((int(r["step"]), float(r[k])))
-                break
-    return out
-
-
-def steps_to_threshold(series: list[tuple[int, float]], threshold: float | None, goal: str) -> int | None:
-    """First logged step whose value is at least as good as the threshold (None: never, or no threshold)."""
-    if threshold is None:
-        return None
-    for step, v in series:
-        if math.isfinite(v) and (v <= threshold if goal == "min" else v >= threshold):
-            return step
-    return None
-
-
-def final_train_loss(rows: list[dict[str, Any]], tail: float = 0.1) -> float:
-    """Mean of the last `tail` fraction (at least one) of the logged training losses; NaN if any is non-finite."""
-    losses = [r["loss"] for r in rows if "loss" in r and isinstance(r["loss"], (int, float))]
-    if not losses:
-        return float("nan")
-    k = max(1, int(round(len(losses) * tail)))
-    last = losses[-k:]
-    return float("nan") if not all(math.isfinite(x) for x in last) else sum(last) / len(last)
-
-
-def is_diverged(rows: list[dict[str, Any]], error: str | None) -> bool:
-    """Diverged: the trainer stopped on a non-finite value, a non-finite loss was logged, or the final
-    loss is above the first logged loss (training made the model worse than its initialisation)."""
-    if error:
-        return True
-    losses = [r["loss"] for r in rows if "loss" in r and isinstance(r["loss"], (int, float))]
-    if not losses:
-        return False
-    if not all(math.isfinite(x) for x in losses):
-        return True
-    fin = final_train_loss(rows)
-    return not math.isfinite(fin) or fin > losses[0]
 
 
 # -- one training run ---------------------------------------------------------------------------------------
@@ -196,8 +140,10 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         result["eval"] = {k: float(v) for k, v in scores.items() if isinstance(v, (int, float))}
     else:
         result["metric"] = float("nan")
-    result["extra"] = {name: float(scores.get(suite.metric.name, float("nan"))) if finite_model else float("nan")
-                       for name, scores in out["extra"].items()}
+    result["extra"] = {
+        name: float(scores.get(suite.metric.name, float("nan"))) if finite_model else float("nan")
+        for name, scores in out["extra"].items()
+    }
     for ev in suite.extra_evals:
         result["extra"].setdefault(ev.name, float("nan"))
     if suite.judge == "train_loss":  # the verdict from the training curve; the held-out metric kept beside it
@@ -218,7 +164,8 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
 
 
 def _worker(train_fn: TrainFn, suite: Suite, spec: RunSpec, run_dir: Path, threads: int) -> dict[str, Any]:
-    """One run in a worker process (spawned: a fresh interpreter, nothing inherited from the parent's torch)."""
+    """One run in a worker process (spawned: a fresh interpreter, nothing inherited from the parent's
+    torch)."""
     torch.set_num_threads(threads)
     return train_fn(suite, spec, run_dir)
 
@@ -277,7 +224,8 @@ def check_runs(suite: Suite, specs: list[RunSpec]) -> None:
     from qkv.tasks.base import build_options, build_task, kind_for, task_spec
     from qkv.train import TrainConfig
 
-    tasks: dict[tuple[str, str], list[str]] = {}  # (task name, family) -> the metric names its evaluate() reports
+    # (task name, family) -> the metric names its evaluate() reports
+    tasks: dict[tuple[str, str], list[str]] = {}
     checked: set[str] = set()
     for spec in specs:
         if spec.variant in checked:  # the seed changes no setting that can be invalid
@@ -307,80 +255,23 @@ def check_runs(suite: Suite, specs: list[RunSpec]) -> None:
         if (name, fam.name) not in tasks:  # built once per task: its class says what evaluate() reports
             tasks[(name, fam.name)] = list(build_task(name, family=fam.name, **options).metrics)
         if suite.metric.name not in tasks[(name, fam.name)]:
-            raise ConfigError(f"suite {suite.name!r}: metric.name {suite.metric.name!r} is not a metric of task "
-                              f"{name!r} (it reports {', '.join(tasks[(name, fam.name)])}; or use train_loss)")
-
-
-def _only_items(spec: RunSpec) -> set[str]:
-    """What --only can name of a run: its whole variant name, its explicit variant's name (alone or as
-    variant=NAME), and each swept value as key=value, written as in the table and the folder names."""
-    items = {spec.variant}
-    for k, v in spec.values.items():
-        items.add(f"{k}={_fmt(v)}")
-        if k == "variant":
-            items.add(str(v))
-    return items
-
-
-def _same_value(raw: str, value: Any) -> bool:
-    """`raw` (typed after key= in --only) names `value`: as displayed (True, 0.001), or as YAML reads it (true,
-    1e-3, 1.0 for 1), without taking a bool for a number."""
-    import yaml
-
-    if raw == _fmt(value):
-        return True
-    try:
-        parsed = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return False
-    if isinstance(parsed, bool) or isinstance(value, bool):
-        return parsed is value
-    if isinstance(value, (int, float)):
-        try:
-            return float(raw) == float(value)
-        except ValueError:
-            return False
-    return parsed == value
-
-
-def matches_only(spec: RunSpec, only: str) -> bool:
-    """--only FILTER: comma-separated items, each a whole key=value of the variant's name (n_heads=1 is not
-    n_heads=16) or an explicit variant's name; a run is selected when it has every item."""
-    if only.strip() == spec.variant:
-        return True
-    items = _only_items(spec)
-    for item in (w.strip() for w in only.split(",")):
-        if not item or item in items:
-            continue
-        key, eq, raw = item.partition("=")
-        if not (eq and key.strip() in spec.values and _same_value(raw.strip(), spec.values[key.strip()])):
-            return False
-    return True
-
-
-def select_runs(suite: Suite, specs: list[RunSpec], only: str | None) -> set[int]:
-    """The indices of the runs --only selects (all without it); a filter that selects none is an error that
-    lists what it can name."""
-    if not only:
-        return set(range(len(specs)))
-    chosen = {i for i, spec in enumerate(specs) if matches_only(spec, only)}
-    if not chosen:
-        names = list(dict.fromkeys(spec.variant for spec in specs))
-        raise ConfigError(f"--only {only!r} matches no run of suite {suite.name!r}: give comma-separated whole "
-                          f"key=value items or variant names of its variants: {'; '.join(names)}")
-    return chosen
+            raise ConfigError(f"suite {suite.name!r}: metric.name {suite.metric.name!r} is not a metric of "
+                              f"task {name!r} (it reports {', '.join(tasks[(name, fam.name)])}; or use "
+                              "train_loss)")
 
 
 def run_record(suite: Suite, spec: RunSpec) -> dict[str, Any]:
-    """What run.json holds: the settings that decide a run's result (its sections, seed, and how it is measured),
-    compared with a finished run's saved one before that run is reused."""
+    """What run.json holds: the settings that decide a run's result (its sections, seed, and how it is
+    measured), compared with a finished run's saved one before that run is reused."""
     measure: dict[str, Any] = {"kind": suite.kind, "metric": to_dict(suite.metric), "judge": suite.judge,
-                               "eval_n": suite.eval_n, "extra_evals": [to_dict(ev) for ev in suite.extra_evals],
+                               "eval_n": suite.eval_n,
+                               "extra_evals": [to_dict(ev) for ev in suite.extra_evals],
                                "budget_s": suite.budget_s, "budget_clock": suite.budget_clock}
     if suite.kind == "efficiency":
         measure["efficiency"] = to_dict(suite.efficiency)
     return {"suite": suite.name, "variant": spec.variant, "values": spec.values, "seed": spec.seed,
-            "family": spec.family, "model": spec.model, "task": spec.task, "train": spec.train, "measure": measure}
+            "family": spec.family, "model": spec.model, "task": spec.task, "train": spec.train,
+            "measure": measure}
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -394,8 +285,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The dotted keys whose values differ, as 'key: old -> new' (measure.* shown without its prefix). Sections
-    a run.json from an older qkv lacks (measure) are not compared."""
+    """The dotted keys whose values differ, as 'key: old -> new' (measure.* shown without its prefix).
+    Sections a run.json from an older qkv lacks (measure) are not compared."""
     now = json.loads(json.dumps(now, sort_keys=True, default=str))  # as it would be saved
     old = _flatten({k: v for k, v in saved.items() if k in now})
     new = _flatten({k: v for k, v in now.items() if k in saved})
@@ -422,26 +313,18 @@ def check_saved_run(suite: Suite, spec: RunSpec, run_dir: Path) -> None:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         saved = {"run.json": "(unreadable)"}
-    diff = _differences(saved, run_record(suite, spec)) if isinstance(saved, dict) else ["run.json: not a mapping"]
+    diff = _differences(saved, run_record(suite, spec)) if isinstance(saved, dict) else ["run.json: not a "
+                                                                                         "mapping"]
     if diff:
         shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
         raise ConfigError(f"{run_dir} was run with other settings than suite {suite.name!r} gives it now "
                           f"({shown}): use another --out, or delete runs/{spec.run_id} to redo it")
 
 
-def run_suite(
-    path_or_suite: str | Path | dict | Suite,
-    out_dir: str | Path | None = None,
-    quick: bool = False,
-    *,
-    scale: str = "cpu",
-    only: str | None = None,
-    force: bool = False,
-    train_fn: TrainFn | None = None,
-    threads: int | None = None,
-    jobs: int | None = None,
-    log: Callable[[str], None] | None = print,
-) -> Path:
+def run_suite(path_or_suite: str | Path | dict | Suite, out_dir: str | Path | None = None,
+              quick: bool = False, *, scale: str = "cpu", only: str | None = None, force: bool = False,
+              train_fn: TrainFn | None = None, threads: int | None = None, jobs: int | None = None,
+              log: Callable[[str], None] | None = print) -> Path:
     """Run (or resume) every run of a suite and write the report; returns the path of summary.md.
 
     scale: "cpu" (the file as written) or "gpu" (its `scales: {gpu: ...}` profile).
@@ -454,16 +337,14 @@ def run_suite(
     jobs, 1 thread per process can be many times faster than oversubscribed cores.
     jobs: runs trained at once, each in its own (spawned) process on the same device (default: the suite's
     `jobs`, 1); each process gets `threads` threads, or its share of this process's threads. A run's result
-    does not depend on jobs: each run is seeded by its own spec, whatever process trains it."""
+    does not depend on jobs: each run is seeded by its own spec, whatever process trains it.
+
+    The phases: load and check the suite, plan every run folder (nothing touched yet), prepare the folders,
+    train the pending runs, time efficiency variants side by side, write the report."""
     from qkv.experiments.report import write_report
 
     suite = load_suite(path_or_suite, quick, scale)
-    jobs = suite.jobs if jobs is None else check_jobs(jobs)
-    if jobs > 1 and suite.kind == "efficiency":
-        raise ConfigError(f"suite {suite.name!r} times its runs (kind: efficiency): run it with --jobs 1, "
-                          "parallel runs would share the device and distort the timings")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"threads must be at least 1, got {threads}")
+    jobs = _check_parallel(suite, jobs, threads)
     out = Path(out_dir or Path("runs") / "ablations" / (suite.name + ("-quick" if quick else "") +
                                                         ("-gpu" if scale == "gpu" else "")))
     _check_out(out)
@@ -471,49 +352,12 @@ def run_suite(
     selected = select_runs(suite, specs, only)
     if train_fn is None:  # the runner's own runs: checked like `qkv train` before the first one starts
         check_runs(suite, specs)
-        if suite.kind == "efficiency":
-            from qkv.experiments.efficiency import efficiency_run
-
-            train_fn = efficiency_run
-        else:
-            train_fn = train_run
-    from qkv.train import latest_checkpoint
-
-    # decide what happens to every run folder before touching any: a refused one leaves the folder as it was
-    by_index: dict[int, dict[str, Any]] = {}
-    todo: list[tuple[int, RunSpec, Path, bool]] = []  # (index, spec, folder, delete it first)
-    for i, spec in enumerate(specs):
-        run_dir = out / "runs" / spec.run_id
-        done = run_dir / RESULT
-        redo = force and i in selected
-        # only train_run resumes a run from its checkpoint; other run functions start an unfinished run again
-        resumable = train_fn is train_run and latest_checkpoint(run_dir / "checkpoints") is not None
-        if not redo and (done.is_file() or (i in selected and resumable)):  # kept: its settings must still hold
-            check_saved_run(suite, spec, run_dir)
-        if i not in selected:  # not run now; reported when it finished earlier (the report covers the suite)
-            if done.is_file():
-                by_index[i] = json.loads(done.read_text(encoding="utf-8"))
-            continue
-        if done.is_file() and not redo:
-            if log:
-                log(f"[{i + 1}/{len(specs)}] {spec.run_id}: done earlier, skipped")
-            by_index[i] = json.loads(done.read_text(encoding="utf-8"))
-            continue
-        todo.append((i, spec, run_dir, run_dir.exists() and (redo or done.is_file() or not resumable)))
-
+        train_fn = _default_run(suite)
+    plan = plan_runs(suite, specs, selected, out, force, resumes=train_fn is train_run, log=log)
     if threads is not None:
         torch.set_num_threads(threads)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    import yaml
-
-    (out / "suite.yaml").write_text(yaml.safe_dump(to_dict(suite), sort_keys=False), encoding="utf-8")
-    pending: list[tuple[int, RunSpec, Path]] = []
-    for i, spec, run_dir, wipe in todo:
-        if wipe:
-            shutil.rmtree(run_dir)  # an interrupted run without a checkpoint, or --force: start it again
-        run_dir.mkdir(parents=True, exist_ok=True)  # one with a checkpoint: train_run resumes it
-        _write_json(run_record(suite, spec), run_dir / "run.json")
-        pending.append((i, spec, run_dir))
+    pending = _prepare_folders(suite, out, plan.todo)
+    by_index = plan.finished
 
     def finish(i: int, spec: RunSpec, run_dir: Path, res: dict[str, Any]) -> None:
         res.update({"run_id": spec.run_id, "variant": spec.variant, "values": spec.values, "seed": spec.seed})
@@ -534,21 +378,104 @@ def run_suite(
     results = [by_index[i] for i in sorted(by_index)]  # file order, however the runs finished
     if log and len(results) < len(specs):
         log(f"the report covers the {len(results)} of {len(specs)} runs finished in {out}")
-    if suite.kind == "efficiency" and suite.efficiency.interleave and not torch.cuda.is_available() and results:
-        from qkv.experiments.efficiency import interleaved_timing
-
-        cache = out / "interleaved.json"
-        variants = sorted({r["variant"] for r in results})
-        timing = json.loads(cache.read_text(encoding="utf-8")) if cache.is_file() else {}
-        if sorted(timing) != variants or force:
-            if log:
-                log("timing the variants side by side (interleaved steps) ...")
-            timing = interleaved_timing(suite, [s for s in specs if s.variant in variants])
-            _write_json(timing, cache)
-        for r in results:
-            if r["variant"] in timing and r.get("step_ms"):
-                r.setdefault("step_ms_isolated", r["step_ms"])
-                r["step_ms"] = timing[r["variant"]]
-                r["tokens_per_s"] = r["batch_tokens"] / (r["step_ms"] / 1000)
-                r["metric"] = r["step_ms"]
+    interleaved = suite.kind == "efficiency" and suite.efficiency.interleave
+    if interleaved and not torch.cuda.is_available() and results:
+        _interleave(suite, specs, results, out, force, log)
     return write_report(suite, results, out, expected=len(specs))
+
+
+def _check_parallel(suite: Suite, jobs: int | None, threads: int | None) -> int:
+    """The number of runs trained at once (the suite's unless given), checked with the thread count."""
+    jobs = suite.jobs if jobs is None else check_jobs(jobs)
+    if jobs > 1 and suite.kind == "efficiency":
+        raise ConfigError(f"suite {suite.name!r} times its runs (kind: efficiency): run it with --jobs 1, "
+                          "parallel runs would share the device and distort the timings")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"threads must be at least 1, got {threads}")
+    return jobs
+
+
+def _default_run(suite: Suite) -> TrainFn:
+    """The run function of a suite's kind: a timing run for efficiency suites, a training run otherwise."""
+    if suite.kind == "efficiency":
+        from qkv.experiments.efficiency import efficiency_run
+
+        return efficiency_run
+    return train_run
+
+
+@dataclass
+class Plan:
+    """What happens to every run folder, decided before any is touched: the results of runs finished
+    earlier (by index), and the runs to train now as (index, spec, folder, delete the folder first)."""
+
+    finished: dict[int, dict[str, Any]] = field(default_factory=dict)
+    todo: list[tuple[int, RunSpec, Path, bool]] = field(default_factory=list)
+
+
+def plan_runs(suite: Suite, specs: list[RunSpec], selected: set[int], out: Path, force: bool, *,
+              resumes: bool, log: Callable[[str], None] | None = None) -> Plan:
+    """Decide every run folder's fate before touching any, so a refused one leaves the folders as they were.
+    resumes: the run function continues an unfinished run from its checkpoint (train_run does; other run
+    functions start it again)."""
+    from qkv.train import latest_checkpoint
+
+    plan = Plan()
+    for i, spec in enumerate(specs):
+        run_dir = out / "runs" / spec.run_id
+        done = run_dir / RESULT
+        redo = force and i in selected
+        resumable = resumes and latest_checkpoint(run_dir / "checkpoints") is not None
+        # kept: its settings must still hold
+        if not redo and (done.is_file() or (i in selected and resumable)):
+            check_saved_run(suite, spec, run_dir)
+        if i not in selected:  # not run now; reported when it finished earlier (the report covers the suite)
+            if done.is_file():
+                plan.finished[i] = json.loads(done.read_text(encoding="utf-8"))
+            continue
+        if done.is_file() and not redo:
+            if log:
+                log(f"[{i + 1}/{len(specs)}] {spec.run_id}: done earlier, skipped")
+            plan.finished[i] = json.loads(done.read_text(encoding="utf-8"))
+            continue
+        plan.todo.append((i, spec, run_dir, run_dir.exists() and (redo or done.is_file() or not resumable)))
+    return plan
+
+
+def _prepare_folders(suite: Suite, out: Path,
+                     todo: list[tuple[int, RunSpec, Path, bool]]) -> list[tuple[int, RunSpec, Path]]:
+    """Write OUT/suite.yaml and each pending run's folder with its run.json; returns the pending runs."""
+    import yaml
+
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    atomic_write_text(yaml.safe_dump(to_dict(suite), sort_keys=False), out / "suite.yaml")
+    pending: list[tuple[int, RunSpec, Path]] = []
+    for i, spec, run_dir, wipe in todo:
+        if wipe:
+            shutil.rmtree(run_dir)  # an interrupted run without a checkpoint, or --force: start it again
+        run_dir.mkdir(parents=True, exist_ok=True)  # one with a checkpoint: train_run resumes it
+        _write_json(run_record(suite, spec), run_dir / "run.json")
+        pending.append((i, spec, run_dir))
+    return pending
+
+
+def _interleave(suite: Suite, specs: list[RunSpec], results: list[dict[str, Any]], out: Path, force: bool,
+                log: Callable[[str], None] | None) -> None:
+    """An efficiency suite on a CPU: its step times measured again with the variants' steps interleaved
+    (cached in OUT/interleaved.json), replacing each result's isolated time (kept as step_ms_isolated)."""
+    from qkv.experiments.efficiency import interleaved_timing
+
+    cache = out / "interleaved.json"
+    variants = sorted({r["variant"] for r in results})
+    timing = json.loads(cache.read_text(encoding="utf-8")) if cache.is_file() else {}
+    if sorted(timing) != variants or force:
+        if log:
+            log("timing the variants side by side (interleaved steps) ...")
+        timing = interleaved_timing(suite, [s for s in specs if s.variant in variants])
+        _write_json(timing, cache)
+    for r in results:
+        if r["variant"] in timing and r.get("step_ms"):
+            r.setdefault("step_ms_isolated", r["step_ms"])
+            r["step_ms"] = timing[r["variant"]]
+            r["tokens_per_s"] = r["batch_tokens"] / (r["step_ms"] / 1000)
+            r["metric"] = r["step_ms"]

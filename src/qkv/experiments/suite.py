@@ -14,7 +14,8 @@
     variants:                        # optional explicit variants (crossed with the grid); each a name plus
       - {name: lstm, family: lstm, model: {preset: lstm-tiny}}   # dotted overrides, a whole section
                                                                  # (model/task/train), or another family
-    seeds: [0, 1]                    # train.seed of each run: the initialisation and dropout; the data (batches,
+    seeds: [0, 1]                    # train.seed of each run: the initialisation and dropout; the data
+    (batches,
                                      # held-out set) follow task.seed, the same in every run (grid task.seed)
     metric: {name: exact_match, goal: max, threshold: 0.9}   # a key of task.evaluate(), or train_loss
     judge: metric                    # metric | train_loss: the verdict from the training curve, the held-out
@@ -49,7 +50,8 @@ SECTIONS = ("model", "train", "task")
 class MetricSpec:
     name: str = "train_loss"  # a key of task.evaluate(model), or train_loss (mean of the last logged losses)
     goal: Literal["min", "max"] = "min"  # which direction is better
-    threshold: float | None = None  # "steps to reach": first logged step where the metric is at least this good
+    # "steps to reach": first logged step where the metric is at least this good
+    threshold: float | None = None
 
 
 @dataclass
@@ -90,16 +92,19 @@ class Suite:
     judge: Literal["metric", "train_loss"] = "metric"
     extra_evals: list[ExtraEval] = field(default_factory=list)
     budget_s: float | None = None
-    # which clock budget_s counts: "wall" (elapsed time, what a user waits for) or "cpu" (the process's own CPU
+    # which clock budget_s counts: "wall" (elapsed time, what a user waits for) or "cpu" (the process's own
+    # CPU
     # time: on a machine shared with other jobs, with 1 thread per run, the compute each run actually got,
     # so that an equal-time comparison is not decided by what else happened to be running)
     budget_clock: Literal["wall", "cpu"] = "wall"
-    jobs: int = 1  # runs of the grid trained at once on one device, each in its own process (--jobs overrides)
+    # runs of the grid trained at once on one device, each in its own process (--jobs overrides)
+    jobs: int = 1
     efficiency: EfficiencySpec = field(default_factory=EfficiencySpec)
     quick: dict[str, Any] = field(default_factory=dict)
     scales: dict[str, dict[str, Any]] = field(default_factory=dict)  # size profiles; the file itself is "cpu"
     notes: str = ""  # free text carried into the report
-    keep_trainer_checkpoints: bool = False  # keep each run's checkpoints/ (optimizer state); final/ is always kept
+    # keep each run's checkpoints/ (optimizer state); final/ is always kept
+    keep_trainer_checkpoints: bool = False
 
     def validate(self) -> None:
         if "name" not in self.task:
@@ -130,14 +135,14 @@ class Suite:
         # 0 or a negative budget would stop every run after its first step; null is the way to say "no budget"
         if self.budget_s is not None and (isinstance(self.budget_s, bool) or not self.budget_s > 0
                                           or not math.isfinite(self.budget_s)):
-            raise ConfigError(f"suite {self.name!r}: budget_s must be a number of seconds > 0, or null for no "
-                              f"time budget, got {self.budget_s!r}")
+            raise ConfigError(f"suite {self.name!r}: budget_s must be a number of seconds > 0, or null for "
+                              f"no time budget, got {self.budget_s!r}")
         if self.eval_n < 1:
             raise ConfigError(f"suite {self.name!r}: eval_n must be >= 1")
         check_jobs(self.jobs, f"suite {self.name!r}: jobs")
         if self.judge == "train_loss" and self.metric.name == "train_loss":
-            raise ConfigError(f"suite {self.name!r}: judge: train_loss needs a held-out metric to report beside "
-                              "it (metric.name is train_loss already; leave judge at 'metric')")
+            raise ConfigError(f"suite {self.name!r}: judge: train_loss needs a held-out metric to report "
+                              f"beside it (metric.name is train_loss already; leave judge at 'metric')")
 
     def _check_run_ids(self) -> None:
         """Each variant has its own run folder: the folder name is the variant's name with punctuation turned
@@ -152,9 +157,9 @@ class Suite:
         for name in variant_names(self):
             slug = _slug(name)
             if slug in folders and folders[slug] != name:
-                raise ConfigError(f"suite {self.name!r}: variants {folders[slug]!r} and {name!r} would share the "
-                                  f"run folder runs/{slug}__seed*: rename one (folder names keep only letters, "
-                                  "digits and _ . = + -)")
+                raise ConfigError(f"suite {self.name!r}: variants {folders[slug]!r} and {name!r} would share "
+                                  f"the run folder runs/{slug}__seed*: rename one (folder names keep only "
+                                  f"letters, digits and _ . = + -)")
             folders[slug] = name
 
 
@@ -202,12 +207,14 @@ def load_suite(path_or_suite: str | Path | dict | Suite, quick: bool = False, sc
                     f", nor a shipped suite: {', '.join(names)})" if names else ")"))
         data = load_yaml(p)
         data.setdefault("name", p.stem)
-    # an empty file, or one without the two sections every suite needs: name them, not the dataclass's arguments
+    # an empty file, or one without the two sections every suite needs: name them, not the dataclass's
+    # arguments
     missing = [k for k in ("model", "task") if k not in data]
     if missing:
         where = f" ({path_or_suite})" if isinstance(path_or_suite, (str, Path)) else ""
-        raise ConfigError(f"suite {data.get('name', '?')!r}{where} has no {' and no '.join(s + ':' for s in missing)} "
-                          "section (a suite needs at least model: and task:; see docs/ablations.md)")
+        raise ConfigError(f"suite {data.get('name', '?')!r}{where} has no "
+                          f"{' and no '.join(s + ':' for s in missing)} section (a suite needs at least "
+                          "model: and task:; see docs/ablations.md)")
     suite = from_dict(Suite, data, "suite")
     if quick:
         if not suite.quick:

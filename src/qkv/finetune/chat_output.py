@@ -17,9 +17,9 @@ import torch
 from qkv.config import ConfigError
 
 # the files of a Hugging Face folder that describe its tokenizer and generation: copied to OUT unchanged
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                   "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "added_tokens.json", "generation_config.json")
 # Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
 EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
                                                       ("llama", "mistral", "qwen2", "qwen3")},
@@ -48,7 +48,8 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
         check_exportable(source)
         module, _, name = EXPORTERS[model_type].partition(":")
         fn = getattr(importlib.import_module(module), name)
-        fn(model, out, **({"model_type": model_type} if "model_type" in inspect.signature(fn).parameters else {}))
+        fn(model, out,
+           **({"model_type": model_type} if "model_type" in inspect.signature(fn).parameters else {}))
         written = json.loads((out / "config.json").read_text(encoding="utf-8"))
         # the exporter knows the architecture; the source knows its token ids and anything else it declared
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -56,7 +57,7 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
                 written[key] = meta[key]
             else:
                 written.pop(key, None)
-        from qkv.checkpoint import atomic_write_json
+        from qkv.storage import atomic_write_json
 
         atomic_write_json(written, out / "config.json")
         fmt = f"hf:{model_type}"
@@ -71,9 +72,9 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
 
 
 def final_model(trainer: Any, build: Any, checkpoint: str | None) -> torch.nn.Module:
-    """The model to export, on rank 0: the trained one, or `checkpoint`'s weights (the best evaluation's) loaded
-    into it. Under FSDP the module is sharded: a rebuilt one gets the full state of `checkpoint`, else of the
-    last checkpoint (save_checkpoint gathered both)."""
+    """The model to export, on rank 0: the trained one, or `checkpoint`'s weights (the best evaluation's)
+    loaded into it. Under FSDP the module is sharded: a rebuilt one gets the full state of `checkpoint`, else
+    of the last checkpoint (save_checkpoint gathered both)."""
     fsdp = trainer.dist.mode == "fsdp"
     if not fsdp and checkpoint is None:
         return trainer.model
@@ -86,13 +87,14 @@ def final_model(trainer: Any, build: Any, checkpoint: str | None) -> torch.nn.Mo
     state, _ = read_checkpoint(path)
     missing, unexpected = model.load_state_dict(state, strict=False)  # a tied weight is stored once
     if set(missing) - tied_names(model) or unexpected:
-        raise CheckpointError(f"{path}: does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise CheckpointError(f"{path}: does not fit the model (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]})")
     return model
 
 
 def best_checkpoint(args: argparse.Namespace, summary: dict[str, Any]) -> str | None:
-    """The checkpoint to export instead of the last step's weights: the best dev loss's, when --export best and
-    an evaluation before the last step was the best (transformers' load_best_model_at_end)."""
+    """The checkpoint to export instead of the last step's weights: the best dev loss's, when --export best
+    and an evaluation before the last step was the best (transformers' load_best_model_at_end)."""
     best, path = summary.get("best_eval"), summary.get("best_checkpoint")
     if args.export != "best" or not best or best.get("step") == summary["steps"] or not path:
         return None
@@ -102,14 +104,16 @@ def best_checkpoint(args: argparse.Namespace, summary: dict[str, Any]) -> str | 
 def weights_lines(out: Path, fmt: str, lora: Any, summary: dict[str, Any], exported_best: bool) -> list[str]:
     """What the report says of the model folder: which step's weights it holds, and where the best dev loss
     is when that is not them (the training log names the best step: it must not read as what was exported)."""
-    kind = f"{'Hugging Face ' + fmt[3:] if fmt.startswith('hf:') else 'qkv'} format{', LoRA merged' if lora else ''}"
+    source = "Hugging Face " + fmt[3:] if fmt.startswith("hf:") else "qkv"
+    kind = f"{source} format{', LoRA merged' if lora else ''}"
     best, steps = summary.get("best_eval"), summary["steps"]
     if exported_best:
-        return [f"model folder: {out} ({kind}): the weights of step {best['step']}, the best dev {best['metric']} "
-                f"({best['value']:.4f}; the last step, {steps}, is in {summary['checkpoint']}); "
-                f"try: qkv chat {out}"]
+        return [f"model folder: {out} ({kind}): the weights of step {best['step']}, the best dev "
+                f"{best['metric']} ({best['value']:.4f}; the last step, {steps}, is in "
+                f"{summary['checkpoint']}); try: qkv chat {out}"]
     lines = [f"model folder: {out} ({kind}): the weights of the last step, {steps}; try: qkv chat {out}"]
     if best and best.get("step") != steps:
-        lines.append(f"the best dev {best['metric']} ({best['value']:.4f}) was at step {best['step']}, not in the model "
-                     f"folder (--export last): its training checkpoint is {summary['best_checkpoint']}")
+        lines.append(f"the best dev {best['metric']} ({best['value']:.4f}) was at step {best['step']}, not "
+                     "in the model folder (--export last): its training checkpoint is "
+                     f"{summary['best_checkpoint']}")
     return lines

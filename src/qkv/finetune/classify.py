@@ -1,14 +1,16 @@
 """`qkv finetune DIR --task classify`: text or text-pair classification with a BERT-family encoder.
 
     qkv finetune bert-folder --data train.csv --dev dev.csv --out clf \
-        --text-column sentence [--text-pair-column sentence2] --label-column label [--epochs 3] [train.lr=5e-5]
+        --text-column sentence [--text-pair-column sentence2] --label-column label [--epochs 3]
+        [train.lr=5e-5]
 
 Data: CSV, TSV or JSONL (by extension) with a header / keys; labels are names ("pos") or ids ("1"). The
 classifier reads the pooled [CLS] vector (BERT's tanh pooler, RoBERTa's classifier.dense, DistilBERT's
 pre_classifier, DeBERTa's ContextPooler: one Linear + activation), trained with qkv.train.Trainer (linear
-decay after warmup, AdamW, clipping, bf16 with train.precision=bf16, a checkpoint each epoch, --resume). With --dev: accuracy and macro-F1
-each epoch, the best (macro-F1) checkpoint kept and exported, and confusion.png. OUT is then a Hugging Face
-folder (AutoModelForSequenceClassification; qkv.from_pretrained) with the source's tokenizer files.
+decay after warmup, AdamW, clipping, bf16 with train.precision=bf16, a checkpoint each epoch, --resume). With
+--dev: accuracy and macro-F1 each epoch, the best (macro-F1) checkpoint kept and exported, and confusion.png.
+OUT is then a Hugging Face folder (AutoModelForSequenceClassification; qkv.from_pretrained) with the source's
+tokenizer files.
 """
 
 from __future__ import annotations
@@ -20,21 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
-from qkv.finetune import Recipe, mark_out, register_recipe, shared
-from qkv.finetune.encoders import (
-    EncodedData,
-    best_state,
-    column,
-    encode,
-    export_folder,
-    flag,
-    new_head_model,
-    open_encoder,
-    predict,
-    read_records,
-    train_config,
-)
-from qkv.storage import atomic_write_json
+from qkv.finetune import Recipe, register_recipe, shared
+from qkv.finetune.encoders import EncodedData, column, encode, flag, predict, read_records
+from qkv.finetune.phases import EncoderRecipe
 
 METRICS = {"macro_f1": "max", "accuracy": "max"}  # the first selects the best checkpoint
 
@@ -90,7 +80,8 @@ def plot_confusion(m: list[list[int]], names: list[str], path: Path, title: str)
     top = max(max(r) for r in m) or 1
     for g in range(n):
         for p in range(n):
-            ax.text(p, g, str(m[g][p]), ha="center", va="center", color="white" if m[g][p] > top / 2 else "black")
+            ax.text(p, g, str(m[g][p]), ha="center", va="center",
+                    color="white" if m[g][p] > top / 2 else "black")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -101,7 +92,8 @@ def label_set(values: list[Any], model_names: dict[int, str] | None) -> tuple[di
     """(label -> id, id -> name). All integers: they are the ids (0..max), named by the folder's id2label when
     it has one for each; otherwise names, given ids in sorted order."""
     as_str = [str(v).strip() for v in values]
-    if all(s.lstrip("-").isdigit() and s.isascii() for s in as_str):  # "²" is a digit to isdigit, not to int()
+    # "²" is a digit to isdigit, not to int()
+    if all(s.lstrip("-").isdigit() and s.isascii() for s in as_str):
         ids = sorted({int(s) for s in as_str})
         if ids[0] < 0:
             raise ConfigError(f"label ids must be >= 0, got {ids[0]}")
@@ -117,7 +109,8 @@ def label_set(values: list[Any], model_names: dict[int, str] | None) -> tuple[di
     return {s: i for i, s in enumerate(names)}, dict(enumerate(names))
 
 
-def label_ids(values: list[Any], mapping: dict[str, int], path: str, records: list[tuple[int, Any]]) -> list[int]:
+def label_ids(values: list[Any], mapping: dict[str, int], path: str,
+              records: list[tuple[int, Any]]) -> list[int]:
     out = []
     for v, (line, _) in zip(values, records):
         s = str(v).strip()
@@ -130,16 +123,16 @@ def label_ids(values: list[Any], mapping: dict[str, int], path: str, records: li
 
 def checked_labels(values: list[Any], path: str, records: list[tuple[int, Any]]) -> list[Any]:
     """Labels as strings or integers. JSON gives other types, which str() would turn into classes of their own
-    (1 and 1.0 would be '1' and '1.0'; [1] a class '[1]'): a float equal to an integer is that integer (said in
-    one warning), any other float, a list, an object or a boolean is an error naming the line."""
+    (1 and 1.0 would be '1' and '1.0'; [1] a class '[1]'): a float equal to an integer is that integer (said
+    in one warning), any other float, a list, an object or a boolean is an error naming the line."""
     out, floats = [], []
     for v, (line, _) in zip(values, records):
         if isinstance(v, float) and v.is_integer():
             floats.append(line)
             v = int(v)
         elif isinstance(v, bool) or not isinstance(v, (str, int)):
-            raise ConfigError(f"{path} line {line}: label {json.dumps(v)[:60]} is a {type(v).__name__}; labels "
-                              "must be strings or integers")
+            raise ConfigError(f"{path} line {line}: label {json.dumps(v)[:60]} is a {type(v).__name__}; "
+                              f"labels must be strings or integers")
         out.append(v)
     if floats:
         warnings.warn(f"{path}: {len(floats)} label(s) written as floats equal to integers (line {floats[0]} "
@@ -147,7 +140,8 @@ def checked_labels(values: list[Any], path: str, records: list[tuple[int, Any]])
     return out
 
 
-def _examples(path: str, args: argparse.Namespace, enc: Any) -> tuple[list[Any], list[Any], list[tuple[int, Any]], int]:
+def _examples(path: str, args: argparse.Namespace,
+              enc: Any) -> tuple[list[Any], list[Any], list[tuple[int, Any]], int]:
     records = read_records(path)
     texts = [str(t) for t in column(path, records, args.text_column, "text")]
     pairs = column(path, records, args.text_pair_column, "text pair")
@@ -159,62 +153,74 @@ def _examples(path: str, args: argparse.Namespace, enc: Any) -> tuple[list[Any],
 
 
 # -- the recipe -----------------------------------------------------------------------------------------
+class ClassifyRecipe(EncoderRecipe):
+    """Text / text-pair classification in the shared encoder phases (qkv.finetune.phases)."""
+
+    name = head = "classify"
+
+    def setup_data(self) -> EncodedData:
+        s, enc = self.s, self.enc
+        train_enc, train_raw, train_rec, self.cut = _examples(s.data, s.args, enc)
+        folder_names = {int(k): v for k, v in (enc.hf_config.get("id2label") or {}).items()}
+        mapping, self.id2label = label_set(train_raw, folder_names)
+        train_y = label_ids(train_raw, mapping, s.data, train_rec)
+        self.n_labels = len(self.id2label)
+        if self.n_labels < 2:
+            raise ConfigError(f"{s.data}: only one label ({self.id2label[0]!r}); classification needs at "
+                              "least two")
+        types = enc.model.config.type_vocab_size > 1  # one type (RoBERTa): the model's default zeros
+        self.train_data = EncodedData(train_enc, train_y, enc.pad_id, s.seed, METRICS, token_types=types)
+        self.dev_cut = 0
+        if s.dev:
+            dev_enc, dev_raw, dev_rec, self.dev_cut = _examples(s.dev, s.args, enc)
+            self.dev = EncodedData(dev_enc, label_ids(dev_raw, mapping, s.dev, dev_rec), enc.pad_id, s.seed,
+                                   token_types=types)
+        return self.train_data
+
+    def evaluate(self, model: Any) -> dict[str, float]:
+        pred = [int(x.argmax()) for x in predict(model, self.dev)]
+        return scores(self.dev.labels, pred, self.n_labels)
+
+    def results(self) -> dict[str, Any]:
+        """The results, and with --dev the exported model's scores and confusion matrix
+        (OUT/confusion.png)."""
+        summary, out, n = self.summary, self.s.out, self.n_labels
+        result: dict[str, Any] = {"recipe": "classify", "task": "classify",
+                                  "labels": [self.id2label[i] for i in range(n)],
+                                  "train_examples": len(self.train_data),
+                                  "truncated": {"train": self.cut, "dev": self.dev_cut},
+                                  "steps": summary["steps"], "best": summary.get("best_eval"),
+                                  "out": str(out)}
+        if self.dev is not None:
+            pred = [int(x.argmax()) for x in predict(self.model, self.dev)]
+            final = scores(self.dev.labels, pred, n)
+            m = confusion(self.dev.labels, pred, n)
+            plot_confusion(m, result["labels"], out / "confusion.png",
+                           f"dev: accuracy {final['accuracy']:.3f}, macro-F1 {final['macro_f1']:.3f}")
+            result.update(dev=final, confusion=m)
+        return result
+
+    def report(self) -> list[str]:
+        r, summary, out = self.result, self.summary, self.s.out
+        lines = [f"fine-tuned {self.enc.model_type} for {summary['steps']} steps on {len(self.train_data)} "
+                 f"examples ({self.n_labels} labels: {', '.join(r['labels'][:10])})"]
+        if self.cut or self.dev_cut:
+            lines.append(f"truncated to {self.enc.max_length} tokens: {self.cut} training and {self.dev_cut} "
+                         f"dev example(s)")
+        if self.dev is not None:
+            final = r["dev"]
+            which = (f"best checkpoint (step {summary['best_eval']['step']})" if summary.get("best_eval")
+                     else "final model")
+            lines.append(f"dev ({len(self.dev)} examples, {which}): accuracy {final['accuracy']:.4f}, "
+                         f"macro-F1 {final['macro_f1']:.4f}; confusion matrix in {out / 'confusion.png'}")
+        lines.append(f"saved {out} (transformers: AutoModelForSequenceClassification.from_pretrained; "
+                     "qkv.from_pretrained)")
+        return lines
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from qkv.train import Trainer
-
-    enc = open_encoder(args.model)
-    train_enc, train_raw, train_rec, cut = _examples(args.data, args, enc)
-    folder_names = {int(k): v for k, v in (enc.hf_config.get("id2label") or {}).items()}
-    mapping, names = label_set(train_raw, folder_names)
-    train_y = label_ids(train_raw, mapping, args.data, train_rec)
-    n_labels = len(names)
-    if n_labels < 2:
-        raise ConfigError(f"{args.data}: only one label ({names[0]!r}); classification needs at least two")
-    types = enc.model.config.type_vocab_size > 1  # one type (RoBERTa): the model's default zeros
-    train = EncodedData(train_enc, train_y, enc.pad_id, args.seed, METRICS, token_types=types)
-    dev = None
-    dev_cut = 0
-    if args.dev:
-        dev_enc, dev_raw, dev_rec, dev_cut = _examples(args.dev, args, enc)
-        dev = EncodedData(dev_enc, label_ids(dev_raw, mapping, args.dev, dev_rec), enc.pad_id, args.seed,
-                          token_types=types)
-
-    def evaluate(model: Any) -> dict[str, float]:
-        pred = [int(x.argmax()) for x in predict(model, dev)]
-        return scores(dev.labels, pred, n_labels)
-
-    cfg = train_config(args, len(train), dev is not None)
-    model = new_head_model(enc, "classify", n_labels, args.seed)
-    out = Path(args.out)
-    mark_out(out, "classify")  # the data are read and checked: the run starts
-    trainer = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None)
-    summary = trainer.fit()
-    best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
-    if best is not None:
-        model.load_state_dict(best)
-    model.cpu().eval()
-    export_folder(enc, model, out, names)
-    result: dict[str, Any] = {"recipe": "classify", "task": "classify", "labels": [names[i] for i in range(n_labels)],
-                              "train_examples": len(train), "truncated": {"train": cut, "dev": dev_cut},
-                              "steps": summary["steps"], "best": summary.get("best_eval"), "out": str(out)}
-    lines = [f"fine-tuned {enc.model_type} for {summary['steps']} steps on {len(train)} examples "
-             f"({n_labels} labels: {', '.join(result['labels'][:10])})"]
-    if cut or dev_cut:
-        lines.append(f"truncated to {enc.max_length} tokens: {cut} training and {dev_cut} dev example(s)")
-    if dev is not None:
-        pred = [int(x.argmax()) for x in predict(model, dev)]
-        final = scores(dev.labels, pred, n_labels)
-        m = confusion(dev.labels, pred, n_labels)
-        plot_confusion(m, result["labels"], out / "confusion.png",
-                       f"dev: accuracy {final['accuracy']:.3f}, macro-F1 {final['macro_f1']:.3f}")
-        result.update(dev=final, confusion=m)
-        which = f"best checkpoint (step {summary['best_eval']['step']})" if summary.get("best_eval") else "final model"
-        lines.append(f"dev ({len(dev)} examples, {which}): accuracy {final['accuracy']:.4f}, "
-                     f"macro-F1 {final['macro_f1']:.4f}; confusion matrix in {out / 'confusion.png'}")
-    atomic_write_json(result, out / "finetune.json")
-    lines.append(f"saved {out} (transformers: AutoModelForSequenceClassification.from_pretrained; qkv.from_pretrained)")
-    result["report"] = "\n".join(lines)
-    return result
+    """`qkv finetune --task classify`."""
+    return ClassifyRecipe.run(args)
 
 
 register_recipe(Recipe("classify", ("encoder",), "text / text-pair classification with a BERT-family encoder",

@@ -29,8 +29,8 @@ FAMILIES = {"bert": ("qkv.interop.bert", "BERT_LAYOUT"), "roberta": ("qkv.intero
             "distilbert": ("qkv.interop.distilbert", "DISTILBERT_LAYOUT"),
             "deberta-v2": ("qkv.interop.deberta", "DEBERTA_LAYOUT")}
 # tokenizer files a Hugging Face folder may carry; copied to the output folder so it is complete
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                   "merges.txt", "sentencepiece.bpe.model", "spm.model", "added_tokens.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                   "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spm.model", "added_tokens.json")
 
 
 def flag(group: argparse._ArgumentGroup, name: str, **kwargs: Any) -> None:
@@ -67,7 +67,8 @@ class EncoderFolder:
 
 def open_encoder(folder: str | Path) -> EncoderFolder:
     """A Hugging Face BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa-v2/v3 folder and its tokenizer
-    (tokenizer.json, else vocab.txt), found by the library's one lookup (qkv.tasks.tokenizers.find_tokenizer)."""
+    (tokenizer.json, else vocab.txt), found by the library's one lookup
+    (qkv.tasks.tokenizers.find_tokenizer)."""
     from qkv import from_pretrained
     from qkv.storage import read_config
     from qkv.tasks.tokenizers import find_tokenizer
@@ -76,16 +77,19 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
     meta = read_config(folder)
     mt = meta.get("model_type")
     if mt not in FAMILIES:
-        raise ConfigError(f"{folder}: the encoder recipes take a Hugging Face {'/'.join(FAMILIES)} folder; "
-                          f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else ""))
+        raise ConfigError(
+            f"{folder}: the encoder recipes take a Hugging Face {'/'.join(FAMILIES)} folder; "
+            f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else "")
+        )
     model = from_pretrained(folder)
     tok = find_tokenizer(folder)
-    tok = getattr(tok, "hf", tok)  # a tokenizer.json that qkv's BPE wrapper accepted: the tokenizers object inside
+    # a tokenizer.json that qkv's BPE wrapper accepted: the tokenizers object inside
+    tok = getattr(tok, "hf", tok)
     if tok is None or not hasattr(tok, "encode_batch") or not hasattr(tok, "no_truncation"):
         spm = [n for n in ("spm.model", "sentencepiece.bpe.model") if (folder / n).is_file()]
         # a SentencePiece-only upload (DeBERTa-v3's spm.model, some XLM-R): transformers converts it once
-        hint = (f"; it has only the SentencePiece model {spm[0]}: write tokenizer.json once with transformers, "
-                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)") if spm else ""
+        hint = (f"; it has only the SentencePiece model {spm[0]}: write tokenizer.json once with "
+                f"transformers, AutoTokenizer.from_pretrained(folder).save_pretrained(folder)") if spm else ""
         raise ConfigError(f"{folder} has no Hugging Face tokenizer (tokenizer.json or vocab.txt){hint}")
     tok.no_truncation()  # a saved tokenizer.json may carry its own settings: lengths are ours to decide
     tok.no_padding()
@@ -152,7 +156,8 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
         raise ConfigError(f"{path}: empty file (a header row naming the columns is needed)")
     out = []
     for row in reader:
-        # DictReader puts a row's fields beyond the header's under the key None (a list), and gives the missing
+        # DictReader puts a row's fields beyond the header's under the key None (a list), and gives the
+        # missing
         # ones the value None: either way the columns are misaligned, so the row would be read wrongly
         extra, values = row.pop(None, None) or [], list(row.values())
         if not any((v or "").strip() for v in values + extra):
@@ -160,7 +165,9 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
         if extra or any(v is None for v in values):
             n = sum(v is not None for v in values) + len(extra)
             hint = " (quote texts that contain commas)" if sep == "," and extra else ""
-            raise ConfigError(f"{path} line {reader.line_num}: {n} fields, the header has {len(values)}{hint}")
+            raise ConfigError(
+                f"{path} line {reader.line_num}: {n} fields, the header has {len(values)}{hint}"
+            )
         out.append((reader.line_num, row))
     return out
 
@@ -173,7 +180,9 @@ def column(path: str | Path, records: list[tuple[int, dict[str, Any]]], name: st
     if not records:
         raise ConfigError(f"{path}: no data rows")
     if name not in records[0][1]:
-        raise ConfigError(f"{path}: no {what} column {name!r} (columns: {', '.join(map(str, records[0][1]))})")
+        raise ConfigError(
+            f"{path}: no {what} column {name!r} (columns: {', '.join(map(str, records[0][1]))})"
+        )
     values = []
     for line, rec in records:
         v = rec.get(name)
@@ -187,7 +196,8 @@ def column(path: str | Path, records: list[tuple[int, dict[str, Any]]], name: st
 
 
 def encode(tokenizer: Any, texts: list[Any], pairs: list[Any] | None, max_length: int, too_long: str,
-           source: str, *, pretokenized: bool = False, lines: list[int] | None = None) -> tuple[list[Any], int]:
+           source: str, *, pretokenized: bool = False,
+           lines: list[int] | None = None) -> tuple[list[Any], int]:
     """Encodings with the tokenizer's special tokens; texts longer than `max_length` tokens are cut
     (longest_first for pairs) and counted, or, with too_long="error", refused naming the first one (by its
     line in `source` when `lines` gives each text's line, else by its position)."""
@@ -199,8 +209,9 @@ def encode(tokenizer: Any, texts: list[Any], pairs: list[Any] | None, max_length
         # "FILE line N: ..." like every other data error, when the caller knows the lines
         where, first = (f"{source} line {lines[i]}", "this is the first") if lines is not None else \
             (source, f"the first is example {i + 1}")
-        raise ConfigError(f"{where}: {len(long_rows)} example(s) longer than the model's context of {max_length} "
-                          f"tokens ({first}, {len(full[i].ids)} tokens); shorten them or pass --too-long truncate")
+        raise ConfigError(f"{where}: {len(long_rows)} example(s) longer than the model's context of "
+                          f"{max_length} tokens ({first}, {len(full[i].ids)} tokens); shorten them or pass "
+                          "--too-long truncate")
     if long_rows:
         tokenizer.enable_truncation(max_length, strategy="longest_first")
         try:
@@ -236,7 +247,9 @@ class EncodedData:
 
     def _perm(self, epoch: int) -> Tensor:
         if epoch not in self._order:
-            self._order = {epoch: torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch))}
+            self._order = {
+                epoch: torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch))
+            }
         return self._order[epoch]
 
     def rows(self, idx: list[int]) -> dict[str, Tensor]:
@@ -282,13 +295,14 @@ def predict(model: Any, data: EncodedData, batch_size: int = 64) -> list[Tensor]
 
 # -- training settings ----------------------------------------------------------------------------------
 # BERT-style fine-tuning defaults (Devlin et al. 2019, HF run_glue): AdamW 0.9/0.999, warmup then linear decay
-FINETUNE_DEFAULTS = {"lr": 3e-5, "schedule": "linear", "warmup": 0.06, "weight_decay": 0.01, "betas": [0.9, 0.999],
-                     "batch_size": 16, "clip_grad": 1.0, "log_every": 10, "keep_last": 1}
+FINETUNE_DEFAULTS = {"lr": 3e-5, "schedule": "linear", "warmup": 0.06, "weight_decay": 0.01,
+                     "betas": [0.9, 0.999], "batch_size": 16, "clip_grad": 1.0, "log_every": 10,
+                     "keep_last": 1}
 
 
 def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
-    """TrainConfig for a fine-tuning run: the defaults above, --epochs (max_steps = epochs x batches per epoch),
-    an evaluation and a checkpoint each epoch, then the command line's train.key=value overrides."""
+    """TrainConfig for a fine-tuning run: the defaults above, --epochs (max_steps = epochs x batches per
+    epoch), an evaluation and a checkpoint each epoch, then the command line's train.key=value overrides."""
     from qkv.config import from_dict
     from qkv.train import TrainConfig
 

@@ -7,7 +7,8 @@ Only A and B train; W and b stay frozen. After training, `merge_lora` folds B A 
 model is an ordinary model again (same architecture, same speed, loadable anywhere).
 
 Why our own module and not `peft`: peft replaces each target with its own wrapper around the original layer
-(`lora.Linear(base_layer)`), which (1) hides the module's type, by which qkv finds its projections; (2) renames the state-dict keys (`qkv_proj.base_layer.weight`), so checkpoints and the interop key maps stop
+(`lora.Linear(base_layer)`), which (1) hides the module's type, by which qkv finds its projections; (2)
+renames the state-dict keys (`qkv_proj.base_layer.weight`), so checkpoints and the interop key maps stop
 matching; (3) cannot adapt one part of a fused projection: our self-attention computes Q, K and V with one
 `qkv_proj` matmul, and the LoRA paper's default (adapt W_q and W_v) needs separate adapters on slices of its
 output; (4) pulls in `transformers` and `accelerate` as hard dependencies of the library. The module below is
@@ -21,9 +22,10 @@ Targets (comma separated in `--lora-targets`):
   out_proj, qkv_proj, up, gate, down, lm_head, ...                  any Linear by its own (last) name
   *.blocks.0.*   a glob with `*` or `.`, matched against the full module name
   all-linear     every Linear except the output head, a fused projection as its q, k, v slices: the same
-                 adapters as listing every Linear's Hugging Face name (q_proj,k_proj,v_proj,o_proj,gate_proj,...),
-                 i.e. PEFT's all-linear on a model whose q, k and v are separate Linears (Llama, Qwen, BERT, T5, ...;
-                 not GPT-2, whose c_attn is one fused Conv1D there)
+                 adapters as listing every Linear's Hugging Face name
+                 (q_proj,k_proj,v_proj,o_proj,gate_proj,...), i.e. PEFT's all-linear on a model whose q, k and
+                 v are separate Linears (Llama, Qwen, BERT, T5, ...; not GPT-2, whose c_attn is one fused
+                 Conv1D there)
 """
 
 from __future__ import annotations
@@ -84,10 +86,12 @@ class LoRALinear(Linear):
         self.slices = tuple(sorted(slices))
         for (a, b), (c, _) in zip(self.slices, self.slices[1:]):
             if c < b:
-                raise ConfigError(f"LoRA targets overlap on the same layer (output slices {a}:{b} and {c}:...)")
+                raise ConfigError(f"LoRA targets overlap on the same layer (output slices {a}:{b} and "
+                                  f"{c}:...)")
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
         w = base.weight
-        # adapters train in fp32 even on a bf16/fp16 model: AdamW on half-precision weights loses small updates
+        # adapters train in fp32 even on a bf16/fp16 model: AdamW on half-precision weights loses small
+        # updates
         dtype = w.dtype if w.dtype in (torch.float32, torch.float64) else torch.float32
         self.lora_A = nn.ParameterList()
         self.lora_B = nn.ParameterList()
@@ -168,7 +172,8 @@ def _slices_of(model: nn.Module, name: str, which: str) -> tuple[int, int] | Non
     parent = model.get_submodule(parent_name) if parent_name else model
     if not isinstance(parent, MultiHeadAttention):
         return None
-    C, kv = parent.n_heads * parent.head_dim, parent.n_kv_heads * parent.head_dim  # q width may differ from d_model
+    # q width may differ from d_model
+    C, kv = parent.n_heads * parent.head_dim, parent.n_kv_heads * parent.head_dim
     if leaf == "qkv_proj":
         return {"q": (0, C), "k": (C, C + kv), "v": (C + kv, C + 2 * kv)}[which]
     if leaf == "q_proj" and which == "q":
@@ -206,7 +211,8 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[tupl
         if not hits:
             leaves = sorted({n.rpartition(".")[2] for n in linears} | set(SLICE_TARGETS))
             raise ConfigError(f"LoRA target {raw!r} matches no linear layer of this model; "
-                              f"layer names: {', '.join(leaves)} (or a glob like '*.blocks.0.*', or all-linear)")
+                              f"layer names: {', '.join(leaves)} (or a glob like '*.blocks.0.*', or "
+                              "all-linear)")
         for name, s in hits:
             chosen.setdefault(name, set()).add(s)
     out = {}
@@ -240,8 +246,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> dict[str, Any]:
             raise ConfigError(f"{name} already has LoRA adapters")
         shared = [n for n in tied[id(lin.weight)] if n != f"{name}.weight"]
         if shared:
-            raise ConfigError(f"LoRA target {name} shares its weight with {shared[0]} (tied embeddings): merging "
-                              "the adapter would change that too; choose other targets")
+            raise ConfigError(f"LoRA target {name} shares its weight with {shared[0]} (tied embeddings): "
+                              f"merging the adapter would change that too; choose other targets")
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, LoRALinear(lin, slices, config.rank, config.alpha, config.dropout))

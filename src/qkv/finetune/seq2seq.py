@@ -3,10 +3,11 @@
 
 Data: one pair per line, `source<TAB>target`, UTF-8 (blank lines skipped). A line without a tab, with an empty
 source or target, or longer than --max-source-length / --max-target-length tokens (after tokenisation) is one
-clear error naming the file and line (--too-long truncate: cut and count instead). Training is the library's Trainer (AdamW, warmup +
-decay, clipping, bf16, checkpoints, --resume), seeded before anything is built; an epoch is one pass over the
-shuffled pairs. Every epoch the dev pairs are decoded (greedy, or --num-beams) and scored with sacrebleu's
-BLEU and chrF, plus exact match; checkpoints/best keeps the best epoch (train.best_metric, default bleu).
+clear error naming the file and line (--too-long truncate: cut and count instead). Training is the library's
+Trainer (AdamW, warmup + decay, clipping, bf16, checkpoints, --resume), seeded before anything is built; an
+epoch is one pass over the shuffled pairs. Every epoch the dev pairs are decoded (greedy, or --num-beams) and
+scored with sacrebleu's BLEU and chrF, plus exact match; checkpoints/best keeps the best epoch
+(train.best_metric, default bleu).
 
 OUT is a model folder: a Hugging Face folder (the source's config.json, generation_config.json and tokenizer
 files, the weights under HF's names) that `transformers` and `qkv.from_pretrained` load to the same logits, or
@@ -44,10 +45,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--batch-size", type=int, default=16,
                    help="pairs per batch (default 16; the same as train.batch_size: give one)")
-    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4; the same as train.lr: give one)")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4; the same as "
+                                                          "train.lr: give one)")
     g.add_argument("--max-source-length", type=int, default=256, help="source tokens at most (default 256)")
     g.add_argument("--max-target-length", type=int, default=128, help="target tokens at most (default 128)")
-    g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (default 1: greedy)")
+    g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (default 1: "
+                                                            "greedy)")
 
 
 # -- data -------------------------------------------------------------------------------------------------
@@ -93,9 +96,12 @@ def encode_pairs(pairs: list[tuple[str, str, int]], tok: Any, path: str, max_src
         s, t = _ids(tok.encode(src)), _ids(enc_target(tgt))
         if len(s) > max_src or len(t) > max_tgt:
             if not truncate:
-                side, length, limit = ("source", len(s), max_src) if len(s) > max_src else ("target", len(t), max_tgt)
+                side, length, limit = (
+                    ("source", len(s), max_src) if len(s) > max_src else ("target", len(t), max_tgt)
+                )
                 raise ConfigError(f"{path}:{n}: {side} is {length} tokens, over --max-{side}-length {limit} "
-                                  f"(raise the limit, or pass --too-long truncate to cut and count such pairs)")
+                                  "(raise the limit, or pass --too-long truncate to cut and count such "
+                                  "pairs)")
             out.truncated += 1
             s, t = s[:max_src], t[:max_tgt]
         out.sources.append(s)
@@ -120,8 +126,9 @@ class PairSource:
         per_epoch = math.ceil(n / batch_size)
         epoch, j = divmod(index, per_epoch)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
-        return collate([self.data.sources[i] for i in order[j * batch_size:(j + 1) * batch_size].tolist()],
-                       [self.data.targets[i] for i in order[j * batch_size:(j + 1) * batch_size].tolist()], self.pad)
+        return collate([self.data.sources[i] for i in order[j * batch_size : (j + 1) * batch_size].tolist()],
+                       [self.data.targets[i] for i in order[j * batch_size : (j + 1) * batch_size].tolist()],
+                       self.pad)
 
 
 def collate(sources: list[list[int]], targets: list[list[int]] | None, pad: int) -> dict[str, torch.Tensor]:
@@ -141,7 +148,8 @@ def collate(sources: list[list[int]], targets: list[list[int]] | None, pad: int)
 
 
 # -- evaluation -------------------------------------------------------------------------------------------
-def translate(model: Any, tok: Any, sources: list[list[int]], pad: int, *, batch_size: int = 32, **gen: Any) -> list[str]:
+def translate(model: Any, tok: Any, sources: list[list[int]], pad: int, *, batch_size: int = 32,
+              **gen: Any) -> list[str]:
     out = []
     for i in range(0, len(sources), batch_size):
         b = collate(sources[i:i + batch_size], None, pad)
@@ -155,7 +163,8 @@ def scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
     from qkv.extras import require
 
     sacrebleu = require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq")
-    return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score, "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
+    return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
+            "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
             "exact_match": sum(h == r for h, r in zip(hyps, refs)) / max(1, len(refs))}
 
 
@@ -175,7 +184,8 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
 
         save_bart(model, out, meta)
     else:
-        raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, marian)")
+        raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, "
+                          "marian)")
     for name in TOKENIZER_FILES:  # never a file onto itself
         if (source / name).is_file() and (source / name).resolve() != (out / name).resolve():
             shutil.copyfile(source / name, out / name)
@@ -183,82 +193,161 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
 
 
 # -- the recipe -------------------------------------------------------------------------------------------
+@dataclass
+class Seq2SeqSettings:
+    """The seq2seq recipe's settings, read from the command line and checked in one place. `args` stays for
+    the train.key=value overrides."""
+
+    model: Path
+    data: str
+    dev: str | None
+    out: Path
+    seed: int
+    resume: bool
+    epochs: float
+    batch_size: int
+    lr: float
+    num_beams: int
+    max_source_length: int
+    max_target_length: int
+    truncate: bool
+    progress: bool
+    args: argparse.Namespace
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Seq2SeqSettings:
+        epochs = shared(args, "epochs", 3)
+        if epochs <= 0 or args.batch_size < 1 or args.num_beams < 1:
+            raise ConfigError("--epochs must be positive, --batch-size and --num-beams at least 1")
+        if args.max_source_length < 1 or args.max_target_length < 1:
+            raise ConfigError("--max-source-length and --max-target-length must be at least 1")
+        # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
+        if args.dev:
+            from qkv.extras import require
+
+            require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq --dev")
+        return cls(model=Path(args.model), data=args.data, dev=args.dev, out=Path(args.out), seed=args.seed,
+                   resume=bool(args.resume), epochs=epochs, batch_size=args.batch_size, lr=args.lr,
+                   num_beams=args.num_beams, max_source_length=args.max_source_length,
+                   max_target_length=args.max_target_length,
+                   truncate=shared(args, "too_long", "error", ("error", "truncate"), "seq2seq") == "truncate",
+                   progress=not args.no_progress, args=args)
+
+
+class Seq2SeqRecipe:
+    """The seq2seq recipe in named phases (see qkv.finetune.phases for the pattern): setup_model (the
+    folder's model and tokenizer), setup_data (pairs encoded and checked against the vocabulary),
+    train, save (the best epoch's weights as a model folder), report (the lines qkv finetune prints)."""
+
+    def __init__(self, settings: Seq2SeqSettings) -> None:
+        self.s = settings
+
+    def setup_model(self) -> Any:
+        from qkv import from_pretrained
+        from qkv.tasks.tokenizers import find_tokenizer
+        from qkv.train import seed_everything
+
+        source = self.s.model
+        seed_everything(self.s.seed)  # before anything is built: one seed gives the same run in a new process
+        self.model = from_pretrained(source)
+        if not getattr(self.model, "is_seq2seq", False) or self.model.kind != "seq2seq":
+            raise ConfigError(f"{source}: --task seq2seq fine-tunes encoder-decoder models, not "
+                              f"{type(self.model).__name__}")
+        self.tok = find_tokenizer(source)
+        if self.tok is None:
+            raise ConfigError(f"{source} has no tokenizer (tokenizer.json, or source.spm/spiece.model): "
+                              f"cannot read text pairs")
+        return self.model
+
+    def setup_data(self) -> PairSource:
+        s, model, tok = self.s, self.model, self.tok
+        vocab = model.config.target_vocab_size
+        limit = model.encoder.context_limit
+        max_src = min(s.max_source_length, limit) if limit else s.max_source_length
+        self.max_tgt = (
+            min(s.max_target_length, model.context_limit) if model.context_limit else s.max_target_length
+        )
+        self.train_pairs = encode_pairs(read_pairs(s.data), tok, s.data, max_src, self.max_tgt, s.truncate)
+        self.dev = (encode_pairs(read_pairs(s.dev), tok, s.dev, max_src, self.max_tgt, s.truncate)
+                    if s.dev else None)
+        for enc, path in ((self.train_pairs, s.data), (self.dev, s.dev)):
+            if enc is not None:
+                bad = [i for x in enc.sources + enc.targets for i in x if not 0 <= i < vocab]
+                if bad:
+                    raise ConfigError(f"{path}: the tokenizer gives id {bad[0]}, outside the model's "
+                                      f"vocabulary of {vocab}: tokenizer and model do not match")
+        self.data = PairSource(self.train_pairs, model.config.pad_token_id, s.seed)
+        return self.data
+
+    def train_config(self) -> dict[str, Any]:
+        """The Trainer settings: this recipe's defaults, the command line's train.key=value, then an epoch in
+        updates of the batch the Trainer will read (train.batch_size / grad_accum overrides included)."""
+        s = self.s
+        cfg = {"batch_size": s.batch_size, "lr": s.lr, "warmup": 0.06, "schedule": "linear",
+               "weight_decay": 0.01, "betas": [0.9, 0.999], "out_dir": str(s.out), "seed": s.seed,
+               "progress": s.progress}
+        for key, value in parse_overrides(list(s.args.overrides)).items():
+            if not key.startswith("train."):
+                raise ConfigError(f"override {key!r}: qkv finetune takes Trainer settings as train.key=value")
+            cfg[key[len("train."):]] = value
+        per_epoch = epoch_updates(len(self.data), int(cfg["batch_size"]), int(cfg.get("grad_accum", 1)))
+        return {"max_steps": epochs_to_steps(float(s.epochs), per_epoch),
+                "eval_every": per_epoch if self.dev is not None else 0, "save_every": per_epoch, **cfg}
+
+    def evaluate(self, m: Any) -> dict[str, float]:
+        """BLEU and chrF of the --dev translations (beam search, greedy with --num-beams 1)."""
+        model = self.model
+        # the decoder holds its start token too: a target as long as the context leaves one position fewer
+        max_new = min(self.max_tgt, model.context_limit - 1) if model.context_limit else self.max_tgt
+        gen = {"num_beams": self.s.num_beams, "max_new_tokens": max_new, "do_sample": False}
+        refs = [t for _, t in self.dev.texts]
+        return scores(translate(m, self.tok, self.dev.sources, model.config.pad_token_id, **gen), refs)
+
+    def train(self) -> dict[str, Any]:
+        from qkv.train import Trainer
+
+        train_cfg = self.train_config()
+        self.model.train()
+        mark_out(self.s.out, "seq2seq")  # the data are read and checked: the run starts
+        trainer = Trainer(self.model, train_cfg, self.data,
+                          eval_fn=self.evaluate if self.dev is not None else None, resume=self.s.resume)
+        self.summary = trainer.fit()
+        return self.summary
+
+    def save(self) -> Path:
+        from qkv.train import read_checkpoint
+
+        best = self.summary.get("best_checkpoint")
+        if best and Path(best).is_dir():  # the best epoch's weights go into the output folder
+            state, _ = read_checkpoint(best)
+            self.model.load_state_dict(state, strict=False)
+        self.model.eval()
+        return save_folder(self.model, self.s.model, self.s.out)
+
+    def report(self) -> list[str]:
+        s, summary, truncated = self.s, self.summary, self.train_pairs.truncated
+        lines = [f"fine-tuned {s.model} on {len(self.data)} pairs ({s.epochs:g} epochs, {summary['steps']} "
+                 "steps)"
+                 + (f"; {truncated} over-long pairs truncated" if truncated else "")]
+        if summary.get("best_eval"):
+            ev = summary["best_eval"]
+            lines.append(f"best dev {ev['metric']} {ev['value']:.2f} at step {ev['step']}")
+        if summary.get("eval"):
+            lines.append("last dev: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["eval"].items()))
+        lines.append(f"model folder: {s.args.out} (qkv.from_pretrained / transformers load it)")
+        return lines
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from qkv import from_pretrained
-    from qkv.extras import require
-    from qkv.tasks.tokenizers import find_tokenizer
-    from qkv.train import Trainer, read_checkpoint, seed_everything
-
-    epochs = shared(args, "epochs", 3)
-    if epochs <= 0 or args.batch_size < 1 or args.num_beams < 1:
-        raise ConfigError("--epochs must be positive, --batch-size and --num-beams at least 1")
-    if args.max_source_length < 1 or args.max_target_length < 1:
-        raise ConfigError("--max-source-length and --max-target-length must be at least 1")
-    if args.dev:  # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
-        require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq --dev")
-    seed_everything(args.seed)  # before anything is built: one seed gives the same run in a new process
-    source = Path(args.model)
-    model = from_pretrained(source)
-    if not getattr(model, "is_seq2seq", False) or model.kind != "seq2seq":
-        raise ConfigError(f"{source}: --task seq2seq fine-tunes encoder-decoder models, not {type(model).__name__}")
-    tok = find_tokenizer(source)
-    if tok is None:
-        raise ConfigError(f"{source} has no tokenizer (tokenizer.json, or source.spm/spiece.model): cannot read text pairs")
-    cfg = model.config
-    limit = model.encoder.context_limit
-    max_src = min(args.max_source_length, limit) if limit else args.max_source_length
-    max_tgt = min(args.max_target_length, model.context_limit) if model.context_limit else args.max_target_length
-    truncate = shared(args, "too_long", "error", ("error", "truncate"), "seq2seq") == "truncate"
-    train = encode_pairs(read_pairs(args.data), tok, args.data, max_src, max_tgt, truncate)
-    dev = encode_pairs(read_pairs(args.dev), tok, args.dev, max_src, max_tgt, truncate) if args.dev else None
-    for enc, path in ((train, args.data), (dev, args.dev)):
-        if enc is not None:
-            bad = [i for s in enc.sources + enc.targets for i in s if not 0 <= i < cfg.target_vocab_size]
-            if bad:
-                raise ConfigError(f"{path}: the tokenizer gives id {bad[0]}, outside the model's vocabulary "
-                                  f"of {cfg.target_vocab_size}: tokenizer and model do not match")
-    data = PairSource(train, cfg.pad_token_id, args.seed)
-    train_cfg = {"batch_size": args.batch_size, "lr": args.lr, "warmup": 0.06, "schedule": "linear",
-                 "weight_decay": 0.01, "betas": [0.9, 0.999], "out_dir": str(args.out), "seed": args.seed,
-                 "progress": not args.no_progress}
-    over = {}
-    for key, value in parse_overrides(list(args.overrides)).items():
-        if not key.startswith("train."):
-            raise ConfigError(f"override {key!r}: qkv finetune takes Trainer settings as train.key=value")
-        over[key[len("train."):]] = value
-    train_cfg.update(over)
-    # an epoch in updates of the batch the Trainer will read (train.batch_size / grad_accum overrides included)
-    per_epoch = epoch_updates(len(data), int(train_cfg["batch_size"]), int(train_cfg.get("grad_accum", 1)))
-    train_cfg = {"max_steps": epochs_to_steps(float(epochs), per_epoch),
-                 "eval_every": per_epoch if dev is not None else 0, "save_every": per_epoch, **train_cfg}
-    # the decoder holds its start token too: a target as long as the context leaves one position fewer to generate
-    max_new = min(max_tgt, model.context_limit - 1) if model.context_limit else max_tgt
-    gen = {"num_beams": args.num_beams, "max_new_tokens": max_new, "do_sample": False}
-    refs = [t for _, t in dev.texts] if dev is not None else []
-
-    def eval_fn(m: Any) -> dict[str, float]:
-        return scores(translate(m, tok, dev.sources, cfg.pad_token_id, **gen), refs)
-
-    model.train()
-    mark_out(args.out, "seq2seq")  # the data are read and checked: the run starts
-    trainer = Trainer(model, train_cfg, data, eval_fn=eval_fn if dev is not None else None, resume=args.resume)
-    summary = trainer.fit()
-    best = summary.get("best_checkpoint")
-    if best and Path(best).is_dir():  # the best epoch's weights go into the output folder
-        state, _ = read_checkpoint(best)
-        model.load_state_dict(state, strict=False)
-    model.eval()
-    save_folder(model, source, Path(args.out))
-    lines = [f"fine-tuned {source} on {len(data)} pairs ({epochs:g} epochs, {summary['steps']} steps)"
-             + (f"; {train.truncated} over-long pairs truncated" if train.truncated else "")]
-    if summary.get("best_eval"):
-        ev = summary["best_eval"]
-        lines.append(f"best dev {ev['metric']} {ev['value']:.2f} at step {ev['step']}")
-    if summary.get("eval"):
-        lines.append("last dev: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["eval"].items()))
-    lines.append(f"model folder: {args.out} (qkv.from_pretrained / transformers load it)")
-    return {**summary, "report": "\n".join(lines)}
+    """`qkv finetune --task seq2seq`: the phases in order."""
+    recipe = Seq2SeqRecipe(Seq2SeqSettings.from_args(args))
+    recipe.setup_model()
+    recipe.setup_data()
+    summary = recipe.train()
+    recipe.save()
+    return {**summary, "report": "\n".join(recipe.report())}
 
 
-register_recipe(Recipe("seq2seq", ("seq2seq",), "encoder-decoder models (T5, BART, Marian): source<TAB>target pairs, "
+register_recipe(Recipe("seq2seq", ("seq2seq",), "encoder-decoder models (T5, BART, Marian): "
+                                                "source<TAB>target pairs, "
                        "BLEU / chrF on --dev each epoch", run, add_arguments))

@@ -1,10 +1,11 @@
-"""`qkv finetune DIR --task tag`: token classification (NER, chunking) from CoNLL files with a BERT-family encoder.
+"""`qkv finetune DIR --task tag`: token classification (NER, chunking) from CoNLL files with a BERT-family
+encoder.
 
     qkv finetune bert-folder --task tag --data train.conll --dev dev.conll --out ner [--epochs 3]
 
 CoNLL: one token per line, its tag in the last column (--tag-column), a blank line between sentences,
--DOCSTART- lines skipped. Tags are BIO (IOB2) or IOBES: O, B-PER, I-PER, ... Each word is labelled on its first
-sub-token (the others and the special tokens carry -100, no loss) and predicted from it.
+-DOCSTART- lines skipped. Tags are BIO (IOB2) or IOBES: O, B-PER, I-PER, ... Each word is labelled on its
+first sub-token (the others and the special tokens carry -100, no loss) and predicted from it.
 
 Metric: entity-level precision / recall / F1 with the chunking rules of CoNLL's conlleval script, which is
 what `seqeval` computes in its default mode: an entity is a maximal chunk of one type, started by B- (or by
@@ -21,19 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
-from qkv.finetune import Recipe, mark_out, read_data_text, register_recipe, shared
-from qkv.finetune.encoders import (
-    EncodedData,
-    best_state,
-    encode,
-    export_folder,
-    flag,
-    new_head_model,
-    open_encoder,
-    predict,
-    train_config,
-)
-from qkv.storage import atomic_write_json
+from qkv.finetune import Recipe, read_data_text, register_recipe, shared
+from qkv.finetune.encoders import EncodedData, encode, flag, predict
+from qkv.finetune.phases import EncoderRecipe
 from qkv.tasks.base import text_lines
 
 METRICS = {"f1": "max", "precision": "max", "recall": "max", "token_accuracy": "max"}
@@ -54,7 +45,8 @@ def read_conll(path: str | Path, tag_column: int = -1) -> list[tuple[list[str], 
     return read_conll_lines(path, tag_column)[0]
 
 
-def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple[list[str], list[str]]], list[int]]:
+def read_conll_lines(path: str | Path,
+                     tag_column: int = -1) -> tuple[list[tuple[list[str], list[str]]], list[int]]:
     """(sentences, the line of each sentence's first token): a sentence's token j is on line first + j, so an
     error about a sentence (too long, an unknown tag) can name the file and line like the other readers do.
     Every token line has the columns of the file's first one: a line with more or fewer (a token with a space
@@ -64,7 +56,8 @@ def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple
     words: list[str] = []
     tags: list[str] = []
     width: tuple[int, int] | None = None  # (columns, line) of the first token line
-    for i, line in enumerate(text_lines(read_data_text(path)) + [""], 1):  # a BOM dropped; not UTF-8: file and line
+    # a BOM dropped; not UTF-8: file and line
+    for i, line in enumerate(text_lines(read_data_text(path)) + [""], 1):
         parts = line.split()
         if not parts or parts[0] == "-DOCSTART-":
             if words:
@@ -77,8 +70,8 @@ def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple
         if width is None:
             width = (len(parts), i)
         elif len(parts) != width[0]:
-            raise ConfigError(f"{path} line {i}: {len(parts)} columns, line {width[1]} has {width[0]} (every token "
-                              "line of a CoNLL file has the same columns)")
+            raise ConfigError(f"{path} line {i}: {len(parts)} columns, line {width[1]} has {width[0]} (every "
+                              f"token line of a CoNLL file has the same columns)")
         try:
             tag = parts[tag_column]
         except IndexError:
@@ -88,11 +81,13 @@ def read_conll_lines(path: str | Path, tag_column: int = -1) -> tuple[list[tuple
         words.append(parts[0])
         tags.append(tag)
     if not sentences:
-        raise ConfigError(f"{path}: no sentences (CoNLL: token ... tag per line, blank line between sentences)")
+        raise ConfigError(f"{path}: no sentences (CoNLL: token ... tag per line, blank line between "
+                          "sentences)")
     return sentences, starts
 
 
-# -- entity-level scores (conlleval's chunk rules) ------------------------------------------------------------
+# -- entity-level scores (conlleval's chunk rules)
+# ------------------------------------------------------------
 def _split(tag: str) -> tuple[str, str]:
     return ("O", "") if tag == "O" else (tag[0], tag[2:])
 
@@ -161,64 +156,77 @@ def _encode(enc: Any, sentences: list[tuple[list[str], list[str]]], args: argpar
                   pretokenized=True, lines=lines)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from qkv.train import Trainer
+class TagRecipe(EncoderRecipe):
+    """Token classification (CoNLL BIO tags) in the shared encoder phases (qkv.finetune.phases)."""
 
-    enc = open_encoder(args.model)
-    train_s, train_lines = read_conll_lines(args.data, args.tag_column)
-    names = sorted({t for _, tags in train_s for t in tags}, key=lambda t: (t != "O", t[2:], t))
-    tag_id = {t: i for i, t in enumerate(names)}
-    id2tag = dict(enumerate(names))
-    train_enc, cut = _encode(enc, train_s, args, args.data, train_lines)
-    types = enc.model.config.type_vocab_size > 1
-    train = EncodedData(train_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(train_enc, train_s)],
-                        enc.pad_id, args.seed, METRICS, token_types=types)
-    dev = dev_s = None
-    dev_cut = 0
-    if args.dev:
-        dev_s, dev_lines = read_conll_lines(args.dev, args.tag_column)
-        for (words, tags), first in zip(dev_s, dev_lines):
+    name = head = "tag"
+
+    def setup_data(self) -> EncodedData:
+        s, enc = self.s, self.enc
+        train_s, train_lines = read_conll_lines(s.data, s.args.tag_column)
+        self.names = sorted({t for _, tags in train_s for t in tags}, key=lambda t: (t != "O", t[2:], t))
+        tag_id = {t: i for i, t in enumerate(self.names)}
+        self.id2label, self.n_labels = dict(enumerate(self.names)), len(self.names)
+        train_enc, self.cut = _encode(enc, train_s, s.args, s.data, train_lines)
+        self.types = enc.model.config.type_vocab_size > 1
+        self.train_data = EncodedData(train_enc,
+                                      [word_labels(e, t, tag_id) for e, (_, t) in zip(train_enc, train_s)],
+                                      enc.pad_id, s.seed, METRICS, token_types=self.types)
+        self.dev_cut = 0
+        if s.dev:
+            self._setup_dev(tag_id)
+        return self.train_data
+
+    def _setup_dev(self, tag_id: dict[str, int]) -> None:
+        """The --dev sentences, encoded; a tag the training data never showed is an error naming its line."""
+        s, enc = self.s, self.enc
+        self.dev_s, dev_lines = read_conll_lines(s.dev, s.args.tag_column)
+        for (words, tags), first in zip(self.dev_s, dev_lines):
             unknown = [j for j, t in enumerate(tags) if t not in tag_id]
             if unknown:
                 j = unknown[0]
-                raise ConfigError(f"{args.dev} line {first + j}: tag {tags[j]!r} (in {' '.join(words[:8])!r}) does "
-                                  f"not occur in the training data (tags: {', '.join(names[:20])})")
-        dev_enc, dev_cut = _encode(enc, dev_s, args, args.dev, dev_lines)
-        dev = EncodedData(dev_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(dev_enc, dev_s)],
-                          enc.pad_id, args.seed, token_types=types)
+                raise ConfigError(f"{s.dev} line {first + j}: tag {tags[j]!r} (in {' '.join(words[:8])!r}) "
+                                  f"does not occur in the training data (tags: {', '.join(self.names[:20])})")
+        dev_enc, self.dev_cut = _encode(enc, self.dev_s, s.args, s.dev, dev_lines)
+        self.dev = EncodedData(dev_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(dev_enc, self.dev_s)],
+                               enc.pad_id, s.seed, token_types=self.types)
 
-    def evaluate(model: Any) -> dict[str, float]:
-        logits = predict(model, dev)
-        pred = [predicted_tags(lg, e, len(w), id2tag) for lg, e, (w, _) in zip(logits, dev.encodings, dev_s)]
-        return entity_scores([t for _, t in dev_s], pred)
+    def evaluate(self, model: Any) -> dict[str, float]:
+        logits = predict(model, self.dev)
+        pred = [predicted_tags(lg, e, len(w), self.id2label)
+                for lg, e, (w, _) in zip(logits, self.dev.encodings, self.dev_s)]
+        return entity_scores([t for _, t in self.dev_s], pred)
 
-    cfg = train_config(args, len(train), dev is not None)
-    model = new_head_model(enc, "tag", len(names), args.seed)
-    out = Path(args.out)
-    mark_out(out, "tag")  # the data are read and checked: the run starts
-    summary = Trainer(model, cfg, train, eval_fn=evaluate if dev is not None else None).fit()
-    best = best_state(out) if summary.get("best_eval") else None  # this run's best (not an older run's)
-    if best is not None:
-        model.load_state_dict(best)
-    model.cpu().eval()
-    export_folder(enc, model, out, id2tag)
-    result: dict[str, Any] = {"recipe": "tag", "task": "tag", "tags": names, "train_sentences": len(train),
-                              "truncated": {"train": cut, "dev": dev_cut}, "steps": summary["steps"],
-                              "best": summary.get("best_eval"), "out": str(out)}
-    lines = [f"fine-tuned {enc.model_type} for token classification, {summary['steps']} steps on {len(train)} "
-             f"sentences ({len(names)} tags)"]
-    if cut or dev_cut:
-        lines.append(f"truncated to {enc.max_length} tokens: {cut} training and {dev_cut} dev sentence(s) "
-                     "(words cut off are predicted O)")
-    if dev is not None:
-        final = evaluate(model)
-        result["dev"] = final
-        lines.append(f"dev ({len(dev)} sentences): entity F1 {final['f1']:.4f} (precision {final['precision']:.4f}, "
-                     f"recall {final['recall']:.4f}), token accuracy {final['token_accuracy']:.4f}")
-    atomic_write_json(result, out / "finetune.json")
-    lines.append(f"saved {out} (transformers: AutoModelForTokenClassification.from_pretrained; qkv.from_pretrained)")
-    result["report"] = "\n".join(lines)
-    return result
+    def results(self) -> dict[str, Any]:
+        summary = self.summary
+        result: dict[str, Any] = {"recipe": "tag", "task": "tag", "tags": self.names,
+                                  "train_sentences": len(self.train_data),
+                                  "truncated": {"train": self.cut, "dev": self.dev_cut},
+                                  "steps": summary["steps"], "best": summary.get("best_eval"),
+                                  "out": str(self.s.out)}
+        if self.dev is not None:
+            result["dev"] = self.evaluate(self.model)
+        return result
+
+    def report(self) -> list[str]:
+        lines = [f"fine-tuned {self.enc.model_type} for token classification, {self.summary['steps']} steps "
+                 f"on {len(self.train_data)} sentences ({len(self.names)} tags)"]
+        if self.cut or self.dev_cut:
+            lines.append(f"truncated to {self.enc.max_length} tokens: {self.cut} training and {self.dev_cut} "
+                         f"dev sentence(s) (words cut off are predicted O)")
+        if self.dev is not None:
+            final = self.result["dev"]
+            lines.append(f"dev ({len(self.dev)} sentences): entity F1 {final['f1']:.4f} (precision "
+                         f"{final['precision']:.4f}, recall {final['recall']:.4f}), token accuracy "
+                         f"{final['token_accuracy']:.4f}")
+        lines.append(f"saved {self.s.out} (transformers: AutoModelForTokenClassification.from_pretrained; "
+                     "qkv.from_pretrained)")
+        return lines
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """`qkv finetune --task tag`."""
+    return TagRecipe.run(args)
 
 
 register_recipe(Recipe("tag", ("encoder",), "token classification (NER, BIO tags in CoNLL format) with a "

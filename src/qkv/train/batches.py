@@ -7,6 +7,7 @@ than the model's context is cut to it, and every cut is counted and warned about
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -62,3 +63,20 @@ def count_tokens(batch: dict[str, Any]) -> int:
 def batch_rows(batch: dict[str, Any]) -> int:
     first = next((v for v in batch.values() if isinstance(v, Tensor) and v.dim()), None)
     return int(first.shape[0]) if first is not None else 1
+
+
+def loss_and_count(out: Any, batch: dict[str, Any]) -> tuple[Tensor, Any]:
+    """(mean loss, targets it averages) from a forward's return: an object with .loss (ModelOutput, Hugging
+    Face outputs), a mapping with "loss", or the scalar loss itself. Without n_targets the batch's rows
+    weigh it (exact for sequence-level losses)."""
+    if isinstance(out, Tensor):
+        loss, n = (out, None) if out.ndim == 0 else (None, None)
+    elif isinstance(out, Mapping):
+        loss, n = out.get("loss"), out.get("n_targets")
+    else:
+        loss, n = getattr(out, "loss", None), getattr(out, "n_targets", None)
+    if loss is None:
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"the model's forward returned {got} without a loss: it must return a scalar loss, "
+                         "a mapping with 'loss' or an object with .loss (does the batch have labels?)")
+    return loss, n if n is not None else batch_rows(batch)

@@ -21,7 +21,8 @@ class Callback:
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         """Before update number `step` (1-based) fetches its micro-batches."""
 
-    def on_batch(self, trainer: Trainer, step: int, micro: int, batch: dict[str, Any]) -> dict[str, Any] | None:
+    def on_batch(self, trainer: Trainer, step: int, micro: int,
+                 batch: dict[str, Any]) -> dict[str, Any] | None:
         """May return a modified micro-batch (already truncated and on the device); None keeps `batch`,
         which the callback may have changed in place."""
         return batch

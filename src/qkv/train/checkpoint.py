@@ -39,8 +39,6 @@ from qkv.checkpoint import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     CheckpointError,
-    atomic_save_safetensors,
-    atomic_write_json,
     check_state_fits,
     clean_state_dict,
     config_changes,
@@ -49,6 +47,7 @@ from qkv.checkpoint import (
     unwrap,
 )
 from qkv.config import to_dict
+from qkv.storage import atomic_save_safetensors, atomic_write_json
 
 STATE_NAME = "train_state.pt"
 BEST = "best"
@@ -117,7 +116,9 @@ def _torch_save(obj: Any, path: Path) -> None:
 
 def _replace_dir(src: Path, dst: Path) -> None:
     """Move folder `src` to `dst`. An existing `dst` is moved aside first (`.NAME.old-PID`) and deleted only
-    once the new one is in place; if a kill falls between the two renames, clean_stale restores it."""
+    once the new one is in place; if a kill falls between the two renames, clean_stale restores it. Folder
+    renames, hence os.replace here: qkv.storage's atomic writes replace one file, and a checkpoint is a folder
+    of several files that must appear (and be superseded) all at once."""
     old = None
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
@@ -157,7 +158,9 @@ def clean_stale(root: Path) -> list[str]:
             os.replace(p, root / m.group(1))
             done.append(f"restored {m.group(1)} from {p.name}")
     for p in sorted(root.iterdir()):
-        hidden = p.name.startswith(".") and (p.name.endswith(".tmp") or ".old-" in p.name or ".del-" in p.name)
+        hidden = p.name.startswith(".") and (
+            p.name.endswith(".tmp") or ".old-" in p.name or ".del-" in p.name
+        )
         broken = _STEP_RE.match(p.name) and p.is_dir() and not _complete(p)
         if hidden or broken:
             if p.is_dir():
@@ -194,7 +197,8 @@ def check_fits(model: nn.Module, folder: Path) -> None:
 
     weights = folder / WEIGHTS_NAME
     if not _complete(folder):
-        raise CheckpointError(f"{folder} is not a complete training checkpoint (needs {WEIGHTS_NAME} and {STATE_NAME})")
+        raise CheckpointError(f"{folder} is not a complete training checkpoint (needs {WEIGHTS_NAME} and "
+                              f"{STATE_NAME})")
     try:
         with safe_open(str(weights), "pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -220,9 +224,10 @@ def check_same_architecture(model: nn.Module, folder: Path) -> None:
     except TypeError:  # not a dataclass config
         return
     if diff:
-        raise CheckpointError(f"resume: the model differs from the run's checkpoint ({describe_changes(diff)}) in "
-                              f"{folder}; its weights were trained for the saved one: resume without the change, "
-                              "or start a new run in another output folder")
+        raise CheckpointError("resume: the model differs from the run's checkpoint "
+                              f"({describe_changes(diff)}) in {folder}; its weights were trained for the "
+                              "saved one: resume without the change, or start a new run in another output "
+                              "folder")
 
 
 def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -230,7 +235,8 @@ def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
     folder = Path(folder)
     weights, state = folder / WEIGHTS_NAME, folder / STATE_NAME
     if not weights.is_file() or not state.is_file():
-        raise CheckpointError(f"{folder} is not a complete training checkpoint (needs {WEIGHTS_NAME} and {STATE_NAME})")
+        raise CheckpointError(f"{folder} is not a complete training checkpoint (needs {WEIGHTS_NAME} and "
+                              f"{STATE_NAME})")
     try:
         model_state = load_file(str(weights))
     except Exception as e:  # a truncated or foreign file: one clear sentence instead of a deep trace
@@ -247,11 +253,16 @@ def read_train_state(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL (\S+)", re.sub(r"\x1b\[[0-9;]*m", "", str(e)))
         called = f" ({found.group(1)})" if found else ""
-        raise CheckpointError(f"{path}: refused: it holds pickled objects other than tensors{called}; loading them "
-                              "would run code from the file (qkv writes plain tensors and numbers)") from None
+        raise CheckpointError(
+            f"{path}: refused: it holds pickled objects other than tensors{called}; "
+            "loading them would run code from the file (qkv writes plain tensors and "
+            "numbers)"
+        ) from None
     except Exception as e:  # a truncated or foreign file
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-        raise CheckpointError(f"{path.parent}: cannot read checkpoint ({type(e).__name__}: {first})") from None
+        raise CheckpointError(
+            f"{path.parent}: cannot read checkpoint ({type(e).__name__}: {first})"
+        ) from None
     if not isinstance(train_state, dict) or "step" not in train_state:
         raise CheckpointError(f"{path} is not a qkv training state")
     return train_state

@@ -14,44 +14,34 @@ One update (nanoGPT's order, made token-exact):
 from __future__ import annotations
 
 import gc
-import inspect
 import math
 import signal
-import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from qkv.checkpoint import CheckpointError
-from qkv.config import ConfigError, from_dict, to_dict
+from qkv.config import ConfigError, from_dict
 from qkv.nn.params import count_parameters
 from qkv.train import checkpoint as ckpt
 from qkv.train import distributed as dist_
-from qkv.train.batches import LengthTruncationWarning, batch_rows, count_tokens, to_device, truncate_batch
+from qkv.train import resume as resume_
+from qkv.train.batches import LengthTruncationWarning, count_tokens, loss_and_count, to_device, truncate_batch
 from qkv.train.callbacks import Callback
 from qkv.train.config import TrainConfig
+from qkv.train.evaluation import Evaluation
 from qkv.train.logging import RunLogger
-from qkv.train.optim import build_optimizer, implementation, set_impl
+from qkv.train.nonfinite import nonfinite_step
+from qkv.train.optim import build_optimizer, implementation
 from qkv.train.precision import Precision, resolve_device
-from qkv.train.rng import rng_state, seed_everything, set_rng_state
+from qkv.train.rng import rng_state
 from qkv.train.schedule import lr_at
-from qkv.train.stability import NonFiniteError, layer_norms, nonfinite_grads, report
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped training: the current step was completed and checkpointed first.
-    A KeyboardInterrupt, so code that records other exceptions as failed runs lets it through."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
-        name = signal.Signals(signum).name
-        where = f"checkpoint saved to {checkpoint}" if checkpoint else "no checkpoint could be saved"
-        super().__init__(f"interrupted by {name} at step {step}; {where}")
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+from qkv.train.signals import SignalStop, TrainingInterrupted
+from qkv.train.stability import NonFiniteError, layer_norms
 
 
 class BatchSource(Protocol):
@@ -61,31 +51,7 @@ class BatchSource(Protocol):
 EvalFn = Callable[[nn.Module], dict[str, float]]
 
 
-def loss_and_count(out: Any, batch: dict[str, Any]) -> tuple[Tensor, Any]:
-    """(mean loss, targets it averages) from a forward's return: an object with .loss (ModelOutput, Hugging
-    Face outputs), a mapping with "loss", or the scalar loss itself. Without n_targets the batch's rows
-    weigh it (exact for sequence-level losses)."""
-    if isinstance(out, Tensor):
-        loss, n = (out, None) if out.ndim == 0 else (None, None)
-    elif isinstance(out, Mapping):
-        loss, n = out.get("loss"), out.get("n_targets")
-    else:
-        loss, n = getattr(out, "loss", None), getattr(out, "n_targets", None)
-    if loss is None:
-        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
-        raise ValueError(f"the model's forward returned {got} without a loss: it must return a scalar loss, "
-                         "a mapping with 'loss' or an object with .loss (does the batch have labels?)")
-    return loss, n if n is not None else batch_rows(batch)
-
-
-def _differs(saved: Any, now: Any) -> bool:
-    """A saved setting differs from this run's (a saved list equals the tuple it was written from)."""
-    if isinstance(saved, (list, tuple)) and isinstance(now, (list, tuple)):
-        return list(saved) != list(now)
-    return saved != now
-
-
-class Trainer:
+class Trainer(Evaluation, SignalStop):
     """Trainer(model, cfg, data, eval_fn=None, callbacks=(), resume=None).fit() -> summary dict.
 
     model: an nn.Module (normally a qkv model) whose forward(**batch) returns an object with `.loss`
@@ -95,11 +61,13 @@ class Trainer:
     cfg: TrainConfig, or a mapping checked by qkv.config.from_dict.
     data: a batch source, `data.batch(index, batch_size, split) -> dict of tensors` (model kwargs). It must be
       a pure function of its arguments (a random one seeded by them, as the tasks' are): an exact resume asks
-      for batch `index` again instead of restoring a sampler's state, and under DDP/FSDP each rank asks for its
-      own indices, so a source that keeps state between calls resumes on other data and may feed ranks the same.
-    eval_fn: called as eval_fn(model) (plus max_eval_batches=, if it names that parameter) in eval mode under no_grad (and autocast) every eval_every steps
-      and at the end; returns {metric: value}, logged as `eval/<metric>`. Without one, and with
-      cfg.max_eval_batches > 0, the held-out loss over that many "val" batches is used.
+      for batch `index` again instead of restoring a sampler's state, and under DDP/FSDP each rank asks for
+      its own indices, so a source that keeps state between calls resumes on other data and may feed ranks the
+      same.
+    eval_fn: called as eval_fn(model) (plus max_eval_batches=, if it names that parameter) in eval mode
+      under no_grad (and autocast) every eval_every steps and at the end; returns {metric: value}, logged as
+      `eval/<metric>`. Without one, and with cfg.max_eval_batches > 0, the held-out loss over that many "val"
+      batches is used.
     resume: continue from out_dir/checkpoints' newest checkpoint (default: cfg.resume).
 
     The best checkpoint (checkpoints/best) follows cfg.best_metric, by default the primary metric the task
@@ -117,20 +85,12 @@ class Trainer:
             raise TypeError(f"cfg must be a TrainConfig or a mapping, got {type(cfg).__name__}")
         cfg.validate()
         if not callable(getattr(data, "batch", None)):
-            raise TypeError("data must be a batch source with batch(index, batch_size, split) -> dict of tensors")
+            raise TypeError("data must be a batch source with batch(index, batch_size, split) -> dict of "
+                            "tensors")
         self.cfg = cfg
         self.data = data
         self.eval_fn = eval_fn
-        # every schedule but noam (whose warmup sets its peak) ramps linearly to train.lr over the warmup
-        if cfg.schedule != "noam" and cfg.warmup_steps() >= cfg.max_steps:  # a smoke run's, often
-            decays = " and never decays" if cfg.schedule != "constant" else ""
-            warnings.warn(f"warmup of {cfg.warmup_steps()} steps >= max_steps={cfg.max_steps}: the {cfg.schedule} "
-                          f"schedule never reaches train.lr{decays} (a warmup < 1 is a share of max_steps)",
-                          stacklevel=2)
-        if cfg.eval_every and not self._eval_enabled():
-            warnings.warn(f"train.eval_every={cfg.eval_every} has nothing to evaluate (no evaluation function, "
-                          "train.max_eval_batches=0): no evaluation runs during training (qkv train: set "
-                          "eval.during_training=N held-out examples)", stacklevel=2)
+        self._warn_settings()
         self.callbacks = list(callbacks)
         self.resume = cfg.resume if resume is None else resume
         self.out_dir = Path(cfg.out_dir)
@@ -148,7 +108,8 @@ class Trainer:
         self.should_stop = False
         self.last_eval: dict[str, float] = {}
         self.last_loss = float("nan")
-        self.last_aux_loss: float | None = None  # the model's auxiliary loss, mean over the last update's batches
+        # the model's auxiliary loss, mean over the last update's batches
+        self.last_aux_loss: float | None = None
         self.last_checkpoint: Path | None = None
         self._signal: int | None = None  # SIGINT/SIGTERM received during fit()
         self._signal_agreed = False  # under DDP/FSDP: some rank received one (all-reduced with the loss)
@@ -167,7 +128,8 @@ class Trainer:
         model.to(self.device)
         if cfg.grad_checkpointing:
             if not hasattr(model, "set_gradient_checkpointing"):
-                raise ConfigError(f"grad_checkpointing=true but {type(model).__name__} has no set_gradient_checkpointing()")
+                raise ConfigError(f"grad_checkpointing=true but {type(model).__name__} has no "
+                                  "set_gradient_checkpointing()")
             model.set_gradient_checkpointing(True)
         self.model = model  # the module itself: FSDP2 shards it in place; DDP/compile wrap it in `engine`
 
@@ -177,8 +139,9 @@ class Trainer:
 
         if self.dist.mode == "fsdp":
             dist_.wrap(model, self.dist, block_types=(Block,))
-        self.optimizer, self.group_summary = build_optimizer(
-            model, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, impl=cfg.optimizer_impl)
+        self.optimizer, self.group_summary = build_optimizer(model, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                                             weight_decay=cfg.weight_decay,
+                                                             impl=cfg.optimizer_impl)
         self.optimizer_impl = implementation(self.optimizer)  # kept across load_checkpoint (which resets it)
         # every parameter that can have a gradient, listed once (the optimizer's, after any FSDP sharding)
         # instead of walking model.parameters() (~0.1 ms for a 6-layer GPT) twice per step
@@ -190,18 +153,20 @@ class Trainer:
         self.logger: RunLogger | None = None
         self.best_metric, self.best_mode = self._best_rule(data)
 
-    def _best_rule(self, data: Any) -> tuple[str, str]:
-        """(metric, "min"|"max") that selects checkpoints/best: the config's, else the task's primary one."""
+    def _warn_settings(self) -> None:
+        """Warnings for settings that run but do not do what they seem to."""
         cfg = self.cfg
-        goals: dict[str, str] = {"loss": "min"}  # the held-out loss of max_eval_batches
-        if self.eval_fn is not None:
-            goals = dict(getattr(data, "metrics", None) or {}) or {"loss": "min"}
-        metric = cfg.best_metric or next(iter(goals))
-        mode = cfg.best_mode or goals.get(metric) or ("min" if metric == "loss" else None)
-        if mode is None and self._eval_enabled():
-            raise ConfigError(f"train.best_mode (min or max) must be given for best_metric {metric!r}: the task "
-                              f"declares directions only for {sorted(goals)}")
-        return metric, mode or "min"
+        # every schedule but noam (whose warmup sets its peak) ramps linearly to train.lr over the warmup
+        if cfg.schedule != "noam" and cfg.warmup_steps() >= cfg.max_steps:  # a smoke run's, often
+            decays = " and never decays" if cfg.schedule != "constant" else ""
+            warnings.warn(f"warmup of {cfg.warmup_steps()} steps >= max_steps={cfg.max_steps}: the "
+                          f"{cfg.schedule} schedule never reaches train.lr{decays} (a warmup < 1 is a share "
+                          "of max_steps)",
+                          stacklevel=3)
+        if cfg.eval_every and not self._eval_enabled():
+            warnings.warn(f"train.eval_every={cfg.eval_every} has nothing to evaluate (no evaluation "
+                          "function, train.max_eval_batches=0): no evaluation runs during training (qkv "
+                          f"train: set eval.during_training=N held-out examples)", stacklevel=3)
 
     # ---------------------------------------------------------------------------------------------------
     def lr_for(self, step: int) -> float:
@@ -215,7 +180,8 @@ class Trainer:
 
     def _prepare(self, batch: dict[str, Any], step: int, micro: int) -> dict[str, Any]:
         if not isinstance(batch, dict):
-            raise TypeError(f"the batch source returned {type(batch).__name__}; expected a dict of model kwargs")
+            raise TypeError(f"the batch source returned {type(batch).__name__}; expected a dict of model "
+                            "kwargs")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", LengthTruncationWarning)
             batch, n_cut = truncate_batch(batch, self.context_length)
@@ -258,14 +224,16 @@ class Trainer:
                 self.precision.scale(out_loss.float() * n * c).backward()
             loss_sum += out_loss.detach().double() * n.double()
             n_sum += n.double()
-        flag = 1.0 if self._signal is not None else 0.0  # a signal on any rank stops every rank after this step
+        # a signal on any rank stops every rank after this step
+        flag = 1.0 if self._signal is not None else 0.0
         stats = torch.cat([torch.stack([loss_sum, n_sum]),
                            torch.tensor([float(tokens), flag], dtype=torch.float64, device=self.device)])
         dist_.all_reduce_sum(stats, info)
         loss_total, n_total, tokens_total, flags = (float(x) for x in stats.tolist())
         self._signal_agreed = self._signal_agreed or flags > 0
         self.precision.unscale_(self.optimizer)
-        # DDP/FSDP average gradients over ranks: grads = (c / W) * sum over all micro-batches of n_i * grad(loss_i)
+        # DDP/FSDP average gradients over ranks: grads = (c / W) * sum over all micro-batches of n_i *
+        # grad(loss_i)
         factor = world / (c * n_total) if n_total > 0 else 0.0
         self._scale_grads(factor)
         loss = loss_total / n_total if n_total > 0 else float("nan")
@@ -296,64 +264,22 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
+        """Train to cfg.max_steps (or a stop) and return the summary; resumes as train.resume says."""
         cfg, info = self.cfg, self.dist
         t_start = time.perf_counter()
-        resumed_from, fresh_note = None, ""
-        repaired: list[str] = []
-        if info.is_main:  # before anything is read or written: repair what a killed process left
-            repaired = ckpt.clean_stale(self.ckpt_root)
-        dist_.barrier(info)
         self.should_stop = False
-        path = ckpt.latest_checkpoint(self.ckpt_root)
-        # fit() again on this trainer (after Ctrl-C in a notebook, or to see the summary again): the newest
-        # checkpoint is its own, so continue from it as a resume would
-        again = self.step > 0 and path is not None and path == self.last_checkpoint
-        if self.resume or again:
-            if path is not None:
-                self.load_checkpoint(path)
-                resumed_from = path
-                on_disk = self._best_on_disk() if info.is_main else None
-                if on_disk is not None and self._is_better(on_disk["value"], self.best):
-                    self.best = on_disk
-                self.best = dist_.broadcast_object(self.best, info)  # rank 0 read checkpoints/best
-            else:
-                fresh_note = f"resume=True but {self.ckpt_root} holds no checkpoint: starting fresh"
-                warnings.warn(fresh_note, stacklevel=2)
-        if resumed_from is None:
-            existing = ckpt.list_checkpoints(self.ckpt_root)
-            if existing:  # a fresh run's pruning would keep the older run's higher steps and delete its own
-                raise ConfigError(f"{self.ckpt_root} already holds checkpoints of another run (up to step "
-                                  f"{existing[-1][0]}): resume=True continues it; a new run needs another out_dir")
-            seed_everything(cfg.seed + info.rank)
+        begin = resume_.start(self)
         self.logger = RunLogger(self.out_dir, enabled=info.is_main, progress=cfg.progress,
                                 tensorboard=cfg.tensorboard, total_steps=cfg.max_steps, start_step=self.step)
         log = self.logger
-        if resumed_from is not None:  # rank 0 holds the log; every rank must agree on whether to evaluate
-            self.last_eval, loss = dist_.broadcast_object(self._logged_at_resume(), info)
+        # rank 0 holds the log; every rank must agree on whether to evaluate
+        if begin.resumed_from is not None:
+            logged = resume_.logged_at_resume(self.logger.records, self.step)
+            self.last_eval, loss = dist_.broadcast_object(logged, info)
             self.last_loss = loss if loss is not None else self.last_loss
         self._install_signal_handlers()
         try:
-            for line in repaired:
-                log.info(f"checkpoints: {line} (left by an interrupted process)")
-            if fresh_note:
-                log.info(fresh_note)
-            n_params = count_parameters(self.model)
-            log.info(f"training {dist_.model_class_name(self.model)} ({n_params:,} parameters) on {self.device}, "
-                     f"precision {cfg.precision}, distributed {info.mode} x{info.world_size}, "
-                     f"global batch {cfg.batch_size * cfg.grad_accum * info.world_size} sequences")
-            log.info(f"{self.group_summary.line()}; AdamW {self.optimizer_impl}")
-            if resumed_from is not None:
-                log.info(f"resumed from {resumed_from} at step {self.step}")
-                saved = self._resumed_config
-                changed = {k: (v, getattr(cfg, k)) for k, v in saved.items()
-                           if k in ("batch_size", "seed", "schedule", "lr", "max_steps", "warmup", "weight_decay",
-                                    "betas", "eps") and _differs(v, getattr(cfg, k))}
-                if saved.get("grad_accum", cfg.grad_accum) * self._resumed_world != cfg.grad_accum * info.world_size:
-                    changed["micro-batches per update"] = (saved.get("grad_accum", 0) * self._resumed_world,
-                                                           cfg.grad_accum * info.world_size)
-                if changed:
-                    log.info("note: resumed with changed settings (saved -> now): " + ", ".join(
-                        f"{k} {a} -> {b}" for k, (a, b) in changed.items()) + "; the continuation is not exact")
+            self._log_start(begin)
             if cfg.nan_policy == "rollback" and not ckpt.list_checkpoints(self.ckpt_root):
                 self.save_checkpoint()  # rollback needs a good state to return to
             for cb in self.callbacks:
@@ -370,7 +296,8 @@ class Trainer:
                 raise TrainingInterrupted(self._signal or signal.SIGINT, self.step, here)
             summary = self.summary(time.perf_counter() - t_start)
             log.info(f"done: {self.step} steps, final loss {self.last_loss:.4f}"
-                     + (f", best eval {self.best['metric']}={self.best['value']:.4f} at step {self.best['step']}"
+                     + (f", best eval {self.best['metric']}={self.best['value']:.4f} at step "
+                        f"{self.best['step']}"
                         if self.best else ""))
             for cb in self.callbacks:
                 cb.on_fit_end(self, summary)
@@ -384,11 +311,33 @@ class Trainer:
             self._restore_signal_handlers()
             log.close(plot=self.cfg.plot)
 
+    def _log_start(self, begin: resume_.Start) -> None:
+        """The run's opening lines: repairs, the model and setup, and what a resume changed."""
+        cfg, info, log = self.cfg, self.dist, self.logger
+        assert log is not None
+        for line in begin.repaired:
+            log.info(f"checkpoints: {line} (left by an interrupted process)")
+        if begin.fresh_note:
+            log.info(begin.fresh_note)
+        n_params = count_parameters(self.model)
+        log.info(f"training {dist_.model_class_name(self.model)} ({n_params:,} parameters) on {self.device}, "
+                 f"precision {cfg.precision}, distributed {info.mode} x{info.world_size}, "
+                 f"global batch {cfg.batch_size * cfg.grad_accum * info.world_size} sequences")
+        log.info(f"{self.group_summary.line()}; AdamW {self.optimizer_impl}")
+        if begin.resumed_from is None:
+            return
+        log.info(f"resumed from {begin.resumed_from} at step {self.step}")
+        changed = resume_.changed_settings(self._resumed_config, self._resumed_world, cfg, info.world_size)
+        if changed:
+            log.info("note: resumed with changed settings (saved -> now): " + ", ".join(
+                f"{k} {a} -> {b}" for k, (a, b) in changed.items()) + "; the continuation is not exact")
+
     def _save_after_error(self) -> None:
-        """An exception (eval_fn, a callback, the batch source) is leaving fit(): checkpoint the completed steps
-        so a resume need not redo them. Best effort, never masking that exception, and single-process only:
-        saving is collective under DDP/FSDP and the other ranks may be elsewhere."""
-        if self.dist.enabled or self.step == 0 or self.last_checkpoint == ckpt.step_dir(self.ckpt_root, self.step):
+        """An exception (eval_fn, a callback, the batch source) is leaving fit(): checkpoint the completed
+        steps so a resume need not redo them. Best effort, never masking that exception, and single-process
+        only: saving is collective under DDP/FSDP and the other ranks may be elsewhere."""
+        saved = self.last_checkpoint == ckpt.step_dir(self.ckpt_root, self.step)
+        if self.dist.enabled or self.step == 0 or saved:
             return
         try:
             path = self.save_checkpoint()
@@ -396,35 +345,6 @@ class Trainer:
                 self.logger.info(f"step {self.step}: stopped by an exception; checkpoint saved to {path}")
         except Exception:  # noqa: BLE001 - the original exception is the one to report
             pass
-
-    # -- SIGINT / SIGTERM: finish the step, checkpoint, stop --------------------------------------------------
-    def _install_signal_handlers(self) -> None:
-        self._signal, self._signal_agreed = None, False
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-
-    def _restore_signal_handlers(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers = {}
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._signal is not None:  # a second one: stop now, without a checkpoint
-            self._restore_signal_handlers()
-            raise KeyboardInterrupt
-        self._signal = signum  # only a flag: the loop logs and saves at the end of the current step
-
-    def _interrupted(self, final: bool = False) -> bool:
-        """Whether to stop for a signal. Under DDP/FSDP every rank must agree (saving is collective): the
-        flag travels with each step's loss all-reduce, and once more at the very end (final=True)."""
-        if not self.dist.enabled:
-            return self._signal is not None
-        if final and not self._signal_agreed:
-            flag = torch.tensor([1.0 if self._signal is not None else 0.0], device=self.device)
-            self._signal_agreed = dist_.all_reduce_sum(flag, self.dist).item() > 0
-        return self._signal_agreed
 
     def _loop(self) -> None:
         cfg, log = self.cfg, self.logger
@@ -502,161 +422,11 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------
     def _nonfinite(self, step: int, loss: float, grad_norm: float, batches: list[dict[str, Any]]) -> None:
-        cfg, log = self.cfg, self.logger
-        assert log is not None
-        layers = nonfinite_grads(self.model)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.precision.scaler is not None:
-            self.precision.scaler.update()  # close this iteration's unscale_ bookkeeping
-        policy = cfg.nan_policy
-        if policy == "skip" and (cfg.max_skips is None or self.skipped < cfg.max_skips):
-            self.skipped += 1
-            self.step = step  # the update slot (and its data) is consumed
-            log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}); "
-                     f"update skipped ({self.skipped} so far); layers: {', '.join(layers[:5])}")
-            log.log({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": self.lr_for(step), "skipped": self.skipped})
-            return
-        if policy == "rollback" and self.rollbacks < cfg.max_rollbacks:
-            path = ckpt.latest_checkpoint(self.ckpt_root)
-            if path is not None:
-                new_scale = self.lr_scale * cfg.rollback_lr_factor
-                # the best so far stays the best: checkpoints/best holds it even if it came after `path`,
-                # and forgetting it would let a worse evaluation of the replayed steps overwrite it
-                counters = (self.rollbacks + 1, self.skipped, self.truncated, self.best)
-                self.load_checkpoint(path)
-                log.rewind(self.step)  # the records after the restored step describe an abandoned path
-                self.lr_scale = new_scale
-                self.rollbacks, self.skipped, self.truncated, self.best = counters
-                log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}) in "
-                         f"{', '.join(layers[:5])}; rolled back to {path.name} (step {self.step}), "
-                         f"LR x{new_scale:.3g} (rollback {self.rollbacks}/{cfg.max_rollbacks})")
-                return
-        # stop (or skip/rollback limits exhausted): keep the evidence, then report. The state saved is the one
-        # before the bad update; it is never pruned against, and not written at all if an earlier update
-        # already left non-finite weights (lr=inf): a non-finite state must not displace a good checkpoint
-        saved = self.save_checkpoint(prune=False)
-        batch_path = None
-        if self.dist.is_main:
-            batch_path = self.out_dir / f"nonfinite_batch_step{step}.pt"
-            torch.save([{k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in b.items()}
-                        for b in batches], batch_path)
-        what = policy if policy == "stop" else f"{policy}, limit reached"
-        newest = ckpt.latest_checkpoint(self.ckpt_root) if saved is None else None
-        msg = report(step, loss, grad_norm, layers, saved, batch_path, what, newest_good=newest)
-        log.info(msg)
-        raise NonFiniteError(msg, step=step, loss=loss, grad_norm=grad_norm, layers=layers,
-                             checkpoint=saved, batch_path=batch_path)
-
-    # ---------------------------------------------------------------------------------------------------
-    def _eval_enabled(self) -> bool:
-        return self.eval_fn is not None or bool(self.cfg.max_eval_batches)
-
-    def evaluate(self) -> dict[str, float]:
-        """Run eval_fn (or the held-out loss) without disturbing training: eval mode, no_grad, autocast,
-        and the RNG state restored afterwards (so evaluating never changes the training trajectory)."""
-        saved_rng = rng_state()
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad(), self.precision.autocast(), dist_.unsharded(self.model, self.dist):
-                if self.eval_fn is not None:
-                    metrics = self.eval_fn(self.model, **self._eval_kwargs())
-                else:
-                    metrics = self._heldout_loss()
-        finally:
-            self.model.train(was_training)
-            set_rng_state(saved_rng)
-        metrics = {k: float(v) for k, v in dict(metrics).items()}
-        return dist_.broadcast_object(metrics, self.dist)  # every rank acts on rank 0's numbers
-
-    def _eval_kwargs(self) -> dict[str, Any]:
-        """max_eval_batches for an eval_fn with a parameter of that name (when set): one knob bounds both."""
-        try:
-            named = "max_eval_batches" in inspect.signature(self.eval_fn).parameters
-        except (TypeError, ValueError):  # a builtin or C callable without a signature
-            named = False
-        return {"max_eval_batches": self.cfg.max_eval_batches} if named and self.cfg.max_eval_batches is not None else {}
-
-    def _heldout_loss(self) -> dict[str, float]:
-        """Token-weighted loss over the first max_eval_batches "val" batches (global: rank r takes r, r + W,
-        ...). Every rank runs the same number of forwards -- FSDP's forward is collective -- so a rank
-        without a batch in the last round repeats one and gives it weight 0."""
-        cfg, info = self.cfg, self.dist
-        n = int(cfg.max_eval_batches or 0)
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for j in range(math.ceil(n / info.world_size)):
-            i = j * info.world_size + info.rank
-            batch = self.data.batch(i if i < n else info.rank % n, cfg.batch_size, "val")
-            batch = to_device(truncate_batch(batch, self.context_length)[0], self.device)
-            out_loss, count = loss_and_count(self.model(**batch), batch)
-            weight = 1.0 if i < n else 0.0
-            stats[0] += out_loss.double() * float(count) * weight
-            stats[1] += count * weight
-        dist_.all_reduce_sum(stats, info)
-        if float(stats[1]) == 0:  # no target in the batches: no loss to report (never a fake 0.0)
-            return {"loss": float("nan")}
-        return {"loss": float(stats[0] / stats[1])}
-
-    def _logged_at_resume(self) -> tuple[dict[str, Any], float | None]:
-        """(evaluation, training loss) already logged at the step training resumes from (the logger keeps the
-        records up to it), so that resuming a run that had finished neither evaluates its last step and logs
-        it again nor reports a final loss of nan."""
-        evaluation: dict[str, Any] = {}
-        loss = None
-        for record in reversed(self.logger.records if self.logger is not None else []):
-            if record.get("step") != self.step:
-                break
-            # float(): metrics.jsonl writes a non-finite value as the string "nan"/"inf" (JSON has none)
-            metrics = {k[len("eval/"):]: float(v) for k, v in record.items() if k.startswith("eval/")}
-            evaluation = {**metrics, "_step": self.step} if metrics and not evaluation else evaluation
-            loss = float(record["loss"]) if loss is None and "loss" in record else loss
-        return evaluation, loss
-
-    def _run_eval(self) -> dict[str, float]:
-        metrics = self.evaluate()
-        self.last_eval = {**metrics, "_step": self.step}
-        for cb in self.callbacks:
-            cb.on_eval(self, self.step, metrics)
-        if self.logger is not None:
-            self.logger.info(f"step {self.step}: eval " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-            if self.cfg.eval_every == 0 or self.step % self.cfg.eval_every:
-                self.logger.log({"step": self.step, **{f"eval/{k}": v for k, v in metrics.items()}})
-        if self.best_metric not in metrics:
-            self.save_checkpoint()  # keep the steps done so far: fix the setting and --resume
-            raise ConfigError(f"train.best_metric {self.best_metric!r} is not among the evaluation's metrics "
-                              f"{sorted(metrics)} (step {self.step}; checkpoint saved)")
-        value = metrics[self.best_metric]
-        if math.isfinite(value):
-            if self._is_better(value, self.best):
-                previous, self.best = self.best, {"metric": self.best_metric, "value": value, "step": self.step}
-                if self.save_checkpoint(self.ckpt_root / ckpt.BEST,
-                                        extra={"eval.json": {**metrics, "step": self.step}}) is None:
-                    self.best = previous  # a non-finite state is no best
-        return metrics
-
-    def _is_better(self, value: float, than: dict[str, Any] | None) -> bool:
-        return than is None or (value < than["value"] if self.best_mode == "min" else value > than["value"])
-
-    def _best_on_disk(self) -> dict[str, Any] | None:
-        """checkpoints/best's record ({"metric", "value", "step"}), or None. It can be newer than the step
-        checkpoint a run resumes from (an evaluation after the last periodic save)."""
-        try:
-            record = ckpt.read_json(self.ckpt_root / ckpt.BEST / "eval.json")
-            value = float(record[self.best_metric])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return {"metric": self.best_metric, "value": value, "step": int(record.get("step", 0))} \
-            if math.isfinite(value) else None
+        nonfinite_step(self, step, loss, grad_norm, batches)
 
     # ---------------------------------------------------------------------------------------------------
     def train_state(self) -> dict[str, Any]:
-        return {
-            "format": 1, "step": self.step, "lr_scale": self.lr_scale, "world_size": self.dist.world_size,
-            "scaler": self.precision.state_dict(),
-            "counters": {"skipped": self.skipped, "scaler_skips": self.scaler_skips, "rollbacks": self.rollbacks,
-                         "truncated": self.truncated, "tokens_seen": self.tokens_seen},
-            "best": self.best, "train_config": to_dict(self.cfg),
-        }
+        return resume_.train_state(self)
 
     def save_checkpoint(self, folder: Path | None = None, extra: dict[str, Any] | None = None, *,
                         prune: bool = True) -> Path | None:
@@ -689,58 +459,24 @@ class Trainer:
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore weights, optimizer, counters and RNG states from a training checkpoint folder."""
-        folder = Path(folder)
-        model_state, state = ckpt.read_checkpoint(folder)
-        ckpt.check_model_state(self.model, model_state, str(folder))
-        ckpt.check_same_architecture(self.model, folder)
-        optim_state = state.get("optimizer")
-        try:
-            dist_.load_full_state(self.model, self.optimizer, model_state, optim_state)
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{folder}: optimizer state does not fit this model/optimizer ({e})") from None
-        # load_state_dict replaced the groups' settings with the saved ones (the loop, for checkpoints written
-        # before optimizer_impl existed): run what this config chose, with this config's AdamW settings (a
-        # resumed run's command line overrides what it names; the note at fit() lists what changed)
-        set_impl(self.optimizer, self.optimizer_impl)
-        for group in self.optimizer.param_groups:
-            group["betas"], group["eps"] = tuple(self.cfg.betas), self.cfg.eps
-            if group.get("name") == "decay":
-                group["weight_decay"] = self.cfg.weight_decay
-        self.step = int(state["step"])
-        self.lr_scale = float(state.get("lr_scale", 1.0))
-        self.precision.load_state_dict(state.get("scaler") or {})
-        counters = state.get("counters", {})
-        self.skipped = int(counters.get("skipped", 0))
-        self.scaler_skips = int(counters.get("scaler_skips", 0))
-        self.rollbacks = int(counters.get("rollbacks", 0))
-        self.truncated = int(counters.get("truncated", 0))
-        self.tokens_seen = int(counters.get("tokens_seen", 0))
-        self.best = state.get("best")
-        self.last_checkpoint = folder
-        self._resumed_config = dict(state.get("train_config") or {})
-        self._resumed_world = int(state.get("world_size", 1))
-        rngs = state.get("rng") or []
-        if len(rngs) == self.dist.world_size:
-            set_rng_state(rngs[self.dist.rank])
-        else:  # another world size: exact RNG continuation is impossible; stay deterministic at least
-            seed_everything(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
+        resume_.restore(self, Path(folder))
 
     def summary(self, elapsed: float) -> dict[str, Any]:
-        return {
-            "steps": self.step, "final_loss": self.last_loss, "best_eval": self.best,
-            "eval": {k: v for k, v in self.last_eval.items() if not k.startswith("_")},
-            "skipped": self.skipped, "rollbacks": self.rollbacks, "truncated": self.truncated,
-            "scaler_skips": self.scaler_skips, "tokens": self.tokens_seen, "elapsed_s": elapsed,
-            "out_dir": str(self.out_dir), "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-            "best_checkpoint": str(self.ckpt_root / ckpt.BEST) if self.best else None,
-            "metrics": str(self.out_dir / "metrics.jsonl"),
-        }
+        return {"steps": self.step, "final_loss": self.last_loss, "best_eval": self.best,
+                "eval": {k: v for k, v in self.last_eval.items() if not k.startswith("_")},
+                "skipped": self.skipped, "rollbacks": self.rollbacks, "truncated": self.truncated,
+                "scaler_skips": self.scaler_skips, "tokens": self.tokens_seen, "elapsed_s": elapsed,
+                "out_dir": str(self.out_dir),
+                "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+                "best_checkpoint": str(self.ckpt_root / ckpt.BEST) if self.best else None,
+                "metrics": str(self.out_dir / "metrics.jsonl")}
 
     def close(self) -> None:
         """Tear down the process group this trainer initialised (call once at the end of a torchrun script, on
-        every rank). The DDP wrapper is dropped first, while the group exists: freed after the group is destroyed
-        (when the caller lets go of the trainer), its reducer's gloo work joined a thread that waited for the GIL
-        the freeing thread held, and the process never exited (seen under torchrun, 4 runs in 9)."""
+        every rank). The DDP wrapper is dropped first, while the group exists: freed after the group is
+        destroyed (when the caller lets go of the trainer), its reducer's gloo work joined a thread that
+        waited for the GIL the freeing thread held, and the process never exited (seen under torchrun, 4 runs
+        in 9)."""
         if self.engine is not self.model and isinstance(self.engine, nn.parallel.DistributedDataParallel):
             self.engine = self.model
             gc.collect()

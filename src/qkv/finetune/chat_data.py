@@ -1,0 +1,206 @@
+"""The chat recipe's data: JSONL conversations read and checked, rendered with the model folder's chat
+template (or qkv chat's plain transcript) into token ids and labels on the assistant's tokens only, and the
+batch source the Trainer reads (see qkv.finetune.chat for the format and why rows are not packed)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.config import ConfigError
+from qkv.finetune import read_data_text
+
+ROLES = ("system", "user", "assistant")
+IGNORE = -100
+
+
+# -- reading the data --------------------------------------------------------------------------------------
+def _messages(obj: Any, where: str) -> list[dict[str, str]]:
+    """The conversation of one JSONL record, checked; errors name `where` (file:line)."""
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a JSON object with 'messages' (or 'prompt'/'completion'), "
+                          f"got a JSON {type(obj).__name__}")
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ConfigError(f"{where}: message {i} must be an object with 'role' and 'content'")
+            if m["role"] not in ROLES:
+                raise ConfigError(f"{where}: message {i} has unknown role {m['role']!r} "
+                                  f"(expected one of {', '.join(ROLES)})")
+            if not isinstance(m["content"], str):
+                raise ConfigError(f"{where}: message {i}: 'content' must be a string")
+            out.append({"role": m["role"], "content": m["content"]})
+    elif "prompt" in obj or "completion" in obj:
+        if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("completion"), str):
+            raise ConfigError(f"{where}: a prompt/completion record needs both as strings")
+        out = [{"role": "user", "content": obj["prompt"]},
+               {"role": "assistant", "content": obj["completion"]}]
+        if obj.get("system") is not None:
+            if not isinstance(obj["system"], str):
+                raise ConfigError(f"{where}: 'system' must be a string")
+            out.insert(0, {"role": "system", "content": obj["system"]})
+    else:
+        raise ConfigError(f"{where}: missing 'messages' (or 'prompt' and 'completion'); the record has "
+                          f"{', '.join(map(repr, obj)) or 'no keys'}")
+    if not any(m["role"] == "assistant" and m["content"] for m in out):
+        raise ConfigError(f"{where}: no assistant message with content: nothing to learn from this record")
+    return out
+
+
+def read_chats(path: str | Path) -> list[tuple[int, list[dict[str, str]]]]:
+    """[(line number, messages)] of a JSONL file. Blank lines are skipped; anything else that is not a valid
+    record is one ConfigError naming the file and line."""
+    path = Path(path)
+    text = read_data_text(path, "{path}:{line}")  # a byte order mark dropped; not UTF-8: file:line
+    if not text.strip():
+        raise ConfigError(f"{path}: the file is empty (expected one JSON object per line)")
+    out = []
+    # at "\n" only, as wc -l counts (see tasks.base.text_lines)
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
+        out.append((n, _messages(obj, f"{path}:{n}")))
+    return out
+
+
+# -- rendering and labels ---------------------------------------------------------------------------------
+@dataclass
+class Example:
+    line: int
+    input_ids: list[int]
+    labels: list[int]  # IGNORE outside the assistant's tokens
+
+
+def encode_chat(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one conversation: rendered with the folder's chat template, labels = ids on the
+    assistant's tokens (the template's assistant mask) and IGNORE elsewhere. Without a template: the plain
+    concatenation (see the module docstring)."""
+    if tok.has_chat_template:
+        ids, mask = tok.apply_chat_template(messages, return_assistant_mask=True)
+        return list(ids), [i if m else IGNORE for i, m in zip(ids, mask)]
+    return _plain(tok, messages)
+
+
+def _plain(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """The plain transcript `qkv chat` uses for a folder without a template ("system\n\nUser: ...\nAssistant:
+    ..."), with the eos token written after each answer; the loss on " answer<eos>". Tokenized as one text
+    (as qkv chat tokenizes it), the answers located by character offsets."""
+    from qkv.chat import plain_transcript
+    from qkv.interop.tokenizer import spans_to_token_mask
+
+    if tok.eos_token is None:
+        raise ConfigError("the model folder has no chat template and no eos token: cannot mark where an "
+                          "answer ends")
+    text, spans = plain_transcript(messages, tok.eos_token, reply=False)
+    ids, offsets = tok.encode_with_offsets(text, add_special_tokens=True)  # as qkv chat encodes its prompt
+    mask = spans_to_token_mask(spans, offsets)
+    return ids, [i if m else IGNORE for i, m in zip(ids, mask)]
+
+
+def build_examples(tok: Any, records: list[tuple[int, list[dict[str, str]]]], max_length: int, path: str,
+                   too_long: str) -> tuple[list[Example], list[int]]:
+    """Examples of the records; records over max_length tokens are an error (too_long="error") or skipped
+    and listed (too_long="skip"). Returns (examples, skipped line numbers)."""
+    out, skipped = [], []
+    for line, msgs in records:
+        try:
+            ids, labels = encode_chat(tok, msgs)
+        except ValueError as e:  # the template refused the conversation (raise_exception), or lost the answer
+            raise ConfigError(f"{path}:{line}: {str(e).splitlines()[0]}") from None
+        if len(ids) > max_length:
+            if too_long == "skip":
+                skipped.append(line)
+                continue
+            raise ConfigError(f"{path}:{line}: the conversation is {len(ids)} tokens, longer than the "
+                              f"context of {max_length} (--max-length); shorten it, or pass --too-long skip "
+                              f"to leave such records out")
+        if all(x == IGNORE for x in labels[1:]):  # the model predicts labels[1:] (position 0 has no history)
+            raise ConfigError(f"{path}:{line}: no assistant token to learn after rendering")
+        out.append(Example(line, ids, labels))
+    return out, skipped
+
+
+# -- the batch source ---------------------------------------------------------------------------------------
+class ChatData:
+    """Trainer batch source: `batch(index, batch_size, split)` is a pure function of its arguments (the seed
+    and the data), which is what makes --resume exact. Epoch e visits the examples in a permutation seeded by
+    (seed, e); within windows of `window` batches the rows are sorted by length, so a batch holds rows of
+    similar length; the batches of an epoch are then shuffled again."""
+
+    metrics = {"loss": "min"}
+
+    def __init__(self, train: list[Example], dev: list[Example], pad_id: int, seed: int = 0,
+                 window: int = 16):
+        if not train:
+            raise ConfigError("no training examples left")
+        self.train, self.dev, self.pad_id, self.seed, self.window = train, dev, pad_id, seed, window
+        self._epochs: dict[tuple[int, int], list[list[int]]] = {}
+
+    def _epoch(self, epoch: int, bs: int) -> list[list[int]]:
+        key = (epoch, bs)
+        if key not in self._epochs:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.train), generator=g).tolist()
+            batches = []
+            span = bs * self.window
+            for s in range(0, len(order), span):
+                chunk = sorted(order[s:s + span], key=lambda i: -len(self.train[i].input_ids))
+                batches += [chunk[j:j + bs] for j in range(0, len(chunk), bs)]
+            perm = torch.randperm(len(batches), generator=g).tolist()
+            self._epochs = {key: [batches[i] for i in perm]}  # one epoch at a time is all a run needs
+        return self._epochs[key]
+
+    def batches_per_epoch(self, bs: int) -> int:
+        return -(-len(self.train) // bs)
+
+    def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]:
+        if split == "train":
+            n = self.batches_per_epoch(batch_size)
+            rows = [self.train[i] for i in self._epoch(index // n, batch_size)[index % n]]
+        else:
+            if not self.dev:
+                raise ConfigError("no held-out data: pass --dev FILE")
+            start = (index * batch_size) % len(self.dev)
+            rows = self.dev[start:start + batch_size]
+        return collate(rows, self.pad_id)
+
+
+def collate(rows: list[Example], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded input_ids and labels (IGNORE on the padding); no attention mask (see the module
+    docstring)."""
+    T = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r.input_ids)] = torch.tensor(r.input_ids)
+        labels[b, : len(r.labels)] = torch.tensor(r.labels)
+    return {"input_ids": ids, "labels": labels}
+
+
+@torch.no_grad()
+def assistant_loss(model: torch.nn.Module, examples: list[Example], pad_id: int,
+                   batch_size: int = 8) -> float:
+    """Mean cross-entropy per assistant token over `examples` (eval mode)."""
+    was = model.training
+    model.eval()
+    total = n = 0.0
+    device = next(model.parameters()).device
+    for s in range(0, len(examples), batch_size):
+        out = model(**{k: v.to(device) for k, v in collate(examples[s:s + batch_size], pad_id).items()})
+        total += float(out.loss) * float(out.n_targets)
+        n += float(out.n_targets)
+    model.train(was)
+    return total / max(n, 1.0)
