@@ -220,17 +220,44 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any, where: str) -> No
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """['a.b=3', 'c=rope'] -> {'a.b': 3, 'c': 'rope'}; values are parsed as YAML scalars."""
-    out = {}
+    """['a.b=3', 'c=rope'] -> {'a.b': 3, 'c': 'rope'}; values are parsed as YAML scalars. A key given twice:
+    the last wins, as a flag given twice does in argparse (appending to a script's command line overrides it)."""
+    out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
         key, raw = item.split("=", 1)
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
-            out[key.strip()] = raw
+            value = raw
+        out[key.strip()] = value
     return out
+
+
+def _written(items: list[str], key: str) -> str:
+    """The key=value item that set `key` on the command line (the last one: it wins)."""
+    return [o.strip() for o in items if "=" in o and o.split("=", 1)[0].strip() == key][-1]
+
+
+def check_flag_keys(pairs: list[tuple[str, Any, str]], overrides: list[str]) -> dict[str, Any]:
+    """The one flag-vs-`key=value` rule: a flag and the key it is a shortcut for are one setting, so both on
+    the command line with different values is one error naming the two (the same form given twice is not a
+    conflict: the last wins, argparse's rule for flags and parse_overrides' for keys). `pairs` are (flag, value or None
+    when not given, dotted key); values are compared as values (a path for a key ending in out_dir). Returns the parsed overrides."""
+    given = parse_overrides(overrides)
+    for flag, value, key in pairs:
+        if value is None or key not in given:
+            continue
+        theirs = given[key]
+        if key.endswith("out_dir"):  # ./o is o
+            same = Path(str(theirs)).resolve() == Path(str(value)).resolve()
+        else:
+            same = theirs == value
+        if not same:
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise ConfigError(f"{flag}{shown} and {_written(overrides, key)} disagree; give one of them")
+    return given
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any], where: str = "config") -> dict[str, Any]:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qkv.cli.flags import add_generation_flags, generation_flags
+
 EXIT_USER_ERROR = 2
 EXIT_NAN_GUARD = 3
 TRAIN_EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN "
@@ -29,6 +31,10 @@ TRAINING = ("train", "demo", "ablate", "finetune")  # the subcommands that train
 EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 130/143 interrupted by SIGINT/SIGTERM, "
           "141 the reader of stdout went away (qkv presets | head)")
 # serve stops on SIGINT / SIGTERM by design (a graceful shutdown): that is its normal end, status 0
+# the sampling flags, generated from GenerationConfig's fields (qkv.cli.flags): its bounds and help text
+GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "length_penalty",
+                  "no_repeat_ngram_size", "min_new_tokens")
+CHAT_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
 SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutdown, 1 the engine failed (so that a "
                 "supervisor restarts it), 2 user error (one line 'qkv: error: ...', e.g. an address it cannot "
                 "listen on)")
@@ -46,37 +52,24 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (train.progress=false)")
 
 
-def _check_flag_overrides(a: argparse.Namespace, over: list[str]) -> None:
-    """A flag and the key=value it is a shortcut for are one setting: both on the command line with different
-    values is one error naming the two (it used to be the flag, silently). Over the YAML file the command
-    line wins, flag or key=value alike."""
-    from qkv.config import ConfigError, parse_overrides
-
-    given = parse_overrides(over)
-    pairs = [("--task", a.task, "task.name"), ("--model", a.model, "model.preset"),
-             ("--max-steps", a.max_steps, "train.max_steps"), ("--seed", a.seed, "train.seed"),
-             ("--seed", a.seed, "task.seed"), ("--out", a.out, "train.out_dir"),
-             ("--resume", True if a.resume else None, "train.resume"),
-             ("--no-progress", False if a.no_progress else None, "train.progress")]
-    for flag, value, key in pairs:
-        if value is None or key not in given:
-            continue
-        same = (Path(str(given[key])).resolve() == Path(value).resolve() if key == "train.out_dir"
-                else given[key] == value)
-        if not same:
-            written = next(o for o in reversed(over) if o.split("=", 1)[0].strip() == key)
-            shown = "" if isinstance(value, bool) else f" {value}"
-            raise ConfigError(f"{flag}{shown} and {written.strip()} disagree; give one of them")
+def _train_flag_keys(a: argparse.Namespace) -> list[tuple[str, Any, str]]:
+    """(flag, value given or None, the key=value it is a shortcut for) of `qkv train`."""
+    return [("--task", a.task, "task.name"), ("--model", a.model, "model.preset"),
+            ("--max-steps", a.max_steps, "train.max_steps"), ("--seed", a.seed, "train.seed"),
+            ("--seed", a.seed, "task.seed"), ("--out", a.out, "train.out_dir"),
+            ("--resume", True if a.resume else None, "train.resume"),
+            ("--no-progress", False if a.no_progress else None, "train.progress")]
 
 
 def cmd_train(a: argparse.Namespace) -> int:
+    from qkv.config import check_flag_keys
     from qkv.run import command_line_config, train_run
 
     over = list(a.overrides)
     if a.config and "=" in a.config:  # `qkv train key=value ...` without a YAML file
         over.insert(0, a.config)
         a.config = None
-    _check_flag_overrides(a, over)
+    check_flag_keys(_train_flag_keys(a), over)  # over the YAML the command line wins, either form
     if a.task:
         over.append(f"task.name={a.task}")
     if a.model:
@@ -127,16 +120,9 @@ def _add_quantize(p: argparse.ArgumentParser) -> None:
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, a checkpoint folder, a Hugging Face folder or a GGUF file")
     p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens to generate (default: an LM's sample length, 200; a seq2seq task's longest target)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="divide the logits when sampling; 0 = greedy (default: the task's or the folder's, else 1.0)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--num-beams", type=int, default=None, help="> 1: beam search (default 1)")
-    p.add_argument("--length-penalty", type=float, default=None, help="beam score = log p / length ** this")
-    p.add_argument("--no-repeat-ngram-size", type=int, default=None, help="no n-gram of this size occurs twice")
-    p.add_argument("--min-new-tokens", type=int, default=None, help="no eos before this many tokens")
+    add_generation_flags(p, GENERATE_FLAGS, {
+        "max_new_tokens": "an LM's sample length, 200; a seq2seq task's longest target",
+        "temperature": "the task's or the folder's, else 1.0", "num_beams": "1"})
     p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
                    help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)")
     how = p.add_mutually_exclusive_group()
@@ -163,26 +149,16 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     _add_quantize(p)
 
 
-def _check_generate_flags(a: argparse.Namespace) -> None:
-    """Flags out of range are one-line errors, not silently replaced defaults."""
-    import math
-
+def _check_generate_flags(a: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """The sampling flags given, out-of-range ones a one-line error by GenerationConfig's rule (the API's
+    and the server's; qkv.cli.flags)."""
     from qkv.config import ConfigError
 
-    if a.max_new_tokens is not None and a.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
-    if a.num_beams is not None and a.num_beams < 1:
-        raise ConfigError(f"--num-beams must be at least 1, got {a.num_beams}")
-    # the same bounds as GenerationConfig and the server: temperature 0 decodes greedily, top-k 0 is no top-k
-    if a.temperature is not None and not (math.isfinite(a.temperature) and a.temperature >= 0):
-        raise ConfigError(f"--temperature must be a number >= 0 (0 = greedy), got {a.temperature}")
-    if a.top_k is not None and a.top_k < 0:
-        raise ConfigError(f"--top-k must be >= 0 (0 = no top-k), got {a.top_k}")
-    if a.top_p is not None and not 0 < a.top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {a.top_p}")
-    if a.stream and (a.num_beams or 1) > 1:
+    flags = generation_flags(a, names)
+    if getattr(a, "stream", False) and flags.get("num_beams", 1) > 1:
         raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
                           "only knows its sequence at the end: use one or the other")
+    return flags
 
 
 def _loading(model: str) -> None:
@@ -196,15 +172,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from qkv.generate import GenerationConfig
     from qkv.run import generate_text
 
-    _check_generate_flags(a)
-    cfg = GenerationConfig.from_file(a.generation_config) if a.generation_config else None
     # a flag left out leaves the file's (or the task's, the folder's) value alone; one given wins, even at 1.0
-    flags = {k: v for k, v in dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                                   top_p=a.top_p, num_beams=a.num_beams).items() if v is not None}
+    flags = _check_generate_flags(a, GENERATE_FLAGS)
+    cfg = GenerationConfig.from_file(a.generation_config) if a.generation_config else None
     early = {"true": True, "false": False, "never": "never"}.get(a.early_stopping)
-    flags.update({k: v for k, v in dict(length_penalty=a.length_penalty, no_repeat_ngram_size=a.no_repeat_ngram_size,
-                                        min_new_tokens=a.min_new_tokens, early_stopping=early,
-                                        context_overflow=a.context_overflow).items() if v is not None})
+    flags.update({k: v for k, v in dict(early_stopping=early, context_overflow=a.context_overflow).items()
+                  if v is not None})
     if a.sample:  # one sampled sequence: not a folder's beams
         flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
     if a.compile:
@@ -507,10 +480,8 @@ def _add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--image", default=None, help="an image file for the first message (a vision-language "
                    "folder: llava); in the interactive chat, /image PATH sets another")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="longest answer in tokens (default 512, capped by what the context leaves)")
-    p.add_argument("--temperature", type=float, default=None, help="default: the folder's generation_config.json")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    add_generation_flags(p, CHAT_FLAGS, {"max_new_tokens": "512, capped by what the context leaves",
+                                         "temperature": "the folder's generation_config.json"})
     p.add_argument("--greedy", action="store_true",
                    help="greedy decoding. Default: what the folder's generation_config.json says (do_sample); "
                         "greedy when it says nothing; --temperature / --top-k / --top-p sample")
@@ -530,12 +501,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from qkv.generate import GenerationConfig
     from qkv.generate.config import resolve
 
-    flags = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
-    _check_generate_flags(argparse.Namespace(**flags, num_beams=None, stream=False))
+    flags = _check_generate_flags(a, CHAT_FLAGS)
     if a.message is not None and not all(m.strip() for m in a.message):
         raise ConfigError("--message is empty")
     seed = a.seed if a.seed is not None else secrets.randbelow(2**31)  # unseeded: differs between runs
-    cfg = GenerationConfig(**{k: v for k, v in flags.items() if v is not None}, seed=seed)
+    cfg = GenerationConfig(**flags, seed=seed)
     if a.greedy:
         cfg = cfg.replace(do_sample=False)
     elif a.temperature or a.top_k or a.top_p:

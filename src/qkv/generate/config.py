@@ -92,7 +92,7 @@ def _remember_given_fields(cls: type) -> type:
 @dataclass
 class GenerationConfig:
     # -- length -------------------------------------------------------------------------------------------
-    max_new_tokens: int | None = _setting(None, "tokens to generate (None: from max_length, else 32)", ge=0)
+    max_new_tokens: int | None = _setting(None, "tokens to generate", ge=0)  # None: max_length's, else 32
     max_length: int | None = _setting(
         None, "prompt + new tokens (decoder-only) or decoder tokens incl. the start, as in HF", ge=0)
     min_new_tokens: int | None = _setting(None, "no eos before this many new tokens", ge=0)
@@ -108,7 +108,7 @@ class GenerationConfig:
     temperature: float = _setting(1.0, "divide the logits when sampling", ge=0,
                                   note=f"0, or below {MIN_TEMPERATURE}, = greedy")
     top_k: int | None = _setting(None, "keep the k most likely tokens when sampling", ge=0,
-                                 note="0 or -1 = no top-k")
+                                 note="0 = no top-k")
     top_p: float | None = _setting(
         None, "nucleus sampling: the smallest set of tokens with probability >= top_p", gt=0, le=1)
     min_p: float | None = _setting(
@@ -147,8 +147,6 @@ class GenerationConfig:
             if not cond:
                 raise ConfigError(f"GenerationConfig.{message}")
 
-        if self.top_k == -1:  # OpenAI / vLLM's "no top-k", the same as 0 here
-            self.top_k = 0
         _check_bounds(self)
         need(self.bad_words_ids is None or (len(self.bad_words_ids) > 0 and all(
              len(w) > 0 and all(isinstance(i, int) and i >= 0 for i in w) for w in self.bad_words_ids)),
