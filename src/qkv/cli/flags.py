@@ -68,3 +68,12 @@ def check_generation(given: dict[str, Any]) -> None:
         except ConfigError as e:
             raise ConfigError(str(e).replace(f"GenerationConfig.{name}", option(name))) from None
 
+
+QUANTIZE_MODES = ("int8", "int4")  # qkv.nn.quant.MODES, written out: the CLI imports torch only when it runs
+
+
+def add_quantize(p: argparse.ArgumentParser) -> None:
+    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore)."""
+    p.add_argument("--quantize", choices=QUANTIZE_MODES, default=None,
+                   help="weight-only quantized projections and output head for inference: int8 (per output "
+                        "channel) or int4 (per group of 64 inputs); fastest with a bf16 model (docs/llm.md)")

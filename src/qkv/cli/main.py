@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qkv.cli.flags import add_generation_flags, generation_flags
+from qkv.cli.flags import QUANTIZE_MODES, add_quantize  # noqa: F401  (QUANTIZE_MODES: part of this module's API)
+from qkv.cli.generate import add_chat, add_generate, cmd_chat, cmd_generate
 
 EXIT_USER_ERROR = 2
 EXIT_NAN_GUARD = 3
@@ -31,10 +32,6 @@ TRAINING = ("train", "demo", "ablate", "finetune")  # the subcommands that train
 EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 130/143 interrupted by SIGINT/SIGTERM, "
           "141 the reader of stdout went away (qkv presets | head)")
 # serve stops on SIGINT / SIGTERM by design (a graceful shutdown): that is its normal end, status 0
-# the sampling flags, generated from GenerationConfig's fields (qkv.cli.flags): its bounds and help text
-GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "length_penalty",
-                  "no_repeat_ngram_size", "min_new_tokens")
-CHAT_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
 SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutdown, 1 the engine failed (so that a "
                 "supervisor restarts it), 2 user error (one line 'qkv: error: ...', e.g. an address it cannot "
                 "listen on)")
@@ -104,90 +101,6 @@ def cmd_eval(a: argparse.Namespace) -> int:
         count = k == "n" or k.startswith("n_")  # examples and tokens: "n: 10", not "n: 10.0000"
         print(f"{k}: {int(v)}" if count and float(v).is_integer() else f"{k}: {v:.4f}" if isinstance(v, float)
               else f"{k}: {v}")
-    return 0
-
-
-QUANTIZE_MODES = ("int8", "int4")  # qkv.nn.quant.MODES, written out: the CLI imports torch only when it runs
-
-
-def _add_quantize(p: argparse.ArgumentParser) -> None:
-    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore)."""
-    p.add_argument("--quantize", choices=QUANTIZE_MODES, default=None,
-                   help="weight-only quantized projections and output head for inference: int8 (per output "
-                        "channel) or int4 (per group of 64 inputs); fastest with a bf16 model (docs/llm.md)")
-
-
-def _add_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, a Hugging Face folder or a GGUF file")
-    p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
-    add_generation_flags(p, GENERATE_FLAGS, {
-        "max_new_tokens": "an LM's sample length, 200; a seq2seq task's longest target",
-        "temperature": "the task's or the folder's, else 1.0", "num_beams": "1"})
-    p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
-                   help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)")
-    how = p.add_mutually_exclusive_group()
-    how.add_argument("--greedy", action="store_true",
-                     help="greedy decoding: the argmax each step, one beam (default: sample for LMs; a model "
-                          "folder's generation_config.json decides for itself)")
-    how.add_argument("--sample", action="store_true",
-                     help="sample (with --temperature / --top-k / --top-p), also where a model folder's "
-                          "generation_config.json decodes greedily or with beams")
-    p.add_argument("--context-overflow", choices=["error", "slide"], default=None,
-                   help="prompt + new tokens longer than the model's context: refuse (error, the default for a "
-                        "model folder), or go on over the last context-many tokens (slide, an LM run's default)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
-    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
-    p.add_argument("--generation-config", default=None, metavar="FILE",
-                   help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, Hugging "
-                        "Face names, e.g. a model's generation_config.json); the flags above override it")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse a prompt with characters outside the model's vocabulary (default: warn, read them as <unk>)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step with torch.compile (the first run compiles for a minute or "
-                        "more, later runs reuse ~/.cache/qkv/inductor; one sequence, no beams)")
-    _add_quantize(p)
-
-
-def _check_generate_flags(a: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
-    """The sampling flags given, out-of-range ones a one-line error by GenerationConfig's rule (the API's
-    and the server's; qkv.cli.flags)."""
-    from qkv.config import ConfigError
-
-    flags = generation_flags(a, names)
-    if getattr(a, "stream", False) and flags.get("num_beams", 1) > 1:
-        raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
-                          "only knows its sequence at the end: use one or the other")
-    return flags
-
-
-def _loading(model: str) -> None:
-    """Say that a model is loading (seconds for a large one) to a person at a terminal; a script's stderr keeps
-    only what went wrong."""
-    if sys.stderr.isatty():
-        print(f"loading {model}...", file=sys.stderr, flush=True)
-
-
-def cmd_generate(a: argparse.Namespace) -> int:
-    from qkv.generate import GenerationConfig
-    from qkv.run import generate_text
-
-    # a flag left out leaves the file's (or the task's, the folder's) value alone; one given wins, even at 1.0
-    flags = _check_generate_flags(a, GENERATE_FLAGS)
-    cfg = GenerationConfig.from_file(a.generation_config) if a.generation_config else None
-    early = {"true": True, "false": False, "never": "never"}.get(a.early_stopping)
-    flags.update({k: v for k, v in dict(early_stopping=early, context_overflow=a.context_overflow).items()
-                  if v is not None})
-    if a.sample:  # one sampled sequence: not a folder's beams
-        flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
-    if a.compile:
-        flags["compile"] = True
-    _loading(a.checkpoint)
-    out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
-                        quantize=a.quantize, **flags)
-    if not a.stream:
-        print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated only "
-                                      "special tokens)")
     return 0
 
 
@@ -310,6 +223,7 @@ def _add_attention(p: argparse.ArgumentParser) -> None:
 
 def cmd_attention(a: argparse.Namespace) -> int:
     from qkv.experiments.attention import image_path
+    from qkv.explore.report import attention_report
 
     for line in attention_report(a.checkpoint, a.input, image_path(a.out), target=a.target):
         print(line)
@@ -324,7 +238,7 @@ def _add_explore(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="with --export: decoder input of an encoder-decoder")
     p.add_argument("--wav", default=None, help="with --export: a WAV file for an audio model")
     p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and exit")
-    _add_quantize(p)
+    add_quantize(p)
 
 
 def cmd_explore(a: argparse.Namespace) -> int:
@@ -332,83 +246,6 @@ def cmd_explore(a: argparse.Namespace) -> int:
 
     return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav,
                    quantize=a.quantize)
-
-
-def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
-    """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table.
-    (Here, above both qkv.run and qkv.experiments, so that neither needs the other.)"""
-    from qkv.config import ConfigError
-    from qkv.experiments import attention_from_checkpoint
-    from qkv.explore.adapter import UNSUPPORTED
-    from qkv.run import load_model_any, model_folder
-
-    model = load_model_any(path)
-    family = getattr(model, "family", "") or type(model).__name__.lower()
-    if family in UNSUPPORTED:  # the same refusals as qkv explore's
-        raise ConfigError(f"{path}: {UNSUPPORTED[family]}")
-    if model.kind == "audio":
-        raise ConfigError(f"{path}: qkv attention draws text and image models; for an audio model use qkv explore "
-                          f"{path} (the page, or --wav FILE --export PAGE.html; a DTMF run renders typed digits)")
-    if model.kind == "image":
-        return _vit_overlay(model, path, text, out_png)
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:  # said as the CLI says things: one line on stderr
-        warnings.simplefilter("always")
-        res = attention_from_checkpoint(model_folder(path), text, out_png, target=target, model=model)
-    for w in caught:
-        print(f"qkv: warning: {w.message}", file=sys.stderr)
-    wrote = [*res.pngs, *([res.json_path] if res.json_path is not None else [])]
-    return [f"wrote {p}" for p in wrote] + [res.entropy_table()]
-
-
-VIT_MAX_IMAGES = 32  # one row of images in one figure: wider than this is unreadable
-
-
-def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list[str]:
-    """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
-    task, in order (`--input N`, default 8, at most VIT_MAX_IMAGES and the held-out images there are), titled
-    with predicted / true class."""
-    import torch
-
-    from qkv.config import ConfigError
-    from qkv.models.vit import ViT, save_attention_overlay
-    from qkv.run import load_run_task
-
-    if not isinstance(model, ViT):
-        raise ConfigError(f"attention overlays are drawn for ViT models, not {type(model).__name__}")
-    try:
-        n = int(text) if text.strip() else 8
-    except ValueError:
-        raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
-    task = load_run_task(path)
-    if hasattr(task, "split_indices") and hasattr(task, "images"):  # the digits task: the held-out images, in order
-        held_out = task.split_indices("val")
-        available = min(len(held_out), VIT_MAX_IMAGES)
-        what = f"the task has {len(held_out)} held-out images" if len(held_out) < VIT_MAX_IMAGES else \
-            f"at most {VIT_MAX_IMAGES} fit one figure"
-    else:  # another image task: only its batch sampler
-        held_out, available, what = None, VIT_MAX_IMAGES, f"at most {VIT_MAX_IMAGES} fit one figure"
-    if not 1 <= n <= available:
-        raise ConfigError(f"for a ViT, --input is the number of held-out images to show, 1..{available} "
-                          f"({what}), got {n}")
-    if held_out is not None:
-        idx = held_out[:n]
-        px = task.images[idx]
-        px = task.normalize(px) if hasattr(task, "normalize") else px  # the image tasks store raw uint8 pixels
-        batch = {"pixel_values": px, "labels": task.labels[idx]}
-    else:
-        batch = task.batch(0, n, "val")
-    model.eval()
-    with torch.no_grad():
-        pred = model(pixel_values=batch["pixel_values"]).logits.argmax(-1)
-    classes = getattr(task, "classes", None)
-    names = [classes[int(i)] if classes else str(int(i)) for i in pred]
-    truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    save_attention_overlay(model, batch["pixel_values"], str(out_png),
-                           titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
-    return [f"wrote {out_png}"]
 
 
 def _add_predict(p: argparse.ArgumentParser) -> None:
@@ -448,7 +285,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most prompt + output tokens a request may ask for (default: the model's context; for "
                         "RoPE/ALiBi models the context_length they were configured for, max_position_embeddings)")
-    _add_quantize(p)
+    add_quantize(p)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -470,64 +307,6 @@ def cmd_finetune(a: argparse.Namespace) -> int:
     summary = finetune(a)
     if summary.get("report"):
         print(summary["report"])
-    return 0
-
-
-def _add_chat(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template), or a GGUF file")
-    p.add_argument("--message", action="append", default=None,
-                   help="answer this message and exit (repeat for several turns); without it: interactive")
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--image", default=None, help="an image file for the first message (a vision-language "
-                   "folder: llava); in the interactive chat, /image PATH sets another")
-    add_generation_flags(p, CHAT_FLAGS, {"max_new_tokens": "512, capped by what the context leaves",
-                                         "temperature": "the folder's generation_config.json"})
-    p.add_argument("--greedy", action="store_true",
-                   help="greedy decoding. Default: what the folder's generation_config.json says (do_sample); "
-                        "greedy when it says nothing; --temperature / --top-k / --top-p sample")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step with torch.compile (the first answer waits for the compile; "
-                        "later runs reuse ~/.cache/qkv/inductor)")
-    _add_quantize(p)
-
-
-def cmd_chat(a: argparse.Namespace) -> int:
-    import secrets
-
-    from qkv.chat import ChatSession, chat_loop
-    from qkv.config import ConfigError
-    from qkv.generate import GenerationConfig
-    from qkv.generate.config import resolve
-
-    flags = _check_generate_flags(a, CHAT_FLAGS)
-    if a.message is not None and not all(m.strip() for m in a.message):
-        raise ConfigError("--message is empty")
-    seed = a.seed if a.seed is not None else secrets.randbelow(2**31)  # unseeded: differs between runs
-    cfg = GenerationConfig(**flags, seed=seed)
-    if a.greedy:
-        cfg = cfg.replace(do_sample=False)
-    elif a.temperature or a.top_k or a.top_p:
-        cfg = cfg.replace(do_sample=True)
-    if a.compile:
-        cfg = cfg.replace(compile=True)
-    _loading(a.model)
-    from qkv.chat_vision import VisionChatSession, is_vision_folder
-
-    if a.image is not None or is_vision_folder(a.model):  # an image, or a model whose template wants parts
-        session = VisionChatSession.from_folder(a.model, a.quantize, image=a.image, system=a.system,
-                                                generation_config=cfg)
-    else:
-        session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
-    defaults = session.model.generation_defaults() if hasattr(session.model, "generation_defaults") else {}
-    if a.seed is None and resolve(defaults, cfg, {}).sampling:
-        print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)
-    if a.message is None:
-        chat_loop(session)
-        return 0
-    for message in a.message:
-        print(session.reply(message))
     return 0
 
 
@@ -558,7 +337,7 @@ def cmd_embed(a: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
-    "generate": ("generate text from a trained model", _add_generate, cmd_generate),
+    "generate": ("generate text from a trained model", add_generate, cmd_generate),
     "info": ("parameter table of a preset or checkpoint", _add_info, cmd_info),
     "presets": ("list the named model presets", _add_presets, cmd_presets),
     "demo": ("the main job: train two small models and show them working", _add_demo, cmd_demo),
@@ -568,7 +347,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "predict": ("an image classifier's top classes for image files", _add_predict, cmd_predict),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
-    "chat": ("chat with a model folder (its chat template), interactively or --message", _add_chat, cmd_chat),
+    "chat": ("chat with a model folder (its chat template), interactively or --message", add_chat, cmd_chat),
     "embed": ("sentence embeddings of a text file (or its lines nearest to --query)", _add_embed, cmd_embed),
 }
 
