@@ -240,20 +240,23 @@ def _written(items: list[str], key: str) -> str:
     return [o.strip() for o in items if "=" in o and o.split("=", 1)[0].strip() == key][-1]
 
 
-def check_flag_keys(pairs: list[tuple[str, Any, str]], overrides: list[str]) -> dict[str, Any]:
+def check_flag_keys(pairs: list[tuple[str, Any, str]], overrides: list[str],
+                    values: dict[str, Any] | None = None) -> dict[str, Any]:
     """The one flag-vs-`key=value` rule: a flag and the key it is a shortcut for are one setting, so both on
     the command line with different values is one error naming the two (the same form given twice is not a
-    conflict: the last wins, argparse's rule for flags and parse_overrides' for keys). `pairs` are (flag, value or None
-    when not given, dotted key); values are compared as values (a path for a key ending in out_dir). Returns the parsed overrides."""
+    conflict: the last wins, argparse's rule for flags and parse_overrides' for keys). `pairs` are (flag,
+    its value or None when not given, dotted key); `values` maps a key to the override's value in the flag's
+    terms (default: the parsed override itself). A key ending in out_dir compares as a path (./o is o).
+    Returns the parsed overrides."""
     given = parse_overrides(overrides)
+    theirs = given if values is None else values
     for flag, value, key in pairs:
-        if value is None or key not in given:
+        if value is None or key not in theirs:
             continue
-        theirs = given[key]
-        if key.endswith("out_dir"):  # ./o is o
-            same = Path(str(theirs)).resolve() == Path(str(value)).resolve()
+        if key.endswith("out_dir"):
+            same = Path(str(theirs[key])).resolve() == Path(str(value)).resolve()
         else:
-            same = theirs == value
+            same = theirs[key] == value
         if not same:
             shown = "" if isinstance(value, bool) else f" {value}"
             raise ConfigError(f"{flag}{shown} and {_written(overrides, key)} disagree; give one of them")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError, _closest, parse_overrides
+from qkv.config import ConfigError, _closest, check_flag_keys, parse_overrides
 
 DEFAULT_BY_KIND = {"decoder": "chat", "encoder": "classify", "seq2seq": "seq2seq"}
 FINETUNE_FILE = "finetune.json"  # in OUT: the recipe that wrote it, its settings and results
@@ -84,14 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--too-long", choices=("error", "skip", "truncate"), default=None,
                    help="an example over the length limit: error naming it, skip it (chat) or truncate it "
                         "(classify, tag, seq2seq); default: error for chat and seq2seq, truncate for classify/tag")
+    flags: dict[str, RecipeFlag] = {}
     for r in recipes().values():
         if r.add_arguments is not None:
-            known = {id(a) for a in p._actions}
-            r.add_arguments(p.add_argument_group(f"--task {r.name}", r.description))
-            for action in p._actions:
-                if id(action) not in known:  # this recipe's own flag: parsed as None when not given
-                    _FLAGS[action.dest] = RecipeFlag(r.name, action.option_strings[0], action.default)
-                    action.default = None
+            r.add_arguments(_RecipeGroup(p.add_argument_group(f"--task {r.name}", r.description), r.name, flags))
+    p.set_defaults(recipe_flags=flags)  # read by resolve_flags from the parsed arguments
 
 
 @dataclass(frozen=True)
@@ -101,7 +98,22 @@ class RecipeFlag:
     default: Any  # the value it takes when not given
 
 
-_FLAGS: dict[str, RecipeFlag] = {}  # dest -> the recipe flag (filled by add_arguments)
+class _RecipeGroup:
+    """A recipe's argument group that parses each of its flags as None when not given (so that a flag given
+    is told from a default, and another recipe's flag can be refused) and records its default in `flags`."""
+
+    def __init__(self, group: argparse._ArgumentGroup, recipe: str, flags: dict[str, RecipeFlag]) -> None:
+        self.group, self.recipe, self.flags = group, recipe, flags
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+        switch = {"store_true": False, "store_false": True}.get(kwargs.get("action", ""))
+        default = kwargs.pop("default", switch)
+        action = self.group.add_argument(*names, default=None, **kwargs)
+        self.flags[action.dest] = RecipeFlag(self.recipe, names[0], default)
+        return action
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the group's interface (a title, a description)
+        return getattr(self.group, name)
 
 
 def resolve_flags(args: argparse.Namespace, recipe: str) -> None:
@@ -109,14 +121,15 @@ def resolve_flags(args: argparse.Namespace, recipe: str) -> None:
     every weight), then give the chosen recipe's flags that were not given their defaults. args.given_flags:
     the dests of the recipe flags the user set (a recipe may refuse combinations, e.g. --lora-rank without
     --lora)."""
-    given = {dest for dest in _FLAGS if getattr(args, dest, None) is not None}
-    for dest in sorted(given, key=lambda d: _FLAGS[d].option):
-        flag = _FLAGS[dest]
+    flags: dict[str, RecipeFlag] = getattr(args, "recipe_flags", {})
+    given = {dest for dest in flags if getattr(args, dest, None) is not None}
+    for dest in sorted(given, key=lambda d: flags[d].option):
+        flag = flags[dest]
         if flag.recipe != recipe:
             hint = f"; set train.{dest}=... instead" if dest in ("batch_size", "lr") else ""
             raise ConfigError(f"{flag.option} is not supported by --task {recipe} (it is a --task {flag.recipe} "
                               f"flag){hint}")
-    for dest, flag in _FLAGS.items():
+    for dest, flag in flags.items():
         if dest not in given:
             setattr(args, dest, flag.default)
     args.given_flags = given
@@ -152,39 +165,43 @@ def train_flags(args: argparse.Namespace, recipe: str) -> None:
     """Make each flag of TRAIN_FLAGS and its train.key=value override one setting, for every recipe alike:
     either may be given (the override then sets the flag's value in args, which the recipe reads before the
     Trainer: the seed of the data order and the new head, check_out's resume, the batch --epochs counts in),
-    and both given with different values is one error naming the two rather than one silently winning. Run
-    after resolve_flags (a recipe flag is given when args.given_flags holds it)."""
-    over = parse_overrides(list(getattr(args, "overrides", None) or []))
-    given_recipe = getattr(args, "given_flags", set())
+    and both given with different values is one error naming the two (qkv.config.check_flag_keys, the rule
+    of `qkv train` too). Run after resolve_flags (a recipe flag is given when args.given_flags holds it)."""
+    overrides = list(getattr(args, "overrides", None) or [])
+    over = parse_overrides(overrides)
+    flags: dict[str, RecipeFlag] = getattr(args, "recipe_flags", {})
+    pairs, values = [], {}
     for dest, key, flag in TRAIN_FLAGS:
-        if dest in _FLAGS and _FLAGS[dest].recipe != recipe:
+        if dest in flags and flags[dest].recipe != recipe:
             continue  # another recipe's flag (refused by resolve_flags when given): train.key is the only way
-        current = getattr(args, dest, None)
-        if dest in _FLAGS:
-            given = dest in given_recipe
-        elif dest in ("resume", "no_progress"):
-            given = bool(current)  # store_true: only True can be written
-        else:
-            given = current is not None  # --out is required; --seed defaults to None
-        if f"train.{key}" not in over:
-            continue
-        if dest == "out":
-            value: Any = str(over[f"train.{key}"])
-            same = given and Path(value).resolve() == Path(current).resolve()  # ./o is o
-        elif dest == "no_progress":
-            value = not _as(key, over[f"train.{key}"], bool)
-            same = given and value == current
-        else:
-            kind = {"resume": bool, "seed": int, "batch_size": int, "lr": float}[dest]
-            value = _as(key, over[f"train.{key}"], kind)
-            same = given and value == current
-        if given and not same:
-            shown = "" if isinstance(current, bool) else f" {current}"
-            written = next(o for o in reversed(args.overrides) if o.split("=", 1)[0].strip() == f"train.{key}")
-            raise ConfigError(f"{flag}{shown} and {written.strip()} disagree; give one of them")
-        setattr(args, dest, value)
+        current, given = getattr(args, dest, None), _given(args, dest, flags)
+        if f"train.{key}" in over:
+            values[f"train.{key}"] = _as_flag(dest, key, over[f"train.{key}"])
+        pairs.append((flag, current if given else None, f"train.{key}"))
+    check_flag_keys(pairs, overrides, values)
+    for dest, key, _ in TRAIN_FLAGS:
+        if f"train.{key}" in values:
+            setattr(args, dest, values[f"train.{key}"])
     if getattr(args, "seed", None) is None:
         args.seed = 0
+
+
+def _given(args: argparse.Namespace, dest: str, flags: dict[str, RecipeFlag]) -> bool:
+    """Whether the user gave the flag of `dest` (a store_true flag can only be written as True)."""
+    if dest in flags:
+        return dest in getattr(args, "given_flags", set())
+    if dest in ("resume", "no_progress"):
+        return bool(getattr(args, dest, None))
+    return getattr(args, dest, None) is not None  # --out is required; --seed defaults to None
+
+
+def _as_flag(dest: str, key: str, value: Any) -> Any:
+    """A train.key=value override's value as its flag's value (train.progress=false is --no-progress)."""
+    if dest == "out":  # compared as a path by check_flag_keys: train.out_dir
+        return str(value)
+    if dest == "no_progress":
+        return not _as(key, value, bool)
+    return _as(key, value, {"resume": bool, "seed": int, "batch_size": int, "lr": float}[dest])
 
 
 def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any, ...] | None = None,
