@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from qkv.config import ConfigError, check_fields
+from qkv.config import ConfigError, check_fields, parse_overrides
 from qkv.train.optim import OptimizerImpl
 
 Schedule = Literal["noam", "inverse_sqrt", "cosine", "linear", "constant"]
@@ -117,3 +117,15 @@ class TrainConfig:
     def warmup_steps(self) -> int:
         """Warmup in steps: `warmup` itself when >= 1, else that fraction of max_steps (rounded)."""
         return int(self.warmup) if self.warmup >= 1 else int(round(self.warmup * self.max_steps))
+
+
+def train_overrides(overrides: list[str] | None) -> dict[str, Any]:
+    """The Trainer settings of a `qkv finetune` command line's train.key=value overrides, as {key: value}
+    without the prefix; any other key is one error, the same for every recipe. The values are YAML
+    scalars, checked when the TrainConfig is built (qkv.config.from_dict)."""
+    over = parse_overrides(list(overrides or []))
+    bad = [k for k in over if not k.startswith("train.")]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r}: qkv finetune takes Trainer settings as train.key=value "
+                          "(e.g. train.lr=2e-5)")
+    return {k[len("train."):]: v for k, v in over.items()}
