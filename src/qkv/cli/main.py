@@ -223,7 +223,7 @@ def _add_attention(p: argparse.ArgumentParser) -> None:
 
 def cmd_attention(a: argparse.Namespace) -> int:
     from qkv.experiments.attention import image_path
-    from qkv.explore.report import attention_report
+    from qkv.experiments.attention_report import attention_report
 
     for line in attention_report(a.checkpoint, a.input, image_path(a.out), target=a.target):
         print(line)

@@ -1,6 +1,5 @@
 """`qkv attention`'s report: attention maps of every layer x head (PNG grids) and the per-head entropy table,
-or for a ViT the last layer's attention drawn over held-out images. Here, above both qkv.run and
-qkv.experiments, so that neither needs the other."""
+or for a ViT the last layer's attention drawn over held-out images of the run's task."""
 
 from __future__ import annotations
 
@@ -8,13 +7,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# families with no attention map to draw, and why (qkv attention and qkv explore refuse them alike)
+UNSUPPORTED = {
+    "lstm": "an LSTM has no attention to show",
+    "resnet": "a ResNet is a convolutional network: it has no attention to show",
+    "swin": "Swin attends within shifted windows; the explorer shows full attention maps only",
+    "clip": "CLIP is a two-tower model; explore its towers as separate ViT / text models",
+}
+
+
 
 def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
     """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table: the lines
     `qkv attention` prints. Warnings are said as the CLI says things, one line on stderr."""
     from qkv.config import ConfigError
     from qkv.experiments import attention_from_checkpoint
-    from qkv.explore.adapter import UNSUPPORTED
     from qkv.run import load_model_any, model_folder
 
     model = load_model_any(path)
