@@ -321,7 +321,8 @@ class TransformerConfig:
     head_dim: int | None = None  # attention head width when n_heads * head_dim != d_model (None = d_model // n_heads)
     qkv_bias: bool | None = None  # biases on the q/k/v projection only (Qwen2); None = follow `bias`
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}; None = plain
+    # {"rope_type": "linear"|"llama3", "factor": ..., ...}; None = plain
+    rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None  # attention span (Mistral): longer sequences are refused, not truncated
 
     def validate(self) -> None:

@@ -125,7 +125,8 @@ def cmd_info(a: argparse.Namespace) -> int:
         if hf_type:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
             title += f" ({hf_type} file, {dtype})" if hf_type.startswith("GGUF") else f" (Hugging Face {hf_type} folder, {dtype})"
-    elif "/" in a.target or a.target.startswith((".", "~")) or os.sep in a.target:  # meant as a path, not a preset
+    # meant as a path, not a preset
+    elif "/" in a.target or a.target.startswith((".", "~")) or os.sep in a.target:
         raise ConfigError(f"no such folder: {a.target}")
     else:
         model = qkv.build(a.target)
@@ -370,8 +371,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # before torch is imported (it reads this once): idle OpenMP threads sleep rather than spin between ops, which
-    # otherwise keeps every core busy while a chat waits for input or a server for requests; the user's wins
+    # before torch is imported (it reads this once): idle OpenMP threads sleep rather than spin between
+    # ops, which otherwise keeps every core busy while a chat waits for input or a server for requests; the
+    # user's setting wins
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser(sys.argv[1:] if argv is None else argv)
     a, extra = parser.parse_known_args(argv)
@@ -424,7 +426,8 @@ def _run_command(a: argparse.Namespace) -> int:
             where = f"; report in {e.batch_path.parent / 'train.log'}" if e.batch_path else ""
             print(f"qkv: error: training stopped by the NaN guard: {str(e).splitlines()[0]}{where}", file=sys.stderr)
             return EXIT_NAN_GUARD
-        user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError)  # bugs keep their traceback
+        # bugs keep their traceback
+        user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError)
         if not isinstance(e, user_errors):
             raise
         print(f"qkv: error: {e}", file=sys.stderr)

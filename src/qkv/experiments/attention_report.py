@@ -64,7 +64,8 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     except ValueError:
         raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
     task = load_run_task(path)
-    if hasattr(task, "split_indices") and hasattr(task, "images"):  # the digits task: the held-out images, in order
+    # the digits task: the held-out images, in order
+    if hasattr(task, "split_indices") and hasattr(task, "images"):
         held_out = task.split_indices("val")
         available = min(len(held_out), VIT_MAX_IMAGES)
         what = f"the task has {len(held_out)} held-out images" if len(held_out) < VIT_MAX_IMAGES else \
@@ -77,7 +78,8 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     if held_out is not None:
         idx = held_out[:n]
         px = task.images[idx]
-        px = task.normalize(px) if hasattr(task, "normalize") else px  # the image tasks store raw uint8 pixels
+        # the image tasks store raw uint8 pixels
+        px = task.normalize(px) if hasattr(task, "normalize") else px
         batch = {"pixel_values": px, "labels": task.labels[idx]}
     else:
         batch = task.batch(0, n, "val")

@@ -12,8 +12,9 @@ generation config) only this file changes. What it reuses:
   positions        the stacks' PositionalEncoding objects (nn/position.py) and the family tables that still
                    live outside the hooks (ViT's patch table, Whisper's audio sinusoids)
 
-Images and audio in: explore/media.py. What qkv does not compute and this file does: the per-step next-token probabilities (generate() returns no scores: a replay of the generated tokens
-through a real PagedKVCache gives the logits and the paged block counts in one pass).
+Images and audio in: explore/media.py. What qkv does not compute and this file does: the per-step next-token
+probabilities (generate() returns no scores: a replay of the generated tokens through a real PagedKVCache
+gives the logits and the paged block counts in one pass).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from qkv.experiments.attention_report import UNSUPPORTED
 # the kinds the explorer has views for (a model declares its kinds: qkv.models.registry); it branches on the
 # kind only, never on the family
 SHOWN_KINDS = ("decoder", "seq2seq", "encoder", "image", "audio")
-MAX_PROMPT_BYTES = 20_000
-POSITIONS_SHOWN = 64  # positions drawn in the RoPE pictures  # a request larger than this is refused before tokenising
+MAX_PROMPT_BYTES = 20_000  # a request larger than this is refused before tokenising
+POSITIONS_SHOWN = 64  # positions drawn in the RoPE pictures
 
 
 class ExploreError(ValueError):
@@ -186,7 +187,8 @@ def tokenize(ld: Loaded, text: str, what: str = "input", vocab: int | None = Non
     if tok is None:
         return _tokens_from_ids(ld, text, what, vocab)
     stoi = getattr(tok, "stoi", None)
-    if stoi is not None and hasattr(tok, "split"):  # qkv char / word tokenizer: refuse what it would map to <unk>
+    # qkv char / word tokenizer: refuse what it would map to <unk>
+    if stoi is not None and hasattr(tok, "split"):
         unknown = sorted({s for s in tok.split(text) if s not in stoi})
         if unknown:
             shown = " ".join(repr(s) for s in unknown[:10])

@@ -120,8 +120,8 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
 
 def _target_ids(ld: Loaded, src: Tensor, target: str | None, max_new: int) -> list[int]:
     """The decoder input the maps are drawn for, as `qkv attention` builds it: a typed target teacher-forced
-    ([decoder start] + its label ids, less a final eos: experiments.attention.teacher_forced_input), or [decoder
-    start] + the greedy output."""
+    ([decoder start] + its label ids, less a final eos: experiments.attention.teacher_forced_input),
+    or [decoder start] + the greedy output."""
     tctx = adapter.target_context(ld)
     if target is not None and target.strip():
         t_ids = adapter.teacher_forced_target(ld, target)

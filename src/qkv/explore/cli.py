@@ -12,7 +12,8 @@ from qkv.explore.export import check_export_path
 def explore(model: str, *, host: str = "127.0.0.1", port: int = 8000, text: str | None = None,
             target: str | None = None, export: str | None = None, wav: str | None = None,
             quantize: str | None = None) -> int:
-    # 0 ("any free port") is refused: the page's address is printed before uvicorn picks one, so it would be wrong
+    # 0 ("any free port") is refused: the page's address is printed before uvicorn picks one, so it
+    # would be wrong
     if not 1 <= port <= 65535:
         raise ExploreError(f"--port must be in 1..65535, got {port}")
     if export is not None:

@@ -81,7 +81,8 @@ def audio(ld: Loaded, text: str, wav_base64: str | None) -> tuple[Tensor, str]:
         if bad:
             raise ExploreError(f"this task renders only {''.join(sorted(alphabet))}; unknown: {' '.join(map(repr, bad))}")
         most = getattr(getattr(ld.task, "options", None), "max_digits", None)
-        if most is not None and len(text) > most:  # the task cuts its clip: the last digits would not be heard
+        # the task cuts its clip: the last digits would not be heard
+        if most is not None and len(text) > most:
             raise ExploreError(f"{len(text)} digits: type at most {most} (the task's max_digits; a longer string "
                                f"may not fit its {c.n_samples / c.sample_rate:.2f} s clip), as a longer WAV is refused")
         wave = ld.task.render(text, random.Random(0), "val")

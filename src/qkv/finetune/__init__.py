@@ -76,8 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0; the same as train.seed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (train.progress=false)")
-    # flags several recipes share, defined once here (argparse refuses a second definition); None = the recipe's
-    # own default (see shared())
+    # flags several recipes share, defined once here (argparse refuses a second definition); None = the
+    # recipe's own default (see shared())
     p.add_argument("--epochs", type=float, default=None,
                    help="passes over the training data when train.max_steps is not given (default: chat 1, "
                         "classify/tag/seq2seq 3)")
@@ -236,8 +236,8 @@ def read_data_text(path: str | Path, where: str = "{path} line {line}") -> str:
 
 def epoch_updates(n_examples: int, batch_size: int, grad_accum: int = 1) -> int:
     """Optimizer updates in one pass over `n_examples`: each update reads batch_size x grad_accum examples on
-    each rank of the launch (torchrun's WORLD_SIZE), the values after the train.key=value overrides. What every
-    recipe turns --epochs into steps with, and evaluates and saves by."""
+    each rank of the launch (torchrun's WORLD_SIZE), the values after the train.key=value overrides. What
+    every recipe turns --epochs into steps with, and evaluates and saves by."""
     from qkv.train.distributed import world_size
 
     return max(1, math.ceil(n_examples / max(1, batch_size * grad_accum * world_size())))
@@ -309,7 +309,8 @@ def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) ->
         if p.exists() and not p.is_dir():
             raise ConfigError(f"--out {out} is a file, not a folder" if p == out else
                               f"--out {out}: {p} is a file, not a folder")
-    if not out.exists() or not any(p for p in out.iterdir() if not p.name.startswith(".")):  # .gitkeep, .DS_Store
+    # .gitkeep, .DS_Store
+    if not out.exists() or not any(p for p in out.iterdir() if not p.name.startswith(".")):
         return
     owner = written_by(out)
     if owner is None and resume and latest_checkpoint(out / "checkpoints") is not None:
@@ -337,7 +338,8 @@ def mark_out(out: str | Path, recipe: str) -> None:
     from qkv.train.distributed import launched_by_torchrun
 
     out = Path(out)
-    if (launched_by_torchrun() and os.environ["RANK"] != "0") or written_by(out) == recipe:  # a resumed run keeps the settings it recorded
+    # a resumed run keeps the settings it recorded
+    if (launched_by_torchrun() and os.environ["RANK"] != "0") or written_by(out) == recipe:
         return
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json({"recipe": recipe}, out / FINETUNE_FILE)

@@ -26,8 +26,9 @@ from qkv.config import ConfigError, _closest, from_dict, load_yaml, replace, to_
 EARLY_STOPPING = (True, False, "never")
 CONTEXT_OVERFLOW = ("error", "slide")
 DEFAULT_MAX_NEW_TOKENS = 32
-# Temperatures below this decode greedily, their limit: logits divided by less overflow fp32 (a temperature of 1e-40
-# turned every score into +-inf and the sampler's probabilities into NaN). vLLM draws the line at the same place.
+# Temperatures below this decode greedily: logits divided by less overflow fp32 (a temperature of 1e-40
+# turns every score into +-inf and the sampler's probabilities into NaN). vLLM draws the line at the same
+# place.
 MIN_TEMPERATURE = 1e-5
 
 # generation_config.json keys that say nothing about which tokens are produced: bookkeeping, and what to

@@ -2,7 +2,8 @@
 
 Built with `qkv.config.from_dict(TrainConfig, mapping)` (YAML / CLI overrides): an unknown key is a
 ConfigError naming the closest valid key, and `validate()` rejects inconsistent values in one sentence.
-A `TrainConfig(...)` built directly gets the same type and choice checks from `validate()` (the Trainer calls it).
+A `TrainConfig(...)` built directly gets the same type and choice checks from `validate()` (the Trainer
+calls it).
 """
 
 from __future__ import annotations
