@@ -66,7 +66,8 @@ def test_temperature_zero_on_the_cli_equals_greedy_generation_config(tiny_lm_run
 
 
 def test_a_flag_given_twice_keeps_the_last_as_a_key_given_twice_does():
-    args = build_parser(["generate"]).parse_args(["generate", "x", "--temperature", "0.5", "--temperature", "0"])
+    argv = ["generate", "x", "--temperature", "0.5", "--temperature", "0"]
+    args = build_parser(["generate"]).parse_args(argv)
     assert args.temperature == 0.0
     assert parse_overrides(["train.lr=0.001", "train.lr=0.002"]) == {"train.lr": 0.002}
 
@@ -83,5 +84,6 @@ def test_a_flag_and_its_key_that_disagree_are_one_error():
 
 def test_train_and_finetune_say_a_conflict_alike(tmp_path, capsys):
     assert main(["train", "charlm", "--seed", "1", "train.seed=2", "--out", str(tmp_path / "r")]) == 2
-    assert capsys.readouterr().err.strip() == "qkv: error: --seed 1 and train.seed=2 disagree; give one of them"
+    err = capsys.readouterr().err.strip()
+    assert err == "qkv: error: --seed 1 and train.seed=2 disagree; give one of them"
     assert not (tmp_path / "r").exists()

@@ -17,13 +17,15 @@ CHAT_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
 
 
 def add_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, a Hugging Face folder or a GGUF file")
+    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, a Hugging Face folder or a GGUF "
+                                      "file")
     p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
     add_generation_flags(p, GENERATE_FLAGS, {
         "max_new_tokens": "an LM's sample length, 200; a seq2seq task's longest target",
         "temperature": "the task's or the folder's, else 1.0", "num_beams": "1"})
     p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
-                   help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)")
+                   help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact "
+                        "(never)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--greedy", action="store_true",
                      help="greedy decoding: the argmax each step, one beam (default: sample for LMs; a model "
@@ -32,19 +34,22 @@ def add_generate(p: argparse.ArgumentParser) -> None:
                      help="sample (with --temperature / --top-k / --top-p), also where a model folder's "
                           "generation_config.json decodes greedily or with beams")
     p.add_argument("--context-overflow", choices=["error", "slide"], default=None,
-                   help="prompt + new tokens longer than the model's context: refuse (error, the default for a "
-                        "model folder), or go on over the last context-many tokens (slide, an LM run's default)")
+                   help="prompt + new tokens longer than the model's context: refuse (error, the default for "
+                        "a model folder), or go on over the last context-many tokens (slide, an LM run's "
+                        "default)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--generation-config", default=None, metavar="FILE",
-                   help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, Hugging "
-                        "Face names, e.g. a model's generation_config.json); the flags above override it")
+                   help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, "
+                        "Hugging Face names, e.g. a model's generation_config.json); the flags above "
+                        "override it")
     p.add_argument("--strict", action="store_true",
-                   help="refuse a prompt with characters outside the model's vocabulary (default: warn, read them as <unk>)")
+                   help="refuse a prompt with characters outside the model's vocabulary (default: warn, read "
+                        "them as <unk>)")
     p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step with torch.compile (the first run compiles for a minute or "
-                        "more, later runs reuse ~/.cache/qkv/inductor; one sequence, no beams)")
+                   help="compile the decoding step with torch.compile (the first run compiles for a minute "
+                        "or more, later runs reuse ~/.cache/qkv/inductor; one sequence, no beams)")
     add_quantize(p)
 
 
@@ -61,8 +66,8 @@ def _check_generate_flags(a: argparse.Namespace, names: tuple[str, ...]) -> dict
 
 
 def _loading(model: str) -> None:
-    """Say that a model is loading (seconds for a large one) to a person at a terminal; a script's stderr keeps
-    only what went wrong."""
+    """Say that a model is loading (seconds for a large one) to a person at a terminal; a script's stderr
+    keeps only what went wrong."""
     if sys.stderr.isatty():
         print(f"loading {model}...", file=sys.stderr, flush=True)
 
@@ -82,16 +87,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.compile:
         flags["compile"] = True
     _loading(a.checkpoint)
-    out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
+    out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream,
+                        strict=a.strict,
                         quantize=a.quantize, **flags)
     if not a.stream:
-        print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated only "
-                                      "special tokens)")
+        print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated "
+                                      "only special tokens)")
     return 0
 
 
 def add_chat(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template), or a GGUF file")
+    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template), or "
+                                 "a GGUF file")
     p.add_argument("--message", action="append", default=None,
                    help="answer this message and exit (repeat for several turns); without it: interactive")
     p.add_argument("--system", default=None, help="system prompt")
@@ -100,13 +107,13 @@ def add_chat(p: argparse.ArgumentParser) -> None:
     add_generation_flags(p, CHAT_FLAGS, {"max_new_tokens": "512, capped by what the context leaves",
                                          "temperature": "the folder's generation_config.json"})
     p.add_argument("--greedy", action="store_true",
-                   help="greedy decoding. Default: what the folder's generation_config.json says (do_sample); "
-                        "greedy when it says nothing; --temperature / --top-k / --top-p sample")
+                   help="greedy decoding. Default: what the folder's generation_config.json says "
+                        "(do_sample); greedy when it says nothing; --temperature / --top-k / --top-p sample")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
     p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step with torch.compile (the first answer waits for the compile; "
-                        "later runs reuse ~/.cache/qkv/inductor)")
+                   help="compile the decoding step with torch.compile (the first answer waits for the "
+                        "compile; later runs reuse ~/.cache/qkv/inductor)")
     add_quantize(p)
 
 

@@ -25,21 +25,23 @@ from qkv.cli.generate import add_chat, add_generate, cmd_chat, cmd_generate
 
 EXIT_USER_ERROR = 2
 EXIT_NAN_GUARD = 3
-TRAIN_EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN "
-                "guard, 130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue "
-                "with --resume), 141 the reader of stdout went away (qkv presets | head)")
+TRAIN_EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the "
+                "NaN guard, 130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; "
+                "continue with --resume), 141 the reader of stdout went away (qkv presets | head)")
 TRAINING = ("train", "demo", "ablate", "finetune")  # the subcommands that train: the NaN guard and --resume
-EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 130/143 interrupted by SIGINT/SIGTERM, "
+EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 130/143 interrupted by "
+          "SIGINT/SIGTERM, "
           "141 the reader of stdout went away (qkv presets | head)")
 # serve stops on SIGINT / SIGTERM by design (a graceful shutdown): that is its normal end, status 0
-SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutdown, 1 the engine failed (so that a "
-                "supervisor restarts it), 2 user error (one line 'qkv: error: ...', e.g. an address it cannot "
-                "listen on)")
+SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutdown, 1 the engine failed "
+                "(so that a supervisor restarts it), 2 user error (one line 'qkv: error: ...', e.g. an "
+                "address it cannot listen on)")
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="run YAML (see configs/); optional")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-3 model.n_heads=8")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-3 "
+                                                "model.n_heads=8")
     p.add_argument("--task", help="task name (shortcut for task.name=...)")
     p.add_argument("--model", help="model preset (shortcut for model.preset=...)")
     p.add_argument("--out", help="output folder (default runs/<task>-<preset>)")
@@ -124,7 +126,8 @@ def cmd_info(a: argparse.Namespace) -> int:
         hf_type = _hf_model_type(a.target)
         if hf_type:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            title += f" ({hf_type} file, {dtype})" if hf_type.startswith("GGUF") else f" (Hugging Face {hf_type} folder, {dtype})"
+            gguf = hf_type.startswith("GGUF")
+            title += f" ({hf_type} file, {dtype})" if gguf else f" (Hugging Face {hf_type} folder, {dtype})"
     # meant as a path, not a preset
     elif "/" in a.target or a.target.startswith((".", "~")) or os.sep in a.target:
         raise ConfigError(f"no such folder: {a.target}")
@@ -190,11 +193,13 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", choices=("cpu", "gpu"), default="cpu",
                    help="size profile: cpu (the file as written) or gpu (its `scales: gpu` section)")
     p.add_argument("--only", default=None, metavar="FILTER",
-                   help="run only the variants with every comma-separated item of FILTER: whole key=value items "
-                        "of their names (n_heads=1 is not n_heads=16) or variant names, e.g. "
+                   help="run only the variants with every comma-separated item of FILTER: whole key=value "
+                        "items of their names (n_heads=1 is not n_heads=16) or variant names, e.g. "
                         "'name=reverse,position=rope'; the report still covers every finished run in --out")
-    p.add_argument("--force", action="store_true", help="redo runs that already finished (those --only selects)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per run (1 is best on a busy CPU)")
+    p.add_argument("--force", action="store_true", help="redo runs that already finished (those --only "
+                                                        "selects)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per run (1 is best on a busy "
+                                                             "CPU)")
     p.add_argument("--jobs", type=int, default=None,
                    help="runs trained at once, each in its own process on the same device (default: the "
                         "suite's `jobs`, 1); each gets --threads threads or its share of the cores")
@@ -212,14 +217,16 @@ def cmd_ablate(a: argparse.Namespace) -> int:
 def _add_attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, checkpoint folder or Hugging Face folder")
     p.add_argument("--input", required=True,
-                   help="text to run through the model (a ViT: N, the first N held-out images in order, 1..32)")
+                   help="text to run through the model (a ViT: N, the first N held-out images in order, "
+                        "1..32)")
     p.add_argument("--target", default=None,
-                   help="encoder-decoders: the target sentence; the decoder reads [decoder start] + its tokens less "
+                   help="encoder-decoders: the target sentence; the decoder reads [decoder start] + its "
+                        "tokens less "
                         "the final eos, as teacher forcing (default: [decoder start] + the greedy output, as "
                         "qkv generate --greedy)")
     p.add_argument("--out", default="attention.png",
-                   help="PNG to write (one per attention kind; .png is added to a name without an extension); "
-                        "the per-head statistics go to <name>_entropy.json beside it")
+                   help="PNG to write (one per attention kind; .png is added to a name without an "
+                        "extension); the per-head statistics go to <name>_entropy.json beside it")
 
 
 def cmd_attention(a: argparse.Namespace) -> int:
@@ -232,13 +239,17 @@ def cmd_attention(a: argparse.Namespace) -> int:
 
 
 def _add_explore(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a run folder, checkpoint folder, Hugging Face folder (gpt2, bert, vit, whisper) or GGUF file")
+    p.add_argument("model", help="a run folder, checkpoint folder, Hugging Face folder (gpt2, bert, vit, "
+                                 "whisper) or GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on, 1..65535 (default 8000; it must be free)")
-    p.add_argument("--input", default=None, help="with --export: the input to show (text; image index for a ViT)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on, 1..65535 (default 8000; it "
+                                                          "must be free)")
+    p.add_argument("--input", default=None, help="with --export: the input to show (text; image index for a "
+                                                 "ViT)")
     p.add_argument("--target", default=None, help="with --export: decoder input of an encoder-decoder")
     p.add_argument("--wav", default=None, help="with --export: a WAV file for an audio model")
-    p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and exit")
+    p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and "
+                                                                       "exit")
     add_quantize(p)
 
 
@@ -250,7 +261,8 @@ def cmd_explore(a: argparse.Namespace) -> int:
 
 
 def _add_predict(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="an image classifier: a Hugging Face folder (vit, resnet) or a qkv image run")
+    p.add_argument("model", help="an image classifier: a Hugging Face folder (vit, resnet) or a qkv image "
+                                 "run")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
 
@@ -270,22 +282,27 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF file")
+    p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF "
+                                 "file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
     p.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond the batch before 429")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: a full batch of contexts)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: a full batch of "
+                                                                "contexts)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
-    p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens fed per engine step (0: whole)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens fed per engine step (0: "
+                                                                   "whole)")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
     p.add_argument("--preemption", choices=["least_work", "newest"], default="least_work",
                    help="which request gives its blocks back when the pool runs out")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on "
+                                                                        "SIGTERM")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="most prompt + output tokens a request may ask for (default: the model's context; for "
-                        "RoPE/ALiBi models the context_length they were configured for, max_position_embeddings)")
+                   help="most prompt + output tokens a request may ask for (default: the model's context; "
+                        "for RoPE/ALiBi models the context_length they were configured for, "
+                        "max_position_embeddings)")
     add_quantize(p)
 
 
@@ -312,7 +329,8 @@ def cmd_finetune(a: argparse.Namespace) -> int:
 
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa folder (Hugging Face format)")
+    p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa folder (Hugging Face "
+                                 "format)")
     p.add_argument("--input", required=True, help="text file, one text per line")
     p.add_argument("--out", default=None, help="write the embeddings here (.npy, one row per line)")
     p.add_argument("--query", default=None, help="print the input lines nearest to this text")
@@ -344,7 +362,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "demo": ("the main job: train two small models and show them working", _add_demo, cmd_demo),
     "ablate": ("run an ablation suite and write its table and plots", _add_ablate, cmd_ablate),
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
-    "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
+    "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore,
+                cmd_explore),
     "predict": ("an image classifier's top classes for image files", _add_predict, cmd_predict),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
@@ -356,14 +375,16 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The whole command line; given `argv`, only the subcommand it names gets its flags (finetune's come from
     its recipes, which import torch: `qkv --help` needs none of them and answers at once)."""
-    parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart and scale.",
+    parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart "
+                                                             "and scale.",
                                      epilog=TRAIN_EPILOG)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = None if argv is None else next((x for x in argv if x in SUBCOMMANDS), "")
     for name, (help_text, setup, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           epilog=SERVE_EPILOG if name == "serve" else TRAIN_EPILOG if name in TRAINING else EPILOG)
+                           epilog=SERVE_EPILOG if name == "serve"
+                           else TRAIN_EPILOG if name in TRAINING else EPILOG)
         if chosen is None or name == chosen:
             setup(p)
         p.set_defaults(func=run)
@@ -424,7 +445,8 @@ def _run_command(a: argparse.Namespace) -> int:
             raise
         if isinstance(e, NonFiniteError):  # the full report was logged above (and to train.log)
             where = f"; report in {e.batch_path.parent / 'train.log'}" if e.batch_path else ""
-            print(f"qkv: error: training stopped by the NaN guard: {str(e).splitlines()[0]}{where}", file=sys.stderr)
+            first = str(e).splitlines()[0]
+            print(f"qkv: error: training stopped by the NaN guard: {first}{where}", file=sys.stderr)
             return EXIT_NAN_GUARD
         # bugs keep their traceback
         user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError)

@@ -29,8 +29,10 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
     if family in UNSUPPORTED:  # the same refusals as qkv explore's
         raise ConfigError(f"{path}: {UNSUPPORTED[family]}")
     if model.kind == "audio":
-        raise ConfigError(f"{path}: qkv attention draws text and image models; for an audio model use qkv explore "
-                          f"{path} (the page, or --wav FILE --export PAGE.html; a DTMF run renders typed digits)")
+        raise ConfigError(f"{path}: qkv attention draws text and image models; for an audio model use qkv "
+                          "explore "
+                          f"{path} (the page, or --wav FILE --export PAGE.html; a DTMF run renders typed "
+                          "digits)")
     if model.kind == "image":
         return _vit_overlay(model, path, text, out_png)
     import warnings
@@ -62,7 +64,8 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     try:
         n = int(text) if text.strip() else 8
     except ValueError:
-        raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
+        raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") \
+            from None
     task = load_run_task(path)
     # the digits task: the held-out images, in order
     if hasattr(task, "split_indices") and hasattr(task, "images"):

@@ -55,8 +55,8 @@ class Loaded:
 
 
 def load(path: str | Path, quantize: str | None = None) -> Loaded:
-    """A qkv run folder, a qkv checkpoint folder or a Hugging Face folder qkv loads (gpt2, bert, vit, whisper);
-    quantize: "int8" / "int4" weight-only (qkv.nn.quant)."""
+    """A qkv run folder, a qkv checkpoint folder or a Hugging Face folder qkv loads (gpt2, bert, vit,
+    whisper); quantize: "int8" / "int4" weight-only (qkv.nn.quant)."""
     from qkv.run import _model_folder, load_model_any, load_run_task, run_folder_of
     from qkv.tasks.tokenizers import find_tokenizer
 
@@ -165,15 +165,16 @@ def _tokens_from_ids(ld: Loaded, text: str, what: str, vocab: int | None) -> tup
     try:
         ids = [int(t) for t in text.split()]
     except ValueError:
-        raise ExploreError(f"this model folder has no tokenizer: type the {what} as token ids separated by spaces, "
-                           "e.g. '5 3 9'") from None
+        raise ExploreError(f"this model folder has no tokenizer: type the {what} as token ids separated by "
+                           "spaces, e.g. '5 3 9'") from None
     bad = [i for i in ids if vocab is not None and not 0 <= i < vocab]
     if bad:
         raise ExploreError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
     return ids, [str(i) for i in ids]
 
 
-def tokenize(ld: Loaded, text: str, what: str = "input", vocab: int | None = None) -> tuple[list[int], list[str]]:
+def tokenize(ld: Loaded, text: str, what: str = "input",
+             vocab: int | None = None) -> tuple[list[int], list[str]]:
     """Ids and display labels of `text`. Empty text and characters a character/word tokenizer does not know
     are errors (a char tokenizer would otherwise silently turn them into <unk>)."""
     from qkv.experiments.attention import tokenize as tokenize_any
@@ -181,7 +182,8 @@ def tokenize(ld: Loaded, text: str, what: str = "input", vocab: int | None = Non
     if not text or not text.strip():
         raise ExploreError(f"the {what} is empty: type some text")
     if len(text.encode("utf-8")) > MAX_PROMPT_BYTES:
-        raise ExploreError(f"the {what} is {len(text.encode('utf-8'))} bytes; the explorer takes at most {MAX_PROMPT_BYTES}")
+        raise ExploreError(f"the {what} is {len(text.encode('utf-8'))} bytes; the explorer takes at most "
+                           f"{MAX_PROMPT_BYTES}")
     tok = ld.tokenizer
     vocab = vocab if vocab is not None else vocab_size(ld)
     if tok is None:
@@ -192,14 +194,16 @@ def tokenize(ld: Loaded, text: str, what: str = "input", vocab: int | None = Non
         unknown = sorted({s for s in tok.split(text) if s not in stoi})
         if unknown:
             shown = " ".join(repr(s) for s in unknown[:10])
-            raise ExploreError(f"the {what} has {len(unknown)} symbol(s) this model's vocabulary does not know: {shown}")
+            raise ExploreError(f"the {what} has {len(unknown)} symbol(s) this model's vocabulary does not "
+                               f"know: {shown}")
     ids, labels = tokenize_any(tok, text)
     if hasattr(tok, "itos"):  # a qkv char/word tokenizer: the symbol itself, not its repr
         labels = [tok.itos[i] for i in ids]
     if not ids:
         raise ExploreError(f"the {what} gives no tokens")
     if vocab is not None and max(ids) >= vocab:
-        raise ExploreError(f"the tokenizer gave token id {max(ids)}, outside the model's vocabulary [0, {vocab})")
+        raise ExploreError(f"the tokenizer gave token id {max(ids)}, outside the model's vocabulary [0, "
+                           f"{vocab})")
     return ids, [_display(s) for s in labels]
 
 
@@ -226,7 +230,8 @@ def prompt_ids(ld: Loaded, ids: list[int]) -> list[int]:
 
 def check_length(n: int, limit: int | None, what: str) -> None:
     if limit is not None and n > limit:
-        raise ExploreError(f"the {what} has {n} tokens but this model's context is {limit} positions; shorten it")
+        raise ExploreError(f"the {what} has {n} tokens but this model's context is {limit} positions; "
+                           "shorten it")
 
 
 # -- attention ---------------------------------------------------------------------------------------------
@@ -239,7 +244,8 @@ def attention(ld: Loaded, batch: dict[str, Tensor]) -> dict[str, list[Tensor]]:
         out = ld.model(pixel_values=batch["pixel_values"], return_attentions=True)
         return {"self": [layer["self"] for layer in out.attentions]}
     if ld.kind == "audio":
-        out = ld.model(audio=batch["audio"], decoder_input_ids=batch["decoder_input_ids"], return_attentions=True)
+        out = ld.model(audio=batch["audio"], decoder_input_ids=batch["decoder_input_ids"],
+                       return_attentions=True)
         return {"encoder self": [layer["self"] for layer in out.encoder_attentions],
                 "decoder self": [layer["self"] for layer in out.attentions],
                 "cross": [layer["cross"] for layer in out.attentions]}
@@ -271,8 +277,9 @@ def head_stats(ld: Loaded, kind: str, layers: list[Tensor]) -> list[Any]:
 
 @torch.no_grad()
 def teacher_forced_target(ld: Loaded, target: str) -> list[int]:
-    """The decoder input for a typed target of a seq2seq model, as `qkv attention --target` builds it: [decoder
-    start] + the target's label ids (the special tokens labels carry, e.g. BART's <s> ... </s>), less a final eos."""
+    """The decoder input for a typed target of a seq2seq model, as `qkv attention --target` builds it:
+    [decoder start] + the target's label ids (the special tokens labels carry, e.g. BART's <s> ... </s>), less
+    a final eos."""
     from qkv.experiments.attention import _target_ids as label_ids
     from qkv.experiments.attention import teacher_forced_input
 
@@ -358,7 +365,8 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
         fed = torch.tensor([[tok]], dtype=torch.long, device=src.device)
     cross = 0
     if seq2seq:
-        cross = sum(k.nbytes + v.nbytes for k, v in (paged.get_cross(i) for i in range(L) if paged.has_cross(i)))
+        pairs = (paged.get_cross(i) for i in range(L) if paged.has_cross(i))
+        cross = sum(k.nbytes + v.nbytes for k, v in pairs)
     spec = CacheSpec(L, hkv, hd, elem, str(static.k.dtype).replace("torch.", ""), total,
                      static.k.nbytes + static.v.nbytes, block_size, paged.bytes_per_block, cross)
     return prefix, steps, spec

@@ -67,9 +67,10 @@ def check_size(ld: Loaded, shapes: list[tuple[int, int, int]]) -> None:
     total = sum(n * h * q * k for n, q, k in shapes)
     if total > MAX_WEIGHTS:
         worst = max(shapes, key=lambda s: s[1] * s[2])
-        raise ExploreError(f"this input gives {total:,} attention weights to draw ({len(shapes)} view(s), e.g. "
-                           f"{worst[0]} layers x {h} heads x {worst[1]} x {worst[2]}); the explorer draws at most "
-                           f"{MAX_WEIGHTS:,}: shorten the input")
+        raise ExploreError(f"this input gives {total:,} attention weights to draw ({len(shapes)} view(s), "
+                           "e.g. "
+                           f"{worst[0]} layers x {h} heads x {worst[1]} x {worst[2]}); the explorer draws at "
+                           f"most {MAX_WEIGHTS:,}: shorten the input")
 
 
 def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_index: int = 0,
@@ -91,9 +92,11 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
             adapter.check_length(len(ids), adapter.context(ld), "source")
             src = torch.tensor([ids], device=dev)
             t_ids = _target_ids(ld, src, target, max_target_tokens)
-            S, T, Le, Ld = len(ids), len(t_ids), adapter.n_layers(ld, "encoder"), adapter.n_layers(ld, "decoder")
+            S, T = len(ids), len(t_ids)
+            Le, Ld = adapter.n_layers(ld, "encoder"), adapter.n_layers(ld, "decoder")
             check_size(ld, [(Le, S, S), (Ld, T, T), (Ld, T, S)])
-            maps = adapter.attention(ld, {"input_ids": src, "decoder_input_ids": torch.tensor([t_ids], device=dev)})
+            dec = torch.tensor([t_ids], device=dev)
+            maps = adapter.attention(ld, {"input_ids": src, "decoder_input_ids": dec})
             t_labels = [adapter.label(ld, i) for i in t_ids]
             return {"tokens": {"source": labels, "target": t_labels}, "ids": {"source": ids, "target": t_ids},
                     "views": [_view(ld, "encoder self", "source", "source", maps["encoder self"]),
@@ -131,7 +134,8 @@ def _target_ids(ld: Loaded, src: Tensor, target: str | None, max_new: int) -> li
     return t_ids
 
 
-def _analyze_audio(ld: Loaded, text: str, target: str | None, wav: str | None, max_new: int) -> dict[str, Any]:
+def _analyze_audio(ld: Loaded, text: str, target: str | None, wav: str | None,
+                   max_new: int) -> dict[str, Any]:
     dev = next(ld.model.parameters()).device
     audio, caption = adapter.audio(ld, text, wav)
     audio = audio.to(dev)

@@ -15,7 +15,8 @@ from qkv.explore.adapter import ExploreError, Loaded, config, digit_images
 
 # -- images and audio --------------------------------------------------------------------------------------
 def sample_images(ld: Loaded) -> int:
-    """How many built-in images the page offers (scikit-learn's bundled digits, or the run's held-out split)."""
+    """How many built-in images the page offers (scikit-learn's bundled digits, or the run's held-out
+    split)."""
     return 20
 
 
@@ -79,14 +80,18 @@ def audio(ld: Loaded, text: str, wav_base64: str | None) -> tuple[Tensor, str]:
         alphabet = set(getattr(ld.task.tokenizer, "symbols", "0123456789"))
         bad = sorted(set(text) - alphabet)
         if bad:
-            raise ExploreError(f"this task renders only {''.join(sorted(alphabet))}; unknown: {' '.join(map(repr, bad))}")
+            raise ExploreError(f"this task renders only {''.join(sorted(alphabet))}; unknown: "
+                               f"{' '.join(map(repr, bad))}")
         most = getattr(getattr(ld.task, "options", None), "max_digits", None)
         # the task cuts its clip: the last digits would not be heard
         if most is not None and len(text) > most:
-            raise ExploreError(f"{len(text)} digits: type at most {most} (the task's max_digits; a longer string "
-                               f"may not fit its {c.n_samples / c.sample_rate:.2f} s clip), as a longer WAV is refused")
+            raise ExploreError(f"{len(text)} digits: type at most {most} (the task's max_digits; a longer "
+                               "string "
+                               f"may not fit its {c.n_samples / c.sample_rate:.2f} s clip), as a longer WAV "
+                               "is refused")
         wave = ld.task.render(text, random.Random(0), "val")
-        return torch.as_tensor(wave, dtype=torch.float32)[None, : c.n_samples], f"{text!r} rendered by the task"
+        clip = torch.as_tensor(wave, dtype=torch.float32)[None, : c.n_samples]
+        return clip, f"{text!r} rendered by the task"
     raise ExploreError("this audio model has no task to render text: choose a WAV file")
 
 
@@ -115,7 +120,8 @@ def _read_wav(data: bytes, rate: int, max_samples: int) -> Tensor:
     if len(x) == 0:
         raise ExploreError("the WAV file holds no samples")
     if len(x) > max_samples:
-        raise ExploreError(f"the audio is {len(x) / rate:.2f} s; this model's window is {max_samples / rate:.2f} s")
+        raise ExploreError(f"the audio is {len(x) / rate:.2f} s; this model's window is "
+                           f"{max_samples / rate:.2f} s")
     return torch.tensor(x, dtype=torch.float32)[None]
 
 

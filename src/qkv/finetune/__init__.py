@@ -83,11 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "classify/tag/seq2seq 3)")
     p.add_argument("--too-long", choices=("error", "skip", "truncate"), default=None,
                    help="an example over the length limit: error naming it, skip it (chat) or truncate it "
-                        "(classify, tag, seq2seq); default: error for chat and seq2seq, truncate for classify/tag")
+                        "(classify, tag, seq2seq); default: error for chat and seq2seq, truncate for "
+                        "classify/tag")
     flags: dict[str, RecipeFlag] = {}
     for r in recipes().values():
         if r.add_arguments is not None:
-            r.add_arguments(_RecipeGroup(p.add_argument_group(f"--task {r.name}", r.description), r.name, flags))
+            group = p.add_argument_group(f"--task {r.name}", r.description)
+            r.add_arguments(_RecipeGroup(group, r.name, flags))
     p.set_defaults(recipe_flags=flags)  # read by resolve_flags from the parsed arguments
 
 
@@ -127,8 +129,8 @@ def resolve_flags(args: argparse.Namespace, recipe: str) -> None:
         flag = flags[dest]
         if flag.recipe != recipe:
             hint = f"; set train.{dest}=... instead" if dest in ("batch_size", "lr") else ""
-            raise ConfigError(f"{flag.option} is not supported by --task {recipe} (it is a --task {flag.recipe} "
-                              f"flag){hint}")
+            raise ConfigError(f"{flag.option} is not supported by --task {recipe} (it is a --task "
+                              f"{flag.recipe} flag){hint}")
     for dest, flag in flags.items():
         if dest not in given:
             setattr(args, dest, flag.default)
@@ -212,13 +214,14 @@ def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any
     value = default if value is None else value
     if allowed is not None and value not in allowed:
         flag = "--" + name.replace("_", "-")
-        raise ConfigError(f"{flag} {value} is not supported by --task {recipe}; choose one of {', '.join(allowed)}")
+        raise ConfigError(f"{flag} {value} is not supported by --task {recipe}; choose one of "
+                          f"{', '.join(allowed)}")
     return value
 
 
 def read_data_text(path: str | Path, where: str = "{path} line {line}") -> str:
-    """The text of a data file, UTF-8, with a leading byte order mark dropped (Windows editors write one; left in,
-    it would become part of the first column's name or the first record). Bytes that are not UTF-8 are one
+    """The text of a data file, UTF-8, with a leading byte order mark dropped (Windows editors write one; left
+    in, it would become part of the first column's name or the first record). Bytes that are not UTF-8 are one
     ConfigError naming the file, line and column (`where` formats the file and line as the reader's other
     errors do)."""
     path = Path(path)
@@ -230,7 +233,8 @@ def read_data_text(path: str | Path, where: str = "{path} line {line}") -> str:
     except UnicodeDecodeError as e:
         line_start = raw.rfind(b"\n", 0, e.start) + 1
         at = where.format(path=path, line=raw.count(b"\n", 0, e.start) + 1)
-        raise ConfigError(f"{at}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start - line_start + 1}); "
+        raise ConfigError(f"{at}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                          f"{e.start - line_start + 1}); "
                           "save the file as UTF-8") from None
 
 
@@ -261,7 +265,8 @@ def model_kind(folder: str | Path) -> str:
         return family(meta["qkv_family"]).model_class.kinds[0]
     kind = KINDS.get(meta.get("model_type"))
     if kind is None:
-        raise CheckpointError(f"{folder}: Hugging Face model_type {meta.get('model_type')!r} is not supported")
+        raise CheckpointError(f"{folder}: Hugging Face model_type {meta.get('model_type')!r} is not "
+                              "supported")
     return kind
 
 
@@ -270,13 +275,15 @@ def choose(task: str | None, kind: str) -> Recipe:
     all_ = recipes()
     name = task or DEFAULT_BY_KIND.get(kind)
     if name is None:
-        raise ConfigError(f"no fine-tuning recipe for a model of kind {kind!r}; pass --task ({', '.join(sorted(all_))})")
+        raise ConfigError(f"no fine-tuning recipe for a model of kind {kind!r}; pass --task "
+                          f"({', '.join(sorted(all_))})")
     if name not in all_:
         raise ConfigError(f"unknown fine-tuning task {name!r}" +
                           _closest(name, list(all_)).replace("valid keys", "known tasks"))
     r = all_[name]
     if kind not in r.kinds:
-        raise ConfigError(f"--task {name} fine-tunes {'/'.join(r.kinds)} models; this folder holds a {kind} model")
+        raise ConfigError(f"--task {name} fine-tunes {'/'.join(r.kinds)} models; this folder holds a {kind} "
+                          "model")
     return r
 
 
@@ -323,11 +330,11 @@ def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) ->
         raise ConfigError(f"--out {out} already holds other files ({', '.join(names[:3])}"
                           f"{', ...' if len(names) > 3 else ''}); choose a new or empty folder")
     if owner != recipe:
-        raise ConfigError(f"--out {out} already holds the output of qkv finetune --task {owner}; choose another "
-                          "--out")
-    if latest_checkpoint(out / "checkpoints") is not None and not resume:
-        raise ConfigError(f"--out {out} already holds a fine-tuning run; pass --resume to continue it or choose "
+        raise ConfigError(f"--out {out} already holds the output of qkv finetune --task {owner}; choose "
                           "another --out")
+    if latest_checkpoint(out / "checkpoints") is not None and not resume:
+        raise ConfigError(f"--out {out} already holds a fine-tuning run; pass --resume to continue it or "
+                          "choose another --out")
 
 
 def mark_out(out: str | Path, recipe: str) -> None:
@@ -357,13 +364,14 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     from qkv.train.distributed import world_size
 
     if world_size() > 1 and not recipe.distributed:  # every rank would evaluate and export into OUT at once
-        raise ConfigError(f"--task {recipe.name} does not run under torchrun yet (only --task chat does); run it "
-                          "as one process")
+        raise ConfigError(f"--task {recipe.name} does not run under torchrun yet (only --task chat does); "
+                          "run it as one process")
     resolve_flags(args, recipe.name)
     train_flags(args, recipe.name)  # before check_out: train.resume=true is --resume
     check_out(args.out, args.model, recipe.name, args.resume)  # before anything is read, trained or written
     return recipe.run(args)
 
 
-__all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose", "epoch_updates", "epochs_to_steps", "finetune",
-           "mark_out", "model_kind", "read_data_text", "recipes", "register_recipe", "shared", "train_flags", "written_by"]
+__all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose", "epoch_updates",
+           "epochs_to_steps", "finetune", "mark_out", "model_kind", "read_data_text", "recipes", "register_recipe",
+           "shared", "train_flags", "written_by"]

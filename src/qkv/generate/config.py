@@ -40,8 +40,8 @@ _HF_METADATA = {"_from_model_config", "transformers_version", "_commit_hash", "g
 
 def _setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
              le: float | None = None, note: str = "") -> Any:
-    """A field with its help text and numeric bounds: the one declaration that validate(), the `qkv generate` /
-    `qkv chat` flags (qkv.cli.flags) and the docs read. `note` says what a boundary value means."""
+    """A field with its help text and numeric bounds: the one declaration that validate(), the `qkv generate`
+    / `qkv chat` flags (qkv.cli.flags) and the docs read. `note` says what a boundary value means."""
     return field(default=default, metadata={"help": help, "ge": ge, "gt": gt, "le": le, "note": note})
 
 
@@ -121,7 +121,8 @@ class GenerationConfig:
         None, "token sequences never produced (OPUS-MT bans its pad token)")
     # -- special tokens -----------------------------------------------------------------------------------
     eos_token_id: int | list[int] | None = _setting(None, "stop tokens (None: the model's)")
-    pad_token_id: int | None = _setting(None, "fills finished rows (None: the model's, else the first eos, else 0)")
+    pad_token_id: int | None = _setting(None, "fills finished rows (None: the model's, else the first eos, "
+                                              "else 0)")
     bos_token_id: int | None = _setting(
         None, "the model's begin-of-sequence id (seq2seq start when no decoder_start)")
     decoder_start_token_id: int | None = _setting(None, "first decoder token of an encoder-decoder")
@@ -151,13 +152,15 @@ class GenerationConfig:
         _check_bounds(self)
         need(self.bad_words_ids is None or (len(self.bad_words_ids) > 0 and all(
              len(w) > 0 and all(isinstance(i, int) and i >= 0 for i in w) for w in self.bad_words_ids)),
-             f"bad_words_ids must be a non-empty list of non-empty lists of token ids, got {self.bad_words_ids}")
+             "bad_words_ids must be a non-empty list of non-empty lists of token ids, got "
+             f"{self.bad_words_ids}")
         need(not (self.do_sample and self.num_beams > 1),
              "do_sample: beam search is deterministic: use do_sample=True or num_beams > 1, not both")
         need(self.num_beams > 1 or self.do_sample or self.num_return_sequences == 1,
              "num_return_sequences > 1 needs do_sample=True or num_beams >= num_return_sequences")
         need(self.num_beams == 1 or self.num_return_sequences <= self.num_beams,
-             f"num_return_sequences ({self.num_return_sequences}) must be between 1 and num_beams ({self.num_beams})")
+             f"num_return_sequences ({self.num_return_sequences}) must be between 1 and num_beams "
+             f"({self.num_beams})")
         need(self.early_stopping in EARLY_STOPPING, f"early_stopping must be true, false or 'never', "
              f"got {self.early_stopping!r}")
         need(self.context_overflow in CONTEXT_OVERFLOW, f"context_overflow must be 'error' or 'slide', "
@@ -166,7 +169,8 @@ class GenerationConfig:
              f"compile must be true, false or a torch.compile backend name, got {self.compile!r}")
         need(not self.compile or self.use_cache, "compile: graph-captured decoding runs over the KV cache: "
              "use_cache must be true")
-        need(not self.compile or self.num_beams == 1, "compile: graph-captured decoding is not implemented for "
+        need(not self.compile or self.num_beams == 1, "compile: graph-captured decoding is not implemented "
+                                                      "for "
              "beam search (it reorders the cache every step)")
         if isinstance(self.stop_strings, str):
             self.stop_strings = [self.stop_strings]
@@ -239,7 +243,8 @@ class GenerationConfig:
         stays unset: token ids then come from the model, as the module docstring says."""
         default, given = GenerationConfig(), self.given()
         return {f.name: v for f in fields(self)
-                if ((v := getattr(self, f.name)) is not None and f.name in given) or v != getattr(default, f.name)}
+                if ((v := getattr(self, f.name)) is not None and f.name in given)
+                or v != getattr(default, f.name)}
 
     # -- derived values -----------------------------------------------------------------------------------
     def new_tokens(self, prompt_len: int) -> int:
@@ -248,8 +253,10 @@ class GenerationConfig:
             return self.max_new_tokens
         if self.max_length is not None:
             if self.max_length <= prompt_len:  # as transformers refuses it, rather than generating nothing
-                raise ValueError(f"max_length={self.max_length} counts the prompt, which has {prompt_len} tokens: "
-                                 "nothing would be generated; set max_new_tokens instead (or a larger max_length)")
+                raise ValueError(f"max_length={self.max_length} counts the prompt, which has {prompt_len} "
+                                 "tokens: "
+                                 "nothing would be generated; set max_new_tokens instead (or a larger "
+                                 "max_length)")
             return self.max_length - prompt_len
         return DEFAULT_MAX_NEW_TOKENS
 
@@ -272,7 +279,8 @@ class GenerationConfig:
 
 
 def _json_mapping(path: Path) -> dict[str, Any]:
-    """A JSON file whose top level is a mapping; a ConfigError naming the file otherwise (not UTF-8 included)."""
+    """A JSON file whose top level is a mapping; a ConfigError naming the file otherwise (not UTF-8
+    included)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -284,7 +292,8 @@ def _json_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-def resolve(defaults: dict[str, Any], config: GenerationConfig | None, overrides: dict[str, Any]) -> GenerationConfig:
+def resolve(defaults: dict[str, Any], config: GenerationConfig | None,
+            overrides: dict[str, Any]) -> GenerationConfig:
     """The settings of one call, as Hugging Face merges them: the model's defaults (HF names), then the
     fields a passed config gives (config.explicit()), then keyword overrides."""
     if config is not None and not isinstance(config, GenerationConfig):

@@ -86,17 +86,21 @@ class TrainConfig:
         if self.max_steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ConfigError("TrainConfig: max_steps, batch_size and grad_accum must be at least 1")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"TrainConfig: need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})")
+            raise ConfigError(f"TrainConfig: need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, "
+                              f"min_lr={self.min_lr})")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas}")
         if self.eps <= 0 or self.weight_decay < 0:
             raise ConfigError("TrainConfig: eps must be > 0 and weight_decay >= 0")
         if abs(self.seed) >= 2**62:  # torch.manual_seed takes 64 bits; ranks and rollbacks add offsets to it
-            raise ConfigError(f"TrainConfig.seed must be an integer of magnitude below 2**62, got {self.seed}")
+            raise ConfigError("TrainConfig.seed must be an integer of magnitude below 2**62, got "
+                              f"{self.seed}")
         if self.warmup < 0:
-            raise ConfigError(f"TrainConfig.warmup must be >= 0 (steps, or a fraction < 1), got {self.warmup}")
+            raise ConfigError("TrainConfig.warmup must be >= 0 (steps, or a fraction < 1), got "
+                              f"{self.warmup}")
         if self.warmup >= 1 and not float(self.warmup).is_integer():
-            raise ConfigError(f"TrainConfig.warmup >= 1 counts steps and must be a whole number, got {self.warmup}")
+            raise ConfigError("TrainConfig.warmup >= 1 counts steps and must be a whole number, got "
+                              f"{self.warmup}")
         if self.schedule == "noam" and self.warmup_steps() < 1:
             raise ConfigError("TrainConfig: schedule=noam needs warmup >= 1 step (it divides by warmup^1.5)")
         if self.clip_grad is not None and self.clip_grad <= 0:
