@@ -341,7 +341,8 @@ class TransformerConfig:
         from qkv.nn.position import ENCODINGS
 
         for name, value, choices in [
-            ("ffn", self.ffn, ACTIVATIONS), ("norm", self.norm, NORMS), ("placement", self.placement, PLACEMENTS),
+            ("ffn", self.ffn, ACTIVATIONS), ("norm", self.norm, NORMS),
+            ("placement", self.placement, PLACEMENTS),
             ("position", self.position, ENCODINGS), ("attention", self.attention, BACKENDS),
         ]:
             if value not in choices:

@@ -208,8 +208,8 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
 def cmd_ablate(a: argparse.Namespace) -> int:
     from qkv.experiments import run_suite
 
-    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, scale=a.scale, only=a.only, force=a.force, threads=a.threads,
-                       jobs=a.jobs)
+    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, scale=a.scale, only=a.only, force=a.force,
+                       threads=a.threads, jobs=a.jobs)
     print(f"report: {report}")
     return 0
 
@@ -256,8 +256,8 @@ def _add_explore(p: argparse.ArgumentParser) -> None:
 def cmd_explore(a: argparse.Namespace) -> int:
     from qkv.explore.cli import explore
 
-    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav,
-                   quantize=a.quantize)
+    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export,
+                   wav=a.wav, quantize=a.quantize)
 
 
 def _add_predict(p: argparse.ArgumentParser) -> None:
@@ -315,8 +315,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(a.model, host=a.host, port=a.port, name=a.name, max_waiting=a.max_waiting,
                  shutdown_timeout=a.shutdown_timeout, block_size=a.block_size, num_blocks=a.num_blocks,
                  max_batch_size=a.max_batch_size, prefill_chunk=a.prefill_chunk or None,
-                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption, max_model_len=a.max_model_len,
-                 quantize=a.quantize)
+                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption,
+                 max_model_len=a.max_model_len, quantize=a.quantize)
 
 
 def cmd_finetune(a: argparse.Namespace) -> int:

@@ -336,8 +336,8 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
     seq2seq = ld.kind in ("seq2seq", "audio")
     # a qkv run's tokenizer ends sequences with <eos>; otherwise generate() takes config.eos_token_id if any
     eos = getattr(ld.tokenizer, "eos_id", None) if ld.task is not None else None
-    out = generate(m, src, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, seed=seed,
-                   eos_token_id=eos, return_attentions=True)
+    out = generate(m, src, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                   seed=seed, eos_token_id=eos, return_attentions=True)
     new = out.sequences[0, (0 if seq2seq else src.shape[1]):].tolist()
     new = new[: len(out.attentions)]
     prefix = [int(c.bos_token_id)] if seq2seq else [int(i) for i in src[0].tolist()]
@@ -411,7 +411,8 @@ def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
             ones = torch.ones(1, 1, n, p.head_dim, device=p.inv_freq.device)
             q, k = p.rotate(ones, ones, 0)
             found.append({"where": where, "kind": "rope", "head_dim": p.head_dim, "base": p.base,
-                          "inv_freq": p.inv_freq.detach().double(), "cos": p.cos[:n, : p.head_dim // 2].float(),
+                          "inv_freq": p.inv_freq.detach().double(),
+                          "cos": p.cos[:n, : p.head_dim // 2].float(),
                           "dot_by_distance": (q[0, 0] @ k[0, 0, 0]).float() / p.head_dim})
         elif isinstance(p, ALiBi):
             n = 16

@@ -150,7 +150,8 @@ def _analyze_audio(ld: Loaded, text: str, target: str | None, wav: str | None,
     cross = _view(ld, "cross", "target", "source", maps["cross"], (len(t_ids), bins))
     return {"tokens": {"source": frame_labels, "target": t_labels}, "ids": {"target": t_ids},
             "views": [enc, _view(ld, "decoder self", "target", "target", maps["decoder self"]), cross],
-            "audio": {"caption": caption, "seconds": round(audio.shape[-1] / adapter.config(ld).sample_rate, 3),
+            "audio": {"caption": caption,
+                      "seconds": round(audio.shape[-1] / adapter.config(ld).sample_rate, 3),
                       "frames": frames, "bins": bins, "audio_frames": adapter.audio_frames(ld, audio)}}
 
 
@@ -207,7 +208,8 @@ def generation(ld: Loaded, text: str = "", *, max_new_tokens: int = 16, do_sampl
     return {"prefix": [adapter.label(ld, i) for i in prefix], "prefix_ids": prefix, "source": source,
             "steps": out_steps,
             "cache": {"n_layers": spec.n_layers, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
-                      "dtype": spec.dtype, "dtype_bytes": spec.dtype_bytes, "bytes_per_position_per_layer": per_pos,
+                      "dtype": spec.dtype, "dtype_bytes": spec.dtype_bytes,
+                      "bytes_per_position_per_layer": per_pos,
                       "static_positions": spec.static_positions, "static_bytes": spec.static_bytes,
                       "block_size": spec.block_size, "paged_bytes_per_block": spec.paged_bytes_per_block,
                       "cross_bytes": spec.cross_bytes}}

@@ -300,9 +300,10 @@ def written_by(folder: Path) -> str | None:
 
 def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) -> None:
     """Refuse, before anything is read or written, an --out whose contents a run would destroy: the source
-    model folder itself or a folder inside it, a file, a model folder or other files that qkv finetune did not
-    write, another recipe's output, or this recipe's run with checkpoints when --resume is not given. What is
-    left is a new or empty folder, or this recipe's own output (continued with --resume, else written over)."""
+    model folder itself or a folder inside it, a file, a model folder or other files that qkv finetune did
+    not write, another recipe's output, or this recipe's run with checkpoints when --resume is not given.
+    What is left is a new or empty folder, or this recipe's own output (continued with --resume, else
+    written over)."""
     from qkv.train import latest_checkpoint
 
     out, source = Path(out), Path(source)
@@ -372,6 +373,6 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     return recipe.run(args)
 
 
-__all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose", "epoch_updates",
-           "epochs_to_steps", "finetune", "mark_out", "model_kind", "read_data_text", "recipes", "register_recipe",
-           "shared", "train_flags", "written_by"]
+__all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose",
+           "epoch_updates", "epochs_to_steps", "finetune", "mark_out", "model_kind", "read_data_text",
+           "recipes", "register_recipe", "shared", "train_flags", "written_by"]

@@ -309,7 +309,8 @@ def resolve(defaults: dict[str, Any], config: GenerationConfig | None,
 def merge(base: GenerationConfig, chosen: dict[str, Any]) -> GenerationConfig:
     """`base` (defaults: a model folder's, a task's) with the caller's `chosen` fields over it. Beams asked
     for without a word on sampling switch off the defaults' do_sample (an instruct model's folder samples by
-    default; beam search and sampling are exclusive), rather than failing on a setting the caller never made."""
+    default; beam search and sampling are exclusive), rather than failing on a setting the caller never
+    made."""
     if chosen.get("num_beams", 1) > 1 and "do_sample" not in chosen:
         chosen = {**chosen, "do_sample": False}
     return base.replace(**chosen) if chosen else base

@@ -36,8 +36,9 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # the seeds: beta2 in 0.95..0.98
     eps: float = 1e-8  # the seeds: 1e-6..1e-8
     weight_decay: float = 0.1  # decoupled; never applied to norms, biases or embeddings
-    optimizer_impl: OptimizerImpl = "auto"  # auto | fused | foreach | loop: torch's AdamW kernel; auto = fused
-    #   where torch has it (CPU, CUDA), else foreach. Same update to float rounding (qkv/train/optim.py)
+    # auto | fused | foreach | loop: torch's AdamW kernel; auto = fused where torch has it (CPU, CUDA),
+    # else foreach. Same update to float rounding (qkv/train/optim.py)
+    optimizer_impl: OptimizerImpl = "auto"
     # -- schedule ----------------------------------------------------------------------------------------
     schedule: Schedule = "cosine"  # noam | inverse_sqrt | cosine | linear | constant
     warmup: float = 0.02  # >= 1: steps; < 1: fraction of max_steps. 0 = no warmup (the ablation)
@@ -60,9 +61,10 @@ class TrainConfig:
     eval_every: int = 0  # steps between eval_fn calls (0 = only at the end)
     max_eval_batches: int | None = None  # held-out "val" batches for the loss when there is no eval_fn; an
     #                                      eval_fn with a `max_eval_batches` parameter receives it
-    save_every: int = 500  # steps between checkpoints (0 = only at the end). SIGINT/SIGTERM always save the
-    #                        current step; this bounds what a hard kill (SIGKILL, OOM, power) loses: HF Trainer's
-    #                        default, minutes of CPU work for the shipped configs, < 1% of the time in writes
+    # steps between checkpoints (0 = only at the end). SIGINT/SIGTERM always save the current step; this
+    # bounds what a hard kill (SIGKILL, OOM, power) loses: HF Trainer's default, minutes of CPU work for the
+    # shipped configs, < 1% of the time in writes
+    save_every: int = 500
     keep_last: int = 3  # newest periodic checkpoints kept, 0 = all (best-by-eval is kept separately)
     best_metric: str | None = None  # eval metric that selects checkpoints/best; null = the task's primary
     #                                 metric (task.metrics), or the held-out "loss" without a task evaluation
