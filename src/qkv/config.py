@@ -137,7 +137,8 @@ def check_fields(cfg: Any, where: str | None = None) -> None:
 
 
 def check_moe(moe: Any, n_layers: int | None = None) -> None:
-    """A mixture-of-experts config (qkv.nn.moe.MoEConfig): n_layers, the model's, to check `layers` against."""
+    """A mixture-of-experts config (qkv.nn.moe.MoEConfig): n_layers, the model's, to check `layers`
+    against."""
     from qkv.nn.moe import SCORES
 
     check_fields(moe, "moe")
@@ -172,8 +173,9 @@ def check_moe(moe: Any, n_layers: int | None = None) -> None:
 
 
 def check_mla(cfg: Any) -> None:
-    """Multi-head latent attention (qkv.nn.mla.MLAConfig in cfg.mla) against the rest of a TransformerConfig: its
-    rotary key is RoPE, and the model's head_dim names the rotated width (as transformers' DeepseekV3Config)."""
+    """Multi-head latent attention (qkv.nn.mla.MLAConfig in cfg.mla) against the rest of a TransformerConfig:
+    its rotary key is RoPE, and the model's head_dim names the rotated width (as transformers'
+    DeepseekV3Config)."""
     m = cfg.mla
     check_fields(m, "mla")
     if m.kv_lora_rank < 0:
@@ -184,17 +186,20 @@ def check_mla(cfg: Any) -> None:
         if getattr(m, name) < 1:
             raise ConfigError(f"mla.{name} must be positive, got {getattr(m, name)}")
     if m.q_lora_rank is not None and m.q_lora_rank < 1:
-        raise ConfigError(f"mla.q_lora_rank must be positive (or null: no query compression), got {m.q_lora_rank}")
+        raise ConfigError("mla.q_lora_rank must be positive (or null: no query compression), got "
+                          f"{m.q_lora_rank}")
     if not (math.isfinite(m.latent_norm_eps) and m.latent_norm_eps >= 0):
         raise ConfigError(f"mla.latent_norm_eps must be a finite number >= 0, got {m.latent_norm_eps}")
     if m.softmax_scale is not None and not (math.isfinite(m.softmax_scale) and m.softmax_scale > 0):
         raise ConfigError(f"mla.softmax_scale must be a finite number > 0 (or null), got {m.softmax_scale}")
     if cfg.position != "rope" or cfg.head_dim != m.qk_rope_head_dim:
-        raise ConfigError(f"MLA rotates a shared key of mla.qk_rope_head_dim={m.qk_rope_head_dim}: set position=rope "
-                          f"and head_dim={m.qk_rope_head_dim} (got position={cfg.position}, head_dim={cfg.head_dim})")
-    if cfg.n_kv_heads not in (None, cfg.n_heads) or cfg.qk_norm or cfg.qkv_bias or cfg.sliding_window is not None:
-        raise ConfigError("MLA has its own key/value layout: n_kv_heads, qk_norm, qkv_bias and sliding_window "
-                          "must stay unset")
+        raise ConfigError(f"MLA rotates a shared key of mla.qk_rope_head_dim={m.qk_rope_head_dim}: set "
+                          f"position=rope and head_dim={m.qk_rope_head_dim} (got position={cfg.position}, "
+                          f"head_dim={cfg.head_dim})")
+    if (cfg.n_kv_heads not in (None, cfg.n_heads) or cfg.qk_norm or cfg.qkv_bias
+            or cfg.sliding_window is not None):
+        raise ConfigError("MLA has its own key/value layout: n_kv_heads, qk_norm, qkv_bias and "
+                          "sliding_window must stay unset")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -220,17 +225,48 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any, where: str) -> No
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """['a.b=3', 'c=rope'] -> {'a.b': 3, 'c': 'rope'}; values are parsed as YAML scalars."""
-    out = {}
+    """['a.b=3', 'c=rope'] -> {'a.b': 3, 'c': 'rope'}; values are parsed as YAML scalars. A key given twice:
+    the last wins, as a flag given twice does in argparse (appending to a script's command line overrides
+    it)."""
+    out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
         key, raw = item.split("=", 1)
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
-            out[key.strip()] = raw
+            value = raw
+        out[key.strip()] = value
     return out
+
+
+def _written(items: list[str], key: str) -> str:
+    """The key=value item that set `key` on the command line (the last one: it wins)."""
+    return [o.strip() for o in items if "=" in o and o.split("=", 1)[0].strip() == key][-1]
+
+
+def check_flag_keys(pairs: list[tuple[str, Any, str]], overrides: list[str],
+                    values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The one flag-vs-`key=value` rule: a flag and the key it is a shortcut for are one setting, so both on
+    the command line with different values is one error naming the two (the same form given twice is not a
+    conflict: the last wins, argparse's rule for flags and parse_overrides' for keys). `pairs` are (flag,
+    its value or None when not given, dotted key); `values` maps a key to the override's value in the flag's
+    terms (default: the parsed override itself). A key ending in out_dir compares as a path (./o is o).
+    Returns the parsed overrides."""
+    given = parse_overrides(overrides)
+    theirs = given if values is None else values
+    for flag, value, key in pairs:
+        if value is None or key not in theirs:
+            continue
+        if key.endswith("out_dir"):
+            same = Path(str(theirs[key])).resolve() == Path(str(value)).resolve()
+        else:
+            same = theirs[key] == value
+        if not same:
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise ConfigError(f"{flag}{shown} and {_written(overrides, key)} disagree; give one of them")
+    return given
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any], where: str = "config") -> dict[str, Any]:
@@ -286,12 +322,15 @@ class TransformerConfig:
     dropout: float = 0.0  # residual / embedding dropout
     attn_dropout: float = 0.0  # dropout on attention probabilities
     init_std: float = 0.02  # std of the normal init of linears and embeddings
-    embed_init_std: float | None = None  # std for embeddings (None = init_std); the seeds' "init 1.0 -> NaN" ablation
+    # std for embeddings (None = init_std); the seeds' "init 1.0 -> NaN" ablation
+    embed_init_std: float | None = None
     # variants of released decoder models (Llama, Qwen2/3, Mistral); the defaults are the plain blocks
-    head_dim: int | None = None  # attention head width when n_heads * head_dim != d_model (None = d_model // n_heads)
+    # attention head width when n_heads * head_dim != d_model (None = d_model // n_heads)
+    head_dim: int | None = None
     qkv_bias: bool | None = None  # biases on the q/k/v projection only (Qwen2); None = follow `bias`
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}; None = plain
+    # {"rope_type": "linear"|"llama3", "factor": ..., ...}; None = plain
+    rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None  # attention span (Mistral): longer sequences are refused, not truncated
 
     def validate(self) -> None:
@@ -302,7 +341,8 @@ class TransformerConfig:
         from qkv.nn.position import ENCODINGS
 
         for name, value, choices in [
-            ("ffn", self.ffn, ACTIVATIONS), ("norm", self.norm, NORMS), ("placement", self.placement, PLACEMENTS),
+            ("ffn", self.ffn, ACTIVATIONS), ("norm", self.norm, NORMS),
+            ("placement", self.placement, PLACEMENTS),
             ("position", self.position, ENCODINGS), ("attention", self.attention, BACKENDS),
         ]:
             if value not in choices:
@@ -316,7 +356,8 @@ class TransformerConfig:
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.head_dim is not None and self.head_dim < 1:
-            raise ConfigError(f"{type(self).__name__}.head_dim must be positive (or null for d_model // n_heads)")
+            raise ConfigError(f"{type(self).__name__}.head_dim must be positive (or null for d_model // "
+                              "n_heads)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"{type(self).__name__}.sliding_window must be positive (or null for none)")
         if self.rope_scaling is not None:
@@ -327,7 +368,8 @@ class TransformerConfig:
             except (KeyError, TypeError, ValueError) as e:
                 raise ConfigError(f"{type(self).__name__}.rope_scaling {self.rope_scaling}: {e!r}") from None
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
-            raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+            raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                              f"({self.n_kv_heads})")
         if self.position == "rope" and (self.head_dim or self.d_model // self.n_heads) % 2:
             raise ConfigError("position=rope needs an even head dimension (head_dim or d_model // n_heads)")
         if not 0.0 <= self.dropout < 1.0 or not 0.0 <= self.attn_dropout < 1.0:

@@ -20,23 +20,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qkv.cli.flags import QUANTIZE_MODES, add_quantize  # noqa: F401  (QUANTIZE_MODES: part of this module's API)
+from qkv.cli.generate import add_chat, add_generate, cmd_chat, cmd_generate
+
 EXIT_USER_ERROR = 2
 EXIT_NAN_GUARD = 3
-TRAIN_EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the NaN "
-                "guard, 130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; continue "
-                "with --resume), 141 the reader of stdout went away (qkv presets | head)")
+TRAIN_EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the "
+                "NaN guard, 130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; "
+                "continue with --resume), 141 the reader of stdout went away (qkv presets | head)")
 TRAINING = ("train", "demo", "ablate", "finetune")  # the subcommands that train: the NaN guard and --resume
-EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 130/143 interrupted by SIGINT/SIGTERM, "
+EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 130/143 interrupted by "
+          "SIGINT/SIGTERM, "
           "141 the reader of stdout went away (qkv presets | head)")
 # serve stops on SIGINT / SIGTERM by design (a graceful shutdown): that is its normal end, status 0
-SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutdown, 1 the engine failed (so that a "
-                "supervisor restarts it), 2 user error (one line 'qkv: error: ...', e.g. an address it cannot "
-                "listen on)")
+SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutdown, 1 the engine failed "
+                "(so that a supervisor restarts it), 2 user error (one line 'qkv: error: ...', e.g. an "
+                "address it cannot listen on)")
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="run YAML (see configs/); optional")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-3 model.n_heads=8")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-3 "
+                                                "model.n_heads=8")
     p.add_argument("--task", help="task name (shortcut for task.name=...)")
     p.add_argument("--model", help="model preset (shortcut for model.preset=...)")
     p.add_argument("--out", help="output folder (default runs/<task>-<preset>)")
@@ -46,37 +51,24 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (train.progress=false)")
 
 
-def _check_flag_overrides(a: argparse.Namespace, over: list[str]) -> None:
-    """A flag and the key=value it is a shortcut for are one setting: both on the command line with different
-    values is one error naming the two (it used to be the flag, silently). Over the YAML file the command
-    line wins, flag or key=value alike."""
-    from qkv.config import ConfigError, parse_overrides
-
-    given = parse_overrides(over)
-    pairs = [("--task", a.task, "task.name"), ("--model", a.model, "model.preset"),
-             ("--max-steps", a.max_steps, "train.max_steps"), ("--seed", a.seed, "train.seed"),
-             ("--seed", a.seed, "task.seed"), ("--out", a.out, "train.out_dir"),
-             ("--resume", True if a.resume else None, "train.resume"),
-             ("--no-progress", False if a.no_progress else None, "train.progress")]
-    for flag, value, key in pairs:
-        if value is None or key not in given:
-            continue
-        same = (Path(str(given[key])).resolve() == Path(value).resolve() if key == "train.out_dir"
-                else given[key] == value)
-        if not same:
-            written = next(o for o in reversed(over) if o.split("=", 1)[0].strip() == key)
-            shown = "" if isinstance(value, bool) else f" {value}"
-            raise ConfigError(f"{flag}{shown} and {written.strip()} disagree; give one of them")
+def _train_flag_keys(a: argparse.Namespace) -> list[tuple[str, Any, str]]:
+    """(flag, value given or None, the key=value it is a shortcut for) of `qkv train`."""
+    return [("--task", a.task, "task.name"), ("--model", a.model, "model.preset"),
+            ("--max-steps", a.max_steps, "train.max_steps"), ("--seed", a.seed, "train.seed"),
+            ("--seed", a.seed, "task.seed"), ("--out", a.out, "train.out_dir"),
+            ("--resume", True if a.resume else None, "train.resume"),
+            ("--no-progress", False if a.no_progress else None, "train.progress")]
 
 
 def cmd_train(a: argparse.Namespace) -> int:
+    from qkv.config import check_flag_keys
     from qkv.run import command_line_config, train_run
 
     over = list(a.overrides)
     if a.config and "=" in a.config:  # `qkv train key=value ...` without a YAML file
         over.insert(0, a.config)
         a.config = None
-    _check_flag_overrides(a, over)
+    check_flag_keys(_train_flag_keys(a), over)  # over the YAML the command line wins, either form
     if a.task:
         over.append(f"task.name={a.task}")
     if a.model:
@@ -114,110 +106,6 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
-QUANTIZE_MODES = ("int8", "int4")  # qkv.nn.quant.MODES, written out: the CLI imports torch only when it runs
-
-
-def _add_quantize(p: argparse.ArgumentParser) -> None:
-    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore)."""
-    p.add_argument("--quantize", choices=QUANTIZE_MODES, default=None,
-                   help="weight-only quantized projections and output head for inference: int8 (per output "
-                        "channel) or int4 (per group of 64 inputs); fastest with a bf16 model (docs/llm.md)")
-
-
-def _add_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, a Hugging Face folder or a GGUF file")
-    p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens to generate (default: an LM's sample length, 200; a seq2seq task's longest target)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="divide the logits when sampling; 0 = greedy (default: the task's or the folder's, else 1.0)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--num-beams", type=int, default=None, help="> 1: beam search (default 1)")
-    p.add_argument("--length-penalty", type=float, default=None, help="beam score = log p / length ** this")
-    p.add_argument("--no-repeat-ngram-size", type=int, default=None, help="no n-gram of this size occurs twice")
-    p.add_argument("--min-new-tokens", type=int, default=None, help="no eos before this many tokens")
-    p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
-                   help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)")
-    how = p.add_mutually_exclusive_group()
-    how.add_argument("--greedy", action="store_true",
-                     help="greedy decoding: the argmax each step, one beam (default: sample for LMs; a model "
-                          "folder's generation_config.json decides for itself)")
-    how.add_argument("--sample", action="store_true",
-                     help="sample (with --temperature / --top-k / --top-p), also where a model folder's "
-                          "generation_config.json decodes greedily or with beams")
-    p.add_argument("--context-overflow", choices=["error", "slide"], default=None,
-                   help="prompt + new tokens longer than the model's context: refuse (error, the default for a "
-                        "model folder), or go on over the last context-many tokens (slide, an LM run's default)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
-    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
-    p.add_argument("--generation-config", default=None, metavar="FILE",
-                   help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, Hugging "
-                        "Face names, e.g. a model's generation_config.json); the flags above override it")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse a prompt with characters outside the model's vocabulary (default: warn, read them as <unk>)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step with torch.compile (the first run compiles for a minute or "
-                        "more, later runs reuse ~/.cache/qkv/inductor; one sequence, no beams)")
-    _add_quantize(p)
-
-
-def _check_generate_flags(a: argparse.Namespace) -> None:
-    """Flags out of range are one-line errors, not silently replaced defaults."""
-    import math
-
-    from qkv.config import ConfigError
-
-    if a.max_new_tokens is not None and a.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
-    if a.num_beams is not None and a.num_beams < 1:
-        raise ConfigError(f"--num-beams must be at least 1, got {a.num_beams}")
-    # the same bounds as GenerationConfig and the server: temperature 0 decodes greedily, top-k 0 is no top-k
-    if a.temperature is not None and not (math.isfinite(a.temperature) and a.temperature >= 0):
-        raise ConfigError(f"--temperature must be a number >= 0 (0 = greedy), got {a.temperature}")
-    if a.top_k is not None and a.top_k < 0:
-        raise ConfigError(f"--top-k must be >= 0 (0 = no top-k), got {a.top_k}")
-    if a.top_p is not None and not 0 < a.top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {a.top_p}")
-    if a.stream and (a.num_beams or 1) > 1:
-        raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
-                          "only knows its sequence at the end: use one or the other")
-
-
-def _loading(model: str) -> None:
-    """Say that a model is loading (seconds for a large one) to a person at a terminal; a script's stderr keeps
-    only what went wrong."""
-    if sys.stderr.isatty():
-        print(f"loading {model}...", file=sys.stderr, flush=True)
-
-
-def cmd_generate(a: argparse.Namespace) -> int:
-    from qkv.generate import GenerationConfig
-    from qkv.run import generate_text
-
-    _check_generate_flags(a)
-    cfg = GenerationConfig.from_file(a.generation_config) if a.generation_config else None
-    # a flag left out leaves the file's (or the task's, the folder's) value alone; one given wins, even at 1.0
-    flags = {k: v for k, v in dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                                   top_p=a.top_p, num_beams=a.num_beams).items() if v is not None}
-    early = {"true": True, "false": False, "never": "never"}.get(a.early_stopping)
-    flags.update({k: v for k, v in dict(length_penalty=a.length_penalty, no_repeat_ngram_size=a.no_repeat_ngram_size,
-                                        min_new_tokens=a.min_new_tokens, early_stopping=early,
-                                        context_overflow=a.context_overflow).items() if v is not None})
-    if a.sample:  # one sampled sequence: not a folder's beams
-        flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
-    if a.compile:
-        flags["compile"] = True
-    _loading(a.checkpoint)
-    out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream, strict=a.strict,
-                        quantize=a.quantize, **flags)
-    if not a.stream:
-        print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated only "
-                                      "special tokens)")
-    return 0
-
-
 def _add_info(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="a preset name, a checkpoint folder or a GGUF file")
     p.add_argument("--depth", type=int, default=3, help="module path depth of the table")
@@ -238,8 +126,10 @@ def cmd_info(a: argparse.Namespace) -> int:
         hf_type = _hf_model_type(a.target)
         if hf_type:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            title += f" ({hf_type} file, {dtype})" if hf_type.startswith("GGUF") else f" (Hugging Face {hf_type} folder, {dtype})"
-    elif "/" in a.target or a.target.startswith((".", "~")) or os.sep in a.target:  # meant as a path, not a preset
+            gguf = hf_type.startswith("GGUF")
+            title += f" ({hf_type} file, {dtype})" if gguf else f" (Hugging Face {hf_type} folder, {dtype})"
+    # meant as a path, not a preset
+    elif "/" in a.target or a.target.startswith((".", "~")) or os.sep in a.target:
         raise ConfigError(f"no such folder: {a.target}")
     else:
         model = qkv.build(a.target)
@@ -303,11 +193,13 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", choices=("cpu", "gpu"), default="cpu",
                    help="size profile: cpu (the file as written) or gpu (its `scales: gpu` section)")
     p.add_argument("--only", default=None, metavar="FILTER",
-                   help="run only the variants with every comma-separated item of FILTER: whole key=value items "
-                        "of their names (n_heads=1 is not n_heads=16) or variant names, e.g. "
+                   help="run only the variants with every comma-separated item of FILTER: whole key=value "
+                        "items of their names (n_heads=1 is not n_heads=16) or variant names, e.g. "
                         "'name=reverse,position=rope'; the report still covers every finished run in --out")
-    p.add_argument("--force", action="store_true", help="redo runs that already finished (those --only selects)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per run (1 is best on a busy CPU)")
+    p.add_argument("--force", action="store_true", help="redo runs that already finished (those --only "
+                                                        "selects)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per run (1 is best on a busy "
+                                                             "CPU)")
     p.add_argument("--jobs", type=int, default=None,
                    help="runs trained at once, each in its own process on the same device (default: the "
                         "suite's `jobs`, 1); each gets --threads threads or its share of the cores")
@@ -316,8 +208,8 @@ def _add_ablate(p: argparse.ArgumentParser) -> None:
 def cmd_ablate(a: argparse.Namespace) -> int:
     from qkv.experiments import run_suite
 
-    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, scale=a.scale, only=a.only, force=a.force, threads=a.threads,
-                       jobs=a.jobs)
+    report = run_suite(a.suite, out_dir=a.out, quick=a.quick, scale=a.scale, only=a.only, force=a.force,
+                       threads=a.threads, jobs=a.jobs)
     print(f"report: {report}")
     return 0
 
@@ -325,18 +217,21 @@ def cmd_ablate(a: argparse.Namespace) -> int:
 def _add_attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, checkpoint folder or Hugging Face folder")
     p.add_argument("--input", required=True,
-                   help="text to run through the model (a ViT: N, the first N held-out images in order, 1..32)")
+                   help="text to run through the model (a ViT: N, the first N held-out images in order, "
+                        "1..32)")
     p.add_argument("--target", default=None,
-                   help="encoder-decoders: the target sentence; the decoder reads [decoder start] + its tokens less "
+                   help="encoder-decoders: the target sentence; the decoder reads [decoder start] + its "
+                        "tokens less "
                         "the final eos, as teacher forcing (default: [decoder start] + the greedy output, as "
                         "qkv generate --greedy)")
     p.add_argument("--out", default="attention.png",
-                   help="PNG to write (one per attention kind; .png is added to a name without an extension); "
-                        "the per-head statistics go to <name>_entropy.json beside it")
+                   help="PNG to write (one per attention kind; .png is added to a name without an "
+                        "extension); the per-head statistics go to <name>_entropy.json beside it")
 
 
 def cmd_attention(a: argparse.Namespace) -> int:
     from qkv.experiments.attention import image_path
+    from qkv.experiments.attention_report import attention_report
 
     for line in attention_report(a.checkpoint, a.input, image_path(a.out), target=a.target):
         print(line)
@@ -344,102 +239,30 @@ def cmd_attention(a: argparse.Namespace) -> int:
 
 
 def _add_explore(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a run folder, checkpoint folder, Hugging Face folder (gpt2, bert, vit, whisper) or GGUF file")
+    p.add_argument("model", help="a run folder, checkpoint folder, Hugging Face folder (gpt2, bert, vit, "
+                                 "whisper) or GGUF file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on, 1..65535 (default 8000; it must be free)")
-    p.add_argument("--input", default=None, help="with --export: the input to show (text; image index for a ViT)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on, 1..65535 (default 8000; it "
+                                                          "must be free)")
+    p.add_argument("--input", default=None, help="with --export: the input to show (text; image index for a "
+                                                 "ViT)")
     p.add_argument("--target", default=None, help="with --export: decoder input of an encoder-decoder")
     p.add_argument("--wav", default=None, help="with --export: a WAV file for an audio model")
-    p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and exit")
-    _add_quantize(p)
+    p.add_argument("--export", default=None, metavar="PAGE.html", help="write one self-contained page and "
+                                                                       "exit")
+    add_quantize(p)
 
 
 def cmd_explore(a: argparse.Namespace) -> int:
     from qkv.explore.cli import explore
 
-    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export, wav=a.wav,
-                   quantize=a.quantize)
-
-
-def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
-    """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table.
-    (Here, above both qkv.run and qkv.experiments, so that neither needs the other.)"""
-    from qkv.config import ConfigError
-    from qkv.experiments import attention_from_checkpoint
-    from qkv.explore.adapter import UNSUPPORTED
-    from qkv.run import load_model_any, model_folder
-
-    model = load_model_any(path)
-    family = getattr(model, "family", "") or type(model).__name__.lower()
-    if family in UNSUPPORTED:  # the same refusals as qkv explore's
-        raise ConfigError(f"{path}: {UNSUPPORTED[family]}")
-    if model.kind == "audio":
-        raise ConfigError(f"{path}: qkv attention draws text and image models; for an audio model use qkv explore "
-                          f"{path} (the page, or --wav FILE --export PAGE.html; a DTMF run renders typed digits)")
-    if model.kind == "image":
-        return _vit_overlay(model, path, text, out_png)
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:  # said as the CLI says things: one line on stderr
-        warnings.simplefilter("always")
-        res = attention_from_checkpoint(model_folder(path), text, out_png, target=target, model=model)
-    for w in caught:
-        print(f"qkv: warning: {w.message}", file=sys.stderr)
-    wrote = [*res.pngs, *([res.json_path] if res.json_path is not None else [])]
-    return [f"wrote {p}" for p in wrote] + [res.entropy_table()]
-
-
-VIT_MAX_IMAGES = 32  # one row of images in one figure: wider than this is unreadable
-
-
-def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list[str]:
-    """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
-    task, in order (`--input N`, default 8, at most VIT_MAX_IMAGES and the held-out images there are), titled
-    with predicted / true class."""
-    import torch
-
-    from qkv.config import ConfigError
-    from qkv.models.vit import ViT, save_attention_overlay
-    from qkv.run import load_run_task
-
-    if not isinstance(model, ViT):
-        raise ConfigError(f"attention overlays are drawn for ViT models, not {type(model).__name__}")
-    try:
-        n = int(text) if text.strip() else 8
-    except ValueError:
-        raise ConfigError("for a ViT, --input is the number of held-out images to show (e.g. --input 8)") from None
-    task = load_run_task(path)
-    if hasattr(task, "split_indices") and hasattr(task, "images"):  # the digits task: the held-out images, in order
-        held_out = task.split_indices("val")
-        available = min(len(held_out), VIT_MAX_IMAGES)
-        what = f"the task has {len(held_out)} held-out images" if len(held_out) < VIT_MAX_IMAGES else \
-            f"at most {VIT_MAX_IMAGES} fit one figure"
-    else:  # another image task: only its batch sampler
-        held_out, available, what = None, VIT_MAX_IMAGES, f"at most {VIT_MAX_IMAGES} fit one figure"
-    if not 1 <= n <= available:
-        raise ConfigError(f"for a ViT, --input is the number of held-out images to show, 1..{available} "
-                          f"({what}), got {n}")
-    if held_out is not None:
-        idx = held_out[:n]
-        px = task.images[idx]
-        px = task.normalize(px) if hasattr(task, "normalize") else px  # the image tasks store raw uint8 pixels
-        batch = {"pixel_values": px, "labels": task.labels[idx]}
-    else:
-        batch = task.batch(0, n, "val")
-    model.eval()
-    with torch.no_grad():
-        pred = model(pixel_values=batch["pixel_values"]).logits.argmax(-1)
-    classes = getattr(task, "classes", None)
-    names = [classes[int(i)] if classes else str(int(i)) for i in pred]
-    truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    save_attention_overlay(model, batch["pixel_values"], str(out_png),
-                           titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
-    return [f"wrote {out_png}"]
+    return explore(a.model, host=a.host, port=a.port, text=a.input, target=a.target, export=a.export,
+                   wav=a.wav, quantize=a.quantize)
 
 
 def _add_predict(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="an image classifier: a Hugging Face folder (vit, resnet) or a qkv image run")
+    p.add_argument("model", help="an image classifier: a Hugging Face folder (vit, resnet) or a qkv image "
+                                 "run")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
 
@@ -459,23 +282,28 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF file")
+    p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF "
+                                 "file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
     p.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
     p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond the batch before 429")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: a full batch of contexts)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: a full batch of "
+                                                                "contexts)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
-    p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens fed per engine step (0: whole)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens fed per engine step (0: "
+                                                                   "whole)")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
     p.add_argument("--preemption", choices=["least_work", "newest"], default="least_work",
                    help="which request gives its blocks back when the pool runs out")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on "
+                                                                        "SIGTERM")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="most prompt + output tokens a request may ask for (default: the model's context; for "
-                        "RoPE/ALiBi models the context_length they were configured for, max_position_embeddings)")
-    _add_quantize(p)
+                   help="most prompt + output tokens a request may ask for (default: the model's context; "
+                        "for RoPE/ALiBi models the context_length they were configured for, "
+                        "max_position_embeddings)")
+    add_quantize(p)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -487,8 +315,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(a.model, host=a.host, port=a.port, name=a.name, max_waiting=a.max_waiting,
                  shutdown_timeout=a.shutdown_timeout, block_size=a.block_size, num_blocks=a.num_blocks,
                  max_batch_size=a.max_batch_size, prefill_chunk=a.prefill_chunk or None,
-                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption, max_model_len=a.max_model_len,
-                 quantize=a.quantize)
+                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption,
+                 max_model_len=a.max_model_len, quantize=a.quantize)
 
 
 def cmd_finetune(a: argparse.Namespace) -> int:
@@ -500,69 +328,9 @@ def cmd_finetune(a: argparse.Namespace) -> int:
     return 0
 
 
-def _add_chat(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template), or a GGUF file")
-    p.add_argument("--message", action="append", default=None,
-                   help="answer this message and exit (repeat for several turns); without it: interactive")
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--image", default=None, help="an image file for the first message (a vision-language "
-                   "folder: llava); in the interactive chat, /image PATH sets another")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="longest answer in tokens (default 512, capped by what the context leaves)")
-    p.add_argument("--temperature", type=float, default=None, help="default: the folder's generation_config.json")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--greedy", action="store_true",
-                   help="greedy decoding. Default: what the folder's generation_config.json says (do_sample); "
-                        "greedy when it says nothing; --temperature / --top-k / --top-p sample")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step with torch.compile (the first answer waits for the compile; "
-                        "later runs reuse ~/.cache/qkv/inductor)")
-    _add_quantize(p)
-
-
-def cmd_chat(a: argparse.Namespace) -> int:
-    import secrets
-
-    from qkv.chat import ChatSession, chat_loop
-    from qkv.config import ConfigError
-    from qkv.generate import GenerationConfig
-    from qkv.generate.config import resolve
-
-    flags = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
-    _check_generate_flags(argparse.Namespace(**flags, num_beams=None, stream=False))
-    if a.message is not None and not all(m.strip() for m in a.message):
-        raise ConfigError("--message is empty")
-    seed = a.seed if a.seed is not None else secrets.randbelow(2**31)  # unseeded: differs between runs
-    cfg = GenerationConfig(**{k: v for k, v in flags.items() if v is not None}, seed=seed)
-    if a.greedy:
-        cfg = cfg.replace(do_sample=False)
-    elif a.temperature or a.top_k or a.top_p:
-        cfg = cfg.replace(do_sample=True)
-    if a.compile:
-        cfg = cfg.replace(compile=True)
-    _loading(a.model)
-    from qkv.chat_vision import VisionChatSession, is_vision_folder
-
-    if a.image is not None or is_vision_folder(a.model):  # an image, or a model whose template wants parts
-        session = VisionChatSession.from_folder(a.model, a.quantize, image=a.image, system=a.system,
-                                                generation_config=cfg)
-    else:
-        session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
-    defaults = session.model.generation_defaults() if hasattr(session.model, "generation_defaults") else {}
-    if a.seed is None and resolve(defaults, cfg, {}).sampling:
-        print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)
-    if a.message is None:
-        chat_loop(session)
-        return 0
-    for message in a.message:
-        print(session.reply(message))
-    return 0
-
-
 def _add_embed(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa folder (Hugging Face format)")
+    p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa folder (Hugging Face "
+                                 "format)")
     p.add_argument("--input", required=True, help="text file, one text per line")
     p.add_argument("--out", default=None, help="write the embeddings here (.npy, one row per line)")
     p.add_argument("--query", default=None, help="print the input lines nearest to this text")
@@ -588,17 +356,18 @@ def cmd_embed(a: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
-    "generate": ("generate text from a trained model", _add_generate, cmd_generate),
+    "generate": ("generate text from a trained model", add_generate, cmd_generate),
     "info": ("parameter table of a preset or checkpoint", _add_info, cmd_info),
     "presets": ("list the named model presets", _add_presets, cmd_presets),
     "demo": ("the main job: train two small models and show them working", _add_demo, cmd_demo),
     "ablate": ("run an ablation suite and write its table and plots", _add_ablate, cmd_ablate),
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
-    "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore, cmd_explore),
+    "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore,
+                cmd_explore),
     "predict": ("an image classifier's top classes for image files", _add_predict, cmd_predict),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
-    "chat": ("chat with a model folder (its chat template), interactively or --message", _add_chat, cmd_chat),
+    "chat": ("chat with a model folder (its chat template), interactively or --message", add_chat, cmd_chat),
     "embed": ("sentence embeddings of a text file (or its lines nearest to --query)", _add_embed, cmd_embed),
 }
 
@@ -606,14 +375,16 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The whole command line; given `argv`, only the subcommand it names gets its flags (finetune's come from
     its recipes, which import torch: `qkv --help` needs none of them and answers at once)."""
-    parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart and scale.",
+    parser = argparse.ArgumentParser(prog="qkv", description="A Transformer you can read, train, take apart "
+                                                             "and scale.",
                                      epilog=TRAIN_EPILOG)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = None if argv is None else next((x for x in argv if x in SUBCOMMANDS), "")
     for name, (help_text, setup, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           epilog=SERVE_EPILOG if name == "serve" else TRAIN_EPILOG if name in TRAINING else EPILOG)
+                           epilog=SERVE_EPILOG if name == "serve"
+                           else TRAIN_EPILOG if name in TRAINING else EPILOG)
         if chosen is None or name == chosen:
             setup(p)
         p.set_defaults(func=run)
@@ -621,8 +392,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # before torch is imported (it reads this once): idle OpenMP threads sleep rather than spin between ops, which
-    # otherwise keeps every core busy while a chat waits for input or a server for requests; the user's wins
+    # before torch is imported (it reads this once): idle OpenMP threads sleep rather than spin between
+    # ops, which otherwise keeps every core busy while a chat waits for input or a server for requests; the
+    # user's setting wins
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser(sys.argv[1:] if argv is None else argv)
     a, extra = parser.parse_known_args(argv)
@@ -673,9 +445,11 @@ def _run_command(a: argparse.Namespace) -> int:
             raise
         if isinstance(e, NonFiniteError):  # the full report was logged above (and to train.log)
             where = f"; report in {e.batch_path.parent / 'train.log'}" if e.batch_path else ""
-            print(f"qkv: error: training stopped by the NaN guard: {str(e).splitlines()[0]}{where}", file=sys.stderr)
+            first = str(e).splitlines()[0]
+            print(f"qkv: error: training stopped by the NaN guard: {first}{where}", file=sys.stderr)
             return EXIT_NAN_GUARD
-        user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError)  # bugs keep their traceback
+        # bugs keep their traceback
+        user_errors = (ConfigError, CheckpointError, FileNotFoundError, ValueError)
         if not isinstance(e, user_errors):
             raise
         print(f"qkv: error: {e}", file=sys.stderr)

@@ -12,16 +12,13 @@ generation config) only this file changes. What it reuses:
   positions        the stacks' PositionalEncoding objects (nn/position.py) and the family tables that still
                    live outside the hooks (ViT's patch table, Whisper's audio sinusoids)
 
-What qkv does not compute and this file does: a model's kind (from its family name, until families declare
-one), the per-step next-token probabilities (generate() returns no scores: a replay of the generated tokens
-through a real PagedKVCache gives the logits and the paged block counts in one pass).
+Images and audio in: explore/media.py. What qkv does not compute and this file does: the per-step next-token
+probabilities (generate() returns no scores: a replay of the generated tokens through a real PagedKVCache
+gives the logits and the paged block counts in one pass).
 """
 
 from __future__ import annotations
 
-import base64
-import io
-import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,16 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# family name -> kind; the explorer branches on the kind only, so a new family needs one entry here
-KINDS = {"gpt": "decoder", "encdec": "seq2seq", "whisper": "audio", "bert": "encoder", "vit": "image"}
-UNSUPPORTED = {
-    "lstm": "an LSTM has no attention to show",
-    "resnet": "a ResNet is a convolutional network: it has no attention to show",
-    "swin": "Swin attends within shifted windows; the explorer shows full attention maps only",
-    "clip": "CLIP is a two-tower model; explore its towers as separate ViT / text models",
-}
-MAX_PROMPT_BYTES = 20_000
-POSITIONS_SHOWN = 64  # positions drawn in the RoPE pictures  # a request larger than this is refused before tokenising
+from qkv.experiments.attention_report import UNSUPPORTED
+
+# the kinds the explorer has views for (a model declares its kinds: qkv.models.registry); it branches on the
+# kind only, never on the family
+SHOWN_KINDS = ("decoder", "seq2seq", "encoder", "image", "audio")
+MAX_PROMPT_BYTES = 20_000  # a request larger than this is refused before tokenising
+POSITIONS_SHOWN = 64  # positions drawn in the RoPE pictures
 
 
 class ExploreError(ValueError):
@@ -61,8 +55,8 @@ class Loaded:
 
 
 def load(path: str | Path, quantize: str | None = None) -> Loaded:
-    """A qkv run folder, a qkv checkpoint folder or a Hugging Face folder qkv loads (gpt2, bert, vit, whisper);
-    quantize: "int8" / "int4" weight-only (qkv.nn.quant)."""
+    """A qkv run folder, a qkv checkpoint folder or a Hugging Face folder qkv loads (gpt2, bert, vit,
+    whisper); quantize: "int8" / "int4" weight-only (qkv.nn.quant)."""
     from qkv.run import _model_folder, load_model_any, load_run_task, run_folder_of
     from qkv.tasks.tokenizers import find_tokenizer
 
@@ -72,14 +66,16 @@ def load(path: str | Path, quantize: str | None = None) -> Loaded:
     family = getattr(model, "family", "") or type(model).__name__.lower()
     if family in UNSUPPORTED:
         raise ExploreError(f"{path}: {UNSUPPORTED[family]}")
-    if family not in KINDS:
-        raise ExploreError(f"{path}: the explorer does not know model family {family!r} (knows {sorted(KINDS)})")
+    kind = getattr(model, "kind", None)
+    if kind not in SHOWN_KINDS:
+        raise ExploreError(f"{path}: the explorer shows {', '.join(SHOWN_KINDS)} models, not a {kind} model "
+                           f"(family {family!r})")
     task = load_run_task(path) if run_folder_of(path) is not None else None
     tok = getattr(task, "tokenizer", None) if task is not None else None
     folder = _model_folder(path)
-    if tok is None and KINDS[family] not in ("image",):
+    if tok is None and kind != "image":
         tok = find_tokenizer(folder)
-    return Loaded(model, path.name or str(path), family, KINDS[family], tok, task, folder)
+    return Loaded(model, path.name or str(path), family, kind, tok, task, folder)
 
 
 # -- model facts -------------------------------------------------------------------------------------------
@@ -169,15 +165,16 @@ def _tokens_from_ids(ld: Loaded, text: str, what: str, vocab: int | None) -> tup
     try:
         ids = [int(t) for t in text.split()]
     except ValueError:
-        raise ExploreError(f"this model folder has no tokenizer: type the {what} as token ids separated by spaces, "
-                           "e.g. '5 3 9'") from None
+        raise ExploreError(f"this model folder has no tokenizer: type the {what} as token ids separated by "
+                           "spaces, e.g. '5 3 9'") from None
     bad = [i for i in ids if vocab is not None and not 0 <= i < vocab]
     if bad:
         raise ExploreError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
     return ids, [str(i) for i in ids]
 
 
-def tokenize(ld: Loaded, text: str, what: str = "input", vocab: int | None = None) -> tuple[list[int], list[str]]:
+def tokenize(ld: Loaded, text: str, what: str = "input",
+             vocab: int | None = None) -> tuple[list[int], list[str]]:
     """Ids and display labels of `text`. Empty text and characters a character/word tokenizer does not know
     are errors (a char tokenizer would otherwise silently turn them into <unk>)."""
     from qkv.experiments.attention import tokenize as tokenize_any
@@ -185,24 +182,28 @@ def tokenize(ld: Loaded, text: str, what: str = "input", vocab: int | None = Non
     if not text or not text.strip():
         raise ExploreError(f"the {what} is empty: type some text")
     if len(text.encode("utf-8")) > MAX_PROMPT_BYTES:
-        raise ExploreError(f"the {what} is {len(text.encode('utf-8'))} bytes; the explorer takes at most {MAX_PROMPT_BYTES}")
+        raise ExploreError(f"the {what} is {len(text.encode('utf-8'))} bytes; the explorer takes at most "
+                           f"{MAX_PROMPT_BYTES}")
     tok = ld.tokenizer
     vocab = vocab if vocab is not None else vocab_size(ld)
     if tok is None:
         return _tokens_from_ids(ld, text, what, vocab)
     stoi = getattr(tok, "stoi", None)
-    if stoi is not None and hasattr(tok, "split"):  # qkv char / word tokenizer: refuse what it would map to <unk>
+    # qkv char / word tokenizer: refuse what it would map to <unk>
+    if stoi is not None and hasattr(tok, "split"):
         unknown = sorted({s for s in tok.split(text) if s not in stoi})
         if unknown:
             shown = " ".join(repr(s) for s in unknown[:10])
-            raise ExploreError(f"the {what} has {len(unknown)} symbol(s) this model's vocabulary does not know: {shown}")
+            raise ExploreError(f"the {what} has {len(unknown)} symbol(s) this model's vocabulary does not "
+                               f"know: {shown}")
     ids, labels = tokenize_any(tok, text)
     if hasattr(tok, "itos"):  # a qkv char/word tokenizer: the symbol itself, not its repr
         labels = [tok.itos[i] for i in ids]
     if not ids:
         raise ExploreError(f"the {what} gives no tokens")
     if vocab is not None and max(ids) >= vocab:
-        raise ExploreError(f"the tokenizer gave token id {max(ids)}, outside the model's vocabulary [0, {vocab})")
+        raise ExploreError(f"the tokenizer gave token id {max(ids)}, outside the model's vocabulary [0, "
+                           f"{vocab})")
     return ids, [_display(s) for s in labels]
 
 
@@ -229,125 +230,8 @@ def prompt_ids(ld: Loaded, ids: list[int]) -> list[int]:
 
 def check_length(n: int, limit: int | None, what: str) -> None:
     if limit is not None and n > limit:
-        raise ExploreError(f"the {what} has {n} tokens but this model's context is {limit} positions; shorten it")
-
-
-# -- images and audio --------------------------------------------------------------------------------------
-def sample_images(ld: Loaded) -> int:
-    """How many built-in images the page offers (scikit-learn's bundled digits, or the run's held-out split)."""
-    return 20
-
-
-def image(ld: Loaded, index: int) -> tuple[Tensor, str]:
-    """(1, C, H, W) pixels in the model's input range, and a caption. A run folder's own held-out images
-    (its task knows the preprocessing); otherwise scikit-learn's bundled 8x8 digits, resized to the model's
-    image size (offline, always at hand)."""
-    import torch.nn.functional as F
-
-    c = config(ld)
-    if not 0 <= index < sample_images(ld):
-        raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
-    if ld.task is not None and hasattr(ld.task, "batch"):
-        b = ld.task.batch(0, index + 1, "val")
-        px, y = b["pixel_values"][index:index + 1], int(b["labels"][index])
-        names = getattr(ld.task, "classes", None)
-        return px.float(), f"held-out image {index} (class {names[y] if names else y})"
-    from qkv.tasks.digits import load_digit_images
-
-    imgs, labels, _ = load_digit_images()
-    x = torch.from_numpy(imgs[index]).float()[None, None]  # (1, 1, 8, 8) in [0, 1]
-    x = F.interpolate(x, size=(c.image_size, c.image_size), mode="bilinear", align_corners=False)
-    x = _normalize(ld, x.repeat(1, c.n_channels, 1, 1))
-    return x, f"scikit-learn digit {index} (a {int(labels[index])})"
-
-
-def _normalize(ld: Loaded, x: Tensor) -> Tensor:
-    """A Hugging Face image folder's own normalisation (preprocessor_config.json), when it has one."""
-    import json
-
-    cfg = ld.folder / "preprocessor_config.json" if ld.folder is not None else None
-    if cfg is None or not cfg.is_file():
-        return x
-    pre = json.loads(cfg.read_text(encoding="utf-8"))
-    if not pre.get("do_normalize", True) or "image_mean" not in pre:
-        return x
-    mean = torch.tensor(pre["image_mean"], dtype=x.dtype).view(1, -1, 1, 1)
-    std = torch.tensor(pre.get("image_std", [1.0] * len(pre["image_mean"])), dtype=x.dtype).view(1, -1, 1, 1)
-    return (x - mean[:, : x.shape[1]]) / std[:, : x.shape[1]]
-
-
-def pixels_for_display(px: Tensor) -> list[list[list[float]]]:
-    """(H, W, 3) floats in [0, 1] for a canvas: min-max scaled (the model's normalisation is unknown here)."""
-    x = px[0].float()
-    x = (x - x.min()) / (x.max() - x.min()).clamp_min(1e-8)
-    if x.shape[0] == 1:
-        x = x.repeat(3, 1, 1)
-    return x[:3].permute(1, 2, 0).mul(1000).round().div(1000).tolist()
-
-
-def audio(ld: Loaded, text: str, wav_base64: str | None) -> tuple[Tensor, str]:
-    """(1, N) waveform at the model's sample rate: a WAV file sent by the page, or, for a run whose task
-    renders its own audio (DTMF digits), the typed text rendered by the task."""
-    c = config(ld)
-    if wav_base64:
-        return _read_wav(base64.b64decode(wav_base64), c.sample_rate, c.n_samples), "uploaded WAV"
-    if ld.task is not None and hasattr(ld.task, "render"):
-        import random
-
-        text = text.strip()
-        if not text:
-            raise ExploreError("the input is empty: type the digits to render as audio")
-        alphabet = set(getattr(ld.task.tokenizer, "symbols", "0123456789"))
-        bad = sorted(set(text) - alphabet)
-        if bad:
-            raise ExploreError(f"this task renders only {''.join(sorted(alphabet))}; unknown: {' '.join(map(repr, bad))}")
-        most = getattr(getattr(ld.task, "options", None), "max_digits", None)
-        if most is not None and len(text) > most:  # the task cuts its clip: the last digits would not be heard
-            raise ExploreError(f"{len(text)} digits: type at most {most} (the task's max_digits; a longer string "
-                               f"may not fit its {c.n_samples / c.sample_rate:.2f} s clip), as a longer WAV is refused")
-        wave = ld.task.render(text, random.Random(0), "val")
-        return torch.as_tensor(wave, dtype=torch.float32)[None, : c.n_samples], f"{text!r} rendered by the task"
-    raise ExploreError("this audio model has no task to render text: choose a WAV file")
-
-
-def _read_wav(data: bytes, rate: int, max_samples: int) -> Tensor:
-    import wave
-
-    import numpy as np
-
-    try:
-        with wave.open(io.BytesIO(data)) as w:
-            sr, ch, width, n = w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()
-            raw = w.readframes(n)
-    except (wave.Error, EOFError) as e:
-        raise ExploreError(f"not a PCM WAV file ({e})") from None
-    if width not in (1, 2, 4):
-        raise ExploreError(f"unsupported WAV sample width {width} bytes")
-    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}[width]
-    x = np.frombuffer(raw, dtype=dtype).astype(np.float64)
-    x = (x - 128.0) / 128.0 if width == 1 else x / float(2 ** (8 * width - 1))
-    x = x.reshape(-1, ch).mean(1)
-    if sr != rate:
-        from scipy.signal import resample_poly
-
-        g = math.gcd(sr, rate)
-        x = resample_poly(x, rate // g, sr // g)
-    if len(x) == 0:
-        raise ExploreError("the WAV file holds no samples")
-    if len(x) > max_samples:
-        raise ExploreError(f"the audio is {len(x) / rate:.2f} s; this model's window is {max_samples / rate:.2f} s")
-    return torch.tensor(x, dtype=torch.float32)[None]
-
-
-def audio_frames(ld: Loaded, waveform: Tensor) -> int:
-    """Encoder positions that hold the audio (the rest of the window is silence padding)."""
-    c = config(ld)
-    return min(int(c.n_audio_ctx), max(1, math.ceil(waveform.shape[-1] / c.hop_length / 2)))
-
-
-def frame_seconds(ld: Loaded) -> float:
-    c = config(ld)
-    return 2 * c.hop_length / c.sample_rate
+        raise ExploreError(f"the {what} has {n} tokens but this model's context is {limit} positions; "
+                           "shorten it")
 
 
 # -- attention ---------------------------------------------------------------------------------------------
@@ -360,7 +244,8 @@ def attention(ld: Loaded, batch: dict[str, Tensor]) -> dict[str, list[Tensor]]:
         out = ld.model(pixel_values=batch["pixel_values"], return_attentions=True)
         return {"self": [layer["self"] for layer in out.attentions]}
     if ld.kind == "audio":
-        out = ld.model(audio=batch["audio"], decoder_input_ids=batch["decoder_input_ids"], return_attentions=True)
+        out = ld.model(audio=batch["audio"], decoder_input_ids=batch["decoder_input_ids"],
+                       return_attentions=True)
         return {"encoder self": [layer["self"] for layer in out.encoder_attentions],
                 "decoder self": [layer["self"] for layer in out.attentions],
                 "cross": [layer["cross"] for layer in out.attentions]}
@@ -392,8 +277,9 @@ def head_stats(ld: Loaded, kind: str, layers: list[Tensor]) -> list[Any]:
 
 @torch.no_grad()
 def teacher_forced_target(ld: Loaded, target: str) -> list[int]:
-    """The decoder input for a typed target of a seq2seq model, as `qkv attention --target` builds it: [decoder
-    start] + the target's label ids (the special tokens labels carry, e.g. BART's <s> ... </s>), less a final eos."""
+    """The decoder input for a typed target of a seq2seq model, as `qkv attention --target` builds it:
+    [decoder start] + the target's label ids (the special tokens labels carry, e.g. BART's <s> ... </s>), less
+    a final eos."""
     from qkv.experiments.attention import _target_ids as label_ids
     from qkv.experiments.attention import teacher_forced_input
 
@@ -450,8 +336,8 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
     seq2seq = ld.kind in ("seq2seq", "audio")
     # a qkv run's tokenizer ends sequences with <eos>; otherwise generate() takes config.eos_token_id if any
     eos = getattr(ld.tokenizer, "eos_id", None) if ld.task is not None else None
-    out = generate(m, src, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, seed=seed,
-                   eos_token_id=eos, return_attentions=True)
+    out = generate(m, src, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                   seed=seed, eos_token_id=eos, return_attentions=True)
     new = out.sequences[0, (0 if seq2seq else src.shape[1]):].tolist()
     new = new[: len(out.attentions)]
     prefix = [int(c.bos_token_id)] if seq2seq else [int(i) for i in src[0].tolist()]
@@ -479,7 +365,8 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
         fed = torch.tensor([[tok]], dtype=torch.long, device=src.device)
     cross = 0
     if seq2seq:
-        cross = sum(k.nbytes + v.nbytes for k, v in (paged.get_cross(i) for i in range(L) if paged.has_cross(i)))
+        pairs = (paged.get_cross(i) for i in range(L) if paged.has_cross(i))
+        cross = sum(k.nbytes + v.nbytes for k, v in pairs)
     spec = CacheSpec(L, hkv, hd, elem, str(static.k.dtype).replace("torch.", ""), total,
                      static.k.nbytes + static.v.nbytes, block_size, paged.bytes_per_block, cross)
     return prefix, steps, spec
@@ -524,7 +411,8 @@ def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
             ones = torch.ones(1, 1, n, p.head_dim, device=p.inv_freq.device)
             q, k = p.rotate(ones, ones, 0)
             found.append({"where": where, "kind": "rope", "head_dim": p.head_dim, "base": p.base,
-                          "inv_freq": p.inv_freq.detach().double(), "cos": p.cos[:n, : p.head_dim // 2].float(),
+                          "inv_freq": p.inv_freq.detach().double(),
+                          "cos": p.cos[:n, : p.head_dim // 2].float(),
                           "dot_by_distance": (q[0, 0] @ k[0, 0, 0]).float() / p.head_dim})
         elif isinstance(p, ALiBi):
             n = 16
@@ -533,3 +421,21 @@ def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
         else:
             found.append({"where": where, "kind": "none"})
     return found
+
+
+def digit_images() -> tuple[Any, Any, Any]:
+    """scikit-learn's bundled digits: the page's sample images for a ViT (images, labels, classes)."""
+    from qkv.tasks.digits import load_digit_images
+
+    return load_digit_images()
+
+
+# the images-and-audio half of this interface lives in its own module; callers reach it through this one
+from qkv.explore.media import (  # noqa: E402, F401
+    audio,
+    audio_frames,
+    frame_seconds,
+    image,
+    pixels_for_display,
+    sample_images,
+)

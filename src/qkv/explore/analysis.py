@@ -67,9 +67,10 @@ def check_size(ld: Loaded, shapes: list[tuple[int, int, int]]) -> None:
     total = sum(n * h * q * k for n, q, k in shapes)
     if total > MAX_WEIGHTS:
         worst = max(shapes, key=lambda s: s[1] * s[2])
-        raise ExploreError(f"this input gives {total:,} attention weights to draw ({len(shapes)} view(s), e.g. "
-                           f"{worst[0]} layers x {h} heads x {worst[1]} x {worst[2]}); the explorer draws at most "
-                           f"{MAX_WEIGHTS:,}: shorten the input")
+        raise ExploreError(f"this input gives {total:,} attention weights to draw ({len(shapes)} view(s), "
+                           "e.g. "
+                           f"{worst[0]} layers x {h} heads x {worst[1]} x {worst[2]}); the explorer draws at "
+                           f"most {MAX_WEIGHTS:,}: shorten the input")
 
 
 def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_index: int = 0,
@@ -91,9 +92,11 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
             adapter.check_length(len(ids), adapter.context(ld), "source")
             src = torch.tensor([ids], device=dev)
             t_ids = _target_ids(ld, src, target, max_target_tokens)
-            S, T, Le, Ld = len(ids), len(t_ids), adapter.n_layers(ld, "encoder"), adapter.n_layers(ld, "decoder")
+            S, T = len(ids), len(t_ids)
+            Le, Ld = adapter.n_layers(ld, "encoder"), adapter.n_layers(ld, "decoder")
             check_size(ld, [(Le, S, S), (Ld, T, T), (Ld, T, S)])
-            maps = adapter.attention(ld, {"input_ids": src, "decoder_input_ids": torch.tensor([t_ids], device=dev)})
+            dec = torch.tensor([t_ids], device=dev)
+            maps = adapter.attention(ld, {"input_ids": src, "decoder_input_ids": dec})
             t_labels = [adapter.label(ld, i) for i in t_ids]
             return {"tokens": {"source": labels, "target": t_labels}, "ids": {"source": ids, "target": t_ids},
                     "views": [_view(ld, "encoder self", "source", "source", maps["encoder self"]),
@@ -120,8 +123,8 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
 
 def _target_ids(ld: Loaded, src: Tensor, target: str | None, max_new: int) -> list[int]:
     """The decoder input the maps are drawn for, as `qkv attention` builds it: a typed target teacher-forced
-    ([decoder start] + its label ids, less a final eos: experiments.attention.teacher_forced_input), or [decoder
-    start] + the greedy output."""
+    ([decoder start] + its label ids, less a final eos: experiments.attention.teacher_forced_input),
+    or [decoder start] + the greedy output."""
     tctx = adapter.target_context(ld)
     if target is not None and target.strip():
         t_ids = adapter.teacher_forced_target(ld, target)
@@ -131,7 +134,8 @@ def _target_ids(ld: Loaded, src: Tensor, target: str | None, max_new: int) -> li
     return t_ids
 
 
-def _analyze_audio(ld: Loaded, text: str, target: str | None, wav: str | None, max_new: int) -> dict[str, Any]:
+def _analyze_audio(ld: Loaded, text: str, target: str | None, wav: str | None,
+                   max_new: int) -> dict[str, Any]:
     dev = next(ld.model.parameters()).device
     audio, caption = adapter.audio(ld, text, wav)
     audio = audio.to(dev)
@@ -146,7 +150,8 @@ def _analyze_audio(ld: Loaded, text: str, target: str | None, wav: str | None, m
     cross = _view(ld, "cross", "target", "source", maps["cross"], (len(t_ids), bins))
     return {"tokens": {"source": frame_labels, "target": t_labels}, "ids": {"target": t_ids},
             "views": [enc, _view(ld, "decoder self", "target", "target", maps["decoder self"]), cross],
-            "audio": {"caption": caption, "seconds": round(audio.shape[-1] / adapter.config(ld).sample_rate, 3),
+            "audio": {"caption": caption,
+                      "seconds": round(audio.shape[-1] / adapter.config(ld).sample_rate, 3),
                       "frames": frames, "bins": bins, "audio_frames": adapter.audio_frames(ld, audio)}}
 
 
@@ -203,7 +208,8 @@ def generation(ld: Loaded, text: str = "", *, max_new_tokens: int = 16, do_sampl
     return {"prefix": [adapter.label(ld, i) for i in prefix], "prefix_ids": prefix, "source": source,
             "steps": out_steps,
             "cache": {"n_layers": spec.n_layers, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
-                      "dtype": spec.dtype, "dtype_bytes": spec.dtype_bytes, "bytes_per_position_per_layer": per_pos,
+                      "dtype": spec.dtype, "dtype_bytes": spec.dtype_bytes,
+                      "bytes_per_position_per_layer": per_pos,
                       "static_positions": spec.static_positions, "static_bytes": spec.static_bytes,
                       "block_size": spec.block_size, "paged_bytes_per_block": spec.paged_bytes_per_block,
                       "cross_bytes": spec.cross_bytes}}

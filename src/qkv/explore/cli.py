@@ -12,7 +12,8 @@ from qkv.explore.export import check_export_path
 def explore(model: str, *, host: str = "127.0.0.1", port: int = 8000, text: str | None = None,
             target: str | None = None, export: str | None = None, wav: str | None = None,
             quantize: str | None = None) -> int:
-    # 0 ("any free port") is refused: the page's address is printed before uvicorn picks one, so it would be wrong
+    # 0 ("any free port") is refused: the page's address is printed before uvicorn picks one, so it
+    # would be wrong
     if not 1 <= port <= 65535:
         raise ExploreError(f"--port must be in 1..65535, got {port}")
     if export is not None:
@@ -26,12 +27,14 @@ def explore(model: str, *, host: str = "127.0.0.1", port: int = 8000, text: str 
             kw["wav_base64"] = base64.b64encode(_read_wav(Path(wav))).decode()
             text = text or ""
         if text is None:
-            raise ExploreError("--export needs --input (the text to show; an image index for a ViT; or --wav)")
+            raise ExploreError("--export needs --input (the text to show; an image index for a ViT; or "
+                               "--wav)")
         if ld.kind == "image":
             try:
                 kw["image_index"] = int(text)
             except ValueError:
-                raise ExploreError("for an image model, --input is the index of a built-in image, e.g. 3") from None
+                raise ExploreError("for an image model, --input is the index of a built-in image, "
+                                   "e.g. 3") from None
         out = export_html(ld, text, Path(export), target=target, **kw)
         print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): open it in a browser, no server needed")
         return 0

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError, _closest, parse_overrides
+from qkv.config import ConfigError, _closest, check_flag_keys, parse_overrides
 
 DEFAULT_BY_KIND = {"decoder": "chat", "encoder": "classify", "seq2seq": "seq2seq"}
 FINETUNE_FILE = "finetune.json"  # in OUT: the recipe that wrote it, its settings and results
@@ -76,22 +76,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0; the same as train.seed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (train.progress=false)")
-    # flags several recipes share, defined once here (argparse refuses a second definition); None = the recipe's
-    # own default (see shared())
+    # flags several recipes share, defined once here (argparse refuses a second definition); None = the
+    # recipe's own default (see shared())
     p.add_argument("--epochs", type=float, default=None,
                    help="passes over the training data when train.max_steps is not given (default: chat 1, "
                         "classify/tag/seq2seq 3)")
     p.add_argument("--too-long", choices=("error", "skip", "truncate"), default=None,
                    help="an example over the length limit: error naming it, skip it (chat) or truncate it "
-                        "(classify, tag, seq2seq); default: error for chat and seq2seq, truncate for classify/tag")
+                        "(classify, tag, seq2seq); default: error for chat and seq2seq, truncate for "
+                        "classify/tag")
+    flags: dict[str, RecipeFlag] = {}
     for r in recipes().values():
         if r.add_arguments is not None:
-            known = {id(a) for a in p._actions}
-            r.add_arguments(p.add_argument_group(f"--task {r.name}", r.description))
-            for action in p._actions:
-                if id(action) not in known:  # this recipe's own flag: parsed as None when not given
-                    _FLAGS[action.dest] = RecipeFlag(r.name, action.option_strings[0], action.default)
-                    action.default = None
+            group = p.add_argument_group(f"--task {r.name}", r.description)
+            r.add_arguments(_RecipeGroup(group, r.name, flags))
+    p.set_defaults(recipe_flags=flags)  # read by resolve_flags from the parsed arguments
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,22 @@ class RecipeFlag:
     default: Any  # the value it takes when not given
 
 
-_FLAGS: dict[str, RecipeFlag] = {}  # dest -> the recipe flag (filled by add_arguments)
+class _RecipeGroup:
+    """A recipe's argument group that parses each of its flags as None when not given (so that a flag given
+    is told from a default, and another recipe's flag can be refused) and records its default in `flags`."""
+
+    def __init__(self, group: argparse._ArgumentGroup, recipe: str, flags: dict[str, RecipeFlag]) -> None:
+        self.group, self.recipe, self.flags = group, recipe, flags
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+        switch = {"store_true": False, "store_false": True}.get(kwargs.get("action", ""))
+        default = kwargs.pop("default", switch)
+        action = self.group.add_argument(*names, default=None, **kwargs)
+        self.flags[action.dest] = RecipeFlag(self.recipe, names[0], default)
+        return action
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the group's interface (a title, a description)
+        return getattr(self.group, name)
 
 
 def resolve_flags(args: argparse.Namespace, recipe: str) -> None:
@@ -109,14 +123,15 @@ def resolve_flags(args: argparse.Namespace, recipe: str) -> None:
     every weight), then give the chosen recipe's flags that were not given their defaults. args.given_flags:
     the dests of the recipe flags the user set (a recipe may refuse combinations, e.g. --lora-rank without
     --lora)."""
-    given = {dest for dest in _FLAGS if getattr(args, dest, None) is not None}
-    for dest in sorted(given, key=lambda d: _FLAGS[d].option):
-        flag = _FLAGS[dest]
+    flags: dict[str, RecipeFlag] = getattr(args, "recipe_flags", {})
+    given = {dest for dest in flags if getattr(args, dest, None) is not None}
+    for dest in sorted(given, key=lambda d: flags[d].option):
+        flag = flags[dest]
         if flag.recipe != recipe:
             hint = f"; set train.{dest}=... instead" if dest in ("batch_size", "lr") else ""
-            raise ConfigError(f"{flag.option} is not supported by --task {recipe} (it is a --task {flag.recipe} "
-                              f"flag){hint}")
-    for dest, flag in _FLAGS.items():
+            raise ConfigError(f"{flag.option} is not supported by --task {recipe} (it is a --task "
+                              f"{flag.recipe} flag){hint}")
+    for dest, flag in flags.items():
         if dest not in given:
             setattr(args, dest, flag.default)
     args.given_flags = given
@@ -152,39 +167,43 @@ def train_flags(args: argparse.Namespace, recipe: str) -> None:
     """Make each flag of TRAIN_FLAGS and its train.key=value override one setting, for every recipe alike:
     either may be given (the override then sets the flag's value in args, which the recipe reads before the
     Trainer: the seed of the data order and the new head, check_out's resume, the batch --epochs counts in),
-    and both given with different values is one error naming the two rather than one silently winning. Run
-    after resolve_flags (a recipe flag is given when args.given_flags holds it)."""
-    over = parse_overrides(list(getattr(args, "overrides", None) or []))
-    given_recipe = getattr(args, "given_flags", set())
+    and both given with different values is one error naming the two (qkv.config.check_flag_keys, the rule
+    of `qkv train` too). Run after resolve_flags (a recipe flag is given when args.given_flags holds it)."""
+    overrides = list(getattr(args, "overrides", None) or [])
+    over = parse_overrides(overrides)
+    flags: dict[str, RecipeFlag] = getattr(args, "recipe_flags", {})
+    pairs, values = [], {}
     for dest, key, flag in TRAIN_FLAGS:
-        if dest in _FLAGS and _FLAGS[dest].recipe != recipe:
+        if dest in flags and flags[dest].recipe != recipe:
             continue  # another recipe's flag (refused by resolve_flags when given): train.key is the only way
-        current = getattr(args, dest, None)
-        if dest in _FLAGS:
-            given = dest in given_recipe
-        elif dest in ("resume", "no_progress"):
-            given = bool(current)  # store_true: only True can be written
-        else:
-            given = current is not None  # --out is required; --seed defaults to None
-        if f"train.{key}" not in over:
-            continue
-        if dest == "out":
-            value: Any = str(over[f"train.{key}"])
-            same = given and Path(value).resolve() == Path(current).resolve()  # ./o is o
-        elif dest == "no_progress":
-            value = not _as(key, over[f"train.{key}"], bool)
-            same = given and value == current
-        else:
-            kind = {"resume": bool, "seed": int, "batch_size": int, "lr": float}[dest]
-            value = _as(key, over[f"train.{key}"], kind)
-            same = given and value == current
-        if given and not same:
-            shown = "" if isinstance(current, bool) else f" {current}"
-            written = next(o for o in reversed(args.overrides) if o.split("=", 1)[0].strip() == f"train.{key}")
-            raise ConfigError(f"{flag}{shown} and {written.strip()} disagree; give one of them")
-        setattr(args, dest, value)
+        current, given = getattr(args, dest, None), _given(args, dest, flags)
+        if f"train.{key}" in over:
+            values[f"train.{key}"] = _as_flag(dest, key, over[f"train.{key}"])
+        pairs.append((flag, current if given else None, f"train.{key}"))
+    check_flag_keys(pairs, overrides, values)
+    for dest, key, _ in TRAIN_FLAGS:
+        if f"train.{key}" in values:
+            setattr(args, dest, values[f"train.{key}"])
     if getattr(args, "seed", None) is None:
         args.seed = 0
+
+
+def _given(args: argparse.Namespace, dest: str, flags: dict[str, RecipeFlag]) -> bool:
+    """Whether the user gave the flag of `dest` (a store_true flag can only be written as True)."""
+    if dest in flags:
+        return dest in getattr(args, "given_flags", set())
+    if dest in ("resume", "no_progress"):
+        return bool(getattr(args, dest, None))
+    return getattr(args, dest, None) is not None  # --out is required; --seed defaults to None
+
+
+def _as_flag(dest: str, key: str, value: Any) -> Any:
+    """A train.key=value override's value as its flag's value (train.progress=false is --no-progress)."""
+    if dest == "out":  # compared as a path by check_flag_keys: train.out_dir
+        return str(value)
+    if dest == "no_progress":
+        return not _as(key, value, bool)
+    return _as(key, value, {"resume": bool, "seed": int, "batch_size": int, "lr": float}[dest])
 
 
 def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any, ...] | None = None,
@@ -195,13 +214,14 @@ def shared(args: argparse.Namespace, name: str, default: Any, allowed: tuple[Any
     value = default if value is None else value
     if allowed is not None and value not in allowed:
         flag = "--" + name.replace("_", "-")
-        raise ConfigError(f"{flag} {value} is not supported by --task {recipe}; choose one of {', '.join(allowed)}")
+        raise ConfigError(f"{flag} {value} is not supported by --task {recipe}; choose one of "
+                          f"{', '.join(allowed)}")
     return value
 
 
 def read_data_text(path: str | Path, where: str = "{path} line {line}") -> str:
-    """The text of a data file, UTF-8, with a leading byte order mark dropped (Windows editors write one; left in,
-    it would become part of the first column's name or the first record). Bytes that are not UTF-8 are one
+    """The text of a data file, UTF-8, with a leading byte order mark dropped (Windows editors write one; left
+    in, it would become part of the first column's name or the first record). Bytes that are not UTF-8 are one
     ConfigError naming the file, line and column (`where` formats the file and line as the reader's other
     errors do)."""
     path = Path(path)
@@ -213,14 +233,15 @@ def read_data_text(path: str | Path, where: str = "{path} line {line}") -> str:
     except UnicodeDecodeError as e:
         line_start = raw.rfind(b"\n", 0, e.start) + 1
         at = where.format(path=path, line=raw.count(b"\n", 0, e.start) + 1)
-        raise ConfigError(f"{at}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start - line_start + 1}); "
+        raise ConfigError(f"{at}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                          f"{e.start - line_start + 1}); "
                           "save the file as UTF-8") from None
 
 
 def epoch_updates(n_examples: int, batch_size: int, grad_accum: int = 1) -> int:
     """Optimizer updates in one pass over `n_examples`: each update reads batch_size x grad_accum examples on
-    each rank of the launch (torchrun's WORLD_SIZE), the values after the train.key=value overrides. What every
-    recipe turns --epochs into steps with, and evaluates and saves by."""
+    each rank of the launch (torchrun's WORLD_SIZE), the values after the train.key=value overrides. What
+    every recipe turns --epochs into steps with, and evaluates and saves by."""
     from qkv.train.distributed import world_size
 
     return max(1, math.ceil(n_examples / max(1, batch_size * grad_accum * world_size())))
@@ -244,7 +265,8 @@ def model_kind(folder: str | Path) -> str:
         return family(meta["qkv_family"]).model_class.kinds[0]
     kind = KINDS.get(meta.get("model_type"))
     if kind is None:
-        raise CheckpointError(f"{folder}: Hugging Face model_type {meta.get('model_type')!r} is not supported")
+        raise CheckpointError(f"{folder}: Hugging Face model_type {meta.get('model_type')!r} is not "
+                              "supported")
     return kind
 
 
@@ -253,13 +275,15 @@ def choose(task: str | None, kind: str) -> Recipe:
     all_ = recipes()
     name = task or DEFAULT_BY_KIND.get(kind)
     if name is None:
-        raise ConfigError(f"no fine-tuning recipe for a model of kind {kind!r}; pass --task ({', '.join(sorted(all_))})")
+        raise ConfigError(f"no fine-tuning recipe for a model of kind {kind!r}; pass --task "
+                          f"({', '.join(sorted(all_))})")
     if name not in all_:
         raise ConfigError(f"unknown fine-tuning task {name!r}" +
                           _closest(name, list(all_)).replace("valid keys", "known tasks"))
     r = all_[name]
     if kind not in r.kinds:
-        raise ConfigError(f"--task {name} fine-tunes {'/'.join(r.kinds)} models; this folder holds a {kind} model")
+        raise ConfigError(f"--task {name} fine-tunes {'/'.join(r.kinds)} models; this folder holds a {kind} "
+                          "model")
     return r
 
 
@@ -276,9 +300,10 @@ def written_by(folder: Path) -> str | None:
 
 def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) -> None:
     """Refuse, before anything is read or written, an --out whose contents a run would destroy: the source
-    model folder itself or a folder inside it, a file, a model folder or other files that qkv finetune did not
-    write, another recipe's output, or this recipe's run with checkpoints when --resume is not given. What is
-    left is a new or empty folder, or this recipe's own output (continued with --resume, else written over)."""
+    model folder itself or a folder inside it, a file, a model folder or other files that qkv finetune did
+    not write, another recipe's output, or this recipe's run with checkpoints when --resume is not given.
+    What is left is a new or empty folder, or this recipe's own output (continued with --resume, else
+    written over)."""
     from qkv.train import latest_checkpoint
 
     out, source = Path(out), Path(source)
@@ -292,7 +317,8 @@ def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) ->
         if p.exists() and not p.is_dir():
             raise ConfigError(f"--out {out} is a file, not a folder" if p == out else
                               f"--out {out}: {p} is a file, not a folder")
-    if not out.exists() or not any(p for p in out.iterdir() if not p.name.startswith(".")):  # .gitkeep, .DS_Store
+    # .gitkeep, .DS_Store
+    if not out.exists() or not any(p for p in out.iterdir() if not p.name.startswith(".")):
         return
     owner = written_by(out)
     if owner is None and resume and latest_checkpoint(out / "checkpoints") is not None:
@@ -305,11 +331,11 @@ def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) ->
         raise ConfigError(f"--out {out} already holds other files ({', '.join(names[:3])}"
                           f"{', ...' if len(names) > 3 else ''}); choose a new or empty folder")
     if owner != recipe:
-        raise ConfigError(f"--out {out} already holds the output of qkv finetune --task {owner}; choose another "
-                          "--out")
-    if latest_checkpoint(out / "checkpoints") is not None and not resume:
-        raise ConfigError(f"--out {out} already holds a fine-tuning run; pass --resume to continue it or choose "
+        raise ConfigError(f"--out {out} already holds the output of qkv finetune --task {owner}; choose "
                           "another --out")
+    if latest_checkpoint(out / "checkpoints") is not None and not resume:
+        raise ConfigError(f"--out {out} already holds a fine-tuning run; pass --resume to continue it or "
+                          "choose another --out")
 
 
 def mark_out(out: str | Path, recipe: str) -> None:
@@ -320,7 +346,8 @@ def mark_out(out: str | Path, recipe: str) -> None:
     from qkv.train.distributed import launched_by_torchrun
 
     out = Path(out)
-    if (launched_by_torchrun() and os.environ["RANK"] != "0") or written_by(out) == recipe:  # a resumed run keeps the settings it recorded
+    # a resumed run keeps the settings it recorded
+    if (launched_by_torchrun() and os.environ["RANK"] != "0") or written_by(out) == recipe:
         return
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json({"recipe": recipe}, out / FINETUNE_FILE)
@@ -338,13 +365,14 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     from qkv.train.distributed import world_size
 
     if world_size() > 1 and not recipe.distributed:  # every rank would evaluate and export into OUT at once
-        raise ConfigError(f"--task {recipe.name} does not run under torchrun yet (only --task chat does); run it "
-                          "as one process")
+        raise ConfigError(f"--task {recipe.name} does not run under torchrun yet (only --task chat does); "
+                          "run it as one process")
     resolve_flags(args, recipe.name)
     train_flags(args, recipe.name)  # before check_out: train.resume=true is --resume
     check_out(args.out, args.model, recipe.name, args.resume)  # before anything is read, trained or written
     return recipe.run(args)
 
 
-__all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose", "epoch_updates", "epochs_to_steps", "finetune",
-           "mark_out", "model_kind", "read_data_text", "recipes", "register_recipe", "shared", "train_flags", "written_by"]
+__all__ = ["DEFAULT_BY_KIND", "FINETUNE_FILE", "Recipe", "add_arguments", "check_out", "choose",
+           "epoch_updates", "epochs_to_steps", "finetune", "mark_out", "model_kind", "read_data_text",
+           "recipes", "register_recipe", "shared", "train_flags", "written_by"]

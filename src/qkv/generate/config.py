@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,9 @@ from qkv.config import ConfigError, _closest, from_dict, load_yaml, replace, to_
 EARLY_STOPPING = (True, False, "never")
 CONTEXT_OVERFLOW = ("error", "slide")
 DEFAULT_MAX_NEW_TOKENS = 32
-# Temperatures below this decode greedily, their limit: logits divided by less overflow fp32 (a temperature of 1e-40
-# turned every score into +-inf and the sampler's probabilities into NaN). vLLM draws the line at the same place.
+# Temperatures below this decode greedily: logits divided by less overflow fp32 (a temperature of 1e-40
+# turns every score into +-inf and the sampler's probabilities into NaN). vLLM draws the line at the same
+# place.
 MIN_TEMPERATURE = 1e-5
 
 # generation_config.json keys that say nothing about which tokens are produced: bookkeeping, and what to
@@ -34,6 +36,39 @@ MIN_TEMPERATURE = 1e-5
 _HF_METADATA = {"_from_model_config", "transformers_version", "_commit_hash", "generation_kwargs",
                 "output_attentions", "output_hidden_states", "output_scores", "output_logits",
                 "return_dict_in_generate", "cache_implementation", "cache_config"}
+
+
+def _setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+             le: float | None = None, note: str = "") -> Any:
+    """A field with its help text and numeric bounds: the one declaration that validate(), the `qkv generate`
+    / `qkv chat` flags (qkv.cli.flags) and the docs read. `note` says what a boundary value means."""
+    return field(default=default, metadata={"help": help, "ge": ge, "gt": gt, "le": le, "note": note})
+
+
+def bounds_text(f: Field) -> str:
+    """A field's bounds in words, e.g. ">= 0 (0 = greedy)" or "in (0, 1]"; "" for an unbounded field."""
+    ge, gt, le, note = (f.metadata.get(k) for k in ("ge", "gt", "le", "note"))
+    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
+    if low is not None and le is not None:
+        text = f"in {low}, {le}]"
+    elif low is not None:
+        text = f"at least {ge}" if ge is not None else f"> {gt}"
+    else:
+        text = f"<= {le}" if le is not None else ""
+    return f"{text} ({note})" if note and text else text
+
+
+def _check_bounds(cfg: Any) -> None:
+    """Every field declared with bounds (_setting) is a finite number inside them, or None."""
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        ge, gt, le = (f.metadata.get(k) for k in ("ge", "gt", "le"))
+        if v is None or (ge is None and gt is None and le is None):
+            continue
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+              and (ge is None or v >= ge) and (gt is None or v > gt) and (le is None or v <= le))
+        if not ok:
+            raise ConfigError(f"GenerationConfig.{f.name} must be {bounds_text(f)}, got {v}")
 
 
 def _remember_given_fields(cls: type) -> type:
@@ -58,39 +93,53 @@ def _remember_given_fields(cls: type) -> type:
 @dataclass
 class GenerationConfig:
     # -- length -------------------------------------------------------------------------------------------
-    max_new_tokens: int | None = None  # tokens to generate; None: from max_length, else 32
-    max_length: int | None = None  # HF: prompt + new tokens (decoder-only) or decoder tokens incl. the start
-    min_new_tokens: int | None = None  # eos is suppressed until this many tokens are generated
-    min_length: int | None = None  # HF: the same, counted like max_length
+    max_new_tokens: int | None = _setting(None, "tokens to generate", ge=0)  # None: max_length's, else 32
+    max_length: int | None = _setting(
+        None, "prompt + new tokens (decoder-only) or decoder tokens incl. the start, as in HF", ge=0)
+    min_new_tokens: int | None = _setting(None, "no eos before this many new tokens", ge=0)
+    min_length: int | None = _setting(None, "the same, counted like max_length", ge=0)
     # -- strategy -----------------------------------------------------------------------------------------
-    do_sample: bool = False  # sample from the processed distribution (else greedy / beam search)
-    num_beams: int = 1  # > 1: beam search
-    num_return_sequences: int = 1  # sequences returned per input (samples, or the best beams)
-    length_penalty: float = 1.0  # beam score = sum log p / length ** length_penalty
-    early_stopping: bool | str = "never"  # beams: True stop at num_beams finished; False HF's heuristic; "never" exact
+    do_sample: bool = _setting(False, "sample from the processed distribution (else greedy / beam search)")
+    num_beams: int = _setting(1, "> 1: beam search", ge=1)
+    num_return_sequences: int = _setting(1, "sequences returned per input (samples, or the best beams)", ge=1)
+    length_penalty: float = _setting(1.0, "beam score = sum log p / length ** length_penalty")
+    early_stopping: bool | str = _setting(
+        "never", "beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)")
     # -- logits processors (processors.py) ----------------------------------------------------------------
-    temperature: float = 1.0  # divide the logits (sampling); 0, or below MIN_TEMPERATURE, = greedy
-    top_k: int | None = None  # keep the k most likely tokens (sampling)
-    top_p: float | None = None  # nucleus: the smallest set with probability >= top_p (sampling)
-    min_p: float | None = None  # drop tokens below min_p x the top token's probability (sampling)
-    repetition_penalty: float = 1.0  # CTRL: divide positive / multiply negative logits of seen tokens
-    no_repeat_ngram_size: int = 0  # no n-gram of this size occurs twice
-    bad_words_ids: list[list[int]] | None = None  # token sequences never produced (OPUS-MT bans its pad token)
+    temperature: float = _setting(1.0, "divide the logits when sampling", ge=0,
+                                  note=f"0, or below {MIN_TEMPERATURE}, = greedy")
+    top_k: int | None = _setting(None, "keep the k most likely tokens when sampling", ge=0,
+                                 note="0 = no top-k")
+    top_p: float | None = _setting(
+        None, "nucleus sampling: the smallest set of tokens with probability >= top_p", gt=0, le=1)
+    min_p: float | None = _setting(
+        None, "drop tokens below min_p x the top token's probability when sampling", ge=0, le=1)
+    repetition_penalty: float = _setting(
+        1.0, "CTRL: divide positive / multiply negative logits of seen tokens", gt=0)
+    no_repeat_ngram_size: int = _setting(0, "no n-gram of this size occurs twice", ge=0)
+    bad_words_ids: list[list[int]] | None = _setting(
+        None, "token sequences never produced (OPUS-MT bans its pad token)")
     # -- special tokens -----------------------------------------------------------------------------------
-    eos_token_id: int | list[int] | None = None  # stop tokens (None: the model's)
-    pad_token_id: int | None = None  # fills finished rows (None: the model's, else the first eos, else 0)
-    bos_token_id: int | None = None  # the model's begin-of-sequence id (seq2seq start when no decoder_start)
-    decoder_start_token_id: int | None = None  # first decoder token of an encoder-decoder
-    forced_bos_token_id: int | None = None  # forced as the first generated token
-    forced_eos_token_id: int | list[int] | None = None  # forced as the last token when max_length is reached
-    stop_strings: list[str] | None = None  # stop a row once its decoded continuation contains one (needs a tokenizer)
+    eos_token_id: int | list[int] | None = _setting(None, "stop tokens (None: the model's)")
+    pad_token_id: int | None = _setting(None, "fills finished rows (None: the model's, else the first eos, "
+                                              "else 0)")
+    bos_token_id: int | None = _setting(
+        None, "the model's begin-of-sequence id (seq2seq start when no decoder_start)")
+    decoder_start_token_id: int | None = _setting(None, "first decoder token of an encoder-decoder")
+    forced_bos_token_id: int | None = _setting(None, "forced as the first generated token")
+    forced_eos_token_id: int | list[int] | None = _setting(
+        None, "forced as the last token when max_length is reached")
+    stop_strings: list[str] | None = _setting(
+        None, "stop a row once its decoded continuation contains one (needs a tokenizer)")
     # -- run ----------------------------------------------------------------------------------------------
-    seed: int | None = None  # seeds sampling (a fresh generator per call)
-    use_cache: bool = True  # KV cache (False: recompute the whole prefix every step)
-    # graph-captured decoding steps (generate/graphed.py): True = torch.compile(mode="reduce-overhead"), CUDA
-    # graphs on a GPU; a string names another torch.compile backend ("eager", "aot_eager"); False = eager
-    compile: bool | str = False
-    context_overflow: str = "error"  # prompt + new over an absolute-position context: error | slide
+    seed: int | None = _setting(None, "seeds sampling (a fresh generator per call)")
+    use_cache: bool = _setting(True, "KV cache (False: recompute the whole prefix every step)")
+    # graph-captured decoding steps (generate/graphed.py): a string names another torch.compile backend
+    compile: bool | str = _setting(
+        False, "True: torch.compile(mode='reduce-overhead'), CUDA graphs on a GPU; a string: a backend; "
+        "False: eager")
+    context_overflow: str = _setting(
+        "error", "prompt + new tokens over an absolute-position context: error or slide")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,26 +149,18 @@ class GenerationConfig:
             if not cond:
                 raise ConfigError(f"GenerationConfig.{message}")
 
-        for name in ("max_new_tokens", "max_length", "min_new_tokens", "min_length"):
-            v = getattr(self, name)
-            need(v is None or v >= 0, f"{name} must be >= 0, got {v}")
-        need(self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        need(self.top_k is None or self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        need(self.top_p is None or 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        need(self.min_p is None or 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        need(self.no_repeat_ngram_size >= 0, f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        _check_bounds(self)
         need(self.bad_words_ids is None or (len(self.bad_words_ids) > 0 and all(
              len(w) > 0 and all(isinstance(i, int) and i >= 0 for i in w) for w in self.bad_words_ids)),
-             f"bad_words_ids must be a non-empty list of non-empty lists of token ids, got {self.bad_words_ids}")
-        need(self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}")
-        need(self.num_return_sequences >= 1, f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
+             "bad_words_ids must be a non-empty list of non-empty lists of token ids, got "
+             f"{self.bad_words_ids}")
         need(not (self.do_sample and self.num_beams > 1),
              "do_sample: beam search is deterministic: use do_sample=True or num_beams > 1, not both")
         need(self.num_beams > 1 or self.do_sample or self.num_return_sequences == 1,
              "num_return_sequences > 1 needs do_sample=True or num_beams >= num_return_sequences")
         need(self.num_beams == 1 or self.num_return_sequences <= self.num_beams,
-             f"num_return_sequences ({self.num_return_sequences}) must be between 1 and num_beams ({self.num_beams})")
+             f"num_return_sequences ({self.num_return_sequences}) must be between 1 and num_beams "
+             f"({self.num_beams})")
         need(self.early_stopping in EARLY_STOPPING, f"early_stopping must be true, false or 'never', "
              f"got {self.early_stopping!r}")
         need(self.context_overflow in CONTEXT_OVERFLOW, f"context_overflow must be 'error' or 'slide', "
@@ -128,7 +169,8 @@ class GenerationConfig:
              f"compile must be true, false or a torch.compile backend name, got {self.compile!r}")
         need(not self.compile or self.use_cache, "compile: graph-captured decoding runs over the KV cache: "
              "use_cache must be true")
-        need(not self.compile or self.num_beams == 1, "compile: graph-captured decoding is not implemented for "
+        need(not self.compile or self.num_beams == 1, "compile: graph-captured decoding is not implemented "
+                                                      "for "
              "beam search (it reorders the cache every step)")
         if isinstance(self.stop_strings, str):
             self.stop_strings = [self.stop_strings]
@@ -201,7 +243,8 @@ class GenerationConfig:
         stays unset: token ids then come from the model, as the module docstring says."""
         default, given = GenerationConfig(), self.given()
         return {f.name: v for f in fields(self)
-                if ((v := getattr(self, f.name)) is not None and f.name in given) or v != getattr(default, f.name)}
+                if ((v := getattr(self, f.name)) is not None and f.name in given)
+                or v != getattr(default, f.name)}
 
     # -- derived values -----------------------------------------------------------------------------------
     def new_tokens(self, prompt_len: int) -> int:
@@ -210,8 +253,10 @@ class GenerationConfig:
             return self.max_new_tokens
         if self.max_length is not None:
             if self.max_length <= prompt_len:  # as transformers refuses it, rather than generating nothing
-                raise ValueError(f"max_length={self.max_length} counts the prompt, which has {prompt_len} tokens: "
-                                 "nothing would be generated; set max_new_tokens instead (or a larger max_length)")
+                raise ValueError(f"max_length={self.max_length} counts the prompt, which has {prompt_len} "
+                                 "tokens: "
+                                 "nothing would be generated; set max_new_tokens instead (or a larger "
+                                 "max_length)")
             return self.max_length - prompt_len
         return DEFAULT_MAX_NEW_TOKENS
 
@@ -234,7 +279,8 @@ class GenerationConfig:
 
 
 def _json_mapping(path: Path) -> dict[str, Any]:
-    """A JSON file whose top level is a mapping; a ConfigError naming the file otherwise (not UTF-8 included)."""
+    """A JSON file whose top level is a mapping; a ConfigError naming the file otherwise (not UTF-8
+    included)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -246,7 +292,8 @@ def _json_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-def resolve(defaults: dict[str, Any], config: GenerationConfig | None, overrides: dict[str, Any]) -> GenerationConfig:
+def resolve(defaults: dict[str, Any], config: GenerationConfig | None,
+            overrides: dict[str, Any]) -> GenerationConfig:
     """The settings of one call, as Hugging Face merges them: the model's defaults (HF names), then the
     fields a passed config gives (config.explicit()), then keyword overrides."""
     if config is not None and not isinstance(config, GenerationConfig):
@@ -262,7 +309,8 @@ def resolve(defaults: dict[str, Any], config: GenerationConfig | None, overrides
 def merge(base: GenerationConfig, chosen: dict[str, Any]) -> GenerationConfig:
     """`base` (defaults: a model folder's, a task's) with the caller's `chosen` fields over it. Beams asked
     for without a word on sampling switch off the defaults' do_sample (an instruct model's folder samples by
-    default; beam search and sampling are exclusive), rather than failing on a setting the caller never made."""
+    default; beam search and sampling are exclusive), rather than failing on a setting the caller never
+    made."""
     if chosen.get("num_beams", 1) > 1 and "do_sample" not in chosen:
         chosen = {**chosen, "do_sample": False}
     return base.replace(**chosen) if chosen else base

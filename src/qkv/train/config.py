@@ -2,7 +2,8 @@
 
 Built with `qkv.config.from_dict(TrainConfig, mapping)` (YAML / CLI overrides): an unknown key is a
 ConfigError naming the closest valid key, and `validate()` rejects inconsistent values in one sentence.
-A `TrainConfig(...)` built directly gets the same type and choice checks from `validate()` (the Trainer calls it).
+A `TrainConfig(...)` built directly gets the same type and choice checks from `validate()` (the Trainer
+calls it).
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from qkv.config import ConfigError, check_fields
+from qkv.config import ConfigError, check_fields, parse_overrides
 from qkv.train.optim import OptimizerImpl
 
 Schedule = Literal["noam", "inverse_sqrt", "cosine", "linear", "constant"]
@@ -35,8 +36,9 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # the seeds: beta2 in 0.95..0.98
     eps: float = 1e-8  # the seeds: 1e-6..1e-8
     weight_decay: float = 0.1  # decoupled; never applied to norms, biases or embeddings
-    optimizer_impl: OptimizerImpl = "auto"  # auto | fused | foreach | loop: torch's AdamW kernel; auto = fused
-    #   where torch has it (CPU, CUDA), else foreach. Same update to float rounding (qkv/train/optim.py)
+    # auto | fused | foreach | loop: torch's AdamW kernel; auto = fused where torch has it (CPU, CUDA),
+    # else foreach. Same update to float rounding (qkv/train/optim.py)
+    optimizer_impl: OptimizerImpl = "auto"
     # -- schedule ----------------------------------------------------------------------------------------
     schedule: Schedule = "cosine"  # noam | inverse_sqrt | cosine | linear | constant
     warmup: float = 0.02  # >= 1: steps; < 1: fraction of max_steps. 0 = no warmup (the ablation)
@@ -59,9 +61,10 @@ class TrainConfig:
     eval_every: int = 0  # steps between eval_fn calls (0 = only at the end)
     max_eval_batches: int | None = None  # held-out "val" batches for the loss when there is no eval_fn; an
     #                                      eval_fn with a `max_eval_batches` parameter receives it
-    save_every: int = 500  # steps between checkpoints (0 = only at the end). SIGINT/SIGTERM always save the
-    #                        current step; this bounds what a hard kill (SIGKILL, OOM, power) loses: HF Trainer's
-    #                        default, minutes of CPU work for the shipped configs, < 1% of the time in writes
+    # steps between checkpoints (0 = only at the end). SIGINT/SIGTERM always save the current step; this
+    # bounds what a hard kill (SIGKILL, OOM, power) loses: HF Trainer's default, minutes of CPU work for the
+    # shipped configs, < 1% of the time in writes
+    save_every: int = 500
     keep_last: int = 3  # newest periodic checkpoints kept, 0 = all (best-by-eval is kept separately)
     best_metric: str | None = None  # eval metric that selects checkpoints/best; null = the task's primary
     #                                 metric (task.metrics), or the held-out "loss" without a task evaluation
@@ -85,17 +88,21 @@ class TrainConfig:
         if self.max_steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ConfigError("TrainConfig: max_steps, batch_size and grad_accum must be at least 1")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"TrainConfig: need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})")
+            raise ConfigError(f"TrainConfig: need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, "
+                              f"min_lr={self.min_lr})")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas}")
         if self.eps <= 0 or self.weight_decay < 0:
             raise ConfigError("TrainConfig: eps must be > 0 and weight_decay >= 0")
         if abs(self.seed) >= 2**62:  # torch.manual_seed takes 64 bits; ranks and rollbacks add offsets to it
-            raise ConfigError(f"TrainConfig.seed must be an integer of magnitude below 2**62, got {self.seed}")
+            raise ConfigError("TrainConfig.seed must be an integer of magnitude below 2**62, got "
+                              f"{self.seed}")
         if self.warmup < 0:
-            raise ConfigError(f"TrainConfig.warmup must be >= 0 (steps, or a fraction < 1), got {self.warmup}")
+            raise ConfigError("TrainConfig.warmup must be >= 0 (steps, or a fraction < 1), got "
+                              f"{self.warmup}")
         if self.warmup >= 1 and not float(self.warmup).is_integer():
-            raise ConfigError(f"TrainConfig.warmup >= 1 counts steps and must be a whole number, got {self.warmup}")
+            raise ConfigError("TrainConfig.warmup >= 1 counts steps and must be a whole number, got "
+                              f"{self.warmup}")
         if self.schedule == "noam" and self.warmup_steps() < 1:
             raise ConfigError("TrainConfig: schedule=noam needs warmup >= 1 step (it divides by warmup^1.5)")
         if self.clip_grad is not None and self.clip_grad <= 0:
@@ -117,3 +124,15 @@ class TrainConfig:
     def warmup_steps(self) -> int:
         """Warmup in steps: `warmup` itself when >= 1, else that fraction of max_steps (rounded)."""
         return int(self.warmup) if self.warmup >= 1 else int(round(self.warmup * self.max_steps))
+
+
+def train_overrides(overrides: list[str] | None) -> dict[str, Any]:
+    """The Trainer settings of a `qkv finetune` command line's train.key=value overrides, as {key: value}
+    without the prefix; any other key is one error, the same for every recipe. The values are YAML
+    scalars, checked when the TrainConfig is built (qkv.config.from_dict)."""
+    over = parse_overrides(list(overrides or []))
+    bad = [k for k in over if not k.startswith("train.")]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r}: qkv finetune takes Trainer settings as train.key=value "
+                          "(e.g. train.lr=2e-5)")
+    return {k[len("train."):]: v for k, v in over.items()}

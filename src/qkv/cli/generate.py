@@ -1,0 +1,155 @@
+"""`qkv generate` and `qkv chat`: their command lines and what they run. The sampling flags are generated from
+GenerationConfig's fields (qkv.cli.flags), so their bounds and help are GenerationConfig's: temperature 0 is
+greedy here as in the API and the server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from qkv.cli.flags import add_generation_flags, add_quantize, generation_flags
+
+# the sampling flags, generated from GenerationConfig's fields (qkv.cli.flags): its bounds and help text
+GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "length_penalty",
+                  "no_repeat_ngram_size", "min_new_tokens")
+CHAT_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
+
+
+def add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a run folder, a checkpoint folder, a Hugging Face folder or a GGUF "
+                                      "file")
+    p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
+    add_generation_flags(p, GENERATE_FLAGS, {
+        "max_new_tokens": "an LM's sample length, 200; a seq2seq task's longest target",
+        "temperature": "the task's or the folder's, else 1.0", "num_beams": "1"})
+    p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
+                   help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact "
+                        "(never)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--greedy", action="store_true",
+                     help="greedy decoding: the argmax each step, one beam (default: sample for LMs; a model "
+                          "folder's generation_config.json decides for itself)")
+    how.add_argument("--sample", action="store_true",
+                     help="sample (with --temperature / --top-k / --top-p), also where a model folder's "
+                          "generation_config.json decodes greedily or with beams")
+    p.add_argument("--context-overflow", choices=["error", "slide"], default=None,
+                   help="prompt + new tokens longer than the model's context: refuse (error, the default for "
+                        "a model folder), or go on over the last context-many tokens (slide, an LM run's "
+                        "default)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    p.add_argument("--generation-config", default=None, metavar="FILE",
+                   help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, "
+                        "Hugging Face names, e.g. a model's generation_config.json); the flags above "
+                        "override it")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a prompt with characters outside the model's vocabulary (default: warn, read "
+                        "them as <unk>)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoding step with torch.compile (the first run compiles for a minute "
+                        "or more, later runs reuse ~/.cache/qkv/inductor; one sequence, no beams)")
+    add_quantize(p)
+
+
+def _check_generate_flags(a: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """The sampling flags given, out-of-range ones a one-line error by GenerationConfig's rule (the API's
+    and the server's; qkv.cli.flags)."""
+    from qkv.config import ConfigError
+
+    flags = generation_flags(a, names)
+    if getattr(a, "stream", False) and flags.get("num_beams", 1) > 1:
+        raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
+                          "only knows its sequence at the end: use one or the other")
+    return flags
+
+
+def _loading(model: str) -> None:
+    """Say that a model is loading (seconds for a large one) to a person at a terminal; a script's stderr
+    keeps only what went wrong."""
+    if sys.stderr.isatty():
+        print(f"loading {model}...", file=sys.stderr, flush=True)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from qkv.generate import GenerationConfig
+    from qkv.run import generate_text
+
+    # a flag left out leaves the file's (or the task's, the folder's) value alone; one given wins, even at 1.0
+    flags = _check_generate_flags(a, GENERATE_FLAGS)
+    cfg = GenerationConfig.from_file(a.generation_config) if a.generation_config else None
+    early = {"true": True, "false": False, "never": "never"}.get(a.early_stopping)
+    flags.update({k: v for k, v in dict(early_stopping=early, context_overflow=a.context_overflow).items()
+                  if v is not None})
+    if a.sample:  # one sampled sequence: not a folder's beams
+        flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
+    if a.compile:
+        flags["compile"] = True
+    _loading(a.checkpoint)
+    out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream,
+                        strict=a.strict,
+                        quantize=a.quantize, **flags)
+    if not a.stream:
+        print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated "
+                                      "only special tokens)")
+    return 0
+
+
+def add_chat(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a Hugging Face model folder with tokenizer.json (and a chat template), or "
+                                 "a GGUF file")
+    p.add_argument("--message", action="append", default=None,
+                   help="answer this message and exit (repeat for several turns); without it: interactive")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--image", default=None, help="an image file for the first message (a vision-language "
+                   "folder: llava); in the interactive chat, /image PATH sets another")
+    add_generation_flags(p, CHAT_FLAGS, {"max_new_tokens": "512, capped by what the context leaves",
+                                         "temperature": "the folder's generation_config.json"})
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy decoding. Default: what the folder's generation_config.json says "
+                        "(do_sample); greedy when it says nothing; --temperature / --top-k / --top-p sample")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoding step with torch.compile (the first answer waits for the "
+                        "compile; later runs reuse ~/.cache/qkv/inductor)")
+    add_quantize(p)
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    import secrets
+
+    from qkv.chat import ChatSession, chat_loop
+    from qkv.config import ConfigError
+    from qkv.generate import GenerationConfig
+    from qkv.generate.config import resolve
+
+    flags = _check_generate_flags(a, CHAT_FLAGS)
+    if a.message is not None and not all(m.strip() for m in a.message):
+        raise ConfigError("--message is empty")
+    seed = a.seed if a.seed is not None else secrets.randbelow(2**31)  # unseeded: differs between runs
+    cfg = GenerationConfig(**flags, seed=seed)
+    if a.greedy:
+        cfg = cfg.replace(do_sample=False)
+    elif a.temperature or a.top_k or a.top_p:
+        cfg = cfg.replace(do_sample=True)
+    if a.compile:
+        cfg = cfg.replace(compile=True)
+    _loading(a.model)
+    from qkv.chat_vision import VisionChatSession, is_vision_folder
+
+    if a.image is not None or is_vision_folder(a.model):  # an image, or a model whose template wants parts
+        session = VisionChatSession.from_folder(a.model, a.quantize, image=a.image, system=a.system,
+                                                generation_config=cfg)
+    else:
+        session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
+    defaults = session.model.generation_defaults() if hasattr(session.model, "generation_defaults") else {}
+    if a.seed is None and resolve(defaults, cfg, {}).sampling:
+        print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)
+    if a.message is None:
+        chat_loop(session)
+        return 0
+    for message in a.message:
+        print(session.reply(message))
+    return 0

@@ -1,0 +1,136 @@
+"""Images and audio into the explorer: the built-in sample images, a ViT's normalised pixels, a WAV file (or a
+run's rendered DTMF digits) at a Whisper model's sample rate, and how audio maps onto encoder frames."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+
+import torch
+from torch import Tensor
+
+from qkv.explore.adapter import ExploreError, Loaded, config, digit_images
+
+
+# -- images and audio --------------------------------------------------------------------------------------
+def sample_images(ld: Loaded) -> int:
+    """How many built-in images the page offers (scikit-learn's bundled digits, or the run's held-out
+    split)."""
+    return 20
+
+
+def image(ld: Loaded, index: int) -> tuple[Tensor, str]:
+    """(1, C, H, W) pixels in the model's input range, and a caption. A run folder's own held-out images
+    (its task knows the preprocessing); otherwise scikit-learn's bundled 8x8 digits, resized to the model's
+    image size (offline, always at hand)."""
+    import torch.nn.functional as F
+
+    c = config(ld)
+    if not 0 <= index < sample_images(ld):
+        raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
+    if ld.task is not None and hasattr(ld.task, "batch"):
+        b = ld.task.batch(0, index + 1, "val")
+        px, y = b["pixel_values"][index:index + 1], int(b["labels"][index])
+        names = getattr(ld.task, "classes", None)
+        return px.float(), f"held-out image {index} (class {names[y] if names else y})"
+    imgs, labels, _ = digit_images()
+    x = torch.from_numpy(imgs[index]).float()[None, None]  # (1, 1, 8, 8) in [0, 1]
+    x = F.interpolate(x, size=(c.image_size, c.image_size), mode="bilinear", align_corners=False)
+    x = _normalize(ld, x.repeat(1, c.n_channels, 1, 1))
+    return x, f"scikit-learn digit {index} (a {int(labels[index])})"
+
+
+def _normalize(ld: Loaded, x: Tensor) -> Tensor:
+    """A Hugging Face image folder's own normalisation (preprocessor_config.json), when it has one."""
+    import json
+
+    cfg = ld.folder / "preprocessor_config.json" if ld.folder is not None else None
+    if cfg is None or not cfg.is_file():
+        return x
+    pre = json.loads(cfg.read_text(encoding="utf-8"))
+    if not pre.get("do_normalize", True) or "image_mean" not in pre:
+        return x
+    mean = torch.tensor(pre["image_mean"], dtype=x.dtype).view(1, -1, 1, 1)
+    std = torch.tensor(pre.get("image_std", [1.0] * len(pre["image_mean"])), dtype=x.dtype).view(1, -1, 1, 1)
+    return (x - mean[:, : x.shape[1]]) / std[:, : x.shape[1]]
+
+
+def pixels_for_display(px: Tensor) -> list[list[list[float]]]:
+    """(H, W, 3) floats in [0, 1] for a canvas: min-max scaled (the model's normalisation is unknown here)."""
+    x = px[0].float()
+    x = (x - x.min()) / (x.max() - x.min()).clamp_min(1e-8)
+    if x.shape[0] == 1:
+        x = x.repeat(3, 1, 1)
+    return x[:3].permute(1, 2, 0).mul(1000).round().div(1000).tolist()
+
+
+def audio(ld: Loaded, text: str, wav_base64: str | None) -> tuple[Tensor, str]:
+    """(1, N) waveform at the model's sample rate: a WAV file sent by the page, or, for a run whose task
+    renders its own audio (DTMF digits), the typed text rendered by the task."""
+    c = config(ld)
+    if wav_base64:
+        return _read_wav(base64.b64decode(wav_base64), c.sample_rate, c.n_samples), "uploaded WAV"
+    if ld.task is not None and hasattr(ld.task, "render"):
+        import random
+
+        text = text.strip()
+        if not text:
+            raise ExploreError("the input is empty: type the digits to render as audio")
+        alphabet = set(getattr(ld.task.tokenizer, "symbols", "0123456789"))
+        bad = sorted(set(text) - alphabet)
+        if bad:
+            raise ExploreError(f"this task renders only {''.join(sorted(alphabet))}; unknown: "
+                               f"{' '.join(map(repr, bad))}")
+        most = getattr(getattr(ld.task, "options", None), "max_digits", None)
+        # the task cuts its clip: the last digits would not be heard
+        if most is not None and len(text) > most:
+            raise ExploreError(f"{len(text)} digits: type at most {most} (the task's max_digits; a longer "
+                               "string "
+                               f"may not fit its {c.n_samples / c.sample_rate:.2f} s clip), as a longer WAV "
+                               "is refused")
+        wave = ld.task.render(text, random.Random(0), "val")
+        clip = torch.as_tensor(wave, dtype=torch.float32)[None, : c.n_samples]
+        return clip, f"{text!r} rendered by the task"
+    raise ExploreError("this audio model has no task to render text: choose a WAV file")
+
+
+def _read_wav(data: bytes, rate: int, max_samples: int) -> Tensor:
+    import wave
+
+    import numpy as np
+
+    try:
+        with wave.open(io.BytesIO(data)) as w:
+            sr, ch, width, n = w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()
+            raw = w.readframes(n)
+    except (wave.Error, EOFError) as e:
+        raise ExploreError(f"not a PCM WAV file ({e})") from None
+    if width not in (1, 2, 4):
+        raise ExploreError(f"unsupported WAV sample width {width} bytes")
+    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}[width]
+    x = np.frombuffer(raw, dtype=dtype).astype(np.float64)
+    x = (x - 128.0) / 128.0 if width == 1 else x / float(2 ** (8 * width - 1))
+    x = x.reshape(-1, ch).mean(1)
+    if sr != rate:
+        from scipy.signal import resample_poly
+
+        g = math.gcd(sr, rate)
+        x = resample_poly(x, rate // g, sr // g)
+    if len(x) == 0:
+        raise ExploreError("the WAV file holds no samples")
+    if len(x) > max_samples:
+        raise ExploreError(f"the audio is {len(x) / rate:.2f} s; this model's window is "
+                           f"{max_samples / rate:.2f} s")
+    return torch.tensor(x, dtype=torch.float32)[None]
+
+
+def audio_frames(ld: Loaded, waveform: Tensor) -> int:
+    """Encoder positions that hold the audio (the rest of the window is silence padding)."""
+    c = config(ld)
+    return min(int(c.n_audio_ctx), max(1, math.ceil(waveform.shape[-1] / c.hop_length / 2)))
+
+
+def frame_seconds(ld: Loaded) -> float:
+    c = config(ld)
+    return 2 * c.hop_length / c.sample_rate
