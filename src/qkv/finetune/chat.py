@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from qkv.config import ConfigError, from_dict, parse_overrides
+from qkv.config import ConfigError, from_dict
 from qkv.finetune import FINETUNE_FILE, Recipe, epoch_updates, epochs_to_steps, register_recipe, shared
 from qkv.finetune.chat_data import (  # noqa: F401  (the data half of this recipe, imported from here too)
     IGNORE,
@@ -88,12 +88,9 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
 def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool) -> Any:
     """TrainConfig: fine-tuning defaults, then the command line's train.key=value."""
     from qkv.train import TrainConfig
+    from qkv.train.config import train_overrides
 
-    over = parse_overrides(list(args.overrides or []))
-    bad = [k for k in over if not k.startswith("train.")]
-    if bad:
-        raise ConfigError(f"qkv finetune takes Trainer settings as train.key=value; {bad[0]!r} is not one")
-    train = {k[len("train."):]: v for k, v in over.items()}
+    train = train_overrides(args.overrides)
     cfg: dict[str, Any] = {
         # the usual instruction-tuning settings: a small LR for full fine-tuning, ten times that for LoRA
         # (its update starts at zero and is scaled by alpha/r), no weight decay, short warmup, cosine decay

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError, apply_overrides, parse_overrides
+from qkv.config import ConfigError, apply_overrides
 from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
 from qkv.tasks.base import text_lines
 
@@ -305,11 +305,9 @@ def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
     epoch), an evaluation and a checkpoint each epoch, then the command line's train.key=value overrides."""
     from qkv.config import from_dict
     from qkv.train import TrainConfig
+    from qkv.train.config import train_overrides
 
-    raw = parse_overrides(list(getattr(args, "overrides", None) or []))
-    bad = [k for k in raw if not k.startswith("train.")]
-    if bad:
-        raise ConfigError(f"overrides must be train.key=value; got {bad[0]!r}")
+    raw = {f"train.{k}": v for k, v in train_overrides(getattr(args, "overrides", None)).items()}
     batch = int(raw.get("train.batch_size", FINETUNE_DEFAULTS["batch_size"]))
     accum = int(raw.get("train.grad_accum", FINETUNE_DEFAULTS.get("grad_accum", 1)))
     per_epoch = epoch_updates(n_train, batch, accum)

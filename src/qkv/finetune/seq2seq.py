@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from qkv.config import ConfigError, parse_overrides
+from qkv.config import ConfigError
 from qkv.finetune import (
     Recipe,
     epoch_updates,
@@ -37,6 +37,7 @@ from qkv.finetune import (
     shared,
 )
 from qkv.tasks.base import text_lines
+from qkv.train.config import train_overrides
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
                    "source.spm", "target.spm", "vocab.json", "generation_config.json")
@@ -286,10 +287,7 @@ class Seq2SeqRecipe:
         cfg = {"batch_size": s.batch_size, "lr": s.lr, "warmup": 0.06, "schedule": "linear",
                "weight_decay": 0.01, "betas": [0.9, 0.999], "out_dir": str(s.out), "seed": s.seed,
                "progress": s.progress}
-        for key, value in parse_overrides(list(s.args.overrides)).items():
-            if not key.startswith("train."):
-                raise ConfigError(f"override {key!r}: qkv finetune takes Trainer settings as train.key=value")
-            cfg[key[len("train."):]] = value
+        cfg.update(train_overrides(s.args.overrides))
         per_epoch = epoch_updates(len(self.data), int(cfg["batch_size"]), int(cfg.get("grad_accum", 1)))
         return {"max_steps": epochs_to_steps(float(s.epochs), per_epoch),
                 "eval_every": per_epoch if self.dev is not None else 0, "save_every": per_epoch, **cfg}
