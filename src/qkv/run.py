@@ -29,6 +29,7 @@ import yaml
 from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides
 from qkv.generate.config import GenerationConfig, resolve
 from qkv.nn.params import count_parameters
+from qkv.storage import atomic_write_text
 
 SECTIONS = ("model", "task", "train", "eval")
 RUN_FILE = "run.yaml"
@@ -276,9 +277,7 @@ def prepare(cfg: dict[str, Any], out_dir: str | Path | None = None):
 
 
 def _write_yaml(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(obj, sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(yaml.safe_dump(obj, sort_keys=False), path)
 
 
 def train_run(cfg: dict[str, Any], out: str | Path | None = None, resume: bool = False,
@@ -336,9 +335,7 @@ def train_run(cfg: dict[str, Any], out: str | Path | None = None, resume: bool =
         samples = task.samples(model, ev.samples) if ev.samples else []
     result = {"metrics": metrics, "extra": extra, "samples": samples, "train": _jsonable(summary),
               "error": error, "parameters": count_parameters(model) if model is not None else None}
-    tmp = out / f".{RESULTS_FILE}.tmp"
-    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, out / RESULTS_FILE)
+    atomic_write_text(json.dumps(result, indent=2, default=str) + "\n", out / RESULTS_FILE)
     lines = [f"run folder: {out}"]
     if metrics:
         lines.append(f"held-out ({_measured(metrics, ev.n)}): " + ", ".join(

@@ -65,13 +65,14 @@ def test_export_onto_a_folder_is_a_one_line_error_and_leaves_nothing(charlm_run,
 
 
 def test_failed_write_removes_its_temporary_file(charlm_run, tmp_path, monkeypatch):
+    from qkv import storage
     from qkv.explore import export
     from qkv.explore.adapter import ExploreError, load
 
     def fail(src, dst):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(export.os, "replace", fail)
+    monkeypatch.setattr(storage.os, "replace", fail)  # the one atomic writer's rename
     with pytest.raises(ExploreError, match="cannot write --export .*Permission denied"):
         export.export_html(load(str(charlm_run)), "x", tmp_path / "p.html")
     assert list(tmp_path.iterdir()) == []

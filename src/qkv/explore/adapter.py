@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from qkv.experiments.attention_report import UNSUPPORTED
+from qkv.storage import atomic_write_text as atomic_write_text  # for export.py: one atomic writer
 
 # the kinds the explorer has views for (a model declares its kinds: qkv.models.registry); it branches on the
 # kind only, never on the family

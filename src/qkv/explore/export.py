@@ -8,12 +8,11 @@ The file loads nothing from anywhere (no server, no network): open it in a brows
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from qkv.explore import analysis
-from qkv.explore.adapter import ExploreError, Loaded
+from qkv.explore.adapter import ExploreError, Loaded, atomic_write_text
 from qkv.explore.server import static_text
 
 CSS_LINK = '<link rel="stylesheet" href="static/explore.css">'
@@ -74,11 +73,8 @@ def export_html(ld: Loaded, text: str, out: str | Path, **kw: Any) -> Path:
     check_export_path(out)
     page = render_page(export_data(ld, text, **kw))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
     try:
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, out)
+        atomic_write_text(page, out)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ExploreError(f"cannot write --export {out}: {e.strerror or e}") from None
     return out

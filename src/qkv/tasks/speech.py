@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from qkv.config import ConfigError
+from qkv.storage import atomic_write
 from qkv.tasks.base import register_task, rng_for
 from qkv.tasks.digits import DIGIT_WORDS
 from qkv.tasks.dtmf import AudioDigitsTask
@@ -158,10 +159,13 @@ class SpeechTask(AudioDigitsTask):
         else:
             texts, clips = self._render_pool(split)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, texts=np.array(texts), audio=np.concatenate(clips),
-                     ends=np.cumsum([len(c) for c in clips]))
-            os.replace(tmp, path)
+
+            def write(tmp: str) -> None:
+                with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
+                    np.savez(f, texts=np.array(texts), audio=np.concatenate(clips),
+                             ends=np.cumsum([len(c) for c in clips]))
+
+            atomic_write(path, write)
         self._pools[split] = (texts, clips)
         return texts, clips
 

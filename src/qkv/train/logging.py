@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qkv.storage import atomic_write
+
 FIRST_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
 
 
@@ -184,13 +186,15 @@ def write_csv(records: list[dict[str, Any]], path: str | Path) -> None:
             if k not in cols:
                 cols.append(k)
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")  # rebuilt at every close: write aside, rename over
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        for r in records:
-            w.writerow({k: r.get(k, "") for k in cols})
-    os.replace(tmp, path)
+
+    def write(tmp: str) -> None:  # rebuilt at every close: written aside, renamed over
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=cols)
+            w.writeheader()
+            for r in records:
+                w.writerow({k: r.get(k, "") for k in cols})
+
+    atomic_write(path, write)
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -228,7 +232,7 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path) -> None:
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
