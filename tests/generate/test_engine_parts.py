@@ -21,6 +21,11 @@ def _request(rid: int, prompt: list[int], **cfg) -> Request:
     return Request(rid, prompt, GenerationConfig(**cfg), 4, set(), None)
 
 
+def _scheduler(bm: BlockManager, preemption: str = "least_work", split_cost: int | None = None) -> Scheduler:
+    return Scheduler(bm, Counters(), max_batch_size=8, prefill_chunk=None, preemption=preemption,
+                     split_cost=split_cost)
+
+
 def test_block_manager_prefix_hits_and_frees():
     bm = _blocks(8)
     toks = list(range(1, 11))  # 10 tokens: 2 full blocks of 4 + 2
@@ -46,7 +51,7 @@ def test_block_manager_prefix_hits_and_frees():
 
 def test_scheduler_admits_no_more_than_the_free_blocks_allow():
     bm = _blocks(5, prefix_caching=False)  # watermark 1 while others run
-    s = Scheduler(bm, Counters(), max_batch_size=8, prefill_chunk=None, preemption="least_work", split_cost=None)
+    s = _scheduler(bm)
     a, b, c, d = (_request(i, list(range(10 * i, 10 * i + n))) for i, n in enumerate((8, 8, 8, 1)))
     s.waiting.append(a)
     s.admit()
@@ -67,7 +72,7 @@ def test_scheduler_admits_no_more_than_the_free_blocks_allow():
 
 def test_scheduler_preempts_the_least_work_and_requeues_it_first():
     bm = _blocks(4, prefix_caching=False)
-    s = Scheduler(bm, Counters(), max_batch_size=8, prefill_chunk=None, preemption="least_work", split_cost=None)
+    s = _scheduler(bm)
     a, b = _request(0, list(range(8))), _request(1, list(range(4)))
     s.waiting.extend([a, b])
     s.admit()
@@ -83,8 +88,7 @@ def test_scheduler_preempts_the_least_work_and_requeues_it_first():
 
 
 def test_scheduler_length_groups():
-    s = Scheduler(_blocks(4), Counters(), max_batch_size=8, prefill_chunk=None, preemption="newest",
-                  split_cost=1)
+    s = _scheduler(_blocks(4), "newest", split_cost=1)
     batch = [_request(i, [1]) for i in range(6)]
     lens = [500, 3, 480, 4, 2, 510]
     groups = s.length_groups(batch, lens)
