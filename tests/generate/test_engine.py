@@ -39,7 +39,8 @@ def test_engine_equals_static_generate_with_joining_requests(position):
     out = engine.run()
     assert engine.cache.blocks_in_use == 0  # everything went back to the pool
     for rid, p, n in zip(ids, prompts, news):
-        ref = generate(m, torch.tensor([p]), n, eos_token_id=eos)[0, len(p):].tolist()  # one row: ends at its eos
+        # one row: ends at its eos
+        ref = generate(m, torch.tensor([p]), n, eos_token_id=eos)[0, len(p):].tolist()
         assert out[rid] == ref
 
 
@@ -80,15 +81,16 @@ def test_engine_sizes_are_checked_and_zero_new_tokens_is_reported_finished():
 
 def test_max_model_len_defaults_to_the_configured_context_of_rope_models():
     """RoPE has no hard position limit, but the engine (like vLLM's max_model_len) refuses requests past the
-    context the model was configured for, unless max_model_len raises it on purpose; learned positions cannot go
-    past their table at all."""
+    context the model was configured for, unless max_model_len raises it on purpose; learned positions cannot
+    go past their table at all."""
     m = tiny_gpt("rope", context=16)
     engine = Engine(m, block_size=4, max_batch_size=2)
     assert engine.context == 16
     with pytest.raises(ValueError, match="exceeds the model's context of 16 positions"):
         engine.add_request(list(range(1, 11)), 7)
     engine.check_request(10, 6)
-    wide = Engine(m, block_size=4, num_blocks=8, max_batch_size=2, max_model_len=24)  # extrapolation, asked for
+    # extrapolation, asked for
+    wide = Engine(m, block_size=4, num_blocks=8, max_batch_size=2, max_model_len=24)
     rid = wide.add_request(list(range(1, 11)), 14)
     out = wide.run()[rid]
     with pytest.warns(UserWarning, match="24 positions runs past the model's context_length of 16"):
@@ -137,7 +139,8 @@ def test_per_request_settings_in_one_batch():
     assert out[greedy[1]] == _alone(m, prompts[1], 6, eos_token_id=3)
     ref = _alone(m, prompts[3], 20)
     cut = next((i for i, t in enumerate(ref) if t == 2), len(ref) - 1)  # "c" is token 2
-    assert out[stop] == ref[:cut + 1] and engine.finish_reason[stop] == ("stop" if cut < len(ref) - 1 else "length")
+    assert out[stop] == ref[:cut + 1]
+    assert engine.finish_reason[stop] == ("stop" if cut < len(ref) - 1 else "length")
     # a seeded request draws the same tokens alone, and whatever else shares its batches
     solo = Engine(m, block_size=4)
     rid = solo.add_request(prompts[2], 12, do_sample=True, temperature=0.8, top_k=4, top_p=0.9, seed=7)
@@ -161,7 +164,8 @@ def test_prefix_caching_shares_blocks_and_keeps_outputs():
         assert out[rid] == _alone(m, p, 6)
     st = engine.stats()
     assert st["prefix_hit_tokens"] >= 3 * 12 - 1 and 0 < st["prefix_hit_rate"] < 1
-    assert st["cow_copies"] >= 1  # prompts[2] is exactly the cached prefix: its last token is recomputed in a copy
+    # prompts[2] is exactly the cached prefix: its last token is recomputed in a copy
+    assert st["cow_copies"] >= 1
     assert engine.cache.blocks_in_use == 0 and st["blocks_cached"] > 0
     # the same requests again without the prefix cache: the same tokens, more prefill work
     plain = Engine(m, block_size=4, max_batch_size=8, prefix_caching=False)
@@ -277,7 +281,8 @@ def test_engine_reads_only_written_cache_slots():
     heads = c.v.view(c.v.shape[0], c.n_kv_heads, c.slots, -1)  # values: (layer, head, slot, hd)
     heads[:, :, 1:] = float("nan")
     assert bool((heads[:, :, 0] == 0).all())
-    blocks = c.k.view(c.k.shape[0], c.n_kv_heads, c.num_blocks, -1, c.block_size)  # keys: each block transposed
+    # keys: each block transposed
+    blocks = c.k.view(c.k.shape[0], c.n_kv_heads, c.num_blocks, -1, c.block_size)
     blocks[:, :, 1:] = float("nan")
     blocks[:, :, 0, :, 1:] = float("nan")
     assert bool((blocks[:, :, 0, :, 0] == 0).all())
@@ -333,8 +338,8 @@ def test_engine_split_cost_auto_cuts_the_batch_only_where_the_step_gathers():
 
 def test_a_request_whose_sampling_fails_fails_alone():
     """A repetition_penalty of 1e-300 divides the seen tokens' logits into inf (then NaN probabilities, which
-    torch.multinomial refuses): that request finishes with "error" and its message, the engine keeps stepping and
-    the request beside it gets the tokens it gets alone."""
+    torch.multinomial refuses): that request finishes with "error" and its message, the engine keeps stepping
+    and the request beside it gets the tokens it gets alone."""
     m = tiny_gpt("rope", context=64)
     engine = Engine(m, block_size=4, max_batch_size=4)
     bad = engine.add_request([1, 2, 3], 8, do_sample=True, repetition_penalty=1e-300, seed=0)
@@ -348,9 +353,9 @@ def test_a_request_whose_sampling_fails_fails_alone():
 
 
 def test_a_stop_string_with_the_first_words_leading_space_stops_the_request(llama_sp):
-    """A SentencePiece-style folder: the output's text is what it adds after the prompt, " con..." with its space
-    (the server's text, decoded after the prompt's tail). A stop string " con" at its very start stops the
-    request at once; the output decoded alone ("con...") lost that space, so the request used to run on."""
+    """A SentencePiece-style folder: the output's text is what it adds after the prompt, " con..." with its
+    space (the server's text, decoded after the prompt's tail). A stop string " con" at its very start stops
+    the request at once; the output decoded alone ("con...") lost that space, and would never stop it."""
     from qkv.interop.tokenizer import decode_continuation
     from qkv.serve import load_served
 
