@@ -214,10 +214,6 @@ class Engine:
         return self.output.errors
 
     @property
-    def just_finished(self) -> list[int]:
-        return self.output.just_finished
-
-    @property
     def steps(self) -> int:
         return self.counters.steps
 
