@@ -1,4 +1,4 @@
-"""Review fixes of `qkv attention`, `qkv ablate` and the speech task's missing espeak-ng: the file written is
+"""`qkv attention`, `qkv ablate` and the speech task's missing espeak-ng: the file written is
 the file printed, the ViT draws the first N held-out images in order, and user errors are one line, exit 2."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def vit_run(tmp_path_factory) -> Path:
                   ["train.max_steps=2", "train.warmup=0"])
 
 
-# -- 13: the path printed is the file written ----------------------------------------------------------------
+# -- the path printed is the file written ----------------------------------------------------------------
 def test_attention_out_without_extension_writes_and_prints_the_png(gpt_run, rev_run, tmp_path, capsys):
     # one attention kind (decoder-only): the file is --out itself, so matplotlib used to add .png unseen
     assert main(["attention", str(gpt_run), "--input", "123", "--out", str(tmp_path / "gpt" / "att")]) == 0
@@ -74,7 +74,7 @@ def test_attention_refuses_what_it_cannot_draw_in_one_line(tmp_path, capsys, pre
     assert not (tmp_path / "a.png").exists()
 
 
-# -- 8: --out under a file, or a folder ----------------------------------------------------------------------
+# -- --out under a file, or a folder ----------------------------------------------------------------------
 def test_attention_out_under_a_file_is_a_one_line_error(rev_run, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -92,7 +92,7 @@ def test_ablate_out_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err == f"qkv: error: --out {afile} is a file, not a folder\n"
 
 
-# -- 11: the ViT's --input N: the first N held-out images, in order ------------------------------------------
+# -- the ViT's --input N: the first N held-out images, in order ------------------------------------------
 def test_vit_attention_draws_the_first_n_held_out_images_in_order(vit_run, tmp_path, capsys, monkeypatch):
     from qkv.models import vit
     from qkv.run import load_run_task
@@ -121,7 +121,7 @@ def test_vit_attention_refuses_n_out_of_range(vit_run, tmp_path, capsys, n):
     assert not (tmp_path / "v.png").exists()
 
 
-# -- 5: espeak-ng missing ------------------------------------------------------------------------------------
+# -- espeak-ng missing ------------------------------------------------------------------------------------
 def test_speech_task_without_espeak_is_a_one_line_error(tmp_path, capsys, monkeypatch):
     from qkv.tasks import speech
 

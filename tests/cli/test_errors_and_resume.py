@@ -1,4 +1,4 @@
-"""Edge cases of the command line found by a hostile tester: flags out of range, what the
+"""What the command line does at its edges: flags out of range, what the
 report claims, unknown prompt characters, resumes that must write nothing or keep the saved settings,
 signals, divergence. Every failure is one line `qkv: error: ...` with a documented exit status."""
 
@@ -50,7 +50,7 @@ def copy_run(src: Path, tmp_path: Path) -> Path:
     return dst
 
 
-# -- item 3: flags out of range, and a report of what was measured ------------------------------------------
+# -- flags out of range, and a report of what was measured ------------------------------------------
 def test_eval_needs_at_least_one_example(lm_run):
     assert "-n must be at least 1" in one_error_line(run_cli("eval", str(lm_run), "-n", "0"))
 
@@ -92,7 +92,7 @@ def test_report_states_what_was_measured(tmp_path):
     assert "100000" not in line.replace(",", "") and f"{scored:,} scored tokens" in line, line
 
 
-# -- item 4: prompt characters outside the vocabulary --------------------------------------------------------
+# -- prompt characters outside the vocabulary --------------------------------------------------------
 def test_unknown_prompt_characters_are_named_or_refused(lm_run):
     r = run_cli("generate", str(lm_run), "--prompt", "ab\u20ac\u2603", "--max-new-tokens", "2", "--greedy")
     assert r.returncode == 0, r.stderr
@@ -103,7 +103,7 @@ def test_unknown_prompt_characters_are_named_or_refused(lm_run):
     assert "'\u20ac'" in one_error_line(r)
 
 
-# -- items 6 and 7: a resume validates before it writes, and continues the saved run -------------------------
+# -- a resume validates before it writes, and continues the saved run -------------------------
 def test_failed_resume_writes_nothing(lm_run, tmp_path):
     out = copy_run(lm_run, tmp_path)
     files = ["run.yaml", "task.json", "tokenizer.json", "metrics.jsonl"]
@@ -220,7 +220,7 @@ def test_resume_keeps_the_saved_settings(lm_run, tmp_path):
     assert [x["step"] for x in rows if "loss" in x] == [1, 2, 3]
 
 
-# -- item 11: clear errors -----------------------------------------------------------------------------------
+# -- clear errors -----------------------------------------------------------------------------------
 def test_out_pointing_at_a_file(tmp_path):
     f = tmp_path / "taken"
     f.write_text("x")
@@ -247,7 +247,7 @@ def test_divergence_ends_with_the_nan_guard_exit_status(tmp_path, policy):
     assert steps == sorted(set(steps))  # one record per step, also after a rollback
 
 
-# -- item 8: SIGINT / SIGTERM --------------------------------------------------------------------------------
+# -- SIGINT / SIGTERM --------------------------------------------------------------------------------
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_saves_the_current_step_and_exits_with_one_line(tmp_path, sig, code):
     out = tmp_path / "lm"
