@@ -67,7 +67,8 @@ def test_every_shipped_run_config_validates(path, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["train", "reverse", "--model", "transformer-tinyy"], "unknown preset 'transformer-tinyy'; did you mean 'transformer-tiny'?"),
+    (["train", "reverse", "--model", "transformer-tinyy"],
+     "unknown preset 'transformer-tinyy'; did you mean 'transformer-tiny'?"),
     (["train", "reverse", "model.n_head=3"], "did you mean 'n_heads'"),
     (["train", "reverse", "train.lr=fast"], "expected a number"),
     (["train", "reverse", "task.name=revers"], "did you mean 'reverse'"),
@@ -127,7 +128,8 @@ def test_train_eval_generate_resume_end_to_end(tmp_path):
     # a second train into the same folder must not silently overwrite it
     r = run_cli("train", "reverse", "--out", str(out), "--max-steps", "8", "--no-progress")
     assert r.returncode == 2 and "--resume" in r.stderr
-    r = run_cli("train", "reverse", "--out", str(out), "--max-steps", "8", "--resume", "--no-progress", "eval.n=8")
+    r = run_cli("train", "reverse", "--out", str(out), "--max-steps", "8", "--resume", "--no-progress",
+                "eval.n=8")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert max(row["step"] for row in rows if "loss" in row) == 8

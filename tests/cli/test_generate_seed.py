@@ -1,5 +1,6 @@
-"""`qkv generate` without --seed samples with a new seed each run and says it on stderr (two runs gave the same
-text: the seed defaulted to 0); --seed N repeats a run; greedy decoding and the Python API say nothing."""
+"""`qkv generate` without --seed samples with a new seed each run and says it on stderr (two runs gave the
+same text: the seed defaulted to 0); --seed N repeats a run; greedy decoding and the Python API say
+nothing."""
 
 from __future__ import annotations
 

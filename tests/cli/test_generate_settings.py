@@ -1,5 +1,5 @@
-"""What `qkv generate` decodes with: a setting the user gives wins over the folder's generation_config.json or the
-task's sampling defaults even when it equals GenerationConfig's default (--greedy, do_sample=False,
+"""What `qkv generate` decodes with: a setting the user gives wins over the folder's generation_config.json or
+the task's sampling defaults even when it equals GenerationConfig's default (--greedy, do_sample=False,
 --temperature 1.0), as in transformers; beams switch off a folder's sampling; stop_strings from a file work;
 a byte-level BPE run streams whole characters."""
 
@@ -39,7 +39,8 @@ def test_a_setting_given_at_its_default_wins_over_the_folder():
     assert (cfg.do_sample, cfg.temperature, cfg.top_k) == (False, 1.0, 20)
     assert resolve(folder, GenerationConfig(), {}).do_sample  # not given: the folder's
     assert resolve(folder, GenerationConfig().replace(temperature=1.0), {}).temperature == 1.0
-    assert not resolve(folder, None, {"num_beams": 2}).do_sample  # beams asked for: the folder's sampling is off
+    # beams asked for: the folder's sampling is off
+    assert not resolve(folder, None, {"num_beams": 2}).do_sample
     with pytest.raises(ConfigError, match="beam search is deterministic"):
         resolve(folder, None, {"num_beams": 2, "do_sample": True})  # both asked for: a contradiction
 
@@ -59,7 +60,8 @@ def test_do_sample_false_in_a_config_is_greedy_and_beams_run(sampling_folder):
     model = qkv.from_pretrained(folder).eval()
     ids = torch.tensor([tok.encode("The class of").ids])
     with torch.no_grad():
-        want = hf.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2)
+        want = hf.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                           pad_token_id=2)
         beams = hf.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, num_beams=3,
                             pad_token_id=2)
     for seed in (1, 2):
@@ -75,8 +77,10 @@ def test_stop_strings_from_a_file(sampling_folder, llama_sp, tmp_path, capsys):
     stop = full.split()[2]  # a word the greedy continuation reaches after a few tokens
     (tmp_path / "stop.json").write_text(json.dumps({"stop_strings": [stop]}))
     for extra in ([], ["--stream"]):
-        assert main(["generate", str(sampling_folder[0]), "--prompt", "Hello", "--max-new-tokens", str(MAX_NEW),
-                     "--min-new-tokens", str(MAX_NEW), "--greedy", "--generation-config", str(tmp_path / "stop.json"),
+        assert main(["generate", str(sampling_folder[0]), "--prompt", "Hello", "--max-new-tokens",
+                     str(MAX_NEW),
+                     "--min-new-tokens", str(MAX_NEW), "--greedy", "--generation-config",
+                     str(tmp_path / "stop.json"),
                      *extra]) == 0
         out = capsys.readouterr().out.rstrip("\n")
         assert stop in out and full.startswith(out) and len(out) < len(full), (out, full)
@@ -100,9 +104,11 @@ def test_greedy_and_temperature_flags_on_a_run(tiny_lm_run, capsys):
         assert main(["generate", str(folder), "--prompt", "def ", "--max-new-tokens", "10", "--greedy",
                      "--seed", seed]) == 0
         assert capsys.readouterr().out == want + "\n"
-    assert main(["generate", str(folder), "--prompt", "def ", "--max-new-tokens", "10", "--num-beams", "2"]) == 0
+    assert main(["generate", str(folder), "--prompt", "def ", "--max-new-tokens", "10", "--num-beams",
+                 "2"]) == 0
     outs = {}
-    for t in (None, "0.8", "1.0"):  # the task samples at 0.8: a flag of 1.0 must not be dropped as "the default"
+    # the task samples at 0.8: a flag of 1.0 must not be dropped as "the default"
+    for t in (None, "0.8", "1.0"):
         capsys.readouterr()
         assert main(["generate", str(folder), "--prompt", "def ", "--max-new-tokens", "30", "--seed", "3",
                      *(["--temperature", t] if t else [])]) == 0
@@ -115,7 +121,8 @@ def test_a_byte_level_bpe_run_streams_whole_characters(tmp_path, monkeypatch, ca
     from qkv.run import _stream_lm
 
     (tmp_path / "ascii.txt").write_text("plain ascii words only\n" * 300, encoding="utf-8")
-    tok = build_task("bpelm", family="gpt", path=str(tmp_path / "ascii.txt"), context=16, bpe_vocab_size=300).tokenizer
+    tok = build_task("bpelm", family="gpt", path=str(tmp_path / "ascii.txt"), context=16,
+                     bpe_vocab_size=300).tokenizer
     ids = tok.encode("日本語 ok")
     assert len(ids) > 4  # every CJK character is three byte tokens here
     monkeypatch.setattr(qkv.generate, "stream", lambda *a, **k: iter(torch.tensor([[i]]) for i in ids))
@@ -127,7 +134,8 @@ def test_the_folders_own_length_is_the_default(sampling_folder, llama_sp, capsys
     # a decoder folder's generation_config.json max_new_tokens was overridden by the CLI's 200
     folder, tok, _ = sampling_folder
     meta = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**meta, "max_new_tokens": 3, "min_new_tokens": 3}))
+    (folder / "generation_config.json").write_text(json.dumps({**meta, "max_new_tokens": 3,
+                                                               "min_new_tokens": 3}))
     assert main(["generate", str(folder), "--prompt", "Hello", "--greedy"]) == 0
     want = _reference(llama_sp, "Hello")  # 8 greedy tokens; the first 3 are the folder's answer
     out = capsys.readouterr().out.rstrip("\n")
@@ -141,13 +149,14 @@ def test_a_dataclasses_copy_does_not_give_every_field():
     folder = {"do_sample": True, "temperature": 0.6}
     copy = dataclasses.replace(GenerationConfig(), max_new_tokens=5)
     cfg = resolve(folder, copy, {})
-    assert (cfg.do_sample, cfg.temperature, cfg.max_new_tokens) == (True, 0.6, 5)  # the folder's, as .replace gives
+    # the folder's, as .replace gives
+    assert (cfg.do_sample, cfg.temperature, cfg.max_new_tokens) == (True, 0.6, 5)
 
 
 def test_context_overflow_flag_on_a_folder_with_a_fixed_context(tmp_path, capsys):
-    """A GPT-2 folder (learned positions, n_positions=24) refuses prompt + new tokens over its context and names
-    the flag that slides instead; with --context-overflow slide each new token is the argmax of transformers'
-    logits over the last 24 tokens."""
+    """A GPT-2 folder (learned positions, n_positions=24) refuses prompt + new tokens over its context and
+    names the flag that slides instead; with --context-overflow slide each new token is the argmax of
+    transformers' logits over the last 24 tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}

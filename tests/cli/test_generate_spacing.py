@@ -1,6 +1,7 @@
-"""`qkv generate` on a SentencePiece-style (Metaspace, prepend_scheme="first") Hugging Face folder, as converted
-Llama-2 / Mistral / TinyLlama folders have: the continuation keeps the space before its first word, plain and
---stream ("Hello con ar", not "Hellocon ar"), as the `tokenizers` decode of prompt + continuation has it."""
+"""`qkv generate` on a SentencePiece-style (Metaspace, prepend_scheme="first") Hugging Face folder, as
+converted Llama-2 / Mistral / TinyLlama folders have: the continuation keeps the space before its first word,
+plain and --stream ("Hello con ar", not "Hellocon ar"), as the `tokenizers` decode of prompt + continuation
+has it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def _reference(llama_sp, prompt: str) -> str:
     ids = tok.encode(prompt).ids
     assert ids[0] == 1  # <s>
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                             do_sample=False,
                              pad_token_id=2)[0].tolist()
     assert len(out) == len(ids) + MAX_NEW
     head = tok.decode(ids, skip_special_tokens=True)

@@ -115,12 +115,14 @@ def test_predict_on_a_qkv_image_run(tmp_path):
 
     root = _write_images(tmp_path / "pets", {"cat": [(20, 20)] * 6, "dog": [(24, 16)] * 6})
     out = tmp_path / "run"
-    r = run_cli("train", "--task", "image_folder", "--model", "resnet-8-cifar", "--out", str(out), "--max-steps", "2",
+    r = run_cli("train", "--task", "image_folder", "--model", "resnet-8-cifar", "--out", str(out),
+                "--max-steps", "2",
                 f"task.path={root}", "task.image_size=12", "train.batch_size=4", "train.progress=false",
                 "train.plot=false")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = predict_images(out, [str(root / "dog" / "0.png")], top_k=5)
-    assert [n for n, _ in rows[0][1]] in (["cat", "dog"], ["dog", "cat"])  # both classes, named, top-k cut to 2
+    # both classes, named, top-k cut to 2
+    assert [n for n, _ in rows[0][1]] in (["cat", "dog"], ["dog", "cat"])
     assert abs(sum(p for _, p in rows[0][1]) - 1) < 1e-5
     r = run_cli("eval", str(out), "-n", "4")
     assert r.returncode == 0 and "accuracy:" in r.stdout, r.stderr
@@ -132,7 +134,8 @@ def test_vit_attention_overlay_on_an_image_folder_run(tmp_path):
 
     root = _write_images(tmp_path / "pets", {"cat": [(20, 20)] * 5, "dog": [(24, 16)] * 5})
     out = tmp_path / "vit"
-    r = run_cli("train", "--task", "image_folder", "--model", "vit-digits", "--out", str(out), "--max-steps", "1",
+    r = run_cli("train", "--task", "image_folder", "--model", "vit-digits", "--out", str(out), "--max-steps",
+                "1",
                 f"task.path={root}", "task.image_size=8", "task.channels=1", "train.batch_size=4",
                 "train.progress=false", "train.plot=false")
     assert r.returncode == 0, r.stderr[-2000:]

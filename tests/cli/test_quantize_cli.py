@@ -1,5 +1,6 @@
-"""--quantize on qkv generate / chat / serve / explore: one flag, passed through to qkv.from_pretrained (the model
-each command runs is quantized), the same text as the Python API, and a bad value refused by the parser."""
+"""--quantize on qkv generate / chat / serve / explore: one flag, passed through to qkv.from_pretrained (the
+model each command runs is quantized), the same text as the Python API, and a bad value refused by the
+parser."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ def folder(tmp_path_factory):
         vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
-    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(path)
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128,
                                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -63,9 +67,11 @@ def test_generate_runs_the_quantized_model(folder, loaded, capsys):
 
 
 def test_chat_and_explore_run_the_quantized_model(folder, loaded, tmp_path, capsys):
-    assert main(["chat", str(folder), "--message", "hi", "--greedy", "--max-new-tokens", "4", "--quantize", "int4"]) == 0
+    assert main(["chat", str(folder), "--message", "hi", "--greedy", "--max-new-tokens", "4", "--quantize",
+                 "int4"]) == 0
     page = tmp_path / "page.html"
-    assert main(["explore", str(folder), "--input", "for x in y", "--export", str(page), "--quantize", "int8"]) == 0
+    assert main(["explore", str(folder), "--input", "for x in y", "--export", str(page), "--quantize",
+                 "int8"]) == 0
     assert page.is_file()
     assert [q for q, _ in loaded] == ["int4", "int8"]
     assert loaded[0][1] == {"int4": 11} and loaded[1][1] == {"int8": 11}
@@ -88,7 +94,8 @@ def test_a_bad_mode_is_refused_by_the_parser(command, folder, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, str(folder), "--quantize", "int3"])
     assert e.value.code == 2
-    err = capsys.readouterr().err.splitlines()[-1]  # the quotes around the choices depend on the Python version
+    # the quotes around the choices depend on the Python version
+    err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith(f"qkv {command}: error: argument --quantize: invalid choice: 'int3' (choose from ")
     assert "int8" in err and "int4" in err
 

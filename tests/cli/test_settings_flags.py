@@ -87,3 +87,61 @@ def test_train_and_finetune_say_a_conflict_alike(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == "qkv: error: --seed 1 and train.seed=2 disagree; give one of them"
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--temperature", -1.0, "--temperature must be at least 0 (0, or below 1e-05, = greedy), got -1.0"),
+    ("--top-p", 1.5, "--top-p must be in (0, 1], got 1.5"),
+    ("--top-k", -2, "--top-k must be at least 0 (0 = no top-k), got -2")])
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_bad_sampling_flag_exits_2_with_generation_configs_message(command, flag, value, message, tmp_path,
+                                                                     capsys):
+    name = flag[2:].replace("-", "_")
+    with pytest.raises(ConfigError) as err:  # the library's own words, the flag named in place of the field
+        GenerationConfig(**{name: value})
+    assert str(err.value) == message.replace(flag, f"GenerationConfig.{name}")
+    # the folder does not exist: the flag is refused before anything is loaded
+    argv = [command, str(tmp_path / "absent"), flag, str(value)]
+    argv += ["--prompt", "a"] if command == "generate" else ["--message", "hi"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"qkv: error: {message}"
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    """A random two-layer Qwen2 with a ChatML tokenizer.json: what `qkv chat` loads."""
+    transformers = pytest.importorskip("transformers")
+    import pydoc_data.topics
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(pydoc_data.topics.topics.values())[:20], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    path = tmp_path_factory.mktemp("chat")
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128, initializer_range=0.3, eos_token_id=0,
+                                      tie_word_embeddings=True)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_temperature_zero_in_chat_equals_greedy(chat_folder, capsys):
+    base = ["chat", str(chat_folder), "--message", "hi", "--max-new-tokens", "8"]
+    assert main([*base, "--greedy"]) == 0
+    greedy = capsys.readouterr().out
+    assert main([*base, "--temperature", "0", "--top-k", "5", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == greedy and greedy.strip()
+    assert main([*base, "--temperature", "0", "--top-k", "5", "--seed", "4"]) == 0
+    assert capsys.readouterr().out == greedy

@@ -1,8 +1,8 @@
-"""`qkv train`: each flag is a shortcut for a key (--resume for train.resume, --max-steps for train.max_steps, ...),
-so the key works as the flag does: train.resume: true in the run YAML (or train.resume=true) continues OUT, as
---resume does (it was ignored, and the command said to pass --resume). Over the YAML the command line wins;
-a flag and its own key=value both on the command line with different values are one error (the flag used to
-win silently)."""
+"""`qkv train`: each flag is a shortcut for a key (--resume for train.resume, --max-steps for train.max_steps,
+...), so the key works as the flag does: train.resume: true in the run YAML (or train.resume=true) continues
+OUT, as --resume does (it was ignored, and the command said to pass --resume). Over the YAML the command
+line wins; a flag and its own key=value both on the command line with different values are one error
+(the flag used to win silently)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_train_resume_true_continues_like_the_flag(tmp_path, capsys, where):
         capsys.readouterr().err
     assert "from step_00000002" in capsys.readouterr().err  # "resuming OUT from step_00000002: ..."
     assert _steps(out) == [1, 2, 3, 4]  # continued, not started over
-    # run.yaml describes the run, not how it was started: a copy of it must not make another run continue this one
+    # run.yaml describes the run, not how it was started: a copy of it must not make another run continue this
+    # one
     assert "resume" not in yaml.safe_load((out / "run.yaml").read_text())["train"]
 
 
@@ -56,7 +57,8 @@ def test_train_run_honours_train_resume_from_python(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-steps", "3", "train.max_steps=4"], "--max-steps 3 and train.max_steps=4 disagree; give one of them"),
+    (["--max-steps", "3", "train.max_steps=4"],
+     "--max-steps 3 and train.max_steps=4 disagree; give one of them"),
     (["--resume", "train.resume=false"], "--resume and train.resume=false disagree"),
     (["--seed", "1", "task.seed=2"], "--seed 1 and task.seed=2 disagree"),
     (["--seed", "1", "train.seed=2"], "--seed 1 and train.seed=2 disagree"),
@@ -69,7 +71,8 @@ def test_a_flag_and_its_key_that_disagree_are_one_error(tmp_path, capsys, monkey
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "o"
     argv = [str(out) if a == "OUT" else a for a in argv]
-    rc = main(["train", str(_yaml(tmp_path)), *(["--out", str(out)] if "--out" not in argv else []), *TINY, *argv])
+    rc = main(["train", str(_yaml(tmp_path)), *(["--out", str(out)] if "--out" not in argv else []), *TINY,
+               *argv])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("qkv: error: ") and message in err and len(err.splitlines()) == 1, err
     assert not out.exists() and not (tmp_path / "elsewhere").exists()

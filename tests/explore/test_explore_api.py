@@ -240,13 +240,22 @@ def test_bad_input_is_a_json_error(charlm_run, clients, body, status, words):
     ({"input": "ab", "max_new_tokens": 0}, 400, "max_new_tokens"),
     ({"input": "ab", "max_new_tokens": "many"}, 422, "max_new_tokens"),
     ({"input": "ab", "block_size": 0}, 400, "block_size"),
-    ({"input": "ab", "do_sample": True, "temperature": 0}, 400, "temperature"),
+    ({"input": "ab", "do_sample": True, "temperature": -1}, 400, "temperature must be at least 0"),
     ({"input": "x" * 32}, 400, "context"),
 ])
 def test_bad_generation_requests(charlm_run, clients, body, status, words):
     r = clients(charlm_run).post("/api/generate", json=body)
     assert r.status_code == status, r.text
     assert words in r.json()["error"]
+
+
+def test_temperature_zero_is_greedy_as_in_the_cli_and_the_server(charlm_run, clients):
+    c = clients(charlm_run)
+    greedy = c.post("/api/generate", json={"input": "The ", "max_new_tokens": 6}).json()
+    zero = c.post("/api/generate", json={"input": "The ", "max_new_tokens": 6, "do_sample": True,
+                                         "temperature": 0, "seed": 5}).json()
+    assert [s["token"] for s in zero["steps"]] == [s["token"] for s in greedy["steps"]]
+    assert len(greedy["steps"]) == 6
 
 
 def test_text_for_a_folder_without_tokenizer_asks_for_ids(rope_alibi, clients):

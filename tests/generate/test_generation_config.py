@@ -36,14 +36,17 @@ from qkv.generate.processors import (
 
 # every option, alone or in the combinations that need each other; decoder-only GPT
 OPTIONS = [
-    dict(max_new_tokens=7), dict(max_length=9), dict(do_sample=True, seed=3), dict(do_sample=True, temperature=0.6, seed=1),
-    dict(do_sample=True, top_k=3, seed=2), dict(do_sample=True, top_p=0.8, seed=4), dict(do_sample=True, min_p=0.2, seed=5),
+    dict(max_new_tokens=7), dict(max_length=9), dict(do_sample=True, seed=3),
+    dict(do_sample=True, temperature=0.6, seed=1),
+    dict(do_sample=True, top_k=3, seed=2), dict(do_sample=True, top_p=0.8, seed=4),
+    dict(do_sample=True, min_p=0.2, seed=5),
     dict(do_sample=True, temperature=0.0), dict(repetition_penalty=1.8), dict(repetition_penalty=0.7),
     dict(no_repeat_ngram_size=2), dict(min_new_tokens=6, eos_token_id=4), dict(min_length=8, eos_token_id=4),
     dict(eos_token_id=4), dict(eos_token_id=[4, 7], pad_token_id=10), dict(forced_eos_token_id=9),
     dict(forced_bos_token_id=2), dict(num_beams=3), dict(num_beams=3, length_penalty=0.0, eos_token_id=4),
     dict(num_beams=3, num_return_sequences=2), dict(num_beams=3, early_stopping=True, eos_token_id=4),
-    dict(num_beams=3, early_stopping=False, eos_token_id=4), dict(do_sample=True, num_return_sequences=2, seed=7),
+    dict(num_beams=3, early_stopping=False, eos_token_id=4),
+    dict(do_sample=True, num_return_sequences=2, seed=7),
     dict(use_cache=False), dict(max_new_tokens=20, context_overflow="slide"),
     dict(do_sample=True, temperature=1.4, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
          no_repeat_ngram_size=3, seed=9),
@@ -58,7 +61,8 @@ def test_every_option_through_the_config_equals_the_keyword(kw):
     by_config = generate(m, x, GenerationConfig(**({"max_new_tokens": 10} | kw)))
     assert torch.equal(by_config, by_keyword)
     # a config plus keyword overrides: the keyword wins
-    assert torch.equal(generate(m, x, GenerationConfig(max_new_tokens=2), **({"max_new_tokens": 10} | kw)), by_keyword)
+    assert torch.equal(generate(m, x, GenerationConfig(max_new_tokens=2), **({"max_new_tokens": 10} | kw)),
+                       by_keyword)
 
 
 def test_stop_strings_and_seq2seq_options_through_the_config():
@@ -67,16 +71,20 @@ def test_stop_strings_and_seq2seq_options_through_the_config():
     decode = lambda ids: "".join(chr(ord("a") + i) for i in ids)  # noqa: E731
     free = decode(generate(m, x, 12)[0, 3:].tolist())
     kw = dict(stop_strings=[free[4:6]], max_new_tokens=12)
-    assert torch.equal(generate(m, x, GenerationConfig(**kw), tokenizer=decode), generate(m, x, tokenizer=decode, **kw))
+    assert torch.equal(generate(m, x, GenerationConfig(**kw), tokenizer=decode),
+                       generate(m, x, tokenizer=decode, **kw))
     e = tiny_encdec()
     src = torch.randint(3, 11, (2, 5))
-    for kw in (dict(decoder_start_token_id=5), dict(bos_token_id=6), dict(forced_bos_token_id=8, num_beams=2)):
-        assert torch.equal(generate(e, src, GenerationConfig(max_new_tokens=6, **kw)), generate(e, src, 6, **kw))
+    for kw in (dict(decoder_start_token_id=5), dict(bos_token_id=6),
+               dict(forced_bos_token_id=8, num_beams=2)):
+        assert torch.equal(generate(e, src, GenerationConfig(max_new_tokens=6, **kw)),
+                           generate(e, src, 6, **kw))
     assert int(generate(e, src, 6, forced_bos_token_id=8)[0, 0]) == 8
 
 
 # -- an independent reference: full recompute + Hugging Face's processors ---------------------------------
-def reference(model, ids, n, processors, warpers=(), *, seed=None, eos=None, pad=0, seq2seq_src=None, start=1):
+def reference(model, ids, n, processors, warpers=(), *, seed=None, eos=None, pad=0, seq2seq_src=None,
+              start=1):
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     seq = ids.clone() if seq2seq_src is None else torch.full((seq2seq_src.shape[0], 1), start)
     done = torch.zeros(seq.shape[0], dtype=torch.bool)
@@ -118,13 +126,15 @@ def test_greedy_and_sampling_equal_hugging_face_processors():
         (dict(min_new_tokens=7, eos_token_id=3), [hf.MinNewTokensLengthLogitsProcessor(T, 7, 3)], []),
         (dict(min_length=9, eos_token_id=3), [hf.MinLengthLogitsProcessor(9, 3)], []),
         (dict(forced_eos_token_id=6), [hf.ForcedEOSTokenLogitsProcessor(T + N, 6)], []),
-        (dict(do_sample=True, repetition_penalty=1.5, no_repeat_ngram_size=3, temperature=1.2, top_k=8, seed=5),
+        (dict(do_sample=True, repetition_penalty=1.5, no_repeat_ngram_size=3, temperature=1.2, top_k=8,
+              seed=5),
          [hf.RepetitionPenaltyLogitsProcessor(1.5), hf.NoRepeatNGramLogitsProcessor(3)],
          [hf.TemperatureLogitsWarper(1.2), hf.TopKLogitsWarper(8)]),
     ]
     for kw, procs, warps in cases:
         eos = kw.get("eos_token_id")
-        ref = reference(m, x, N, procs, warps, seed=kw.get("seed"), eos=None if eos is None else [eos], pad=eos or 0)
+        ref = reference(m, x, N, procs, warps, seed=kw.get("seed"), eos=None if eos is None else [eos],
+                        pad=eos or 0)
         got = generate(m, x, N, **kw)
         assert torch.equal(got, ref), kw
 
@@ -177,7 +187,8 @@ def test_each_processor_equals_hugging_face():
     assert torch.isinf(NoRepeatNGram(3)(ids, scores)).any()  # the case is not vacuous
     # forced BOS: Hugging Face forces it at decoder length 1 (an encoder-decoder's first step)
     one = ids[:, :1]
-    torch.testing.assert_close(ForcedBOS(7, 1)(one, scores.clone()), hf.ForcedBOSTokenLogitsProcessor(7)(one, scores.clone()))
+    torch.testing.assert_close(ForcedBOS(7, 1)(one, scores.clone()),
+                               hf.ForcedBOSTokenLogitsProcessor(7)(one, scores.clone()))
     torch.testing.assert_close(ForcedBOS(7, 1)(ids, scores.clone()), scores)
 
 
@@ -215,7 +226,8 @@ def test_beam_early_stopping_modes_keep_their_promise(early):
 def test_hugging_face_generation_config_json_is_read_by_field_name(tmp_path):
     from transformers import GenerationConfig as HFGenerationConfig
 
-    HFGenerationConfig(max_new_tokens=40, min_new_tokens=2, do_sample=True, temperature=0.7, top_k=30, top_p=0.95,
+    HFGenerationConfig(max_new_tokens=40, min_new_tokens=2, do_sample=True, temperature=0.7, top_k=30,
+                       top_p=0.95,
                        min_p=0.02, repetition_penalty=1.1, no_repeat_ngram_size=3, eos_token_id=[2, 7],
                        pad_token_id=0, bos_token_id=1, decoder_start_token_id=1, forced_bos_token_id=5,
                        forced_eos_token_id=2, stop_strings=["\n\n"]).save_pretrained(tmp_path)
@@ -223,18 +235,21 @@ def test_hugging_face_generation_config_json_is_read_by_field_name(tmp_path):
     assert (cfg.max_new_tokens, cfg.min_new_tokens, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p) == \
         (40, 2, True, 0.7, 30, 0.95)
     assert (cfg.min_p, cfg.repetition_penalty, cfg.no_repeat_ngram_size) == (0.02, 1.1, 3)
-    assert (cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id, cfg.decoder_start_token_id) == ([2, 7], 0, 1, 1)
+    assert (cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id, cfg.decoder_start_token_id) == ([2, 7], 0,
+                                                                                                  1, 1)
     assert (cfg.forced_bos_token_id, cfg.forced_eos_token_id, cfg.stop_strings) == (5, 2, ["\n\n"])
     beams = tmp_path / "beams"
     HFGenerationConfig(max_length=30, min_length=3, num_beams=4, num_return_sequences=2, length_penalty=0.8,
                        early_stopping=True, eos_token_id=2).save_pretrained(beams)
     b = GenerationConfig.from_model_folder(beams)
-    assert (b.max_length, b.min_length, b.num_beams, b.num_return_sequences, b.length_penalty, b.early_stopping) == \
+    assert (b.max_length, b.min_length, b.num_beams, b.num_return_sequences, b.length_penalty,
+            b.early_stopping) == \
         (30, 3, 4, 2, 0.8, True)
     assert (b.new_tokens(5), b.min_tokens(2)) == (25, 1)  # HF's lengths count the prompt
     assert GenerationConfig.from_file(tmp_path / "generation_config.json") == cfg
     # an option qkv does not implement is named, not silently applied or dropped
-    (tmp_path / "generation_config.json").write_text(json.dumps({"typical_p": 0.5, "transformers_version": "5"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"typical_p": 0.5,
+                                                                 "transformers_version": "5"}))
     with pytest.warns(UserWarning, match="typical_p"):
         GenerationConfig.from_model_folder(tmp_path)
 
@@ -251,7 +266,8 @@ def test_qkv_config_is_strict_and_validated(tmp_path):
     with pytest.raises(ConfigError, match="did you mean 'top_p'"):
         generate(tiny_gpt(), torch.tensor([[1]]), 2, top_pp=0.5)
     (tmp_path / "g.yaml").write_text("max_new_tokens: 5\ndo_sample: true\nseed: 3\n")
-    assert GenerationConfig.from_file(tmp_path / "g.yaml") == GenerationConfig(max_new_tokens=5, do_sample=True, seed=3)
+    assert GenerationConfig.from_file(tmp_path / "g.yaml") == GenerationConfig(max_new_tokens=5,
+                                                                               do_sample=True, seed=3)
 
 
 def test_a_model_folder_brings_its_generation_defaults(tmp_path):
@@ -271,9 +287,11 @@ def test_a_model_folder_brings_its_generation_defaults(tmp_path):
 def test_engine_requests_with_their_own_settings():
     m = tiny_gpt("rope", gqa=True)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 1]]
-    settings = [GenerationConfig(max_new_tokens=6), GenerationConfig(max_new_tokens=5, repetition_penalty=2.0),
+    settings = [GenerationConfig(max_new_tokens=6),
+                GenerationConfig(max_new_tokens=5, repetition_penalty=2.0),
                 GenerationConfig(max_new_tokens=7, no_repeat_ngram_size=2, eos_token_id=3),
-                GenerationConfig(max_new_tokens=6, min_new_tokens=4, eos_token_id=int(generate(m, torch.tensor([[10, 1]]), 2)[0, -1]))]
+                GenerationConfig(max_new_tokens=6, min_new_tokens=4,
+                                 eos_token_id=int(generate(m, torch.tensor([[10, 1]]), 2)[0, -1]))]
     engine = Engine(m, block_size=4, max_batch_size=4)
     ids = [engine.add_request(p, s) for p, s in zip(prompts, settings)]
     out = engine.run()
@@ -288,8 +306,10 @@ def test_engine_requests_with_their_own_settings():
     a = e.add_request([1, 2], GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.3, seed=5))
     b = e.add_request([3, 4, 5], GenerationConfig(max_new_tokens=6, do_sample=True, top_k=4, seed=6))
     got = e.run()
-    assert got[a] == generate(m, torch.tensor([[1, 2]]), 6, do_sample=True, temperature=1.3, seed=5)[0, 2:].tolist()
-    assert got[b] == generate(m, torch.tensor([[3, 4, 5]]), 6, do_sample=True, top_k=4, seed=6)[0, 3:].tolist()
+    assert got[a] == generate(m, torch.tensor([[1, 2]]), 6, do_sample=True, temperature=1.3, seed=5)[0,
+                                                                                                     2:].tolist()
+    assert got[b] == generate(m, torch.tensor([[3, 4, 5]]), 6, do_sample=True, top_k=4, seed=6)[0,
+                                                                                                3:].tolist()
     with pytest.raises(ValueError, match="num_beams"):
         e.add_request([1], num_beams=2)
 

@@ -34,10 +34,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def flag(group: argparse._ArgumentGroup, name: str, **kwargs: Any) -> None:
-    """Add `name` unless another recipe already did (recipes share one parser; two recipes may both want
-    e.g. --epochs, and argparse refuses a second definition)."""
-    if name not in group._option_string_actions:  # shared with the parser the group belongs to
-        group.add_argument(name, **kwargs)
+    """Add a recipe's own flag to its group. Recipes share one parser, so a flag two recipes want (e.g.
+    --epochs) is defined once in qkv.finetune.add_arguments; a second definition is argparse's error."""
+    group.add_argument(name, **kwargs)
 
 
 # -- the model folder ------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Review fixes of `qkv attention`, `qkv ablate` and the speech task's missing espeak-ng: the file written is the
-file printed, the ViT draws the first N held-out images in order, and user errors are one line, exit 2."""
+"""`qkv attention`, `qkv ablate` and the speech task's missing espeak-ng: the file written is
+the file printed, the ViT draws the first N held-out images in order, and user errors are one line, exit 2."""
 
 from __future__ import annotations
 
@@ -24,13 +24,15 @@ def _train(out: Path, config: str, overrides: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def rev_run(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("rev") / "run", "reverse",
-                  ["train.max_steps=2", "train.warmup=0", "task.min_len=3", "task.max_len=5", "model.d_model=32", "model.d_ff=64"])
+                  ["train.max_steps=2", "train.warmup=0", "task.min_len=3", "task.max_len=5",
+                   "model.d_model=32", "model.d_ff=64"])
 
 
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("gpt") / "run", "reverse",
-                  ["model.preset=gpt-nano", "model.d_model=32", "model.n_heads=2", "model.n_layers=1", "train.max_steps=2",
+                  ["model.preset=gpt-nano", "model.d_model=32", "model.n_heads=2", "model.n_layers=1",
+                   "train.max_steps=2",
                    "train.warmup=0", "task.min_len=3", "task.max_len=5"])
 
 
@@ -40,7 +42,7 @@ def vit_run(tmp_path_factory) -> Path:
                   ["train.max_steps=2", "train.warmup=0"])
 
 
-# -- 13: the path printed is the file written ----------------------------------------------------------------
+# -- the path printed is the file written ----------------------------------------------------------------
 def test_attention_out_without_extension_writes_and_prints_the_png(gpt_run, rev_run, tmp_path, capsys):
     # one attention kind (decoder-only): the file is --out itself, so matplotlib used to add .png unseen
     assert main(["attention", str(gpt_run), "--input", "123", "--out", str(tmp_path / "gpt" / "att")]) == 0
@@ -51,7 +53,8 @@ def test_attention_out_without_extension_writes_and_prints_the_png(gpt_run, rev_
     out = capsys.readouterr().out
     written = sorted(p.name for p in (tmp_path / "rev").iterdir())
     assert written == ["att_cross.png", "att_decoder_self.png", "att_encoder_self.png", "att_entropy.json"]
-    for name in written:  # the per-head statistics file too: it was written (over any earlier one) unannounced
+    # the per-head statistics file too: it was written (over any earlier one) unannounced
+    for name in written:
         assert f"wrote {tmp_path / 'rev' / name}\n" in out
 
 
@@ -59,7 +62,8 @@ def test_attention_out_without_extension_writes_and_prints_the_png(gpt_run, rev_
                                              ("lstm-tiny", "an LSTM has no attention to show"),
                                              ("whisper-digits", "qkv attention draws text and image models")])
 def test_attention_refuses_what_it_cannot_draw_in_one_line(tmp_path, capsys, preset, message):
-    # CLIP crashed with a TypeError traceback; Whisper fed token ids in as audio ("audio must be a float waveform")
+    # CLIP crashed with a TypeError traceback; Whisper fed token ids in as audio ("audio must be a float
+    # waveform")
     import qkv
 
     folder = tmp_path / preset
@@ -70,12 +74,13 @@ def test_attention_refuses_what_it_cannot_draw_in_one_line(tmp_path, capsys, pre
     assert not (tmp_path / "a.png").exists()
 
 
-# -- 8: --out under a file, or a folder ------------------------------------------------------------------------
+# -- --out under a file, or a folder ----------------------------------------------------------------------
 def test_attention_out_under_a_file_is_a_one_line_error(rev_run, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert main(["attention", str(rev_run), "--input", "01", "--out", str(afile / "x.png")]) == 2
-    assert capsys.readouterr().err == f"qkv: error: cannot write {afile / 'x.png'}: {afile} is a file, not a folder\n"
+    err = capsys.readouterr().err
+    assert err == f"qkv: error: cannot write {afile / 'x.png'}: {afile} is a file, not a folder\n"
     assert main(["attention", str(rev_run), "--input", "01", "--out", str(tmp_path)]) == 2
     assert "is a folder, not an image file" in capsys.readouterr().err
 
@@ -87,7 +92,7 @@ def test_ablate_out_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err == f"qkv: error: --out {afile} is a file, not a folder\n"
 
 
-# -- 11: the ViT's --input N: the first N held-out images, in order --------------------------------------------
+# -- the ViT's --input N: the first N held-out images, in order ------------------------------------------
 def test_vit_attention_draws_the_first_n_held_out_images_in_order(vit_run, tmp_path, capsys, monkeypatch):
     from qkv.models import vit
     from qkv.run import load_run_task
@@ -104,17 +109,19 @@ def test_vit_attention_draws_the_first_n_held_out_images_in_order(vit_run, tmp_p
     task = load_run_task(vit_run)
     idx = task.split_indices("val")[:5]
     assert torch.equal(drawn["pixels"], task.images[idx])  # distinct, in order, not sampled
-    assert [t.split(" / true ")[1] for t in drawn["titles"]] == [task.classes[int(i)] for i in task.labels[idx]]
+    want = [task.classes[int(i)] for i in task.labels[idx]]
+    assert [t.split(" / true ")[1] for t in drawn["titles"]] == want
 
 
 @pytest.mark.parametrize("n", ["0", "33", "-2"])
 def test_vit_attention_refuses_n_out_of_range(vit_run, tmp_path, capsys, n):
     assert main(["attention", str(vit_run), "--input", n, "--out", str(tmp_path / "v.png")]) == 2
-    assert f"number of held-out images to show, 1..32 (at most 32 fit one figure), got {n}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"number of held-out images to show, 1..32 (at most 32 fit one figure), got {n}" in err
     assert not (tmp_path / "v.png").exists()
 
 
-# -- 5: espeak-ng missing ------------------------------------------------------------------------------------
+# -- espeak-ng missing ------------------------------------------------------------------------------------
 def test_speech_task_without_espeak_is_a_one_line_error(tmp_path, capsys, monkeypatch):
     from qkv.tasks import speech
 
@@ -128,7 +135,8 @@ def test_speech_task_without_espeak_is_a_one_line_error(tmp_path, capsys, monkey
 
 def test_attention_loads_the_model_once_and_names_unknown_symbols(gpt_run, tmp_path, capsys, monkeypatch):
     # it loaded the model twice (a second full copy alive during the second load: twice the memory of a 7B
-    # folder), and read symbols outside the vocabulary as <unk> without a word (qkv generate warns, explore refuses)
+    # folder), and read symbols outside the vocabulary as <unk> without a word (qkv generate warns, explore
+    # refuses)
     import qkv
 
     calls = []

@@ -1,4 +1,4 @@
-"""Edge cases of the command line found by a hostile tester: flags out of range, what the
+"""What the command line does at its edges: flags out of range, what the
 report claims, unknown prompt characters, resumes that must write nothing or keep the saved settings,
 signals, divergence. Every failure is one line `qkv: error: ...` with a documented exit status."""
 
@@ -50,7 +50,7 @@ def copy_run(src: Path, tmp_path: Path) -> Path:
     return dst
 
 
-# -- item 3: flags out of range, and a report of what was measured ------------------------------------------
+# -- flags out of range, and a report of what was measured ------------------------------------------
 def test_eval_needs_at_least_one_example(lm_run):
     assert "-n must be at least 1" in one_error_line(run_cli("eval", str(lm_run), "-n", "0"))
 
@@ -92,25 +92,28 @@ def test_report_states_what_was_measured(tmp_path):
     assert "100000" not in line.replace(",", "") and f"{scored:,} scored tokens" in line, line
 
 
-# -- item 4: prompt characters outside the vocabulary --------------------------------------------------------
+# -- prompt characters outside the vocabulary --------------------------------------------------------
 def test_unknown_prompt_characters_are_named_or_refused(lm_run):
     r = run_cli("generate", str(lm_run), "--prompt", "ab\u20ac\u2603", "--max-new-tokens", "2", "--greedy")
     assert r.returncode == 0, r.stderr
     warning = [ln for ln in r.stderr.splitlines() if ln.startswith("qkv: warning:")]
-    assert len(warning) == 1 and "'\u20ac'" in warning[0] and "'\u2603'" in warning[0] and "<unk>" in warning[0]
+    assert len(warning) == 1
+    assert "'\u20ac'" in warning[0] and "'\u2603'" in warning[0] and "<unk>" in warning[0]
     r = run_cli("generate", str(lm_run), "--prompt", "ab\u20ac", "--strict")
     assert "'\u20ac'" in one_error_line(r)
 
 
-# -- items 6 and 7: a resume validates before it writes, and continues the saved run --------------------------
+# -- a resume validates before it writes, and continues the saved run -------------------------
 def test_failed_resume_writes_nothing(lm_run, tmp_path):
     out = copy_run(lm_run, tmp_path)
     files = ["run.yaml", "task.json", "tokenizer.json", "metrics.jsonl"]
     before = {f: ((out / f).read_bytes(), (out / f).stat().st_mtime_ns) for f in files}
-    r = run_cli("train", "--task", "reverse", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress")
+    r = run_cli("train", "--task", "reverse", "--out", str(out), "--resume", "--max-steps", "3",
+                "--no-progress")
     assert "--resume continues it and cannot switch" in one_error_line(r)
     r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress",
-                "model.d_model=64")  # same task, another shape: the checkpoint check fails, still before writing
+                # same task, another shape: the checkpoint check fails, still before writing
+                "model.d_model=64")
     assert "shape" in one_error_line(r)
     r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress",
                 "model.ffn=relu", "model.scaled=false")  # the same shapes, another function: refused too
@@ -121,8 +124,9 @@ def test_failed_resume_writes_nothing(lm_run, tmp_path):
 
 
 def test_a_resume_whose_train_state_is_a_pickle_writes_nothing(lm_run, tmp_path):
-    """A train_state.pt holding a pickled object (an argparse.Namespace): one line, without torch's seven lines
-    of colour-coded advice, and run.yaml keeps its max_steps (it was rewritten before the state was read)."""
+    """A train_state.pt holding a pickled object (an argparse.Namespace): one line, without torch's seven
+    lines of colour-coded advice, and run.yaml keeps its max_steps (it was rewritten before the state was
+    read)."""
     import argparse
 
     import torch
@@ -139,13 +143,14 @@ def test_a_resume_whose_train_state_is_a_pickle_writes_nothing(lm_run, tmp_path)
 
 
 def test_train_run_checks_its_sections_as_the_command_line(tmp_path):
-    """The Python API refuses what the CLI refuses: a misspelt section (it trained and ignored it) and a section
-    that is not a mapping (an obscure ValueError), before anything is written."""
+    """The Python API refuses what the CLI refuses: a misspelt section (it trained and ignored it) and a
+    section that is not a mapping (an obscure ValueError), before anything is written."""
     from qkv.run import train_run
 
     tiny = {"task": {"name": "charlm", "context": 16}, "train": {"max_steps": 1, "progress": False}}
     with pytest.raises(ConfigError, match="unknown section 'modle' in run config; did you mean 'model'"):
-        train_run({"modle": {"n_layers": 1}, "model": {"preset": "gpt-tiny"}, **tiny}, out=tmp_path / "a", quiet=True)
+        train_run({"modle": {"n_layers": 1}, "model": {"preset": "gpt-tiny"}, **tiny}, out=tmp_path / "a",
+                  quiet=True)
     with pytest.raises(ConfigError, match="run config section 'model' must be a mapping, got 'gpt-tiny'"):
         train_run({"model": "gpt-tiny", **tiny}, out=tmp_path / "b", quiet=True)
     with pytest.raises(ConfigError, match="a run config must be a mapping of sections, got list"):
@@ -164,7 +169,8 @@ def test_resume_applies_changed_adamw_settings(lm_run, tmp_path):
     assert "weight_decay 0.1 -> 0.0" in note and "betas [0.9, 0.99] -> [0.5, 0.6]" in note and "eps" in note
     import torch
 
-    groups = torch.load(out / "checkpoints" / "step_00000003" / "train_state.pt", weights_only=True)["optimizer"][
+    groups = torch.load(out / "checkpoints" / "step_00000003" / "train_state.pt",
+                        weights_only=True)["optimizer"][
         "param_groups"]
     assert {tuple(g["betas"]) for g in groups} == {(0.5, 0.6)} and {g["eps"] for g in groups} == {1e-3}
     assert {g["weight_decay"] for g in groups} == {0.0}
@@ -204,19 +210,22 @@ def test_resume_keeps_the_saved_settings(lm_run, tmp_path):
     r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", "3", "--no-progress")
     assert r.returncode == 0, r.stderr[-2000:]
     saved = yaml.safe_load((out / "run.yaml").read_text())
-    assert float(saved["train"]["lr"]) == 5e-3 and saved["train"]["batch_size"] == 4 and saved["train"]["warmup"] == 1
+    assert float(saved["train"]["lr"]) == 5e-3
+    assert saved["train"]["batch_size"] == 4 and saved["train"]["warmup"] == 1
     assert saved["train"]["max_steps"] == 3 and saved["model"]["n_layers"] == 1
     note = [ln for ln in r.stderr.splitlines() if "changed settings" in ln]
-    assert len(note) == 1 and "max_steps 2 -> 3;" in note[0], note  # named on the command line: the only change
+    # named on the command line: the only change
+    assert len(note) == 1 and "max_steps 2 -> 3;" in note[0], note
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows if "loss" in x] == [1, 2, 3]
 
 
-# -- item 11: clear errors -----------------------------------------------------------------------------------
+# -- clear errors -----------------------------------------------------------------------------------
 def test_out_pointing_at_a_file(tmp_path):
     f = tmp_path / "taken"
     f.write_text("x")
-    assert "is a file" in one_error_line(run_cli("train", "charlm", "--out", str(f), "--max-steps", "1", *TINY))
+    assert "is a file" in one_error_line(run_cli("train", "charlm", "--out", str(f), "--max-steps", "1",
+                                                 *TINY))
 
 
 def test_infinite_lr_is_rejected_before_training(tmp_path):
@@ -229,7 +238,8 @@ def test_infinite_lr_is_rejected_before_training(tmp_path):
 def test_divergence_ends_with_the_nan_guard_exit_status(tmp_path, policy):
     out = tmp_path / policy
     r = run_cli("train", "charlm", "--out", str(out), "--max-steps", "30", *TINY, "train.lr=1e30",
-                f"train.nan_policy={policy}", "train.max_skips=2", "train.max_rollbacks=1", "train.log_every=1")
+                f"train.nan_policy={policy}", "train.max_skips=2", "train.max_rollbacks=1",
+                "train.log_every=1")
     line = one_error_line(r, code=3)
     assert "NaN guard" in line and "non-finite" in line and "train.log" in line
     assert "non-finite" in (out / "train.log").read_text()
@@ -237,7 +247,7 @@ def test_divergence_ends_with_the_nan_guard_exit_status(tmp_path, policy):
     assert steps == sorted(set(steps))  # one record per step, also after a rollback
 
 
-# -- item 8: SIGINT / SIGTERM ------------------------------------------------------------------------------------
+# -- SIGINT / SIGTERM --------------------------------------------------------------------------------
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_saves_the_current_step_and_exits_with_one_line(tmp_path, sig, code):
     out = tmp_path / "lm"
@@ -259,14 +269,16 @@ def test_signal_saves_the_current_step_and_exits_with_one_line(tmp_path, sig, co
     assert ckpts == [f"step_{step:08d}"]  # save_every is 500: only the signal made it
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert rows[-1]["step"] == step
-    r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", str(step + 2), "--no-progress")
+    r = run_cli("train", "charlm", "--out", str(out), "--resume", "--max-steps", str(step + 2),
+                "--no-progress")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if "loss" in json.loads(x)]
     assert [x["step"] for x in rows] == list(range(1, step + 3))
 
 
 def test_a_closed_pipe_stops_quietly():
-    """qkv presets | head -1 once the reader has gone: no BrokenPipeError traceback, the shell's 128 + SIGPIPE."""
+    """qkv presets | head -1 once the reader has gone: no BrokenPipeError traceback, the shell's 128 +
+    SIGPIPE."""
     p = subprocess.Popen([sys.executable, "-m", "qkv.cli.main", "presets"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, cwd=ROOT)
     p.stdout.close()  # the reader goes away before qkv writes
@@ -287,7 +299,8 @@ def book_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("book")
     (folder / "book.txt").write_text("alpha beta gamma delta\n" * 200, encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "train", "charlm", "--out", "run", "--max-steps", "2",
+    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "train", "charlm", "--out", "run",
+                        "--max-steps", "2",
                         "task.path=book.txt", *TINY], capture_output=True, text=True, cwd=folder, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -298,16 +311,18 @@ def test_a_run_on_a_relative_text_path_evaluates_from_elsewhere(book_run):
     # task.json kept "book.txt" as typed: `qkv eval` from another folder could not find it
     r = run_cli("eval", str(book_run / "run"), "-n", "2")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads((book_run / "run" / "task.json").read_text())["options"]["path"] == str(book_run / "book.txt")
+    book = str(book_run / "book.txt")
+    assert json.loads((book_run / "run" / "task.json").read_text())["options"]["path"] == book
     import yaml
 
-    assert yaml.safe_load((book_run / "run" / "run.yaml").read_text())["task"]["path"] == str(book_run / "book.txt")
+    assert yaml.safe_load((book_run / "run" / "run.yaml").read_text())["task"]["path"] == book
 
 
 def test_a_resume_whose_text_is_gone_writes_nothing(book_run, tmp_path):
     out = copy_run(book_run / "run", tmp_path)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    r = run_cli("train", "--out", str(out), "--resume", "--max-steps", "4", f"task.path={tmp_path / 'gone.txt'}")
+    r = run_cli("train", "--out", str(out), "--resume", "--max-steps", "4",
+                f"task.path={tmp_path / 'gone.txt'}")
     assert "text file not found" in one_error_line(r)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # run.yaml etc. untouched
 
@@ -325,12 +340,14 @@ def test_a_changed_text_is_refused_rather_than_read_as_unk(book_run, tmp_path):
     r = run_cli("train", "--out", str(out), "--resume", "--max-steps", "4", f"task.path={changed}")
     assert "character(s)" in one_error_line(r)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
-    r = run_cli("generate", str(out), "--prompt", "alpha", "--max-new-tokens", "5")  # needs only the vocabulary
+    # needs only the vocabulary
+    r = run_cli("generate", str(out), "--prompt", "alpha", "--max-new-tokens", "5")
     assert r.returncode == 0 and r.stdout.startswith("alpha"), r.stderr[-2000:]
 
 
 def test_a_text_changed_within_the_same_characters_is_refused(book_run, tmp_path):
-    # the same characters in another order: the vocabulary check cannot see it, the digest task.json records does
+    # the same characters in another order: the vocabulary check cannot see it, the digest task.json records
+    # does
     out = copy_run(book_run / "run", tmp_path)
     changed = tmp_path / "book.txt"
     changed.write_text("delta gamma beta alpha\n" * 200, encoding="utf-8")
@@ -344,7 +361,8 @@ def test_a_text_changed_within_the_same_characters_is_refused(book_run, tmp_path
     r = run_cli("train", "--out", str(out), "--resume", "--max-steps", "4", f"task.path={changed}")
     assert "the file changed since the run was trained" in one_error_line(r)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
-    r = run_cli("generate", str(out), "--prompt", "alpha", "--max-new-tokens", "5")  # needs only the vocabulary
+    # needs only the vocabulary
+    r = run_cli("generate", str(out), "--prompt", "alpha", "--max-new-tokens", "5")
     assert r.returncode == 0 and r.stdout.startswith("alpha"), r.stderr[-2000:]
     changed.write_text("alpha beta gamma delta\n" * 200, encoding="utf-8")  # the run's own text again
     assert run_cli("eval", str(out), "-n", "2").returncode == 0
@@ -408,8 +426,8 @@ def test_eval_prints_counts_as_integers(lm_run):
 
 
 def test_help_does_not_import_torch_and_omp_threads_wait_passively(monkeypatch):
-    """`qkv --help` answers without importing torch (it took seconds), and the CLI sets OMP_WAIT_POLICY=PASSIVE
-    before torch loads unless the user chose a policy."""
+    """`qkv --help` answers without importing torch (it took seconds), and the CLI sets
+    OMP_WAIT_POLICY=PASSIVE before torch loads unless the user chose a policy."""
     code = ("import os, sys; from qkv.cli.main import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))")
