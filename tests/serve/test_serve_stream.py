@@ -1,4 +1,4 @@
-"""The streaming path's parts: incremental detokenization (TextStream) against a full decode, the engine
+"""The streaming path's parts: incremental detokenization (StreamDecoder) against a full decode, the engine
 worker's batched delivery (one hand-over per engine step, every request's items in order), and SSE events
 byte-equal to json.dumps of their payload."""
 
@@ -14,9 +14,9 @@ import pytest
 from _servehelpers import running_server
 
 from qkv.generate import Engine
+from qkv.generate.text import StreamDecoder, cut_at_stop
 from qkv.serve import load_served
 from qkv.serve import worker as worker_mod
-from qkv.serve.app import TextStream, cut_at_stop
 from qkv.serve.worker import EngineWorker
 
 SPECIALS = ["<|endoftext|>", "<|end|>"]
@@ -58,8 +58,8 @@ def _wordpiece():
 
 
 def _stream(decode, ids, stop):
-    ts = TextStream(decode, stop)
-    pieces = [ts.push(t) for t in ids] + [ts.push(None)]
+    ts = StreamDecoder(decode, stop)
+    pieces = [ts.push(t) for t in ids] + [ts.flush()]
     return pieces, ts
 
 

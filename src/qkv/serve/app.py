@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from qkv.generate.config import MIN_TEMPERATURE
 from qkv.generate.engine import TEXT_CONTEXT, Engine
+from qkv.generate.text import StreamDecoder, cut_at_stop
 from qkv.generate.text import decode_continuation as continuation
 from qkv.serve.metrics import Metrics, ResponseCounter
 from qkv.serve.model import Served
@@ -339,78 +340,6 @@ class API:
                 self.worker.cancel(t)
 
 
-class TextStream:
-    """Token ids -> text pieces, holding back what could still become a stop string (OpenAI leaves the stop
-    string out) or an incomplete character.
-
-    Incremental (as Hugging Face's TextStreamer and vLLM detokenize): each token decodes a short window, the
-    tokens from `prefix` on, and emits what it adds to the window's text before the token; the window moves
-    on once its text is complete (no trailing U+FFFD: a character whose bytes are still split across tokens).
-    Decoding all ids every token cost O(length) a token. The end (push(None)) decodes all ids once and sends
-    the rest of THAT text, so the pieces add up to decode(all ids) (cut at the first stop string) exactly
-    whenever the windows agreed with it so far; `mismatch` says they did not (a decoder whose text of a token
-    depends on more than the tokens of the window: none of the tokenizers qkv serves, tests/serve).
-
-    `context`: the prompt's last few ids, decoded before the first new token and never sent: a SentencePiece-style
-    (Metaspace) decoder drops the leading space of a text's first token, so a completion decoded on its own
-    would lose the space between the prompt and its first word (as vLLM, which starts its windows in the prompt)."""
-
-    CONTEXT = TEXT_CONTEXT  # prompt tokens read as context (the engine's stop check reads the same ones)
-
-    def __init__(self, decode, stop: list[str], context: Sequence[int] = ()) -> None:
-        self.decode, self.stop = decode, stop
-        self.ids: list[int] = list(context)
-        self.n_context = len(self.ids)
-        self.head = decode(self.ids) if self.ids else ""  # the context's own text, never sent
-        self.prefix = 0  # first token of the decoding window
-        self.read = self.n_context  # tokens whose text is in self.text (after the context's)
-        self.before = self.head  # decode(ids[prefix:read])
-        self.text = ""  # the text of ids[n_context:read] (after the context's), piece by piece
-        self.sent = 0  # characters of self.text sent
-        self.scanned = 0  # stop strings were searched for in text[:scanned]
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.stopped = False
-        self.mismatch = False
-
-    def _cut(self, text: str, start: int) -> int:
-        """The first stop string's position in text, looking at matches that end after `start`; -1: none."""
-        return min((i for i in (text.find(s, max(0, start - len(s) + 1)) for s in self.stop) if i >= 0),
-                   default=-1)
-
-    def push(self, tok: int | None) -> str:
-        """The new text after tok (None: the end: flush)."""
-        if self.stopped:
-            return ""
-        if tok is None:
-            self.stopped = True
-            full = continuation(self.decode, self.ids[:self.n_context], self.ids[self.n_context:])
-            if not full.startswith(self.text[:self.sent]):  # cannot happen with a window-consistent decoder
-                self.mismatch = True
-                full = self.text + self.decode(self.ids[self.prefix:])[len(self.before):]
-            cut = self._cut(full, self.sent) if self.stop else -1
-            end = cut if cut >= 0 else len(full)
-            return full[self.sent:end] if end > self.sent else ""
-        self.ids.append(tok)
-        now = self.decode(self.ids[self.prefix:])
-        if len(now) <= len(self.before) or now.endswith("\ufffd"):
-            return ""  # nothing new yet, or a character still incomplete
-        self.text += now[len(self.before):]
-        self.prefix, self.read = self.read, len(self.ids)
-        self.before = self.decode(self.ids[self.prefix:self.read])
-        if self.stop:
-            cut = self._cut(self.text, self.scanned)
-            self.scanned = len(self.text)
-            if cut >= 0:
-                self.stopped = True
-                piece = self.text[self.sent:cut] if cut > self.sent else ""
-                self.sent = max(self.sent, cut)
-                return piece
-        end = len(self.text) - self.hold
-        piece = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return piece
-
-
 class _Stream(StreamingResponse):
     """A StreamingResponse that always runs on_close, even when the client is gone before the body's first
     chunk (the generator's own finally never runs then), and that ends quietly when uvicorn cancels it at the
@@ -518,8 +447,9 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         t = api.admit(ids, opts)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        context = ids[-TextStream.CONTEXT:]
-        text = TextStream(served.codec.decode, opts.get("stop_strings", []), context)
+        # the prompt's last ids as context: the engine's stop check reads the same ones
+        context = ids[-TEXT_CONTEXT:]
+        text = StreamDecoder(served.codec.decode, opts.get("stop_strings", []), context)
         base = {"id": rid, "created": created, "model": served.name}
         if not stream:
             ids_out: list[int] = []
@@ -596,7 +526,7 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
                     yield error_event(_cancelled(shutdown=False))
                 if reason in (None, "cancelled"):
                     return
-                tail_text = text.push(None)
+                tail_text = text.flush()
                 usage = {"prompt_tokens": t.prompt_len, "completion_tokens": n, "total_tokens": t.prompt_len + n}
                 if include_usage:  # OpenAI's form: usage only on a last chunk of its own
                     yield chunk(tail_text, reason, usage=None)
@@ -620,8 +550,3 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
 
     return app
 
-
-def cut_at_stop(text: str, stop: list[str]) -> str:
-    """text up to the first stop string (OpenAI leaves it out)."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return text[:cut] if cut >= 0 else text
