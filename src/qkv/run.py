@@ -28,7 +28,9 @@ import yaml
 
 from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides
 from qkv.generate.config import GenerationConfig, resolve
+from qkv.generate.text import StreamDecoder, stream_pieces
 from qkv.nn.params import count_parameters
+from qkv.storage import atomic_write_text
 
 SECTIONS = ("model", "task", "train", "eval")
 RUN_FILE = "run.yaml"
@@ -276,9 +278,7 @@ def prepare(cfg: dict[str, Any], out_dir: str | Path | None = None):
 
 
 def _write_yaml(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(obj, sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(yaml.safe_dump(obj, sort_keys=False), path)
 
 
 def train_run(cfg: dict[str, Any], out: str | Path | None = None, resume: bool = False,
@@ -336,9 +336,7 @@ def train_run(cfg: dict[str, Any], out: str | Path | None = None, resume: bool =
         samples = task.samples(model, ev.samples) if ev.samples else []
     result = {"metrics": metrics, "extra": extra, "samples": samples, "train": _jsonable(summary),
               "error": error, "parameters": count_parameters(model) if model is not None else None}
-    tmp = out / f".{RESULTS_FILE}.tmp"
-    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, out / RESULTS_FILE)
+    atomic_write_text(json.dumps(result, indent=2, default=str) + "\n", out / RESULTS_FILE)
     lines = [f"run folder: {out}"]
     if metrics:
         lines.append(f"held-out ({_measured(metrics, ev.n)}): " + ", ".join(
@@ -547,15 +545,9 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
         return prompt + decode_continuation(lambda t: tok.decode(t, skip_special_tokens=True), ids,
                                             out[0, len(ids):].tolist())
     print(prompt, end="", flush=True)
-    pieces, decoder = [], tok.stream_decoder(skip_special_tokens=True)
-    for i in ids:  # the prompt's text is already printed: only the decoder's context (not flushed: that resets it)
-        decoder.push(i)
-    for new in stream_tokens(model, x, cfg, tokenizer=text_of):
-        pieces.append(decoder.push(int(new[0])))
-        print(pieces[-1], end="", flush=True)
-    pieces.append(decoder.flush())
-    print(pieces[-1])
-    return prompt + "".join(pieces)
+    decoder = StreamDecoder(text_of, context=ids)  # the prompt's text is already printed: context only
+    tokens = (int(new[0]) for new in stream_tokens(model, x, cfg, tokenizer=text_of))
+    return prompt + stream_pieces(tokens, decoder, _write)
 
 
 def _warn_unused_sampling(final: GenerationConfig, cfg: GenerationConfig) -> None:
@@ -596,15 +588,9 @@ def _stream_seq2seq(model: torch.nn.Module, tok: Any, source: torch.Tensor, cfg:
     tokens skipped), so the pieces add up to the non-streamed text. The decoder start token is not yielded;
     every tokenizer here skips it (a special token) when decoding the whole output."""
     from qkv.generate import stream as stream_tokens
-    from qkv.generate.text import StreamDecoder
 
-    pieces, decoder = [], StreamDecoder(lambda ids: _decode(tok, ids))
-    for new in stream_tokens(model, source, cfg):
-        pieces.append(decoder.push(int(new[0])))
-        print(pieces[-1], end="", flush=True)
-    pieces.append(decoder.flush())
-    print(pieces[-1])
-    return "".join(pieces)
+    tokens = (int(new[0]) for new in stream_tokens(model, source, cfg))
+    return stream_pieces(tokens, StreamDecoder(lambda ids: _decode(tok, ids)), _write)
 
 
 def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
@@ -622,19 +608,17 @@ def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
 def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig) -> str:
     """Print a language model's continuation token by token as it is produced (qkv.generate.stream)."""
     from qkv.generate import stream
-    from qkv.generate.text import StreamDecoder
 
     ids = _encode(tok, prompt) or [getattr(tok, "eos_id", 0)]
     print(prompt, end="", flush=True)
     # a byte-level BPE character can span tokens: decoded one by one it would print U+FFFD for each part
-    pieces, decoder = [], StreamDecoder(tok.decode)
-    x = torch.tensor([ids])
-    for new in stream(model, x, cfg.replace(context_overflow="slide"), tokenizer=tok):
-        pieces.append(decoder.push(int(new[0])))
-        print(pieces[-1], end="", flush=True)
-    pieces.append(decoder.flush())
-    print(pieces[-1])
-    return prompt + "".join(pieces)
+    tokens = (int(new[0]) for new in stream(model, torch.tensor([ids]), cfg.replace(context_overflow="slide"),
+                                            tokenizer=tok))
+    return prompt + stream_pieces(tokens, StreamDecoder(tok.decode), _write)
+
+
+def _write(piece: str) -> None:
+    print(piece, end="", flush=True)
 
 
 def _folder_tokenizer(folder: Path):

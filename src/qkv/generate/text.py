@@ -6,7 +6,7 @@ Both helpers take a plain `decode(ids) -> str` (a Hugging Face tokenizer's, a ta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def decode_continuation(decode: Callable[[list[int]], str], context: Sequence[int], ids: Sequence[int]) -> str:
@@ -102,3 +102,15 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     """text up to the first stop string (OpenAI leaves it out)."""
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
     return text[:cut] if cut >= 0 else text
+
+
+def stream_pieces(token_ids: Iterable[int], decoder: StreamDecoder, write: Callable[[str], object]) -> str:
+    """The one streaming loop: each token's text piece written as it completes, the rest and a newline at the
+    end; returns the text (without the newline)."""
+    pieces = []
+    for token_id in token_ids:
+        pieces.append(decoder.push(token_id))
+        write(pieces[-1])
+    pieces.append(decoder.flush())
+    write(pieces[-1] + "\n")
+    return "".join(pieces)
