@@ -81,7 +81,8 @@ def load_run_config(path: str | None, overrides: list[str] | None = None) -> dic
 
 def check_sections(data: Any) -> None:
     """A run config is a mapping of known sections, each a mapping: the CLI's YAML and train_run's dict alike
-    (a misspelt section would otherwise be ignored, and a section given as a string fail far from its cause)."""
+    (a misspelt section would otherwise be ignored, and a section given as a string fail far from its
+    cause)."""
     if not isinstance(data, dict):
         raise ConfigError(f"a run config must be a mapping of sections, got {type(data).__name__}")
     for key in data:
@@ -210,12 +211,14 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     if resume and newest is not None:
         check_fits(model, newest)
         check_same_architecture(model, newest)
-        read_train_state(newest / STATE_NAME, mmap=True)  # readable before run.yaml is rewritten (mapped, not read)
+        # readable before run.yaml is rewritten (mapped, not read)
+        read_train_state(newest / STATE_NAME, mmap=True)
     # run.yaml describes the run, not how this command started it: a copy of it given to a new run must not
     # make that run continue this folder (as --resume, which is not recorded either)
     train = {k: v for k, v in (cfg.get("train") or {}).items() if k != "resume"}
     cfg = {**cfg, "train": {**train, "out_dir": str(out)}}
-    if getattr(getattr(task, "options", None), "path", None):  # absolute, as in task.json: a resume from elsewhere
+    # absolute, as in task.json: a resume from elsewhere
+    if getattr(getattr(task, "options", None), "path", None):
         cfg["task"] = {**cfg["task"], "path": task.options.path}
     return Run(cfg, out, task, model, train_cfg, ev, extra, newest if resume else None)
 
@@ -363,8 +366,8 @@ def _jsonable(x: Any) -> Any:
 
 
 def _model_folder(path: Path) -> Path:
-    """A folder holding config.json: the path itself, or a run folder's best/newest checkpoint (a GGUF file is a
-    model folder of its own)."""
+    """A folder holding config.json: the path itself, or a run folder's best/newest checkpoint (a GGUF file is
+    a model folder of its own)."""
     from qkv.interop.gguf_model import is_gguf
     from qkv.train import latest_checkpoint
 
@@ -395,8 +398,8 @@ def run_folder_of(path: str | Path) -> Path | None:
 
 
 def load_model_any(path: str | Path, quantize: str | None = None) -> torch.nn.Module:
-    """A model from a run folder, a qkv checkpoint folder, or a Hugging Face-format folder; quantize: "int8" or
-    "int4" for weight-only quantized inference (qkv.nn.quant)."""
+    """A model from a run folder, a qkv checkpoint folder, or a Hugging Face-format folder; quantize: "int8"
+    or "int4" for weight-only quantized inference (qkv.nn.quant)."""
     from qkv import from_pretrained
 
     return from_pretrained(_model_folder(Path(path)), quantize=quantize)
@@ -440,11 +443,13 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     cfg = generation_config if generation_config is not None else GenerationConfig()
     cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None})
     run = run_folder_of(path)
-    # a pretrained encoder-decoder folder decodes as its generation_config.json says (greedy or beams), as in HF
+    # a pretrained encoder-decoder folder decodes as its generation_config.json says (greedy or beams), as in
+    # HF
     folder_seq2seq = run is None and getattr(model, "is_seq2seq", False)
     if generation_config is None and "do_sample" not in options and not folder_seq2seq:
         cfg = cfg.replace(do_sample=cfg.num_beams == 1)  # a given config decides for itself
-    if greedy:  # one sequence, the argmax each step: not a folder's beams either (OPUS-MT's and BART-CNN's are 4+)
+    # one sequence, the argmax each step: not a folder's beams either (OPUS-MT's and BART-CNN's are 4+)
+    if greedy:
         cfg = cfg.replace(do_sample=False, **({} if "num_beams" in options and options["num_beams"] is not None
                                                else {"num_beams": 1}))
     if cfg.num_return_sequences > 1:  # only the first would be printed
@@ -457,7 +462,8 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
             print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)
     if run is not None:
         if generation_config is not None and "do_sample" not in cfg.given():
-            cfg = cfg.replace(do_sample=cfg.do_sample)  # the config's own (default: greedy), not the task's sampling
+            # the config's own (default: greedy), not the task's sampling
+            cfg = cfg.replace(do_sample=cfg.do_sample)
         task = load_run_task(run)
         _check_prompt_vocabulary(task.tokenizer, prompt, strict)
         if stream and task.kind == "decoder" and hasattr(task, "chars_per_token"):
@@ -473,7 +479,8 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
         _check_prompt_vocabulary(tok, prompt, strict)
         folder_defaults = model.generation_defaults()
         if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(folder_defaults)):
-            # 200, or what the decoder's positions hold after its start token (BART's 1024, a small model's less)
+            # 200, or what the decoder's positions hold after its start token (BART's 1024, a small model's
+            # less)
             ctx = model.context_limit
             cfg = cfg.replace(max_new_tokens=200 if ctx is None else max(1, min(200, ctx - 1)))
         source = torch.tensor([_encode(tok, prompt)])
@@ -499,7 +506,8 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
 
 def hf_folder_tokenizer(folder: str | Path) -> Any:
     """The HFTokenizer (special tokens, chat template) of a Hugging Face model folder (config.json with a
-    model_type and a tokenizer.json) or of a GGUF file; None for qkv folders and folders without tokenizer.json."""
+    model_type and a tokenizer.json) or of a GGUF file; None for qkv folders and folders without
+    tokenizer.json."""
     from qkv.interop.gguf_model import is_gguf
 
     folder = Path(folder)
@@ -551,8 +559,9 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
 
 
 def _warn_unused_sampling(final: GenerationConfig, cfg: GenerationConfig) -> None:
-    """Sampling settings given (a flag, a --generation-config file) where the decoding, once a model folder's own
-    generation_config.json is merged, does not sample: said on stderr, as transformers warns, not dropped silently."""
+    """Sampling settings given (a flag, a --generation-config file) where the decoding, once a model folder's
+    own generation_config.json is merged, does not sample: said on stderr, as transformers warns, not dropped
+    silently."""
     given = [k for k in ("temperature", "top_k", "top_p", "min_p") if k in cfg.explicit()]
     if given and not final.do_sample:
         how = f"beam search ({final.num_beams} beams)" if final.num_beams > 1 else "greedy decoding"
@@ -561,9 +570,9 @@ def _warn_unused_sampling(final: GenerationConfig, cfg: GenerationConfig) -> Non
 
 
 def _unknown_pieces(tok: Any, prompt: str) -> list[str]:
-    """The parts of `prompt` a tokenizer reads as its unknown token: a qkv char/word tokenizer's symbols, or the
-    text under each unk id of a Hugging Face `tokenizers` tokenizer (WordLevel / WordPiece / Unigram vocabularies
-    have one; byte-level BPE never needs it)."""
+    """The parts of `prompt` a tokenizer reads as its unknown token: a qkv char/word tokenizer's symbols, or
+    the text under each unk id of a Hugging Face `tokenizers` tokenizer (WordLevel / WordPiece / Unigram
+    vocabularies have one; byte-level BPE never needs it)."""
     if tok is None:
         return []
     if hasattr(tok, "unknown_symbols"):

@@ -17,7 +17,8 @@ def test_stream_pieces_writes_whole_characters_and_returns_the_text():
     out = stream_pieces(iter(text.encode()), StreamDecoder(_utf8), written.append)
     assert out == text and "".join(written) == text + "\n"
     assert not any("\ufffd" in w for w in written)
-    assert written[-1].endswith("\n") and len(written) == len(text.encode()) + 1  # one write per token + the end
+    # one write per token + the end
+    assert written[-1].endswith("\n") and len(written) == len(text.encode()) + 1
 
 
 def test_stream_pieces_after_a_context_sends_only_the_new_text():

@@ -1,6 +1,7 @@
-"""qkv serve under requests that used to hurt it: a near-zero temperature, seeds past 64 bits, OpenAI fields the
-server does not implement, a default max_tokens the KV pool cannot hold, a slow tokenizer, and an engine that dies
-mid-stream. Each against a server on a loopback port, checked with raw httpx or the official openai client."""
+"""qkv serve under requests that used to hurt it: a near-zero temperature, seeds past 64 bits, OpenAI fields
+the server does not implement, a default max_tokens the KV pool cannot hold, a slow tokenizer, and an engine
+that dies mid-stream. Each against a server on a loopback port, checked with raw httpx or the official openai
+client."""
 
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def test_a_slow_tokenizer_does_not_stall_the_event_loop(run_folder):
         th.start()
         try:
             assert entered.wait(30)
-            assert httpx.get(url + "/health", timeout=10).status_code == 200  # would time out on a blocked loop
+            # would time out on a blocked loop
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
         finally:
             release.set()
             th.join(60)
@@ -114,8 +116,9 @@ def test_a_slow_tokenizer_does_not_stall_the_event_loop(run_folder):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected failure
 def test_an_engine_that_dies_mid_stream(run_folder):
-    """The stream ends with an error event and [DONE] (its status line went out long ago), later requests get a
-    503 that says why, /health is 503, and the worker's on_error hook (qkv serve: stop the process) runs once."""
+    """The stream ends with an error event and [DONE] (its status line went out long ago), later requests get
+    a 503 that says why, /health is 503, and the worker's on_error hook (qkv serve: stop the process) runs
+    once."""
     served = load_served(run_folder)
     with running_server(run_folder, block_size=4) as (url, app):
         api = app.state.api
@@ -154,7 +157,8 @@ def test_qkv_serve_stops_with_status_1_when_its_engine_dies(run_folder, monkeypa
 
     monkeypatch.setattr(Engine, "step", broken_step)
     result = {}
-    # a daemon thread: were the server never to stop, the test fails below and the thread dies with the process
+    # a daemon thread: were the server never to stop, the test fails below and the thread dies with the
+    # process
     th = threading.Thread(target=lambda: result.setdefault("status", serve(run_folder, port=0, name="lm")),
                           daemon=True)
     th.start()
@@ -173,8 +177,9 @@ def test_qkv_serve_stops_with_status_1_when_its_engine_dies(run_folder, monkeypa
 
 
 def test_a_completion_keeps_the_space_before_its_first_word(llama_sp):
-    """A SentencePiece-style folder: /v1/completions' text is what the prompt's continuation adds to the decoded
-    prompt (" con ar" after "Hello"), streamed or not, as transformers' decode of the whole output has it."""
+    """A SentencePiece-style folder: /v1/completions' text is what the prompt's continuation adds to the
+    decoded prompt (" con ar" after "Hello"), streamed or not, as transformers' decode of the whole output has
+    it."""
     folder, tok, model = llama_sp
     served = load_served(folder)
     with running_server(folder, block_size=4) as (url, app):
@@ -211,9 +216,9 @@ def test_repetition_penalty_is_honoured(run_folder):
 
 
 def test_a_request_whose_sampling_fails_fails_alone_and_the_server_goes_on(run_folder):
-    """A request whose settings make its probabilities NaN (a repetition_penalty of 1e-300 let past the checks:
-    the API refuses it, above) gets a 500 naming the failure, streamed or not; the engine thread lives on and the
-    next request is still answered (the server keeps running)."""
+    """A request whose settings make its probabilities NaN (a repetition_penalty of 1e-300 let past the
+    checks: the API refuses it, above) gets a 500 naming the failure, streamed or not; the engine thread lives
+    on and the next request is still answered (the server keeps running)."""
     served = load_served(run_folder)
     body = {"model": served.name, "prompt": "abab", "max_tokens": 6, "temperature": 1.0, "seed": 0}
     with running_server(run_folder, block_size=4) as (url, app):
@@ -285,8 +290,8 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(gpt2_folder):
 
 
 def test_a_client_that_sends_part_of_a_body_costs_one_log_line(run_folder):
-    """A client that disconnects mid-body: one warning line each, not uvicorn's "Exception in ASGI application"
-    traceback; and GET /v1/models says when the model was loaded (it said "created": 0)."""
+    """A client that disconnects mid-body: one warning line each, not uvicorn's "Exception in ASGI
+    application" traceback; and GET /v1/models says when the model was loaded (it said "created": 0)."""
     import logging
     import socket
     import time

@@ -1,6 +1,6 @@
 """What a request means: which settings apply (the request's, else the folder's generation_config.json, else
-OpenAI's), where a stop string cuts, which fields and shapes are accepted. Against a server on a loopback port;
-references are generate() / transformers run alone."""
+OpenAI's), where a stop string cuts, which fields and shapes are accepted. Against a server on a loopback
+port; references are generate() / transformers run alone."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from qkv.serve import load_served
 
 @pytest.fixture(scope="module")
 def folder_with_defaults(gpt2_folder, tmp_path_factory):
-    """gpt2_folder with a generation_config.json as chat models ship one (Qwen's: sampling, top_k, a repetition
-    penalty), plus a setting outside vLLM's five (no_repeat_ngram_size) that a server must not apply unasked."""
+    """gpt2_folder with a generation_config.json as chat models ship one (Qwen's: sampling, top_k, a
+    repetition penalty), plus a setting outside vLLM's five (no_repeat_ngram_size) that a server must not
+    apply unasked."""
     path = tmp_path_factory.mktemp("gc") / "lm"
     shutil.copytree(gpt2_folder, path)
     (path / "generation_config.json").write_text(json.dumps({
@@ -41,7 +42,8 @@ def test_a_request_sets_its_sampling_and_the_folder_fills_what_it_leaves_out(fol
         return served.codec.decode(out[0, len(ids):].tolist())
 
     plain, penalised = ref(do_sample=False, repetition_penalty=1.0), ref(do_sample=False, repetition_penalty=5.0)
-    assert plain != penalised  # the folder's penalty changes this continuation: the checks below mean something
+    # the folder's penalty changes this continuation: the checks below mean something
+    assert plain != penalised
     body = {"model": served.name, "prompt": prompt, "max_tokens": n}
     with running_server(folder_with_defaults, block_size=4) as (url, app):
         app.state.api.engine.cfg = app.state.api.engine.cfg.replace(eos_token_id=None)  # n tokens, always
@@ -174,10 +176,12 @@ def test_chat_content_as_text_parts_and_head_health(gpt2_folder):
 
 
 def test_a_prompt_alone_over_the_pool_without_max_tokens_names_the_prompt(run_folder):
-    """Without max_tokens a request asks for what fits: when the prompt alone does not fit the KV pool, the 400
-    names the prompt (the field to change), not a max_tokens the client never sent; with max_tokens it names that."""
+    """Without max_tokens a request asks for what fits: when the prompt alone does not fit the KV pool, the
+    400 names the prompt (the field to change), not a max_tokens the client never sent; with max_tokens it
+    names that."""
     served = load_served(run_folder)
-    with running_server(run_folder, block_size=4, num_blocks=3) as (url, app):  # 12 cached positions, context 64
+    # 12 cached positions, context 64
+    with running_server(run_folder, block_size=4, num_blocks=3) as (url, app):
         body = {"model": served.name, "prompt": "a" * 20}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         err = r.json()["error"]

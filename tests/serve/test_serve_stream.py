@@ -89,7 +89,8 @@ def test_incremental_text_equals_the_full_decode_byte_level_bpe(bpe):
     sizes = []
     ids = [bpe.token_to_id(c) for c in pre_tokens(TEXT[:120])]
     pieces, _ = _stream(lambda x: (sizes.append(len(x)), decode(x))[1], ids, ["@@"])
-    assert "".join(pieces) == decode(ids) and sizes[-1] == len(ids) and max(sizes[:-1]) <= 10  # (a 4-byte character: 4 tokens)
+    # (a 4-byte character: 4 tokens)
+    assert "".join(pieces) == decode(ids) and sizes[-1] == len(ids) and max(sizes[:-1]) <= 10
 
 
 def pre_tokens(text: str) -> list[str]:

@@ -1,7 +1,7 @@
 """Token ids -> text, a piece at a time: what streaming and stop strings need from any tokenizer.
 
-Both helpers take a plain `decode(ids) -> str` (a Hugging Face tokenizer's, a task tokenizer's), so the Engine,
-`qkv generate`, `qkv chat` and the server decode the same way whatever the folder.
+Both helpers take a plain `decode(ids) -> str` (a Hugging Face tokenizer's, a task tokenizer's), so the
+Engine, `qkv generate`, `qkv chat` and the server decode the same way whatever the folder.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 def decode_continuation(decode: Callable[[list[int]], str], context: Sequence[int], ids: Sequence[int]) -> str:
     """The text `ids` add after `context`: decode(context + ids) minus decode(context). A SentencePiece-style
-    (Metaspace) decoder drops the leading space of a text's first token, so a continuation decoded on its own loses
-    the space between the prompt and its first word ("Hellocon" for "Hello con"). The ids decoded alone should the
-    context's own text change once more ids follow it (none of the decoders qkv reads does)."""
+    (Metaspace) decoder drops the leading space of a text's first token, so a continuation decoded on its own
+    loses the space between the prompt and its first word ("Hellocon" for "Hello con"). The ids decoded alone
+    should the context's own text change once more ids follow it (none of the decoders qkv reads does)."""
     if not context:
         return decode(list(ids))
     head, full = decode(list(context)), decode([*context, *ids])
@@ -28,10 +28,10 @@ class StreamDecoder:
     leading space depends on the previous token), and decoding all ids every token costs O(length) a token;
     so each push decodes a short window, the tokens from `prefix` on, and emits what it adds to the window's
     text before the token, holding text back while it ends in an incomplete character (U+FFFD) or could still
-    become a stop string. The window moves on once its text is complete. flush() decodes all ids once and sends
-    the rest of THAT text, so the pieces add up to the full decode exactly whenever the windows agreed with it;
-    `mismatch` says they did not (a decoder whose text of a token depends on more than the window's tokens:
-    none of those qkv reads, tests/serve).
+    become a stop string. The window moves on once its text is complete. flush() decodes all ids once and
+    sends the rest of THAT text, so the pieces add up to the full decode exactly whenever the windows agreed
+    with it; `mismatch` says they did not (a decoder whose text of a token depends on more than the window's
+    tokens: none of those qkv reads, tests/serve).
 
     `decode` is any ids -> str function: a Hugging Face tokenizer's (HFTokenizer.stream_decoder) or a task
     tokenizer's. `context`: the prompt's last few ids, decoded before the first new token and never sent: a

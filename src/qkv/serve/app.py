@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API over the Engine (FastAPI).
 
-    POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream", ...}
-    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...}  (the model's chat template)
-    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text format)
+    POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream",
+    ...} POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...}  (the model's chat
+    template) GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text format)
 
 Every request is checked before it reaches the engine (types, ranges, the model name, the context and the
 KV pool): a bad one gets OpenAI's error shape {"error": {"message", "type", "param", "code"}} and never
@@ -116,9 +116,10 @@ def _drop_cancel_record(record: logging.LogRecord) -> bool:
 
 
 def _quiet_expected_cancel() -> None:
-    """uvicorn logs "ERROR: Cancel N running task(s), timeout graceful shutdown exceeded" when --shutdown-timeout
-    runs out, which is the documented end of such requests (each is answered "cancelled"): not an error. Its
-    logger is configured when uvicorn starts, so the filter goes on at the app's startup (once)."""
+    """uvicorn logs "ERROR: Cancel N running task(s), timeout graceful shutdown exceeded" when
+    --shutdown-timeout runs out, which is the documented end of such requests (each is answered "cancelled"):
+    not an error. Its logger is configured when uvicorn starts, so the filter goes on at the app's startup
+    (once)."""
     logger = logging.getLogger("uvicorn.error")
     if _drop_cancel_record not in logger.filters:
         logger.addFilter(_drop_cancel_record)
@@ -147,7 +148,8 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
-        # a bug: OpenAI's error shape still (a client parses it), not Starlette's plain-text 500; uvicorn logs it
+        # a bug: OpenAI's error shape still (a client parses it), not Starlette's plain-text 500; uvicorn logs
+        # it
         return APIError(500, f"internal server error ({type(e).__name__}: {str(e)[:200]})", None,
                         "internal_error", "server_error").response()
 

@@ -18,7 +18,7 @@ class APIError(Exception):
 
 
 def cancelled(shutdown: bool) -> APIError:
-    """A request the server cut short: a 503 before the status line, an event + [DONE] after it. shutdown: uvicorn
-    cancelled it, --shutdown-timeout having run out."""
+    """A request the server cut short: a 503 before the status line, an event + [DONE] after it. shutdown:
+    uvicorn cancelled it, --shutdown-timeout having run out."""
     why = "the server is shutting down" if shutdown else "client gone or server shutting down"
     return APIError(503, f"the request was cancelled ({why})", None, "cancelled", "server_error")

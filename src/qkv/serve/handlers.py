@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Job:
-    """One admitted request: its ticket, the ids its text is decoded after, and the response's common fields."""
+    """One admitted request: its ticket, the ids its text is decoded after, and the response's common
+    fields."""
 
     api: API
     request: Request

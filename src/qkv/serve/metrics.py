@@ -75,16 +75,16 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-# the routes a response is counted under; any other path (a typo, a scanner) is "other", so that unknown paths cannot
-# grow the number of series without bound
+# the routes a response is counted under; any other path (a typo, a scanner) is "other", so that unknown paths
+# cannot grow the number of series without bound
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 class ResponseCounter:
-    """ASGI middleware counting every HTTP response in `counter` (Metrics.responses) by endpoint and status code.
-    A plain ASGI wrapper of `send`, not Starlette's BaseHTTPMiddleware, which would buffer streamed responses. An
-    exception that escapes the app before any response started becomes the app's 500 (the error handler outside
-    this middleware writes it), so it is counted as one here."""
+    """ASGI middleware counting every HTTP response in `counter` (Metrics.responses) by endpoint and status
+    code. A plain ASGI wrapper of `send`, not Starlette's BaseHTTPMiddleware, which would buffer streamed
+    responses. An exception that escapes the app before any response started becomes the app's 500 (the error
+    handler outside this middleware writes it), so it is counted as one here."""
 
     def __init__(self, app: Any, counter: Counter) -> None:
         self.app, self.counter = app, counter

@@ -18,9 +18,9 @@ from qkv.serve.errors import APIError
 from qkv.serve.model import Served
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
-# the smallest repetition_penalty accepted: seen tokens' positive logits are divided by it, and 1e-300 overflowed
-# float32 (inf, then NaN probabilities); at 0.01 a logit of 1e4 becomes 1e6, far from float32's 3e38, and a 100x
-# boost of every seen token is already past any useful setting
+# the smallest repetition_penalty accepted: seen tokens' positive logits are divided by it, and 1e-300
+# overflowed float32 (inf, then NaN probabilities); at 0.01 a logit of 1e4 becomes 1e6, far from float32's
+# 3e38, and a 100x boost of every seen token is already past any useful setting
 MIN_REPETITION_PENALTY = 0.01
 
 
@@ -65,8 +65,8 @@ def _range(ok: bool, name: str, message: str) -> None:
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    """400 for OpenAI fields this server does not implement, set to anything but their "off" value: answering as
-    if they had been honoured would be worse (a logit_bias or a JSON response_format silently ignored)."""
+    """400 for OpenAI fields this server does not implement, set to anything but their "off" value: answering
+    as if they had been honoured would be worse (a logit_bias or a JSON response_format silently ignored)."""
     off: dict[str, tuple] = {
         "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
         "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
@@ -107,8 +107,9 @@ class RequestChecks:
             raise APIError(400, "the request body was cut short", None, "incomplete_body") from None
         try:
             body = json.loads(raw)
-        # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over 4300 digits; nesting
-        # too deep for the parser is a RecursionError: all of them a malformed body, not a server error
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over 4300 digits;
+        # nesting too deep for the parser is a RecursionError: all of them a malformed body, not a server
+        # error
         except (ValueError, RecursionError) as e:
             raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]})", None, "invalid_json") from None
         if not isinstance(body, dict):
@@ -132,7 +133,8 @@ class RequestChecks:
         for name in ("presence_penalty", "frequency_penalty"):
             v = field(body, name, _is_num, "a number", 0)
             _range(v == 0, name, "is not supported (only 0)")
-        # each sampling field: the request's value, else the folder's default, else OpenAI's (sampling_defaults)
+        # each sampling field: the request's value, else the folder's default, else OpenAI's
+        # (sampling_defaults)
         d = self.sampling_defaults
         temperature = field(body, "temperature", _is_num, "a number", d["temperature"])
         _range(0 <= temperature <= 2, "temperature", f"must be in [0, 2], got {temperature}")
@@ -166,16 +168,19 @@ class RequestChecks:
         try:
             self.engine.check_request(prompt_len, max_tokens)
         except ValueError as e:
-            # without max_tokens the request asked for what fits: the prompt alone does not, and is what to change
+            # without max_tokens the request asked for what fits: the prompt alone does not, and is what to
+            # change
             prompt_field = "messages" if "messages" in body else "prompt"
             raise APIError(400, f"{e}: lower max_tokens or shorten the prompt" if given else
                            f"{e}: the prompt of {prompt_len} tokens alone does not fit; shorten it",
                            name if given else prompt_field, "context_length_exceeded") from None
         # every setting explicit, "off" included: the engine applies a request's options over its own base
-        # config (build_engine: the folder's token ids only), and an option left out would keep that base's value
+        # config (build_engine: the folder's token ids only), and an option left out would keep that base's
+        # value
         opts: dict[str, Any] = {
             "max_new_tokens": max_tokens, "seed": seed,
-            "do_sample": temperature >= MIN_TEMPERATURE,  # below: greedy, the limit (GenerationConfig.sampling)
+            # below: greedy, the limit (GenerationConfig.sampling)
+            "do_sample": temperature >= MIN_TEMPERATURE,
             "temperature": float(temperature), "top_p": float(top_p), "top_k": max(top_k, 0), "min_p": float(min_p),
             "repetition_penalty": float(repetition)}
         if stop:
@@ -210,7 +215,8 @@ class RequestChecks:
         clean = []
         for i, m in enumerate(msgs):
             content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # OpenAI's content parts: text ones joined (as vLLM), others refused
+            # OpenAI's content parts: text ones joined (as vLLM), others refused
+            if isinstance(content, list):
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in content):
                     raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": "
