@@ -32,12 +32,16 @@ from qkv.models.decoding import configured_context
 
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
 DEFAULT_ANSWER_TOKENS = 512  # an answer's length when none is asked for, capped by the model's context
-NO_TEMPLATE_NOTE = ("qkv: note: {folder} has no chat template (no chat_template.jinja, no `chat_template` in "
-                    "tokenizer_config.json): using a plain 'User: ... / Assistant:' transcript; a base model may "
-                    "not follow it")
+NO_TEMPLATE_NOTE = (
+    "qkv: note: {folder} has no chat template (no chat_template.jinja, no `chat_template` in "
+    "tokenizer_config.json): using a plain 'User: ... / Assistant:' transcript; a base model may "
+    "not follow it"
+)
 
 
-def plain_transcript(messages: list[dict[str, str]], eos: str, *, reply: bool) -> tuple[str, list[tuple[int, int]]]:
+def plain_transcript(
+    messages: list[dict[str, str]], eos: str, *, reply: bool
+) -> tuple[str, list[tuple[int, int]]]:
     """The conversation as qkv writes it for a folder without a chat template, in chat and in fine-tuning
     alike: "system\n\nUser: ...\nAssistant: ...<eos>\nUser: ...", every answer followed by the eos (which
     fine-tuning teaches the model to write), ending with "Assistant:" when a reply is wanted. Returns the text
@@ -123,14 +127,18 @@ class ChatSession:
             ids = self._render(turns)
             if self.context is None or len(ids) + max_new_tokens <= self.context:
                 if len(turns) < len(self.history):
-                    self.note(f"qkv: note: dropped the {len(self.history) - len(turns)} oldest message(s) to fit "
-                              f"the context of {self.context} tokens")
+                    self.note(
+                        f"qkv: note: dropped the {len(self.history) - len(turns)} oldest message(s) to fit "
+                        f"the context of {self.context} tokens"
+                    )
                     del self.history[: len(self.history) - len(turns)]
                 return ids
             if len(turns) <= 1:
-                raise ValueError(f"the message ({len(ids)} tokens with the template) + max_new_tokens={max_new_tokens}"
-                                 f" does not fit the model's context of {self.context} tokens; shorten it or lower "
-                                 "--max-new-tokens")
+                raise ValueError(
+                    f"the message ({len(ids)} tokens with the template) + max_new_tokens={max_new_tokens}"
+                    f" does not fit the model's context of {self.context} tokens; shorten it or lower "
+                    "--max-new-tokens"
+                )
             turns = turns[2:] if turns[0]["role"] == "user" and len(turns) > 2 else turns[1:]
 
     def _default_budget(self) -> tuple[list[int], int]:
@@ -249,8 +257,10 @@ def chat_loop(session: ChatSession, lines: Iterable[str] | None = None, out: Tex
         except EOFError:
             return None
 
-    print(HELP + ("; /image PATH sets the image of your next message" if hasattr(session, "set_image") else ""),
-          file=out)
+    print(
+        HELP + ("; /image PATH sets the image of your next message" if hasattr(session, "set_image") else ""),
+        file=out,
+    )
     while True:
         try:
             line = read()

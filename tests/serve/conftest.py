@@ -36,10 +36,16 @@ def gpt2_folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt2")
     texts = list(pydoc_data.topics.topics.values())[:40]
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=400, min_frequency=2,
-                            special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"])
+    bpe.train_from_iterator(
+        texts,
+        vocab_size=400,
+        min_frequency=2,
+        special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"],
+    )
     bpe.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE})
+    )
     V = bpe.get_vocab_size()
     # the same weights whichever tests ran first in this process (checks below depend on them)
     torch.manual_seed(0)

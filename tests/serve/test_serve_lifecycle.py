@@ -28,7 +28,9 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(qkv.serve, "load_served", load)
 
 
-def test_an_address_it_cannot_listen_on_is_a_user_error_before_the_model_loads(run_folder, no_model_load, capsys):
+def test_an_address_it_cannot_listen_on_is_a_user_error_before_the_model_loads(
+    run_folder, no_model_load, capsys
+):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
@@ -89,7 +91,9 @@ def test_streams_cut_by_the_end_of_the_shutdown_timeout_end_with_an_error_and_do
             plain = {}
             th = threading.Thread(target=lambda: plain.setdefault("r", httpx.post(
                 url + "/v1/completions", json=body, timeout=60)))
-            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            with httpx.stream(
+                "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as r:
                 lines = r.iter_lines()
                 first = next(line for line in lines if line.startswith("data: "))
                 th.start()
@@ -102,7 +106,11 @@ def test_streams_cut_by_the_end_of_the_shutdown_timeout_end_with_an_error_and_do
             th.join(60)
     finally:
         logging.getLogger("uvicorn.error").removeHandler(log)
-    assert done and events[-1]["error"]["code"] == "cancelled" and "shutting down" in events[-1]["error"]["message"]
+    assert (
+        done
+        and events[-1]["error"]["code"] == "cancelled"
+        and "shutting down" in events[-1]["error"]["message"]
+    )
     assert 1 <= len(events) - 1 < 50  # cut short, not finished
     assert plain["r"].status_code == 503 and plain["r"].json()["error"]["code"] == "cancelled"
     assert not [r for r in log.records if "Exception in ASGI application" in r.getMessage()]

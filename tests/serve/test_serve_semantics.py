@@ -23,9 +23,18 @@ def folder_with_defaults(gpt2_folder, tmp_path_factory):
     apply unasked."""
     path = tmp_path_factory.mktemp("gc") / "lm"
     shutil.copytree(gpt2_folder, path)
-    (path / "generation_config.json").write_text(json.dumps({
-        "do_sample": True, "temperature": 0.6, "top_k": 1, "repetition_penalty": 5.0, "no_repeat_ngram_size": 2,
-        "transformers_version": "4.45.0"}))
+    (path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "do_sample": True,
+                "temperature": 0.6,
+                "top_k": 1,
+                "repetition_penalty": 5.0,
+                "no_repeat_ngram_size": 2,
+                "transformers_version": "4.45.0",
+            }
+        )
+    )
     return path
 
 
@@ -41,7 +50,10 @@ def test_a_request_sets_its_sampling_and_the_folder_fills_what_it_leaves_out(fol
         out = generate(served.model, torch.tensor([ids]), n, min_new_tokens=n, no_repeat_ngram_size=0, **kw)
         return served.codec.decode(out[0, len(ids):].tolist())
 
-    plain, penalised = ref(do_sample=False, repetition_penalty=1.0), ref(do_sample=False, repetition_penalty=5.0)
+    plain, penalised = (
+        ref(do_sample=False, repetition_penalty=1.0),
+        ref(do_sample=False, repetition_penalty=5.0),
+    )
     # the folder's penalty changes this continuation: the checks below mean something
     assert plain != penalised
     body = {"model": served.name, "prompt": prompt, "max_tokens": n}
@@ -82,7 +94,10 @@ def test_a_stop_string_at_the_start_of_a_sentencepiece_output_stops_it(llama_sp)
                           timeout=60) as s:
             events, done = sse_events(s.iter_lines())
         assert done and "".join(e["choices"][0]["text"] for e in events) == ""
-        assert events[-1]["choices"][0]["finish_reason"] == "stop" and events[-1]["usage"]["completion_tokens"] == 1
+        assert (
+            events[-1]["choices"][0]["finish_reason"] == "stop"
+            and events[-1]["usage"]["completion_tokens"] == 1
+        )
 
 
 def test_bodies_the_json_parser_refuses_are_400_and_a_bug_is_a_json_500(run_folder):
@@ -104,12 +119,18 @@ def test_bodies_the_json_parser_refuses_are_400_and_a_bug_is_a_json_500(run_fold
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
         assert "injected tokenizer bug" in r.json()["error"]["message"]
         del codec.encode
-        r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": "ab", "max_tokens": 2}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions", json={"model": served.name, "prompt": "ab", "max_tokens": 2}, timeout=60
+        )
         assert r.status_code == 200
         assert httpx.get(url + "/no/such/path").status_code == 404
         counts = response_counts(httpx.get(url + "/metrics").text)
-        assert counts == {("/v1/completions", "400"): 2, ("/v1/completions", "500"): 1, ("/v1/completions", "200"): 1,
-                          ("other", "404"): 1}
+        assert counts == {
+            ("/v1/completions", "400"): 2,
+            ("/v1/completions", "500"): 1,
+            ("/v1/completions", "200"): 1,
+            ("other", "404"): 1,
+        }
 
 
 def response_counts(text: str) -> dict[tuple[str, str], int]:
@@ -117,8 +138,13 @@ def response_counts(text: str) -> dict[tuple[str, str], int]:
     after its page is written)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.labels["endpoint"], s.labels["status"]): int(s.value) for f in text_string_to_metric_families(text)
-            if f.name == "qkv_http_responses" for s in f.samples if s.name == "qkv_http_responses_total"}
+    return {
+        (s.labels["endpoint"], s.labels["status"]): int(s.value)
+        for f in text_string_to_metric_families(text)
+        if f.name == "qkv_http_responses"
+        for s in f.samples
+        if s.name == "qkv_http_responses_total"
+    }
 
 
 def test_models_retrieve(run_folder):
@@ -187,7 +213,9 @@ def test_a_prompt_alone_over_the_pool_without_max_tokens_names_the_prompt(run_fo
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "prompt" and "shorten it" in err["message"], r.text
         assert "max_tokens" not in err["message"]
-        r = httpx.post(url + "/v1/completions", json={**body, "prompt": "a" * 8, "max_tokens": 10}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions", json={**body, "prompt": "a" * 8, "max_tokens": 10}, timeout=60
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         r = httpx.post(url + "/v1/completions", json={**body, "prompt": "a" * 8}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text

@@ -163,7 +163,14 @@ def test_sse_events_are_json_dumps_of_their_payload(gpt2_folder):
     with running_server(gpt2_folder, block_size=4) as (url, _):
         for path, body in (("/v1/completions", {"prompt": "The class"}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
-            body = {**body, "model": served.name, "max_tokens": 24, "temperature": 1.0, "seed": 3, "stream": True}
+            body = {
+                **body,
+                "model": served.name,
+                "max_tokens": 24,
+                "temperature": 1.0,
+                "seed": 3,
+                "stream": True,
+            }
             with httpx.stream("POST", url + path, json=body, timeout=60) as r:
                 lines = [x for x in r.iter_lines() if x.startswith("data: {")]
             assert len(lines) >= 2

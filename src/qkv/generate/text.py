@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 
-def decode_continuation(decode: Callable[[list[int]], str], context: Sequence[int], ids: Sequence[int]) -> str:
+def decode_continuation(
+    decode: Callable[[list[int]], str], context: Sequence[int], ids: Sequence[int]
+) -> str:
     """The text `ids` add after `context`: decode(context + ids) minus decode(context). A SentencePiece-style
     (Metaspace) decoder drops the leading space of a text's first token, so a continuation decoded on its own
     loses the space between the prompt and its first word ("Hellocon" for "Hello con"). The ids decoded alone

@@ -22,9 +22,17 @@ from qkv.serve.app import APIError, ServeSettings, create_app
 from qkv.serve.model import Served, TextCodec, load_served
 
 
-def build_engine(served: Served, *, block_size: int = 16, num_blocks: int | None = None, max_batch_size: int = 32,
-                 prefill_chunk: int | None = 1024, prefix_caching: bool = True, preemption: str = "least_work",
-                 max_model_len: int | None = None) -> Any:
+def build_engine(
+    served: Served,
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    max_batch_size: int = 32,
+    prefill_chunk: int | None = 1024,
+    prefix_caching: bool = True,
+    preemption: str = "least_work",
+    max_model_len: int | None = None,
+) -> Any:
     """The Engine for a served model: the folder's token ids plus the tokenizer's eos ids as its base
     settings; max_model_len None: the model's (configured) context."""
     from qkv.generate.engine import Engine
@@ -151,4 +159,13 @@ def _run(app: Any, served: Served, sock: socket.socket, host: str, shutdown_time
     return 0
 
 
-__all__ = ["APIError", "ServeSettings", "Served", "TextCodec", "build_engine", "create_app", "load_served", "serve"]
+__all__ = [
+    "APIError",
+    "ServeSettings",
+    "Served",
+    "TextCodec",
+    "build_engine",
+    "create_app",
+    "load_served",
+    "serve",
+]

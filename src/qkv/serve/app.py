@@ -47,14 +47,26 @@ class API(RequestChecks):
 
     def admit(self, prompt: list[int], opts: dict[str, Any]) -> Ticket:
         if self.worker.error is not None:
-            raise APIError(503, f"the engine stopped after an internal error ({self.worker.error}): the server must "
-                           "be restarted", None, "engine_dead", "server_error")
+            raise APIError(
+                503,
+                f"the engine stopped after an internal error ({self.worker.error}): the server must "
+                "be restarted",
+                None,
+                "engine_dead",
+                "server_error",
+            )
         if self.shutting_down or not self.worker.alive:
             raise APIError(503, "the server is shutting down", None, "unavailable", "server_error")
         if self.active >= self.capacity:
             self.metrics.rejected.inc()
-            raise APIError(429, f"the server is at capacity ({self.active} requests running or queued): retry "
-                           "later", None, "rate_limit_exceeded", "rate_limit_error", {"Retry-After": "1"})
+            raise APIError(
+                429,
+                f"the server is at capacity ({self.active} requests running or queued): retry later",
+                None,
+                "rate_limit_exceeded",
+                "rate_limit_error",
+                {"Retry-After": "1"},
+            )
         self.active += 1
         return self.worker.submit(prompt, opts)
 
@@ -97,8 +109,13 @@ class API(RequestChecks):
                 for i, (kind, value) in enumerate(items):
                     if kind in ("error", "failed"):  # the engine died / this request failed alone
                         done = True
-                        raise APIError(500, value, None, "engine_error" if kind == "error" else "request_failed",
-                                       "server_error")
+                        raise APIError(
+                            500,
+                            value,
+                            None,
+                            "engine_error" if kind == "error" else "request_failed",
+                            "server_error",
+                        )
                     if kind == "done":
                         done = True
                         yield items[:i + 1]
@@ -167,7 +184,13 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
         ok = api.worker.alive and not api.shutting_down
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    card = {"id": served.name, "object": "model", "created": served.created, "owned_by": "qkv", "max_model_len": engine.context}
+    card = {
+        "id": served.name,
+        "object": "model",
+        "created": served.created,
+        "owned_by": "qkv",
+        "max_model_len": engine.context,
+    }
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -176,8 +199,12 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
     @app.get("/v1/models/{model_id:path}")  # the openai client's models.retrieve(); ids may hold a "/"
     async def model(model_id: str) -> dict:
         if model_id != served.name:
-            raise APIError(404, f"the model '{model_id}' does not exist; this server has '{served.name}'", "model",
-                           "model_not_found")
+            raise APIError(
+                404,
+                f"the model '{model_id}' does not exist; this server has '{served.name}'",
+                "model",
+                "model_not_found",
+            )
         return card
 
     @app.get("/metrics")

@@ -14,9 +14,15 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 _GAUGES = {
     "running": ("qkv_num_requests_running", "requests in the running batch"),
     "waiting": ("qkv_num_requests_waiting", "requests queued in the engine (preempted ones included)"),
-    "preempted_waiting": ("qkv_num_requests_preempted_waiting", "preempted requests waiting to be recomputed"),
+    "preempted_waiting": (
+        "qkv_num_requests_preempted_waiting",
+        "preempted requests waiting to be recomputed",
+    ),
     "blocks_used": ("qkv_kv_blocks_used", "KV-cache blocks referenced by requests"),
-    "blocks_cached": ("qkv_kv_blocks_cached", "unreferenced blocks kept by the prefix cache (free, evictable)"),
+    "blocks_cached": (
+        "qkv_kv_blocks_cached",
+        "unreferenced blocks kept by the prefix cache (free, evictable)",
+    ),
     "blocks_total": ("qkv_kv_blocks_total", "KV-cache blocks in the pool"),
     "prefix_hit_rate": ("qkv_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / looked up"),
 }
@@ -93,7 +99,9 @@ class ResponseCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        endpoint = (
+            path if path in ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        )
         started = False
 
         async def counting_send(message: dict) -> None:

@@ -69,7 +69,9 @@ def load_served(path: str | Path, name: str | None = None, quantize: str | None 
     if run_folder_of(path) is not None:
         tok = load_run_task(path).tokenizer
         eos: set[int] = set()
-    elif is_gguf(folder) or ((folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file()):
+    elif is_gguf(folder) or (
+        (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file()
+    ):
         tok = load_gguf_tokenizer(folder) if is_gguf(folder) else load_hf_tokenizer(folder)
         # the template's end-of-turn token too (ChatML's <|im_end|> where eos is <|endoftext|>), as qkv chat
         # stops

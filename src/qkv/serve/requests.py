@@ -103,7 +103,9 @@ class RequestChecks:
             raw = await request.body()
         except ClientDisconnect:  # nobody to answer; uvicorn would log a traceback for each such client
             client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-            logging.getLogger("uvicorn.error").warning("%s went away before sending its whole request body", client)
+            logging.getLogger("uvicorn.error").warning(
+                "%s went away before sending its whole request body", client
+            )
             raise APIError(400, "the request body was cut short", None, "incomplete_body") from None
         try:
             body = json.loads(raw)
@@ -111,7 +113,9 @@ class RequestChecks:
         # nesting too deep for the parser is a RecursionError: all of them a malformed body, not a server
         # error
         except (ValueError, RecursionError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]})", None, "invalid_json") from None
+            raise APIError(
+                400, f"the request body is not valid JSON ({str(e)[:200]})", None, "invalid_json"
+            ) from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
         check_text(body)
@@ -178,11 +182,16 @@ class RequestChecks:
         # config (build_engine: the folder's token ids only), and an option left out would keep that base's
         # value
         opts: dict[str, Any] = {
-            "max_new_tokens": max_tokens, "seed": seed,
+            "max_new_tokens": max_tokens,
+            "seed": seed,
             # below: greedy, the limit (GenerationConfig.sampling)
             "do_sample": temperature >= MIN_TEMPERATURE,
-            "temperature": float(temperature), "top_p": float(top_p), "top_k": max(top_k, 0), "min_p": float(min_p),
-            "repetition_penalty": float(repetition)}
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "top_k": max(top_k, 0),
+            "min_p": float(min_p),
+            "repetition_penalty": float(repetition),
+        }
         if stop:
             opts["stop_strings"] = stop
         return opts
@@ -219,12 +228,22 @@ class RequestChecks:
             if isinstance(content, list):
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in content):
-                    raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": "
-                                   "...}) are supported by this server", f"messages[{i}]", "unsupported")
+                    raise APIError(
+                        400,
+                        f'messages[{i}].content: only text parts ({{"type": "text", "text": '
+                        "...}) are supported by this server",
+                        f"messages[{i}]",
+                        "unsupported",
+                    )
                 content = "\n".join(p["text"] for p in content)
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
-                raise APIError(400, f"messages[{i}] must be an object with string 'role' and 'content' (a string "
-                               "or a list of text parts)", f"messages[{i}]", "invalid_type")
+                raise APIError(
+                    400,
+                    f"messages[{i}] must be an object with string 'role' and 'content' (a string "
+                    "or a list of text parts)",
+                    f"messages[{i}]",
+                    "invalid_type",
+                )
             clean.append({"role": m["role"], "content": content})
         if not self.served.codec.has_chat_template:
             raise APIError(400, f"the model '{self.served.name}' has no chat template: use /v1/completions",
@@ -232,7 +251,9 @@ class RequestChecks:
         try:
             ids = self.served.codec.chat_prompt(clean)
         except Exception as e:  # a template's own raise_exception (e.g. roles must alternate)
-            raise APIError(400, f"the chat template rejected the messages: {e}", "messages", "invalid_value") from None
+            raise APIError(
+                400, f"the chat template rejected the messages: {e}", "messages", "invalid_value"
+            ) from None
         if not ids:
             raise APIError(400, "the rendered chat prompt is empty", "messages", "invalid_value")
         return ids
