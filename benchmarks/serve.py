@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 from qkv.generate import Engine, generate  # noqa: E402
+from qkv.generate.engine import TEXT_CONTEXT  # noqa: E402
 from qkv.interop.tokenizer import decode_continuation  # noqa: E402
 from qkv.serve import load_served  # noqa: E402
-from qkv.serve.app import TextStream  # noqa: E402
 from qkv.tasks import build_task  # noqa: E402
 
 
@@ -197,8 +197,8 @@ def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch
     t0 = time.perf_counter()
     refs = [generate(m, torch.tensor([p]), n)[0, len(p):].tolist() for p, n in zip(prompts, news)]
     seq_wall = time.perf_counter() - t0
-    # the server's text is what the tokens add after the prompt (decoded after its last few tokens, TextStream)
-    want = [decode_continuation(served.codec.decode, p[-TextStream.CONTEXT:], ref) for p, ref in zip(prompts, refs)]
+    # the server's text is what the tokens add after the prompt (decoded after its last few tokens, StreamDecoder)
+    want = [decode_continuation(served.codec.decode, p[-TEXT_CONTEXT:], ref) for p, ref in zip(prompts, refs)]
     bad = sum(1 for r, w, n in zip(res, want, news)
               if not r["done"] or r["text"] != w or (r["usage"] or {}).get("completion_tokens") != n)
     ttft = [r["stamps"][0] - r["t0"] for r in res if r["stamps"]]

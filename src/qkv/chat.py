@@ -32,16 +32,20 @@ from qkv.models.decoding import configured_context
 
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
 DEFAULT_ANSWER_TOKENS = 512  # an answer's length when none is asked for, capped by the model's context
-NO_TEMPLATE_NOTE = ("qkv: note: {folder} has no chat template (no chat_template.jinja, no `chat_template` in "
-                    "tokenizer_config.json): using a plain 'User: ... / Assistant:' transcript; a base model may "
-                    "not follow it")
+NO_TEMPLATE_NOTE = (
+    "qkv: note: {folder} has no chat template (no chat_template.jinja, no `chat_template` in "
+    "tokenizer_config.json): using a plain 'User: ... / Assistant:' transcript; a base model may "
+    "not follow it"
+)
 
 
-def plain_transcript(messages: list[dict[str, str]], eos: str, *, reply: bool) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation as qkv writes it for a folder without a chat template, in chat and in fine-tuning alike:
-    "system\n\nUser: ...\nAssistant: ...<eos>\nUser: ...", every answer followed by the eos (which fine-tuning
-    teaches the model to write), ending with "Assistant:" when a reply is wanted. Returns the text and the
-    character spans of each " answer<eos>"."""
+def plain_transcript(
+    messages: list[dict[str, str]], eos: str, *, reply: bool
+) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as qkv writes it for a folder without a chat template, in chat and in fine-tuning
+    alike: "system\n\nUser: ...\nAssistant: ...<eos>\nUser: ...", every answer followed by the eos (which
+    fine-tuning teaches the model to write), ending with "Assistant:" when a reply is wanted. Returns the text
+    and the character spans of each " answer<eos>"."""
     text, spans = "", []
     for m in messages:
         if m["role"] == "system":
@@ -123,21 +127,26 @@ class ChatSession:
             ids = self._render(turns)
             if self.context is None or len(ids) + max_new_tokens <= self.context:
                 if len(turns) < len(self.history):
-                    self.note(f"qkv: note: dropped the {len(self.history) - len(turns)} oldest message(s) to fit "
-                              f"the context of {self.context} tokens")
+                    self.note(
+                        f"qkv: note: dropped the {len(self.history) - len(turns)} oldest message(s) to fit "
+                        f"the context of {self.context} tokens"
+                    )
                     del self.history[: len(self.history) - len(turns)]
                 return ids
             if len(turns) <= 1:
-                raise ValueError(f"the message ({len(ids)} tokens with the template) + max_new_tokens={max_new_tokens}"
-                                 f" does not fit the model's context of {self.context} tokens; shorten it or lower "
-                                 "--max-new-tokens")
+                raise ValueError(
+                    f"the message ({len(ids)} tokens with the template) + max_new_tokens={max_new_tokens}"
+                    f" does not fit the model's context of {self.context} tokens; shorten it or lower "
+                    "--max-new-tokens"
+                )
             turns = turns[2:] if turns[0]["role"] == "user" and len(turns) > 2 else turns[1:]
 
     def _default_budget(self) -> tuple[list[int], int]:
-        """The prompt ids and the answer's length when none was asked for: DEFAULT_ANSWER_TOKENS, capped by the
-        context. Older exchanges are dropped to keep room for min(DEFAULT_ANSWER_TOKENS, context / 2) answer
-        tokens; a single message longer than that answers in whatever room it leaves (at least one token),
-        instead of refusing a request the user never sized (a 512-token default on a 128-position model)."""
+        """The prompt ids and the answer's length when none was asked for: DEFAULT_ANSWER_TOKENS, capped by
+        the context. Older exchanges are dropped to keep room for min(DEFAULT_ANSWER_TOKENS, context / 2)
+        answer tokens; a single message longer than that answers in whatever room it leaves (at least one
+        token), instead of refusing a request the user never sized (a 512-token default on a 128-position
+        model)."""
         if self.context is None:
             return self.prompt_ids(DEFAULT_ANSWER_TOKENS), DEFAULT_ANSWER_TOKENS
         room = min(DEFAULT_ANSWER_TOKENS, max(1, self.context // 2))
@@ -228,7 +237,8 @@ def chat_loop(session: ChatSession, lines: Iterable[str] | None = None, out: Tex
     out = out or sys.stdout
     source = iter(lines) if lines is not None else None
     if source is None:
-        try:  # input() then edits the line and recalls earlier messages (arrow keys), where Python has readline
+        # input() then edits the line and recalls earlier messages (arrow keys), where Python has readline
+        try:
             import readline  # noqa: F401
         except ImportError:
             pass
@@ -247,8 +257,10 @@ def chat_loop(session: ChatSession, lines: Iterable[str] | None = None, out: Tex
         except EOFError:
             return None
 
-    print(HELP + ("; /image PATH sets the image of your next message" if hasattr(session, "set_image") else ""),
-          file=out)
+    print(
+        HELP + ("; /image PATH sets the image of your next message" if hasattr(session, "set_image") else ""),
+        file=out,
+    )
     while True:
         try:
             line = read()

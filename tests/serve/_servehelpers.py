@@ -1,5 +1,6 @@
 """The server the tests start: uvicorn in a thread of the test process, on an ephemeral loopback port
-(a module with its own name: `from conftest import` would be ambiguous beside other test folders' conftest)."""
+(a module with its own name: `from conftest import` would be ambiguous beside other test folders'
+conftest)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from qkv.serve import ServeSettings, build_engine, create_app, load_served
 
 
 @contextmanager
-def running_server(folder, *, settings: ServeSettings | None = None, shutdown_timeout: float = 5, **engine_options):
-    """(base url, app) of a server on 127.0.0.1:<free port>; stopped (and its engine thread) on exit. The uvicorn
-    server is app.state.server (a test may stop it early: server.should_exit = True)."""
+def running_server(
+    folder, *, settings: ServeSettings | None = None, shutdown_timeout: float = 5, **engine_options
+):
+    """(base url, app) of a server on 127.0.0.1:<free port>; stopped (and its engine thread) on exit. The
+    uvicorn server is app.state.server (a test may stop it early: server.should_exit = True)."""
     import uvicorn
 
     served = load_served(folder)
@@ -24,7 +27,9 @@ def running_server(folder, *, settings: ServeSettings | None = None, shutdown_ti
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
+    )
     app.state.server = server
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -36,12 +36,19 @@ def gpt2_folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt2")
     texts = list(pydoc_data.topics.topics.values())[:40]
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=400, min_frequency=2,
-                            special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"])
+    bpe.train_from_iterator(
+        texts,
+        vocab_size=400,
+        min_frequency=2,
+        special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"],
+    )
     bpe.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE})
+    )
     V = bpe.get_vocab_size()
-    torch.manual_seed(0)  # the same weights whichever tests ran first in this process (checks below depend on them)
+    # the same weights whichever tests ran first in this process (checks below depend on them)
+    torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=V, n_positions=96, n_embd=32, n_layer=2, n_head=2,
                                   bos_token_id=0, eos_token_id=4, initializer_range=0.3)
     transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(path)

@@ -96,7 +96,13 @@ def test_clients_that_disconnect_mid_stream_give_their_blocks_back(gpt2_folder):
     served = load_served(gpt2_folder)
     with running_server(gpt2_folder, block_size=4, max_batch_size=16) as (url, app):
         engine = app.state.api.engine
-        body = {"model": served.name, "prompt": "The class", "max_tokens": 80, "temperature": 0.9, "stream": True}
+        body = {
+            "model": served.name,
+            "prompt": "The class",
+            "max_tokens": 80,
+            "temperature": 0.9,
+            "stream": True,
+        }
 
         def leave_early(i):
             with httpx.stream("POST", url + "/v1/completions", json={**body, "seed": i}, timeout=60) as r:
@@ -175,8 +181,14 @@ def test_errors_have_openai_shape_and_do_not_disturb_others(run_folder):
         h = httpx.get(url + "/health")
         assert h.status_code == 200 and h.json() == {"status": "ok"}
         m = httpx.get(url + "/metrics").text
-        for name in ("qkv_num_requests_running", "qkv_kv_blocks_used", "qkv_generation_tokens_total",
-                     "qkv_prefix_cache_hit_rate", "qkv_preemptions_total", "qkv_time_to_first_token_seconds_bucket"):
+        for name in (
+            "qkv_num_requests_running",
+            "qkv_kv_blocks_used",
+            "qkv_generation_tokens_total",
+            "qkv_prefix_cache_hit_rate",
+            "qkv_preemptions_total",
+            "qkv_time_to_first_token_seconds_bucket",
+        ):
             assert name in m
 
 
@@ -197,7 +209,9 @@ def test_full_queue_answers_429_with_retry_after(run_folder):
             assert second.json()["error"]["type"] == "rate_limit_error"
             _, done = _sse(lines)
             assert done
-        assert httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=60).status_code == 200
+        assert (
+            httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=60).status_code == 200
+        )
 
 
 def test_qkv_serve_command_takes_max_model_len_and_exits_0_on_sigterm(run_folder):
@@ -211,9 +225,13 @@ def test_qkv_serve_command_takes_max_model_len_and_exits_0_on_sigterm(run_folder
         base = line.split("at ")[1].split()[0]
         model = httpx.get(base + "/models", timeout=30).json()["data"][0]
         assert model["id"] == "lm" and model["max_model_len"] == 32  # --max-model-len, below the model's 64
-        r = httpx.post(base + "/completions", json={"model": "lm", "prompt": "x", "max_tokens": 3}, timeout=30)
+        r = httpx.post(
+            base + "/completions", json={"model": "lm", "prompt": "x", "max_tokens": 3}, timeout=30
+        )
         assert r.status_code == 200
-        r = httpx.post(base + "/completions", json={"model": "lm", "prompt": "x" * 20, "max_tokens": 20}, timeout=30)
+        r = httpx.post(
+            base + "/completions", json={"model": "lm", "prompt": "x" * 20, "max_tokens": 20}, timeout=30
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0

@@ -1,6 +1,7 @@
-"""qkv serve under requests that used to hurt it: a near-zero temperature, seeds past 64 bits, OpenAI fields the
-server does not implement, a default max_tokens the KV pool cannot hold, a slow tokenizer, and an engine that dies
-mid-stream. Each against a server on a loopback port, checked with raw httpx or the official openai client."""
+"""qkv serve under requests that used to hurt it: a near-zero temperature, seeds past 64 bits, OpenAI fields
+the server does not implement, a default max_tokens the KV pool cannot hold, a slow tokenizer, and an engine
+that dies mid-stream. Each against a server on a loopback port, checked with raw httpx or the official openai
+client."""
 
 from __future__ import annotations
 
@@ -27,10 +28,14 @@ def test_tiny_temperature_big_seed_and_unsupported_fields(run_folder):
         assert app.state.api.worker.alive
         for seed in (2 ** 64, -(2 ** 63) - 1):
             for stream in (False, True):
-                r = httpx.post(url + "/v1/completions", json={**ok, "seed": seed, "stream": stream}, timeout=60)
+                r = httpx.post(
+                    url + "/v1/completions", json={**ok, "seed": seed, "stream": stream}, timeout=60
+                )
                 assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
         for seed in (2 ** 64 - 1, -(2 ** 63)):
-            assert httpx.post(url + "/v1/completions", json={**ok, "seed": seed}, timeout=60).status_code == 200
+            assert (
+                httpx.post(url + "/v1/completions", json={**ok, "seed": seed}, timeout=60).status_code == 200
+            )
         refused = [("logit_bias", {"5": 100}), ("response_format", {"type": "json_object"}), ("suffix", "x"),
                    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
                    ("logprobs", 0), ("logprobs", 2), ("echo", True), ("top_logprobs", 2)]
@@ -38,8 +43,16 @@ def test_tiny_temperature_big_seed_and_unsupported_fields(run_folder):
             r = httpx.post(url + "/v1/completions", json={**ok, name: value}, timeout=60)
             assert r.status_code == 400, (name, value, r.text)
             assert r.json()["error"]["code"] == "unsupported" and r.json()["error"]["param"] == name
-        accepted = [("logit_bias", {}), ("logit_bias", None), ("response_format", {"type": "text"}), ("suffix", ""),
-                    ("tools", []), ("tool_choice", "none"), ("logprobs", None), ("echo", False)]
+        accepted = [
+            ("logit_bias", {}),
+            ("logit_bias", None),
+            ("response_format", {"type": "text"}),
+            ("suffix", ""),
+            ("tools", []),
+            ("tool_choice", "none"),
+            ("logprobs", None),
+            ("echo", False),
+        ]
         for name, value in accepted:
             r = httpx.post(url + "/v1/completions", json={**ok, name: value}, timeout=60)
             assert r.status_code == 200, (name, value, r.text)
@@ -55,8 +68,11 @@ def test_default_max_tokens_fits_the_kv_pool(run_folder):
     prompt = "abcdefghij"
     n_prompt = len(served.codec.encode(prompt))
     with running_server(run_folder, block_size=4, num_blocks=4) as (url, app):
-        r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": prompt, "temperature": 0},
-                       timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": served.name, "prompt": prompt, "temperature": 0},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         room = 4 * 4 - n_prompt + 1  # the last new token is never written to the cache
@@ -65,8 +81,11 @@ def test_default_max_tokens_fits_the_kv_pool(run_folder):
         ref = generate(served.model, torch.tensor([served.codec.encode(prompt)]), room)[0, n_prompt:].tolist()
         assert body["choices"][0]["text"] == served.codec.decode(ref)
         # asked for explicitly, the same length over the pool is still refused before any block is taken
-        r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": prompt, "max_tokens": room + 1},
-                       timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": served.name, "prompt": prompt, "max_tokens": room + 1},
+            timeout=60,
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
@@ -74,8 +93,12 @@ def test_include_usage_puts_usage_on_its_own_last_chunk_only(run_folder):
     served = load_served(run_folder)
     body = {"model": served.name, "prompt": "ab", "max_tokens": 5, "temperature": 0, "stream": True}
     with running_server(run_folder, block_size=4) as (url, app):
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream_options": {"include_usage": True}},
-                          timeout=60) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            json={**body, "stream_options": {"include_usage": True}},
+            timeout=60,
+        ) as r:
             events, done = sse_events(r.iter_lines())
         assert done and events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
         assert all(e.get("usage") is None for e in events[:-1])  # OpenAI's form: a client may add them up
@@ -100,12 +123,21 @@ def test_a_slow_tokenizer_does_not_stall_the_event_loop(run_folder):
 
         codec.encode = held
         out = {}
-        th = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
-            url + "/v1/completions", json={"model": served.name, "prompt": "held", "max_tokens": 2}, timeout=60)))
+        th = threading.Thread(
+            target=lambda: out.setdefault(
+                "r",
+                httpx.post(
+                    url + "/v1/completions",
+                    json={"model": served.name, "prompt": "held", "max_tokens": 2},
+                    timeout=60,
+                ),
+            )
+        )
         th.start()
         try:
             assert entered.wait(30)
-            assert httpx.get(url + "/health", timeout=10).status_code == 200  # would time out on a blocked loop
+            # would time out on a blocked loop
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
         finally:
             release.set()
             th.join(60)
@@ -114,8 +146,9 @@ def test_a_slow_tokenizer_does_not_stall_the_event_loop(run_folder):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected failure
 def test_an_engine_that_dies_mid_stream(run_folder):
-    """The stream ends with an error event and [DONE] (its status line went out long ago), later requests get a
-    503 that says why, /health is 503, and the worker's on_error hook (qkv serve: stop the process) runs once."""
+    """The stream ends with an error event and [DONE] (its status line went out long ago), later requests get
+    a 503 that says why, /health is 503, and the worker's on_error hook (qkv serve: stop the process) runs
+    once."""
     served = load_served(run_folder)
     with running_server(run_folder, block_size=4) as (url, app):
         api = app.state.api
@@ -154,7 +187,8 @@ def test_qkv_serve_stops_with_status_1_when_its_engine_dies(run_folder, monkeypa
 
     monkeypatch.setattr(Engine, "step", broken_step)
     result = {}
-    # a daemon thread: were the server never to stop, the test fails below and the thread dies with the process
+    # a daemon thread: were the server never to stop, the test fails below and the thread dies with the
+    # process
     th = threading.Thread(target=lambda: result.setdefault("status", serve(run_folder, port=0, name="lm")),
                           daemon=True)
     th.start()
@@ -173,8 +207,9 @@ def test_qkv_serve_stops_with_status_1_when_its_engine_dies(run_folder, monkeypa
 
 
 def test_a_completion_keeps_the_space_before_its_first_word(llama_sp):
-    """A SentencePiece-style folder: /v1/completions' text is what the prompt's continuation adds to the decoded
-    prompt (" con ar" after "Hello"), streamed or not, as transformers' decode of the whole output has it."""
+    """A SentencePiece-style folder: /v1/completions' text is what the prompt's continuation adds to the
+    decoded prompt (" con ar" after "Hello"), streamed or not, as transformers' decode of the whole output has
+    it."""
     folder, tok, model = llama_sp
     served = load_served(folder)
     with running_server(folder, block_size=4) as (url, app):
@@ -188,7 +223,9 @@ def test_a_completion_keeps_the_space_before_its_first_word(llama_sp):
             body = {"model": served.name, "prompt": prompt, "max_tokens": 6, "temperature": 0}
             whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
             assert whole["choices"][0]["text"] == want
-            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            with httpx.stream(
+                "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as r:
                 events, done = sse_events(r.iter_lines())
             assert done and "".join(e["choices"][0]["text"] for e in events) == want
 
@@ -198,7 +235,13 @@ def test_repetition_penalty_is_honoured(run_folder):
     served = load_served(run_folder)
     ids = served.codec.encode("abab")
     with running_server(run_folder, block_size=4) as (url, app):
-        body = {"model": served.name, "prompt": "abab", "max_tokens": 12, "temperature": 0, "repetition_penalty": 3.0}
+        body = {
+            "model": served.name,
+            "prompt": "abab",
+            "max_tokens": 12,
+            "temperature": 0,
+            "repetition_penalty": 3.0,
+        }
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200
         ref = generate(served.model, torch.tensor([ids]), 12, repetition_penalty=3.0)[0, len(ids):].tolist()
@@ -211,9 +254,9 @@ def test_repetition_penalty_is_honoured(run_folder):
 
 
 def test_a_request_whose_sampling_fails_fails_alone_and_the_server_goes_on(run_folder):
-    """A request whose settings make its probabilities NaN (a repetition_penalty of 1e-300 let past the checks:
-    the API refuses it, above) gets a 500 naming the failure, streamed or not; the engine thread lives on and the
-    next request is still answered (the server keeps running)."""
+    """A request whose settings make its probabilities NaN (a repetition_penalty of 1e-300 let past the
+    checks: the API refuses it, above) gets a 500 naming the failure, streamed or not; the engine thread lives
+    on and the next request is still answered (the server keeps running)."""
     served = load_served(run_folder)
     body = {"model": served.name, "prompt": "abab", "max_tokens": 6, "temperature": 1.0, "seed": 0}
     with running_server(run_folder, block_size=4) as (url, app):
@@ -237,11 +280,13 @@ def test_a_request_whose_sampling_fails_fails_alone_and_the_server_goes_on(run_f
 
 
 HOSTILE_TEMPLATE = (
-    "{% if messages[0]['content'] == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-    "{% endfor %}{% elif messages[0]['content'] == 'big' %}{{ 'x' * 3000000000 }}"
+    "{% if messages[0]['content'] == 'loop' %}{% for i in range(100000) %}"
+    "{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{% elif messages[0]['content'] == 'big' %}{{ 'x' * 3000000000 }}"
     "{% elif messages[0]['content'] == 'include' %}{% include 'other.jinja' %}{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def test_a_chat_template_past_its_limits_is_a_400_and_the_server_goes_on(gpt2_folder, tmp_path, monkeypatch):
@@ -274,8 +319,10 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(gpt2_folder):
     body = '{"model": "%s", "max_tokens": 2, %s}'
     with running_server(gpt2_folder, block_size=4) as (url, app):
         name = app.state.api.served.name
-        for path, field in (("/v1/completions", '"prompt": "hi \\ud800 there"'),
-                            ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi \\udfff"}]')):
+        for path, field in (
+            ("/v1/completions", '"prompt": "hi \\ud800 there"'),
+            ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi \\udfff"}]'),
+        ):
             r = httpx.post(url + path, content=body % (name, field), timeout=60,
                            headers={"Content-Type": "application/json"})
             assert r.status_code == 400, r.text
@@ -285,8 +332,8 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(gpt2_folder):
 
 
 def test_a_client_that_sends_part_of_a_body_costs_one_log_line(run_folder):
-    """A client that disconnects mid-body: one warning line each, not uvicorn's "Exception in ASGI application"
-    traceback; and GET /v1/models says when the model was loaded (it said "created": 0)."""
+    """A client that disconnects mid-body: one warning line each, not uvicorn's "Exception in ASGI
+    application" traceback; and GET /v1/models says when the model was loaded (it said "created": 0)."""
     import logging
     import socket
     import time
@@ -301,8 +348,10 @@ def test_a_client_that_sends_part_of_a_body_costs_one_log_line(run_folder):
             host, port = url.removeprefix("http://").split(":")
             for _ in range(3):
                 with socket.create_connection((host, int(port))) as s:
-                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                              b"Content-Length: 200\r\n\r\n{\"model\": ")
+                    s.sendall(
+                        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b'Content-Length: 200\r\n\r\n{"model": '
+                    )
                     time.sleep(0.2)
             time.sleep(0.5)
             created = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["created"]

@@ -1,5 +1,5 @@
-"""`qkv serve` starting and stopping: an address it cannot listen on, bad flags, a graceful shutdown whose time
-runs out, a request cancelled under a stream."""
+"""`qkv serve` starting and stopping: an address it cannot listen on, bad flags, a graceful shutdown whose
+time runs out, a request cancelled under a stream."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from qkv.serve import load_served
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """Fails the test if serve() loads the model: the errors below must come before that (minutes, for a big one)."""
+    """Fails the test if serve() loads the model: the errors below must come before that (minutes, for a big
+    one)."""
     import qkv.serve
 
     def load(*a, **k):
@@ -27,7 +28,9 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(qkv.serve, "load_served", load)
 
 
-def test_an_address_it_cannot_listen_on_is_a_user_error_before_the_model_loads(run_folder, no_model_load, capsys):
+def test_an_address_it_cannot_listen_on_is_a_user_error_before_the_model_loads(
+    run_folder, no_model_load, capsys
+):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
@@ -42,7 +45,8 @@ def test_an_address_it_cannot_listen_on_is_a_user_error_before_the_model_loads(r
     # socket.gaierror, an OSError too, but looking one up could leave the machine)
     assert main(["serve", str(run_folder), "--host", "192.0.2.1", "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("qkv: error: cannot listen on 192.0.2.1:0: ") and err.count("\n") == 1, err  # no traceback
+    # no traceback
+    assert err.startswith("qkv: error: cannot listen on 192.0.2.1:0: ") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("value", ["-1", "nan"])
@@ -72,20 +76,24 @@ class _Records(logging.Handler):
 
 
 def test_streams_cut_by_the_end_of_the_shutdown_timeout_end_with_an_error_and_done(run_folder):
-    """When --shutdown-timeout runs out, uvicorn cancels what still runs: a stream then ends with an error event
-    ("shutting down") and [DONE], a non-streamed request is a 503, and no "Exception in ASGI application"
-    traceback is logged (before: the stream was cut, no [DONE], and uvicorn logged a CancelledError)."""
+    """When --shutdown-timeout runs out, uvicorn cancels what still runs: a stream then ends with an error
+    event ("shutting down") and [DONE], a non-streamed request is a 503, and no "Exception in ASGI
+    application" traceback is logged (before: the stream was cut, no [DONE], and uvicorn logged a
+    CancelledError)."""
     served = load_served(run_folder)
     body = {"model": served.name, "prompt": "ab", "max_tokens": 50, "temperature": 0}
     log = _Records()
     try:
         with running_server(run_folder, block_size=4, shutdown_timeout=0.5) as (url, app):
-            logging.getLogger("uvicorn.error").addHandler(log)  # after uvicorn has configured (reset) its loggers
+            # after uvicorn has configured (reset) its loggers
+            logging.getLogger("uvicorn.error").addHandler(log)
             _slow(app.state.api.engine)
             plain = {}
             th = threading.Thread(target=lambda: plain.setdefault("r", httpx.post(
                 url + "/v1/completions", json=body, timeout=60)))
-            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            with httpx.stream(
+                "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as r:
                 lines = r.iter_lines()
                 first = next(line for line in lines if line.startswith("data: "))
                 th.start()
@@ -98,12 +106,16 @@ def test_streams_cut_by_the_end_of_the_shutdown_timeout_end_with_an_error_and_do
             th.join(60)
     finally:
         logging.getLogger("uvicorn.error").removeHandler(log)
-    assert done and events[-1]["error"]["code"] == "cancelled" and "shutting down" in events[-1]["error"]["message"]
+    assert (
+        done
+        and events[-1]["error"]["code"] == "cancelled"
+        and "shutting down" in events[-1]["error"]["message"]
+    )
     assert 1 <= len(events) - 1 < 50  # cut short, not finished
     assert plain["r"].status_code == 503 and plain["r"].json()["error"]["code"] == "cancelled"
     assert not [r for r in log.records if "Exception in ASGI application" in r.getMessage()]
-    # the cancelling is how --shutdown-timeout is documented to end: uvicorn's "ERROR: Cancel 2 running task(s)"
-    # is not logged as an error
+    # the cancelling is how --shutdown-timeout is documented to end: uvicorn's "ERROR: Cancel 2 running
+    # task(s)" is not logged as an error
     assert not [r for r in log.records if r.levelno >= logging.ERROR], [r.getMessage() for r in log.records]
 
 
@@ -117,7 +129,8 @@ def test_a_stream_whose_request_the_engine_cancels_ends_with_an_error_and_done(r
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            app.state.api.worker._commands.put(("cancel", 0))  # the first (only) ticket, as a shutdown cancels it
+            # the first (only) ticket, as a shutdown cancels it
+            app.state.api.worker._commands.put(("cancel", 0))
             events, done = sse_events([first, *lines])
     assert done and events[-1]["error"]["code"] == "cancelled" and len(events) < 50
 
@@ -140,7 +153,8 @@ def test_the_exit_signal_stops_admitting_requests_at_once(run_folder):
 
 
 def test_serve_help_states_its_own_exit_statuses(capsys):
-    """serve ends with 0 on SIGINT / SIGTERM (tests/serve/test_serve_api.py), not the 130 / 143 of training."""
+    """serve ends with 0 on SIGINT / SIGTERM (tests/serve/test_serve_api.py), not the 130 / 143 of
+    training."""
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])
     assert e.value.code == 0

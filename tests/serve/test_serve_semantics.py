@@ -1,6 +1,6 @@
 """What a request means: which settings apply (the request's, else the folder's generation_config.json, else
-OpenAI's), where a stop string cuts, which fields and shapes are accepted. Against a server on a loopback port;
-references are generate() / transformers run alone."""
+OpenAI's), where a stop string cuts, which fields and shapes are accepted. Against a server on a loopback
+port; references are generate() / transformers run alone."""
 
 from __future__ import annotations
 
@@ -18,13 +18,23 @@ from qkv.serve import load_served
 
 @pytest.fixture(scope="module")
 def folder_with_defaults(gpt2_folder, tmp_path_factory):
-    """gpt2_folder with a generation_config.json as chat models ship one (Qwen's: sampling, top_k, a repetition
-    penalty), plus a setting outside vLLM's five (no_repeat_ngram_size) that a server must not apply unasked."""
+    """gpt2_folder with a generation_config.json as chat models ship one (Qwen's: sampling, top_k, a
+    repetition penalty), plus a setting outside vLLM's five (no_repeat_ngram_size) that a server must not
+    apply unasked."""
     path = tmp_path_factory.mktemp("gc") / "lm"
     shutil.copytree(gpt2_folder, path)
-    (path / "generation_config.json").write_text(json.dumps({
-        "do_sample": True, "temperature": 0.6, "top_k": 1, "repetition_penalty": 5.0, "no_repeat_ngram_size": 2,
-        "transformers_version": "4.45.0"}))
+    (path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "do_sample": True,
+                "temperature": 0.6,
+                "top_k": 1,
+                "repetition_penalty": 5.0,
+                "no_repeat_ngram_size": 2,
+                "transformers_version": "4.45.0",
+            }
+        )
+    )
     return path
 
 
@@ -40,8 +50,12 @@ def test_a_request_sets_its_sampling_and_the_folder_fills_what_it_leaves_out(fol
         out = generate(served.model, torch.tensor([ids]), n, min_new_tokens=n, no_repeat_ngram_size=0, **kw)
         return served.codec.decode(out[0, len(ids):].tolist())
 
-    plain, penalised = ref(do_sample=False, repetition_penalty=1.0), ref(do_sample=False, repetition_penalty=5.0)
-    assert plain != penalised  # the folder's penalty changes this continuation: the checks below mean something
+    plain, penalised = (
+        ref(do_sample=False, repetition_penalty=1.0),
+        ref(do_sample=False, repetition_penalty=5.0),
+    )
+    # the folder's penalty changes this continuation: the checks below mean something
+    assert plain != penalised
     body = {"model": served.name, "prompt": prompt, "max_tokens": n}
     with running_server(folder_with_defaults, block_size=4) as (url, app):
         app.state.api.engine.cfg = app.state.api.engine.cfg.replace(eos_token_id=None)  # n tokens, always
@@ -80,7 +94,10 @@ def test_a_stop_string_at_the_start_of_a_sentencepiece_output_stops_it(llama_sp)
                           timeout=60) as s:
             events, done = sse_events(s.iter_lines())
         assert done and "".join(e["choices"][0]["text"] for e in events) == ""
-        assert events[-1]["choices"][0]["finish_reason"] == "stop" and events[-1]["usage"]["completion_tokens"] == 1
+        assert (
+            events[-1]["choices"][0]["finish_reason"] == "stop"
+            and events[-1]["usage"]["completion_tokens"] == 1
+        )
 
 
 def test_bodies_the_json_parser_refuses_are_400_and_a_bug_is_a_json_500(run_folder):
@@ -102,12 +119,18 @@ def test_bodies_the_json_parser_refuses_are_400_and_a_bug_is_a_json_500(run_fold
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
         assert "injected tokenizer bug" in r.json()["error"]["message"]
         del codec.encode
-        r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": "ab", "max_tokens": 2}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions", json={"model": served.name, "prompt": "ab", "max_tokens": 2}, timeout=60
+        )
         assert r.status_code == 200
         assert httpx.get(url + "/no/such/path").status_code == 404
         counts = response_counts(httpx.get(url + "/metrics").text)
-        assert counts == {("/v1/completions", "400"): 2, ("/v1/completions", "500"): 1, ("/v1/completions", "200"): 1,
-                          ("other", "404"): 1}
+        assert counts == {
+            ("/v1/completions", "400"): 2,
+            ("/v1/completions", "500"): 1,
+            ("/v1/completions", "200"): 1,
+            ("other", "404"): 1,
+        }
 
 
 def response_counts(text: str) -> dict[tuple[str, str], int]:
@@ -115,8 +138,13 @@ def response_counts(text: str) -> dict[tuple[str, str], int]:
     after its page is written)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.labels["endpoint"], s.labels["status"]): int(s.value) for f in text_string_to_metric_families(text)
-            if f.name == "qkv_http_responses" for s in f.samples if s.name == "qkv_http_responses_total"}
+    return {
+        (s.labels["endpoint"], s.labels["status"]): int(s.value)
+        for f in text_string_to_metric_families(text)
+        if f.name == "qkv_http_responses"
+        for s in f.samples
+        if s.name == "qkv_http_responses_total"
+    }
 
 
 def test_models_retrieve(run_folder):
@@ -174,16 +202,20 @@ def test_chat_content_as_text_parts_and_head_health(gpt2_folder):
 
 
 def test_a_prompt_alone_over_the_pool_without_max_tokens_names_the_prompt(run_folder):
-    """Without max_tokens a request asks for what fits: when the prompt alone does not fit the KV pool, the 400
-    names the prompt (the field to change), not a max_tokens the client never sent; with max_tokens it names that."""
+    """Without max_tokens a request asks for what fits: when the prompt alone does not fit the KV pool, the
+    400 names the prompt (the field to change), not a max_tokens the client never sent; with max_tokens it
+    names that."""
     served = load_served(run_folder)
-    with running_server(run_folder, block_size=4, num_blocks=3) as (url, app):  # 12 cached positions, context 64
+    # 12 cached positions, context 64
+    with running_server(run_folder, block_size=4, num_blocks=3) as (url, app):
         body = {"model": served.name, "prompt": "a" * 20}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "prompt" and "shorten it" in err["message"], r.text
         assert "max_tokens" not in err["message"]
-        r = httpx.post(url + "/v1/completions", json={**body, "prompt": "a" * 8, "max_tokens": 10}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions", json={**body, "prompt": "a" * 8, "max_tokens": 10}, timeout=60
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         r = httpx.post(url + "/v1/completions", json={**body, "prompt": "a" * 8}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text

@@ -1,4 +1,4 @@
-"""The streaming path's parts: incremental detokenization (TextStream) against a full decode, the engine
+"""The streaming path's parts: incremental detokenization (StreamDecoder) against a full decode, the engine
 worker's batched delivery (one hand-over per engine step, every request's items in order), and SSE events
 byte-equal to json.dumps of their payload."""
 
@@ -14,9 +14,9 @@ import pytest
 from _servehelpers import running_server
 
 from qkv.generate import Engine
+from qkv.generate.text import StreamDecoder, cut_at_stop
 from qkv.serve import load_served
 from qkv.serve import worker as worker_mod
-from qkv.serve.app import TextStream, cut_at_stop
 from qkv.serve.worker import EngineWorker
 
 SPECIALS = ["<|endoftext|>", "<|end|>"]
@@ -58,8 +58,8 @@ def _wordpiece():
 
 
 def _stream(decode, ids, stop):
-    ts = TextStream(decode, stop)
-    pieces = [ts.push(t) for t in ids] + [ts.push(None)]
+    ts = StreamDecoder(decode, stop)
+    pieces = [ts.push(t) for t in ids] + [ts.flush()]
     return pieces, ts
 
 
@@ -89,7 +89,8 @@ def test_incremental_text_equals_the_full_decode_byte_level_bpe(bpe):
     sizes = []
     ids = [bpe.token_to_id(c) for c in pre_tokens(TEXT[:120])]
     pieces, _ = _stream(lambda x: (sizes.append(len(x)), decode(x))[1], ids, ["@@"])
-    assert "".join(pieces) == decode(ids) and sizes[-1] == len(ids) and max(sizes[:-1]) <= 10  # (a 4-byte character: 4 tokens)
+    # (a 4-byte character: 4 tokens)
+    assert "".join(pieces) == decode(ids) and sizes[-1] == len(ids) and max(sizes[:-1]) <= 10
 
 
 def pre_tokens(text: str) -> list[str]:
@@ -162,7 +163,14 @@ def test_sse_events_are_json_dumps_of_their_payload(gpt2_folder):
     with running_server(gpt2_folder, block_size=4) as (url, _):
         for path, body in (("/v1/completions", {"prompt": "The class"}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
-            body = {**body, "model": served.name, "max_tokens": 24, "temperature": 1.0, "seed": 3, "stream": True}
+            body = {
+                **body,
+                "model": served.name,
+                "max_tokens": 24,
+                "temperature": 1.0,
+                "seed": 3,
+                "stream": True,
+            }
             with httpx.stream("POST", url + path, json=body, timeout=60) as r:
                 lines = [x for x in r.iter_lines() if x.startswith("data: {")]
             assert len(lines) >= 2

@@ -22,11 +22,19 @@ from qkv.serve.app import APIError, ServeSettings, create_app
 from qkv.serve.model import Served, TextCodec, load_served
 
 
-def build_engine(served: Served, *, block_size: int = 16, num_blocks: int | None = None, max_batch_size: int = 32,
-                 prefill_chunk: int | None = 1024, prefix_caching: bool = True, preemption: str = "least_work",
-                 max_model_len: int | None = None) -> Any:
-    """The Engine for a served model: the folder's token ids plus the tokenizer's eos ids as its base settings;
-    max_model_len None: the model's (configured) context."""
+def build_engine(
+    served: Served,
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    max_batch_size: int = 32,
+    prefill_chunk: int | None = 1024,
+    prefix_caching: bool = True,
+    preemption: str = "least_work",
+    max_model_len: int | None = None,
+) -> Any:
+    """The Engine for a served model: the folder's token ids plus the tokenizer's eos ids as its base
+    settings; max_model_len None: the model's (configured) context."""
     from qkv.generate.engine import Engine
 
     base = served.model.generation_defaults().get("eos_token_id")
@@ -37,10 +45,10 @@ def build_engine(served: Served, *, block_size: int = 16, num_blocks: int | None
     engine = Engine(served.model, block_size=block_size, num_blocks=num_blocks, max_batch_size=max_batch_size,
                     prefill_chunk=prefill_chunk, prefix_caching=prefix_caching, preemption=preemption,
                     tokenizer=served.codec, eos_token_id=eos, max_model_len=max_model_len)
-    # of the folder's generation settings the engine's base keeps only the token ids: a request's sampling is all
-    # the API's (app.py: the request's values, else the folder's five sampling defaults as vLLM takes them, else
-    # OpenAI's), and the rest of a generation_config.json (no_repeat_ngram_size, bad_words_ids, min_length, ...)
-    # is not part of OpenAI's API: applied unasked, no request could turn it off
+    # of the folder's generation settings the engine's base keeps only the token ids: a request's sampling is
+    # all the API's (app.py: the request's values, else the folder's five sampling defaults as vLLM takes
+    # them, else OpenAI's), and the rest of a generation_config.json (no_repeat_ngram_size, bad_words_ids,
+    # min_length, ...) is not part of OpenAI's API: applied unasked, no request could turn it off
     base = engine.cfg
     engine.cfg = GenerationConfig(eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
                                   bos_token_id=base.bos_token_id)
@@ -85,7 +93,8 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-    except OSError as e:  # a port in use, an address not of this machine, a name that does not resolve (gaierror)
+    # a port in use, an address not of this machine, a name that does not resolve (gaierror)
+    except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
@@ -94,9 +103,9 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           max_waiting: int = 64, shutdown_timeout: float = 30.0, quantize: str | None = None,
           **engine_options: Any) -> int:
-    """Load MODEL (quantize: "int8" / "int4" weight-only, qkv.nn.quant), start the engine thread and serve until
-    SIGINT / SIGTERM: then stop accepting, let running requests finish for up to shutdown_timeout seconds,
-    cancel the rest, return 0."""
+    """Load MODEL (quantize: "int8" / "int4" weight-only, qkv.nn.quant), start the engine thread and serve
+    until SIGINT / SIGTERM: then stop accepting, let running requests finish for up to shutdown_timeout
+    seconds, cancel the rest, return 0."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {port}")
     if not shutdown_timeout >= 0:  # uvicorn would cancel every request at once (and NaN compares false)
@@ -123,8 +132,9 @@ def _make_server(app: Any, shutdown_timeout: float) -> Any:
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
     server = _server_class()(config)
     api = app.state.api
-    # from the signal on, a request not yet admitted (its connection accepted before uvicorn closed the listener)
-    # gets a 503 "shutting down" instead of starting: only those already running get the shutdown timeout
+    # from the signal on, a request not yet admitted (its connection accepted before uvicorn closed the
+    # listener) gets a 503 "shutting down" instead of starting: only those already running get the shutdown
+    # timeout
     server.on_exit = lambda: setattr(api, "shutting_down", True)
     # an engine that died (a bug, out of memory) cannot serve again: stop the process, as vLLM does, so that a
     # supervisor restarts it rather than keeping a server that answers 503 forever
@@ -149,4 +159,13 @@ def _run(app: Any, served: Served, sock: socket.socket, host: str, shutdown_time
     return 0
 
 
-__all__ = ["APIError", "ServeSettings", "Served", "TextCodec", "build_engine", "create_app", "load_served", "serve"]
+__all__ = [
+    "APIError",
+    "ServeSettings",
+    "Served",
+    "TextCodec",
+    "build_engine",
+    "create_app",
+    "load_served",
+    "serve",
+]

@@ -14,9 +14,15 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 _GAUGES = {
     "running": ("qkv_num_requests_running", "requests in the running batch"),
     "waiting": ("qkv_num_requests_waiting", "requests queued in the engine (preempted ones included)"),
-    "preempted_waiting": ("qkv_num_requests_preempted_waiting", "preempted requests waiting to be recomputed"),
+    "preempted_waiting": (
+        "qkv_num_requests_preempted_waiting",
+        "preempted requests waiting to be recomputed",
+    ),
     "blocks_used": ("qkv_kv_blocks_used", "KV-cache blocks referenced by requests"),
-    "blocks_cached": ("qkv_kv_blocks_cached", "unreferenced blocks kept by the prefix cache (free, evictable)"),
+    "blocks_cached": (
+        "qkv_kv_blocks_cached",
+        "unreferenced blocks kept by the prefix cache (free, evictable)",
+    ),
     "blocks_total": ("qkv_kv_blocks_total", "KV-cache blocks in the pool"),
     "prefix_hit_rate": ("qkv_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / looked up"),
 }
@@ -75,16 +81,16 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-# the routes a response is counted under; any other path (a typo, a scanner) is "other", so that unknown paths cannot
-# grow the number of series without bound
+# the routes a response is counted under; any other path (a typo, a scanner) is "other", so that unknown paths
+# cannot grow the number of series without bound
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 class ResponseCounter:
-    """ASGI middleware counting every HTTP response in `counter` (Metrics.responses) by endpoint and status code.
-    A plain ASGI wrapper of `send`, not Starlette's BaseHTTPMiddleware, which would buffer streamed responses. An
-    exception that escapes the app before any response started becomes the app's 500 (the error handler outside
-    this middleware writes it), so it is counted as one here."""
+    """ASGI middleware counting every HTTP response in `counter` (Metrics.responses) by endpoint and status
+    code. A plain ASGI wrapper of `send`, not Starlette's BaseHTTPMiddleware, which would buffer streamed
+    responses. An exception that escapes the app before any response started becomes the app's 500 (the error
+    handler outside this middleware writes it), so it is counted as one here."""
 
     def __init__(self, app: Any, counter: Counter) -> None:
         self.app, self.counter = app, counter
@@ -93,7 +99,9 @@ class ResponseCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        endpoint = (
+            path if path in ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        )
         started = False
 
         async def counting_send(message: dict) -> None:

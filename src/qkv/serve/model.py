@@ -53,8 +53,8 @@ class Served:
 
 
 def load_served(path: str | Path, name: str | None = None, quantize: str | None = None) -> Served:
-    """Model + tokenizer of a run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF file (quantize:
-    "int8" / "int4" weight-only, qkv.nn.quant)."""
+    """Model + tokenizer of a run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF file
+    (quantize: "int8" / "int4" weight-only, qkv.nn.quant)."""
     from qkv.interop.gguf_model import is_gguf
     from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
     from qkv.interop.tokenizer import load_hf_tokenizer
@@ -69,9 +69,12 @@ def load_served(path: str | Path, name: str | None = None, quantize: str | None 
     if run_folder_of(path) is not None:
         tok = load_run_task(path).tokenizer
         eos: set[int] = set()
-    elif is_gguf(folder) or ((folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file()):
+    elif is_gguf(folder) or (
+        (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file()
+    ):
         tok = load_gguf_tokenizer(folder) if is_gguf(folder) else load_hf_tokenizer(folder)
-        # the template's end-of-turn token too (ChatML's <|im_end|> where eos is <|endoftext|>), as qkv chat stops
+        # the template's end-of-turn token too (ChatML's <|im_end|> where eos is <|endoftext|>), as qkv chat
+        # stops
         eos = {i for i in tok.end_of_turn_ids if i < model.output_vocab_size}
     else:
         tok, eos = _folder_tokenizer(folder), set()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,8 +26,19 @@ import torch
 import yaml
 
 from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides
-from qkv.generate.config import GenerationConfig, resolve
 from qkv.nn.params import count_parameters
+from qkv.storage import atomic_write_text
+
+# re-exported: `qkv.run` is where callers (cli, serve, explore, chat) find a folder's model, task and
+# tokenizer
+from qkv.run.folders import (  # noqa: F401
+    _model_folder,
+    load_model_any,
+    load_run_task,
+    model_folder,
+    run_folder_of,
+)
+from qkv.run.generation import _folder_tokenizer, generate_text, hf_folder_tokenizer  # noqa: F401
 from qkv.storage import atomic_write_text
 
 SECTIONS = ("model", "task", "train", "eval")
@@ -60,7 +70,9 @@ def config_path(name_or_path: str) -> Path:
         f = shipped / cand
         if f.is_file():
             return Path(str(f))
-    names = sorted(x.name[:-5] for x in shipped.iterdir() if x.name.endswith(".yaml")) if shipped.is_dir() else []
+    names = (
+        sorted(x.name[:-5] for x in shipped.iterdir() if x.name.endswith(".yaml")) if shipped.is_dir() else []
+    )
     from qkv.tasks import task_names
 
     if name_or_path in task_names():  # `qkv train bpelm`: a task without a shipped config of its own
@@ -80,7 +92,8 @@ def load_run_config(path: str | None, overrides: list[str] | None = None) -> dic
 
 def check_sections(data: Any) -> None:
     """A run config is a mapping of known sections, each a mapping: the CLI's YAML and train_run's dict alike
-    (a misspelt section would otherwise be ignored, and a section given as a string fail far from its cause)."""
+    (a misspelt section would otherwise be ignored, and a section given as a string fail far from its
+    cause)."""
     if not isinstance(data, dict):
         raise ConfigError(f"a run config must be a mapping of sections, got {type(data).__name__}")
     for key in data:
@@ -95,7 +108,10 @@ def default_out(cfg: dict[str, Any]) -> Path:
     if (cfg.get("train") or {}).get("out_dir"):
         return Path(cfg["train"]["out_dir"])
     m = cfg.get("model") or {}
-    return Path("runs") / f"{(cfg.get('task') or {}).get('name', 'task')}-{m.get('preset', m.get('family', 'model'))}"
+    return (
+        Path("runs")
+        / f"{(cfg.get('task') or {}).get('name', 'task')}-{m.get('preset', m.get('family', 'model'))}"
+    )
 
 
 def wants_resume(cfg: dict[str, Any], resume: bool = False) -> bool:
@@ -160,8 +176,10 @@ def _merge_saved(saved: dict[str, Any], cfg: dict[str, Any], out: Path) -> dict[
     for section, key in (("task", "name"), ("model", "preset"), ("model", "family")):
         new, old = (cfg.get(section) or {}).get(key), (saved.get(section) or {}).get(key)
         if new is not None and old is not None and new != old:
-            raise ConfigError(f"{out} holds a run with {section}.{key}={old!r}; --resume continues it and cannot "
-                              f"switch to {new!r} (choose another --out for a new run)")
+            raise ConfigError(
+                f"{out} holds a run with {section}.{key}={old!r}; --resume continues it and cannot "
+                f"switch to {new!r} (choose another --out for a new run)"
+            )
     merged = {s: dict(v) for s, v in saved.items() if isinstance(v, dict)}
     for section, values in cfg.items():  # the caller's values win (e.g. more steps)
         merged.setdefault(section, {}).update(values)
@@ -193,7 +211,9 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
         raise ConfigError(f"--out {out} is under a file ({blocking}), not a folder")
     newest = latest_checkpoint(out / "checkpoints")
     if newest is not None and not resume:
-        raise ConfigError(f"{out} already holds a trained run; pass --resume to continue it or choose another --out")
+        raise ConfigError(
+            f"{out} already holds a trained run; pass --resume to continue it or choose another --out"
+        )
     tokenizer = None
     if resume and (out / RUN_FILE).is_file():
         cfg = _merge_saved(load_yaml(out / RUN_FILE), cfg, out)
@@ -209,12 +229,14 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     if resume and newest is not None:
         check_fits(model, newest)
         check_same_architecture(model, newest)
-        read_train_state(newest / STATE_NAME, mmap=True)  # readable before run.yaml is rewritten (mapped, not read)
+        # readable before run.yaml is rewritten (mapped, not read)
+        read_train_state(newest / STATE_NAME, mmap=True)
     # run.yaml describes the run, not how this command started it: a copy of it given to a new run must not
     # make that run continue this folder (as --resume, which is not recorded either)
     train = {k: v for k, v in (cfg.get("train") or {}).items() if k != "resume"}
     cfg = {**cfg, "train": {**train, "out_dir": str(out)}}
-    if getattr(getattr(task, "options", None), "path", None):  # absolute, as in task.json: a resume from elsewhere
+    # absolute, as in task.json: a resume from elsewhere
+    if getattr(getattr(task, "options", None), "path", None):
         cfg["task"] = {**cfg["task"], "path": task.options.path}
     return Run(cfg, out, task, model, train_cfg, ev, extra, newest if resume else None)
 
@@ -254,7 +276,9 @@ def build_parts(cfg: dict[str, Any], out_dir: Path | None = None, tokenizer: Any
     task = build_task(name, family=fam.name, saved_tokenizer=tokenizer, **task_sec)
     extra, context = {}, {}
     for ev_name, spec in (extra_evals or {}).items():
-        t = build_task(name, family=fam.name, saved_tokenizer=task.tokenizer, **{**task_sec, **spec.get("task", {})})
+        t = build_task(
+            name, family=fam.name, saved_tokenizer=task.tokenizer, **{**task_sec, **spec.get("task", {})}
+        )
         extra[ev_name] = (t, int(spec.get("n") or ev.n or 1))
         # the model must accept the longest evaluation sequences too (length extrapolation)
         own = task.config_overrides()  # in the family's config fields
@@ -280,9 +304,16 @@ def _write_yaml(obj: Any, path: Path) -> None:
     atomic_write_text(yaml.safe_dump(obj, sort_keys=False), path)
 
 
-def train_run(cfg: dict[str, Any], out: str | Path | None = None, resume: bool = False,
-              quiet: bool = False, *, callbacks: list | tuple = (),
-              extra_evals: dict[str, dict[str, Any]] | None = None, keep_going: bool = False) -> dict[str, Any]:
+def train_run(
+    cfg: dict[str, Any],
+    out: str | Path | None = None,
+    resume: bool = False,
+    quiet: bool = False,
+    *,
+    callbacks: list | tuple = (),
+    extra_evals: dict[str, dict[str, Any]] | None = None,
+    keep_going: bool = False,
+) -> dict[str, Any]:
     """Train, evaluate on the held-out split, write results.json; returns a summary with a printable report.
 
     The one way to build and train a run: `qkv train`, `qkv demo` and the ablation runner all come here,
@@ -343,7 +374,11 @@ def train_run(cfg: dict[str, Any], out: str | Path | None = None, resume: bool =
             if k not in ("n", "n_tokens")))
     if samples:
         lines += ["samples:"] + [f"  {s}" for s in samples]
-    lines += [f"checkpoint: {trainer.last_checkpoint}", f"metrics: {out / 'metrics.jsonl'}", f"plot: {out / 'curves.png'}"]
+    lines += [
+        f"checkpoint: {trainer.last_checkpoint}",
+        f"metrics: {out / 'metrics.jsonl'}",
+        f"plot: {out / 'curves.png'}",
+    ]
     return {"out": out, "metrics": metrics, "extra": extra, "samples": samples, "train": summary,
             "report": "\n".join(lines), "error": error, "model": model, "task": task}
 
@@ -361,55 +396,6 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
-def _model_folder(path: Path) -> Path:
-    """A folder holding config.json: the path itself, or a run folder's best/newest checkpoint (a GGUF file is a
-    model folder of its own)."""
-    from qkv.interop.gguf_model import is_gguf
-    from qkv.train import latest_checkpoint
-
-    if (path / "config.json").is_file() or is_gguf(path):
-        return path
-    ck = latest_checkpoint(path / "checkpoints")
-    if ck is not None:
-        return ck
-    from qkv.checkpoint import CheckpointError
-
-    if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    raise CheckpointError(f"{path} is neither a model folder (config.json) nor a run folder with checkpoints")
-
-
-def model_folder(path: str | Path) -> Path:
-    """The folder `from_pretrained` reads for `path`: itself, or a run folder's newest checkpoint."""
-    return _model_folder(Path(path))
-
-
-def run_folder_of(path: str | Path) -> Path | None:
-    """The run folder (holding task.json) that `path` is, or is a checkpoint inside of."""
-    p = Path(path).resolve()
-    for cand in (p, p.parent, p.parent.parent):
-        if (cand / "task.json").is_file():
-            return cand
-    return None
-
-
-def load_model_any(path: str | Path, quantize: str | None = None) -> torch.nn.Module:
-    """A model from a run folder, a qkv checkpoint folder, or a Hugging Face-format folder; quantize: "int8" or
-    "int4" for weight-only quantized inference (qkv.nn.quant)."""
-    from qkv import from_pretrained
-
-    return from_pretrained(_model_folder(Path(path)), quantize=quantize)
-
-
-def load_run_task(path: str | Path):
-    from qkv.tasks import load_task
-
-    run = run_folder_of(path)
-    if run is None:
-        raise ConfigError(f"{path} is not inside a qkv run folder (no task.json): it records no task")
-    return load_task(run)
-
-
 def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
     if n < 1:
         raise ConfigError(f"n must be at least 1 (held-out examples to evaluate), got {n}")
@@ -418,241 +404,20 @@ def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
     return task.evaluate(model, n=n)
 
 
-def generate_text(path: str | Path, prompt: str, generation_config: GenerationConfig | None = None, *,
-                  greedy: bool = False, seed: int | None = 0, stream: bool = False, strict: bool = False,
-                  quantize: str | None = None, **options: Any) -> str:
-    """Decode with whatever the library has: the run's task decides what a prompt means (a source
-    sentence for seq2seq, a text prefix for an LM); a Hugging Face folder needs its tokenizer.json.
-    Settings: `generation_config` (e.g. read from a file) then `options` (GenerationConfig fields, None =
-    unset). Without a config, language models sample unless greedy=True or num_beams > 1; a given config
-    decides do_sample itself (greedy=True still wins);
-    max_new_tokens defaults to the task's natural length (an LM's sample_tokens, a seq2seq task's longest
-    target), 200 for a bare model folder. seed seeds the sampling; None: a new seed each call, said on stderr
-    when the decoding samples (the way to repeat the run).
-    Prompt characters outside the vocabulary are named in a warning on stderr (strict=True: an error).
-    quantize: "int8" / "int4" weight-only quantized weights (qkv.nn.quant)."""
-    fresh = seed is None
-    seed = secrets.randbelow(2**31) if seed is None else seed  # unseeded: differs between runs
-    torch.manual_seed(seed)
-    model = load_model_any(path, quantize)
-    model.eval()
-    cfg = generation_config if generation_config is not None else GenerationConfig()
-    cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None})
-    run = run_folder_of(path)
-    # a pretrained encoder-decoder folder decodes as its generation_config.json says (greedy or beams), as in HF
-    folder_seq2seq = run is None and getattr(model, "is_seq2seq", False)
-    if generation_config is None and "do_sample" not in options and not folder_seq2seq:
-        cfg = cfg.replace(do_sample=cfg.num_beams == 1)  # a given config decides for itself
-    if greedy:  # one sequence, the argmax each step: not a folder's beams either (OPUS-MT's and BART-CNN's are 4+)
-        cfg = cfg.replace(do_sample=False, **({} if "num_beams" in options and options["num_beams"] is not None
-                                               else {"num_beams": 1}))
-    if cfg.num_return_sequences > 1:  # only the first would be printed
-        raise ConfigError(f"num_return_sequences={cfg.num_return_sequences}: qkv generate prints one sequence; "
-                          "for several, call qkv.generate.generate from Python")
-    if cfg.seed is None:
-        cfg = cfg.replace(seed=seed)
-        defaults = model.generation_defaults() if hasattr(model, "generation_defaults") else {}
-        if fresh and resolve(defaults, cfg, {}).sampling:
-            print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)
-    if run is not None:
-        if generation_config is not None and "do_sample" not in cfg.given():
-            cfg = cfg.replace(do_sample=cfg.do_sample)  # the config's own (default: greedy), not the task's sampling
-        task = load_run_task(run)
-        _check_prompt_vocabulary(task.tokenizer, prompt, strict)
-        if stream and task.kind == "decoder" and hasattr(task, "chars_per_token"):
-            return _stream_lm(model, task.tokenizer, prompt, task.decoding(cfg))
-        text = task.generate_text(model, prompt, cfg)
-        if stream:
-            print(text)
-        return text
-    folder = _model_folder(Path(path))
-    _warn_unused_sampling(resolve(model.generation_defaults(), cfg, {}), cfg)
-    if folder_seq2seq:  # the prompt is the source; the output is the target alone
-        tok = _folder_tokenizer(folder)
-        _check_prompt_vocabulary(tok, prompt, strict)
-        folder_defaults = model.generation_defaults()
-        if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(folder_defaults)):
-            # 200, or what the decoder's positions hold after its start token (BART's 1024, a small model's less)
-            ctx = model.context_limit
-            cfg = cfg.replace(max_new_tokens=200 if ctx is None else max(1, min(200, ctx - 1)))
-        source = torch.tensor([_encode(tok, prompt)])
-        if stream:
-            return _stream_seq2seq(model, tok, source, cfg)
-        out = model.generate(source, cfg)
-        return _decode(tok, out[0].tolist())
-    if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(model.generation_defaults())):
-        cfg = cfg.replace(max_new_tokens=200)  # the folder's own generation_config.json length, else 200
-    hf = hf_folder_tokenizer(folder)
-    if hf is not None:
-        _check_prompt_vocabulary(hf, prompt, strict)
-        return _generate_hf(model, hf, prompt, cfg, stream)
-    tok = _folder_tokenizer(folder)
-    _check_prompt_vocabulary(tok, prompt, strict)
-    ids = torch.tensor([_encode(tok, prompt) or [0]])
-    out = model.generate(ids, cfg)
-    text = _decode(tok, out[0, ids.shape[1]:].tolist())
-    if stream:
-        print(prompt + text)
-    return prompt + text
-
-
-def hf_folder_tokenizer(folder: str | Path) -> Any:
-    """The HFTokenizer (special tokens, chat template) of a Hugging Face model folder (config.json with a
-    model_type and a tokenizer.json) or of a GGUF file; None for qkv folders and folders without tokenizer.json."""
-    from qkv.interop.gguf_model import is_gguf
-
-    folder = Path(folder)
-    if is_gguf(folder):
-        from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(folder)
-    if not (folder / "tokenizer.json").is_file() or (folder / "task.json").is_file():
-        return None
-    try:
-        meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, RecursionError):
-        return None
-    if not isinstance(meta, dict) or "model_type" not in meta or "qkv_family" in meta:
-        return None
-    from qkv.interop.tokenizer import load_hf_tokenizer
-
-    return load_hf_tokenizer(folder)
-
-
-def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig, stream: bool) -> str:
-    """A Hugging Face folder: its tokenizer adds what its post-processor adds (Llama's bos); the
-    continuation is decoded without special tokens, streamed piece by piece when asked.
-    The continuation is what decoding prompt + new ids together adds to the decoded prompt (as transformers'
-    decode of the whole output): decoded on its own, a SentencePiece-style (Metaspace) decoder would drop the
-    leading space of its first token ("Hellocon" for "Hello con"). Streaming, the incremental decoder is
-    given the prompt ids first, so that its pieces add up to the same suffix."""
-    from qkv.generate import stream as stream_tokens
-    from qkv.interop.tokenizer import decode_continuation
-
-    ids = tok.encode(prompt, add_special_tokens=True)
-    if not ids:
-        if tok.bos_token_id is None:
-            raise ConfigError("an empty prompt needs a bos token, and this tokenizer has none: give --prompt")
-        ids = [tok.bos_token_id]
-    x = torch.tensor([ids])
-
-    def text_of(t: list[int]) -> str:  # the text stop_strings are matched in
-        return tok.decode(t, skip_special_tokens=True)
-
-    if not stream:
-        out = model.generate(x, cfg, tokenizer=text_of)
-        return prompt + decode_continuation(lambda t: tok.decode(t, skip_special_tokens=True), ids,
-                                            out[0, len(ids):].tolist())
-    print(prompt, end="", flush=True)
-    pieces, decoder = [], tok.stream_decoder(skip_special_tokens=True)
-    for i in ids:  # the prompt's text is already printed: only the decoder's context (not flushed: that resets it)
-        decoder.push(i)
-    for new in stream_tokens(model, x, cfg, tokenizer=text_of):
-        pieces.append(decoder.push(int(new[0])))
-        print(pieces[-1], end="", flush=True)
-    pieces.append(decoder.flush())
-    print(pieces[-1])
-    return prompt + "".join(pieces)
-
-
-def _warn_unused_sampling(final: GenerationConfig, cfg: GenerationConfig) -> None:
-    """Sampling settings given (a flag, a --generation-config file) where the decoding, once a model folder's own
-    generation_config.json is merged, does not sample: said on stderr, as transformers warns, not dropped silently."""
-    given = [k for k in ("temperature", "top_k", "top_p", "min_p") if k in cfg.explicit()]
-    if given and not final.do_sample:
-        how = f"beam search ({final.num_beams} beams)" if final.num_beams > 1 else "greedy decoding"
-        print(f"qkv: warning: {', '.join(given)} only apply when sampling, and this decodes with {how} (the model "
-              "folder's generation_config.json, or --greedy); add --sample to sample", file=sys.stderr)
-
-
-def _unknown_pieces(tok: Any, prompt: str) -> list[str]:
-    """The parts of `prompt` a tokenizer reads as its unknown token: a qkv char/word tokenizer's symbols, or the
-    text under each unk id of a Hugging Face `tokenizers` tokenizer (WordLevel / WordPiece / Unigram vocabularies
-    have one; byte-level BPE never needs it)."""
-    if tok is None:
-        return []
-    if hasattr(tok, "unknown_symbols"):
-        return tok.unknown_symbols(prompt)
-    from tokenizers import Tokenizer
-
-    inner = getattr(tok, "tokenizer", tok)  # interop.tokenizer.HFTokenizer wraps one
-    if not isinstance(inner, Tokenizer):
-        return []
-    unk = getattr(inner.model, "unk_token", None)
-    unk_id = inner.token_to_id(unk) if isinstance(unk, str) else getattr(inner.model, "unk_id", None)
-    if unk_id is None:
-        return []
-    enc = inner.encode(prompt, add_special_tokens=False)
-    return list(dict.fromkeys(prompt[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id))
-
-
-def _stream_seq2seq(model: torch.nn.Module, tok: Any, source: torch.Tensor, cfg: GenerationConfig) -> str:
-    """An encoder-decoder folder, streamed: the target's tokens are printed as the decoder produces them
-    (qkv.generate.stream, greedy or sampling: the same tokens model.generate returns). Each piece is what the
-    new token adds to the decoded target so far (StreamDecoder over the folder tokenizer's decode, special
-    tokens skipped), so the pieces add up to the non-streamed text. The decoder start token is not yielded;
-    every tokenizer here skips it (a special token) when decoding the whole output."""
-    from qkv.generate import stream as stream_tokens
-    from qkv.generate.text import StreamDecoder
-
-    pieces, decoder = [], StreamDecoder(lambda ids: _decode(tok, ids))
-    for new in stream_tokens(model, source, cfg):
-        pieces.append(decoder.push(int(new[0])))
-        print(pieces[-1], end="", flush=True)
-    pieces.append(decoder.flush())
-    print(pieces[-1])
-    return "".join(pieces)
-
-
-def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
-    """A model reads symbols its vocabulary lacks as <unk>: say which (or refuse, strict=True)."""
-    unknown = _unknown_pieces(tok, prompt)
-    if not unknown:
-        return
-    shown = ", ".join(repr(u) for u in unknown[:10]) + (f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else "")
-    if strict:
-        raise ConfigError(f"the prompt has {len(unknown)} symbol(s) outside the model's vocabulary: {shown}")
-    print(f"qkv: warning: {len(unknown)} prompt symbol(s) outside the model's vocabulary, read as <unk>: {shown}",
-          file=sys.stderr)
-
-
-def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig) -> str:
-    """Print a language model's continuation token by token as it is produced (qkv.generate.stream)."""
-    from qkv.generate import stream
-    from qkv.generate.text import StreamDecoder
-
-    ids = _encode(tok, prompt) or [getattr(tok, "eos_id", 0)]
-    print(prompt, end="", flush=True)
-    # a byte-level BPE character can span tokens: decoded one by one it would print U+FFFD for each part
-    pieces, decoder = [], StreamDecoder(tok.decode)
-    x = torch.tensor([ids])
-    for new in stream(model, x, cfg.replace(context_overflow="slide"), tokenizer=tok):
-        pieces.append(decoder.push(int(new[0])))
-        print(pieces[-1], end="", flush=True)
-    pieces.append(decoder.flush())
-    print(pieces[-1])
-    return prompt + "".join(pieces)
-
-
-def _folder_tokenizer(folder: Path):
-    from qkv.tasks.tokenizers import find_tokenizer
-
-    tok = find_tokenizer(folder)
-    if tok is None:
-        raise ConfigError(f"{folder} has no task.json and no tokenizer: cannot turn text into tokens")
-    return tok
-
-
-def _encode(tok: Any, text: str) -> list[int]:
-    enc = tok.encode(text)
-    return list(enc.ids) if hasattr(enc, "ids") else list(enc)
-
-
-def _decode(tok: Any, ids: list[int]) -> str:
-    return tok.decode(ids)
-
-
-__all__ = ["EvalSettings", "Run", "build_parts", "build_run", "command_line_config", "wants_resume",
-           "evaluate_run", "generate_text", "hf_folder_tokenizer", "load_model_any", "load_run_config", "load_run_task", "model_folder",
-           "prepare",
-           "train_run"]
+__all__ = [
+    "EvalSettings",
+    "Run",
+    "build_parts",
+    "build_run",
+    "command_line_config",
+    "wants_resume",
+    "evaluate_run",
+    "generate_text",
+    "hf_folder_tokenizer",
+    "load_model_any",
+    "load_run_config",
+    "load_run_task",
+    "model_folder",
+    "prepare",
+    "train_run",
+]
