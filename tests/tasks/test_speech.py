@@ -16,7 +16,8 @@ def test_voices_held_out():
     assert not set(TRAIN_VOICES) & set(TEST_VOICES)
     train_accents = {v.split("+")[0] for v in TRAIN_VOICES}
     assert not train_accents & {v.split("+")[0] for v in TEST_VOICES}
-    assert not {v.split("+")[1] for v in TRAIN_VOICES} & {v.split("+")[1] for v in TEST_VOICES}  # nor variants
+    # nor variants
+    assert not {v.split("+")[1] for v in TRAIN_VOICES} & {v.split("+")[1] for v in TEST_VOICES}
     with pytest.raises(ConfigError, match="both in train and test"):
         build_task("speech", family="whisper", test_voices=[TRAIN_VOICES[0]])
 
@@ -81,3 +82,19 @@ def test_perturbations_do_what_they_say(tmp_path):
     gaps = build_task("speech", **common, time_masks=1, time_mask_seconds=0.5)
     y = gaps._perturb(x, random.Random(0))
     assert np.sum(y == 0) > np.sum(x == 0) and np.array_equal(y[y != 0], x[y != 0])  # zeroed, else untouched
+
+
+def test_pool_cache_round_trips_without_leftovers(tmp_path, monkeypatch):
+    """The rendered pool is written once (atomically, no temporary file left) and read back unchanged."""
+    import numpy as np
+
+    from qkv.tasks.speech import SpeechTask
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/espeak-ng")  # never run: the pool is stubbed
+    clips = [np.arange(5, dtype=np.float32), np.arange(3, dtype=np.float32) - 1]
+    monkeypatch.setattr(SpeechTask, "_render_pool", lambda self, split: (["12", "345"], clips))
+    task = build_task("speech", family="whisper", cache_dir=str(tmp_path))
+    task.pool("train")
+    assert [p.name.endswith(".npz") for p in (tmp_path / "speech").iterdir()] == [True]
+    texts, again = build_task("speech", family="whisper", cache_dir=str(tmp_path)).pool("train")
+    assert texts == ["12", "345"] and all((a == b).all() for a, b in zip(again, clips))

@@ -7,7 +7,12 @@
   Engine                                                    continuous batching over a paged KV cache
 
 Modules: config.py (GenerationConfig), processors.py (one class per logits option), sampling.py (top-k /
-top-p filters and the draw), search.py (decoding loops), engine.py (continuous-batching Engine). The paged
+top-p filters and the draw), search.py and beams.py (decoding loops, beam search), inputs.py (prompt checks),
+graphed.py (the decoding step compiled over the static cache),
+text.py (StreamDecoder, the one detokenising stream, and stream_pieces, the one streaming loop). The
+continuous-batching Engine in parts, as vLLM v1: engine.py (the model runner and the public API),
+scheduler.py (admission, chunked prefill, preemption), blocks.py (KV block allocation, prefix cache),
+sampler.py (processors, per-request seeds), output.py (outputs, stop strings, finish reasons). The paged
 cache itself is a KV cache like the others: qkv.nn.paged (re-exported here).
 """
 

@@ -27,25 +27,16 @@ TEXT_CONTEXT = 5
 
 class StopStrings:
     """One request's stop-string watch: push() its output tokens one at a time; True once its text (after
-    the prompt's context) contains one of the strings. Each token decodes a short window (StreamDecoder),
-    never the whole output, and only the new text plus the longest string's length - 1 characters before it
-    is searched: an earlier match would have stopped the request already."""
+    the prompt's context) contains one of the strings. The detokenising stream (StreamDecoder) decodes a
+    short window per token, never the whole output, and searches only the text a token adds."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str], context: list[int]) -> None:
-        self.stop = stop
-        self.keep = max(len(s) for s in stop) - 1
-        self.stream = StreamDecoder(decode)
-        for t in context:  # the prompt's tail: decoded so the output's first piece keeps its leading space
-            self.stream.push(t)
-        self.tail = ""  # the last `keep` characters of the output's text so far
+        # the prompt's tail as context: decoded so the output's first piece keeps its leading space
+        self.stream = StreamDecoder(decode, stop=stop, context=context)
 
     def push(self, token_id: int) -> bool:
-        piece = self.stream.push(token_id)
-        if not piece:  # nothing new yet, or a character still incomplete
-            return False
-        text = self.tail + piece
-        self.tail = text[len(text) - self.keep:] if self.keep else ""
-        return any(s in text for s in self.stop)
+        self.stream.push(token_id)
+        return self.stream.stopped
 
 
 class OutputProcessor:

@@ -27,7 +27,6 @@ import yaml
 
 from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides
 from qkv.nn.params import count_parameters
-from qkv.storage import atomic_write_text
 
 # re-exported: `qkv.run` is where callers (cli, serve, explore, chat) find a folder's model, task and
 # tokenizer
