@@ -118,7 +118,7 @@ def test_greedy_and_temperature_flags_on_a_run(tiny_lm_run, capsys):
 
 def test_a_byte_level_bpe_run_streams_whole_characters(tmp_path, monkeypatch, capsys):
     import qkv.generate
-    from qkv.run import _stream_lm
+    from qkv.run.generation import _stream_lm
 
     (tmp_path / "ascii.txt").write_text("plain ascii words only\n" * 300, encoding="utf-8")
     tok = build_task("bpelm", family="gpt", path=str(tmp_path / "ascii.txt"), context=16,

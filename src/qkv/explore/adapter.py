@@ -229,6 +229,18 @@ def prompt_ids(ld: Loaded, ids: list[int]) -> list[int]:
     return ids
 
 
+def check_sampling(**settings: Any) -> None:
+    """The sampling settings by GenerationConfig's rule, the one the CLI and the server use (temperature 0 is
+    greedy), its message the page's error."""
+    from qkv.config import ConfigError
+    from qkv.generate import GenerationConfig
+
+    try:
+        GenerationConfig(**settings)
+    except ConfigError as e:
+        raise ExploreError(str(e).replace("GenerationConfig.", "")) from None
+
+
 def check_length(n: int, limit: int | None, what: str) -> None:
     if limit is not None and n > limit:
         raise ExploreError(f"the {what} has {n} tokens but this model's context is {limit} positions; "

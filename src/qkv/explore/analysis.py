@@ -13,10 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
 from qkv.explore import adapter
 from qkv.explore.adapter import ExploreError, Loaded
-from qkv.generate import GenerationConfig
 
 DIGITS = 5
 MAX_AUDIO_BINS = 100  # an audio encoder's frames are pooled into at most this many bins for display
@@ -157,15 +155,6 @@ def _analyze_audio(ld: Loaded, text: str, target: str | None, wav: str | None,
                       "frames": frames, "bins": bins, "audio_frames": adapter.audio_frames(ld, audio)}}
 
 
-def _check_sampling(**settings: Any) -> None:
-    """The sampling settings by GenerationConfig's rule, the one the CLI and the server use (temperature 0 is
-    greedy), its message the page's error."""
-    try:
-        GenerationConfig(**settings)
-    except ConfigError as e:
-        raise ExploreError(str(e).replace("GenerationConfig.", "")) from None
-
-
 # -- generation --------------------------------------------------------------------------------------------
 def generation(ld: Loaded, text: str = "", *, max_new_tokens: int = 16, do_sample: bool = False,
                temperature: float = 1.0, top_k: int | None = None, seed: int = 0, block_size: int = 16,
@@ -178,7 +167,7 @@ def generation(ld: Loaded, text: str = "", *, max_new_tokens: int = 16, do_sampl
         raise ExploreError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS}")
     if not 1 <= block_size <= 1024:
         raise ExploreError("block_size must be between 1 and 1024")
-    _check_sampling(temperature=temperature, top_k=top_k)
+    adapter.check_sampling(temperature=temperature, top_k=top_k)
     dev = next(ld.model.parameters()).device
     with ld.lock, torch.no_grad():
         source: list[str] | None = None
