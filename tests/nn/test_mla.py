@@ -119,16 +119,21 @@ def test_cache_bytes_per_token_against_the_formula():
             assert cache_bytes_per_token(other) == L * 2 * n_kv * (D // H) * size
 
 
-def test_paged_cache_is_refused():
+def test_the_paged_cache_holds_latents_and_other_caches_are_refused():
     from qkv.generate.engine import Engine
+    from qkv.nn.paged import PagedKVCache
+    from qkv.nn.paged_latent import PagedLatentCache
 
     model = tiny()
-    with pytest.raises(ConfigError, match="latent"):
-        model.make_paged_cache(4)
-    with pytest.raises(ConfigError, match="paged KV cache"):
-        Engine(model, num_blocks=4)
+    assert isinstance(model.make_paged_cache(4), PagedLatentCache)
+    assert isinstance(Engine(model, num_blocks=4).cache, PagedLatentCache)
     with pytest.raises(TypeError, match="LatentCache"):
         model.step(torch.zeros(1, 1, dtype=torch.long), super(GPT, model).make_cache(1, 4))  # per-head K/V
+    per_head = PagedKVCache(2, 1, 4, 4, 4, dtype=torch.float64)
+    per_head.add_sequence(0)
+    per_head.set_active([0])
+    with pytest.raises(TypeError, match="PagedLatentCache"):
+        model.step(torch.zeros(1, 1, dtype=torch.long), per_head)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -227,11 +227,12 @@ class MultiHeadLatentAttention(nn.Module):
 
 
 def _check_cache(cache: KVCache) -> KVCache:
-    """MLA's cache holds latents: a plain StaticCache (per-head K/V) or the paged pool would mix layouts."""
+    """MLA's cache holds latents: a plain StaticCache or PagedKVCache (per-head K/V) would mix layouts."""
     from qkv.nn.cache import ColumnWrites
+    from qkv.nn.paged_latent import PagedLatentCache
 
     inner = cache.cache if isinstance(cache, ColumnWrites) else cache
-    if not isinstance(inner, LatentCache):
-        raise TypeError(f"multi-head latent attention caches its latent in a LatentCache (model.make_cache()), "
-                        f"got {type(inner).__name__}")
+    if not isinstance(inner, (LatentCache, PagedLatentCache)):
+        raise TypeError(f"multi-head latent attention caches its latent in a LatentCache (model.make_cache()) or "
+                        f"a PagedLatentCache (model.make_paged_cache()), got {type(inner).__name__}")
     return cache

@@ -7,9 +7,9 @@ full, so it wastes at most block_size - 1 positions. Blocks go back to the free 
 (The idea of vLLM's PagedAttention, Kwon et al. 2023, written with plain tensor indexing.)
 
 Sharing. Blocks are reference-counted: sequences that start with the same tokens can point their tables at
-the same full blocks (the prefix cache of BlockAllocator, keyed by block_digest). A shared block, or one the
-prefix cache holds, is never written: a write that would land in it copies it first (copy-on-write), which
-happens when a sequence recomputes the last token of a fully cached prompt.
+the same full blocks (the prefix cache of BlockAllocator, keyed by block_digest: nn/block_pool.py). A
+shared block, or one the prefix cache holds, is never written: a write that would land in it copies it first
+(copy-on-write), which happens when a sequence recomputes the last token of a fully cached prompt.
 
 Layout and one step. The value pool is (n_layers, H_kv * num_blocks * block_size, hd): row h * slots + s
 holds head h of slot s = block * block_size + i. The key pool keeps each block TRANSPOSED: (n_layers,
@@ -29,117 +29,16 @@ weighted sum of the values are read from the pools (PoolKeys, PoolRows).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.nn.block_pool import BlockAllocator, block_digest
 from qkv.nn.cache import KVCache
 
-
-class BlockAllocator:
-    """A pool of num_blocks block ids with reference counts and a prefix cache.
-
-    allocate() hands out a block with one reference; share() adds a reference (a second sequence reading the
-    same keys/values); free() drops one and returns the block to the pool at zero. A block whose content was
-    registered under a hash (register(): a full block, keyed by everything before and in it) stays findable
-    by lookup() after its last reference is dropped: it waits in an LRU queue of cached blocks and is reused
-    (its hash forgotten) only when no never-cached block is free. num_free counts both kinds: a cached block
-    with no reference is free memory that happens to hold something worth keeping."""
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced blocks with a hash, oldest first
-        self.refs: dict[int, int] = {}  # referenced blocks -> count
-        self._hash_of: dict[int, bytes] = {}
-        self._by_hash: dict[bytes, int] = {}
-        self.evictions = 0
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free) + len(self._cached)
-
-    @property
-    def num_used(self) -> int:
-        return len(self.refs)
-
-    @property
-    def num_cached(self) -> int:
-        """Unreferenced blocks still holding a registered prefix (reusable by lookup, evictable)."""
-        return len(self._cached)
-
-    def allocate(self) -> int:
-        if self._free:
-            b = self._free.pop()
-        elif self._cached:
-            b, _ = self._cached.popitem(last=False)  # least recently used
-            del self._by_hash[self._hash_of.pop(b)]
-            self.evictions += 1
-        else:
-            raise RuntimeError(f"the paged KV cache is out of blocks (all {self.num_blocks} in use)")
-        self.refs[b] = 1
-        return b
-
-    def share(self, b: int) -> None:
-        """One more reference to block b (in use, or cached and unreferenced)."""
-        if b in self.refs:
-            self.refs[b] += 1
-        elif b in self._cached:
-            del self._cached[b]
-            self.refs[b] = 1
-        else:
-            raise ValueError(f"block {b} is neither in use nor cached")
-
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            n = self.refs.get(b)
-            if n is None:
-                raise ValueError(f"block {b} is not allocated (double free?)")
-            if n > 1:
-                self.refs[b] = n - 1
-                continue
-            del self.refs[b]
-            if b in self._hash_of:
-                self._cached[b] = None  # most recently used end
-            else:
-                self._free.append(b)
-
-    def ref_count(self, b: int) -> int:
-        return self.refs.get(b, 0)
-
-    # -- prefix cache ---------------------------------------------------------------------------------------
-    def register(self, b: int, digest: bytes) -> None:
-        """Block b (full, in use) holds the keys/values of the prefix `digest` names. A block already holding
-        the same prefix keeps the entry (two copies of one prefix: the newer is freed as a plain block)."""
-        if digest not in self._by_hash and b not in self._hash_of:
-            self._by_hash[digest] = b
-            self._hash_of[b] = digest
-
-    def is_registered(self, b: int) -> bool:
-        return b in self._hash_of
-
-    def lookup(self, digest: bytes) -> int | None:
-        return self._by_hash.get(digest)
-
-    def clear_prefix_cache(self) -> None:
-        """Forget every registered prefix (unreferenced cached blocks become plain free blocks)."""
-        self._free.extend(self._cached)
-        self._cached.clear()
-        self._hash_of.clear()
-        self._by_hash.clear()
-
-
-def block_digest(parent: bytes, tokens: list[int]) -> bytes:
-    """The prefix-cache key of a full block: a SHA-256 chained over the previous block's key, so a block is
-    found only after exactly the same tokens from position 0 (its keys/values depend on all of them)."""
-    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+__all__ = ["BlockAllocator", "PagedKVCache", "PoolKeys", "PoolRows", "block_digest"]
 
 
 class _ValueBags:
@@ -278,30 +177,35 @@ class PagedKVCache(KVCache):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
         # values (layer, head * slot, hd): the rows of one step's gather come out as (B, H, tk, hd),
         # contiguous, which is what attention's batched matmul reads (no second copy of the gathered values);
         # keys (layer, (head * block) * hd + d, block_size): each block transposed (PoolKeys)
-        self.n_kv_heads, self.slots, self.num_blocks = n_kv_heads, num_blocks * block_size, num_blocks
         # not zeroed: a step reads only written slots, and slot 0 for the masked (padding) columns, which is
         # zeroed here so that a masked key/value is finite (softmax weight 0 x NaN would be NaN). Zeroing a
         # pool sized for max_batch_size x context (GBs) took seconds per Engine; untouched pages cost nothing.
         self.k = torch.empty(n_layers, n_kv_heads * num_blocks * head_dim, block_size, dtype=dtype, device=device)
-        self.v = torch.empty(n_layers, n_kv_heads * self.slots, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty(n_layers, n_kv_heads * num_blocks * block_size, head_dim, dtype=dtype, device=device)
         self.k.view(n_layers, n_kv_heads, num_blocks, head_dim, block_size)[:, :, 0, :, 0] = 0
-        self.v.view(n_layers, n_kv_heads, self.slots, head_dim)[:, :, 0] = 0
+        self.v.view(n_layers, n_kv_heads, num_blocks * block_size, head_dim)[:, :, 0] = 0
+        self.n_kv_heads = n_kv_heads
+        self._init_blocks(num_blocks, block_size)
+        # one step's gathered keys/values, reused by every layer and step (grown when a step needs more)
+        self._kbuf = torch.empty(0, dtype=dtype, device=device)
+        self._vbuf = torch.empty(0, dtype=dtype, device=device)
+
+    def _init_blocks(self, num_blocks: int, block_size: int) -> None:
+        """The block tables and lengths (everything but the pools, which self.k / self.v already are)."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.slots, self.num_blocks = num_blocks * block_size, num_blocks
         self.device = self.k.device
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
         self.active: list[int] = []
         self._lens_t = torch.zeros(0, dtype=torch.long, device=self.device)
         self._plan: _Plan | None = None
-        # one step's gathered keys/values, reused by every layer and step (grown when a step needs more)
-        self._kbuf = torch.empty(0, dtype=dtype, device=device)
-        self._vbuf = torch.empty(0, dtype=dtype, device=device)
         self.length = 0
         self.max_len = num_blocks * block_size
         self.copies = 0  # copy-on-write block copies
@@ -357,17 +261,21 @@ class PagedKVCache(KVCache):
         if self._must_copy(table, n):  # copy-on-write: the block keeps its content for the others
             i, old = n // bs, table[n // bs]
             new = self.allocator.allocate()
-            src, dst = slice(old * bs, (old + 1) * bs), slice(new * bs, (new + 1) * bs)
-            heads = self.v.view(self.v.shape[0], self.n_kv_heads, self.slots, -1)
-            heads[:, :, dst] = heads[:, :, src]
-            blocks = self.k.view(self.k.shape[0], self.n_kv_heads, self.num_blocks, -1)  # a block's hd x bs keys
-            blocks[:, :, new] = blocks[:, :, old]
+            self._copy_block(old, new)
             table[i] = new
             self.allocator.free([old])
             self.copies += 1
         need = -(-(n + new_tokens) // bs)
         while len(table) < need:
             table.append(self.allocator.allocate())
+
+    def _copy_block(self, old: int, new: int) -> None:
+        """Every layer's keys and values of block `old` into block `new`."""
+        bs = self.block_size
+        heads = self.v.view(self.v.shape[0], self.n_kv_heads, self.slots, -1)
+        heads[:, :, new * bs:(new + 1) * bs] = heads[:, :, old * bs:(old + 1) * bs]
+        blocks = self.k.view(self.k.shape[0], self.n_kv_heads, self.num_blocks, -1)  # a block's hd x bs keys
+        blocks[:, :, new] = blocks[:, :, old]
 
     def set_active(self, seq_ids: list[int]) -> None:
         """The sequences (in batch order) that the next forward pass feeds."""
@@ -404,29 +312,38 @@ class PagedKVCache(KVCache):
         L, _, hd = self.v.shape
         return 2 * L * self.block_size * self.n_kv_heads * hd * self.k.element_size()
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one position of one sequence takes, over all layers."""
+        return self.bytes_per_block // self.block_size
+
     # -- KVCache ----------------------------------------------------------------------------------------
-    def _make_plan(self, T: int) -> _Plan:
+    def _slots(self, T: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The step's slots (slot = block * block_size + i), each active sequence's table first grown to hold
+        T more positions (if reserve() did not): tables (B, width) block ids; write (B, T) slots of the new
+        tokens; gather (B, tk) slots of every key RIGHT-aligned (column t of row b holds position
+        t - (length - len_b); masked columns read slot 0); pos (B, tk) those positions, clamped to >= 0."""
         bs = self.block_size
-        for s in self.active:  # grow each block table to hold len + T positions (if reserve() did not)
+        for s in self.active:
             self._grow(s, T)
         width = max(len(self.tables[s]) for s in self.active)
         tables = torch.tensor([self.tables[s] + [0] * (width - len(self.tables[s])) for s in self.active],
-                              dtype=torch.long, device=self.device)  # (B, width)
+                              dtype=torch.long, device=self.device)
         lens = self._lens_t.unsqueeze(1)
-        # write slots of the T new tokens: positions len .. len + T - 1
-        p = lens + torch.arange(T, device=self.device)
-        write = tables.gather(1, p // bs) * bs + p % bs  # (B, T) slots
-        # gather slots, right-aligned: column t of row b holds position t - (length - len_b)
-        tk = self.length + T
-        p = torch.arange(tk, device=self.device).unsqueeze(0) - (self.length - lens)
+        p = lens + torch.arange(T, device=self.device)  # positions len .. len + T - 1
+        write = tables.gather(1, p // bs) * bs + p % bs
+        p = torch.arange(self.length + T, device=self.device).unsqueeze(0) - (self.length - lens)
         valid = p >= 0
         p = p.clamp_min(0)
-        gather = torch.where(valid, tables.gather(1, p // bs) * bs + p % bs, 0)  # (B, tk); masked cols -> slot 0
+        return tables, write, torch.where(valid, tables.gather(1, p // bs) * bs + p % bs, 0), p
+
+    def _make_plan(self, T: int) -> _Plan:
+        tables, write, gather, p = self._slots(T)
         # rows of the (head * slot) value pool, in (B, H, T) and (B, H, tk) order
         head = (torch.arange(self.n_kv_heads, device=self.device) * self.slots).view(1, -1, 1)
-        blocks = tables.unsqueeze(1) + (head // bs)  # (B, H, width) rows of the key pool's (head * block) blocks
+        blocks = tables.unsqueeze(1) + (head // self.block_size)  # (B, H, width) key pool (head * block) rows
         return _Plan((head + write.unsqueeze(1)).reshape(-1), (head + gather.unsqueeze(1)).reshape(-1),
-                     self._key_elements(write), gather, blocks, -(-(self._lens_t + T) // bs), p,
+                     self._key_elements(write), gather, blocks, -(-(self._lens_t + T) // self.block_size), p,
                      self._lens_t + T)
 
     def _key_elements(self, slots: Tensor) -> Tensor:
