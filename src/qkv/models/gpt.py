@@ -18,8 +18,8 @@ from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
 from qkv.nn.linear import Linear
 from qkv.nn.mla import LatentCache, MLAConfig
-from qkv.nn.paged_latent import PagedLatentCache
 from qkv.nn.moe import MoEConfig, moe_aux_loss, update_router_biases
+from qkv.nn.paged_latent import PagedLatentCache
 
 
 @dataclass
