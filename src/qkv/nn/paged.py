@@ -48,7 +48,7 @@ class _ValueBags:
     with ragged aranges (repeat_interleave), not boolean masks: a mask over (B, H, G, tk) took ~10 ms."""
 
     def __init__(self, rows: Tensor, real: Tensor, total: int, tk: int) -> None:
-        # rows: (B * H * tk,) right-aligned value rows; real: (B,) real columns of each sequence, total: their sum
+        # rows: (B * H * tk,) right-aligned value rows; real: (B,) real columns of each sequence; total: sum
         self.rows, self.real, self.total = rows.view(real.shape[0], -1, tk), real, total
         self._by_group: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
@@ -60,7 +60,8 @@ class _ValueBags:
             per_bag = self.real.repeat_interleave(H * G)  # (B * H * G,) real columns of each bag
             offsets = torch.cumsum(per_bag, 0) - per_bag
             n = self.total * H * G
-            bag = torch.repeat_interleave(torch.arange(B * H * G, device=per_bag.device), per_bag, output_size=n)
+            bag = torch.repeat_interleave(torch.arange(B * H * G, device=per_bag.device), per_bag,
+                                          output_size=n)
             col = torch.arange(n, device=per_bag.device) + (tk - per_bag - offsets).index_select(0, bag)
             rows = self.rows.reshape(-1).index_select(0, torch.div(bag, G, rounding_mode="floor") * tk + col)
             self._by_group[G] = (rows, offsets, bag * tk + col)
@@ -79,7 +80,8 @@ class PoolRows(NamedTuple):
     real: _ValueBags | None = None
 
     def weighted_sum(self, probs: Tensor) -> Tensor:
-        """probs: (B * H_kv, G * T, Tk) attention weights (G query heads per key/value head) -> (B * H_kv, G * T, hd)."""
+        """probs: (B * H_kv, G * T, Tk) attention weights (G query heads per key/value head) ->
+        (B * H_kv, G * T, hd)."""
         n, q, tk = probs.shape
         if self.real is not None:  # q = G query heads of one token; the masked columns' weights are 0
             rows, offsets, weights = self.real.group(q)
@@ -103,7 +105,8 @@ class _KeyBags:
         # blocks: (B, H, width) pool block rows (h * num_blocks + block), count: (B,) blocks per sequence,
         # pos: (B, tk) position of each right-aligned column (clamped to >= 0)
         B, H, width = blocks.shape
-        real = (torch.arange(width, device=blocks.device) < count.unsqueeze(1)).unsqueeze(1).expand(B, H, width)
+        real = (torch.arange(width, device=blocks.device) < count.unsqueeze(1)).unsqueeze(1)
+        real = real.expand(B, H, width)
         self.base = blocks[real] * hd  # (n_blocks,) first pool row of each real block, (b, h, j) order
         r = torch.arange(B * H, device=blocks.device).view(B, H, 1).expand(B, H, width)
         self.r = r[real]  # (n_blocks,) the batch-head of each block
@@ -157,7 +160,8 @@ class _Plan:
     def __init__(self, write: Tensor, gather: Tensor, key_write: Tensor, gather_slots: Tensor, blocks: Tensor,
                  count: Tensor, pos: Tensor, real: Tensor) -> None:
         self.write, self.gather, self.key_write, self.gather_slots = write, gather, key_write, gather_slots
-        self.blocks, self.count, self.pos = blocks, count, pos  # (B, H, width) key blocks, (B,) in use, (B, tk)
+        # (B, H, width) key blocks, (B,) blocks in use, (B, tk) positions
+        self.blocks, self.count, self.pos = blocks, count, pos
         self.real = real  # (B,) real columns of each sequence
         self.key_gather: Tensor | None = None
         self.key_bags: _KeyBags | None = None
@@ -183,8 +187,9 @@ class PagedKVCache(KVCache):
         # not zeroed: a step reads only written slots, and slot 0 for the masked (padding) columns, which is
         # zeroed here so that a masked key/value is finite (softmax weight 0 x NaN would be NaN). Zeroing a
         # pool sized for max_batch_size x context (GBs) took seconds per Engine; untouched pages cost nothing.
-        self.k = torch.empty(n_layers, n_kv_heads * num_blocks * head_dim, block_size, dtype=dtype, device=device)
-        self.v = torch.empty(n_layers, n_kv_heads * num_blocks * block_size, head_dim, dtype=dtype, device=device)
+        kw = dict(dtype=dtype, device=device)
+        self.k = torch.empty(n_layers, n_kv_heads * num_blocks * head_dim, block_size, **kw)
+        self.v = torch.empty(n_layers, n_kv_heads * num_blocks * block_size, head_dim, **kw)
         self.k.view(n_layers, n_kv_heads, num_blocks, head_dim, block_size)[:, :, 0, :, 0] = 0
         self.v.view(n_layers, n_kv_heads, num_blocks * block_size, head_dim)[:, :, 0] = 0
         self.n_kv_heads = n_kv_heads
@@ -347,9 +352,10 @@ class PagedKVCache(KVCache):
                      self._lens_t + T)
 
     def _key_elements(self, slots: Tensor) -> Tensor:
-        """(B, n) slots -> (B * H * n * hd,) elements of one layer's flattened key pool, (B, H, n, hd) order."""
+        """(B, n) slots -> (B * H * n * hd,) elements of one layer's flattened key pool, in (B, H, n, hd)
+        order."""
         bs, hd = self.block_size, self.v.shape[-1]
-        head = (torch.arange(self.n_kv_heads, device=self.device) * (self.num_blocks * hd * bs)).view(1, -1, 1)
+        head = torch.arange(self.n_kv_heads, device=self.device).view(1, -1, 1) * (self.num_blocks * hd * bs)
         first = head + (slots // bs * (hd * bs) + slots % bs).unsqueeze(1)  # (B, H, n): element of d = 0
         return (first.unsqueeze(-1) + torch.arange(hd, device=self.device) * bs).reshape(-1)
 
@@ -386,10 +392,11 @@ class PagedKVCache(KVCache):
         return ko.view(B, H, tk, hd), vo.view(B, H, tk, hd)  # (B, H, length + T, hd), contiguous
 
     def step_update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor | PoolKeys, Tensor | PoolRows]:
-        """update() for MultiHeadAttention.step. One new token per sequence on the CPU (float32 or 64): the keys and
-        values stay in the pool (PoolKeys, PoolRows: the attention takes q @ K^T with PoolKeys.scores and
-        probs @ V with PoolRows.weighted_sum). A decoding step's time on the CPU is mostly memory traffic over
-        the cached keys/values, and this saves copying them (benchmarks/serve.py). Otherwise: update()."""
+        """update() for MultiHeadAttention.step. One new token per sequence on the CPU (float32 or 64): the
+        keys and values stay in the pool (PoolKeys, PoolRows: the attention takes q @ K^T with
+        PoolKeys.scores and probs @ V with PoolRows.weighted_sum). A decoding step's time on the CPU is mostly
+        memory traffic over the cached keys/values, and this saves copying them (benchmarks/serve.py).
+        Otherwise: update()."""
         B, H, T, hd = k.shape
         if T != 1 or not self.step_reads_in_place:
             return self.update(layer, k, v)
@@ -398,7 +405,8 @@ class PagedKVCache(KVCache):
             plan.key_bags = _KeyBags(plan.blocks, plan.count, plan.pos, hd, self.block_size)
         tk = plan.gather.shape[0] // (B * H)
         if plan.value_bags is None:
-            plan.value_bags = _ValueBags(plan.gather, plan.real, int(plan.real.sum()), tk)  # CPU: no device sync
+            # int(): on the CPU, no device sync
+            plan.value_bags = _ValueBags(plan.gather, plan.real, int(plan.real.sum()), tk)
         return PoolKeys(self.k[layer], plan.key_bags), PoolRows(self.v[layer], plan.gather.view(B * H, tk),
                                                                   plan.value_bags)
 
