@@ -183,15 +183,16 @@ class MultiHeadLatentAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim)), w
 
     def absorbed(self) -> tuple[Tensor, Tensor]:
-        """kv_b_proj's weight as the per-head W_uk (H, nope, rank) and W_uv (H, v, rank) (views, no copies; a
-        weight-only quantized kv_b_proj is dequantized per call)."""
-        w = getattr(self.kv_b_proj, "weight", None)
-        if not isinstance(w, Tensor) or not w.is_floating_point():  # weight-only quantized (nn/quant.py)
+        """kv_b_proj's weight as the per-head W_uk (H, nope, rank) and W_uv (H, v, rank) (views of a plain
+        layer's weight; a weight-only quantized kv_b_proj is dequantized per call, and one with unmerged LoRA
+        adapters contributes its weight plus their update)."""
+        lin = self.kv_b_proj
+        w = lin.weight if type(lin) in (Linear, nn.Linear) else None
+        if w is None and hasattr(lin, "dequantized"):  # weight-only quantized (nn/quant.py)
+            w = lin.dequantized().to(self.kv_a_norm.weight.dtype)
+        elif w is None:  # any other layer (LoRA's): its product with the identity is its weight, transposed
             dtype, r = self.kv_a_norm.weight.dtype, self.cfg.kv_lora_rank
-            eye = torch.eye(r, dtype=dtype, device=self.kv_a_norm.weight.device)
-            # the layer's own product with the identity is its weight (transposed): int8 or int4 alike
-            w = self.kv_b_proj.dequantized().to(dtype) if hasattr(self.kv_b_proj, "dequantized") \
-                else self.kv_b_proj(eye).T
+            w = lin(torch.eye(r, dtype=dtype, device=self.kv_a_norm.weight.device)).T
         w = w.view(self.n_heads, self.nope + self.v_dim, self.cfg.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope:]
 
