@@ -165,9 +165,9 @@ def test_deepseek_v2_is_refused(tmp_path):
         qkv.from_pretrained(tmp_path)
 
 
-def test_cli_generate_works_and_serve_refuses_mla(tmp_path, capsys):
-    """qkv generate decodes a DeepSeek folder (static latent cache) as transformers does; qkv serve's paged
-    engine cannot hold MLA's latent and says so in one line (exit 2)."""
+def test_cli_generate_and_serve_decode_as_transformers(tmp_path, capsys):
+    """qkv generate (the static latent cache) and qkv serve's app (the Engine over the paged latent cache)
+    decode a DeepSeek folder as transformers does."""
     import pydoc_data.topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -191,9 +191,15 @@ def test_cli_generate_works_and_serve_refuses_mla(tmp_path, capsys):
                                                                            skip_special_tokens=True)
     assert main(["generate", str(tmp_path), "--prompt", prompt, "--greedy", "--max-new-tokens", "12"]) == 0
     assert want_text.strip() and want_text.strip() in capsys.readouterr().out
-    assert main(["serve", str(tmp_path), "--port", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("qkv: error: the paged KV cache") and "MLA" in err[0]
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import build_engine, create_app, load_served
+
+    served = load_served(tmp_path)
+    with TestClient(create_app(served, build_engine(served, block_size=4))) as client:
+        r = client.post("/v1/completions", json={"model": served.name, "prompt": prompt, "max_tokens": 12,
+                                                 "temperature": 0})
+    assert r.status_code == 200 and want_text.strip() in r.json()["choices"][0]["text"]
 
 
 def test_a_bf16_folder_loads_in_bf16_and_decodes(tmp_path):

@@ -1,7 +1,7 @@
-"""Multi-head latent attention (nn/mla.py): the module against the formula written out head by head in float64,
-the absorbed-weights decoding step against the full forward (one token, chunks, last_only, the graph-capturable
-static step), generate() with the latent cache against uncached greedy decoding, the cache's bytes per token
-against the formula beside MHA / GQA of the same width, and the config checks."""
+"""Multi-head latent attention (nn/mla.py): the module against the formula written out head by head in
+float64, the absorbed-weights decoding step against the full forward (one token, chunks, last_only, the
+graph-capturable static step), generate() with the latent cache against uncached greedy decoding, the cache's
+bytes per token against the formula beside MHA / GQA of the same width, and the config checks."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ MLA = dict(kv_lora_rank=12, q_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim
 def tiny(q_lora_rank: int | None = 10, **kw) -> GPT:
     torch.manual_seed(0)
     mla = MLAConfig(**{**MLA, "q_lora_rank": q_lora_rank})
-    cfg = GPTConfig(vocab_size=50, n_layers=2, d_model=D, n_heads=H, context_length=64, ffn="swiglu", norm="rmsnorm",
-                    position="rope", head_dim=mla.qk_rope_head_dim, bias=False, tie_embeddings=False, mla=mla, **kw)
+    cfg = GPTConfig(vocab_size=50, n_layers=2, d_model=D, n_heads=H, context_length=64, ffn="swiglu",
+                    norm="rmsnorm", position="rope", head_dim=mla.qk_rope_head_dim, bias=False,
+                    tie_embeddings=False, mla=mla, **kw)
     model = GPT(cfg).double().eval()
     with torch.no_grad():  # the latent norms' gains away from 1, so a wrong norm shows
         for n, p in model.named_parameters():
@@ -119,16 +120,21 @@ def test_cache_bytes_per_token_against_the_formula():
             assert cache_bytes_per_token(other) == L * 2 * n_kv * (D // H) * size
 
 
-def test_paged_cache_is_refused():
+def test_the_paged_cache_holds_latents_and_other_caches_are_refused():
     from qkv.generate.engine import Engine
+    from qkv.nn.paged import PagedKVCache
+    from qkv.nn.paged_latent import PagedLatentCache
 
     model = tiny()
-    with pytest.raises(ConfigError, match="latent"):
-        model.make_paged_cache(4)
-    with pytest.raises(ConfigError, match="paged KV cache"):
-        Engine(model, num_blocks=4)
+    assert isinstance(model.make_paged_cache(4), PagedLatentCache)
+    assert isinstance(Engine(model, num_blocks=4).cache, PagedLatentCache)
     with pytest.raises(TypeError, match="LatentCache"):
         model.step(torch.zeros(1, 1, dtype=torch.long), super(GPT, model).make_cache(1, 4))  # per-head K/V
+    per_head = PagedKVCache(2, 1, 4, 4, 4, dtype=torch.float64)
+    per_head.add_sequence(0)
+    per_head.set_active([0])
+    with pytest.raises(TypeError, match="PagedLatentCache"):
+        model.step(torch.zeros(1, 1, dtype=torch.long), per_head)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -140,7 +146,8 @@ def test_paged_cache_is_refused():
     ({"mla": MLAConfig(**{**MLA, "v_head_dim": 0})}, "v_head_dim"),
 ])
 def test_config_errors(change, match):
-    kw = dict(vocab_size=50, n_layers=2, d_model=D, n_heads=H, position="rope", head_dim=4, mla=MLAConfig(**MLA))
+    kw = dict(vocab_size=50, n_layers=2, d_model=D, n_heads=H, position="rope", head_dim=4,
+              mla=MLAConfig(**MLA))
     with pytest.raises(ConfigError, match=match):
         GPT(GPTConfig(**{**kw, **change}))
 
@@ -153,8 +160,8 @@ def test_quantized_model_decodes(mode):
 
     torch.manual_seed(0)
     mla = MLAConfig(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10)
-    cfg = GPTConfig(vocab_size=50, n_layers=2, d_model=D, n_heads=H, ffn="swiglu", norm="rmsnorm", position="rope",
-                    head_dim=4, bias=False, mla=mla)
+    cfg = GPTConfig(vocab_size=50, n_layers=2, d_model=D, n_heads=H, ffn="swiglu", norm="rmsnorm",
+                    position="rope", head_dim=4, bias=False, mla=mla)
     q = quantize_model(GPT(cfg).eval(), mode, group_size=32)
     kind = Int4WeightOnlyLinear if mode == "int4" else Int8WeightOnlyLinear
     assert isinstance(q.decoder.blocks[0].attn.kv_b_proj, kind)
@@ -182,7 +189,8 @@ def test_left_padded_batch_generates_each_row_as_alone():
 
 def test_graph_captured_generation_equals_eager():
     """generate(compile=...) runs Stack.static_step over the LatentCache (columns written at a device index);
-    the "eager" backend traces the same graph without Inductor's compile time (True, Inductor: also equal, ~45 s)."""
+    the "eager" backend traces the same graph without Inductor's compile time (True, Inductor: also equal,
+    ~45 s)."""
     model = tiny().float()
     ids = torch.randint(0, 50, (1, 5))
     want = model.generate(ids, max_new_tokens=8)

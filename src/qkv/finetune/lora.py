@@ -17,9 +17,15 @@ plus A/B pairs for output slices; its forward serves training and decoding alike
 
 Targets (comma separated in `--lora-targets`):
   q, k, v        the query / key / value slice of a fused self-attention projection (qkv_proj), or a
-                 cross-attention's q_proj / the k, v slices of its kv_proj
+                 cross-attention's q_proj / the k, v slices of its kv_proj. Multi-head latent attention
+                 (nn/mla.py) has no such slices: q is its whole query projection (q_proj, or the up-projection
+                 q_b_proj with a query bottleneck), k and v are kv_b_proj, whole (the latent's up-projection
+                 into every head's non-rotary key and value, their rows interleaved head by head)
   q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj   the Hugging Face (Llama) names of the same
-  out_proj, qkv_proj, up, gate, down, lm_head, ...                  any Linear by its own (last) name
+  q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj                 DeepSeek's MLA projections (whole)
+  out_proj, qkv_proj, up, gate, down, lm_head, ...                  any Linear by its own (last) name: gate,
+                                                                    up, down include every expert of a
+                                                                    mixture-of-experts layer (nn/moe.py)
   *.blocks.0.*   a glob with `*` or `.`, matched against the full module name
   all-linear     every Linear except the output head, a fused projection as its q, k, v slices: the same
                  adapters as listing every Linear's Hugging Face name
@@ -42,11 +48,14 @@ from torch import Tensor, nn
 from qkv.config import ConfigError
 from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.linear import Linear
+from qkv.nn.mla import MultiHeadLatentAttention
 
 # Hugging Face (Llama/Mistral/Qwen) module names -> ours
 HF_ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "out_proj", "gate_proj": "gate",
-              "up_proj": "up", "down_proj": "down"}
+              "up_proj": "up", "down_proj": "down", "kv_a_proj_with_mqa": "kv_a_proj"}
 SLICE_TARGETS = ("q", "k", "v")
+# multi-head latent attention: the Linears that q, k and v stand for, each adapted whole
+MLA_ROLES = {"q": ("q_proj", "q_b_proj"), "k": ("kv_b_proj",), "v": ("kv_b_proj",)}
 HEADS = ("lm_head",)  # output heads: never part of all-linear
 
 
@@ -170,6 +179,8 @@ def _slices_of(model: nn.Module, name: str, which: str) -> tuple[int, int] | Non
     """The output slice of q/k/v inside the linear `name` (a fused projection), or None if it has none."""
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(parent, MultiHeadLatentAttention):
+        return (0, getattr(parent, leaf).out_features) if leaf in MLA_ROLES[which] else None
     if not isinstance(parent, MultiHeadAttention):
         return None
     # q width may differ from d_model

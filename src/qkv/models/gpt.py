@@ -19,6 +19,7 @@ from qkv.nn.checks import check_batch, check_labels, check_length, check_token_i
 from qkv.nn.linear import Linear
 from qkv.nn.mla import LatentCache, MLAConfig
 from qkv.nn.moe import MoEConfig, moe_aux_loss, update_router_biases
+from qkv.nn.paged_latent import PagedLatentCache
 
 
 @dataclass
@@ -117,11 +118,17 @@ class GPT(TransformerDecoderModel):
         return LatentCache(self.config.n_layers, batch_size, m.kv_lora_rank, m.qk_rope_head_dim,
                            max_len or self.config.context_length, dtype=dtype or p.dtype, device=device or p.device)
 
-    def make_paged_cache(self, *args: Any, **kwargs: Any) -> Any:
-        if self.config.mla.enabled:
-            raise ConfigError("the paged KV cache (qkv serve, the Engine) holds per-head keys and values, not MLA's "
-                              "latent: run this model with generate(), qkv generate or qkv chat instead")
-        return super().make_paged_cache(*args, **kwargs)
+    def make_paged_cache(self, num_blocks: int | None = None, block_size: int = 16, *,
+                         max_batch_size: int = 1, dtype: Any = None, device: Any = None) -> Any:
+        """An MLA model's pool holds the latent and rotary key per token (nn/paged_latent.py)."""
+        m = self.config.mla
+        if not m.enabled:
+            return super().make_paged_cache(num_blocks, block_size, max_batch_size=max_batch_size,
+                                            dtype=dtype, device=device)
+        p = self._float_param()
+        num_blocks = num_blocks or max_batch_size * -(-self.config.context_length // block_size)
+        return PagedLatentCache(self.config.n_layers, m.kv_lora_rank, m.qk_rope_head_dim, num_blocks,
+                                block_size, dtype=dtype or p.dtype, device=device or p.device)
 
     @property
     def output_vocab_size(self) -> int:

@@ -18,9 +18,13 @@ Two ways compute the same function, as the DeepSeek papers describe:
   forward()  up-projects the (cached) latent into per-head keys and values and runs ordinary attention: the
              right form for a prefill or training, where the queries are as many as the keys.
   step()     the decoding step, in the absorbed-weights form: W_uk folds into the query (q_nope W_uk is
-             kv_lora_rank wide) and W_uv into the output, so a step attends over the cached latent itself as one
-             key/value head shared by all heads (multi-query attention of width kv_lora_rank + rope) and never
-             up-projects the cache: per token it reads the latent once instead of 2 * heads * head_dim numbers.
+             kv_lora_rank wide) and W_uv into the output, so a step attends over the cached latent itself as
+             one key/value head shared by all heads (multi-query attention of width kv_lora_rank + rope) and
+             never up-projects the cache: per token it reads the latent once instead of 2 * heads * head_dim
+             numbers.
+
+Caches: LatentCache (below; generate(), beam search, graph-captured steps) and PagedLatentCache
+(nn/paged_latent.py; the Engine and `qkv serve`: the same two tensors per token, in shared blocks).
 """
 
 from __future__ import annotations
@@ -44,12 +48,12 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass
 class MLAConfig:
     kv_lora_rank: int = 0  # width of the cached latent c; 0 = not MLA (the model uses MultiHeadAttention)
-    q_lora_rank: int | None = None  # queries through a low-rank bottleneck of this width; None = one projection
+    q_lora_rank: int | None = None  # queries through a low-rank bottleneck this wide; None = one projection
     qk_nope_head_dim: int = 128  # per-head query/key width without positions (from the latent)
     qk_rope_head_dim: int = 64  # the rotary part: per head for queries, one key shared by all heads
     v_head_dim: int = 128  # per-head value width
-    latent_norm_eps: float = 1e-6  # eps of the q / kv latent RMSNorms (DeepSeek's fixed default, not rms_norm_eps)
-    softmax_scale: float | None = None  # None = 1/sqrt(nope + rope); DeepSeek's YaRN multiplies that by mscale^2
+    latent_norm_eps: float = 1e-6  # eps of the q / kv latent RMSNorms (DeepSeek fixes it; not rms_norm_eps)
+    softmax_scale: float | None = None  # None = 1/sqrt(nope + rope); DeepSeek's YaRN: times mscale^2
 
     @property
     def enabled(self) -> bool:
@@ -61,9 +65,9 @@ class MLAConfig:
 
 
 class LatentCache(StaticCache):
-    """StaticCache for MLA: per layer the latent c in `k`, (B, 1, max_len, kv_lora_rank), and the rotary key k_R
-    in `v`, (B, 1, max_len, qk_rope_head_dim). Both are laid out as one key/value head, so StaticCache's update,
-    write_at (graph-captured steps), reset and reorder (beam search) serve it unchanged."""
+    """StaticCache for MLA: per layer the latent c in `k`, (B, 1, max_len, kv_lora_rank), and the rotary key
+    k_R in `v`, (B, 1, max_len, qk_rope_head_dim). Both are laid out as one key/value head, so StaticCache's
+    update, write_at (graph-captured steps), reset and reorder (beam search) serve it unchanged."""
 
     def __init__(self, n_layers: int, batch_size: int, kv_lora_rank: int, rope_dim: int, max_len: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
@@ -85,9 +89,10 @@ class MultiHeadLatentAttention(nn.Module):
     """Causal self-attention with a compressed KV latent; forward() and step() as MultiHeadAttention's.
 
     Parameter names follow the roles above: q_proj or q_a_proj / q_a_norm / q_b_proj, kv_a_proj (d ->
-    kv_lora_rank + rope), kv_a_norm, kv_b_proj (kv_lora_rank -> heads * (nope + v)), out_proj. bias: on q_a_proj,
-    kv_a_proj and out_proj (transformers' attention_bias). n_kv_heads is 1: the decoding step's scores are laid
-    out as multi-query attention over the latent (Stack.step builds its additive mask from it)."""
+    kv_lora_rank + rope), kv_a_norm, kv_b_proj (kv_lora_rank -> heads * (nope + v)), out_proj. bias: on
+    q_a_proj, kv_a_proj and out_proj (transformers' attention_bias). n_kv_heads is 1: the decoding step's
+    scores are laid out as multi-query attention over the latent (Stack.step builds its additive mask from
+    it)."""
 
     def __init__(self, d_model: int, n_heads: int, cfg: MLAConfig, *, causal: bool = True, bias: bool = False,
                  dropout: float = 0.0, backend: Backend = "fused", scaled: bool = True) -> None:
@@ -120,8 +125,8 @@ class MultiHeadLatentAttention(nn.Module):
         return self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
 
     def _latent(self, x: Tensor, B: int, T: int) -> tuple[Tensor, Tensor]:
-        """x (B, T, d) or its (B * T, d) rows -> the latent c (B, 1, T, rank), normed, and the unrotated shared key
-        k_R (B, 1, T, rope): one "head" each, the cache's layout."""
+        """x (B, T, d) or its (B * T, d) rows -> the latent c (B, 1, T, rank), normed, and the unrotated
+        shared key k_R (B, 1, T, rope): one "head" each, the cache's layout."""
         c, k_rope = self.kv_a_proj(x).split([self.cfg.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_norm(c).view(B, 1, T, -1), k_rope.reshape(B, 1, T, self.rope)
 
@@ -173,19 +178,21 @@ class MultiHeadLatentAttention(nn.Module):
             bias = bias[..., -1:, :] if bias is not None and bias.dim() >= 2 and bias.shape[-2] > 1 else bias
         y, w = scaled_dot_product_attention(
             q, k, v, mask=mask, bias=bias, causal=self.causal, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0, backend=self.backend, return_weights=return_weights)
+            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+            return_weights=return_weights)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim)), w
 
     def absorbed(self) -> tuple[Tensor, Tensor]:
-        """kv_b_proj's weight as the per-head W_uk (H, nope, rank) and W_uv (H, v, rank) (views, no copies; a
-        weight-only quantized kv_b_proj is dequantized per call)."""
-        w = getattr(self.kv_b_proj, "weight", None)
-        if not isinstance(w, Tensor) or not w.is_floating_point():  # weight-only quantized (nn/quant.py)
+        """kv_b_proj's weight as the per-head W_uk (H, nope, rank) and W_uv (H, v, rank) (views of a plain
+        layer's weight; a weight-only quantized kv_b_proj is dequantized per call, and one with unmerged LoRA
+        adapters contributes its weight plus their update)."""
+        lin = self.kv_b_proj
+        w = lin.weight if type(lin) in (Linear, nn.Linear) else None
+        if w is None and hasattr(lin, "dequantized"):  # weight-only quantized (nn/quant.py)
+            w = lin.dequantized().to(self.kv_a_norm.weight.dtype)
+        elif w is None:  # any other layer (LoRA's): its product with the identity is its weight, transposed
             dtype, r = self.kv_a_norm.weight.dtype, self.cfg.kv_lora_rank
-            eye = torch.eye(r, dtype=dtype, device=self.kv_a_norm.weight.device)
-            # the layer's own product with the identity is its weight (transposed): int8 or int4 alike
-            w = self.kv_b_proj.dequantized().to(dtype) if hasattr(self.kv_b_proj, "dequantized") \
-                else self.kv_b_proj(eye).T
+            w = lin(torch.eye(r, dtype=dtype, device=self.kv_a_norm.weight.device)).T
         w = w.view(self.n_heads, self.nope + self.v_dim, self.cfg.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope:]
 
@@ -227,11 +234,13 @@ class MultiHeadLatentAttention(nn.Module):
 
 
 def _check_cache(cache: KVCache) -> KVCache:
-    """MLA's cache holds latents: a plain StaticCache (per-head K/V) or the paged pool would mix layouts."""
+    """MLA's cache holds latents: a plain StaticCache or PagedKVCache (per-head K/V) would mix layouts."""
     from qkv.nn.cache import ColumnWrites
+    from qkv.nn.paged_latent import PagedLatentCache
 
     inner = cache.cache if isinstance(cache, ColumnWrites) else cache
-    if not isinstance(inner, LatentCache):
-        raise TypeError(f"multi-head latent attention caches its latent in a LatentCache (model.make_cache()), "
-                        f"got {type(inner).__name__}")
+    if not isinstance(inner, (LatentCache, PagedLatentCache)):
+        raise TypeError(f"multi-head latent attention caches its latent in a LatentCache "
+                        f"(model.make_cache()) or a PagedLatentCache (model.make_paged_cache()), got "
+                        f"{type(inner).__name__}")
     return cache

@@ -215,6 +215,10 @@ def load_balancing_loss(stats: list[RouterStats]) -> Tensor:
 
 
 def update_router_biases(model: nn.Module) -> None:
-    """Move every bias-balanced router's selection bias once (call after each optimizer update)."""
-    for layer in moe_layers(model):
-        layer.router.update_bias()
+    """Move every bias-balanced router's selection bias once (call after each optimizer update). A frozen
+    router (LoRA fine-tuning freezes every base weight) keeps its bias too: its routing is part of the base."""
+    for router in (layer.router for layer in moe_layers(model)):
+        if router.weight.requires_grad:
+            router.update_bias()
+        elif router.cfg.bias_balance:
+            router.load.zero_()  # the counts are spent unused

@@ -7,9 +7,9 @@ full, so it wastes at most block_size - 1 positions. Blocks go back to the free 
 (The idea of vLLM's PagedAttention, Kwon et al. 2023, written with plain tensor indexing.)
 
 Sharing. Blocks are reference-counted: sequences that start with the same tokens can point their tables at
-the same full blocks (the prefix cache of BlockAllocator, keyed by block_digest). A shared block, or one the
-prefix cache holds, is never written: a write that would land in it copies it first (copy-on-write), which
-happens when a sequence recomputes the last token of a fully cached prompt.
+the same full blocks (the prefix cache of BlockAllocator, keyed by block_digest: nn/block_pool.py). A
+shared block, or one the prefix cache holds, is never written: a write that would land in it copies it first
+(copy-on-write), which happens when a sequence recomputes the last token of a fully cached prompt.
 
 Layout and one step. The value pool is (n_layers, H_kv * num_blocks * block_size, hd): row h * slots + s
 holds head h of slot s = block * block_size + i. The key pool keeps each block TRANSPOSED: (n_layers,
@@ -29,117 +29,16 @@ weighted sum of the values are read from the pools (PoolKeys, PoolRows).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.nn.block_pool import BlockAllocator, block_digest
 from qkv.nn.cache import KVCache
 
-
-class BlockAllocator:
-    """A pool of num_blocks block ids with reference counts and a prefix cache.
-
-    allocate() hands out a block with one reference; share() adds a reference (a second sequence reading the
-    same keys/values); free() drops one and returns the block to the pool at zero. A block whose content was
-    registered under a hash (register(): a full block, keyed by everything before and in it) stays findable
-    by lookup() after its last reference is dropped: it waits in an LRU queue of cached blocks and is reused
-    (its hash forgotten) only when no never-cached block is free. num_free counts both kinds: a cached block
-    with no reference is free memory that happens to hold something worth keeping."""
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced blocks with a hash, oldest first
-        self.refs: dict[int, int] = {}  # referenced blocks -> count
-        self._hash_of: dict[int, bytes] = {}
-        self._by_hash: dict[bytes, int] = {}
-        self.evictions = 0
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free) + len(self._cached)
-
-    @property
-    def num_used(self) -> int:
-        return len(self.refs)
-
-    @property
-    def num_cached(self) -> int:
-        """Unreferenced blocks still holding a registered prefix (reusable by lookup, evictable)."""
-        return len(self._cached)
-
-    def allocate(self) -> int:
-        if self._free:
-            b = self._free.pop()
-        elif self._cached:
-            b, _ = self._cached.popitem(last=False)  # least recently used
-            del self._by_hash[self._hash_of.pop(b)]
-            self.evictions += 1
-        else:
-            raise RuntimeError(f"the paged KV cache is out of blocks (all {self.num_blocks} in use)")
-        self.refs[b] = 1
-        return b
-
-    def share(self, b: int) -> None:
-        """One more reference to block b (in use, or cached and unreferenced)."""
-        if b in self.refs:
-            self.refs[b] += 1
-        elif b in self._cached:
-            del self._cached[b]
-            self.refs[b] = 1
-        else:
-            raise ValueError(f"block {b} is neither in use nor cached")
-
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            n = self.refs.get(b)
-            if n is None:
-                raise ValueError(f"block {b} is not allocated (double free?)")
-            if n > 1:
-                self.refs[b] = n - 1
-                continue
-            del self.refs[b]
-            if b in self._hash_of:
-                self._cached[b] = None  # most recently used end
-            else:
-                self._free.append(b)
-
-    def ref_count(self, b: int) -> int:
-        return self.refs.get(b, 0)
-
-    # -- prefix cache ---------------------------------------------------------------------------------------
-    def register(self, b: int, digest: bytes) -> None:
-        """Block b (full, in use) holds the keys/values of the prefix `digest` names. A block already holding
-        the same prefix keeps the entry (two copies of one prefix: the newer is freed as a plain block)."""
-        if digest not in self._by_hash and b not in self._hash_of:
-            self._by_hash[digest] = b
-            self._hash_of[b] = digest
-
-    def is_registered(self, b: int) -> bool:
-        return b in self._hash_of
-
-    def lookup(self, digest: bytes) -> int | None:
-        return self._by_hash.get(digest)
-
-    def clear_prefix_cache(self) -> None:
-        """Forget every registered prefix (unreferenced cached blocks become plain free blocks)."""
-        self._free.extend(self._cached)
-        self._cached.clear()
-        self._hash_of.clear()
-        self._by_hash.clear()
-
-
-def block_digest(parent: bytes, tokens: list[int]) -> bytes:
-    """The prefix-cache key of a full block: a SHA-256 chained over the previous block's key, so a block is
-    found only after exactly the same tokens from position 0 (its keys/values depend on all of them)."""
-    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+__all__ = ["BlockAllocator", "PagedKVCache", "PoolKeys", "PoolRows", "block_digest"]
 
 
 class _ValueBags:
@@ -149,7 +48,7 @@ class _ValueBags:
     with ragged aranges (repeat_interleave), not boolean masks: a mask over (B, H, G, tk) took ~10 ms."""
 
     def __init__(self, rows: Tensor, real: Tensor, total: int, tk: int) -> None:
-        # rows: (B * H * tk,) right-aligned value rows; real: (B,) real columns of each sequence, total: their sum
+        # rows: (B * H * tk,) right-aligned value rows; real: (B,) real columns of each sequence; total: sum
         self.rows, self.real, self.total = rows.view(real.shape[0], -1, tk), real, total
         self._by_group: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
@@ -161,7 +60,8 @@ class _ValueBags:
             per_bag = self.real.repeat_interleave(H * G)  # (B * H * G,) real columns of each bag
             offsets = torch.cumsum(per_bag, 0) - per_bag
             n = self.total * H * G
-            bag = torch.repeat_interleave(torch.arange(B * H * G, device=per_bag.device), per_bag, output_size=n)
+            bag = torch.repeat_interleave(torch.arange(B * H * G, device=per_bag.device), per_bag,
+                                          output_size=n)
             col = torch.arange(n, device=per_bag.device) + (tk - per_bag - offsets).index_select(0, bag)
             rows = self.rows.reshape(-1).index_select(0, torch.div(bag, G, rounding_mode="floor") * tk + col)
             self._by_group[G] = (rows, offsets, bag * tk + col)
@@ -180,7 +80,8 @@ class PoolRows(NamedTuple):
     real: _ValueBags | None = None
 
     def weighted_sum(self, probs: Tensor) -> Tensor:
-        """probs: (B * H_kv, G * T, Tk) attention weights (G query heads per key/value head) -> (B * H_kv, G * T, hd)."""
+        """probs: (B * H_kv, G * T, Tk) attention weights (G query heads per key/value head) ->
+        (B * H_kv, G * T, hd)."""
         n, q, tk = probs.shape
         if self.real is not None:  # q = G query heads of one token; the masked columns' weights are 0
             rows, offsets, weights = self.real.group(q)
@@ -204,7 +105,8 @@ class _KeyBags:
         # blocks: (B, H, width) pool block rows (h * num_blocks + block), count: (B,) blocks per sequence,
         # pos: (B, tk) position of each right-aligned column (clamped to >= 0)
         B, H, width = blocks.shape
-        real = (torch.arange(width, device=blocks.device) < count.unsqueeze(1)).unsqueeze(1).expand(B, H, width)
+        real = (torch.arange(width, device=blocks.device) < count.unsqueeze(1)).unsqueeze(1)
+        real = real.expand(B, H, width)
         self.base = blocks[real] * hd  # (n_blocks,) first pool row of each real block, (b, h, j) order
         r = torch.arange(B * H, device=blocks.device).view(B, H, 1).expand(B, H, width)
         self.r = r[real]  # (n_blocks,) the batch-head of each block
@@ -258,7 +160,8 @@ class _Plan:
     def __init__(self, write: Tensor, gather: Tensor, key_write: Tensor, gather_slots: Tensor, blocks: Tensor,
                  count: Tensor, pos: Tensor, real: Tensor) -> None:
         self.write, self.gather, self.key_write, self.gather_slots = write, gather, key_write, gather_slots
-        self.blocks, self.count, self.pos = blocks, count, pos  # (B, H, width) key blocks, (B,) in use, (B, tk)
+        # (B, H, width) key blocks, (B,) blocks in use, (B, tk) positions
+        self.blocks, self.count, self.pos = blocks, count, pos
         self.real = real  # (B,) real columns of each sequence
         self.key_gather: Tensor | None = None
         self.key_bags: _KeyBags | None = None
@@ -278,30 +181,36 @@ class PagedKVCache(KVCache):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        # values (layer, head * slot, hd): the rows of one step's gather come out as (B, H, tk, hd),
+        # contiguous, which is what attention's batched matmul reads (no second copy of the gathered values);
+        # keys (layer, (head * block) * hd + d, block_size): each block transposed (PoolKeys)
+        # not zeroed: a step reads only written slots, and slot 0 for the masked (padding) columns, which is
+        # zeroed here so that a masked key/value is finite (softmax weight 0 x NaN would be NaN). Zeroing a
+        # pool sized for max_batch_size x context (GBs) took seconds per Engine; untouched pages cost nothing.
+        kw = dict(dtype=dtype, device=device)
+        self.k = torch.empty(n_layers, n_kv_heads * num_blocks * head_dim, block_size, **kw)
+        self.v = torch.empty(n_layers, n_kv_heads * num_blocks * block_size, head_dim, **kw)
+        self.k.view(n_layers, n_kv_heads, num_blocks, head_dim, block_size)[:, :, 0, :, 0] = 0
+        self.v.view(n_layers, n_kv_heads, num_blocks * block_size, head_dim)[:, :, 0] = 0
+        self.n_kv_heads = n_kv_heads
+        self._init_blocks(num_blocks, block_size)
+        # one step's gathered keys/values, reused by every layer and step (grown when a step needs more)
+        self._kbuf = torch.empty(0, dtype=dtype, device=device)
+        self._vbuf = torch.empty(0, dtype=dtype, device=device)
+
+    def _init_blocks(self, num_blocks: int, block_size: int) -> None:
+        """The block tables and lengths (everything but the pools, which self.k / self.v already are)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        # values (layer, head * slot, hd): the rows of one step's gather come out as (B, H, tk, hd),
-        # contiguous, which is what attention's batched matmul reads (no second copy of the gathered values);
-        # keys (layer, (head * block) * hd + d, block_size): each block transposed (PoolKeys)
-        self.n_kv_heads, self.slots, self.num_blocks = n_kv_heads, num_blocks * block_size, num_blocks
-        # not zeroed: a step reads only written slots, and slot 0 for the masked (padding) columns, which is
-        # zeroed here so that a masked key/value is finite (softmax weight 0 x NaN would be NaN). Zeroing a
-        # pool sized for max_batch_size x context (GBs) took seconds per Engine; untouched pages cost nothing.
-        self.k = torch.empty(n_layers, n_kv_heads * num_blocks * head_dim, block_size, dtype=dtype, device=device)
-        self.v = torch.empty(n_layers, n_kv_heads * self.slots, head_dim, dtype=dtype, device=device)
-        self.k.view(n_layers, n_kv_heads, num_blocks, head_dim, block_size)[:, :, 0, :, 0] = 0
-        self.v.view(n_layers, n_kv_heads, self.slots, head_dim)[:, :, 0] = 0
+        self.slots, self.num_blocks = num_blocks * block_size, num_blocks
         self.device = self.k.device
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
         self.active: list[int] = []
         self._lens_t = torch.zeros(0, dtype=torch.long, device=self.device)
         self._plan: _Plan | None = None
-        # one step's gathered keys/values, reused by every layer and step (grown when a step needs more)
-        self._kbuf = torch.empty(0, dtype=dtype, device=device)
-        self._vbuf = torch.empty(0, dtype=dtype, device=device)
         self.length = 0
         self.max_len = num_blocks * block_size
         self.copies = 0  # copy-on-write block copies
@@ -357,17 +266,21 @@ class PagedKVCache(KVCache):
         if self._must_copy(table, n):  # copy-on-write: the block keeps its content for the others
             i, old = n // bs, table[n // bs]
             new = self.allocator.allocate()
-            src, dst = slice(old * bs, (old + 1) * bs), slice(new * bs, (new + 1) * bs)
-            heads = self.v.view(self.v.shape[0], self.n_kv_heads, self.slots, -1)
-            heads[:, :, dst] = heads[:, :, src]
-            blocks = self.k.view(self.k.shape[0], self.n_kv_heads, self.num_blocks, -1)  # a block's hd x bs keys
-            blocks[:, :, new] = blocks[:, :, old]
+            self._copy_block(old, new)
             table[i] = new
             self.allocator.free([old])
             self.copies += 1
         need = -(-(n + new_tokens) // bs)
         while len(table) < need:
             table.append(self.allocator.allocate())
+
+    def _copy_block(self, old: int, new: int) -> None:
+        """Every layer's keys and values of block `old` into block `new`."""
+        bs = self.block_size
+        heads = self.v.view(self.v.shape[0], self.n_kv_heads, self.slots, -1)
+        heads[:, :, new * bs:(new + 1) * bs] = heads[:, :, old * bs:(old + 1) * bs]
+        blocks = self.k.view(self.k.shape[0], self.n_kv_heads, self.num_blocks, -1)  # a block's hd x bs keys
+        blocks[:, :, new] = blocks[:, :, old]
 
     def set_active(self, seq_ids: list[int]) -> None:
         """The sequences (in batch order) that the next forward pass feeds."""
@@ -404,35 +317,45 @@ class PagedKVCache(KVCache):
         L, _, hd = self.v.shape
         return 2 * L * self.block_size * self.n_kv_heads * hd * self.k.element_size()
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one position of one sequence takes, over all layers."""
+        return self.bytes_per_block // self.block_size
+
     # -- KVCache ----------------------------------------------------------------------------------------
-    def _make_plan(self, T: int) -> _Plan:
+    def _slots(self, T: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The step's slots (slot = block * block_size + i), each active sequence's table first grown to hold
+        T more positions (if reserve() did not): tables (B, width) block ids; write (B, T) slots of the new
+        tokens; gather (B, tk) slots of every key RIGHT-aligned (column t of row b holds position
+        t - (length - len_b); masked columns read slot 0); pos (B, tk) those positions, clamped to >= 0."""
         bs = self.block_size
-        for s in self.active:  # grow each block table to hold len + T positions (if reserve() did not)
+        for s in self.active:
             self._grow(s, T)
         width = max(len(self.tables[s]) for s in self.active)
         tables = torch.tensor([self.tables[s] + [0] * (width - len(self.tables[s])) for s in self.active],
-                              dtype=torch.long, device=self.device)  # (B, width)
+                              dtype=torch.long, device=self.device)
         lens = self._lens_t.unsqueeze(1)
-        # write slots of the T new tokens: positions len .. len + T - 1
-        p = lens + torch.arange(T, device=self.device)
-        write = tables.gather(1, p // bs) * bs + p % bs  # (B, T) slots
-        # gather slots, right-aligned: column t of row b holds position t - (length - len_b)
-        tk = self.length + T
-        p = torch.arange(tk, device=self.device).unsqueeze(0) - (self.length - lens)
+        p = lens + torch.arange(T, device=self.device)  # positions len .. len + T - 1
+        write = tables.gather(1, p // bs) * bs + p % bs
+        p = torch.arange(self.length + T, device=self.device).unsqueeze(0) - (self.length - lens)
         valid = p >= 0
         p = p.clamp_min(0)
-        gather = torch.where(valid, tables.gather(1, p // bs) * bs + p % bs, 0)  # (B, tk); masked cols -> slot 0
+        return tables, write, torch.where(valid, tables.gather(1, p // bs) * bs + p % bs, 0), p
+
+    def _make_plan(self, T: int) -> _Plan:
+        tables, write, gather, p = self._slots(T)
         # rows of the (head * slot) value pool, in (B, H, T) and (B, H, tk) order
         head = (torch.arange(self.n_kv_heads, device=self.device) * self.slots).view(1, -1, 1)
-        blocks = tables.unsqueeze(1) + (head // bs)  # (B, H, width) rows of the key pool's (head * block) blocks
+        blocks = tables.unsqueeze(1) + (head // self.block_size)  # (B, H, width) key pool (head * block) rows
         return _Plan((head + write.unsqueeze(1)).reshape(-1), (head + gather.unsqueeze(1)).reshape(-1),
-                     self._key_elements(write), gather, blocks, -(-(self._lens_t + T) // bs), p,
+                     self._key_elements(write), gather, blocks, -(-(self._lens_t + T) // self.block_size), p,
                      self._lens_t + T)
 
     def _key_elements(self, slots: Tensor) -> Tensor:
-        """(B, n) slots -> (B * H * n * hd,) elements of one layer's flattened key pool, (B, H, n, hd) order."""
+        """(B, n) slots -> (B * H * n * hd,) elements of one layer's flattened key pool, in (B, H, n, hd)
+        order."""
         bs, hd = self.block_size, self.v.shape[-1]
-        head = (torch.arange(self.n_kv_heads, device=self.device) * (self.num_blocks * hd * bs)).view(1, -1, 1)
+        head = torch.arange(self.n_kv_heads, device=self.device).view(1, -1, 1) * (self.num_blocks * hd * bs)
         first = head + (slots // bs * (hd * bs) + slots % bs).unsqueeze(1)  # (B, H, n): element of d = 0
         return (first.unsqueeze(-1) + torch.arange(hd, device=self.device) * bs).reshape(-1)
 
@@ -469,10 +392,11 @@ class PagedKVCache(KVCache):
         return ko.view(B, H, tk, hd), vo.view(B, H, tk, hd)  # (B, H, length + T, hd), contiguous
 
     def step_update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor | PoolKeys, Tensor | PoolRows]:
-        """update() for MultiHeadAttention.step. One new token per sequence on the CPU (float32 or 64): the keys and
-        values stay in the pool (PoolKeys, PoolRows: the attention takes q @ K^T with PoolKeys.scores and
-        probs @ V with PoolRows.weighted_sum). A decoding step's time on the CPU is mostly memory traffic over
-        the cached keys/values, and this saves copying them (benchmarks/serve.py). Otherwise: update()."""
+        """update() for MultiHeadAttention.step. One new token per sequence on the CPU (float32 or 64): the
+        keys and values stay in the pool (PoolKeys, PoolRows: the attention takes q @ K^T with
+        PoolKeys.scores and probs @ V with PoolRows.weighted_sum). A decoding step's time on the CPU is mostly
+        memory traffic over the cached keys/values, and this saves copying them (benchmarks/serve.py).
+        Otherwise: update()."""
         B, H, T, hd = k.shape
         if T != 1 or not self.step_reads_in_place:
             return self.update(layer, k, v)
@@ -481,7 +405,8 @@ class PagedKVCache(KVCache):
             plan.key_bags = _KeyBags(plan.blocks, plan.count, plan.pos, hd, self.block_size)
         tk = plan.gather.shape[0] // (B * H)
         if plan.value_bags is None:
-            plan.value_bags = _ValueBags(plan.gather, plan.real, int(plan.real.sum()), tk)  # CPU: no device sync
+            # int(): on the CPU, no device sync
+            plan.value_bags = _ValueBags(plan.gather, plan.real, int(plan.real.sum()), tk)
         return PoolKeys(self.k[layer], plan.key_bags), PoolRows(self.v[layer], plan.gather.view(B * H, tk),
                                                                   plan.value_bags)
 
