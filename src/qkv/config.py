@@ -207,9 +207,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def replace(cfg: T, **overrides: Any) -> T:
-    """A copy of `cfg` with overrides, checked like from_dict (nested keys as dotted names). A mapping given for
-    a nested config sets the keys it names and keeps the others, as the dotted names do: `model.vision.d_model=32`
-    on the command line arrives as {"vision": {"d_model": 32}} and must not reset the rest of the tower."""
+    """A copy of `cfg` with overrides, checked like from_dict (nested keys as dotted names). A mapping given
+    for a nested config sets the keys it names and keeps the others, as the dotted names do:
+    `model.vision.d_model=32` on the command line arrives as {"vision": {"d_model": 32}} and must not reset
+    the rest of the tower."""
     data = to_dict(cfg)
     for key, value in _dotted_items(cfg, overrides):
         _set_dotted(data, key, value, type(cfg).__name__)

@@ -1,6 +1,6 @@
-"""A LLaVA model trained from scratch: the config the vqa task builds (and the YAML keys over it), a falling loss
-on a fixed batch, generation with an image against a hand-written greedy loop, `qkv train` + `qkv eval` end to
-end on configs/vlm_fashion.yaml shrunk, and bad config values as one clear error."""
+"""A LLaVA model trained from scratch: the config the vqa task builds (and the YAML keys over it), a falling
+loss on a fixed batch, generation with an image against a hand-written greedy loop, `qkv train` + `qkv eval`
+end to end on configs/vlm_fashion.yaml shrunk, and bad config values as one clear error."""
 
 import gzip
 import struct
@@ -111,13 +111,13 @@ def test_generate_with_an_image_is_the_greedy_loop_over_forward(data):
 def test_qkv_train_then_qkv_eval_end_to_end(data, tmp_path):
     out = tmp_path / "run"
     args = [*TINY, f"task.path={data}", "train.max_steps=3", "eval.n=5", "eval.samples=2", "--out", str(out)]
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "train", str(CONFIG), *args], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "train", str(CONFIG), *args],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "accuracy_what=" in r.stdout and "test image" in r.stdout
     assert (out / "run.yaml").is_file() and (out / "checkpoints").is_dir()
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "eval", str(out), "-n", "5"], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "eval", str(out), "-n", "5"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     for q in ("what", "category", "yesno", "describe"):
         assert f"accuracy_{q}" in r.stdout, r.stdout
@@ -138,9 +138,9 @@ def test_bad_config_values_are_one_clear_error(data, override, message):
 
 @pytest.mark.parametrize("override", ["model.vision.patch_size=4", "model.feature_layer=-9"])
 def test_on_the_command_line_a_bad_value_is_one_line_and_writes_nothing(data, tmp_path, override):
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "train", str(CONFIG), *TINY, f"task.path={data}",
-                        override, "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT)
+    command = ["train", str(CONFIG), *TINY, f"task.path={data}", override, "--out", str(tmp_path / "run")]
+    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", *command], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("qkv: error:")]
     assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()  # nothing written
@@ -156,3 +156,16 @@ def test_answers_end_with_eos_and_fit_the_generation_budget(data):
     task, _ = tiny_run(data)
     assert task.answer_ids("yes")[-1] == EOS
     assert task.max_answer == len("it is an ankle boot worn on the feet".split()) + 1  # the longest + <eos>
+
+
+def test_a_mapping_for_a_nested_config_changes_only_the_keys_it_names():
+    from qkv.models.registry import config_for
+
+    _, preset = config_for("clip-digits")
+    _, c = config_for("clip-digits", vision={"n_layers": 5})
+    assert c.vision.n_layers == 5 and c.vision.image_size == preset.vision.image_size == 8
+    assert c.vision.head == preset.vision.head and c.vision.d_model == preset.vision.d_model
+    _, c = config_for({"family": "llava"}, **{"vision.image_size": 28, "vision": {"patch_size": 7}})
+    assert (c.vision.image_size, c.vision.patch_size, c.vision.n_channels) == (28, 7, 3)
+    with pytest.raises(ConfigError, match="unknown key 'd_modle'"):
+        config_for("clip-digits", vision={"d_modle": 5})

@@ -1,6 +1,6 @@
 """The vqa task: its questions and answers against a table written here from Fashion-MNIST's class list, the
-batches' rows and loss mask, the scoring of evaluate() with stand-in models whose answers are known, the option
-checks, and (when Debian's dataset-fashion-mnist is installed) the real data's split."""
+batches' rows and loss mask, the scoring of evaluate() with stand-in models whose answers are known, the
+option checks, and (when Debian's dataset-fashion-mnist is installed) the real data's split."""
 
 import gzip
 import struct
@@ -47,7 +47,8 @@ def fashion_folder(root: Path, n_train: int = 60, n_test: int = 30) -> Path:
 
 
 def label_of(task, pixels: torch.Tensor) -> int:
-    """The class of a normalised image, read from its brightness (fashion_folder's code), not from the task."""
+    """The class of a normalised image, read from its brightness (fashion_folder's code), not from the
+    task."""
     raw = pixels * task.data.std.view(-1) + task.data.mean.view(-1)
     return int(round((float(raw.mean()) * 255 - 29.5) / 19))
 
@@ -59,7 +60,8 @@ def expected_answer(label: int, question: str) -> str:
     if question == "which category is it ?":
         return category
     if question == "describe it .":
-        return DESCRIBE.get(label) or f"it is a {name} worn on the {'feet' if category == 'footwear' else 'body'}"
+        where = "feet" if category == "footwear" else "body"
+        return DESCRIBE.get(label) or f"it is a {name} worn on the {where}"
     asked = {"is it clothing ?": "clothing", "is it footwear ?": "footwear", "is it a bag ?": "bag"}[question]
     return "yes" if asked == category else "no"
 
@@ -75,13 +77,15 @@ def test_questions_and_answers_follow_the_labels():
             for asked in V.CATEGORIES:
                 q, a = V.question_answer(label, qtype, asked)
                 assert a == expected_answer(label, q), (label, qtype, asked)
-    assert V.question_answer(9, "describe")[1] == "it is an ankle boot worn on the feet"  # "an" before a vowel
+    # "an" before a vowel
+    assert V.question_answer(9, "describe")[1] == "it is an ankle boot worn on the feet"
 
 
 def test_yes_and_no_are_equally_likely_for_every_class():
     rng = V.rng_for(0, "train", 0, "test")
     for label in (0, 5, 8):
-        said = Counter(V.question_answer(label, "yesno", V.asked_category(label, rng))[1] for _ in range(4000))
+        said = Counter(V.question_answer(label, "yesno", V.asked_category(label, rng))[1]
+                       for _ in range(4000))
         assert abs(said["yes"] / 4000 - 0.5) < 0.03, (label, said)
 
 
@@ -118,8 +122,8 @@ def test_the_loss_is_the_mean_cross_entropy_over_the_answer_tokens(task):
 
 
 class StandIn(torch.nn.Module):
-    """A 'model' whose answers are known: the oracle reads the class from the image's brightness (independently
-    of the task), "no" answers no to everything."""
+    """A 'model' whose answers are known: the oracle reads the class from the image's brightness
+    (independently of the task), "no" answers no to everything."""
 
     def __init__(self, task, oracle: bool) -> None:
         super().__init__()
@@ -150,7 +154,8 @@ def test_evaluate_scores_exact_answers_per_question_type(task):
 
 def test_a_subset_of_question_types(tmp_path):
     t = build_task("vqa", path=str(fashion_folder(tmp_path)), questions=["yesno"])
-    assert {t.tokenizer.decode(r[17:r.index(SEP)]).split()[0] for r in t.batch(0, 20)["input_ids"].tolist()} == {"is"}
+    rows = t.batch(0, 20)["input_ids"].tolist()
+    assert {t.tokenizer.decode(r[17:r.index(SEP)]).split()[0] for r in rows} == {"is"}
     assert set(t.evaluate(StandIn(t, oracle=True), n=5)) == {"accuracy", "accuracy_yesno", "n"}
 
 

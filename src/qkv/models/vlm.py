@@ -45,8 +45,8 @@ from qkv.nn.stack import Stack
 
 PROJECTORS = ("mlp", "linear")
 FEATURE_SELECT = ("default", "full")  # LLaVA's vision_feature_select_strategy: drop / keep the class token
-# the from-scratch model config_for_task builds (dotted VLMConfig fields): a 3-block tower 64 wide and a 2-block
-# Llama-style decoder 64 wide, small enough to train on one CPU thread in minutes
+# the from-scratch model config_for_task builds (dotted VLMConfig fields): a 3-block tower 64 wide and a
+# 2-block Llama-style decoder 64 wide, small enough to train on one CPU thread in minutes
 SMALL_VLM: dict[str, Any] = {
     "vision.d_model": 64, "vision.n_heads": 4, "vision.d_ff": 128, "vision.n_layers": 3,
     "text.d_model": 64, "text.n_heads": 4, "text.d_ff": 128, "text.n_layers": 2, "text.ffn": "swiglu",
@@ -79,7 +79,8 @@ class VisionConfig(TransformerConfig):
         if self.n_layers < 0:
             raise ConfigError(f"VisionConfig.n_layers must be >= 0, got {self.n_layers}")
         if self.image_size % self.patch_size:
-            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
+            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size "
+                              f"({self.patch_size})")
 
     @property
     def n_positions(self) -> int:
@@ -114,8 +115,8 @@ class VLMConfig:
             if value not in choices:
                 raise ConfigError(f"VLMConfig.{name}: {value!r} is not one of {list(choices)}")
         if ACTIVATIONS[self.projector_act].gated:
-            raise ConfigError(f"VLMConfig.projector_act: {self.projector_act!r} is gated; the projector needs a "
-                              "plain activation")
+            raise ConfigError(f"VLMConfig.projector_act: {self.projector_act!r} is gated; the projector "
+                              "needs a plain activation")
         if self.feature_select == "default" and not self.vision.class_token:
             raise ConfigError("VLMConfig.feature_select='default' drops a class token the vision tower lacks")
         if self.image_token_id < 0:
@@ -124,7 +125,8 @@ class VLMConfig:
     @property
     def vision_blocks(self) -> int:
         """The tower's blocks built and run: those up to the hidden state the projector reads."""
-        return self.feature_layer if self.feature_layer >= 0 else self.vision.n_layers + 1 + self.feature_layer
+        layer = self.feature_layer
+        return layer if layer >= 0 else self.vision.n_layers + 1 + layer
 
     @property
     def image_tokens(self) -> int:
@@ -156,15 +158,15 @@ class VisionTower(nn.Module):
         blocks = [Block(c.d_model, c.n_heads, causal=False, **c.block_kwargs()) for _ in range(n_blocks)]
         none = build_position("none", d_model=c.d_model, n_heads=c.n_heads, max_len=c.n_positions)
         # no final norm: the projector reads a block's output as it is (CLIP's post_layernorm is for pooling)
-        self.encoder = Stack(blocks, none, d_model=c.d_model, final_norm=False, norm=c.norm, norm_eps=c.norm_eps,
-                             bias=c.bias, embed_norm=c.pre_norm)
+        self.encoder = Stack(blocks, none, d_model=c.d_model, final_norm=False, norm=c.norm,
+                             norm_eps=c.norm_eps, bias=c.bias, embed_norm=c.pre_norm)
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         c = self.config
         want = (c.n_channels, c.image_size, c.image_size)
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != want:
-            raise ValueError(f"pixel_values must be (n_images, {', '.join(map(str, want))}) (the vision tower's "
-                             f"image size), got {tuple(pixel_values.shape)}")
+            raise ValueError(f"pixel_values must be (n_images, {', '.join(map(str, want))}) (the vision "
+                             f"tower's image size), got {tuple(pixel_values.shape)}")
         w = self.patch.weight
         x = self.patch(pixel_values.to(w.device, w.dtype)).flatten(2).transpose(1, 2)  # (n, N, d), row-major
         if self.cls_emb is not None:
@@ -197,8 +199,10 @@ class LLaVA(QKVModel):
         super().__init__(config)
         c = config
         self.vision = VisionTower(c.vision, c.vision_blocks)
-        self.projector = Projector(c.vision.d_model, c.text.d_model, c.projector, c.projector_act, c.projector_bias)
-        self.language_model = language_model if language_model is not None else GPT(c.text)  # initialises itself
+        self.projector = Projector(c.vision.d_model, c.text.d_model, c.projector, c.projector_act,
+                                   c.projector_bias)
+        # a new decoder initialises itself
+        self.language_model = language_model if language_model is not None else GPT(c.text)
         for name, p in [*self.vision.named_parameters(), *self.projector.named_parameters()]:
             if name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -214,7 +218,8 @@ class LLaVA(QKVModel):
         Llama-style decoder to its vocabulary and context. YAML `model:` keys override any of these fields."""
         if "image_size" not in needs:
             raise ConfigError("a LLaVA model trains from scratch only on an image+text task (task vqa); a "
-                              "pretrained one is loaded from a Hugging Face llava folder (qkv.from_pretrained)")
+                              "pretrained one is loaded from a Hugging Face llava folder "
+                              "(qkv.from_pretrained)")
         out = {**SMALL_VLM, "image_token_id": needs["image_token_id"]}
         for key in ("image_size", "n_channels", "patch_size"):
             out[f"vision.{key}"] = needs[key]
@@ -245,9 +250,9 @@ class LLaVA(QKVModel):
             raise ValueError(f"the prompt holds {n} image placeholder tokens (id {c.image_token_id}) but "
                              f"{images} image(s) give {have} patch embeddings ({c.image_tokens} per image): "
                              f"put {c.image_tokens} placeholders per image in the prompt (qkv.interop.llava."
-                             "expand_image_tokens)" + ("; a prompt repeated for num_return_sequences > 1 "
-                                                       "repeats its placeholders, not the images (not supported)"
-                                                       if repeated else ""))
+                             "expand_image_tokens)" + (
+                                 "; a prompt repeated for num_return_sequences > 1 repeats its placeholders, "
+                                 "not the images (not supported)" if repeated else ""))
         if features is None:
             return x
         return x.masked_scatter(placeholder.unsqueeze(-1), features.reshape(-1, x.shape[-1]).to(x.dtype))
@@ -256,10 +261,10 @@ class LLaVA(QKVModel):
         ids = input_ids.masked_fill(input_ids == self.config.image_token_id, 0)
         check_token_ids(ids, self.config.text.vocab_size, entry=entry)
 
-    def forward(self, input_ids: Tensor, pixel_values: Tensor | None = None, *, image_features: Tensor | None = None,
-                labels: Tensor | None = None, attention_mask: Tensor | None = None, cache: Any = None,
-                offset: int | Tensor | None = None, return_attentions: bool = False,
-                last_only: bool = False) -> ModelOutput:
+    def forward(self, input_ids: Tensor, pixel_values: Tensor | None = None, *,
+                image_features: Tensor | None = None, labels: Tensor | None = None,
+                attention_mask: Tensor | None = None, cache: Any = None, offset: int | Tensor | None = None,
+                return_attentions: bool = False, last_only: bool = False) -> ModelOutput:
         """GPT.forward with images: input_ids (B, T) hold image_tokens placeholders per image of pixel_values
         (n, C, H, W) (or of precomputed image_features (n, N', d)). labels: (B, T), shifted inside,
         -100 = ignore (set it at the placeholders)."""
@@ -298,7 +303,8 @@ class LLaVA(QKVModel):
         finally:
             self._pending = saved
 
-    def generate(self, input_ids: Tensor, *args: Any, pixel_values: Tensor | None = None, **kwargs: Any) -> Any:
+    def generate(self, input_ids: Tensor, *args: Any, pixel_values: Tensor | None = None,
+                 **kwargs: Any) -> Any:
         """qkv.generate.generate with images: the prompt holds image_tokens placeholders per image."""
         with self.images(pixel_values):
             return super().generate(input_ids, *args, **kwargs)
@@ -314,7 +320,8 @@ class LLaVA(QKVModel):
     def generation_defaults(self) -> dict[str, Any]:
         out = {**self.language_model.generation_defaults(), **self.folder_generation_config}
         c = self.config
-        if c.image_token_id < c.text.vocab_size:  # a placeholder is never generated: images come with the prompt
+        # a placeholder is never generated: images come with the prompt
+        if c.image_token_id < c.text.vocab_size:
             out["bad_words_ids"] = [*(out.get("bad_words_ids") or []), [c.image_token_id]]
         return out
 
@@ -328,13 +335,15 @@ class LLaVA(QKVModel):
         self._check_ids(inputs, entry=True)
         return None
 
-    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None, offset: int | Tensor | None = None,
-                source: Source | None = None, return_attentions: bool = False) -> tuple[Tensor, list | None]:
-        # the images enter with the prompt: a later call over a filled cache (a step run as a full forward, for
-        # its attention weights) holds only new tokens; a recomputation without cache holds the whole prompt
+    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
+                offset: int | Tensor | None = None, source: Source | None = None,
+                return_attentions: bool = False) -> tuple[Tensor, list | None]:
+        # the images enter with the prompt: a later call over a filled cache (a step run as a full forward,
+        # for its attention weights) holds only new tokens; a recomputation without cache holds the whole
+        # prompt
         first = cache is None or cache.length == 0
-        out = self(ids, image_features=self._pending if first else None, attention_mask=keep, cache=cache, offset=offset,
-                   return_attentions=return_attentions, last_only=True)
+        out = self(ids, image_features=self._pending if first else None, attention_mask=keep, cache=cache,
+                   offset=offset, return_attentions=return_attentions, last_only=True)
         return out.logits[:, -1], out.attentions
 
     def step(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,

@@ -1,7 +1,7 @@
 """Visual question answering on Fashion-MNIST: templated questions about each image, answers from its label.
 
-Every Fashion-MNIST image (Debian's dataset-fashion-mnist, or `path=` a folder with the four IDX files, labels in
-Fashion-MNIST's class order) gets questions whose answers follow from its class alone:
+Every Fashion-MNIST image (Debian's dataset-fashion-mnist, or `path=` a folder with the four IDX files, labels
+in Fashion-MNIST's class order) gets questions whose answers follow from its class alone:
 
   what      "what is it ?"            -> the class name ("sneaker", "ankle boot")               chance 1/10
   category  "which category is it ?"  -> clothing | footwear | bag                         majority 6/10
@@ -122,7 +122,7 @@ class VQATask(Task):
         self.max_answer = max(len(a.split()) for _, a in texts) + 1  # + <eos>
         self.context_length = 2 + self.image_tokens + max(len(q.split()) for q, _ in texts) + self.max_answer
 
-    # -- rows --------------------------------------------------------------------------------------------------
+    # -- rows ------------------------------------------------------------------------------------------------
     def prompt_ids(self, question: str) -> list[int]:
         return [BOS, *[self.image_token_id] * self.image_tokens, *self.tokenizer.encode(question), SEP]
 
@@ -161,8 +161,8 @@ class VQATask(Task):
         got = model.config.image_tokens
         if got != self.image_tokens:
             raise ConfigError(f"the model gives {got} image tokens per image, the task's prompts hold "
-                              f"{self.image_tokens} (task.patch_size={self.options.patch_size}): set the patch "
-                              "size with task.patch_size, and keep model.feature_select=default")
+                              f"{self.image_tokens} (task.patch_size={self.options.patch_size}): set the "
+                              "patch size with task.patch_size, and keep model.feature_select=default")
         return model
 
     # -- evaluation ------------------------------------------------------------------------------------------
@@ -193,8 +193,8 @@ class VQATask(Task):
                 part = ks[s:s + batch_size]
                 ids = torch.tensor([prompts[k] for k in part], device=dev)
                 pixels = self.data.normalize(self.data.images[[images[k] for k in part]]).to(dev)
-                seqs = model.generate(ids, pixel_values=pixels, max_new_tokens=self.max_answer, do_sample=False,
-                                      eos_token_id=EOS, pad_token_id=PAD)
+                seqs = model.generate(ids, pixel_values=pixels, max_new_tokens=self.max_answer,
+                                      do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
                 for k, row in zip(part, seqs[:, ids.shape[1]:].tolist()):
                     out[k] = row[:row.index(EOS)] if EOS in row else [*row, -1]
         return out
@@ -226,7 +226,8 @@ class VQATask(Task):
         for (i, _, question, answer), ids in zip(examples, got):
             said = self.tokenizer.decode([t for t in ids if t >= 0])
             verdict = "  (ok)" if ids == self.tokenizer.encode(answer) else f"  (expected: {answer})"
-            out.append(f"test image {i} ({CLASS_WORDS[int(self.data.labels[i])]}): {question} -> {said}{verdict}")
+            name = CLASS_WORDS[int(self.data.labels[i])]
+            out.append(f"test image {i} ({name}): {question} -> {said}{verdict}")
         return out
 
 
