@@ -121,6 +121,10 @@ def test_qkv_train_then_qkv_eval_end_to_end(data, tmp_path):
     assert r.returncode == 0, r.stderr
     for q in ("what", "category", "yesno", "describe"):
         assert f"accuracy_{q}" in r.stdout, r.stdout
+    ask = ["generate", str(out), "--prompt", "what is it ?"]
+    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", *ask], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and "qkv: error: a vqa run answers questions about an image" in r.stderr
 
 
 @pytest.mark.parametrize("override, message", [

@@ -213,6 +213,11 @@ class VQATask(Task):
         return {"accuracy": sum(every) / max(1, len(every)),
                 **{f"accuracy_{q}": sum(h) / len(h) for q, h in hits.items()}, "n": float(len(every))}
 
+    def generate_text(self, model: torch.nn.Module, prompt: str, *args: Any, **kwargs: Any) -> str:
+        raise ConfigError("a vqa run answers questions about an image, and `qkv generate` takes text only: "
+                          "`qkv eval RUN` asks every question about the test images (`eval.samples` in the "
+                          "run config prints answers)")
+
     def samples(self, model: torch.nn.Module, n: int = 5) -> list[str]:
         """One question per held-out image (the types in turn), its greedy answer and the expected one."""
         k = len(self.options.questions)
