@@ -207,11 +207,23 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def replace(cfg: T, **overrides: Any) -> T:
-    """A copy of `cfg` with overrides, checked like from_dict (nested keys as dotted names)."""
+    """A copy of `cfg` with overrides, checked like from_dict (nested keys as dotted names). A mapping given
+    for a nested config sets the keys it names and keeps the others, as the dotted names do:
+    `model.vision.d_model=32` on the command line arrives as {"vision": {"d_model": 32}} and must not reset
+    the rest of the tower."""
     data = to_dict(cfg)
-    for key, value in overrides.items():
+    for key, value in _dotted_items(cfg, overrides):
         _set_dotted(data, key, value, type(cfg).__name__)
     return from_dict(type(cfg), data)
+
+
+def _dotted_items(cfg: Any, overrides: dict[str, Any], prefix: str = "") -> Any:
+    for key, value in overrides.items():
+        sub = functools.reduce(lambda node, name: getattr(node, name, None), key.split("."), cfg)
+        if isinstance(value, dict) and dataclasses.is_dataclass(sub):
+            yield from _dotted_items(sub, value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any, where: str) -> None:

@@ -13,9 +13,13 @@ and every decoding step after that is the decoder's own. For generation, `with m
 The vision tower is CLIP's ViT: patches + class token + learned positions, a LayerNorm on the embeddings
 (CLIP's `pre_layrnorm`), Pre-LN blocks with quick-GELU. Only the layers up to the chosen hidden state are
 built and run (LLaVA reads the second-to-last layer; the last one and the final norm would be computed for
-nothing), so `VisionConfig.n_layers` counts the layers the tower runs. It is built from the shared Block/Stack
-rather than qkv's ViT class because CLIP's tower differs from that ViT in three places: a norm on the
-embeddings, no final norm on the hidden state the projector reads, and a patch convolution without bias.
+nothing): `VLMConfig.feature_layer` picks it (a Hugging Face folder loads as a tower cut there, read at -1).
+It is built from the shared Block/Stack rather than qkv's ViT class because CLIP's tower differs from that ViT
+in three places: a norm on the embeddings, no final norm on the hidden state the projector reads, and a patch
+convolution without bias.
+
+Trained from scratch (`qkv train configs/vlm_fashion.yaml`, task vqa): `config_for_task` sizes a small tower
+and a Llama-style decoder (RMSNorm, SwiGLU, RoPE, no biases) to the task's images and vocabulary.
 """
 
 from __future__ import annotations
@@ -41,6 +45,13 @@ from qkv.nn.stack import Stack
 
 PROJECTORS = ("mlp", "linear")
 FEATURE_SELECT = ("default", "full")  # LLaVA's vision_feature_select_strategy: drop / keep the class token
+# the from-scratch model config_for_task builds (dotted VLMConfig fields): a 3-block tower 64 wide and a
+# 2-block Llama-style decoder 64 wide, small enough to train on one CPU thread in minutes
+SMALL_VLM: dict[str, Any] = {
+    "vision.d_model": 64, "vision.n_heads": 4, "vision.d_ff": 128, "vision.n_layers": 3,
+    "text.d_model": 64, "text.n_heads": 4, "text.d_ff": 128, "text.n_layers": 2, "text.ffn": "swiglu",
+    "text.norm": "rmsnorm", "text.position": "rope", "text.bias": False,
+}
 
 
 @dataclass
@@ -50,7 +61,7 @@ class VisionConfig(TransformerConfig):
     image_size: int = 336
     patch_size: int = 14
     n_channels: int = 3
-    n_layers: int = 23  # blocks built and run: up to the hidden state the projector reads
+    n_layers: int = 23  # the tower's blocks (VLMConfig.feature_layer says whose output the projector reads)
     class_token: bool = True
     pre_norm: bool = True  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
     patch_bias: bool = False  # CLIP's patch convolution has no bias
@@ -68,7 +79,8 @@ class VisionConfig(TransformerConfig):
         if self.n_layers < 0:
             raise ConfigError(f"VisionConfig.n_layers must be >= 0, got {self.n_layers}")
         if self.image_size % self.patch_size:
-            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
+            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size "
+                              f"({self.patch_size})")
 
     @property
     def n_positions(self) -> int:
@@ -84,22 +96,37 @@ class VLMConfig:
     projector: str = "mlp"  # mlp: Linear-act-Linear; linear: one Linear
     projector_act: str = "gelu"  # an nn.ffn activation
     projector_bias: bool = True
+    # LLaVA's vision_feature_layer: which of the tower's n_layers + 1 hidden states (0 = the embeddings) the
+    # projector reads; negative counts from the end (-1: the last block's output, -2: LLaVA 1.5's). The
+    # blocks after it would be computed for nothing, so they are not built.
+    feature_layer: int = -1
+    freeze_vision: bool = False  # the tower's weights are not trained (LLaVA's stage-1 / frozen-CLIP setting)
 
     def validate(self) -> None:
         self.vision.validate()
         self.text.validate()
+        n = self.vision.n_layers
+        if not -(n + 1) <= self.feature_layer <= n:
+            raise ConfigError(f"VLMConfig.feature_layer {self.feature_layer} is not a hidden state of a "
+                              f"{n}-layer vision tower (0..{n}, or -1..-{n + 1} from the end)")
         for name, value, choices in [("feature_select", self.feature_select, FEATURE_SELECT),
                                      ("projector", self.projector, PROJECTORS),
                                      ("projector_act", self.projector_act, tuple(ACTIVATIONS))]:
             if value not in choices:
                 raise ConfigError(f"VLMConfig.{name}: {value!r} is not one of {list(choices)}")
         if ACTIVATIONS[self.projector_act].gated:
-            raise ConfigError(f"VLMConfig.projector_act: {self.projector_act!r} is gated; the projector needs a "
-                              "plain activation")
+            raise ConfigError(f"VLMConfig.projector_act: {self.projector_act!r} is gated; the projector "
+                              "needs a plain activation")
         if self.feature_select == "default" and not self.vision.class_token:
             raise ConfigError("VLMConfig.feature_select='default' drops a class token the vision tower lacks")
         if self.image_token_id < 0:
             raise ConfigError(f"VLMConfig.image_token_id must be >= 0, got {self.image_token_id}")
+
+    @property
+    def vision_blocks(self) -> int:
+        """The tower's blocks built and run: those up to the hidden state the projector reads."""
+        layer = self.feature_layer
+        return layer if layer >= 0 else self.vision.n_layers + 1 + layer
 
     @property
     def image_tokens(self) -> int:
@@ -120,24 +147,26 @@ class VLMConfig:
 class VisionTower(nn.Module):
     """(n, C, H, W) pixels -> (n, N + class token, d_v): the hidden state after the last built block."""
 
-    def __init__(self, c: VisionConfig) -> None:
+    def __init__(self, c: VisionConfig, n_blocks: int | None = None) -> None:
+        """n_blocks: the blocks built (default: all of c.n_layers)."""
         super().__init__()
         self.config = c
+        n_blocks = c.n_layers if n_blocks is None else n_blocks
         self.patch = nn.Conv2d(c.n_channels, c.d_model, c.patch_size, stride=c.patch_size, bias=c.patch_bias)
         self.cls_emb = nn.Parameter(torch.zeros(1, 1, c.d_model)) if c.class_token else None
         self.pos_emb = nn.Parameter(torch.zeros(1, c.n_positions, c.d_model))
-        blocks = [Block(c.d_model, c.n_heads, causal=False, **c.block_kwargs()) for _ in range(c.n_layers)]
+        blocks = [Block(c.d_model, c.n_heads, causal=False, **c.block_kwargs()) for _ in range(n_blocks)]
         none = build_position("none", d_model=c.d_model, n_heads=c.n_heads, max_len=c.n_positions)
         # no final norm: the projector reads a block's output as it is (CLIP's post_layernorm is for pooling)
-        self.encoder = Stack(blocks, none, d_model=c.d_model, final_norm=False, norm=c.norm, norm_eps=c.norm_eps,
-                             bias=c.bias, embed_norm=c.pre_norm)
+        self.encoder = Stack(blocks, none, d_model=c.d_model, final_norm=False, norm=c.norm,
+                             norm_eps=c.norm_eps, bias=c.bias, embed_norm=c.pre_norm)
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         c = self.config
         want = (c.n_channels, c.image_size, c.image_size)
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != want:
-            raise ValueError(f"pixel_values must be (n_images, {', '.join(map(str, want))}) (the vision tower's "
-                             f"image size), got {tuple(pixel_values.shape)}")
+            raise ValueError(f"pixel_values must be (n_images, {', '.join(map(str, want))}) (the vision "
+                             f"tower's image size), got {tuple(pixel_values.shape)}")
         w = self.patch.weight
         x = self.patch(pixel_values.to(w.device, w.dtype)).flatten(2).transpose(1, 2)  # (n, N, d), row-major
         if self.cls_emb is not None:
@@ -169,20 +198,34 @@ class LLaVA(QKVModel):
         """language_model: a decoder already built (and loaded) for config.text; by default a new one."""
         super().__init__(config)
         c = config
-        self.vision = VisionTower(c.vision)
-        self.projector = Projector(c.vision.d_model, c.text.d_model, c.projector, c.projector_act, c.projector_bias)
-        self.language_model = language_model if language_model is not None else GPT(c.text)  # initialises itself
+        self.vision = VisionTower(c.vision, c.vision_blocks)
+        self.projector = Projector(c.vision.d_model, c.text.d_model, c.projector, c.projector_act,
+                                   c.projector_bias)
+        # a new decoder initialises itself
+        self.language_model = language_model if language_model is not None else GPT(c.text)
         for name, p in [*self.vision.named_parameters(), *self.projector.named_parameters()]:
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif not name.startswith("encoder.") or p.dim() > 1:  # the norms' weights stay ones
                 nn.init.normal_(p, std=c.vision.init_std)
+        self.vision.requires_grad_(not c.freeze_vision)
         self._pending: Tensor | None = None  # image features waiting for the prefill (images())
 
     @classmethod
     def config_for_task(cls, kind: str, needs: dict[str, Any]) -> dict[str, Any]:
-        raise ConfigError("a LLaVA model is loaded from a Hugging Face llava folder (qkv.from_pretrained); "
-                          "qkv's tasks do not train one from scratch")
+        """A small from-scratch VLM for an image+text task (qkv.tasks.vqa): the tower sized to its images
+        (patch_size from the task, so the prompt's placeholder count is known before the model is built) and a
+        Llama-style decoder to its vocabulary and context. YAML `model:` keys override any of these fields."""
+        if "image_size" not in needs:
+            raise ConfigError("a LLaVA model trains from scratch only on an image+text task (task vqa); a "
+                              "pretrained one is loaded from a Hugging Face llava folder "
+                              "(qkv.from_pretrained)")
+        out = {**SMALL_VLM, "image_token_id": needs["image_token_id"]}
+        for key in ("image_size", "n_channels", "patch_size"):
+            out[f"vision.{key}"] = needs[key]
+        for key in ("vocab_size", "context_length"):
+            out[f"text.{key}"] = needs[key]
+        return out
 
     # -- images -> features -> embeddings -----------------------------------------------------------------
     def image_features(self, pixel_values: Tensor) -> Tensor:
@@ -207,9 +250,9 @@ class LLaVA(QKVModel):
             raise ValueError(f"the prompt holds {n} image placeholder tokens (id {c.image_token_id}) but "
                              f"{images} image(s) give {have} patch embeddings ({c.image_tokens} per image): "
                              f"put {c.image_tokens} placeholders per image in the prompt (qkv.interop.llava."
-                             "expand_image_tokens)" + ("; a prompt repeated for num_return_sequences > 1 "
-                                                       "repeats its placeholders, not the images (not supported)"
-                                                       if repeated else ""))
+                             "expand_image_tokens)" + (
+                                 "; a prompt repeated for num_return_sequences > 1 repeats its placeholders, "
+                                 "not the images (not supported)" if repeated else ""))
         if features is None:
             return x
         return x.masked_scatter(placeholder.unsqueeze(-1), features.reshape(-1, x.shape[-1]).to(x.dtype))
@@ -218,10 +261,10 @@ class LLaVA(QKVModel):
         ids = input_ids.masked_fill(input_ids == self.config.image_token_id, 0)
         check_token_ids(ids, self.config.text.vocab_size, entry=entry)
 
-    def forward(self, input_ids: Tensor, pixel_values: Tensor | None = None, *, image_features: Tensor | None = None,
-                labels: Tensor | None = None, attention_mask: Tensor | None = None, cache: Any = None,
-                offset: int | Tensor | None = None, return_attentions: bool = False,
-                last_only: bool = False) -> ModelOutput:
+    def forward(self, input_ids: Tensor, pixel_values: Tensor | None = None, *,
+                image_features: Tensor | None = None, labels: Tensor | None = None,
+                attention_mask: Tensor | None = None, cache: Any = None, offset: int | Tensor | None = None,
+                return_attentions: bool = False, last_only: bool = False) -> ModelOutput:
         """GPT.forward with images: input_ids (B, T) hold image_tokens placeholders per image of pixel_values
         (n, C, H, W) (or of precomputed image_features (n, N', d)). labels: (B, T), shifted inside,
         -100 = ignore (set it at the placeholders)."""
@@ -260,7 +303,8 @@ class LLaVA(QKVModel):
         finally:
             self._pending = saved
 
-    def generate(self, input_ids: Tensor, *args: Any, pixel_values: Tensor | None = None, **kwargs: Any) -> Any:
+    def generate(self, input_ids: Tensor, *args: Any, pixel_values: Tensor | None = None,
+                 **kwargs: Any) -> Any:
         """qkv.generate.generate with images: the prompt holds image_tokens placeholders per image."""
         with self.images(pixel_values):
             return super().generate(input_ids, *args, **kwargs)
@@ -276,7 +320,8 @@ class LLaVA(QKVModel):
     def generation_defaults(self) -> dict[str, Any]:
         out = {**self.language_model.generation_defaults(), **self.folder_generation_config}
         c = self.config
-        if c.image_token_id < c.text.vocab_size:  # a placeholder is never generated: images come with the prompt
+        # a placeholder is never generated: images come with the prompt
+        if c.image_token_id < c.text.vocab_size:
             out["bad_words_ids"] = [*(out.get("bad_words_ids") or []), [c.image_token_id]]
         return out
 
@@ -290,13 +335,15 @@ class LLaVA(QKVModel):
         self._check_ids(inputs, entry=True)
         return None
 
-    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None, offset: int | Tensor | None = None,
-                source: Source | None = None, return_attentions: bool = False) -> tuple[Tensor, list | None]:
-        # the images enter with the prompt: a later call over a filled cache (a step run as a full forward, for
-        # its attention weights) holds only new tokens; a recomputation without cache holds the whole prompt
+    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
+                offset: int | Tensor | None = None, source: Source | None = None,
+                return_attentions: bool = False) -> tuple[Tensor, list | None]:
+        # the images enter with the prompt: a later call over a filled cache (a step run as a full forward,
+        # for its attention weights) holds only new tokens; a recomputation without cache holds the whole
+        # prompt
         first = cache is None or cache.length == 0
-        out = self(ids, image_features=self._pending if first else None, attention_mask=keep, cache=cache, offset=offset,
-                   return_attentions=return_attentions, last_only=True)
+        out = self(ids, image_features=self._pending if first else None, attention_mask=keep, cache=cache,
+                   offset=offset, return_attentions=return_attentions, last_only=True)
         return out.logits[:, -1], out.attentions
 
     def step(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
