@@ -37,15 +37,15 @@ def make_vit(folder, names=("a", "b"), size=16):
 
 
 def make_resnet(folder, names=("a", "b"), size=16):
-    cfg = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
-                                    **_labels(names))
+    cfg = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                    layer_type="basic", **_labels(names))
     transformers.ResNetForImageClassification(cfg).save_pretrained(folder)
     transformers.ConvNextImageProcessor(size={"shortest_edge": size}).save_pretrained(folder)
 
 
 def make_swin(folder, names=("a", "b"), size=16):
-    cfg = transformers.SwinConfig(image_size=size, patch_size=2, embed_dim=32, depths=[1, 1], num_heads=[2, 4],
-                                  window_size=4, **_labels(names))
+    cfg = transformers.SwinConfig(image_size=size, patch_size=2, embed_dim=32, depths=[1, 1],
+                                  num_heads=[2, 4], window_size=4, **_labels(names))
     transformers.SwinForImageClassification(cfg).save_pretrained(folder)
     transformers.ViTImageProcessor(size={"height": size, "width": size}).save_pretrained(folder)
 
@@ -104,8 +104,8 @@ def test_finetune_learns_and_saves_a_folder_transformers_loads(tmp_path, images,
 
 
 def _recipe(model, data, out, *flags):
-    from qkv.finetune import resolve_flags, train_flags
     from qkv.finetune import add_arguments as finetune_arguments
+    from qkv.finetune import resolve_flags, train_flags
 
     p = argparse.ArgumentParser()
     finetune_arguments(p)

@@ -1,5 +1,6 @@
-"""`qkv finetune MODEL --task image-classify --data FOLDER`: fine-tune a pretrained image classifier (a Hugging
-Face ViT, ResNet or Swin folder, or a qkv image run) on a folder with one sub-folder of images per class.
+"""`qkv finetune MODEL --task image-classify --data FOLDER`: fine-tune a pretrained image classifier (a
+Hugging Face ViT, ResNet or Swin folder, or a qkv image run) on a folder with one sub-folder of images per
+class.
 
     qkv finetune vit-folder --task image-classify --data photos/ --out clf [--epochs 3] [--lr 1e-4]
         [--batch-size 32] [--freeze-backbone] [--dev-fraction 0.1] [--split-seed 0] [train.key=value ...]
@@ -128,7 +129,8 @@ def load_images(s: Any, src: ImageSource) -> Any:
 def keep_head_order(task: Any, src: ImageSource) -> bool:
     """When the folder's classes are the model's labels (as a set), renumber the images by the model's ids
     and say so: the head is kept. Otherwise the task keeps its sorted class order for a new head."""
-    if not src.has_head or sorted(task.classes) != sorted(src.labels) or len(set(src.labels)) != len(src.labels):
+    same = sorted(task.classes) == sorted(src.labels) and len(set(src.labels)) == len(src.labels)
+    if not (src.has_head and same):
         return False
     to_model = torch.tensor([src.labels.index(c) for c in task.classes])
     task.labels = to_model[task.labels]
@@ -256,7 +258,8 @@ class ImageClassifyRecipe:
         cfg = train_config(self.s, len(self.task.train_idx))
         mark_out(self.s.out, self.name)  # the data are read and checked: the run starts
         self.per_epoch = cfg.eval_every
-        self.summary = Trainer(self.model, cfg, self.task, eval_fn=self.evaluate, callbacks=[EpochLog()]).fit()
+        trainer = Trainer(self.model, cfg, self.task, eval_fn=self.evaluate, callbacks=[EpochLog()])
+        self.summary = trainer.fit()
         return self.summary
 
     def save(self) -> dict[str, Any]:
@@ -273,8 +276,8 @@ class ImageClassifyRecipe:
                        "frozen_backbone": self.s.freeze_backbone,
                        "train_images": len(self.task.train_idx), "dev_images": len(self.task.val_idx),
                        "steps": self.summary["steps"], "best": self.summary.get("best_eval"),
-                       "epochs": [{"epoch": round(step / self.per_epoch, 2), "step": step, "dev_accuracy": acc}
-                                  for step, acc in self.epochs],
+                       "epochs": [{"epoch": round(step / self.per_epoch, 2), "step": step,
+                                   "dev_accuracy": acc} for step, acc in self.epochs],
                        "dev": self.evaluate(self.model), "out": str(self.s.out)}
         atomic_write_json(self.result, self.s.out / FINETUNE_FILE)
         return self.result

@@ -36,7 +36,8 @@ def family_of(model: Any) -> str:
 
 def _transformer_checks(c: Any, what: str) -> None:
     """What the ViT and Swin of transformers fix and a qkv config may vary."""
-    require(c.placement == "pre", f"transformers' {what} is Pre-LN; this model's placement is {c.placement!r}")
+    require(c.placement == "pre", f"transformers' {what} is Pre-LN; this model's placement is "
+                                  f"{c.placement!r}")
     require(c.norm == "layernorm", f"transformers' {what} uses LayerNorm, this model {c.norm!r}")
     require(c.bias and c.qkv_bias in (None, True), f"transformers' {what} has biases on every linear")
     require(not c.qk_norm, f"transformers' {what} has no qk_norm")
