@@ -209,3 +209,35 @@ def test_lr_and_batch_size_stay_refused_by_other_recipes(tmp_path, capsys):
                str(tmp_path / "o"), "--lr", "1e-3"])
     assert rc == 2 and "--lr is not supported by --task classify (it is a --task seq2seq flag)" in \
         capsys.readouterr().err
+
+
+def _qkv_run(out, data, *model_flags):
+    """A qkv image run (a grey 8x8 ViT trained briefly on `data`)."""
+    assert main(["train", "--task", "image_folder", "--model", "vit-digits", "--out", str(out), "--max-steps",
+                 "2", f"task.path={data}", "task.image_size=8", "task.channels=1", "train.batch_size=8",
+                 "train.progress=false", "train.plot=false", *model_flags]) == 0
+
+
+def test_a_qkv_image_run_is_fine_tuned_into_a_transformers_folder(tmp_path, images, capsys):
+    _qkv_run(tmp_path / "run", images, "model.pooling=cls")
+    out = tmp_path / "out"
+    assert finetune(tmp_path / "run", images, out, "--epochs", "1") == 0
+    result = json.loads((out / "finetune.json").read_text())
+    assert result["head"] == "kept" and result["labels"] == list(CLASSES)  # the run's classes
+    hf = transformers.AutoModelForImageClassification.from_pretrained(out).eval()
+    assert hf.config.num_channels == 1 and hf.config.id2label == dict(enumerate(CLASSES))
+    x = torch.randn(3, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(qkv.from_pretrained(out)(x).logits, hf(pixel_values=x).logits, rtol=1e-4,
+                                   atol=1e-5)
+    pre = json.loads((out / "preprocessor_config.json").read_text())
+    assert len(pre["image_mean"]) == 1 and pre["size"] == {"height": 8, "width": 8}
+
+
+def test_a_qkv_model_transformers_cannot_hold_is_refused_before_training(tmp_path, images, capsys):
+    _qkv_run(tmp_path / "run", images)  # vit-digits pools by the mean: no transformers ViT does
+    capsys.readouterr()
+    assert finetune(tmp_path / "run", images, tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qkv: error: ") and "pooling='mean'" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

@@ -267,12 +267,18 @@ def epochs_to_steps(epochs: float, per_epoch: int) -> int:
 
 
 def model_kind(folder: str | Path) -> str:
-    """The kind of the model in `folder`, read from its config.json alone (no weights are loaded)."""
+    """The kind of the model in `folder` (or in a qkv run folder's newest checkpoint), read from its
+    config.json alone (no weights are loaded)."""
     from qkv.interop import KINDS
     from qkv.models.registry import family
+    from qkv.run import run_folder_of
     from qkv.storage import CheckpointError, read_config
+    from qkv.train import latest_checkpoint
 
-    meta = read_config(Path(folder))
+    folder = Path(folder)
+    if run_folder_of(folder) == folder.resolve() and not (folder / "config.json").is_file():
+        folder = latest_checkpoint(folder / "checkpoints") or folder
+    meta = read_config(folder)
     if "qkv_family" in meta:
         return family(meta["qkv_family"]).model_class.kinds[0]
     kind = KINDS.get(meta.get("model_type"))
