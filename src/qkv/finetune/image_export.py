@@ -41,6 +41,8 @@ def _transformer_checks(c: Any, what: str) -> None:
     require(c.norm == "layernorm", f"transformers' {what} uses LayerNorm, this model {c.norm!r}")
     require(c.bias and c.qkv_bias in (None, True), f"transformers' {what} has biases on every linear")
     require(not c.qk_norm, f"transformers' {what} has no qk_norm")
+    require(c.n_kv_heads in (None, c.n_heads) and c.head_dim in (None, c.d_model // c.n_heads),
+            f"transformers' {what} has as many key/value heads as query heads, each d_model / n_heads wide")
     require(c.ffn in _HF_ACTS, f"transformers' {what} has no {c.ffn!r} MLP")
 
 
