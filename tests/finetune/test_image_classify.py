@@ -241,3 +241,39 @@ def test_a_qkv_model_transformers_cannot_hold_is_refused_before_training(tmp_pat
     err = capsys.readouterr().err.strip()
     assert err.startswith("qkv: error: ") and "pooling='mean'" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["vit", "swin"])
+def test_a_base_model_gets_a_classifier(tmp_path, images, family):
+    """A ViTModel (with its tanh pooler) or SwinModel folder: a new head, written as *ForImageClassification
+    (transformers' ViT classifier has no pooler: it is left out)."""
+    torch.manual_seed(0)
+    MAKERS[family](tmp_path / "clf")
+    cls = transformers.ViTModel if family == "vit" else transformers.SwinModel
+    cls.from_pretrained(tmp_path / "clf").save_pretrained(tmp_path / "base")
+    (tmp_path / "base" / "preprocessor_config.json").write_text((tmp_path / "clf" /
+                                                                 "preprocessor_config.json").read_text())
+    out = tmp_path / "out"
+    assert finetune(tmp_path / "base", images, out, "--epochs", "1") == 0
+    hf = transformers.AutoModelForImageClassification.from_pretrained(out).eval()
+    assert type(hf).__name__.endswith("ForImageClassification") and hf.config.num_labels == 3
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(qkv.from_pretrained(out)(x).logits, hf(pixel_values=x).logits, rtol=1e-4,
+                                   atol=1e-5)
+
+
+def test_resume_continues_and_reports_every_epoch(tmp_path, images, capsys):
+    torch.manual_seed(0)
+    make_vit(tmp_path / "model")
+    out = tmp_path / "out"
+    flags = ["--batch-size", "16"]  # 30 training images: 2 steps an epoch
+    assert main(["finetune", str(tmp_path / "model"), "--task", "image-classify", "--data", str(images),
+                 "--out", str(out), "--no-progress", "--epochs", "1", *flags]) == 0
+    capsys.readouterr()
+    assert main(["finetune", str(tmp_path / "model"), "--task", "image-classify", "--data", str(images),
+                 "--out", str(out), "--no-progress", "--epochs", "2", "--resume", *flags]) == 0
+    report = capsys.readouterr().out
+    assert "epoch 1: dev accuracy" in report and "epoch 2: dev accuracy" in report, report
+    result = json.loads((out / "finetune.json").read_text())
+    assert result["steps"] == 4 and [e["step"] for e in result["epochs"]] == [2, 4]

@@ -185,6 +185,17 @@ def train_config(s: Any, n_train: int) -> Any:
     return from_dict(TrainConfig, apply_overrides({"train": base}, raw, "fine-tuning settings")["train"])
 
 
+def earlier_epochs(out: Path) -> list[tuple[int, float]]:
+    """(step, dev accuracy) of the epochs OUT/finetune.json records (none for a run that never finished)."""
+    import json
+
+    try:
+        rows = json.loads((out / FINETUNE_FILE).read_text(encoding="utf-8")).get("epochs") or []
+        return [(int(r["step"]), float(r["dev_accuracy"])) for r in rows]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return []
+
+
 @dataclass
 class ImageSettings:
     """What the recipe reads of the command line, in one place."""
@@ -256,6 +267,8 @@ class ImageClassifyRecipe:
         if self.s.freeze_backbone:
             freeze_backbone(self.model)
         cfg = train_config(self.s, len(self.task.train_idx))
+        if self.s.resume:  # the epochs before the resumed checkpoint, as the earlier run recorded them
+            self.epochs = earlier_epochs(self.s.out)
         mark_out(self.s.out, self.name)  # the data are read and checked: the run starts
         self.per_epoch = cfg.eval_every
         trainer = Trainer(self.model, cfg, self.task, eval_fn=self.evaluate, callbacks=[EpochLog()])

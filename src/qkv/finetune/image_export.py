@@ -73,7 +73,9 @@ def hf_config(model: Any, base: dict[str, Any] | None, id2label: dict[int, str])
     architecture and labels of this one."""
     family = family_of(model)
     if base is not None:
-        config = {k: v for k, v in base.items() if k not in ("num_labels", "_name_or_path")}
+        # the weights written are float32 (the recipe trains in float32), whatever the source's dtype was
+        config = {k: v for k, v in base.items()
+                  if k not in ("num_labels", "_name_or_path", "dtype", "torch_dtype")}
     elif family == "resnet":
         from qkv.interop.resnet import resnet_config_to_hf
 
