@@ -172,6 +172,7 @@ def test_freeze_backbone_trains_the_head_alone(tmp_path, images):
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "data folder not found"),
+    ("a file", "is a file; --task image-classify reads a folder with one sub-folder of images per class"),
     ("one class", "needs at least two class sub-folders"),
     ("not an image", "not a readable image"),
     ("one image", "each class needs at least two"),
@@ -181,7 +182,10 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys, case, message):
     make_vit(tmp_path / "model")
     data = tmp_path / "data"
     flags = []
-    if case == "one class":
+    if case == "a file":
+        make_images(tmp_path / "images", per_class=2)
+        data = tmp_path / "images" / "red" / "0.png"
+    elif case == "one class":
         make_images(data, classes=("red",))
     elif case == "not an image":
         make_images(data, per_class=3)

@@ -378,8 +378,12 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     named = recipes().get(args.task or "")
     what = "folder" if named is not None and named.data_folder else "file"
     for name, path in (("data", args.data), ("dev", args.dev)):
-        if path is not None and not (Path(path).is_dir() if what == "folder" else Path(path).is_file()):
-            raise ConfigError(f"{name} {what} not found: {path}")
+        if path is None or (Path(path).is_dir() if what == "folder" else Path(path).is_file()):
+            continue
+        if what == "folder" and Path(path).exists():
+            raise ConfigError(f"--{name} {path} is a file; --task {args.task} reads a folder with one "
+                              "sub-folder of images per class")
+        raise ConfigError(f"{name} {what} not found: {path}")
     recipe = choose(args.task, model_kind(args.model))
     from qkv.train.distributed import world_size
 
