@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `qkv finetune` command line: the common flags, then one group per recipe."""
     p.add_argument("model", help="a model folder (Hugging Face format or a qkv checkpoint/run folder)")
     p.add_argument("overrides", nargs="*", help="Trainer settings as train.key=value (e.g. train.lr=2e-5)")
-    p.add_argument("--data", required=True, help="training data file (its format depends on --task)")
+    p.add_argument("--data", required=True,
+                   help="training data file (its format depends on --task; a folder for image-classify)")
     p.add_argument("--dev", default=None, help="held-out data file, evaluated during and after training")
     p.add_argument("--out", required=True, help="output folder (a model folder qkv and transformers load)")
     p.add_argument("--task", default=None, help="recipe: " + ", ".join(sorted(recipes())) +

@@ -45,8 +45,8 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
          help="share of each class held out as the dev set (default 0.1)")
     flag(g, "--split-seed", type=int, default=0, help="seed of the fixed train/dev split (default 0)")
     flag(g, "--no-augment", action="store_true",
-         help="no random crops and flips of the training images (keep them for data whose mirror image is "
-              "another class)")
+         help="no random shifts and flips of the training images (for digits, text: their mirror images "
+              "are other classes)")
 
 
 @dataclass
@@ -319,5 +319,6 @@ class ImageClassifyRecipe:
 
 
 register_recipe(Recipe("image-classify", ("image",), "image classifiers (ViT, ResNet, Swin) on a folder with "
-                       "one sub-folder of images per class", ImageClassifyRecipe.run, add_arguments,
+                       f"one sub-folder of images per class; reads --lr (default {DEFAULT_LR:g}) and "
+                       f"--batch-size (default {DEFAULT_BATCH}) too", ImageClassifyRecipe.run, add_arguments,
                        data_folder=True, reads=(("lr", DEFAULT_LR), ("batch_size", DEFAULT_BATCH))))
