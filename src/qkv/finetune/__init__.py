@@ -10,6 +10,7 @@ adds to the command line, so the CLI never changes when a recipe is added:
     classify  encoder models: text or text-pair classification
     tag       encoder models: token classification (CoNLL BIO tags)
     seq2seq   encoder-decoder models: source/target pairs
+    image-classify  image classifiers (ViT, ResNet, Swin): a folder with one sub-folder of images per class
 
 Every recipe trains with qkv.train.Trainer (schedules, clipping, bf16, checkpoints, exact resume, DDP/FSDP
 under torchrun) and writes OUT as a model folder that qkv and Hugging Face `transformers` load.
@@ -24,7 +25,7 @@ import math
 import os
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,10 @@ class Recipe:
     run: Callable[[argparse.Namespace], dict[str, Any]]
     add_arguments: Callable[[argparse._ArgumentGroup], None] | None = None  # its own flags, in its own group
     distributed: bool = False  # runs under torchrun (DDP/FSDP): rank 0 alone evaluates, exports and reports
+    data_folder: bool = False  # --data / --dev name folders, not files
+    # flags another recipe's group defines that this one reads too, with this recipe's defaults: argparse
+    # takes one definition of a flag, and its owner stays the recipe named when a third one is refused
+    reads: tuple[tuple[str, Any], ...] = ()
 
 
 _RECIPES: dict[str, Recipe] = {}
@@ -68,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `qkv finetune` command line: the common flags, then one group per recipe."""
     p.add_argument("model", help="a model folder (Hugging Face format or a qkv checkpoint/run folder)")
     p.add_argument("overrides", nargs="*", help="Trainer settings as train.key=value (e.g. train.lr=2e-5)")
-    p.add_argument("--data", required=True, help="training data file (its format depends on --task)")
+    p.add_argument("--data", required=True,
+                   help="training data file (its format depends on --task; a folder for image-classify)")
     p.add_argument("--dev", default=None, help="held-out data file, evaluated during and after training")
     p.add_argument("--out", required=True, help="output folder (a model folder qkv and transformers load)")
     p.add_argument("--task", default=None, help="recipe: " + ", ".join(sorted(recipes())) +
@@ -90,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if r.add_arguments is not None:
             group = p.add_argument_group(f"--task {r.name}", r.description)
             r.add_arguments(_RecipeGroup(group, r.name, flags))
+    for r in recipes().values():
+        for dest, default in r.reads:
+            flags[dest] = replace(flags[dest], readers={**flags[dest].readers, r.name: default})
     p.set_defaults(recipe_flags=flags)  # read by resolve_flags from the parsed arguments
 
 
@@ -98,6 +107,10 @@ class RecipeFlag:
     recipe: str  # the recipe whose group added it
     option: str  # "--lora-rank"
     default: Any  # the value it takes when not given
+    readers: dict[str, Any] = field(default_factory=dict)  # other recipes that read it -> their defaults
+
+    def read_by(self, recipe: str) -> bool:
+        return recipe == self.recipe or recipe in self.readers
 
 
 class _RecipeGroup:
@@ -127,13 +140,13 @@ def resolve_flags(args: argparse.Namespace, recipe: str) -> None:
     given = {dest for dest in flags if getattr(args, dest, None) is not None}
     for dest in sorted(given, key=lambda d: flags[d].option):
         flag = flags[dest]
-        if flag.recipe != recipe:
+        if not flag.read_by(recipe):
             hint = f"; set train.{dest}=... instead" if dest in ("batch_size", "lr") else ""
             raise ConfigError(f"{flag.option} is not supported by --task {recipe} (it is a --task "
                               f"{flag.recipe} flag){hint}")
     for dest, flag in flags.items():
         if dest not in given:
-            setattr(args, dest, flag.default)
+            setattr(args, dest, flag.readers.get(recipe, flag.default))
     args.given_flags = given
 
 
@@ -174,7 +187,7 @@ def train_flags(args: argparse.Namespace, recipe: str) -> None:
     flags: dict[str, RecipeFlag] = getattr(args, "recipe_flags", {})
     pairs, values = [], {}
     for dest, key, flag in TRAIN_FLAGS:
-        if dest in flags and flags[dest].recipe != recipe:
+        if dest in flags and not flags[dest].read_by(recipe):
             continue  # another recipe's flag (refused by resolve_flags when given): train.key is the only way
         current, given = getattr(args, dest, None), _given(args, dest, flags)
         if f"train.{key}" in over:
@@ -255,12 +268,18 @@ def epochs_to_steps(epochs: float, per_epoch: int) -> int:
 
 
 def model_kind(folder: str | Path) -> str:
-    """The kind of the model in `folder`, read from its config.json alone (no weights are loaded)."""
+    """The kind of the model in `folder` (or in a qkv run folder's newest checkpoint), read from its
+    config.json alone (no weights are loaded)."""
     from qkv.interop import KINDS
     from qkv.models.registry import family
+    from qkv.run import run_folder_of
     from qkv.storage import CheckpointError, read_config
+    from qkv.train import latest_checkpoint
 
-    meta = read_config(Path(folder))
+    folder = Path(folder)
+    if run_folder_of(folder) == folder.resolve() and not (folder / "config.json").is_file():
+        folder = latest_checkpoint(folder / "checkpoints") or folder
+    meta = read_config(folder)
     if "qkv_family" in meta:
         return family(meta["qkv_family"]).model_class.kinds[0]
     kind = KINDS.get(meta.get("model_type"))
@@ -357,10 +376,15 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     """Run the chosen recipe (what `qkv finetune` calls)."""
     if not Path(args.model).exists():
         raise ConfigError(f"model folder not found: {args.model}")
-    if not Path(args.data).is_file():
-        raise ConfigError(f"data file not found: {args.data}")
-    if args.dev is not None and not Path(args.dev).is_file():
-        raise ConfigError(f"dev file not found: {args.dev}")
+    named = recipes().get(args.task or "")
+    what = "folder" if named is not None and named.data_folder else "file"
+    for name, path in (("data", args.data), ("dev", args.dev)):
+        if path is None or (Path(path).is_dir() if what == "folder" else Path(path).is_file()):
+            continue
+        if what == "folder" and Path(path).exists():
+            raise ConfigError(f"--{name} {path} is a file; --task {args.task} reads a folder with one "
+                              "sub-folder of images per class")
+        raise ConfigError(f"{name} {what} not found: {path}")
     recipe = choose(args.task, model_kind(args.model))
     from qkv.train.distributed import world_size
 

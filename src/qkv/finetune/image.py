@@ -1,0 +1,324 @@
+"""`qkv finetune MODEL --task image-classify --data FOLDER`: fine-tune a pretrained image classifier (a
+Hugging Face ViT, ResNet or Swin folder, or a qkv image run) on a folder with one sub-folder of images per
+class.
+
+    qkv finetune vit-folder --task image-classify --data photos/ --out clf [--epochs 3] [--lr 1e-4]
+        [--batch-size 32] [--freeze-backbone] [--dev-fraction 0.1] [--split-seed 0] [train.key=value ...]
+
+The images are read by the image_folder task (Pillow; converted to the model's channels and resized to its
+image size; normalised with the model's mean and std from preprocessor_config.json, or, without one, with
+the training images' own), and a fixed class-stratified share (--dev-fraction, by --split-seed) is held out
+as the dev set. The classifier keeps its head when the folder's class names are the model's labels (each
+image then keeps the class id the model gives it) and gets a new, freshly initialised head of the right
+size otherwise. Training (qkv.train.Trainer: AdamW, warmup then linear decay, clipping, light augmentation,
+a checkpoint each epoch, --resume) updates every weight, or the head alone with --freeze-backbone. Dev
+accuracy is measured after each epoch; the best epoch's weights are written to OUT as a Hugging Face folder
+(qkv.finetune.image_export) that `qkv predict`, qkv.from_pretrained and transformers'
+AutoModelForImageClassification load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkv.config import ConfigError
+from qkv.finetune import FINETUNE_FILE, Recipe, mark_out, register_recipe, shared
+from qkv.finetune.encoders import FINETUNE_DEFAULTS, best_state, flag
+from qkv.finetune.image_export import check_exportable, export_classifier, family_of, preprocessor_config
+from qkv.storage import atomic_write_json
+
+# fine-tuning a pretrained vision model: a higher rate than BERT's 3e-5 (the ViT paper's fine-tuning
+# sweeps 1e-3 .. 3e-2 with SGD; with AdamW 1e-4 is the common choice), larger batches of small inputs
+DEFAULT_LR, DEFAULT_BATCH = 1e-4, 32
+
+
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    flag(g, "--freeze-backbone", action="store_true",
+         help="train the classification head only (every other weight, BatchNorm statistics included, kept)")
+    flag(g, "--dev-fraction", type=float, default=0.1,
+         help="share of each class held out as the dev set (default 0.1)")
+    flag(g, "--split-seed", type=int, default=0, help="seed of the fixed train/dev split (default 0)")
+    flag(g, "--no-augment", action="store_true",
+         help="no random shifts and flips of the training images (for digits, text: their mirror images "
+              "are other classes)")
+
+
+@dataclass
+class ImageSource:
+    """The model folder being fine-tuned and how its images are prepared."""
+
+    path: Path
+    model: Any  # qkv ViT / ResNet / Swin as loaded
+    family: str  # vit | resnet | swin
+    hf_config: dict[str, Any] | None  # the source's config.json when it is a Hugging Face folder
+    labels: list[str]  # the model's class names, by id
+    image_size: int
+    mean: list[float] | None  # its normalisation (None: the training images' own statistics)
+    std: list[float] | None
+
+    @property
+    def channels(self) -> int:
+        return int(self.model.config.n_channels)
+
+    @property
+    def has_head(self) -> bool:
+        return getattr(self.model, "classifier", None) is not None
+
+
+def _image_size(model: Any, pre: Any) -> int:
+    """The side of the square images the model takes: ViT's and Swin's own (their positions / windows are
+    sized for it); a ResNet takes any size, so its preprocessor's (the crop, else the resized edge)."""
+    if family_of(model) != "resnet":
+        return int(model.config.image_size)
+    if pre.crop is not None or pre.size is not None:
+        h, w = pre.crop or pre.size
+        if h != w:
+            raise ConfigError(f"the model's preprocessor makes {w}x{h} images; this recipe trains on squares")
+        return int(h)
+    return int(pre.shortest_edge or model.config.image_size)
+
+
+def open_image_model(path: str | Path) -> ImageSource:
+    """A Hugging Face vit / resnet / swin folder or a qkv image run (its newest checkpoint), with its
+    preprocessing and class names (read as `qkv predict` reads them)."""
+    from qkv.predict import _hf_meta, preprocessing_for
+    from qkv.run import load_model_any, model_folder
+
+    model = load_model_any(path)
+    if getattr(model, "kind", None) != "image":
+        raise ConfigError(f"{path}: --task image-classify needs an image model (ViT, ResNet, Swin), not "
+                          f"{type(model).__name__}")
+    family = family_of(model)
+    pre, labels = preprocessing_for(path, model)
+    base = _hf_meta(model_folder(path))
+    check_exportable(model, base)  # refused now, not after the training
+    return ImageSource(Path(path), model.float(), family, base, labels, _image_size(model, pre), pre.mean,
+                       pre.std)
+
+
+def load_images(s: Any, src: ImageSource) -> Any:
+    """The image_folder task over --data at the model's size and channels, normalised as the model is."""
+    from qkv.tasks.images import ImageFolderOptions, build_image_folder
+
+    if not 0.0 < s.dev_fraction < 1.0:
+        raise ConfigError(f"--dev-fraction must be between 0 and 1, got {s.dev_fraction:g}")
+    augment = not s.no_augment
+    opts = ImageFolderOptions(path=str(s.data), image_size=src.image_size, channels=src.channels,
+                              dev_fraction=s.dev_fraction, split_seed=s.split_seed, seed=s.seed,
+                              pad=max(1, src.image_size // 8) if augment else 0, hflip=augment)
+    opts.validate()
+    task = build_image_folder(opts, src.family)
+    counts = torch.bincount(task.labels[task.train_idx], minlength=len(task.classes))
+    if int(counts.min()) == 0:
+        name = task.classes[int(counts.argmin())]
+        raise ConfigError(f"{s.data}/{name}: too few images to hold some out and train on the rest; each "
+                          "class needs at least two")
+    if src.mean is not None:
+        c = src.channels
+        task.mean = torch.tensor(src.mean[:c]).view(1, -1, 1, 1)
+        task.std = torch.tensor(src.std[:c]).view(1, -1, 1, 1)
+    return task
+
+
+def keep_head_order(task: Any, src: ImageSource) -> bool:
+    """When the folder's classes are the model's labels (as a set), renumber the images by the model's ids
+    and say so: the head is kept. Otherwise the task keeps its sorted class order for a new head."""
+    same = sorted(task.classes) == sorted(src.labels) and len(set(src.labels)) == len(src.labels)
+    if not (src.has_head and same):
+        return False
+    to_model = torch.tensor([src.labels.index(c) for c in task.classes])
+    task.labels = to_model[task.labels]
+    task.classes = list(src.labels)
+    return True
+
+
+def with_head(src: ImageSource, n_labels: int, seed: int) -> Any:
+    """The source's backbone under a new classifier of n_labels outputs (seeded: the same start in every
+    run). transformers' classifiers read the features directly: a ViTModel's pooler is left out."""
+    extra = {"pooler": False} if src.family == "vit" else {}
+    cfg = replace(src.model.config, head="classify", num_labels=n_labels, **extra)
+    torch.manual_seed(seed)
+    model = type(src.model)(cfg)
+    own = model.state_dict()
+    kept = {k: v for k, v in src.model.state_dict().items()
+            if k in own and own[k].shape == v.shape and not k.startswith(("classifier.", "pooler."))}
+    missing = [k for k in own if k not in kept and not k.startswith("classifier.")]
+    if missing:  # an architecture the copy above does not cover: fail here, not with a half-random backbone
+        raise ConfigError(f"{src.path}: cannot carry the weights {missing[:3]} over to the new head's model")
+    model.load_state_dict(kept, strict=False)
+    return model
+
+
+def freeze_backbone(model: Any) -> None:
+    """Train the classifier alone: every other parameter frozen, and every BatchNorm left in eval mode
+    (the Trainer's model.train() would otherwise renormalise by each batch and move the running statistics,
+    which are the backbone's as much as its weights)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("classifier."))
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.eval()
+            m.train = types.MethodType(lambda self, mode=True: self, m)  # stays in eval mode
+
+
+def train_config(s: Any, n_train: int) -> Any:
+    """TrainConfig: the BERT-style fine-tuning defaults with this recipe's rate and batch, --epochs as steps,
+    an evaluation and a checkpoint each epoch, then the train.key=value overrides."""
+    from qkv.config import apply_overrides, from_dict
+    from qkv.finetune import epoch_updates, epochs_to_steps
+    from qkv.train import TrainConfig
+    from qkv.train.config import train_overrides
+
+    raw = {f"train.{k}": v for k, v in train_overrides(s.args.overrides).items()}
+    accum = int(raw.get("train.grad_accum", 1))
+    per_epoch = epoch_updates(n_train, s.batch_size, accum)
+    base = {**FINETUNE_DEFAULTS, "lr": s.lr, "batch_size": s.batch_size,
+            "max_steps": epochs_to_steps(s.epochs, per_epoch), "eval_every": per_epoch,
+            "save_every": per_epoch, "out_dir": str(s.out), "resume": s.resume, "seed": s.seed,
+            "progress": s.progress}
+    return from_dict(TrainConfig, apply_overrides({"train": base}, raw, "fine-tuning settings")["train"])
+
+
+def earlier_epochs(out: Path) -> list[tuple[int, float]]:
+    """(step, dev accuracy) of the epochs OUT/finetune.json records (none for a run that never finished)."""
+    import json
+
+    try:
+        rows = json.loads((out / FINETUNE_FILE).read_text(encoding="utf-8")).get("epochs") or []
+        return [(int(r["step"]), float(r["dev_accuracy"])) for r in rows]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return []
+
+
+@dataclass
+class ImageSettings:
+    """What the recipe reads of the command line, in one place."""
+
+    model: str
+    data: str
+    out: Path
+    seed: int
+    epochs: float
+    lr: float
+    batch_size: int
+    freeze_backbone: bool
+    dev_fraction: float
+    split_seed: int
+    no_augment: bool
+    resume: bool
+    progress: bool
+    args: argparse.Namespace
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> ImageSettings:
+        if a.dev is not None:
+            raise ConfigError("--task image-classify holds out --dev-fraction of each class of --data as its "
+                              "dev set; --dev is not supported")
+        return cls(model=a.model, data=a.data, out=Path(a.out), seed=a.seed,
+                   epochs=float(shared(a, "epochs", 3.0)), lr=float(a.lr), batch_size=int(a.batch_size),
+                   freeze_backbone=bool(a.freeze_backbone), dev_fraction=float(a.dev_fraction),
+                   split_seed=int(a.split_seed), no_augment=bool(a.no_augment), resume=bool(a.resume),
+                   progress=not a.no_progress, args=a)
+
+
+class ImageClassifyRecipe:
+    """The phases (as qkv.finetune.phases): setup_model, setup_data, train, save, report."""
+
+    name = "image-classify"
+
+    def __init__(self, settings: ImageSettings) -> None:
+        self.s = settings
+        self.epochs: list[tuple[int, float]] = []  # (step, dev accuracy) after each epoch
+        self.result: dict[str, Any] = {}
+
+    def setup_model(self) -> ImageSource:
+        self.src = open_image_model(self.s.model)
+        return self.src
+
+    def setup_data(self) -> Any:
+        self.task = load_images(self.s, self.src)
+        self.kept_head = keep_head_order(self.task, self.src)
+        self.id2label = dict(enumerate(self.task.classes))
+        return self.task
+
+    def evaluate(self, model: Any) -> dict[str, float]:
+        metrics = self.task.evaluate(model)
+        return {"accuracy": metrics["accuracy"]}
+
+    def train(self) -> dict[str, Any]:
+        from qkv.train import Trainer
+        from qkv.train.callbacks import Callback
+
+        recipe = self
+
+        class EpochLog(Callback):
+            def on_eval(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+                if not recipe.epochs or recipe.epochs[-1][0] != step:  # the final evaluation may repeat one
+                    recipe.epochs.append((step, float(metrics["accuracy"])))
+
+        self.model = self.src.model if self.kept_head else \
+            with_head(self.src, len(self.id2label), self.s.seed)
+        if self.s.freeze_backbone:
+            freeze_backbone(self.model)
+        cfg = train_config(self.s, len(self.task.train_idx))
+        if self.s.resume:  # the epochs before the resumed checkpoint, as the earlier run recorded them
+            self.epochs = earlier_epochs(self.s.out)
+        mark_out(self.s.out, self.name)  # the data are read and checked: the run starts
+        self.per_epoch = cfg.eval_every
+        trainer = Trainer(self.model, cfg, self.task, eval_fn=self.evaluate, callbacks=[EpochLog()])
+        self.summary = trainer.fit()
+        return self.summary
+
+    def save(self) -> dict[str, Any]:
+        """OUT with the best epoch's weights, preprocessor_config.json and finetune.json."""
+        best = best_state(self.s.out) if self.summary.get("best_eval") else None
+        if best is not None:
+            self.model.load_state_dict(best)
+        self.model.cpu().eval()
+        mean, std = self.task.mean.flatten().tolist(), self.task.std.flatten().tolist()
+        export_classifier(self.model, self.s.out, self.src.hf_config, self.id2label,
+                          preprocessor_config(self.src.image_size, mean, std))
+        self.result = {"recipe": self.name, "family": self.src.family, "labels": list(self.task.classes),
+                       "head": "kept" if self.kept_head else "new",
+                       "frozen_backbone": self.s.freeze_backbone,
+                       "train_images": len(self.task.train_idx), "dev_images": len(self.task.val_idx),
+                       "steps": self.summary["steps"], "best": self.summary.get("best_eval"),
+                       "epochs": [{"epoch": round(step / self.per_epoch, 2), "step": step,
+                                   "dev_accuracy": acc} for step, acc in self.epochs],
+                       "dev": self.evaluate(self.model), "out": str(self.s.out)}
+        atomic_write_json(self.result, self.s.out / FINETUNE_FILE)
+        return self.result
+
+    def report(self) -> list[str]:
+        r, n = self.result, len(self.task.classes)
+        what = "the head" if self.s.freeze_backbone else "every weight"
+        lines = [f"fine-tuned {what} of a {self.src.family} for {r['steps']} steps on {r['train_images']} "
+                 f"images ({n} classes: {', '.join(r['labels'][:10])}; {r['head']} head)"]
+        lines += [f"epoch {e['epoch']:g}: dev accuracy {e['dev_accuracy']:.4f} ({r['dev_images']} images)"
+                  for e in r["epochs"]]
+        which = f"best epoch, step {r['best']['step']}" if r.get("best") else "final model"
+        lines.append(f"saved {self.s.out} ({which}: dev accuracy {r['dev']['accuracy']:.4f}; transformers: "
+                     "AutoModelForImageClassification.from_pretrained; qkv predict; qkv.from_pretrained)")
+        return lines
+
+    @classmethod
+    def run(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The registered entry point: every phase in order; the report travels as one string."""
+        recipe = cls(ImageSettings.from_args(args))
+        recipe.setup_model()
+        recipe.setup_data()
+        recipe.train()
+        result = recipe.save()
+        return {**result, "report": "\n".join(recipe.report())}
+
+
+register_recipe(Recipe("image-classify", ("image",), "image classifiers (ViT, ResNet, Swin) on a folder with "
+                       f"one sub-folder of images per class; reads --lr (default {DEFAULT_LR:g}) and "
+                       f"--batch-size (default {DEFAULT_BATCH}) too", ImageClassifyRecipe.run, add_arguments,
+                       data_folder=True, reads=(("lr", DEFAULT_LR), ("batch_size", DEFAULT_BATCH))))
