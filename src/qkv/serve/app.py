@@ -10,7 +10,8 @@ disturbs the others. Admission is bounded: beyond max_batch_size running + max_w
 answer is 429 with Retry-After. `stream: true` sends server-sent events ending with `data: [DONE]`; a
 client that goes away mid-stream has its request cancelled (blocks freed) at the next engine step.
 
-Modules: requests.py (reading and checking a body), handlers.py (the one request -> engine -> response path),
+Modules: requests.py (the request bodies: pydantic models), checks.py (reading a body, its prompt ids and
+engine options), handlers.py (the one request -> engine -> response path),
 sse.py (the events of a stream), errors.py (APIError).
 """
 
@@ -26,11 +27,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from qkv.generate.engine import Engine
+from qkv.serve.checks import RequestChecks, ServeSettings
 from qkv.serve.errors import APIError
 from qkv.serve.handlers import handle
 from qkv.serve.metrics import Metrics, ResponseCounter
 from qkv.serve.model import Served
-from qkv.serve.requests import RequestChecks, ServeSettings
 from qkv.serve.worker import EngineWorker, Ticket
 
 
