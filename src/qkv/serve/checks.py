@@ -12,8 +12,10 @@ from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
+from torch import Tensor
 
 from qkv.generate.engine import Engine
+from qkv.serve import images
 from qkv.serve.errors import APIError
 from qkv.serve.model import Served
 from qkv.serve.requests import (
@@ -134,20 +136,28 @@ class RequestChecks:
         raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
                        "prompt", "invalid_type")
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], Tensor | None]:
+        """The chat template's ids of the messages, and their images' pixel values (None: no image). A
+        vision-language model's messages go to the template as lists of parts, each image as
+        {"type": "image"} (images.py)."""
+        vision = self.served.images is not None
         for i, m in enumerate(body.messages):
-            if m.images:
+            if m.images and not vision:
                 raise APIError(400, f"messages[{i}]: image parts need a vision-language model; "
                                f"'{self.served.name}' takes text only", f"messages[{i}]", "unsupported")
         if not self.served.codec.has_chat_template:
             raise APIError(400, f"the model '{self.served.name}' has no chat template: use /v1/completions",
                            "messages", "no_chat_template")
-        clean = [{"role": m.role, "content": m.text} for m in body.messages]
+        pixels = images.pixel_values(body, self.served.images) if vision else None
+        messages = images.template_messages(body) if vision else [
+            {"role": m.role, "content": m.text} for m in body.messages]
         try:
-            ids = self.served.codec.chat_prompt(clean)
+            ids = self.served.codec.chat_prompt(messages)
         except Exception as e:  # a template's own raise_exception (e.g. roles must alternate)
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages",
                            "invalid_value") from None
         if not ids:
             raise APIError(400, "the rendered chat prompt is empty", "messages", "invalid_value")
-        return ids
+        if vision:
+            ids = images.expand_placeholders(ids, self.served.model, 0 if pixels is None else len(pixels))
+        return ids, pixels

@@ -35,6 +35,7 @@ class Ticket:
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     released: bool = False  # the handler is done with it (API.release)
+    worker: Any = None  # what runs it: an EngineWorker, or a VisionWorker (vision.py) for image requests
 
     def wake(self) -> None:
         """Wake the handler waiting for items (event-loop thread)."""
@@ -85,7 +86,7 @@ class EngineWorker:
         with self._lock:
             key = self._next_key
             self._next_key += 1
-        t = Ticket(key, len(prompt), asyncio.get_running_loop())
+        t = Ticket(key, len(prompt), asyncio.get_running_loop(), worker=self)
         self._commands.put(("add", t, prompt, options))
         return t
 
