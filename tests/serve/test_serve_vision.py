@@ -126,9 +126,10 @@ def test_urls_bad_base64_and_non_images_are_400s(llava, tmp_path):
             assert r.status_code == 400  # refused before the stream starts
         # two image tokens typed into the text, one image: refused, not a mismatch inside the model
         png_url = data_url(png(tmp_path / "a.png"))
+        typed = [{"type": "text", "text": "<image> " + QUESTION},
+                 {"type": "image_url", "image_url": {"url": png_url}}]
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-            "model": served.name, "max_tokens": 2, "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "<image> " + QUESTION}, {"type": "image_url", "image_url": {"url": png_url}}]}]})
+            "model": served.name, "max_tokens": 2, "messages": [{"role": "user", "content": typed}]})
         assert r.status_code == 400 and "image token" in r.json()["error"]["message"], r.text
         assert httpx.get(url + "/health", timeout=10).status_code == 200
 

@@ -152,25 +152,8 @@ def _quiet_expected_cancel() -> None:
         logger.addFilter(_drop_cancel_record)
 
 
-def create_app(served: Served, engine: Engine, settings: ServeSettings | None = None) -> FastAPI:
-    api = API(served, engine, settings or ServeSettings())
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        _quiet_expected_cancel()
-        workers = [w for w in (api.worker, api.vision) if w is not None]
-        for w in workers:
-            w.start()
-        try:
-            yield
-        finally:
-            api.shutting_down = True
-            for w in workers:
-                w.stop()
-
-    app = FastAPI(title="qkv serve", lifespan=lifespan)
-    app.state.api = api
-    app.add_middleware(ResponseCounter, counter=api.metrics.responses)
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: an APIError raised, a bug (500), no route (404), a bad method (405)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -191,6 +174,29 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
     async def _bad_method(request: Request, e: Exception) -> JSONResponse:
         return APIError(405, f"{request.method} is not allowed on {request.url.path}", None,
                         "method_not_allowed").response()
+
+
+def create_app(served: Served, engine: Engine, settings: ServeSettings | None = None) -> FastAPI:
+    api = API(served, engine, settings or ServeSettings())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        _quiet_expected_cancel()
+        workers = [w for w in (api.worker, api.vision) if w is not None]
+        for w in workers:
+            w.start()
+        try:
+            yield
+        finally:
+            api.shutting_down = True
+            for w in workers:
+                w.stop()
+
+    app = FastAPI(title="qkv serve", lifespan=lifespan)
+    app.state.api = api
+    app.add_middleware(ResponseCounter, counter=api.metrics.responses)
+
+    _add_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers' checks send
     async def health() -> JSONResponse:
