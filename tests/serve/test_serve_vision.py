@@ -142,3 +142,40 @@ def test_images_on_a_text_model_are_a_400(gpt2_folder, tmp_path):
         err = r.json()["error"]
         assert r.status_code == 400 and err["code"] == "unsupported" and "vision-language" in err["message"]
         assert err["param"] == "messages[0]"
+
+
+def test_image_requests_are_admitted_under_the_same_limits(llava, tmp_path):
+    """An image request counts toward max_batch_size + max_waiting (here 1: the next request is a 429 while
+    it runs) and its prompt + max_tokens is checked against the context before it runs."""
+    import threading
+
+    from qkv.serve import ServeSettings
+
+    served = load_served(llava)
+    body = {"model": served.name, "max_tokens": 2, "messages": ask(data_url(png(tmp_path / "a.png")))}
+    with running_server(llava, block_size=4, max_batch_size=1,
+                        settings=ServeSettings(max_waiting=0)) as (url, app):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={**body, "max_tokens": 10 ** 6})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        vision, entered, release = app.state.api.vision, threading.Event(), threading.Event()
+        generate = vision._generate
+
+        def held(*args):
+            entered.set()
+            release.wait(60)
+            return generate(*args)
+
+        vision._generate = held
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault(
+            "r", httpx.post(url + "/v1/chat/completions", json=body, timeout=60)))
+        th.start()
+        try:
+            assert entered.wait(30)
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"model": served.name, "prompt": "what", "max_tokens": 2})
+            assert r.status_code == 429, r.text
+        finally:
+            release.set()
+            th.join(60)
+        assert out["r"].status_code == 200 and app.state.api.active == 0
