@@ -265,5 +265,6 @@ def _api_error(err: dict[str, Any]) -> APIError:
         bounds = describe(SETTING_OF[name])
         return APIError(400, f"'{name}' must be {number}{' ' + bounds if bounds else ''}, got {got}", name,
                         kind)
-    field = ".".join(str(p) for p in loc)  # stream_options.include_usage
+    # stream_options.include_usage, stop.0 (a union's member names left out)
+    field = ".".join(str(p) for p in loc if not str(p).startswith(("str", "list[")))
     return APIError(400, f"'{field}': {err['msg']}, got {got}", name, kind)
