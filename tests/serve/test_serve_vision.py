@@ -89,11 +89,15 @@ def test_an_image_url_data_part_equals_generate_with_that_image(llava, tmp_path)
         jpeg = client.chat.completions.create(model=served.name, messages=ask(data_url(cat, "JPEG")),
                                               max_tokens=3, temperature=0)
         assert jpeg.choices[0].finish_reason in ("stop", "length")
-        # a text-only chat on the same server still runs on the engine
+        # a text-only chat on the same server runs on the engine: generate's answer without an image
         plain = client.chat.completions.create(
-            model=served.name, max_tokens=3, temperature=0,
+            model=served.name, max_tokens=8, temperature=0,
             messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}])
-        assert plain.usage.prompt_tokens < len(ids)
+        text = [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]
+        ids = served.codec.tokenizer.apply_chat_template(text, add_generation_prompt=True, tokenize=True)
+        new = served.model.generate(torch.tensor([ids]), max_new_tokens=8, eos_token_id=eos)[0, len(ids):]
+        assert plain.choices[0].message.content == decode_continuation(served.codec.decode, ids, new.tolist())
+        assert plain.usage.prompt_tokens == len(ids)
         assert app.state.api.active == 0
 
 
