@@ -38,15 +38,16 @@ def bpe():
 def make_folder(bpe, path, template=CHATML, context=512, eos_token="<|endoftext|>"):
     """A random Qwen2 (tied, GQA) with a ChatML tokenizer; its generation_config says eos = <|endoftext|>
     only, so stopping at <|im_end|> must come from the template."""
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token=eos_token,
-                                                pad_token="<|endoftext|>")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>",
+                                                eos_token=eos_token, pad_token="<|endoftext|>")
     if template:
         fast.chat_template = template
     fast.save_pretrained(path)
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                                      initializer_range=0.3, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+    config = transformers.Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=context, initializer_range=0.3, bos_token_id=0,
+                                      eos_token_id=0, tie_word_embeddings=True)
     model = transformers.Qwen2ForCausalLM(config)
     model.save_pretrained(path)
     return path
@@ -136,8 +137,9 @@ def test_folder_without_template_uses_a_plain_transcript(bpe, tmp_path):
 
 
 def test_plain_prompt_is_a_prefix_of_what_finetuning_trains_on(bpe, tmp_path):
-    """Without a template, the prompt qkv chat builds for a later turn is the start of the text qkv finetune trains
-    on for the same conversation: the eos after earlier answers, and the bos tokenizer_config.json asks for."""
+    """Without a template, the prompt qkv chat builds for a later turn is the start of the text qkv finetune
+    trains on for the same conversation: the eos after earlier answers, and the bos tokenizer_config.json asks
+    for."""
     import json
 
     from qkv.finetune.chat import IGNORE, encode_chat
@@ -169,7 +171,8 @@ def test_interactive_loop_on_scripted_input(folder):
 
 
 def test_cli_chat_message_and_errors(folder, tmp_path, capsys):
-    assert main(["chat", str(folder), "--message", "hi", "--message", "more", "--greedy", "--max-new-tokens", "5"]) == 0
+    assert main(["chat", str(folder), "--message", "hi", "--message", "more", "--greedy",
+                 "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr().out
     s = ChatSession.from_folder(folder, generation_config=greedy(5))
     assert out == s.reply("hi") + "\n" + s.reply("more") + "\n"
@@ -179,14 +182,16 @@ def test_cli_chat_message_and_errors(folder, tmp_path, capsys):
 
 
 def test_default_answer_length_is_capped_by_a_small_context(bpe, tmp_path):
-    """No --max-new-tokens on a 64-position model: the 512-token default never fits; the answer gets the room the
-    context leaves instead of an error, so the prompt plus the answer fill the context exactly."""
+    """No --max-new-tokens on a 64-position model: the 512-token default never fits; the answer gets the room
+    the context leaves instead of an error, so the prompt plus the answer fill the context exactly."""
     path = make_folder(bpe, tmp_path, context=64)
-    s = ChatSession.from_folder(path, generation_config=GenerationConfig(do_sample=False), note=lambda m: None)
+    s = ChatSession.from_folder(path, generation_config=GenerationConfig(do_sample=False),
+                                note=lambda m: None)
     s.stop_ids.clear()  # no end of turn: every answer runs to its length limit
     steps = []
     step = s.model.step
-    s.model.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]  # the first token comes from the prefill
+    # the first token comes from the prefill
+    s.model.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
     for message in ("hello", "word " * 10):  # a short prompt, and one longer than half the context
         s.reset()
         steps.clear()
@@ -195,7 +200,8 @@ def test_default_answer_length_is_capped_by_a_small_context(bpe, tmp_path):
         assert len(steps) + 1 == 64 - len(prompt)
     assert len(prompt) > 32  # the second prompt was longer than the room kept for answers when trimming
     s.reset()
-    with pytest.raises(ValueError, match="does not fit the model's context of 64"):  # nothing fits: the clear error
+    # nothing fits: the clear error
+    with pytest.raises(ValueError, match="does not fit the model's context of 64"):
         s.reply("word " * 200)
     assert s.history == []
 
@@ -212,8 +218,8 @@ def test_chat_help_says_what_decides_greedy_and_lists_no_training_exit_codes(cap
 
 
 def test_unseeded_sampling_draws_a_seed_and_says_it(folder, capsys):
-    """Without --seed a sampling chat differs between runs (it always used seed 0) and prints the seed it drew;
-    --seed with that number repeats the answer. A greedy chat says nothing about seeds."""
+    """Without --seed a sampling chat differs between runs (it always used seed 0) and prints the seed it
+    drew; --seed with that number repeats the answer. A greedy chat says nothing about seeds."""
     import re
 
     args = ["chat", str(folder), "--message", "hello there", "--temperature", "1.5", "--max-new-tokens", "12"]
@@ -221,7 +227,8 @@ def test_unseeded_sampling_draws_a_seed_and_says_it(folder, capsys):
     for _ in range(2):
         assert main(args) == 0
         captured = capsys.readouterr()
-        seeds.append(int(re.search(r"qkv: sampling with seed (\d+) \(--seed \1 repeats it\)", captured.err).group(1)))
+        drew = re.search(r"qkv: sampling with seed (\d+) \(--seed \1 repeats it\)", captured.err)
+        seeds.append(int(drew.group(1)))
         answers.append(captured.out)
     assert seeds[0] != seeds[1]
     assert main([*args, "--seed", str(seeds[0])]) == 0
@@ -232,7 +239,8 @@ def test_unseeded_sampling_draws_a_seed_and_says_it(folder, capsys):
 
 
 def test_interactive_chat_has_line_editing(folder, monkeypatch):
-    """The interactive loop reads with input() after importing readline (arrow keys, history), where it exists."""
+    """The interactive loop reads with input() after importing readline (arrow keys, history), where it
+    exists."""
     import builtins
     import sys
 

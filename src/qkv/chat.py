@@ -20,7 +20,7 @@ prompt it only reminds how to leave. /reset forgets the conversation, /exit (or 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,6 +28,7 @@ from typing import Any, TextIO
 import torch
 
 from qkv.generate import GenerationConfig, stream
+from qkv.generate.text import stream_pieces
 from qkv.models.decoding import configured_context
 
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
@@ -177,26 +178,48 @@ class ChatSession:
         if not self.templated:
             cfg = cfg.replace(stop_strings=["\n" + PLAIN_USER])
             options["tokenizer"] = self.tokenizer
-        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        pieces: list[str] = []
-        shown = 0  # characters passed to on_text (the plain transcript holds back a possible "\nUser:")
-        tokens = stream(self.model, torch.tensor([ids]), cfg, **options)
-        interrupted = False
-        try:
-            for new in tokens:
-                pieces.append(decoder.push(int(new[0])))
-                shown = self._show("".join(pieces), shown, on_text, final=False)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            tokens.close()  # restores the model's mode; stops at once on Ctrl-C
-        pieces.append(decoder.flush())
-        answer = self._clean("".join(pieces))
-        self._show(answer, shown, on_text, final=True)
+        answer, interrupted = self._stream_answer(ids, cfg, options, on_text)
         if interrupted:
             self.note("\nqkv: answer stopped (Ctrl-C)")
         self.history.append({"role": "assistant", "content": answer})
         return answer
+
+    def _stream_answer(self, ids: list[int], cfg: GenerationConfig, options: dict[str, Any],
+                       on_text: Callable[[str], None] | None) -> tuple[str, bool]:
+        """(the answer, whether Ctrl-C stopped it): the tokens through the one streaming loop
+        (generate.text.stream_pieces) and the tokenizer's StreamDecoder, each visible piece to on_text."""
+        tokens = stream(self.model, torch.tensor([ids]), cfg, **options)
+        interrupted, ended = False, False
+        text, shown = "", 0  # shown: characters passed to on_text (a plain transcript holds back "\nUser:")
+
+        def token_ids() -> Iterator[int]:
+            nonlocal interrupted, ended
+            try:
+                for new in tokens:
+                    yield int(new[0])
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                tokens.close()  # restores the model's mode; stops at once on Ctrl-C
+                ended = True
+
+        def write(piece: str) -> None:
+            nonlocal text, shown
+            if ended:  # the decoder's rest and stream_pieces' line end: shown once cleaned, below
+                return
+            text += piece
+            shown = self._show(text, shown, on_text, final=False)
+
+        decoder, ids_in = self.tokenizer.stream_decoder(skip_special_tokens=True), token_ids()
+        try:
+            full = stream_pieces(ids_in, decoder, write)
+        except KeyboardInterrupt:  # Ctrl-C while on_text shows a piece
+            interrupted = True
+            ids_in.close()
+            full = text + decoder.flush()
+        answer = self._clean(full)
+        self._show(answer, shown, on_text, final=True)
+        return answer, interrupted
 
     def _clean(self, text: str) -> str:
         if not self.templated:

@@ -6,9 +6,10 @@
 The image goes into the next user message (the first one with --image; the one after `/image PATH` in the
 interactive chat). Every message is given to the chat template as a list of parts, as multimodal templates
 expect ({"type": "image"} then {"type": "text", "text": ...}); the template writes one image token (LLaVA's
-"<image>\\n"), which becomes the image_tokens placeholders the image's patch embeddings replace at the prefill.
-The conversation is otherwise a ChatSession's (qkv.chat): streaming, end-of-turn tokens, Ctrl-C. A conversation
-that no longer fits the context with its image is an error (/reset starts again): the image is never dropped.
+"<image>\\n"), which becomes the image_tokens placeholders the image's patch embeddings replace at the
+prefill. The conversation is otherwise a ChatSession's (qkv.chat): streaming, end-of-turn tokens, Ctrl-C. A
+conversation that no longer fits the context with its image is an error (/reset starts again): the image is
+never dropped.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class VisionChatSession(ChatSession):
         if isinstance(image, (str, Path)):
             image = load_image(image)
         if self.processor is None:
-            raise ValueError("this session has no image processor (build it with VisionChatSession.from_folder)")
+            raise ValueError("this session has no image processor (build it with "
+                             "VisionChatSession.from_folder)")
         self.pixel_values = self.processor(image)
         self._image_message = None
         self.reset()
@@ -79,14 +81,15 @@ class VisionChatSession(ChatSession):
         if self.pixel_values is not None and self._image_message is None:
             self._image_message = turns[-1]  # the message being answered
         if self._image_message is not None and not any(m is self._image_message for m in turns):
-            raise ValueError("the conversation no longer fits the model's context with its image; /reset (or a "
-                             "new /image) starts again")
+            raise ValueError("the conversation no longer fits the model's context with its image; /reset "
+                             "(or a new /image) starts again")
         if self.templated:
             messages = [self._parts(m) for m in self._messages(turns)]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         else:  # the plain transcript: the image token opens the message that carries it
             image = self.tokenizer.id_to_token(c.image_token_id) or IMAGE_TOKEN
-            plain = [{**m, "content": f"{image}\n{m['content']}"} if m is self._image_message else m for m in turns]
+            plain = [{**m, "content": f"{image}\n{m['content']}"} if m is self._image_message else m
+                     for m in turns]
             ids = ChatSession._render(self, plain)
         return expand_image_tokens(ids, c.image_token_id, c.image_tokens)
 

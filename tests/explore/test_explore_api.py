@@ -258,6 +258,18 @@ def test_temperature_zero_is_greedy_as_in_the_cli_and_the_server(charlm_run, cli
     assert len(greedy["steps"]) == 6
 
 
+def test_top_k_follows_generation_configs_rule(charlm_run, clients):
+    """top_k 0 is "no top-k" (GenerationConfig's rule, as the CLI and the server), below 0 a 400 naming it."""
+    c = clients(charlm_run)
+    body = {"input": "The ", "max_new_tokens": 6, "do_sample": True, "temperature": 1.5, "seed": 3}
+    plain = c.post("/api/generate", json=body).json()
+    zero = c.post("/api/generate", json={**body, "top_k": 0})
+    assert zero.status_code == 200, zero.text
+    assert [s["token"] for s in zero.json()["steps"]] == [s["token"] for s in plain["steps"]]
+    r = c.post("/api/generate", json={**body, "top_k": -1})
+    assert r.status_code == 400 and "top_k must be at least 0" in r.json()["error"]
+
+
 def test_text_for_a_folder_without_tokenizer_asks_for_ids(rope_alibi, clients):
     c = clients(rope_alibi["rope"])
     r = c.post("/api/analyze", json={"input": "hello"})

@@ -129,3 +129,20 @@ def test_lm_errors(tmp_path):
         build_task("lm", tokenizer="wordpiece")
     with pytest.raises(ConfigError, match="supports model families"):
         build_task("charlm", family="encdec")
+
+
+def test_sampling_options_follow_generation_configs_rule():
+    """task.temperature / task.top_k take GenerationConfig's rule, as `qkv generate`, `qkv chat` and the
+    server: temperature 0 samples greedily, top_k 0 is no top-k; below those bounds is an error."""
+    torch.manual_seed(0)
+    greedy_task = build_task("charlm", context=32, sample_tokens=12)
+    model = greedy_task.build_model("gpt-nano", d_model=32, n_heads=2, n_layers=1, init_std=0.3)
+    greedy = greedy_task.samples(model, n=2, greedy=True)
+    assert build_task("charlm", context=32, sample_tokens=12, temperature=0).samples(model, n=2) == greedy
+    sampled = build_task("charlm", context=32, sample_tokens=12).samples(model, n=2)
+    assert sampled != greedy  # the comparison above means something
+    assert build_task("charlm", context=32, sample_tokens=12, top_k=0).samples(model, n=2) == sampled
+    for bad, words in (({"temperature": -0.5}, "temperature must be at least 0"),
+                       ({"top_k": -1}, "top_k must be at least 0")):
+        with pytest.raises(ConfigError, match=words):
+            build_task("charlm", context=32, **bad)

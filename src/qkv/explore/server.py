@@ -45,7 +45,7 @@ class GenerateRequest(BaseModel):
     max_new_tokens: int = 16
     do_sample: bool = False
     temperature: float = 1.0
-    top_k: int | None = Field(None, ge=1)
+    top_k: int | None = None  # with temperature, checked by GenerationConfig's rule (analysis.generation)
     seed: int = 0
     block_size: int = 16
     wav: str | None = None

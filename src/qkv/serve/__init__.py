@@ -51,8 +51,17 @@ def build_engine(
     # min_length, ...) is not part of OpenAI's API: applied unasked, no request could turn it off
     base = engine.cfg
     engine.cfg = GenerationConfig(eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
-                                  bos_token_id=base.bos_token_id)
+                                  bos_token_id=base.bos_token_id, bad_words_ids=_image_token_ban(served))
     return engine
+
+
+def _image_token_ban(served: Served) -> list[list[int]] | None:
+    """A vision-language model never generates its image placeholder (LLaVA.generation_defaults bans it
+    too): images come with the prompt."""
+    if served.images is None:
+        return None
+    c = served.model.config
+    return [[c.image_token_id]] if c.image_token_id < served.model.output_vocab_size else None
 
 
 def _server_class():

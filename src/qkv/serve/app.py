@@ -10,7 +10,8 @@ disturbs the others. Admission is bounded: beyond max_batch_size running + max_w
 answer is 429 with Retry-After. `stream: true` sends server-sent events ending with `data: [DONE]`; a
 client that goes away mid-stream has its request cancelled (blocks freed) at the next engine step.
 
-Modules: requests.py (reading and checking a body), handlers.py (the one request -> engine -> response path),
+Modules: requests.py (the request bodies: pydantic models), checks.py (reading a body, its prompt ids and
+engine options), handlers.py (the one request -> engine -> response path),
 sse.py (the events of a stream), errors.py (APIError).
 """
 
@@ -24,13 +25,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from torch import Tensor
 
 from qkv.generate.engine import Engine
+from qkv.serve.checks import RequestChecks, ServeSettings
 from qkv.serve.errors import APIError
 from qkv.serve.handlers import handle
 from qkv.serve.metrics import Metrics, ResponseCounter
 from qkv.serve.model import Served
-from qkv.serve.requests import RequestChecks, ServeSettings
+from qkv.serve.vision import VisionWorker
 from qkv.serve.worker import EngineWorker, Ticket
 
 
@@ -40,12 +43,16 @@ class API(RequestChecks):
     def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
         super().__init__(served, engine, settings)
         self.worker = EngineWorker(engine)
+        # requests with images, on their own thread (vision.py): a vision-language model only
+        self.vision = VisionWorker(engine) if served.images is not None else None
         self.metrics = Metrics(self.worker)
         self.active = 0  # accepted requests not finished (event-loop thread only)
         self.capacity = engine.max_batch_size + settings.max_waiting
         self.shutting_down = False
 
-    def admit(self, prompt: list[int], opts: dict[str, Any]) -> Ticket:
+    def admit(self, prompt: list[int], opts: dict[str, Any], pixel_values: Tensor | None = None) -> Ticket:
+        """The request's ticket once it is accepted: 503 when the server cannot run it, 429 at capacity (image
+        requests count as any other)."""
         if self.worker.error is not None:
             raise APIError(
                 503,
@@ -55,7 +62,8 @@ class API(RequestChecks):
                 "engine_dead",
                 "server_error",
             )
-        if self.shutting_down or not self.worker.alive:
+        vision_down = pixel_values is not None and not self.vision.alive
+        if self.shutting_down or not self.worker.alive or vision_down:
             raise APIError(503, "the server is shutting down", None, "unavailable", "server_error")
         if self.active >= self.capacity:
             self.metrics.rejected.inc()
@@ -68,6 +76,8 @@ class API(RequestChecks):
                 {"Retry-After": "1"},
             )
         self.active += 1
+        if pixel_values is not None:
+            return self.vision.submit(prompt, opts, pixel_values)
         return self.worker.submit(prompt, opts)
 
     def release(self, t: Ticket, reason: str | None) -> None:
@@ -76,7 +86,7 @@ class API(RequestChecks):
             return
         t.released = True
         if reason is None:
-            self.worker.cancel(t)
+            t.worker.cancel(t)
         self.active -= 1
         self.metrics.observe(t, reason)
 
@@ -125,7 +135,7 @@ class API(RequestChecks):
             if watch is not None:
                 watch.cancel()
             if not done:
-                self.worker.cancel(t)
+                t.worker.cancel(t)
 
 
 def _drop_cancel_record(record: logging.LogRecord) -> bool:
@@ -142,22 +152,8 @@ def _quiet_expected_cancel() -> None:
         logger.addFilter(_drop_cancel_record)
 
 
-def create_app(served: Served, engine: Engine, settings: ServeSettings | None = None) -> FastAPI:
-    api = API(served, engine, settings or ServeSettings())
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        _quiet_expected_cancel()
-        api.worker.start()
-        try:
-            yield
-        finally:
-            api.shutting_down = True
-            api.worker.stop()
-
-    app = FastAPI(title="qkv serve", lifespan=lifespan)
-    app.state.api = api
-    app.add_middleware(ResponseCounter, counter=api.metrics.responses)
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: an APIError raised, a bug (500), no route (404), a bad method (405)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -178,6 +174,29 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
     async def _bad_method(request: Request, e: Exception) -> JSONResponse:
         return APIError(405, f"{request.method} is not allowed on {request.url.path}", None,
                         "method_not_allowed").response()
+
+
+def create_app(served: Served, engine: Engine, settings: ServeSettings | None = None) -> FastAPI:
+    api = API(served, engine, settings or ServeSettings())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        _quiet_expected_cancel()
+        workers = [w for w in (api.worker, api.vision) if w is not None]
+        for w in workers:
+            w.start()
+        try:
+            yield
+        finally:
+            api.shutting_down = True
+            for w in workers:
+                w.stop()
+
+    app = FastAPI(title="qkv serve", lifespan=lifespan)
+    app.state.api = api
+    app.add_middleware(ResponseCounter, counter=api.metrics.responses)
+
+    _add_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers' checks send
     async def health() -> JSONResponse:

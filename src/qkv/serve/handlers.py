@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response
 
 from qkv.generate.engine import TEXT_CONTEXT
 from qkv.generate.text import StreamDecoder, cut_at_stop, decode_continuation
+from qkv.serve.checks import DEFAULT_MAX_TOKENS
 from qkv.serve.errors import APIError, cancelled
-from qkv.serve.requests import DEFAULT_MAX_TOKENS, stream_settings
 from qkv.serve.sse import Chunks, Stream, error_event
 from qkv.serve.worker import Ticket
 
@@ -44,12 +44,15 @@ class Job:
 
 async def handle(api: API, request: Request, chat: bool) -> Response:
     """POST /v1/completions (chat False) and /v1/chat/completions (chat True)."""
-    body = await api.body(request)
-    # off the event loop: a long prompt's tokenizing (or template) must not stall the other clients' streams
-    ids = await asyncio.to_thread(api.chat_ids if chat else api.prompt_ids, body)
+    body = await api.body(request, chat)
+    # off the event loop: tokenizing a long prompt (template, images) must not stall other clients' streams
+    if chat:
+        ids, pixel_values = await asyncio.to_thread(api.chat_ids, body)
+    else:
+        ids, pixel_values = await asyncio.to_thread(api.prompt_ids, body), None
     opts = api.options(body, len(ids), None if chat else DEFAULT_MAX_TOKENS)
-    stream, include_usage = stream_settings(body)
-    t = api.admit(ids, opts)
+    stream, include_usage = body.stream, body.include_usage
+    t = api.admit(ids, opts, pixel_values)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     base = {"id": rid, "created": int(time.time()), "model": api.served.name}
     # the prompt's last ids as context: the engine's stop check reads the same ones

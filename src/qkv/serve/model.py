@@ -50,6 +50,8 @@ class Served:
     path: Path
     # when the model was loaded (Unix seconds): GET /v1/models' "created"
     created: int = field(default_factory=lambda: int(time.time()))
+    # a vision-language model's image preprocessing (interop.llava.ImageProcessor); None: text only
+    images: Any = None
 
 
 def load_served(path: str | Path, name: str | None = None, quantize: str | None = None) -> Served:
@@ -78,4 +80,9 @@ def load_served(path: str | Path, name: str | None = None, quantize: str | None 
         eos = {i for i in tok.end_of_turn_ids if i < model.output_vocab_size}
     else:
         tok, eos = _folder_tokenizer(folder), set()
-    return Served(model, TextCodec(tok, eos), name or path.resolve().name, path)
+    images = None
+    if getattr(model, "image_features", None) is not None:  # a LLaVA: its folder's preprocessor_config.json
+        from qkv.interop.llava import ImageProcessor
+
+        images = ImageProcessor.from_folder(folder)
+    return Served(model, TextCodec(tok, eos), name or path.resolve().name, path, images=images)

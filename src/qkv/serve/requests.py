@@ -1,273 +1,270 @@
-"""Reading an OpenAI request body: JSON, the model name, the prompt or chat messages, and the sampling
-options checked into the engine's settings. Every check raises APIError with OpenAI's error shape, naming the
-field, so a bad request gets a 400 and never reaches the engine."""
+"""The OpenAI request bodies as pydantic models: CompletionRequest (/v1/completions) and ChatCompletionRequest
+(/v1/chat/completions), each with to_generation_config().
+
+The sampling fields' numeric bounds are not written here: each is GenerationConfig's field metadata
+(generate/config.py, the declaration `qkv generate`'s flags read too), with OpenAI's conventions put over it
+where the API differs (OPENAI_RULES, listed in docs/serving.md). A body that breaks a rule is an APIError
+(400, OpenAI's error shape) naming the field (parse()); fields the models do not name are accepted and ignored
+(clients send "user", "metadata", ...), except OpenAI features this server does not implement (UNSUPPORTED).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from fastapi import Request
-from starlette.requests import ClientDisconnect
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from qkv.generate.config import MIN_TEMPERATURE
-from qkv.generate.engine import Engine
+from qkv.cli.flags import CLI_AT_LEAST
+from qkv.generate.config import MIN_TEMPERATURE, GenerationConfig, bounds_text
 from qkv.serve.errors import APIError
-from qkv.serve.model import Served
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
 # the smallest repetition_penalty accepted: seen tokens' positive logits are divided by it, and 1e-300
 # overflowed float32 (inf, then NaN probabilities); at 0.01 a logit of 1e4 becomes 1e6, far from float32's
 # 3e38, and a 100x boost of every seen token is already past any useful setting
 MIN_REPETITION_PENALTY = 0.01
+_GC = {f.name: f for f in dataclasses.fields(GenerationConfig)}
+
+# Where the API's rule differs from GenerationConfig's, per GenerationConfig field: the bounds that replace
+# its own (a lower bound replaces its lower bound, an upper its upper) and what a boundary value means.
+OPENAI_RULES: dict[str, dict[str, Any]] = {
+    "temperature": {"le": 2},  # OpenAI's upper bound; below MIN_TEMPERATURE greedy, as GenerationConfig's
+    "top_k": {"ge": -1, "note": "-1 or 0 = off"},  # vLLM's extension: -1 is its "off"
+    "max_new_tokens": {"ge": CLI_AT_LEAST["max_new_tokens"]},  # asked to generate nothing: a mistake
+    # a server guard on top of GenerationConfig's > 0 (MIN_REPETITION_PENALTY); 10 is vLLM's upper bound
+    "repetition_penalty": {"ge": MIN_REPETITION_PENALTY, "le": 10},
+    # GenerationConfig takes any int; torch's generators take a 64-bit seed, signed or not
+    "seed": {"ge": -(2 ** 63), "le": 2 ** 64 - 1},
+}
 
 
-@dataclass
-class ServeSettings:
-    max_waiting: int = 64  # queued requests beyond the running batch before 429
-    max_tokens_cap: int = 1024  # chat requests without max_tokens: at most this many (and what fits)
+def api_bounds(name: str) -> dict[str, Any]:
+    """GenerationConfig.<name>'s bounds (ge / gt / le / note) with OPENAI_RULES' over them."""
+    meta = _GC[name].metadata
+    bounds = {k: meta.get(k) for k in ("ge", "gt", "le", "note")}
+    rule = OPENAI_RULES.get(name, {})
+    if "ge" in rule or "gt" in rule:
+        bounds["ge"], bounds["gt"] = rule.get("ge"), rule.get("gt")
+    bounds.update({k: v for k, v in rule.items() if k in ("le", "note")})
+    return bounds
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def describe(name: str) -> str:
+    """A GenerationConfig field's API bounds in words (GenerationConfig's own wording: bounds_text)."""
+    return bounds_text(dataclasses.field(metadata=api_bounds(name)))
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def setting(name: str) -> Any:
+    """The pydantic field of the API setting that is GenerationConfig.<name>: its help text and bounds."""
+    b = api_bounds(name)
+    return Field(None, description=_GC[name].metadata["help"],
+                 **{k: b[k] for k in ("ge", "gt", "le") if b[k] is not None})
 
 
-def check_text(body: dict) -> None:
-    """400 for a string holding a lone UTF-16 surrogate ("\\ud800" is legal JSON, but no text: the tokenizer
-    cannot encode it), naming the field it is in."""
-    for name, value in body.items():
-        try:
-            json.dumps({name: value}, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as e:
-            bad = e.object[e.start:e.end].encode("unicode_escape").decode("ascii")
-            raise APIError(400, f"'{name}' holds a lone surrogate ({bad}), which is not text", name,
-                           "invalid_value") from None
-
-
-def field(body: dict, name: str, check, what: str, default: Any = None) -> Any:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not check(v):
-        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(v)[:60]}", name, "invalid_type")
-    return v
-
-
-def _range(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise APIError(400, f"'{name}' {message}", name, "invalid_value")
-
-
-def _refuse_unsupported(body: dict, chat: bool) -> None:
-    """400 for OpenAI fields this server does not implement, set to anything but their "off" value: answering
-    as if they had been honoured would be worse (a logit_bias or a JSON response_format silently ignored)."""
-    off: dict[str, tuple] = {
-        "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
-        "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
-        "top_logprobs": (None, 0),
-        # chat's logprobs is a switch; completions' an int, where 0 asks for the sampled token's logprob
-        "logprobs": (None, False) if chat else (None,)}
-    for name, values in off.items():
-        v = body.get(name)
-        if not any(v is a or (type(v) is type(a) and v == a) for a in values):
-            raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError(400, "'response_format' is not supported by this server (only {\"type\": \"text\"})",
-                       "response_format", "unsupported")
-
-
+# API field -> the GenerationConfig field whose rule it follows (for the error message's bounds)
+SETTING_OF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+              "repetition_penalty": "repetition_penalty", "seed": "seed", "max_tokens": "max_new_tokens",
+              "max_completion_tokens": "max_new_tokens", "n": "num_return_sequences",
+              "best_of": "num_return_sequences"}
+# OpenAI fields this server does not implement, and their "off" values (a value, or a type's): set to
+# anything else they are refused, since answering as if they had been honoured would be worse (a logit_bias
+# or a JSON response_format silently ignored)
+UNSUPPORTED: dict[str, tuple] = {
+    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "top_logprobs": (None, 0)}
+# completions' logprobs is an int, where 0 asks for the sampled token's logprob; chat's a switch
+LOGPROBS_OFF = {"completions": (None,), "chat": (None, False)}
 # The sampling fields a folder's generation_config.json may set for the requests that leave them out (vLLM's
 # --generation-config auto: the same five); OpenAI's values where it does not.
 FOLDER_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
-class RequestChecks:
-    """A request body -> the prompt's token ids and the engine options, for one served model and engine."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool | None = None
 
-    def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
-        self.served, self.engine, self.settings = served, engine, settings
-        folder = served.model.generation_defaults()
-        self.sampling_defaults = {**OPENAI_SAMPLING, **{k: folder[k] for k in FOLDER_SAMPLING
-                                                         if folder.get(k) is not None}}
 
-    async def body(self, request: Request) -> dict:
-        try:
-            raw = await request.body()
-        except ClientDisconnect:  # nobody to answer; uvicorn would log a traceback for each such client
-            client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-            logging.getLogger("uvicorn.error").warning(
-                "%s went away before sending its whole request body", client
-            )
-            raise APIError(400, "the request body was cut short", None, "incomplete_body") from None
-        try:
-            body = json.loads(raw)
-        # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over 4300 digits;
-        # nesting too deep for the parser is a RecursionError: all of them a malformed body, not a server
-        # error
-        except (ValueError, RecursionError) as e:
-            raise APIError(
-                400, f"the request body is not valid JSON ({str(e)[:200]})", None, "invalid_json"
-            ) from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
-        check_text(body)
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise APIError(400, "'model' is required (a string: see GET /v1/models)", "model", "invalid_type")
-        if model != self.served.name:
-            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.served.name}'",
-                           "model", "model_not_found")
-        return body
+class _Body(BaseModel):
+    """What both endpoints take: the model, the sampling settings, stop strings, streaming."""
 
-    def options(self, body: dict, prompt_len: int, default_max: int | None) -> dict[str, Any]:
-        """Engine options of a request, checked; 400 for what cannot run."""
-        n = field(body, "n", _is_int, "an integer", 1)
-        _range(n == 1, "n", f"must be 1: this server returns one choice per request (got {n})")
-        if field(body, "best_of", _is_int, "an integer", 1) != 1:
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    model: str
+    temperature: float | None = setting("temperature")
+    top_p: float | None = setting("top_p")
+    top_k: int | None = setting("top_k")  # an extension from here on, as vLLM's
+    min_p: float | None = setting("min_p")
+    repetition_penalty: float | None = setting("repetition_penalty")
+    seed: int | None = setting("seed")
+    max_tokens: int | None = setting("max_new_tokens")
+    max_completion_tokens: int | None = setting("max_new_tokens")
+    n: int | None = setting("num_return_sequences")
+    best_of: int | None = setting("num_return_sequences")
+    presence_penalty: float | None = None  # OpenAI's [-2, 2]; only 0 here (check_supported)
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def check_supported(self, chat: bool = False) -> None:
+        """400 for what this server does not do: more than one choice, penalties, OpenAI's UNSUPPORTED
+        features, stop strings past OpenAI's four, stream_options without a stream."""
+        if self.n not in (None, 1):
+            raise APIError(400, f"'n' must be 1: this server returns one choice per request (got {self.n})",
+                           "n", "invalid_value")
+        if self.best_of not in (None, 1):
             raise APIError(400, "'best_of' > 1 is not supported", "best_of", "unsupported")
-        _refuse_unsupported(body, "messages" in body)
+        extra = self.model_extra or {}
+        off = {**UNSUPPORTED, "logprobs": LOGPROBS_OFF["chat" if chat else "completions"]}
+        for name, values in off.items():
+            v = extra.get(name)
+            if not any(v is a or (type(v) is type(a) and v == a) for a in values):
+                raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported")
+        fmt = extra.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise APIError(400, "'response_format' is not supported by this server (only {\"type\": "
+                           "\"text\"})", "response_format", "unsupported")
         for name in ("presence_penalty", "frequency_penalty"):
-            v = field(body, name, _is_num, "a number", 0)
-            _range(v == 0, name, "is not supported (only 0)")
-        # each sampling field: the request's value, else the folder's default, else OpenAI's
-        # (sampling_defaults)
-        d = self.sampling_defaults
-        temperature = field(body, "temperature", _is_num, "a number", d["temperature"])
-        _range(0 <= temperature <= 2, "temperature", f"must be in [0, 2], got {temperature}")
-        top_p = field(body, "top_p", _is_num, "a number", d["top_p"])
-        _range(0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p}")
-        top_k = field(body, "top_k", _is_int, "an integer", d["top_k"])  # extensions from here, as vLLM's
-        _range(top_k >= -1, "top_k", f"must be -1 or 0 (off) or >= 1, got {top_k}")
-        min_p = field(body, "min_p", _is_num, "a number", d["min_p"])
-        _range(0 <= min_p <= 1, "min_p", f"must be in [0, 1], got {min_p}")
-        repetition = field(body, "repetition_penalty", _is_num, "a number", d["repetition_penalty"])
-        # bounded below too: seen logits are divided by it, and 1e-300 made them inf (then NaN probabilities)
-        _range(MIN_REPETITION_PENALTY <= repetition <= 10, "repetition_penalty",
-               f"must be in [{MIN_REPETITION_PENALTY}, 10], got {repetition}")
-        seed = field(body, "seed", _is_int, "an integer")
-        _range(seed is None or -(2 ** 63) <= seed < 2 ** 64, "seed", f"must be a 64-bit integer, got {seed}")
-        stop = field(body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(
-            isinstance(s, str) for s in v)), "a string or a list of strings")
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        _range(len(stop) <= 4 and all(stop), "stop", "takes at most 4 non-empty strings")
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = field(body, name, _is_int, "an integer")
-        _range(max_tokens is None or max_tokens > 0, name, f"must be > 0, got {max_tokens}")
-        ctx = self.engine.context
-        if ctx is not None and prompt_len >= ctx:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; the model's context is {ctx}",
-                           "messages" if "messages" in body else "prompt", "context_length_exceeded")
-        given = max_tokens is not None
-        if not given:  # the default: at most what the context and the KV pool leave (at least 1)
-            max_tokens = default_max if default_max is not None else self.settings.max_tokens_cap
-            max_tokens = max(1, min(max_tokens, self.engine.room(prompt_len)))
-        try:
-            self.engine.check_request(prompt_len, max_tokens)
-        except ValueError as e:
-            # without max_tokens the request asked for what fits: the prompt alone does not, and is what to
-            # change
-            prompt_field = "messages" if "messages" in body else "prompt"
-            raise APIError(400, f"{e}: lower max_tokens or shorten the prompt" if given else
-                           f"{e}: the prompt of {prompt_len} tokens alone does not fit; shorten it",
-                           name if given else prompt_field, "context_length_exceeded") from None
-        # every setting explicit, "off" included: the engine applies a request's options over its own base
-        # config (build_engine: the folder's token ids only), and an option left out would keep that base's
-        # value
-        opts: dict[str, Any] = {
-            "max_new_tokens": max_tokens,
-            "seed": seed,
-            # below: greedy, the limit (GenerationConfig.sampling)
-            "do_sample": temperature >= MIN_TEMPERATURE,
-            "temperature": float(temperature),
-            "top_p": float(top_p),
-            "top_k": max(top_k, 0),
-            "min_p": float(min_p),
-            "repetition_penalty": float(repetition),
-        }
-        if stop:
-            opts["stop_strings"] = stop
-        return opts
+            if getattr(self, name) not in (None, 0):
+                raise APIError(400, f"'{name}' is not supported (only 0)", name, "invalid_value")
+        if not (len(self.stop_strings) <= 4 and all(self.stop_strings)):
+            raise APIError(400, "'stop' takes at most 4 non-empty strings", "stop", "invalid_value")
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
+            raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
+                           "invalid_value")
 
-    def prompt_ids(self, body: dict) -> list[int]:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str):
-            if not p:
-                raise APIError(400, "'prompt' is empty", "prompt", "invalid_value")
-            ids = self.served.codec.encode(p)
-            if not ids:
-                raise APIError(400, "'prompt' encodes to no tokens", "prompt", "invalid_value")
-            return ids
-        if isinstance(p, list) and p and all(_is_int(t) for t in p):
-            V = self.served.model.output_vocab_size
-            bad = [t for t in p if not 0 <= t < V]
-            _range(not bad, "prompt", f"has token ids outside the vocabulary 0..{V - 1}: {bad[:5]}")
-            return list(p)
-        if p is None or p == [] or p == "":
-            raise APIError(400, "'prompt' is required and must not be empty", "prompt", "invalid_value")
-        raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
-                       "prompt", "invalid_type")
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def chat_ids(self, body: dict) -> list[int]:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise APIError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
-        clean = []
-        for i, m in enumerate(msgs):
-            content = m.get("content") if isinstance(m, dict) else None
-            # OpenAI's content parts: text ones joined (as vLLM), others refused
-            if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise APIError(
-                        400,
-                        f'messages[{i}].content: only text parts ({{"type": "text", "text": '
-                        "...}) are supported by this server",
-                        f"messages[{i}]",
-                        "unsupported",
-                    )
-                content = "\n".join(p["text"] for p in content)
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
-                raise APIError(
-                    400,
-                    f"messages[{i}] must be an object with string 'role' and 'content' (a string "
-                    "or a list of text parts)",
-                    f"messages[{i}]",
-                    "invalid_type",
-                )
-            clean.append({"role": m["role"], "content": content})
-        if not self.served.codec.has_chat_template:
-            raise APIError(400, f"the model '{self.served.name}' has no chat template: use /v1/completions",
-                           "messages", "no_chat_template")
-        try:
-            ids = self.served.codec.chat_prompt(clean)
-        except Exception as e:  # a template's own raise_exception (e.g. roles must alternate)
-            raise APIError(
-                400, f"the chat template rejected the messages: {e}", "messages", "invalid_value"
-            ) from None
-        if not ids:
-            raise APIError(400, "the rendered chat prompt is empty", "messages", "invalid_value")
-        return ids
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The name the request gave its length under (OpenAI's newer max_completion_tokens wins)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_generation_config(self, defaults: Mapping[str, Any] | None = None,
+                             max_new_tokens: int | None = None) -> GenerationConfig:
+        """The request's settings as the engine's GenerationConfig, every sampling setting explicit ("off"
+        included: the engine applies a request's config over its own base, and a setting left out would keep
+        the base's). A sampling field the request leaves out takes `defaults` (the folder's, else OpenAI's:
+        RequestChecks.sampling_defaults); max_new_tokens: the length when the request gives none."""
+        d = {**OPENAI_SAMPLING, **(defaults or {})}
+        pick = {k: getattr(self, k) if getattr(self, k) is not None else d[k] for k in FOLDER_SAMPLING}
+        length = self.max_new_tokens if self.max_new_tokens is not None else max_new_tokens
+        return GenerationConfig(
+            max_new_tokens=length, seed=self.seed,
+            do_sample=pick["temperature"] >= MIN_TEMPERATURE,  # below: greedy, the limit (.sampling)
+            temperature=float(pick["temperature"]), top_p=float(pick["top_p"]),
+            top_k=max(pick["top_k"], 0),  # OpenAI's -1 is GenerationConfig's 0: no top-k
+            min_p=float(pick["min_p"]), repetition_penalty=float(pick["repetition_penalty"]),
+            stop_strings=self.stop_strings or None)
 
 
-def stream_settings(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage) of a request, checked."""
-    stream = field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
-    so = field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    if body.get("stream_options") is not None and not stream:  # as OpenAI and vLLM answer it
-        raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
-                       "invalid_value")
-    include_usage = so.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):  # "no" is not false
-        raise APIError(400, f"'stream_options.include_usage' must be a boolean, got "
-                       f"{json.dumps(include_usage)[:60]}", "stream_options", "invalid_type")
-    return stream, bool(include_usage)
+class CompletionRequest(_Body):
+    """POST /v1/completions: one prompt, text or token ids (a batch of one is taken too)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    url: str
+    detail: str | None = None  # OpenAI's resolution hint; a LLaVA model has one resolution
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+    @property
+    def text(self) -> str:
+        """The content's text: its text parts joined with newlines (as vLLM)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    @property
+    def images(self) -> list[str]:
+        """The URLs of the content's image parts, in order."""
+        return [] if isinstance(self.content, str) else [
+            p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+
+class ChatCompletionRequest(_Body):
+    """POST /v1/chat/completions: the conversation, rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def parse(body: dict, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+    """The request of a JSON object, checked; an APIError (400) naming the first field that is wrong."""
+    cls = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        request = cls.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = errors[0]["loc"][:1]
+        # a union (a message's content: a string or a list of parts) reports one error per member: the one
+        # that got furthest into the value says what is wrong
+        worst = max((x for x in errors if x["loc"][:1] == first), key=lambda x: len(x["loc"]))
+        raise _api_error(worst) from None
+    request.check_supported(chat)
+    return request
+
+
+MESSAGE_SHAPE = ("an object with string 'role' and 'content' (a string or a list of parts: {\"type\": "
+                 "\"text\", \"text\": ...} or {\"type\": \"image_url\", \"image_url\": {\"url\": ...}})")
+
+
+def _api_error(err: dict[str, Any]) -> APIError:
+    """One pydantic error as OpenAI's 400: the field as `param`, the broken rule in words."""
+    loc = err["loc"]
+    name = str(loc[0]) if loc else None
+    got = json.dumps(err.get("input"), default=str)[:60]
+    kind = "invalid_value" if "ctx" in err or err["type"] == "too_short" else "invalid_type"
+    if name == "messages":
+        if len(loc) == 1:
+            return APIError(400, f"'messages' must be a non-empty list, got {got}", name, kind)
+        param = f"messages[{loc[1]}]"
+        code = "unsupported" if err["type"] == "union_tag_invalid" else "invalid_type"
+        where = ".".join(str(p) for p in loc[2:] if not str(p).startswith(("str", "list[")))
+        return APIError(400, f"{param} must be {MESSAGE_SHAPE} ({where or 'message'}: {err['msg']})",
+                        param, code)
+    if name == "prompt":
+        return APIError(400, "'prompt' is required and must not be empty" if err["type"] == "missing" else
+                        "'prompt' must be a string or a list of token ids (one prompt per request)", name,
+                        "invalid_value" if err["type"] == "missing" else "invalid_type")
+    if err["type"] == "missing":
+        return APIError(400, f"'{name}' is required", name, "invalid_type")
+    if name in SETTING_OF:
+        number = "an integer" if _GC[SETTING_OF[name]].type in ("int", "int | None") else "a number"
+        bounds = describe(SETTING_OF[name])
+        return APIError(400, f"'{name}' must be {number}{' ' + bounds if bounds else ''}, got {got}", name,
+                        kind)
+    # stream_options.include_usage, stop.0 (a union's member names left out)
+    field = ".".join(str(p) for p in loc if not str(p).startswith(("str", "list[")))
+    return APIError(400, f"'{field}': {err['msg']}, got {got}", name, kind)

@@ -28,13 +28,14 @@ class Ticket:
     key: int
     prompt_len: int
     loop: asyncio.AbstractEventLoop
-    # ("token", id) ... then ("done", reason), or ("failed", why) (this request), or ("error", why) (the engine
-    # died): delivered, not yet read
+    # ("token", id) ... then ("done", reason), or ("failed", why) (this request), or ("error", why) (the
+    # engine died): delivered, not yet read
     items: list = field(default_factory=list)
     waiter: asyncio.Future | None = None  # the handler waits on it for items (event-loop thread only)
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     released: bool = False  # the handler is done with it (API.release)
+    worker: Any = None  # what runs it: an EngineWorker, or a VisionWorker (vision.py) for image requests
 
     def wake(self) -> None:
         """Wake the handler waiting for items (event-loop thread)."""
@@ -57,11 +58,13 @@ class EngineWorker:
         self._tickets: dict[int, Ticket] = {}  # engine request id -> ticket (engine thread only)
         self._by_key: dict[int, int] = {}  # ticket key -> engine request id (engine thread only)
         self._next_key = 0
-        self._outbox: list[tuple[Ticket, tuple]] = []  # items of this step, sent together by _flush (engine thread)
+        # items of this step, sent together by _flush (engine thread)
+        self._outbox: list[tuple[Ticket, tuple]] = []
         self._lock = threading.Lock()
         self.stats: dict[str, Any] = engine.stats()  # a snapshot, refreshed after every step
         self.error: BaseException | None = None
-        self.on_error: Callable[[BaseException], None] | None = None  # called on the engine thread when it dies
+        # called on the engine thread when it dies
+        self.on_error: Callable[[BaseException], None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="qkv-engine", daemon=True)
 
@@ -83,7 +86,7 @@ class EngineWorker:
         with self._lock:
             key = self._next_key
             self._next_key += 1
-        t = Ticket(key, len(prompt), asyncio.get_running_loop())
+        t = Ticket(key, len(prompt), asyncio.get_running_loop(), worker=self)
         self._commands.put(("add", t, prompt, options))
         return t
 
@@ -136,7 +139,8 @@ class EngineWorker:
             done = self.engine.pop_finished(rid)
             if t is not None:
                 self._by_key.pop(t.key, None)
-                self._send(t, ("failed", error) if error is not None else ("done", done[1] if done else "cancelled"))
+                reason = done[1] if done else "cancelled"
+                self._send(t, ("failed", error) if error is not None else ("done", reason))
 
     def _run(self) -> None:
         try:

@@ -62,7 +62,8 @@ class LMOptions:
     seed: int = 0
     sample_prompt: str = "\n"  # where samples() starts generating
     sample_tokens: int = 200  # tokens generated per sample
-    temperature: float = 0.8  # sampling temperature for samples()
+    # samples()' sampling, by GenerationConfig's rule (validate): temperature 0 is greedy, top_k 0 or None off
+    temperature: float = 0.8
     top_k: int | None = None  # sample only among the top k tokens
 
     def validate(self) -> None:
@@ -76,12 +77,12 @@ class LMOptions:
             raise ConfigError(f"context must be at least 2 tokens, got {self.context}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ConfigError(f"temperature must be a positive number, got {self.temperature}")
         if self.sample_tokens < 0:
             raise ConfigError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"top_k must be at least 1 (or unset), got {self.top_k}")
+        try:  # the rule `qkv generate`, `qkv chat` and the server hold sampling to
+            GenerationConfig(temperature=self.temperature, top_k=self.top_k)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("GenerationConfig.", "")) from None
 
 
 class LMTask(Task):

@@ -1,0 +1,163 @@
+"""Reading a request: the JSON body into its model (requests.py), then what needs the served model and the
+engine: the prompt's token ids (or the chat template's) and the engine options, checked against the context
+and the KV pool. Every check raises APIError with OpenAI's error shape, naming the field, so a bad request
+gets a 400 and never reaches the engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+from torch import Tensor
+
+from qkv.generate.engine import Engine
+from qkv.serve import images
+from qkv.serve.errors import APIError
+from qkv.serve.model import Served
+from qkv.serve.requests import (
+    FOLDER_SAMPLING,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
+
+
+@dataclass
+class ServeSettings:
+    max_waiting: int = 64  # queued requests beyond the running batch before 429
+    max_tokens_cap: int = 1024  # chat requests without max_tokens: at most this many (and what fits)
+
+
+def check_text(body: dict) -> None:
+    """400 for a string holding a lone UTF-16 surrogate ("\\ud800" is legal JSON, but no text: the tokenizer
+    cannot encode it), naming the field it is in."""
+    for name, value in body.items():
+        try:
+            json.dumps({name: value}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start:e.end].encode("unicode_escape").decode("ascii")
+            raise APIError(400, f"'{name}' holds a lone surrogate ({bad}), which is not text", name,
+                           "invalid_value") from None
+
+
+async def read_json(request: Request) -> dict:
+    """The request's body as a JSON object; 400 for a body cut short, not JSON, or not an object."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # nobody to answer; uvicorn would log a traceback for each such client
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        logging.getLogger("uvicorn.error").warning("%s went away before sending its whole request body",
+                                                   client)
+        raise APIError(400, "the request body was cut short", None, "incomplete_body") from None
+    try:
+        body = json.loads(raw)
+    # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over 4300 digits; nesting
+    # too deep for the parser is a RecursionError: all of them a malformed body, not a server error
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]})", None,
+                       "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+class RequestChecks:
+    """A request body -> the prompt's token ids and the engine options, for one served model and engine."""
+
+    def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
+        self.served, self.engine, self.settings = served, engine, settings
+        folder = served.model.generation_defaults()
+        # each sampling field: the request's value, else the folder's default, else OpenAI's
+        self.sampling_defaults = {k: folder[k] for k in FOLDER_SAMPLING if folder.get(k) is not None}
+
+    async def body(self, request: Request, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+        """The request's body, read and checked: the model's name first (a 404 for another model)."""
+        body = await read_json(request)
+        check_text(body)
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise APIError(400, "'model' is required (a string: see GET /v1/models)", "model", "invalid_type")
+        if model != self.served.name:
+            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.served.name}'",
+                           "model", "model_not_found")
+        return parse(body, chat)
+
+    def options(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                default_max: int | None) -> dict[str, Any]:
+        """Engine options of a request (its GenerationConfig's settings), checked against the context and the
+        KV pool; 400 for what cannot run."""
+        prompt_field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        ctx = self.engine.context
+        if ctx is not None and prompt_len >= ctx:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the model's context is {ctx}",
+                           prompt_field, "context_length_exceeded")
+        max_tokens = body.max_new_tokens
+        given = max_tokens is not None
+        if not given:  # the default: at most what the context and the KV pool leave (at least 1)
+            max_tokens = default_max if default_max is not None else self.settings.max_tokens_cap
+            max_tokens = max(1, min(max_tokens, self.engine.room(prompt_len)))
+        try:
+            self.engine.check_request(prompt_len, max_tokens)
+        except ValueError as e:
+            # without max_tokens the request asked for what fits: the prompt alone does not, and is what to
+            # change
+            raise APIError(400, f"{e}: lower max_tokens or shorten the prompt" if given else
+                           f"{e}: the prompt of {prompt_len} tokens alone does not fit; shorten it",
+                           body.max_tokens_field if given else prompt_field,
+                           "context_length_exceeded") from None
+        return body.to_generation_config(self.sampling_defaults, max_tokens).explicit()
+
+    def prompt_ids(self, body: CompletionRequest) -> list[int]:
+        p = body.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "'prompt' is empty", "prompt", "invalid_value")
+            ids = self.served.codec.encode(p)
+            if not ids:
+                raise APIError(400, "'prompt' encodes to no tokens", "prompt", "invalid_value")
+            return ids
+        if p and all(isinstance(t, int) for t in p):
+            V = self.served.model.output_vocab_size
+            bad = [t for t in p if not 0 <= t < V]
+            if bad:
+                raise APIError(400, f"'prompt' has token ids outside the vocabulary 0..{V - 1}: {bad[:5]}",
+                               "prompt", "invalid_value")
+            return list(p)
+        if not p:
+            raise APIError(400, "'prompt' is required and must not be empty", "prompt", "invalid_value")
+        raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+                       "prompt", "invalid_type")
+
+    def chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], Tensor | None]:
+        """The chat template's ids of the messages, and their images' pixel values (None: no image). A
+        vision-language model's messages go to the template as lists of parts, each image as
+        {"type": "image"} (images.py)."""
+        vision = self.served.images is not None
+        for i, m in enumerate(body.messages):
+            if m.images and not vision:
+                raise APIError(400, f"messages[{i}]: image parts need a vision-language model; "
+                               f"'{self.served.name}' takes text only", f"messages[{i}]", "unsupported")
+        if not self.served.codec.has_chat_template:
+            raise APIError(400, f"the model '{self.served.name}' has no chat template: use /v1/completions",
+                           "messages", "no_chat_template")
+        pixels = images.pixel_values(body, self.served.images) if vision else None
+        messages = images.template_messages(body) if vision else [
+            {"role": m.role, "content": m.text} for m in body.messages]
+        try:
+            ids = self.served.codec.chat_prompt(messages)
+        except Exception as e:  # a template's own raise_exception (e.g. roles must alternate)
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages",
+                           "invalid_value") from None
+        if not ids:
+            raise APIError(400, "the rendered chat prompt is empty", "messages", "invalid_value")
+        if vision:
+            ids = images.expand_placeholders(ids, self.served.model, 0 if pixels is None else len(pixels))
+        return ids, pixels

@@ -1,0 +1,99 @@
+"""OpenAI's image_url content parts for a vision-language (LLaVA) model: `data:` URLs only.
+
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0..."}}
+
+The server never fetches a URL (an http(s) address would let any client make it connect anywhere), so any
+other scheme is a 400, as is a payload that is not base64 or not a PNG / JPEG image. The conversation is
+rendered as qkv chat --image renders it (chat_vision.py): every message as a list of parts for the chat
+template ({"type": "image"} where an image was, {"type": "text", ...}), each image token the template
+writes expanded to the model's image_tokens placeholders, which the image's patch embeddings replace at the
+prefill.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+from typing import Any
+
+from torch import Tensor
+
+from qkv.serve.errors import APIError
+from qkv.serve.requests import ChatCompletionRequest, ImagePart
+
+FORMATS = ("PNG", "JPEG")  # what PIL must find in a data URL's bytes
+
+
+def decode_data_url(url: str, param: str) -> Any:
+    """The PIL image of a `data:image/...;base64,...` URL; a 400 naming `param` for anything else."""
+    from PIL import Image, UnidentifiedImageError
+
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme != "data":
+        what = f"a {scheme}: URL" if scheme else "not a data: URL"
+        raise APIError(400, f"{param}: {what}; this server never fetches URLs: send the image inline as "
+                       "data:image/png;base64,... or data:image/jpeg;base64,...", param, "unsupported")
+    header, sep, payload = url[len("data:"):].partition(",")
+    if not sep or not header.lower().endswith(";base64"):
+        raise APIError(400, f"{param}: a data: URL must be base64 (data:image/png;base64,...)", param,
+                       "invalid_value")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise APIError(400, f"{param}: the data: URL is not valid base64 ({e})", param,
+                       "invalid_value") from None
+    try:
+        with warnings.catch_warnings():
+            # a huge image: refused, not decoded
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(raw)) as im:
+                fmt = im.format
+                im.load()
+                image = im.copy()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as e:
+        raise APIError(400, f"{param}: the data: URL does not hold a readable image ({e})", param,
+                       "invalid_value") from None
+    if fmt not in FORMATS:
+        raise APIError(400, f"{param}: a {fmt} image; only PNG and JPEG are taken", param, "invalid_value")
+    return image
+
+
+def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as a multimodal chat template reads them: a list of parts each, images as
+    {"type": "image"}."""
+    out = []
+    for m in body.messages:
+        parts = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else [
+            {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+            for p in m.content]
+        out.append({"role": m.role, "content": parts})
+    return out
+
+
+def pixel_values(body: ChatCompletionRequest, processor: Any) -> Tensor | None:
+    """The request's images, in order, preprocessed for the model (n, 3, H, W); None without images."""
+    images = [decode_data_url(url, f"messages[{i}]") for i, m in enumerate(body.messages) for url in m.images]
+    if not images:
+        return None
+    try:
+        return processor(images)
+    except ValueError as e:  # a preprocessing step the image cannot take (e.g. smaller than the crop)
+        raise APIError(400, f"the image cannot be preprocessed for this model: {e}", "messages",
+                       "invalid_value") from None
+
+
+def expand_placeholders(ids: list[int], model: Any, n_images: int) -> list[int]:
+    """The template's image tokens expanded to image_tokens placeholders each; a 400 unless there is exactly
+    one per image (a template that writes none, or an image token typed into the text)."""
+    from qkv.interop.llava import expand_image_tokens
+
+    c = model.config
+    found = sum(1 for i in ids if i == c.image_token_id)
+    if found != n_images:
+        raise APIError(400, f"the rendered prompt holds {found} image token(s) for {n_images} image(s): the "
+                       "chat template must write one per image part, and the text none", "messages",
+                       "invalid_value")
+    return expand_image_tokens(ids, c.image_token_id, c.image_tokens)
