@@ -8,12 +8,12 @@ from dataclasses import fields
 
 import pytest
 
-from qkv.cli.flags import CLI_AT_LEAST, check_generation, option
+from qkv.cli.flags import check_generation, option
 from qkv.cli.generate import CHAT_FLAGS, GENERATE_FLAGS
 from qkv.cli.main import build_parser, main
 from qkv.config import ConfigError, check_flag_keys, parse_overrides
 from qkv.generate import GenerationConfig
-from qkv.generate.config import bounds_text
+from qkv.generate.config import REQUEST_AT_LEAST, bounds_text
 
 
 def _subparser_help(command: str) -> str:
@@ -34,7 +34,7 @@ def test_flag_help_and_bounds_come_from_generation_config(command, names):
         f = by_name[name]
         assert option(name) in text
         assert " ".join(f.metadata["help"].split()) in text, name
-        bounds = f"at least {CLI_AT_LEAST[name]}" if name in CLI_AT_LEAST else bounds_text(f)
+        bounds = f"at least {REQUEST_AT_LEAST[name]}" if name in REQUEST_AT_LEAST else bounds_text(f)
         assert bounds in text, (name, bounds)
 
 
@@ -42,7 +42,7 @@ def test_flag_help_and_bounds_come_from_generation_config(command, names):
                                         ("top_p", 0.0), ("top_p", 1.5), ("num_beams", 0),
                                         ("no_repeat_ngram_size", -2), ("max_new_tokens", 0)])
 def test_a_flag_out_of_range_is_generation_configs_error_with_the_flags_name(name, value):
-    if name not in CLI_AT_LEAST:  # the library refuses it too, with the same words
+    if name not in REQUEST_AT_LEAST:  # the library refuses it too, with the same words
         with pytest.raises(ConfigError, match=f"GenerationConfig.{name} must be"):
             GenerationConfig(**{name: value})
     with pytest.raises(ConfigError, match=f"^{option(name)} must be"):

@@ -17,9 +17,6 @@ from typing import Any
 
 from qkv.config import ConfigError
 
-# the command line's one rule beyond GenerationConfig's: a command asked to generate nothing is a mistake (the
-# library takes 0: an engine request that only reads its prompt)
-CLI_AT_LEAST = {"max_new_tokens": 1}
 _TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
 
 
@@ -32,7 +29,7 @@ def add_generation_flags(p: argparse.ArgumentParser, names: tuple[str, ...],
                          defaults: dict[str, str] | None = None) -> None:
     """One flag per named numeric GenerationConfig field. `defaults` says, per field, what applies when the
     flag is not given in this command (the only text written here)."""
-    from qkv.generate.config import GenerationConfig, bounds_text
+    from qkv.generate.config import REQUEST_AT_LEAST, GenerationConfig, bounds_text
 
     by_name = {f.name: f for f in fields(GenerationConfig)}
     for name in names:
@@ -40,7 +37,7 @@ def add_generation_flags(p: argparse.ArgumentParser, names: tuple[str, ...],
         kind = _TYPES.get(str(f.type))
         if kind is None:
             raise TypeError(f"GenerationConfig.{name} ({f.type}) is not a numeric setting")
-        bounds = f"at least {CLI_AT_LEAST[name]}" if name in CLI_AT_LEAST else bounds_text(f)
+        bounds = f"at least {REQUEST_AT_LEAST[name]}" if name in REQUEST_AT_LEAST else bounds_text(f)
         text = f.metadata["help"] + (f"; {bounds}" if bounds else "")
         if defaults and name in defaults:
             text += f" (default: {defaults[name]})"
@@ -58,11 +55,11 @@ def generation_flags(a: argparse.Namespace, names: tuple[str, ...]) -> dict[str,
 def check_generation(given: dict[str, Any]) -> None:
     """Build a GenerationConfig of `given` alone, its error said with the flag's name (`--top-p must be in
     (0, 1], got 2.0`)."""
-    from qkv.generate.config import GenerationConfig
+    from qkv.generate.config import REQUEST_AT_LEAST, GenerationConfig
 
     for name, value in given.items():  # one field at a time: the error names the flag that broke the rule
-        if name in CLI_AT_LEAST and value < CLI_AT_LEAST[name]:
-            raise ConfigError(f"{option(name)} must be at least {CLI_AT_LEAST[name]}, got {value}")
+        if name in REQUEST_AT_LEAST and value < REQUEST_AT_LEAST[name]:
+            raise ConfigError(f"{option(name)} must be at least {REQUEST_AT_LEAST[name]}, got {value}")
         try:
             GenerationConfig(**{name: value})
         except ConfigError as e:

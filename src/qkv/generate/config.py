@@ -30,6 +30,9 @@ DEFAULT_MAX_NEW_TOKENS = 32
 # turns every score into +-inf and the sampler's probabilities into NaN). vLLM draws the line at the same
 # place.
 MIN_TEMPERATURE = 1e-5
+# a user's request's one rule beyond the library's (the CLI and the server read it): asking for no new tokens
+# is a mistake there, while the library takes 0 (an engine request that only reads its prompt)
+REQUEST_AT_LEAST = {"max_new_tokens": 1}
 
 # generation_config.json keys that say nothing about which tokens are produced: bookkeeping, and what to
 # return or which cache class to use

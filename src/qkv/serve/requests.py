@@ -17,8 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from qkv.cli.flags import CLI_AT_LEAST
-from qkv.generate.config import MIN_TEMPERATURE, GenerationConfig, bounds_text
+from qkv.generate.config import MIN_TEMPERATURE, REQUEST_AT_LEAST, GenerationConfig, bounds_text
 from qkv.serve.errors import APIError
 
 # the smallest repetition_penalty accepted: seen tokens' positive logits are divided by it, and 1e-300
@@ -32,7 +31,7 @@ _GC = {f.name: f for f in dataclasses.fields(GenerationConfig)}
 OPENAI_RULES: dict[str, dict[str, Any]] = {
     "temperature": {"le": 2},  # OpenAI's upper bound; below MIN_TEMPERATURE greedy, as GenerationConfig's
     "top_k": {"ge": -1, "note": "-1 or 0 = off"},  # vLLM's extension: -1 is its "off"
-    "max_new_tokens": {"ge": CLI_AT_LEAST["max_new_tokens"]},  # asked to generate nothing: a mistake
+    "max_new_tokens": {"ge": REQUEST_AT_LEAST["max_new_tokens"]},  # asked to generate nothing: a mistake
     # a server guard on top of GenerationConfig's > 0 (MIN_REPETITION_PENALTY); 10 is vLLM's upper bound
     "repetition_penalty": {"ge": MIN_REPETITION_PENALTY, "le": 10},
     # GenerationConfig takes any int; torch's generators take a 64-bit seed, signed or not
