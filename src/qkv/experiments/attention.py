@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 import torch
 from torch import Tensor, nn
 
 from qkv.experiments.diagnostics import HeadStat, flag_heads, head_stats
-from qkv.tasks.tokenizers import find_tokenizer
+from qkv.interop.tokenizer import bare_tokenizer
+from qkv.tasks.tokenizers import Tokenizer, find_tokenizer
 
 _FORWARD_ONLY = ("labels",)  # dropped: the maps need no loss
 
@@ -103,9 +105,9 @@ def tokenize(tokenizer_or_ids: Any, text: str | None) -> tuple[list[int], list[s
         return ids, [str(i) for i in ids]
     if text is None:
         raise ValueError("a tokenizer needs the input text")
-    enc = tok.encode(text)
-    if hasattr(enc, "ids"):  # tokenizers.Encoding
-        return list(enc.ids), list(enc.tokens)
+    if isinstance(tok, tokenizers.Tokenizer):  # a bare one: its encode gives an Encoding, not ids
+        tok = bare_tokenizer(tok)
+    enc = tok.encode(text)  # a TextTokenizer's ids, or a transformers tokenizer's (a list or a tensor)
     ids = [int(i) for i in (enc.tolist() if isinstance(enc, Tensor) else enc)]
     return ids, [_label(tok, i) for i in ids]
 
@@ -120,15 +122,15 @@ def _label(tok: Any, i: int) -> str:
                     return str(s)
             except Exception:  # noqa: BLE001  (a tokenizer without that id: fall back)
                 pass
-    if hasattr(tok, "decode"):
-        for kwargs in ({"skip_special": False}, {"skip_special_tokens": False}, {}):  # show <sep>, <eos>, ...
-            try:
-                s = str(tok.decode([i], **kwargs))
-                return s if s.strip() else repr(s)
-            except TypeError:
-                continue
-            except Exception:  # noqa: BLE001
-                break
+    # qkv's tokenizers name the flag skip_special, Hugging Face's skip_special_tokens: show <sep>, <eos>, ...
+    for kwargs in ({"skip_special": False}, {"skip_special_tokens": False}, {}):
+        try:
+            s = str(tok.decode([i], **kwargs))
+            return s if s.strip() else repr(s)
+        except TypeError:
+            continue
+        except Exception:  # noqa: BLE001  (no decode, or not for that id: the id itself)
+            break
     return str(i)
 
 
@@ -181,8 +183,7 @@ def _target_ids(tok: Any, text: str) -> list[int]:
     """A target sentence's ids as labels: the tokenizer's target side (Marian's target.spm) when it has one,
     with the special tokens its post-processor adds (as transformers' `text_target=`)."""
     encode = getattr(tok, "encode_target", None) or tok.encode
-    enc = encode(text)
-    return list(enc.ids) if hasattr(enc, "ids") else [int(i) for i in enc]
+    return [int(i) for i in encode(text)]
 
 
 # -- plotting ----------------------------------------------------------------------------------------------
@@ -338,7 +339,7 @@ def attention_from_checkpoint(checkpoint: str | Path, text: str, out_png: str | 
 
     model = model if model is not None else qkv.from_pretrained(checkpoint)
     tok = find_tokenizer(checkpoint)
-    unknown = tok.unknown_symbols(text + (target or "")) if hasattr(tok, "unknown_symbols") else []
+    unknown = tok.unknown_symbols(text + (target or "")) if isinstance(tok, Tokenizer) else []
     if unknown:
         shown = ", ".join(repr(u) for u in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
         warnings.warn(f"{len(unknown)} symbol(s) outside the model's vocabulary, drawn as <unk>: {shown}",

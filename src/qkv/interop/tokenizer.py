@@ -167,8 +167,12 @@ class HFTokenizer:
     """A Hugging Face folder's tokenizer (see the module docstring). Build it with `load_hf_tokenizer`."""
 
     def __init__(self, tokenizer: Any, config: Mapping[str, Any] | None = None,
-                 chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()) -> None:
+                 chat_template: str | None = None, extra_eos_ids: Iterable[int] = (),
+                 skip_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer
+        # decode()'s default: False as transformers' decode; True where the bare `tokenizers` object's
+        # default is what callers expect (find_tokenizer's folders)
+        self.skip_special_tokens = skip_special_tokens
         config = dict(config or {})
         self.config = config
         self.chat_template = chat_template
@@ -194,6 +198,18 @@ class HFTokenizer:
         self._end_of_turn: frozenset[int] | None = None
 
     # -- vocabulary ---------------------------------------------------------------------------------------
+    @property
+    def bos_id(self) -> int | None:
+        return self.bos_token_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.eos_token_id
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.pad_token_id
+
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -233,8 +249,9 @@ class HFTokenizer:
                 offsets.append((len(text), len(text)))
         return ids, offsets
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool | None = None) -> str:
+        skip = self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """An incremental decoder for streamed tokens (text is emitted once it is complete UTF-8)."""
@@ -399,3 +416,23 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
     tok = HFTokenizer(tokenizer, config, _chat_template(folder, config), extra)
     tok.chat_template_origin = str(folder)
     return tok
+
+
+def special_tokens_config(folder: Path) -> dict[str, Any]:
+    """The named special tokens of a folder's special_tokens_map.json / tokenizer_config.json (the latter wins);
+    a file that is missing or unreadable gives none (the tokenizer still encodes without them)."""
+    config: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            config.update(_read_json(folder / name))
+        except CheckpointError:
+            continue
+    return {k: v for k, v in config.items() if k in SPECIAL_NAMES}
+
+
+def bare_tokenizer(tokenizer: Any, config: Mapping[str, Any] | None = None) -> HFTokenizer:
+    """A `tokenizers.Tokenizer` as its own encode/decode behave: what its post-processor adds and nothing
+    more (no add_bos_token / add_eos_token from a config), special tokens skipped when decoding; `config`
+    names the special tokens (bos/eos/pad ids)."""
+    specials = {k: v for k, v in (config or {}).items() if k in SPECIAL_NAMES}
+    return HFTokenizer(tokenizer, specials, skip_special_tokens=True)

@@ -24,8 +24,7 @@ class TextCodec:
     eos_ids: set[int] = field(default_factory=set)
 
     def encode(self, text: str) -> list[int]:
-        enc = self.tokenizer.encode(text)
-        return list(enc.ids) if hasattr(enc, "ids") else list(enc)
+        return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         try:  # qkv tokenizers skip special tokens by default; HF (interop) ones take skip_special_tokens

@@ -6,8 +6,8 @@ package (the optional extra `qkv[seq2seq]`):
   T5 (slow files)    spiece.model (pieces and ids) + the sentinels <extra_id_N> after them, eos (</s>)
                      appended, as T5Tokenizer (only when config.json's model_type is "t5")
 
-encode(text) -> ids, decode(ids) -> text (special tokens skipped), the interface find_tokenizer's other
-tokenizers have. Folders with a tokenizer.json never come here (the `tokenizers` package reads those).
+encode(text) -> ids, decode(ids) -> text (special tokens skipped): each is a qkv.tokenizer.TextTokenizer, as
+find_tokenizer's other tokenizers are. Folders with a tokenizer.json never come here (the `tokenizers` package reads those).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class MarianSPTokenizer:
         self.pieces = {i: p for p, i in self.vocab.items()}
         self.eos_id, self.unk_id = self.vocab.get("</s>", 0), self.vocab.get("<unk>", 1)
         self.pad_id = self.vocab.get("<pad>", len(self.vocab) - 1)
+        self.bos_id: int | None = None  # Marian starts a target from pad, not a bos token
+        self.chat_template: str | None = None
         self.special = {self.eos_id, self.unk_id, self.pad_id}
 
     def encode(self, text: str) -> list[int]:
@@ -51,8 +53,12 @@ class MarianSPTokenizer:
         # a piece the SentencePiece model does not know comes back verbatim: its word marks become spaces
         return self.target.decode_pieces(pieces).replace("\u2581", " ").strip()
 
-    def get_vocab_size(self) -> int:
+    @property
+    def vocab_size(self) -> int:
         return len(self.vocab)
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
 
 
 class SPTokenizer:
@@ -61,6 +67,10 @@ class SPTokenizer:
     def __init__(self, path: Path) -> None:
         self.sp = _processor(path)
         self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else 1
+        # SentencePiece says -1 for a token the model does not have
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else None
+        self.chat_template: str | None = None
         self.special = {i for i in (self.sp.pad_id(), self.sp.eos_id(), self.sp.unk_id(), self.sp.bos_id()) if i >= 0}
 
     def encode(self, text: str) -> list[int]:
@@ -69,8 +79,12 @@ class SPTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([i for i in ids if i not in self.special and i < self.sp.get_piece_size()])
 
-    def get_vocab_size(self) -> int:
+    @property
+    def vocab_size(self) -> int:
         return int(self.sp.get_piece_size())
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
 
 
 class T5SPTokenizer(SPTokenizer):
@@ -132,7 +146,8 @@ class T5SPTokenizer(SPTokenizer):
         text = "".join(pieces).replace("\u2581", " ")
         return text[1:] if pieces and pieces[0].startswith("\u2581") else text
 
-    def get_vocab_size(self) -> int:
+    @property
+    def vocab_size(self) -> int:
         return int(self.sp.get_piece_size()) + len(self.added)
 
 
