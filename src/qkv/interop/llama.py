@@ -10,9 +10,10 @@ A second model class would copy GPT.forward and the decoder protocol for nothing
 The key map differs from HF's layout in one place: q_proj, k_proj and v_proj are stacked (in that order) into
 our fused qkv_proj, whose rows split as [n_heads * hd, n_kv * hd, n_kv * hd].
 
-Loading keeps the folder's dtype (fp32, bf16, fp16) and holds one copy of the weights: the model is built on
-the meta device, given uninitialised storage in that dtype, and filled tensor by tensor from the safetensors
-files, each file opened only while its tensors are copied (benchmarks/llm.py measures the peak).
+Loading keeps the folder's dtype (fp32, bf16, fp16) and holds one copy of the weights: the model is built with
+its parameters on the meta device (common.build_skeleton), given uninitialised storage in that dtype, and
+filled tensor by tensor from the safetensors files, each file opened only while its tensors are copied
+(benchmarks/llm.py measures the peak).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ import torch
 from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
+    build_skeleton,
     check_sizes,
     expand,
     export_state,
+    materialise,
     require,
     write_hf_folder,
 )
@@ -155,14 +158,12 @@ def key_map(config: GPTConfig) -> dict[str, str]:
 
 
 def _empty_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
-    """A GPT whose weights are uninitialised storage in `dtype` (nothing is computed or copied twice)."""
-    with torch.device("meta"):
-        model = GPT(config)  # init_weights on meta tensors costs nothing
-    model = model.to(dtype=dtype).to_empty(device="cpu")
-    if config.tie_embeddings:  # to_empty makes new parameters: tie them again
-        model.lm_head.weight = model.tok_emb.weight
-    # the RoPE tables are computed, not loaded: build them for real (to_empty left them uninitialised); the
-    # table grows on demand, so it starts at a few thousand positions, not the whole context
+    """A GPT whose weights are uninitialised storage in `dtype` (the package's one way: build_skeleton, so the
+    tied head stays tied and nothing is initialised or copied twice)."""
+    model = build_skeleton(lambda: GPT(config))
+    materialise(model, dtype)
+    # the RoPE tables stay float32 (rotate casts them per call) and start at a few thousand positions: the
+    # table grows on demand, and the whole context of a long-context model would hold memory for nothing
     model.decoder.position = build_position(
         "rope", d_model=config.d_model, n_heads=config.n_heads, max_len=min(config.context_length, 4096),
         rope_base=config.rope_base, rope_scaling=config.rope_scaling, head_dim=config.head_dim)
