@@ -18,6 +18,7 @@ filled tensor by tensor from the safetensors files, each file opened only while 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -160,10 +161,13 @@ def key_map(config: GPTConfig) -> dict[str, str]:
 def _empty_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
     """A GPT whose weights are uninitialised storage in `dtype` (the package's one way: build_skeleton, so the
     tied head stays tied and nothing is initialised or copied twice)."""
-    model = build_skeleton(lambda: GPT(config))
+    # built for at most 4096 positions, then given the real config: RoPE's table grows on demand, and a
+    # long-context model's whole table would cost time and memory for nothing (1.6 s, 192 MB at 128k)
+    start = dataclasses.replace(config, context_length=min(config.context_length, 4096))
+    model = build_skeleton(lambda: GPT(start))
+    model.config = config
     materialise(model, dtype)
-    # the RoPE tables stay float32 (rotate casts them per call) and start at a few thousand positions: the
-    # table grows on demand, and the whole context of a long-context model would hold memory for nothing
+    # the RoPE tables stay float32 (materialise cast them with the weights; rotate casts them per call)
     model.decoder.position = build_position(
         "rope", d_model=config.d_model, n_heads=config.n_heads, max_len=min(config.context_length, 4096),
         rope_base=config.rope_base, rope_scaling=config.rope_scaling, head_dim=config.head_dim)
