@@ -123,11 +123,6 @@ def vocab_size(ld: Loaded) -> int | None:
     return None
 
 
-def special_ids(ld: Loaded) -> dict[str, int | None]:
-    c = config(ld)
-    return {"bos": getattr(c, "bos_token_id", None), "eos": getattr(c, "eos_token_id", None)}
-
-
 def can_generate(ld: Loaded) -> bool:
     return ld.kind in ("decoder", "seq2seq", "audio")
 

@@ -48,10 +48,6 @@ MODEL_TYPE = "deepseek_v3"
 SWIGLU = (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
 
 
-def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
-    return dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-
-
 def _softmax_scale(hf: Mapping[str, Any], scaling: Mapping[str, Any] | None) -> float | None:
     """transformers' yarn_apply_mscale: with a scaled RoPE that gives mscale_all_dim, the softmax scale
     1/sqrt(qk_head_dim) is multiplied by yarn_mscale(factor, mscale_all_dim)^2 (None: the plain scale)."""
