@@ -49,16 +49,16 @@ Transform = Callable[[Tensor], Tensor]
 
 
 # -- config.json's sizes against the file, before anything is built ------------------------------------
-# (config.json field, its value, a file key, the dim of that key's shape the field sizes); dim None: the key is a
-# template with "{}" for the layer index, and the value is the number of layers
+# (config.json field, its value, a file key, the dim of that key's shape the field sizes); dim None: the key
+# is a template with "{}" for the layer index, and the value is the number of layers
 SizeCheck = tuple[str, Any, str, int | None]
 
 
 def check_sizes(state: Mapping[str, Tensor], source: str, checks: Iterable[SizeCheck]) -> None:
-    """Every size config.json gives (layers, width, vocabulary, positions, ...) against the file's tensor shapes,
-    read from its headers: a wrong field is named before a key map is expanded or a model built from it (a
-    config saying n_layer = 10**9 or vocab_size = 10**12 would otherwise allocate until memory runs out). A key
-    the file lacks is not checked here: the key map reports it as missing."""
+    """Every size config.json gives (layers, width, vocabulary, positions, ...) against the file's tensor
+    shapes, read from its headers: a wrong field is named before a key map is expanded or a model built from
+    it (a config saying n_layer = 10**9 or vocab_size = 10**12 would otherwise allocate until memory runs
+    out). A key the file lacks is not checked here: the key map reports it as missing."""
     config = Path(source).parent / "config.json"
     for field, value, key, dim in checks:
         if not isinstance(value, int) or isinstance(value, bool):
@@ -67,8 +67,10 @@ def check_sizes(state: Mapping[str, Tensor], source: str, checks: Iterable[SizeC
             layer = re.compile("^" + re.escape(key).replace(re.escape("{}"), r"(\d+)") + "$")
             found = {m.group(1) for k in state if (m := layer.match(k))}
             if value != len(found):
-                raise CheckpointError(f"{config}: {field} is {value!r}, but {source} holds {len(found)} layers "
-                                      f"(keys {key.replace('{}', 'N')!r})")
+                raise CheckpointError(
+                    f"{config}: {field} is {value!r}, but {source} holds {len(found)} layers "
+                    f"(keys {key.replace('{}', 'N')!r})"
+                )
             continue
         if key not in state:
             continue
@@ -109,8 +111,8 @@ def _check_names(hf_state: Mapping[str, Tensor], mapping: Mapping[str, str], ign
     unexpected = [k for k in hf_state if k not in mapping and not any(p.match(k) for p in ignored)]
     if unexpected:
         raise CheckpointError(
-            f"{source}: unexpected key {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more: "
-                                                            f"{unexpected[1:4]})" if len(unexpected) > 1 else "")
+            f"{source}: unexpected key {unexpected[0]!r}"
+            + (f" (and {len(unexpected) - 1} more: {unexpected[1:4]})" if len(unexpected) > 1 else "")
             + "; this architecture variant is not supported by the loader"
         )
 
@@ -132,7 +134,9 @@ def _groups(mapping: Mapping[str, str]) -> dict[str, list[str]]:
 
 def _check_concatenable(ours: str, hfs: list[str], shapes: list[tuple[int, ...]], source: str) -> None:
     if len(shapes) > 1 and len({s[1:] for s in shapes}) != 1:
-        raise CheckpointError(f"{source}: cannot concatenate {hfs} into {ours!r}: shapes {shapes} differ beyond dim 0")
+        raise CheckpointError(
+            f"{source}: cannot concatenate {hfs} into {ours!r}: shapes {shapes} differ beyond dim 0"
+        )
 
 
 def convert_state(
@@ -177,18 +181,19 @@ def load_hf_weights(
     source: str = "checkpoint",
     tied: Mapping[str, tuple[str, str]] | None = None,
 ) -> nn.Module:
-    """Fill `model` (a `build_skeleton`, or a built model) from `hf_state` (an HFTensors, or any mapping) through
-    `mapping`, holding one HF tensor at a time beside the model.
+    """Fill `model` (a `build_skeleton`, or a built model) from `hf_state` (an HFTensors, or any mapping)
+    through `mapping`, holding one HF tensor at a time beside the model.
 
     Everything is checked before a byte is read or a parameter allocated, from the tensors' shapes and dtypes
     (the transforms run on meta tensors to learn theirs): the names (missing / unexpected), that the pieces of
     a fused parameter concatenate, and check_state_fits (every parameter filled, every shape equal, errors
-    naming the file's keys). The dtype rule is load_converted's: a file whose floating tensors are all bf16 (or
-    all fp16) keeps that dtype, else the model's. Then each parameter gets its storage and is filled piece by
-    piece (a fused q/k/v is never concatenated: each piece is copied into its rows).
-    tied: {file key: (the file key it must equal, the error if it does not)}, for copies of tied tensors that a
-    file may store; checked after the copy, against the parameter the reference filled, so nothing is read twice.
-    An HFTensors is consumed: the tensors it holds in memory (a pickle's) are released as they are copied."""
+    naming the file's keys). The dtype rule, as transformers loads: a file whose floating tensors are all bf16
+    (or all fp16) keeps that dtype, else the model's. Then each parameter gets its storage and is filled piece
+    by piece (a fused q/k/v is never concatenated: each piece is copied into its rows).
+    tied: {file key: (the file key it must equal, the error if it does not)}, for copies of tied tensors that
+    a file may store; checked after the copy, against the parameter the reference filled, so nothing is read
+    twice. An HFTensors is consumed: the tensors it holds in memory (a pickle's) are released as they are
+    copied."""
     compiled = [(_pattern(t), fn) for t, fn in (transforms or {}).items()]
     _check_names(hf_state, mapping, ignore, source)
     groups = _groups(mapping)
@@ -275,4 +280,5 @@ def export_state(
 
 
 __all__ = ["HFTensors", "SkipInitOnMeta", "Transform", "build_skeleton", "check_sizes", "convert_state",
-           "expand", "export_state", "load_hf_weights", "materialise", "meta_of", "require", "write_hf_folder"]
+           "expand", "export_state", "load_hf_weights", "materialise", "meta_of", "require",
+           "write_hf_folder"]

@@ -31,8 +31,8 @@ def _load_torch_bin(path: Path) -> dict[str, Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
     except Exception as e:  # UnpicklingError for disallowed globals, RuntimeError for a corrupt file
-        # torch's text is many lines and suggests weights_only=False, which would run the file's code: keep the
-        # one line that says what was found
+        # torch's text is many lines and suggests weights_only=False, which would run the file's code: keep
+        # the one line that says what was found
         # ("Unsupported global: GLOBAL builtins.print", "unsupported GLOBAL posix.system whose module posix is
         # blocked": torch words it by how dangerous the global is)
         found = re.search(r"GLOBAL (\S+)", str(e))
@@ -40,8 +40,10 @@ def _load_torch_bin(path: Path) -> dict[str, Tensor]:
             first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             raise CheckpointError(f"{path}: cannot be read as a plain tensor state dict ({first})") from None
         called = f" (it would call {found.group(1)})" if found else ""
-        raise CheckpointError(f"{path}: refused: it holds pickled objects other than tensors{called}; loading them "
-                              "would run code from the file. Convert it to safetensors.") from None
+        raise CheckpointError(
+            f"{path}: refused: it holds pickled objects other than tensors{called}; loading them "
+            "would run code from the file. Convert it to safetensors."
+        ) from None
     if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a mapping of names to tensors")
     return dict(state)
@@ -109,9 +111,9 @@ class HFTensors(Mapping[str, Tensor]):
 
     For safetensors (one file or an index of shards) the names, shapes and dtypes come from the file headers
     (`meta(name)`), and every read opens the file just for that read, so its mapped pages are released as
-    loading proceeds. A pytorch_model.bin (and its index) is a pickle: torch.load reads it whole, and its tensors
-    are held in memory. Loaders rename keys (`rename`), drop them (`del`) and add small tensors the file lacks
-    (`self[name] = tensor`) without reading anything."""
+    loading proceeds. A pytorch_model.bin (and its index) is a pickle: torch.load reads it whole, and its
+    tensors are held in memory. Loaders rename keys (`rename`), drop them (`del`) and add small tensors the
+    file lacks (`self[name] = tensor`) without reading anything."""
 
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
@@ -185,8 +187,8 @@ class HFTensors(Mapping[str, Tensor]):
         return True
 
     def release(self, name: str) -> None:
-        """Drop the in-memory tensor `name` (and its name) once it has been copied, so that a pickle's tensors are
-        freed one by one as the model fills rather than all at the end. Nothing for a name read from a
+        """Drop the in-memory tensor `name` (and its name) once it has been copied, so that a pickle's tensors
+        are freed one by one as the model fills rather than all at the end. Nothing for a name read from a
         safetensors file: such a tensor is not held."""
         self._memory.pop(name, None)
 

@@ -26,13 +26,33 @@ M = TypeVar("M", bound=nn.Module)
 
 
 # the in-place fills that initialisers (torch.nn.init, reset_parameters, init_weights) run on a parameter
-_INIT_OPS = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "mul_", "add_", "sub_", "div_", "clamp_",
-                       "erfinv_", "exponential_", "log_normal_", "bernoulli_", "random_", "cauchy_", "geometric_"})
+_INIT_OPS = frozenset(
+    {
+        "normal_",
+        "uniform_",
+        "zero_",
+        "fill_",
+        "copy_",
+        "mul_",
+        "add_",
+        "sub_",
+        "div_",
+        "clamp_",
+        "erfinv_",
+        "exponential_",
+        "log_normal_",
+        "bernoulli_",
+        "random_",
+        "cauchy_",
+        "geometric_",
+    }
+)
 
 
 class SkipInitOnMeta(TorchFunctionMode):
     """Initialising a meta tensor computes nothing, but torch routes some fills on meta (normal_) through its
-    reference implementations, whose first use imports torch._dynamo: ~75 MB of resident memory for nothing. The
+    reference implementations, whose first use imports torch._dynamo: ~75 MB of resident memory for nothing.
+    The
     skeleton's initialisers are skipped instead (their results would be overwritten by the file anyway)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -61,7 +81,8 @@ def _register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) 
 def _parameters_on_meta() -> Iterator[None]:
     """While active, every parameter a module registers in this thread is moved to the meta device at once
     (nn.Linear's torch.empty is never touched; its reset_parameters and our init_weights then skip the meta
-    tensors). Buffers stay where __init__ computed them: positional tables, masks, mel filters are real. Modules
+    tensors). Buffers stay where __init__ computed them: positional tables, masks, mel filters are real.
+    Modules
     that other threads build meanwhile are passed through untouched (the switch is per thread), and
     nn.Module.register_parameter is torch's own again once no thread is building."""
     global _hook_users, _register_parameter
@@ -84,8 +105,8 @@ def _parameters_on_meta() -> Iterator[None]:
 
 def build_skeleton(build: Callable[[], M]) -> M:
     """`build()` (a model constructor) with its parameters on the meta device and its buffers real (the
-    module docstring says why not torch.device("meta")): `materialise` then gives the parameters storage in the
-    dtype they will keep, and the loader fills every one of them."""
+    module docstring says why not torch.device("meta")): `materialise` then gives the parameters storage in
+    the dtype they will keep, and the loader fills every one of them."""
     with _parameters_on_meta():
         return build()
 

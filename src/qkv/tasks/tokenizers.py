@@ -40,7 +40,8 @@ def _as_list(ids: Any) -> list[int]:
 
 
 class Tokenizer:
-    """Shared interface: ids of the special tokens, encode/decode, save/load (a qkv.tokenizer.TextTokenizer)."""
+    """Shared interface: ids of the special tokens, encode/decode, save/load (a
+    qkv.tokenizer.TextTokenizer)."""
 
     kind: str = ""
     specials: tuple[str, ...] = SPECIALS
@@ -144,7 +145,9 @@ class CharTokenizer(Tokenizer):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CharTokenizer:
         if list(data.get("specials", [])) != list(SPECIALS):
-            raise TokenizerError(f"tokenizer file has special tokens {data.get('specials')}, expected {list(SPECIALS)}")
+            raise TokenizerError(
+                f"tokenizer file has special tokens {data.get('specials')}, expected {list(SPECIALS)}"
+            )
         return cls(data["symbols"])
 
 
@@ -182,8 +185,10 @@ class BPETokenizer(Tokenizer):
         from tokenizers import ByteLevelBPETokenizer
 
         if vocab_size < 256 + len(SPECIALS):
-            raise TokenizerError(f"byte-level BPE needs vocab_size >= {256 + len(SPECIALS)} (256 bytes + specials), "
-                                 f"got {vocab_size}")
+            raise TokenizerError(
+                f"byte-level BPE needs vocab_size >= {256 + len(SPECIALS)} (256 bytes + specials), "
+                f"got {vocab_size}"
+            )
         bpe = ByteLevelBPETokenizer(add_prefix_space=False)
         texts = [texts] if isinstance(texts, str) else list(texts)
         bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
@@ -298,17 +303,20 @@ def find_tokenizer(path: str | Path) -> TextTokenizer | None:
     if (folder / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
-        return bare_tokenizer(Tokenizer.from_file(str(folder / "tokenizer.json")), special_tokens_config(folder))
+        return bare_tokenizer(
+            Tokenizer.from_file(str(folder / "tokenizer.json")), special_tokens_config(folder)
+        )
     if (folder / "vocab.txt").is_file():
         from tokenizers import BertWordPieceTokenizer
 
-        # as transformers' BertTokenizer: lower case unless the folder's tokenizer_config.json says otherwise (a
-        # cased BERT); accents are stripped when lowercasing unless strip_accents says
+        # as transformers' BertTokenizer: lower case unless the folder's tokenizer_config.json says otherwise
+        # (a cased BERT); accents are stripped when lowercasing unless strip_accents says
         settings = _hf_tokenizer_settings(folder)
         lower = settings.get("do_lower_case", True)
         bert = BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=bool(lower),
                                       strip_accents=settings.get("strip_accents"))
-        return bare_tokenizer(bert._tokenizer, special_tokens_config(folder))  # the tokenizers.Tokenizer inside
+        # the tokenizers.Tokenizer inside: its encode and decode, as the wrapper's
+        return bare_tokenizer(bert._tokenizer, special_tokens_config(folder))
     # Marian's source.spm / T5's spiece.model, through the sentencepiece package (qkv[seq2seq])
     from qkv.tasks.spm import sentencepiece_tokenizer
 
