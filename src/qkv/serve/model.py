@@ -34,7 +34,7 @@ class TextCodec:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "has_chat_template", False))
+        return bool(self.tokenizer.chat_template)  # a field of every qkv.tokenizer.TextTokenizer
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """The chat template's rendering of `messages` with the assistant's turn opened, as token ids."""
