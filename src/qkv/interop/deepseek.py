@@ -248,7 +248,7 @@ def load_deepseek(folder: Path, hf_config: dict[str, Any]) -> GPT:
     check_deepseek_sizes(raw, config)  # before the key map is expanded per layer and expert
     tensors = DeepseekTensors(raw, config, interleaved=bool(hf_config.get("rope_interleave", True)))
     dtype = raw.meta("model.embed_tokens.weight").dtype
-    model = llama._empty_model(config, dtype if dtype.is_floating_point else torch.float32)
+    model = llama.empty_model(config, dtype if dtype.is_floating_point else torch.float32)
     llama.fill_model(model, tensors, key_map(config))
     buffers = dict(model.named_buffers())
     with torch.no_grad():

@@ -34,7 +34,7 @@ import torch
 
 from qkv.interop.common import require
 from qkv.interop.gguf_header import MAGIC, TensorInfo, read_header
-from qkv.interop.llama import _empty_model, config_from_hf, fill_model, key_map
+from qkv.interop.llama import config_from_hf, empty_model, fill_model, key_map
 from qkv.models.gpt import GPT
 from qkv.storage import CheckpointError
 
@@ -318,7 +318,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
         name = gguf_names.get(pattern, first).format(layer)
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{f.path}: missing tensor {name!r}{more}")
-    model = _empty_model(config, dtype)
+    model = empty_model(config, dtype)
     fill_model(model, tensors, mapping)
     ids = {f"{k}_token_id": f.meta.get(f"tokenizer.ggml.{g}_token_id")
            for k, g in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))}

@@ -167,7 +167,7 @@ def key_map(config: GPTConfig) -> dict[str, str]:
     return expand(m, config.n_layers)
 
 
-def _empty_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
+def empty_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
     """A GPT whose weights are uninitialised storage in `dtype` (the package's one way: build_skeleton, so the
     tied head stays tied and nothing is initialised or copied twice)."""
     # built for at most 4096 positions, then given the real config: RoPE's table grows on demand, and a
@@ -284,7 +284,7 @@ def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, map
         tensors = HFTensors(folder)
     check_decoder_sizes(tensors, config)
     dtype = tensors.meta("model.embed_tokens.weight").dtype
-    model = _empty_model(config, dtype if dtype.is_floating_point else torch.float32)
+    model = empty_model(config, dtype if dtype.is_floating_point else torch.float32)
     fill_model(model, tensors, mapping)
     # the model's own token ids (generation_config.json, read by load_model, adds to and overrides them)
     ids = {
