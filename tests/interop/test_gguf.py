@@ -298,7 +298,7 @@ def test_serve_chat_and_explore_load_a_gguf_file(vocabs, tmp_path):
     session = ChatSession.from_folder(path)
     assert session.templated and session.tokenizer.token_to_id("<|im_end|>") in session.stop_ids
     loaded = load(path)
-    assert loaded.kind == "decoder" and loaded.tokenizer.encode("Hello").ids
+    assert loaded.kind == "decoder" and loaded.tokenizer.encode("Hello") == served.codec.encode("Hello") != []
 
 
 def test_dtype_keyword_casts_a_folder_too(vocabs, tmp_path):

@@ -1,11 +1,13 @@
-"""Attention maps: every layer x head, with token labels, for encoder self-, decoder self- and cross-attention.
+"""Attention maps: every layer x head, with token labels, for encoder self-, decoder self- and
+cross-attention.
 
 The maps are the naive backend's softmax probabilities (a model built with attention='fused' falls back to
 the naive path when weights are requested, PyTorch #98505): rows sum to 1 over the keys a query may see,
 and masked keys (future tokens, padding) are exactly 0.
 
-  collect_attentions(model, inputs)  -> {"self" | "encoder self" | "decoder self" | "cross": [(B, H, Tq, Tk)] per layer}
-  attention_maps(model, tokenizer_or_ids, text, out_png) -> AttentionMaps (PNG paths, per-head entropy, tokens)
+  collect_attentions(model, inputs)  -> {"self" | "encoder self" | "decoder self" | "cross": [(B, H, Tq, Tk)]
+  per layer} attention_maps(model, tokenizer_or_ids, text, out_png) -> AttentionMaps (PNG paths, per-head
+  entropy, tokens)
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 import torch
 from torch import Tensor, nn
 
 from qkv.experiments.diagnostics import HeadStat, flag_heads, head_stats
-from qkv.tasks.tokenizers import find_tokenizer
+from qkv.interop.tokenizer import bare_tokenizer
+from qkv.tasks.tokenizers import Tokenizer, find_tokenizer
 
 _FORWARD_ONLY = ("labels",)  # dropped: the maps need no loss
 
@@ -61,7 +65,9 @@ def collect_attentions(model: nn.Module, inputs: dict[str, Tensor] | Tensor) -> 
     return result
 
 
-def visible_keys(model: nn.Module, kind: str, inputs: dict[str, Tensor] | Tensor, q_len: int, k_len: int) -> Tensor:
+def visible_keys(
+    model: nn.Module, kind: str, inputs: dict[str, Tensor] | Tensor, q_len: int, k_len: int
+) -> Tensor:
     """(B|1, 1, Tq, Tk) bool: which keys each query of attention `kind` may see (causal and padding masks),
     for head statistics. Decoder self-attention (and a decoder-only model's "self") is causal."""
     from qkv.nn.attention import causal_mask
@@ -103,9 +109,9 @@ def tokenize(tokenizer_or_ids: Any, text: str | None) -> tuple[list[int], list[s
         return ids, [str(i) for i in ids]
     if text is None:
         raise ValueError("a tokenizer needs the input text")
-    enc = tok.encode(text)
-    if hasattr(enc, "ids"):  # tokenizers.Encoding
-        return list(enc.ids), list(enc.tokens)
+    if isinstance(tok, tokenizers.Tokenizer):  # a bare one: its encode gives an Encoding, not ids
+        tok = bare_tokenizer(tok)
+    enc = tok.encode(text)  # a TextTokenizer's ids, or a transformers tokenizer's (a list or a tensor)
     ids = [int(i) for i in (enc.tolist() if isinstance(enc, Tensor) else enc)]
     return ids, [_label(tok, i) for i in ids]
 
@@ -120,15 +126,15 @@ def _label(tok: Any, i: int) -> str:
                     return str(s)
             except Exception:  # noqa: BLE001  (a tokenizer without that id: fall back)
                 pass
-    if hasattr(tok, "decode"):
-        for kwargs in ({"skip_special": False}, {"skip_special_tokens": False}, {}):  # show <sep>, <eos>, ...
-            try:
-                s = str(tok.decode([i], **kwargs))
-                return s if s.strip() else repr(s)
-            except TypeError:
-                continue
-            except Exception:  # noqa: BLE001
-                break
+    # qkv's tokenizers name the flag skip_special, Hugging Face's skip_special_tokens: show <sep>, <eos>, ...
+    for kwargs in ({"skip_special": False}, {"skip_special_tokens": False}, {}):
+        try:
+            s = str(tok.decode([i], **kwargs))
+            return s if s.strip() else repr(s)
+        except TypeError:
+            continue
+        except Exception:  # noqa: BLE001  (no decode, or not for that id: the id itself)
+            break
     return str(i)
 
 
@@ -181,8 +187,7 @@ def _target_ids(tok: Any, text: str) -> list[int]:
     """A target sentence's ids as labels: the tokenizer's target side (Marian's target.spm) when it has one,
     with the special tokens its post-processor adds (as transformers' `text_target=`)."""
     encode = getattr(tok, "encode_target", None) or tok.encode
-    enc = encode(text)
-    return list(enc.ids) if hasattr(enc, "ids") else [int(i) for i in enc]
+    return [int(i) for i in encode(text)]
 
 
 # -- plotting ----------------------------------------------------------------------------------------------
@@ -208,7 +213,9 @@ def image_path(out: str | Path) -> Path:
     folder above it should be, is a one-line error before any work."""
     out = Path(out)
     if out.is_dir():
-        raise ValueError(f"{out} is a folder, not an image file: give a file name, e.g. {out / 'attention.png'}")
+        raise ValueError(
+            f"{out} is a folder, not an image file: give a file name, e.g. {out / 'attention.png'}"
+        )
     if not out.suffix:
         out = out.with_name(out.name + ".png")
     for p in out.parents:
@@ -237,7 +244,9 @@ def plot_grid(maps: list[Tensor], q_labels: list[str], k_labels: list[str], titl
             ax = axes[i][h]
             ax.imshow(w[0, h].float().cpu().numpy(), vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
             s = by_key.get((i, h))
-            sub = f"L{i} H{h}" + (f"  H={s.entropy_nats:.2f}" if s is not None and not math.isnan(s.entropy_nats) else "")
+            sub = f"L{i} H{h}" + (
+                f"  H={s.entropy_nats:.2f}" if s is not None and not math.isnan(s.entropy_nats) else ""
+            )
             if s is not None and s.flag:
                 sub += f" [{s.flag}]"
             ax.set_title(sub, fontsize=7)
@@ -269,7 +278,8 @@ def attention_maps(
     Encoder-decoder models: the decoder input is [decoder start] + `target` (text, or its ids, with the
     tokenizer's special tokens) less its final eos, as teacher forcing on it as labels (transformers'
     shift_tokens_right); without a target, [decoder start] + the greedy output of qkv.generate under the
-    model's generation settings (eos included), i.e. what `qkv generate --greedy` decodes. out_png: for a single attention kind, that file; otherwise one
+    model's generation settings (eos included), i.e. what `qkv generate --greedy` decodes. out_png: for a
+    single attention kind, that file; otherwise one
     file per kind named <stem>_<kind>.png next to it. Also writes <stem>_entropy.json (per-head stats).
     labels: display labels of the input tokens (default: from the tokenizer, or the ids themselves)."""
     out_png = image_path(out_png)
@@ -298,7 +308,10 @@ def attention_maps(
             t_ids = teacher_forced_input(model, list(target))
         t_labels = [str(i) if ids_only else _label(label_tok, i) for i in t_ids]
         tokens = {"source": labels, "target": t_labels}
-        batch = {"input_ids": src, "decoder_input_ids": torch.tensor([t_ids], dtype=torch.long, device=device)}
+        batch = {
+            "input_ids": src,
+            "decoder_input_ids": torch.tensor([t_ids], dtype=torch.long, device=device),
+        }
     else:
         batch = {"input_ids": src}
     maps = collect_attentions(model, batch)
@@ -319,10 +332,14 @@ def attention_maps(
             ql = kl = tokens["target"]
         else:  # cross: decoder queries over encoder keys
             ql, kl = tokens["target"], tokens["source"]
-        path = out_png if len(maps) == 1 else out_png.with_name(f"{out_png.stem}_{kind.replace(' ', '_')}.png")
+        path = (
+            out_png if len(maps) == 1 else out_png.with_name(f"{out_png.stem}_{kind.replace(' ', '_')}.png")
+        )
         pngs.append(plot_grid(layers, ql, kl, f"{type(model).__name__} {kind}-attention", path, kind_stats))
     js = out_png.with_name(f"{out_png.stem}_entropy.json")
-    js.write_text(json.dumps({"tokens": tokens, "heads": [s.__dict__ for s in stats]}, indent=1), encoding="utf-8")
+    js.write_text(
+        json.dumps({"tokens": tokens, "heads": [s.__dict__ for s in stats]}, indent=1), encoding="utf-8"
+    )
     return AttentionMaps(pngs, stats, tokens, js)
 
 
@@ -331,14 +348,14 @@ def attention_from_checkpoint(checkpoint: str | Path, text: str, out_png: str | 
                               target: str | None = None, max_new_tokens: int = 32,
                               model: nn.Module | None = None) -> AttentionMaps:
     """Load a qkv or Hugging Face checkpoint folder (qkv.from_pretrained; `model`: the one already loaded from
-    it, not loaded twice) and its tokenizer, and plot the attention maps of `text`. Without a tokenizer, `text`
-    must be whitespace-separated token ids. Symbols a character/word vocabulary lacks (read as <unk>) are named
-    in a warning."""
+    it, not loaded twice) and its tokenizer, and plot the attention maps of `text`. Without a tokenizer,
+    `text` must be whitespace-separated token ids. Symbols a character/word vocabulary lacks (read as <unk>)
+    are named in a warning."""
     import qkv
 
     model = model if model is not None else qkv.from_pretrained(checkpoint)
     tok = find_tokenizer(checkpoint)
-    unknown = tok.unknown_symbols(text + (target or "")) if hasattr(tok, "unknown_symbols") else []
+    unknown = tok.unknown_symbols(text + (target or "")) if isinstance(tok, Tokenizer) else []
     if unknown:
         shown = ", ".join(repr(u) for u in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
         warnings.warn(f"{len(unknown)} symbol(s) outside the model's vocabulary, drawn as <unk>: {shown}",
@@ -347,7 +364,15 @@ def attention_from_checkpoint(checkpoint: str | Path, text: str, out_png: str | 
         try:
             ids = [int(t) for t in text.split()]
         except ValueError:
-            raise ValueError(f"no tokenizer found with {checkpoint}; pass the input as token ids, e.g. '5 3 9'") from None
-        return attention_maps(model, ids, None, out_png, target=[int(t) for t in target.split()] if target else None,
-                              max_new_tokens=max_new_tokens)
+            raise ValueError(
+                f"no tokenizer found with {checkpoint}; pass the input as token ids, e.g. '5 3 9'"
+            ) from None
+        return attention_maps(
+            model,
+            ids,
+            None,
+            out_png,
+            target=[int(t) for t in target.split()] if target else None,
+            max_new_tokens=max_new_tokens,
+        )
     return attention_maps(model, tok, text, out_png, target=target, max_new_tokens=max_new_tokens)

@@ -25,10 +25,6 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
 def metric_series(rows: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
     """(step, value) pairs of metric `name` in the trainer's log; eval metrics may carry an eval_/val_
     prefix."""

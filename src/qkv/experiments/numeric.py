@@ -17,7 +17,7 @@ Dividing by sqrt(d_k) brings the score variance back to 1 whatever d_k is.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -70,10 +70,6 @@ def saturation_table(rows: list[SaturationRow]) -> str:
         lines.append(f"| {r.d_k} | {'yes' if r.scaled else 'no'} | {r.var_qk:.1f} | {r.var_scores:.2f} | "
                      f"{r.max_prob:.3f} | {r.entropy:.3f} | {r.grad_norm:.4f} |")
     return "\n".join(lines)
-
-
-def saturation_dicts(rows: list[SaturationRow]) -> list[dict]:
-    return [asdict(r) for r in rows]
 
 
 def plot_saturation(rows: list[SaturationRow], path: str) -> str:

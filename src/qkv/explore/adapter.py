@@ -123,11 +123,6 @@ def vocab_size(ld: Loaded) -> int | None:
     return None
 
 
-def special_ids(ld: Loaded) -> dict[str, int | None]:
-    c = config(ld)
-    return {"bos": getattr(c, "bos_token_id", None), "eos": getattr(c, "eos_token_id", None)}
-
-
 def can_generate(ld: Loaded) -> bool:
     return ld.kind in ("decoder", "seq2seq", "audio")
 
@@ -179,6 +174,7 @@ def tokenize(ld: Loaded, text: str, what: str = "input",
     """Ids and display labels of `text`. Empty text and characters a character/word tokenizer does not know
     are errors (a char tokenizer would otherwise silently turn them into <unk>)."""
     from qkv.experiments.attention import tokenize as tokenize_any
+    from qkv.tasks.tokenizers import CharTokenizer
 
     if not text or not text.strip():
         raise ExploreError(f"the {what} is empty: type some text")
@@ -189,16 +185,15 @@ def tokenize(ld: Loaded, text: str, what: str = "input",
     vocab = vocab if vocab is not None else vocab_size(ld)
     if tok is None:
         return _tokens_from_ids(ld, text, what, vocab)
-    stoi = getattr(tok, "stoi", None)
     # qkv char / word tokenizer: refuse what it would map to <unk>
-    if stoi is not None and hasattr(tok, "split"):
-        unknown = sorted({s for s in tok.split(text) if s not in stoi})
+    if isinstance(tok, CharTokenizer):
+        unknown = sorted(set(tok.unknown_symbols(text)))
         if unknown:
             shown = " ".join(repr(s) for s in unknown[:10])
             raise ExploreError(f"the {what} has {len(unknown)} symbol(s) this model's vocabulary does not "
                                f"know: {shown}")
     ids, labels = tokenize_any(tok, text)
-    if hasattr(tok, "itos"):  # a qkv char/word tokenizer: the symbol itself, not its repr
+    if isinstance(tok, CharTokenizer):  # a qkv char/word tokenizer: the symbol itself, not its repr
         labels = [tok.itos[i] for i in ids]
     if not ids:
         raise ExploreError(f"the {what} gives no tokens")

@@ -69,8 +69,9 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
     (tokenizer.json, else vocab.txt), found by the library's one lookup
     (qkv.tasks.tokenizers.find_tokenizer)."""
     from qkv import from_pretrained
+    from qkv.interop.tokenizer import HFTokenizer
     from qkv.storage import read_config
-    from qkv.tasks.tokenizers import find_tokenizer
+    from qkv.tasks.tokenizers import BPETokenizer, find_tokenizer
 
     folder = Path(folder)
     meta = read_config(folder)
@@ -81,10 +82,12 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
             f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else "")
         )
     model = from_pretrained(folder)
-    tok = find_tokenizer(folder)
-    # a tokenizer.json that qkv's BPE wrapper accepted: the tokenizers object inside
-    tok = getattr(tok, "hf", tok)
-    if tok is None or not hasattr(tok, "encode_batch") or not hasattr(tok, "no_truncation"):
+    found = find_tokenizer(folder)
+    # the `tokenizers` object inside (batches with offsets and truncation): a folder's tokenizer.json or
+    # vocab.txt (HFTokenizer), or a tokenizer.json that qkv's BPE wrapper accepted
+    tok = (found.tokenizer if isinstance(found, HFTokenizer)
+           else found.hf if isinstance(found, BPETokenizer) else None)
+    if tok is None:
         spm = [n for n in ("spm.model", "sentencepiece.bpe.model") if (folder / n).is_file()]
         # a SentencePiece-only upload (DeBERTa-v3's spm.model, some XLM-R): transformers converts it once
         hint = (f"; it has only the SentencePiece model {spm[0]}: write tokenizer.json once with "

@@ -77,10 +77,6 @@ def read_pairs(path: str | Path) -> list[tuple[str, str, int]]:
     return pairs
 
 
-def _ids(enc: Any) -> list[int]:
-    return list(enc.ids) if hasattr(enc, "ids") else list(enc)
-
-
 @dataclass
 class Encoded:
     sources: list[list[int]]
@@ -94,7 +90,7 @@ def encode_pairs(pairs: list[tuple[str, str, int]], tok: Any, path: str, max_src
     enc_target = getattr(tok, "encode_target", tok.encode)
     out = Encoded([], [], [], 0)
     for src, tgt, n in pairs:
-        s, t = _ids(tok.encode(src)), _ids(enc_target(tgt))
+        s, t = list(tok.encode(src)), list(enc_target(tgt))
         if len(s) > max_src or len(t) > max_tgt:
             if not truncate:
                 side, length, limit = (

@@ -74,11 +74,15 @@ def load_hf(folder: str | Path) -> Any:
     except KeyError as e:  # a loader reads a field config.json does not have: one line naming it
         if not (isinstance(e.args[0], str) and e.args[0] not in meta):
             raise
-        raise CheckpointError(f"{folder}/config.json: {mt} needs the field {e.args[0]!r}, which is missing") from None
+        raise CheckpointError(
+            f"{folder}/config.json: {mt} needs the field {e.args[0]!r}, which is missing"
+        ) from None
     except (TypeError, ValueError) as e:  # e.g. int("forty")
         raise CheckpointError(f"{folder}/config.json: a {mt} field has an unusable value ({e})") from None
     except (MemoryError, RuntimeError) as e:  # a size no weight shape checks (e.g. a computed position table)
         if isinstance(e, RuntimeError) and "allocate" not in str(e):
             raise
-        raise CheckpointError(f"{folder}/config.json: the {mt} model it describes does not fit in memory "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'out of memory'})") from None
+        raise CheckpointError(
+            f"{folder}/config.json: the {mt} model it describes does not fit in memory "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'out of memory'})"
+        ) from None

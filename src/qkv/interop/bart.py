@@ -51,12 +51,25 @@ TIED_COPIES = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.
 def config_from_hf(meta: dict[str, Any]) -> EncoderDecoderConfig:
     mt = meta.get("model_type")
     name = "BART" if mt == "bart" else "Marian"
-    for a, b in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
-        require(meta.get(a) == meta.get(b), f"{name}: {a} != {b}; qkv's encoder-decoder shares heads and ffn size")
+    for a, b in (
+        ("encoder_attention_heads", "decoder_attention_heads"),
+        ("encoder_ffn_dim", "decoder_ffn_dim"),
+    ):
+        require(
+            meta.get(a) == meta.get(b), f"{name}: {a} != {b}; qkv's encoder-decoder shares heads and ffn size"
+        )
     act = meta.get("activation_function", "gelu")
-    require(act in ACTIVATIONS, f"{name} activation_function {act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
-    require(not meta.get("normalize_before", False), f"{name} with normalize_before=true (Pre-LN) is not supported")
-    require(not meta.get("add_final_layer_norm", False), f"{name} with add_final_layer_norm=true is not supported")
+    require(
+        act in ACTIVATIONS,
+        f"{name} activation_function {act!r} is not supported; supported: {sorted(ACTIVATIONS)}",
+    )
+    require(
+        not meta.get("normalize_before", False),
+        f"{name} with normalize_before=true (Pre-LN) is not supported",
+    )
+    require(
+        not meta.get("add_final_layer_norm", False), f"{name} with add_final_layer_norm=true is not supported"
+    )
     if mt == "marian":
         require(meta.get("share_encoder_decoder_embeddings", True),
                 "Marian with separate source/target embeddings is not supported")
@@ -70,15 +83,29 @@ def config_from_hf(meta: dict[str, Any]) -> EncoderDecoderConfig:
     start = meta.get("decoder_start_token_id")
     marian = mt == "marian"
     return EncoderDecoderConfig(
-        src_vocab_size=meta["vocab_size"], n_encoder_layers=meta["encoder_layers"],
-        n_decoder_layers=meta["decoder_layers"], d_model=d, n_heads=meta["encoder_attention_heads"],
-        d_ff=meta["encoder_ffn_dim"], ffn=ACTIVATIONS[act], norm="layernorm", norm_eps=1e-5, placement="post",
-        position="sinusoidal" if marian else "learned", position_skip=0 if marian else 2,
-        sinusoidal_layout="halves" if marian else "interleaved", embed_norm=not marian,
-        context_length=meta.get("max_position_embeddings", 1024), scale_embeddings=bool(meta.get("scale_embedding")),
-        share_embeddings=True, logits_bias=True, label_smoothing=0.0,
-        dropout=float(meta.get("dropout", 0.1)), attn_dropout=float(meta.get("attention_dropout", 0.0)),
-        init_std=float(meta.get("init_std", 0.02)), pad_token_id=pad if pad is not None else 0,
+        src_vocab_size=meta["vocab_size"],
+        n_encoder_layers=meta["encoder_layers"],
+        n_decoder_layers=meta["decoder_layers"],
+        d_model=d,
+        n_heads=meta["encoder_attention_heads"],
+        d_ff=meta["encoder_ffn_dim"],
+        ffn=ACTIVATIONS[act],
+        norm="layernorm",
+        norm_eps=1e-5,
+        placement="post",
+        position="sinusoidal" if marian else "learned",
+        position_skip=0 if marian else 2,
+        sinusoidal_layout="halves" if marian else "interleaved",
+        embed_norm=not marian,
+        context_length=meta.get("max_position_embeddings", 1024),
+        scale_embeddings=bool(meta.get("scale_embedding")),
+        share_embeddings=True,
+        logits_bias=True,
+        label_smoothing=0.0,
+        dropout=float(meta.get("dropout", 0.1)),
+        attn_dropout=float(meta.get("attention_dropout", 0.0)),
+        init_std=float(meta.get("init_std", 0.02)),
+        pad_token_id=pad if pad is not None else 0,
         eos_token_id=eos if eos is not None else 2,
         bos_token_id=start if start is not None else (eos if eos is not None else 2),
     )
@@ -111,21 +138,30 @@ def key_map(cfg: EncoderDecoderConfig) -> dict[str, str]:
 
 
 def load_bart(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
-    cfg = config_from_hf(meta)  # first: a variant it refuses (Marian with its own target vocabulary) says so by name
+    # first: a variant it refuses (Marian with its own target vocabulary) says so by name
+    cfg = config_from_hf(meta)
     hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
     source = hf_state.source
-    if "model.shared.weight" not in hf_state and "shared.weight" in hf_state:  # a base BartModel / MarianModel
+    if (
+        "model.shared.weight" not in hf_state and "shared.weight" in hf_state
+    ):  # a base BartModel / MarianModel
         hf_state.rename(lambda k: ("" if k == "final_logits_bias" else "model.") + k)
     require("model.shared.weight" in hf_state, f"{source}: no model.shared.weight")
     shared_meta = hf_state.meta("model.shared.weight")
     positions = ("max_position_embeddings" + (f" + {cfg.position_skip}" if cfg.position_skip else ""),
                  cfg.context_length + cfg.position_skip)  # BART's learned table has 2 rows more
-    check_sizes(hf_state, source, [
-        ("encoder_layers", cfg.n_encoder_layers, "model.encoder.layers.{}.final_layer_norm.weight", None),
-        ("decoder_layers", cfg.n_decoder_layers, "model.decoder.layers.{}.final_layer_norm.weight", None),
-        ("vocab_size", cfg.src_vocab_size, "model.shared.weight", 0), ("d_model", cfg.d_model, "model.shared.weight", 1),
-        (*positions, "model.encoder.embed_positions.weight", 0),
-        ("encoder_ffn_dim", cfg.d_ff, "model.encoder.layers.0.fc1.weight", 0)])
+    check_sizes(
+        hf_state,
+        source,
+        [
+            ("encoder_layers", cfg.n_encoder_layers, "model.encoder.layers.{}.final_layer_norm.weight", None),
+            ("decoder_layers", cfg.n_decoder_layers, "model.decoder.layers.{}.final_layer_norm.weight", None),
+            ("vocab_size", cfg.src_vocab_size, "model.shared.weight", 0),
+            ("d_model", cfg.d_model, "model.shared.weight", 1),
+            (*positions, "model.encoder.embed_positions.weight", 0),
+            ("encoder_ffn_dim", cfg.d_ff, "model.encoder.layers.0.fc1.weight", 0),
+        ],
+    )
     copies = [k for k in TIED_COPIES if k in hf_state]
     if copies:  # copies of the shared embedding carry nothing (read before the model is built, one at a time)
         shared = hf_state["model.shared.weight"]
@@ -138,7 +174,8 @@ def load_bart(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
     if "final_logits_bias" not in hf_state:  # a base model has none: zeros are exact (in the file's dtype)
         hf_state["final_logits_bias"] = torch.zeros(1, shared_meta.shape[0], dtype=shared_meta.dtype)
     model = build_skeleton(lambda: EncoderDecoder(cfg))  # parameters on meta; Marian's sinusoids are computed
-    # Marian's sinusoidal tables, where a file has them, are recomputed (the same formula, checked by the tests)
+    # Marian's sinusoidal tables, where a file has them, are recomputed (the same formula, checked by the
+    # tests)
     ignore = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight") \
         if cfg.position == "sinusoidal" else ()
     load_hf_weights(model, hf_state, key_map(cfg), ignore=ignore, source=source)

@@ -93,7 +93,10 @@ def config_from_hf(hf: dict[str, Any], *, head: str = "none", pooler: bool = Tru
     if head == "mlm":
         # our MLM head's transform uses exact GELU; HF's uses hidden_act
         require(act == "gelu", f"a BERT MLM head with hidden_act {act!r} is not supported (only 'gelu')")
-        require(hf.get("tie_word_embeddings", True), "an MLM head untied from the word embeddings is not supported")
+        require(
+            hf.get("tie_word_embeddings", True),
+            "an MLM head untied from the word embeddings is not supported",
+        )
     num_labels = len(hf["id2label"]) if isinstance(hf.get("id2label"), dict) else hf.get("num_labels", 2)
     drop = float(hf.get("hidden_dropout_prob", 0.1))
     return BERTConfig(
@@ -123,7 +126,8 @@ class Layout:
     and keep their head outside it. `heads[h]` maps a head's tensors (head "classify" may bring the pooler:
     RoBERTa's classifier.dense, DistilBERT's pre_classifier); `detect` lists (head, the keys that prove it)
     in order of precedence; `pooler_act` is the classify pooler's activation (None: the family's config.json
-    names it, and the model's config carries it); `model_class` is the qkv model built (BERT or a subclass)."""
+    names it, and the model's config carries it); `model_class` is the qkv model built (BERT or a
+    subclass)."""
 
     model_type: str
     prefix: str
@@ -138,7 +142,8 @@ class Layout:
     ignore: tuple[str, ...] = ()
     tied: dict[str, str] = field(default_factory=dict)  # file key -> the key it must equal (tied decoders)
     pooler_act: str | None = "tanh"
-    fields: dict[str, str] = field(default_factory=lambda: dict(BERT_FIELDS))  # our size -> config.json's field
+    # our size -> config.json's field
+    fields: dict[str, str] = field(default_factory=lambda: dict(BERT_FIELDS))
     model_class: type = BERT
     extra: Callable[[BERTConfig], dict[str, str]] | None = None  # more tensors, as the config decides
 
@@ -147,7 +152,9 @@ def _normalise_key(key: str, prefix: str) -> str:
     """The task model's prefix off; the TF-era LayerNorm names gamma/beta -> weight/bias."""
     key = key.removeprefix(prefix)
     if ".LayerNorm.gamma" in key or ".LayerNorm.beta" in key:
-        key = key.replace(".LayerNorm.gamma", ".LayerNorm.weight").replace(".LayerNorm.beta", ".LayerNorm.bias")
+        key = key.replace(".LayerNorm.gamma", ".LayerNorm.weight").replace(
+            ".LayerNorm.beta", ".LayerNorm.bias"
+        )
     return key
 
 
@@ -168,18 +175,35 @@ def _check_sizes(hf_state: HFTensors, source: str, layout: Layout, c: BERTConfig
     """config.json's sizes against the file's shapes, before the key map is expanded or the model built."""
     key = {ours: hf for hf, ours in {**layout.encoder, **layout.types}.items()}  # our key -> the file's
     f = layout.fields
-    check_sizes(hf_state, source, [
-        (f["n_layers"], c.n_layers, key["encoder.blocks.{}.norm1.weight"], None),
-        (f["vocab_size"], c.vocab_size, key["tok_emb.weight"], 0), (f["d_model"], c.d_model, key["tok_emb.weight"], 1),
-        # an absolute position table only where the family has one (DeBERTa's positions are relative)
-        *([(f["context_length"], c.context_length + c.position_offset, key["encoder.position.weight"], 0)]
-          if "encoder.position.weight" in key else []),
-        (f["d_ff"], c.d_ff or 4 * c.d_model, key["encoder.blocks.{}.ffn.up.weight"].format(0), 0),
-        *([(f["type_vocab_size"], c.type_vocab_size, key["type_emb.weight"], 0)] if layout.types else [])])
+    check_sizes(
+        hf_state,
+        source,
+        [
+            (f["n_layers"], c.n_layers, key["encoder.blocks.{}.norm1.weight"], None),
+            (f["vocab_size"], c.vocab_size, key["tok_emb.weight"], 0),
+            (f["d_model"], c.d_model, key["tok_emb.weight"], 1),
+            # an absolute position table only where the family has one (DeBERTa's positions are relative)
+            *(
+                [
+                    (
+                        f["context_length"],
+                        c.context_length + c.position_offset,
+                        key["encoder.position.weight"],
+                        0,
+                    )
+                ]
+                if "encoder.position.weight" in key
+                else []
+            ),
+            (f["d_ff"], c.d_ff or 4 * c.d_model, key["encoder.blocks.{}.ffn.up.weight"].format(0), 0),
+            *([(f["type_vocab_size"], c.type_vocab_size, key["type_emb.weight"], 0)] if layout.types else []),
+        ],
+    )
 
 
 def load_encoder(folder: Path, hf_config: dict[str, Any], layout: Layout) -> BERT:
-    """Any BERT-family folder -> our BERT, with the head the file holds (a bf16 or fp16 file keeps its dtype)."""
+    """Any BERT-family folder -> our BERT, with the head the file holds (a bf16 or fp16 file keeps its
+    dtype)."""
     hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
     source = hf_state.source
     hf_state.rename(lambda k: _normalise_key(k, layout.prefix))
@@ -188,13 +212,20 @@ def load_encoder(folder: Path, hf_config: dict[str, Any], layout: Layout) -> BER
     config = layout.config_from_hf(hf_config, head=head, pooler=has_pooler or head == "classify")
     _check_sizes(hf_state, source, layout, config)
     tied = {k: (ref, f"{source}: {k} is not tied as this loader assumes") for k, ref in layout.tied.items()}
-    model = build_skeleton(lambda: layout.model_class(config))  # parameters on meta: storage comes in the file's dtype
+    # parameters on meta: storage comes in the file's dtype
+    model = build_skeleton(lambda: layout.model_class(config))
     load_hf_weights(model, hf_state, _mapping(layout, config), ignore=layout.ignore, source=source, tied=tied)
     return model.eval()
 
 
-def export_encoder(model: BERT, path: str | os.PathLike, layout: Layout, *, base_config: dict[str, Any] | None = None,
-                   id2label: dict[int, str] | None = None) -> Path:
+def export_encoder(
+    model: BERT,
+    path: str | os.PathLike,
+    layout: Layout,
+    *,
+    base_config: dict[str, Any] | None = None,
+    id2label: dict[int, str] | None = None,
+) -> Path:
     """Write `model` as a Hugging Face folder of `layout`'s family (config.json + model.safetensors):
     the base model for head "none", XForSequenceClassification for "classify", XForTokenClassification for
     "tag". base_config: the config.json the model was loaded from (its token ids, model_type, ... are kept;
@@ -203,8 +234,10 @@ def export_encoder(model: BERT, path: str | os.PathLike, layout: Layout, *, base
     c: BERTConfig = model.config
     require(c.head in ("none", "classify", "tag"), f"exporting a BERT with head {c.head!r} is not supported "
                                                    "(none, classify, tag)")
-    require(layout.pooler_act in (None, c.pooler_act) or c.head != "classify",
-            f"a {layout.model_type} classifier pools with {layout.pooler_act}, this model with {c.pooler_act}")
+    require(
+        layout.pooler_act in (None, c.pooler_act) or c.head != "classify",
+        f"a {layout.model_type} classifier pools with {layout.pooler_act}, this model with {c.pooler_act}",
+    )
     mapping = _mapping(layout, c)
     if c.head == "tag":  # HF token classifiers have no pooler (and one in the file would read as "classify")
         mapping = {k: v for k, v in mapping.items() if not v.startswith("pooler.")}
@@ -212,9 +245,21 @@ def export_encoder(model: BERT, path: str | os.PathLike, layout: Layout, *, base
     head_keys = set(layout.heads.get(c.head, {}))
     if c.head != "none":
         state = {(k if k in head_keys else layout.prefix + k): v for k, v in state.items()}
-    hf = {k: v for k, v in (base_config or {}).items()
-          if k not in ("architectures", "id2label", "label2id", "num_labels", "_name_or_path", "transformers_version",
-                       "torch_dtype", "dtype")}
+    hf = {
+        k: v
+        for k, v in (base_config or {}).items()
+        if k
+        not in (
+            "architectures",
+            "id2label",
+            "label2id",
+            "num_labels",
+            "_name_or_path",
+            "transformers_version",
+            "torch_dtype",
+            "dtype",
+        )
+    }
     hf.setdefault("model_type", layout.model_type)
     hf.update(layout.config_to_hf(c))
     hf["architectures"] = [layout.architectures[c.head]]
@@ -265,5 +310,14 @@ def export_bert(model: BERT, path: str | os.PathLike, **kwargs: Any) -> Path:
 
 LOADERS["bert"] = load_bert
 
-__all__ = ["BERT_LAYOUT", "ENCODER_MAP", "Layout", "config_from_hf", "config_to_hf", "export_bert", "export_encoder",
-           "load_bert", "load_encoder"]
+__all__ = [
+    "BERT_LAYOUT",
+    "ENCODER_MAP",
+    "Layout",
+    "config_from_hf",
+    "config_to_hf",
+    "export_bert",
+    "export_encoder",
+    "load_bert",
+    "load_encoder",
+]

@@ -107,12 +107,19 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
         elif operator_ == "*":
             seq, count = (left, right) if _sized(left) else (right, left)
             if _sized(seq) and isinstance(count, int) and len(seq) * count > MAX_SIZE:
-                raise TemplateLimitError(f"a repetition of {len(seq)} x {count} is over the size limit ({MAX_SIZE})")
+                raise TemplateLimitError(
+                    f"a repetition of {len(seq)} x {count} is over the size limit ({MAX_SIZE})"
+                )
         elif operator_ == "%":
             if isinstance(left, str) and _BIG_WIDTH.search(left):
                 raise TemplateLimitError("a format width over the size limit")
         elif operator_ == "**":
-            if isinstance(right, int) and abs(right) > 64 and isinstance(left, (int, float)) and abs(left) > 1:
+            if (
+                isinstance(right, int)
+                and abs(right) > 64
+                and isinstance(left, (int, float))
+                and abs(left) > 1
+            ):
                 raise TemplateLimitError(f"a power with exponent {right} is over the size limit")
         return super().call_binop(context, operator_, left, right)
 
@@ -122,7 +129,8 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
 
 
 class _Expired(BaseException):
-    """Raised in the rendering thread when its time is up (a BaseException: the template's code cannot catch it)."""
+    """Raised in the rendering thread when its time is up (a BaseException: the template's code cannot
+    catch it)."""
 
 
 def _with_deadline(fn: Callable[[], None], seconds: float) -> None:

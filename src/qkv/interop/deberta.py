@@ -53,11 +53,25 @@ TYPE_MAP = {"embeddings.token_type_embeddings.weight": "type_emb.weight"}
 POOLER_MAP = {"pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias"}
 CLASSIFY_MAP = {"classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}
 # index buffers, an unused absolute position table (position_biased_input=false), the pretraining heads
-IGNORE = ("embeddings.position_ids", "embeddings.position_embeddings.weight",
-          *(f"lm_predictions.lm_head.{k}" for k in ("dense.weight", "dense.bias", "LayerNorm.weight",
-                                                     "LayerNorm.bias", "bias")),
-          *(f"mask_predictions.{k}" for k in ("dense.weight", "dense.bias", "LayerNorm.weight", "LayerNorm.bias",
-                                              "classifier.weight", "classifier.bias")))
+IGNORE = (
+    "embeddings.position_ids",
+    "embeddings.position_embeddings.weight",
+    *(
+        f"lm_predictions.lm_head.{k}"
+        for k in ("dense.weight", "dense.bias", "LayerNorm.weight", "LayerNorm.bias", "bias")
+    ),
+    *(
+        f"mask_predictions.{k}"
+        for k in (
+            "dense.weight",
+            "dense.bias",
+            "LayerNorm.weight",
+            "LayerNorm.bias",
+            "classifier.weight",
+            "classifier.bias",
+        )
+    ),
+)
 
 
 def _terms(hf: dict[str, Any]) -> tuple[str, ...]:
@@ -80,10 +94,19 @@ def _require_v3_shape(hf: dict[str, Any]) -> None:
             "DeBERTa share_att_key=false (separate position projections, DeBERTa-v1 style) is not supported")
     require(not hf.get("conv_kernel_size", 0), "DeBERTa conv_kernel_size > 0 (the first layer's convolution) "
                                                 "is not supported")
-    require(hf.get("embedding_size", d) == d, "DeBERTa embedding_size != hidden_size (embed_proj) is not supported")
-    require(hf.get("attention_head_size", d // hf.get("num_attention_heads", 24)) * hf.get("num_attention_heads", 24)
-            == d, "DeBERTa attention_head_size * num_attention_heads != hidden_size is not supported")
-    require(hf.get("pooler_hidden_size", d) == d, "DeBERTa pooler_hidden_size != hidden_size is not supported")
+    require(
+        hf.get("embedding_size", d) == d,
+        "DeBERTa embedding_size != hidden_size (embed_proj) is not supported",
+    )
+    require(
+        hf.get("attention_head_size", d // hf.get("num_attention_heads", 24))
+        * hf.get("num_attention_heads", 24)
+        == d,
+        "DeBERTa attention_head_size * num_attention_heads != hidden_size is not supported",
+    )
+    require(
+        hf.get("pooler_hidden_size", d) == d, "DeBERTa pooler_hidden_size != hidden_size is not supported"
+    )
     norms = [x.strip() for x in str(hf.get("norm_rel_ebd", "none")).lower().split("|")]
     require(all(x in ("layer_norm", "none") for x in norms),
             f"DeBERTa norm_rel_ebd {hf.get('norm_rel_ebd')!r} is not supported (layer_norm, none)")
@@ -107,45 +130,83 @@ def config_from_hf(hf: dict[str, Any], *, head: str = "none", pooler: bool = Tru
     drop = float(hf.get("hidden_dropout_prob", 0.1))
     cls_drop = hf.get("cls_dropout")
     return DeBERTaConfig(
-        vocab_size=hf.get("vocab_size", 128100), n_layers=hf.get("num_hidden_layers", 24),
-        d_model=hf.get("hidden_size", 1536), n_heads=hf.get("num_attention_heads", 24),
-        d_ff=hf.get("intermediate_size", 6144), context_length=n_pos, type_vocab_size=hf.get("type_vocab_size", 0),
-        ffn=ACTIVATIONS[act], norm_eps=float(hf.get("layer_norm_eps", 1e-7)),
-        dropout=drop, attn_dropout=float(hf.get("attention_probs_dropout_prob", 0.1)),
-        init_std=float(hf.get("initializer_range", 0.02)), pooler=pooler, pooler_act=pool_act, head=head,
-        num_labels=num_labels, pad_token_id=hf.get("pad_token_id", 0),
-        relative_buckets=max(0, buckets), max_relative_positions=max_rel if max_rel >= 1 else n_pos,
-        c2p="c2p" in terms, p2c="p2c" in terms,
+        vocab_size=hf.get("vocab_size", 128100),
+        n_layers=hf.get("num_hidden_layers", 24),
+        d_model=hf.get("hidden_size", 1536),
+        n_heads=hf.get("num_attention_heads", 24),
+        d_ff=hf.get("intermediate_size", 6144),
+        context_length=n_pos,
+        type_vocab_size=hf.get("type_vocab_size", 0),
+        ffn=ACTIVATIONS[act],
+        norm_eps=float(hf.get("layer_norm_eps", 1e-7)),
+        dropout=drop,
+        attn_dropout=float(hf.get("attention_probs_dropout_prob", 0.1)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        pooler=pooler,
+        pooler_act=pool_act,
+        head=head,
+        num_labels=num_labels,
+        pad_token_id=hf.get("pad_token_id", 0),
+        relative_buckets=max(0, buckets),
+        max_relative_positions=max_rel if max_rel >= 1 else n_pos,
+        c2p="c2p" in terms,
+        p2c="p2c" in terms,
         rel_norm="layer_norm" in str(hf.get("norm_rel_ebd", "none")).lower(),
-        pooler_dropout=float(hf.get("pooler_dropout", 0.0)), cls_dropout=None if cls_drop is None else float(cls_drop),
+        pooler_dropout=float(hf.get("pooler_dropout", 0.0)),
+        cls_dropout=None if cls_drop is None else float(cls_drop),
     )
 
 
 def config_to_hf(c: DeBERTaConfig) -> dict[str, Any]:
     """The architecture fields of a DebertaV2Config (the inverse of config_from_hf)."""
     return {
-        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads, "intermediate_size": c.d_ff or 4 * c.d_model, "hidden_act": HF_ACT[c.ffn],
-        "max_position_embeddings": c.context_length, "type_vocab_size": c.type_vocab_size,
-        "layer_norm_eps": c.norm_eps, "hidden_dropout_prob": c.dropout,
-        "attention_probs_dropout_prob": c.attn_dropout, "initializer_range": c.init_std,
-        "relative_attention": True, "position_biased_input": False, "share_att_key": True,
-        "pos_att_type": list(c.terms), "position_buckets": c.relative_buckets or -1,
-        "max_relative_positions": c.max_relative_positions, "norm_rel_ebd": "layer_norm" if c.rel_norm else "none",
-        "pooler_hidden_size": c.d_model, "pooler_hidden_act": c.pooler_act, "pooler_dropout": c.pooler_dropout,
-        "conv_kernel_size": 0, "pad_token_id": c.pad_token_id if c.pad_token_id is not None else 0,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "intermediate_size": c.d_ff or 4 * c.d_model,
+        "hidden_act": HF_ACT[c.ffn],
+        "max_position_embeddings": c.context_length,
+        "type_vocab_size": c.type_vocab_size,
+        "layer_norm_eps": c.norm_eps,
+        "hidden_dropout_prob": c.dropout,
+        "attention_probs_dropout_prob": c.attn_dropout,
+        "initializer_range": c.init_std,
+        "relative_attention": True,
+        "position_biased_input": False,
+        "share_att_key": True,
+        "pos_att_type": list(c.terms),
+        "position_buckets": c.relative_buckets or -1,
+        "max_relative_positions": c.max_relative_positions,
+        "norm_rel_ebd": "layer_norm" if c.rel_norm else "none",
+        "pooler_hidden_size": c.d_model,
+        "pooler_hidden_act": c.pooler_act,
+        "pooler_dropout": c.pooler_dropout,
+        "conv_kernel_size": 0,
+        "pad_token_id": c.pad_token_id if c.pad_token_id is not None else 0,
         **({} if c.cls_dropout is None else {"cls_dropout": c.cls_dropout}),
     }
 
 
 DEBERTA_LAYOUT = Layout(
-    model_type="deberta-v2", prefix="deberta.", encoder=ENCODER_MAP, types=TYPE_MAP, pooler=POOLER_MAP,
+    model_type="deberta-v2",
+    prefix="deberta.",
+    encoder=ENCODER_MAP,
+    types=TYPE_MAP,
+    pooler=POOLER_MAP,
     heads={"classify": CLASSIFY_MAP, "tag": CLASSIFY_MAP},
     # classifier.* beside a pooler: DebertaV2ForSequenceClassification; without one: ...ForTokenClassification
     detect=(("classify", ("classifier.weight", "pooler.dense.weight")), ("tag", ("classifier.weight",))),
-    architectures={"none": "DebertaV2Model", "classify": "DebertaV2ForSequenceClassification",
-                   "tag": "DebertaV2ForTokenClassification"},
-    config_from_hf=config_from_hf, config_to_hf=config_to_hf, ignore=IGNORE, pooler_act=None, model_class=DeBERTa,
+    architectures={
+        "none": "DebertaV2Model",
+        "classify": "DebertaV2ForSequenceClassification",
+        "tag": "DebertaV2ForTokenClassification",
+    },
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    ignore=IGNORE,
+    pooler_act=None,
+    model_class=DeBERTa,
     extra=lambda c: REL_NORM_MAP if c.rel_norm else {},
 )
 

@@ -66,17 +66,33 @@ def config_from_hf(hf: dict[str, Any], *, head: str = "none", pooler: bool = Fal
     require(isinstance(act, str) and act in ACTIVATIONS,
             f"DistilBERT activation {act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
     if head == "mlm":
-        require(act == "gelu", f"a DistilBERT MLM head with activation {act!r} is not supported (only 'gelu')")
-        require(hf.get("tie_word_embeddings", True), "an MLM head untied from the word embeddings is not supported")
+        require(
+            act == "gelu", f"a DistilBERT MLM head with activation {act!r} is not supported (only 'gelu')"
+        )
+        require(
+            hf.get("tie_word_embeddings", True),
+            "an MLM head untied from the word embeddings is not supported",
+        )
     num_labels = len(hf["id2label"]) if isinstance(hf.get("id2label"), dict) else hf.get("num_labels", 2)
     dim = hf.get("dim", 768)
     return BERTConfig(
-        vocab_size=hf.get("vocab_size", 30522), n_layers=hf.get("n_layers", 6), d_model=dim,
-        n_heads=hf.get("n_heads", 12), d_ff=hf.get("hidden_dim", 4 * dim),
-        context_length=hf.get("max_position_embeddings", 512), type_vocab_size=0, ffn=ACTIVATIONS[act],
-        norm_eps=1e-12, dropout=float(hf.get("dropout", 0.1)), attn_dropout=float(hf.get("attention_dropout", 0.1)),
-        init_std=float(hf.get("initializer_range", 0.02)), pooler=pooler, pooler_act="relu", head=head,
-        num_labels=num_labels, pad_token_id=hf.get("pad_token_id", 0),
+        vocab_size=hf.get("vocab_size", 30522),
+        n_layers=hf.get("n_layers", 6),
+        d_model=dim,
+        n_heads=hf.get("n_heads", 12),
+        d_ff=hf.get("hidden_dim", 4 * dim),
+        context_length=hf.get("max_position_embeddings", 512),
+        type_vocab_size=0,
+        ffn=ACTIVATIONS[act],
+        norm_eps=1e-12,
+        dropout=float(hf.get("dropout", 0.1)),
+        attn_dropout=float(hf.get("attention_dropout", 0.1)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        pooler=pooler,
+        pooler_act="relu",
+        head=head,
+        num_labels=num_labels,
+        pad_token_id=hf.get("pad_token_id", 0),
     )
 
 
@@ -84,10 +100,17 @@ def config_to_hf(c: BERTConfig) -> dict[str, Any]:
     require(c.type_vocab_size == 0 and c.position_offset == 0 and c.norm_eps == 1e-12,
             "a DistilBERT folder has no token types, no position offset and LayerNorm eps 1e-12")
     return {
-        "vocab_size": c.vocab_size, "dim": c.d_model, "n_layers": c.n_layers, "n_heads": c.n_heads,
-        "hidden_dim": c.d_ff or 4 * c.d_model, "activation": HF_ACT[c.ffn],
-        "max_position_embeddings": c.context_length, "dropout": c.dropout, "attention_dropout": c.attn_dropout,
-        "initializer_range": c.init_std, "sinusoidal_pos_embds": False,
+        "vocab_size": c.vocab_size,
+        "dim": c.d_model,
+        "n_layers": c.n_layers,
+        "n_heads": c.n_heads,
+        "hidden_dim": c.d_ff or 4 * c.d_model,
+        "activation": HF_ACT[c.ffn],
+        "max_position_embeddings": c.context_length,
+        "dropout": c.dropout,
+        "attention_dropout": c.attn_dropout,
+        "initializer_range": c.init_std,
+        "sinusoidal_pos_embds": False,
     }
 
 

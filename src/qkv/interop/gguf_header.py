@@ -62,7 +62,8 @@ class _Cursor:
         return text
 
     def strings(self, count: int) -> list[str]:
-        """`count` strings: string() inlined, as a vocabulary and its merges are hundreds of thousands of them."""
+        """`count` strings: string() inlined, as a vocabulary and its merges are hundreds of thousands of
+        them."""
         buf, pos, end, out = self.buf, self.pos, len(self.buf), []
         length = struct.Struct("<Q").unpack_from
         for _ in range(count):

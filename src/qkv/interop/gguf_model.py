@@ -3,11 +3,12 @@
     model = qkv.from_pretrained("model.gguf")                       # every qkv command takes the file too
     model = qkv.from_pretrained("model-Q4_K_M.gguf", dtype=torch.float32)
 
-Types, block sizes and dequantization come from `gguf`, llama.cpp's own Python package (pip install qkv[gguf]);
-the header is parsed in gguf_header.py (gguf's reader is slow on large vocabularies). A GGUF file is a Hugging Face
-folder written differently, so loading goes through the Llama folder loader (interop/llama.py) rather than
-beside it: the metadata becomes a config.json dict for `config_from_hf`, and the tensors are offered under
-their Hugging Face names to `fill_model`. What differs from a folder, and is undone here:
+Types, block sizes and dequantization come from `gguf`, llama.cpp's own Python package (pip install
+qkv[gguf]); the header is parsed in gguf_header.py (gguf's reader is slow on large vocabularies). A GGUF file
+is a Hugging Face folder written differently, so loading goes through the Llama folder loader
+(interop/llama.py) rather than beside it: the metadata becomes a config.json dict for `config_from_hf`, and
+the tensors are offered under their Hugging Face names to `fill_model`. What differs from a folder, and is
+undone here:
   names      llama.cpp's (`blk.0.attn_q.weight`), mapped to HF's (`model.layers.0.self_attn.q_proj.weight`);
   shapes     GGUF lists dimensions innermost first (ggml's ne order): reversed;
   types      F32/F16/BF16 as they are, quantized blocks (Q8_0, Q4_0, Q4_K, Q6_K, ...) dequantized by
@@ -33,7 +34,7 @@ import torch
 
 from qkv.interop.common import require
 from qkv.interop.gguf_header import MAGIC, TensorInfo, read_header
-from qkv.interop.llama import _empty_model, config_from_hf, fill_model, key_map
+from qkv.interop.llama import config_from_hf, empty_model, fill_model, key_map
 from qkv.models.gpt import GPT
 from qkv.storage import CheckpointError
 
@@ -114,8 +115,10 @@ class GGUFFile:
                                   "installed gguf package does not know") from None
         quantized = gguf.GGML_QUANT_SIZES[kind][0] > 1  # a block of several values per scale
         if kind.name not in _FLOATS and not quantized:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has type {kind.name}, which qkv does not read "
-                                  "(supported: F32, F16, BF16 and the quantized block types)")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has type {kind.name}, which qkv does not read "
+                "(supported: F32, F16, BF16 and the quantized block types)"
+            )
         return kind.name
 
     def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -132,8 +135,10 @@ class GGUFFile:
             try:
                 out = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]))
             except NotImplementedError:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has type {kind}, which the installed gguf "
-                                      "package cannot dequantize") from None
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} has type {kind}, which the installed gguf "
+                    "package cannot dequantize"
+                ) from None
         out = out.reshape(t.shape).to(dtype)
         self._release(t.start, self.nbytes(t))
         return out
@@ -216,14 +221,18 @@ def _llama3_scaling(f: GGUFFile, head_dim: int, theta: float) -> dict[str, Any]:
     from qkv.nn.position import rope_inv_freq
 
     factors = f.tensor("rope_freqs.weight", torch.float64)
-    require(factors.shape == (head_dim // 2,), f"{f.path}: rope_freqs.weight has shape {tuple(factors.shape)}, "
-                                               f"expected ({head_dim // 2},)")
+    require(
+        factors.shape == (head_dim // 2,),
+        f"{f.path}: rope_freqs.weight has shape {tuple(factors.shape)}, expected ({head_dim // 2},)",
+    )
     scaling = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_ROPE}
     plain = rope_inv_freq(head_dim, theta)
     implied = plain / rope_inv_freq(head_dim, theta, scaling)
-    require(torch.allclose(implied, factors, rtol=1e-5, atol=0),
-            f"{f.path}: its rope_freqs.weight factors are not Llama 3's rule for any factor (low/high frequency "
-            "factors 1/4 of 8192 positions); such per-frequency RoPE factors are not supported")
+    require(
+        torch.allclose(implied, factors, rtol=1e-5, atol=0),
+        f"{f.path}: its rope_freqs.weight factors are not Llama 3's rule for any factor (low/high frequency "
+        "factors 1/4 of 8192 positions); such per-frequency RoPE factors are not supported",
+    )
     return scaling
 
 
@@ -309,7 +318,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None) -> GPT:
         name = gguf_names.get(pattern, first).format(layer)
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{f.path}: missing tensor {name!r}{more}")
-    model = _empty_model(config, dtype)
+    model = empty_model(config, dtype)
     fill_model(model, tensors, mapping)
     ids = {f"{k}_token_id": f.meta.get(f"tokenizer.ggml.{g}_token_id")
            for k, g in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))}

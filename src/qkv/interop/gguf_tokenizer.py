@@ -34,9 +34,19 @@ _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{L
            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the regex its merges were learned with (llama.cpp's llm_tokenizer_bpe presets)
-SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
-          "falcon3": _LLAMA3, "pixtral": _LLAMA3, "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
-          "tekken": _TEKKEN}
+SPLITS = {
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "llama-bpe": _LLAMA3,
+    "smaug-bpe": _LLAMA3,
+    "dbrx": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "pixtral": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "megrez": _QWEN2,
+    "tekken": _TEKKEN,
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -95,7 +105,9 @@ def _sentencepiece(meta: dict[str, Any]) -> Any:
     else:
         scores = meta.get("tokenizer.ggml.scores")
         if scores is None:
-            raise CheckpointError("a 'llama' (SentencePiece) vocabulary needs tokenizer.ggml.scores or merges")
+            raise CheckpointError(
+                "a 'llama' (SentencePiece) vocabulary needs tokenizer.ggml.scores or merges"
+            )
         merges = sentencepiece_merges(tokens, list(scores))
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=True,
@@ -110,12 +122,15 @@ BUILDERS = {"gpt2": _byte_level, "llama": _sentencepiece}
 
 
 def build_tokenizer(meta: dict[str, Any]) -> Any:
-    """The `tokenizers.Tokenizer` a GGUF file's metadata describes (special tokens added, bos post-processor)."""
+    """The `tokenizers.Tokenizer` a GGUF file's metadata describes (special tokens added, bos
+    post-processor)."""
     from tokenizers import AddedToken, processors
 
     kind = meta.get("tokenizer.ggml.model")
     if kind not in BUILDERS:
-        raise CheckpointError(f"GGUF tokenizer model {kind!r} is not supported; supported: {sorted(BUILDERS)}")
+        raise CheckpointError(
+            f"GGUF tokenizer model {kind!r} is not supported; supported: {sorted(BUILDERS)}"
+        )
     if not meta.get("tokenizer.ggml.tokens"):
         raise CheckpointError("the GGUF file has no tokenizer.ggml.tokens")
     tok = BUILDERS[kind](meta)
@@ -137,7 +152,8 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
 
 
 def add_bos(meta: dict[str, Any]) -> bool:
-    """Whether encoding adds bos: the file's flag; a SentencePiece vocabulary without one adds it (llama.cpp)."""
+    """Whether encoding adds bos: the file's flag; a SentencePiece vocabulary without one adds it
+    (llama.cpp)."""
     flag = meta.get("tokenizer.ggml.add_bos_token")
     return bool(flag) if flag is not None else meta.get("tokenizer.ggml.model") == "llama"
 
@@ -158,7 +174,9 @@ def load_gguf_tokenizer(path: str | os.PathLike, file: GGUFFile | None = None) -
         if idx is not None and 0 <= int(idx) < len(tokens):
             config[f"{name}_token"] = tokens[int(idx)]
     # chat models end a turn on a token of their own beside eos (Llama 3's <|eot_id|>, <|eom_id|>)
-    extra = [int(meta[k]) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+    extra = [
+        int(meta[k]) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta
+    ]
     template = meta.get("tokenizer.chat_template")
     return HFTokenizer(tok, config, template if isinstance(template, str) and template else None, extra)
 

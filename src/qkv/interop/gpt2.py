@@ -48,14 +48,20 @@ KEY_MAP = {
 UNTIED_HEAD = {"lm_head.weight": "lm_head.weight"}
 
 # Conv1D weights are (in, out); nn.Linear's are (out, in). Transposing is its own inverse.
-CONV1D = ("h.{}.attn.c_attn.weight", "h.{}.attn.c_proj.weight", "h.{}.mlp.c_fc.weight", "h.{}.mlp.c_proj.weight")
+CONV1D = (
+    "h.{}.attn.c_attn.weight",
+    "h.{}.attn.c_proj.weight",
+    "h.{}.mlp.c_fc.weight",
+    "h.{}.mlp.c_proj.weight",
+)
 # a view: load_hf_weights copies it into place and export_state makes its own contiguous copy
 TRANSFORMS = {k: (lambda t: t.t()) for k in CONV1D}
 
 # Tensors older checkpoints carry that hold no weights: the causal-mask buffers of GPT2Attention.
 IGNORE = ("h.{}.attn.bias", "h.{}.attn.masked_bias")
 
-TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json's, kept on load and written on export
+# config.json's, kept on load and written on export
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # HF activation_function -> our ffn name. gelu_new / gelu_pytorch_tanh are the tanh approximation.
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -115,7 +121,8 @@ def load_gpt2(folder: Path, hf_config: dict[str, Any]) -> GPT:
     model = build_skeleton(lambda: GPT(config))  # parameters on meta: storage comes in the file's dtype
     load_hf_weights(model, hf_state, mapping, transforms=TRANSFORMS, ignore=ignore, source=hf_state.source,
                     tied=tied)
-    # config.json's token ids, as transformers reads them (generation_config.json, read by load_model, overrides)
+    # config.json's token ids, as transformers reads them (generation_config.json, read by load_model,
+    # overrides)
     model.folder_generation_config = {k: hf_config[k] for k in TOKEN_IDS if hf_config.get(k) is not None}
     return model.eval()
 
@@ -128,15 +135,25 @@ def config_to_hf(config: GPTConfig) -> dict[str, Any]:
     require(ok, "only GPT-2-shaped configs (learned positions, Pre-LN, LayerNorm, biases, MHA, "
                 "gelu/gelu_tanh/relu FFN) can be exported to a GPT-2 folder")
     return {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": config.vocab_size, "n_layer": config.n_layers, "n_embd": config.d_model,
-        "n_head": config.n_heads, "n_positions": config.context_length,
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": config.vocab_size,
+        "n_layer": config.n_layers,
+        "n_embd": config.d_model,
+        "n_head": config.n_heads,
+        "n_positions": config.context_length,
         "n_inner": None if config.d_ff in (None, 4 * config.d_model) else config.d_ff,
-        "activation_function": act[config.ffn], "layer_norm_epsilon": config.norm_eps,
-        "scale_attn_weights": config.scaled, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
-        "attn_pdrop": config.attn_dropout, "initializer_range": config.init_std,
-        "tie_word_embeddings": config.tie_embeddings, "bos_token_id": config.vocab_size - 1,
-        "eos_token_id": config.vocab_size - 1,  # GPT-2's <|endoftext|>, unless the model has its own (export_gpt2)
+        "activation_function": act[config.ffn],
+        "layer_norm_epsilon": config.norm_eps,
+        "scale_attn_weights": config.scaled,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.attn_dropout,
+        "initializer_range": config.init_std,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": config.vocab_size - 1,
+        "eos_token_id": config.vocab_size
+        - 1,  # GPT-2's <|endoftext|>, unless the model has its own (export_gpt2)
     }
 
 

@@ -10,13 +10,15 @@ A second model class would copy GPT.forward and the decoder protocol for nothing
 The key map differs from HF's layout in one place: q_proj, k_proj and v_proj are stacked (in that order) into
 our fused qkv_proj, whose rows split as [n_heads * hd, n_kv * hd, n_kv * hd].
 
-Loading keeps the folder's dtype (fp32, bf16, fp16) and holds one copy of the weights: the model is built on
-the meta device, given uninitialised storage in that dtype, and filled tensor by tensor from the safetensors
-files, each file opened only while its tensors are copied (benchmarks/llm.py measures the peak).
+Loading keeps the folder's dtype (fp32, bf16, fp16) and holds one copy of the weights: the model is built with
+its parameters on the meta device (common.build_skeleton), given uninitialised storage in that dtype, and
+filled tensor by tensor from the safetensors files, each file opened only while its tensors are copied
+(benchmarks/llm.py measures the peak).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,9 +29,11 @@ import torch
 from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
+    build_skeleton,
     check_sizes,
     expand,
     export_state,
+    materialise,
     require,
     write_hf_folder,
 )
@@ -55,7 +59,9 @@ KEY_MAP = {
     "model.layers.{}.mlp.down_proj.weight": "decoder.blocks.{}.ffn.down.weight",
     "model.norm.weight": "decoder.final_norm.weight",
 }
-QKV_BIAS = {f"model.layers.{{}}.self_attn.{p}_proj.bias": "decoder.blocks.{}.attn.qkv_proj.bias" for p in "qkv"}
+QKV_BIAS = {
+    f"model.layers.{{}}.self_attn.{p}_proj.bias": "decoder.blocks.{}.attn.qkv_proj.bias" for p in "qkv"
+}
 OUT_BIAS = {"model.layers.{}.self_attn.o_proj.bias": "decoder.blocks.{}.attn.out_proj.bias"}
 MLP_BIAS = {f"model.layers.{{}}.mlp.{p}_proj.bias": f"decoder.blocks.{{}}.ffn.{q}.bias"
             for p, q in (("gate", "gate"), ("up", "up"), ("down", "down"))}
@@ -64,10 +70,14 @@ QK_NORM = {"model.layers.{}.self_attn.q_norm.weight": "decoder.blocks.{}.attn.q_
 UNTIED_HEAD = {"lm_head.weight": "lm_head.weight"}
 IGNORE = ("model.layers.{}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq")  # older checkpoints
 
-_SCALING_KEYS = {"linear": ("factor",),
-                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                 "yarn": ("factor", "original_max_position_embeddings")}
-_OPTIONAL_KEYS = {"yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")}
+_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+_OPTIONAL_KEYS = {
+    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+}
 
 
 def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -109,8 +119,11 @@ def config_from_hf(hf: Mapping[str, Any]) -> GPTConfig:
     if mt == "mistral":
         window = hf.get("sliding_window")
     elif hf.get("use_sliding_window", False) or "sliding_attention" in (hf.get("layer_types") or ()):
-        raise CheckpointError(f"{mt}: sliding-window layers (use_sliding_window / layer_types) are not supported")
-    # kept even when it is as long as the context: RoPE runs past the context, and there the window limits attention
+        raise CheckpointError(
+            f"{mt}: sliding-window layers (use_sliding_window / layer_types) are not supported"
+        )
+    # kept even when it is as long as the context: RoPE runs past the context, and there the window limits
+    # attention
     context = int(hf.get("max_position_embeddings", 2048))
     return GPTConfig(
         vocab_size=int(hf["vocab_size"]),
@@ -154,15 +167,16 @@ def key_map(config: GPTConfig) -> dict[str, str]:
     return expand(m, config.n_layers)
 
 
-def _empty_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
-    """A GPT whose weights are uninitialised storage in `dtype` (nothing is computed or copied twice)."""
-    with torch.device("meta"):
-        model = GPT(config)  # init_weights on meta tensors costs nothing
-    model = model.to(dtype=dtype).to_empty(device="cpu")
-    if config.tie_embeddings:  # to_empty makes new parameters: tie them again
-        model.lm_head.weight = model.tok_emb.weight
-    # the RoPE tables are computed, not loaded: build them for real (to_empty left them uninitialised); the
-    # table grows on demand, so it starts at a few thousand positions, not the whole context
+def empty_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
+    """A GPT whose weights are uninitialised storage in `dtype` (the package's one way: build_skeleton, so the
+    tied head stays tied and nothing is initialised or copied twice)."""
+    # built for at most 4096 positions, then given the real config: RoPE's table grows on demand, and a
+    # long-context model's whole table would cost time and memory for nothing (1.6 s, 192 MB at 128k)
+    start = dataclasses.replace(config, context_length=min(config.context_length, 4096))
+    model = build_skeleton(lambda: GPT(start))
+    model.config = config
+    materialise(model, dtype)
+    # the RoPE tables stay float32 (materialise cast them with the weights; rotate casts them per call)
     model.decoder.position = build_position(
         "rope", d_model=config.d_model, n_heads=config.n_heads, max_len=min(config.context_length, 4096),
         rope_base=config.rope_base, rope_scaling=config.rope_scaling, head_dim=config.head_dim)
@@ -202,8 +216,10 @@ def fill_model(model: GPT, tensors: HFTensors, mapping: Mapping[str, str]) -> No
             rows = sum(t.shape[0] for t in pieces)
             shape = (rows, *pieces[0].shape[1:])
             if shape != tuple(target.shape) or any(t.shape[1:] != pieces[0].shape[1:] for t in pieces):
-                raise CheckpointError(f"{source}: {', '.join(hfs)} have shape(s) {[tuple(t.shape) for t in pieces]}"
-                                      f" but the config makes {ours!r} {tuple(target.shape)}")
+                raise CheckpointError(
+                    f"{source}: {', '.join(hfs)} have shape(s) {[tuple(t.shape) for t in pieces]}"
+                    f" but the config makes {ours!r} {tuple(target.shape)}"
+                )
             start = 0
             for t in pieces:
                 target.narrow(0, start, t.shape[0]).copy_(t)
@@ -213,7 +229,9 @@ def fill_model(model: GPT, tensors: HFTensors, mapping: Mapping[str, str]) -> No
                 if p is target:
                     unfilled.discard(n)
     if unfilled:
-        raise CheckpointError(f"{source}: nothing in the key map fills {sorted(unfilled)[:3]} (a key-map bug)")
+        raise CheckpointError(
+            f"{source}: nothing in the key map fills {sorted(unfilled)[:3]} (a key-map bug)"
+        )
     if model.config.tie_embeddings and "lm_head.weight" in names:
         head = tensors["lm_head.weight"]
         require(torch.equal(head.to(model.tok_emb.weight.dtype), model.tok_emb.weight),
@@ -231,18 +249,30 @@ def load_llama(folder: Path, hf_config: dict[str, Any]) -> GPT:
 
 def check_decoder_sizes(tensors: Any, config: GPTConfig) -> None:
     """config.json's sizes against the file's headers, before anything is expanded or allocated from them."""
-    require("model.embed_tokens.weight" in tensors,
-            f"{tensors.source}: no model.embed_tokens.weight (a base-model folder without the 'model.' prefix "
-            "is not supported)")
+    require(
+        "model.embed_tokens.weight" in tensors,
+        f"{tensors.source}: no model.embed_tokens.weight (a base-model folder without the 'model.' prefix "
+        "is not supported)",
+    )
     c, layer = config, "model.layers.{}.self_attn."
     hd = c.head_dim or c.d_model // c.n_heads
-    check_sizes(tensors, tensors.source, [
-        ("num_hidden_layers", c.n_layers, "model.layers.{}.input_layernorm.weight", None),
-        ("vocab_size", c.vocab_size, "model.embed_tokens.weight", 0),
-        ("hidden_size", c.d_model, "model.embed_tokens.weight", 1),
-        ("intermediate_size", c.d_ff, "model.layers.0.mlp.up_proj.weight", 0),
-        ("num_attention_heads * head_dim", c.n_heads * hd, layer.format(0) + "q_proj.weight", 0),
-        ("num_key_value_heads * head_dim", (c.n_kv_heads or c.n_heads) * hd, layer.format(0) + "k_proj.weight", 0)])
+    check_sizes(
+        tensors,
+        tensors.source,
+        [
+            ("num_hidden_layers", c.n_layers, "model.layers.{}.input_layernorm.weight", None),
+            ("vocab_size", c.vocab_size, "model.embed_tokens.weight", 0),
+            ("hidden_size", c.d_model, "model.embed_tokens.weight", 1),
+            ("intermediate_size", c.d_ff, "model.layers.0.mlp.up_proj.weight", 0),
+            ("num_attention_heads * head_dim", c.n_heads * hd, layer.format(0) + "q_proj.weight", 0),
+            (
+                "num_key_value_heads * head_dim",
+                (c.n_kv_heads or c.n_heads) * hd,
+                layer.format(0) + "k_proj.weight",
+                0,
+            ),
+        ],
+    )
 
 
 def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, mapping: Mapping[str, str],
@@ -254,10 +284,14 @@ def load_decoder(folder: Path, hf_config: dict[str, Any], config: GPTConfig, map
         tensors = HFTensors(folder)
     check_decoder_sizes(tensors, config)
     dtype = tensors.meta("model.embed_tokens.weight").dtype
-    model = _empty_model(config, dtype if dtype.is_floating_point else torch.float32)
+    model = empty_model(config, dtype if dtype.is_floating_point else torch.float32)
     fill_model(model, tensors, mapping)
     # the model's own token ids (generation_config.json, read by load_model, adds to and overrides them)
-    ids = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config.get(k) is not None}
+    ids = {
+        k: hf_config[k]
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if hf_config.get(k) is not None
+    }
     model.folder_generation_config = ids
     return model.eval()
 
@@ -279,15 +313,20 @@ def config_to_hf(config: GPTConfig, model_type: str | None = None) -> dict[str, 
     """The inverse of config_from_hf for configs these architectures can express."""
     mt = model_type or model_type_of(config)
     require(mt in MODEL_TYPES, f"cannot export to model_type {mt!r}; choose one of {MODEL_TYPES}")
-    require(not config.moe.n_experts, "a mixture-of-experts model is exported as mixtral, qwen2_moe or qwen3_moe "
-                                      "(qkv.interop.moe.export_moe)")
+    require(
+        not config.moe.n_experts,
+        "a mixture-of-experts model is exported as mixtral, qwen2_moe or qwen3_moe "
+        "(qkv.interop.moe.export_moe)",
+    )
     ok = (config.position == "rope" and config.placement == "pre" and config.norm == "rmsnorm"
           and config.ffn == "swiglu" and config.scaled and config.attention in ("fused", "naive"))
     require(ok, "only Llama-shaped configs (RoPE, Pre-LN, RMSNorm, SwiGLU, scaled attention) can be exported "
                 "to a Llama-style folder")
     require((mt == "qwen2") == bool(config.qkv_bias and not config.bias),
             f"q/k/v-only biases are Qwen2's; model_type {mt!r} does not express qkv_bias={config.qkv_bias}")
-    require((mt == "qwen3") == config.qk_norm, f"q/k norms are Qwen3's; model_type {mt!r} cannot express them")
+    require(
+        (mt == "qwen3") == config.qk_norm, f"q/k norms are Qwen3's; model_type {mt!r} cannot express them"
+    )
     require(config.sliding_window is None or mt == "mistral", "a sliding window is exported as mistral only")
     head_dim = config.head_dim or config.d_model // config.n_heads
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_base}
@@ -296,16 +335,27 @@ def config_to_hf(config: GPTConfig, model_type: str | None = None) -> dict[str, 
         rope = {**{k: v for k, v in scaling.items() if k != "type"},
                 "rope_type": scaling.get("rope_type", scaling.get("type")), "rope_theta": config.rope_base}
     out: dict[str, Any] = {
-        "model_type": mt, "architectures": [ARCHITECTURES[mt]],
-        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-        "intermediate_size": config.d_ff or 4 * config.d_model, "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads or config.n_heads,
-        "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": config.context_length,
-        "rms_norm_eps": config.norm_eps, "initializer_range": config.init_std,
-        "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.attn_dropout,
+        "model_type": mt,
+        "architectures": [ARCHITECTURES[mt]],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff or 4 * config.d_model,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads or config.n_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.context_length,
+        "rms_norm_eps": config.norm_eps,
+        "initializer_range": config.init_std,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": config.attn_dropout,
         # both layouts: transformers 5 reads rope_parameters, 4.x rope_theta + rope_scaling
-        "rope_parameters": rope, "rope_theta": config.rope_base,
-        "rope_scaling": None if not config.rope_scaling else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_parameters": rope,
+        "rope_theta": config.rope_base,
+        "rope_scaling": None
+        if not config.rope_scaling
+        else {k: v for k, v in rope.items() if k != "rope_theta"},
     }
     if mt in ("llama", "qwen3"):
         out["attention_bias"] = config.bias
@@ -324,7 +374,9 @@ def export_llama(model: GPT, path: str | os.PathLike, *, model_type: str | None 
     transformers loads as LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM.
     token_ids: bos/eos/pad ids for config.json (default: the model's generation defaults)."""
     model = unwrap(model)
-    return export_decoder(model, path, config_to_hf(model.config, model_type), key_map(model.config), token_ids)
+    return export_decoder(
+        model, path, config_to_hf(model.config, model_type), key_map(model.config), token_ids
+    )
 
 
 def export_decoder(model: GPT, path: str | os.PathLike, hf_config: dict[str, Any], mapping: Mapping[str, str],
@@ -351,5 +403,14 @@ def export_decoder(model: GPT, path: str | os.PathLike, hf_config: dict[str, Any
 for _mt in MODEL_TYPES:
     LOADERS[_mt] = load_llama
 
-__all__ = ["KEY_MAP", "config_from_hf", "config_to_hf", "export_decoder", "export_llama", "key_map", "load_decoder",
-           "load_llama", "model_type_of"]
+__all__ = [
+    "KEY_MAP",
+    "config_from_hf",
+    "config_to_hf",
+    "export_decoder",
+    "export_llama",
+    "key_map",
+    "load_decoder",
+    "load_llama",
+    "model_type_of",
+]

@@ -5,7 +5,8 @@ Three key layouts exist: transformers 4.x ("language_model.model.", "language_mo
 "vision_tower.vision_model.", "multi_modal_projector."), 5.x ("model.language_model.", "lm_head.",
 "model.vision_tower.", "model.multi_modal_projector.") and the 5.x save of a 4.x-style model (the vision tower
 without "vision_model."). All are renamed to one ("model." / "lm_head." for the decoder, "vision." and
-"projector.") before the key maps read them; the decoder is then loaded by the Llama loader (interop/llama.py).
+"projector.") before the key maps read them; the decoder is then loaded by the Llama loader
+(interop/llama.py).
 
 A folder's config.json holds only the sub-config fields that differ from transformers' defaults (llava-hf's
 text_config has no hidden_size: a 7B Llama's 4096), so those defaults are filled in first; every size is then
@@ -45,8 +46,13 @@ LLAMA_DEFAULTS = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 409
 CLIP_DEFAULTS = {"model_type": "clip_vision_model", "hidden_size": 768, "intermediate_size": 3072,
                  "num_hidden_layers": 12, "num_attention_heads": 12, "num_channels": 3, "image_size": 224,
                  "patch_size": 32, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}
-LLAVA_DEFAULTS = {"image_token_index": 32000, "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
-                  "projector_hidden_act": "gelu", "multimodal_projector_bias": True}
+LLAVA_DEFAULTS = {
+    "image_token_index": 32000,
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "projector_hidden_act": "gelu",
+    "multimodal_projector_bias": True,
+}
 
 # (old prefix, new prefix), the first match wins
 RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -84,7 +90,10 @@ def feature_layer_index(layer: Any, n_layers: int) -> int:
 
 def vision_config_from_hf(v: dict[str, Any], n_layers: int, patch_bias: bool) -> VisionConfig:
     mt = v.get("model_type")
-    require(mt == "clip_vision_model", f"vision_config model_type {mt!r} is not supported (CLIP vision towers only)")
+    require(
+        mt == "clip_vision_model",
+        f"vision_config model_type {mt!r} is not supported (CLIP vision towers only)",
+    )
     act = v.get("hidden_act", "quick_gelu")
     return VisionConfig(
         image_size=int(v["image_size"]), patch_size=int(v["patch_size"]), n_channels=int(v["num_channels"]),
@@ -94,7 +103,9 @@ def vision_config_from_hf(v: dict[str, Any], n_layers: int, patch_bias: bool) ->
         pre_norm=True, patch_bias=patch_bias, attn_dropout=float(v.get("attention_dropout", 0.0)))
 
 
-def config_from_hf(meta: dict[str, Any], patch_bias: bool = False, linear_projector: bool = False) -> VLMConfig:
+def config_from_hf(
+    meta: dict[str, Any], patch_bias: bool = False, linear_projector: bool = False
+) -> VLMConfig:
     """A llava config.json -> VLMConfig (transformers' defaults for the fields it leaves out)."""
     m = {**LLAVA_DEFAULTS, **meta}
     vision = _sub_config(meta, "vision_config", CLIP_DEFAULTS)
@@ -104,14 +115,21 @@ def config_from_hf(meta: dict[str, Any], patch_bias: bool = False, linear_projec
     require(select in ("default", "full"), f"vision_feature_select_strategy {select!r} is not supported")
     token = m.get("image_token_id", m["image_token_index"])
     return VLMConfig(
-        vision=vision_config_from_hf(vision, n_used, patch_bias), text=llama_config_from_hf(text),
-        image_token_id=int(token), feature_select=select, projector="linear" if linear_projector else "mlp",
-        projector_act=hf_activation(m["projector_hidden_act"]), projector_bias=bool(m["multimodal_projector_bias"]))
+        vision=vision_config_from_hf(vision, n_used, patch_bias),
+        text=llama_config_from_hf(text),
+        image_token_id=int(token),
+        feature_select=select,
+        projector="linear" if linear_projector else "mlp",
+        projector_act=hf_activation(m["projector_hidden_act"]),
+        projector_bias=bool(m["multimodal_projector_bias"]),
+    )
 
 
-def vision_key_map(n_layers: int, patch_bias: bool, linear_projector: bool, projector_bias: bool) -> dict[str, str]:
-    """HF CLIP vision tower + projector keys (renamed by canonical_key) -> ours, for the first n_layers blocks.
-    q, k and v map to one fused qkv_proj (concatenated in that order)."""
+def vision_key_map(
+    n_layers: int, patch_bias: bool, linear_projector: bool, projector_bias: bool
+) -> dict[str, str]:
+    """HF CLIP vision tower + projector keys (renamed by canonical_key) -> ours, for the first n_layers
+    blocks. q, k and v map to one fused qkv_proj (concatenated in that order)."""
     e = "vision.embeddings."
     m = {f"{e}class_embedding": "vision.cls_emb", f"{e}position_embedding.weight": "vision.pos_emb",
          f"{e}patch_embedding.weight": "vision.patch.weight",
@@ -146,7 +164,8 @@ def _check_vision_sizes(sd: HFTensors, vision: dict[str, Any], config: VLMConfig
 
 
 def _split(folder: Path, keep: tuple[str, ...]) -> HFTensors:
-    """The folder's tensors under canonical names, only those starting with one of `keep` (nothing is read)."""
+    """The folder's tensors under canonical names, only those starting with one of `keep` (nothing is
+    read)."""
     sd = HFTensors(folder)
     sd.rename(canonical_key)
     for k in [k for k in sd if not k.startswith(keep)]:
@@ -180,7 +199,7 @@ def load_llava(folder: Path, meta: dict[str, Any]) -> LLaVA:
                   "vision.embeddings.position_embedding.weight": lambda t: t.unsqueeze(0)}
     mapping = vision_key_map(n_used, patch_bias, linear, config.projector_bias)
     load_hf_weights(parts, sd, mapping, transforms=transforms, source=sd.source)
-    parts.to(decoder.lm_head.weight.dtype)  # one dtype for the model, as transformers loads it (a no-op mostly)
+    parts.to(decoder.lm_head.weight.dtype)  # one dtype for the whole model, as transformers loads it
     # the token ids: the text config's, and the top level's (llava-hf puts pad_token_id there)
     ids = {k: meta[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if meta.get(k) is not None}
     model.folder_generation_config = {**decoder.folder_generation_config, **ids}
@@ -190,7 +209,8 @@ def load_llava(folder: Path, meta: dict[str, Any]) -> LLaVA:
 LOADERS["llava"] = load_llava
 
 
-# -- the processor: images -> pixel_values, <image> -> placeholders ---------------------------------------------
+# -- the processor: images -> pixel_values, <image> -> placeholders
+# ---------------------------------------------
 def _size(value: Any, what: str) -> tuple[int, int] | int:
     """preprocessor_config.json's size / crop_size -> (height, width), or an int shortest edge."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -220,7 +240,9 @@ class ImageProcessor:
     def from_folder(cls, folder: str | Path) -> ImageProcessor:
         path = Path(folder) / "preprocessor_config.json"
         if not path.is_file():
-            raise CheckpointError(f"{folder}: no preprocessor_config.json (the image preprocessing of the folder)")
+            raise CheckpointError(
+                f"{folder}: no preprocessor_config.json (the image preprocessing of the folder)"
+            )
         try:
             p = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -242,7 +264,9 @@ class ImageProcessor:
 
     def _resize(self, image: Any) -> Any:
         w, h = image.size
-        if isinstance(self.size, int):  # the shortest edge to `size`, the longest in proportion (rounded down)
+        if isinstance(
+            self.size, int
+        ):  # the shortest edge to `size`, the longest in proportion (rounded down)
             short, long = (w, h) if w <= h else (h, w)
             new_long = int(self.size * long / short)
             h, w = (new_long, self.size) if w <= h else (self.size, new_long)
@@ -274,7 +298,9 @@ def _center_crop(x: Tensor, crop: tuple[int, int]) -> Tensor:
     H, W = x.shape[-2:]
     h, w = crop
     if h > H or w > W:
-        raise ValueError(f"the resized image ({H}x{W}) is smaller than the crop ({h}x{w}): padding is not supported")
+        raise ValueError(
+            f"the resized image ({H}x{W}) is smaller than the crop ({h}x{w}): padding is not supported"
+        )
     top, left = (H - h) // 2, (W - w) // 2
     return x[:, top:top + h, left:left + w]
 

@@ -1,9 +1,9 @@
 """Mixture-of-experts decoders (Hugging Face model_type mixtral, qwen2_moe, qwen3_moe) <-> qkv GPT.
 
 Each is a Llama-style decoder (interop/llama.py) whose feed-forward is, in some or all layers, a mixture of
-experts (nn/moe.py): Mixtral is Mistral's attention, Qwen2-MoE is Qwen2's (q/k/v biases) with one shared expert
-behind a sigmoid gate, Qwen3-MoE is Qwen3's (q/k norms). So the config and the key map are llama.py's, with the
-MoE fields and the experts' keys added; loading and export go through the same functions.
+experts (nn/moe.py): Mixtral is Mistral's attention, Qwen2-MoE is Qwen2's (q/k/v biases) with one shared
+expert behind a sigmoid gate, Qwen3-MoE is Qwen3's (q/k norms). So the config and the key map are llama.py's,
+with the MoE fields and the experts' keys added; loading and export go through the same functions.
 
   router   HF gate.weight (E, d)                      -> ffn.router.weight
   experts  Mixtral block_sparse_moe.experts.e.w1/w3/w2 -> ffn.experts.e.gate/up/down (silu(w1 x) * w3 x)
@@ -11,9 +11,9 @@ MoE fields and the experts' keys added; loading and export go through the same f
   shared   Qwen2-MoE mlp.shared_expert.*, shared_expert_gate.weight (1, d) -> ffn.shared.*, ffn.shared_gate
 
 Folders hold the per-expert layout above (what transformers 5's save_pretrained writes by default, converting
-its fused 3-D parameters back, and what the Hub has) or, after save_pretrained(save_original_format=False), the
-fused one: mlp.experts.gate_up_proj (E, 2I, d) = [gate; up] per expert, mlp.experts.down_proj (E, d, I), and
-Mixtral's router as mlp.gate. FusedExperts shows a fused folder under the per-expert names, so one key map
+its fused 3-D parameters back, and what the Hub has) or, after save_pretrained(save_original_format=False),
+the fused one: mlp.experts.gate_up_proj (E, 2I, d) = [gate; up] per expert, mlp.experts.down_proj (E, d, I),
+and Mixtral's router as mlp.gate. FusedExperts shows a fused folder under the per-expert names, so one key map
 serves both; export writes the per-expert layout.
 """
 
@@ -66,9 +66,16 @@ def config_from_hf(hf: Mapping[str, Any]) -> GPTConfig:
         return dataclasses.replace(base, moe=moe)
     shared = int(hf.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
     require(mt != "qwen2_moe" or shared > 0, f"{mt}: shared_expert_intermediate_size must be positive")
-    moe = MoEConfig(n_experts=n_experts, n_experts_per_tok=k, ffn_dim=int(hf["moe_intermediate_size"]),
-                    layers=_moe_layers(hf, base.n_layers, n_experts), norm_topk=bool(hf.get("norm_topk_prob", False)),
-                    shared_ffn_dim=shared or None, shared_expert_gate=bool(shared), aux_loss_coef=coef)
+    moe = MoEConfig(
+        n_experts=n_experts,
+        n_experts_per_tok=k,
+        ffn_dim=int(hf["moe_intermediate_size"]),
+        layers=_moe_layers(hf, base.n_layers, n_experts),
+        norm_topk=bool(hf.get("norm_topk_prob", False)),
+        shared_ffn_dim=shared or None,
+        shared_expert_gate=bool(shared),
+        aux_loss_coef=coef,
+    )
     qkv_bias = base.qkv_bias if mt != "qwen2_moe" else (True if hf.get("qkv_bias", True) else None)
     return dataclasses.replace(base, moe=moe, qkv_bias=qkv_bias)
 
@@ -84,7 +91,9 @@ def _layer_keys(mt: str, layer: int, config: GPTConfig) -> dict[str, str]:
     for e in range(config.moe.n_experts):
         out.update({f"{hf}.experts.{e}.{a}.weight": f"{ours}.experts.{e}.{b}.weight" for a, b in names})
     if mt == "qwen2_moe":
-        out.update({f"{hf}.shared_expert.{a}.weight": f"{ours}.shared.{b}.weight" for a, b in EXPERT_KEYS["qwen"]})
+        out.update(
+            {f"{hf}.shared_expert.{a}.weight": f"{ours}.shared.{b}.weight" for a, b in EXPERT_KEYS["qwen"]}
+        )
         out[f"{hf}.shared_expert_gate.weight"] = f"{ours}.shared_gate.weight"
     return out
 
@@ -101,9 +110,10 @@ def key_map(config: GPTConfig, model_type: str) -> dict[str, str]:
 
 
 class FusedExperts(Mapping[str, Tensor]):
-    """A folder's tensors (HFTensors) with transformers 5's fused expert parameters shown as the per-expert tensors
-    of the default layout. A fused tensor is read when its first expert is asked for and kept until another one
-    is (the loader copies a layer's experts one after another): one layer's experts in memory beside the model."""
+    """A folder's tensors (HFTensors) with transformers 5's fused expert parameters shown as the per-expert
+    tensors of the default layout. A fused tensor is read when its first expert is asked for and kept until
+    another one is (the loader copies a layer's experts one after another): one layer's experts in memory
+    beside the model."""
 
     FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)")
 
@@ -123,8 +133,11 @@ class FusedExperts(Mapping[str, Tensor]):
                 self.views[f"{prefix}.gate.weight"] = (name, None, slice(None))
                 continue
             E, rows = tensors.meta(name).shape[:2]
-            parts = ((gate, slice(0, rows // 2)), (up, slice(rows // 2, rows))) if m.group(3) == "gate_up_proj" \
+            parts = (
+                ((gate, slice(0, rows // 2)), (up, slice(rows // 2, rows)))
+                if m.group(3) == "gate_up_proj"
                 else ((down, slice(None)),)
+            )
             for e in range(E):
                 for proj, r in parts:
                     self.views[f"{prefix}.experts.{e}.{proj}.weight"] = (name, e, r)
@@ -182,7 +195,9 @@ def model_type_of(config: GPTConfig) -> str:
 
 def _check_exportable(config: GPTConfig, mt: str) -> None:
     m = config.moe
-    require(m.n_experts > 0, f"a dense model is not a {mt} folder: export it with qkv.interop.llama.export_llama")
+    require(
+        m.n_experts > 0, f"a dense model is not a {mt} folder: export it with qkv.interop.llama.export_llama"
+    )
     require(m.score == "softmax" and m.n_group == 1 and m.routed_scaling == 1.0 and not m.bias_balance,
             f"{mt} routes by softmax top-k only (no sigmoid scores, groups, scaling or selection bias)")
     require(mt == "qwen2_moe" or not (m.n_shared_experts or m.shared_ffn_dim),
@@ -192,7 +207,10 @@ def _check_exportable(config: GPTConfig, mt: str) -> None:
     if mt == "mixtral":
         require(m.norm_topk, "mixtral always renormalises the chosen experts' weights (moe.norm_topk)")
         require(all(m.is_moe(i) for i in range(config.n_layers)), "mixtral has experts in every layer")
-        require(m.ffn_dim in (None, config.d_ff), "mixtral's experts are intermediate_size wide (moe.ffn_dim = d_ff)")
+        require(
+            m.ffn_dim in (None, config.d_ff),
+            "mixtral's experts are intermediate_size wide (moe.ffn_dim = d_ff)",
+        )
 
 
 def config_to_hf(config: GPTConfig, model_type: str | None = None) -> dict[str, Any]:
@@ -202,7 +220,9 @@ def config_to_hf(config: GPTConfig, model_type: str | None = None) -> dict[str, 
     _check_exportable(config, mt)
     m = config.moe
     # llama.py checks the attention as the base type's (Qwen2's q/k/v biases are that type's, not optional)
-    attention = dataclasses.replace(config, moe=MoEConfig(), qkv_bias=True if mt == "qwen2_moe" else config.qkv_bias)
+    attention = dataclasses.replace(
+        config, moe=MoEConfig(), qkv_bias=True if mt == "qwen2_moe" else config.qkv_bias
+    )
     out = llama.config_to_hf(attention, BASE[mt])
     out.update(model_type=mt, architectures=[ARCHITECTURES[mt]], num_experts_per_tok=m.n_experts_per_tok,
                router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
@@ -225,7 +245,9 @@ def export_moe(model: GPT, path: str | os.PathLike, *, model_type: str | None = 
     Qwen3MoeForCausalLM (per-expert tensors, config.json, in the model's dtype)."""
     model = unwrap(model)
     mt = model_type or model_type_of(model.config)
-    return llama.export_decoder(model, path, config_to_hf(model.config, mt), key_map(model.config, mt), token_ids)
+    return llama.export_decoder(
+        model, path, config_to_hf(model.config, mt), key_map(model.config, mt), token_ids
+    )
 
 
 for _mt in MODEL_TYPES:

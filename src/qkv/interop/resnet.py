@@ -31,17 +31,27 @@ BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked
 
 def resnet_config_from_hf(meta: dict[str, Any], *, classify: bool, num_labels: int) -> ResNetConfig:
     act = meta.get("hidden_act", "relu")
-    if act != "relu":  # transformers applies it to the stem and after each sum, the branch's inner ones stay ReLU
-        raise CheckpointError(f"ResNet folders with hidden_act {act!r} are not supported (relu only: transformers "
-                              "uses it for the stem and after each residual sum but ReLU inside the branches)")
+    if (
+        act != "relu"
+    ):  # transformers applies it to the stem and after each sum, the branch's inner ones stay ReLU
+        raise CheckpointError(
+            f"ResNet folders with hidden_act {act!r} are not supported (relu only: transformers "
+            "uses it for the stem and after each residual sum but ReLU inside the branches)"
+        )
     if meta.get("layer_type", "bottleneck") not in ("basic", "bottleneck"):
         raise CheckpointError(f"unsupported ResNet layer_type {meta['layer_type']!r} (basic or bottleneck)")
     return ResNetConfig(
-        n_channels=meta.get("num_channels", 3), stem="imagenet", stem_width=meta["embedding_size"],
-        block=meta.get("layer_type", "bottleneck"), depths=list(meta["depths"]), widths=list(meta["hidden_sizes"]),
+        n_channels=meta.get("num_channels", 3),
+        stem="imagenet",
+        stem_width=meta["embedding_size"],
+        block=meta.get("layer_type", "bottleneck"),
+        depths=list(meta["depths"]),
+        widths=list(meta["hidden_sizes"]),
         stride_in_1x1=bool(meta.get("downsample_in_bottleneck", False)),
-        downsample_first_stage=bool(meta.get("downsample_in_first_stage", False)), activation="relu",
-        head="classify" if classify else "none", num_labels=num_labels,
+        downsample_first_stage=bool(meta.get("downsample_in_first_stage", False)),
+        activation="relu",
+        head="classify" if classify else "none",
+        num_labels=num_labels,
     )
 
 
@@ -53,7 +63,8 @@ def _conv_bn(hf: str, ours: str) -> dict[str, str]:
 
 
 def resnet_key_map(model: ResNet, prefix: str = "") -> dict[str, str]:
-    """HF keys -> ours for this model's shape (which blocks have a projection shortcut comes from the model)."""
+    """HF keys -> ours for this model's shape (which blocks have a projection shortcut comes from the
+    model)."""
     p = prefix
     m = _conv_bn(f"{p}embedder.embedder", "stem.conv")
     for s, stage in enumerate(model.stages):
@@ -81,13 +92,19 @@ def load_resnet(folder: Path, meta: dict[str, Any]) -> ResNet:
 
 def resnet_config_to_hf(config: ResNetConfig, id2label: dict[int, str] | None = None) -> dict[str, Any]:
     c = config
-    require(c.stem == "imagenet", f"a ResNet with the {c.stem!r} stem cannot be a Hugging Face ResNet folder (its "
-                                  "stem is always the 7x7/2 conv + 3x3/2 max-pool)")
+    require(
+        c.stem == "imagenet",
+        f"a ResNet with the {c.stem!r} stem cannot be a Hugging Face ResNet folder (its "
+        "stem is always the 7x7/2 conv + 3x3/2 max-pool)",
+    )
     require(c.block == "basic" or c.bottleneck_reduction == 4,
             f"Hugging Face's bottleneck reduces by 4, this model by {c.bottleneck_reduction}")
     require(c.norm_eps == 1e-5, f"Hugging Face's BatchNorm eps is 1e-5, this model's {c.norm_eps}")
-    require(c.activation == "relu", f"a ResNet with activation {c.activation!r} cannot be exported (transformers' "
-            "ResNet keeps ReLU inside its branches whatever hidden_act says)")
+    require(
+        c.activation == "relu",
+        f"a ResNet with activation {c.activation!r} cannot be exported (transformers' "
+        "ResNet keeps ReLU inside its branches whatever hidden_act says)",
+    )
     labels = id2label or {i: f"LABEL_{i}" for i in range(c.num_labels)}
     require(len(labels) == c.num_labels, f"{len(labels)} labels for a {c.num_labels}-way classifier")
     return {

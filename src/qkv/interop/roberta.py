@@ -40,7 +40,12 @@ CLASSIFY_MAP = {
     "classifier.out_proj.bias": "classifier.bias",
 }
 TAG_MAP = {"classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}
-IGNORE = ("embeddings.position_ids", "embeddings.token_type_ids", "lm_head.decoder.weight", "lm_head.decoder.bias")
+IGNORE = (
+    "embeddings.position_ids",
+    "embeddings.token_type_ids",
+    "lm_head.decoder.weight",
+    "lm_head.decoder.bias",
+)
 
 
 def config_from_hf(hf: dict[str, Any], *, head: str = "none", pooler: bool = True) -> BERTConfig:
@@ -48,7 +53,10 @@ def config_from_hf(hf: dict[str, Any], *, head: str = "none", pooler: bool = Tru
     require(isinstance(pad, int) and pad >= 0, f"RoBERTa pad_token_id must be a token id, got {pad!r}")
     offset = pad + 1
     n_pos = hf.get("max_position_embeddings", 514)
-    require(n_pos > offset, f"RoBERTa max_position_embeddings {n_pos} leaves no position after the offset {offset}")
+    require(
+        n_pos > offset,
+        f"RoBERTa max_position_embeddings {n_pos} leaves no position after the offset {offset}",
+    )
     c = bert_config_from_hf({"layer_norm_eps": 1e-5, "type_vocab_size": 1, **hf}, head=head, pooler=pooler)
     c.context_length, c.position_offset, c.pad_token_id = n_pos - offset, offset, pad
     c.validate()
@@ -62,14 +70,29 @@ def config_to_hf(c: BERTConfig) -> dict[str, Any]:
 
 
 ROBERTA_LAYOUT = Layout(
-    model_type="roberta", prefix="roberta.", encoder=ENCODER_MAP, types=TYPE_MAP, pooler=POOLER_MAP,
+    model_type="roberta",
+    prefix="roberta.",
+    encoder=ENCODER_MAP,
+    types=TYPE_MAP,
+    pooler=POOLER_MAP,
     heads={"mlm": MLM_MAP, "classify": CLASSIFY_MAP, "tag": TAG_MAP},
-    detect=(("mlm", ("lm_head.dense.weight",)), ("classify", ("classifier.dense.weight",)),
-            ("tag", ("classifier.weight",))),
-    architectures={"none": "RobertaModel", "classify": "RobertaForSequenceClassification",
-                   "tag": "RobertaForTokenClassification"},
-    config_from_hf=config_from_hf, config_to_hf=config_to_hf, ignore=IGNORE,
-    tied={"lm_head.decoder.weight": "embeddings.word_embeddings.weight", "lm_head.decoder.bias": "lm_head.bias"},
+    detect=(
+        ("mlm", ("lm_head.dense.weight",)),
+        ("classify", ("classifier.dense.weight",)),
+        ("tag", ("classifier.weight",)),
+    ),
+    architectures={
+        "none": "RobertaModel",
+        "classify": "RobertaForSequenceClassification",
+        "tag": "RobertaForTokenClassification",
+    },
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    ignore=IGNORE,
+    tied={
+        "lm_head.decoder.weight": "embeddings.word_embeddings.weight",
+        "lm_head.decoder.bias": "lm_head.bias",
+    },
 )
 XLM_ROBERTA_LAYOUT = Layout(**{**ROBERTA_LAYOUT.__dict__, "model_type": "xlm-roberta", "architectures": {
     h: a.replace("Roberta", "XLMRoberta") for h, a in ROBERTA_LAYOUT.architectures.items()}})

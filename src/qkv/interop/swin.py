@@ -6,8 +6,8 @@ merging (the same 2x2 concatenation order, LayerNorm over 4C, a bias-free Linear
 stage but the last, a final LayerNorm and mean pooling. HF's separate query/key/value linears are
 concatenated into our fused qkv_proj; HF's shifted-window mask is additive -100, ours a boolean keep-mask
 (the same softmax to float precision).
-What our Swin cannot hold is refused by name: heads that do not double from stage to stage (HF takes any list),
-absolute position embeddings, a grid that is not a multiple of the window (HF pads it), a non-GELU MLP,
+What our Swin cannot hold is refused by name: heads that do not double from stage to stage (HF takes any
+list), absolute position embeddings, a grid that is not a multiple of the window (HF pads it), a non-GELU MLP,
 an MLP ratio whose hidden size is not an integer.
 """
 
@@ -31,10 +31,18 @@ def swin_config_from_hf(meta: dict[str, Any], *, classify: bool, num_labels: int
             "Swin folders with use_absolute_embeddings=true are not supported")
     require(meta.get("qkv_bias", True), "Swin folders with qkv_bias=false are not supported")
     cfg = SwinConfig(
-        image_size=meta["image_size"], patch_size=meta["patch_size"], n_channels=meta.get("num_channels", 3),
-        depths=depths, window_size=meta["window_size"], ffn_ratio=float(meta.get("mlp_ratio", 4.0)),
-        d_model=meta["embed_dim"], n_heads=heads[0], ffn=hf_activation(meta.get("hidden_act", "gelu")),
-        norm_eps=meta.get("layer_norm_eps", 1e-5), head="classify" if classify else "none", num_labels=num_labels,
+        image_size=meta["image_size"],
+        patch_size=meta["patch_size"],
+        n_channels=meta.get("num_channels", 3),
+        depths=depths,
+        window_size=meta["window_size"],
+        ffn_ratio=float(meta.get("mlp_ratio", 4.0)),
+        d_model=meta["embed_dim"],
+        n_heads=heads[0],
+        ffn=hf_activation(meta.get("hidden_act", "gelu")),
+        norm_eps=meta.get("layer_norm_eps", 1e-5),
+        head="classify" if classify else "none",
+        num_labels=num_labels,
     )
     require(all(float(cfg.ffn_ratio * cfg.d_model * 2 ** i).is_integer() for i in range(len(depths))),
             f"Swin mlp_ratio {cfg.ffn_ratio} gives a fractional MLP width")
@@ -55,8 +63,13 @@ def swin_key_map(cfg: SwinConfig, prefix: str = "", *, classify: bool = False) -
         f"{p}layernorm.weight": "final_norm.weight",
         f"{p}layernorm.bias": "final_norm.bias",
     }
-    simple = {"attention.output.dense": "attn.out_proj", "intermediate.dense": "ffn.up", "output.dense": "ffn.down",
-              "layernorm_before": "norm1", "layernorm_after": "norm2"}
+    simple = {
+        "attention.output.dense": "attn.out_proj",
+        "intermediate.dense": "ffn.up",
+        "output.dense": "ffn.down",
+        "layernorm_before": "norm1",
+        "layernorm_after": "norm2",
+    }
     for i, depth in enumerate(cfg.depths):
         for j in range(depth):
             h, o = f"{p}encoder.layers.{i}.blocks.{j}.", f"stages.{i}.{j}."
@@ -67,8 +80,13 @@ def swin_key_map(cfg: SwinConfig, prefix: str = "", *, classify: bool = False) -
                 m.update({f"{h}{hf}.{kind}": f"{o}block.{ours}.{kind}" for hf, ours in simple.items()})
         if i < len(cfg.depths) - 1:
             d = f"{p}encoder.layers.{i}.downsample."
-            m.update({f"{d}reduction.weight": f"merges.{i}.reduction.weight", f"{d}norm.weight": f"merges.{i}.norm.weight",
-                      f"{d}norm.bias": f"merges.{i}.norm.bias"})
+            m.update(
+                {
+                    f"{d}reduction.weight": f"merges.{i}.reduction.weight",
+                    f"{d}norm.weight": f"merges.{i}.norm.weight",
+                    f"{d}norm.bias": f"merges.{i}.norm.bias",
+                }
+            )
     if classify:
         m.update({"classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"})
     return m

@@ -45,9 +45,21 @@ FFN = {"relu": "relu", "gated-gelu": "geglu_tanh", "gated-gelu_new": "geglu_tanh
        "gelu_new": "gelu_tanh"}
 # generation settings older folders keep in config.json (transformers reads them from there when the folder
 # has no generation_config.json)
-GENERATION_KEYS = ("num_beams", "max_length", "min_length", "length_penalty", "no_repeat_ngram_size", "bad_words_ids",
-                   "early_stopping", "forced_bos_token_id", "forced_eos_token_id", "decoder_start_token_id",
-                   "eos_token_id", "pad_token_id", "bos_token_id")
+GENERATION_KEYS = (
+    "num_beams",
+    "max_length",
+    "min_length",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "early_stopping",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "decoder_start_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+)
 
 
 def generation_from_config(meta: dict[str, Any]) -> dict[str, Any]:
@@ -73,15 +85,31 @@ def config_from_hf(meta: dict[str, Any], *, tied: bool) -> EncoderDecoderConfig:
     pad = meta.get("pad_token_id", 0)
     start = meta.get("decoder_start_token_id")
     return EncoderDecoderConfig(
-        src_vocab_size=meta.get("vocab_size", 32128), n_encoder_layers=n_layers, n_decoder_layers=n_dec,
-        d_model=d_model, n_heads=meta.get("num_heads", 8), head_dim=meta.get("d_kv", 64), d_ff=meta.get("d_ff", 2048),
-        ffn=FFN[ffn], norm="rmsnorm", norm_eps=float(meta.get("layer_norm_epsilon", 1e-6)), placement="pre",
-        position="relative", relative_buckets=meta.get("relative_attention_num_buckets", 32),
-        relative_max_distance=meta.get("relative_attention_max_distance", 128), scaled=False, bias=False,
-        dropout=float(meta.get("dropout_rate", 0.1)), label_smoothing=0.0, share_embeddings=True,
-        scale_embeddings=False, tie_output=tied, output_scale=d_model**-0.5 if scales_output(meta) else 1.0,
+        src_vocab_size=meta.get("vocab_size", 32128),
+        n_encoder_layers=n_layers,
+        n_decoder_layers=n_dec,
+        d_model=d_model,
+        n_heads=meta.get("num_heads", 8),
+        head_dim=meta.get("d_kv", 64),
+        d_ff=meta.get("d_ff", 2048),
+        ffn=FFN[ffn],
+        norm="rmsnorm",
+        norm_eps=float(meta.get("layer_norm_epsilon", 1e-6)),
+        placement="pre",
+        position="relative",
+        relative_buckets=meta.get("relative_attention_num_buckets", 32),
+        relative_max_distance=meta.get("relative_attention_max_distance", 128),
+        scaled=False,
+        bias=False,
+        dropout=float(meta.get("dropout_rate", 0.1)),
+        label_smoothing=0.0,
+        share_embeddings=True,
+        scale_embeddings=False,
+        tie_output=tied,
+        output_scale=d_model**-0.5 if scales_output(meta) else 1.0,
         context_length=meta.get("n_positions", 512),
-        pad_token_id=pad if pad is not None else 0, eos_token_id=(eos[0] if isinstance(eos, list) else eos) or 1,
+        pad_token_id=pad if pad is not None else 0,
+        eos_token_id=(eos[0] if isinstance(eos, list) else eos) or 1,
         bos_token_id=start if start is not None else (pad if pad is not None else 0),
         init_std=float(meta.get("initializer_factor", 1.0)) * 0.05,
     )
@@ -103,18 +131,18 @@ def key_map(cfg: EncoderDecoderConfig) -> dict[str, str]:
          "encoder.final_layer_norm.weight": "encoder.final_norm.weight",
          "decoder.final_layer_norm.weight": "decoder.final_norm.weight"}
     for stack, n in (("encoder", cfg.n_encoder_layers), ("decoder", cfg.n_decoder_layers)):
-        layer = {f"{stack}.block.{{}}.layer.0.SelfAttention.{x}.weight": f"{stack}.blocks.{{}}.attn.qkv_proj.weight"
-                 for x in "qkv"}
-        layer.update({f"{stack}.block.{{}}.layer.0.SelfAttention.o.weight": f"{stack}.blocks.{{}}.attn.out_proj.weight",
-                      f"{stack}.block.{{}}.layer.0.layer_norm.weight": f"{stack}.blocks.{{}}.norm1.weight"})
+        hf, ours = f"{stack}.block.{{}}.layer.", f"{stack}.blocks.{{}}."
+        layer = {f"{hf}0.SelfAttention.{x}.weight": f"{ours}attn.qkv_proj.weight" for x in "qkv"}
+        layer.update({f"{hf}0.SelfAttention.o.weight": f"{ours}attn.out_proj.weight",
+                      f"{hf}0.layer_norm.weight": f"{ours}norm1.weight"})
         f = 1
         if stack == "decoder":
-            layer.update({
-                "decoder.block.{}.layer.1.EncDecAttention.q.weight": "decoder.blocks.{}.cross.q_proj.weight",
-                "decoder.block.{}.layer.1.EncDecAttention.k.weight": "decoder.blocks.{}.cross.kv_proj.weight",
-                "decoder.block.{}.layer.1.EncDecAttention.v.weight": "decoder.blocks.{}.cross.kv_proj.weight",
-                "decoder.block.{}.layer.1.EncDecAttention.o.weight": "decoder.blocks.{}.cross.out_proj.weight",
-                "decoder.block.{}.layer.1.layer_norm.weight": "decoder.blocks.{}.norm_cross.weight"})
+            cross = hf + "1.EncDecAttention."
+            layer.update({cross + "q.weight": ours + "cross.q_proj.weight",
+                          cross + "k.weight": ours + "cross.kv_proj.weight",
+                          cross + "v.weight": ours + "cross.kv_proj.weight",
+                          cross + "o.weight": ours + "cross.out_proj.weight",
+                          hf + "1.layer_norm.weight": ours + "norm_cross.weight"})
             f = 2
         layer.update(ffn(f"{stack}.block.{{}}.layer.{f}.DenseReluDense.", f"{stack}.blocks.{{}}.ffn."))
         layer[f"{stack}.block.{{}}.layer.{f}.layer_norm.weight"] = f"{stack}.blocks.{{}}.norm2.weight"
@@ -130,10 +158,16 @@ TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm
 def load_t5(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
     hf_state = HFTensors(folder)  # names, shapes and dtypes now; each tensor read when it is copied
     source = hf_state.source
-    require("shared.weight" in hf_state, f"{source}: no shared.weight (not a T5ForConditionalGeneration folder?)")
+    require(
+        "shared.weight" in hf_state, f"{source}: no shared.weight (not a T5ForConditionalGeneration folder?)"
+    )
     # copies of the shared embedding (older files store them) carry nothing; a different lm_head is untied.
     # Deciding that reads them before the model is built (each beside the shared embedding, then dropped).
-    copies = [k for k in TIED_COPIES if k in hf_state and hf_state.meta(k).shape == hf_state.meta("shared.weight").shape]
+    copies = [
+        k
+        for k in TIED_COPIES
+        if k in hf_state and hf_state.meta(k).shape == hf_state.meta("shared.weight").shape
+    ]
     if copies:
         shared = hf_state["shared.weight"]
         for k in copies:
@@ -152,7 +186,7 @@ def load_t5(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
         ("num_heads * d_kv", cfg.n_heads * cfg.head_dim, attn + "q.weight", 0),
         ("relative_attention_num_buckets", cfg.relative_buckets, attn + "relative_attention_bias.weight", 0),
         ("d_ff", cfg.d_ff, f"encoder.block.0.layer.1.DenseReluDense.{ffn}.weight", 0)])
-    model = build_skeleton(lambda: EncoderDecoder(cfg))  # parameters on meta: storage comes in the file's dtype
+    model = build_skeleton(lambda: EncoderDecoder(cfg))  # parameters on meta: storage in the file's dtype
     load_hf_weights(model, hf_state, key_map(cfg), source=source)
     model.folder_generation_config = generation_from_config(meta)
     return model.eval()
@@ -160,7 +194,8 @@ def load_t5(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
 
 def save_t5(model: EncoderDecoder, folder: str | Path, meta: dict[str, Any]) -> Path:
     """Write `model` (loaded by load_t5, then e.g. fine-tuned) as a Hugging Face T5 folder: config.json is
-    `meta` (the source folder's), weights under HF's names; transformers' T5ForConditionalGeneration loads it."""
+    `meta` (the source folder's), weights under HF's names; transformers' T5ForConditionalGeneration loads
+    it."""
     state = export_state(model.state_dict(), key_map(model.config))
     return write_hf_folder(folder, state, meta)
 

@@ -1,8 +1,8 @@
 """The tokenizer of a Hugging Face model folder: `tokenizer.json` + special tokens + the chat template.
 
     tok = load_hf_tokenizer("path/to/model")
-    ids = tok.encode("Hello", add_special_tokens=True)       # the folder's post-processor adds bos if it says so
-    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tok.encode("Hello", add_special_tokens=True)       # the folder's post-processor adds bos if it says
+    so text = tok.apply_chat_template(messages, add_generation_prompt=True)
     ids, mask = tok.apply_chat_template(messages, return_assistant_mask=True)   # mask: 1 = assistant token
 
 What comes from where (the files `transformers` reads, in its order of precedence):
@@ -120,7 +120,9 @@ def compile_chat_template(source: str) -> Any:
                 spans.append((start, start + len(text)))
             return text
 
-    env = LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env = LimitedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -167,8 +169,12 @@ class HFTokenizer:
     """A Hugging Face folder's tokenizer (see the module docstring). Build it with `load_hf_tokenizer`."""
 
     def __init__(self, tokenizer: Any, config: Mapping[str, Any] | None = None,
-                 chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()) -> None:
+                 chat_template: str | None = None, extra_eos_ids: Iterable[int] = (),
+                 skip_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer
+        # decode()'s default: False as transformers' decode; True where the bare `tokenizers` object's
+        # default is what callers expect (find_tokenizer's folders)
+        self.skip_special_tokens = skip_special_tokens
         config = dict(config or {})
         self.config = config
         self.chat_template = chat_template
@@ -185,8 +191,8 @@ class HFTokenizer:
         self.pad_token_id = self.token_to_id(self.pad_token)
         eos = self.token_to_id(self.eos_token)
         self.eos_token_id = eos
-        # every id that ends a sequence: the tokenizer's eos and the model's (generation_config.json often lists
-        # the chat's end-of-turn token beside the base model's end of text)
+        # every id that ends a sequence: the tokenizer's eos and the model's (generation_config.json often
+        # lists the chat's end-of-turn token beside the base model's end of text)
         self.eos_token_ids: set[int] = ({eos} if eos is not None else set()) | set(extra_eos_ids)
         # add_bos_token / add_eos_token: Llama-style folders say it here; the post-processor may already do it
         self.add_bos_token = bool(config.get("add_bos_token", False))
@@ -194,6 +200,18 @@ class HFTokenizer:
         self._end_of_turn: frozenset[int] | None = None
 
     # -- vocabulary ---------------------------------------------------------------------------------------
+    @property
+    def bos_id(self) -> int | None:
+        return self.bos_token_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.eos_token_id
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.pad_token_id
+
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -220,7 +238,9 @@ class HFTokenizer:
         plus bos/eos when tokenizer_config.json asks for them and the post-processor did not add them."""
         return self.encode_with_offsets(text, add_special_tokens)[0]
 
-    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_with_offsets(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """encode(), and each token's character range in `text` ((0, 0) for a special token added here)."""
         enc = self._encode(text, add_special_tokens)
         ids, offsets = list(enc.ids), list(enc.offsets)
@@ -233,8 +253,9 @@ class HFTokenizer:
                 offsets.append((len(text), len(text)))
         return ids, offsets
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool | None = None) -> str:
+        skip = self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """An incremental decoder for streamed tokens (text is emitted once it is complete UTF-8)."""
@@ -243,9 +264,9 @@ class HFTokenizer:
     # -- chat ------------------------------------------------------------------------------------------------
     @property
     def end_of_turn_ids(self) -> frozenset[int]:
-        """The ids that end an assistant turn: the eos ids and the special token the chat template writes right
-        after an assistant message's content (ChatML's <|im_end|> in a folder whose eos is <|endoftext|>), found
-        by rendering a probe conversation once."""
+        """The ids that end an assistant turn: the eos ids and the special token the chat template writes
+        right after an assistant message's content (ChatML's <|im_end|> in a folder whose eos is
+        <|endoftext|>), found by rendering a probe conversation once."""
         if self._end_of_turn is None:
             ids = set(self.eos_token_ids)
             probe = "qkv-probe-answer"
@@ -253,7 +274,9 @@ class HFTokenizer:
             turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}]
             # a template may refuse a conversation without a system message first (raise_exception): then
             # probe with one, rather than miss the end-of-turn token (a model tuned without it never stops)
-            for messages in (turn, [{"role": "system", "content": "hi"}, *turn]) if self.chat_template else ():
+            for messages in (
+                (turn, [{"role": "system", "content": "hi"}, *turn]) if self.chat_template else ()
+            ):
                 try:
                     text = self.apply_chat_template(messages)
                     break
@@ -261,7 +284,9 @@ class HFTokenizer:
                     continue
             at = text.find(probe)
             if at >= 0:
-                after = text[at + len(probe):].lstrip()  # spaces or a newline before the token (Llama-2: " </s>")
+                after = text[
+                    at + len(probe) :
+                ].lstrip()  # spaces or a newline before the token (Llama-2: " </s>")
                 first = self.encode(after, add_special_tokens=False)[:1] if after else []
                 specials = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
                 if first and first[0] in specials:
@@ -288,7 +313,8 @@ class HFTokenizer:
         (ids, mask) where mask[i] = 1 for a token overlapping what the assistant says: the template's
         `{% generation %}` blocks when it has them, else each assistant message's content located in the
         rendered text plus an end-of-turn token that follows it (after whitespace at most; `end_of_turn_ids`)
-        (so a model fine-tuned on the mask learns to stop). Extra keyword arguments are template variables (e.g. enable_thinking=False).
+        (so a model fine-tuned on the mask learns to stop). Extra keyword arguments are template variables
+        (e.g. enable_thinking=False).
         """
         if not return_assistant_mask:
             text, _ = self.render_chat(messages, add_generation_prompt, **variables)
@@ -307,7 +333,8 @@ class HFTokenizer:
         extended over an end-of-turn token that directly follows. An assistant message's content is searched
         from where the render of the messages before it with the generation prompt ends, when that is a prefix
         of `text` (so a short answer, "a", is not found inside the template's own role header), else after the
-        previous message's content. Templates that rewrite the content beyond trimming it cannot be located."""
+        previous message's content. Templates that rewrite the content beyond trimming it cannot be
+        located."""
         enders = sorted({t for t in (self.id_to_token(i) for i in self.end_of_turn_ids) if t}, key=len,
                         reverse=True)
         spans: list[tuple[int, int]] = []
@@ -385,17 +412,42 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
     folder = Path(folder)
     path = folder / "tokenizer.json"
     if not path.is_file():
-        raise CheckpointError(f"{folder}: no tokenizer.json (qkv reads the fast-tokenizer file; a folder with "
-                              "only tokenizer.model / vocab files can be converted by saving it once with "
-                              "transformers' AutoTokenizer)")
+        raise CheckpointError(
+            f"{folder}: no tokenizer.json (qkv reads the fast-tokenizer file; a folder with "
+            "only tokenizer.model / vocab files can be converted by saving it once with "
+            "transformers' AutoTokenizer)"
+        )
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a plain Exception for a malformed file
         raise CheckpointError(f"{path}: cannot be read by the tokenizers library ({e})") from None
-    config = {**_read_json(folder / "special_tokens_map.json"), **_read_json(folder / "tokenizer_config.json")}
+    config = {
+        **_read_json(folder / "special_tokens_map.json"),
+        **_read_json(folder / "tokenizer_config.json"),
+    }
     extra: list[int] = []
     for name in ("generation_config.json", "config.json"):
         extra += _ids(_read_json(folder / name).get("eos_token_id"))
     tok = HFTokenizer(tokenizer, config, _chat_template(folder, config), extra)
     tok.chat_template_origin = str(folder)
     return tok
+
+
+def special_tokens_config(folder: Path) -> dict[str, Any]:
+    """The named special tokens of a folder's special_tokens_map.json / tokenizer_config.json (the latter
+    wins); a file that is missing or unreadable gives none (the tokenizer still encodes without them)."""
+    config: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            config.update(_read_json(folder / name))
+        except CheckpointError:
+            continue
+    return {k: v for k, v in config.items() if k in SPECIAL_NAMES}
+
+
+def bare_tokenizer(tokenizer: Any, config: Mapping[str, Any] | None = None) -> HFTokenizer:
+    """A `tokenizers.Tokenizer` as its own encode/decode behave: what its post-processor adds and nothing
+    more (no add_bos_token / add_eos_token from a config), special tokens skipped when decoding; `config`
+    names the special tokens (bos/eos/pad ids)."""
+    specials = {k: v for k, v in (config or {}).items() if k in SPECIAL_NAMES}
+    return HFTokenizer(tokenizer, specials, skip_special_tokens=True)

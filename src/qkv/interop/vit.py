@@ -36,7 +36,9 @@ def vit_config_from_hf(meta: dict[str, Any], *, classify: bool, pooler: bool) ->
     )
 
 
-def vit_key_map(n_layers: int, prefix: str = "", *, pooler: bool = False, classify: bool = False) -> dict[str, str]:
+def vit_key_map(
+    n_layers: int, prefix: str = "", *, pooler: bool = False, classify: bool = False
+) -> dict[str, str]:
     """HF ViT keys (the encoder under `prefix`) -> ours; query/key/value map to one qkv_proj (concatenated in
     that order). Every key is required: a folder with keys this map does not use (another architecture, more
     layers than config.json says) is refused by load_hf_weights, as one with keys missing."""
@@ -49,12 +51,22 @@ def vit_key_map(n_layers: int, prefix: str = "", *, pooler: bool = False, classi
         f"{p}layernorm.weight": "encoder.final_norm.weight",
         f"{p}layernorm.bias": "encoder.final_norm.bias",
     }
-    simple = {"attention.output.dense": "attn.out_proj", "intermediate.dense": "ffn.up", "output.dense": "ffn.down",
-              "layernorm_before": "norm1", "layernorm_after": "norm2"}
+    simple = {
+        "attention.output.dense": "attn.out_proj",
+        "intermediate.dense": "ffn.up",
+        "output.dense": "ffn.down",
+        "layernorm_before": "norm1",
+        "layernorm_after": "norm2",
+    }
     for i in range(n_layers):
         h, o = f"{p}encoder.layer.{i}.", f"encoder.blocks.{i}."
         for kind in ("weight", "bias"):
-            m.update({f"{h}attention.attention.{n}.{kind}": f"{o}attn.qkv_proj.{kind}" for n in ("query", "key", "value")})
+            m.update(
+                {
+                    f"{h}attention.attention.{n}.{kind}": f"{o}attn.qkv_proj.{kind}"
+                    for n in ("query", "key", "value")
+                }
+            )
             m.update({f"{h}{hf}.{kind}": f"{o}{ours}.{kind}" for hf, ours in simple.items()})
     if pooler:
         m.update({f"{p}pooler.dense.weight": "pooler.weight", f"{p}pooler.dense.bias": "pooler.bias"})
@@ -70,22 +82,42 @@ def load_vit(folder: Path, meta: dict[str, Any]) -> ViT:
     pooler = f"{prefix}pooler.dense.weight" in sd
     cfg = vit_config_from_hf(meta, classify=classify, pooler=pooler)
     if not meta.get("qkv_bias", True):
-        raise CheckpointError("ViT folders with qkv_bias=false are not supported (our Block has one bias flag)")
+        raise CheckpointError(
+            "ViT folders with qkv_bias=false are not supported (our Block has one bias flag)"
+        )
     if pooler and meta.get("pooler_act", "tanh") != "tanh":  # our ViT's pooler is BERT's: dense + tanh
-        raise CheckpointError(f"ViT folders whose pooler_act is {meta['pooler_act']!r} are not supported (tanh only)")
+        raise CheckpointError(
+            f"ViT folders whose pooler_act is {meta['pooler_act']!r} are not supported (tanh only)"
+        )
     if pooler and meta.get("pooler_output_size", meta["hidden_size"]) != meta["hidden_size"]:
-        raise CheckpointError("ViT folders whose pooler_output_size differs from hidden_size are not supported")
+        raise CheckpointError(
+            "ViT folders whose pooler_output_size differs from hidden_size are not supported"
+        )
     if classify:
         cfg.num_labels = sd.meta("classifier.weight").shape[0]
     e, proj = f"{prefix}encoder.layer.", f"{prefix}embeddings.patch_embeddings.projection.weight"
-    check_sizes(sd, sd.source, [
-        ("num_hidden_layers", cfg.n_layers, e + "{}.layernorm_before.weight", None),
-        ("hidden_size", cfg.d_model, proj, 0), ("num_channels", cfg.n_channels, proj, 1),
-        ("patch_size", cfg.patch_size, proj, 2), ("intermediate_size", cfg.d_ff, e + "0.intermediate.dense.weight", 0),
-        ("(image_size / patch_size)**2 + 1", cfg.grid**2 + 1, f"{prefix}embeddings.position_embeddings", 1)])
+    check_sizes(
+        sd,
+        sd.source,
+        [
+            ("num_hidden_layers", cfg.n_layers, e + "{}.layernorm_before.weight", None),
+            ("hidden_size", cfg.d_model, proj, 0),
+            ("num_channels", cfg.n_channels, proj, 1),
+            ("patch_size", cfg.patch_size, proj, 2),
+            ("intermediate_size", cfg.d_ff, e + "0.intermediate.dense.weight", 0),
+            (
+                "(image_size / patch_size)**2 + 1",
+                cfg.grid**2 + 1,
+                f"{prefix}embeddings.position_embeddings",
+                1,
+            ),
+        ],
+    )
     model = build_skeleton(lambda: ViT(cfg))  # parameters on meta: storage comes in the file's dtype
     # a bf16 / fp16 folder stays in its dtype
-    load_hf_weights(model, sd, vit_key_map(cfg.n_layers, prefix, pooler=pooler, classify=classify), source=sd.source)
+    load_hf_weights(
+        model, sd, vit_key_map(cfg.n_layers, prefix, pooler=pooler, classify=classify), source=sd.source
+    )
     return model.eval()
 
 

@@ -23,25 +23,36 @@ from qkv.storage import CheckpointError
 def whisper_config_from_hf(meta: dict[str, Any]) -> WhisperConfig:
     if meta["encoder_attention_heads"] != meta["decoder_attention_heads"] or \
             meta["encoder_ffn_dim"] != meta["decoder_ffn_dim"]:
-        raise CheckpointError("encoder and decoder of this Whisper differ in heads or ffn size; qkv's Whisper "
-                              "shares n_heads and d_ff between them")
+        raise CheckpointError(
+            "encoder and decoder of this Whisper differ in heads or ffn size; qkv's Whisper "
+            "shares n_heads and d_ff between them"
+        )
     if meta.get("scale_embedding", False):
         raise CheckpointError("Whisper folders with scale_embedding=true are not supported")
     return WhisperConfig(
-        vocab_size=meta["vocab_size"], n_encoder_layers=meta["encoder_layers"],
-        n_decoder_layers=meta["decoder_layers"], n_audio_ctx=meta["max_source_positions"],
-        n_text_ctx=meta["max_target_positions"], n_mels=meta["num_mel_bins"], d_model=meta["d_model"],
-        n_heads=meta["encoder_attention_heads"], d_ff=meta["encoder_ffn_dim"],
-        ffn=hf_activation(meta.get("activation_function", "gelu")), norm_eps=1e-5,
+        vocab_size=meta["vocab_size"],
+        n_encoder_layers=meta["encoder_layers"],
+        n_decoder_layers=meta["decoder_layers"],
+        n_audio_ctx=meta["max_source_positions"],
+        n_text_ctx=meta["max_target_positions"],
+        n_mels=meta["num_mel_bins"],
+        d_model=meta["d_model"],
+        n_heads=meta["encoder_attention_heads"],
+        d_ff=meta["encoder_ffn_dim"],
+        ffn=hf_activation(meta.get("activation_function", "gelu")),
+        norm_eps=1e-5,
         pad_token_id=meta.get("pad_token_id") or 0,
-        bos_token_id=meta.get("decoder_start_token_id") if meta.get("decoder_start_token_id") is not None else 1,
+        bos_token_id=meta.get("decoder_start_token_id")
+        if meta.get("decoder_start_token_id") is not None
+        else 1,
         eos_token_id=meta.get("eos_token_id") if meta.get("eos_token_id") is not None else 2,
         tie_embeddings=meta.get("tie_word_embeddings", True),
     )
 
 
 def _attention(h: str, o: str, cross: bool) -> dict[str, str]:
-    """q/k/v/out of one HF attention (prefix h) -> our fused projections (prefix o), in concatenation order."""
+    """q/k/v/out of one HF attention (prefix h) -> our fused projections (prefix o), in concatenation
+    order."""
     out: dict[str, str] = {}
     for kind in ("weight", "bias"):
         if cross:
@@ -92,21 +103,33 @@ def load_whisper(folder: Path, meta: dict[str, Any]) -> Whisper:
         raise CheckpointError(f"{folder}: untied Whisper without proj_out.weight")
     prefix = "model." if any(k.startswith("model.") for k in sd) else ""
     e, d = f"{prefix}encoder.", f"{prefix}decoder."
-    check_sizes(sd, sd.source, [
-        ("encoder_layers", cfg.n_encoder_layers, e + "layers.{}.final_layer_norm.weight", None),
-        ("decoder_layers", cfg.n_decoder_layers, d + "layers.{}.final_layer_norm.weight", None),
-        ("vocab_size", cfg.vocab_size, d + "embed_tokens.weight", 0), ("d_model", cfg.d_model, d + "embed_tokens.weight", 1),
-        ("max_source_positions", cfg.n_audio_ctx, e + "embed_positions.weight", 0),
-        ("max_target_positions", cfg.n_text_ctx, d + "embed_positions.weight", 0),
-        ("num_mel_bins", cfg.n_mels, e + "conv1.weight", 1), ("encoder_ffn_dim", cfg.d_ff, e + "layers.0.fc1.weight", 0)])
-    mapping = whisper_key_map(prefix, cfg.n_encoder_layers, cfg.n_decoder_layers, untied=not cfg.tie_embeddings)
+    check_sizes(
+        sd,
+        sd.source,
+        [
+            ("encoder_layers", cfg.n_encoder_layers, e + "layers.{}.final_layer_norm.weight", None),
+            ("decoder_layers", cfg.n_decoder_layers, d + "layers.{}.final_layer_norm.weight", None),
+            ("vocab_size", cfg.vocab_size, d + "embed_tokens.weight", 0),
+            ("d_model", cfg.d_model, d + "embed_tokens.weight", 1),
+            ("max_source_positions", cfg.n_audio_ctx, e + "embed_positions.weight", 0),
+            ("max_target_positions", cfg.n_text_ctx, d + "embed_positions.weight", 0),
+            ("num_mel_bins", cfg.n_mels, e + "conv1.weight", 1),
+            ("encoder_ffn_dim", cfg.d_ff, e + "layers.0.fc1.weight", 0),
+        ],
+    )
+    mapping = whisper_key_map(
+        prefix, cfg.n_encoder_layers, cfg.n_decoder_layers, untied=not cfg.tie_embeddings
+    )
     for k in mapping:  # Whisper's k_proj has no bias: a zero one (the q bias's shape and dtype) is exact
         q = k.replace(".k_proj.bias", ".q_proj.bias")
         if k.endswith(".k_proj.bias") and k not in sd and q in sd:
             sd[k] = torch.zeros(sd.meta(q).shape, dtype=sd.meta(q).dtype)
     model = build_skeleton(lambda: Whisper(cfg))  # parameters on meta; the mel filters are computed
-    # a tied head is a copy of the token embedding: never read, so not loaded; a bf16 / fp16 folder keeps its dtype
-    load_hf_weights(model, sd, mapping, ignore=("proj_out.weight",) if cfg.tie_embeddings else (), source=sd.source)
+    # a tied head is a copy of the token embedding: never read, so not loaded; a bf16 / fp16 folder keeps its
+    # dtype
+    load_hf_weights(
+        model, sd, mapping, ignore=("proj_out.weight",) if cfg.tie_embeddings else (), source=sd.source
+    )
     return model.eval()
 
 

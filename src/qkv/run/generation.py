@@ -96,11 +96,11 @@ def _generate_folder(model: torch.nn.Module, path: Path, prompt: str, cfg: Gener
             # less)
             ctx = model.context_limit
             cfg = cfg.replace(max_new_tokens=200 if ctx is None else max(1, min(200, ctx - 1)))
-        source = torch.tensor([_encode(tok, prompt)])
+        source = torch.tensor([tok.encode(prompt)])
         if stream:
             return _stream_seq2seq(model, tok, source, cfg)
         out = model.generate(source, cfg)
-        return _decode(tok, out[0].tolist())
+        return tok.decode(out[0].tolist())
     if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(model.generation_defaults())):
         cfg = cfg.replace(max_new_tokens=200)  # the folder's own generation_config.json length, else 200
     hf = hf_folder_tokenizer(folder)
@@ -109,9 +109,9 @@ def _generate_folder(model: torch.nn.Module, path: Path, prompt: str, cfg: Gener
         return _generate_hf(model, hf, prompt, cfg, stream)
     tok = _folder_tokenizer(folder)
     _check_prompt_vocabulary(tok, prompt, strict)
-    ids = torch.tensor([_encode(tok, prompt) or [0]])
+    ids = torch.tensor([tok.encode(prompt) or [0]])
     out = model.generate(ids, cfg)
-    text = _decode(tok, out[0, ids.shape[1]:].tolist())
+    text = tok.decode(out[0, ids.shape[1]:].tolist())
     if stream:
         print(prompt + text)
     return prompt + text
@@ -191,13 +191,14 @@ def _unknown_pieces(tok: Any, prompt: str) -> list[str]:
     vocabularies have one; byte-level BPE never needs it)."""
     if tok is None:
         return []
-    if hasattr(tok, "unknown_symbols"):
-        return tok.unknown_symbols(prompt)
-    from tokenizers import Tokenizer
+    from qkv.interop.tokenizer import HFTokenizer
+    from qkv.tasks.tokenizers import Tokenizer
 
-    inner = getattr(tok, "tokenizer", tok)  # interop.tokenizer.HFTokenizer wraps one
-    if not isinstance(inner, Tokenizer):
+    if isinstance(tok, Tokenizer):
+        return tok.unknown_symbols(prompt)
+    if not isinstance(tok, HFTokenizer):
         return []
+    inner = tok.tokenizer
     unk = getattr(inner.model, "unk_token", None)
     unk_id = inner.token_to_id(unk) if isinstance(unk, str) else getattr(inner.model, "unk_id", None)
     if unk_id is None:
@@ -215,7 +216,7 @@ def _stream_seq2seq(model: torch.nn.Module, tok: Any, source: torch.Tensor, cfg:
     from qkv.generate import stream as stream_tokens
 
     tokens = (int(new[0]) for new in stream_tokens(model, source, cfg))
-    return stream_pieces(tokens, StreamDecoder(lambda ids: _decode(tok, ids)), _write)
+    return stream_pieces(tokens, StreamDecoder(tok.decode), _write)
 
 
 def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
@@ -239,7 +240,7 @@ def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationCon
     """Print a language model's continuation token by token as it is produced (qkv.generate.stream)."""
     from qkv.generate import stream
 
-    ids = _encode(tok, prompt) or [getattr(tok, "eos_id", 0)]
+    ids = tok.encode(prompt) or [tok.eos_id if tok.eos_id is not None else 0]
     print(prompt, end="", flush=True)
     # a byte-level BPE character can span tokens: decoded one by one it would print U+FFFD for each part
     tokens = (int(new[0]) for new in stream(model, torch.tensor([ids]), cfg.replace(context_overflow="slide"),
@@ -258,12 +259,3 @@ def _folder_tokenizer(folder: Path):
     if tok is None:
         raise ConfigError(f"{folder} has no task.json and no tokenizer: cannot turn text into tokens")
     return tok
-
-
-def _encode(tok: Any, text: str) -> list[int]:
-    enc = tok.encode(text)
-    return list(enc.ids) if hasattr(enc, "ids") else list(enc)
-
-
-def _decode(tok: Any, ids: list[int]) -> str:
-    return tok.decode(ids)

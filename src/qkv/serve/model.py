@@ -24,8 +24,7 @@ class TextCodec:
     eos_ids: set[int] = field(default_factory=set)
 
     def encode(self, text: str) -> list[int]:
-        enc = self.tokenizer.encode(text)
-        return list(enc.ids) if hasattr(enc, "ids") else list(enc)
+        return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         try:  # qkv tokenizers skip special tokens by default; HF (interop) ones take skip_special_tokens
@@ -35,7 +34,7 @@ class TextCodec:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "has_chat_template", False))
+        return bool(self.tokenizer.chat_template)  # a field of every qkv.tokenizer.TextTokenizer
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """The chat template's rendering of `messages` with the assistant's turn opened, as token ids."""

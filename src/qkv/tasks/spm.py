@@ -6,8 +6,9 @@ package (the optional extra `qkv[seq2seq]`):
   T5 (slow files)    spiece.model (pieces and ids) + the sentinels <extra_id_N> after them, eos (</s>)
                      appended, as T5Tokenizer (only when config.json's model_type is "t5")
 
-encode(text) -> ids, decode(ids) -> text (special tokens skipped), the interface find_tokenizer's other
-tokenizers have. Folders with a tokenizer.json never come here (the `tokenizers` package reads those).
+encode(text) -> ids, decode(ids) -> text (special tokens skipped): each is a qkv.tokenizer.TextTokenizer, as
+find_tokenizer's other tokenizers are. Folders with a tokenizer.json never come here (the `tokenizers` package
+reads those).
 """
 
 from __future__ import annotations
@@ -37,22 +38,30 @@ class MarianSPTokenizer:
         self.pieces = {i: p for p, i in self.vocab.items()}
         self.eos_id, self.unk_id = self.vocab.get("</s>", 0), self.vocab.get("<unk>", 1)
         self.pad_id = self.vocab.get("<pad>", len(self.vocab) - 1)
+        self.bos_id: int | None = None  # Marian starts a target from pad, not a bos token
+        self.chat_template: str | None = None
         self.special = {self.eos_id, self.unk_id, self.pad_id}
 
     def encode(self, text: str) -> list[int]:
-        return [self.vocab.get(p, self.unk_id) for p in self.source.encode(text, out_type=str)] + [self.eos_id]
+        pieces = self.source.encode(text, out_type=str)
+        return [self.vocab.get(p, self.unk_id) for p in pieces] + [self.eos_id]
 
     def encode_target(self, text: str) -> list[int]:
         """A target sentence (labels for fine-tuning): the target model's pieces."""
-        return [self.vocab.get(p, self.unk_id) for p in self.target.encode(text, out_type=str)] + [self.eos_id]
+        pieces = self.target.encode(text, out_type=str)
+        return [self.vocab.get(p, self.unk_id) for p in pieces] + [self.eos_id]
 
     def decode(self, ids: list[int]) -> str:
         pieces = [self.pieces[i] for i in ids if i not in self.special and i in self.pieces]
         # a piece the SentencePiece model does not know comes back verbatim: its word marks become spaces
         return self.target.decode_pieces(pieces).replace("\u2581", " ").strip()
 
-    def get_vocab_size(self) -> int:
+    @property
+    def vocab_size(self) -> int:
         return len(self.vocab)
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
 
 
 class SPTokenizer:
@@ -61,7 +70,13 @@ class SPTokenizer:
     def __init__(self, path: Path) -> None:
         self.sp = _processor(path)
         self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else 1
-        self.special = {i for i in (self.sp.pad_id(), self.sp.eos_id(), self.sp.unk_id(), self.sp.bos_id()) if i >= 0}
+        # SentencePiece says -1 for a token the model does not have
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else None
+        self.chat_template: str | None = None
+        self.special = {
+            i for i in (self.sp.pad_id(), self.sp.eos_id(), self.sp.unk_id(), self.sp.bos_id()) if i >= 0
+        }
 
     def encode(self, text: str) -> list[int]:
         return list(self.sp.encode(text)) + [self.eos_id]
@@ -69,21 +84,25 @@ class SPTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([i for i in ids if i not in self.special and i < self.sp.get_piece_size()])
 
-    def get_vocab_size(self) -> int:
+    @property
+    def vocab_size(self) -> int:
         return int(self.sp.get_piece_size())
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
 
 
 class T5SPTokenizer(SPTokenizer):
-    """T5's spiece.model plus the special tokens `transformers.T5Tokenizer` adds after the pieces: the sentinels
-    `<extra_id_N>` (tokenizer_config.json's `extra_ids`, default 100; `<extra_id_N>` is id
+    """T5's spiece.model plus the special tokens `transformers.T5Tokenizer` adds after the pieces: the
+    sentinels `<extra_id_N>` (tokenizer_config.json's `extra_ids`, default 100; `<extra_id_N>` is id
     piece_size + extra_ids - 1 - N) and any other `additional_special_tokens`, in that order.
 
     Encoding splits the text at special tokens (the sentinels, and the pad / eos / unk pieces written out), as
-    T5Tokenizer's added tokens do, and gives each stretch between them to SentencePiece: a stretch starts a new
-    word (its own leading "▁") and the whitespace around a special token goes (SentencePiece drops a stretch's
-    outer whitespace). Decoding joins the pieces, special tokens as their text unless skipped, with "▁" read as a
-    space and the first token's leading space dropped: T5Tokenizer's Metaspace decoder, so that " fast" after a
-    sentinel keeps its space ("the cat<extra_id_0> fast")."""
+    T5Tokenizer's added tokens do, and gives each stretch between them to SentencePiece: a stretch starts a
+    new word (its own leading "▁") and the whitespace around a special token goes (SentencePiece drops a
+    stretch's outer whitespace). Decoding joins the pieces, special tokens as their text unless skipped, with
+    "▁" read as a space and the first token's leading space dropped: T5Tokenizer's Metaspace decoder, so that
+    " fast" after a sentinel keeps its space ("the cat<extra_id_0> fast")."""
 
     def __init__(self, folder: Path) -> None:
         super().__init__(folder / "spiece.model")
@@ -94,22 +113,29 @@ class T5SPTokenizer(SPTokenizer):
             raise ValueError(f"{folder / 'tokenizer_config.json'}: extra_ids must be a count and "
                              "additional_special_tokens a list")
         listed = [t["content"] if isinstance(t, dict) else str(t) for t in listed]
-        # as T5Tokenizer.from_pretrained: the extra_ids sentinels first (N-1 down to 0), then the listed tokens
-        # not among them, in their order (so extra_ids 0 + a listed <extra_id_N> keeps the list's order)
+        # as T5Tokenizer.from_pretrained: the extra_ids sentinels first (N-1 down to 0), then the listed
+        # tokens not among them, in their order (so extra_ids 0 + a listed <extra_id_N> keeps the list's
+        # order)
         added = [f"<extra_id_{i}>" for i in reversed(range(extra_ids))]
         added += [t for t in listed if t not in added]
         size = self.sp.get_piece_size()
         self.added: dict[str, int] = {t: size + i for i, t in enumerate(dict.fromkeys(added))}
         self.added_text = {i: t for t, i in self.added.items()}
-        # the special tokens: the listed ones, plus every sentinel when the list names none. A sentinel left out
-        # of a list that names some (extra_ids larger than the list: no released folder does this) keeps its id
-        # but is not split out of the text; T5Tokenizer then matches it as a piece inside a word, qkv does not.
+        # the special tokens: the listed ones, plus every sentinel when the list names none. A sentinel left
+        # out of a list that names some (extra_ids larger than the list: no released folder does this) keeps
+        # its id but is not split out of the text; T5Tokenizer then matches it as a piece inside a word, qkv
+        # does not.
         special = listed if any(t.startswith("<extra_id_") for t in listed) else [*listed, *added]
         self.special |= {self.added[t] for t in special}
         # split points: those and the special pieces (<pad>, </s>, <unk>), longest first
-        splits = {**{t: self.added[t] for t in special}, **{self.sp.id_to_piece(i): i for i in self.special if i < size}}
+        splits = {
+            **{t: self.added[t] for t in special},
+            **{self.sp.id_to_piece(i): i for i in self.special if i < size},
+        }
         self.splits = splits
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(splits, key=len, reverse=True)) + ")")
+        self._split = re.compile(
+            "(" + "|".join(re.escape(t) for t in sorted(splits, key=len, reverse=True)) + ")"
+        )
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -132,7 +158,8 @@ class T5SPTokenizer(SPTokenizer):
         text = "".join(pieces).replace("\u2581", " ")
         return text[1:] if pieces and pieces[0].startswith("\u2581") else text
 
-    def get_vocab_size(self) -> int:
+    @property
+    def vocab_size(self) -> int:
         return int(self.sp.get_piece_size()) + len(self.added)
 
 

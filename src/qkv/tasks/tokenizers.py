@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.storage import atomic_write, atomic_write_text
+from qkv.tokenizer import TextTokenizer
 
 SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>", "<mask>")
 PAD, BOS, EOS, SEP, UNK, MASK = range(len(SPECIALS))
@@ -39,11 +40,13 @@ def _as_list(ids: Any) -> list[int]:
 
 
 class Tokenizer:
-    """Shared interface: ids of the special tokens, encode/decode, save/load."""
+    """Shared interface: ids of the special tokens, encode/decode, save/load (a
+    qkv.tokenizer.TextTokenizer)."""
 
     kind: str = ""
     specials: tuple[str, ...] = SPECIALS
     pad_id, bos_id, eos_id, sep_id, unk_id, mask_id = PAD, BOS, EOS, SEP, UNK, MASK
+    chat_template: str | None = None  # a task's vocabulary has no chat format
 
     @property
     def vocab_size(self) -> int:
@@ -142,7 +145,9 @@ class CharTokenizer(Tokenizer):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CharTokenizer:
         if list(data.get("specials", [])) != list(SPECIALS):
-            raise TokenizerError(f"tokenizer file has special tokens {data.get('specials')}, expected {list(SPECIALS)}")
+            raise TokenizerError(
+                f"tokenizer file has special tokens {data.get('specials')}, expected {list(SPECIALS)}"
+            )
         return cls(data["symbols"])
 
 
@@ -180,8 +185,10 @@ class BPETokenizer(Tokenizer):
         from tokenizers import ByteLevelBPETokenizer
 
         if vocab_size < 256 + len(SPECIALS):
-            raise TokenizerError(f"byte-level BPE needs vocab_size >= {256 + len(SPECIALS)} (256 bytes + specials), "
-                                 f"got {vocab_size}")
+            raise TokenizerError(
+                f"byte-level BPE needs vocab_size >= {256 + len(SPECIALS)} (256 bytes + specials), "
+                f"got {vocab_size}"
+            )
         bpe = ByteLevelBPETokenizer(add_prefix_space=False)
         texts = [texts] if isinstance(texts, str) else list(texts)
         bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
@@ -273,17 +280,20 @@ def _hf_tokenizer_settings(folder: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def find_tokenizer(path: str | Path) -> Any:
+def find_tokenizer(path: str | Path) -> TextTokenizer | None:
     """The tokenizer saved with a checkpoint: a qkv tokenizer (tokenizer_config.json + tokenizer.json, in the
     folder or up to two levels above, e.g. a run folder), else a Hugging Face tokenizer.json or a BERT
-    vocab.txt in the folder, or a GGUF file's own; None when there is none."""
+    vocab.txt in the folder, or a GGUF file's own (each an HFTokenizer that decodes without special tokens),
+    or a SentencePiece one; None when there is none. Each is a qkv.tokenizer.TextTokenizer."""
     folder = Path(path)
     from qkv.interop.gguf_model import is_gguf
+    from qkv.interop.tokenizer import bare_tokenizer, special_tokens_config
 
     if is_gguf(folder):
         from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
 
-        return load_gguf_tokenizer(folder).tokenizer
+        gguf = load_gguf_tokenizer(folder)
+        return bare_tokenizer(gguf.tokenizer, gguf.config)
     for d in [folder, folder.parent, folder.parent.parent]:
         if (d / "tokenizer_config.json").is_file():
             try:
@@ -293,16 +303,20 @@ def find_tokenizer(path: str | Path) -> Any:
     if (folder / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return bare_tokenizer(
+            Tokenizer.from_file(str(folder / "tokenizer.json")), special_tokens_config(folder)
+        )
     if (folder / "vocab.txt").is_file():
         from tokenizers import BertWordPieceTokenizer
 
-        # as transformers' BertTokenizer: lower case unless the folder's tokenizer_config.json says otherwise (a
-        # cased BERT); accents are stripped when lowercasing unless strip_accents says
+        # as transformers' BertTokenizer: lower case unless the folder's tokenizer_config.json says otherwise
+        # (a cased BERT); accents are stripped when lowercasing unless strip_accents says
         settings = _hf_tokenizer_settings(folder)
         lower = settings.get("do_lower_case", True)
-        return BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=bool(lower),
+        bert = BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=bool(lower),
                                       strip_accents=settings.get("strip_accents"))
+        # the tokenizers.Tokenizer inside: its encode and decode, as the wrapper's
+        return bare_tokenizer(bert._tokenizer, special_tokens_config(folder))
     # Marian's source.spm / T5's spiece.model, through the sentencepiece package (qkv[seq2seq])
     from qkv.tasks.spm import sentencepiece_tokenizer
 

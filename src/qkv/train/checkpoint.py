@@ -274,10 +274,5 @@ def check_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: 
     check_state_fits(model, state, source)
 
 
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(obj, path)
-
-
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))

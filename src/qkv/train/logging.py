@@ -24,21 +24,6 @@ from qkv.storage import atomic_write
 FIRST_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    p = Path(path)
-    if not p.is_file():
-        return []
-    out = []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill mid-write
-    return out
-
-
 def truncate_jsonl(path: Path, step: int) -> list[dict[str, Any]]:
     """Cut a JSONL log in place (one os.truncate, never a rewrite) before its first record with a step
     above `step`, or its first line that is not complete JSON (a write cut by a kill); returns the kept
