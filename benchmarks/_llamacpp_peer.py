@@ -1,6 +1,6 @@
-"""The llama.cpp side of benchmarks/llamacpp.py. It runs under the Python of a SEPARATE virtual environment that
-has llama-cpp-python, gguf and safetensors (never qkv's: llama.cpp is an optional peer, not a dependency), so
-this file imports neither torch nor qkv.
+"""The llama.cpp side of benchmarks/llamacpp.py. It runs under the Python of a SEPARATE virtual environment
+that has llama-cpp-python, gguf and safetensors (never qkv's: llama.cpp is an optional peer, not a
+dependency), so this file imports neither torch nor qkv.
 
     PY write FOLDER OUT_DIR               GGUF files of an fp32 Hugging Face Llama folder: OUT_DIR/{F32,BF16,Q8_0}.gguf
     PY serve THREADS N_CTX NAME=GGUF ...  load each GGUF once, then answer JSON requests, one per stdin line:
@@ -10,10 +10,11 @@ this file imports neither torch nor qkv.
         {"op": "logits", "model": NAME, "prompt": [ids], "path": P}  -> the last position's logits saved to P (.npy)
 
 The GGUF is written directly with gguf's GGUFWriter (llama.cpp's convert_hf_to_gguf.py needs torch and a real
-tokenizer): architecture "llama", llama.cpp's tensor names, q/k rows permuted from Hugging Face's rotate-half RoPE
-layout to the interleaved pairs llama.cpp's "llama" rotates (convert_hf_to_gguf's LlamaModel.permute), and a
-placeholder SentencePiece vocabulary (token ids in, token ids out: nothing is tokenized). Norms stay F32 in every
-file, as the converter keeps them; BF16 and Q8_0 are gguf.quants' round-to-nearest-even and 32-weight blocks.
+tokenizer): architecture "llama", llama.cpp's tensor names, q/k rows permuted from Hugging Face's rotate-half
+RoPE layout to the interleaved pairs llama.cpp's "llama" rotates (convert_hf_to_gguf's LlamaModel.permute),
+and a placeholder SentencePiece vocabulary (token ids in, token ids out: nothing is tokenized). Norms stay F32
+in every file, as the converter keeps them; BF16 and Q8_0 are gguf.quants' round-to-nearest-even and 32-weight
+blocks.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Rows of a q or k projection from rotate-half (first half, second half of each head) to interleaved pairs."""
+    """Rows of a q or k projection from rotate-half (first half, second half of each head) to interleaved
+    pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -108,7 +110,8 @@ def write_gguf(folder: str, out_dir: str) -> None:
 
 
 def add_vocab(w, n: int, gguf) -> None:
-    """A SentencePiece-type vocabulary of placeholder pieces: llama.cpp needs one to load, the benchmark feeds ids."""
+    """A SentencePiece-type vocabulary of placeholder pieces: llama.cpp needs one to load, the benchmark feeds
+    ids."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<t{i}>" for i in range(3, n)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (n - 3)
     w.add_tokenizer_model("llama")

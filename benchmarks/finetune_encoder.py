@@ -83,7 +83,8 @@ def batches(shape: dict, n: int, device: str) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}  # --optimizer: all models alike
+# --optimizer: all models alike
+OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def hf_trainer_optimizer(model) -> torch.optim.Optimizer:

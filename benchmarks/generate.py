@@ -1,12 +1,12 @@
 """Generation speed: qkv with a KV cache vs qkv without vs Hugging Face GPT2LMHeadModel.generate().
 
-Model: the 'gpt-bench' preset size (6 layers, 6 heads, 384 wide, vocab 65, GPT-2 architecture; context 512 so that
-prompt 16 + 256 new tokens fit, the preset has 256),
-built as a random GPT2Config in Hugging Face, saved to a temporary folder and loaded into qkv through the
-interop loader (qkv.from_pretrained), so both libraries decode with the SAME weights. Prompt 16 tokens,
-256 new tokens, greedy, CPU fp32, batch 1 and 8. Every configuration runs `--repeats` times, interleaved
-(round robin), and the table reports medians; the machine is shared, so only ratios within one run count.
-Also: bf16 weights (ours, cached): speed and how many greedy tokens agree with fp32.
+Model: the 'gpt-bench' preset size (6 layers, 6 heads, 384 wide, vocab 65, GPT-2 architecture; context 512 so
+that prompt 16 + 256 new tokens fit, the preset has 256), built as a random GPT2Config in Hugging Face, saved
+to a temporary folder and loaded into qkv through the interop loader (qkv.from_pretrained), so both libraries
+decode with the SAME weights. Prompt 16 tokens, 256 new tokens, greedy, CPU fp32, batch 1 and 8. Every
+configuration runs `--repeats` times, interleaved (round robin), and the table reports medians; the machine is
+shared, so only ratios within one run count. Also: bf16 weights (ours, cached): speed and how many greedy
+tokens agree with fp32.
 
     .venv/bin/python benchmarks/generate.py [--quick]
 """

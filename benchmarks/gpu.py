@@ -23,14 +23,14 @@ Sections (all by default; name some to run only those):
     python benchmarks/gpu.py peak train                       # some sections (-> gpu_peak_train.json / .md)
     python benchmarks/gpu.py --device cpu --smoke             # every section on the CPU at a tiny size (a test)
 
-In --smoke the models are tiny, torch.compile uses the "eager" backend (Dynamo's tracing, no code
-generation, no C++ toolchain), the rows that would compile with Inductor or trace HF's model are skipped,
-decoding runs at batch 2 only, and the sync section
-runs on the "meta" device (any read of a tensor value raises there), since sync debug mode is CUDA-only.
-Writes gpu.json (every row) and gpu.md (the tables) into --out (default benchmarks/results; named after the
-sections when some are named, gpu_smoke.* in smoke mode) and prints one JSON line per row as it goes. The whole
-run has not been timed on a GPU; an estimate is ~10 minutes on one H100/H200, mostly Inductor compiling (seven
-compiled models): split it in two (`peak train`, then `peak decode flash sync`) where a command has a time limit.
+In --smoke the models are tiny, torch.compile uses the "eager" backend (Dynamo's tracing, no code generation,
+no C++ toolchain), the rows that would compile with Inductor or trace HF's model are skipped, decoding runs at
+batch 2 only, and the sync section runs on the "meta" device (any read of a tensor value raises there), since
+sync debug mode is CUDA-only. Writes gpu.json (every row) and gpu.md (the tables) into --out (default
+benchmarks/results; named after the sections when some are named, gpu_smoke.* in smoke mode) and prints one
+JSON line per row as it goes. The whole run has not been timed on a GPU; an estimate is ~10 minutes on one
+H100/H200, mostly Inductor compiling (seven compiled models): split it in two (`peak train`, then `peak decode
+flash sync`) where a command has a time limit.
 """
 
 from __future__ import annotations

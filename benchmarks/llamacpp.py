@@ -1,26 +1,27 @@
 """qkv's CPU decoding against llama.cpp (an optional peer) on the same weights and the same number of threads.
 
 Model: a Hugging Face Llama folder of SmolLM-135M's shape with random weights (benchmarks/llm.py's FULL:
-30 x 576, 9/3 GQA heads, SwiGLU 1536, vocab 49152, tied), or --folder (any plain Llama folder; its
-weights are read in fp32). It is saved in fp32 and bf16; GGUF files F32, BF16 and Q8_0 of the same weights are
-written by benchmarks/_llamacpp_peer.py (gguf's GGUFWriter). Timed, batch 1, greedy, the same prompt ids in both:
---new decoding steps after a --prompt-token prefill (the prefill is not timed; each step is the argmax of the last
-logits and a one-token forward), as pairs of the same precision:
+30 x 576, 9/3 GQA heads, SwiGLU 1536, vocab 49152, tied), or --folder (any plain Llama folder; its weights are
+read in fp32). It is saved in fp32 and bf16; GGUF files F32, BF16 and Q8_0 of the same weights are written by
+benchmarks/_llamacpp_peer.py (gguf's GGUFWriter). Timed, batch 1, greedy, the same prompt ids in both:
+--new decoding steps after a --prompt-token prefill (the prefill is not timed; each step is the argmax of the
+last logits and a one-token forward), as pairs of the same precision:
   qkv fp32 (eager: model.prefill, then model.step per token)          vs  llama.cpp F32
   qkv fp32 compiled (generate(..., compile=True))                     vs  llama.cpp F32
   qkv bf16, qkv bf16 compiled                                         vs  llama.cpp BF16
   qkv int8 (qkv.from_pretrained(bf16 folder, quantize="int8"))        vs  llama.cpp Q8_0
-A compiled run is timed through generate(), whose prefill is not separable: its steps' time is that of a run of
---new tokens minus that of a run of one token (the prefill alone), scaled from --new - 1 steps to --new. The
-compile itself happens in the warm-up and is not timed (benchmarks/compile_start.py measures it).
-Every run of a round is timed in turn (qkv fp32, llama.cpp F32, qkv bf16, ...), --repeats rounds; the table gives
-medians, the ratio qkv tok/s / llama.cpp tok/s, and the weight-streaming floor of a step (bytes of the weights a
-step reads / the best read bandwidth sampled once per round; Q8_0's bytes are 34 per 32 weights, qkv int8's
-are its int8 weights, scales and unquantised tensors). Checks in the same run: the last prompt position's logits of each llama.cpp file against qkv's at the
-same precision (max abs difference), and the share of greedy tokens equal.
+A compiled run is timed through generate(), whose prefill is not separable: its steps' time is that of a run
+of --new tokens minus that of a run of one token (the prefill alone), scaled from --new - 1 steps to --new.
+The compile itself happens in the warm-up and is not timed (benchmarks/compile_start.py measures it). Every
+run of a round is timed in turn (qkv fp32, llama.cpp F32, qkv bf16, ...), --repeats rounds; the table gives
+medians, the ratio qkv tok/s / llama.cpp tok/s, and the weight-streaming floor of a step (bytes of the weights
+a step reads / the best read bandwidth sampled once per round; Q8_0's bytes are 34 per 32 weights, qkv int8's
+are its int8 weights, scales and unquantised tensors). Checks in the same run: the last prompt position's
+logits of each llama.cpp file against qkv's at the same precision (max abs difference), and the share of
+greedy tokens equal.
 
-llama.cpp runs in a subprocess under the Python of a SEPARATE virtual environment, so qkv's stays clean. Build it
-once (it compiles llama.cpp with cmake: tens of minutes on 2 cores):
+llama.cpp runs in a subprocess under the Python of a SEPARATE virtual environment, so qkv's stays clean. Build
+it once (it compiles llama.cpp with cmake: tens of minutes on 2 cores):
     python3 -m venv /path/venv-llamacpp
     CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DLLAVA_BUILD=OFF" /path/venv-llamacpp/bin/pip install \
         llama-cpp-python gguf safetensors numpy
@@ -105,7 +106,8 @@ def compiled_decoder(model: torch.nn.Module, prompt: torch.Tensor, steps: int):
 
 
 def hf_folders(spec: dict, folder: str | None, tmp: Path) -> dict[str, Path]:
-    """The fp32 and bf16 Hugging Face folders both libraries read: `folder`'s weights, or random ones of `spec`."""
+    """The fp32 and bf16 Hugging Face folders both libraries read: `folder`'s weights, or random ones of
+    `spec`."""
     import transformers
 
     torch.manual_seed(0)
@@ -163,7 +165,8 @@ class Peer:
 
 
 def peer_python(arg: str | None) -> tuple[str | None, str]:
-    """The separate environment's Python when it imports llama_cpp, gguf and safetensors; else (None, why not)."""
+    """The separate environment's Python when it imports llama_cpp, gguf and safetensors; else (None, why
+    not)."""
     python = os.environ.get("QKV_LLAMACPP_PYTHON", "") if arg is None else arg
     if not python:
         return None, "no --llamacpp-python (nor $QKV_LLAMACPP_PYTHON)"

@@ -18,8 +18,8 @@ Rows: "qkv" (eager), "qkv compiled" (GenerationConfig(compile=True): the decodin
 compile time excluded: each configuration is warmed up first), "qkv int8" (weight-only int8, where
 qkv.from_pretrained(..., quantize="int8") exists), "transformers".
 
---quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
-Writes benchmarks/results/llm.json and llm.md.
+--quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test,
+tests/test_benchmark_llm.py). Writes benchmarks/results/llm.json and llm.md.
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ def native_bf16() -> bool:
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a decoding step reads: the state dict's tensors (a tied weight once; int8 weights with
-    their scales), not the non-persistent tables (RoPE's cos/sin, masks) of which a step reads one row."""
+    """Bytes of the weights a decoding step reads: the state dict's tensors (a tied weight once; int8 weights
+    with their scales), not the non-persistent tables (RoPE's cos/sin, masks) of which a step reads one
+    row."""
     tensors = model.state_dict(keep_vars=True).values()
     seen = {t.data_ptr(): t for t in tensors if t.is_floating_point() or t.dtype == torch.int8}
     return sum(t.numel() * t.element_size() for t in seen.values())
@@ -162,7 +163,8 @@ def main() -> None:
             "prompt": a.prompt, "new_tokens": a.new, "prefill": a.prefill, "repeats": a.repeats,
             "note": "shared, loaded machine: medians of interleaved repeats; compare ratios within this run"}
 
-    libraries = ("qkv",) if a.quick else ("qkv", "transformers")  # quick: the probe runs, the figure means nothing
+    # quick: the probe runs, the figure means nothing
+    libraries = ("qkv",) if a.quick else ("qkv", "transformers")
     load = {f"{lib} {name}": load_peak(folders[name], lib) for name in a.dtypes for lib in libraries}
     gbps = read_bandwidth()
 

@@ -1,16 +1,17 @@
 """Peak resident memory of qkv.from_pretrained on Hugging Face folders, as a multiple of the weights' bytes.
 
-Folders: random-weight GPT2LMHeadModel (GPT-2 small's shape, 124M) and BertModel (BERT-base's shape, 110M), and for
-comparison LlamaForCausalLM (SmolLM-135M's shape: the Llama-family loader, benchmarks/llm.py's model), built by
-transformers and saved as model.safetensors in fp32 and in bf16 (a temporary folder); GPT-2's fp32 weights also as
-a pytorch_model.bin (torch.save of the state dict). Each folder is loaded in a fresh subprocess per code version,
-after the imports the load needs (torch, qkv, the family's loader, safetensors):
+Folders: random-weight GPT2LMHeadModel (GPT-2 small's shape, 124M) and BertModel (BERT-base's shape, 110M),
+and for comparison LlamaForCausalLM (SmolLM-135M's shape: the Llama-family loader, benchmarks/llm.py's model),
+built by transformers and saved as model.safetensors in fp32 and in bf16 (a temporary folder); GPT-2's fp32
+weights also as a pytorch_model.bin (torch.save of the state dict). Each folder is loaded in a fresh
+subprocess per code version, after the imports the load needs (torch, qkv, the family's loader, safetensors):
 
     ratio = (VmHWM after the load - VmRSS before it) / bytes of the loaded model's parameters
 
-`--before REF` adds rows for the src/ of a git ref (extracted with git archive into the temporary folder), so one
-run compares the code before and after a change on the same folders and machine; `--transformers` adds rows for
-transformers' from_pretrained(dtype="auto") on the same folders (AutoModelForCausalLM / AutoModel) (its own model classes).
+`--before REF` adds rows for the src/ of a git ref (extracted with git archive into the temporary folder), so
+one run compares the code before and after a change on the same folders and machine; `--transformers` adds
+rows for transformers' from_pretrained(dtype="auto") on the same folders (AutoModelForCausalLM / AutoModel)
+(its own model classes).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/load_memory.py [--before main] [--transformers] [--quick]
         [--out benchmarks/results]
@@ -79,7 +80,8 @@ print(json.dumps({"before": before, "peak": peak, "weights": nbytes, "dtype": st
 
 
 def load_peak(folder: Path, library: str, src: Path, family: str) -> dict:
-    """Peak RSS growth while `library` (qkv from `src`, or transformers) loads `folder`, in a fresh process."""
+    """Peak RSS growth while `library` (qkv from `src`, or transformers) loads `folder`, in a fresh
+    process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", _PROBE, str(folder), library, str(src), family],
                        capture_output=True, text=True, env=env, timeout=900)
@@ -103,7 +105,8 @@ def make_folders(tmp: Path, quick: bool) -> dict[str, tuple[Path, str]]:
             folder = tmp / f"{name}-{dtype}"
             (model if dtype == "fp32" else model.to(torch.bfloat16)).save_pretrained(folder)
             folders[f"{name} {dtype}"] = (folder, family)
-        if family == "gpt2":  # the same fp32 weights as an older folder's pytorch_model.bin (a pickle, read whole)
+        # the same fp32 weights as an older folder's pytorch_model.bin (a pickle, read whole)
+        if family == "gpt2":
             from safetensors.torch import load_file
 
             folder = tmp / f"{name}-bin"

@@ -10,8 +10,8 @@
            attention over the cached latent) against its forward with the cache (keys and values up-projected
            from every cached latent), CPU ms
 
-Measured as CPU time of this process (time.process_time, medians of --repeats), one thread by default: on a shared
-machine wall time mostly measures the other processes.
+Measured as CPU time of this process (time.process_time, medians of --repeats), one thread by default: on a
+shared machine wall time mostly measures the other processes.
 
     .venv/bin/python benchmarks/mla.py [--quick] [--threads 1] [--new 64] [--repeats 3]
 """

@@ -1,9 +1,11 @@
-"""A small Mixtral (random weights): qkv vs transformers on the same folder, and qkv's MoE against its dense twin.
+"""A small Mixtral (random weights): qkv vs transformers on the same folder, and qkv's MoE against its dense
+twin.
 
-Model: MixtralConfig(4 layers, hidden 256, 8 / 2 query / key-value heads, 8 experts of intermediate 512, top-2,
-vocab 4096), built by transformers with random weights, saved to a temporary folder in fp32 and loaded by both.
-Measured as CPU time of this process (time.process_time, medians of --repeats), one thread by default: on a
-shared machine wall time mostly measures the other processes. Only ratios within one run mean much.
+Model: MixtralConfig(4 layers, hidden 256, 8 / 2 query / key-value heads, 8 experts of intermediate 512,
+top-2, vocab 4096), built by transformers with random weights, saved to a temporary folder in fp32 and loaded
+by both. Measured as CPU time of this process (time.process_time, medians of --repeats), one thread by
+default: on a shared machine wall time mostly measures the other processes. Only ratios within one run mean
+much.
   decode   greedy, prompt 32, --new tokens, batch 1: tokens per CPU second of qkv.generate (KV cache) and
            transformers' generate
   prefill  one forward over a 512-token prompt

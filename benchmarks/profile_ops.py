@@ -115,7 +115,8 @@ def step_contenders(a: argparse.Namespace) -> tuple[dict, str]:
 
 
 def beam_contenders(a: argparse.Namespace) -> tuple[dict, str]:
-    """One beam search over a batch of sentences in each library (benchmarks/seq2seq_beam.py's model and inputs)."""
+    """One beam search over a batch of sentences in each library (benchmarks/seq2seq_beam.py's model and
+    inputs)."""
     import seq2seq_beam as sb
     from qkv.generate import generate
 
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     ms = {k: collections.Counter() for k in names}
     calls = {k: collections.Counter() for k in names}
     wall: dict[str, list[float]] = {k: [] for k in names}
-    dispatched = collections.Counter()  # every aten op called, wrappers and views included (the dispatcher's work)
+    # every aten op called, wrappers and views included (the dispatcher's work)
+    dispatched = collections.Counter()
     with torch.inference_mode(False), (torch.no_grad() if a.what != "train" else torch.enable_grad()):
         for f in fns.values():  # warm-up
             f()

@@ -1,4 +1,5 @@
-"""Weight-only quantization (qkv.nn.quant): what int8 / int4 cost in accuracy and what they buy in decoding speed.
+"""Weight-only quantization (qkv.nn.quant): what int8 / int4 cost in accuracy and what they buy in decoding
+speed.
 
   accuracy  a character-level GPT (gpt-tiny: 4 layers, 128 wide, context 64) trained here for --steps steps on
             Python's bundled documentation text (the charlm task; a random model's perplexity means nothing),
@@ -47,8 +48,8 @@ VARIANTS = ("fp32", "bf16", "int8 (fp32 model)", "int4 (fp32 model)", "int8 (bf1
 
 
 def variant(base: torch.nn.Module, name: str) -> torch.nn.Module:
-    """`base` (fp32) as the named variant: a copy, cast and quantized as the name says (layers int4 cannot hold
-    become int8: the `layers` column counts each kind)."""
+    """`base` (fp32) as the named variant: a copy, cast and quantized as the name says (layers int4 cannot
+    hold become int8: the `layers` column counts each kind)."""
     import copy
     import warnings
 
@@ -79,7 +80,8 @@ def agreement(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 def train_charlm(steps: int, out: Path, quick: bool) -> Path:
-    """A char-level GPT on the pydoc text (the charlm task), trained for `steps` steps: its final checkpoint."""
+    """A char-level GPT on the pydoc text (the charlm task), trained for `steps` steps: its final
+    checkpoint."""
     from qkv.run import load_run_config, train_run
 
     over = [f"train.max_steps={steps}", "train.progress=false", "train.warmup=30", "eval.n=20", "eval.samples=0"]
@@ -118,7 +120,8 @@ def accuracy(run: Path, n_tokens: int) -> tuple[list[dict], dict]:
 
 
 def speed(spec: dict, a: argparse.Namespace) -> tuple[list[dict], int]:
-    """ms per generated token at batch 1 for each variant of a random Llama of shape `spec`; its parameters."""
+    """ms per generated token at batch 1 for each variant of a random Llama of shape `spec`; its
+    parameters."""
     import transformers
 
     torch.manual_seed(0)

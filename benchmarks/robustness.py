@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed)")
     a = ap.parse_args(argv)
     window = a.window or (1.0 if a.quick else 4.0)
-    # enough steps that the run outlives every kill: a kill lets up to 1 s (quick; --window) of training through,
-    # and the quick model's step takes ~7 ms on the 2-core AVX2 CPU with the fused AdamW (360 steps in 6.9 s,
-    # 84 in 4.9 s, start-up included): at most ~140 steps a kill, so 200 a kill. A run that finishes before
-    # its kill ends the loop early, with fewer kills than asked (the CI test counts them).
+    # enough steps that the run outlives every kill: a kill lets up to 1 s (quick; --window) of training
+    # through, and the quick model's step takes ~7 ms on the 2-core AVX2 CPU with the fused AdamW (360 steps
+    # in 6.9 s, 84 in 4.9 s, start-up included): at most ~140 steps a kill, so 200 a kill. A run that finishes
+    # before its kill ends the loop early, with fewer kills than asked (the CI test counts them).
     max_steps = a.max_steps or (60 + 200 * a.kills if a.quick else 60 + 12 * a.kills)
     rng = random.Random(a.seed)
     import tempfile
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     run_reference(ref, a.quick, max_steps)
     t_ref = time.perf_counter() - t_all
-    ckpt_bytes = sum(f.stat().st_size for f in (ref / "checkpoints").rglob("*") if f.is_file()) // 3  # 2 steps + best
+    # 2 steps + best
+    ckpt_bytes = sum(f.stat().st_size for f in (ref / "checkpoints").rglob("*") if f.is_file()) // 3
 
     failures: list[str] = []
     landed = {"mid-save (.tmp)": 0, "mid-replace (.old-)": 0, "mid-prune (.del-)": 0, "metrics line cut": 0,

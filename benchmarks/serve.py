@@ -64,8 +64,8 @@ PARTS = ("load", "static", "prefix", "preempt", "chunk")
 
 
 def make_llama_folder(path: Path, quick: bool) -> Path:
-    """A Hugging Face Llama folder as `transformers` writes it, with a word-level tokenizer ('t0' .. 'tN') whose
-    token ids are the model's: token-id prompts round-trip through the server's text output."""
+    """A Hugging Face Llama folder as `transformers` writes it, with a word-level tokenizer ('t0' .. 'tN')
+    whose token ids are the model's: token-id prompts round-trip through the server's text output."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -92,7 +92,8 @@ def make_folder(path: Path, quick: bool, family: str = "gpt") -> Path:
 
 
 async def client(c, url: str, name: str, prompt: list[int], n: int) -> dict:
-    """One streaming client over httpx (aiter_lines), --client httpx: heavier than aiohttp, its CPU time competes."""
+    """One streaming client over httpx (aiter_lines), --client httpx: heavier than aiohttp, its CPU time
+    competes."""
     body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     stamps: list[float] = []
@@ -179,7 +180,8 @@ def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch
             return await asyncio.gather(*(aio_client(s, url, "bench", p, n) for p, n in zip(prompts, news)))
 
     warm = {"model": "bench", "prompt": prompts[0][:16], "max_tokens": 4, "temperature": 0}
-    httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # first-call costs, untimed
+    # first-call costs, untimed
+    httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()
 
     t0, c0, s0 = time.perf_counter(), time.process_time(), server_cpu(proc.pid)
     res = asyncio.run(all_clients())
@@ -197,7 +199,8 @@ def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch
     t0 = time.perf_counter()
     refs = [generate(m, torch.tensor([p]), n)[0, len(p):].tolist() for p, n in zip(prompts, news)]
     seq_wall = time.perf_counter() - t0
-    # the server's text is what the tokens add after the prompt (decoded after its last few tokens, StreamDecoder)
+    # the server's text is what the tokens add after the prompt (decoded after its last few tokens,
+    # StreamDecoder)
     want = [decode_continuation(served.codec.decode, p[-TEXT_CONTEXT:], ref) for p, ref in zip(prompts, refs)]
     bad = sum(1 for r, w, n in zip(res, want, news)
               if not r["done"] or r["text"] != w or (r["usage"] or {}).get("completion_tokens") != n)

@@ -73,7 +73,8 @@ class BigramText:
 
 
 def matmul_peak(dtype: torch.dtype, repeats: int) -> tuple[float, float]:
-    """Best median GFLOP/s of square matmuls n x n @ n x n: (per wall second, per CPU second of this process)."""
+    """Best median GFLOP/s of square matmuls n x n @ n x n: (per wall second, per CPU second of this
+    process)."""
     kernels = [lambda a, b: a @ b]
     best_wall = best_cpu = 0.0
     for n in (1024, 1536, 2048):

@@ -92,7 +92,8 @@ def main() -> None:
             fn(batches[(i + 1) % len(batches)])
 
     times: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}  # process CPU seconds: robust to a busy machine
+    # process CPU seconds: robust to a busy machine
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     order = list(steps)
     for r in range(a.repeats):
         for name in (order if r % 2 == 0 else order[::-1]):

@@ -103,7 +103,8 @@ def load_nanogpt(path: str) -> ModuleType:
 
 
 def build_models(nanogpt: ModuleType, s: dict, seed: int = 0):
-    """(qkv, nanoGPT, HF, qkv with exact GELU) models with the same weights, in train mode, and the transformers version."""
+    """(qkv, nanoGPT, HF, qkv with exact GELU) models with the same weights, in train mode, and the
+    transformers version."""
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -221,8 +222,8 @@ class TrainerSteps:
                                weight_decay=0.1, schedule="constant", warmup=0, clip_grad=1.0, precision=self.precision,
                                device="cpu", distributed="none", progress=False, tensorboard=False, plot=False,
                                save_every=0, keep_last=1, out_dir=self.out_dir)
-        # each round is a fresh run: drop the previous round's final checkpoint (the Trainer refuses a fresh run
-        # in a folder holding another run's checkpoints)
+        # each round is a fresh run: drop the previous round's final checkpoint (the Trainer refuses a fresh
+        # run in a folder holding another run's checkpoints)
         shutil.rmtree(os.path.join(self.out_dir, "checkpoints"), ignore_errors=True)
         tr = self.Trainer(self.model, cfg, self.data, callbacks=[cb])
         self.impl = tr.optimizer_impl
