@@ -69,7 +69,8 @@ def main() -> None:
         warm = timed_run(folder, cache, a.new, a.threads, True)
         kept = sum(f.stat().st_size for f in (cache / "inductor").rglob("*") if f.is_file())
     result = {"quick": a.quick, "new_tokens": a.new, "threads": a.threads, "eager_s": round(eager, 1),
-              "compiled_cold_s": round(cold, 1), "compiled_warm_s": round(warm, 1), "cache_mb": round(kept / 1e6, 1)}
+              "compiled_cold_s": round(cold, 1), "compiled_warm_s": round(warm, 1),
+              "cache_mb": round(kept / 1e6, 1)}
     lines = [f"`qkv`-style generate of {a.new} tokens in a fresh process ({a.threads} threads)", "",
              "| run | wall s |", "|---|---|",
              f"| eager | {eager:.1f} |", f"| --compile, first process (empty cache) | {cold:.1f} |",

@@ -37,20 +37,24 @@ sys.path.insert(0, str(ROOT))
 from _timing import write_results  # noqa: E402
 
 SHAPES = {
-    "gpt2-124M": ("GPT2Config", "GPT2LMHeadModel", "gpt2", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
+    "gpt2-124M": ("GPT2Config", "GPT2LMHeadModel", "gpt2",
+                  dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
                                                                  n_positions=1024)),
-    "bert-base": ("BertConfig", "BertModel", "bert", dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
+    "bert-base": ("BertConfig", "BertModel", "bert",
+                  dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
                                                           intermediate_size=3072, vocab_size=30522)),
     # the Llama-family loader's figures (benchmarks/llm.py's SmolLM-135M shape), for comparison
     "llama-135M": ("LlamaConfig", "LlamaForCausalLM", "llama", dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9,
         num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)),
 }
 QUICK = {
     "gpt2-124M": dict(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=64),
     "bert-base": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
                       vocab_size=500, max_position_embeddings=64),
-    "llama-135M": dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    "llama-135M": dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True),
 }
 
@@ -75,7 +79,8 @@ else:
     model = qkv.from_pretrained(folder)
 peak = rss("VmHWM:")
 nbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-print(json.dumps({"before": before, "peak": peak, "weights": nbytes, "dtype": str(next(model.parameters()).dtype)}))
+dtype = str(next(model.parameters()).dtype)
+print(json.dumps({"before": before, "peak": peak, "weights": nbytes, "dtype": dtype}))
 """
 
 
@@ -100,7 +105,8 @@ def make_folders(tmp: Path, quick: bool) -> dict[str, tuple[Path, str]]:
     folders = {}
     for name, (config_cls, model_cls, family, kw) in SHAPES.items():
         torch.manual_seed(0)
-        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**(QUICK[name] if quick else kw)))
+        model = getattr(transformers,
+                        model_cls)(getattr(transformers, config_cls)(**(QUICK[name] if quick else kw)))
         for dtype in ("fp32", "bf16"):
             folder = tmp / f"{name}-{dtype}"
             (model if dtype == "fp32" else model.to(torch.bfloat16)).save_pretrained(folder)
@@ -121,7 +127,8 @@ def make_folders(tmp: Path, quick: bool) -> dict[str, tuple[Path, str]]:
 def extract(ref: str, into: Path) -> Path:
     """src/ of git ref `ref`, extracted under `into`."""
     into.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT.parent), "archive", ref, "src"], capture_output=True, check=True)
+    archive = subprocess.run(["git", "-C", str(ROOT.parent), "archive", ref, "src"], capture_output=True,
+                             check=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return into / "src"
 
@@ -133,7 +140,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
-    head = subprocess.run(["git", "-C", str(ROOT.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+    head = subprocess.run(["git", "-C", str(ROOT.parent), "rev-parse", "--short", "HEAD"],
+                          capture_output=True,
                           text=True).stdout.strip()
     if subprocess.run(["git", "-C", str(ROOT.parent), "diff", "--quiet", "HEAD", "--", "src"]).returncode:
         head += " + uncommitted src"
@@ -148,9 +156,11 @@ def main() -> None:
         folders = make_folders(tmp, a.quick)
         rows = {f"{fname} | {vname}": load_peak(folder, lib, src, family)
                 for fname, (folder, family) in folders.items() for vname, (lib, src) in versions.items()}
-    result = {"machine": platform.platform(), "python": sys.version.split()[0], "quick": a.quick, "loads": rows}
+    result = {"machine": platform.platform(), "python": sys.version.split()[0], "quick": a.quick,
+              "loads": rows}
     lines = ["| folder | code | weights MB | peak RSS growth MB | x weights |", "|---|---|---|---|---|"]
-    lines += [f"| {k} | {d['weights'] / 1e6:.0f} | {d['growth'] / 1e6:.0f} | {d['ratio']} |" for k, d in rows.items()]
+    lines += [f"| {k} | {d['weights'] / 1e6:.0f} | {d['growth'] / 1e6:.0f} | {d['ratio']} |" for k,
+              d in rows.items()]
     write_results(a.out, "load_memory", result, lines)
 
 

@@ -48,7 +48,8 @@ def main() -> None:
     from qkv.models.gpt import GPT
     from qkv.nn.moe import MoEConfig
 
-    cfg = transformers.MixtralConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    cfg = transformers.MixtralConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                                     num_hidden_layers=4,
                                      num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
                                      num_experts_per_tok=2, max_position_embeddings=2048)
     torch.manual_seed(0)
@@ -61,7 +62,8 @@ def main() -> None:
     kw = dict(max_new_tokens=a.new, min_new_tokens=a.new)
     rows = []
     with torch.no_grad():
-        hf_gen = timed(lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, **kw),
+        hf_gen = timed(lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                           **kw),
                        a.repeats)
         our_gen = timed(lambda: generate(ours, prompt, **kw), a.repeats)
         hf_pre = timed(lambda: hf(long, logits_to_keep=1), a.repeats)
@@ -82,8 +84,8 @@ def main() -> None:
     print("| measure | qkv | transformers |\n|---|---|---|")
     for name, x, y in rows:
         print(f"| {name} | {x:.1f} | {y:.1f} |")
-    print(f"\ntrain step (8 x 256 tokens), CPU ms: MoE {t_moe * 1e3:.0f}, dense (same active width) {t_dense * 1e3:.0f} "
-          f"({ours.num_parameters():,} vs {dense.num_parameters():,} parameters)")
+    print(f"\ntrain step (8 x 256 tokens), CPU ms: MoE {t_moe * 1e3:.0f}, dense (same active width) "
+          f"{t_dense * 1e3:.0f} ({ours.num_parameters():,} vs {dense.num_parameters():,} parameters)")
 
 
 if __name__ == "__main__":
