@@ -31,12 +31,12 @@ def torchrun():
     """Run `torchrun --standalone --nproc_per_node=2 ARGS` (gloo, CPU, one thread a rank) and return the
     CompletedProcess, failing the test unless it exits 0.
 
-    gloo's TCP transport now and then aborts a rank (SIGABRT, "Connection reset by peer" on the other; seen once
-    in CI on a loaded 2-core machine, never in 99 runs here, 40 of them with the cores hogged; pytorch/gloo#168).
-    A run in which a rank died of a signal is run once more, with a warning in the test summary; a rank that
-    fails in Python (exit code 1: a wrong value, an exception), or a second crash, fails the test. The failure
-    message keeps the start of every rank's error as well as the end of the output, so the first error is never
-    cut off.
+    gloo's TCP transport now and then aborts a rank (SIGABRT, "Connection reset by peer" on the other; seen
+    once in CI on a loaded 2-core machine, never in 99 runs here, 40 of them with the cores hogged;
+    pytorch/gloo#168). A run in which a rank died of a signal is run once more, with a warning in the test
+    summary; a rank that fails in Python (exit code 1: a wrong value, an exception), or a second crash, fails
+    the test. The failure message keeps the start of every rank's error as well as the end of the output, so
+    the first error is never cut off.
     """
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if exe is None:
@@ -75,10 +75,10 @@ def _first_errors(stderr: str, context: int = 6) -> str:
 
 @pytest.fixture(scope="session")
 def llama_sp(tmp_path_factory):
-    """A tiny random Llama folder with a SentencePiece-style tokenizer (Metaspace, prepend_scheme="first", byte
-    fallback, bos added by the post-processor), as converted Llama-2 / Mistral / TinyLlama folders have: (folder,
-    the tokenizers.Tokenizer, the transformers model). The head scores only word-start ("▁...") tokens, so every
-    generated token begins with a space: the one a decoder drops at the start of a text."""
+    """A tiny random Llama folder with a SentencePiece-style tokenizer (Metaspace, prepend_scheme="first",
+    byte fallback, bos added by the post-processor), as converted Llama-2 / Mistral / TinyLlama folders have:
+    (folder, the tokenizers.Tokenizer, the transformers model). The head scores only word-start ("▁...")
+    tokens, so every generated token begins with a space: the one a decoder drops at the start of a text."""
     import json
     import pydoc_data.topics
 

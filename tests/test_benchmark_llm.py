@@ -1,5 +1,6 @@
 """The smoke form of benchmarks/llm.py (qkv vs transformers on a Llama folder): it runs end to end, both
-libraries produce the same greedy tokens, and every figure is there. The full run and its figures: docs/llm.md."""
+libraries produce the same greedy tokens, and every figure is there. The full run and its figures:
+docs/llm.md."""
 
 import json
 import os

@@ -1,5 +1,5 @@
-"""The smoke form of benchmarks/prefill.py (long-prompt prefill vs transformers): it runs end to end, writes its
-JSON and table, and qkv's last-position logits agree with transformers' on the same weights."""
+"""The smoke form of benchmarks/prefill.py (long-prompt prefill vs transformers): it runs end to end, writes
+its JSON and table, and qkv's last-position logits agree with transformers' on the same weights."""
 
 import json
 import os

@@ -136,8 +136,9 @@ def test_folder_without_template_uses_a_plain_transcript(bpe, tmp_path):
 
 
 def test_plain_prompt_is_a_prefix_of_what_finetuning_trains_on(bpe, tmp_path):
-    """Without a template, the prompt qkv chat builds for a later turn is the start of the text qkv finetune trains
-    on for the same conversation: the eos after earlier answers, and the bos tokenizer_config.json asks for."""
+    """Without a template, the prompt qkv chat builds for a later turn is the start of the text qkv finetune
+    trains on for the same conversation: the eos after earlier answers, and the bos tokenizer_config.json asks
+    for."""
     import json
 
     from qkv.finetune.chat import IGNORE, encode_chat
@@ -179,14 +180,15 @@ def test_cli_chat_message_and_errors(folder, tmp_path, capsys):
 
 
 def test_default_answer_length_is_capped_by_a_small_context(bpe, tmp_path):
-    """No --max-new-tokens on a 64-position model: the 512-token default never fits; the answer gets the room the
-    context leaves instead of an error, so the prompt plus the answer fill the context exactly."""
+    """No --max-new-tokens on a 64-position model: the 512-token default never fits; the answer gets the room
+    the context leaves instead of an error, so the prompt plus the answer fill the context exactly."""
     path = make_folder(bpe, tmp_path, context=64)
     s = ChatSession.from_folder(path, generation_config=GenerationConfig(do_sample=False), note=lambda m: None)
     s.stop_ids.clear()  # no end of turn: every answer runs to its length limit
     steps = []
     step = s.model.step
-    s.model.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]  # the first token comes from the prefill
+    # the first token comes from the prefill
+    s.model.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
     for message in ("hello", "word " * 10):  # a short prompt, and one longer than half the context
         s.reset()
         steps.clear()
@@ -195,7 +197,8 @@ def test_default_answer_length_is_capped_by_a_small_context(bpe, tmp_path):
         assert len(steps) + 1 == 64 - len(prompt)
     assert len(prompt) > 32  # the second prompt was longer than the room kept for answers when trimming
     s.reset()
-    with pytest.raises(ValueError, match="does not fit the model's context of 64"):  # nothing fits: the clear error
+    # nothing fits: the clear error
+    with pytest.raises(ValueError, match="does not fit the model's context of 64"):
         s.reply("word " * 200)
     assert s.history == []
 
@@ -212,8 +215,8 @@ def test_chat_help_says_what_decides_greedy_and_lists_no_training_exit_codes(cap
 
 
 def test_unseeded_sampling_draws_a_seed_and_says_it(folder, capsys):
-    """Without --seed a sampling chat differs between runs (it always used seed 0) and prints the seed it drew;
-    --seed with that number repeats the answer. A greedy chat says nothing about seeds."""
+    """Without --seed a sampling chat differs between runs (it always used seed 0) and prints the seed it
+    drew; --seed with that number repeats the answer. A greedy chat says nothing about seeds."""
     import re
 
     args = ["chat", str(folder), "--message", "hello there", "--temperature", "1.5", "--max-new-tokens", "12"]
@@ -232,7 +235,8 @@ def test_unseeded_sampling_draws_a_seed_and_says_it(folder, capsys):
 
 
 def test_interactive_chat_has_line_editing(folder, monkeypatch):
-    """The interactive loop reads with input() after importing readline (arrow keys, history), where it exists."""
+    """The interactive loop reads with input() after importing readline (arrow keys, history), where it
+    exists."""
     import builtins
     import sys
 

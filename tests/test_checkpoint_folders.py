@@ -225,8 +225,8 @@ def test_crash_before_the_config_rename_leaves_a_loadable_folder(tmp_path, monke
 
 
 def test_crash_between_the_renames_over_another_function_is_refused_at_load(tmp_path, monkeypatch):
-    # the same shapes, another function (ffn, scaled): the new weights beside the old config would load silently
-    # into the old architecture; the weights carry their config (metadata), so the pair is refused
+    # the same shapes, another function (ffn, scaled): the new weights beside the old config would load
+    # silently into the old architecture; the weights carry their config (metadata), so the pair is refused
     save_model(qkv.build(TINY["gpt"]), tmp_path)
     new = qkv.build({**TINY["gpt"], "ffn": "relu", "scaled": False})
     _save_killed_before_the_config(new, tmp_path, monkeypatch)
@@ -243,8 +243,8 @@ def test_crash_between_the_renames_over_another_function_is_refused_at_load(tmp_
 
 
 def test_saved_files_and_folders_follow_the_umask(tmp_path):
-    # tempfile creates owner-only files (0600) and folders (0700), which the renames kept: a model another account
-    # serves, or a team folder, could not read them. Now what open() / mkdir() give under the umask.
+    # tempfile creates owner-only files (0600) and folders (0700), which the renames kept: a model another
+    # account serves, or a team folder, could not read them. Now what open() / mkdir() give under the umask.
     # (training checkpoints: tests/train/test_trainer.py)
     old = os.umask(0o022)
     try:

@@ -197,7 +197,8 @@ def test_config_round_trips_through_a_dict():
 
 @pytest.mark.parametrize("seed", [2**62, -(2**62), 123456789012345678901])
 def test_a_seed_past_64_bits_is_named(seed):
-    """It failed at the first torch.manual_seed with 'Overflow when unpacking long long', naming no setting."""
+    """It failed at the first torch.manual_seed with 'Overflow when unpacking long long', naming no
+    setting."""
     from qkv.train import TrainConfig
 
     with pytest.raises(ConfigError, match="TrainConfig.seed must be an integer of magnitude below 2..62"):

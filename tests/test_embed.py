@@ -66,7 +66,8 @@ def test_query_mode_and_errors(tmp_path, capsys):
 
 
 def _sentence_transformers_folder(folder, max_seq_length, extra_module=None):
-    """What sentence-transformers saves beside the encoder: its cut length, its pooling and its module list."""
+    """What sentence-transformers saves beside the encoder: its cut length, its pooling and its module
+    list."""
     import json
 
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))

@@ -1,4 +1,5 @@
-"""A qkv model folder whose config.json asks for sizes its weights do not have (n_layers 10**9, vocab_size 10**12,
+"""A qkv model folder whose config.json asks for sizes its weights do not have (n_layers 10**9, vocab_size
+10**12,
 ...) is one CheckpointError naming the field, raised before the model is built on a real device: no test here
 allocates the memory such a config describes (the guard below fails any real build instead)."""
 
@@ -72,7 +73,8 @@ def test_sizes_the_weights_do_not_have_are_refused_before_the_build(tmp_path, no
 
 def test_what_no_weight_shows_is_weighed_against_the_memory(tmp_path, no_real_build, monkeypatch):
     """A RoPE table is computed, not stored: a context_length of 10**8 would allocate ~38 GB of tables for a
-    model whose weights take kilobytes. Against the machine's memory (1 GiB here) it is one error naming it."""
+    model whose weights take kilobytes. Against the machine's memory (1 GiB here) it is one error naming
+    it."""
     monkeypatch.setattr("qkv.folder_sizes.memory_bytes", lambda: 2**30)
     folder = _folder(tmp_path, {**GPT, "position": "rope"}, context_length=10**8)
     with pytest.raises(CheckpointError, match=r"config.json: the model it describes needs [\d.]+ GiB, more than this "

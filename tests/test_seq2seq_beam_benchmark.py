@@ -1,5 +1,6 @@
 """The --quick smoke form of benchmarks/seq2seq_beam.py: it runs, writes its JSON and markdown, and qkv's beam
-search gives HF's tokens on the benchmark's own inputs (speed is measured by the full form, never asserted)."""
+search gives HF's tokens on the benchmark's own inputs (speed is measured by the full form, never
+asserted)."""
 
 import json
 import os

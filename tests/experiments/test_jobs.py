@@ -1,5 +1,5 @@
-"""`qkv ablate --jobs N`: the runs of a grid trained N at a time in separate processes give the same results as
-one after another (each run is seeded by its own spec), and a bad N is a clear error."""
+"""`qkv ablate --jobs N`: the runs of a grid trained N at a time in separate processes give the same results
+as one after another (each run is seeded by its own spec), and a bad N is a clear error."""
 
 from __future__ import annotations
 

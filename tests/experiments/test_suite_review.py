@@ -1,6 +1,6 @@
-"""Review fixes of the ablation runner: --only (whole items, a report of the whole suite), finished runs reused
-only with the settings they were run with, everything checked before the first run trains, run folders that
-cannot collide, and one-line errors for a bad --out, budget or empty suite."""
+"""Review fixes of the ablation runner: --only (whole items, a report of the whole suite), finished runs
+reused only with the settings they were run with, everything checked before the first run trains, run folders
+that cannot collide, and one-line errors for a bad --out, budget or empty suite."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def test_only_keeps_the_report_of_every_finished_run(tmp_path):
     assert len(calls) == 4
     calls.clear()
     summary = run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None, only="scaled=True", force=True)
-    assert sorted(calls) == ["scaled=True_n_heads=16__seed0", "scaled=True_n_heads=1__seed0"]  # only those redone
+    # only those redone
+    assert sorted(calls) == ["scaled=True_n_heads=16__seed0", "scaled=True_n_heads=1__seed0"]
     assert len(_table(summary)) == 4  # ... but the report still has every variant
     with (tmp_path / "results.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 4
@@ -68,7 +69,8 @@ def test_only_matches_whole_key_value_items(tmp_path):
 
     calls: list[str] = []
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None, only="n_heads=1")
-    assert sorted(calls) == ["scaled=False_n_heads=1__seed0", "scaled=True_n_heads=1__seed0"]  # not n_heads=16
+    # not n_heads=16
+    assert sorted(calls) == ["scaled=False_n_heads=1__seed0", "scaled=True_n_heads=1__seed0"]
     specs = {s.variant: s for s in expand(load_suite(TINY))}
     one = specs["scaled=True,n_heads=1"]
     # the documented syntax: several items, each a whole key=value of the name, written as shown or as YAML
@@ -88,7 +90,7 @@ def test_only_that_matches_nothing_is_an_error_naming_the_variants(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-# -- 2. a finished run is reused only with the settings it was run with -------------------------------------------
+# -- 2. a finished run is reused only with the settings it was run with --------------------------------------
 def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
     calls: list[str] = []
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None)
@@ -99,7 +101,8 @@ def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
                                           r"runs/scaled=True_n_heads=1__seed0 to redo it"):
         run_suite(changed, tmp_path, train_fn=_fake_train(calls), log=None)
     assert calls == []
-    with pytest.raises(ConfigError, match=r"metric\.threshold: null -> 0\.5"):  # how a run is measured counts too
+    # how a run is measured counts too
+    with pytest.raises(ConfigError, match=r"metric\.threshold: null -> 0\.5"):
         run_suite({**TINY, "metric": {**TINY["metric"], "threshold": 0.5}}, tmp_path, train_fn=_fake_train(calls),
                   log=None)
     # unchanged settings: reused; --force redoes the runs instead of comparing them
@@ -121,7 +124,7 @@ def test_colliding_run_folders_are_refused(bad, msg):
         load_suite({**TINY, **bad})
 
 
-# -- 6. everything checked before the first run trains ---------------------------------------------------------
+# -- 6. everything checked before the first run trains -------------------------------------------------------
 @pytest.mark.parametrize("bad, msg", [
     ({"metric": {"name": "exact_matc", "goal": "max"}}, "metric.name 'exact_matc' is not a metric of task "
                                                         "'reverse' .*exact_match"),
@@ -148,7 +151,7 @@ def test_every_shipped_suite_passes_the_up_front_checks(profile):
         check_runs(suite, expand(suite))
 
 
-# -- 8, 9, 12: one-line errors ---------------------------------------------------------------------------------
+# -- 8, 9, 12: one-line errors -------------------------------------------------------------------------------
 def test_out_that_is_a_file_is_a_one_line_error(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
@@ -175,7 +178,7 @@ def test_empty_suite_names_the_missing_sections(tmp_path):
         load_suite({"name": "x", "model": {"preset": "gpt-nano"}})
 
 
-# -- 14: a suite's seeds vary the initialisation, task.seed the data (documented in docs/ablations.md) ------------
+# -- 14: a suite's seeds vary the initialisation, task.seed the data (documented in docs/ablations.md) -------
 def test_seeds_vary_the_weights_and_a_task_seed_grid_varies_the_data():
     suite = load_suite({**TINY, "grid": {"task.seed": [0, 1]}, "seeds": [0, 1]})
     specs = expand(suite)

@@ -30,7 +30,8 @@ TINY = {
 
 
 def _fake_train(calls):
-    """A stand-in for the trainer: a loss curve that depends on the variant, written like the trainer's log."""
+    """A stand-in for the trainer: a loss curve that depends on the variant, written like the trainer's
+    log."""
 
     def fn(suite, spec, run_dir):
         calls.append(spec.run_id)

@@ -52,7 +52,8 @@ def test_gpt2_folder_maps_equal_transformers_attentions(hf_gpt2, clients):
 def test_causal_rows_sum_to_one_and_zero_above_the_diagonal(charlm_run, clients):
     text = "The return statement"
     data = clients(charlm_run).post("/api/analyze", json={"input": text}).json()
-    assert data["tokens"]["input"] == [c if c != " " else "␣" for c in text]  # one per character, spaces shown
+    # one per character, spaces shown
+    assert data["tokens"]["input"] == [c if c != " " else "␣" for c in text]
     [view] = data["views"]
     assert view["causal"]
     T = len(text)
@@ -322,7 +323,8 @@ def test_an_input_too_large_to_draw_is_refused_before_computing(rope_alibi, clie
 
     calls = []
     monkeypatch.setattr(adapter, "attention", lambda *a: calls.append(a))
-    monkeypatch.setattr(analysis, "MAX_WEIGHTS", 1 * 4 * 10 * 10 - 1)  # 1 layer x 4 heads x 10 x 10 is one too many
+    # 1 layer x 4 heads x 10 x 10 is one too many
+    monkeypatch.setattr(analysis, "MAX_WEIGHTS", 1 * 4 * 10 * 10 - 1)
     r = clients(rope_alibi["rope"]).post("/api/analyze", json={"input": " ".join(["3"] * 10)})
     assert r.status_code == 400 and "400 attention weights" in r.json()["error"] and "1 layers x 4 heads x 10 x 10" \
         in r.json()["error"]

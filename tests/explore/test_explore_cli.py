@@ -1,4 +1,5 @@
-"""`qkv explore`: the command serves the page on loopback, exports a file, and reports user errors in one line."""
+"""`qkv explore`: the command serves the page on loopback, exports a file, and reports user errors in one
+line."""
 
 from __future__ import annotations
 

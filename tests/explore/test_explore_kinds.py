@@ -119,7 +119,8 @@ def test_dtmf_run_renders_typed_digits(tmp_path_factory, clients):
     assert data["tokens"]["target"] == ["<bos>", "4", "0", "9", "6"]
     r = c.post("/api/analyze", json={"input": "12x"})
     assert r.status_code == 400 and "'x'" in r.json()["error"]
-    # more digits than the clip holds were cut silently (their tones never reached the model): refused, as a long WAV
+    # more digits than the clip holds were cut silently (their tones never reached the model): refused, as a
+    # long WAV
     r = c.post("/api/analyze", json={"input": "9" * 40})
     assert r.status_code == 400 and "40 digits: type at most 4 (the task's max_digits" in r.json()["error"], r.text
 

@@ -43,9 +43,9 @@ def tokenizer_json(family: str) -> tuple[object, dict[str, int]]:
 
 def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int = 32, max_pos: int = 64,
                 seed: int = 0) -> Path:
-    """A base model (BertModel / RobertaModel / DistilBertModel / DebertaV2Model) folder with its tokenizer.json.
-    DeBERTa's is v3's configuration (relative positions only, shared keys, LayerNorm'd table, no token
-    types) with 8 position buckets, so that the tests' sentences reach the log-bucketed distances."""
+    """A base model (BertModel / RobertaModel / DistilBertModel / DebertaV2Model) folder with its
+    tokenizer.json. DeBERTa's is v3's configuration (relative positions only, shared keys, LayerNorm'd table,
+    no token types) with 8 position buckets, so that the tests' sentences reach the log-bucketed distances."""
     import transformers
 
     tok, vocab = tokenizer_json(family)
@@ -106,8 +106,9 @@ def write_csv(path: Path, rows: list[dict[str, str]], sep: str = ",") -> Path:
 
 
 def conll_sentences(n: int, seed: int) -> list[list[tuple[str, str]]]:
-    """Synthetic NER: filler words (O) with one- or two-word entities of three types (B-/I- tags); a second word
-    comes from the type's continuation words (like "Smith" after a first name), so every tag is learnable."""
+    """Synthetic NER: filler words (O) with one- or two-word entities of three types (B-/I- tags); a second
+    word comes from the type's continuation words (like "Smith" after a first name), so every tag is
+    learnable."""
     rng = random.Random(seed)
     types = {"PER": ENTITY[0:2], "LOC": ENTITY[2:4], "ORG": ENTITY[4:6]}
     out = []

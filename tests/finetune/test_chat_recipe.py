@@ -140,7 +140,8 @@ def test_full_finetuning_learns_the_answers_and_saves_a_folder_both_libraries_lo
     assert _answer_qkv(out, "What do bees make?", SYSTEM) == "Honey."
     assert _answer_qkv(out, "What is the opposite of hot?") == "Cold."
     capsys.readouterr()
-    assert main(["chat", str(out), "--message", "Which planet is red?", "--greedy", "--max-new-tokens", "16"]) == 0  # the shipped command
+    # the shipped command
+    assert main(["chat", str(out), "--message", "Which planet is red?", "--greedy", "--max-new-tokens", "16"]) == 0
     assert capsys.readouterr().out.strip() == "Mars."
     # transformers loads the folder: same logits, and its tokenizer renders the same chat
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -222,7 +223,8 @@ def test_lora_on_a_llama_folder_round_trips_through_transformers(llama_chat, tmp
 
 def test_resume_continues_exactly(gpt2_chat, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", chats())
-    # a constant LR: the schedule then does not depend on max_steps, which the first half of b stops early with
+    # a constant LR: the schedule then does not depend on max_steps, which the first half of b stops early
+    # with
     args = ("--lora", "--lora-targets", "q,v", "train.lr=1e-2", "train.batch_size=4", "train.save_every=3",
             "train.log_every=1", "train.schedule=constant", "train.warmup=0", "train.max_steps=6")
     assert _finetune(gpt2_chat, data, tmp_path / "a", *args) == 0
@@ -321,8 +323,8 @@ def test_bad_flags_and_out_folders(gpt2_chat, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_lora_under_torchrun_ddp_and_fsdp_give_the_same_folder(gpt2_chat, tmp_path, torchrun):
-    """The recipe under torchrun (2 CPU processes, gloo): DDP and FSDP2 train the same adapters, and under FSDP
-    the sharded model is rebuilt on rank 0 from the full checkpoint before merging and saving."""
+    """The recipe under torchrun (2 CPU processes, gloo): DDP and FSDP2 train the same adapters, and under
+    FSDP the sharded model is rebuilt on rank 0 from the full checkpoint before merging and saving."""
     from safetensors.torch import load_file
 
     data = write_jsonl(tmp_path / "d.jsonl", chats())
@@ -343,8 +345,8 @@ def test_lora_under_torchrun_ddp_and_fsdp_give_the_same_folder(gpt2_chat, tmp_pa
 
 def test_sliding_window_is_the_length_limit(gpt2_chat, tmp_path, capsys):
     """A Mistral folder whose sliding window (24) is shorter than its context (96): the model refuses longer
-    sequences, so the recipe's default --max-length and its upper bound are the window, checked before training
-    (it used to check against 96 and die mid-run with a partial OUT)."""
+    sequences, so the recipe's default --max-length and its upper bound are the window, checked before
+    training (it used to check against 96 and die mid-run with a partial OUT)."""
     import shutil
 
     import transformers
@@ -374,8 +376,9 @@ def test_sliding_window_is_the_length_limit(gpt2_chat, tmp_path, capsys):
 
 
 def test_resume_refuses_other_lora_settings(gpt2_chat, tmp_path, capsys):
-    """A different rank would not fit the checkpoint, but a different alpha (the update's scale) loaded silently
-    and trained another function; full fine-tuning vs LoRA likewise. Refused before anything is written."""
+    """A different rank would not fit the checkpoint, but a different alpha (the update's scale) loaded
+    silently and trained another function; full fine-tuning vs LoRA likewise. Refused before anything is
+    written."""
     data = write_jsonl(tmp_path / "d.jsonl", chats())
     args = ("--lora", "train.max_steps=1", "train.batch_size=2")
     assert _finetune(gpt2_chat, data, tmp_path / "o", *args) == 0

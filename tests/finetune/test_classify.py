@@ -116,7 +116,8 @@ def test_scores_match_scikit_learn():
 
 
 def test_same_seed_same_weights_and_resume(bert, tmp_path):
-    """One seed, the same run (head init, data order, dropout); --resume continues from the last checkpoint."""
+    """One seed, the same run (head init, data order, dropout); --resume continues from the last
+    checkpoint."""
     from safetensors.torch import load_file
 
     data = write_csv(tmp_path / "t.csv", sentiment_rows(40, 4))
@@ -155,8 +156,8 @@ def test_csv_rows_are_checked_against_the_header(bert, tmp_path, capsys, content
 
 
 def test_byte_order_mark_and_unicode_digits_in_labels(tmp_path):
-    """A CSV saved with a UTF-8 byte order mark (Excel) has the header 'text', not '\\ufefftext'; a label such as
-    '²' (a digit to str.isdigit, not to int) is a name, not an id."""
+    """A CSV saved with a UTF-8 byte order mark (Excel) has the header 'text', not '\\ufefftext'; a label such
+    as '²' (a digit to str.isdigit, not to int) is a name, not an id."""
     from qkv.finetune.encoders import read_records
 
     data = tmp_path / "bom.csv"

@@ -1,4 +1,5 @@
-"""`qkv finetune` dispatch: the recipe follows --task or the model's kind, and a mismatch is one clear error."""
+"""`qkv finetune` dispatch: the recipe follows --task or the model's kind, and a mismatch is one clear
+error."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def test_recipe_flags_get_their_defaults_when_not_given(tmp_path):
     p = argparse.ArgumentParser()
     ft.add_arguments(p)
     args = p.parse_args([str(tmp_path), "--data", "d", "--out", "o"])
-    assert args.lora is None and args.batch_size is None and args.text_column is None  # what the user set: nothing
+    # what the user set: nothing
+    assert args.lora is None and args.batch_size is None and args.text_column is None
     ft.resolve_flags(args, "seq2seq")
     assert (args.batch_size, args.lr, args.num_beams, args.lora, args.text_column) == (16, 3e-4, 1, False, "text")
     assert args.given_flags == set()

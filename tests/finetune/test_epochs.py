@@ -1,6 +1,6 @@
-"""--epochs counts the sequences of every rank: under torchrun each update reads batch_size x grad_accum sequences
-on each of WORLD_SIZE ranks, so an epoch has that many times fewer updates (every recipe: one helper, after the
-train.key=value overrides)."""
+"""--epochs counts the sequences of every rank: under torchrun each update reads batch_size x grad_accum
+sequences on each of WORLD_SIZE ranks, so an epoch has that many times fewer updates (every recipe: one
+helper, after the train.key=value overrides)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_an_epoch_is_all_ranks_sequences(tmp_path, monkeypatch, world, accum):
 @pytest.mark.parametrize("over, steps", [([], 1), (["train.batch_size=4"], 4), (["train.batch_size=4", "train.grad_accum=2"], 2)])
 def test_seq2seq_epochs_follow_the_batch_overrides(tmp_path, capsys, monkeypatch, over, steps):
     """seq2seq turned --epochs into steps with its --batch-size (16) even when train.batch_size /
-    train.grad_accum changed the batch the Trainer reads: 16 pairs at 4 a batch are 4 updates an epoch, not 1."""
+    train.grad_accum changed the batch the Trainer reads: 16 pairs at 4 a batch are 4 updates an epoch, not
+    1."""
     pytest.importorskip("transformers")
     from test_seq2seq_recipe import _pairs, _t5_folder, _words
 

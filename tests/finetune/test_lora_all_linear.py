@@ -24,7 +24,8 @@ def _perturb(model, seed: int = 1) -> None:
 
 
 def _hf_linears(folder) -> list[tuple[str, int, int]]:
-    """(name, in, out) of every nn.Linear of the transformers model except its output head (PEFT's all-linear)."""
+    """(name, in, out) of every nn.Linear of the transformers model except its output head (PEFT's
+    all-linear)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -44,7 +45,8 @@ def test_all_linear_on_a_llama_folder_is_every_hf_linear(llama_chat):
     a, b = from_pretrained(llama_chat), from_pretrained(llama_chat)
     info_a = apply_lora(a, LoRAConfig(rank=R, targets=["all-linear"]))
     info_b = apply_lora(b, LoRAConfig(rank=R, targets=HF_NAMES))
-    # the formula, written from the shapes: q 64->64, k 64->32, v 64->32, o 64->64, gate/up 64->128, down 128->64
+    # the formula, written from the shapes: q 64->64, k 64->32, v 64->32, o 64->64, gate/up 64->128, down
+    # 128->64
     per_layer = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]
     expected = 2 * sum(R * (i + o) for i, o in per_layer)
     assert expected == 8192

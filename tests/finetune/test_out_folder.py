@@ -133,7 +133,8 @@ def test_save_model_folder_onto_its_source(gpt2_chat, tmp_path):
 
 
 def test_runs_of_an_older_qkv_finetune_resume_and_dotfiles_do_not_count(tmp_path):
-    # before finetune.json marked every recipe's folder, seq2seq never wrote one and classify/tag only at the end:
+    # before finetune.json marked every recipe's folder, seq2seq never wrote one and classify/tag only at the
+    # end:
     # such a run with a step checkpoint is continued with --resume (and still refused without it)
     from qkv.train.checkpoint import STATE_NAME, WEIGHTS_NAME
 

@@ -122,8 +122,8 @@ def _bart_folder(folder, max_positions: int):
 
 
 def test_dev_decoding_fits_the_decoder_context(tmp_path, capsys):
-    """The targets may be as long as the decoder's context (8 positions); decoding the dev set then asks for at
-    most context - 1 new tokens (the start token takes one position), not a target's length: the epoch's
+    """The targets may be as long as the decoder's context (8 positions); decoding the dev set then asks for
+    at most context - 1 new tokens (the start token takes one position), not a target's length: the epoch's
     evaluation used to stop the run with '1 start token + 8 new tokens exceeds the context of 8'."""
     model_dir = _bart_folder(tmp_path / "bart", max_positions=8)
     train = _pairs(tmp_path / "train.tsv", _words(16, 0))

@@ -1,5 +1,5 @@
-"""`qkv finetune --task tag`: CoNLL NER on a tiny random BERT reaches a high entity F1, the folder gives the same
-logits in transformers (AutoModelForTokenClassification); the entity F1 equals seqeval's on random tag
+"""`qkv finetune --task tag`: CoNLL NER on a tiny random BERT reaches a high entity F1, the folder gives the
+same logits in transformers (AutoModelForTokenClassification); the entity F1 equals seqeval's on random tag
 sequences; bad CoNLL is one clear line and exit 2."""
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def test_entities_of_known_sequences():
     ("w1 O\nalice PERSON\n", None, "'PERSON' is not a BIO/IOBES tag"),
     ("\n\n", None, "no sentences"),
     ("w1 O\nalice B-PER\n", "rome B-LOC\n", "tag 'B-LOC' (in 'rome') does not occur in the training data"),
-    # uneven columns (a token with a space in it, a missing POS column) used to be read silently, a wrong column
-    # then taken for the tag when --tag-column is not the last
+    # uneven columns (a token with a space in it, a missing POS column) used to be read silently, a wrong
+    # column then taken for the tag when --tag-column is not the last
     ("w1 NN O\nalice NNP B-PER\n\nw2 O\n", None, "t.conll line 4: 2 columns, line 1 has 3 (every token line"),
     ("w1 NN O\nnew york NNP B-LOC\n", None, "t.conll line 2: 4 columns, line 1 has 3"),
     # the dev file's unknown tag: its line (the sentence's first line + the token's place in it)
@@ -108,7 +108,8 @@ def test_conll_byte_order_mark_and_encoding(tmp_path):
 
 
 def test_conll_sentences_keep_their_first_line(tmp_path):
-    """-DOCSTART- and runs of blank lines between sentences: each sentence's first token line, counted by hand."""
+    """-DOCSTART- and runs of blank lines between sentences: each sentence's first token line, counted by
+    hand."""
     from qkv.finetune.tag import read_conll_lines
 
     path = tmp_path / "d.conll"

@@ -82,8 +82,8 @@ def _parsed(tmp_path, *argv):
 
 @pytest.mark.parametrize("recipe", ["seq2seq", "classify", "chat"])
 def test_the_override_alone_sets_what_the_recipe_reads(tmp_path, recipe):
-    """What every recipe reads before the Trainer (the data order's and the new head's seed, check_out's resume,
-    the progress bar) comes from args: an override alone must set it there."""
+    """What every recipe reads before the Trainer (the data order's and the new head's seed, check_out's
+    resume, the progress bar) comes from args: an override alone must set it there."""
     args = _parsed(tmp_path, "train.seed=7", "train.resume=true", "train.progress=false")
     ft.resolve_flags(args, recipe)
     ft.train_flags(args, recipe)
@@ -109,9 +109,9 @@ def test_an_override_of_the_wrong_type_is_one_error(tmp_path):
 
 
 def test_recipes_that_do_not_run_under_torchrun_say_so_before_anything(t5, tmp_path, capsys, monkeypatch):
-    """Under torchrun every rank of the classify / tag / seq2seq recipes evaluated and exported into OUT at once
-    (and under FSDP crashed after training); only the chat recipe divides the work (rank 0 writes). The others
-    are now refused on every rank before anything is read or written, as their docs say."""
+    """Under torchrun every rank of the classify / tag / seq2seq recipes evaluated and exported into OUT at
+    once (and under FSDP crashed after training); only the chat recipe divides the work (rank 0 writes). The
+    others are now refused on every rank before anything is read or written, as their docs say."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     capsys.readouterr()

@@ -26,5 +26,6 @@ def test_graph_captured_greedy_tokens_equal_eager(dtype, position):
         got = m.generate(ids, 24, attention_mask=mask, compile=True)
         if dtype == torch.float32:
             assert torch.equal(got, want)
-        else:  # Inductor fuses bf16 ops with fp32 intermediates where eager rounds each op: a near tie may flip
+        # Inductor fuses bf16 ops with fp32 intermediates where eager rounds each op: a near tie may flip
+        else:
             assert (got == want).float().mean() >= 0.9

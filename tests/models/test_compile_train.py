@@ -1,12 +1,12 @@
 """torch.compile(fullgraph=True) on every decoder family's TRAINING forward and backward, and no
 value read back to the host in a training step or a decoding step.
 
-backend="aot_eager" runs Dynamo (fullgraph=True: any graph break, e.g. an `int(tensor)` or `.item()`,
-raises) and AOTAutograd (the joint forward + backward graph Inductor would compile) without generating
-code, so it needs no C++ toolchain and stays fast. Loss and gradients are compared with the eager model's
-(an independent run of the same weights). The shapes of released models are covered through the families'
-config keywords: GPT-2 (learned positions, LayerNorm, GELU-tanh, biases), Llama (RoPE, RMSNorm, SwiGLU, GQA,
-no biases, llama3 RoPE scaling), Qwen2/Qwen3 (q/k/v biases, q/k norms), Mistral (sliding window) in one model, the
+backend="aot_eager" runs Dynamo (fullgraph=True: any graph break, e.g. an `int(tensor)` or `.item()`, raises)
+and AOTAutograd (the joint forward + backward graph Inductor would compile) without generating code, so it
+needs no C++ toolchain and stays fast. Loss and gradients are compared with the eager model's (an independent
+run of the same weights). The shapes of released models are covered through the families' config keywords:
+GPT-2 (learned positions, LayerNorm, GELU-tanh, biases), Llama (RoPE, RMSNorm, SwiGLU, GQA, no biases, llama3
+RoPE scaling), Qwen2/Qwen3 (q/k/v biases, q/k norms), Mistral (sliding window) in one model, the
 encoder-decoder, and Whisper's forward.
 
 A device-to-host sync cannot be observed on the CPU, but it needs the tensor's VALUE: on the "meta" device

@@ -118,7 +118,8 @@ def test_config_errors(change, message):
 
 
 class Words:
-    """The smallest tokenizer a ChatSession needs (plain transcript, no template): a word -> an id by its length."""
+    """The smallest tokenizer a ChatSession needs (plain transcript, no template): a word -> an id by its
+    length."""
 
     has_chat_template, end_of_turn_ids, eos_token = False, frozenset(), ""
 

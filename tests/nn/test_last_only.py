@@ -1,9 +1,9 @@
 """forward(last_only=True) (generation's prefill: the top block does the work of the last position only, its
 keys and values still cover every position) computes the same last-position logits as the full forward, and
-fills the KV cache with the same keys and values, for every norm x placement x position (incl. ALiBi's and T5's
-query-dependent biases) x GQA variant, with left padding and per-row offsets; and for the decoder of an
-encoder-decoder (cross-attention). float64, so the two must agree to ~1e-12, not to fp32 rounding.
-The fp32 comparison against transformers is in tests/interop (test_gpt2_parity.py, test_llama.py)."""
+fills the KV cache with the same keys and values, for every norm x placement x position (incl. ALiBi's and
+T5's query-dependent biases) x GQA variant, with left padding and per-row offsets; and for the decoder of an
+encoder-decoder (cross-attention). float64, so the two must agree to ~1e-12, not to fp32 rounding. The fp32
+comparison against transformers is in tests/interop (test_gpt2_parity.py, test_llama.py)."""
 
 from __future__ import annotations
 
@@ -86,9 +86,10 @@ def test_encdec_decode_last_only_equals_full(placement):
 
 @pytest.mark.parametrize("norm,placement,position,gqa", MATRIX, ids=IDS)
 def test_step_last_only_equals_the_full_step_and_fills_the_same_cache(norm, placement, position, gqa):
-    """Stack.step(last_only=True) (model.step's route: a chunk of T tokens, the Engine's chunked prefill) gives the
-    full step's last-token hidden state and the same cached keys/values, with left padding, per-row offsets
-    and a key mask; on the paged cache too (its own keys/values layout), with rows of different lengths."""
+    """Stack.step(last_only=True) (model.step's route: a chunk of T tokens, the Engine's chunked prefill)
+    gives the full step's last-token hidden state and the same cached keys/values, with left padding, per-row
+    offsets and a key mask; on the paged cache too (its own keys/values layout), with rows of different
+    lengths."""
     m = _gpt(norm, placement, position, gqa)
     ids = torch.randint(0, V, (3, 9), generator=torch.Generator().manual_seed(2))
     keep = torch.ones(3, 9, dtype=torch.bool)

@@ -26,10 +26,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv",),  # the package API (qkv/__init__.py: build, from_pretrained)
     ("qkv.tasks", "qkv.train"),  # batch sources / the training loop: neither knows the other
     ("qkv.run",),  # one way to build and train a run (train/demo/ablation runner all come here)
-    ("qkv.chat", "qkv.predict"),  # qkv chat: a conversation through its chat template; qkv predict: image classes
+    # qkv chat: a conversation through its chat template; qkv predict: image classes
+    ("qkv.chat", "qkv.predict"),
     ("qkv.chat_vision",),  # qkv chat --image: a ChatSession whose messages carry an image (LLaVA)
-    ("qkv.experiments", "qkv.finetune"),  # ablation suites (each run through qkv.run.train_run); fine-tuning recipes
-    ("qkv.embed",),  # sentence embeddings from a BERT-family folder (uses finetune.encoders' folder + tokenizer)
+    # ablation suites (each run through qkv.run.train_run); fine-tuning recipes
+    ("qkv.experiments", "qkv.finetune"),
+    # sentence embeddings from a BERT-family folder (uses finetune.encoders' folder + tokenizer)
+    ("qkv.embed",),
     ("qkv.explore", "qkv.serve"),  # the attention explorer; qkv serve
     ("qkv.demo",),
     ("qkv.cli",),

@@ -1,7 +1,9 @@
-"""Weight-only quantization (qkv.nn.quant): each quantized layer against its formula in float64 (the dequantized
-weight), the quantization error bound, the aten kernels actually taking the bf16 products, the inputs that would
-crash or mislead the int8 kernel, and a random Llama folder loaded with quantize= against the unquantized model:
-logits close, greedy decoding through the KV cache equal to the uncached argmax, and again on a second call."""
+"""Weight-only quantization (qkv.nn.quant): each quantized layer against its formula in float64 (the
+dequantized weight), the quantization error bound, the aten kernels actually taking the bf16 products, the
+inputs that would crash or mislead the int8 kernel, and a random Llama folder loaded with quantize= against
+the unquantized model:
+logits close, greedy decoding through the KV cache equal to the uncached argmax, and again on a second
+call."""
 
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ class OpLog(TorchDispatchMode):
 
 
 def close_to_formula(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype) -> None:
-    """y == x @ w^T + b to the output dtype's rounding: float64 reference, each element within the roundings (bf16:
+    """y == x @ w^T + b to the output dtype's rounding: float64 reference, each element within the roundings
+    (bf16:
     2^-8 relative) of the product, its scaling and the sum with the bias, plus fp32 summation error (relative
     to sum |x| |w|)."""
     x64 = x.double().reshape(-1, x.shape[-1])
@@ -70,12 +73,14 @@ def test_int8_equals_the_dequantized_formula(dtype, rows, in_f, bias):
     assert y.dtype == dtype and y.shape == (rows, 96)
     w = q8.q.double() * q8.scale.double()[:, None]  # the stored codes and scales, not the original weight
     close_to_formula(y, x, w, None if not bias else q8.bias, dtype)
-    # the aten kernel takes the bf16 products it handles; fp32 and a width not a multiple of 16 are dequantized
+    # the aten kernel takes the bf16 products it handles; fp32 and a width not a multiple of 16 are
+    # dequantized
     assert ("_weight_int8pack_mm.default" in log.names) == (dtype == torch.bfloat16 and in_f % 16 == 0)
 
 
 def test_int8_takes_batched_3d_inputs_and_unaligned_views():
-    """A bf16 row not 32-byte aligned (a view 8 elements into a tensor) crashes the aten kernel's aligned loads:
+    """A bf16 row not 32-byte aligned (a view 8 elements into a tensor) crashes the aten kernel's aligned
+    loads:
     the layer copies it first. A (B, T, d) input gives (B, T, out)."""
     lin = _linear(64, 32, True, torch.bfloat16)
     q8 = Int8WeightOnlyLinear.from_linear(lin)
@@ -93,7 +98,8 @@ def test_int8_takes_batched_3d_inputs_and_unaligned_views():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_error_is_at_most_half_a_step_per_channel(dtype):
-    w = (torch.randn(48, 80) * torch.logspace(-3, 1, 48)[:, None]).to(dtype)  # channels of very different ranges
+    # channels of very different ranges
+    w = (torch.randn(48, 80) * torch.logspace(-3, 1, 48)[:, None]).to(dtype)
     w[5] = 0  # an all-zero channel
     q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and scale.dtype == dtype and q.abs().max() <= 127
@@ -183,7 +189,8 @@ def test_quantize_model_swaps_the_projections_and_copies_a_tied_head(folder):
 
 
 def test_head_false_keeps_the_head_and_int4_misfits_fall_back_to_int8(tmp_path):
-    model = qkv.from_pretrained(llama_folder(tmp_path / "a", vocab=65))  # a 65-token head: not a multiple of 16
+    # a 65-token head: not a multiple of 16
+    model = qkv.from_pretrained(llama_folder(tmp_path / "a", vocab=65))
     with pytest.warns(UserWarning, match="1 of 11 layers are int8"):
         quantize_model(model, "int4")
     assert isinstance(model.lm_head, Int8WeightOnlyLinear)

@@ -1,6 +1,6 @@
-"""YaRN RoPE scaling (nn/position.py) against transformers' _compute_yarn_parameters (frequencies and the cos/sin
-factor, with and without DeepSeek's mscale pair, truncated or not), and a Qwen2 folder with YaRN against
-transformers' logits past the original context."""
+"""YaRN RoPE scaling (nn/position.py) against transformers' _compute_yarn_parameters (frequencies and the
+cos/sin factor, with and without DeepSeek's mscale pair, truncated or not), and a Qwen2 folder with YaRN
+against transformers' logits past the original context."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The always-available corpora: the stdlib sources split by file (disjoint, deterministic, tests excluded)."""
+"""The always-available corpora: the stdlib sources split by file (disjoint, deterministic, tests
+excluded)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A BERT folder with only vocab.txt (no tokenizer.json): read as transformers' BertTokenizer reads it, lower-cased
-unless the folder's tokenizer_config.json says do_lower_case: false (a cased BERT)."""
+"""A BERT folder with only vocab.txt (no tokenizer.json): read as transformers' BertTokenizer reads it,
+lower-cased unless the folder's tokenizer_config.json says do_lower_case: false (a cased BERT)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ from qkv.tasks.digits import shift_images
 
 
 def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> Path:
-    """The IDX layout, independently of the reader: magic (0, 0, type, ndim), big-endian dims, big-endian data."""
+    """The IDX layout, independently of the reader: magic (0, 0, type, ndim), big-endian dims, big-endian
+    data."""
     code = {np.dtype(np.uint8): 0x08, np.dtype(">i4"): 0x0C, np.dtype(">f4"): 0x0D}[array.dtype]
     raw = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
     path.write_bytes(gzip.compress(raw) if gz else raw)
@@ -100,7 +101,8 @@ def test_debians_fashion_mnist():
     assert task.classes[0] == "T-shirt/top" and task.classes[9] == "Ankle boot"
     assert len(task.train_idx) == 60_000 and len(task.val_idx) == 10_000
     assert torch.bincount(task.labels[task.val_idx]).tolist() == [1000] * 10
-    assert abs(float(task.mean) - 0.2860) < 1e-3 and abs(float(task.std) - 0.3530) < 1e-3  # the known statistics
+    # the known statistics
+    assert abs(float(task.mean) - 0.2860) < 1e-3 and abs(float(task.std) - 0.3530) < 1e-3
 
 
 def test_augment_is_a_padded_crop_and_a_flip():

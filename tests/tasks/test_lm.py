@@ -67,7 +67,8 @@ def test_evaluate_against_the_uniform_closed_form(charlm):
     assert res["val_loss"] == pytest.approx(math.log(V), rel=1e-6)
     assert res["perplexity"] == pytest.approx(V, rel=1e-5)
     assert res["bpc"] == pytest.approx(math.log2(V), rel=1e-6)
-    assert res["n_tokens"] == len(charlm.data["val"]) - 1 - (len(charlm.data["val"]) - 1) % 31  # tiling, stride 31
+    # tiling, stride 31
+    assert res["n_tokens"] == len(charlm.data["val"]) - 1 - (len(charlm.data["val"]) - 1) % 31
     assert charlm.evaluate(Uniform(V), n=10)["n_tokens"] == 10 * 31
 
 

@@ -127,8 +127,8 @@ def test_length_bounds_are_exact_and_batches_fit():
 
 
 def test_length_bounds_are_exact_for_any_max_value():
-    """The bound used to come from repeated digits (777...) and max_value only: below 300 the longest words are
-    "one hundred and seventy-three" (29), not 222's or 300's, and training cut such sources short."""
+    """The bound used to come from repeated digits (777...) and max_value only: below 300 the longest words
+    are "one hundred and seventy-three" (29), not 222's or 300's, and training cut such sources short."""
     import itertools
 
     english = list(itertools.accumulate((len(english_number(v)) for v in range(60_001)), max))

@@ -1,6 +1,6 @@
 """A T5 folder with only spiece.model (the google/t5-v1_1-* layout, no tokenizer.json): qkv's tokenizer knows
-T5's sentinels <extra_id_N> as transformers.T5Tokenizer does (ids after the pieces, counted down from the last;
-decoded back, or skipped as special tokens). A non-T5 spiece.model folder gains no sentinels."""
+T5's sentinels <extra_id_N> as transformers.T5Tokenizer does (ids after the pieces, counted down from the
+last; decoded back, or skipped as special tokens). A non-T5 spiece.model folder gains no sentinels."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def test_t5_sentinels_encode_and_decode_as_t5tokenizer(tmp_path, config):
         assert tok.encode(text) == ids, text
         for skip in (True, False):
             assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), (text, skip)
-        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)  # the default skips, as qkv generate
+        # the default skips, as qkv generate
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     if "additional_special_tokens" not in config:
         n = config.get("extra_ids", 100)
         assert tok.encode("<extra_id_0>")[0] == 30 + n - 1 and tok.encode(f"<extra_id_{n - 1}>")[0] == 30

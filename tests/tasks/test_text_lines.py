@@ -1,6 +1,6 @@
-"""Data files (JSON Lines, CSV, TSV) are read one line per "\\n" (qkv.tasks.base.text_lines): str.splitlines also split at a form feed,
-U+2028 or NEL inside a line, which cut a JSON Lines record (raw U+2028 is valid inside a JSON string) or a TSV row
-in two and shifted every later line number."""
+"""Data files (JSON Lines, CSV, TSV) are read one line per "\\n" (qkv.tasks.base.text_lines): str.splitlines
+also split at a form feed, U+2028 or NEL inside a line, which cut a JSON Lines record (raw U+2028 is valid
+inside a JSON string) or a TSV row in two and shifted every later line number."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Run by test_distributed.py under `torchrun --nproc_per_node=2`; main() is also called in-process for
-the single-process reference. usage: dist_train.py MODE OUT_DIR [DEVICE] (MODE: none | ddp | fsdp; DEVICE: cpu | cuda)."""
+"""Run by test_distributed.py under `torchrun --nproc_per_node=2`; main() is also called in-process for the
+single-process reference. usage: dist_train.py MODE OUT_DIR [DEVICE] (MODE: none | ddp | fsdp; DEVICE: cpu |
+cuda)."""
 
 import json
 import os
@@ -37,7 +38,8 @@ def main(mode: str, out: Path, device: str = "cpu") -> dict:
     result = {"losses": losses, "eval": summary["eval"], "world": trainer.dist.world_size,
               "allreduce_calls": calls[0]}
     trainer.close()
-    # close() lets go of the DDP wrapper before the process group goes: one freed later deadlocked gloo at exit
+    # close() lets go of the DDP wrapper before the process group goes: one freed later deadlocked gloo at
+    # exit
     import gc
 
     result["ddp_alive_after_close"] = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel)

@@ -58,7 +58,8 @@ def test_warmup_then_cosine_to_floor():
 
 @pytest.mark.parametrize("max_steps, warmup", [(1, 0), (2, 0), (8, 0), (8, 3), (100, 10)])
 def test_cosine_and_linear_decay_equal_transformers_schedules(max_steps, warmup):
-    """After the warmup, update k (1-based) gets transformers' LambdaLR factor at its step k - 1 (counted from 0):
+    """After the warmup, update k (1-based) gets transformers' LambdaLR factor at its step k - 1 (counted from
+    0):
     no update runs at lr 0, even in a one-update run (which used to change nothing)."""
     transformers = pytest.importorskip("transformers")
     import torch

@@ -104,7 +104,8 @@ def test_resume_appends_to_metrics_never_rewrites(tmp_path, make_gpt, toy_data, 
     monkeypatch.undo()
     after = path.read_bytes()
     assert after and before.startswith(after)  # a prefix of the old file: at most the abandoned steps cut off
-    # a line cut by a kill mid-write is dropped, and records after the resumed step too; the rest stays byte-identical
+    # a line cut by a kill mid-write is dropped, and records after the resumed step too; the rest stays
+    # byte-identical
     with open(path, "ab") as f:
         f.write(b'{"step": 6, "lo')
     Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2, resume=True), toy_data).fit()
@@ -115,8 +116,8 @@ def test_resume_appends_to_metrics_never_rewrites(tmp_path, make_gpt, toy_data, 
 
 @pytest.mark.parametrize("progress", [False, True])
 def test_a_line_per_logged_step_without_a_progress_bar(tmp_path, make_gpt, toy_data, cfg_factory, capsys, progress):
-    """Without a drawn bar (progress off, or output not a terminal: pytest's is not) every logged step is a line on
-    stdout and in train.log; a run sent to a file said nothing until its first evaluation."""
+    """Without a drawn bar (progress off, or output not a terminal: pytest's is not) every logged step is a
+    line on stdout and in train.log; a run sent to a file said nothing until its first evaluation."""
     cfg = cfg_factory(max_steps=5, log_every=2, progress=progress, eval_every=0, plot=False, tensorboard=False)
     Trainer(make_gpt(), cfg, toy_data).fit()
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]

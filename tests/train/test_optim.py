@@ -45,7 +45,7 @@ def test_weight_decay_reaches_only_matrices(make_gpt):
         assert changed == (n.endswith("weight") and p.dim() == 2 and "emb" not in n and "position" not in n), n
 
 
-# -- which AdamW implementation runs (TrainConfig.optimizer_impl) ----------------------------------------------
+# -- which AdamW implementation runs (TrainConfig.optimizer_impl) --------------------------------------------
 
 def test_auto_is_fused_on_cpu_and_bad_values_are_clear_errors(make_gpt):
     for impl, want in (("auto", "fused"), ("fused", "fused"), ("foreach", "foreach"), ("loop", "loop")):
@@ -59,8 +59,8 @@ def test_auto_is_fused_on_cpu_and_bad_values_are_clear_errors(make_gpt):
         from_dict(TrainConfig, {"optimizer_impl": "fast"})
     with pytest.raises(ConfigError, match="optimizer_impl.*'fast'"):
         TrainConfig(optimizer_impl="fast").validate()
-    # where torch has no fused kernel (here the meta device; also e.g. MPS/XPU in torch 2.6), auto takes foreach
-    # and an explicit fused is refused in one sentence
+    # where torch has no fused kernel (here the meta device; also e.g. MPS/XPU in torch 2.6), auto takes
+    # foreach and an explicit fused is refused in one sentence
     meta = [torch.zeros(3, device="meta")]
     assert resolve_impl("auto", meta) == "foreach" and resolve_impl("auto", [torch.zeros(3)]) == "fused"
     with pytest.raises(ConfigError, match="fused AdamW needs floating-point parameters on cpu or cuda, these are meta"):
@@ -69,7 +69,8 @@ def test_auto_is_fused_on_cpu_and_bad_values_are_clear_errors(make_gpt):
 
 def _reference_run(model, data, cfg: TrainConfig) -> torch.nn.Module:
     """nanoGPT-style loop with torch's reference (per-parameter loop) AdamW, torch's clip_grad_norm_ and the
-    schedule's LR: what the Trainer's update must equal (one micro-batch, so the mean loss is the token mean)."""
+    schedule's LR: what the Trainer's update must equal (one micro-batch, so the mean loss is the token
+    mean)."""
     from qkv.train import lr_at
 
     groups, _ = param_groups(model, cfg.weight_decay)

@@ -19,7 +19,8 @@ class Out:
 
 
 class MLP(nn.Module):
-    """forward(x, y) -> Out(mean cross-entropy, targets); `nan_at`: the n-th training forward's loss is NaN."""
+    """forward(x, y) -> Out(mean cross-entropy, targets); `nan_at`: the n-th training forward's loss is
+    NaN."""
 
     def __init__(self, d: int = 8, nan_at: int | None = None):
         super().__init__()
@@ -223,7 +224,8 @@ def test_fit_again_on_the_same_trainer_continues_its_own_run(tmp_path):
     s = t.fit()  # a notebook's second run of the cell
     assert s["steps"] == 6 and [r["step"] for r in logged(tmp_path)] == [1, 2, 3, 4, 5, 6]
     ref = Trainer(MLP(), cfg(tmp_path / "ref", max_steps=6), Data()).fit()
-    assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6)  # the same run as one uninterrupted fit
+    # the same run as one uninterrupted fit
+    assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6)
     assert t.fit()["steps"] == 6  # and once more after it finished: nothing to do
 
 
@@ -274,7 +276,8 @@ def test_max_eval_batches_reaches_an_eval_fn_that_names_it(tmp_path):
         return {"loss": 1.0}
 
     Trainer(MLP(), cfg(tmp_path, max_eval_batches=7, max_steps=1), Data(), eval_fn=ev).fit()
-    Trainer(MLP(), cfg(tmp_path / "b", max_steps=1), Data(), eval_fn=lambda m: {"loss": 1.0}).fit()  # not named
+    # not named
+    Trainer(MLP(), cfg(tmp_path / "b", max_steps=1), Data(), eval_fn=lambda m: {"loss": 1.0}).fit()
     assert got == [7]
 
 
@@ -283,7 +286,8 @@ def test_a_warmup_as_long_as_the_run_is_flagged_for_every_warming_schedule(tmp_p
     from qkv.train import lr_at
 
     c = cfg(tmp_path, max_steps=4, warmup=8, schedule=schedule, lr=1.0)
-    assert max(lr_at(s, schedule=schedule, lr=1.0, warmup=8, max_steps=4) for s in range(1, 5)) < 1.0  # the fact
+    # the fact
+    assert max(lr_at(s, schedule=schedule, lr=1.0, warmup=8, max_steps=4) for s in range(1, 5)) < 1.0
     with pytest.warns(UserWarning, match=f"the {schedule} schedule never reaches train.lr"):
         Trainer(MLP(), c, Data())
 
