@@ -61,8 +61,8 @@ def hyper(cfg: dict) -> dict:
         raise SystemExit(f"llamacpp peer: error: model_type {cfg.get('model_type')!r}, expected 'llama'")
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
-    scaling_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope.get("rope_type", "default") != "default" or scaling_type != "default":
+    if (rope.get("rope_type", "default") != "default"
+        or scaling.get("rope_type", scaling.get("type", "default")) != "default"):
         raise SystemExit("llamacpp peer: error: only default RoPE is written (no rope scaling)")
     n_head = cfg["num_attention_heads"]
     return {"vocab": cfg["vocab_size"], "d": cfg["hidden_size"], "ff": cfg["intermediate_size"],

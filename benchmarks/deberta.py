@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved, write_results  # noqa: E402
 
 
-def build(layers: int, width: int, heads: int, vocab: int, folder: Path) -> tuple[torch.nn.Module,
-                                                                                  torch.nn.Module]:
+def build(layers: int, width: int, heads: int, vocab: int,
+          folder: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
     import transformers
 
     import qkv

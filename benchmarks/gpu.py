@@ -283,8 +283,8 @@ def section_decode(b: Bench) -> None:
             calls = {
                 "qkv eager": lambda x=x, q=q: generate(q, x, n),
                 "qkv graph-captured": lambda x=x, q=q: generate(q, x, n, compile=b.decode_compile),
-                "HF generate": lambda x=x,
-                h=hf_m: h.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                "HF generate": lambda x=x, h=hf_m: h.generate(x, max_new_tokens=n, min_new_tokens=n,
+                                                              do_sample=False,
                                                               pad_token_id=0, eos_token_id=None),
             }
             outs, times = {}, {k: [] for k in calls}

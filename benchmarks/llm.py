@@ -186,10 +186,10 @@ def main() -> None:
                               generator=torch.Generator().manual_seed(B))
             fns = {
                 "qkv": lambda x=x, m=ours: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new),
-                "transformers": lambda x=x,
-                m=hf: m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.new,
+                "transformers": lambda x=x, m=hf: m.generate(x, attention_mask=torch.ones_like(x),
+                                                             max_new_tokens=a.new,
                                                              min_new_tokens=a.new, do_sample=False,
-                                 pad_token_id=0),
+                                                             pad_token_id=0),
             }
             if not a.no_compile:
                 fns["qkv compiled"] = lambda x=x, m=ours: generate(m, x, max_new_tokens=a.new,

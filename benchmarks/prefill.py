@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
                 fns = {"qkv": lambda x=x, m=ours: m(x, last_only=True).logits[:, -1],
                        "transformers": lambda x=x, m=hf: m(x, logits_to_keep=1).logits[:, -1]}
                 if a.ablate:  # the decoder over every position, then the LM head on the last one
-                    fns["full_top"] = lambda x=x, m=ours: m.lm_head(m.decoder(m.tok_emb(x)).hidden[:, -1:])[:,
-                                                                                                            -1]
+                    fns["full_top"] = lambda x=x, m=ours: (
+                        m.lm_head(m.decoder(m.tok_emb(x)).hidden[:, -1:])[:, -1])
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the logits compared
                 diff = max((o - outs["transformers"]).abs().max().item() for k, o in outs.items())
                 cpu = {k: [] for k in fns}

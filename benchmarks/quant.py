@@ -198,8 +198,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     spec = QUICK if a.quick else FULL
     t0 = time.perf_counter()
-    run = Path(a.run) if a.run else train_charlm(a.steps, Path(tempfile.mkdtemp(prefix="qkv-quant-charlm-")),
-                                                 a.quick)
+    run = (Path(a.run) if a.run
+           else train_charlm(a.steps, Path(tempfile.mkdtemp(prefix="qkv-quant-charlm-")), a.quick))
     acc, acc_meta = accuracy(run, a.agree_tokens)
     spd, n_params = speed(spec, a)
     meta = {"torch": torch.__version__, "threads": a.threads,

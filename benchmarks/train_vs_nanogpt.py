@@ -217,8 +217,8 @@ class TrainerSteps:
                 marks["t1"] = now()
                 tr.should_stop = True  # (set after the step's logging: no extra record)
 
-        cb = self.LambdaCallback(on_step_start=lambda tr,
-                                 step: marks.setdefault("t0", now()) if step == 2 else None,
+        cb = self.LambdaCallback(on_step_start=lambda tr, step: marks.setdefault("t0", now()) if step == 2
+                                     else None,
                                  on_step_end=end)
         # max_steps far away, so that no timed update is the last one (which always writes a metrics record);
         # the constant schedule makes the LR independent of it
