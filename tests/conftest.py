@@ -48,13 +48,15 @@ def torchrun():
         for attempt in (1, 2):
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
             # torchrun's summary names the first rank to fail; a negative exit code is a signal (a crash)
-            crashed = "Root Cause" in r.stderr and re.search(r"exitcode\s*:\s*-\d", r.stderr.split("Root Cause")[-1])
+            crashed = ("Root Cause" in r.stderr
+                       and re.search(r"exitcode\s*:\s*-\d", r.stderr.split("Root Cause")[-1]))
             if r.returncode == 0 or not crashed or attempt == 2:
                 break
             warnings.warn(f"torchrun: a rank died of a signal; running once more:\n{_first_errors(r.stderr)}",
                           stacklevel=2)
-        assert r.returncode == 0, (f"torchrun exit {r.returncode}\n-- first errors --\n{_first_errors(r.stderr)}"
-                                   f"\n-- stdout tail --\n{r.stdout[-2000:]}\n-- stderr tail --\n{r.stderr[-3000:]}")
+        assert r.returncode == 0, (f"torchrun exit {r.returncode}\n-- first errors "
+                                   f"--\n{_first_errors(r.stderr)}\n-- stdout tail "
+                                   f"--\n{r.stdout[-2000:]}\n-- stderr tail --\n{r.stderr[-3000:]}")
         return r
 
     return run
@@ -95,7 +97,8 @@ def llama_sp(tmp_path_factory):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>",
         "add_bos_token": True}), encoding="utf-8")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,

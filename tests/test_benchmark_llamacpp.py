@@ -30,7 +30,8 @@ def test_llamacpp_benchmark_quick_without_peer(tmp_path):
     result = run(tmp_path, "")
     rows = {r["qkv"]: r for r in result["rows"]}
     assert [(r["qkv"], r["llamacpp"]) for r in result["rows"]] == [
-        ("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"), ("int8", "Q8_0")]
+        ("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"),
+        ("int8", "Q8_0")]
     for name in rows:
         assert rows[name]["qkv_ms"] > 0 and rows[name]["qkv_floor_ms"] > 0
         assert rows[name]["llamacpp_ms"] is None and rows[name]["ratio"] is None
@@ -47,7 +48,8 @@ def test_llamacpp_benchmark_quick_with_peer(tmp_path):
     pytest.importorskip("transformers")
     peer = os.environ.get("QKV_LLAMACPP_PYTHON")
     if not peer:
-        pytest.skip("llama.cpp is an optional peer: set QKV_LLAMACPP_PYTHON to a venv's python with llama-cpp-python")
+        pytest.skip("llama.cpp is an optional peer: set QKV_LLAMACPP_PYTHON to a venv's python with "
+                    "llama-cpp-python")
     result = run(tmp_path, peer)
     rows = {r["llamacpp"]: r for r in result["rows"]}
     assert result["meta"]["llamacpp"]["ready"]

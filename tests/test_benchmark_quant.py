@@ -21,7 +21,8 @@ def test_quant_benchmark_quick(tmp_path):
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "quant_quick.json").read_text())
-    variants = ["fp32", "bf16", "int8 (fp32 model)", "int4 (fp32 model)", "int8 (bf16 model)", "int4 (bf16 model)"]
+    variants = ["fp32", "bf16", "int8 (fp32 model)", "int4 (fp32 model)", "int8 (bf16 model)",
+                "int4 (bf16 model)"]
     acc, decode = result["accuracy"]["rows"], result["decode"]
     assert [r["variant"] for r in acc] == [r["variant"] for r in decode] == variants
     assert all(r["perplexity"] > 1 and 0 <= r["greedy_equal"] <= 1 for r in acc)

@@ -38,15 +38,19 @@ def bpe():
 def make_folder(bpe, path, template=CHATML, context=512, eos_token="<|endoftext|>"):
     """A random Qwen2 (tied, GQA) with a ChatML tokenizer; its generation_config says eos = <|endoftext|>
     only, so stopping at <|im_end|> must come from the template."""
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token=eos_token,
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>",
+                                                eos_token=eos_token,
                                                 pad_token="<|endoftext|>")
     if template:
         fast.chat_template = template
     fast.save_pretrained(path)
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                                      initializer_range=0.3, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+    config = transformers.Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=context,
+                                      initializer_range=0.3, bos_token_id=0, eos_token_id=0,
+                                      tie_word_embeddings=True)
     model = transformers.Qwen2ForCausalLM(config)
     model.save_pretrained(path)
     return path
@@ -170,7 +174,8 @@ def test_interactive_loop_on_scripted_input(folder):
 
 
 def test_cli_chat_message_and_errors(folder, tmp_path, capsys):
-    assert main(["chat", str(folder), "--message", "hi", "--message", "more", "--greedy", "--max-new-tokens", "5"]) == 0
+    assert main(["chat", str(folder), "--message", "hi", "--message", "more", "--greedy", "--max-new-tokens",
+                 "5"]) == 0
     out = capsys.readouterr().out
     s = ChatSession.from_folder(folder, generation_config=greedy(5))
     assert out == s.reply("hi") + "\n" + s.reply("more") + "\n"
@@ -183,7 +188,8 @@ def test_default_answer_length_is_capped_by_a_small_context(bpe, tmp_path):
     """No --max-new-tokens on a 64-position model: the 512-token default never fits; the answer gets the room
     the context leaves instead of an error, so the prompt plus the answer fill the context exactly."""
     path = make_folder(bpe, tmp_path, context=64)
-    s = ChatSession.from_folder(path, generation_config=GenerationConfig(do_sample=False), note=lambda m: None)
+    s = ChatSession.from_folder(path, generation_config=GenerationConfig(do_sample=False),
+                                note=lambda m: None)
     s.stop_ids.clear()  # no end of turn: every answer runs to its length limit
     steps = []
     step = s.model.step
@@ -224,7 +230,8 @@ def test_unseeded_sampling_draws_a_seed_and_says_it(folder, capsys):
     for _ in range(2):
         assert main(args) == 0
         captured = capsys.readouterr()
-        seeds.append(int(re.search(r"qkv: sampling with seed (\d+) \(--seed \1 repeats it\)", captured.err).group(1)))
+        seeds.append(int(re.search(r"qkv: sampling with seed (\d+) \(--seed \1 repeats it\)",
+                                   captured.err).group(1)))
         answers.append(captured.out)
     assert seeds[0] != seeds[1]
     assert main([*args, "--seed", str(seeds[0])]) == 0

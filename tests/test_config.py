@@ -95,7 +95,9 @@ def test_overrides():
 
     data = {"model": {"preset": "gpt-tiny", "d_model": 128}, "steps": 5}
     apply_overrides(data, {"model.d_model": 64, "model.n_heads": 2, "train.lr": 0.1})
-    assert data == {"model": {"preset": "gpt-tiny", "d_model": 64, "n_heads": 2}, "steps": 5, "train": {"lr": 0.1}}
+    assert (data
+            == {"model": {"preset": "gpt-tiny", "d_model": 64, "n_heads": 2}, "steps": 5,
+                "train": {"lr": 0.1}})
     with pytest.raises(ConfigError, match="non-mapping"):
         apply_overrides({"steps": 5}, {"steps.x": 1})
 

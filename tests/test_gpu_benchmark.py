@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--smoke", "--out",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--smoke",
+                        "--out",
                         str(tmp_path)], capture_output=True, text=True, timeout=400,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -35,6 +36,7 @@ def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
     # the long training step: the same weights and tokens through the fused and the naive attention give the
     # same loss up to bf16 rounding (which SDPA kernel a machine picks is reported, not asserted)
     long = {row["impl"]: row["loss"] for row in rows if row["section"] == "flash" and "loss" in row}
-    assert abs(long["qkv fused (SDPA)"] - long["qkv naive (scores materialised)"]) <= 2e-2 * long["qkv fused (SDPA)"]
+    assert (abs(long["qkv fused (SDPA)"] - long["qkv naive (scores materialised)"])
+            <= 2e-2 * long["qkv fused (SDPA)"])
     assert [row["result"] for row in rows if row["section"] == "sync" and "result" in row] == ["ok"] * 3
     assert "| qkv graph-captured |" in (tmp_path / "gpu_smoke.md").read_text()

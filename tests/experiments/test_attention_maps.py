@@ -163,7 +163,8 @@ def test_maps_of_hf_loaded_bert_equal_transformers_attentions(tmp_path):
     maps must equal the probabilities transformers' eager attention returns."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32, attn_implementation="eager")
+                                  intermediate_size=64, max_position_embeddings=32,
+                                  attn_implementation="eager")
     torch.manual_seed(0)
     hf = transformers.BertModel(cfg).eval()
     hf.save_pretrained(tmp_path / "bert")

@@ -34,7 +34,8 @@ def _fake_train(calls):
         calls.append(spec.run_id)
         loss = (3.0 if spec.values["scaled"] else 4.0) / spec.values["n_heads"]
         (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss}) + "\n")
-        return {"metric": loss, "final_loss": loss, "diverged": False, "params": 10, "wall_s": 0.1, "steps": 1}
+        return {"metric": loss, "final_loss": loss, "diverged": False, "params": 10, "wall_s": 0.1,
+                "steps": 1}
 
     return fn
 
@@ -103,7 +104,8 @@ def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
     assert calls == []
     # how a run is measured counts too
     with pytest.raises(ConfigError, match=r"metric\.threshold: null -> 0\.5"):
-        run_suite({**TINY, "metric": {**TINY["metric"], "threshold": 0.5}}, tmp_path, train_fn=_fake_train(calls),
+        run_suite({**TINY, "metric": {**TINY["metric"], "threshold": 0.5}}, tmp_path,
+                  train_fn=_fake_train(calls),
                   log=None)
     # unchanged settings: reused; --force redoes the runs instead of comparing them
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None)
@@ -114,7 +116,8 @@ def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
 
 # -- 3. run folders cannot collide ---------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, msg", [
-    ({"grid": {}, "variants": [{"name": "a b"}, {"name": "a/b"}]}, "variants 'a b' and 'a/b' would share the run "
+    ({"grid": {}, "variants": [{"name": "a b"}, {"name": "a/b"}]},
+     "variants 'a b' and 'a/b' would share the run "
                                                                    "folder runs/a_b__seed"),
     ({"grid": {"model.n_heads": [1, 2, 1]}}, r"grid\['model.n_heads'\] lists the value 1 twice"),
     ({"seeds": [0, 0]}, "repeat a seed"),
@@ -135,7 +138,8 @@ def test_colliding_run_folders_are_refused(bad, msg):
 ])
 def test_typos_are_caught_before_any_run_trains(tmp_path, bad, msg):
     with pytest.raises(ConfigError, match=msg):
-        run_suite({**TINY, "grid": {"model.scaled": [True]}, "eval_n": 4, **bad}, tmp_path, log=None, threads=1)
+        run_suite({**TINY, "grid": {"model.scaled": [True]}, "eval_n": 4, **bad}, tmp_path, log=None,
+                  threads=1)
     assert not (tmp_path / "runs").exists()  # nothing trained, nothing written
 
 

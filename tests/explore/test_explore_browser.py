@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright (pip, the test extra) is not installed")
+playwright_api = pytest.importorskip("playwright.sync_api",
+                                     reason="playwright (pip, the test extra) is not installed")
 if CHROMIUM is None:
     pytest.skip("no Chromium: `apt-get install -y chromium` (.ci/run installs it)", allow_module_level=True)
 
@@ -235,7 +236,8 @@ def test_exported_page_works_offline(browser, hf_gpt2, tmp_path):
 def test_vit_patches_drawn_over_the_image(page, tmp_path_factory):
     import qkv
 
-    folder = qkv.build("vit-digits", image_size=16, pooling="cls").save_pretrained(tmp_path_factory.mktemp("vit"))
+    folder = qkv.build("vit-digits", image_size=16,
+                       pooling="cls").save_pretrained(tmp_path_factory.mktemp("vit"))
     url, stop = _serve(folder)
     try:
         page.goto(url)

@@ -53,19 +53,22 @@ def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int
     if family == "roberta":
         cfg = transformers.RobertaConfig(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
                                          num_attention_heads=4, intermediate_size=2 * width,
-                                         max_position_embeddings=max_pos + 2, type_vocab_size=1, pad_token_id=1,
+                                         max_position_embeddings=max_pos + 2, type_vocab_size=1,
+                                         pad_token_id=1,
                                          bos_token_id=0, eos_token_id=2)
         model = transformers.RobertaModel(cfg)
     elif family == "distilbert":
         cfg = transformers.DistilBertConfig(vocab_size=len(vocab), dim=width, n_layers=layers, n_heads=4,
-                                            hidden_dim=2 * width, max_position_embeddings=max_pos, pad_token_id=0)
+                                            hidden_dim=2 * width, max_position_embeddings=max_pos,
+                                            pad_token_id=0)
         model = transformers.DistilBertModel(cfg)
     elif family == "deberta":
         cfg = transformers.DebertaV2Config(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
                                            num_attention_heads=4, intermediate_size=2 * width,
                                            max_position_embeddings=max_pos, relative_attention=True,
                                            position_buckets=8, max_relative_positions=max_pos,
-                                           pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
+                                           pos_att_type=["p2c", "c2p"], share_att_key=True,
+                                           norm_rel_ebd="layer_norm",
                                            position_biased_input=False, type_vocab_size=0, pad_token_id=0)
         model = transformers.DebertaV2Model(cfg)
     else:
@@ -76,9 +79,11 @@ def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int
     model.save_pretrained(path)
     # as a real folder has them: tokenizer.json + tokenizer_config.json + special_tokens_map.json
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, **({"cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+        tokenizer_object=tok,
+        **({"cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
                                  if family == "roberta" else
-                                 {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]"}))
+                                 {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+                                  "unk_token": "[UNK]"}))
     fast.save_pretrained(path)
     return path
 

@@ -59,7 +59,8 @@ def test_classify(deberta, tmp_path, capsys):
     result = json.loads((out / "finetune.json").read_text())
     assert "deberta-v2" in report and result["dev"]["accuracy"] >= 0.9, report
     ids, mask = _encode(out, [r["text"] for r in dev_rows])  # the tokenizer travelled with the model
-    hf, ref = _same_logits(out, "AutoModelForSequenceClassification", "DebertaV2ForSequenceClassification", ids, mask)
+    hf, ref = _same_logits(out, "AutoModelForSequenceClassification", "DebertaV2ForSequenceClassification",
+                           ids, mask)
     assert hf.config.id2label == {0: "neg", 1: "pos"} and hf.config.pooler_hidden_act == "gelu"
     gold = torch.tensor([r["label"] == "pos" for r in dev_rows]).long()
     assert (ref.argmax(-1) == gold).float().mean() == pytest.approx(result["dev"]["accuracy"])
@@ -118,7 +119,8 @@ def test_a_sentencepiece_only_folder(tmp_path, capsys):
     # DeBERTa-v3's special pieces and ids; 60 pieces + [MASK] fit the model's 65
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=buf, vocab_size=60, hard_vocab_limit=False, pad_id=0,
-        bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]", unk_piece="[UNK]")
+        bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]",
+        unk_piece="[UNK]")
     (folder / "spm.model").write_bytes(buf.getvalue())
     (tmp_path / "texts.txt").write_text("\n".join(texts[:6]) + "\n")
     out = tmp_path / "emb.npy"

@@ -104,7 +104,8 @@ def test_all_linear_splits_cross_attention_kv_too():
     Marian and Whisper have separate k_proj / v_proj there); its q_proj is a whole Linear already."""
     torch.manual_seed(0)
     D, FF, KV = 32, 64, 16
-    cfg = EncoderDecoderConfig(src_vocab_size=50, n_encoder_layers=1, n_decoder_layers=1, d_model=D, n_heads=4,
+    cfg = EncoderDecoderConfig(src_vocab_size=50, n_encoder_layers=1, n_decoder_layers=1, d_model=D,
+                               n_heads=4,
                                n_kv_heads=2, d_ff=FF, context_length=16, dropout=0.0)
     a, b = EncoderDecoder(cfg).eval(), EncoderDecoder(cfg).eval()
     info_a = apply_lora(a, LoRAConfig(rank=R, targets=["all-linear"]))

@@ -24,7 +24,8 @@ def test_tag_learns_and_round_trips(tmp_path, capsys):
     train = write_conll(tmp_path / "train.conll", conll_sentences(200, 1))
     dev = write_conll(tmp_path / "dev.conll", conll_sentences(60, 2))
     out = tmp_path / "out"
-    assert main(["finetune", str(folder), "--task", "tag", "--data", str(train), "--dev", str(dev), "--out", str(out),
+    assert main(["finetune", str(folder), "--task", "tag", "--data", str(train), "--dev", str(dev), "--out",
+                 str(out),
                  "--epochs", "6", "--no-progress", "train.lr=2e-3", "train.warmup=0.1",
                  "train.tensorboard=false"]) == 0
     report = capsys.readouterr().out
@@ -76,7 +77,8 @@ def test_entities_of_known_sequences():
     ("w1 O\nalice B-PER\n", "w1 O\n\nw2 O\nrome B-LOC\n", "d.conll line 4: tag 'B-LOC' (in 'w2 rome')"),
     # a sentence over the context (64) names the file and its first line, not "example 2"
     ("w1 O\n\n" + "w2 O\n" * 70 + "\nw3 O\n", None,
-     "t.conll line 3: 1 example(s) longer than the model's context of 64 tokens (this is the first, 72 tokens)"),
+     "t.conll line 3: 1 example(s) longer than the model's context of 64 tokens (this is the first, 72 "
+     "tokens)"),
 ])
 def test_bad_conll_is_one_line_and_exit_2(tmp_path, capsys, text, dev, message):
     folder = make_folder(tmp_path / "bert", "bert", layers=1)

@@ -141,7 +141,8 @@ def test_return_attentions_match_full_forward():
 
 
 @pytest.mark.parametrize("position", POSITIONS)
-@pytest.mark.parametrize("placement,norm,ffn", [("pre", "layernorm", "gelu_tanh"), ("post", "rmsnorm", "swiglu")])
+@pytest.mark.parametrize("placement,norm,ffn",
+                         [("pre", "layernorm", "gelu_tanh"), ("post", "rmsnorm", "swiglu")])
 def test_fast_step_logits_equal_full_forward(position, placement, norm, ffn):
     m = tiny_gpt(position, gqa=True, placement=placement, norm=norm, ffn=ffn)
     ids, mask = left_pad([[1, 2, 3, 4, 5], [6, 7]])
@@ -226,7 +227,8 @@ def _count_rows(model, monkeypatch) -> list[int]:
     rows: list[int] = []
     for name in ("prefill", "step"):
         fn = getattr(model, name)
-        monkeypatch.setattr(model, name, lambda ids, *a, _fn=fn, **k: (rows.append(ids.shape[0]), _fn(ids, *a, **k))[1])
+        monkeypatch.setattr(model, name,
+                            lambda ids, *a, _fn=fn, **k: (rows.append(ids.shape[0]), _fn(ids, *a, **k))[1])
     return rows
 
 

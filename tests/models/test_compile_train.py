@@ -69,7 +69,8 @@ def test_gpt_family_training_forward_backward_is_one_graph(shape):
 
 def test_encoder_decoder_and_whisper_training_are_one_graph():
     torch._dynamo.reset()
-    e = qkv.build("transformer-tiny", src_vocab_size=13, tgt_vocab_size=13, n_encoder_layers=1, n_decoder_layers=1,
+    e = qkv.build("transformer-tiny", src_vocab_size=13, tgt_vocab_size=13, n_encoder_layers=1,
+                  n_decoder_layers=1,
                   d_model=32, n_heads=4, d_ff=64)
     src = torch.randint(3, 13, (2, 7))
     tgt = torch.randint(3, 13, (2, 5))
@@ -79,7 +80,8 @@ def test_encoder_decoder_and_whisper_training_are_one_graph():
     w = qkv.build("whisper-digits", n_encoder_layers=1, n_decoder_layers=1, d_model=32, n_heads=4, d_ff=64,
                   n_mels=16, n_audio_ctx=20)
     batch = dict(input_features=torch.randn(2, 16, 40), labels=torch.randint(3, 16, (2, 5)))
-    torch.testing.assert_close(torch.compile(w, backend="eager", fullgraph=True)(**batch).loss, w(**batch).loss)
+    torch.testing.assert_close(torch.compile(w, backend="eager", fullgraph=True)(**batch).loss,
+                               w(**batch).loss)
 
 
 @pytest.mark.parametrize("shape", ["gpt2", "llama"])
@@ -100,6 +102,7 @@ def test_training_step_and_decoding_steps_read_no_tensor_value(shape):
         cache = m.make_cache(2, 12)
         m(ids, attention_mask=mask, cache=cache)
         keep = torch.ones(2, 9, dtype=torch.bool, device="meta")
-        assert m.step(ids[:, :1], cache, keep=keep, offset=torch.zeros(2, dtype=torch.long, device="meta")).shape == (2, 13)
+        assert m.step(ids[:, :1], cache, keep=keep,
+                      offset=torch.zeros(2, dtype=torch.long, device="meta")).shape == (2, 13)
         index = torch.zeros(1, dtype=torch.long, device="meta")
         assert m.static_step(ids[:, :1], cache, index=index, offset=index).shape == (2, 13)

@@ -180,4 +180,5 @@ def test_output_head_with_logits_bias_equals_the_formula(rows, scale):
     with torch.no_grad():
         head.weight.mul_(-1.0)
         again = head(h)
-    torch.testing.assert_close(again.double(), -ref + 2 * head.final_logits_bias.double(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(again.double(), -ref + 2 * head.final_logits_bias.double(), atol=1e-4,
+                               rtol=1e-5)

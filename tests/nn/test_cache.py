@@ -43,7 +43,8 @@ def test_reorder_to_another_batch_size_reallocates():
     cache.reorder(torch.tensor([0, 0, 1, 1, 1]))
     assert cache.k.shape[1] == 5
     kl, _ = cache.update(0, torch.zeros(5, 2, 1, 4), torch.zeros(5, 2, 1, 4))
-    torch.testing.assert_close(kl[:, :, :2], k[0].index_select(0, torch.tensor([0, 0, 1, 1, 1])), rtol=0, atol=0)
+    torch.testing.assert_close(kl[:, :, :2], k[0].index_select(0, torch.tensor([0, 0, 1, 1, 1])), rtol=0,
+                               atol=0)
 
 
 def test_paged_step_update_reads_keys_and_values_from_the_pool_like_the_gathered_path():
@@ -107,7 +108,8 @@ def test_paged_step_update_reads_keys_and_values_from_the_pool_like_the_gathered
             want = q @ kr.reshape(B * H, tk, hd).transpose(1, 2)
             got = ks.scores(q)
             assert got.shape == want.shape
-            torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=1e-12,
+                                       rtol=1e-12)
             probs = torch.softmax(torch.randn(B * H, G, tk, dtype=dt).masked_fill(~keep, float("-inf")), -1)
             torch.testing.assert_close(vs.weighted_sum(probs), probs @ vr.reshape(B * H, tk, hd),
                                        atol=1e-12, rtol=1e-12)

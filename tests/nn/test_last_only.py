@@ -31,7 +31,8 @@ def _gpt(norm, placement, position, gqa, **kw):
     with torch.no_grad():  # non-trivial norm gains/biases and BatchNorm statistics (used in eval mode)
         for name, t in itertools.chain(m.named_parameters(), m.named_buffers()):
             if t.dim() == 1 and t.is_floating_point():
-                t.copy_((0.5 if "var" in name else 0.0) + torch.rand_like(t) if "var" in name or "weight" in name
+                t.copy_((0.5 if "var" in name else 0.0) + torch.rand_like(t) if "var" in name
+                            or "weight" in name
                         else 0.3 * torch.randn_like(t))
     return m.double().eval()
 
@@ -72,7 +73,8 @@ def test_last_only_with_attentions_keeps_every_position():
 def test_encdec_decode_last_only_equals_full(placement):
     torch.manual_seed(0)
     m = qkv.build("transformer-tiny", src_vocab_size=V, n_encoder_layers=2, n_decoder_layers=2, d_model=32,
-                  n_heads=4, d_ff=48, n_kv_heads=2, context_length=24, placement=placement, init_std=0.2).double().eval()
+                  n_heads=4, d_ff=48, n_kv_heads=2, context_length=24, placement=placement,
+                  init_std=0.2).double().eval()
     src = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 0, 0]])
     src_mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])
     tgt = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(3))

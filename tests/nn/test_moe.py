@@ -72,7 +72,8 @@ def test_routing_equals_the_formula_in_float64(kw):
     want = sorted(zip(want_e.flatten().tolist(), want_w.flatten().tolist()))
     assert [e for e, _ in got] == [e for e, _ in want]
     torch.testing.assert_close(torch.tensor([w for _, w in got], dtype=torch.float64),
-                               torch.tensor([w for _, w in want], dtype=torch.float64), rtol=1e-12, atol=1e-13)
+                               torch.tensor([w for _, w in want], dtype=torch.float64), rtol=1e-12,
+                               atol=1e-13)
     torch.testing.assert_close(routing.probs.sum(-1), torch.ones(40, dtype=torch.float64))
 
 
@@ -266,7 +267,8 @@ def test_save_and_load_keep_the_experts_and_the_selection_bias(tmp_path):
     model.save_pretrained(tmp_path)
     back = qkv.from_pretrained(tmp_path)
     assert back.config == model.config
-    assert torch.equal(back.decoder.blocks[1].ffn.router.score_bias, model.decoder.blocks[1].ffn.router.score_bias)
+    assert torch.equal(back.decoder.blocks[1].ffn.router.score_bias,
+                       model.decoder.blocks[1].ffn.router.score_bias)
     ids = torch.randint(0, 40, (2, 9))
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)

@@ -39,7 +39,8 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def close_to_formula(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype) -> None:
+def close_to_formula(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                     dtype) -> None:
     """y == x @ w^T + b to the output dtype's rounding: float64 reference, each element within the roundings
     (bf16:
     2^-8 relative) of the product, its scaling and the sum with the bias, plus fp32 summation error (relative
@@ -49,7 +50,8 @@ def close_to_formula(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch
     ref = prod + (0 if b is None else b.double())
     rounding = (2.0 ** -8 if dtype == torch.bfloat16 else 1e-7) * (2 * prod.abs() + ref.abs())
     err = (y.double().reshape(ref.shape) - ref).abs()
-    assert (err <= rounding + 1e-6 * (x64.abs() @ w.double().abs().T) + 1e-7).all(), float((err - rounding).max())
+    assert (err <= rounding + 1e-6 * (x64.abs() @ w.double().abs().T) + 1e-7).all(), \
+        float((err - rounding).max())
 
 
 def _linear(in_f: int, out_f: int, bias: bool, dtype) -> nn.Linear:
@@ -113,7 +115,8 @@ def test_int4_error_is_at_most_half_a_step_per_group(offset):
     w = torch.randn(32, 256) * 0.1 + offset
     q, scale, zero = quantize_int4(w, 64)
     assert q.min() >= 0 and q.max() <= 15 and scale.shape == zero.shape == (32, 4)
-    deq = ((q.view(32, 4, 64).double() - 8) * scale.double()[..., None] + zero.double()[..., None]).view(32, 256)
+    deq = ((q.view(32, 4, 64).double() - 8) * scale.double()[..., None]
+           + zero.double()[..., None]).view(32, 256)
     err = (w.double() - deq).abs().view(32, 4, 64).amax(dim=-1)
     assert (err <= scale.double() / 2 * (1 + 1e-3)).all()
 
@@ -125,7 +128,8 @@ def test_int4_equals_the_dequantized_formula(dtype, rows):
     lin = _linear(128, 48, True, dtype)
     q4 = Int4WeightOnlyLinear.from_linear(lin, group_size=32)
     q, scale, zero = quantize_int4(lin.weight, 32)
-    w = ((q.view(48, 4, 32).double() - 8) * scale.double()[..., None] + zero.double()[..., None]).view(48, 128)
+    w = ((q.view(48, 4, 32).double() - 8) * scale.double()[..., None]
+         + zero.double()[..., None]).view(48, 128)
     x = torch.randn(rows, 128, dtype=dtype)
     with torch.no_grad(), OpLog() as log:
         y = q4(x)
@@ -134,8 +138,10 @@ def test_int4_equals_the_dequantized_formula(dtype, rows):
 
 
 def llama_folder(path, tie=True, hidden=64, vocab=320):
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128,
+                                      num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128,
                                       tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)

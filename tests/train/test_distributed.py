@@ -83,7 +83,8 @@ def test_fsdp_checkpoint_resumes_in_one_process(runs, tmp_path):
 
     from qkv.train import TrainConfig, Trainer
 
-    cfg = TrainConfig(max_steps=5, batch_size=4, grad_accum=4, lr=3e-3, warmup=1, out_dir=str(out), resume=True,
+    cfg = TrainConfig(max_steps=5, batch_size=4, grad_accum=4, lr=3e-3, warmup=1, out_dir=str(out),
+                      resume=True,
                       progress=False, tensorboard=False, plot=False, schedule="cosine")
     tr = Trainer(tiny_gpt(n_layers=3), cfg, ToyLM())
     s = tr.fit()
@@ -91,7 +92,8 @@ def test_fsdp_checkpoint_resumes_in_one_process(runs, tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_nccl_matches_single_gpu(mode, tmp_path, torchrun):
     from dist_train import main
@@ -135,7 +137,8 @@ def test_fsdp_evaluation_that_generates_during_training(tmp_path, torchrun):
     out = tmp_path / "rev"
     r = torchrun(["-m", "qkv.cli.main", "train", "configs/reverse.yaml", "--out", out, "--max-steps", "4",
                   "--no-progress", "model.n_encoder_layers=1", "model.n_decoder_layers=1", "model.d_model=32",
-                  "model.n_heads=2", "train.batch_size=4", "eval.n=8", "eval.samples=1", "eval.during_training=8",
+                  "model.n_heads=2", "train.batch_size=4", "eval.n=8", "eval.samples=1",
+                  "eval.during_training=8",
                   "train.eval_every=2", "train.warmup=1", "train.distributed=fsdp"], cwd=ROOT)
     assert "distributed fsdp x2" in r.stderr
     result = json.loads((out / "results.json").read_text())

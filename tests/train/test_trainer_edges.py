@@ -102,7 +102,8 @@ def test_resume_keeps_a_best_newer_than_the_step_checkpoint(tmp_path):
     with pytest.raises(Crash):
         t.fit()
     scores.update({3: 0.6, 4: 0.7})
-    t2 = Trainer(MLP(), cfg(tmp_path, max_steps=4, eval_every=1, save_every=2, resume=True), Data(), eval_fn=ev)
+    t2 = Trainer(MLP(), cfg(tmp_path, max_steps=4, eval_every=1, save_every=2, resume=True), Data(),
+                 eval_fn=ev)
     trainers.append(t2)
     s = t2.fit()
     assert s["best_eval"] == {"metric": "loss", "value": 0.1, "step": 3}
@@ -110,7 +111,8 @@ def test_resume_keeps_a_best_newer_than_the_step_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("bad,field", [
-    ({"best_mode": "Min"}, "best_mode"), ({"nan_policy": "skp"}, "nan_policy"), ({"schedule": "cosin"}, "schedule"),
+    ({"best_mode": "Min"}, "best_mode"), ({"nan_policy": "skp"}, "nan_policy"),
+    ({"schedule": "cosin"}, "schedule"),
     ({"precision": "bf-16"}, "precision"), ({"distributed": "dpp"}, "distributed"),
     ({"optimizer_impl": "fast"}, "optimizer_impl"), ({"max_steps": "10"}, "max_steps"),
     ({"max_steps": 2.5}, "max_steps"), ({"compile": "no"}, "compile"), ({"betas": 0.9}, "betas")])
@@ -248,7 +250,8 @@ def test_a_model_returning_no_loss_is_told_the_contract(tmp_path):
         def forward(self, x, y):
             return self.head(self.emb(x))
 
-    with pytest.raises(ValueError, match=r"returned a tensor of shape \(4, 4, 10\) without a loss: it must return"):
+    with pytest.raises(ValueError,
+                       match=r"returned a tensor of shape \(4, 4, 10\) without a loss: it must return"):
         Trainer(Logits(), cfg(tmp_path, max_steps=1), Data()).fit()
 
 
