@@ -236,7 +236,7 @@ def test_crash_between_the_renames_over_another_function_is_refused_at_load(tmp_
     _save_killed_before_the_config(new, tmp_path, monkeypatch)
     with pytest.raises(CheckpointError,
                        match=r"saved for another model than the config.json beside it describes: "
-                                              r"ffn relu \(weights\) vs gelu \(config.json\), scaled False"):
+                             r"ffn relu \(weights\) vs gelu \(config.json\), scaled False"):
         load_model(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
     meta["config"].update(ffn="relu", scaled=False, dropout=0.3)  # an edited config.json: dropout may differ

@@ -68,7 +68,7 @@ def _folder(tmp_path, spec: dict, **edits) -> str:
     (ENCDEC, {"d_model": 10**6}, r"config.json: d_model is 1000000, but .* \(d_model would be 16\)"),
     (ENCDEC, {"d_model": 10**6, "d_ff": 10**6},
      r"config.json: d_ff / d_model are 1000000, but .* of shape \(16,\) "
-                                                r"\(d_ff / d_model would be 16\)"),
+     r"\(d_ff / d_model would be 16\)"),
 ])
 def test_sizes_the_weights_do_not_have_are_refused_before_the_build(tmp_path, no_real_build, spec, edits,
                                                                     message):
@@ -85,8 +85,8 @@ def test_what_no_weight_shows_is_weighed_against_the_memory(tmp_path, no_real_bu
     folder = _folder(tmp_path, {**GPT, "position": "rope"}, context_length=10**8)
     with pytest.raises(CheckpointError,
                        match=r"config.json: the model it describes needs [\d.]+ GiB, more than this "
-                                              r"machine's 1.0 GiB of memory: its decoder.position.\w+ alone "
-                                              r"is \(100000000, \d+\) \(context_length is 100000000\)"):
+                             r"machine's 1.0 GiB of memory: its decoder.position.\w+ alone is "
+                             r"\(100000000, \d+\) \(context_length is 100000000\)"):
         load_model(folder)
 
 

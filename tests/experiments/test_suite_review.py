@@ -118,7 +118,7 @@ def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
 @pytest.mark.parametrize("bad, msg", [
     ({"grid": {}, "variants": [{"name": "a b"}, {"name": "a/b"}]},
      "variants 'a b' and 'a/b' would share the run "
-                                                                   "folder runs/a_b__seed"),
+     "folder runs/a_b__seed"),
     ({"grid": {"model.n_heads": [1, 2, 1]}}, r"grid\['model.n_heads'\] lists the value 1 twice"),
     ({"seeds": [0, 0]}, "repeat a seed"),
 ])

@@ -91,7 +91,7 @@ def test_a_handful_of_steps_is_warned_about(tmp_path):
     the user set with train.max_steps are not."""
     with pytest.warns(UserWarning,
                       match=r"1 epoch\(s\) of 50 conversation\(s\) at batch 8 is 7 optimizer step\(s\), "
-                                         r"too few to learn much: pass --epochs 8 \(~56 steps\).*all-linear"):
+                            r"too few to learn much: pass --epochs 8 \(~56 steps\).*all-linear"):
         assert _train_config(_args(tmp_path, [], None), n_train=50, n_dev=0, lora=True).max_steps == 7
     with warnings.catch_warnings():
         warnings.simplefilter("error")

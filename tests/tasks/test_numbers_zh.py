@@ -52,12 +52,11 @@ def test_dates_and_range_errors():
 
 
 # -- independent parsers: the generated pairs must denote the same number / date ------------------------
-_EN_UNITS = {w: i
-                 for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
-                                       "thirteen "
-                                        "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
+_EN_UNITS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven "
+                                        "twelve thirteen fourteen fifteen sixteen seventeen eighteen "
+                                        "nineteen".split())}
 _EN_TENS = {w: 10 * i
-                for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split())}
+            for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split())}
 
 
 def parse_en(text: str) -> int:
