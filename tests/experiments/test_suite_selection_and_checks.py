@@ -1,6 +1,7 @@
-"""Review fixes of the ablation runner: --only (whole items, a report of the whole suite), finished runs
-reused only with the settings they were run with, everything checked before the first run trains, run folders
-that cannot collide, and one-line errors for a bad --out, budget or empty suite."""
+"""The ablation runner's selection and checks: --only (whole items, a report of the whole suite), finished
+runs reused only with the settings they were run with, everything checked before the first run trains, run
+folders that cannot collide, one-line errors for a bad --out, budget or empty suite, and what a suite's seeds
+vary."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _table(summary: Path) -> list[str]:
     return [ln for ln in summary.read_text().splitlines() if ln.startswith("| ") and "variant" not in ln]
 
 
-# -- 1. --only ----------------------------------------------------------------------------------------------
+# -- --only: whole key=value items; the report still covers the whole suite ----------------------------------
 def test_only_keeps_the_report_of_every_finished_run(tmp_path):
     calls: list[str] = []
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None)
@@ -91,7 +92,7 @@ def test_only_that_matches_nothing_is_an_error_naming_the_variants(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-# -- 2. a finished run is reused only with the settings it was run with --------------------------------------
+# -- a finished run is reused only with the settings it was run with -----------------------------------------
 def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
     calls: list[str] = []
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None)
@@ -114,7 +115,7 @@ def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
     assert len(calls) == 4
 
 
-# -- 3. run folders cannot collide ---------------------------------------------------------------------------
+# -- run folders cannot collide ------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, msg", [
     ({"grid": {}, "variants": [{"name": "a b"}, {"name": "a/b"}]},
      "variants 'a b' and 'a/b' would share the run "
@@ -127,7 +128,7 @@ def test_colliding_run_folders_are_refused(bad, msg):
         load_suite({**TINY, **bad})
 
 
-# -- 6. everything checked before the first run trains -------------------------------------------------------
+# -- everything checked before the first run trains ----------------------------------------------------------
 @pytest.mark.parametrize("bad, msg", [
     ({"metric": {"name": "exact_matc", "goal": "max"}}, "metric.name 'exact_matc' is not a metric of task "
                                                         "'reverse' .*exact_match"),
@@ -155,7 +156,7 @@ def test_every_shipped_suite_passes_the_up_front_checks(profile):
         check_runs(suite, expand(suite))
 
 
-# -- 8, 9, 12: one-line errors -------------------------------------------------------------------------------
+# -- a bad --out, budget or suite: one-line errors -----------------------------------------------------------
 def test_out_that_is_a_file_is_a_one_line_error(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
@@ -182,7 +183,7 @@ def test_empty_suite_names_the_missing_sections(tmp_path):
         load_suite({"name": "x", "model": {"preset": "gpt-nano"}})
 
 
-# -- 14: a suite's seeds vary the initialisation, task.seed the data (documented in docs/ablations.md) -------
+# -- a suite's seeds vary the initialisation, task.seed the data (documented in docs/ablations.md) -----------
 def test_seeds_vary_the_weights_and_a_task_seed_grid_varies_the_data():
     suite = load_suite({**TINY, "grid": {"task.seed": [0, 1]}, "seeds": [0, 1]})
     specs = expand(suite)

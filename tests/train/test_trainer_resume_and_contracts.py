@@ -1,5 +1,6 @@
-"""Edge cases of the training loop on a tiny MLP (fast): best-checkpoint bookkeeping across rollbacks and
-resumes, config checks on a directly built TrainConfig, what a stopped run logs, model return types."""
+"""The training loop on a tiny MLP (fast), resumes and contracts: best-checkpoint bookkeeping across rollbacks
+and resumes, what a stopped run logs, config checks on a directly built TrainConfig, the model's return types
+and the callbacks' contract."""
 
 from __future__ import annotations
 
