@@ -42,8 +42,7 @@ def build(layers: int, width: int, heads: int, vocab: int,
         max_relative_positions=512, pos_att_type=["p2c", "c2p"], share_att_key=True,
         norm_rel_ebd="layer_norm",
         position_biased_input=False, type_vocab_size=0, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=2, layer_norm_eps=1e-7)
+        attention_probs_dropout_prob=0.0, num_labels=2, layer_norm_eps=1e-7)
     torch.manual_seed(0)
     hf = transformers.DebertaV2ForSequenceClassification(cfg)
     hf.save_pretrained(folder)
@@ -110,8 +109,7 @@ def main() -> None:
              f"fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, "
              f"{platform.processor() or platform.machine()}",
              f"max |logit difference| (eval) {diff:.2e}; first-step losses qkv {loss_q:.6f}, HF {loss_h:.6f}",
-             "",
-             "| case | qkv s | HF s | qkv tokens/s | HF tokens/s | qkv / HF time (median of rounds) |",
+             "", "| case | qkv s | HF s | qkv tokens/s | HF tokens/s | qkv / HF time (median of rounds) |",
              "|---|---|---|---|---|---|"]
     for case in ("forward", "train step"):
         q, h = times[f"{case} qkv"], times[f"{case} HF"]

@@ -77,8 +77,7 @@ def main() -> None:
 
         pw = sync_playwright().start()
         ctx = pw.chromium.launch_persistent_context(str(tmp / "profile"), executable_path=chromium,
-                                                    args=FLAGS,
-                                                    viewport={"width": 1280, "height": 1000})
+                                                    args=FLAGS, viewport={"width": 1280, "height": 1000})
         pg = ctx.new_page()
         pg.goto(url)
         pg.wait_for_function("window.QKV && window.QKV.info")

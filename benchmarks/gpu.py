@@ -207,8 +207,7 @@ def trainer_run(b: Bench, compile: bool) -> dict[str, Any]:
         cfg = dict(max_steps=b.warm + b.steps, batch_size=b.B, precision="bf16", device=str(b.dev),
                    log_every=1,
                    out_dir=d, progress=False, tensorboard=False, plot=False, warmup=0, lr=1e-4,
-                   compile=compile,
-                   save_every=0)
+                   compile=compile, save_every=0)
         Trainer(model, cfg, RandomTokens()).fit()
         recs = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))
                     if '"tokens_per_s"' in line]

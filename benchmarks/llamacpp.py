@@ -174,8 +174,7 @@ def peer_python(arg: str | None) -> tuple[str | None, str]:
         return None, "no --llamacpp-python (nor $QKV_LLAMACPP_PYTHON)"
     try:
         r = subprocess.run([python, "-c", "import llama_cpp, gguf, safetensors"], capture_output=True,
-                           text=True,
-                           timeout=120)
+                           text=True, timeout=120)
     except OSError as e:
         return None, f"{python}: {e}"
     return (python, "") if r.returncode == 0 else (None, f"{python} lacks llama_cpp/gguf/safetensors: "

@@ -51,8 +51,7 @@ FULL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidde
             num_attention_heads=9,
             num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0)
 QUICK = dict(FULL, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4,
-             num_key_value_heads=2)
+             num_attention_heads=4, num_key_value_heads=2)
 
 _LOAD_PROBE = r"""
 import json, sys, torch
@@ -193,8 +192,7 @@ def main() -> None:
             }
             if not a.no_compile:
                 fns["qkv compiled"] = lambda x=x, m=ours: generate(m, x, max_new_tokens=a.new,
-                                                                   min_new_tokens=a.new,
-                                                                   compile=True)
+                                                                   min_new_tokens=a.new, compile=True)
             if int8 is not None and folders[name] == source:
                 fns["qkv int8"] = lambda x=x, m=int8: generate(m, x, max_new_tokens=a.new,
                                                                min_new_tokens=a.new)
@@ -237,8 +235,8 @@ def main() -> None:
     lines += [f"| {r['dtype']} | {r['batch']} | {r['library']} | {r['ms_per_step']} | {r['tok_per_s']} | "
               f"{r['vs_transformers']} | {r['floor_ms']} | {r['x_floor']} |" for r in rows]
     lines += ["",
-              "greedy tokens equal between the libraries (share): " + ", ".join(f"{k}: {v}" for k,
-                                                                                v in agree.items()),
+              "greedy tokens equal between the libraries (share): "
+              + ", ".join(f"{k}: {v}" for k, v in agree.items()),
               "", f"| dtype | library | prefill tok/s ({a.prefill} tokens) | x transformers |",
               "|---|---|---|---|"]
     lines += [f"| {r['dtype']} | {r['library']} | {r['tok_per_s']} | {r['vs_transformers']} |"

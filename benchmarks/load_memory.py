@@ -141,8 +141,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     head = subprocess.run(["git", "-C", str(ROOT.parent), "rev-parse", "--short", "HEAD"],
-                          capture_output=True,
-                          text=True).stdout.strip()
+                          capture_output=True, text=True).stdout.strip()
     if subprocess.run(["git", "-C", str(ROOT.parent), "diff", "--quiet", "HEAD", "--", "src"]).returncode:
         head += " + uncommitted src"
     with tempfile.TemporaryDirectory() as t:
@@ -159,8 +158,8 @@ def main() -> None:
     result = {"machine": platform.platform(), "python": sys.version.split()[0], "quick": a.quick,
               "loads": rows}
     lines = ["| folder | code | weights MB | peak RSS growth MB | x weights |", "|---|---|---|---|---|"]
-    lines += [f"| {k} | {d['weights'] / 1e6:.0f} | {d['growth'] / 1e6:.0f} | {d['ratio']} |" for k,
-              d in rows.items()]
+    lines += [f"| {k} | {d['weights'] / 1e6:.0f} | {d['growth'] / 1e6:.0f} | {d['ratio']} |"
+                  for k, d in rows.items()]
     write_results(a.out, "load_memory", result, lines)
 
 

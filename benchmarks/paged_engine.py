@@ -67,8 +67,8 @@ def main() -> None:
 
     def run_static():
         out = generate(m, ids, max(news), attention_mask=mask)
-        return [out[i, T : T + n].tolist() for i,
-                n in enumerate(news)], len(prompts) * (T + max(news)) * slot_bytes
+        return [out[i, T : T + n].tolist()
+                    for i, n in enumerate(news)], len(prompts) * (T + max(news)) * slot_bytes
 
     variants = {"engine (paged)": run_engine, "static (padded)": run_static,
                 "engine, decoding batch cut by length (split_cost=4096)": lambda: run_engine(4096)}

@@ -125,8 +125,7 @@ def run(precision: str, steps: int, data: BigramText, out: str, seed: int = 0) -
     Trainer(model, cfg, data, callbacks=[cb]).fit()
     skip = 2 if len(wall) > 4 else 0  # warm-up steps
     return {"tok_s": statistics.median(wall[skip:]), "tok_cpu_s": statistics.median(cpu[skip:]),
-            "losses": losses,
-            "fpt": flops_per_token(model)}
+            "losses": losses, "fpt": flops_per_token(model)}
 
 
 def main() -> None:
@@ -198,8 +197,7 @@ def main() -> None:
         "tokens_per_s": {"fp32": t32, "bf16": t16, "all": tok}, "bf16_speedup": speedup,
         "tokens_per_cpu_s": {"fp32": c32, "bf16": c16, "all": tok_cpu},
         "mfu": {"fp32_vs_fp32_peak": mfu32, "bf16_vs_bf16_peak": mfu16,
-                "bf16_vs_fp32_peak": fpt * t16 / (peak32 * 1e9),
-                "per_round": mfus},
+                "bf16_vs_fp32_peak": fpt * t16 / (peak32 * 1e9), "per_round": mfus},
         "mfu_cpu_time": {"fp32": cmfu32, "bf16": cmfu16, "per_round": mfus_cpu},
         "peaks_per_round_wall_cpu": peaks, "cpu_peak_gflops": {"fp32": cpeak32, "bf16": cpeak16},
         "loss_after": {"fp32": loss32, "bf16": loss16, "rel_diff": loss_rel},

@@ -102,8 +102,8 @@ def main() -> None:
                 steps[name](batches[s % len(batches)])
             times[name].append((time.perf_counter() - t0) / a.steps)
             cpu[name].append((time.process_time() - c0) / a.steps)
-        print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{k} {tokens / v[-1]:.0f} tok/s" for k,
-                                                         v in times.items()),
+        print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{k} {tokens / v[-1]:.0f} tok/s"
+                                                             for k, v in times.items()),
               flush=True)
 
     ours_name, hf_name = order[:2]

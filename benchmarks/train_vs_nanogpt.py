@@ -103,8 +103,7 @@ def load_nanogpt(path: str) -> ModuleType:
 
 
 def build_models(nanogpt: ModuleType, s: dict, seed: int = 0):
-    """(qkv, nanoGPT, HF, qkv with exact GELU) models with the same weights, in train mode, and the
-    transformers version."""
+    """(qkv, nanoGPT, HF, qkv exact GELU) models, same weights, train mode, and the transformers version."""
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -122,8 +121,7 @@ def build_models(nanogpt: ModuleType, s: dict, seed: int = 0):
         exact.save_pretrained(d)
         ours_exact = qkv.from_pretrained(d)
     ncfg = nanogpt.GPTConfig(block_size=s["block"], vocab_size=s["vocab"], n_layer=s["n_layer"],
-                             n_head=s["n_head"],
-                             n_embd=s["n_embd"], dropout=0.0, bias=True)
+                             n_head=s["n_head"], n_embd=s["n_embd"], dropout=0.0, bias=True)
     with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT prints its parameter count
         nano = nanogpt.GPT(ncfg)
     # as nanoGPT's GPT.from_pretrained: HF's Conv1D stores (in, out), nn.Linear (out, in)
@@ -217,17 +215,15 @@ class TrainerSteps:
                 marks["t1"] = now()
                 tr.should_stop = True  # (set after the step's logging: no extra record)
 
-        cb = self.LambdaCallback(on_step_start=lambda tr, step: marks.setdefault("t0", now()) if step == 2
-                                     else None,
-                                 on_step_end=end)
+        cb = self.LambdaCallback(
+            on_step_start=lambda tr, step: marks.setdefault("t0", now()) if step == 2 else None,
+            on_step_end=end)
         # max_steps far away, so that no timed update is the last one (which always writes a metrics record);
         # the constant schedule makes the LR independent of it
         cfg = self.TrainConfig(max_steps=1_000_000, batch_size=self.batch_size, lr=3e-4, betas=[0.9, 0.95],
                                weight_decay=0.1, schedule="constant", warmup=0, clip_grad=1.0,
-                               precision=self.precision,
-                               device="cpu", distributed="none", progress=False, tensorboard=False,
-                               plot=False,
-                               save_every=0, keep_last=1, out_dir=self.out_dir)
+                               precision=self.precision, device="cpu", distributed="none", progress=False,
+                               tensorboard=False, plot=False, save_every=0, keep_last=1, out_dir=self.out_dir)
         # each round is a fresh run: drop the previous round's final checkpoint (the Trainer refuses a fresh
         # run in a folder holding another run's checkpoints)
         shutil.rmtree(os.path.join(self.out_dir, "checkpoints"), ignore_errors=True)
@@ -446,9 +442,8 @@ def main(argv: list[str] | None = None) -> None:
           + ", no clipping). Rows \"recipe: ...\": each project's own step with the optimizer its code builds"
           + (f" ({', '.join(f'{k}: {v}' for k, v in impls.items())})" if impls else "")
           + ", LR set + clip_grad_norm_(1.0) per step; their \"vs nanoGPT\" is against nanoGPT's recipe row.",
-          "",
-          "| row | precision | median step (s) | tokens/s | min..max step (s) | CPU s/step | vs nanoGPT | vs "
-          "HF | bf16 / fp32 |",
+          "", "| row | precision | median step (s) | tokens/s | min..max step (s) | CPU s/step | vs nanoGPT "
+              "| vs HF | bf16 / fp32 |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         cpu_s = r["median_cpu_s_per_step"]
