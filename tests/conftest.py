@@ -98,8 +98,7 @@ def llama_sp(tmp_path_factory):
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "add_bos_token": True}), encoding="utf-8")
+        "unk_token": "<unk>", "add_bos_token": True}), encoding="utf-8")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -39,8 +39,7 @@ def make_folder(bpe, path, template=CHATML, context=512, eos_token="<|endoftext|
     """A random Qwen2 (tied, GQA) with a ChatML tokenizer; its generation_config says eos = <|endoftext|>
     only, so stopping at <|im_end|> must come from the template."""
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>",
-                                                eos_token=eos_token,
-                                                pad_token="<|endoftext|>")
+                                                eos_token=eos_token, pad_token="<|endoftext|>")
     if template:
         fast.chat_template = template
     fast.save_pretrained(path)

@@ -27,8 +27,7 @@ TINY = {
     "gpt": {"family": "gpt", "vocab_size": 19, "n_layers": 2, "d_model": 16, "n_heads": 2,
             "context_length": 8},
     "bert": {"family": "bert", "vocab_size": 19, "n_layers": 2, "d_model": 16, "n_heads": 2,
-             "context_length": 8,
-             "head": "mlm", "norm": "batchnorm"},
+             "context_length": 8, "head": "mlm", "norm": "batchnorm"},
     "encdec": {"family": "encdec", "src_vocab_size": 19, "n_encoder_layers": 1, "n_decoder_layers": 1,
                "d_model": 16, "n_heads": 2, "d_ff": 32, "context_length": 8, "position": "rope"},
 }

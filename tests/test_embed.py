@@ -55,8 +55,7 @@ def test_query_mode_and_errors(tmp_path, capsys):
     texts = [r["text"] for r in sentiment_rows(9, 6)]
     (tmp_path / "texts.txt").write_text("\n".join(texts))
     assert main(["embed", str(folder), "--input", str(tmp_path / "texts.txt"), "--query", texts[4], "--top-k",
-                 "3",
-                 "--no-progress"]) == 0
+                 "3", "--no-progress"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 and "line 5:" in lines[0] and "1.0000" in lines[0]
     (tmp_path / "bad.txt").write_text("w1\n\nw2\n")

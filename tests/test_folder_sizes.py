@@ -18,8 +18,7 @@ from qkv.cli.main import main
 
 GPT = {"family": "gpt", "vocab_size": 19, "n_layers": 2, "d_model": 16, "n_heads": 2, "context_length": 8}
 ENCDEC = {"family": "encdec", "src_vocab_size": 19, "n_encoder_layers": 1, "n_decoder_layers": 1,
-          "d_model": 16,
-          "n_heads": 2, "d_ff": 32, "context_length": 8, "position": "rope"}
+          "d_model": 16, "n_heads": 2, "d_ff": 32, "context_length": 8, "position": "rope"}
 
 
 @pytest.fixture

@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--smoke",
-                        "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=400,
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=400,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_smoke.json").read_text())["rows"]

@@ -140,8 +140,7 @@ def test_optimizer_choice_applies_to_every_model(tmp_path):
     model_py = tmp_path / "model.py"
     model_py.write_text(STAND_IN, encoding="utf-8")
     r = run("--nanogpt", str(model_py), "--quick", "--threads", "1", "--precisions", "fp32", "--optimizer",
-            "fused",
-            "--no-recipes", "--out", str(tmp_path / "out"))
+            "fused", "--no-recipes", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "out" / "train_vs_nanogpt_quick.json").read_text())
     assert result["config"]["optimizer"].endswith(", fused")

@@ -106,8 +106,7 @@ def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
     # how a run is measured counts too
     with pytest.raises(ConfigError, match=r"metric\.threshold: null -> 0\.5"):
         run_suite({**TINY, "metric": {**TINY["metric"], "threshold": 0.5}}, tmp_path,
-                  train_fn=_fake_train(calls),
-                  log=None)
+                  train_fn=_fake_train(calls), log=None)
     # unchanged settings: reused; --force redoes the runs instead of comparing them
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None)
     assert calls == []

@@ -41,16 +41,14 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHATML, vocab: int
 
 def _write_tokenizer_config(folder: Path, chat_template: str | None) -> None:
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
-           "eos_token": "<|im_end|>",
-           "pad_token": "<|endoftext|>", "model_max_length": 128}
+           "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 128}
     if chat_template is not None:
         cfg["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
 
 
 def write_gpt2(folder: Path, chat_template: str | None = CHATML, n_positions: int = 96,
-               init_std: float = 0.02,
-               tokenizer_from: Path | None = None) -> Path:
+               init_std: float = 0.02, tokenizer_from: Path | None = None) -> Path:
     """A random GPT2LMHeadModel folder; tokenizer_from: copy that folder's tokenizer.json (training one takes
     seconds) and write this folder's own tokenizer_config.json."""
     import shutil

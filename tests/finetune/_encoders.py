@@ -54,8 +54,7 @@ def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int
         cfg = transformers.RobertaConfig(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
                                          num_attention_heads=4, intermediate_size=2 * width,
                                          max_position_embeddings=max_pos + 2, type_vocab_size=1,
-                                         pad_token_id=1,
-                                         bos_token_id=0, eos_token_id=2)
+                                         pad_token_id=1, bos_token_id=0, eos_token_id=2)
         model = transformers.RobertaModel(cfg)
     elif family == "distilbert":
         cfg = transformers.DistilBertConfig(vocab_size=len(vocab), dim=width, n_layers=layers, n_heads=4,

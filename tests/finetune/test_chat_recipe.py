@@ -56,8 +56,7 @@ def test_labels_are_exactly_the_assistant_tokens(gpt2_chat, chatml_generation):
     assert tok.apply_chat_template(CONVERSATION) == hf.apply_chat_template(CONVERSATION, tokenize=False)
     ids, labels = encode_chat(tok, CONVERSATION)
     ref = hf.apply_chat_template(CONVERSATION, chat_template=chatml_generation, tokenize=True,
-                                 return_dict=True,
-                                 return_assistant_tokens_mask=True)
+                                 return_dict=True, return_assistant_tokens_mask=True)
     assert ids == ref["input_ids"]
     mask = ref["assistant_masks"]
     assert sum(mask) > 0
@@ -205,8 +204,7 @@ def test_lora_on_a_llama_folder_round_trips_through_transformers(llama_chat, tmp
     out = tmp_path / "llama"
     assert _finetune(llama_chat, data, out, "--lora", "--lora-rank", "4", "--lora-targets",
                      "q_proj,v_proj,o_proj,lm_head", "--lora-dropout", "0", "train.max_steps=60",
-                     "train.lr=1e-2",
-                     "train.warmup=5") == 0
+                     "train.lr=1e-2", "train.warmup=5") == 0
     report = capsys.readouterr().out
     # per layer q (64 -> 64), v (64 -> 32: 2 kv heads of 16), o (64 -> 64); the head (64 -> 400) once
     expected = 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 64)) + 4 * (64 + 400)

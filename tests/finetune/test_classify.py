@@ -103,8 +103,7 @@ def test_bad_data_is_one_line_and_exit_2(bert, tmp_path, capsys, rows, flags, me
     dev = write_csv(tmp_path / "dev.csv", [{"text": "w3", "label": "maybe"}])
     flags = [str(dev) if f == "DEV" else f for f in flags]
     assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out",
-                 str(tmp_path / "o"),
-                 "--no-progress", *flags]) == 2
+                 str(tmp_path / "o"), "--no-progress", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("qkv: error:") and message in err and len(err.splitlines()) == 1
 
@@ -159,8 +158,7 @@ def test_csv_rows_are_checked_against_the_header(bert, tmp_path, capsys, content
     data = tmp_path / "t.csv"
     data.write_bytes(content if isinstance(content, bytes) else content.encode())
     assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out",
-                 str(tmp_path / "o"),
-                 "--no-progress", "--too-long", "error"]) == 2
+                 str(tmp_path / "o"), "--no-progress", "--too-long", "error"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("qkv: error:") and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()

@@ -105,8 +105,7 @@ def test_all_linear_splits_cross_attention_kv_too():
     torch.manual_seed(0)
     D, FF, KV = 32, 64, 16
     cfg = EncoderDecoderConfig(src_vocab_size=50, n_encoder_layers=1, n_decoder_layers=1, d_model=D,
-                               n_heads=4,
-                               n_kv_heads=2, d_ff=FF, context_length=16, dropout=0.0)
+                               n_heads=4, n_kv_heads=2, d_ff=FF, context_length=16, dropout=0.0)
     a, b = EncoderDecoder(cfg).eval(), EncoderDecoder(cfg).eval()
     info_a = apply_lora(a, LoRAConfig(rank=R, targets=["all-linear"]))
     info_b = apply_lora(b, LoRAConfig(rank=R, targets=[t for t in HF_NAMES if t != "gate_proj"]))  # no gate

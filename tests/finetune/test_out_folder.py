@@ -52,8 +52,7 @@ def test_out_is_never_the_source_or_inside_it(task, bert, tmp_path, capsys):
     for out, message in ((source, "already holds a model folder: the source model"),
                          (source / "tuned", "lies inside the source model folder")):
         rc = main(["finetune", str(source), "--task", task, "--data", str(data), "--out", str(out),
-                   "--no-progress",
-                   "train.max_steps=1"])
+                   "--no-progress", "train.max_steps=1"])
         err = capsys.readouterr().err.strip()
         assert (rc == 2 and err.startswith("qkv: error: --out") and message in err
                 and len(err.splitlines()) == 1), err
@@ -113,8 +112,7 @@ def test_chat_out_equal_to_a_tuned_source_is_refused(gpt2_chat, tmp_path, capsys
     data = write_jsonl(tmp_path / "d.jsonl", chats())
     tuned = tmp_path / "tuned"
     common = ["--data", str(data), "--no-progress", "train.max_steps=1", "train.batch_size=2",
-              "train.plot=false",
-              "train.tensorboard=false"]
+              "train.plot=false", "train.tensorboard=false"]
     assert main(["finetune", str(gpt2_chat), "--out", str(tuned), *common]) == 0
     shutil.rmtree(tuned / "checkpoints")
     capsys.readouterr()

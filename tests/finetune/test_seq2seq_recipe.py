@@ -27,8 +27,7 @@ def _t5_folder(folder, seed=0):
     cfg = transformers.T5Config(vocab_size=len(vocab), d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                 num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=16,
                                 relative_attention_max_distance=32, dropout_rate=0.0,
-                                decoder_start_token_id=0,
-                                pad_token_id=0, eos_token_id=1)
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     transformers.T5ForConditionalGeneration(cfg).save_pretrained(folder)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -61,8 +60,7 @@ def test_tiny_t5_learns_to_reverse_words_and_round_trips(tmp_path, capsys):
     rc = main(["finetune", str(model_dir), "--task", "seq2seq", "--data", str(train), "--dev", str(dev),
                "--out", str(out), "--epochs", "10", "--batch-size", "32", "--lr", "3e-3", "--no-progress",
                "train.best_metric=exact_match", "train.schedule=constant", "train.warmup=20",
-               "train.plot=false",
-               "train.tensorboard=false"])
+               "train.plot=false", "train.tensorboard=false"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     best = json.loads((out / "checkpoints" / "best" / "eval.json").read_text())

@@ -25,8 +25,7 @@ def test_tag_learns_and_round_trips(tmp_path, capsys):
     dev = write_conll(tmp_path / "dev.conll", conll_sentences(60, 2))
     out = tmp_path / "out"
     assert main(["finetune", str(folder), "--task", "tag", "--data", str(train), "--dev", str(dev), "--out",
-                 str(out),
-                 "--epochs", "6", "--no-progress", "train.lr=2e-3", "train.warmup=0.1",
+                 str(out), "--epochs", "6", "--no-progress", "train.lr=2e-3", "train.warmup=0.1",
                  "train.tensorboard=false"]) == 0
     report = capsys.readouterr().out
     result = json.loads((out / "finetune.json").read_text())

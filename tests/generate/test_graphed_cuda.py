@@ -17,8 +17,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 def test_graph_captured_greedy_tokens_equal_eager(dtype, position):
     torch.manual_seed(0)
     m = qkv.build("gpt-nano", vocab_size=97, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
-                  context_length=64,
-                  position=position, init_std=0.3).to("cuda", dtype).eval()
+                  context_length=64, position=position, init_std=0.3).to("cuda", dtype).eval()
     for batch in (1, 3):
         ids = torch.randint(0, 97, (batch, 6), device="cuda")
         mask = torch.ones(batch, 6, dtype=torch.long, device="cuda")

@@ -70,8 +70,7 @@ def test_gpt_family_training_forward_backward_is_one_graph(shape):
 def test_encoder_decoder_and_whisper_training_are_one_graph():
     torch._dynamo.reset()
     e = qkv.build("transformer-tiny", src_vocab_size=13, tgt_vocab_size=13, n_encoder_layers=1,
-                  n_decoder_layers=1,
-                  d_model=32, n_heads=4, d_ff=64)
+                  n_decoder_layers=1, d_model=32, n_heads=4, d_ff=64)
     src = torch.randint(3, 13, (2, 7))
     tgt = torch.randint(3, 13, (2, 5))
     _assert_compiled_training_equals_eager(e, dict(input_ids=src, labels=tgt,

@@ -177,8 +177,7 @@ def test_weights_are_the_softmax_probabilities():
     torch.testing.assert_close(out, w @ v, atol=1e-6, rtol=0)
     # the fused backend falls back to naive when weights are requested
     out2, w2 = scaled_dot_product_attention(q, k, v, mask=keep[:, None, None, :], causal=True,
-                                            backend="fused",
-                                            return_weights=True)
+                                            backend="fused", return_weights=True)
     torch.testing.assert_close(w2, w)
 
 

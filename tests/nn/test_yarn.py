@@ -19,8 +19,7 @@ def test_frequencies_and_factor_equal_transformers(extra):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-            "original_max_position_embeddings": 128,
-            **extra}
+            "original_max_position_embeddings": 128, **extra}
     cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=1024,
                                    rope_parameters=rope)
     want, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)

@@ -11,8 +11,7 @@ from qkv.tasks.tokenizers import find_tokenizer
 
 transformers = pytest.importorskip("transformers")
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Hello", "hello", "World", "world", "helo", "##s",
-         "cafe",
-         "café", "Café"]
+         "cafe", "café", "Café"]
 TEXTS = ["Hello World", "hello worlds", "HELLO world", "Café café cafe", "Hello, unknown!"]
 
 

@@ -84,8 +84,7 @@ def test_fsdp_checkpoint_resumes_in_one_process(runs, tmp_path):
     from qkv.train import TrainConfig, Trainer
 
     cfg = TrainConfig(max_steps=5, batch_size=4, grad_accum=4, lr=3e-3, warmup=1, out_dir=str(out),
-                      resume=True,
-                      progress=False, tensorboard=False, plot=False, schedule="cosine")
+                      resume=True, progress=False, tensorboard=False, plot=False, schedule="cosine")
     tr = Trainer(tiny_gpt(n_layers=3), cfg, ToyLM())
     s = tr.fit()
     assert s["steps"] == 5 and tr.optimizer.state  # AdamW moments came back
