@@ -96,8 +96,8 @@ def main() -> None:
                     pg.fill("#input", inputs[T])
                     t0 = time.perf_counter()
                     pg.click("#analyze")
-                    pg.wait_for_function(
-                        f"document.querySelectorAll('#heatmap rect.cell').length === {T * T}",
+                    pg.wait_for_function("document.querySelectorAll('#heatmap rect.cell').length === "
+                                         f"{T * T}",
                                          timeout=600_000)
                     page[T].append(time.perf_counter() - t0)
             t0 = time.perf_counter()

@@ -44,8 +44,8 @@ def model_config(layers: int, quick: bool) -> GPTConfig:
         return GPTConfig(vocab_size=256, n_layers=layers, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
                          context_length=64, ffn="swiglu", norm="rmsnorm", position="rope", bias=False)
     return GPTConfig(vocab_size=49152, n_layers=layers, d_model=576, n_heads=9, n_kv_heads=3, d_ff=1536,
-                     context_length=2048, ffn="swiglu", norm="rmsnorm", position="rope", bias=False,
-                     norm_eps=1e-5)
+                     context_length=2048, ffn="swiglu", norm="rmsnorm", position="rope",
+                     bias=False, norm_eps=1e-5)
 
 
 def build(cfg: GPTConfig, targets: list[str] | None) -> GPT:

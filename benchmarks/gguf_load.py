@@ -94,9 +94,8 @@ def main() -> None:
             write_gguf(path, hf, "llama", vocab, Q[name])
             size = path.stat().st_size / 1e6
             with torch.no_grad():
-                diff = (qkv.from_pretrained(path,
-                                            dtype=torch.float32)(
-                                                ids).logits - transformers.AutoModelForCausalLM
+                diff = (qkv.from_pretrained(path, dtype=torch.float32)(ids).logits
+                        - transformers.AutoModelForCausalLM
                         .from_pretrained(tmp, gguf_file=path.name,
                                          dtype=torch.float32)(ids).logits).abs().max()
             for kind, dtype in (("qkv", "default"), ("qkv", "float32"), ("transformers", "float32")):

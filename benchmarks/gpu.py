@@ -204,8 +204,8 @@ def trainer_run(b: Bench, compile: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = qkv_gpt(b)
     with tempfile.TemporaryDirectory() as d:
-        cfg = dict(max_steps=b.warm + b.steps, batch_size=b.B, precision="bf16", device=str(b.dev),
-                   log_every=1,
+        cfg = dict(max_steps=b.warm + b.steps, batch_size=b.B, precision="bf16",
+                   device=str(b.dev), log_every=1,
                    out_dir=d, progress=False, tensorboard=False, plot=False, warmup=0, lr=1e-4,
                    compile=compile, save_every=0)
         Trainer(model, cfg, RandomTokens()).fit()
@@ -378,8 +378,8 @@ def section_flash(b: Bench) -> None:
             loss.backward()
             opt.step()
             b.sync()
-            emit(section="flash", what=f"one {T}-token training step (batch 1, bf16 autocast, AdamW)",
-                 impl=name,
+            emit(section="flash",
+                 what=f"one {T}-token training step (batch 1, bf16 autocast, AdamW)", impl=name,
                  peak_gib=b.peak_gib(), ms=round((time.perf_counter() - t) * 1e3, 1),
                  loss=round(float(loss), 5))
         except torch.OutOfMemoryError as e:

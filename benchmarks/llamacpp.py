@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     floor_bytes.update({f"{k} compiled": floor_bytes[k] for k in ("fp32", "bf16")})
     floor_bytes.update({"F32": floor_bytes["fp32"], "BF16": floor_bytes["bf16"],
                         "Q8_0": floor_bytes["fp32"] / 4 * 34 / 32})
-    rows = [row(ours, fmt, times, tokens, logits, {k: floor_bytes[k] / (bw * 1e9) * 1e3 for k in (ours, fmt)},
-                a.new)
+    rows = [row(ours, fmt, times, tokens, logits,
+                {k: floor_bytes[k] / (bw * 1e9) * 1e3 for k in (ours, fmt)}, a.new)
             for ours, fmt in PAIRS if ours in runs]
     meta = {"torch": torch.__version__, "threads": a.threads,
             "machine": platform.processor() or platform.machine(),

@@ -127,8 +127,8 @@ def make_folders(tmp: Path, quick: bool) -> dict[str, tuple[Path, str]]:
 def extract(ref: str, into: Path) -> Path:
     """src/ of git ref `ref`, extracted under `into`."""
     into.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT.parent), "archive", ref, "src"], capture_output=True,
-                             check=True)
+    archive = subprocess.run(["git", "-C", str(ROOT.parent), "archive", ref, "src"],
+                             capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return into / "src"
 
@@ -155,8 +155,8 @@ def main() -> None:
         folders = make_folders(tmp, a.quick)
         rows = {f"{fname} | {vname}": load_peak(folder, lib, src, family)
                 for fname, (folder, family) in folders.items() for vname, (lib, src) in versions.items()}
-    result = {"machine": platform.platform(), "python": sys.version.split()[0], "quick": a.quick,
-              "loads": rows}
+    result = {"machine": platform.platform(), "python": sys.version.split()[0],
+              "quick": a.quick, "loads": rows}
     lines = ["| folder | code | weights MB | peak RSS growth MB | x weights |", "|---|---|---|---|---|"]
     lines += [f"| {k} | {d['weights'] / 1e6:.0f} | {d['growth'] / 1e6:.0f} | {d['ratio']} |"
                   for k, d in rows.items()]

@@ -106,7 +106,8 @@ def main() -> None:
     kw = dict(max_new_tokens=a.new, min_new_tokens=a.new)
     with torch.no_grad():
         hf_gen = timed(lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                           do_sample=False, **kw), a.repeats)
+                                           do_sample=False, **kw),
+                       a.repeats)
         our_gen = timed(lambda: generate(ours, prompt, **kw), a.repeats)
         steps = step_times(ours, [64] if a.quick else [256, 2048], max(a.repeats, 5))
     print(f"\ntorch {torch.__version__}, transformers {transformers.__version__}, {a.threads} threads, "

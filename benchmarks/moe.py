@@ -62,8 +62,8 @@ def main() -> None:
     kw = dict(max_new_tokens=a.new, min_new_tokens=a.new)
     rows = []
     with torch.no_grad():
-        hf_gen = timed(lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                           **kw),
+        hf_gen = timed(lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                           do_sample=False, **kw),
                        a.repeats)
         our_gen = timed(lambda: generate(ours, prompt, **kw), a.repeats)
         hf_pre = timed(lambda: hf(long, logits_to_keep=1), a.repeats)

@@ -197,15 +197,14 @@ def main(argv: list[str] | None = None) -> dict:
              "|---|" + "---:|" * (len(names) + 1)]
     lines += [f"| {r['op']} | " + " | ".join(f"{r[f'{k} ms']:.1f} ({r[f'{k} calls']:.0f})" for k in names)
               + f" | {r['qkv ms'] - r[f'{ref} ms']:+.1f} |" for r in rows]
-    lines += [f"| every other op (< {a.min_ms:g} ms on each side) | " + " | ".join(f"{rest[k]:.1f}"
-                                                                                       for k in names)
+    lines += [f"| every other op (< {a.min_ms:g} ms on each side) | "
+              + " | ".join(f"{rest[k]:.1f}" for k in names)
               + f" | {rest['qkv'] - rest[ref]:+.1f} |",
-              "| total self CPU | " + " | ".join(f"{total[k]:.1f}"
-                                                     for k in names) + f" | {total['qkv'] - total[ref]:+.1f} "
-                                                                       "|",
+              "| total self CPU | " + " | ".join(f"{total[k]:.1f}" for k in names)
+              + f" | {total['qkv'] - total[ref]:+.1f} |",
               "| median wall ms (profiled) | " + " | ".join(f"{med[k]:.0f}" for k in names) + " | |",
-              "| aten ops called (views and wrappers included) | " + " | ".join(f"{dispatched[k]:.0f}"
-                                                                                    for k in names)
+              "| aten ops called (views and wrappers included) | "
+              + " | ".join(f"{dispatched[k]:.0f}" for k in names)
               + f" | {dispatched['qkv'] - dispatched[ref]:+.0f} |"]
     table = "\n".join(lines) + "\n"
     result = {"what": what, "rows": rows, "total_ms": total, "median_wall_ms": med, "rounds": a.rounds,

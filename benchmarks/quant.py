@@ -152,8 +152,8 @@ def speed(spec: dict, a: argparse.Namespace) -> tuple[list[dict], int]:
                      "runs_ms": [round(1000 * t / a.new, 2) for t in times[name]]})
     fp32_ms, bf16_ms = rows[0]["ms_per_token"], rows[1]["ms_per_token"]
     for r in rows:
-        r["x_fp32"], r["x_bf16"] = round(fp32_ms / r["ms_per_token"], 2), round(bf16_ms / r["ms_per_token"],
-                                                                                2)
+        r["x_fp32"], r["x_bf16"] = (round(fp32_ms / r["ms_per_token"], 2),
+                                    round(bf16_ms / r["ms_per_token"], 2))
     return rows, n_params
 
 

@@ -138,8 +138,8 @@ async def aio_client(s, url: str, name: str, prompt: list[int], n: int) -> dict:
                     stamps.append(now)
                     text.append(ev["choices"][0]["text"])
                     usage = ev.get("usage") or usage
-    return {"t0": t0, "stamps": stamps, "text": "".join(text), "done": done and not buf.strip(),
-            "usage": usage}
+    return {"t0": t0, "stamps": stamps, "text": "".join(text),
+            "done": done and not buf.strip(), "usage": usage}
 
 
 def server_cpu(pid: int) -> float:
