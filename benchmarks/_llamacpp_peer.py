@@ -1,19 +1,23 @@
-"""The llama.cpp side of benchmarks/llamacpp.py. It runs under the Python of a SEPARATE virtual environment that
-has llama-cpp-python, gguf and safetensors (never qkv's: llama.cpp is an optional peer, not a dependency), so
-this file imports neither torch nor qkv.
+"""The llama.cpp side of benchmarks/llamacpp.py. It runs under the Python of a SEPARATE virtual environment
+that has llama-cpp-python, gguf and safetensors (never qkv's: llama.cpp is an optional peer, not a
+dependency), so this file imports neither torch nor qkv.
 
-    PY write FOLDER OUT_DIR               GGUF files of an fp32 Hugging Face Llama folder: OUT_DIR/{F32,BF16,Q8_0}.gguf
+    PY write FOLDER OUT_DIR               GGUF files of an fp32 Hugging Face Llama folder:
+                                          OUT_DIR/{F32,BF16,Q8_0}.gguf
     PY serve THREADS N_CTX NAME=GGUF ...  load each GGUF once, then answer JSON requests, one per stdin line:
         {"op": "decode", "model": NAME, "prompt": [ids], "new": N}
-            -> {"seconds": s, "tokens": [N ids]}   the prompt is evaluated first (not timed), then N greedy steps:
-                                                   argmax of the last logits, one-token llama_decode (timed)
-        {"op": "logits", "model": NAME, "prompt": [ids], "path": P}  -> the last position's logits saved to P (.npy)
+            -> {"seconds": s, "tokens": [N ids]}   the prompt is evaluated first (not timed), then N greedy
+                                                   steps: argmax of the last logits, one-token llama_decode
+                                                   (timed)
+        {"op": "logits", "model": NAME, "prompt": [ids], "path": P}
+            -> the last position's logits saved to P (.npy)
 
 The GGUF is written directly with gguf's GGUFWriter (llama.cpp's convert_hf_to_gguf.py needs torch and a real
-tokenizer): architecture "llama", llama.cpp's tensor names, q/k rows permuted from Hugging Face's rotate-half RoPE
-layout to the interleaved pairs llama.cpp's "llama" rotates (convert_hf_to_gguf's LlamaModel.permute), and a
-placeholder SentencePiece vocabulary (token ids in, token ids out: nothing is tokenized). Norms stay F32 in every
-file, as the converter keeps them; BF16 and Q8_0 are gguf.quants' round-to-nearest-even and 32-weight blocks.
+tokenizer): architecture "llama", llama.cpp's tensor names, q/k rows permuted from Hugging Face's rotate-half
+RoPE layout to the interleaved pairs llama.cpp's "llama" rotates (convert_hf_to_gguf's LlamaModel.permute),
+and a placeholder SentencePiece vocabulary (token ids in, token ids out: nothing is tokenized). Norms stay F32
+in every file, as the converter keeps them; BF16 and Q8_0 are gguf.quants' round-to-nearest-even and 32-weight
+blocks.
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ import numpy as np
 FORMATS = ("F32", "BF16", "Q8_0")
 
 BLOCK_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "post_attention_layernorm": "ffn_norm",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Rows of a q or k projection from rotate-half (first half, second half of each head) to interleaved pairs."""
+    """Rows of a q or k projection from rotate-half (first half, second half of each head) to interleaved
+    pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -45,7 +51,8 @@ def gguf_name(hf_name: str) -> str:
     parts = hf_name.split(".")
     if parts[:2] == ["model", "layers"] and parts[-1] == "weight" and ".".join(parts[3:-1]) in BLOCK_NAMES:
         return f"blk.{parts[2]}.{BLOCK_NAMES['.'.join(parts[3:-1])]}.weight"
-    raise SystemExit(f"llamacpp peer: error: no GGUF name for {hf_name} (a plain Llama without biases is expected)")
+    raise SystemExit(f"llamacpp peer: error: no GGUF name for {hf_name} (a plain Llama without biases is "
+                     "expected)")
 
 
 def hyper(cfg: dict) -> dict:
@@ -54,12 +61,15 @@ def hyper(cfg: dict) -> dict:
         raise SystemExit(f"llamacpp peer: error: model_type {cfg.get('model_type')!r}, expected 'llama'")
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default" or scaling.get("rope_type", scaling.get("type", "default")) != "default":
+    if (rope.get("rope_type", "default") != "default"
+        or scaling.get("rope_type", scaling.get("type", "default")) != "default"):
         raise SystemExit("llamacpp peer: error: only default RoPE is written (no rope scaling)")
     n_head = cfg["num_attention_heads"]
     return {"vocab": cfg["vocab_size"], "d": cfg["hidden_size"], "ff": cfg["intermediate_size"],
-            "layers": cfg["num_hidden_layers"], "n_head": n_head, "n_kv": cfg.get("num_key_value_heads", n_head),
-            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // n_head, "eps": cfg.get("rms_norm_eps", 1e-6),
+            "layers": cfg["num_hidden_layers"], "n_head": n_head,
+            "n_kv": cfg.get("num_key_value_heads", n_head),
+            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+            "eps": cfg.get("rms_norm_eps", 1e-6),
             "theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             "ctx": cfg.get("max_position_embeddings", 2048)}
 
@@ -108,9 +118,11 @@ def write_gguf(folder: str, out_dir: str) -> None:
 
 
 def add_vocab(w, n: int, gguf) -> None:
-    """A SentencePiece-type vocabulary of placeholder pieces: llama.cpp needs one to load, the benchmark feeds ids."""
+    """A SentencePiece-type vocabulary of placeholder pieces: llama.cpp needs one to load, the benchmark feeds
+    ids."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<t{i}>" for i in range(3, n)]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (n - 3)
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL,
+             gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (n - 3)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * n)
@@ -129,7 +141,8 @@ def serve(threads: int, n_ctx: int, models: list[str]) -> None:
         llms[name] = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
                                      n_threads_batch=threads, verbose=False)
     print(json.dumps({"ready": True, "llama_cpp_python": llama_cpp.__version__,
-                      "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}), flush=True)
+                      "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}),
+          flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         llm = llms[req["model"]]

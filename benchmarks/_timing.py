@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[str, list[float]], dict[str, Any]]:
+def interleaved(fns: dict[str, Callable[[], Any]],
+                repeats: int) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Time every function once per round, the same order each round (A B C, A B C, ...), so that a machine
     whose speed drifts slows all of them alike. Returns (seconds per function, one per round; each function's
     last result)."""

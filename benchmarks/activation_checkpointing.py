@@ -70,7 +70,8 @@ def child(args: argparse.Namespace) -> None:
             return {"input_ids": x, "labels": x}
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig(max_steps=args.steps + 1, batch_size=args.batch, grad_checkpointing=args.child == "ckpt",
+        cfg = TrainConfig(max_steps=args.steps + 1, batch_size=args.batch,
+                          grad_checkpointing=args.child == "ckpt",
                           out_dir=tmp, progress=False, tensorboard=False, plot=False, log_every=1000)
         Trainer(model, cfg, Data(), callbacks=[LambdaCallback(on_step_start=on_step_start,
                                                               on_step_end=on_step_end)]).fit()
@@ -104,8 +105,9 @@ def main() -> None:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
             res = json.loads(out.strip().splitlines()[-1])
             results[variant].append(res)
-            print(f"round {r + 1} {variant}: peak above baseline {(res['peak'] - res['baseline']) / 2**20:,.0f} MiB, "
-                  f"step {statistics.median(res['times']):.2f} s", flush=True)
+            print(f"round {r + 1} {variant}: peak above baseline "
+                  f"{(res['peak'] - res['baseline']) / 2**20:,.0f} MiB, step "
+                  f"{statistics.median(res['times']):.2f} s", flush=True)
 
     def summarise(rs):
         above = statistics.median(x["peak"] - x["baseline"] for x in rs)
@@ -119,9 +121,10 @@ def main() -> None:
     time_cost = c_t / p_t - 1
     import torch
 
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"{args.threads or torch.get_num_threads()} threads")
-    md = [f"| gpt-bench 6L/384, context {args.context}, batch {args.batch}, fp32 | no checkpointing | checkpointing |",
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+               f"{torch.__version__}, {args.threads or torch.get_num_threads()} threads")
+    md = [f"| gpt-bench 6L/384, context {args.context}, batch {args.batch}, fp32 | no checkpointing | "
+          "checkpointing |",
           "|---|---|---|",
           f"| peak step memory above baseline (MiB) | {p_above / 2**20:,.0f} | {c_above / 2**20:,.0f} |",
           f"| of which activations + temporaries (MiB) | {p_act / 2**20:,.0f} | {c_act / 2**20:,.0f} "

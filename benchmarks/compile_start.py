@@ -6,8 +6,8 @@ process without compiling.
   warm   a second process: it traces again but finds Inductor's code under $QKV_CACHE/inductor
   eager  no compile at all
 
-Each is the wall time of the whole process (import, load, prefill, --new greedy tokens). Model: benchmarks/llm.py's
-135M Llama shape with random weights (--quick: 2 layers of width 64).
+Each is the wall time of the whole process (import, load, prefill, --new greedy tokens). Model:
+benchmarks/llm.py's 135M Llama shape with random weights (--quick: 2 layers of width 64).
 
     .venv/bin/python benchmarks/compile_start.py [--quick] [--new 64] [--threads 2]
 
@@ -41,7 +41,8 @@ def build_folder(spec: dict, path: Path) -> None:
 
 
 def timed_run(folder: Path, cache: Path, new: int, threads: int, compile: bool) -> float:
-    """Seconds of one process that loads the folder and generates `new` greedy tokens after a 32-token prompt."""
+    """Seconds of one process that loads the folder and generates `new` greedy tokens after a 32-token
+    prompt."""
     code = ("import sys, torch; from qkv import from_pretrained; from qkv.generate import generate; "
             f"torch.set_num_threads({threads}); m = from_pretrained(sys.argv[1]); "
             f"generate(m, torch.arange(3, 35).view(1, -1), max_new_tokens={new}, min_new_tokens={new}, "
@@ -68,7 +69,8 @@ def main() -> None:
         warm = timed_run(folder, cache, a.new, a.threads, True)
         kept = sum(f.stat().st_size for f in (cache / "inductor").rglob("*") if f.is_file())
     result = {"quick": a.quick, "new_tokens": a.new, "threads": a.threads, "eager_s": round(eager, 1),
-              "compiled_cold_s": round(cold, 1), "compiled_warm_s": round(warm, 1), "cache_mb": round(kept / 1e6, 1)}
+              "compiled_cold_s": round(cold, 1), "compiled_warm_s": round(warm, 1),
+              "cache_mb": round(kept / 1e6, 1)}
     lines = [f"`qkv`-style generate of {a.new} tokens in a fresh process ({a.threads} threads)", "",
              "| run | wall s |", "|---|---|",
              f"| eager | {eager:.1f} |", f"| --compile, first process (empty cache) | {cold:.1f} |",

@@ -29,17 +29,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved, write_results  # noqa: E402
 
 
-def build(layers: int, width: int, heads: int, vocab: int, folder: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build(layers: int, width: int, heads: int, vocab: int,
+          folder: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
     import transformers
 
     import qkv
 
     cfg = transformers.DebertaV2Config(
         vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=4 * width, max_position_embeddings=512, relative_attention=True, position_buckets=256,
-        max_relative_positions=512, pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
-        position_biased_input=False, type_vocab_size=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        num_labels=2, layer_norm_eps=1e-7)
+        intermediate_size=4 * width, max_position_embeddings=512, relative_attention=True,
+        position_buckets=256,
+        max_relative_positions=512, pos_att_type=["p2c", "c2p"], share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        position_biased_input=False, type_vocab_size=0, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=2, layer_norm_eps=1e-7)
     torch.manual_seed(0)
     hf = transformers.DebertaV2ForSequenceClassification(cfg)
     hf.save_pretrained(folder)
@@ -57,7 +60,8 @@ def batch(B: int, T: int, vocab: int) -> dict[str, torch.Tensor]:
 
 def cases(hf: torch.nn.Module, ours: torch.nn.Module, b: dict[str, torch.Tensor]) -> dict:
     inputs = {k: b[k] for k in ("input_ids", "attention_mask")}
-    opt = {"qkv": torch.optim.AdamW(ours.parameters(), lr=2e-5), "HF": torch.optim.AdamW(hf.parameters(), lr=2e-5)}
+    opt = {"qkv": torch.optim.AdamW(ours.parameters(), lr=2e-5),
+           "HF": torch.optim.AdamW(hf.parameters(), lr=2e-5)}
 
     def forward(model: torch.nn.Module) -> torch.Tensor:
         model.eval()
@@ -83,7 +87,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="2 layers, width 128, vocab 1000, batch 2 x 32: a smoke run")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 layers, width 128, vocab 1000, batch 2 x 32: a smoke run")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args()
     width, heads, vocab = (128, 2, 1000) if a.quick else (768, 12, 128100)
@@ -100,17 +105,19 @@ def main() -> None:
     times, _ = interleaved(fns, a.repeats)
     tokens = B * T
     rows = []
-    lines = [f"DeBERTa-v3 shape: {layers} layers, width {width}, vocab {vocab}, batch {B} x {T} (padded), fp32, "
-             f"{torch.get_num_threads()} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}",
-             f"max |logit difference| (eval) {diff:.2e}; first-step losses qkv {loss_q:.6f}, HF {loss_h:.6f}", "",
-             "| case | qkv s | HF s | qkv tokens/s | HF tokens/s | qkv / HF time (median of rounds) |",
+    lines = [f"DeBERTa-v3 shape: {layers} layers, width {width}, vocab {vocab}, batch {B} x {T} (padded), "
+             f"fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+             f"{platform.processor() or platform.machine()}",
+             f"max |logit difference| (eval) {diff:.2e}; first-step losses qkv {loss_q:.6f}, HF {loss_h:.6f}",
+             "", "| case | qkv s | HF s | qkv tokens/s | HF tokens/s | qkv / HF time (median of rounds) |",
              "|---|---|---|---|---|---|"]
     for case in ("forward", "train step"):
         q, h = times[f"{case} qkv"], times[f"{case} HF"]
         ratio = statistics.median(x / y for x, y in zip(q, h))
         mq, mh = statistics.median(q), statistics.median(h)
         rows.append({"case": case, "qkv_s": mq, "hf_s": mh, "ratio": ratio, "qkv_times": q, "hf_times": h})
-        lines.append(f"| {case} | {mq:.3f} | {mh:.3f} | {tokens / mq:,.0f} | {tokens / mh:,.0f} | {ratio:.2f} |")
+        lines.append(f"| {case} | {mq:.3f} | {mh:.3f} | {tokens / mq:,.0f} | {tokens / mh:,.0f} | "
+                     f"{ratio:.2f} |")
     result = {"config": {"layers": layers, "width": width, "vocab": vocab, "batch": B, "seq": T,
                          "threads": torch.get_num_threads(), "repeats": a.repeats},
               "logit_max_abs_diff": diff, "first_losses": {"qkv": loss_q, "HF": loss_h}, "rows": rows}

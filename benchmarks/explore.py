@@ -76,8 +76,8 @@ def main() -> None:
         from playwright.sync_api import sync_playwright
 
         pw = sync_playwright().start()
-        ctx = pw.chromium.launch_persistent_context(str(tmp / "profile"), executable_path=chromium, args=FLAGS,
-                                                    viewport={"width": 1280, "height": 1000})
+        ctx = pw.chromium.launch_persistent_context(str(tmp / "profile"), executable_path=chromium,
+                                                    args=FLAGS, viewport={"width": 1280, "height": 1000})
         pg = ctx.new_page()
         pg.goto(url)
         pg.wait_for_function("window.QKV && window.QKV.info")
@@ -96,7 +96,8 @@ def main() -> None:
                     pg.fill("#input", inputs[T])
                     t0 = time.perf_counter()
                     pg.click("#analyze")
-                    pg.wait_for_function(f"document.querySelectorAll('#heatmap rect.cell').length === {T * T}",
+                    pg.wait_for_function("document.querySelectorAll('#heatmap rect.cell').length === "
+                                         f"{T * T}",
                                          timeout=600_000)
                     page[T].append(time.perf_counter() - t0)
             t0 = time.perf_counter()

@@ -44,7 +44,8 @@ def model_config(layers: int, quick: bool) -> GPTConfig:
         return GPTConfig(vocab_size=256, n_layers=layers, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
                          context_length=64, ffn="swiglu", norm="rmsnorm", position="rope", bias=False)
     return GPTConfig(vocab_size=49152, n_layers=layers, d_model=576, n_heads=9, n_kv_heads=3, d_ff=1536,
-                     context_length=2048, ffn="swiglu", norm="rmsnorm", position="rope", bias=False, norm_eps=1e-5)
+                     context_length=2048, ffn="swiglu", norm="rmsnorm", position="rope",
+                     bias=False, norm_eps=1e-5)
 
 
 def build(cfg: GPTConfig, targets: list[str] | None) -> GPT:
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; 1 with --quick)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per mode per round (default 3; 2 quick)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per mode per round (default 3; 2 quick)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "results"))
     a = p.parse_args(argv)
@@ -116,15 +118,17 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"benchmark": "finetune", "quick": a.quick, "layers": layers, "batch": a.batch, "seq": seq,
               "rounds": rounds, "steps_per_round": steps, "threads": a.threads, "torch": torch.__version__,
               "machine": platform.processor() or platform.machine(), "config": {
-                  k: getattr(cfg, k) for k in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff")},
+                  k: getattr(cfg, k)
+                      for k in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff")},
               "rows": rows}
-    lines = [f"LoRA vs full fine-tuning, one training step (fwd + bwd + AdamW), batch {a.batch} x {seq} tokens, "
-             f"{layers} layers, {a.threads} threads, median of {rounds} x {steps} interleaved steps", "",
-             "| mode | step (s, wall) | vs full | step (CPU s of this process) | vs full | trainable params | "
-             "AdamW state (MB, computed) |", "|---|---|---|---|---|---|---|"]
+    lines = [f"LoRA vs full fine-tuning, one training step (fwd + bwd + AdamW), batch {a.batch} x {seq} "
+             f"tokens, {layers} layers, {a.threads} threads, median of {rounds} x {steps} interleaved steps",
+             "",
+             "| mode | step (s, wall) | vs full | step (CPU s of this process) | vs full | trainable params "
+             "| AdamW state (MB, computed) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['median_step_s']:.3f} | {r['ratio_to_full']:.2f}x | {r['median_cpu_s']:.3f} | "
-                     f"{r['cpu_ratio_to_full']:.2f}x | "
+        lines.append(f"| {r['mode']} | {r['median_step_s']:.3f} | {r['ratio_to_full']:.2f}x | "
+                     f"{r['median_cpu_s']:.3f} | {r['cpu_ratio_to_full']:.2f}x | "
                      f"{r['trainable']:,} of {r['total']:,} | {r['adamw_state_mb']:.1f} |")
     table = "\n".join(lines)
     out = Path(a.out)

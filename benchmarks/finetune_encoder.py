@@ -56,9 +56,11 @@ def build_models(shape: dict, layers: int, device: str, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=layers,
+    cfg = transformers.BertConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                                  num_hidden_layers=layers,
                                   num_attention_heads=shape["heads"], intermediate_size=shape["ff"],
-                                  max_position_embeddings=512, num_labels=shape["labels"], hidden_dropout_prob=0.0,
+                                  max_position_embeddings=512, num_labels=shape["labels"],
+                                  hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
     hf = transformers.BertForSequenceClassification(cfg)
     with tempfile.TemporaryDirectory() as d:
@@ -83,7 +85,8 @@ def batches(shape: dict, n: int, device: str) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}  # --optimizer: all models alike
+# --optimizer: all models alike
+OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def hf_trainer_optimizer(model) -> torch.optim.Optimizer:
@@ -102,9 +105,12 @@ def hf_trainer_optimizer(model) -> torch.optim.Optimizer:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if n in decay], "weight_decay": 0.01},
               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-    if optim not in ("adamw_torch", "adamw_torch_fused", "OptimizerNames.ADAMW_TORCH", "OptimizerNames.ADAMW_TORCH_FUSED"):
-        raise SystemExit(f"finetune_encoder: error: transformers' default optim {optim!r} is not torch's AdamW")
-    return torch.optim.AdamW(groups, lr=2e-5, betas=(0.9, 0.999), eps=1e-8, fused=optim.lower().endswith("fused"))
+    if optim not in ("adamw_torch", "adamw_torch_fused", "OptimizerNames.ADAMW_TORCH",
+                     "OptimizerNames.ADAMW_TORCH_FUSED"):
+        raise SystemExit(f"finetune_encoder: error: transformers' default optim {optim!r} is not torch's "
+                         "AdamW")
+    return torch.optim.AdamW(groups, lr=2e-5, betas=(0.9, 0.999), eps=1e-8,
+                             fused=optim.lower().endswith("fused"))
 
 
 def make_step(model, dtype: str, device: str, optimizer: str = "default",
@@ -132,7 +138,8 @@ def make_step(model, dtype: str, device: str, optimizer: str = "default",
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a tiny model, 1 warmup, 2 rounds of 1 step (smoke test)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a tiny model, 1 warmup, 2 rounds of 1 step (smoke test)")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
@@ -141,9 +148,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-padded-row", dest="padded_row", action="store_false",
-                    help="skip the qkv runs with unpadding off (all B x T positions through every layer, as HF)")
+                    help="skip the qkv runs with unpadding off (all B x T positions through every layer, as "
+                         "HF)")
     ap.add_argument("--optimizer", default="default", choices=list(OPTIMIZERS),
-                    help="AdamW for the model-comparison rows (all alike): torch's default (CPU: the loop), foreach, fused")
+                    help="AdamW for the model-comparison rows (all alike): torch's default (CPU: the loop), "
+                         "foreach, fused")
     ap.add_argument("--no-recipes", dest="recipes", action="store_false",
                     help="skip the rows with each project's own trainer AdamW (+ clipping)")
     ap.add_argument("--out", default=str(ROOT / "results"))
@@ -203,7 +212,8 @@ def main() -> None:
         per_round = [hh / oo for oo, hh in zip(o, h)]
         per_round_cpu = [hh / oo for oo, hh in zip(cpu[("qkv BERT", dt)], hc)]
         ratios[dt] = {"per_round": per_round, "median": statistics.median(per_round),
-                      "per_round_cpu_time": per_round_cpu, "median_cpu_time": statistics.median(per_round_cpu)}
+                      "per_round_cpu_time": per_round_cpu,
+                      "median_cpu_time": statistics.median(per_round_cpu)}
         if (RECIPE_HF, dt) in times:  # each project's trainer optimizer: qkv's recipe vs HF's
             rq, rh = times[(RECIPE_QKV, dt)], times[(RECIPE_HF, dt)]
             pr = [hh / oo for oo, hh in zip(rq, rh)]
@@ -222,13 +232,16 @@ def main() -> None:
         "benchmark": "finetune_encoder", "quick": a.quick,
         "config": {**shape, "layers": a.layers, "device": a.device, "dropout": 0.0,
                    "optimizer": f"AdamW(lr=2e-5, wd=0.01), {a.optimizer}" + (
-                       " (torch's default: on CPU the per-parameter loop)" if a.optimizer == "default" else ""),
-                   "recipe_optimizers": recipe_impls or None, "padding": "row lengths uniform in [seq/2, seq]"},
+                       " (torch's default: on CPU the per-parameter loop)" if a.optimizer == "default"
+                           else ""),
+                   "recipe_optimizers": recipe_impls or None,
+                   "padding": "row lengths uniform in [seq/2, seq]"},
         "warmup": a.warmup, "repeats": a.repeats, "steps_per_round": a.steps, "rows": rows, "ratios": ratios,
         "bar": 1.2, "first_step_loss": first,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "torch": torch.__version__, "transformers": tf_version, "python": platform.python_version()},
+                    "torch": torch.__version__, "transformers": tf_version,
+                    "python": platform.python_version()},
     }
     md = ["| model | dtype | median step (s) | tokens/s | min..max step (s) | vs HF | vs HF, CPU time |",
           "|---|---|---:|---:|---:|---:|---:|",
@@ -237,16 +250,18 @@ def main() -> None:
             f"{r['ratio_vs_hf_cpu_time']:.2f}x |" for r in rows], ""]
     for dt, rr in ratios.items():
         md.append(f"{dt}, same optimizer ({a.optimizer}): qkv / HF throughput, median of per-round ratios "
-                  f"**{rr['median']:.2f}x** (range {min(rr['per_round']):.2f}..{max(rr['per_round']):.2f}; in process "
-                  f"CPU time {rr['median_cpu_time']:.2f}x; bar 1.2x: {'met' if rr['median'] >= 1.2 else 'NOT met'}).")
+                  f"**{rr['median']:.2f}x** (range {min(rr['per_round']):.2f}..{max(rr['per_round']):.2f}; "
+                  f"in process CPU time {rr['median_cpu_time']:.2f}x; bar 1.2x: "
+                  f"{'met' if rr['median'] >= 1.2 else 'NOT met'}).")
         if "recipe" in rr:
             rc = rr["recipe"]
-            md.append(f"{dt}, each trainer's AdamW (qkv {recipe_impls['qkv']}, HF {recipe_impls['HF']}) + clipping: "
-                      f"qkv / HF **{rc['median']:.2f}x** (range {min(rc['per_round']):.2f}..{max(rc['per_round']):.2f}).")
+            md.append(f"{dt}, each trainer's AdamW (qkv {recipe_impls['qkv']}, HF {recipe_impls['HF']}) + "
+                      f"clipping: qkv / HF **{rc['median']:.2f}x** (range "
+                      f"{min(rc['per_round']):.2f}..{max(rc['per_round']):.2f}).")
     md.append(f"{a.layers} layers x hidden {shape['hidden']}, batch {shape['batch']} x seq {shape['seq']}, "
-              f"{a.repeats} rounds x {a.steps} steps, {a.warmup} warmup, {a.device}, torch {torch.__version__}, "
-              f"transformers {tf_version}, {torch.get_num_threads()} threads, CPU capability "
-              f"{torch.backends.cpu.get_cpu_capability()}.")
+              f"{a.repeats} rounds x {a.steps} steps, {a.warmup} warmup, {a.device}, torch "
+              f"{torch.__version__}, transformers {tf_version}, {torch.get_num_threads()} threads, CPU "
+              f"capability {torch.backends.cpu.get_cpu_capability()}.")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "finetune_encoder_quick" if a.quick else "finetune_encoder"

@@ -1,12 +1,12 @@
 """Generation speed: qkv with a KV cache vs qkv without vs Hugging Face GPT2LMHeadModel.generate().
 
-Model: the 'gpt-bench' preset size (6 layers, 6 heads, 384 wide, vocab 65, GPT-2 architecture; context 512 so that
-prompt 16 + 256 new tokens fit, the preset has 256),
-built as a random GPT2Config in Hugging Face, saved to a temporary folder and loaded into qkv through the
-interop loader (qkv.from_pretrained), so both libraries decode with the SAME weights. Prompt 16 tokens,
-256 new tokens, greedy, CPU fp32, batch 1 and 8. Every configuration runs `--repeats` times, interleaved
-(round robin), and the table reports medians; the machine is shared, so only ratios within one run count.
-Also: bf16 weights (ours, cached): speed and how many greedy tokens agree with fp32.
+Model: the 'gpt-bench' preset size (6 layers, 6 heads, 384 wide, vocab 65, GPT-2 architecture; context 512 so
+that prompt 16 + 256 new tokens fit, the preset has 256), built as a random GPT2Config in Hugging Face, saved
+to a temporary folder and loaded into qkv through the interop loader (qkv.from_pretrained), so both libraries
+decode with the SAME weights. Prompt 16 tokens, 256 new tokens, greedy, CPU fp32, batch 1 and 8. Every
+configuration runs `--repeats` times, interleaved (round robin), and the table reports medians; the machine is
+shared, so only ratios within one run count. Also: bf16 weights (ours, cached): speed and how many greedy
+tokens agree with fp32.
 
     .venv/bin/python benchmarks/generate.py [--quick]
 """
@@ -108,18 +108,21 @@ def main() -> None:
             rows.append({"batch": B, "config": k, "median_s": round(med[k], 4),
                          "ms_per_step": round(1000 * med[k] / n_new, 3), "tok_per_s": round(tok_s, 1),
                          "vs_hf": round(med["HF generate (cache)"] / med[k], 3),
-                         "vs_nocache": round(med["qkv no cache"] / med[k], 3) if "qkv no cache" in med else None,
+                         "vs_nocache": round(med["qkv no cache"] / med[k], 3) if "qkv no cache" in med
+                             else None,
                          "repeats": len(times[k])})
     lines = ["| batch | config | ms/step | tok/s | x HF | x no-cache |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['config']} | {r['ms_per_step']} | {r['tok_per_s']} | {r['vs_hf']} | "
-                     f"{r['vs_nocache'] if r['vs_nocache'] is not None else '-'} |")
+        lines.append(f"| {r['batch']} | {r['config']} | {r['ms_per_step']} | {r['tok_per_s']} | {r['vs_hf']} "
+                     f"| {r['vs_nocache'] if r['vs_nocache'] is not None else '-'} |")
     for B, d in agree.items():
         lines.append("")
         lines.append(f"batch {B}: greedy tokens identical to HF: {d['hf_tokens_equal']}; bf16 vs fp32 token "
-                     f"agreement {d['bf16_token_agreement']:.3f} (first differing step per row: {d['bf16_first_diff']})")
+                     f"agreement {d['bf16_token_agreement']:.3f} (first differing step per row: "
+                     f"{d['bf16_first_diff']})")
     table = "\n".join(lines)
-    meta = {"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor(),
+    meta = {"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "machine": platform.processor(),
             "prompt": a.prompt, "new_tokens": a.new, "repeats": a.repeats, "quick": a.quick}
     out = ROOT / "results"
     out.mkdir(exist_ok=True)

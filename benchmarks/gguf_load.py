@@ -45,7 +45,8 @@ def _child(kind: str, path: str, dtype: str) -> None:
     else:
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name,
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(Path(path).parent),
+                                                                  gguf_file=Path(path).name,
                                                                   dtype=getattr(torch, dtype))
     seconds = time.perf_counter() - t0
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -77,7 +78,8 @@ def main() -> None:
     vocab["tokens"] += [f"<filler{i}>" for i in range(49152 - len(vocab["tokens"]))]
     vocab["types"] += [1] * (49152 - len(vocab["types"]))
     config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                      num_hidden_layers=a.layers, num_attention_heads=9, num_key_value_heads=3,
+                                      num_hidden_layers=a.layers, num_attention_heads=9,
+                                      num_key_value_heads=3,
                                       max_position_embeddings=2048, tie_word_embeddings=True)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
@@ -92,8 +94,10 @@ def main() -> None:
             write_gguf(path, hf, "llama", vocab, Q[name])
             size = path.stat().st_size / 1e6
             with torch.no_grad():
-                diff = (qkv.from_pretrained(path, dtype=torch.float32)(ids).logits - transformers.AutoModelForCausalLM
-                        .from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32)(ids).logits).abs().max()
+                diff = (qkv.from_pretrained(path, dtype=torch.float32)(ids).logits
+                        - transformers.AutoModelForCausalLM
+                        .from_pretrained(tmp, gguf_file=path.name,
+                                         dtype=torch.float32)(ids).logits).abs().max()
             for kind, dtype in (("qkv", "default"), ("qkv", "float32"), ("transformers", "float32")):
                 r = _measure(kind, path, dtype)
                 print(f"| {name} | {size:.0f} | {kind} | {r['dtype']} | {r['s']:.2f} | {r['peak']:.2f} | "
@@ -102,8 +106,8 @@ def main() -> None:
         folder = Path(tmp) / "folder-fp16"  # the same model as a Hugging Face folder, for scale
         hf.half().save_pretrained(folder)
         r = _measure("qkv", folder, "default")
-        print(f"| HF folder (fp16 safetensors) | {sum(f.stat().st_size for f in folder.iterdir()) / 1e6:.0f} | qkv | "
-              f"{r['dtype']} | {r['s']:.2f} | {r['peak']:.2f} | |")
+        print(f"| HF folder (fp16 safetensors) | {sum(f.stat().st_size for f in folder.iterdir()) / 1e6:.0f} "
+              f"| qkv | {r['dtype']} | {r['s']:.2f} | {r['peak']:.2f} | |")
 
 
 if __name__ == "__main__":

@@ -4,33 +4,37 @@ Sections (all by default; name some to run only those):
   peak    the measured bf16 matmul ceiling (8192^3), next to the spec's dense bf16 peak (--spec-tflops)
   train   GPT-2 124M, batch 16 x 1024 tokens, bf16 autocast: tokens/s, ms/step, peak memory, TFLOP/s and MFU
           (against the spec and against the measured peak) of
-            qkv bare loop, fused AdamW           | HF GPT2LMHeadModel, the same loop   (eager and torch.compile)
+            qkv bare loop, fused AdamW           | HF GPT2LMHeadModel, the same loop
+            (eager and torch.compile)
             qkv bare loop doing the Trainer's work (foreach AdamW as the Trainer builds it, clip 1.0)
             qkv.train.Trainer, eager and compile=True
           The Trainer's overhead = 1 - Trainer tok/s / the bare loop doing its work.
-          FLOPs per token = 6 N + 12 L d T (N: parameters without position embeddings; PaLM app. B, nanoGPT).
-  decode  greedy decoding of GPT-2 124M (random weights, HF's and qkv's the same), 16-token prompt, 256 new tokens,
-          batch 1 and 8, fp32 and bf16: ms/step (a generate() call's wall time / new tokens, median of
+          FLOPs per token = 6 N + 12 L d T (N: parameters without position embeddings; PaLM app. B,
+          nanoGPT).
+  decode  greedy decoding of GPT-2 124M (random weights, HF's and qkv's the same), 16-token prompt, 256 new
+          tokens, batch 1 and 8, fp32 and bf16: ms/step (a generate() call's wall time / new tokens, median of
           --repeats interleaved calls) of qkv eager, qkv graph-captured (generate(compile=True):
-          torch.compile mode="reduce-overhead", CUDA graphs over the static cache) and HF; graph tokens == eager.
-  flash   the SDPA kernel each attention call takes in a training step and a prefill (read from the profiler's
-          aten op names: flash / efficient / cudnn / math), and the peak memory of one 8192-token training step
-          (batch 1, bf16) with the fused attention, with the naive (materialised) one, and HF's sdpa.
+          torch.compile mode="reduce-overhead", CUDA graphs over the static cache) and HF; graph tokens ==
+          eager.
+  flash   the SDPA kernel each attention call takes in a training step and a prefill (read from the
+          profiler's aten op names: flash / efficient / cudnn / math), and the peak memory of one 8192-token
+          training step (batch 1, bf16) with the fused attention, with the naive (materialised) one, and HF's
+          sdpa.
   sync    torch.cuda.set_sync_debug_mode("error") over a training step (forward, backward, fused AdamW) and
           over decoding steps (eager step and graph-captured step): "ok", or the synchronising call's error.
 
-    python benchmarks/gpu.py                                  # on a CUDA machine: every section
-    python benchmarks/gpu.py peak train                       # some sections (-> gpu_peak_train.json / .md)
-    python benchmarks/gpu.py --device cpu --smoke             # every section on the CPU at a tiny size (a test)
+    python benchmarks/gpu.py                        # on a CUDA machine: every section
+    python benchmarks/gpu.py peak train             # some sections (-> gpu_peak_train.json / .md)
+    python benchmarks/gpu.py --device cpu --smoke   # every section on the CPU at a tiny size (a test)
 
-In --smoke the models are tiny, torch.compile uses the "eager" backend (Dynamo's tracing, no code
-generation, no C++ toolchain), the rows that would compile with Inductor or trace HF's model are skipped,
-decoding runs at batch 2 only, and the sync section
-runs on the "meta" device (any read of a tensor value raises there), since sync debug mode is CUDA-only.
-Writes gpu.json (every row) and gpu.md (the tables) into --out (default benchmarks/results; named after the
-sections when some are named, gpu_smoke.* in smoke mode) and prints one JSON line per row as it goes. The whole
-run has not been timed on a GPU; an estimate is ~10 minutes on one H100/H200, mostly Inductor compiling (seven
-compiled models): split it in two (`peak train`, then `peak decode flash sync`) where a command has a time limit.
+In --smoke the models are tiny, torch.compile uses the "eager" backend (Dynamo's tracing, no code generation,
+no C++ toolchain), the rows that would compile with Inductor or trace HF's model are skipped, decoding runs at
+batch 2 only, and the sync section runs on the "meta" device (any read of a tensor value raises there), since
+sync debug mode is CUDA-only. Writes gpu.json (every row) and gpu.md (the tables) into --out (default
+benchmarks/results; named after the sections when some are named, gpu_smoke.* in smoke mode) and prints one
+JSON line per row as it goes. The whole run has not been timed on a GPU; an estimate is ~10 minutes on one
+H100/H200, mostly Inductor compiling (seven compiled models): split it in two (`peak train`, then `peak decode
+flash sync`) where a command has a time limit.
 """
 
 from __future__ import annotations
@@ -145,7 +149,8 @@ def section_peak(b: Bench) -> float:
 
 
 # -- train -----------------------------------------------------------------------------------------------
-def bare_loop(b: Bench, model: torch.nn.Module, *, fused: bool, clip: float | None, compile: bool) -> dict[str, Any]:
+def bare_loop(b: Bench, model: torch.nn.Module, *, fused: bool, clip: float | None,
+              compile: bool) -> dict[str, Any]:
     """The training step without the Trainer: bf16 autocast, AdamW, optional clipping."""
     model.to(b.dev).train()
     if fused:
@@ -199,11 +204,13 @@ def trainer_run(b: Bench, compile: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = qkv_gpt(b)
     with tempfile.TemporaryDirectory() as d:
-        cfg = dict(max_steps=b.warm + b.steps, batch_size=b.B, precision="bf16", device=str(b.dev), log_every=1,
-                   out_dir=d, progress=False, tensorboard=False, plot=False, warmup=0, lr=1e-4, compile=compile,
-                   save_every=0)
+        cfg = dict(max_steps=b.warm + b.steps, batch_size=b.B, precision="bf16",
+                   device=str(b.dev), log_every=1,
+                   out_dir=d, progress=False, tensorboard=False, plot=False, warmup=0, lr=1e-4,
+                   compile=compile, save_every=0)
         Trainer(model, cfg, RandomTokens()).fit()
-        recs = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl")) if '"tokens_per_s"' in line]
+        recs = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))
+                    if '"tokens_per_s"' in line]
     timed = [r["tokens_per_s"] for r in recs[b.warm:]] or [r["tokens_per_s"] for r in recs]
     tps = statistics.median(timed)
     return dict(ms_step=round(b.B * T / tps * 1e3, 2), tok_s=round(tps), loss=round(recs[-1]["loss"], 4),
@@ -216,8 +223,10 @@ def section_train(b: Bench, peak: float | None) -> None:
         ("HF GPT2LMHeadModel bare loop", "hf", dict(fused=True, clip=None, compile=False)),
         ("qkv bare loop + torch.compile", "qkv", dict(fused=True, clip=None, compile=True)),
         ("HF bare loop + torch.compile", "hf", dict(fused=True, clip=None, compile=True)),
-        ("qkv bare loop, the Trainer's work (foreach AdamW, clip 1.0)", "qkv", dict(fused=False, clip=1.0, compile=False)),
-        ("qkv bare loop, the Trainer's work + torch.compile", "qkv", dict(fused=False, clip=1.0, compile=True)),
+        ("qkv bare loop, the Trainer's work (foreach AdamW, clip 1.0)", "qkv",
+         dict(fused=False, clip=1.0, compile=False)),
+        ("qkv bare loop, the Trainer's work + torch.compile", "qkv",
+         dict(fused=False, clip=1.0, compile=True)),
     ]
     results: dict[str, dict[str, Any]] = {}
     flops = None
@@ -235,7 +244,8 @@ def section_train(b: Bench, peak: float | None) -> None:
     for compile in (False, True):
         name = "qkv.train.Trainer" + (" compile=True" if compile else "")
         if compile and b.smoke:
-            emit(section="train", impl=name, skipped="smoke: the Trainer compiles with Inductor (C++ codegen)")
+            emit(section="train", impl=name,
+                 skipped="smoke: the Trainer compiles with Inductor (C++ codegen)")
             continue
         r = trainer_run(b, compile)
         bare = results["qkv bare loop, the Trainer's work" + (" + torch.compile" if compile else "") +
@@ -272,7 +282,8 @@ def section_decode(b: Bench) -> None:
             calls = {
                 "qkv eager": lambda x=x, q=q: generate(q, x, n),
                 "qkv graph-captured": lambda x=x, q=q: generate(q, x, n, compile=b.decode_compile),
-                "HF generate": lambda x=x, h=hf_m: h.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                "HF generate": lambda x=x, h=hf_m: h.generate(x, max_new_tokens=n, min_new_tokens=n,
+                                                              do_sample=False,
                                                               pad_token_id=0, eos_token_id=None),
             }
             outs, times = {}, {k: [] for k in calls}
@@ -305,7 +316,8 @@ def section_decode(b: Bench) -> None:
 
 
 # -- flash -----------------------------------------------------------------------------------------------
-SDPA_OPS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
+SDPA_OPS = {"flash": "_scaled_dot_product_flash_attention",
+            "efficient": "_scaled_dot_product_efficient_attention",
             "cudnn": "_scaled_dot_product_cudnn_attention", "math": "_scaled_dot_product_attention_math"}
 
 
@@ -351,7 +363,8 @@ def section_flash(b: Bench) -> None:
     # one long training step: what the fused kernel saves is the (T x T) score matrices
     T = b.long_T
     for name, build in (("qkv fused (SDPA)", lambda: qkv_gpt(b, context_length=T)),
-                        ("qkv naive (scores materialised)", lambda: qkv_gpt(b, context_length=T, attention="naive")),
+                        ("qkv naive (scores materialised)",
+                         lambda: qkv_gpt(b, context_length=T, attention="naive")),
                         ("HF GPT2LMHeadModel (sdpa)", lambda: hf_gpt2(b, context=T))):
         torch.manual_seed(0)
         model = build().to(b.dev).train()
@@ -365,10 +378,13 @@ def section_flash(b: Bench) -> None:
             loss.backward()
             opt.step()
             b.sync()
-            emit(section="flash", what=f"one {T}-token training step (batch 1, bf16 autocast, AdamW)", impl=name,
-                 peak_gib=b.peak_gib(), ms=round((time.perf_counter() - t) * 1e3, 1), loss=round(float(loss), 5))
+            emit(section="flash",
+                 what=f"one {T}-token training step (batch 1, bf16 autocast, AdamW)", impl=name,
+                 peak_gib=b.peak_gib(), ms=round((time.perf_counter() - t) * 1e3, 1),
+                 loss=round(float(loss), 5))
         except torch.OutOfMemoryError as e:
-            emit(section="flash", what=f"one {T}-token training step", impl=name, error=f"out of memory: {e}"[:200])
+            emit(section="flash", what=f"one {T}-token training step", impl=name,
+                 error=f"out of memory: {e}"[:200])
         del model, opt
         b.reset_memory()
 
@@ -407,7 +423,8 @@ def section_sync(b: Bench) -> None:
         try:
             with sync_errors(b):
                 fn()
-            emit(section="sync", what=what, result="ok", checked_by="cuda sync debug mode" if b.cuda else "meta device")
+            emit(section="sync", what=what, result="ok",
+                 checked_by="cuda sync debug mode" if b.cuda else "meta device")
         except RuntimeError as e:
             emit(section="sync", what=what, result=f"SYNC: {e}"[:300])
 
@@ -440,12 +457,12 @@ def markdown(meta: dict[str, Any]) -> str:
     by = lambda s: [r for r in ROWS if r["section"] == s and "done_s" not in r and "section_error" not in r]  # noqa: E731
     if by("peak"):
         p = by("peak")[0]
-        lines += [f"Peak: measured {p['tflops']} TFLOP/s ({p['dtype']} {p['n']}^3 matmul) = {p['of_spec']:.0%} of the "
-                  f"spec's {p['spec_tflops']}.", ""]
+        lines += [f"Peak: measured {p['tflops']} TFLOP/s ({p['dtype']} {p['n']}^3 matmul) = "
+                  f"{p['of_spec']:.0%} of the spec's {p['spec_tflops']}.", ""]
     if by("train"):
         lines += ["## Training (GPT-2 124M shape, bf16 autocast)", "",
-                  "| implementation | tok/s | ms/step | peak GiB | TFLOP/s | MFU (spec) | MFU (measured peak) | "
-                  "Trainer overhead |", "|---|---|---|---|---|---|---|---|"]
+                  "| implementation | tok/s | ms/step | peak GiB | TFLOP/s | MFU (spec) | MFU (measured "
+                  "peak) | Trainer overhead |", "|---|---|---|---|---|---|---|---|"]
         for r in by("train"):
             if "skipped" in r:
                 lines.append(f"| {r['impl']} | skipped: {r['skipped']} | | | | | | |")
@@ -459,8 +476,8 @@ def markdown(meta: dict[str, Any]) -> str:
                   "| dtype | batch | implementation | ms/step | tok/s | x HF | graph tokens == eager |",
                   "|---|---|---|---|---|---|---|"]
         for r in by("decode"):
-            lines.append(f"| {r['dtype']} | {r['batch']} | {r['impl']} | {r['ms_step']} | {r['tok_s']} | {r['vs_hf']} | "
-                         f"{r.get('tokens_equal_eager', '')} |")
+            lines.append(f"| {r['dtype']} | {r['batch']} | {r['impl']} | {r['ms_step']} | {r['tok_s']} | "
+                         f"{r['vs_hf']} | {r.get('tokens_equal_eager', '')} |")
         lines.append("")
     if by("flash"):
         lines += ["## Attention kernels and long-sequence memory", ""]
@@ -469,10 +486,12 @@ def markdown(meta: dict[str, Any]) -> str:
                 lines.append(f"- {r['what']}: SDPA calls {r['sdpa_calls']}; flash only: {r['flash_taken']}")
             else:
                 lines.append(f"- {r['what']}, {r['impl']}: " +
-                             (f"peak {r['peak_gib'] or '-'} GiB, {r['ms']} ms" if "error" not in r else r["error"]))
+                             (f"peak {r['peak_gib'] or '-'} GiB, {r['ms']} ms" if "error" not in r
+                                  else r["error"]))
         lines.append("")
     if by("sync"):
-        lines += ["## Host synchronisation", ""] + [f"- {r['what']}: {r['result']}" for r in by("sync")] + [""]
+        lines += ["## Host synchronisation",
+                  ""] + [f"- {r['what']}: {r['result']}" for r in by("sync")] + [""]
     errors = [r for r in ROWS if "section_error" in r]
     if errors:
         lines += ["## Errors", ""] + [f"- {r['section']}: {r['section_error']}" for r in errors]
@@ -483,10 +502,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sections", nargs="*", help=f"any of {SECTIONS} (default: all)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--smoke", "--quick", action="store_true", help="tiny sizes, tracing-only compile backends (CPU test)")
+    ap.add_argument("--smoke", "--quick", action="store_true",
+                    help="tiny sizes, tracing-only compile backends (CPU test)")
     ap.add_argument("--steps", type=int, default=0, help="timed training steps (default 20; smoke 2)")
     ap.add_argument("--repeats", type=int, default=3, help="timed generate() calls per implementation")
-    ap.add_argument("--spec-tflops", type=float, default=989.0, help="dense bf16 spec peak (H100/H200 SXM: 989)")
+    ap.add_argument("--spec-tflops", type=float, default=989.0,
+                    help="dense bf16 spec peak (H100/H200 SXM: 989)")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     a = ap.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -502,8 +523,10 @@ def main() -> None:
     if b.cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    meta = dict(torch=torch.__version__, transformers=transformers.__version__, smoke=a.smoke, device=str(b.dev),
-                device_name=torch.cuda.get_device_name(b.dev) if b.cuda else f"CPU {platform.processor() or platform.machine()}",
+    meta = dict(torch=torch.__version__, transformers=transformers.__version__, smoke=a.smoke,
+                device=str(b.dev),
+                device_name=torch.cuda.get_device_name(b.dev) if b.cuda
+                    else f"CPU {platform.processor() or platform.machine()}",
                 cuda=torch.version.cuda, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 command="python benchmarks/gpu.py " + " ".join(sys.argv[1:]), sections=sections)
     emit(section="env", **meta)

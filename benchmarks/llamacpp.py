@@ -1,26 +1,27 @@
 """qkv's CPU decoding against llama.cpp (an optional peer) on the same weights and the same number of threads.
 
 Model: a Hugging Face Llama folder of SmolLM-135M's shape with random weights (benchmarks/llm.py's FULL:
-30 x 576, 9/3 GQA heads, SwiGLU 1536, vocab 49152, tied), or --folder (any plain Llama folder; its
-weights are read in fp32). It is saved in fp32 and bf16; GGUF files F32, BF16 and Q8_0 of the same weights are
-written by benchmarks/_llamacpp_peer.py (gguf's GGUFWriter). Timed, batch 1, greedy, the same prompt ids in both:
---new decoding steps after a --prompt-token prefill (the prefill is not timed; each step is the argmax of the last
-logits and a one-token forward), as pairs of the same precision:
+30 x 576, 9/3 GQA heads, SwiGLU 1536, vocab 49152, tied), or --folder (any plain Llama folder; its weights are
+read in fp32). It is saved in fp32 and bf16; GGUF files F32, BF16 and Q8_0 of the same weights are written by
+benchmarks/_llamacpp_peer.py (gguf's GGUFWriter). Timed, batch 1, greedy, the same prompt ids in both:
+--new decoding steps after a --prompt-token prefill (the prefill is not timed; each step is the argmax of the
+last logits and a one-token forward), as pairs of the same precision:
   qkv fp32 (eager: model.prefill, then model.step per token)          vs  llama.cpp F32
   qkv fp32 compiled (generate(..., compile=True))                     vs  llama.cpp F32
   qkv bf16, qkv bf16 compiled                                         vs  llama.cpp BF16
   qkv int8 (qkv.from_pretrained(bf16 folder, quantize="int8"))        vs  llama.cpp Q8_0
-A compiled run is timed through generate(), whose prefill is not separable: its steps' time is that of a run of
---new tokens minus that of a run of one token (the prefill alone), scaled from --new - 1 steps to --new. The
-compile itself happens in the warm-up and is not timed (benchmarks/compile_start.py measures it).
-Every run of a round is timed in turn (qkv fp32, llama.cpp F32, qkv bf16, ...), --repeats rounds; the table gives
-medians, the ratio qkv tok/s / llama.cpp tok/s, and the weight-streaming floor of a step (bytes of the weights a
-step reads / the best read bandwidth sampled once per round; Q8_0's bytes are 34 per 32 weights, qkv int8's
-are its int8 weights, scales and unquantised tensors). Checks in the same run: the last prompt position's logits of each llama.cpp file against qkv's at the
-same precision (max abs difference), and the share of greedy tokens equal.
+A compiled run is timed through generate(), whose prefill is not separable: its steps' time is that of a run
+of --new tokens minus that of a run of one token (the prefill alone), scaled from --new - 1 steps to --new.
+The compile itself happens in the warm-up and is not timed (benchmarks/compile_start.py measures it). Every
+run of a round is timed in turn (qkv fp32, llama.cpp F32, qkv bf16, ...), --repeats rounds; the table gives
+medians, the ratio qkv tok/s / llama.cpp tok/s, and the weight-streaming floor of a step (bytes of the weights
+a step reads / the best read bandwidth sampled once per round; Q8_0's bytes are 34 per 32 weights, qkv int8's
+are its int8 weights, scales and unquantised tensors). Checks in the same run: the last prompt position's
+logits of each llama.cpp file against qkv's at the same precision (max abs difference), and the share of
+greedy tokens equal.
 
-llama.cpp runs in a subprocess under the Python of a SEPARATE virtual environment, so qkv's stays clean. Build it
-once (it compiles llama.cpp with cmake: tens of minutes on 2 cores):
+llama.cpp runs in a subprocess under the Python of a SEPARATE virtual environment, so qkv's stays clean. Build
+it once (it compiles llama.cpp with cmake: tens of minutes on 2 cores):
     python3 -m venv /path/venv-llamacpp
     CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DLLAVA_BUILD=OFF" /path/venv-llamacpp/bin/pip install \
         llama-cpp-python gguf safetensors numpy
@@ -60,7 +61,8 @@ from qkv.generate import generate  # noqa: E402
 
 PEER = ROOT / "_llamacpp_peer.py"
 # qkv's run, the llama.cpp file of its precision
-PAIRS = (("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"), ("int8", "Q8_0"))
+PAIRS = (("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"),
+         ("int8", "Q8_0"))
 FILES = ("F32", "BF16", "Q8_0")
 
 
@@ -105,7 +107,8 @@ def compiled_decoder(model: torch.nn.Module, prompt: torch.Tensor, steps: int):
 
 
 def hf_folders(spec: dict, folder: str | None, tmp: Path) -> dict[str, Path]:
-    """The fp32 and bf16 Hugging Face folders both libraries read: `folder`'s weights, or random ones of `spec`."""
+    """The fp32 and bf16 Hugging Face folders both libraries read: `folder`'s weights, or random ones of
+    `spec`."""
     import transformers
 
     torch.manual_seed(0)
@@ -122,7 +125,8 @@ def hf_folders(spec: dict, folder: str | None, tmp: Path) -> dict[str, Path]:
 def load_qkv(folders: dict[str, Path]) -> dict[str, torch.nn.Module]:
     """qkv's fp32, bf16 and int8 models. int8 is read from the bf16 folder: torch's weight-only int8 product
     is fused for bf16 activations."""
-    return {"fp32": qkv.from_pretrained(folders["fp32"]).eval(), "bf16": qkv.from_pretrained(folders["bf16"]).eval(),
+    return {"fp32": qkv.from_pretrained(folders["fp32"]).eval(),
+            "bf16": qkv.from_pretrained(folders["bf16"]).eval(),
             "int8": qkv.from_pretrained(folders["bf16"], quantize="int8").eval()}
 
 
@@ -163,13 +167,14 @@ class Peer:
 
 
 def peer_python(arg: str | None) -> tuple[str | None, str]:
-    """The separate environment's Python when it imports llama_cpp, gguf and safetensors; else (None, why not)."""
+    """The separate environment's Python when it imports llama_cpp, gguf and safetensors; else (None, why
+    not)."""
     python = os.environ.get("QKV_LLAMACPP_PYTHON", "") if arg is None else arg
     if not python:
         return None, "no --llamacpp-python (nor $QKV_LLAMACPP_PYTHON)"
     try:
-        r = subprocess.run([python, "-c", "import llama_cpp, gguf, safetensors"], capture_output=True, text=True,
-                           timeout=120)
+        r = subprocess.run([python, "-c", "import llama_cpp, gguf, safetensors"], capture_output=True,
+                           text=True, timeout=120)
     except OSError as e:
         return None, f"{python}: {e}"
     return (python, "") if r.returncode == 0 else (None, f"{python} lacks llama_cpp/gguf/safetensors: "
@@ -191,8 +196,10 @@ def qkv_logits(model: torch.nn.Module, prompt: torch.Tensor) -> torch.Tensor:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--llamacpp-python", default=None, help="Python of the venv with llama-cpp-python ('' = none)")
-    ap.add_argument("--folder", default=None, help="a Hugging Face Llama folder (default: random SmolLM-135M shape)")
+    ap.add_argument("--llamacpp-python", default=None,
+                    help="Python of the venv with llama-cpp-python ('' = none)")
+    ap.add_argument("--folder", default=None,
+                    help="a Hugging Face Llama folder (default: random SmolLM-135M shape)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=128, help="timed decoding steps per run")
     ap.add_argument("--prompt", type=int, default=32)
@@ -241,13 +248,17 @@ def main(argv: list[str] | None = None) -> dict:
     bw = max(gbps)
     floor_bytes = {k: model_bytes(m) for k, m in models.items()}
     floor_bytes.update({f"{k} compiled": floor_bytes[k] for k in ("fp32", "bf16")})
-    floor_bytes.update({"F32": floor_bytes["fp32"], "BF16": floor_bytes["bf16"], "Q8_0": floor_bytes["fp32"] / 4 * 34 / 32})
-    rows = [row(ours, fmt, times, tokens, logits, {k: floor_bytes[k] / (bw * 1e9) * 1e3 for k in (ours, fmt)}, a.new)
+    floor_bytes.update({"F32": floor_bytes["fp32"], "BF16": floor_bytes["bf16"],
+                        "Q8_0": floor_bytes["fp32"] / 4 * 34 / 32})
+    rows = [row(ours, fmt, times, tokens, logits,
+                {k: floor_bytes[k] / (bw * 1e9) * 1e3 for k in (ours, fmt)}, a.new)
             for ours, fmt in PAIRS if ours in runs]
-    meta = {"torch": torch.__version__, "threads": a.threads, "machine": platform.processor() or platform.machine(),
+    meta = {"torch": torch.__version__, "threads": a.threads,
+            "machine": platform.processor() or platform.machine(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "quick": a.quick, "folder": a.folder,
             "prompt": a.prompt, "new_tokens": a.new, "repeats": a.repeats, "bandwidth_gbps": round(bw, 2),
-            "bandwidth_samples": [round(g, 2) for g in gbps], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "bandwidth_samples": [round(g, 2) for g in gbps],
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "llamacpp": peer.info if peer else None, "llamacpp_absent": absent,
             "note": "shared, loaded machine: medians of interleaved rounds; compare ratios within this run"}
     result = {"meta": meta, "rows": rows}
@@ -261,7 +272,8 @@ def row(ours: str, fmt: str, times: dict, tokens: dict, logits: dict, floor_ms: 
     both = ms[ours] is not None and ms[fmt] is not None
     r = {"qkv": ours, "llamacpp": fmt, "qkv_ms": ms[ours], "llamacpp_ms": ms[fmt],
          "qkv_floor_ms": floor_ms[ours], "llamacpp_floor_ms": floor_ms[fmt],
-         "qkv_tok_s": 1e3 / ms[ours] if ms[ours] else None, "llamacpp_tok_s": 1e3 / ms[fmt] if ms[fmt] else None,
+         "qkv_tok_s": 1e3 / ms[ours] if ms[ours] else None,
+         "llamacpp_tok_s": 1e3 / ms[fmt] if ms[fmt] else None,
          "ratio": ms[fmt] / ms[ours] if both else None,  # qkv tok/s / llama.cpp tok/s
          "qkv_x_floor": ms[ours] / floor_ms[ours] if ms[ours] else None,
          "llamacpp_x_floor": ms[fmt] / floor_ms[fmt] if ms[fmt] else None,
@@ -278,16 +290,17 @@ def table(meta: dict, rows: list[dict]) -> list[str]:
     peer = meta["llamacpp"]
     head = (f"batch 1, {meta['threads']} threads, CPU {meta['cpu_capability']}; llama-cpp-python "
             f"{peer['llama_cpp_python'] if peer else 'n/a (' + meta['llamacpp_absent'] + ')'}; "
-            f"read bandwidth {meta['bandwidth_gbps']:.1f} GB/s (best of {meta['repeats']}); prompt {meta['prompt']}, "
-            f"{meta['new_tokens']} greedy steps timed after the prefill, median of {meta['repeats']} interleaved rounds")
+            f"read bandwidth {meta['bandwidth_gbps']:.1f} GB/s (best of {meta['repeats']}); prompt "
+            f"{meta['prompt']}, {meta['new_tokens']} greedy steps timed after the prefill, median of "
+            f"{meta['repeats']} interleaved rounds")
     lines = [head, "", "| qkv | llama.cpp | qkv ms/tok | llama.cpp ms/tok | qkv tok/s | llama.cpp tok/s | "
              "qkv / llama.cpp tok/s | qkv floor ms | qkv x floor | llama.cpp x floor | tokens equal | "
              "max logit diff (scale) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['qkv']} | {r['llamacpp']} | {f(r['qkv_ms'])} | {f(r['llamacpp_ms'])} | "
-                     f"{f(r['qkv_tok_s'], 1)} | {f(r['llamacpp_tok_s'], 1)} | {f(r['ratio'])} | {f(r['qkv_floor_ms'])} | "
-                     f"{f(r['qkv_x_floor'])} | {f(r['llamacpp_x_floor'])} | {f(r['tokens_equal'])} | "
-                     f"{f(r['logits_max_diff'], 4)} ({f(r['logits_scale'], 3)}) |")
+                     f"{f(r['qkv_tok_s'], 1)} | {f(r['llamacpp_tok_s'], 1)} | {f(r['ratio'])} | "
+                     f"{f(r['qkv_floor_ms'])} | {f(r['qkv_x_floor'])} | {f(r['llamacpp_x_floor'])} | "
+                     f"{f(r['tokens_equal'])} | {f(r['logits_max_diff'], 4)} ({f(r['logits_scale'], 3)}) |")
     return lines
 
 

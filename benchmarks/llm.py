@@ -12,14 +12,15 @@ loaded by both libraries from that folder. Measured, side by side in one run:
 Every timed configuration runs --repeats times, interleaved (round robin); the table reports medians. The
 machine is shared: only ratios within one run mean much.
 
-    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--no-compile] [--no-int8]
+    .venv/bin/python benchmarks/llm.py [--quick] [--threads 2] [--new 256] [--repeats 3] [--no-compile]
+        [--no-int8]
 
 Rows: "qkv" (eager), "qkv compiled" (GenerationConfig(compile=True): the decoding step through torch.compile,
 compile time excluded: each configuration is warmed up first), "qkv int8" (weight-only int8, where
 qkv.from_pretrained(..., quantize="int8") exists), "transformers".
 
---quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test, tests/test_benchmark_llm.py).
-Writes benchmarks/results/llm.json and llm.md.
+--quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test,
+tests/test_benchmark_llm.py). Writes benchmarks/results/llm.json and llm.md.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ import qkv  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
-FULL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+FULL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9,
             num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0)
-QUICK = dict(FULL, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+QUICK = dict(FULL, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
 
 _LOAD_PROBE = r"""
 import json, sys, torch
@@ -107,8 +109,9 @@ def native_bf16() -> bool:
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a decoding step reads: the state dict's tensors (a tied weight once; int8 weights with
-    their scales), not the non-persistent tables (RoPE's cos/sin, masks) of which a step reads one row."""
+    """Bytes of the weights a decoding step reads: the state dict's tensors (a tied weight once; int8 weights
+    with their scales), not the non-persistent tables (RoPE's cos/sin, masks) of which a step reads one
+    row."""
     tensors = model.state_dict(keep_vars=True).values()
     seen = {t.data_ptr(): t for t in tensors if t.is_floating_point() or t.dtype == torch.int8}
     return sum(t.numel() * t.element_size() for t in seen.values())
@@ -143,7 +146,8 @@ def main() -> None:
 
     spec = QUICK if a.quick else FULL
     torch.manual_seed(0)
-    hf32 = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec, bos_token_id=1, eos_token_id=2)).eval()
+    hf32 = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec, bos_token_id=1,
+                                                                  eos_token_id=2)).eval()
     tmp = Path(tempfile.mkdtemp(prefix="qkv-llm-bench-"))
     folders, models = {}, {}
     for name in a.dtypes:
@@ -162,7 +166,8 @@ def main() -> None:
             "prompt": a.prompt, "new_tokens": a.new, "prefill": a.prefill, "repeats": a.repeats,
             "note": "shared, loaded machine: medians of interleaved repeats; compare ratios within this run"}
 
-    libraries = ("qkv",) if a.quick else ("qkv", "transformers")  # quick: the probe runs, the figure means nothing
+    # quick: the probe runs, the figure means nothing
+    libraries = ("qkv",) if a.quick else ("qkv", "transformers")
     load = {f"{lib} {name}": load_peak(folders[name], lib) for name in a.dtypes for lib in libraries}
     gbps = read_bandwidth()
 
@@ -176,17 +181,21 @@ def main() -> None:
         floor_ms = weight_bytes / (gbps * 1e9) * 1000
         int8_floor_ms = None if int8 is None else model_bytes(int8) / (gbps * 1e9) * 1000
         for B in a.batches:
-            x = torch.randint(3, spec["vocab_size"], (B, a.prompt), generator=torch.Generator().manual_seed(B))
+            x = torch.randint(3, spec["vocab_size"], (B, a.prompt),
+                              generator=torch.Generator().manual_seed(B))
             fns = {
                 "qkv": lambda x=x, m=ours: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new),
-                "transformers": lambda x=x, m=hf: m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.new,
-                                                             min_new_tokens=a.new, do_sample=False, pad_token_id=0),
+                "transformers": lambda x=x, m=hf: m.generate(x, attention_mask=torch.ones_like(x),
+                                                             max_new_tokens=a.new,
+                                                             min_new_tokens=a.new, do_sample=False,
+                                                             pad_token_id=0),
             }
             if not a.no_compile:
-                fns["qkv compiled"] = lambda x=x, m=ours: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new,
-                                                                   compile=True)
+                fns["qkv compiled"] = lambda x=x, m=ours: generate(m, x, max_new_tokens=a.new,
+                                                                   min_new_tokens=a.new, compile=True)
             if int8 is not None and folders[name] == source:
-                fns["qkv int8"] = lambda x=x, m=int8: generate(m, x, max_new_tokens=a.new, min_new_tokens=a.new)
+                fns["qkv int8"] = lambda x=x, m=int8: generate(m, x, max_new_tokens=a.new,
+                                                               min_new_tokens=a.new)
             with torch.no_grad():
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the outputs compared
                 times, _ = interleaved(fns, a.repeats)
@@ -218,25 +227,31 @@ def main() -> None:
             prefill.append({"dtype": name, "library": k, "tok_per_s": round(a.prefill / med[k], 1),
                             "vs_transformers": round(med["transformers"] / med[k], 3)})
 
-    lines = [f"read bandwidth {gbps:.1f} GB/s; CPU {meta['cpu_capability']} (native bf16: {meta['native_bf16']}); "
-             f"{a.threads} threads; prompt {a.prompt}, {a.new} new tokens (greedy), "
+    lines = [f"read bandwidth {gbps:.1f} GB/s; CPU {meta['cpu_capability']} (native bf16: "
+             f"{meta['native_bf16']}); {a.threads} threads; prompt {a.prompt}, {a.new} new tokens (greedy), "
              f"median of {a.repeats} interleaved repeats", "",
              "| dtype | batch | library | ms/step | tok/s | x transformers | floor ms | x floor |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['dtype']} | {r['batch']} | {r['library']} | {r['ms_per_step']} | {r['tok_per_s']} | "
               f"{r['vs_transformers']} | {r['floor_ms']} | {r['x_floor']} |" for r in rows]
-    lines += ["", "greedy tokens equal between the libraries (share): " + ", ".join(f"{k}: {v}" for k, v in agree.items()),
-              "", f"| dtype | library | prefill tok/s ({a.prefill} tokens) | x transformers |", "|---|---|---|---|"]
-    lines += [f"| {r['dtype']} | {r['library']} | {r['tok_per_s']} | {r['vs_transformers']} |" for r in prefill]
+    lines += ["",
+              "greedy tokens equal between the libraries (share): "
+              + ", ".join(f"{k}: {v}" for k, v in agree.items()),
+              "", f"| dtype | library | prefill tok/s ({a.prefill} tokens) | x transformers |",
+              "|---|---|---|---|"]
+    lines += [f"| {r['dtype']} | {r['library']} | {r['tok_per_s']} | {r['vs_transformers']} |"
+                  for r in prefill]
     lines += ["", "| load | weights MB | peak RSS growth MB | x weights |", "|---|---|---|---|"]
-    lines += [f"| {k} ({d['dtype']}) | {d['weights'] / 1e6:.0f} | {(d['peak'] - d['before']) / 1e6:.0f} | {d['ratio']} |"
+    lines += [f"| {k} ({d['dtype']}) | {d['weights'] / 1e6:.0f} | {(d['peak'] - d['before']) / 1e6:.0f} | "
+              f"{d['ratio']} |"
               for k, d in load.items()]
     table = "\n".join(lines)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "llm_quick" if a.quick else "llm"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "bandwidth_gbps": gbps, "decode": rows,
-                                                  "token_agreement": agree, "prefill": prefill, "load": load}, indent=2))
+                                                  "token_agreement": agree, "prefill": prefill, "load": load},
+                                                 indent=2))
     (out / f"{stem}.md").write_text(table + "\n")
     print(table)
 

@@ -1,9 +1,11 @@
-"""A small Mixtral (random weights): qkv vs transformers on the same folder, and qkv's MoE against its dense twin.
+"""A small Mixtral (random weights): qkv vs transformers on the same folder, and qkv's MoE against its dense
+twin.
 
-Model: MixtralConfig(4 layers, hidden 256, 8 / 2 query / key-value heads, 8 experts of intermediate 512, top-2,
-vocab 4096), built by transformers with random weights, saved to a temporary folder in fp32 and loaded by both.
-Measured as CPU time of this process (time.process_time, medians of --repeats), one thread by default: on a
-shared machine wall time mostly measures the other processes. Only ratios within one run mean much.
+Model: MixtralConfig(4 layers, hidden 256, 8 / 2 query / key-value heads, 8 experts of intermediate 512,
+top-2, vocab 4096), built by transformers with random weights, saved to a temporary folder in fp32 and loaded
+by both. Measured as CPU time of this process (time.process_time, medians of --repeats), one thread by
+default: on a shared machine wall time mostly measures the other processes. Only ratios within one run mean
+much.
   decode   greedy, prompt 32, --new tokens, batch 1: tokens per CPU second of qkv.generate (KV cache) and
            transformers' generate
   prefill  one forward over a 512-token prompt
@@ -46,7 +48,8 @@ def main() -> None:
     from qkv.models.gpt import GPT
     from qkv.nn.moe import MoEConfig
 
-    cfg = transformers.MixtralConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    cfg = transformers.MixtralConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                                     num_hidden_layers=4,
                                      num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
                                      num_experts_per_tok=2, max_position_embeddings=2048)
     torch.manual_seed(0)
@@ -59,7 +62,8 @@ def main() -> None:
     kw = dict(max_new_tokens=a.new, min_new_tokens=a.new)
     rows = []
     with torch.no_grad():
-        hf_gen = timed(lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, **kw),
+        hf_gen = timed(lambda: hf.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                           do_sample=False, **kw),
                        a.repeats)
         our_gen = timed(lambda: generate(ours, prompt, **kw), a.repeats)
         hf_pre = timed(lambda: hf(long, logits_to_keep=1), a.repeats)
@@ -80,8 +84,8 @@ def main() -> None:
     print("| measure | qkv | transformers |\n|---|---|---|")
     for name, x, y in rows:
         print(f"| {name} | {x:.1f} | {y:.1f} |")
-    print(f"\ntrain step (8 x 256 tokens), CPU ms: MoE {t_moe * 1e3:.0f}, dense (same active width) {t_dense * 1e3:.0f} "
-          f"({ours.num_parameters():,} vs {dense.num_parameters():,} parameters)")
+    print(f"\ntrain step (8 x 256 tokens), CPU ms: MoE {t_moe * 1e3:.0f}, dense (same active width) "
+          f"{t_dense * 1e3:.0f} ({ours.num_parameters():,} vs {dense.num_parameters():,} parameters)")
 
 
 if __name__ == "__main__":

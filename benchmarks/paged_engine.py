@@ -7,7 +7,8 @@ GPT (6 layers, 6 heads, 384 wide, vocab 65, random weights), greedy, CPU fp32.
   engine, decoding batch cut by length: the same with split_cost=4096 (the default, "auto", cuts it only
            where the paged step gathers K/V: not on the CPU)
   static   one generate() call over the 32 left-padded prompts with max_new_tokens = the longest request
-           (every row runs until the longest is done); cache memory = B x (longest prompt + longest new) slots.
+           (every row runs until the longest is done); cache memory = B x (longest prompt + longest new)
+           slots.
 Throughput counts only the tokens each request asked for. Runs are interleaved, medians reported.
 
     .venv/bin/python benchmarks/paged_engine.py [--quick]
@@ -39,7 +40,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--out", default=str(ROOT / "results" / "paged_engine.json"), help="JSON path (+ .md beside it)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "paged_engine.json"),
+                    help="JSON path (+ .md beside it)")
     a = ap.parse_args()
     max_new_hi = 40 if a.quick else 160
     if a.quick:
@@ -65,7 +67,8 @@ def main() -> None:
 
     def run_static():
         out = generate(m, ids, max(news), attention_mask=mask)
-        return [out[i, T : T + n].tolist() for i, n in enumerate(news)], len(prompts) * (T + max(news)) * slot_bytes
+        return [out[i, T : T + n].tolist()
+                    for i, n in enumerate(news)], len(prompts) * (T + max(news)) * slot_bytes
 
     variants = {"engine (paged)": run_engine, "static (padded)": run_static,
                 "engine, decoding batch cut by length (split_cost=4096)": lambda: run_engine(4096)}
@@ -81,14 +84,16 @@ def main() -> None:
     static_s = statistics.median(times["static (padded)"])
     for r in rows:
         r["speed_vs_static"] = round(static_s / r["median_s"], 3)
-    lines = ["| config | tok/s (useful) | vs static | peak cache memory (MiB) | memory / (sum of all requests' positions) |",
+    lines = ["| config | tok/s (useful) | vs static | peak cache memory (MiB) | memory / (sum of all "
+             "requests' positions) |",
              "|---|---|---|---|---|"]
-    lines += [f"| {r['config']} | {r['tok_per_s']} | {r['speed_vs_static']}x | {r['cache_MiB']} | {r['cache_vs_needed']} |"
+    lines += [f"| {r['config']} | {r['tok_per_s']} | {r['speed_vs_static']}x | {r['cache_MiB']} | "
+              f"{r['cache_vs_needed']} |"
               for r in rows]
     lines.append("")
-    lines.append(f"{a.requests} requests, prompts {min(map(len, prompts))}-{T} tokens, new {min(news)}-{max(news)} "
-                 f"tokens ({useful} useful); engine steps {res['engine (paged)'][2]}; tokens identical to the "
-                 f"static cache: {same}")
+    lines.append(f"{a.requests} requests, prompts {min(map(len, prompts))}-{T} tokens, new "
+                 f"{min(news)}-{max(news)} tokens ({useful} useful); engine steps "
+                 f"{res['engine (paged)'][2]}; tokens identical to the static cache: {same}")
     table = "\n".join(lines)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

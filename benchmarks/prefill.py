@@ -46,14 +46,16 @@ from _timing import interleaved  # noqa: E402
 FULL = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
                                                    n_head=12)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                                       num_hidden_layers=30, num_attention_heads=9,
                                                       num_key_value_heads=3, max_position_embeddings=2048,
                                                       tie_word_embeddings=True)),
 }
 QUICK = {
     "gpt2": dict(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4),
-    "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True),
 }
 # dropout off in the saved configs, so that the folder both libraries load describes the inference model
@@ -86,12 +88,14 @@ def build(name: str, quick: bool, tmp: Path, max_len: int):
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="tiny configs, short prompts, one repeat (smoke test)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny configs, short prompts, one repeat (smoke test)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--families", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
-    ap.add_argument("--ablate", action="store_true", help="also time qkv with its top block over every position")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also time qkv with its top block over every position")
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--md", default=None, help="also write the markdown table here")
     a = ap.parse_args(argv)
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
                 fns = {"qkv": lambda x=x, m=ours: m(x, last_only=True).logits[:, -1],
                        "transformers": lambda x=x, m=hf: m(x, logits_to_keep=1).logits[:, -1]}
                 if a.ablate:  # the decoder over every position, then the LM head on the last one
-                    fns["full_top"] = lambda x=x, m=ours: m.lm_head(m.decoder(m.tok_emb(x)).hidden[:, -1:])[:, -1]
+                    fns["full_top"] = lambda x=x, m=ours: (
+                        m.lm_head(m.decoder(m.tok_emb(x)).hidden[:, -1:])[:, -1])
                 outs = {k: fn() for k, fn in fns.items()}  # warm-up, and the logits compared
                 diff = max((o - outs["transformers"]).abs().max().item() for k, o in outs.items())
                 cpu = {k: [] for k in fns}
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append({"family": name, "tokens": n, "qkv_s": round(med["qkv"], 4),
                              "hf_s": round(med["transformers"], 4), "qkv_tok_s": round(n / med["qkv"], 1),
                              "hf_tok_s": round(n / med["transformers"], 1),
-                             "speedup": round(med["transformers"] / med["qkv"], 3), "max_abs_logit_diff": diff,
+                             "speedup": round(med["transformers"] / med["qkv"], 3),
+                             "max_abs_logit_diff": diff,
                              "qkv_cpu_s": round(cmed["qkv"], 4), "hf_cpu_s": round(cmed["transformers"], 4),
                              "cpu_speedup": round(cmed["transformers"] / cmed["qkv"], 3),
                              **({"full_top_s": round(med["full_top"], 4),
@@ -129,17 +135,18 @@ def main(argv: list[str] | None = None) -> dict:
                                 if a.ablate else {})})
             del hf, ours, fns  # free one model pair before building the next
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": a.threads,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.processor() or platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.processor() or platform.machine(),
             "repeats": a.repeats, "quick": a.quick, "ablate": a.ablate}
     ab_head = " qkv full top block s | its speed-up |" if a.ablate else ""
-    lines = [f"fp32, batch 1, {a.threads} threads, CPU {meta['cpu_capability']}; one forward, last-position logits; "
-             f"median of {a.repeats} interleaved repeats; CPU-time speed-up: the same ratio of the calls' process CPU "
-             "time (user + sys, both threads)", "",
-             "| model | prompt tokens | qkv s | transformers s | qkv tok/s | transformers tok/s | qkv speed-up | "
-             "CPU-time speed-up | max abs logit diff |" + ab_head,
+    lines = [f"fp32, batch 1, {a.threads} threads, CPU {meta['cpu_capability']}; one forward, last-position "
+             f"logits; median of {a.repeats} interleaved repeats; CPU-time speed-up: the same ratio of the "
+             "calls' process CPU time (user + sys, both threads)", "",
+             "| model | prompt tokens | qkv s | transformers s | qkv tok/s | transformers tok/s | qkv "
+             "speed-up | CPU-time speed-up | max abs logit diff |" + ab_head,
              "|---|---|---|---|---|---|---|---|---|" + "---|---|" * a.ablate]
-    lines += [f"| {r['family']} | {r['tokens']} | {r['qkv_s']} | {r['hf_s']} | {r['qkv_tok_s']} | {r['hf_tok_s']} | "
-              f"{r['speedup']}x | {r['cpu_speedup']}x | {r['max_abs_logit_diff']:.1e} |"
+    lines += [f"| {r['family']} | {r['tokens']} | {r['qkv_s']} | {r['hf_s']} | {r['qkv_tok_s']} | "
+              f"{r['hf_tok_s']} | {r['speedup']}x | {r['cpu_speedup']}x | {r['max_abs_logit_diff']:.1e} |"
               + (f" {r['full_top_s']} | {r['full_top_speedup']}x |" if a.ablate else "") for r in rows]
     table = "\n".join(lines) + "\n"
     out = Path(a.out)

@@ -4,13 +4,13 @@ Two comparisons, each the same work on the same weights, profiled in interleaved
   prefill  one forward over a B=1 prompt, last-position logits (as benchmarks/prefill.py): qkv
            `model(ids, last_only=True)` vs transformers `model(ids, logits_to_keep=1)`; --family gpt2|llama.
   step     one batch-1 greedy decoding step over a 32-token prompt's cache : qkv
-           `model.step(ids, cache)` vs a transformers forward with its cache (one new token); the caches are cut
-           back after each profiled step, so every round times the same position; --family gpt2|llama.
+           `model.step(ids, cache)` vs a transformers forward with its cache (one new token); the caches are
+           cut back after each profiled step, so every round times the same position; --family gpt2|llama.
            Calls per step / number of layers = aten ops per layer.
   beam     one beam search (num_beams 4, length_penalty 0.6, no_repeat_ngram_size 3, early stopping, 32 new
            tokens) of a batch of --tokens source sentences (default 16 when --tokens is not given) through the
-           Marian-shaped model of benchmarks/seq2seq_beam.py: qkv `generate` vs `MarianMTModel.generate`, the same
-           weights and sources.
+           Marian-shaped model of benchmarks/seq2seq_beam.py: qkv `generate` vs `MarianMTModel.generate`, the
+           same weights and sources.
   train    one fp32 training step (forward + loss + backward + AdamW + zero_grad, as
            benchmarks/train_vs_nanogpt.py): qkv GPT (GPT-2's tanh GELU), qkv GPT with the exact GELU, and
            nanoGPT's model.py (--nanogpt PATH, never shipped).
@@ -20,7 +20,8 @@ stands out. Wrapper ops (aten::linear, aten::matmul, autograd nodes) are left ou
 in the ops below them.
 
     .venv/bin/python benchmarks/profile_ops.py prefill --family gpt2 --tokens 2048 [--rounds 3]
-    .venv/bin/python benchmarks/profile_ops.py step --family llama [--rounds 20] [--dtype bfloat16] [--batch 8]
+    .venv/bin/python benchmarks/profile_ops.py step --family llama [--rounds 20] [--dtype bfloat16]
+        [--batch 8]
     .venv/bin/python benchmarks/profile_ops.py train --nanogpt PATH/model.py [--rounds 4]
     .venv/bin/python benchmarks/profile_ops.py beam --threads 1 [--rounds 2]
 
@@ -75,8 +76,8 @@ def contenders(a: argparse.Namespace) -> tuple[dict, str]:
              "qkv exact GELU": tv.make_step("qkv GPT, exact GELU", exact, "fp32"),
              "nanoGPT": tv.make_step("nanoGPT GPT", nano, "fp32")}
     fns = {k: (lambda f=f: f(x)) for k, f in steps.items()}
-    return fns, (f"fp32 training step, GPT {s['n_layer']}L/{s['n_head']}H/{s['n_embd']}, batch {s['batch']} x "
-                 f"{s['block']}, AdamW torch default (per-parameter loop on CPU); ms per step")
+    return fns, (f"fp32 training step, GPT {s['n_layer']}L/{s['n_head']}H/{s['n_embd']}, batch {s['batch']} "
+                 f"x {s['block']}, AdamW torch default (per-parameter loop on CPU); ms per step")
 
 
 def step_contenders(a: argparse.Namespace) -> tuple[dict, str]:
@@ -110,12 +111,13 @@ def step_contenders(a: argparse.Namespace) -> tuple[dict, str]:
 
     layers = len(ours.decoder.blocks)
     return ({"qkv": qkv_step, "transformers": hf_step},
-            f"decoding step, {a.family} ({layers} layers), batch {B}, {a.dtype}, after a {prompt_len}-token prompt, argmax "
-            f"included; ms per step")
+            f"decoding step, {a.family} ({layers} layers), batch {B}, {a.dtype}, after a {prompt_len}-token "
+            f"prompt, argmax included; ms per step")
 
 
 def beam_contenders(a: argparse.Namespace) -> tuple[dict, str]:
-    """One beam search over a batch of sentences in each library (benchmarks/seq2seq_beam.py's model and inputs)."""
+    """One beam search over a batch of sentences in each library (benchmarks/seq2seq_beam.py's model and
+    inputs)."""
     import seq2seq_beam as sb
     from qkv.generate import generate
 
@@ -128,15 +130,17 @@ def beam_contenders(a: argparse.Namespace) -> tuple[dict, str]:
     fns = {"qkv": lambda: generate(ours, x, attention_mask=m, **opts),
            "transformers": lambda: hf.generate(input_ids=x, attention_mask=m, do_sample=False, **opts)}
     return fns, (f"beam search (num_beams 4, lp 0.6, no_repeat_ngram 3, early stopping, {new} new tokens), "
-                 f"Marian-shaped ({shape['decoder_layers']}+{shape['encoder_layers']} layers, {shape['d_model']} "
-                 f"wide, vocabulary {shape['vocab_size']}), {n} sentences, fp32; ms per beam search")
+                 f"Marian-shaped ({shape['decoder_layers']}+{shape['encoder_layers']} layers, "
+                 f"{shape['d_model']} wide, vocabulary {shape['vocab_size']}), {n} sentences, fp32; ms per "
+                 "beam search")
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["prefill", "step", "train", "beam"])
     ap.add_argument("--family", default="gpt2", choices=["gpt2", "llama"])
-    ap.add_argument("--tokens", type=int, default=None, help="prefill: prompt tokens (2048); beam: sentences (16)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="prefill: prompt tokens (2048); beam: sentences (16)")
     ap.add_argument("--nanogpt", default=None, metavar="PATH", help="nanoGPT's model.py (train)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights of step")
@@ -158,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     ms = {k: collections.Counter() for k in names}
     calls = {k: collections.Counter() for k in names}
     wall: dict[str, list[float]] = {k: [] for k in names}
-    dispatched = collections.Counter()  # every aten op called, wrappers and views included (the dispatcher's work)
+    # every aten op called, wrappers and views included (the dispatcher's work)
+    dispatched = collections.Counter()
     with torch.inference_mode(False), (torch.no_grad() if a.what != "train" else torch.enable_grad()):
         for f in fns.values():  # warm-up
             f()
@@ -186,17 +191,20 @@ def main(argv: list[str] | None = None) -> dict:
                      **{f"{k} calls": round(calls[k][s], 1) for k in names}})
     total = {k: round(sum(ms[k].values()), 1) for k in names}
     med = {k: round(statistics.median(v) * 1e3, 1) for k, v in wall.items()}
-    lines = [f"{what}; self CPU time summed over {a.threads} threads, mean of {a.rounds} interleaved profiled rounds; "
-             f"CPU {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}", "",
+    lines = [f"{what}; self CPU time summed over {a.threads} threads, mean of {a.rounds} interleaved "
+             f"profiled rounds; CPU {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}", "",
              "| op | " + " | ".join(f"{k} ms (calls)" for k in names) + f" | qkv - {ref} ms |",
              "|---|" + "---:|" * (len(names) + 1)]
     lines += [f"| {r['op']} | " + " | ".join(f"{r[f'{k} ms']:.1f} ({r[f'{k} calls']:.0f})" for k in names)
               + f" | {r['qkv ms'] - r[f'{ref} ms']:+.1f} |" for r in rows]
-    lines += [f"| every other op (< {a.min_ms:g} ms on each side) | " + " | ".join(f"{rest[k]:.1f}" for k in names)
+    lines += [f"| every other op (< {a.min_ms:g} ms on each side) | "
+              + " | ".join(f"{rest[k]:.1f}" for k in names)
               + f" | {rest['qkv'] - rest[ref]:+.1f} |",
-              "| total self CPU | " + " | ".join(f"{total[k]:.1f}" for k in names) + f" | {total['qkv'] - total[ref]:+.1f} |",
+              "| total self CPU | " + " | ".join(f"{total[k]:.1f}" for k in names)
+              + f" | {total['qkv'] - total[ref]:+.1f} |",
               "| median wall ms (profiled) | " + " | ".join(f"{med[k]:.0f}" for k in names) + " | |",
-              "| aten ops called (views and wrappers included) | " + " | ".join(f"{dispatched[k]:.0f}" for k in names)
+              "| aten ops called (views and wrappers included) | "
+              + " | ".join(f"{dispatched[k]:.0f}" for k in names)
               + f" | {dispatched['qkv'] - dispatched[ref]:+.0f} |"]
     table = "\n".join(lines) + "\n"
     result = {"what": what, "rows": rows, "total_ms": total, "median_wall_ms": med, "rounds": a.rounds,

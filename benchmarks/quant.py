@@ -1,10 +1,11 @@
-"""Weight-only quantization (qkv.nn.quant): what int8 / int4 cost in accuracy and what they buy in decoding speed.
+"""Weight-only quantization (qkv.nn.quant): what int8 / int4 cost in accuracy and what they buy in decoding
+speed.
 
   accuracy  a character-level GPT (gpt-tiny: 4 layers, 128 wide, context 64) trained here for --steps steps on
             Python's bundled documentation text (the charlm task; a random model's perplexity means nothing),
-            then, per variant: perplexity over the held-out 10% of that text, and greedy agreement with the fp32
-            model over --agree-tokens tokens from 4 held-out prompts (the share of equal tokens, and how many
-            come before the first difference)
+            then, per variant: perplexity over the held-out 10% of that text, and greedy agreement with the
+            fp32 model over --agree-tokens tokens from 4 held-out prompts (the share of equal tokens, and how
+            many come before the first difference)
   speed     the 135M Llama shape benchmarks/llm.py builds (random weights; SmolLM-135M's: 30 layers, 576 wide,
             vocab 49152, tied head), loaded by qkv.from_pretrained from an fp32 and a bf16 folder:
             greedy decoding at batch 1, prompt 32, --new tokens, ms per generated token (prefill included,
@@ -43,12 +44,13 @@ from llm import FULL, QUICK  # noqa: E402  (the 135M Llama shape, and its smoke-
 from qkv.generate import generate  # noqa: E402
 from qkv.nn.quant import quantize_model, quantized_layers  # noqa: E402
 
-VARIANTS = ("fp32", "bf16", "int8 (fp32 model)", "int4 (fp32 model)", "int8 (bf16 model)", "int4 (bf16 model)")
+VARIANTS = ("fp32", "bf16", "int8 (fp32 model)", "int4 (fp32 model)", "int8 (bf16 model)",
+            "int4 (bf16 model)")
 
 
 def variant(base: torch.nn.Module, name: str) -> torch.nn.Module:
-    """`base` (fp32) as the named variant: a copy, cast and quantized as the name says (layers int4 cannot hold
-    become int8: the `layers` column counts each kind)."""
+    """`base` (fp32) as the named variant: a copy, cast and quantized as the name says (layers int4 cannot
+    hold become int8: the `layers` column counts each kind)."""
     import copy
     import warnings
 
@@ -79,10 +81,12 @@ def agreement(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 def train_charlm(steps: int, out: Path, quick: bool) -> Path:
-    """A char-level GPT on the pydoc text (the charlm task), trained for `steps` steps: its final checkpoint."""
+    """A char-level GPT on the pydoc text (the charlm task), trained for `steps` steps: its final
+    checkpoint."""
     from qkv.run import load_run_config, train_run
 
-    over = [f"train.max_steps={steps}", "train.progress=false", "train.warmup=30", "eval.n=20", "eval.samples=0"]
+    over = [f"train.max_steps={steps}", "train.progress=false", "train.warmup=30", "eval.n=20",
+            "eval.samples=0"]
     if quick:
         over += ["model.preset=gpt-nano", "train.batch_size=8"]
     t0 = time.perf_counter()
@@ -118,11 +122,13 @@ def accuracy(run: Path, n_tokens: int) -> tuple[list[dict], dict]:
 
 
 def speed(spec: dict, a: argparse.Namespace) -> tuple[list[dict], int]:
-    """ms per generated token at batch 1 for each variant of a random Llama of shape `spec`; its parameters."""
+    """ms per generated token at batch 1 for each variant of a random Llama of shape `spec`; its
+    parameters."""
     import transformers
 
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec, bos_token_id=1, eos_token_id=2)).eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec, bos_token_id=1,
+                                                                eos_token_id=2)).eval()
     folder = Path(tempfile.mkdtemp(prefix="qkv-quant-bench-"))
     hf.save_pretrained(folder)
     del hf
@@ -140,29 +146,36 @@ def speed(spec: dict, a: argparse.Namespace) -> tuple[list[dict], int]:
     for name in VARIANTS:
         ms = 1000 * statistics.median(times[name]) / a.new
         equal, prefix = agreement(outs[name], outs["fp32"])
-        rows.append({"variant": name, "ms_per_token": round(ms, 2), "weight_bytes": weight_bytes(models[name]),
+        rows.append({"variant": name, "ms_per_token": round(ms, 2),
+                     "weight_bytes": weight_bytes(models[name]),
                      "greedy_equal": equal, "greedy_prefix": prefix, "layers": layers(models[name]),
                      "runs_ms": [round(1000 * t / a.new, 2) for t in times[name]]})
     fp32_ms, bf16_ms = rows[0]["ms_per_token"], rows[1]["ms_per_token"]
     for r in rows:
-        r["x_fp32"], r["x_bf16"] = round(fp32_ms / r["ms_per_token"], 2), round(bf16_ms / r["ms_per_token"], 2)
+        r["x_fp32"], r["x_bf16"] = (round(fp32_ms / r["ms_per_token"], 2),
+                                    round(bf16_ms / r["ms_per_token"], 2))
     return rows, n_params
 
 
 def table(acc: list[dict], acc_meta: dict, spd: list[dict], meta: dict) -> list[str]:
-    lines = [f"trained char GPT ({acc_meta['run']}): held-out perplexity over {acc_meta['val_tokens']} tokens; greedy "
-             f"agreement with fp32 over {acc_meta['agree_tokens']} tokens x {acc_meta['prompts']} prompts", "",
-             "| variant | perplexity | bits/char | greedy equal | tokens before 1st diff | weights MB | layers |",
+    lines = [f"trained char GPT ({acc_meta['run']}): held-out perplexity over {acc_meta['val_tokens']} "
+             f"tokens; greedy agreement with fp32 over {acc_meta['agree_tokens']} tokens x "
+             f"{acc_meta['prompts']} prompts", "",
+             "| variant | perplexity | bits/char | greedy equal | tokens before 1st diff | weights MB | "
+             "layers |",
              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['perplexity']} | {r['bpc']} | {r['greedy_equal']} | {r['greedy_prefix']} | "
-              f"{r['weight_bytes'] / 1e6:.2f} | {r['layers']} |" for r in acc]
-    lines += ["", f"Llama {meta['model_params'] / 1e6:.1f}M shape (random weights), batch 1, prompt {meta['prompt']}, "
-              f"{meta['new_tokens']} new tokens (greedy), {meta['threads']} threads, median of {meta['repeats']} "
-              f"interleaved repeats; CPU {meta['cpu_capability']}", "",
-              "| variant | ms/token | x fp32 | x bf16 | weights MB | greedy equal to fp32 | tokens before 1st diff | layers |",
+    lines += [f"| {r['variant']} | {r['perplexity']} | {r['bpc']} | {r['greedy_equal']} | "
+              f"{r['greedy_prefix']} | {r['weight_bytes'] / 1e6:.2f} | {r['layers']} |" for r in acc]
+    lines += ["",
+              f"Llama {meta['model_params'] / 1e6:.1f}M shape (random weights), batch 1, prompt "
+              f"{meta['prompt']}, {meta['new_tokens']} new tokens (greedy), {meta['threads']} threads, "
+              f"median of {meta['repeats']} interleaved repeats; CPU {meta['cpu_capability']}", "",
+              "| variant | ms/token | x fp32 | x bf16 | weights MB | greedy equal to fp32 | tokens before "
+              "1st diff | layers |",
               "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['ms_per_token']} | {r['x_fp32']} | {r['x_bf16']} | {r['weight_bytes'] / 1e6:.1f} | "
-              f"{r['greedy_equal']} | {r['greedy_prefix']} | {r['layers']} |" for r in spd]
+    lines += [f"| {r['variant']} | {r['ms_per_token']} | {r['x_fp32']} | {r['x_bf16']} | "
+              f"{r['weight_bytes'] / 1e6:.1f} | {r['greedy_equal']} | {r['greedy_prefix']} | {r['layers']} |"
+                  for r in spd]
     return lines
 
 
@@ -174,8 +187,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300, help="training steps of the char model")
-    ap.add_argument("--agree-tokens", type=int, default=100, help="greedy tokens compared per prompt (char model)")
-    ap.add_argument("--run", default=None, help="reuse this trained charlm run folder instead of training one")
+    ap.add_argument("--agree-tokens", type=int, default=100,
+                    help="greedy tokens compared per prompt (char model)")
+    ap.add_argument("--run", default=None,
+                    help="reuse this trained charlm run folder instead of training one")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args()
     if a.quick:
@@ -183,10 +198,12 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     spec = QUICK if a.quick else FULL
     t0 = time.perf_counter()
-    run = Path(a.run) if a.run else train_charlm(a.steps, Path(tempfile.mkdtemp(prefix="qkv-quant-charlm-")), a.quick)
+    run = (Path(a.run) if a.run
+           else train_charlm(a.steps, Path(tempfile.mkdtemp(prefix="qkv-quant-charlm-")), a.quick))
     acc, acc_meta = accuracy(run, a.agree_tokens)
     spd, n_params = speed(spec, a)
-    meta = {"torch": torch.__version__, "threads": a.threads, "machine": platform.processor() or platform.machine(),
+    meta = {"torch": torch.__version__, "threads": a.threads,
+            "machine": platform.processor() or platform.machine(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "quick": a.quick, "model": spec,
             "model_params": n_params, "prompt": a.prompt, "new_tokens": a.new, "repeats": a.repeats,
             "train_steps": a.steps, "seconds": round(time.perf_counter() - t0, 1),

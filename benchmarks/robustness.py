@@ -18,8 +18,9 @@ is read back. Checked (each a counted failure, and the script exits 1 if any occ
               bit-identical to an uninterrupted run of the same command
 Also counted: where the kills landed (mid-save, mid-replace, mid-prune, mid-write of metrics).
 
-    .venv/bin/python benchmarks/robustness.py                 # 25 kills, ~11M-parameter model (~130 MB checkpoints)
-    .venv/bin/python benchmarks/robustness.py --kills 3 --quick   # the CI form (tests/test_robustness.py)
+    .venv/bin/python benchmarks/robustness.py                    # 25 kills, ~11M-parameter model
+                                                                 # (~130 MB checkpoints)
+    .venv/bin/python benchmarks/robustness.py --kills 3 --quick  # the CI form (tests/test_robustness.py)
 
 Writes benchmarks/results/robustness.json and .md (or --out). Needs no network and no GPU.
 """
@@ -42,9 +43,11 @@ TIMING = ("tokens_per_s", "step_time_s")  # wall-clock fields, the only ones all
 
 
 def train_args(out: Path, quick: bool, max_steps: int) -> list[str]:
-    model = (["model.n_layers=1", "model.d_model=64", "model.n_heads=2", "task.context=32", "train.batch_size=4"]
+    model = (["model.n_layers=1", "model.d_model=64", "model.n_heads=2", "task.context=32",
+              "train.batch_size=4"]
              if quick else
-             ["model.n_layers=6", "model.d_model=384", "model.n_heads=6", "task.context=64", "train.batch_size=8"])
+             ["model.n_layers=6", "model.d_model=384", "model.n_heads=6", "task.context=64",
+              "train.batch_size=8"])
     return [sys.executable, "-m", "qkv.cli.main", "train", "charlm", "--out", str(out), "--resume",
             "--max-steps", str(max_steps), "--no-progress", *model, "model.dropout=0.1",
             "train.save_every=2", "train.keep_last=2", "train.eval_every=5", "train.log_every=1",
@@ -121,15 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a tiny model (the CI form)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--untargeted", action="store_true",
-                    help="every kill at a uniform random delay (default: every second kill is timed to a save)")
+                    help="every kill at a uniform random delay (default: every second kill is timed to a "
+                         "save)")
     ap.add_argument("--out", default=str(HERE / "results"), help="folder for robustness.json / .md")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed)")
     a = ap.parse_args(argv)
     window = a.window or (1.0 if a.quick else 4.0)
-    # enough steps that the run outlives every kill: a kill lets up to 1 s (quick; --window) of training through,
-    # and the quick model's step takes ~7 ms on the 2-core AVX2 CPU with the fused AdamW (360 steps in 6.9 s,
-    # 84 in 4.9 s, start-up included): at most ~140 steps a kill, so 200 a kill. A run that finishes before
-    # its kill ends the loop early, with fewer kills than asked (the CI test counts them).
+    # enough steps that the run outlives every kill: a kill lets up to 1 s (quick; --window) of training
+    # through, and the quick model's step takes ~7 ms on the 2-core AVX2 CPU with the fused AdamW (360 steps
+    # in 6.9 s, 84 in 4.9 s, start-up included): at most ~140 steps a kill, so 200 a kill. A run that finishes
+    # before its kill ends the loop early, with fewer kills than asked (the CI test counts them).
     max_steps = a.max_steps or (60 + 200 * a.kills if a.quick else 60 + 12 * a.kills)
     rng = random.Random(a.seed)
     import tempfile
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     run_reference(ref, a.quick, max_steps)
     t_ref = time.perf_counter() - t_all
-    ckpt_bytes = sum(f.stat().st_size for f in (ref / "checkpoints").rglob("*") if f.is_file()) // 3  # 2 steps + best
+    # 2 steps + best
+    ckpt_bytes = sum(f.stat().st_size for f in (ref / "checkpoints").rglob("*") if f.is_file()) // 3
 
     failures: list[str] = []
     landed = {"mid-save (.tmp)": 0, "mid-replace (.old-)": 0, "mid-prune (.del-)": 0, "metrics line cut": 0,
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             if (expected_resume == 0 and not got) or (got and got[0].endswith(f"at step {expected_resume}")):
                 resumed_ok += 1
             else:
-                failures.append(f"segment {segment}: expected resume at step {expected_resume}, log says {got}")
+                failures.append(f"segment {segment}: expected resume at step {expected_resume}, log says "
+                                f"{got}")
         if finished:
             # it finished (or failed) on its own before the kill: the final run below resumes from the newest
             # complete checkpoint (the last step's, when it finished) and must not change anything
@@ -243,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if not exact_metrics:
         failures.append("metrics.jsonl differs from the uninterrupted run")
     last = f"step_{max_steps:08d}"
-    exact_weights = (root / last / "model.safetensors").is_file() and \
-        (root / last / "model.safetensors").read_bytes() == (ref / "checkpoints" / last / "model.safetensors").read_bytes()
+    got_w, want_w = root / last / "model.safetensors", ref / "checkpoints" / last / "model.safetensors"
+    exact_weights = got_w.is_file() and got_w.read_bytes() == want_w.read_bytes()
     if not exact_weights:
         failures.append("final weights differ from the uninterrupted run")
     best_ok = False
@@ -257,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         ref_best = json.loads((ref / "checkpoints" / "best" / "eval.json").read_text())
         best_ok = True
         if best_eval != ref_best:
-            failures.append(f"best/ is from step {best_eval.get('step')}, the uninterrupted run's from {ref_best.get('step')}")
+            failures.append(f"best/ is from step {best_eval.get('step')}, the uninterrupted run's from "
+                            f"{ref_best.get('step')}")
     except Exception as e:  # noqa: BLE001
         failures.append(f"best/ does not load: {e}")
 
@@ -266,14 +273,16 @@ def main(argv: list[str] | None = None) -> int:
         "quick": a.quick, "targeted": not a.untargeted, "checkpoint_mb": round(ckpt_bytes / 2**20, 1),
         "landed": landed, "resumes_from_newest": resumed_ok, "resumes_checked": kills if kills else 0,
         "exact_metrics": exact_metrics, "exact_weights": exact_weights, "best_loads": best_ok,
-        "failures": failures, "reference_s": round(t_ref, 1), "total_s": round(time.perf_counter() - t_all, 1),
+        "failures": failures, "reference_s": round(t_ref, 1),
+        "total_s": round(time.perf_counter() - t_all, 1),
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "robustness.json").write_text(json.dumps(result, indent=2) + "\n")
     md = [f"# kill -9 robustness ({kills} kills, {'quick' if a.quick else 'full'})", "",
-          f"checkpoints ~{result['checkpoint_mb']} MB each (weights + AdamW state), saved every 2 steps, keep_last 2, "
-          f"best/ every 5 steps; {max_steps} steps; kill delay uniform in [0, {window}] s after training starts"
+          f"checkpoints ~{result['checkpoint_mb']} MB each (weights + AdamW state), saved every 2 steps, "
+          f"keep_last 2, best/ every 5 steps; {max_steps} steps; kill delay uniform in [0, {window}] s after "
+          "training starts"
           + ("" if a.untargeted else ", every second kill within 1 s after a save began"), "",
           "| check | result |", "|---|---|",
           f"| restarts that resumed from the newest complete checkpoint | {resumed_ok} / {kills} |",

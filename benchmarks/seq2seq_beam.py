@@ -37,7 +37,8 @@ import qkv  # noqa: E402
 from qkv.generate import generate  # noqa: E402
 
 FULL = dict(vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
-            decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=512)
+            decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+            max_position_embeddings=512)
 QUICK = dict(vocab_size=500, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128)
 BEAM = dict(num_beams=4, length_penalty=0.6, no_repeat_ngram_size=3, early_stopping=True)
@@ -114,7 +115,8 @@ def main() -> None:
             outs[k] = configs[k]()
             times[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
-        print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{k} {times[k][-1]:.2f} s" for k in order), flush=True)
+        print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{k} {times[k][-1]:.2f} s" for k in order),
+              flush=True)
 
     def same(x: torch.Tensor, y: torch.Tensor) -> bool:
         w = max(x.shape[1], y.shape[1])
@@ -139,17 +141,19 @@ def main() -> None:
     lines += [f"| {r['config']} | {r['median_s']} | {r['sentences_per_s']} | {r['vs_hf']} | "
               f"{r['vs_hf_range'][0]}..{r['vs_hf_range'][1]} | {r['vs_hf_cpu_time']} |" for r in rows]
     lines += ["", f"{a.sentences} sentences, batches of {a.batch_size}, num_beams 4, length_penalty 0.6, "
-              f"no_repeat_ngram_size 3, early_stopping, max_new_tokens {a.max_new_tokens}; {a.repeats} interleaved "
-              f"ABBA rounds; {torch.get_num_threads()} threads, CPU capability "
+              f"no_repeat_ngram_size 3, early_stopping, max_new_tokens {a.max_new_tokens}; {a.repeats} "
+              f"interleaved ABBA rounds; {torch.get_num_threads()} threads, CPU capability "
               f"{torch.backends.cpu.get_cpu_capability()}; tokens identical to HF: {equal}"]
     table = "\n".join(lines)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "shape": shape, "sentences": a.sentences, "batch_size": a.batch_size, "max_new_tokens": a.max_new_tokens,
+            "shape": shape, "sentences": a.sentences, "batch_size": a.batch_size,
+            "max_new_tokens": a.max_new_tokens,
             "repeats": a.repeats, "quick": a.quick, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "seq2seq_beam.json").write_text(json.dumps({"meta": meta, "rows": rows, "tokens_equal": equal}, indent=2))
+    (out / "seq2seq_beam.json").write_text(json.dumps({"meta": meta, "rows": rows, "tokens_equal": equal},
+                                                      indent=2))
     (out / "seq2seq_beam.md").write_text(table + "\n")
     print(table)
 

@@ -1,9 +1,9 @@
 """qkv serve under load, CPU, one run, five parts:
 
-1. load   N concurrent streaming clients (asyncio + aiohttp, or --client httpx) on a loopback server, mixed prompt lengths and
-          output lengths, greedy; total generated tok/s vs sequential generate() at batch 1 on the same
-          prompts; p50/p99 time to first token (TTFT) and inter-token latency (ITL); failed / truncated /
-          garbled responses (every streamed token sequence is compared with generate() alone).
+1. load   N concurrent streaming clients (asyncio + aiohttp, or --client httpx) on a loopback server, mixed
+          prompt lengths and output lengths, greedy; total generated tok/s vs sequential generate() at batch 1
+          on the same prompts; p50/p99 time to first token (TTFT) and inter-token latency (ITL); failed /
+          truncated / garbled responses (every streamed token sequence is compared with generate() alone).
 2. static the same requests through Engine.run() vs one padded generate() batch: tok/s and KV memory
           (engine: peak blocks x block bytes; static: B x (longest prompt + longest output) positions);
           interleaved with the engine whose decoding batch is cut by length (split_cost=4096; the default,
@@ -21,8 +21,9 @@ vocab 49152, tied; random weights) saved by `transformers` as a Hugging Face fol
 `tokenizer.json` of its own (no eos, so every request runs to its length). --parts picks the parts to run
 (the Llama model is ~6x the GPT's work per token: `--family llama --parts load` is the headline figure).
 
-    .venv/bin/python benchmarks/serve.py [--quick] [--family gpt|llama] [--parts load static prefix preempt chunk]
-        [--clients 64] [--prompt-max 512] [--new-max 256] [--client aiohttp|httpx]
+    .venv/bin/python benchmarks/serve.py [--quick] [--family gpt|llama]
+        [--parts load static prefix preempt chunk] [--clients 64] [--prompt-max 512] [--new-max 256]
+        [--client aiohttp|httpx]
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ PARTS = ("load", "static", "prefix", "preempt", "chunk")
 
 
 def make_llama_folder(path: Path, quick: bool) -> Path:
-    """A Hugging Face Llama folder as `transformers` writes it, with a word-level tokenizer ('t0' .. 'tN') whose
-    token ids are the model's: token-id prompts round-trip through the server's text output."""
+    """A Hugging Face Llama folder as `transformers` writes it, with a word-level tokenizer ('t0' .. 'tN')
+    whose token ids are the model's: token-id prompts round-trip through the server's text output."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -92,7 +93,8 @@ def make_folder(path: Path, quick: bool, family: str = "gpt") -> Path:
 
 
 async def client(c, url: str, name: str, prompt: list[int], n: int) -> dict:
-    """One streaming client over httpx (aiter_lines), --client httpx: heavier than aiohttp, its CPU time competes."""
+    """One streaming client over httpx (aiter_lines), --client httpx: heavier than aiohttp, its CPU time
+    competes."""
     body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     stamps: list[float] = []
@@ -136,7 +138,8 @@ async def aio_client(s, url: str, name: str, prompt: list[int], n: int) -> dict:
                     stamps.append(now)
                     text.append(ev["choices"][0]["text"])
                     usage = ev.get("usage") or usage
-    return {"t0": t0, "stamps": stamps, "text": "".join(text), "done": done and not buf.strip(), "usage": usage}
+    return {"t0": t0, "stamps": stamps, "text": "".join(text),
+            "done": done and not buf.strip(), "usage": usage}
 
 
 def server_cpu(pid: int) -> float:
@@ -148,7 +151,8 @@ def server_cpu(pid: int) -> float:
         return float("nan")
 
 
-def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch: int, kind: str = "aiohttp") -> dict:
+def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch: int,
+              kind: str = "aiohttp") -> dict:
     """The server runs in its own process (`qkv serve --port 0`), as in use: the clients' event loop does not
     share its interpreter lock."""
     import signal
@@ -179,7 +183,8 @@ def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch
             return await asyncio.gather(*(aio_client(s, url, "bench", p, n) for p, n in zip(prompts, news)))
 
     warm = {"model": "bench", "prompt": prompts[0][:16], "max_tokens": 4, "temperature": 0}
-    httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # first-call costs, untimed
+    # first-call costs, untimed
+    httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()
 
     t0, c0, s0 = time.perf_counter(), time.process_time(), server_cpu(proc.pid)
     res = asyncio.run(all_clients())
@@ -191,13 +196,15 @@ def load_test(folder: Path, prompts: list[list[int]], news: list[int], max_batch
     def metric(name: str) -> float:
         return next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(name + " "))
 
-    stats = {"preemptions": metric("qkv_preemptions_total"), "prefix_hit_rate": metric("qkv_prefix_cache_hit_rate")}
+    stats = {"preemptions": metric("qkv_preemptions_total"),
+             "prefix_hit_rate": metric("qkv_prefix_cache_hit_rate")}
     # the reference: generate() alone, batch 1, sequentially, on the same prompts
     m = served.model
     t0 = time.perf_counter()
     refs = [generate(m, torch.tensor([p]), n)[0, len(p):].tolist() for p, n in zip(prompts, news)]
     seq_wall = time.perf_counter() - t0
-    # the server's text is what the tokens add after the prompt (decoded after its last few tokens, StreamDecoder)
+    # the server's text is what the tokens add after the prompt (decoded after its last few tokens,
+    # StreamDecoder)
     want = [decode_continuation(served.codec.decode, p[-TEXT_CONTEXT:], ref) for p, ref in zip(prompts, refs)]
     bad = sum(1 for r, w, n in zip(res, want, news)
               if not r["done"] or r["text"] != w or (r["usage"] or {}).get("completion_tokens") != n)
@@ -242,7 +249,8 @@ def engine_vs_static(m, prompts, news, repeats: int) -> dict:
             "engine_over_static": round(med["static"] / med["engine"], 2),
             "engine_split_tok_s": round(total / med["engine_split"], 1),
             "engine_split_over_static": round(med["static"] / med["engine_split"], 2),
-            "engine_kv_mib": round(mem["engine"] / 2**20, 1), "static_kv_mib": round(mem["static"] / 2**20, 1),
+            "engine_kv_mib": round(mem["engine"] / 2**20, 1),
+            "static_kv_mib": round(mem["static"] / 2**20, 1),
             "kv_ratio": round(mem["engine"] / mem["static"], 2), "same_tokens": same}
 
 
@@ -250,7 +258,8 @@ def prefix_work(m, system_len: int, n_req: int, new: int) -> dict:
     g = torch.Generator().manual_seed(1)
     V = m.output_vocab_size
     system = torch.randint(0, V, (system_len,), generator=g).tolist()
-    prompts = [system + torch.randint(0, V, (int(torch.randint(8, 33, (1,), generator=g)),), generator=g).tolist()
+    prompts = [system + torch.randint(0, V, (int(torch.randint(8, 33, (1,), generator=g)),),
+                                      generator=g).tolist()
                for _ in range(n_req)]
     res = {}
     for on in (False, True):
@@ -324,7 +333,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--family", choices=["gpt", "llama"], default="gpt")
     ap.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
-                    help="the load generator's HTTP client (httpx: heavier, its CPU time competes with the server)")
+                    help="the load generator's HTTP client (httpx: heavier, its CPU time competes with the "
+                         "server)")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serve[_llama].json)")
     a = ap.parse_args()
@@ -335,7 +345,8 @@ def main() -> None:
     rnd = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
     a.out = a.out or str(ROOT / "results" / ("serve.json" if a.family == "gpt" else f"serve_{a.family}.json"))
     vocab = (LLAMA_QUICK if a.quick else LLAMA)["vocab_size"] if a.family == "llama" else 65
-    prompts = [torch.randint(0, vocab, (rnd(16, a.prompt_max),), generator=g).tolist() for _ in range(a.clients)]
+    prompts = [torch.randint(0, vocab, (rnd(16, a.prompt_max),), generator=g).tolist()
+                   for _ in range(a.clients)]
     news = [rnd(16, a.new_max) for _ in range(a.clients)]
     run = set(a.parts)
     result: dict = {"family": a.family, "threads": torch.get_num_threads(), "quick": a.quick}
@@ -347,7 +358,8 @@ def main() -> None:
         if "static" in run:
             result["engine_vs_static"] = engine_vs_static(m, prompts, news, a.repeats)
         if "prefix" in run:
-            result["prefix_caching"] = prefix_work(m, 64 if a.quick else 384, 4 if a.quick else 16, 8 if a.quick else 32)
+            result["prefix_caching"] = prefix_work(m, 64 if a.quick else 384, 4 if a.quick else 16,
+                                                   8 if a.quick else 32)
         if "preempt" in run:
             result["preemption"] = preemption_policies(m, prompts, news)
         if "chunk" in run:
@@ -364,31 +376,32 @@ def report(result: dict) -> None:
     if "load" in result:
         load = result["load"]
         print(f"| clients | tok/s server | tok/s sequential generate() | speedup | TTFT p50 / p99 (s) | "
-              f"ITL p50 / p99 (ms) | failed | server / client CPU (s) |\n|---|---|---|---|---|---|---|---|\n| "
-              f"{load['clients']} ({load.get('client', 'httpx')}) | {load['server_tok_s']} | {load['sequential_tok_s']} | "
-              f"{load['speedup']}x | {load['ttft_p50_s']} / {load['ttft_p99_s']} | {load['itl_p50_ms']} / "
-              f"{load['itl_p99_ms']} | {load['failed_or_garbled']} | {load.get('server_cpu_s')} / "
-              f"{load.get('client_cpu_s')} |\n")
+              "ITL p50 / p99 (ms) | failed | server / client CPU (s) "
+              f"|\n|---|---|---|---|---|---|---|---|\n| {load['clients']} ({load.get('client', 'httpx')}) | "
+              f"{load['server_tok_s']} | {load['sequential_tok_s']} | {load['speedup']}x | "
+              f"{load['ttft_p50_s']} / {load['ttft_p99_s']} | {load['itl_p50_ms']} / {load['itl_p99_ms']} | "
+              f"{load['failed_or_garbled']} | {load.get('server_cpu_s')} / {load.get('client_cpu_s')} |\n")
     if static := result.get("engine_vs_static"):
         print(f"engine {static['engine_tok_s']} tok/s vs static padded {static['static_tok_s']} tok/s "
-              f"({static['engine_over_static']}x) at {static['kv_ratio']}x its KV memory ({static['engine_kv_mib']} vs "
-              f"{static['static_kv_mib']} MiB); same tokens: {static['same_tokens']}; decoding batch cut by length "
-              f"(split_cost=4096): {static['engine_split_tok_s']} tok/s ({static['engine_split_over_static']}x)")
+              f"({static['engine_over_static']}x) at {static['kv_ratio']}x its KV memory "
+              f"({static['engine_kv_mib']} vs {static['static_kv_mib']} MiB); same tokens: "
+              f"{static['same_tokens']}; decoding batch cut by length (split_cost=4096): "
+              f"{static['engine_split_tok_s']} tok/s ({static['engine_split_over_static']}x)")
     if prefix := result.get("prefix_caching"):
-        print(f"prefix caching, {prefix['requests']} requests sharing a {prefix['system_prompt']}-token prompt: "
-              f"prefill {prefix['prefill_tokens_with']} vs {prefix['prefill_tokens_without']} tokens, work saved "
-              f"{prefix['work_saved']:.0%}; same tokens: {prefix['same_tokens']}")
+        print(f"prefix caching, {prefix['requests']} requests sharing a {prefix['system_prompt']}-token "
+              f"prompt: prefill {prefix['prefill_tokens_with']} vs {prefix['prefill_tokens_without']} "
+              f"tokens, work saved {prefix['work_saved']:.0%}; same tokens: {prefix['same_tokens']}")
     if preempt := result.get("preemption"):
         for policy in ("least_work", "newest"):
             p = preempt[policy]
-            print(f"preemption {policy}: {p['preemptions']} preemptions, {p['recomputed_tokens']} computed tokens "
-                  f"thrown away, {p['wall_s']} s ({preempt['blocks']} of {preempt['blocks_needed_all_at_once']} "
-                  f"blocks); same tokens: {p['same_tokens']}")
+            print(f"preemption {policy}: {p['preemptions']} preemptions, {p['recomputed_tokens']} computed "
+                  f"tokens thrown away, {p['wall_s']} s ({preempt['blocks']} of "
+                  f"{preempt['blocks_needed_all_at_once']} blocks); same tokens: {p['same_tokens']}")
     if chunk := result.get("chunked_prefill"):
-        print(f"a {chunk['long_prompt']}-token prompt joining {chunk['running']} decoding requests: longest gap "
-              f"between their tokens {chunk['chunked']['max_gap_ms']} ms chunked ({chunk['chunk']} per step) vs "
-              f"{chunk['whole']['max_gap_ms']} ms whole; its first token after {chunk['chunked']['ttft_s']} vs "
-              f"{chunk['whole']['ttft_s']} s")
+        print(f"a {chunk['long_prompt']}-token prompt joining {chunk['running']} decoding requests: longest "
+              f"gap between their tokens {chunk['chunked']['max_gap_ms']} ms chunked ({chunk['chunk']} per "
+              f"step) vs {chunk['whole']['max_gap_ms']} ms whole; its first token after "
+              f"{chunk['chunked']['ttft_s']} vs {chunk['whole']['ttft_s']} s")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ class BigramText:
 
 
 def matmul_peak(dtype: torch.dtype, repeats: int) -> tuple[float, float]:
-    """Best median GFLOP/s of square matmuls n x n @ n x n: (per wall second, per CPU second of this process)."""
+    """Best median GFLOP/s of square matmuls n x n @ n x n: (per wall second, per CPU second of this
+    process)."""
     kernels = [lambda a, b: a @ b]
     best_wall = best_cpu = 0.0
     for n in (1024, 1536, 2048):
@@ -116,14 +117,15 @@ def run(precision: str, steps: int, data: BigramText, out: str, seed: int = 0) -
         cpu.append(tokens / max(time.process_time() - t0["cpu"], 1e-9))
         losses.append(rec["loss"])
 
-    cfg = TrainConfig(max_steps=steps, batch_size=BATCH, lr=1e-3, warmup=min(20, steps // 5 or 1), schedule="cosine",
+    cfg = TrainConfig(max_steps=steps, batch_size=BATCH, lr=1e-3, warmup=min(20, steps // 5 or 1),
+                      schedule="cosine",
                       precision=precision, out_dir=out, progress=False, tensorboard=False, plot=False,
                       log_every=max(steps, 1), weight_decay=0.1, betas=[0.9, 0.99])
     cb = LambdaCallback(on_step_start=on_step_start, on_step_end=on_step_end)
     Trainer(model, cfg, data, callbacks=[cb]).fit()
     skip = 2 if len(wall) > 4 else 0  # warm-up steps
-    return {"tok_s": statistics.median(wall[skip:]), "tok_cpu_s": statistics.median(cpu[skip:]), "losses": losses,
-            "fpt": flops_per_token(model)}
+    return {"tok_s": statistics.median(wall[skip:]), "tok_cpu_s": statistics.median(cpu[skip:]),
+            "losses": losses, "fpt": flops_per_token(model)}
 
 
 def main() -> None:
@@ -132,7 +134,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--steps", type=int, default=None, help="steps per timed run")
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--loss-steps", type=int, default=None, help="steps of the fp32-vs-bf16 loss runs (0 = skip)")
+    ap.add_argument("--loss-steps", type=int, default=None,
+                    help="steps of the fp32-vs-bf16 loss runs (0 = skip)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -164,8 +167,8 @@ def main() -> None:
                 peaks[prec].append([peak, peak_cpu])
                 mfus[prec].append(fpt * res["tok_s"] / (peak * 1e9))
                 mfus_cpu[prec].append(fpt * res["tok_cpu_s"] / (peak_cpu * 1e9))
-                print(f"round {r + 1}/{rounds} {prec}: matmul peak {peak:.1f} GFLOP/s (wall) {peak_cpu:.1f} (CPU), "
-                      f"{res['tok_s']:,.0f} tok/s (wall) {res['tok_cpu_s']:,.0f} (per CPU s), "
+                print(f"round {r + 1}/{rounds} {prec}: matmul peak {peak:.1f} GFLOP/s (wall) {peak_cpu:.1f} "
+                      f"(CPU), {res['tok_s']:,.0f} tok/s (wall) {res['tok_cpu_s']:,.0f} (per CPU s), "
                       f"MFU {mfus[prec][-1]:.1%} (wall) {mfus_cpu[prec][-1]:.1%} (CPU)", flush=True)
             ratios.append(got["bf16"] / got["fp32"])
         if loss_steps:
@@ -193,28 +196,32 @@ def main() -> None:
         "flops_per_token": fpt, "peak_gflops": {"fp32": peak32, "bf16": peak16},
         "tokens_per_s": {"fp32": t32, "bf16": t16, "all": tok}, "bf16_speedup": speedup,
         "tokens_per_cpu_s": {"fp32": c32, "bf16": c16, "all": tok_cpu},
-        "mfu": {"fp32_vs_fp32_peak": mfu32, "bf16_vs_bf16_peak": mfu16, "bf16_vs_fp32_peak": fpt * t16 / (peak32 * 1e9),
-                "per_round": mfus},
+        "mfu": {"fp32_vs_fp32_peak": mfu32, "bf16_vs_bf16_peak": mfu16,
+                "bf16_vs_fp32_peak": fpt * t16 / (peak32 * 1e9), "per_round": mfus},
         "mfu_cpu_time": {"fp32": cmfu32, "bf16": cmfu16, "per_round": mfus_cpu},
         "peaks_per_round_wall_cpu": peaks, "cpu_peak_gflops": {"fp32": cpeak32, "bf16": cpeak16},
         "loss_after": {"fp32": loss32, "bf16": loss16, "rel_diff": loss_rel},
-        "bars": {"fp32_mfu>=0.8": mfu32 >= 0.8, "bf16>=1.6x": speedup >= 1.6, "loss_within_2%": loss_rel <= 0.02},
+        "bars": {"fp32_mfu>=0.8": mfu32 >= 0.8, "bf16>=1.6x": speedup >= 1.6,
+                 "loss_within_2%": loss_rel <= 0.02},
     }
     rows = [
-        ("matmul peak, GFLOP/s per wall s / per CPU s", f"{peak32:.1f} / {cpeak32:.1f}", f"{peak16:.1f} / {cpeak16:.1f}"),
+        ("matmul peak, GFLOP/s per wall s / per CPU s", f"{peak32:.1f} / {cpeak32:.1f}",
+         f"{peak16:.1f} / {cpeak16:.1f}"),
         ("training tokens per wall s (median)", f"{t32:,.0f}", f"{t16:,.0f}"),
         ("training tokens per CPU s (median)", f"{c32:,.0f}", f"{c16:,.0f}"),
         ("MFU vs own-dtype peak, wall clock", f"{mfu32:.1%}", f"{mfu16:.1%}"),
         ("MFU vs own-dtype peak, CPU time", f"{cmfu32:.1%}", f"{cmfu16:.1%}"),
         ("speed vs fp32 (median of rounds)", "1.00x", f"{speedup:.2f}x"),
-        (f"loss after {loss_steps} steps (mean of last 10)", f"{loss32:.4f}", f"{loss16:.4f} ({loss_rel:+.2%})"),
+        (f"loss after {loss_steps} steps (mean of last 10)", f"{loss32:.4f}",
+         f"{loss16:.4f} ({loss_rel:+.2%})"),
     ]
     md = ["| gpt-bench 6L/6H/384, block 256, batch 8 | fp32 | bf16 autocast |", "|---|---|---|"]
     md += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     md.append("")
     md.append(f"flops/token = 6N + 12*L*d*T = {fpt / 1e6:.1f} MFLOP; bars: fp32 MFU >= 80% "
-              f"{'met' if mfu32 >= 0.8 else 'NOT met'}, bf16 >= 1.6x {'met' if speedup >= 1.6 else 'NOT met'}, "
-              f"loss within 2% {'met' if loss_rel <= 0.02 else 'NOT met'}. Machine: {result['machine']}.")
+              f"{'met' if mfu32 >= 0.8 else 'NOT met'}, bf16 >= 1.6x "
+              f"{'met' if speedup >= 1.6 else 'NOT met'}, loss within 2% "
+              f"{'met' if loss_rel <= 0.02 else 'NOT met'}. Machine: {result['machine']}.")
     table = "\n".join(md)
     print(table)
     out = ROOT / "results"

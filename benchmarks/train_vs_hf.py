@@ -92,7 +92,8 @@ def main() -> None:
             fn(batches[(i + 1) % len(batches)])
 
     times: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}  # process CPU seconds: robust to a busy machine
+    # process CPU seconds: robust to a busy machine
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     order = list(steps)
     for r in range(a.repeats):
         for name in (order if r % 2 == 0 else order[::-1]):
@@ -101,7 +102,8 @@ def main() -> None:
                 steps[name](batches[s % len(batches)])
             times[name].append((time.perf_counter() - t0) / a.steps)
             cpu[name].append((time.process_time() - c0) / a.steps)
-        print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{k} {tokens / v[-1]:.0f} tok/s" for k, v in times.items()),
+        print(f"round {r + 1}/{a.repeats}: " + ", ".join(f"{k} {tokens / v[-1]:.0f} tok/s"
+                                                             for k, v in times.items()),
               flush=True)
 
     ours_name, hf_name = order[:2]
@@ -127,7 +129,8 @@ def main() -> None:
         "first_step_loss": first,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "capability": torch.backends.cpu.get_cpu_capability(),
-                    "torch": torch.__version__, "transformers": tf_version, "python": platform.python_version()},
+                    "torch": torch.__version__, "transformers": tf_version,
+                    "python": platform.python_version()},
     }
     md = [
         "| model | median step (s) | tokens/s | min..max step (s) | CPU s/step | vs HF |",
@@ -136,8 +139,9 @@ def main() -> None:
           f"{r['min_step_s']:.3f}..{r['max_step_s']:.3f} | {r['median_cpu_s_per_step']:.3f} | "
           f"{r['ratio_vs_hf']:.2f}x |" for r in rows],
         "",
-        f"qkv / HF throughput: median of per-round ratios **{ratio:.2f}x** (range {min(ratios):.2f}..{max(ratios):.2f}, "
-        f"{a.repeats} rounds x {a.steps} steps, {a.warmup} warmup; bar 1.1x: {'met' if ratio >= 1.1 else 'NOT met'}).",
+        f"qkv / HF throughput: median of per-round ratios **{ratio:.2f}x** (range "
+        f"{min(ratios):.2f}..{max(ratios):.2f}, {a.repeats} rounds x {a.steps} steps, {a.warmup} warmup; bar "
+        f"1.1x: {'met' if ratio >= 1.1 else 'NOT met'}).",
         f"Process-CPU-time ratio (less sensitive to other load on the machine): "
         f"{statistics.median(cpu_ratios):.2f}x. CPU capability {torch.backends.cpu.get_cpu_capability()}.",
         f"torch {torch.__version__}, transformers {tf_version}, {torch.get_num_threads()} threads.",

@@ -24,12 +24,12 @@ Two comparisons in one run:
   clip_grad_norm_(1.0), AdamW step, zero_grad), on the same weights and batches:
   "recipe: nanoGPT loop" = nanoGPT's model with the AdamW of its `configure_optimizers(0.1, 3e-4, (0.9, 0.95),
   "cpu")` (fused on CUDA only, so torch's default loop here), the step of nanoGPT's train.py;
-  "recipe: qkv loop" = qkv's model with the AdamW `qkv.train.Trainer` builds (`build_optimizer`, optimizer_impl
-  auto: fused on CPU), the same bare step; "recipe: qkv Trainer.fit" = `qkv.train.Trainer` itself (fp32 or bf16
-  autocast, clip 1.0, logging every 10 steps, no progress bar): a fresh Trainer per round runs `--steps` + 1
-  updates and the per-update time of the last `--steps` is taken between its on_step_start callbacks and
-  after the last on_step_end (the Trainer's final checkpoint is outside the timed part). Trainer overhead
-  = time(Trainer.fit step) / time(qkv loop step) - 1 (bar: <= 5%).
+  "recipe: qkv loop" = qkv's model with the AdamW `qkv.train.Trainer` builds (`build_optimizer`,
+  optimizer_impl auto: fused on CPU), the same bare step; "recipe: qkv Trainer.fit" = `qkv.train.Trainer`
+  itself (fp32 or bf16 autocast, clip 1.0, logging every 10 steps, no progress bar): a fresh Trainer per
+  round runs `--steps` + 1 updates and the per-update time of the last `--steps` is taken between its
+  on_step_start callbacks and after the last on_step_end (the Trainer's final checkpoint is outside the timed
+  part). Trainer overhead = time(Trainer.fit step) / time(qkv loop step) - 1 (bar: <= 5%).
 
 Timing: in one process, `--warmup` steps each, then `--rounds` rounds; in each round every (model, precision)
 pair runs `--steps` steps, the order reversed every other round (ABC..CBA), so load from other jobs on a
@@ -103,7 +103,7 @@ def load_nanogpt(path: str) -> ModuleType:
 
 
 def build_models(nanogpt: ModuleType, s: dict, seed: int = 0):
-    """(qkv, nanoGPT, HF, qkv with exact GELU) models with the same weights, in train mode, and the transformers version."""
+    """(qkv, nanoGPT, HF, qkv exact GELU) models, same weights, train mode, and the transformers version."""
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -120,8 +120,8 @@ def build_models(nanogpt: ModuleType, s: dict, seed: int = 0):
     with tempfile.TemporaryDirectory() as d:
         exact.save_pretrained(d)
         ours_exact = qkv.from_pretrained(d)
-    ncfg = nanogpt.GPTConfig(block_size=s["block"], vocab_size=s["vocab"], n_layer=s["n_layer"], n_head=s["n_head"],
-                             n_embd=s["n_embd"], dropout=0.0, bias=True)
+    ncfg = nanogpt.GPTConfig(block_size=s["block"], vocab_size=s["vocab"], n_layer=s["n_layer"],
+                             n_head=s["n_head"], n_embd=s["n_embd"], dropout=0.0, bias=True)
     with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT prints its parameter count
         nano = nanogpt.GPT(ncfg)
     # as nanoGPT's GPT.from_pretrained: HF's Conv1D stores (in, out), nn.Linear (out, in)
@@ -152,7 +152,8 @@ def nanogpt_recipe_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer | 
     if not hasattr(model, "configure_optimizers"):
         return None
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its group sizes and "using fused AdamW"
-        return model.configure_optimizers(weight_decay=0.1, learning_rate=3e-4, betas=(0.9, 0.95), device_type="cpu")
+        return model.configure_optimizers(weight_decay=0.1, learning_rate=3e-4, betas=(0.9, 0.95),
+                                          device_type="cpu")
 
 
 def make_recipe_step(kind: str, model: torch.nn.Module, precision: str, opt: torch.optim.Optimizer):
@@ -196,7 +197,8 @@ class TrainerSteps:
     With log_every 10 and n + 1 < 10 no timed update appends a line to metrics.jsonl (update 1 does): that
     one small file append every 10 updates is left out."""
 
-    def __init__(self, model: torch.nn.Module, precision: str, batches: list[torch.Tensor], out_dir: str) -> None:
+    def __init__(self, model: torch.nn.Module, precision: str, batches: list[torch.Tensor],
+                 out_dir: str) -> None:
         from qkv.train import LambdaCallback, TrainConfig, Trainer
 
         self.model, self.precision, self.data, self.out_dir = model, precision, _Batches(batches), out_dir
@@ -213,16 +215,17 @@ class TrainerSteps:
                 marks["t1"] = now()
                 tr.should_stop = True  # (set after the step's logging: no extra record)
 
-        cb = self.LambdaCallback(on_step_start=lambda tr, step: marks.setdefault("t0", now()) if step == 2 else None,
-                                 on_step_end=end)
+        cb = self.LambdaCallback(
+            on_step_start=lambda tr, step: marks.setdefault("t0", now()) if step == 2 else None,
+            on_step_end=end)
         # max_steps far away, so that no timed update is the last one (which always writes a metrics record);
         # the constant schedule makes the LR independent of it
         cfg = self.TrainConfig(max_steps=1_000_000, batch_size=self.batch_size, lr=3e-4, betas=[0.9, 0.95],
-                               weight_decay=0.1, schedule="constant", warmup=0, clip_grad=1.0, precision=self.precision,
-                               device="cpu", distributed="none", progress=False, tensorboard=False, plot=False,
-                               save_every=0, keep_last=1, out_dir=self.out_dir)
-        # each round is a fresh run: drop the previous round's final checkpoint (the Trainer refuses a fresh run
-        # in a folder holding another run's checkpoints)
+                               weight_decay=0.1, schedule="constant", warmup=0, clip_grad=1.0,
+                               precision=self.precision, device="cpu", distributed="none", progress=False,
+                               tensorboard=False, plot=False, save_every=0, keep_last=1, out_dir=self.out_dir)
+        # each round is a fresh run: drop the previous round's final checkpoint (the Trainer refuses a fresh
+        # run in a folder holding another run's checkpoints)
         shutil.rmtree(os.path.join(self.out_dir, "checkpoints"), ignore_errors=True)
         tr = self.Trainer(self.model, cfg, self.data, callbacks=[cb])
         self.impl = tr.optimizer_impl
@@ -250,7 +253,8 @@ def optimizer_update_ms(model: torch.nn.Module, rounds: int) -> dict[str, float]
 
 def make_step(kind: str, model: torch.nn.Module, precision: str, optimizer: str = "default"):
     """One optimizer step of `model` on a batch x (B, T): the next-token loss over positions 0..T-2."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), **OPTIMIZERS[optimizer])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95),
+                            **OPTIMIZERS[optimizer])
 
     def step(x: torch.Tensor) -> float:
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
@@ -276,20 +280,23 @@ def ratio_stats(num: list[float], den: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nanogpt", required=True, metavar="PATH", help="path of nanoGPT's model.py (not shipped)")
-    ap.add_argument("--quick", action="store_true", help="a tiny model, 1 warmup step, 2 rounds of 1 step (smoke)")
+    ap.add_argument("--nanogpt", required=True, metavar="PATH",
+                    help="path of nanoGPT's model.py (not shipped)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a tiny model, 1 warmup step, 2 rounds of 1 step (smoke)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=2, help="steps per (model, precision) per round")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--optimizer", default="default", choices=list(OPTIMIZERS),
-                    help="AdamW implementation for every model: torch's default (on CPU the per-parameter loop), "
-                         "foreach or fused")
+                    help="AdamW implementation for every model: torch's default (on CPU the per-parameter "
+                         "loop), foreach or fused")
     ap.add_argument("--no-recipes", dest="recipes", action="store_false",
                     help="skip the rows of each project's own recipe (its optimizer, clipping, Trainer.fit)")
     ap.add_argument("--only-recipes", action="store_true",
-                    help="only the recipe rows (more rounds in the same time for the optimizer / Trainer figures)")
+                    help="only the recipe rows (more rounds in the same time for the optimizer / Trainer "
+                         "figures)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     a = ap.parse_args(argv)
     precisions = [p for p in a.precisions.split(",") if p]
@@ -382,36 +389,44 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"model": m, "precision": p, "median_step_s": med, "tokens_per_s": tokens / med,
                      "min_step_s": min(times[(m, p)]), "max_step_s": max(times[(m, p)]),
                      "median_cpu_s_per_step": statistics.median(cpu[(m, p)]),
-                     "vs_nanogpt": ratio_stats(times[(m, p)], times[ref_of(m, p)])["median"] if ref_of(m, p) else None,
-                     "vs_hf": None if m.startswith("recipe:") else ratio_stats(times[(m, p)], times[hf_key])["median"],
+                     "vs_nanogpt": ratio_stats(times[(m, p)], times[ref_of(m, p)])["median"] if ref_of(m, p)
+                         else None,
+                     "vs_hf": None if m.startswith("recipe:")
+                         else ratio_stats(times[(m, p)], times[hf_key])["median"],
                      "bf16_over_fp32": (ratio_stats(times[(m, "bf16")], times[(m, "fp32")])["median"]
                                         if p == "bf16" and "fp32" in precisions else None)})
-    ratios = {} if a.only_recipes else {p: {"qkv/nanoGPT": ratio_stats(times[("qkv GPT", p)], times[("nanoGPT GPT", p)]),
+    ratios = {} if a.only_recipes else {p: {"qkv/nanoGPT": ratio_stats(times[("qkv GPT", p)],
+                                                                       times[("nanoGPT GPT", p)]),
                   "qkv/HF": ratio_stats(times[("qkv GPT", p)], times[("HF GPT2LMHeadModel (sdpa)", p)]),
-                  "qkv exact GELU/nanoGPT": ratio_stats(times[("qkv GPT, exact GELU", p)], times[("nanoGPT GPT", p)])}
+                  "qkv exact GELU/nanoGPT": ratio_stats(times[("qkv GPT, exact GELU", p)],
+                                                        times[("nanoGPT GPT", p)])}
               for p in precisions}
     recipe: dict[str, dict] = {}
     for p in precisions if a.recipes else ():
         rp = recipe[p] = {}
         if (RECIPE_NANO, p) in times:
-            rp["qkv Trainer.fit/nanoGPT recipe"] = ratio_stats(times[(RECIPE_TRAINER, p)], times[(RECIPE_NANO, p)])
+            rp["qkv Trainer.fit/nanoGPT recipe"] = ratio_stats(times[(RECIPE_TRAINER, p)],
+                                                               times[(RECIPE_NANO, p)])
             rp["qkv loop/nanoGPT recipe"] = ratio_stats(times[(RECIPE_QKV, p)], times[(RECIPE_NANO, p)])
         rp["qkv loop/torch default AdamW"] = ratio_stats(times[(RECIPE_QKV, p)], times[(RECIPE_QKV_OLD, p)])
         # in process CPU time too: less moved by other jobs on a shared machine than wall time
-        rp["qkv loop/torch default AdamW, CPU time"] = ratio_stats(cpu[(RECIPE_QKV, p)], cpu[(RECIPE_QKV_OLD, p)])
+        rp["qkv loop/torch default AdamW, CPU time"] = ratio_stats(cpu[(RECIPE_QKV, p)],
+                                                                   cpu[(RECIPE_QKV_OLD, p)])
         over_cpu = [t / b - 1 for t, b in zip(cpu[(RECIPE_TRAINER, p)], cpu[(RECIPE_QKV, p)])]
         rp["trainer_overhead_cpu_time"] = {"median": statistics.median(over_cpu), "per_round": over_cpu}
         over = [t / b - 1 for t, b in zip(times[(RECIPE_TRAINER, p)], times[(RECIPE_QKV, p)])]
         rp["trainer_overhead"] = {"median": statistics.median(over), "min": min(over), "max": max(over),
                                   "per_round": over}
     meets = None if a.only_recipes else all(ratios[p]["qkv/nanoGPT"]["median"] >= BAR for p in precisions)
-    machine = {"cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
+    machine = {"cpu": platform.processor() or platform.machine(),
+               "capability": torch.backends.cpu.get_cpu_capability(),
                "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": tf_version,
                "python": platform.python_version()}
     result = {"benchmark": "train_vs_nanogpt", "quick": a.quick,
               "config": {**s, "dropout": 0.0, "bias": True, "device": "cpu",
                          "optimizer": f"AdamW(lr=3e-4, wd=0.1, betas=(0.9, 0.95)), {a.optimizer}"
-                                      + (" (torch's default: on CPU the per-parameter loop)" if a.optimizer == "default"
+                                      + (" (torch's default: on CPU the per-parameter loop)"
+                                             if a.optimizer == "default"
                                          else "")},
               "nanogpt_path": str(Path(a.nanogpt).resolve()), "warmup": a.warmup, "rounds": a.rounds,
               "steps_per_round": a.steps, "rows": rows, "ratios": ratios, "bar": BAR, "meets_bar": meets,
@@ -426,42 +441,47 @@ def main(argv: list[str] | None = None) -> None:
           + (": torch's default, on CPU the per-parameter loop" if a.optimizer == "default" else "")
           + ", no clipping). Rows \"recipe: ...\": each project's own step with the optimizer its code builds"
           + (f" ({', '.join(f'{k}: {v}' for k, v in impls.items())})" if impls else "")
-          + ", LR set + clip_grad_norm_(1.0) per step; their \"vs nanoGPT\" is against nanoGPT's recipe row.", "",
-          "| row | precision | median step (s) | tokens/s | min..max step (s) | CPU s/step | vs nanoGPT | vs HF "
-          "| bf16 / fp32 |",
+          + ", LR set + clip_grad_norm_(1.0) per step; their \"vs nanoGPT\" is against nanoGPT's recipe row.",
+          "", "| row | precision | median step (s) | tokens/s | min..max step (s) | CPU s/step | vs nanoGPT "
+              "| vs HF | bf16 / fp32 |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         cpu_s = r["median_cpu_s_per_step"]
         md.append(f"| {r['model']} | {r['precision']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} | "
-                  f"{r['min_step_s']:.3f}..{r['max_step_s']:.3f} | {'' if cpu_s != cpu_s else f'{cpu_s:.3f}'} | "
-                  f"{fmt(r['vs_nanogpt'])} | {fmt(r['vs_hf'])} | {fmt(r['bf16_over_fp32'])} |")
+                  f"{r['min_step_s']:.3f}..{r['max_step_s']:.3f} | "
+                  f"{'' if cpu_s != cpu_s else f'{cpu_s:.3f}'} | {fmt(r['vs_nanogpt'])} | {fmt(r['vs_hf'])} "
+                  f"| {fmt(r['bf16_over_fp32'])} |")
     md.append("")
     for p in precisions:
         if p in ratios:
             n, h = ratios[p]["qkv/nanoGPT"], ratios[p]["qkv/HF"]
             e = ratios[p]["qkv exact GELU/nanoGPT"]
-            md.append(f"{p}, same optimizer: qkv / nanoGPT **{n['median']:.2f}x** (per-round range {n['min']:.2f}.."
-                      f"{n['max']:.2f}), qkv / HF {h['median']:.2f}x ({h['min']:.2f}..{h['max']:.2f}); with "
-                      f"nanoGPT's exact GELU, qkv / nanoGPT {e['median']:.2f}x ({e['min']:.2f}..{e['max']:.2f}).")
+            md.append(f"{p}, same optimizer: qkv / nanoGPT **{n['median']:.2f}x** (per-round range "
+                      f"{n['min']:.2f}..{n['max']:.2f}), qkv / HF {h['median']:.2f}x "
+                      f"({h['min']:.2f}..{h['max']:.2f}); with nanoGPT's exact GELU, qkv / nanoGPT "
+                      f"{e['median']:.2f}x ({e['min']:.2f}..{e['max']:.2f}).")
         if p in recipe:
             rp = recipe[p]
             parts = [f"{p}, each recipe:"]
             if "qkv Trainer.fit/nanoGPT recipe" in rp:
                 t, b = rp["qkv Trainer.fit/nanoGPT recipe"], rp["qkv loop/nanoGPT recipe"]
-                parts.append(f"qkv Trainer.fit / nanoGPT **{t['median']:.2f}x** ({t['min']:.2f}..{t['max']:.2f}), "
-                             f"qkv loop / nanoGPT {b['median']:.2f}x ({b['min']:.2f}..{b['max']:.2f});")
+                parts.append(f"qkv Trainer.fit / nanoGPT **{t['median']:.2f}x** "
+                             f"({t['min']:.2f}..{t['max']:.2f}), qkv loop / nanoGPT {b['median']:.2f}x "
+                             f"({b['min']:.2f}..{b['max']:.2f});")
             o, ov = rp["qkv loop/torch default AdamW"], rp["trainer_overhead"]
             oc, ovc = rp["qkv loop/torch default AdamW, CPU time"], rp["trainer_overhead_cpu_time"]
-            parts.append(f"qkv's Trainer AdamW / torch's default {o['median']:.2f}x ({o['min']:.2f}..{o['max']:.2f}; in process "
-                         f"CPU time {oc['median']:.2f}x); Trainer.fit overhead over the bare qkv loop "
-                         f"**{ov['median'] * 100:+.1f}%** ({ov['min'] * 100:+.1f}..{ov['max'] * 100:+.1f}%; in CPU time "
+            parts.append(f"qkv's Trainer AdamW / torch's default {o['median']:.2f}x "
+                         f"({o['min']:.2f}..{o['max']:.2f}; in process CPU time {oc['median']:.2f}x); "
+                         f"Trainer.fit overhead over the bare qkv loop **{ov['median'] * 100:+.1f}%** "
+                         f"({ov['min'] * 100:+.1f}..{ov['max'] * 100:+.1f}%; in CPU time "
                          f"{ovc['median'] * 100:+.1f}%; bar <= 5%).")
             md.append(" ".join(parts))
     if update_ms:
         md.append("AdamW update alone on qkv's parameters (opt.step(), median ms): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in update_ms.items()) + ".")
     md += [*notes, "",
-           f"Medians of per-round ratios over {a.rounds} interleaved rounds x {a.steps} steps ({a.warmup} warmup). "
+           f"Medians of per-round ratios over {a.rounds} interleaved rounds x {a.steps} steps "
+           f"({a.warmup} warmup). "
            + (f"Bar: qkv >= {BAR}x nanoGPT (same optimizer) in {' and '.join(precisions)}: "
               f"{'met' if meets else 'NOT met'}. " if meets is not None else "")
            + "fp32 first-step losses: " + ", ".join(f"{k[:-5]} {v:.6f}" for k, v in first.items()

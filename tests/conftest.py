@@ -31,12 +31,12 @@ def torchrun():
     """Run `torchrun --standalone --nproc_per_node=2 ARGS` (gloo, CPU, one thread a rank) and return the
     CompletedProcess, failing the test unless it exits 0.
 
-    gloo's TCP transport now and then aborts a rank (SIGABRT, "Connection reset by peer" on the other; seen once
-    in CI on a loaded 2-core machine, never in 99 runs here, 40 of them with the cores hogged; pytorch/gloo#168).
-    A run in which a rank died of a signal is run once more, with a warning in the test summary; a rank that
-    fails in Python (exit code 1: a wrong value, an exception), or a second crash, fails the test. The failure
-    message keeps the start of every rank's error as well as the end of the output, so the first error is never
-    cut off.
+    gloo's TCP transport now and then aborts a rank (SIGABRT, "Connection reset by peer" on the other; seen
+    once in CI on a loaded 2-core machine, never in 99 runs here, 40 of them with the cores hogged;
+    pytorch/gloo#168). A run in which a rank died of a signal is run once more, with a warning in the test
+    summary; a rank that fails in Python (exit code 1: a wrong value, an exception), or a second crash, fails
+    the test. The failure message keeps the start of every rank's error as well as the end of the output, so
+    the first error is never cut off.
     """
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if exe is None:
@@ -48,13 +48,15 @@ def torchrun():
         for attempt in (1, 2):
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
             # torchrun's summary names the first rank to fail; a negative exit code is a signal (a crash)
-            crashed = "Root Cause" in r.stderr and re.search(r"exitcode\s*:\s*-\d", r.stderr.split("Root Cause")[-1])
+            crashed = ("Root Cause" in r.stderr
+                       and re.search(r"exitcode\s*:\s*-\d", r.stderr.split("Root Cause")[-1]))
             if r.returncode == 0 or not crashed or attempt == 2:
                 break
             warnings.warn(f"torchrun: a rank died of a signal; running once more:\n{_first_errors(r.stderr)}",
                           stacklevel=2)
-        assert r.returncode == 0, (f"torchrun exit {r.returncode}\n-- first errors --\n{_first_errors(r.stderr)}"
-                                   f"\n-- stdout tail --\n{r.stdout[-2000:]}\n-- stderr tail --\n{r.stderr[-3000:]}")
+        assert r.returncode == 0, (f"torchrun exit {r.returncode}\n-- first errors "
+                                   f"--\n{_first_errors(r.stderr)}\n-- stdout tail "
+                                   f"--\n{r.stdout[-2000:]}\n-- stderr tail --\n{r.stderr[-3000:]}")
         return r
 
     return run
@@ -75,10 +77,10 @@ def _first_errors(stderr: str, context: int = 6) -> str:
 
 @pytest.fixture(scope="session")
 def llama_sp(tmp_path_factory):
-    """A tiny random Llama folder with a SentencePiece-style tokenizer (Metaspace, prepend_scheme="first", byte
-    fallback, bos added by the post-processor), as converted Llama-2 / Mistral / TinyLlama folders have: (folder,
-    the tokenizers.Tokenizer, the transformers model). The head scores only word-start ("▁...") tokens, so every
-    generated token begins with a space: the one a decoder drops at the start of a text."""
+    """A tiny random Llama folder with a SentencePiece-style tokenizer (Metaspace, prepend_scheme="first",
+    byte fallback, bos added by the post-processor), as converted Llama-2 / Mistral / TinyLlama folders have:
+    (folder, the tokenizers.Tokenizer, the transformers model). The head scores only word-start ("▁...")
+    tokens, so every generated token begins with a space: the one a decoder drops at the start of a text."""
     import json
     import pydoc_data.topics
 
@@ -95,8 +97,8 @@ def llama_sp(tmp_path_factory):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True}), encoding="utf-8")
+        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "add_bos_token": True}), encoding="utf-8")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

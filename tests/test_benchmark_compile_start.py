@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_compile_start_quick(tmp_path):
     pytest.importorskip("transformers")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_start.py"), "--quick", "--new", "4",
-                        "--threads", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_start.py"), "--quick", "--new",
+                        "4",
+                        "--threads", "1", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=1200)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "compile_start_quick.json").read_text())
     assert result["cache_mb"] > 0

@@ -1,7 +1,8 @@
-"""The smoke forms of benchmarks/llamacpp.py (qkv's decoding against llama.cpp on the same weights): qkv's side runs
-end to end without llama.cpp and writes its figures with the peer's rows "n/a"; where a separate environment with
-llama-cpp-python is named by $QKV_LLAMACPP_PYTHON, the GGUF files written from the same Hugging Face folder give
-llama.cpp the same logits and greedy tokens as qkv. The full run and its figures: docs/performance.md."""
+"""The smoke forms of benchmarks/llamacpp.py (qkv's decoding against llama.cpp on the same weights): qkv's
+side runs end to end without llama.cpp and writes its figures with the peer's rows "n/a"; where a separate
+environment with llama-cpp-python is named by $QKV_LLAMACPP_PYTHON, the GGUF files written from the same
+Hugging Face folder give llama.cpp the same logits and greedy tokens as qkv. The full run and its figures:
+docs/performance.md."""
 
 import json
 import os
@@ -29,12 +30,13 @@ def test_llamacpp_benchmark_quick_without_peer(tmp_path):
     result = run(tmp_path, "")
     rows = {r["qkv"]: r for r in result["rows"]}
     assert [(r["qkv"], r["llamacpp"]) for r in result["rows"]] == [
-        ("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"), ("int8", "Q8_0")]
+        ("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"),
+        ("int8", "Q8_0")]
     for name in rows:
         assert rows[name]["qkv_ms"] > 0 and rows[name]["qkv_floor_ms"] > 0
         assert rows[name]["llamacpp_ms"] is None and rows[name]["ratio"] is None
-    # the floors follow the bytes read per token: bf16 half of fp32's; int8 less again (its projections a byte a
-    # weight plus scales; the embedding, norms and a tiny model's large vocabulary share stay bf16)
+    # the floors follow the bytes read per token: bf16 half of fp32's; int8 less again (its projections a byte
+    # a weight plus scales; the embedding, norms and a tiny model's large vocabulary share stay bf16)
     assert rows["bf16"]["qkv_floor_ms"] == pytest.approx(0.5 * rows["fp32"]["qkv_floor_ms"], rel=0.02)
     assert rows["int8"]["qkv_floor_ms"] < 0.9 * rows["bf16"]["qkv_floor_ms"]
     assert result["meta"]["llamacpp"] is None and "llamacpp-python" in result["meta"]["llamacpp_absent"]
@@ -46,7 +48,8 @@ def test_llamacpp_benchmark_quick_with_peer(tmp_path):
     pytest.importorskip("transformers")
     peer = os.environ.get("QKV_LLAMACPP_PYTHON")
     if not peer:
-        pytest.skip("llama.cpp is an optional peer: set QKV_LLAMACPP_PYTHON to a venv's python with llama-cpp-python")
+        pytest.skip("llama.cpp is an optional peer: set QKV_LLAMACPP_PYTHON to a venv's python with "
+                    "llama-cpp-python")
     result = run(tmp_path, peer)
     rows = {r["llamacpp"]: r for r in result["rows"]}
     assert result["meta"]["llamacpp"]["ready"]

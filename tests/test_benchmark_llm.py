@@ -1,5 +1,6 @@
 """The smoke form of benchmarks/llm.py (qkv vs transformers on a Llama folder): it runs end to end, both
-libraries produce the same greedy tokens, and every figure is there. The full run and its figures: docs/llm.md."""
+libraries produce the same greedy tokens, and every figure is there. The full run and its figures:
+docs/llm.md."""
 
 import json
 import os
@@ -16,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_llm_benchmark_quick(tmp_path):
     pytest.importorskip("transformers")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llm.py"), "--quick", "--threads", "1", "--no-compile",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llm.py"), "--quick", "--threads", "1",
+                        "--no-compile",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "llm_quick.json").read_text())

@@ -1,5 +1,5 @@
-"""The smoke form of benchmarks/prefill.py (long-prompt prefill vs transformers): it runs end to end, writes its
-JSON and table, and qkv's last-position logits agree with transformers' on the same weights."""
+"""The smoke form of benchmarks/prefill.py (long-prompt prefill vs transformers): it runs end to end, writes
+its JSON and table, and qkv's last-position logits agree with transformers' on the same weights."""
 
 import json
 import os
@@ -17,10 +17,12 @@ def test_prefill_quick(tmp_path):
     pytest.importorskip("transformers")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill.py"), "--quick", "--threads", "1",
-                        "--ablate", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+                        "--ablate", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "prefill_quick.json").read_text())
-    assert {(r["family"], r["tokens"]) for r in result["rows"]} == {(f, n) for f in ("gpt2", "llama") for n in (16, 32)}
+    assert ({(r["family"], r["tokens"]) for r in result["rows"]}
+            == {(f, n) for f in ("gpt2", "llama") for n in (16, 32)})
     for row in result["rows"]:
         # qkv (and its --ablate full-top-block control) compute the same function as transformers
         assert row["max_abs_logit_diff"] < 1e-4, row

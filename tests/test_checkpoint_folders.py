@@ -24,9 +24,10 @@ from qkv.checkpoint import (
 )
 
 TINY = {
-    "gpt": {"family": "gpt", "vocab_size": 19, "n_layers": 2, "d_model": 16, "n_heads": 2, "context_length": 8},
-    "bert": {"family": "bert", "vocab_size": 19, "n_layers": 2, "d_model": 16, "n_heads": 2, "context_length": 8,
-             "head": "mlm", "norm": "batchnorm"},
+    "gpt": {"family": "gpt", "vocab_size": 19, "n_layers": 2, "d_model": 16, "n_heads": 2,
+            "context_length": 8},
+    "bert": {"family": "bert", "vocab_size": 19, "n_layers": 2, "d_model": 16, "n_heads": 2,
+             "context_length": 8, "head": "mlm", "norm": "batchnorm"},
     "encdec": {"family": "encdec", "src_vocab_size": 19, "n_encoder_layers": 1, "n_decoder_layers": 1,
                "d_model": 16, "n_heads": 2, "d_ff": 32, "context_length": 8, "position": "rope"},
 }
@@ -93,7 +94,8 @@ def test_wrong_architecture_and_shapes_are_checkpoint_errors(tmp_path):
     with pytest.raises(CheckpointError, match="does not fit"):
         load_model(tmp_path / "gpt")
     wider = qkv.build({**TINY["gpt"], "vocab_size": 23})
-    with pytest.raises(CheckpointError, match=r"tok_emb.weight has shape \(19, 16\), model expects \(23, 16\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"tok_emb.weight has shape \(19, 16\), model expects \(23, 16\)"):
         load_state_into(wider, state)
     with pytest.raises(CheckpointError, match="unexpected"):
         load_state_into(gpt, {**state, "extra.weight": torch.zeros(1)})
@@ -179,7 +181,8 @@ def test_wrapper_prefixes_never_reach_the_keys(tmp_path):
     with safe_open(str(tmp_path / "c" / WEIGHTS_NAME), "pt") as f:
         keys = list(f.keys())
     assert keys and not any("_orig_mod" in k or k.startswith("module.") for k in keys)
-    assert torch.equal(logits(load_model(tmp_path / "c"), torch.tensor([[1, 2]])), logits(model, torch.tensor([[1, 2]])))
+    assert torch.equal(logits(load_model(tmp_path / "c"), torch.tensor([[1, 2]])),
+                       logits(model, torch.tensor([[1, 2]])))
 
     # a DDP-style `module.` prefix in a state dict (e.g. saved by other code) is stripped too
     sd = _DDPStandIn(_CompiledStandIn(model)).state_dict()
@@ -225,13 +228,14 @@ def test_crash_before_the_config_rename_leaves_a_loadable_folder(tmp_path, monke
 
 
 def test_crash_between_the_renames_over_another_function_is_refused_at_load(tmp_path, monkeypatch):
-    # the same shapes, another function (ffn, scaled): the new weights beside the old config would load silently
-    # into the old architecture; the weights carry their config (metadata), so the pair is refused
+    # the same shapes, another function (ffn, scaled): the new weights beside the old config would load
+    # silently into the old architecture; the weights carry their config (metadata), so the pair is refused
     save_model(qkv.build(TINY["gpt"]), tmp_path)
     new = qkv.build({**TINY["gpt"], "ffn": "relu", "scaled": False})
     _save_killed_before_the_config(new, tmp_path, monkeypatch)
-    with pytest.raises(CheckpointError, match=r"saved for another model than the config.json beside it describes: "
-                                              r"ffn relu \(weights\) vs gelu \(config.json\), scaled False"):
+    with pytest.raises(CheckpointError,
+                       match=r"saved for another model than the config.json beside it describes: "
+                             r"ffn relu \(weights\) vs gelu \(config.json\), scaled False"):
         load_model(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
     meta["config"].update(ffn="relu", scaled=False, dropout=0.3)  # an edited config.json: dropout may differ
@@ -243,8 +247,8 @@ def test_crash_between_the_renames_over_another_function_is_refused_at_load(tmp_
 
 
 def test_saved_files_and_folders_follow_the_umask(tmp_path):
-    # tempfile creates owner-only files (0600) and folders (0700), which the renames kept: a model another account
-    # serves, or a team folder, could not read them. Now what open() / mkdir() give under the umask.
+    # tempfile creates owner-only files (0600) and folders (0700), which the renames kept: a model another
+    # account serves, or a team folder, could not read them. Now what open() / mkdir() give under the umask.
     # (training checkpoints: tests/train/test_trainer.py)
     old = os.umask(0o022)
     try:

@@ -95,7 +95,9 @@ def test_overrides():
 
     data = {"model": {"preset": "gpt-tiny", "d_model": 128}, "steps": 5}
     apply_overrides(data, {"model.d_model": 64, "model.n_heads": 2, "train.lr": 0.1})
-    assert data == {"model": {"preset": "gpt-tiny", "d_model": 64, "n_heads": 2}, "steps": 5, "train": {"lr": 0.1}}
+    assert (data
+            == {"model": {"preset": "gpt-tiny", "d_model": 64, "n_heads": 2}, "steps": 5,
+                "train": {"lr": 0.1}})
     with pytest.raises(ConfigError, match="non-mapping"):
         apply_overrides({"steps": 5}, {"steps.x": 1})
 
@@ -197,7 +199,8 @@ def test_config_round_trips_through_a_dict():
 
 @pytest.mark.parametrize("seed", [2**62, -(2**62), 123456789012345678901])
 def test_a_seed_past_64_bits_is_named(seed):
-    """It failed at the first torch.manual_seed with 'Overflow when unpacking long long', naming no setting."""
+    """It failed at the first torch.manual_seed with 'Overflow when unpacking long long', naming no
+    setting."""
     from qkv.train import TrainConfig
 
     with pytest.raises(ConfigError, match="TrainConfig.seed must be an integer of magnitude below 2..62"):

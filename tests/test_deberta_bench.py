@@ -1,5 +1,5 @@
-"""benchmarks/deberta.py --quick runs end to end and writes its JSON and markdown, with both models computing the
-same function (a smoke test; the figures come from the full run, docs/pretrained.md)."""
+"""benchmarks/deberta.py --quick runs end to end and writes its JSON and markdown, with both models computing
+the same function (a smoke test; the figures come from the full run, docs/pretrained.md)."""
 
 from __future__ import annotations
 

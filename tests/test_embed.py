@@ -54,19 +54,21 @@ def test_query_mode_and_errors(tmp_path, capsys):
     folder = make_folder(tmp_path / "bert", "bert", layers=1)
     texts = [r["text"] for r in sentiment_rows(9, 6)]
     (tmp_path / "texts.txt").write_text("\n".join(texts))
-    assert main(["embed", str(folder), "--input", str(tmp_path / "texts.txt"), "--query", texts[4], "--top-k", "3",
-                 "--no-progress"]) == 0
+    assert main(["embed", str(folder), "--input", str(tmp_path / "texts.txt"), "--query", texts[4], "--top-k",
+                 "3", "--no-progress"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 and "line 5:" in lines[0] and "1.0000" in lines[0]
     (tmp_path / "bad.txt").write_text("w1\n\nw2\n")
-    assert main(["embed", str(folder), "--input", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "e.npy")]) == 2
+    assert main(["embed", str(folder), "--input", str(tmp_path / "bad.txt"), "--out",
+                 str(tmp_path / "e.npy")]) == 2
     assert "line 2 is empty" in capsys.readouterr().err
     assert main(["embed", str(folder), "--input", str(tmp_path / "texts.txt")]) == 2
     assert "--out" in capsys.readouterr().err
 
 
 def _sentence_transformers_folder(folder, max_seq_length, extra_module=None):
-    """What sentence-transformers saves beside the encoder: its cut length, its pooling and its module list."""
+    """What sentence-transformers saves beside the encoder: its cut length, its pooling and its module
+    list."""
     import json
 
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
@@ -74,7 +76,8 @@ def _sentence_transformers_folder(folder, max_seq_length, extra_module=None):
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+               {"idx": 2, "name": "2", "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize"}]
     if extra_module:
         modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": extra_module})
     (folder / "modules.json").write_text(json.dumps(modules))
@@ -98,7 +101,8 @@ def test_a_sentence_transformers_folder_cuts_texts_at_its_max_seq_length(tmp_pat
             ref.append(torch.nn.functional.normalize(hf(**b).last_hidden_state[0].mean(0), dim=-1).numpy())
     np.testing.assert_allclose(np.load(tmp_path / "e.npy"), np.stack(ref), atol=1e-5)
     _sentence_transformers_folder(folder, 8, extra_module="sentence_transformers.models.Dense")
-    assert main(["embed", str(folder), "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "d.npy")]) == 2
+    assert (main(["embed", str(folder), "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "d.npy")])
+            == 2)
     assert "sentence_transformers.models.Dense, which qkv embed does not apply" in capsys.readouterr().err
 
 

@@ -22,9 +22,11 @@ def test_quick_benchmark_writes_results(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "finetune_encoder_quick.json").read_text())
     assert {row["dtype"] for row in result["rows"]} == {"fp32", "bf16"}
-    # per dtype: qkv, HF, qkv with unpadding off, and each project's trainer optimizer (+ clipping) for qkv and HF
+    # per dtype: qkv, HF, qkv with unpadding off, and each project's trainer optimizer (+ clipping) for qkv
+    # and HF
     assert len(result["rows"]) == 10
-    assert result["config"]["recipe_optimizers"] == {"qkv": "fused", "HF": "fused"}  # transformers >= 5, torch >= 2.8
+    # transformers >= 5, torch >= 2.8
+    assert result["config"]["recipe_optimizers"] == {"qkv": "fused", "HF": "fused"}
     assert {r["model"] for r in result["rows"] if r["model"].startswith("recipe:")} == {
         "recipe: qkv BERT, qkv Trainer's AdamW + clip", "recipe: HF BERT, HF Trainer's AdamW + clip"}
     assert abs(losses_of(result, "recipe: qkv BERT, qkv Trainer's AdamW + clip fp32")

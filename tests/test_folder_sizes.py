@@ -1,4 +1,5 @@
-"""A qkv model folder whose config.json asks for sizes its weights do not have (n_layers 10**9, vocab_size 10**12,
+"""A qkv model folder whose config.json asks for sizes its weights do not have (n_layers 10**9, vocab_size
+10**12,
 ...) is one CheckpointError naming the field, raised before the model is built on a real device: no test here
 allocates the memory such a config describes (the guard below fails any real build instead)."""
 
@@ -16,8 +17,8 @@ from qkv.checkpoint import CONFIG_NAME, CheckpointError, load_model, save_model
 from qkv.cli.main import main
 
 GPT = {"family": "gpt", "vocab_size": 19, "n_layers": 2, "d_model": 16, "n_heads": 2, "context_length": 8}
-ENCDEC = {"family": "encdec", "src_vocab_size": 19, "n_encoder_layers": 1, "n_decoder_layers": 1, "d_model": 16,
-          "n_heads": 2, "d_ff": 32, "context_length": 8, "position": "rope"}
+ENCDEC = {"family": "encdec", "src_vocab_size": 19, "n_encoder_layers": 1, "n_decoder_layers": 1,
+          "d_model": 16, "n_heads": 2, "d_ff": 32, "context_length": 8, "position": "rope"}
 
 
 @pytest.fixture
@@ -30,7 +31,8 @@ def no_real_build(monkeypatch):
 
         class Guarded(fam.model_class):
             def __init__(self, config):
-                assert torch.empty(0).device.type == "meta", "built for real from a config.json its file does not fit"
+                assert (torch.empty(0).device.type
+                        == "meta"), "built for real from a config.json its file does not fit"
                 super().__init__(config)
 
         return dataclasses.replace(fam, model_class=Guarded)
@@ -52,19 +54,23 @@ def _folder(tmp_path, spec: dict, **edits) -> str:
 
 
 @pytest.mark.parametrize("spec, edits, message", [
-    (GPT, {"n_layers": 10**9}, r"config.json: n_layers is 1000000000, but .*model.safetensors holds \d+ tensors"),
+    (GPT, {"n_layers": 10**9},
+     r"config.json: n_layers is 1000000000, but .*model.safetensors holds \d+ tensors"),
     (GPT, {"moe__n_experts": 10**9}, r"config.json: moe.n_experts is 1000000000, but .* holds \d+ tensors"),
     (ENCDEC, {"n_decoder_layers": 10**9}, r"n_decoder_layers is 1000000000, but .* holds \d+ tensors"),
     (GPT, {"vocab_size": 10**12}, r"config.json: vocab_size is 1000000000000, but .*model.safetensors has "
                                   r"tok_emb.weight of shape \(19, 16\) \(vocab_size would be 19\)"),
     (GPT, {"context_length": 10**10}, r"context_length is 10000000000, but .* of shape \(8, 16\) "
                                       r"\(context_length would be 8\)"),
-    (GPT, {"d_model": 10**9}, r"config.json: describes tensors too large for any machine \(d_model is 1000000000\)"),
+    (GPT, {"d_model": 10**9},
+     r"config.json: describes tensors too large for any machine \(d_model is 1000000000\)"),
     (ENCDEC, {"d_model": 10**6}, r"config.json: d_model is 1000000, but .* \(d_model would be 16\)"),
-    (ENCDEC, {"d_model": 10**6, "d_ff": 10**6}, r"config.json: d_ff / d_model are 1000000, but .* of shape \(16,\) "
-                                                r"\(d_ff / d_model would be 16\)"),
+    (ENCDEC, {"d_model": 10**6, "d_ff": 10**6},
+     r"config.json: d_ff / d_model are 1000000, but .* of shape \(16,\) "
+     r"\(d_ff / d_model would be 16\)"),
 ])
-def test_sizes_the_weights_do_not_have_are_refused_before_the_build(tmp_path, no_real_build, spec, edits, message):
+def test_sizes_the_weights_do_not_have_are_refused_before_the_build(tmp_path, no_real_build, spec, edits,
+                                                                    message):
     folder = _folder(tmp_path, spec, **edits)
     with pytest.raises(CheckpointError, match=message):
         load_model(folder)
@@ -72,12 +78,14 @@ def test_sizes_the_weights_do_not_have_are_refused_before_the_build(tmp_path, no
 
 def test_what_no_weight_shows_is_weighed_against_the_memory(tmp_path, no_real_build, monkeypatch):
     """A RoPE table is computed, not stored: a context_length of 10**8 would allocate ~38 GB of tables for a
-    model whose weights take kilobytes. Against the machine's memory (1 GiB here) it is one error naming it."""
+    model whose weights take kilobytes. Against the machine's memory (1 GiB here) it is one error naming
+    it."""
     monkeypatch.setattr("qkv.folder_sizes.memory_bytes", lambda: 2**30)
     folder = _folder(tmp_path, {**GPT, "position": "rope"}, context_length=10**8)
-    with pytest.raises(CheckpointError, match=r"config.json: the model it describes needs [\d.]+ GiB, more than this "
-                                              r"machine's 1.0 GiB of memory: its decoder.position.\w+ alone is "
-                                              r"\(100000000, \d+\) \(context_length is 100000000\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"config.json: the model it describes needs [\d.]+ GiB, more than this "
+                             r"machine's 1.0 GiB of memory: its decoder.position.\w+ alone is "
+                             r"\(100000000, \d+\) \(context_length is 100000000\)"):
         load_model(folder)
 
 
@@ -95,4 +103,5 @@ def test_the_cli_says_it_in_one_line(tmp_path, no_real_build, capsys):
     folder = _folder(tmp_path, GPT, vocab_size=10**12)
     assert main(["info", folder]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("qkv: error: ") and "vocab_size is 1000000000000" in err and len(err.splitlines()) == 1
+    assert (err.startswith("qkv: error: ") and "vocab_size is 1000000000000" in err
+            and len(err.splitlines()) == 1)

@@ -26,13 +26,16 @@ def test_no_symlink_inside_the_package():
 
 @pytest.mark.slow
 def test_wheel_ships_every_shipped_config(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path),
+                        str(ROOT)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = tmp_path.glob("qkv-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = sorted(p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "qkv" / "configs").rglob("*.yaml"))
-    assert len(shipped) >= 20 and "qkv/configs/reverse.yaml" in shipped and "qkv/configs/ablations/01_sqrt_dk.yaml" in shipped
+    shipped = sorted(p.relative_to(ROOT / "src").as_posix()
+                         for p in (ROOT / "src" / "qkv" / "configs").rglob("*.yaml"))
+    assert (len(shipped) >= 20 and "qkv/configs/reverse.yaml" in shipped
+            and "qkv/configs/ablations/01_sqrt_dk.yaml" in shipped)
     assert [s for s in shipped if s not in names] == []
 
 
@@ -43,7 +46,8 @@ def test_core_dependencies_leave_lab_packages_to_extras():
         assert heavy not in core
     extras = project["optional-dependencies"]
     assert {"vision", "audio", "text", "lab"} <= set(extras)
-    assert any(d.startswith("scikit-learn") for d in extras["lab"]) and any(d.startswith("sacrebleu") for d in extras["lab"])
+    assert (any(d.startswith("scikit-learn") for d in extras["lab"])
+            and any(d.startswith("sacrebleu") for d in extras["lab"]))
 
 
 def test_torch_floor_excludes_the_weights_only_bypass():
@@ -52,7 +56,8 @@ def test_torch_floor_excludes_the_weights_only_bypass():
     assert torch_req.replace(" ", "").split("#")[0] == "torch>=2.6"
 
 
-@pytest.mark.parametrize("task, module, extra", [("digits", "sklearn", "vision"), ("numbers_zh", "sacrebleu", "text"),
+@pytest.mark.parametrize("task, module, extra",
+                         [("digits", "sklearn", "vision"), ("numbers_zh", "sacrebleu", "text"),
                                                  ("captions", "sklearn", "vision")])
 def test_missing_optional_package_is_one_clear_error(monkeypatch, task, module, extra):
     from qkv.config import ConfigError

@@ -18,7 +18,8 @@ from test_train_vs_nanogpt_bench import STAND_IN  # noqa: E402
 
 
 def run(tmp_path: Path, *args: str) -> dict:
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_ops.py"), *args, "--quick", "--threads", "1",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_ops.py"), *args, "--quick",
+                        "--threads", "1",
                         "--min-ms", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -44,7 +45,8 @@ def test_train_profile_quick(tmp_path):
 @pytest.mark.parametrize("extra", [(), ("--dtype", "bfloat16", "--batch", "4")])
 def test_step_profile_quick(tmp_path, extra):
     res = run(tmp_path, "step", "--family", "llama", *extra)
-    assert res["aten_calls"]["qkv"] > 0 and res["aten_calls"]["transformers"] > 0 and "decoding step" in res["what"]
+    assert (res["aten_calls"]["qkv"] > 0 and res["aten_calls"]["transformers"] > 0
+            and "decoding step" in res["what"])
     if extra:
         assert "batch 4, bfloat16" in res["what"]
 

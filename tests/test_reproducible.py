@@ -36,6 +36,7 @@ def test_same_seed_two_processes_bit_identical(tmp_path):
     wa = (a / "checkpoints" / "step_00000003" / "model.safetensors").read_bytes()
     wb = (b / "checkpoints" / "step_00000003" / "model.safetensors").read_bytes()
     assert wa == wb
-    assert json.loads((a / "results.json").read_text())["samples"] == json.loads((b / "results.json").read_text())["samples"]
+    assert (json.loads((a / "results.json").read_text())["samples"]
+            == json.loads((b / "results.json").read_text())["samples"])
     # and the seed matters: another seed gives another initialisation (so the equality above is not vacuous)
     assert _records(c)[0]["loss"] != ra[0]["loss"]

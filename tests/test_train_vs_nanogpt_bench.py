@@ -79,7 +79,8 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                            ignore_index=-1)
         return logits, loss
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         params = [p for p in self.parameters() if p.requires_grad]
@@ -102,13 +103,15 @@ def test_quick_benchmark_with_a_stand_in_nanogpt(tmp_path):
     r = run("--nanogpt", str(model_py), "--quick", "--threads", "1", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "out" / "train_vs_nanogpt_quick.json").read_text())
-    assert {(row["model"], row["precision"]) for row in result["rows"] if not row["model"].startswith("recipe:")} == {
+    assert {(row["model"], row["precision"]) for row in result["rows"]
+                if not row["model"].startswith("recipe:")} == {
         (m, p) for m in ("qkv GPT", "nanoGPT GPT", "HF GPT2LMHeadModel (sdpa)", "qkv GPT, exact GELU")
         for p in ("fp32", "bf16")}
     loss = result["first_step_loss"]  # same weights, same batch: the same function (fp32)
     assert abs(loss["qkv GPT fp32"] - loss["nanoGPT GPT fp32"]) < 1e-4
     assert abs(loss["HF GPT2LMHeadModel (sdpa) fp32"] - loss["nanoGPT GPT fp32"]) < 1e-4
-    assert abs(loss["qkv GPT, exact GELU fp32"] - loss["nanoGPT GPT fp32"]) < 1e-2  # erf vs the stand-in's tanh
+    # erf vs the stand-in's tanh
+    assert abs(loss["qkv GPT, exact GELU fp32"] - loss["nanoGPT GPT fp32"]) < 1e-2
     assert abs(loss["qkv GPT bf16"] - loss["nanoGPT GPT bf16"]) < 0.05  # bf16: rounding differs by kernel
     assert all(row["tokens_per_s"] > 0 for row in result["rows"])
     assert len(result["ratios"]["fp32"]["qkv/nanoGPT"]["per_round"]) == result["rounds"] == 2
@@ -116,15 +119,19 @@ def test_quick_benchmark_with_a_stand_in_nanogpt(tmp_path):
     assert "qkv / nanoGPT" in md
     # each project's recipe: nanoGPT's configure_optimizers on CPU = torch's loop, qkv's Trainer = fused AdamW
     recipes = {row["model"] for row in result["rows"] if row["model"].startswith("recipe:")}
-    assert recipes == {"recipe: nanoGPT loop, its configure_optimizers AdamW", "recipe: qkv loop, Trainer's AdamW",
+    assert recipes == {"recipe: nanoGPT loop, its configure_optimizers AdamW",
+                       "recipe: qkv loop, Trainer's AdamW",
                        "recipe: qkv loop, torch's default AdamW", "recipe: qkv Trainer.fit"}
-    assert result["recipes"]["optimizers"] == {"nanoGPT recipe": "loop", "qkv recipe (Trainer's build_optimizer)": "fused",
+    assert result["recipes"]["optimizers"] == {"nanoGPT recipe": "loop",
+                                               "qkv recipe (Trainer's build_optimizer)": "fused",
                                                "qkv torch default": "loop"}
     for p in ("fp32", "bf16"):
         assert len(result["recipes"]["ratios"][p]["trainer_overhead"]["per_round"]) == 2
-    assert abs(loss["recipe: qkv loop, Trainer's AdamW fp32"] - loss["recipe: nanoGPT loop, its configure_optimizers AdamW fp32"]) < 1e-4
+    assert abs(loss["recipe: qkv loop, Trainer's AdamW fp32"]
+               - loss["recipe: nanoGPT loop, its configure_optimizers AdamW fp32"]) < 1e-4
     assert "Trainer.fit overhead over the bare qkv loop" in md and "each recipe" in md
-    assert set(result["recipes"]["adamw_update_ms"]) == {"loop", "foreach", "fused"} and "AdamW update alone" in md
+    assert (set(result["recipes"]["adamw_update_ms"]) == {"loop", "foreach", "fused"}
+            and "AdamW update alone" in md)
 
 
 def test_optimizer_choice_applies_to_every_model(tmp_path):
@@ -132,13 +139,14 @@ def test_optimizer_choice_applies_to_every_model(tmp_path):
     update, so it is the same as with the default loop) and the JSON says which implementation ran."""
     model_py = tmp_path / "model.py"
     model_py.write_text(STAND_IN, encoding="utf-8")
-    r = run("--nanogpt", str(model_py), "--quick", "--threads", "1", "--precisions", "fp32", "--optimizer", "fused",
-            "--no-recipes", "--out", str(tmp_path / "out"))
+    r = run("--nanogpt", str(model_py), "--quick", "--threads", "1", "--precisions", "fp32", "--optimizer",
+            "fused", "--no-recipes", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "out" / "train_vs_nanogpt_quick.json").read_text())
     assert result["config"]["optimizer"].endswith(", fused")
     assert result["recipes"] is None  # --no-recipes
-    assert abs(result["first_step_loss"]["qkv GPT fp32"] - result["first_step_loss"]["nanoGPT GPT fp32"]) < 1e-4
+    assert (abs(result["first_step_loss"]["qkv GPT fp32"] - result["first_step_loss"]["nanoGPT GPT fp32"])
+            < 1e-4)
 
 
 def test_missing_nanogpt_path_is_one_clear_error(tmp_path):

@@ -159,11 +159,12 @@ def test_attention_from_checkpoint_uses_saved_tokenizer(tmp_path):
 
 
 def test_maps_of_hf_loaded_bert_equal_transformers_attentions(tmp_path):
-    """Independent reference: a random Hugging Face BERT saved locally, loaded through qkv's HF loader; our maps
-    must equal the probabilities transformers' eager attention returns."""
+    """Independent reference: a random Hugging Face BERT saved locally, loaded through qkv's HF loader; our
+    maps must equal the probabilities transformers' eager attention returns."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32, attn_implementation="eager")
+                                  intermediate_size=64, max_position_embeddings=32,
+                                  attn_implementation="eager")
     torch.manual_seed(0)
     hf = transformers.BertModel(cfg).eval()
     hf.save_pretrained(tmp_path / "bert")

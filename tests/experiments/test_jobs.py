@@ -1,5 +1,5 @@
-"""`qkv ablate --jobs N`: the runs of a grid trained N at a time in separate processes give the same results as
-one after another (each run is seeded by its own spec), and a bad N is a clear error."""
+"""`qkv ablate --jobs N`: the runs of a grid trained N at a time in separate processes give the same results
+as one after another (each run is seeded by its own spec), and a bad N is a clear error."""
 
 from __future__ import annotations
 
@@ -69,13 +69,15 @@ def test_jobs_below_one_is_a_clear_error(tmp_path, jobs):
 
 def test_efficiency_suites_refuse_parallel_runs(tmp_path):
     suite = {"name": "eff", "kind": "efficiency", "family": "gpt", "model": {"preset": "gpt-nano"},
-             "task": {"name": "reverse"}, "variants": [{"name": "a"}, {"name": "b"}], "metric": {"name": "step_ms"}}
+             "task": {"name": "reverse"}, "variants": [{"name": "a"}, {"name": "b"}],
+             "metric": {"name": "step_ms"}}
     with pytest.raises(ConfigError, match="--jobs 1"):
         run_suite(suite, tmp_path, jobs=2, log=None)
 
 
 def test_cli_jobs_zero_is_one_line_error():
-    proc = subprocess.run([sys.executable, "-m", "qkv.cli.main", "ablate", "04_norm_placement", "--quick", "--jobs", "0"],
+    proc = subprocess.run([sys.executable, "-m", "qkv.cli.main", "ablate", "04_norm_placement", "--quick",
+                           "--jobs", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("qkv: error:") and "--jobs" in proc.stderr

@@ -1,5 +1,5 @@
-"""judge: train_loss: the verdict column comes from the training curve (for models that memorise their corpus),
-while the held-out metric is still measured and shown beside it with the gap."""
+"""judge: train_loss: the verdict column comes from the training curve (for models that memorise their
+corpus), while the held-out metric is still measured and shown beside it with the gap."""
 
 from __future__ import annotations
 

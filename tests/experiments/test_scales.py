@@ -15,7 +15,8 @@ from qkv.run import EvalSettings
 from qkv.tasks.base import build_options
 from qkv.train import TrainConfig
 
-SUITE = {"name": "s", "model": {"preset": "gpt-nano", "n_layers": 2}, "task": {"name": "reverse", "max_len": 6},
+SUITE = {"name": "s", "model": {"preset": "gpt-nano", "n_layers": 2},
+         "task": {"name": "reverse", "max_len": 6},
          "train": {"max_steps": 300}, "grid": {"model.placement": ["pre", "post"]}, "seeds": [0, 1],
          "quick": {"train.max_steps": 5},
          "scales": {"gpu": {"model.n_layers": 16, "train.max_steps": 2000, "seeds": [0, 1, 2],
@@ -43,7 +44,8 @@ def test_profile_errors():
 
 def _shipped_with_gpu_profiles() -> list[str]:
     folder = resources.files("qkv") / "configs" / "ablations"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml") and "scales:" in p.read_text())
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml")
+                      and "scales:" in p.read_text())
 
 
 def test_the_inconclusive_suites_have_a_gpu_profile():

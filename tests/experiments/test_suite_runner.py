@@ -30,7 +30,8 @@ TINY = {
 
 
 def _fake_train(calls):
-    """A stand-in for the trainer: a loss curve that depends on the variant, written like the trainer's log."""
+    """A stand-in for the trainer: a loss curve that depends on the variant, written like the trainer's
+    log."""
 
     def fn(suite, spec, run_dir):
         calls.append(spec.run_id)
@@ -39,7 +40,8 @@ def _fake_train(calls):
         with (run_dir / "metrics.jsonl").open("w") as f:
             for s, loss in enumerate(losses, 1):
                 f.write(json.dumps({"step": s, "loss": loss}) + "\n")
-        return {"metric": losses[-1], "final_loss": losses[-1], "diverged": False, "params": 10, "wall_s": 0.1,
+        return {"metric": losses[-1], "final_loss": losses[-1], "diverged": False, "params": 10,
+                "wall_s": 0.1,
                 "steps_to_threshold": steps_to_threshold(list(enumerate(losses, 1)), 1.1, "min"), "steps": 5}
 
     return fn

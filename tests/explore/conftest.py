@@ -29,14 +29,16 @@ def _train(out: Path, config: str, overrides: list[str]) -> Path:
 @pytest.fixture(scope="session")
 def rev_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("explore") / "rev"
-    return _train(out, "reverse", ["train.max_steps=6", "task.min_len=4", "task.max_len=8", "model.d_model=32",
+    return _train(out, "reverse",
+                  ["train.max_steps=6", "task.min_len=4", "task.max_len=8", "model.d_model=32",
                                    "model.d_ff=64"])
 
 
 @pytest.fixture(scope="session")
 def charlm_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("explore") / "charlm"
-    return _train(out, "charlm", ["train.max_steps=3", "task.context=32", "model.n_layers=2", "model.d_model=32",
+    return _train(out, "charlm",
+                  ["train.max_steps=3", "task.context=32", "model.n_layers=2", "model.d_model=32",
                                   "model.n_heads=2", "train.batch_size=4"])
 
 
@@ -47,11 +49,13 @@ def hf_gpt2(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("explore") / "hf-gpt2"
     bpe = ByteLevelBPETokenizer(add_prefix_space=False)
-    bpe.train_from_iterator([inspect.getsource(inspect)], vocab_size=300, min_frequency=2, show_progress=False)
+    bpe.train_from_iterator([inspect.getsource(inspect)], vocab_size=300, min_frequency=2,
+                            show_progress=False)
     vocab = bpe.get_vocab_size()
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=N_EMBD, n_layer=N_LAYER, n_head=N_HEAD,
-                                  n_positions=N_POSITIONS, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  n_positions=N_POSITIONS, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # HF init is nearly uniform attention; spread the weights so maps have structure
         for p in model.parameters():

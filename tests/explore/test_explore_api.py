@@ -52,7 +52,8 @@ def test_gpt2_folder_maps_equal_transformers_attentions(hf_gpt2, clients):
 def test_causal_rows_sum_to_one_and_zero_above_the_diagonal(charlm_run, clients):
     text = "The return statement"
     data = clients(charlm_run).post("/api/analyze", json={"input": text}).json()
-    assert data["tokens"]["input"] == [c if c != " " else "␣" for c in text]  # one per character, spaces shown
+    # one per character, spaces shown
+    assert data["tokens"]["input"] == [c if c != " " else "␣" for c in text]
     [view] = data["views"]
     assert view["causal"]
     T = len(text)
@@ -80,7 +81,8 @@ def test_encoder_decoder_has_encoder_decoder_and_cross_attention(rev_run, client
             _rows_sum_to_one(m)
     # the encoder sees both ways (its first query attends to later keys); the decoder does not
     assert any(m[0][S - 1] > 0 for heads in enc["layers"] for m in heads)
-    assert all(m[i][j] == 0 for heads in dec["layers"] for m in heads for i in range(T) for j in range(i + 1, T))
+    assert all(m[i][j] == 0 for heads in dec["layers"] for m in heads for i in range(T)
+                   for j in range(i + 1, T))
 
 
 def test_encoder_decoder_default_target_is_the_greedy_output(rev_run, clients):
@@ -142,7 +144,8 @@ def test_generation_matches_transformers_tokens_rows_probabilities(hf_gpt2, clie
 
 def test_kv_cache_bytes_follow_the_formula(hf_gpt2, clients):
     n_new, bs = 9, 4
-    g = clients(hf_gpt2).post("/api/generate", json={"input": TEXT, "max_new_tokens": n_new, "block_size": bs}).json()
+    g = clients(hf_gpt2).post("/api/generate",
+                              json={"input": TEXT, "max_new_tokens": n_new, "block_size": bs}).json()
     T = len(_hf_ids(hf_gpt2, TEXT))
     head_dim, fp32 = N_EMBD // N_HEAD, 4
     assert len(g["steps"]) == n_new
@@ -182,12 +185,14 @@ def test_learned_table_is_the_models_wpe(hf_gpt2, clients):
     wpe = _hf(hf_gpt2).transformer.wpe.weight.detach()
     torch.testing.assert_close(torch.tensor(e["table"], dtype=torch.float64), wpe.double(), atol=1e-4, rtol=0)
     sim = torch.tensor(e["similarity"], dtype=torch.float64)
-    torch.testing.assert_close(sim.diagonal(), torch.ones(N_POSITIONS, dtype=torch.float64), atol=1e-4, rtol=0)
+    torch.testing.assert_close(sim.diagonal(), torch.ones(N_POSITIONS, dtype=torch.float64), atol=1e-4,
+                               rtol=0)
 
 
 def test_sinusoidal_table_is_the_papers_formula(rev_run, clients):
     p = clients(rev_run).get("/api/positions").json()
-    assert [(e["where"], e["kind"]) for e in p["encodings"]] == [("encoder", "sinusoidal"), ("decoder", "sinusoidal")]
+    assert ([(e["where"], e["kind"]) for e in p["encodings"]]
+            == [("encoder", "sinusoidal"), ("decoder", "sinusoidal")])
     t = p["encodings"][0]["table"]
     d = p["encodings"][0]["d_model"]
     for pos in (0, 3, 7):
@@ -203,7 +208,8 @@ def rope_alibi(tmp_path_factory):
 
     folders = {}
     for pos in ("rope", "alibi"):
-        m = qkv.build("gpt-nano", vocab_size=20, n_layers=1, d_model=32, n_heads=4, context_length=16, position=pos)
+        m = qkv.build("gpt-nano", vocab_size=20, n_layers=1, d_model=32, n_heads=4, context_length=16,
+                      position=pos)
         folders[pos] = m.save_pretrained(tmp_path_factory.mktemp(pos))
     return folders
 
@@ -334,8 +340,9 @@ def test_an_input_too_large_to_draw_is_refused_before_computing(rope_alibi, clie
 
     calls = []
     monkeypatch.setattr(adapter, "attention", lambda *a: calls.append(a))
-    monkeypatch.setattr(analysis, "MAX_WEIGHTS", 1 * 4 * 10 * 10 - 1)  # 1 layer x 4 heads x 10 x 10 is one too many
+    # 1 layer x 4 heads x 10 x 10 is one too many
+    monkeypatch.setattr(analysis, "MAX_WEIGHTS", 1 * 4 * 10 * 10 - 1)
     r = clients(rope_alibi["rope"]).post("/api/analyze", json={"input": " ".join(["3"] * 10)})
-    assert r.status_code == 400 and "400 attention weights" in r.json()["error"] and "1 layers x 4 heads x 10 x 10" \
-        in r.json()["error"]
+    assert (r.status_code == 400 and "400 attention weights" in r.json()["error"]
+            and "1 layers x 4 heads x 10 x 10" in r.json()["error"])
     assert calls == []

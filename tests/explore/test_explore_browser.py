@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright (pip, the test extra) is not installed")
+playwright_api = pytest.importorskip("playwright.sync_api",
+                                     reason="playwright (pip, the test extra) is not installed")
 if CHROMIUM is None:
     pytest.skip("no Chromium: `apt-get install -y chromium` (.ci/run installs it)", allow_module_level=True)
 
@@ -120,7 +121,8 @@ def test_page_draws_encoder_decoder_maps_and_highlights(page, rev_server, tmp_pa
     import httpx
 
     src = "31415926"
-    data = httpx.post(rev_server + "api/analyze", json={"input": src}, timeout=TIMEOUT_MS / 1000).json()  # what the page asks
+    # what the page asks
+    data = httpx.post(rev_server + "api/analyze", json={"input": src}, timeout=TIMEOUT_MS / 1000).json()
     page.goto(rev_server)
     page.wait_for_function("window.QKV && window.QKV.info")
     page.fill("#input", src)
@@ -234,7 +236,8 @@ def test_exported_page_works_offline(browser, hf_gpt2, tmp_path):
 def test_vit_patches_drawn_over_the_image(page, tmp_path_factory):
     import qkv
 
-    folder = qkv.build("vit-digits", image_size=16, pooling="cls").save_pretrained(tmp_path_factory.mktemp("vit"))
+    folder = qkv.build("vit-digits", image_size=16,
+                       pooling="cls").save_pretrained(tmp_path_factory.mktemp("vit"))
     url, stop = _serve(folder)
     try:
         page.goto(url)
@@ -256,8 +259,8 @@ def test_vit_patches_drawn_over_the_image(page, tmp_path_factory):
 
 
 def test_an_exported_page_draws_whatever_the_input_holds(browser, hf_gpt2, tmp_path):
-    """Inlined JSON with "<!--<script>" in it put the parser into its double-escaped state: the data script never
-    closed and the page drew nothing (no QKV_EXPORT). Every '<', '>', '&' is now a JSON escape."""
+    """Inlined JSON with "<!--<script>" in it put the parser into its double-escaped state: the data script
+    never closed and the page drew nothing (no QKV_EXPORT). Every '<', '>', '&' is now a JSON escape."""
     from qkv.cli.main import main
 
     text = "a <!--<script> b </script> & c"

@@ -1,4 +1,5 @@
-"""`qkv explore`: the command serves the page on loopback, exports a file, and reports user errors in one line."""
+"""`qkv explore`: the command serves the page on loopback, exports a file, and reports user errors in one
+line."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _free_port() -> int:
 def test_command_serves_the_page_on_loopback(charlm_run):
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "qkv.cli.main", "explore", str(charlm_run), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "qkv.cli.main", "explore", str(charlm_run), "--port",
+                             str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         info = None

@@ -119,9 +119,11 @@ def test_dtmf_run_renders_typed_digits(tmp_path_factory, clients):
     assert data["tokens"]["target"] == ["<bos>", "4", "0", "9", "6"]
     r = c.post("/api/analyze", json={"input": "12x"})
     assert r.status_code == 400 and "'x'" in r.json()["error"]
-    # more digits than the clip holds were cut silently (their tones never reached the model): refused, as a long WAV
+    # more digits than the clip holds were cut silently (their tones never reached the model): refused, as a
+    # long WAV
     r = c.post("/api/analyze", json={"input": "9" * 40})
-    assert r.status_code == 400 and "40 digits: type at most 4 (the task's max_digits" in r.json()["error"], r.text
+    assert (r.status_code == 400
+            and "40 digits: type at most 4 (the task's max_digits" in r.json()["error"]), r.text
 
 
 def test_export_of_image_and_audio_models(folders, tmp_path, capsys):
@@ -134,15 +136,19 @@ def test_export_of_image_and_audio_models(folders, tmp_path, capsys):
         start = html.index("window.QKV_EXPORT = ") + len("window.QKV_EXPORT = ")
         return json.loads(html[start: html.index(";</script>", start)].replace("<\\/", "</"))
 
-    assert main(["explore", str(folders["vit-digits"]), "--input", "7", "--export", str(tmp_path / "vit.html")]) == 0
+    assert main(["explore", str(folders["vit-digits"]), "--input", "7", "--export",
+                 str(tmp_path / "vit.html")]) == 0
     data = exported(tmp_path / "vit.html")
     assert "digit 7" in data["analysis"]["image"]["caption"] and data["generation"] is None
     wav = tmp_path / "a.wav"
     wav.write_bytes(base64.b64decode(_wav(0.4)))
-    assert main(["explore", str(folders["whisper-digits"]), "--wav", str(wav), "--export", str(tmp_path / "w.html")]) == 0
+    assert main(["explore", str(folders["whisper-digits"]), "--wav", str(wav), "--export",
+                 str(tmp_path / "w.html")]) == 0
     data = exported(tmp_path / "w.html")
-    assert data["analysis"]["audio"]["seconds"] == pytest.approx(0.4) and len(data["generation"]["steps"]) >= 1
-    assert main(["explore", str(folders["vit-digits"]), "--input", "cat", "--export", str(tmp_path / "x.html")]) == 2
+    assert (data["analysis"]["audio"]["seconds"] == pytest.approx(0.4)
+            and len(data["generation"]["steps"]) >= 1)
+    assert main(["explore", str(folders["vit-digits"]), "--input", "cat", "--export",
+                 str(tmp_path / "x.html")]) == 2
     assert "index of a built-in image" in capsys.readouterr().err
 
 
@@ -156,7 +162,8 @@ def test_hf_vit_folder_maps_equal_transformers(tmp_path, clients):
 
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                                 num_hidden_layers=2,
                                  num_attention_heads=4, intermediate_size=64, num_labels=10)
     hf = transformers.ViTForImageClassification(cfg).eval()
     with torch.no_grad():

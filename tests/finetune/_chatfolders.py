@@ -12,13 +12,15 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML (Qwen2 / SmolLM style): the end-of-turn token <|im_end|> is the tokenizer's eos
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' "
+          "}}{% endif %}")
 # the same template with the assistant's part marked for transformers' return_assistant_tokens_mask: the
 # independent reference of which tokens carry the loss
 CHATML_GENERATION = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-                     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-                     "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}"
-                     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+                     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + "
+                     "'<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% "
+                     "endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ "
+                     "'<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def write_tokenizer(folder: Path, chat_template: str | None = CHATML, vocab: int = 400) -> dict[str, int]:
@@ -38,15 +40,15 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHATML, vocab: int
 
 
 def _write_tokenizer_config(folder: Path, chat_template: str | None) -> None:
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
-           "pad_token": "<|endoftext|>", "model_max_length": 128}
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+           "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 128}
     if chat_template is not None:
         cfg["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
 
 
-def write_gpt2(folder: Path, chat_template: str | None = CHATML, n_positions: int = 96, init_std: float = 0.02,
-               tokenizer_from: Path | None = None) -> Path:
+def write_gpt2(folder: Path, chat_template: str | None = CHATML, n_positions: int = 96,
+               init_std: float = 0.02, tokenizer_from: Path | None = None) -> Path:
     """A random GPT2LMHeadModel folder; tokenizer_from: copy that folder's tokenizer.json (training one takes
     seconds) and write this folder's own tokenizer_config.json."""
     import shutil

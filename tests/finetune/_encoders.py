@@ -43,9 +43,9 @@ def tokenizer_json(family: str) -> tuple[object, dict[str, int]]:
 
 def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int = 32, max_pos: int = 64,
                 seed: int = 0) -> Path:
-    """A base model (BertModel / RobertaModel / DistilBertModel / DebertaV2Model) folder with its tokenizer.json.
-    DeBERTa's is v3's configuration (relative positions only, shared keys, LayerNorm'd table, no token
-    types) with 8 position buckets, so that the tests' sentences reach the log-bucketed distances."""
+    """A base model (BertModel / RobertaModel / DistilBertModel / DebertaV2Model) folder with its
+    tokenizer.json. DeBERTa's is v3's configuration (relative positions only, shared keys, LayerNorm'd table,
+    no token types) with 8 position buckets, so that the tests' sentences reach the log-bucketed distances."""
     import transformers
 
     tok, vocab = tokenizer_json(family)
@@ -53,19 +53,21 @@ def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int
     if family == "roberta":
         cfg = transformers.RobertaConfig(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
                                          num_attention_heads=4, intermediate_size=2 * width,
-                                         max_position_embeddings=max_pos + 2, type_vocab_size=1, pad_token_id=1,
-                                         bos_token_id=0, eos_token_id=2)
+                                         max_position_embeddings=max_pos + 2, type_vocab_size=1,
+                                         pad_token_id=1, bos_token_id=0, eos_token_id=2)
         model = transformers.RobertaModel(cfg)
     elif family == "distilbert":
         cfg = transformers.DistilBertConfig(vocab_size=len(vocab), dim=width, n_layers=layers, n_heads=4,
-                                            hidden_dim=2 * width, max_position_embeddings=max_pos, pad_token_id=0)
+                                            hidden_dim=2 * width, max_position_embeddings=max_pos,
+                                            pad_token_id=0)
         model = transformers.DistilBertModel(cfg)
     elif family == "deberta":
         cfg = transformers.DebertaV2Config(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
                                            num_attention_heads=4, intermediate_size=2 * width,
                                            max_position_embeddings=max_pos, relative_attention=True,
                                            position_buckets=8, max_relative_positions=max_pos,
-                                           pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
+                                           pos_att_type=["p2c", "c2p"], share_att_key=True,
+                                           norm_rel_ebd="layer_norm",
                                            position_biased_input=False, type_vocab_size=0, pad_token_id=0)
         model = transformers.DebertaV2Model(cfg)
     else:
@@ -76,9 +78,11 @@ def make_folder(path: Path, family: str = "bert", *, layers: int = 2, width: int
     model.save_pretrained(path)
     # as a real folder has them: tokenizer.json + tokenizer_config.json + special_tokens_map.json
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, **({"cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+        tokenizer_object=tok,
+        **({"cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
                                  if family == "roberta" else
-                                 {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]"}))
+                                 {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+                                  "unk_token": "[UNK]"}))
     fast.save_pretrained(path)
     return path
 
@@ -106,8 +110,9 @@ def write_csv(path: Path, rows: list[dict[str, str]], sep: str = ",") -> Path:
 
 
 def conll_sentences(n: int, seed: int) -> list[list[tuple[str, str]]]:
-    """Synthetic NER: filler words (O) with one- or two-word entities of three types (B-/I- tags); a second word
-    comes from the type's continuation words (like "Smith" after a first name), so every tag is learnable."""
+    """Synthetic NER: filler words (O) with one- or two-word entities of three types (B-/I- tags); a second
+    word comes from the type's continuation words (like "Smith" after a first name), so every tag is
+    learnable."""
     rng = random.Random(seed)
     types = {"PER": ENTITY[0:2], "LOC": ENTITY[2:4], "ORG": ENTITY[4:6]}
     out = []

@@ -6,7 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _chatfolders import CHATML, CHATML_GENERATION, _write_tokenizer_config, write_gpt2, write_tokenizer  # noqa: F401
+from _chatfolders import (  # noqa: F401
+    CHATML,
+    CHATML_GENERATION,
+    _write_tokenizer_config,
+    write_gpt2,
+    write_tokenizer,
+)
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +33,8 @@ def gpt2_chat_lora(tmp_path_factory, gpt2_chat) -> Path:
 def gpt2_plain(tmp_path_factory, gpt2_chat) -> Path:
     """The same model without a chat template."""
     pytest.importorskip("transformers")
-    return write_gpt2(tmp_path_factory.mktemp("gpt2_plain") / "model", chat_template=None, tokenizer_from=gpt2_chat)
+    return write_gpt2(tmp_path_factory.mktemp("gpt2_plain") / "model", chat_template=None,
+                      tokenizer_from=gpt2_chat)
 
 
 @pytest.fixture(scope="session")

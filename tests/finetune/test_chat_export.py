@@ -37,8 +37,8 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_out_holds_the_best_dev_loss_weights(gpt2_chat, tmp_path, capsys, monkeypatch, lora):
-    """The first evaluation (step 2) stays the best: OUT holds step 2's weights, not step 4's (it held the last
-    step's while the log said "best eval loss at step 2")."""
+    """The first evaluation (step 2) stays the best: OUT holds step 2's weights, not step 4's (it held the
+    last step's while the log said "best eval loss at step 2")."""
     monkeypatch.setattr(Trainer, "_is_better", lambda self, value, than: than is None)
     data = write_jsonl(tmp_path / "train.jsonl", chats())
     dev = write_jsonl(tmp_path / "dev.jsonl", chats(with_system=False)[:2])
@@ -51,8 +51,8 @@ def test_out_holds_the_best_dev_loss_weights(gpt2_chat, tmp_path, capsys, monkey
     best = _weights_of(out / "checkpoints" / "best", gpt2_chat, lora)
     last = _weights_of(latest_checkpoint(out / "checkpoints"), gpt2_chat, lora)
     assert _same(exported, best) and not _same(exported, last)
-    assert f"model folder: {out} (Hugging Face gpt2 format{', LoRA merged' if lora else ''}): the weights of " \
-           "step 2, the best dev loss (" in report and "the last step, 4, is in " in report
+    assert (f"model folder: {out} (Hugging Face gpt2 format{', LoRA merged' if lora else ''}): the weights "
+            "of step 2, the best dev loss (" in report and "the last step, 4, is in " in report)
     assert json.loads((out / "finetune.json").read_text())["exported_step"] == 2
 
 
@@ -86,11 +86,12 @@ def _args(tmp_path, overrides: list[str], epochs: float | None) -> argparse.Name
 
 
 def test_a_handful_of_steps_is_warned_about(tmp_path):
-    """50 conversations at batch 8 are 7 updates an epoch: LoRA at its defaults barely moved the loss, silently.
-    Steps set by --epochs below FEW_STEPS are a warning that says how many epochs would do; steps the user set
-    with train.max_steps are not."""
-    with pytest.warns(UserWarning, match=r"1 epoch\(s\) of 50 conversation\(s\) at batch 8 is 7 optimizer step\(s\), "
-                                         r"too few to learn much: pass --epochs 8 \(~56 steps\).*all-linear"):
+    """50 conversations at batch 8 are 7 updates an epoch: LoRA at its defaults barely moved the loss,
+    silently. Steps set by --epochs below FEW_STEPS are a warning that says how many epochs would do; steps
+    the user set with train.max_steps are not."""
+    with pytest.warns(UserWarning,
+                      match=r"1 epoch\(s\) of 50 conversation\(s\) at batch 8 is 7 optimizer step\(s\), "
+                            r"too few to learn much: pass --epochs 8 \(~56 steps\).*all-linear"):
         assert _train_config(_args(tmp_path, [], None), n_train=50, n_dev=0, lora=True).max_steps == 7
     with warnings.catch_warnings():
         warnings.simplefilter("error")

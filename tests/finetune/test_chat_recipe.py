@@ -41,7 +41,8 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 CONVERSATION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What do bees make?"},
-                {"role": "assistant", "content": "Honey, mostly."}, {"role": "user", "content": "And  é 日本?"},
+                {"role": "assistant", "content": "Honey, mostly."},
+                {"role": "user", "content": "And  é 日本?"},
                 {"role": "assistant", "content": "  Nothing else.  "}]
 
 
@@ -54,8 +55,8 @@ def test_labels_are_exactly_the_assistant_tokens(gpt2_chat, chatml_generation):
     tok = load_hf_tokenizer(gpt2_chat)
     assert tok.apply_chat_template(CONVERSATION) == hf.apply_chat_template(CONVERSATION, tokenize=False)
     ids, labels = encode_chat(tok, CONVERSATION)
-    ref = hf.apply_chat_template(CONVERSATION, chat_template=chatml_generation, tokenize=True, return_dict=True,
-                                 return_assistant_tokens_mask=True)
+    ref = hf.apply_chat_template(CONVERSATION, chat_template=chatml_generation, tokenize=True,
+                                 return_dict=True, return_assistant_tokens_mask=True)
     assert ids == ref["input_ids"]
     mask = ref["assistant_masks"]
     assert sum(mask) > 0
@@ -71,7 +72,8 @@ def test_plain_fallback_without_a_template(gpt2_plain):
             {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Sure?"},
             {"role": "assistant", "content": "No."}]
     ids, labels = encode_chat(tok, msgs)
-    assert tok.decode(ids) == "Be brief.\n\nUser: Hi?\nAssistant: Yes.<|im_end|>\nUser: Sure?\nAssistant: No.<|im_end|>"
+    assert (tok.decode(ids)
+            == "Be brief.\n\nUser: Hi?\nAssistant: Yes.<|im_end|>\nUser: Sure?\nAssistant: No.<|im_end|>")
     assert tok.decode([i for i in labels if i != IGNORE]) == " Yes.<|im_end|> No.<|im_end|>"
     # the prompt qkv chat builds for the first turn is exactly the start of the training text
     from qkv.chat import ChatSession
@@ -118,7 +120,8 @@ def _answer_qkv(folder: Path, question: str, system: str | None = None) -> str:
     return tok.decode(out[0, len(prompt):].tolist(), skip_special_tokens=True)
 
 
-def test_full_finetuning_learns_the_answers_and_saves_a_folder_both_libraries_load(gpt2_chat, tmp_path, capsys):
+def test_full_finetuning_learns_the_answers_and_saves_a_folder_both_libraries_load(gpt2_chat, tmp_path,
+                                                                                   capsys):
     import transformers
 
     data = write_jsonl(tmp_path / "train.jsonl", chats())
@@ -140,7 +143,9 @@ def test_full_finetuning_learns_the_answers_and_saves_a_folder_both_libraries_lo
     assert _answer_qkv(out, "What do bees make?", SYSTEM) == "Honey."
     assert _answer_qkv(out, "What is the opposite of hot?") == "Cold."
     capsys.readouterr()
-    assert main(["chat", str(out), "--message", "Which planet is red?", "--greedy", "--max-new-tokens", "16"]) == 0  # the shipped command
+    # the shipped command
+    assert main(["chat", str(out), "--message", "Which planet is red?", "--greedy", "--max-new-tokens",
+                 "16"]) == 0
     assert capsys.readouterr().out.strip() == "Mars."
     # transformers loads the folder: same logits, and its tokenizer renders the same chat
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -151,7 +156,8 @@ def test_full_finetuning_learns_the_answers_and_saves_a_folder_both_libraries_lo
     assert hf_tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False) == \
         tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     settings = json.loads((out / "finetune.json").read_text())
-    assert settings["examples"] == len(chats()) and settings["lora"] is None and settings["format"] == "hf:gpt2"
+    assert (settings["examples"] == len(chats()) and settings["lora"] is None
+            and settings["format"] == "hf:gpt2")
     assert hf.config.eos_token_id == tok.eos_token_id  # the source's token ids, not the exporter's defaults
 
 
@@ -179,7 +185,8 @@ def test_lora_trains_only_adapters_and_merges_on_save(gpt2_chat_lora, tmp_path, 
     for k in sd_base:
         if "norm" in k or "emb" in k or k.endswith("bias"):
             assert torch.equal(sd_base[k], sd_tuned[k]), k
-    assert not torch.equal(sd_base["decoder.blocks.0.attn.qkv_proj.weight"], sd_tuned["decoder.blocks.0.attn.qkv_proj.weight"])
+    assert not torch.equal(sd_base["decoder.blocks.0.attn.qkv_proj.weight"],
+                           sd_tuned["decoder.blocks.0.attn.qkv_proj.weight"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     x = torch.tensor([ex[0].input_ids])
     with torch.no_grad():
@@ -196,8 +203,8 @@ def test_lora_on_a_llama_folder_round_trips_through_transformers(llama_chat, tmp
     data = write_jsonl(tmp_path / "train.jsonl", chats())
     out = tmp_path / "llama"
     assert _finetune(llama_chat, data, out, "--lora", "--lora-rank", "4", "--lora-targets",
-                     "q_proj,v_proj,o_proj,lm_head", "--lora-dropout", "0", "train.max_steps=60", "train.lr=1e-2",
-                     "train.warmup=5") == 0
+                     "q_proj,v_proj,o_proj,lm_head", "--lora-dropout", "0", "train.max_steps=60",
+                     "train.lr=1e-2", "train.warmup=5") == 0
     report = capsys.readouterr().out
     # per layer q (64 -> 64), v (64 -> 32: 2 kv heads of 16), o (64 -> 64); the head (64 -> 400) once
     expected = 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 64)) + 4 * (64 + 400)
@@ -213,16 +220,20 @@ def test_lora_on_a_llama_folder_round_trips_through_transformers(llama_chat, tmp
         torch.testing.assert_close(hf(x).logits, tuned(x).logits, atol=1e-4, rtol=1e-4)
     sd_base, sd_tuned = base.state_dict(), tuned.state_dict()
     changed = {k for k in sd_base if not torch.equal(sd_base[k], sd_tuned[k])}
-    assert changed == {"lm_head.weight", "decoder.blocks.0.attn.qkv_proj.weight", "decoder.blocks.1.attn.qkv_proj.weight",
+    assert changed == {"lm_head.weight", "decoder.blocks.0.attn.qkv_proj.weight",
+                       "decoder.blocks.1.attn.qkv_proj.weight",
                        "decoder.blocks.0.attn.out_proj.weight", "decoder.blocks.1.attn.out_proj.weight"}
     # inside the fused projection only the q and v rows moved, not k's
-    w0, w1 = sd_base["decoder.blocks.0.attn.qkv_proj.weight"], sd_tuned["decoder.blocks.0.attn.qkv_proj.weight"]
-    assert torch.equal(w0[64:96], w1[64:96]) and not torch.equal(w0[:64], w1[:64]) and not torch.equal(w0[96:], w1[96:])
+    w0, w1 = (sd_base["decoder.blocks.0.attn.qkv_proj.weight"],
+              sd_tuned["decoder.blocks.0.attn.qkv_proj.weight"])
+    assert (torch.equal(w0[64:96], w1[64:96]) and not torch.equal(w0[:64], w1[:64])
+            and not torch.equal(w0[96:], w1[96:]))
 
 
 def test_resume_continues_exactly(gpt2_chat, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", chats())
-    # a constant LR: the schedule then does not depend on max_steps, which the first half of b stops early with
+    # a constant LR: the schedule then does not depend on max_steps, which the first half of b stops early
+    # with
     args = ("--lora", "--lora-targets", "q,v", "train.lr=1e-2", "train.batch_size=4", "train.save_every=3",
             "train.log_every=1", "train.schedule=constant", "train.warmup=0", "train.max_steps=6")
     assert _finetune(gpt2_chat, data, tmp_path / "a", *args) == 0
@@ -230,7 +241,8 @@ def test_resume_continues_exactly(gpt2_chat, tmp_path):
     assert _finetune(gpt2_chat, data, tmp_path / "b", *args, "--resume") == 0
 
     def losses(run):
-        return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()
+                    if '"loss"' in x]
 
     assert losses(tmp_path / "a")[-3:] == losses(tmp_path / "b")[-3:]
     from safetensors.torch import load_file
@@ -260,7 +272,8 @@ def test_one_seed_one_run_in_new_processes(gpt2_chat, tmp_path):
 @pytest.mark.parametrize("content,message", [
     (b"", "the file is empty"),
     (b"\n\n", "the file is empty"),
-    (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"text": 1}\n',
+    (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"text": '
+     b'1}\n',
      ":2: missing 'messages'"),
     (b'{"messages": [{"role": "bot", "content": "hi"}]}\n', ":1: message 0 has unknown role 'bot'"),
     (b'{"messages": [{"role": "user", "content": "hi"}]}\n', ":1: no assistant message"),
@@ -293,7 +306,8 @@ def test_too_long_is_an_error_or_a_counted_skip(gpt2_chat, tmp_path, capsys):
     assert _finetune(gpt2_chat, data, tmp_path / "o2", "--too-long", "skip", "--dev", str(dev),
                      "train.max_steps=1") == 0
     out = capsys.readouterr().out
-    assert f"skipped 2 dev record(s) over 96 tokens ({dev} lines 1, 2); no dev record is left: no dev loss" in out
+    assert (f"skipped 2 dev record(s) over 96 tokens ({dev} lines 1, 2); no dev record is left: no dev loss"
+            in out)
 
 
 def test_bad_system_and_max_length_are_refused(gpt2_chat, tmp_path, capsys):
@@ -321,8 +335,8 @@ def test_bad_flags_and_out_folders(gpt2_chat, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_lora_under_torchrun_ddp_and_fsdp_give_the_same_folder(gpt2_chat, tmp_path, torchrun):
-    """The recipe under torchrun (2 CPU processes, gloo): DDP and FSDP2 train the same adapters, and under FSDP
-    the sharded model is rebuilt on rank 0 from the full checkpoint before merging and saving."""
+    """The recipe under torchrun (2 CPU processes, gloo): DDP and FSDP2 train the same adapters, and under
+    FSDP the sharded model is rebuilt on rank 0 from the full checkpoint before merging and saving."""
     from safetensors.torch import load_file
 
     data = write_jsonl(tmp_path / "d.jsonl", chats())
@@ -332,19 +346,21 @@ def test_lora_under_torchrun_ddp_and_fsdp_give_the_same_folder(gpt2_chat, tmp_pa
                       "train.batch_size=2", "train.lr=1e-2", f"train.distributed={mode}", "train.plot=false",
                       "train.tensorboard=false"])
         assert f"distributed {mode} x2" in r.stderr
-    a, b = load_file(tmp_path / "ddp" / "model.safetensors"), load_file(tmp_path / "fsdp" / "model.safetensors")
+    a, b = (load_file(tmp_path / "ddp" / "model.safetensors"),
+            load_file(tmp_path / "fsdp" / "model.safetensors"))
     base = load_file(gpt2_chat / "model.safetensors")
     assert set(a) == set(b)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
-    assert not torch.equal(a["transformer.h.0.attn.c_attn.weight"], base["transformer.h.0.attn.c_attn.weight"])
+    assert not torch.equal(a["transformer.h.0.attn.c_attn.weight"],
+                           base["transformer.h.0.attn.c_attn.weight"])
     assert torch.equal(a["transformer.wte.weight"], base["transformer.wte.weight"])  # frozen under LoRA
 
 
 def test_sliding_window_is_the_length_limit(gpt2_chat, tmp_path, capsys):
     """A Mistral folder whose sliding window (24) is shorter than its context (96): the model refuses longer
-    sequences, so the recipe's default --max-length and its upper bound are the window, checked before training
-    (it used to check against 96 and die mid-run with a partial OUT)."""
+    sequences, so the recipe's default --max-length and its upper bound are the window, checked before
+    training (it used to check against 96 and die mid-run with a partial OUT)."""
     import shutil
 
     import transformers
@@ -357,7 +373,8 @@ def test_sliding_window_is_the_length_limit(gpt2_chat, tmp_path, capsys):
     _write_tokenizer_config(folder, CHATML)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     torch.manual_seed(0)
-    cfg = transformers.MistralConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = transformers.MistralConfig(vocab_size=400, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
                                      sliding_window=24, eos_token_id=tok.token_to_id("<|im_end|>"))
     transformers.MistralForCausalLM(cfg).save_pretrained(folder)
@@ -374,14 +391,16 @@ def test_sliding_window_is_the_length_limit(gpt2_chat, tmp_path, capsys):
 
 
 def test_resume_refuses_other_lora_settings(gpt2_chat, tmp_path, capsys):
-    """A different rank would not fit the checkpoint, but a different alpha (the update's scale) loaded silently
-    and trained another function; full fine-tuning vs LoRA likewise. Refused before anything is written."""
+    """A different rank would not fit the checkpoint, but a different alpha (the update's scale) loaded
+    silently and trained another function; full fine-tuning vs LoRA likewise. Refused before anything is
+    written."""
     data = write_jsonl(tmp_path / "d.jsonl", chats())
     args = ("--lora", "train.max_steps=1", "train.batch_size=2")
     assert _finetune(gpt2_chat, data, tmp_path / "o", *args) == 0
     capsys.readouterr()
     for extra, message in ((("--lora", "--lora-alpha", "32"), "trained with --lora-alpha 16, not 32"),
-                           (("--lora", "--lora-targets", "q,k,v"), "trained with --lora-targets q,v, not q,k,v"),
+                           (("--lora", "--lora-targets", "q,k,v"),
+                            "trained with --lora-targets q,v, not q,k,v"),
                            ((), "is a LoRA run; pass --lora and its settings")):
         assert _finetune(gpt2_chat, data, tmp_path / "o", *extra, "train.max_steps=2", "--resume") == 2
         err = capsys.readouterr().err.strip()

@@ -40,8 +40,10 @@ def test_classify_learns_and_round_trips(bert, tmp_path, capsys):
     dev_rows = sentiment_rows(80, 2)
     dev = write_csv(tmp_path / "dev.csv", dev_rows)
     out = tmp_path / "out"
-    rc = main(["finetune", str(bert), "--task", "classify", "--data", str(train), "--dev", str(dev), "--out", str(out),
-               "--epochs", "6", "--no-progress", "train.lr=2e-3", "train.warmup=0.1", "train.tensorboard=false"])
+    rc = main(["finetune", str(bert), "--task", "classify", "--data", str(train), "--dev", str(dev), "--out",
+               str(out),
+               "--epochs", "6", "--no-progress", "train.lr=2e-3", "train.warmup=0.1",
+               "train.tensorboard=false"])
     assert rc == 0
     report = capsys.readouterr().out
     result = json.loads((out / "finetune.json").read_text())
@@ -68,7 +70,8 @@ def test_pairs_jsonl_ids_and_truncation(family, tmp_path):
     the saved folder is the family's sequence classifier with the same logits in transformers."""
     folder = make_folder(tmp_path / family, family, max_pos=16)
     rng = random.Random(0)
-    rows = [{"a": " ".join(rng.choices(["w1", "w2", "good"], k=3)), "b": "w3 bad", "y": i % 3} for i in range(12)]
+    rows = [{"a": " ".join(rng.choices(["w1", "w2", "good"], k=3)), "b": "w3 bad", "y": i % 3}
+                for i in range(12)]
     rows[5]["a"] = " ".join(["w7"] * 40)  # over the 16-token context
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -87,7 +90,8 @@ def test_pairs_jsonl_ids_and_truncation(family, tmp_path):
 
 
 @pytest.mark.parametrize("rows, flags, message", [
-    ([{"text": "w1 good", "label": "pos"}], ["--label-column", "y"], "no label column 'y' (columns: text, label)"),
+    ([{"text": "w1 good", "label": "pos"}], ["--label-column", "y"],
+     "no label column 'y' (columns: text, label)"),
     ([{"text": "w1 good", "label": "pos"}, {"text": "", "label": "neg"}], [], "line 3: empty text ('text')"),
     ([{"text": "w1 good", "label": "pos"}, {"text": "w2", "label": "neg"}], ["--dev", "DEV"],
      "label 'maybe' does not occur in the training data"),
@@ -98,8 +102,8 @@ def test_bad_data_is_one_line_and_exit_2(bert, tmp_path, capsys, rows, flags, me
     data = write_csv(tmp_path / "t.tsv", rows, sep="\t")
     dev = write_csv(tmp_path / "dev.csv", [{"text": "w3", "label": "maybe"}])
     flags = [str(dev) if f == "DEV" else f for f in flags]
-    assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out", str(tmp_path / "o"),
-                 "--no-progress", *flags]) == 2
+    assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out",
+                 str(tmp_path / "o"), "--no-progress", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("qkv: error:") and message in err and len(err.splitlines()) == 1
 
@@ -116,7 +120,8 @@ def test_scores_match_scikit_learn():
 
 
 def test_same_seed_same_weights_and_resume(bert, tmp_path):
-    """One seed, the same run (head init, data order, dropout); --resume continues from the last checkpoint."""
+    """One seed, the same run (head init, data order, dropout); --resume continues from the last
+    checkpoint."""
     from safetensors.torch import load_file
 
     data = write_csv(tmp_path / "t.csv", sentiment_rows(40, 4))
@@ -128,7 +133,8 @@ def test_same_seed_same_weights_and_resume(bert, tmp_path):
     a, b = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert main(["finetune", str(bert), "--out", str(tmp_path / "c"), *common, "train.max_steps=2"]) == 0
-    assert main(["finetune", str(bert), "--out", str(tmp_path / "c"), *common, "--resume", "train.max_steps=4"]) == 0
+    assert main(["finetune", str(bert), "--out", str(tmp_path / "c"), *common, "--resume",
+                 "train.max_steps=4"]) == 0
     assert "resumed from" in (tmp_path / "c" / "train.log").read_text()
     c = load_file(str(tmp_path / "c" / "model.safetensors"))
     assert all(torch.allclose(a[k], c[k], atol=1e-6) for k in a)  # 2 + 2 steps == 4 steps
@@ -137,26 +143,30 @@ def test_same_seed_same_weights_and_resume(bert, tmp_path):
 @pytest.mark.parametrize("content, message", [
     # a row with more fields than the header: the label used to become a text fragment, or (a row with empty
     # fields) an AttributeError traceback
-    ('text,label\n"w1 good",pos\nw2 bad,neg,extra\n', "t.csv line 3: 3 fields, the header has 2 (quote texts that "
+    ('text,label\n"w1 good",pos\nw2 bad,neg,extra\n',
+     "t.csv line 3: 3 fields, the header has 2 (quote texts that "
      "contain commas)"),
     ("text,label\nw1 good,pos\nw2 bad,neg\n,,x\n", "t.csv line 4: 3 fields, the header has 2"),
     ('text,label\n"w1 good",pos\n"w2 bad"\n', "t.csv line 3: 1 fields, the header has 2"),
-    ("text,label\nw1 good,pos\nw2 caf\xe9,neg\n".encode("latin-1"), "t.csv line 3: not UTF-8 text (byte 0xe9"),
-    ("text,label\nw1 good,pos\n" + "w1 " * 80 + ",neg\n", "t.csv line 3: 1 example(s) longer than the model's context of 64 tokens (this is the first, 82 tokens)"),
+    ("text,label\nw1 good,pos\nw2 caf\xe9,neg\n".encode("latin-1"),
+     "t.csv line 3: not UTF-8 text (byte 0xe9"),
+    ("text,label\nw1 good,pos\n" + "w1 " * 80 + ",neg\n",
+     "t.csv line 3: 1 example(s) longer than the model's context of 64 tokens (this is the first, 82 "
+     "tokens)"),
 ])
 def test_csv_rows_are_checked_against_the_header(bert, tmp_path, capsys, content, message):
     data = tmp_path / "t.csv"
     data.write_bytes(content if isinstance(content, bytes) else content.encode())
-    assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out", str(tmp_path / "o"),
-                 "--no-progress", "--too-long", "error"]) == 2
+    assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out",
+                 str(tmp_path / "o"), "--no-progress", "--too-long", "error"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("qkv: error:") and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
 
 
 def test_byte_order_mark_and_unicode_digits_in_labels(tmp_path):
-    """A CSV saved with a UTF-8 byte order mark (Excel) has the header 'text', not '\\ufefftext'; a label such as
-    '²' (a digit to str.isdigit, not to int) is a name, not an id."""
+    """A CSV saved with a UTF-8 byte order mark (Excel) has the header 'text', not '\\ufefftext'; a label such
+    as '²' (a digit to str.isdigit, not to int) is a name, not an id."""
     from qkv.finetune.encoders import read_records
 
     data = tmp_path / "bom.csv"
@@ -172,7 +182,8 @@ def test_json_labels_are_strings_or_integers(bert, tmp_path, capsys):
     """JSON labels 1 and 1.0 are one class (it trained '0', '1', '1.0'), said in a warning; a list, an object,
     a boolean or a fractional float is an error naming its line (it trained classes such as '[1]')."""
     data = tmp_path / "d.jsonl"
-    rows = [{"text": "w1 good", "label": 1}, {"text": "w2 bad", "label": 0}, {"text": "w1 good", "label": 1.0}]
+    rows = [{"text": "w1 good", "label": 1}, {"text": "w2 bad", "label": 0},
+            {"text": "w1 good", "label": 1.0}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
     out = tmp_path / "out"
     assert main(["finetune", str(bert), "--task", "classify", "--data", str(data), "--out", str(out),

@@ -59,7 +59,8 @@ def test_classify(deberta, tmp_path, capsys):
     result = json.loads((out / "finetune.json").read_text())
     assert "deberta-v2" in report and result["dev"]["accuracy"] >= 0.9, report
     ids, mask = _encode(out, [r["text"] for r in dev_rows])  # the tokenizer travelled with the model
-    hf, ref = _same_logits(out, "AutoModelForSequenceClassification", "DebertaV2ForSequenceClassification", ids, mask)
+    hf, ref = _same_logits(out, "AutoModelForSequenceClassification", "DebertaV2ForSequenceClassification",
+                           ids, mask)
     assert hf.config.id2label == {0: "neg", 1: "pos"} and hf.config.pooler_hidden_act == "gelu"
     gold = torch.tensor([r["label"] == "pos" for r in dev_rows]).long()
     assert (ref.argmax(-1) == gold).float().mean() == pytest.approx(result["dev"]["accuracy"])
@@ -103,8 +104,9 @@ def test_embed(deberta, tmp_path, capsys):
 
 
 def test_a_sentencepiece_only_folder(tmp_path, capsys):
-    """A folder with only DeBERTa-v3's spm.model is refused with the one-line conversion; after it (transformers
-    writes tokenizer.json) `qkv embed` reads the texts as transformers' SentencePiece tokenizer does."""
+    """A folder with only DeBERTa-v3's spm.model is refused with the one-line conversion; after it
+    (transformers writes tokenizer.json) `qkv embed` reads the texts as transformers' SentencePiece tokenizer
+    does."""
     spm = pytest.importorskip("sentencepiece")
     import io
     import shutil
@@ -114,9 +116,11 @@ def test_a_sentencepiece_only_folder(tmp_path, capsys):
         (folder / name).unlink(missing_ok=True)
     texts = [r["text"] for r in sentiment_rows(40, 7)]
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(  # DeBERTa-v3's special pieces and ids; 60 pieces + [MASK] fit the model's 65
+    # DeBERTa-v3's special pieces and ids; 60 pieces + [MASK] fit the model's 65
+    spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=buf, vocab_size=60, hard_vocab_limit=False, pad_id=0,
-        bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]", unk_piece="[UNK]")
+        bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]",
+        unk_piece="[UNK]")
     (folder / "spm.model").write_bytes(buf.getvalue())
     (tmp_path / "texts.txt").write_text("\n".join(texts[:6]) + "\n")
     out = tmp_path / "emb.npy"
@@ -126,8 +130,10 @@ def test_a_sentencepiece_only_folder(tmp_path, capsys):
     assert "spm.model" in err and "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)" in err
     assert not out.exists()
 
-    sp = spm.SentencePieceProcessor(model_file=str(folder / "spm.model"))  # the reference: the pieces' own ids
-    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)  # the conversion the error names
+    # the reference: the pieces' own ids
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "spm.model"))
+    # the conversion the error names
+    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
     assert (folder / "tokenizer.json").is_file()
     assert main(args) == 0
     hf = transformers.AutoModel.from_pretrained(folder).eval()

@@ -1,4 +1,5 @@
-"""`qkv finetune` dispatch: the recipe follows --task or the model's kind, and a mismatch is one clear error."""
+"""`qkv finetune` dispatch: the recipe follows --task or the model's kind, and a mismatch is one clear
+error."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def fake_recipes(monkeypatch):
     monkeypatch.setattr(ft, "_RECIPES", {})
     monkeypatch.setattr(ft, "_load_all", lambda: None)
     for name, kinds in (("chat", ("decoder",)), ("classify", ("encoder",))):
-        ft.register_recipe(ft.Recipe(name, kinds, f"{name} recipe", lambda a, n=name: calls.append(n) or {"report": n}))
+        ft.register_recipe(ft.Recipe(name, kinds, f"{name} recipe",
+                                     lambda a, n=name: calls.append(n) or {"report": n}))
     return calls
 
 
@@ -37,7 +39,8 @@ def test_mismatches_are_one_clear_error(fake_recipes):
 def test_cli_missing_files_exit_2(fake_recipes, tmp_path, capsys):
     assert main(["finetune", str(tmp_path / "nope"), "--data", "x.jsonl", "--out", str(tmp_path / "o")]) == 2
     assert "model folder not found" in capsys.readouterr().err
-    assert main(["finetune", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert main(["finetune", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), "--out",
+                 str(tmp_path / "o")]) == 2
     assert "data file not found" in capsys.readouterr().err
 
 
@@ -45,7 +48,8 @@ def test_cli_runs_the_recipe_of_the_model_kind(fake_recipes, tmp_path, monkeypat
     (tmp_path / "d.jsonl").write_text("{}\n")
     (tmp_path / "m").mkdir()
     monkeypatch.setattr(ft, "model_kind", lambda folder: "encoder")
-    assert main(["finetune", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o")]) == 0
+    assert main(["finetune", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl"), "--out",
+                 str(tmp_path / "o")]) == 0
     assert fake_recipes == ["classify"] and capsys.readouterr().out.strip() == "classify"
 
 
@@ -70,9 +74,11 @@ def test_model_kind_of_a_qkv_folder(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, flags, message", [
-    ("bert", ["--task", "classify", "--lora"], "--lora is not supported by --task classify (it is a --task chat flag)"),
+    ("bert", ["--task", "classify", "--lora"],
+     "--lora is not supported by --task classify (it is a --task chat flag)"),
     ("t5", ["--lora", "--lora-rank", "4"], "--lora is not supported by --task seq2seq"),
-    ("gpt2", ["--batch-size", "4"], "--batch-size is not supported by --task chat (it is a --task seq2seq flag); "
+    ("gpt2", ["--batch-size", "4"],
+     "--batch-size is not supported by --task chat (it is a --task seq2seq flag); "
      "set train.batch_size=... instead"),
     ("bert", ["--task", "tag", "--text-column", "t"], "--text-column is not supported by --task tag"),
     ("t5", ["--tag-column", "1"], "--tag-column is not supported by --task seq2seq"),
@@ -88,7 +94,8 @@ def test_flags_of_another_recipe_are_refused(tmp_path, capsys, model_type, flags
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": model_type}))  # no weights: never loaded
     (tmp_path / "d.txt").write_text("x\n")
-    rc = main(["finetune", str(folder), "--data", str(tmp_path / "d.txt"), "--out", str(tmp_path / "o"), *flags])
+    rc = main(["finetune", str(folder), "--data", str(tmp_path / "d.txt"), "--out", str(tmp_path / "o"),
+               *flags])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("qkv: error: ") and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
@@ -100,7 +107,9 @@ def test_recipe_flags_get_their_defaults_when_not_given(tmp_path):
     p = argparse.ArgumentParser()
     ft.add_arguments(p)
     args = p.parse_args([str(tmp_path), "--data", "d", "--out", "o"])
-    assert args.lora is None and args.batch_size is None and args.text_column is None  # what the user set: nothing
+    # what the user set: nothing
+    assert args.lora is None and args.batch_size is None and args.text_column is None
     ft.resolve_flags(args, "seq2seq")
-    assert (args.batch_size, args.lr, args.num_beams, args.lora, args.text_column) == (16, 3e-4, 1, False, "text")
+    assert ((args.batch_size, args.lr, args.num_beams, args.lora, args.text_column)
+            == (16, 3e-4, 1, False, "text"))
     assert args.given_flags == set()

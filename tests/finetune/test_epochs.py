@@ -1,6 +1,6 @@
-"""--epochs counts the sequences of every rank: under torchrun each update reads batch_size x grad_accum sequences
-on each of WORLD_SIZE ranks, so an epoch has that many times fewer updates (every recipe: one helper, after the
-train.key=value overrides)."""
+"""--epochs counts the sequences of every rank: under torchrun each update reads batch_size x grad_accum
+sequences on each of WORLD_SIZE ranks, so an epoch has that many times fewer updates (every recipe: one
+helper, after the train.key=value overrides)."""
 
 from __future__ import annotations
 
@@ -35,10 +35,13 @@ def test_an_epoch_is_all_ranks_sequences(tmp_path, monkeypatch, world, accum):
     assert enc.max_steps == 2 * math.ceil(n / per_update)
 
 
-@pytest.mark.parametrize("over, steps", [([], 1), (["train.batch_size=4"], 4), (["train.batch_size=4", "train.grad_accum=2"], 2)])
+@pytest.mark.parametrize("over, steps",
+                         [([], 1), (["train.batch_size=4"], 4),
+                          (["train.batch_size=4", "train.grad_accum=2"], 2)])
 def test_seq2seq_epochs_follow_the_batch_overrides(tmp_path, capsys, monkeypatch, over, steps):
     """seq2seq turned --epochs into steps with its --batch-size (16) even when train.batch_size /
-    train.grad_accum changed the batch the Trainer reads: 16 pairs at 4 a batch are 4 updates an epoch, not 1."""
+    train.grad_accum changed the batch the Trainer reads: 16 pairs at 4 a batch are 4 updates an epoch, not
+    1."""
     pytest.importorskip("transformers")
     from test_seq2seq_recipe import _pairs, _t5_folder, _words
 
@@ -48,6 +51,7 @@ def test_seq2seq_epochs_follow_the_batch_overrides(tmp_path, capsys, monkeypatch
     model = _t5_folder(tmp_path / "t5")
     data = _pairs(tmp_path / "d.tsv", _words(16, 0))
     capsys.readouterr()
-    assert main(["finetune", str(model), "--task", "seq2seq", "--data", str(data), "--out", str(tmp_path / "o"),
+    assert main(["finetune", str(model), "--task", "seq2seq", "--data", str(data), "--out",
+                 str(tmp_path / "o"),
                  "--epochs", "1", "--no-progress", "train.plot=false", "train.tensorboard=false", *over]) == 0
     assert f"(1 epochs, {steps} steps)" in capsys.readouterr().out

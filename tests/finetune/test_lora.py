@@ -40,7 +40,8 @@ def _perturb(model) -> None:
     # the formula r * (in + out) per adapted matrix, written from the shapes, not read from the code
     (["q", "v"], None, [(D, D), (D, D)]),
     (["q_proj", "k_proj", "v_proj", "o_proj"], 2, [(D, D), (D, D // 2), (D, D // 2), (D, D)]),  # GQA 2:1
-    # all-linear: the fused qkv_proj as its q, k, v slices (the HF model's q_proj, k_proj, v_proj), not one adapter
+    # all-linear: the fused qkv_proj as its q, k, v slices (the HF model's q_proj, k_proj, v_proj), not one
+    # adapter
     (["all-linear"], None, [(D, D), (D, D), (D, D), (D, D), (D, FF), (FF, D)]),
     (["all-linear"], 2, [(D, D), (D, D // 2), (D, D // 2), (D, D), (D, FF), (FF, D)]),
     (["qkv_proj", "up"], None, [(D, 3 * D), (D, FF)]),
@@ -123,7 +124,8 @@ def test_decoding_step_with_an_unmerged_adapter():
 
 
 def test_gated_ffn_step_keeps_unmerged_adapters_on_gate_and_up():
-    """An unmerged adapter on a gated FFN's gate or up is used by the decoding step: greedy generation equals the greedy loop over full forward passes and the merged model's generation."""
+    """An unmerged adapter on a gated FFN's gate or up is used by the decoding step: greedy generation equals
+    the greedy loop over full forward passes and the merged model's generation."""
     model = _gpt(n_kv_heads=2, ffn="swiglu")
     apply_lora(model, LoRAConfig(rank=4, targets=["gate", "up"]))
     _perturb(model)

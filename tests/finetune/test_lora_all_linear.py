@@ -24,7 +24,8 @@ def _perturb(model, seed: int = 1) -> None:
 
 
 def _hf_linears(folder) -> list[tuple[str, int, int]]:
-    """(name, in, out) of every nn.Linear of the transformers model except its output head (PEFT's all-linear)."""
+    """(name, in, out) of every nn.Linear of the transformers model except its output head (PEFT's
+    all-linear)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -44,7 +45,8 @@ def test_all_linear_on_a_llama_folder_is_every_hf_linear(llama_chat):
     a, b = from_pretrained(llama_chat), from_pretrained(llama_chat)
     info_a = apply_lora(a, LoRAConfig(rank=R, targets=["all-linear"]))
     info_b = apply_lora(b, LoRAConfig(rank=R, targets=HF_NAMES))
-    # the formula, written from the shapes: q 64->64, k 64->32, v 64->32, o 64->64, gate/up 64->128, down 128->64
+    # the formula, written from the shapes: q 64->64, k 64->32, v 64->32, o 64->64, gate/up 64->128, down
+    # 128->64
     per_layer = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]
     expected = 2 * sum(R * (i + o) for i, o in per_layer)
     assert expected == 8192
@@ -102,8 +104,8 @@ def test_all_linear_splits_cross_attention_kv_too():
     Marian and Whisper have separate k_proj / v_proj there); its q_proj is a whole Linear already."""
     torch.manual_seed(0)
     D, FF, KV = 32, 64, 16
-    cfg = EncoderDecoderConfig(src_vocab_size=50, n_encoder_layers=1, n_decoder_layers=1, d_model=D, n_heads=4,
-                               n_kv_heads=2, d_ff=FF, context_length=16, dropout=0.0)
+    cfg = EncoderDecoderConfig(src_vocab_size=50, n_encoder_layers=1, n_decoder_layers=1, d_model=D,
+                               n_heads=4, n_kv_heads=2, d_ff=FF, context_length=16, dropout=0.0)
     a, b = EncoderDecoder(cfg).eval(), EncoderDecoder(cfg).eval()
     info_a = apply_lora(a, LoRAConfig(rank=R, targets=["all-linear"]))
     info_b = apply_lora(b, LoRAConfig(rank=R, targets=[t for t in HF_NAMES if t != "gate_proj"]))  # no gate

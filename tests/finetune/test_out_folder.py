@@ -51,10 +51,11 @@ def test_out_is_never_the_source_or_inside_it(task, bert, tmp_path, capsys):
     capsys.readouterr()
     for out, message in ((source, "already holds a model folder: the source model"),
                          (source / "tuned", "lies inside the source model folder")):
-        rc = main(["finetune", str(source), "--task", task, "--data", str(data), "--out", str(out), "--no-progress",
-                   "train.max_steps=1"])
+        rc = main(["finetune", str(source), "--task", task, "--data", str(data), "--out", str(out),
+                   "--no-progress", "train.max_steps=1"])
         err = capsys.readouterr().err.strip()
-        assert rc == 2 and err.startswith("qkv: error: --out") and message in err and len(err.splitlines()) == 1, err
+        assert (rc == 2 and err.startswith("qkv: error: --out") and message in err
+                and len(err.splitlines()) == 1), err
     assert snapshot(source) == before and not (source / "tuned").exists()
 
 
@@ -110,8 +111,8 @@ def test_chat_out_equal_to_a_tuned_source_is_refused(gpt2_chat, tmp_path, capsys
     same folder used to pass, overwrite model.safetensors, then crash copying the tokenizer onto itself."""
     data = write_jsonl(tmp_path / "d.jsonl", chats())
     tuned = tmp_path / "tuned"
-    common = ["--data", str(data), "--no-progress", "train.max_steps=1", "train.batch_size=2", "train.plot=false",
-              "train.tensorboard=false"]
+    common = ["--data", str(data), "--no-progress", "train.max_steps=1", "train.batch_size=2",
+              "train.plot=false", "train.tensorboard=false"]
     assert main(["finetune", str(gpt2_chat), "--out", str(tuned), *common]) == 0
     shutil.rmtree(tuned / "checkpoints")
     capsys.readouterr()
@@ -133,7 +134,8 @@ def test_save_model_folder_onto_its_source(gpt2_chat, tmp_path):
 
 
 def test_runs_of_an_older_qkv_finetune_resume_and_dotfiles_do_not_count(tmp_path):
-    # before finetune.json marked every recipe's folder, seq2seq never wrote one and classify/tag only at the end:
+    # before finetune.json marked every recipe's folder, seq2seq never wrote one and classify/tag only at the
+    # end:
     # such a run with a step checkpoint is continued with --resume (and still refused without it)
     from qkv.train.checkpoint import STATE_NAME, WEIGHTS_NAME
 

@@ -26,8 +26,8 @@ def _t5_folder(folder, seed=0):
     torch.manual_seed(seed)
     cfg = transformers.T5Config(vocab_size=len(vocab), d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                 num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=16,
-                                relative_attention_max_distance=32, dropout_rate=0.0, decoder_start_token_id=0,
-                                pad_token_id=0, eos_token_id=1)
+                                relative_attention_max_distance=32, dropout_rate=0.0,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     transformers.T5ForConditionalGeneration(cfg).save_pretrained(folder)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -59,8 +59,8 @@ def test_tiny_t5_learns_to_reverse_words_and_round_trips(tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["finetune", str(model_dir), "--task", "seq2seq", "--data", str(train), "--dev", str(dev),
                "--out", str(out), "--epochs", "10", "--batch-size", "32", "--lr", "3e-3", "--no-progress",
-               "train.best_metric=exact_match", "train.schedule=constant", "train.warmup=20", "train.plot=false",
-               "train.tensorboard=false"])
+               "train.best_metric=exact_match", "train.schedule=constant", "train.warmup=20",
+               "train.plot=false", "train.tensorboard=false"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     best = json.loads((out / "checkpoints" / "best" / "eval.json").read_text())
@@ -111,19 +111,21 @@ def _bart_folder(folder, max_positions: int):
     cfg = transformers.BartConfig(vocab_size=len(vocab), d_model=32, encoder_layers=1, decoder_layers=1,
                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
                                   decoder_ffn_dim=48, max_position_embeddings=max_positions, pad_token_id=1,
-                                  bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2)
+                                  bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                                  forced_eos_token_id=2)
     transformers.BartForConditionalGeneration(cfg).save_pretrained(folder)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                       special_tokens=[("<s>", 0), ("</s>", 2)])
     tok.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>"])
     tok.save(str(folder / "tokenizer.json"))
     return folder
 
 
 def test_dev_decoding_fits_the_decoder_context(tmp_path, capsys):
-    """The targets may be as long as the decoder's context (8 positions); decoding the dev set then asks for at
-    most context - 1 new tokens (the start token takes one position), not a target's length: the epoch's
+    """The targets may be as long as the decoder's context (8 positions); decoding the dev set then asks for
+    at most context - 1 new tokens (the start token takes one position), not a target's length: the epoch's
     evaluation used to stop the run with '1 start token + 8 new tokens exceeds the context of 8'."""
     model_dir = _bart_folder(tmp_path / "bart", max_positions=8)
     train = _pairs(tmp_path / "train.tsv", _words(16, 0))

@@ -1,5 +1,5 @@
-"""`qkv finetune --task tag`: CoNLL NER on a tiny random BERT reaches a high entity F1, the folder gives the same
-logits in transformers (AutoModelForTokenClassification); the entity F1 equals seqeval's on random tag
+"""`qkv finetune --task tag`: CoNLL NER on a tiny random BERT reaches a high entity F1, the folder gives the
+same logits in transformers (AutoModelForTokenClassification); the entity F1 equals seqeval's on random tag
 sequences; bad CoNLL is one clear line and exit 2."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def test_tag_learns_and_round_trips(tmp_path, capsys):
     train = write_conll(tmp_path / "train.conll", conll_sentences(200, 1))
     dev = write_conll(tmp_path / "dev.conll", conll_sentences(60, 2))
     out = tmp_path / "out"
-    assert main(["finetune", str(folder), "--task", "tag", "--data", str(train), "--dev", str(dev), "--out", str(out),
-                 "--epochs", "6", "--no-progress", "train.lr=2e-3", "train.warmup=0.1",
+    assert main(["finetune", str(folder), "--task", "tag", "--data", str(train), "--dev", str(dev), "--out",
+                 str(out), "--epochs", "6", "--no-progress", "train.lr=2e-3", "train.warmup=0.1",
                  "train.tensorboard=false"]) == 0
     report = capsys.readouterr().out
     result = json.loads((out / "finetune.json").read_text())
@@ -68,15 +68,16 @@ def test_entities_of_known_sequences():
     ("w1 O\nalice PERSON\n", None, "'PERSON' is not a BIO/IOBES tag"),
     ("\n\n", None, "no sentences"),
     ("w1 O\nalice B-PER\n", "rome B-LOC\n", "tag 'B-LOC' (in 'rome') does not occur in the training data"),
-    # uneven columns (a token with a space in it, a missing POS column) used to be read silently, a wrong column
-    # then taken for the tag when --tag-column is not the last
+    # uneven columns (a token with a space in it, a missing POS column) used to be read silently, a wrong
+    # column then taken for the tag when --tag-column is not the last
     ("w1 NN O\nalice NNP B-PER\n\nw2 O\n", None, "t.conll line 4: 2 columns, line 1 has 3 (every token line"),
     ("w1 NN O\nnew york NNP B-LOC\n", None, "t.conll line 2: 4 columns, line 1 has 3"),
     # the dev file's unknown tag: its line (the sentence's first line + the token's place in it)
     ("w1 O\nalice B-PER\n", "w1 O\n\nw2 O\nrome B-LOC\n", "d.conll line 4: tag 'B-LOC' (in 'w2 rome')"),
     # a sentence over the context (64) names the file and its first line, not "example 2"
     ("w1 O\n\n" + "w2 O\n" * 70 + "\nw3 O\n", None,
-     "t.conll line 3: 1 example(s) longer than the model's context of 64 tokens (this is the first, 72 tokens)"),
+     "t.conll line 3: 1 example(s) longer than the model's context of 64 tokens (this is the first, 72 "
+     "tokens)"),
 ])
 def test_bad_conll_is_one_line_and_exit_2(tmp_path, capsys, text, dev, message):
     folder = make_folder(tmp_path / "bert", "bert", layers=1)
@@ -108,7 +109,8 @@ def test_conll_byte_order_mark_and_encoding(tmp_path):
 
 
 def test_conll_sentences_keep_their_first_line(tmp_path):
-    """-DOCSTART- and runs of blank lines between sentences: each sentence's first token line, counted by hand."""
+    """-DOCSTART- and runs of blank lines between sentences: each sentence's first token line, counted by
+    hand."""
     from qkv.finetune.tag import read_conll_lines
 
     path = tmp_path / "d.conll"

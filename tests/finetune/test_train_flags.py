@@ -34,13 +34,16 @@ def _data(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--batch-size", "4", "train.batch_size=8"], "--batch-size 4 and train.batch_size=8 disagree; give one of them"),
+    (["--batch-size", "4", "train.batch_size=8"],
+     "--batch-size 4 and train.batch_size=8 disagree; give one of them"),
     (["--lr", "1e-3", "train.lr=2e-3"], "--lr 0.001 and train.lr=2e-3 disagree; give one of them"),
     (["--seed", "1", "train.seed=2"], "--seed 1 and train.seed=2 disagree; give one of them"),
-    (["--no-progress", "train.progress=true"], "--no-progress and train.progress=true disagree; give one of them"),
+    (["--no-progress", "train.progress=true"],
+     "--no-progress and train.progress=true disagree; give one of them"),
     (["train.out_dir=elsewhere"], "train.out_dir=elsewhere disagree; give one of them"),
 ])
-def test_a_flag_and_its_override_that_disagree_are_one_error(t5, tmp_path, capsys, monkeypatch, flags, message):
+def test_a_flag_and_its_override_that_disagree_are_one_error(t5, tmp_path, capsys, monkeypatch, flags,
+                                                             message):
     monkeypatch.chdir(tmp_path)  # train.out_dir=elsewhere would be written here
     capsys.readouterr()
     rc = main(["finetune", str(t5), "--task", "seq2seq", "--data", str(_data(tmp_path)), "--out",
@@ -56,14 +59,16 @@ def test_the_same_value_both_ways_is_fine_and_the_override_alone_counts(t5, tmp_
     for i, flags in enumerate((["--batch-size", "4", "train.batch_size=4"], ["train.batch_size=4"],
                                ["--batch-size", "4"])):
         capsys.readouterr()
-        assert main(["finetune", str(t5), "--task", "seq2seq", "--data", str(data), "--out", str(tmp_path / f"o{i}"),
+        assert main(["finetune", str(t5), "--task", "seq2seq", "--data", str(data), "--out",
+                     str(tmp_path / f"o{i}"),
                      "--epochs", "1", "--no-progress", *COMMON, *flags]) == 0, capsys.readouterr().err
         assert "(1 epochs, 2 steps)" in capsys.readouterr().out
 
 
 def test_train_resume_true_continues_like_the_flag(t5, tmp_path, capsys):
     data, out = _data(tmp_path), tmp_path / "o"
-    base = ["finetune", str(t5), "--task", "seq2seq", "--data", str(data), "--out", str(out), "--no-progress", *COMMON]
+    base = ["finetune", str(t5), "--task", "seq2seq", "--data", str(data), "--out", str(out), "--no-progress",
+            *COMMON]
     assert main([*base, "train.max_steps=1"]) == 0
     capsys.readouterr()
     rc = main([*base, "train.max_steps=2", "train.resume=true"])
@@ -82,8 +87,8 @@ def _parsed(tmp_path, *argv):
 
 @pytest.mark.parametrize("recipe", ["seq2seq", "classify", "chat"])
 def test_the_override_alone_sets_what_the_recipe_reads(tmp_path, recipe):
-    """What every recipe reads before the Trainer (the data order's and the new head's seed, check_out's resume,
-    the progress bar) comes from args: an override alone must set it there."""
+    """What every recipe reads before the Trainer (the data order's and the new head's seed, check_out's
+    resume, the progress bar) comes from args: an override alone must set it there."""
     args = _parsed(tmp_path, "train.seed=7", "train.resume=true", "train.progress=false")
     ft.resolve_flags(args, recipe)
     ft.train_flags(args, recipe)
@@ -109,9 +114,9 @@ def test_an_override_of_the_wrong_type_is_one_error(tmp_path):
 
 
 def test_recipes_that_do_not_run_under_torchrun_say_so_before_anything(t5, tmp_path, capsys, monkeypatch):
-    """Under torchrun every rank of the classify / tag / seq2seq recipes evaluated and exported into OUT at once
-    (and under FSDP crashed after training); only the chat recipe divides the work (rank 0 writes). The others
-    are now refused on every rank before anything is read or written, as their docs say."""
+    """Under torchrun every rank of the classify / tag / seq2seq recipes evaluated and exported into OUT at
+    once (and under FSDP crashed after training); only the chat recipe divides the work (rank 0 writes). The
+    others are now refused on every rank before anything is read or written, as their docs say."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     capsys.readouterr()

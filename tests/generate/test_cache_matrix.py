@@ -70,7 +70,8 @@ def test_paged_cache_equals_static_cache(position, backend, gqa):
     c = m.config
     lens = [2, 7, 4]
     seqs = [torch.randint(0, 11, (1, n + 6)) for n in lens]
-    paged = PagedKVCache(c.n_layers, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads, num_blocks=20, block_size=3)
+    paged = PagedKVCache(c.n_layers, c.n_kv_heads or c.n_heads, c.d_model // c.n_heads, num_blocks=20,
+                         block_size=3)
     for i, (s, n) in enumerate(zip(seqs, lens)):  # prefill each alone
         paged.add_sequence(i)
         paged.set_active([i])

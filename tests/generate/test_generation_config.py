@@ -306,10 +306,10 @@ def test_engine_requests_with_their_own_settings():
     a = e.add_request([1, 2], GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.3, seed=5))
     b = e.add_request([3, 4, 5], GenerationConfig(max_new_tokens=6, do_sample=True, top_k=4, seed=6))
     got = e.run()
-    assert got[a] == generate(m, torch.tensor([[1, 2]]), 6, do_sample=True, temperature=1.3, seed=5)[0,
-                                                                                                     2:].tolist()
-    assert got[b] == generate(m, torch.tensor([[3, 4, 5]]), 6, do_sample=True, top_k=4, seed=6)[0,
-                                                                                                3:].tolist()
+    assert got[a] == generate(m, torch.tensor([[1, 2]]), 6, do_sample=True, temperature=1.3,
+                              seed=5)[0, 2:].tolist()
+    assert got[b] == generate(m, torch.tensor([[3, 4, 5]]), 6, do_sample=True, top_k=4,
+                              seed=6)[0, 3:].tolist()
     with pytest.raises(ValueError, match="num_beams"):
         e.add_request([1], num_beams=2)
 

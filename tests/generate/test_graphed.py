@@ -32,7 +32,8 @@ def test_gpt_greedy_tokens_equal_eager_with_left_padding_and_one_graph():
     before = _unique_graphs()
     got = generate(m, ids, 12, attention_mask=mask, compile="eager")
     assert torch.equal(got, want)
-    assert _unique_graphs() - before == 1  # one graph for all 11 decoding steps: no shape depends on the position
+    # one graph for all 11 decoding steps: no shape depends on the position
+    assert _unique_graphs() - before == 1
     again = generate(m, ids, 12, attention_mask=mask, compile="eager")  # the compiled step is kept per model
     assert torch.equal(again, want) and _unique_graphs() - before == 1
     # another length: the cache is sized in buckets (capped at the context), so the same graph serves it
@@ -63,9 +64,10 @@ def test_llama_style_sampling_and_encoder_decoder_equal_eager():
 
 @pytest.mark.slow
 def test_inductor_compiled_greedy_equals_eager_and_keeps_its_code_under_the_qkv_cache(tmp_path, monkeypatch):
-    """compile=True on the CPU: Inductor's generated code (not only a trace) gives eager's greedy tokens, and that
-    code is kept under $QKV_CACHE/inductor, where a second process finds it."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-below")  # recorded, so the test leaves it as it found it
+    """compile=True on the CPU: Inductor's generated code (not only a trace) gives eager's greedy tokens, and
+    that code is kept under $QKV_CACHE/inductor, where a second process finds it."""
+    # recorded, so the test leaves it as it found it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-below")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("QKV_CACHE", str(tmp_path))
     torch._dynamo.reset()

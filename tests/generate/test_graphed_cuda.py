@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 @pytest.mark.parametrize("position", ["learned", "rope"])
 def test_graph_captured_greedy_tokens_equal_eager(dtype, position):
     torch.manual_seed(0)
-    m = qkv.build("gpt-nano", vocab_size=97, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, context_length=64,
-                  position=position, init_std=0.3).to("cuda", dtype).eval()
+    m = qkv.build("gpt-nano", vocab_size=97, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                  context_length=64, position=position, init_std=0.3).to("cuda", dtype).eval()
     for batch in (1, 3):
         ids = torch.randint(0, 97, (batch, 6), device="cuda")
         mask = torch.ones(batch, 6, dtype=torch.long, device="cuda")
@@ -26,5 +26,6 @@ def test_graph_captured_greedy_tokens_equal_eager(dtype, position):
         got = m.generate(ids, 24, attention_mask=mask, compile=True)
         if dtype == torch.float32:
             assert torch.equal(got, want)
-        else:  # Inductor fuses bf16 ops with fp32 intermediates where eager rounds each op: a near tie may flip
+        # Inductor fuses bf16 ops with fp32 intermediates where eager rounds each op: a near tie may flip
+        else:
             assert (got == want).float().mean() >= 0.9

@@ -141,7 +141,8 @@ def test_return_attentions_match_full_forward():
 
 
 @pytest.mark.parametrize("position", POSITIONS)
-@pytest.mark.parametrize("placement,norm,ffn", [("pre", "layernorm", "gelu_tanh"), ("post", "rmsnorm", "swiglu")])
+@pytest.mark.parametrize("placement,norm,ffn",
+                         [("pre", "layernorm", "gelu_tanh"), ("post", "rmsnorm", "swiglu")])
 def test_fast_step_logits_equal_full_forward(position, placement, norm, ffn):
     m = tiny_gpt(position, gqa=True, placement=placement, norm=norm, ffn=ffn)
     ids, mask = left_pad([[1, 2, 3, 4, 5], [6, 7]])
@@ -226,7 +227,8 @@ def _count_rows(model, monkeypatch) -> list[int]:
     rows: list[int] = []
     for name in ("prefill", "step"):
         fn = getattr(model, name)
-        monkeypatch.setattr(model, name, lambda ids, *a, _fn=fn, **k: (rows.append(ids.shape[0]), _fn(ids, *a, **k))[1])
+        monkeypatch.setattr(model, name,
+                            lambda ids, *a, _fn=fn, **k: (rows.append(ids.shape[0]), _fn(ids, *a, **k))[1])
     return rows
 
 
@@ -299,8 +301,8 @@ def test_shared_cross_attention_kv_equals_the_repeated_one(gqa, chunk):
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_two_stage_row_topk_equals_torch_topk(V, k):
     """beam search's top-k per row (block maxima, then the best blocks' entries) gives torch.topk's values and
-    indices: distinct values, banned (-inf) entries, a row whose best entries share one block, a row whose best
-    entry is in the tail past the last full block, and rows with fewer finite entries than blocks."""
+    indices: distinct values, banned (-inf) entries, a row whose best entries share one block, a row whose
+    best entry is in the tail past the last full block, and rows with fewer finite entries than blocks."""
     from qkv.generate import search
 
     g = torch.Generator().manual_seed(V + k)
@@ -325,8 +327,9 @@ def test_two_stage_row_topk_equals_torch_topk(V, k):
 ])
 @pytest.mark.parametrize("beams", [1, 2])
 def test_special_token_ids_outside_the_vocabulary_are_refused(name, value, beams):
-    """A pad id is fed to the model for finished rows, an eos id outside the vocabulary never stops, a forced or
-    banned one indexes past the logits (negative: wraps around): each is one clear error before any step runs."""
+    """A pad id is fed to the model for finished rows, an eos id outside the vocabulary never stops, a forced
+    or banned one indexes past the logits (negative: wraps around): each is one clear error before any step
+    runs."""
     model = tiny_gpt()  # vocab 11
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
     with pytest.raises(ValueError, match=f"{name} .* outside the model's vocabulary \\[0, 11\\)"):
@@ -339,7 +342,8 @@ def test_encoder_decoder_token_ids_must_be_a_batch():
 
 
 def test_max_length_below_the_prompt_is_refused():
-    """max_length counts the prompt: one at or below its length would generate nothing (transformers refuses)."""
+    """max_length counts the prompt: one at or below its length would generate nothing (transformers
+    refuses)."""
     model, ids = tiny_gpt(), torch.tensor([[1, 2, 3, 4, 5]])
     for n in (3, 5):
         with pytest.raises(ValueError, match=f"max_length={n} counts the prompt, which has 5 tokens"):

@@ -11,8 +11,8 @@ from qkv.models.vit import ViTConfig
 
 def tiny(**kw):
     base = dict(vocab_size=20, n_layers=1, context_length=8, d_model=16, n_heads=2, d_ff=32, embed_dim=12,
-                vision=ViTConfig(head="none", image_size=8, patch_size=4, n_channels=1, n_layers=1, d_model=16,
-                                 n_heads=2, d_ff=32))
+                vision=ViTConfig(head="none", image_size=8, patch_size=4, n_channels=1, n_layers=1,
+                                 d_model=16, n_heads=2, d_ff=32))
     base.update(kw)
     return CLIP(CLIPConfig(**base))
 

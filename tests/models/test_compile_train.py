@@ -1,12 +1,12 @@
 """torch.compile(fullgraph=True) on every decoder family's TRAINING forward and backward, and no
 value read back to the host in a training step or a decoding step.
 
-backend="aot_eager" runs Dynamo (fullgraph=True: any graph break, e.g. an `int(tensor)` or `.item()`,
-raises) and AOTAutograd (the joint forward + backward graph Inductor would compile) without generating
-code, so it needs no C++ toolchain and stays fast. Loss and gradients are compared with the eager model's
-(an independent run of the same weights). The shapes of released models are covered through the families'
-config keywords: GPT-2 (learned positions, LayerNorm, GELU-tanh, biases), Llama (RoPE, RMSNorm, SwiGLU, GQA,
-no biases, llama3 RoPE scaling), Qwen2/Qwen3 (q/k/v biases, q/k norms), Mistral (sliding window) in one model, the
+backend="aot_eager" runs Dynamo (fullgraph=True: any graph break, e.g. an `int(tensor)` or `.item()`, raises)
+and AOTAutograd (the joint forward + backward graph Inductor would compile) without generating code, so it
+needs no C++ toolchain and stays fast. Loss and gradients are compared with the eager model's (an independent
+run of the same weights). The shapes of released models are covered through the families' config keywords:
+GPT-2 (learned positions, LayerNorm, GELU-tanh, biases), Llama (RoPE, RMSNorm, SwiGLU, GQA, no biases, llama3
+RoPE scaling), Qwen2/Qwen3 (q/k/v biases, q/k norms), Mistral (sliding window) in one model, the
 encoder-decoder, and Whisper's forward.
 
 A device-to-host sync cannot be observed on the CPU, but it needs the tensor's VALUE: on the "meta" device
@@ -69,8 +69,8 @@ def test_gpt_family_training_forward_backward_is_one_graph(shape):
 
 def test_encoder_decoder_and_whisper_training_are_one_graph():
     torch._dynamo.reset()
-    e = qkv.build("transformer-tiny", src_vocab_size=13, tgt_vocab_size=13, n_encoder_layers=1, n_decoder_layers=1,
-                  d_model=32, n_heads=4, d_ff=64)
+    e = qkv.build("transformer-tiny", src_vocab_size=13, tgt_vocab_size=13, n_encoder_layers=1,
+                  n_decoder_layers=1, d_model=32, n_heads=4, d_ff=64)
     src = torch.randint(3, 13, (2, 7))
     tgt = torch.randint(3, 13, (2, 5))
     _assert_compiled_training_equals_eager(e, dict(input_ids=src, labels=tgt,
@@ -79,7 +79,8 @@ def test_encoder_decoder_and_whisper_training_are_one_graph():
     w = qkv.build("whisper-digits", n_encoder_layers=1, n_decoder_layers=1, d_model=32, n_heads=4, d_ff=64,
                   n_mels=16, n_audio_ctx=20)
     batch = dict(input_features=torch.randn(2, 16, 40), labels=torch.randint(3, 16, (2, 5)))
-    torch.testing.assert_close(torch.compile(w, backend="eager", fullgraph=True)(**batch).loss, w(**batch).loss)
+    torch.testing.assert_close(torch.compile(w, backend="eager", fullgraph=True)(**batch).loss,
+                               w(**batch).loss)
 
 
 @pytest.mark.parametrize("shape", ["gpt2", "llama"])
@@ -100,6 +101,7 @@ def test_training_step_and_decoding_steps_read_no_tensor_value(shape):
         cache = m.make_cache(2, 12)
         m(ids, attention_mask=mask, cache=cache)
         keep = torch.ones(2, 9, dtype=torch.bool, device="meta")
-        assert m.step(ids[:, :1], cache, keep=keep, offset=torch.zeros(2, dtype=torch.long, device="meta")).shape == (2, 13)
+        assert m.step(ids[:, :1], cache, keep=keep,
+                      offset=torch.zeros(2, dtype=torch.long, device="meta")).shape == (2, 13)
         index = torch.zeros(1, dtype=torch.long, device="meta")
         assert m.static_step(ids[:, :1], cache, index=index, offset=index).shape == (2, 13)

@@ -162,8 +162,9 @@ def test_memory_mask_of_the_wrong_shape_is_a_clear_error():
 @pytest.mark.parametrize("rows", [1, 2, 64])
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 def test_output_head_with_logits_bias_equals_the_formula(rows, scale):
-    """OutputHead (BART / Marian: final_logits_bias; T5: output_scale) equals (h * s) W^T + b computed in float64,
-    for one row and a batched step's rows (beam search's batch x num_beams), and follows a weight update."""
+    """OutputHead (BART / Marian: final_logits_bias; T5: output_scale) equals (h * s) W^T + b computed in
+    float64, for one row and a batched step's rows (beam search's batch x num_beams), and follows a weight
+    update."""
     from qkv.models.encdec import OutputHead
 
     torch.manual_seed(0)
@@ -179,4 +180,5 @@ def test_output_head_with_logits_bias_equals_the_formula(rows, scale):
     with torch.no_grad():
         head.weight.mul_(-1.0)
         again = head(h)
-    torch.testing.assert_close(again.double(), -ref + 2 * head.final_logits_bias.double(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(again.double(), -ref + 2 * head.final_logits_bias.double(), atol=1e-4,
+                               rtol=1e-5)

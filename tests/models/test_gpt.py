@@ -101,7 +101,8 @@ def test_left_padded_kv_cache_decoding_equals_full_forward(position, backend):
     cache = model.make_cache(2)
     steps = [model(ids[:, :4], attention_mask=mask[:, :4], cache=cache, offset=offset).logits]
     for t in range(4, 8):
-        steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, offset=offset + t).logits)
+        steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache,
+                           offset=offset + t).logits)
     real = mask.bool()
     torch.testing.assert_close(torch.cat(steps, 1)[real], full[real], atol=1e-5, rtol=0)
 

@@ -139,7 +139,8 @@ def test_hidden_for_params_matches_a_transformer():
     got = lstm_num_parameters(LSTMConfig(vocab_size=109, n_layers=2, d_model=d))
     # closest: one unit wider or narrower is no closer
     for other in (d - 1, d + 1):
-        assert abs(got - target) <= abs(lstm_num_parameters(LSTMConfig(vocab_size=109, n_layers=2, d_model=other))
+        assert abs(got - target) <= abs(lstm_num_parameters(LSTMConfig(vocab_size=109, n_layers=2,
+                                                                       d_model=other))
                                         - target)
     assert abs(got - target) / target < 0.01
     assert qkv.build("lstm-tiny", vocab_size=109, d_model=d).num_parameters() == got
@@ -229,7 +230,8 @@ def test_shared_generate_equals_the_former_lstm_loop(padded):
     greedy = old_lstm_loop(m, ids, 9, mask)
     assert torch.equal(m.generate(ids, 9, attention_mask=mask), greedy)
     assert len(set(greedy[:, -9:].flatten().tolist())) > 2  # not a constant continuation
-    for kw in (dict(temperature=1.3), dict(temperature=0.8, top_k=4), dict(top_p=0.7), dict(top_k=6, top_p=0.9)):
+    for kw in (dict(temperature=1.3), dict(temperature=0.8, top_k=4), dict(top_p=0.7),
+               dict(top_k=6, top_p=0.9)):
         ref = old_lstm_loop(m, ids, 9, mask, do_sample=True, seed=11, **kw)
         assert torch.equal(m.generate(ids, 9, attention_mask=mask, do_sample=True, seed=11, **kw), ref), kw
     eos = int(greedy[0, ids.shape[1] + 2])  # row 0 stops after three tokens

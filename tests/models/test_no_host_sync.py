@@ -19,8 +19,8 @@ def fullgraph(fn):
 
 def test_forward_with_padding_and_per_row_offsets_is_one_graph():
     for position in ("rope", "learned", "alibi"):
-        m = qkv.build("gpt-nano", vocab_size=11, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, context_length=16,
-                      position=position).eval()
+        m = qkv.build("gpt-nano", vocab_size=11, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
+                      context_length=16, position=position).eval()
         ids = torch.randint(0, 11, (2, 6))
         mask = torch.ones(2, 6, dtype=torch.bool)
         mask[1, :2] = False
@@ -30,7 +30,8 @@ def test_forward_with_padding_and_per_row_offsets_is_one_graph():
 
 
 def test_decoding_step_and_encoder_decoder_are_one_graph():
-    m = qkv.build("gpt-nano", vocab_size=11, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, position="rope").eval()
+    m = qkv.build("gpt-nano", vocab_size=11, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
+                  position="rope").eval()
     ids = torch.randint(0, 11, (2, 6))
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[1, :2] = False
@@ -39,9 +40,10 @@ def test_decoding_step_and_encoder_decoder_are_one_graph():
         cache = m.make_cache(2, 12)
         m(ids, attention_mask=mask, cache=cache, offset=-n_pad)
         keep = torch.cat([mask, torch.ones(2, 1, dtype=torch.bool)], 1)
-        assert fullgraph(m.step)(torch.tensor([[1], [2]]), cache, keep=keep, offset=cache.length - n_pad).shape == (2, 11)
-        e = qkv.build("transformer-tiny", src_vocab_size=11, n_encoder_layers=1, n_decoder_layers=1, d_model=32,
-                      n_heads=4).eval()
+        assert fullgraph(m.step)(torch.tensor([[1], [2]]), cache, keep=keep,
+                                 offset=cache.length - n_pad).shape == (2, 11)
+        e = qkv.build("transformer-tiny", src_vocab_size=11, n_encoder_layers=1, n_decoder_layers=1,
+                      d_model=32, n_heads=4).eval()
         src = torch.randint(3, 11, (2, 5))
         src_mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])
         assert fullgraph(e)(src, decoder_input_ids=src, attention_mask=src_mask).logits.shape == (2, 5, 11)

@@ -45,7 +45,8 @@ def _randomise(m):
                 t.copy_(torch.randn_like(t) * 0.3)
 
 
-@pytest.mark.parametrize("block, stride_in_1x1", [("basic", False), ("bottleneck", False), ("bottleneck", True)])
+@pytest.mark.parametrize("block, stride_in_1x1",
+                         [("basic", False), ("bottleneck", False), ("bottleneck", True)])
 def test_residual_blocks_match_their_formula(block, stride_in_1x1):
     torch.manual_seed(0)
     cfg = ResNetConfig(block=block, stride_in_1x1=stride_in_1x1)
@@ -117,7 +118,8 @@ def test_save_load_and_a_few_training_steps(tmp_path):
             return {"pixel_values": x, "labels": y}
 
     before = m(x, labels=y).loss.item()
-    Trainer(m, {"max_steps": 15, "lr": 1e-2, "batch_size": 16, "progress": False, "log_every": 5, "plot": False,
+    Trainer(m,
+            {"max_steps": 15, "lr": 1e-2, "batch_size": 16, "progress": False, "log_every": 5, "plot": False,
                 "tensorboard": False, "save_every": 0, "out_dir": str(tmp_path / "run")}, Fixed()).fit()
     m.train()
     assert m(x, labels=y).loss.item() < before / 2

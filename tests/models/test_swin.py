@@ -70,7 +70,8 @@ def test_unshifted_layer_keeps_information_inside_windows():
     layer = _layer(0)
     x = torch.randn(1, 8, 8, 16)
     x2 = x.clone()
-    x2[0, 0, 0] += torch.randn(16)  # perturb a token of the top-left window (not a constant: LayerNorm removes those)
+    # perturb a token of the top-left window (not a constant: LayerNorm removes those)
+    x2[0, 0, 0] += torch.randn(16)
     with torch.no_grad():
         d = (layer(x2)[0] - layer(x)[0]).abs().sum(-1)[0]  # (8, 8) change per token
     assert d[:4, :4].min() > 0  # every token of its window sees it

@@ -58,7 +58,8 @@ def test_resize_image_equals_on_the_fly_interpolation():
     with torch.no_grad():
         on_the_fly = model(x).logits
         model.resize_image(12)
-        assert model.config.image_size == 12 and model.encoder.position.weight.shape == (1, 37, 16)  # was model.pos_emb
+        # was model.pos_emb
+        assert model.config.image_size == 12 and model.encoder.position.weight.shape == (1, 37, 16)
         torch.testing.assert_close(model(x).logits, on_the_fly, atol=1e-6, rtol=1e-6)
 
 

@@ -52,7 +52,8 @@ def test_image_features_replace_the_placeholders_in_order():
 
 def test_placeholder_count_must_match_the_patches():
     model = tiny()
-    with pytest.raises(ValueError, match=r"holds 5 image placeholder tokens \(id 50\) but 1 image\(s\) give 4 patch"):
+    with pytest.raises(ValueError,
+                       match=r"holds 5 image placeholder tokens \(id 50\) but 1 image\(s\) give 4 patch"):
         model(prompt(1, per_image=5), pixels(1))
     with pytest.raises(ValueError, match="holds 4 image placeholder tokens .* but 0 image"):
         model(prompt(1))
@@ -118,7 +119,8 @@ def test_config_errors(change, message):
 
 
 class Words:
-    """The smallest tokenizer a ChatSession needs (plain transcript, no template): a word -> an id by its length."""
+    """The smallest tokenizer a ChatSession needs (plain transcript, no template): a word -> an id by its
+    length."""
 
     has_chat_template, end_of_turn_ids, eos_token = False, frozenset(), ""
 
@@ -150,7 +152,8 @@ def session(tmp_path, max_new_tokens: int = 3):
     from qkv.interop.llava import ImageProcessor
 
     Image.new("RGB", (20, 16), (200, 30, 30)).save(tmp_path / "red.png")
-    return VisionChatSession(tiny(), Words(), generation_config=GenerationConfig(max_new_tokens=max_new_tokens),
+    return VisionChatSession(tiny(), Words(),
+                             generation_config=GenerationConfig(max_new_tokens=max_new_tokens),
                              processor=ImageProcessor(size=16, crop=(16, 16)), note=lambda msg: None)
 
 

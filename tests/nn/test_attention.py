@@ -51,7 +51,8 @@ def pad_mask(B, Tk, lengths):
     return keep
 
 
-CASES = ["none", "causal", "padding", "causal+padding", "bias", "bias+causal+padding", "gqa", "gqa+causal", "mqa"]
+CASES = ["none", "causal", "padding", "causal+padding", "bias", "bias+causal+padding", "gqa", "gqa+causal",
+         "mqa"]
 
 
 def make_case(case):
@@ -175,8 +176,8 @@ def test_weights_are_the_softmax_probabilities():
     torch.testing.assert_close(w, ref, atol=1e-6, rtol=0)
     torch.testing.assert_close(out, w @ v, atol=1e-6, rtol=0)
     # the fused backend falls back to naive when weights are requested
-    out2, w2 = scaled_dot_product_attention(q, k, v, mask=keep[:, None, None, :], causal=True, backend="fused",
-                                            return_weights=True)
+    out2, w2 = scaled_dot_product_attention(q, k, v, mask=keep[:, None, None, :], causal=True,
+                                            backend="fused", return_weights=True)
     torch.testing.assert_close(w2, w)
 
 
@@ -303,7 +304,8 @@ def test_cross_attention_equals_torch_mha(backend):
     x, memory = torch.randn(B, T, d), torch.randn(B, S, d)
     keep = pad_mask(B, S, [7, 2])
     y, w = ours(x, memory=memory, mask=keep[:, None, None, :], return_weights=True)
-    y_ref, w_ref = ref(x, memory, memory, key_padding_mask=~keep, need_weights=True, average_attn_weights=False)
+    y_ref, w_ref = ref(x, memory, memory, key_padding_mask=~keep, need_weights=True,
+                       average_attn_weights=False)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="encoder memory"):
@@ -339,7 +341,8 @@ def test_cuda_kernels_agree_and_fully_masked_rows_stay_finite(dtype):
     # the GPU flash / memory-efficient kernels are where fully masked rows turn into NaN (PyTorch #118628)
     q, k, v = (t.to("cuda", dtype).requires_grad_() for t in qkv_tensors(B=2, H=4, Tq=16, D=64))
     keep = pad_mask(2, 16, [16, 0]).cuda()[:, None, None, :]
-    ref, _ = scaled_dot_product_attention(q.float(), k.float(), v.float(), mask=keep, causal=True, backend="naive")
+    ref, _ = scaled_dot_product_attention(q.float(), k.float(), v.float(), mask=keep, causal=True,
+                                          backend="naive")
     out, _ = scaled_dot_product_attention(q, k, v, mask=keep, causal=True, backend="fused")
     assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)

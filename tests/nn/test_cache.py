@@ -1,5 +1,6 @@
 """StaticCache.reorder (beam search): the filled positions are gathered in place, the same values as
-index_select over the whole buffer; cross=False keeps the encoder K/V and mask, a new batch size reallocates."""
+index_select over the whole buffer; cross=False keeps the encoder K/V and mask, a new batch size
+reallocates."""
 
 from __future__ import annotations
 
@@ -42,13 +43,14 @@ def test_reorder_to_another_batch_size_reallocates():
     cache.reorder(torch.tensor([0, 0, 1, 1, 1]))
     assert cache.k.shape[1] == 5
     kl, _ = cache.update(0, torch.zeros(5, 2, 1, 4), torch.zeros(5, 2, 1, 4))
-    torch.testing.assert_close(kl[:, :, :2], k[0].index_select(0, torch.tensor([0, 0, 1, 1, 1])), rtol=0, atol=0)
+    torch.testing.assert_close(kl[:, :, :2], k[0].index_select(0, torch.tensor([0, 0, 1, 1, 1])), rtol=0,
+                               atol=0)
 
 
 def test_paged_step_update_reads_keys_and_values_from_the_pool_like_the_gathered_path():
-    """The paged cache's decoding step leaves the keys and values in the pool: PoolKeys.scores(q) equals
-    q @ K^T over update()'s gathered keys, and PoolRows.weighted_sum(probs) equals probs @ the gathered values,
-    in float64, on two layers and two steps, for grouped queries (3 query heads per key/value head), rows of
+    """The paged cache's decoding step leaves the keys and values in the pool: PoolKeys.scores(q) equals q @
+    K^T over update()'s gathered keys, and PoolRows.weighted_sum(probs) equals probs @ the gathered values, in
+    float64, on two layers and two steps, for grouped queries (3 query heads per key/value head), rows of
     different lengths (masked columns), partial last blocks, a block boundary crossed by the step, prefix
     blocks shared by two sequences and a copy-on-write of a shared block. update()'s gathered keys are checked
     against the keys that were written (the key pool is stored block-transposed)."""
@@ -77,7 +79,8 @@ def test_paged_step_update_reads_keys_and_values_from_the_pool_like_the_gathered
             fill(c, s, k, v)
         c.add_sequence(1, shared=c.tables[0][:1])  # shares sequence 0's first (full) block, then 7 more
         fill(c, 1, *tail1)
-        c.add_sequence(4, shared=c.tables[3][:2])  # sequence 3's two full blocks; the step rewrites position 7
+        # sequence 3's two full blocks; the step rewrites position 7
+        c.add_sequence(4, shared=c.tables[3][:2])
         c.set_length(4, 7)
     for s, (k, _) in plain.items():
         written[s] = [k[layer, 0] for layer in range(L)]
@@ -105,7 +108,8 @@ def test_paged_step_update_reads_keys_and_values_from_the_pool_like_the_gathered
             want = q @ kr.reshape(B * H, tk, hd).transpose(1, 2)
             got = ks.scores(q)
             assert got.shape == want.shape
-            torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=1e-12,
+                                       rtol=1e-12)
             probs = torch.softmax(torch.randn(B * H, G, tk, dtype=dt).masked_fill(~keep, float("-inf")), -1)
             torch.testing.assert_close(vs.weighted_sum(probs), probs @ vr.reshape(B * H, tk, hd),
                                        atol=1e-12, rtol=1e-12)

@@ -17,7 +17,8 @@ def elementwise(f, t: torch.Tensor) -> torch.Tensor:
 ACTS = {
     "relu": lambda a: max(a, 0.0),
     "gelu": lambda a: 0.5 * a * (1 + math.erf(a / math.sqrt(2))),  # exact GELU (BERT)
-    "gelu_tanh": lambda a: 0.5 * a * (1 + math.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3))),  # GPT-2
+    # GPT-2
+    "gelu_tanh": lambda a: 0.5 * a * (1 + math.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3))),
 }
 
 

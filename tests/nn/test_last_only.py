@@ -1,9 +1,9 @@
 """forward(last_only=True) (generation's prefill: the top block does the work of the last position only, its
 keys and values still cover every position) computes the same last-position logits as the full forward, and
-fills the KV cache with the same keys and values, for every norm x placement x position (incl. ALiBi's and T5's
-query-dependent biases) x GQA variant, with left padding and per-row offsets; and for the decoder of an
-encoder-decoder (cross-attention). float64, so the two must agree to ~1e-12, not to fp32 rounding.
-The fp32 comparison against transformers is in tests/interop (test_gpt2_parity.py, test_llama.py)."""
+fills the KV cache with the same keys and values, for every norm x placement x position (incl. ALiBi's and
+T5's query-dependent biases) x GQA variant, with left padding and per-row offsets; and for the decoder of an
+encoder-decoder (cross-attention). float64, so the two must agree to ~1e-12, not to fp32 rounding. The fp32
+comparison against transformers is in tests/interop (test_gpt2_parity.py, test_llama.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def _gpt(norm, placement, position, gqa, **kw):
     with torch.no_grad():  # non-trivial norm gains/biases and BatchNorm statistics (used in eval mode)
         for name, t in itertools.chain(m.named_parameters(), m.named_buffers()):
             if t.dim() == 1 and t.is_floating_point():
-                t.copy_((0.5 if "var" in name else 0.0) + torch.rand_like(t) if "var" in name or "weight" in name
+                t.copy_((0.5 if "var" in name else 0.0) + torch.rand_like(t) if "var" in name
+                            or "weight" in name
                         else 0.3 * torch.randn_like(t))
     return m.double().eval()
 
@@ -72,7 +73,8 @@ def test_last_only_with_attentions_keeps_every_position():
 def test_encdec_decode_last_only_equals_full(placement):
     torch.manual_seed(0)
     m = qkv.build("transformer-tiny", src_vocab_size=V, n_encoder_layers=2, n_decoder_layers=2, d_model=32,
-                  n_heads=4, d_ff=48, n_kv_heads=2, context_length=24, placement=placement, init_std=0.2).double().eval()
+                  n_heads=4, d_ff=48, n_kv_heads=2, context_length=24, placement=placement,
+                  init_std=0.2).double().eval()
     src = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 0, 0]])
     src_mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])
     tgt = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -86,9 +88,10 @@ def test_encdec_decode_last_only_equals_full(placement):
 
 @pytest.mark.parametrize("norm,placement,position,gqa", MATRIX, ids=IDS)
 def test_step_last_only_equals_the_full_step_and_fills_the_same_cache(norm, placement, position, gqa):
-    """Stack.step(last_only=True) (model.step's route: a chunk of T tokens, the Engine's chunked prefill) gives the
-    full step's last-token hidden state and the same cached keys/values, with left padding, per-row offsets
-    and a key mask; on the paged cache too (its own keys/values layout), with rows of different lengths."""
+    """Stack.step(last_only=True) (model.step's route: a chunk of T tokens, the Engine's chunked prefill)
+    gives the full step's last-token hidden state and the same cached keys/values, with left padding, per-row
+    offsets and a key mask; on the paged cache too (its own keys/values layout), with rows of different
+    lengths."""
     m = _gpt(norm, placement, position, gqa)
     ids = torch.randint(0, V, (3, 9), generator=torch.Generator().manual_seed(2))
     keep = torch.ones(3, 9, dtype=torch.bool)

@@ -26,10 +26,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv",),  # the package API (qkv/__init__.py: build, from_pretrained)
     ("qkv.tasks", "qkv.train"),  # batch sources / the training loop: neither knows the other
     ("qkv.run",),  # one way to build and train a run (train/demo/ablation runner all come here)
-    ("qkv.chat", "qkv.predict"),  # qkv chat: a conversation through its chat template; qkv predict: image classes
+    # qkv chat: a conversation through its chat template; qkv predict: image classes
+    ("qkv.chat", "qkv.predict"),
     ("qkv.chat_vision",),  # qkv chat --image: a ChatSession whose messages carry an image (LLaVA)
-    ("qkv.experiments", "qkv.finetune"),  # ablation suites (each run through qkv.run.train_run); fine-tuning recipes
-    ("qkv.embed",),  # sentence embeddings from a BERT-family folder (uses finetune.encoders' folder + tokenizer)
+    # ablation suites (each run through qkv.run.train_run); fine-tuning recipes
+    ("qkv.experiments", "qkv.finetune"),
+    # sentence embeddings from a BERT-family folder (uses finetune.encoders' folder + tokenizer)
+    ("qkv.embed",),
     ("qkv.explore", "qkv.serve"),  # the attention explorer; qkv serve
     ("qkv.demo",),
     ("qkv.cli",),
@@ -38,8 +41,8 @@ LAYERS: list[tuple[str, ...]] = [
 # (importing module, imported module): why the upward import is there. Keep this list short.
 ALLOWED: dict[tuple[str, str], str] = {
     ("qkv.models.base", "qkv.generate"):
-        "QKVModel.generate(): the Hugging Face-style model.generate(...) convenience, a function-level import; "
-        "generation itself only consumes the decoder protocol (models/decoding.py)",
+        "QKVModel.generate(): the Hugging Face-style model.generate(...) convenience, a function-level "
+        "import; generation itself only consumes the decoder protocol (models/decoding.py)",
 }
 
 
@@ -48,7 +51,8 @@ def layer_of(module: str) -> tuple[int, str]:
     best = None
     for i, names in enumerate(LAYERS):
         for name in names:
-            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
+            if ((module == name or module.startswith(name + "."))
+                and (best is None or len(name) > len(best[1]))):
                 best = (i, name)
     assert best is not None, f"{module} is in no layer: add it to LAYERS"
     return best
@@ -78,7 +82,8 @@ def all_imports(path: Path, me: str | None = None) -> list[tuple[int, str]]:
             else:
                 mod = node.module or ""
             # `from qkv import x` may import a submodule x: resolve it when it exists
-            names = [f"{mod}.{a.name}" for a in node.names if (SRC.parent / f"{mod}.{a.name}".replace(".", "/")).exists()
+            names = [f"{mod}.{a.name}" for a in node.names
+                         if (SRC.parent / f"{mod}.{a.name}".replace(".", "/")).exists()
                      or (SRC.parent / (f"{mod}.{a.name}".replace(".", "/") + ".py")).exists()]
             out += [(node.lineno, n) for n in names] or [(node.lineno, mod)]
     return [(line, m) for line, m in out if m == "qkv" or m.startswith("qkv.")]
@@ -93,13 +98,14 @@ def test_every_import_goes_down_a_layer():
             layer, pkg = layer_of(imported)
             if layer < my_layer or pkg == my_pkg:
                 continue
-            allowed = next((k for k in ALLOWED if k[0] == me and (imported == k[1] or imported.startswith(k[1] + "."))),
+            allowed = next((k for k in ALLOWED if k[0] == me
+                                and (imported == k[1] or imported.startswith(k[1] + "."))),
                            None)
             if allowed is not None:
                 used.add(allowed)
                 continue
-            problems.append(f"{path.relative_to(SRC.parent)}:{line}: {me} (layer {my_pkg}) imports {imported} "
-                            f"(layer {pkg})")
+            problems.append(f"{path.relative_to(SRC.parent)}:{line}: {me} (layer {my_pkg}) imports "
+                            f"{imported} (layer {pkg})")
     assert not problems, "upward or sideways imports:\n" + "\n".join(problems)
     assert used == set(ALLOWED), f"allow-list entries no longer needed: {set(ALLOWED) - used}"
 
@@ -108,7 +114,8 @@ def test_the_checker_sees_function_level_and_type_checking_imports(tmp_path):
     """The rule is not vacuous: imports inside functions and TYPE_CHECKING blocks are read too."""
     f = tmp_path / "probe.py"
     f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import qkv.models\n"
-                 "def g():\n    from qkv.generate import generate\n    from . import block\n", encoding="utf-8")
+                 "def g():\n    from qkv.generate import generate\n    from . import block\n",
+                 encoding="utf-8")
     found = [m for _, m in all_imports(f, "qkv.nn.probe")]
     assert found == ["qkv.models", "qkv.generate", "qkv.nn.block"]
     assert [layer_of(m)[0] > layer_of("qkv.nn.probe")[0] for m in found] == [True, True, False]

@@ -13,10 +13,11 @@ transformers = pytest.importorskip("transformers")
 
 
 # (HF fixes f_max at 8 kHz, Whisper's Nyquist; ours is sample_rate / 2, so compare at 16 kHz only)
-@pytest.mark.parametrize("sr,n_fft,hop,n_mels", [(16000, 400, 160, 80), (16000, 400, 160, 40), (16000, 512, 128, 64)])
+@pytest.mark.parametrize("sr,n_fft,hop,n_mels",
+                         [(16000, 400, 160, 80), (16000, 400, 160, 40), (16000, 512, 128, 64)])
 def test_log_mel_matches_whisper_feature_extractor(sr, n_fft, hop, n_mels):
-    fe = transformers.WhisperFeatureExtractor(feature_size=n_mels, sampling_rate=sr, hop_length=hop, n_fft=n_fft,
-                                              chunk_length=1)
+    fe = transformers.WhisperFeatureExtractor(feature_size=n_mels, sampling_rate=sr, hop_length=hop,
+                                              n_fft=n_fft, chunk_length=1)
     rng = np.random.default_rng(0)
     t = np.arange(sr) / sr
     audio = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(sr)).astype(np.float32)

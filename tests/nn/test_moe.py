@@ -27,7 +27,8 @@ def router(seed: int = 0, **kw) -> Router:
 
 
 def reference_routing(x: torch.Tensor, w: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None = None):
-    """Token by token, expert by expert: the formulas of the module docstring written out with Python loops."""
+    """Token by token, expert by expert: the formulas of the module docstring written out with Python
+    loops."""
     out_w, out_e = [], []
     for row in x:
         logits = [float(row @ w[e]) for e in range(cfg.n_experts)]
@@ -57,7 +58,8 @@ def reference_routing(x: torch.Tensor, w: torch.Tensor, cfg: MoEConfig, bias: to
     {},  # Mixtral: softmax, top-2, renormalised
     {"norm_topk": False, "n_experts_per_tok": 3},  # Qwen-MoE's default
     {"score": "sigmoid", "routed_scaling": 2.5},
-    {"score": "sigmoid", "n_group": 4, "topk_group": 2, "n_experts_per_tok": 3, "routed_scaling": 2.5},  # DeepSeek-V3
+    # DeepSeek-V3
+    {"score": "sigmoid", "n_group": 4, "topk_group": 2, "n_experts_per_tok": 3, "routed_scaling": 2.5},
     {"score": "softmax", "n_group": 2, "topk_group": 1, "norm_topk": False},
 ])
 def test_routing_equals_the_formula_in_float64(kw):
@@ -70,7 +72,8 @@ def test_routing_equals_the_formula_in_float64(kw):
     want = sorted(zip(want_e.flatten().tolist(), want_w.flatten().tolist()))
     assert [e for e, _ in got] == [e for e, _ in want]
     torch.testing.assert_close(torch.tensor([w for _, w in got], dtype=torch.float64),
-                               torch.tensor([w for _, w in want], dtype=torch.float64), rtol=1e-12, atol=1e-13)
+                               torch.tensor([w for _, w in want], dtype=torch.float64), rtol=1e-12,
+                               atol=1e-13)
     torch.testing.assert_close(routing.probs.sum(-1), torch.ones(40, dtype=torch.float64))
 
 
@@ -90,7 +93,8 @@ def test_the_selection_bias_chooses_but_does_not_weigh():
     want_w, want_e = reference_routing(x, r.weight.detach(), r.cfg, bias=r.score_bias)
     assert torch.equal(routing.experts.sort(-1).values, want_e.sort(-1).values)
     scores = torch.sigmoid(x @ r.weight.detach().T)
-    torch.testing.assert_close(routing.weights, scores.gather(1, routing.experts))  # the weight is the raw score
+    # the weight is the raw score
+    torch.testing.assert_close(routing.weights, scores.gather(1, routing.experts))
 
 
 def test_bias_update_moves_towards_the_underloaded_experts():
@@ -166,7 +170,8 @@ def test_load_balancing_loss_equals_the_formula():
         p = F.softmax(x @ layer.router.weight.detach().T, -1)
         counts += F.one_hot(p.topk(2, -1).indices, E).sum((0, 1))
         probs += p.sum(0)
-    want = E * ((counts / 40) * (probs / 40)).sum()  # Switch eq. 4: N * sum_e f_e P_e, pooled over both layers
+    # Switch eq. 4: N * sum_e f_e P_e, pooled over both layers
+    want = E * ((counts / 40) * (probs / 40)).sum()
     torch.testing.assert_close(got, want)
     uniform = load_balancing_loss([type(layers[0].stats)(torch.full((5,), 8.0), torch.full((5,), 4.0), 20)])
     torch.testing.assert_close(uniform, torch.tensor(2.0))  # perfectly balanced: k
@@ -262,14 +267,16 @@ def test_save_and_load_keep_the_experts_and_the_selection_bias(tmp_path):
     model.save_pretrained(tmp_path)
     back = qkv.from_pretrained(tmp_path)
     assert back.config == model.config
-    assert torch.equal(back.decoder.blocks[1].ffn.router.score_bias, model.decoder.blocks[1].ffn.router.score_bias)
+    assert torch.equal(back.decoder.blocks[1].ffn.router.score_bias,
+                       model.decoder.blocks[1].ffn.router.score_bias)
     ids = torch.randint(0, 40, (2, 9))
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients_and_aux_loss():
-    """The recomputation in backward routes the same tokens the same way (no state changes between the two)."""
+    """The recomputation in backward routes the same tokens the same way (no state changes between the
+    two)."""
     ids = torch.randint(0, 40, (2, 10))
     grads, aux = [], []
     for checkpointing in (False, True):
@@ -279,7 +286,8 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_aux_loss():
         out.loss.backward()
         aux.append(out.aux_loss.detach())
         grads.append({n: p.grad for n, p in model.named_parameters()})
-        assert int(model.decoder.blocks[1].ffn.router.load.sum()) >= 20  # counted (the recomputation counts again)
+        # counted (the recomputation counts again)
+        assert int(model.decoder.blocks[1].ffn.router.load.sum()) >= 20
     torch.testing.assert_close(aux[0], aux[1])
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], msg=n)

@@ -131,8 +131,8 @@ def test_rmsnorm_equals_the_formula_in_every_dtype(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rmsnorm_long_input_is_torch_rms_norm_bit_for_bit(dtype):
-    """A long prompt's rows: the same values as torch.rms_norm bit for bit, contiguous or strided input, and the
-    formula in float64; with autograd the gradients flow."""
+    """A long prompt's rows: the same values as torch.rms_norm bit for bit, contiguous or strided input, and
+    the formula in float64; with autograd the gradients flow."""
     torch.manual_seed(0)
     norm = RMSNorm(64, eps=1e-5).to(dtype)
     with torch.no_grad():

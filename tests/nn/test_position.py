@@ -158,7 +158,8 @@ def test_alibi_bias_is_minus_slope_times_distance_bottom_right():
     for h in range(4):
         for i in range(q_len):
             for j in range(k_len):
-                assert float(b[0, h, i, j]) == pytest.approx(-slopes[h] * abs(i + k_len - q_len - j), rel=1e-6)
+                assert (float(b[0, h, i, j])
+                        == pytest.approx(-slopes[h] * abs(i + k_len - q_len - j), rel=1e-6))
 
 
 def test_identity_hooks():

@@ -1,7 +1,9 @@
-"""Weight-only quantization (qkv.nn.quant): each quantized layer against its formula in float64 (the dequantized
-weight), the quantization error bound, the aten kernels actually taking the bf16 products, the inputs that would
-crash or mislead the int8 kernel, and a random Llama folder loaded with quantize= against the unquantized model:
-logits close, greedy decoding through the KV cache equal to the uncached argmax, and again on a second call."""
+"""Weight-only quantization (qkv.nn.quant): each quantized layer against its formula in float64 (the
+dequantized weight), the quantization error bound, the aten kernels actually taking the bf16 products, the
+inputs that would crash or mislead the int8 kernel, and a random Llama folder loaded with quantize= against
+the unquantized model:
+logits close, greedy decoding through the KV cache equal to the uncached argmax, and again on a second
+call."""
 
 from __future__ import annotations
 
@@ -37,8 +39,10 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def close_to_formula(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype) -> None:
-    """y == x @ w^T + b to the output dtype's rounding: float64 reference, each element within the roundings (bf16:
+def close_to_formula(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                     dtype) -> None:
+    """y == x @ w^T + b to the output dtype's rounding: float64 reference, each element within the roundings
+    (bf16:
     2^-8 relative) of the product, its scaling and the sum with the bias, plus fp32 summation error (relative
     to sum |x| |w|)."""
     x64 = x.double().reshape(-1, x.shape[-1])
@@ -46,7 +50,8 @@ def close_to_formula(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch
     ref = prod + (0 if b is None else b.double())
     rounding = (2.0 ** -8 if dtype == torch.bfloat16 else 1e-7) * (2 * prod.abs() + ref.abs())
     err = (y.double().reshape(ref.shape) - ref).abs()
-    assert (err <= rounding + 1e-6 * (x64.abs() @ w.double().abs().T) + 1e-7).all(), float((err - rounding).max())
+    assert (err <= rounding + 1e-6 * (x64.abs() @ w.double().abs().T) + 1e-7).all(), \
+        float((err - rounding).max())
 
 
 def _linear(in_f: int, out_f: int, bias: bool, dtype) -> nn.Linear:
@@ -70,12 +75,14 @@ def test_int8_equals_the_dequantized_formula(dtype, rows, in_f, bias):
     assert y.dtype == dtype and y.shape == (rows, 96)
     w = q8.q.double() * q8.scale.double()[:, None]  # the stored codes and scales, not the original weight
     close_to_formula(y, x, w, None if not bias else q8.bias, dtype)
-    # the aten kernel takes the bf16 products it handles; fp32 and a width not a multiple of 16 are dequantized
+    # the aten kernel takes the bf16 products it handles; fp32 and a width not a multiple of 16 are
+    # dequantized
     assert ("_weight_int8pack_mm.default" in log.names) == (dtype == torch.bfloat16 and in_f % 16 == 0)
 
 
 def test_int8_takes_batched_3d_inputs_and_unaligned_views():
-    """A bf16 row not 32-byte aligned (a view 8 elements into a tensor) crashes the aten kernel's aligned loads:
+    """A bf16 row not 32-byte aligned (a view 8 elements into a tensor) crashes the aten kernel's aligned
+    loads:
     the layer copies it first. A (B, T, d) input gives (B, T, out)."""
     lin = _linear(64, 32, True, torch.bfloat16)
     q8 = Int8WeightOnlyLinear.from_linear(lin)
@@ -93,7 +100,8 @@ def test_int8_takes_batched_3d_inputs_and_unaligned_views():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_error_is_at_most_half_a_step_per_channel(dtype):
-    w = (torch.randn(48, 80) * torch.logspace(-3, 1, 48)[:, None]).to(dtype)  # channels of very different ranges
+    # channels of very different ranges
+    w = (torch.randn(48, 80) * torch.logspace(-3, 1, 48)[:, None]).to(dtype)
     w[5] = 0  # an all-zero channel
     q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and scale.dtype == dtype and q.abs().max() <= 127
@@ -107,7 +115,8 @@ def test_int4_error_is_at_most_half_a_step_per_group(offset):
     w = torch.randn(32, 256) * 0.1 + offset
     q, scale, zero = quantize_int4(w, 64)
     assert q.min() >= 0 and q.max() <= 15 and scale.shape == zero.shape == (32, 4)
-    deq = ((q.view(32, 4, 64).double() - 8) * scale.double()[..., None] + zero.double()[..., None]).view(32, 256)
+    deq = ((q.view(32, 4, 64).double() - 8) * scale.double()[..., None]
+           + zero.double()[..., None]).view(32, 256)
     err = (w.double() - deq).abs().view(32, 4, 64).amax(dim=-1)
     assert (err <= scale.double() / 2 * (1 + 1e-3)).all()
 
@@ -119,7 +128,8 @@ def test_int4_equals_the_dequantized_formula(dtype, rows):
     lin = _linear(128, 48, True, dtype)
     q4 = Int4WeightOnlyLinear.from_linear(lin, group_size=32)
     q, scale, zero = quantize_int4(lin.weight, 32)
-    w = ((q.view(48, 4, 32).double() - 8) * scale.double()[..., None] + zero.double()[..., None]).view(48, 128)
+    w = ((q.view(48, 4, 32).double() - 8) * scale.double()[..., None]
+         + zero.double()[..., None]).view(48, 128)
     x = torch.randn(rows, 128, dtype=dtype)
     with torch.no_grad(), OpLog() as log:
         y = q4(x)
@@ -128,8 +138,10 @@ def test_int4_equals_the_dequantized_formula(dtype, rows):
 
 
 def llama_folder(path, tie=True, hidden=64, vocab=320):
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128,
+                                      num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128,
                                       tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -183,7 +195,8 @@ def test_quantize_model_swaps_the_projections_and_copies_a_tied_head(folder):
 
 
 def test_head_false_keeps_the_head_and_int4_misfits_fall_back_to_int8(tmp_path):
-    model = qkv.from_pretrained(llama_folder(tmp_path / "a", vocab=65))  # a 65-token head: not a multiple of 16
+    # a 65-token head: not a multiple of 16
+    model = qkv.from_pretrained(llama_folder(tmp_path / "a", vocab=65))
     with pytest.warns(UserWarning, match="1 of 11 layers are int8"):
         quantize_model(model, "int4")
     assert isinstance(model.lm_head, Int8WeightOnlyLinear)

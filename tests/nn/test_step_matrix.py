@@ -188,7 +188,8 @@ def test_whisper_step_equals_forward():
 # -- a variant the step does not special-case works in both paths ----------------------------------------
 def test_a_new_activation_is_one_table_entry(monkeypatch):
     """nn/ffn.py's ACTIVATIONS is the only place an activation lives: one entry (here gated GELU, T5's
-    'gated-gelu') is accepted by the config and computed identically by the forward pass and the decoding step."""
+    'gated-gelu') is accepted by the config and computed identically by the forward pass and the decoding
+    step."""
     monkeypatch.setitem(ffn_module.ACTIVATIONS, "geglu", ffn_module.Activation(F.gelu, True))
     m = gpt("geglu", "layernorm", "pre", "rope", True)
     assert m.decoder.blocks[0].ffn.gate is not None

@@ -26,11 +26,12 @@ def test_unpadded_pad_and_unpad_round_trip():
 
 
 @pytest.mark.parametrize("kw", [dict(position="learned"), dict(position="rope", norm="batchnorm"),
-                                dict(position="alibi", placement="post")], ids=["learned", "rope-bn", "alibi-post"])
+                                dict(position="alibi", placement="post")],
+                         ids=["learned", "rope-bn", "alibi-post"])
 def test_unpadded_stack_equals_padded_on_real_tokens(kw):
     torch.manual_seed(0)
-    m = qkv.build("gpt-nano", vocab_size=17, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, context_length=16,
-                  **kw).train()
+    m = qkv.build("gpt-nano", vocab_size=17, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
+                  context_length=16, **kw).train()
     ref = copy.deepcopy(m)
     x = torch.randn(3, 7, 32)
     keep = torch.ones(3, 7, dtype=torch.bool)

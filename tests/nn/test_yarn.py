@@ -1,6 +1,6 @@
-"""YaRN RoPE scaling (nn/position.py) against transformers' _compute_yarn_parameters (frequencies and the cos/sin
-factor, with and without DeepSeek's mscale pair, truncated or not), and a Qwen2 folder with YaRN against
-transformers' logits past the original context."""
+"""YaRN RoPE scaling (nn/position.py) against transformers' _compute_yarn_parameters (frequencies and the
+cos/sin factor, with and without DeepSeek's mscale pair, truncated or not), and a Qwen2 folder with YaRN
+against transformers' logits past the original context."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 def test_frequencies_and_factor_equal_transformers(extra):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 128,
-            **extra}
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+            "original_max_position_embeddings": 128, **extra}
     cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=1024,
                                    rope_parameters=rope)
     want, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)

@@ -1,4 +1,5 @@
-"""The always-available corpora: the stdlib sources split by file (disjoint, deterministic, tests excluded)."""
+"""The always-available corpora: the stdlib sources split by file (disjoint, deterministic, tests
+excluded)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def test_the_real_stdlib_split():
     files = stdlib_files()
     split = stdlib_split(0.1)
     assert len(files) > 300 and not any("/test/" in f or f.startswith("test/") for f in files)
-    assert set(split["train"]).isdisjoint(split["val"]) and len(split["train"]) + len(split["val"]) == len(files)
+    assert (set(split["train"]).isdisjoint(split["val"])
+            and len(split["train"]) + len(split["val"]) == len(files))
     assert 0.05 < len(split["val"]) / len(files) < 0.15  # a hash split: about val_fraction of the files
     assert split == stdlib_split(0.1)
     assert all(is_val_file(p, 0.1) for p in split["val"])

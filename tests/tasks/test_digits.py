@@ -41,8 +41,8 @@ def test_batches_are_deterministic_and_shaped():
 def test_augmentations_against_torch_references():
     x = torch.randn(2, 1, 8, 8)
     torch.testing.assert_close(rotate_scale(x, torch.zeros(2), torch.ones(2)), x, atol=1e-6, rtol=0)
-    torch.testing.assert_close(rotate_scale(x, torch.full((2,), 90.0), torch.ones(2)), torch.rot90(x, 1, (2, 3)),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(rotate_scale(x, torch.full((2,), 90.0), torch.ones(2)),
+                               torch.rot90(x, 1, (2, 3)), atol=1e-5, rtol=0)
     s = shift_images(x, torch.tensor([1, 0]), torch.tensor([0, -2]))
     torch.testing.assert_close(s[0, :, 1:], x[0, :, :-1])
     assert s[0, :, 0].abs().sum() == 0

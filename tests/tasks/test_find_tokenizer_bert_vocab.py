@@ -1,5 +1,5 @@
-"""A BERT folder with only vocab.txt (no tokenizer.json): read as transformers' BertTokenizer reads it, lower-cased
-unless the folder's tokenizer_config.json says do_lower_case: false (a cased BERT)."""
+"""A BERT folder with only vocab.txt (no tokenizer.json): read as transformers' BertTokenizer reads it,
+lower-cased unless the folder's tokenizer_config.json says do_lower_case: false (a cased BERT)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from qkv.tasks.tokenizers import find_tokenizer
 
 transformers = pytest.importorskip("transformers")
-WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Hello", "hello", "World", "world", "helo", "##s", "cafe",
-         "café", "Café"]
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Hello", "hello", "World", "world", "helo", "##s",
+         "cafe", "café", "Café"]
 TEXTS = ["Hello World", "hello worlds", "HELLO world", "Café café cafe", "Hello, unknown!"]
 
 

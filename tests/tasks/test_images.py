@@ -16,9 +16,11 @@ from qkv.tasks.digits import shift_images
 
 
 def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> Path:
-    """The IDX layout, independently of the reader: magic (0, 0, type, ndim), big-endian dims, big-endian data."""
+    """The IDX layout, independently of the reader: magic (0, 0, type, ndim), big-endian dims, big-endian
+    data."""
     code = {np.dtype(np.uint8): 0x08, np.dtype(">i4"): 0x0C, np.dtype(">f4"): 0x0D}[array.dtype]
-    raw = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+    raw = (struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+           + array.tobytes())
     path.write_bytes(gzip.compress(raw) if gz else raw)
     return path
 
@@ -72,7 +74,8 @@ def test_fashion_mnist_task_on_any_idx_folder(tmp_path):
     seen = torch.cat([task.batch(i, 8)["labels"] for i in range(5)])
     assert sorted(seen.tolist()) == sorted((np.arange(40) % 10).tolist())
     v = task.batch(0, 20, "val")
-    assert torch.equal(v["pixel_values"], task.normalize(task.images[40:60])[task.batch_positions(0, 20, "val")])
+    assert torch.equal(v["pixel_values"],
+                       task.normalize(task.images[40:60])[task.batch_positions(0, 20, "val")])
     assert task.model_overrides() == {"image_size": 28, "n_channels": 1, "num_labels": 10}
     m = task.build_model("resnet-8-cifar")
     assert m.config.n_channels == 1 and m.config.num_labels == 10
@@ -100,7 +103,8 @@ def test_debians_fashion_mnist():
     assert task.classes[0] == "T-shirt/top" and task.classes[9] == "Ankle boot"
     assert len(task.train_idx) == 60_000 and len(task.val_idx) == 10_000
     assert torch.bincount(task.labels[task.val_idx]).tolist() == [1000] * 10
-    assert abs(float(task.mean) - 0.2860) < 1e-3 and abs(float(task.std) - 0.3530) < 1e-3  # the known statistics
+    # the known statistics
+    assert abs(float(task.mean) - 0.2860) < 1e-3 and abs(float(task.std) - 0.3530) < 1e-3
 
 
 def test_augment_is_a_padded_crop_and_a_flip():
@@ -109,7 +113,8 @@ def test_augment_is_a_padded_crop_and_a_flip():
     for _ in range(10):
         out = img.augment(x, 2, False, g)
         for b in range(2):  # some shift by (dy, dx) in [-2, 2] with zero fill
-            assert any(torch.equal(out[b:b + 1], shift_images(x[b:b + 1], torch.tensor([dy]), torch.tensor([dx])))
+            assert any(torch.equal(out[b:b + 1],
+                                   shift_images(x[b:b + 1], torch.tensor([dy]), torch.tensor([dx])))
                        for dy in range(-2, 3) for dx in range(-2, 3))
         flipped = img.augment(x, 0, True, g)
         assert all(torch.equal(flipped[b], x[b]) or torch.equal(flipped[b], x[b].flip(-1)) for b in range(2))

@@ -46,7 +46,8 @@ class TinyLlama(TransformerDecoderModel):
         self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
         self.init_weights(c.n_layers)
 
-    def forward(self, input_ids: Tensor, *, labels: Tensor | None = None, attention_mask: Tensor | None = None,
+    def forward(self, input_ids: Tensor, *, labels: Tensor | None = None,
+                attention_mask: Tensor | None = None,
                 cache: Any = None, offset: Any = None, return_attentions: bool = False,
                 last_only: bool = False) -> ModelOutput:
         keep = attention_mask.bool() if attention_mask is not None else None

@@ -106,8 +106,8 @@ def test_split_disjoint_and_deterministic():
     train = {e for i in range(30) for e, _ in task.examples(i, 32, "train")}
     val = {e for i in range(10) for e, _ in task.examples(i, 32, "val")}
     assert train and val and not train & val
-    assert task.examples(5, 4, "train") == build_task("listops", max_len=24, min_len=4, max_depth=2, max_args=3,
-                                                      val_fraction=0.3).examples(5, 4, "train")
+    assert task.examples(5, 4, "train") == build_task("listops", max_len=24, min_len=4, max_depth=2,
+                                                      max_args=3, val_fraction=0.3).examples(5, 4, "train")
 
 
 class Oracle(nn.Module):

@@ -55,7 +55,8 @@ def test_char_split_and_windows(charlm):
         assert tok.decode(row) in text[:cut]  # a contiguous window of the train split
     for row in charlm.batch(11, 6, "val")["input_ids"]:
         assert tok.decode(row) in text[cut:]
-    assert torch.equal(charlm.batch(11, 6)["input_ids"], build_task("charlm", context=32).batch(11, 6)["input_ids"])
+    assert torch.equal(charlm.batch(11, 6)["input_ids"],
+                       build_task("charlm", context=32).batch(11, 6)["input_ids"])
     assert not torch.equal(charlm.batch(11, 6)["input_ids"], charlm.batch(12, 6)["input_ids"])
     over = charlm.model_overrides()
     assert over == {"vocab_size": tok.vocab_size, "context_length": 32}
@@ -67,12 +68,14 @@ def test_evaluate_against_the_uniform_closed_form(charlm):
     assert res["val_loss"] == pytest.approx(math.log(V), rel=1e-6)
     assert res["perplexity"] == pytest.approx(V, rel=1e-5)
     assert res["bpc"] == pytest.approx(math.log2(V), rel=1e-6)
-    assert res["n_tokens"] == len(charlm.data["val"]) - 1 - (len(charlm.data["val"]) - 1) % 31  # tiling, stride 31
+    # tiling, stride 31
+    assert res["n_tokens"] == len(charlm.data["val"]) - 1 - (len(charlm.data["val"]) - 1) % 31
     assert charlm.evaluate(Uniform(V), n=10)["n_tokens"] == 10 * 31
 
 
 def test_bpe_lm_bits_per_character(tmp_path):
-    text = ("The quick brown fox jumps over the lazy dog. " * 400 + "Pack my box with five dozen liquor jugs. " * 400)
+    text = ("The quick brown fox jumps over the lazy dog. " * 400
+            + "Pack my box with five dozen liquor jugs. " * 400)
     path = tmp_path / "corpus.txt"
     path.write_text(text, encoding="utf-8")
     task = build_task("bpelm", path=str(path), bpe_vocab_size=300, context=16)

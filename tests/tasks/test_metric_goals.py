@@ -20,7 +20,8 @@ def _task_class(name):
 
     return {"copy": seq2seq.CopyTask, "reverse": seq2seq.ReverseTask, "sort": seq2seq.SortTask,
             "addition": seq2seq.AdditionTask, "numbers_zh": numbers_zh.NumbersZhTask, "tsv": tsv.TSVTask,
-            "lm": lm.LMTask, "charlm": lm.LMTask, "bpelm": lm.LMTask, "stdlib_lm": lm.LMTask, "listops": listops.ListOpsTask,
+            "lm": lm.LMTask, "charlm": lm.LMTask, "bpelm": lm.LMTask, "stdlib_lm": lm.LMTask,
+            "listops": listops.ListOpsTask,
             "digits": digits.DigitsTask, "captions": captions.CaptionsTask, "dtmf": dtmf.DTMFTask,
             "speech": speech.SpeechTask, "fashion_mnist": images.ImageClassificationTask,
             "image_folder": images.ImageClassificationTask, "vqa": vqa.VQATask}[name]

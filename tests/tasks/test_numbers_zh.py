@@ -13,7 +13,8 @@ from qkv.tasks.numbers_zh import chinese_date, chinese_number, english_date, eng
 
 # hand-written (standard Mandarin numerals, formal 二; British English with "and")
 ZH = {
-    0: "零", 2: "二", 10: "十", 11: "十一", 15: "十五", 20: "二十", 99: "九十九", 100: "一百", 101: "一百零一",
+    0: "零", 2: "二", 10: "十", 11: "十一", 15: "十五", 20: "二十", 99: "九十九", 100: "一百",
+    101: "一百零一",
     110: "一百一十", 115: "一百一十五", 200: "二百", 342: "三百四十二", 1000: "一千", 1005: "一千零五",
     1010: "一千零一十", 1050: "一千零五十", 1500: "一千五百", 2019: "二千零一十九", 10000: "一万",
     10001: "一万零一", 10010: "一万零一十", 10100: "一万零一百", 11000: "一万一千", 20300: "二万零三百",
@@ -51,9 +52,11 @@ def test_dates_and_range_errors():
 
 
 # -- independent parsers: the generated pairs must denote the same number / date ------------------------
-_EN_UNITS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-                                        "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
-_EN_TENS = {w: 10 * i for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split())}
+_EN_UNITS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven "
+                                        "twelve thirteen fourteen fifteen sixteen seventeen eighteen "
+                                        "nineteen".split())}
+_EN_TENS = {w: 10 * i
+            for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split())}
 
 
 def parse_en(text: str) -> int:
@@ -117,7 +120,8 @@ def test_length_bounds_are_exact_and_batches_fit():
     task = build_task("numbers_zh", max_value=99_999, date_fraction=0.25)
     src_max = max(len(english_number(v)) for v in range(100_000))
     assert task.max_src_tokens == max(src_max, len("September 28, 2099"))
-    assert task.max_tgt_tokens == max(max(len(chinese_number(v)) for v in range(100_000)), len("2099年12月31日"))
+    assert (task.max_tgt_tokens
+            == max(max(len(chinese_number(v)) for v in range(100_000)), len("2099年12月31日")))
     for family in ("encdec", "gpt"):
         t = build_task("numbers_zh", family=family)
         b = t.batch(0, 64)
@@ -127,8 +131,8 @@ def test_length_bounds_are_exact_and_batches_fit():
 
 
 def test_length_bounds_are_exact_for_any_max_value():
-    """The bound used to come from repeated digits (777...) and max_value only: below 300 the longest words are
-    "one hundred and seventy-three" (29), not 222's or 300's, and training cut such sources short."""
+    """The bound used to come from repeated digits (777...) and max_value only: below 300 the longest words
+    are "one hundred and seventy-three" (29), not 222's or 300's, and training cut such sources short."""
     import itertools
 
     english = list(itertools.accumulate((len(english_number(v)) for v in range(60_001)), max))

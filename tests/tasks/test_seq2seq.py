@@ -90,7 +90,8 @@ def test_lengths_and_symbols_follow_the_options(name):
 def test_deterministic_in_seed_split_and_index(name):
     a, b = build_task(name, seed=1), build_task(name, seed=1)
     for split in ("train", "val"):
-        assert all(torch.equal(a.batch(5, 8, split)[k], b.batch(5, 8, split)[k]) for k in a.batch(5, 8, split))
+        assert all(torch.equal(a.batch(5, 8, split)[k], b.batch(5, 8, split)[k])
+                       for k in a.batch(5, 8, split))
     assert a.pairs(5, 8, "train") != a.pairs(6, 8, "train")
     assert a.pairs(5, 8, "train") != build_task(name, seed=2).pairs(5, 8, "train")
     assert a.eval_pairs(20) == b.eval_pairs(20) == a.eval_pairs(30)[:20]
@@ -258,7 +259,8 @@ def test_relative_positions_take_sources_longer_than_the_context():
         assert model.config.context_length == 7 and model.context_limit is None
         (pred,) = task.predict_ids(model, [long_src])
         assert len(pred) <= task.max_tgt_tokens + 1
-    absolute = task.build_model("transformer-tiny", position="sinusoidal", d_model=32, n_heads=2, d_ff=64).eval()
+    absolute = task.build_model("transformer-tiny", position="sinusoidal", d_model=32, n_heads=2,
+                                d_ff=64).eval()
     with pytest.raises(ValueError, match="source sequence of length 13 exceeds the model's context of 7"):
         task.predict_ids(absolute, [long_src])
 

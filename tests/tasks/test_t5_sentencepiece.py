@@ -1,6 +1,6 @@
 """A T5 folder with only spiece.model (the google/t5-v1_1-* layout, no tokenizer.json): qkv's tokenizer knows
-T5's sentinels <extra_id_N> as transformers.T5Tokenizer does (ids after the pieces, counted down from the last;
-decoded back, or skipped as special tokens). A non-T5 spiece.model folder gains no sentinels."""
+T5's sentinels <extra_id_N> as transformers.T5Tokenizer does (ids after the pieces, counted down from the
+last; decoded back, or skipped as special tokens). A non-T5 spiece.model folder gains no sentinels."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-TEXTS = ["the cat <extra_id_0> fast", "the cat<extra_id_0>fast.", "<extra_id_0> the <extra_id_1>", "<extra_id_9>",
+TEXTS = ["the cat <extra_id_0> fast", "the cat<extra_id_0>fast.", "<extra_id_0> the <extra_id_1>",
+         "<extra_id_9>",
          "a  <extra_id_3>  big, green tree <extra_id_1><extra_id_2> runs", "x<extra_id_2><extra_id_1>y",
          " the dog  ", "", "the </s> cat <pad> is <unk> slow", "<extra_id_10> and <extra_id_99> are not all",
          "small house, big dog."]
@@ -37,9 +38,12 @@ def _spiece(folder, model_type: str = "t5", **tokenizer_config) -> None:
 
 
 @pytest.mark.parametrize("config", [{}, {"extra_ids": 10},
-                                    {"extra_ids": 3, "additional_special_tokens": [f"<extra_id_{i}>" for i in range(3)]},
-                                    {"extra_ids": 0, "additional_special_tokens": ["<extra_id_1>", "<extra_id_0>"]},
-                                    {"extra_ids": 2, "additional_special_tokens": ["<extra_id_1>", "<x>", "<extra_id_0>"]}])
+                                    {"extra_ids": 3,
+                                     "additional_special_tokens": [f"<extra_id_{i}>" for i in range(3)]},
+                                    {"extra_ids": 0,
+                                     "additional_special_tokens": ["<extra_id_1>", "<extra_id_0>"]},
+                                    {"extra_ids": 2,
+                                     "additional_special_tokens": ["<extra_id_1>", "<x>", "<extra_id_0>"]}])
 def test_t5_sentinels_encode_and_decode_as_t5tokenizer(tmp_path, config):
     _spiece(tmp_path, **config)
     ref = transformers.T5Tokenizer.from_pretrained(tmp_path)
@@ -49,8 +53,10 @@ def test_t5_sentinels_encode_and_decode_as_t5tokenizer(tmp_path, config):
         ids = ref(text).input_ids
         assert tok.encode(text) == ids, text
         for skip in (True, False):
-            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), (text, skip)
-        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)  # the default skips, as qkv generate
+            assert (tok.decode(ids, skip_special_tokens=skip)
+                    == ref.decode(ids, skip_special_tokens=skip)), (text, skip)
+        # the default skips, as qkv generate
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     if "additional_special_tokens" not in config:
         n = config.get("extra_ids", 100)
         assert tok.encode("<extra_id_0>")[0] == 30 + n - 1 and tok.encode(f"<extra_id_{n - 1}>")[0] == 30

@@ -75,7 +75,8 @@ def test_word_tokenizer():
 @pytest.mark.parametrize("make", [
     lambda: CharTokenizer.from_text("the quick brown fox 你好"),
     lambda: WordTokenizer(["[MAX", "]", "1", "2"]),
-    lambda: BPETokenizer.train(["the quick brown fox jumps over the lazy dog " * 20, "你好世界"], vocab_size=300),
+    lambda: BPETokenizer.train(["the quick brown fox jumps over the lazy dog " * 20, "你好世界"],
+                               vocab_size=300),
 ])
 def test_save_load_round_trip(tmp_path, make):
     tok = make()

@@ -1,5 +1,6 @@
-"""Run by test_distributed.py under `torchrun --nproc_per_node=2`; main() is also called in-process for
-the single-process reference. usage: dist_train.py MODE OUT_DIR [DEVICE] (MODE: none | ddp | fsdp; DEVICE: cpu | cuda)."""
+"""Run by test_distributed.py under `torchrun --nproc_per_node=2`; main() is also called in-process for the
+single-process reference. usage: dist_train.py MODE OUT_DIR [DEVICE] (MODE: none | ddp | fsdp; DEVICE: cpu |
+cuda)."""
 
 import json
 import os
@@ -19,10 +20,12 @@ def main(mode: str, out: Path, device: str = "cpu") -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1")) if mode != "none" else 1
     # same global batch either way: 2 ranks x 2 micro-batches of 4 == 1 process x 4 micro-batches of 4
     cfg = TrainConfig(max_steps=4, batch_size=4, grad_accum=4 // world, lr=3e-3, warmup=1, schedule="cosine",
-                      distributed=mode, device=device, out_dir=str(out), progress=False, tensorboard=False, plot=False,
+                      distributed=mode, device=device, out_dir=str(out), progress=False, tensorboard=False,
+                      plot=False,
                       log_every=1, clip_grad=0.5, save_every=2, max_eval_batches=3, eval_every=2)  # 3: uneven
     losses = {}
-    cb = LambdaCallback(on_step_end=lambda tr, step, rec: losses.__setitem__(str(step), [rec["loss"], rec["grad_norm"]]))
+    cb = LambdaCallback(on_step_end=lambda tr, step, rec: losses.__setitem__(str(step),
+                                                                             [rec["loss"], rec["grad_norm"]]))
     trainer = Trainer(tiny_gpt(seed=0, n_layers=3), cfg, ToyLM(), callbacks=[cb])
     calls = [0]
     if mode == "ddp":  # count gradient all-reduces: with no_sync there is one per update, not per micro-batch
@@ -37,7 +40,8 @@ def main(mode: str, out: Path, device: str = "cpu") -> dict:
     result = {"losses": losses, "eval": summary["eval"], "world": trainer.dist.world_size,
               "allreduce_calls": calls[0]}
     trainer.close()
-    # close() lets go of the DDP wrapper before the process group goes: one freed later deadlocked gloo at exit
+    # close() lets go of the DDP wrapper before the process group goes: one freed later deadlocked gloo at
+    # exit
     import gc
 
     result["ddp_alive_after_close"] = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel)

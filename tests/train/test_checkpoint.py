@@ -36,7 +36,8 @@ def test_resume_is_bit_identical(tmp_path, make_gpt, toy_data, cfg_factory):
     assert s2["steps"] == 2 * n and sorted(second) == list(range(n + 1, 2 * n + 1))
     assert {**first, **second} == full  # exact float equality, step by step
     # the default AdamW on CPU is the fused kernel, and the resumed optimizer still runs it
-    assert tr2.optimizer_impl == "fused" and all(g["fused"] and not g["foreach"] for g in tr2.optimizer.param_groups)
+    assert (tr2.optimizer_impl == "fused"
+            and all(g["fused"] and not g["foreach"] for g in tr2.optimizer.param_groups))
 
     # metrics.jsonl of the resumed run describes one run: steps 1..2n once each
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
@@ -132,7 +133,8 @@ def test_compile_trains_same_as_eager(tmp_path, make_gpt, toy_data, cfg_factory)
                     "set QKV_TEST_COMPILE=1 to run")
     t0 = time.perf_counter()
     eager, cb_e = loss_recorder()
-    Trainer(make_gpt(), cfg_factory(max_steps=3, out_dir=str(tmp_path / "e")), toy_data, callbacks=[cb_e]).fit()
+    Trainer(make_gpt(), cfg_factory(max_steps=3, out_dir=str(tmp_path / "e")), toy_data,
+            callbacks=[cb_e]).fit()
     comp, cb_c = loss_recorder()
     Trainer(make_gpt(), cfg_factory(max_steps=3, compile=True, out_dir=str(tmp_path / "c")), toy_data,
             callbacks=[cb_c]).fit()
@@ -169,7 +171,8 @@ def test_kill_during_pruning_leaks_no_folder(tmp_path, make_gpt, toy_data, cfg_f
     assert sorted(p.name for p in root.iterdir()) == ["step_00000007", "step_00000008"]
 
 
-def test_kill_between_the_renames_of_best_keeps_a_best(tmp_path, make_gpt, toy_data, cfg_factory, monkeypatch):
+def test_kill_between_the_renames_of_best_keeps_a_best(tmp_path, make_gpt, toy_data, cfg_factory,
+                                                       monkeypatch):
     values = iter([3.0, 2.0, 1.0, 0.5])
     real_replace = os.replace
     calls = {"n": 0}
@@ -252,10 +255,12 @@ def test_resuming_a_finished_run_logs_nothing_again(tmp_path, make_gpt, toy_data
     assert sum('"eval/' in line for line in before.decode().splitlines()) == 3  # steps 2, 4 and 5
     again = Trainer(make_gpt(seed=7), cfg_factory(**cfg, resume=True), toy_data).fit()
     assert metrics.read_bytes() == before
-    assert again["steps"] == 5 and again["eval"] == first["eval"] and again["final_loss"] == first["final_loss"]
+    assert (again["steps"] == 5 and again["eval"] == first["eval"]
+            and again["final_loss"] == first["final_loss"])
 
 
-def test_checkpoint_written_before_optimizer_impl_resumes_with_the_configured_one(tmp_path, make_gpt, toy_data,
+def test_checkpoint_written_before_optimizer_impl_resumes_with_the_configured_one(tmp_path, make_gpt,
+                                                                                  toy_data,
                                                                                    cfg_factory, monkeypatch):
     # before TrainConfig.optimizer_impl, build_optimizer left torch's defaults (foreach=None, fused=None: the
     # per-parameter loop on CPU) and checkpoints carry those settings in their param groups
@@ -285,12 +290,14 @@ def test_checkpoint_written_before_optimizer_impl_resumes_with_the_configured_on
     for key, st in saved["optimizer"]["state"].items():
         got = new.optimizer.state[param[key]]
         assert all(torch.equal(got[k], st[k]) for k in ("exp_avg", "exp_avg_sq", "step")), key
-    assert new.optimizer_impl == "fused" and all(g["fused"] and not g["foreach"] for g in new.optimizer.param_groups)
+    assert (new.optimizer_impl == "fused"
+            and all(g["fused"] and not g["foreach"] for g in new.optimizer.param_groups))
     new.resume = True
     assert new.fit()["steps"] == 2 * n
 
     # and the continuation equals an uninterrupted run with torch's loop to float rounding
-    ref = Trainer(make_gpt(), cfg_factory(max_steps=2 * n, out_dir=str(tmp_path / "ref"), optimizer_impl="loop"),
+    ref = Trainer(make_gpt(),
+                  cfg_factory(max_steps=2 * n, out_dir=str(tmp_path / "ref"), optimizer_impl="loop"),
                   toy_data)
     ref.fit()
     for (name, p), q in zip(new.model.named_parameters(), ref.model.parameters()):

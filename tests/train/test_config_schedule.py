@@ -58,7 +58,8 @@ def test_warmup_then_cosine_to_floor():
 
 @pytest.mark.parametrize("max_steps, warmup", [(1, 0), (2, 0), (8, 0), (8, 3), (100, 10)])
 def test_cosine_and_linear_decay_equal_transformers_schedules(max_steps, warmup):
-    """After the warmup, update k (1-based) gets transformers' LambdaLR factor at its step k - 1 (counted from 0):
+    """After the warmup, update k (1-based) gets transformers' LambdaLR factor at its step k - 1 (counted from
+    0):
     no update runs at lr 0, even in a one-update run (which used to change nothing)."""
     transformers = pytest.importorskip("transformers")
     import torch
@@ -70,7 +71,8 @@ def test_cosine_and_linear_decay_equal_transformers_schedules(max_steps, warmup)
         for k in range(1, max_steps + 1):
             want = opt.param_groups[0]["lr"]
             if k > warmup:  # (the warmups differ: transformers' first update runs at 0, ours at lr / warmup)
-                assert lr_at(k, schedule=name, lr=1.0, warmup=warmup, max_steps=max_steps) == pytest.approx(want)
+                assert (lr_at(k, schedule=name, lr=1.0, warmup=warmup, max_steps=max_steps)
+                        == pytest.approx(want))
                 assert want > 0
             opt.step()
             sched.step()
@@ -78,7 +80,8 @@ def test_cosine_and_linear_decay_equal_transformers_schedules(max_steps, warmup)
 
 def test_inverse_sqrt_linear_constant():
     assert lr_at(5, schedule="inverse_sqrt", lr=1.0, warmup=10, max_steps=100) == pytest.approx(0.5)
-    assert lr_at(40, schedule="inverse_sqrt", lr=1.0, warmup=10, max_steps=100) == pytest.approx(math.sqrt(10 / 40))
+    assert (lr_at(40, schedule="inverse_sqrt", lr=1.0, warmup=10, max_steps=100)
+            == pytest.approx(math.sqrt(10 / 40)))
     assert lr_at(56, schedule="linear", lr=1.0, warmup=10, max_steps=100, min_lr=0.1) == pytest.approx(0.55)
     assert lr_at(1, schedule="constant", lr=0.3, warmup=0, max_steps=100) == 0.3  # the no-warmup ablation
     assert lr_at(1, schedule="constant", lr=0.3, warmup=3, max_steps=100) == pytest.approx(0.1)

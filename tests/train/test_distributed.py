@@ -52,7 +52,8 @@ def test_matches_single_process(mode, runs):
         assert got["losses"][step][0] == pytest.approx(loss, rel=1e-5), step
         assert got["losses"][step][1] == pytest.approx(gnorm, rel=1e-5), step
     assert got["eval"]["loss"] == pytest.approx(ref["eval"]["loss"], rel=1e-5)
-    if mode == "ddp":  # 4 updates x 2 micro-batches, one bucket (a 40k-parameter model): sync on the last only
+    # 4 updates x 2 micro-batches, one bucket (a 40k-parameter model): sync on the last only
+    if mode == "ddp":
         assert got["allreduce_calls"] == 4
     assert got["ddp_alive_after_close"] == 0
     # the same tensors in the checkpoint as one process writes: a tied weight once (FSDP stored lm_head twice)
@@ -82,15 +83,16 @@ def test_fsdp_checkpoint_resumes_in_one_process(runs, tmp_path):
 
     from qkv.train import TrainConfig, Trainer
 
-    cfg = TrainConfig(max_steps=5, batch_size=4, grad_accum=4, lr=3e-3, warmup=1, out_dir=str(out), resume=True,
-                      progress=False, tensorboard=False, plot=False, schedule="cosine")
+    cfg = TrainConfig(max_steps=5, batch_size=4, grad_accum=4, lr=3e-3, warmup=1, out_dir=str(out),
+                      resume=True, progress=False, tensorboard=False, plot=False, schedule="cosine")
     tr = Trainer(tiny_gpt(n_layers=3), cfg, ToyLM())
     s = tr.fit()
     assert s["steps"] == 5 and tr.optimizer.state  # AdamW moments came back
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_nccl_matches_single_gpu(mode, tmp_path, torchrun):
     from dist_train import main
@@ -111,7 +113,8 @@ TINY_LM = ["--max-steps", "2", "--no-progress", "model.n_layers=1", "model.d_mod
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_readme_torchrun_command_trains_evaluates_and_saves(mode, tmp_path, torchrun):
     out = tmp_path / mode
-    # README: torchrun --standalone --nproc_per_node=N -m qkv.cli.main train configs/charlm.yaml [train.distributed=fsdp]
+    # README: torchrun --standalone --nproc_per_node=N -m qkv.cli.main train configs/charlm.yaml
+    # [train.distributed=fsdp]
     r = torchrun(["-m", "qkv.cli.main", "train", "configs/charlm.yaml", "--out", out, *TINY_LM]
                  + (["train.distributed=fsdp"] if mode == "fsdp" else []), cwd=ROOT)
     assert f"distributed {mode} x2" in r.stderr and "training GPT (" in r.stderr  # not FSDP's FSDPGPT
@@ -126,13 +129,15 @@ def test_readme_torchrun_command_trains_evaluates_and_saves(mode, tmp_path, torc
 
 @pytest.mark.slow
 def test_fsdp_evaluation_that_generates_during_training(tmp_path, torchrun):
-    """The reverse task evaluates by generating (encode_source, decoding steps, the head: not the root forward,
-    whose FSDP hook gathers the root's parameters): under FSDP it died at the first evaluation ("mixed
-    torch.Tensor and DTensor"), and the completed steps were lost. The evaluation now sees whole parameters."""
+    """The reverse task evaluates by generating (encode_source, decoding steps, the head: not the root
+    forward, whose FSDP hook gathers the root's parameters): under FSDP it died at the first evaluation
+    ("mixed torch.Tensor and DTensor"), and the completed steps were lost. The evaluation now sees whole
+    parameters."""
     out = tmp_path / "rev"
     r = torchrun(["-m", "qkv.cli.main", "train", "configs/reverse.yaml", "--out", out, "--max-steps", "4",
                   "--no-progress", "model.n_encoder_layers=1", "model.n_decoder_layers=1", "model.d_model=32",
-                  "model.n_heads=2", "train.batch_size=4", "eval.n=8", "eval.samples=1", "eval.during_training=8",
+                  "model.n_heads=2", "train.batch_size=4", "eval.n=8", "eval.samples=1",
+                  "eval.during_training=8",
                   "train.eval_every=2", "train.warmup=1", "train.distributed=fsdp"], cwd=ROOT)
     assert "distributed fsdp x2" in r.stderr
     result = json.loads((out / "results.json").read_text())

@@ -57,7 +57,8 @@ def test_accumulate_4x8_equals_batch_32_with_padding(make_gpt, toy_data, cfg_fac
 
 def test_step_loss_is_token_weighted(make_gpt, toy_data, cfg_factory):
     model = make_gpt()
-    loss, n, _, _ = Trainer(model, cfg_factory(batch_size=8, grad_accum=4), toy_data).compute_gradients(step=1)
+    loss, n, _, _ = Trainer(model, cfg_factory(batch_size=8, grad_accum=4),
+                            toy_data).compute_gradients(step=1)
     ref = make_gpt()
     with torch.no_grad():
         want = ref(**toy_data.batch(0, 32)).loss
@@ -101,7 +102,8 @@ def test_fp16_gradscaler_trains_on_cuda(make_gpt, toy_data, cfg_factory):
     s = tr.fit()
     assert tr.precision.scaler is not None and s["final_loss"] < 3.0
     l32, *_ = Trainer(make_gpt(), cfg_factory(device="cuda"), toy_data).compute_gradients(step=1)
-    l16, *_ = Trainer(make_gpt(), cfg_factory(precision="fp16", device="cuda"), toy_data).compute_gradients(step=1)
+    l16, *_ = Trainer(make_gpt(), cfg_factory(precision="fp16", device="cuda"),
+                      toy_data).compute_gradients(step=1)
     assert l16 == pytest.approx(l32, rel=1e-2)
 
 

@@ -17,8 +17,9 @@ def test_run_files(tmp_path, make_gpt, toy_data, cfg_factory):
     cfg = cfg_factory(max_steps=6, log_every=2, diag_every=3, eval_every=3, max_eval_batches=2, plot=True,
                       tensorboard=True, clip_grad=None)
     norms = {}
-    cb = LambdaCallback(on_after_backward=lambda tr, step: norms.__setitem__(step, float(torch.linalg.vector_norm(
-        torch.cat([p.grad.flatten() for p in tr.model.parameters() if p.grad is not None])))))
+    cb = LambdaCallback(on_after_backward=lambda tr, step: norms.__setitem__(
+        step, float(torch.linalg.vector_norm(
+            torch.cat([p.grad.flatten() for p in tr.model.parameters() if p.grad is not None])))))
     s = Trainer(make_gpt(), cfg, toy_data, callbacks=[cb]).fit()
     run = tmp_path / "run"
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -104,7 +105,8 @@ def test_resume_appends_to_metrics_never_rewrites(tmp_path, make_gpt, toy_data, 
     monkeypatch.undo()
     after = path.read_bytes()
     assert after and before.startswith(after)  # a prefix of the old file: at most the abandoned steps cut off
-    # a line cut by a kill mid-write is dropped, and records after the resumed step too; the rest stays byte-identical
+    # a line cut by a kill mid-write is dropped, and records after the resumed step too; the rest stays
+    # byte-identical
     with open(path, "ab") as f:
         f.write(b'{"step": 6, "lo')
     Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2, resume=True), toy_data).fit()
@@ -114,10 +116,12 @@ def test_resume_appends_to_metrics_never_rewrites(tmp_path, make_gpt, toy_data, 
 
 
 @pytest.mark.parametrize("progress", [False, True])
-def test_a_line_per_logged_step_without_a_progress_bar(tmp_path, make_gpt, toy_data, cfg_factory, capsys, progress):
-    """Without a drawn bar (progress off, or output not a terminal: pytest's is not) every logged step is a line on
-    stdout and in train.log; a run sent to a file said nothing until its first evaluation."""
-    cfg = cfg_factory(max_steps=5, log_every=2, progress=progress, eval_every=0, plot=False, tensorboard=False)
+def test_a_line_per_logged_step_without_a_progress_bar(tmp_path, make_gpt, toy_data, cfg_factory, capsys,
+                                                       progress):
+    """Without a drawn bar (progress off, or output not a terminal: pytest's is not) every logged step is a
+    line on stdout and in train.log; a run sent to a file said nothing until its first evaluation."""
+    cfg = cfg_factory(max_steps=5, log_every=2, progress=progress, eval_every=0, plot=False,
+                      tensorboard=False)
     Trainer(make_gpt(), cfg, toy_data).fit()
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
     assert [ln.split(":")[0] for ln in lines] == ["step 1/5", "step 2/5", "step 4/5", "step 5/5"]

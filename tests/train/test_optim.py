@@ -42,38 +42,44 @@ def test_weight_decay_reaches_only_matrices(make_gpt):
     opt.step()
     for n, p in model.named_parameters():
         changed = not torch.equal(before[n], p)
-        assert changed == (n.endswith("weight") and p.dim() == 2 and "emb" not in n and "position" not in n), n
+        assert (changed
+                == (n.endswith("weight") and p.dim() == 2 and "emb" not in n and "position" not in n)), n
 
 
-# -- which AdamW implementation runs (TrainConfig.optimizer_impl) ----------------------------------------------
+# -- which AdamW implementation runs (TrainConfig.optimizer_impl) --------------------------------------------
 
 def test_auto_is_fused_on_cpu_and_bad_values_are_clear_errors(make_gpt):
     for impl, want in (("auto", "fused"), ("fused", "fused"), ("foreach", "foreach"), ("loop", "loop")):
-        opt, _ = build_optimizer(make_gpt(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, impl=impl)
+        opt, _ = build_optimizer(make_gpt(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                 impl=impl)
         assert implementation(opt) == want
         # both flags explicit: torch's foreach=None would mean the per-parameter loop on CPU
-        assert all(g["fused"] is (want == "fused") and g["foreach"] is (want == "foreach") for g in opt.param_groups)
+        assert all(g["fused"] is (want == "fused") and g["foreach"] is (want == "foreach")
+                       for g in opt.param_groups)
     # torch's own default (what qkv built before optimizer_impl existed) is the loop on CPU
     assert implementation(torch.optim.AdamW(make_gpt().parameters())) == "loop"
     with pytest.raises(ConfigError, match="optimizer_impl.*'fast'.*auto.*fused.*foreach.*loop"):
         from_dict(TrainConfig, {"optimizer_impl": "fast"})
     with pytest.raises(ConfigError, match="optimizer_impl.*'fast'"):
         TrainConfig(optimizer_impl="fast").validate()
-    # where torch has no fused kernel (here the meta device; also e.g. MPS/XPU in torch 2.6), auto takes foreach
-    # and an explicit fused is refused in one sentence
+    # where torch has no fused kernel (here the meta device; also e.g. MPS/XPU in torch 2.6), auto takes
+    # foreach and an explicit fused is refused in one sentence
     meta = [torch.zeros(3, device="meta")]
     assert resolve_impl("auto", meta) == "foreach" and resolve_impl("auto", [torch.zeros(3)]) == "fused"
-    with pytest.raises(ConfigError, match="fused AdamW needs floating-point parameters on cpu or cuda, these are meta"):
+    with pytest.raises(ConfigError,
+                       match="fused AdamW needs floating-point parameters on cpu or cuda, these are meta"):
         resolve_impl("fused", meta)
 
 
 def _reference_run(model, data, cfg: TrainConfig) -> torch.nn.Module:
     """nanoGPT-style loop with torch's reference (per-parameter loop) AdamW, torch's clip_grad_norm_ and the
-    schedule's LR: what the Trainer's update must equal (one micro-batch, so the mean loss is the token mean)."""
+    schedule's LR: what the Trainer's update must equal (one micro-batch, so the mean loss is the token
+    mean)."""
     from qkv.train import lr_at
 
     groups, _ = param_groups(model, cfg.weight_decay)
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False, fused=False)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False,
+                            fused=False)
     for step in range(1, cfg.max_steps + 1):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, schedule=cfg.schedule, lr=cfg.lr, warmup=cfg.warmup_steps(),
@@ -136,7 +142,8 @@ class _Named(torch.nn.Module):
 def test_no_decay_matches_whole_words_of_a_parameter_name():
     from qkv.train.optim import no_decay_names
 
-    assert no_decay_names(_Named()) == {"cls_emb", "pos_table", "cls_token", "mask_token", "position_bias_matrix"}
+    assert (no_decay_names(_Named())
+            == {"cls_emb", "pos_table", "cls_token", "mask_token", "position_bias_matrix"})
 
 
 def _substring_rule(model):
@@ -147,7 +154,8 @@ def _substring_rule(model):
     for mod_name, mod in model.named_modules():
         for p_name, p in mod.named_parameters(recurse=False):
             if p.dim() < 2 or isinstance(mod, (torch.nn.Embedding, PositionalEncoding)) or any(
-                    part in p_name.lower() for part in ("emb", "cls_token", "pos_", "position", "mask_token")):
+                    part in p_name.lower()
+                        for part in ("emb", "cls_token", "pos_", "position", "mask_token")):
                 names.add(f"{mod_name}.{p_name}" if mod_name else p_name)
     return names
 

@@ -19,7 +19,8 @@ class SendSignal(Callback):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_checkpoints_the_current_step_and_resume_continues(tmp_path, make_gpt, toy_data, cfg_factory, sig):
+def test_signal_checkpoints_the_current_step_and_resume_continues(tmp_path, make_gpt, toy_data, cfg_factory,
+                                                                  sig):
     full = {}
     Trainer(make_gpt(dropout=0.1), cfg_factory(max_steps=6, out_dir=str(tmp_path / "ref")), toy_data,
             callbacks=[LambdaCallback(on_step_end=lambda tr, s, r: full.__setitem__(s, r["loss"]))]).fit()

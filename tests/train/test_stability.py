@@ -53,7 +53,8 @@ class Snapshots(Callback):
 
 def test_skip_drops_the_update(make_gpt, toy_data, cfg_factory):
     snaps = Snapshots()
-    tr = Trainer(make_gpt(), cfg_factory(max_steps=5, nan_policy="skip"), toy_data, callbacks=[NanGrad([3]), snaps])
+    tr = Trainer(make_gpt(), cfg_factory(max_steps=5, nan_policy="skip"), toy_data,
+                 callbacks=[NanGrad([3]), snaps])
     s = tr.fit()
     assert s["skipped"] == 1 and s["steps"] == 5
     assert 3 not in snaps.after  # no successful update 3
@@ -107,13 +108,15 @@ def test_rollback_reloads_and_lowers_lr(tmp_path, make_gpt, toy_data, cfg_factor
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["step"]: r["lr"] for r in records}  # the last record of a step wins
     for step in (5, 6, 7, 8):  # after rolling back to step 4: half the scheduled LR
-        assert lrs[step] == pytest.approx(0.5 * lr_at(step, schedule="cosine", lr=1e-3, warmup=0, max_steps=8))
+        assert (lrs[step]
+                == pytest.approx(0.5 * lr_at(step, schedule="cosine", lr=1e-3, warmup=0, max_steps=8)))
     assert lrs[3] == pytest.approx(lr_at(3, schedule="cosine", lr=1e-3, warmup=0, max_steps=8))
     assert "rolled back to step_00000004" in (tmp_path / "run" / "train.log").read_text()
 
 
 def test_rollback_without_checkpoint_uses_initial_state(tmp_path, make_gpt, toy_data, cfg_factory):
-    tr = Trainer(make_gpt(), cfg_factory(max_steps=3, nan_policy="rollback"), toy_data, callbacks=[InfWeightOnce(2)])
+    tr = Trainer(make_gpt(), cfg_factory(max_steps=3, nan_policy="rollback"), toy_data,
+                 callbacks=[InfWeightOnce(2)])
     assert tr.fit()["rollbacks"] == 1
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")][0] == 0
 
@@ -150,7 +153,8 @@ def test_skip_policy_gives_up_by_default(make_gpt, toy_data, cfg_factory):
     assert TrainConfig().max_skips is not None  # the default is a limit, not "skip forever"
     every = list(range(1, 40))
     with pytest.raises(NonFiniteError, match="skip, limit reached"):
-        Trainer(make_gpt(), cfg_factory(max_steps=30, nan_policy="skip"), toy_data, callbacks=[NanGrad(every)]).fit()
+        Trainer(make_gpt(), cfg_factory(max_steps=30, nan_policy="skip"), toy_data,
+                callbacks=[NanGrad(every)]).fit()
 
 
 def test_rollback_leaves_one_record_per_step(tmp_path, make_gpt, toy_data, cfg_factory):
@@ -169,7 +173,8 @@ def test_rollback_limit_keeps_metrics_consistent(tmp_path, make_gpt, toy_data, c
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("field, value", [("lr", float("inf")), ("lr", float("nan")), ("min_lr", float("inf")),
+@pytest.mark.parametrize("field, value",
+                         [("lr", float("inf")), ("lr", float("nan")), ("min_lr", float("inf")),
                                           ("clip_grad", float("inf")), ("eps", float("nan")),
                                           ("weight_decay", float("inf")), ("warmup", float("inf")),
                                           ("max_skips", -1), ("save_every", -1)])

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 
-def test_eval_every_with_nothing_to_evaluate_warns_and_logs_no_eval(tmp_path, make_gpt, toy_data, cfg_factory):
-    """No evaluation function and max_eval_batches=0: eval_every used to log a fake eval loss of 0.0 and keep a
-    'best' checkpoint by it; now it says so once and evaluates nothing."""
+def test_eval_every_with_nothing_to_evaluate_warns_and_logs_no_eval(tmp_path, make_gpt, toy_data,
+                                                                    cfg_factory):
+    """No evaluation function and max_eval_batches=0: eval_every used to log a fake eval loss of 0.0 and keep
+    a 'best' checkpoint by it; now it says so once and evaluates nothing."""
     from qkv.train import Trainer
 
     cfg = cfg_factory(max_steps=4, eval_every=2, max_eval_batches=0)
@@ -22,26 +23,31 @@ def test_eval_every_with_nothing_to_evaluate_warns_and_logs_no_eval(tmp_path, ma
 
 
 def test_a_warmup_as_long_as_the_run_is_flagged(make_gpt, toy_data, cfg_factory):
-    """Not an error (a 2-step smoke run of a shipped config has warmup 100), but said: the cosine never starts."""
+    """Not an error (a 2-step smoke run of a shipped config has warmup 100), but said: the cosine never
+    starts."""
     from qkv.train import Trainer
 
-    with pytest.warns(UserWarning, match="warmup of 8 steps >= max_steps=4: the cosine schedule never reaches"):
+    with pytest.warns(UserWarning,
+                      match="warmup of 8 steps >= max_steps=4: the cosine schedule never reaches"):
         Trainer(make_gpt(), cfg_factory(max_steps=4, warmup=8, schedule="cosine"), toy_data)
 
 
-def test_a_fresh_run_in_a_folder_with_checkpoints_is_refused_and_deletes_nothing(make_gpt, toy_data, cfg_factory):
-    """Its pruning kept the older run's higher steps and deleted the checkpoint it had just written (its summary
-    named a folder that no longer existed); the CLI refused this already, now the Trainer does."""
+def test_a_fresh_run_in_a_folder_with_checkpoints_is_refused_and_deletes_nothing(make_gpt, toy_data,
+                                                                                 cfg_factory):
+    """Its pruning kept the older run's higher steps and deleted the checkpoint it had just written (its
+    summary named a folder that no longer existed); the CLI refused this already, now the Trainer does."""
     from qkv.config import ConfigError
     from qkv.train import Trainer, list_checkpoints
 
     first = Trainer(make_gpt(), cfg_factory(max_steps=6, save_every=2, keep_last=2), toy_data).fit()
     root = Path(first["checkpoint"]).parent
     before = [n for n, _ in list_checkpoints(root)]
-    with pytest.raises(ConfigError, match="already holds checkpoints of another run .up to step 6.: resume=True"):
+    with pytest.raises(ConfigError,
+                       match="already holds checkpoints of another run .up to step 6.: resume=True"):
         Trainer(make_gpt(seed=1), cfg_factory(max_steps=2, save_every=2, keep_last=2), toy_data).fit()
     assert [n for n, _ in list_checkpoints(root)] == before == [4, 6]
-    resumed = Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2, keep_last=2), toy_data, resume=True).fit()
+    resumed = Trainer(make_gpt(), cfg_factory(max_steps=8, save_every=2, keep_last=2), toy_data,
+                      resume=True).fit()
     assert Path(resumed["checkpoint"]).is_dir() and resumed["steps"] == 8
 
 

@@ -1,6 +1,7 @@
-"""Review fixes of the ablation runner: --only (whole items, a report of the whole suite), finished runs reused
-only with the settings they were run with, everything checked before the first run trains, run folders that
-cannot collide, and one-line errors for a bad --out, budget or empty suite."""
+"""The ablation runner's selection and checks: --only (whole items, a report of the whole suite), finished
+runs reused only with the settings they were run with, everything checked before the first run trains, run
+folders that cannot collide, one-line errors for a bad --out, budget or empty suite, and what a suite's seeds
+vary."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _fake_train(calls):
         calls.append(spec.run_id)
         loss = (3.0 if spec.values["scaled"] else 4.0) / spec.values["n_heads"]
         (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss}) + "\n")
-        return {"metric": loss, "final_loss": loss, "diverged": False, "params": 10, "wall_s": 0.1, "steps": 1}
+        return {"metric": loss, "final_loss": loss, "diverged": False, "params": 10, "wall_s": 0.1,
+                "steps": 1}
 
     return fn
 
@@ -43,14 +45,15 @@ def _table(summary: Path) -> list[str]:
     return [ln for ln in summary.read_text().splitlines() if ln.startswith("| ") and "variant" not in ln]
 
 
-# -- 1. --only ----------------------------------------------------------------------------------------------
+# -- --only: whole key=value items; the report still covers the whole suite ----------------------------------
 def test_only_keeps_the_report_of_every_finished_run(tmp_path):
     calls: list[str] = []
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None)
     assert len(calls) == 4
     calls.clear()
     summary = run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None, only="scaled=True", force=True)
-    assert sorted(calls) == ["scaled=True_n_heads=16__seed0", "scaled=True_n_heads=1__seed0"]  # only those redone
+    # only those redone
+    assert sorted(calls) == ["scaled=True_n_heads=16__seed0", "scaled=True_n_heads=1__seed0"]
     assert len(_table(summary)) == 4  # ... but the report still has every variant
     with (tmp_path / "results.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 4
@@ -68,7 +71,8 @@ def test_only_matches_whole_key_value_items(tmp_path):
 
     calls: list[str] = []
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None, only="n_heads=1")
-    assert sorted(calls) == ["scaled=False_n_heads=1__seed0", "scaled=True_n_heads=1__seed0"]  # not n_heads=16
+    # not n_heads=16
+    assert sorted(calls) == ["scaled=False_n_heads=1__seed0", "scaled=True_n_heads=1__seed0"]
     specs = {s.variant: s for s in expand(load_suite(TINY))}
     one = specs["scaled=True,n_heads=1"]
     # the documented syntax: several items, each a whole key=value of the name, written as shown or as YAML
@@ -88,7 +92,7 @@ def test_only_that_matches_nothing_is_an_error_naming_the_variants(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-# -- 2. a finished run is reused only with the settings it was run with -------------------------------------------
+# -- a finished run is reused only with the settings it was run with -----------------------------------------
 def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
     calls: list[str] = []
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None)
@@ -99,9 +103,10 @@ def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
                                           r"runs/scaled=True_n_heads=1__seed0 to redo it"):
         run_suite(changed, tmp_path, train_fn=_fake_train(calls), log=None)
     assert calls == []
-    with pytest.raises(ConfigError, match=r"metric\.threshold: null -> 0\.5"):  # how a run is measured counts too
-        run_suite({**TINY, "metric": {**TINY["metric"], "threshold": 0.5}}, tmp_path, train_fn=_fake_train(calls),
-                  log=None)
+    # how a run is measured counts too
+    with pytest.raises(ConfigError, match=r"metric\.threshold: null -> 0\.5"):
+        run_suite({**TINY, "metric": {**TINY["metric"], "threshold": 0.5}}, tmp_path,
+                  train_fn=_fake_train(calls), log=None)
     # unchanged settings: reused; --force redoes the runs instead of comparing them
     run_suite(TINY, tmp_path, train_fn=_fake_train(calls), log=None)
     assert calls == []
@@ -109,10 +114,11 @@ def test_finished_run_with_other_settings_is_refused_before_training(tmp_path):
     assert len(calls) == 4
 
 
-# -- 3. run folders cannot collide ---------------------------------------------------------------------------
+# -- run folders cannot collide ------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, msg", [
-    ({"grid": {}, "variants": [{"name": "a b"}, {"name": "a/b"}]}, "variants 'a b' and 'a/b' would share the run "
-                                                                   "folder runs/a_b__seed"),
+    ({"grid": {}, "variants": [{"name": "a b"}, {"name": "a/b"}]},
+     "variants 'a b' and 'a/b' would share the run "
+     "folder runs/a_b__seed"),
     ({"grid": {"model.n_heads": [1, 2, 1]}}, r"grid\['model.n_heads'\] lists the value 1 twice"),
     ({"seeds": [0, 0]}, "repeat a seed"),
 ])
@@ -121,7 +127,7 @@ def test_colliding_run_folders_are_refused(bad, msg):
         load_suite({**TINY, **bad})
 
 
-# -- 6. everything checked before the first run trains ---------------------------------------------------------
+# -- everything checked before the first run trains ----------------------------------------------------------
 @pytest.mark.parametrize("bad, msg", [
     ({"metric": {"name": "exact_matc", "goal": "max"}}, "metric.name 'exact_matc' is not a metric of task "
                                                         "'reverse' .*exact_match"),
@@ -132,7 +138,8 @@ def test_colliding_run_folders_are_refused(bad, msg):
 ])
 def test_typos_are_caught_before_any_run_trains(tmp_path, bad, msg):
     with pytest.raises(ConfigError, match=msg):
-        run_suite({**TINY, "grid": {"model.scaled": [True]}, "eval_n": 4, **bad}, tmp_path, log=None, threads=1)
+        run_suite({**TINY, "grid": {"model.scaled": [True]}, "eval_n": 4, **bad}, tmp_path, log=None,
+                  threads=1)
     assert not (tmp_path / "runs").exists()  # nothing trained, nothing written
 
 
@@ -148,7 +155,7 @@ def test_every_shipped_suite_passes_the_up_front_checks(profile):
         check_runs(suite, expand(suite))
 
 
-# -- 8, 9, 12: one-line errors ---------------------------------------------------------------------------------
+# -- a bad --out, budget or suite: one-line errors -----------------------------------------------------------
 def test_out_that_is_a_file_is_a_one_line_error(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
@@ -175,7 +182,7 @@ def test_empty_suite_names_the_missing_sections(tmp_path):
         load_suite({"name": "x", "model": {"preset": "gpt-nano"}})
 
 
-# -- 14: a suite's seeds vary the initialisation, task.seed the data (documented in docs/ablations.md) ------------
+# -- a suite's seeds vary the initialisation, task.seed the data (documented in docs/ablations.md) -----------
 def test_seeds_vary_the_weights_and_a_task_seed_grid_varies_the_data():
     suite = load_suite({**TINY, "grid": {"task.seed": [0, 1]}, "seeds": [0, 1]})
     specs = expand(suite)

@@ -1,5 +1,5 @@
-"""`qkv explore` user errors found in review: a port in use or out of range, --export onto a folder (and no
-temporary file left behind), --wav that is a folder: one line `qkv: error: ...`, exit 2, no server started."""
+"""`qkv explore` user errors: a port in use or out of range, --export onto a folder (and no temporary file
+left behind), --wav that is a folder: one line `qkv: error: ...`, exit 2, no server started."""
 
 from __future__ import annotations
 

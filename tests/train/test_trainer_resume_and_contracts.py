@@ -1,5 +1,6 @@
-"""Edge cases of the training loop on a tiny MLP (fast): best-checkpoint bookkeeping across rollbacks and
-resumes, config checks on a directly built TrainConfig, what a stopped run logs, model return types."""
+"""The training loop on a tiny MLP (fast), resumes and contracts: best-checkpoint bookkeeping across rollbacks
+and resumes, what a stopped run logs, config checks on a directly built TrainConfig, the model's return types
+and the callbacks' contract."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ class Out:
 
 
 class MLP(nn.Module):
-    """forward(x, y) -> Out(mean cross-entropy, targets); `nan_at`: the n-th training forward's loss is NaN."""
+    """forward(x, y) -> Out(mean cross-entropy, targets); `nan_at`: the n-th training forward's loss is
+    NaN."""
 
     def __init__(self, d: int = 8, nan_at: int | None = None):
         super().__init__()
@@ -101,7 +103,8 @@ def test_resume_keeps_a_best_newer_than_the_step_checkpoint(tmp_path):
     with pytest.raises(Crash):
         t.fit()
     scores.update({3: 0.6, 4: 0.7})
-    t2 = Trainer(MLP(), cfg(tmp_path, max_steps=4, eval_every=1, save_every=2, resume=True), Data(), eval_fn=ev)
+    t2 = Trainer(MLP(), cfg(tmp_path, max_steps=4, eval_every=1, save_every=2, resume=True), Data(),
+                 eval_fn=ev)
     trainers.append(t2)
     s = t2.fit()
     assert s["best_eval"] == {"metric": "loss", "value": 0.1, "step": 3}
@@ -109,7 +112,8 @@ def test_resume_keeps_a_best_newer_than_the_step_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("bad,field", [
-    ({"best_mode": "Min"}, "best_mode"), ({"nan_policy": "skp"}, "nan_policy"), ({"schedule": "cosin"}, "schedule"),
+    ({"best_mode": "Min"}, "best_mode"), ({"nan_policy": "skp"}, "nan_policy"),
+    ({"schedule": "cosin"}, "schedule"),
     ({"precision": "bf-16"}, "precision"), ({"distributed": "dpp"}, "distributed"),
     ({"optimizer_impl": "fast"}, "optimizer_impl"), ({"max_steps": "10"}, "max_steps"),
     ({"max_steps": 2.5}, "max_steps"), ({"compile": "no"}, "compile"), ({"betas": 0.9}, "betas")])
@@ -223,7 +227,8 @@ def test_fit_again_on_the_same_trainer_continues_its_own_run(tmp_path):
     s = t.fit()  # a notebook's second run of the cell
     assert s["steps"] == 6 and [r["step"] for r in logged(tmp_path)] == [1, 2, 3, 4, 5, 6]
     ref = Trainer(MLP(), cfg(tmp_path / "ref", max_steps=6), Data()).fit()
-    assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6)  # the same run as one uninterrupted fit
+    # the same run as one uninterrupted fit
+    assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6)
     assert t.fit()["steps"] == 6  # and once more after it finished: nothing to do
 
 
@@ -246,7 +251,8 @@ def test_a_model_returning_no_loss_is_told_the_contract(tmp_path):
         def forward(self, x, y):
             return self.head(self.emb(x))
 
-    with pytest.raises(ValueError, match=r"returned a tensor of shape \(4, 4, 10\) without a loss: it must return"):
+    with pytest.raises(ValueError,
+                       match=r"returned a tensor of shape \(4, 4, 10\) without a loss: it must return"):
         Trainer(Logits(), cfg(tmp_path, max_steps=1), Data()).fit()
 
 
@@ -274,7 +280,8 @@ def test_max_eval_batches_reaches_an_eval_fn_that_names_it(tmp_path):
         return {"loss": 1.0}
 
     Trainer(MLP(), cfg(tmp_path, max_eval_batches=7, max_steps=1), Data(), eval_fn=ev).fit()
-    Trainer(MLP(), cfg(tmp_path / "b", max_steps=1), Data(), eval_fn=lambda m: {"loss": 1.0}).fit()  # not named
+    # not named
+    Trainer(MLP(), cfg(tmp_path / "b", max_steps=1), Data(), eval_fn=lambda m: {"loss": 1.0}).fit()
     assert got == [7]
 
 
@@ -283,7 +290,8 @@ def test_a_warmup_as_long_as_the_run_is_flagged_for_every_warming_schedule(tmp_p
     from qkv.train import lr_at
 
     c = cfg(tmp_path, max_steps=4, warmup=8, schedule=schedule, lr=1.0)
-    assert max(lr_at(s, schedule=schedule, lr=1.0, warmup=8, max_steps=4) for s in range(1, 5)) < 1.0  # the fact
+    # the fact
+    assert max(lr_at(s, schedule=schedule, lr=1.0, warmup=8, max_steps=4) for s in range(1, 5)) < 1.0
     with pytest.warns(UserWarning, match=f"the {schedule} schedule never reaches train.lr"):
         Trainer(MLP(), c, Data())
 
