@@ -15,7 +15,7 @@ IMAGE_TOKEN_ID = 110
 WORDS = ["<unk>", "<|im_start|>", "<end_of_utterance>", "User:", "Assistant:", "\n", "what", "is", "in",
          "the", "picture?", "describe", "it", "a", "cat"]
 SPECIALS = ["<fake_token_around_image>", "<global-img>",
-            *(f"<row_{i}_col_{j}>" for i in (1, 2) for j in (1, 2))]
+            *(f"<row_{i}_col_{j}>" for i in (1, 2, 3) for j in (1, 2, 3))]
 # transformers' SmolVLMProcessor DEFAULT_CHAT_TEMPLATE
 TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
             "{% if message['content'] is string %}{{': ' + message['content']}}{% else %}"
@@ -69,24 +69,24 @@ def save_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def image_processor(split: bool = True, **kwargs):
+def image_processor(split: bool = True, longest: int = 64):
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    return Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
-                                     do_image_splitting=split, **kwargs)
+    return Idefics3ImageProcessorPil(size={"longest_edge": longest}, max_image_size={"longest_edge": 32},
+                                     do_image_splitting=split)
 
 
-def hf_processor(folder: Path, split: bool = True):
+def hf_processor(folder: Path, split: bool = True, longest: int = 64):
     from transformers import AutoTokenizer, Idefics3Processor
 
-    return Idefics3Processor(image_processor=image_processor(split),
+    return Idefics3Processor(image_processor=image_processor(split, longest),
                              tokenizer=AutoTokenizer.from_pretrained(folder), image_seq_len=4,
                              chat_template=TEMPLATE)
 
 
-def smolvlm_folder(folder: Path, split: bool = True, **kwargs) -> Path:
+def smolvlm_folder(folder: Path, split: bool = True, longest: int = 64, **kwargs) -> Path:
     """The folder with weights, tokenizer, chat template and the processor's configs; returns it."""
     hf_idefics3(**kwargs).save_pretrained(folder)
     save_tokenizer(folder)
-    hf_processor(folder, split).save_pretrained(folder)
+    hf_processor(folder, split, longest).save_pretrained(folder)
     return folder

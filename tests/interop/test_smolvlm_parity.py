@@ -72,7 +72,8 @@ def test_greedy_with_kv_cache_equals_transformers(tmp_path):
     want = hf.generate(input_ids=ids, pixel_values=pix, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     got = ours.generate(ids, 16, pixel_values=pix[0], min_new_tokens=16)
     assert got.tolist() == want.tolist()
-    assert ours.generate(ids, 16, pixel_values=pix[0], min_new_tokens=16, use_cache=False).tolist() == want.tolist()
+    no_cache = ours.generate(ids, 16, pixel_values=pix[0], min_new_tokens=16, use_cache=False)
+    assert no_cache.tolist() == want.tolist()
 
 
 def test_tied_embeddings_and_bf16(tmp_path):
@@ -108,3 +109,115 @@ def test_folder_errors_are_clear(tmp_path):
         load_with(scale_factor=4)
     with pytest.raises(CheckpointError, match="text_config.hidden_size is 32"):
         load_with(text_config={**meta["text_config"], "hidden_size": 32})
+
+
+SIZES = [(45, 70), (70, 45), (32, 32), (100, 33), (20, 20), (64, 40), (33, 65)]
+
+
+# longest edge 64: 2 x 2 tiles mostly; 96: up to 3 x 3; 32: one tile, no global image even when splitting
+@pytest.mark.parametrize("split, longest", [(True, 64), (False, 64), (True, 96), (True, 32)])
+def test_preprocessing_equals_idefics3_image_processor(tmp_path, split, longest):
+    from PIL import Image
+
+    smolvlm_folder(tmp_path, split=split, longest=longest)
+    ref = hf_processor(tmp_path, split, longest).image_processor
+    ours = Idefics3Processor.from_folder(tmp_path)
+    assert (ours.tile, ours.longest_edge, ours.split, ours.image_seq_len) == (32, longest, split, 4)
+    for size in SIZES:
+        image = Image.open(png(tmp_path / "x.png", size, seed=size[0]))
+        want = ref(images=image, return_tensors="pt", return_row_col_info=True)
+        got = ours(image)
+        assert got.shape == want.pixel_values.shape[1:]
+        assert (got - want.pixel_values[0]).abs().max() <= 1e-5, size
+        assert ours.grid(image) == (want.rows[0][0], want.cols[0][0])
+        assert want.pixel_attention_mask.all()  # every tile is whole: the tower needs no patch mask
+    grey = Image.open(png(tmp_path / "g.png")).convert("L")  # RGB conversion
+    want = ref(images=[grey, grey], return_tensors="pt").pixel_values
+    assert (ours([grey, grey]) - want.flatten(0, 1)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("split, longest", [(True, 64), (False, 64), (True, 96)])
+def test_prompt_ids_equal_idefics3_processor(tmp_path, split, longest):
+    from PIL import Image
+
+    from qkv.interop.tokenizer import load_hf_tokenizer
+
+    smolvlm_folder(tmp_path, split=split, longest=longest)
+    processor = hf_processor(tmp_path, split, longest)
+    ours, tok = Idefics3Processor.from_folder(tmp_path), load_hf_tokenizer(tmp_path)
+    text = "<|im_start|>User:<image>what is in the picture?<end_of_utterance>\nAssistant:"
+    for size in SIZES:
+        image = Image.open(png(tmp_path / "x.png", size))
+        want = processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
+        ids = tok.encode(text, add_special_tokens=False)
+        ids = ours.expand_ids(ids, IMAGE_TOKEN_ID, [ours.grid(image)], tok)
+        assert ids == want.input_ids[0].tolist()
+        assert torch.equal(ours(image), want.pixel_values[0])
+    with pytest.raises(ValueError, match="more image tokens than the 1 image"):
+        ours.expand_ids([IMAGE_TOKEN_ID, IMAGE_TOKEN_ID], IMAGE_TOKEN_ID, [(0, 0)], tok)
+
+
+def test_smolvlm_processor_writes_the_same_image_text(tmp_path):
+    """SmolVLMProcessor's prompt strings (its module functions: the processor itself needs num2words)."""
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    ours = Idefics3Processor(image_seq_len=3)
+    for rows, cols in [(0, 0), (1, 2), (2, 2), (3, 1)]:
+        assert ours.image_text(rows, cols) == get_image_prompt_string(
+            rows, cols, 3, fake_token_around_image="<fake_token_around_image>", image_token="<image>",
+            global_image_token="<global-img>")
+
+
+def test_preprocessor_config_json_of_hub_folders(tmp_path):
+    """Hub folders keep the image processor in preprocessor_config.json, image_seq_len in processor_config."""
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "SmolVLMImageProcessor", "size": {"longest_edge": 2048},
+         "max_image_size": {"longest_edge": 512}, "resample": 1, "do_image_splitting": True}))
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_len": 64}))
+    p = Idefics3Processor.from_folder(tmp_path)
+    assert (p.tile, p.longest_edge, p.split, p.image_seq_len, p.resample) == (512, 2048, True, 64, 1)
+
+
+def test_preprocessing_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no preprocessor_config.json and no image_processor"):
+        Idefics3Processor.from_folder(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "CLIPImageProcessor"}))
+    with pytest.raises(CheckpointError, match="'CLIPImageProcessor' is not supported"):
+        Idefics3Processor.from_folder(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Idefics3ImageProcessor", "size": {"height": 9, "width": 9}}))
+    with pytest.raises(CheckpointError, match="size .* is not supported"):
+        Idefics3Processor.from_folder(tmp_path)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_cli_chat_with_an_image_equals_transformers(tmp_path, capsys, split):
+    from PIL import Image
+
+    from qkv.cli.main import main
+
+    folder = smolvlm_folder(tmp_path / "smolvlm", split=split, kind="smolvlm")
+    image = png(tmp_path / "cat.png")
+    assert main(["chat", str(folder), "--image", str(image), "--message", "what is in the picture?",
+                 "--max-new-tokens", "8", "--greedy"]) == 0
+    answer = capsys.readouterr().out.strip()
+
+    processor = hf_processor(folder, split)
+    content = [{"type": "image"}, {"type": "text", "text": "what is in the picture?"}]
+    messages = [{"role": "user", "content": content}]
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[Image.open(image)], return_tensors="pt", add_special_tokens=False)
+    hf = transformers.SmolVLMForConditionalGeneration.from_pretrained(folder).eval()
+    out = hf.generate(**inputs, max_new_tokens=8, do_sample=False)
+    want = processor.tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True).strip()
+    assert answer == want and answer
+
+
+def test_cli_chat_refuses_a_folder_without_the_processor_config(tmp_path, capsys):
+    from qkv.cli.main import main
+
+    folder = smolvlm_folder(tmp_path / "smolvlm")
+    (folder / "processor_config.json").unlink()
+    rc = main(["chat", str(folder), "--image", str(png(tmp_path / "x.png")), "--message", "hi"])
+    assert rc == 2 and "no preprocessor_config.json and no image_processor" in capsys.readouterr().err
