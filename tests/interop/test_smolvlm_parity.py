@@ -221,3 +221,16 @@ def test_cli_chat_refuses_a_folder_without_the_processor_config(tmp_path, capsys
     (folder / "processor_config.json").unlink()
     rc = main(["chat", str(folder), "--image", str(png(tmp_path / "x.png")), "--message", "hi"])
     assert rc == 2 and "no preprocessor_config.json and no image_processor" in capsys.readouterr().err
+
+
+def test_qkv_native_save_and_reload(tmp_path):
+    """The loaded model is a qkv LLaVA with a SigLIP tower and a pixel-shuffle projector: it saves and loads
+    back as a qkv folder (there is no export back to a Hugging Face idefics3 folder)."""
+    hf_idefics3("smolvlm").save_pretrained(tmp_path / "hf")
+    ours = qkv.from_pretrained(tmp_path / "hf")
+    ours.save_pretrained(tmp_path / "qkv")
+    again = qkv.from_pretrained(tmp_path / "qkv")
+    assert again.config == ours.config and again.config.projector == "pixel_shuffle"
+    ids, pix = _prompt(8), _tiles(1, 2)
+    with torch.no_grad():
+        assert torch.equal(again(ids, pix[0]).logits, ours(ids, pix[0]).logits)
