@@ -234,3 +234,25 @@ def test_qkv_native_save_and_reload(tmp_path):
     ids, pix = _prompt(8), _tiles(1, 2)
     with torch.no_grad():
         assert torch.equal(again(ids, pix[0]).logits, ours(ids, pix[0]).logits)
+
+
+def test_a_config_with_transformers_defaults_left_out(tmp_path):
+    """Hub configs hold only the fields that differ from transformers' defaults (model types, activation,
+    norm eps, channels, scale_factor): the loader fills them in as transformers does."""
+    hf = hf_idefics3()
+    hf.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    for key in ("model_type", "hidden_act", "layer_norm_eps", "num_channels"):
+        del meta["vision_config"][key]
+    for key in ("model_type", "hidden_act", "tie_word_embeddings"):
+        del meta["text_config"][key]
+    for key in ("scale_factor", "tie_word_embeddings"):
+        del meta[key]
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    ref = transformers.Idefics3ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    ours = qkv.from_pretrained(tmp_path)
+    ids, pix = _prompt(8), _tiles(1, 2)
+    with torch.no_grad():
+        want = ref(input_ids=ids, pixel_values=pix).logits
+        assert torch.equal(want, hf(input_ids=ids, pixel_values=pix).logits)  # the defaults are the values
+        assert _close(ours(ids, pix[0]).logits, want)

@@ -154,8 +154,9 @@ def load_idefics3(folder: Path, meta: dict[str, Any]) -> LLaVA:
     mapping = vision_key_map(config.vision.n_layers)
     load_hf_weights(parts, sd, mapping, transforms=transforms, source=sd.source)
     parts.to(decoder.lm_head.weight.dtype)  # one dtype for the model, as transformers loads it
-    ids = {k: meta[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if meta.get(k) is not None}
-    model.folder_generation_config = {**decoder.folder_generation_config, **ids}
+    # the token ids are the text config's: Idefics3Config's top-level pad_token_id (128002 by default) is a
+    # deprecated field that transformers itself says may not be the pad token (it can lie past the vocabulary)
+    model.folder_generation_config = dict(decoder.folder_generation_config)
     return model.eval()
 
 
