@@ -256,3 +256,19 @@ def test_a_config_with_transformers_defaults_left_out(tmp_path):
         want = ref(input_ids=ids, pixel_values=pix).logits
         assert torch.equal(want, hf(input_ids=ids, pixel_values=pix).logits)  # the defaults are the values
         assert _close(ours(ids, pix[0]).logits, want)
+
+
+def test_pixel_shuffle_config_errors():
+    from qkv.config import ConfigError
+    from qkv.models.connector import pixel_shuffle
+    from qkv.models.vlm import VisionConfig, VLMConfig
+
+    tower = VisionConfig(image_size=32, patch_size=8, d_model=32, n_heads=4, d_ff=64, n_layers=1,
+                         class_token=False)
+    for bad in [{"scale_factor": 2}, {"scale_factor": 3, "projector": "pixel_shuffle"},
+                {"scale_factor": 0, "projector": "pixel_shuffle"}]:
+        with pytest.raises(ConfigError, match="scale_factor"):
+            VLMConfig(vision=tower, feature_select="full", **bad).validate()
+    VLMConfig(vision=tower, feature_select="full", projector="pixel_shuffle", scale_factor=4).validate()
+    with pytest.raises(ValueError, match="square grid whose side divides by 2"):
+        pixel_shuffle(torch.zeros(1, 12, 8), 2)
