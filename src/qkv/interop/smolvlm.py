@@ -20,8 +20,10 @@ tile: the "global image") or, with do_image_splitting false, the image resized t
 normalise. Each <image> of the prompt becomes, as Idefics3Processor / SmolVLMProcessor write it:
   per tile row: (<fake_token_around_image><row_r_col_c><image> * image_seq_len) per column, then "\\n";
   then "\\n<fake_token_around_image><global-img><image> * image_seq_len<fake_token_around_image>"
-(one image without tiles: only the last part, without the newline). The expansion is done on the text, which
-is then tokenized, so the ids are the processor's whatever the tokenizer does with the newlines.
+(one image without tiles: only the last part, without the newline). `expand_ids` replaces each <image> id of
+a tokenized prompt by the ids of that text: it begins and ends with added special tokens, at which the
+tokenizer splits before anything else, so it tokenizes alone as it does inside the prompt (tested against
+Idefics3Processor, which expands the text and then tokenizes).
 """
 
 from __future__ import annotations
