@@ -90,3 +90,24 @@ def smolvlm_folder(folder: Path, split: bool = True, longest: int = 64, **kwargs
     save_tokenizer(folder)
     hf_processor(folder, split, longest).save_pretrained(folder)
     return folder
+
+
+def save_bpe_tokenizer(folder: Path) -> int:
+    """A byte-level BPE tokenizer (SmolVLM's kind) trained on a few lines where "\\n\\n" merges, with the
+    special tokens added after training; returns the <image> id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["User: what is in the picture?\n\nAssistant: a cat\n\n", "describe it:\n\n it is a cat\n"] * 50
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|im_start|>"])
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                   eos_token="<end_of_utterance>")
+    fast.add_tokens([*SPECIALS, "<image>", "<end_of_utterance>"], special_tokens=True)
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(folder)
+    return fast.convert_tokens_to_ids("<image>")

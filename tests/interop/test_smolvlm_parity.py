@@ -18,7 +18,14 @@ from qkv.storage import CheckpointError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _llava_folder import png  # noqa: E402
-from _smolvlm_folder import IMAGE_TOKEN_ID, hf_idefics3, hf_processor, smolvlm_folder  # noqa: E402
+from _smolvlm_folder import (  # noqa: E402
+    IMAGE_TOKEN_ID,
+    hf_idefics3,
+    hf_processor,
+    image_processor,
+    save_bpe_tokenizer,
+    smolvlm_folder,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -272,3 +279,24 @@ def test_pixel_shuffle_config_errors():
     VLMConfig(vision=tower, feature_select="full", projector="pixel_shuffle", scale_factor=4).validate()
     with pytest.raises(ValueError, match="square grid whose side divides by 2"):
         pixel_shuffle(torch.zeros(1, 12, 8), 2)
+
+
+def test_prompt_ids_with_a_byte_level_bpe_tokenizer(tmp_path):
+    """The tile rows' newlines ("\\n", "\\n\\n") are merged by a byte-level BPE as they are in SmolVLM's
+    tokenizer: the ids spliced per image equal the processor's text-then-tokenize ids."""
+    from PIL import Image
+
+    from qkv.interop.tokenizer import load_hf_tokenizer
+
+    image_id = save_bpe_tokenizer(tmp_path)
+    processor = transformers.Idefics3Processor(image_processor=image_processor(True, 96), image_seq_len=4,
+                                               tokenizer=transformers.AutoTokenizer.from_pretrained(tmp_path))
+    tok = load_hf_tokenizer(tmp_path)
+    assert len(tok.encode("\n\n", add_special_tokens=False)) == 1  # the merge the test is about
+    ours = Idefics3Processor(tile=32, longest_edge=96, image_seq_len=4)
+    text = "<|im_start|>User:<image>what is in the picture?<end_of_utterance>\nAssistant:"
+    for size in SIZES:
+        image = Image.open(png(tmp_path / "x.png", size))
+        want = processor(text=text, images=[image], add_special_tokens=False).input_ids[0]
+        ids = ours.expand_ids(tok.encode(text, add_special_tokens=False), image_id, [ours.grid(image)], tok)
+        assert ids == list(want)
