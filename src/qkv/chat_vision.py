@@ -24,6 +24,7 @@ from torch import Tensor
 from qkv.chat import ChatSession
 from qkv.config import ConfigError
 from qkv.interop.llava import IMAGE_TOKEN, ImageProcessor, expand_image_tokens, load_image
+from qkv.interop.smolvlm import Idefics3Processor, folder_processor
 from qkv.models.vlm import LLaVA
 
 
@@ -35,12 +36,14 @@ def is_vision_folder(folder: str | Path) -> bool:
         meta = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return False
-    return isinstance(meta, dict) and (meta.get("model_type") == "llava" or meta.get("qkv_family") == "llava")
+    return isinstance(meta, dict) and (meta.get("model_type") in ("llava", "idefics3", "smolvlm")
+                                       or meta.get("qkv_family") == "llava")
 
 
 @dataclass
 class VisionChatSession(ChatSession):
-    processor: ImageProcessor | None = None
+    processor: ImageProcessor | Idefics3Processor | None = None
+    _grid: tuple[int, int] = (0, 0)  # the image's tiles (rows, cols), for an Idefics3Processor's prompt
     pixel_values: Tensor | None = None  # the image of the conversation, preprocessed
     _image_message: dict[str, Any] | None = None  # the user message that carries it (None: the next one)
 
@@ -55,7 +58,7 @@ class VisionChatSession(ChatSession):
         if not isinstance(session.model, LLaVA):
             raise ConfigError(f"{folder}: --image needs a vision-language model folder (a Hugging Face llava "
                               f"folder); this one holds a {type(session.model).__name__}")
-        session.processor = ImageProcessor.from_folder(model_folder(folder))
+        session.processor = folder_processor(model_folder(folder))
         if picture is not None:
             session.set_image(picture)
         return session
@@ -69,6 +72,8 @@ class VisionChatSession(ChatSession):
             raise ValueError("this session has no image processor (build it with "
                              "VisionChatSession.from_folder)")
         self.pixel_values = self.processor(image)
+        if isinstance(self.processor, Idefics3Processor):
+            self._grid = self.processor.grid(image)
         self._image_message = None
         self.reset()
 
@@ -91,6 +96,8 @@ class VisionChatSession(ChatSession):
             plain = [{**m, "content": f"{image}\n{m['content']}"} if m is self._image_message else m
                      for m in turns]
             ids = ChatSession._render(self, plain)
+        if isinstance(self.processor, Idefics3Processor):  # the image's tokens depend on its tiles
+            return self.processor.expand_ids(ids, c.image_token_id, [self._grid], self.tokenizer)
         return expand_image_tokens(ids, c.image_token_id, c.image_tokens)
 
     def reply(self, message: str, on_text: Callable[[str], None] | None = None) -> str:

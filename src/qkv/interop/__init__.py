@@ -29,6 +29,8 @@ _MODULES = {
     "swin": "qkv.interop.swin",
     "whisper": "qkv.interop.whisper",
     "llava": "qkv.interop.llava",
+    "idefics3": "qkv.interop.smolvlm",
+    "smolvlm": "qkv.interop.smolvlm",
     "llama": "qkv.interop.llama",
     "mistral": "qkv.interop.llama",
     "qwen2": "qkv.interop.llama",

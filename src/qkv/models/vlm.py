@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
 from qkv.models.base import ModelOutput, QKVModel, token_loss
+from qkv.models.connector import PixelShuffleProjector
 from qkv.models.decoding import Source
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.models.registry import register_family
@@ -43,7 +44,7 @@ from qkv.nn.ffn import ACTIVATIONS
 from qkv.nn.position import build_position
 from qkv.nn.stack import Stack
 
-PROJECTORS = ("mlp", "linear")
+PROJECTORS = ("mlp", "linear", "pixel_shuffle")  # pixel_shuffle: Idefics3 / SmolVLM (models/connector.py)
 FEATURE_SELECT = ("default", "full")  # LLaVA's vision_feature_select_strategy: drop / keep the class token
 # the from-scratch model config_for_task builds (dotted VLMConfig fields): a 3-block tower 64 wide and a
 # 2-block Llama-style decoder 64 wide, small enough to train on one CPU thread in minutes
@@ -65,6 +66,7 @@ class VisionConfig(TransformerConfig):
     class_token: bool = True
     pre_norm: bool = True  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
     patch_bias: bool = False  # CLIP's patch convolution has no bias
+    post_norm: bool = False  # a LayerNorm on the last built block's output (SigLIP's post_layernorm)
     d_model: int = 1024
     n_heads: int = 16
     d_ff: int | None = 4096
@@ -96,6 +98,7 @@ class VLMConfig:
     projector: str = "mlp"  # mlp: Linear-act-Linear; linear: one Linear
     projector_act: str = "gelu"  # an nn.ffn activation
     projector_bias: bool = True
+    scale_factor: int = 1  # pixel_shuffle: each scale_factor x scale_factor patches become one image token
     # LLaVA's vision_feature_layer: which of the tower's n_layers + 1 hidden states (0 = the embeddings) the
     # projector reads; negative counts from the end (-1: the last block's output, -2: LLaVA 1.5's). The
     # blocks after it would be computed for nothing, so they are not built.
@@ -121,6 +124,11 @@ class VLMConfig:
             raise ConfigError("VLMConfig.feature_select='default' drops a class token the vision tower lacks")
         if self.image_token_id < 0:
             raise ConfigError(f"VLMConfig.image_token_id must be >= 0, got {self.image_token_id}")
+        side = self.vision.image_size // self.vision.patch_size
+        if self.scale_factor < 1 or side % self.scale_factor or (self.scale_factor > 1 and (
+                self.projector != "pixel_shuffle" or self.vision.class_token)):
+            raise ConfigError(f"VLMConfig.scale_factor {self.scale_factor} needs the pixel_shuffle "
+                              f"projector, no class token and a divisor of the patch grid's side ({side})")
 
     @property
     def vision_blocks(self) -> int:
@@ -132,7 +140,8 @@ class VLMConfig:
     def image_tokens(self) -> int:
         """Placeholder tokens one image takes in the prompt (the features the projector gives per image)."""
         v = self.vision
-        return v.n_positions - int(v.class_token and self.feature_select == "default")
+        patches = v.n_positions - int(v.class_token and self.feature_select == "default")
+        return patches // self.scale_factor ** 2  # the pixel shuffle folds s x s patches into one token
 
     # what generation and chat read from a decoder's config (models.decoding.configured_context)
     @property
@@ -157,8 +166,9 @@ class VisionTower(nn.Module):
         self.pos_emb = nn.Parameter(torch.zeros(1, c.n_positions, c.d_model))
         blocks = [Block(c.d_model, c.n_heads, causal=False, **c.block_kwargs()) for _ in range(n_blocks)]
         none = build_position("none", d_model=c.d_model, n_heads=c.n_heads, max_len=c.n_positions)
-        # no final norm: the projector reads a block's output as it is (CLIP's post_layernorm is for pooling)
-        self.encoder = Stack(blocks, none, d_model=c.d_model, final_norm=False, norm=c.norm,
+        # CLIP's post_layernorm is for pooling: the projector reads a block's output as it is; SigLIP's
+        # (Idefics3) is applied to every patch (post_norm)
+        self.encoder = Stack(blocks, none, d_model=c.d_model, final_norm=c.post_norm, norm=c.norm,
                              norm_eps=c.norm_eps, bias=c.bias, embed_norm=c.pre_norm)
 
     def forward(self, pixel_values: Tensor) -> Tensor:
@@ -199,8 +209,10 @@ class LLaVA(QKVModel):
         super().__init__(config)
         c = config
         self.vision = VisionTower(c.vision, c.vision_blocks)
-        self.projector = Projector(c.vision.d_model, c.text.d_model, c.projector, c.projector_act,
-                                   c.projector_bias)
+        self.projector = (
+            PixelShuffleProjector(c.vision.d_model, c.text.d_model, c.scale_factor)
+            if c.projector == "pixel_shuffle"
+            else Projector(c.vision.d_model, c.text.d_model, c.projector, c.projector_act, c.projector_bias))
         # a new decoder initialises itself
         self.language_model = language_model if language_model is not None else GPT(c.text)
         for name, p in [*self.vision.named_parameters(), *self.projector.named_parameters()]:
