@@ -8,7 +8,7 @@ generation config) only this file changes. What it reuses:
   attention        experiments.attention.collect_attentions / visible_keys / greedy_target (naive softmax)
   statistics       experiments.diagnostics.head_stats / flag_heads
   generation       qkv.generate.generate(..., return_attentions=True)
-  caches           model.make_cache (StaticCache) and generate.paged.PagedKVCache
+  caches           model.make_cache / make_paged_cache (per-head K/V, or an MLA model's latent caches)
   positions        the stacks' PositionalEncoding objects (nn/position.py) and the family tables that still
                    live outside the hooks (ViT's patch table, Whisper's audio sinusoids)
 
@@ -334,6 +334,7 @@ class CacheSpec:
     block_size: int
     paged_bytes_per_block: int  # K+V bytes of one block, all layers
     cross_bytes: int = 0  # encoder-decoders: the cross-attention K/V, projected once (all layers)
+    position_bytes: int = 0  # what one position adds to one layer's cache (K+V; an MLA latent + rotary key)
 
 
 @torch.no_grad()
@@ -342,7 +343,7 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
     """Decode with qkv.generate(return_attentions=True), then replay the tokens through a PagedKVCache for
     the logits of each step and the blocks it holds. Returns (prefix ids, steps, cache facts): the prefix is
     the prompt (decoder-only) or [bos] (seq2seq)."""
-    from qkv.generate import PagedKVCache, generate
+    from qkv.generate import generate
 
     m = ld.model
     c = config(ld)
@@ -354,13 +355,14 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
     new = out.sequences[0, (0 if seq2seq else src.shape[1]):].tolist()
     new = new[: len(out.attentions)]
     prefix = [int(c.bos_token_id)] if seq2seq else [int(i) for i in src[0].tolist()]
-    # the static cache generate() allocates: prefix + new positions (search.py _Setup.total)
+    # the static cache generate() allocates: prefix + new positions (search.py _Setup.total); the model's
+    # own caches, so that a model caching something else than per-head keys and values (an MLA latent) works
     total = len(prefix) + max_new_tokens
     static = m.make_cache(1, total)
     L, _, hkv, _, hd = static.k.shape
     elem = static.k.element_size()
-    paged = PagedKVCache(L, hkv, hd, num_blocks=-(-total // block_size), block_size=block_size,
-                         dtype=static.k.dtype, device=static.k.device)
+    paged = m.make_paged_cache(-(-total // block_size), block_size, dtype=static.k.dtype,
+                               device=static.k.device)
     paged.add_sequence(0)
     paged.set_active([0])
     memory = None
@@ -381,7 +383,8 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
         pairs = (paged.get_cross(i) for i in range(L) if paged.has_cross(i))
         cross = sum(k.nbytes + v.nbytes for k, v in pairs)
     spec = CacheSpec(L, hkv, hd, elem, str(static.k.dtype).replace("torch.", ""), total,
-                     static.k.nbytes + static.v.nbytes, block_size, paged.bytes_per_block, cross)
+                     static.k.nbytes + static.v.nbytes, block_size, paged.bytes_per_block, cross,
+                     (static.k[0, 0, :, 0].numel() + static.v[0, 0, :, 0].numel()) * elem)
     return prefix, steps, spec
 
 

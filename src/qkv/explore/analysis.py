@@ -190,7 +190,7 @@ def generation(ld: Loaded, text: str = "", *, max_new_tokens: int = 16, do_sampl
         prefix, steps, spec = adapter.generate_steps(ld, src, max_new_tokens, do_sample=do_sample,
                                                      temperature=temperature, top_k=top_k, seed=seed,
                                                      block_size=block_size)
-    per_pos = 2 * spec.n_kv_heads * spec.head_dim * spec.dtype_bytes  # K and V of one position, one layer
+    per_pos = spec.position_bytes  # K and V (or an MLA latent) of one position, one layer
     out_steps = []
     for s in steps:
         p = s.logits.double().softmax(-1)
