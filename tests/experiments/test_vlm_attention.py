@@ -15,7 +15,9 @@ import torch
 from qkv.cli.main import main
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "interop"))
+sys.path.insert(0, str(Path(__file__).parent))
 from _llava_folder import IMAGE_TOKEN_ID, llava_folder, png  # noqa: E402
+from _vlm_reference import reference  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 QUESTION = "what is in the picture?"
@@ -32,35 +34,11 @@ def image(tmp_path_factory) -> Path:
     return png(tmp_path_factory.mktemp("img") / "x.png")
 
 
-def reference(folder: Path, image: Path, layers: list[int] | None, token: int | None) -> torch.Tensor:
-    """The (SIDE, SIDE) map from transformers alone: the prompt from the tokenizer's chat template (the
-    <image> token expanded to one per patch, as LlavaProcessor does), CLIPImageProcessor's pixels, the greedy
-    answer, then the eager attention of the rows that chose the answer tokens over the placeholders."""
+def expected(folder: Path, image: Path, layers: list[int] | None, token: int | None) -> torch.Tensor:
     from PIL import Image
 
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    pixels = transformers.CLIPImageProcessor.from_pretrained(folder)(
-        images=Image.open(image).convert("RGB"), return_tensors="pt").pixel_values
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    ids = [x for i in ids for x in ([i] * N_PATCHES if i == IMAGE_TOKEN_ID else [i])]
-    hf = transformers.LlavaForConditionalGeneration.from_pretrained(folder, attn_implementation="eager")
-    hf.eval()
-    prompt = torch.tensor([ids])
-    with torch.no_grad():
-        seq = hf.generate(input_ids=prompt, pixel_values=pixels, max_new_tokens=MAX_NEW, do_sample=False)
-        att = hf(input_ids=seq, pixel_values=pixels, output_attentions=True).attentions
-    n_answer = seq.shape[1] - len(ids)
-    rows = [len(ids) - 1 + j for j in (range(n_answer) if token is None else [token])]
-    keys = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID]
-    chosen = range(len(att)) if layers is None else layers
-    total = torch.zeros(len(keys), dtype=torch.float64)
-    for layer in chosen:
-        a = att[layer][0].double()  # (H, T, T)
-        for r in rows:
-            total += a[:, r, keys].sum(0)
-    return (total / (len(chosen) * att[0].shape[1] * len(rows))).reshape(SIDE, SIDE)
+    ref = reference(folder, Image.open(image), QUESTION, IMAGE_TOKEN_ID, N_PATCHES, MAX_NEW)
+    return ref.grid(SIDE, layers, token)
 
 
 @pytest.mark.parametrize("flags, layers, token", [([], None, None), (["--layer", "-1"], [1], None),
@@ -74,7 +52,7 @@ def test_map_equals_transformers_eager_attention(folder, image, tmp_path, capsys
     assert "share of the attention on the image" in printed
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     got = json.loads((tmp_path / "look_image.json").read_text())
-    want = reference(folder, image, layers, token)
+    want = expected(folder, image, layers, token)
     torch.testing.assert_close(torch.tensor(got["grid"], dtype=torch.float64), want, atol=1e-4, rtol=0)
     assert got["image_share"] == pytest.approx(float(want.sum()), abs=1e-4)
     assert 0 < got["image_share"] < 1

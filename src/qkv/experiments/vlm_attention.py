@@ -18,7 +18,7 @@ apart, the grid is the patches'.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,9 @@ class ImageAttention:
     layers: list[int]  # the layers averaged
     tokens: list[int]  # the answer tokens (indices into answer_ids) averaged
     class_share: float | None = None  # "full" feature selection: the class token's mean attention
+    pixel_values: Tensor | None = None  # (1, C, H, W): the image as the tower saw it
+    # (1, H, T, T) per layer over the prompt and the answer: every row, for views beyond the grid
+    attentions: list[Tensor] = field(default_factory=list, repr=False)
 
     @property
     def image_share(self) -> float:
@@ -120,7 +123,8 @@ def image_attention(model: Any, tokenizer: Any, processor: Any, question: str, i
     positions = [i for i, t in enumerate(ids) if t == c.image_token_id]
     side = c.vision.image_size // c.vision.patch_size
     full = c.feature_select == "full"
-    result = ImageAttention(torch.zeros(side, side), ids, answer, positions, layers, tokens)
+    result = ImageAttention(torch.zeros(side, side), ids, answer, positions, layers, tokens,
+                            pixel_values=pixels, attentions=maps)
     rows = [result.query_rows()[j] for j in tokens]
     result.grid, result.class_share = patch_map(maps, rows, positions, layers, (side, side), full)
     return result
@@ -154,11 +158,12 @@ def vlm_attention_report(model: Any, folder: Path, question: str, image_file: st
     answer = tok.decode(res.answer_ids)
     which = "all layers" if layer is None else f"layer {res.layers[0]}"
     whose = "every answer token" if token is None else f"answer token {res.tokens[0]}"
-    _, pixels = image_prompt(model, tok, processor, question, picture)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    draw_patch_overlays([display_image(processor, pixels)], [res.grid], str(out_png),
-                        [f"answer: {answer}"[:60]],
-                        f"attention of {whose} on the image ({which}, mean over heads)")
+    shown = answer if len(answer) <= 40 else answer[:39] + "…"
+    draw_patch_overlays([display_image(processor, res.pixel_values)], [res.grid], str(out_png),
+                        [f"answer: {shown}"],
+                        f"attention of {whose}\non the image ({which}, mean over heads)",
+                        panel=4.0)
     js = out_png.with_name(f"{out_png.stem}_image.json")
     atomic_write_text(json.dumps({"question": question, "answer": answer, "answer_ids": res.answer_ids,
                                   "layers": res.layers, "tokens": res.tokens, "image_share": res.image_share,

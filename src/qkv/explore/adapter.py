@@ -52,6 +52,7 @@ class Loaded:
     tokenizer: Any = None  # None: the input is whitespace-separated token ids
     task: Any = None  # the run's task when MODEL is a run folder
     folder: Path | None = None
+    vision: Any = None  # a vision-language model: (its chat tokenizer, its ImageProcessor)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time uses the model
 
 
@@ -76,17 +77,24 @@ def load(path: str | Path, quantize: str | None = None) -> Loaded:
     folder = _model_folder(path)
     if tok is None and kind != "image":
         tok = find_tokenizer(folder)
-    return Loaded(model, path.name or str(path), family, kind, tok, task, folder)
+    vision = None
+    if hasattr(model, "image_features"):  # a vision-language model (LLaVA): questions about an image
+        from qkv.interop.llava import ImageProcessor
+        from qkv.interop.tokenizer import load_hf_tokenizer
+
+        vision = (load_hf_tokenizer(folder), ImageProcessor.from_folder(folder))
+    return Loaded(model, path.name or str(path), family, kind, tok, task, folder, vision)
 
 
 # -- model facts -------------------------------------------------------------------------------------------
 def config(ld: Loaded) -> Any:
-    return ld.model.config
+    """The model's config (a vision-language model's: its language model's; the page shows that)."""
+    return ld.model.config.text if ld.vision is not None else ld.model.config
 
 
 def stacks(ld: Loaded) -> dict[str, Any]:
     """The model's Stacks by role: {"decoder": ...} / {"encoder": ...} / both."""
-    m = ld.model
+    m = ld.model.language_model if ld.vision is not None else ld.model
     return {name: getattr(m, name) for name in ("encoder", "decoder") if getattr(m, name, None) is not None}
 
 
@@ -133,7 +141,9 @@ def can_generate(ld: Loaded) -> bool:
 
 
 def input_kind(ld: Loaded) -> str:
-    """text | ids (no tokenizer) | image | audio."""
+    """text | ids (no tokenizer) | image | audio | text+image (a question about an image)."""
+    if ld.vision is not None:
+        return "text+image"
     if ld.kind == "image":
         return "image"
     if ld.kind == "audio":
@@ -263,6 +273,18 @@ def attention(ld: Loaded, batch: dict[str, Tensor]) -> dict[str, list[Tensor]]:
                 "decoder self": [layer["self"] for layer in out.attentions],
                 "cross": [layer["cross"] for layer in out.attentions]}
     return collect_attentions(ld.model, batch)
+
+
+def image_question(ld: Loaded, text: str, image_index: int, max_new_tokens: int) -> tuple[Any, str]:
+    """A vision-language model's greedy answer to `text` about built-in image `image_index`, with the maps of
+    every layer over the prompt and the answer (experiments.vlm_attention.ImageAttention), and a caption."""
+    from qkv.experiments.vlm_attention import image_attention
+
+    if not text or not text.strip():
+        raise ExploreError("the question is empty: type one")
+    picture, caption = question_image(ld, image_index)
+    tok, processor = ld.vision
+    return image_attention(ld.model, tok, processor, text, picture, max_new_tokens=max_new_tokens), caption
 
 
 def causal(ld: Loaded, kind: str) -> bool:
@@ -453,5 +475,6 @@ from qkv.explore.media import (  # noqa: E402, F401
     frame_seconds,
     image,
     pixels_for_display,
+    question_image,
     sample_images,
 )

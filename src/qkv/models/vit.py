@@ -174,16 +174,16 @@ def save_attention_overlay(model: ViT, pixel_values: Tensor, path: str, layer: i
 
 
 def draw_patch_overlays(images: list[Tensor], maps: list[Tensor], path: str, titles: list[str] | None = None,
-                        title: str = "") -> None:
+                        title: str = "", panel: float = 2.2) -> None:
     """One PNG, the images in a row: each image ((H, W) grey, or (H, W, 3) RGB in [0, 1]) with its (gh, gw)
-    patch map drawn over it as a heat map, each patch upsampled to its pixels."""
+    patch map drawn over it as a heat map, each patch upsampled to its pixels; panel: inches per image."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     B = len(images)
-    fig, axes = plt.subplots(1, B, figsize=(2.2 * B, 2.4), squeeze=False)
+    fig, axes = plt.subplots(1, B, figsize=(panel * B, panel + 0.2), squeeze=False)
     for b, ax in enumerate(axes[0]):
         img = images[b]
         grid = maps[b].float().cpu()[None, None]
