@@ -184,3 +184,46 @@ def test_images_on_a_text_model_are_refused(llama_chat, data, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{data}:1: the record has images, but the model is not a vision-language model" in err
     assert not (tmp_path / "out").exists()
+
+
+def _variant(folder: Path, tmp_path: Path, template: str | None) -> Path:
+    """The folder with another chat template (None: none at all)."""
+    import shutil
+
+    out = tmp_path / "variant"
+    shutil.copytree(folder, out)
+    if template is None:
+        (out / "chat_template.jinja").unlink()
+    else:
+        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return out
+
+
+def test_a_template_without_generation_blocks_gives_the_same_labels(folder, data, tmp_path):
+    """llava-hf's own templates have no {% generation %} blocks: the answer is located in the render."""
+    from qkv import from_pretrained
+
+    plain = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    plain = plain.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    other = _variant(folder, tmp_path, plain)
+    model = from_pretrained(folder)
+    want, _ = build_examples(load_hf_tokenizer(folder), read_chats(data), 256, str(data), "error",
+                             vision_data(model, folder))
+    got, _ = build_examples(load_hf_tokenizer(other), read_chats(data), 256, str(data), "error",
+                            vision_data(model, other))
+    assert [(e.input_ids, e.labels) for e in got] == [(e.input_ids, e.labels) for e in want]
+
+
+def test_without_a_template_the_image_token_opens_the_message(folder, data, tmp_path):
+    from qkv import from_pretrained
+
+    other = _variant(folder, tmp_path, None)
+    tok = load_hf_tokenizer(other)
+    examples, _ = build_examples(tok, read_chats(data), 256, str(data), "error",
+                                 vision_data(from_pretrained(other), other))
+    ex = examples[0]
+    first = ex.input_ids.index(IMAGE_TOKEN_ID)
+    assert ex.input_ids[first:first + 16] == [IMAGE_TOKEN_ID] * 16
+    assert IMAGE_TOKEN_ID not in ex.input_ids[first + 16:]
+    learned = [i for i, lab in zip(ex.input_ids, ex.labels) if lab != IGNORE]
+    assert tok.decode(learned).split() == [*ANSWERS["red.png"].split(), "</s>"]
