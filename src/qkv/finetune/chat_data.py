@@ -66,6 +66,8 @@ def _messages(obj: Any, where: str) -> list[dict[str, str]]:
 def read_chats(path: str | Path) -> list[tuple[int, list[dict[str, str]]]]:
     """[(line number, messages)] of a JSONL file. Blank lines are skipped; anything else that is not a valid
     record is one ConfigError naming the file and line."""
+    from qkv.finetune.chat_images import resolve_images
+
     path = Path(path)
     text = read_data_text(path, "{path}:{line}")  # a byte order mark dropped; not UTF-8: file:line
     if not text.strip():
@@ -80,8 +82,6 @@ def read_chats(path: str | Path) -> list[tuple[int, list[dict[str, str]]]]:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
         messages = _messages(obj, f"{path}:{n}")
-        from qkv.finetune.chat_images import resolve_images
-
         resolve_images(messages, path.parent, f"{path}:{n}")  # image paths are relative to the file
         out.append((n, messages))
     return out

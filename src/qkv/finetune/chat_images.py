@@ -204,12 +204,19 @@ def prepare_vlm(model: torch.nn.Module, lora: Any) -> None:
     model.projector.requires_grad_(True)
 
 
-def _source_tensors(source: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+def _vision_tensors(source: Path) -> dict[str, Tensor]:
+    """The source's vision-tower tensors under canonical names ("vision...."), read alone (a 7B folder's
+    language model is never loaded for this)."""
+    from safetensors import safe_open
+
+    from qkv.interop.llava import canonical_key
 
     out: dict[str, Tensor] = {}
     for f in sorted(source.glob("*.safetensors")):
-        out.update(load_file(f))
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                if canonical_key(k).startswith("vision."):
+                    out[canonical_key(k)] = sf.get_tensor(k)
     return out
 
 
@@ -221,15 +228,11 @@ def export_llava(model: torch.nn.Module, out: Path, source: Path) -> Path:
 
     from qkv.interop.common import write_hf_folder
     from qkv.interop.llama import export_llama
-    from qkv.interop.llava import canonical_key
     from qkv.storage import read_config
 
     out, source = Path(out), Path(source)
-    state: dict[str, Tensor] = {}
-    for k, t in _source_tensors(source).items():
-        key = canonical_key(k)
-        if key.startswith("vision."):
-            state["model.vision_tower.vision_model." + key[len("vision."):]] = t
+    state = {"model.vision_tower.vision_model." + k[len("vision."):]: t
+             for k, t in _vision_tensors(source).items()}
     with tempfile.TemporaryDirectory() as tmp:
         export_llama(model.language_model, tmp)
         for k, t in load_file(Path(tmp) / "model.safetensors").items():
