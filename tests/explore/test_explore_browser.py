@@ -274,3 +274,37 @@ def test_an_exported_page_draws_whatever_the_input_holds(browser, hf_gpt2, tmp_p
     pg.wait_for_selector("#heatmap rect.cell")
     assert pg.evaluate("window.QKV_EXPORT.input") == text and not errors
     pg.close()
+
+
+def test_llava_answer_drawn_over_the_image(page, tmp_path_factory):
+    """A vision-language folder: the question and the image picker both shown; the heat map holds the rows
+    that chose the answer's tokens over every position; the canvas draws where one answer token's query looks
+    on the image, and another token's query draws another picture."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "interop"))
+    from _llava_folder import llava_folder
+
+    folder = llava_folder(tmp_path_factory.mktemp("llava") / "model")
+    url, stop = _serve(folder)
+    try:
+        page.goto(url)
+        page.wait_for_function("window.QKV && window.QKV.info")
+        assert page.is_visible("#input") and page.is_visible("#image")
+        assert page.inner_text("#input-label") == "Question"
+        page.fill("#input", "what is in the picture?")
+        page.select_option("#image", "3")
+        page.click("#analyze")
+        page.wait_for_selector("#heatmap rect.cell")
+        data = page.evaluate("window.QKV.analysis")
+        n_answer, n_all = len(data["tokens"]["answer"]), len(data["tokens"]["input"])
+        assert n_answer >= 2 and page.locator("#heatmap rect.cell").count() == n_answer * n_all
+        assert page.is_visible("#image-canvas")
+        assert "answer: " in page.inner_text("#image-caption")
+        before = page.locator("#image-canvas").screenshot()
+        page.hover("#lines text.q-tok[data-i='1']")  # the query that chose the second answer token
+        assert data["tokens"]["answer"][1] in page.inner_text("#image-caption")
+        after = page.locator("#image-canvas").screenshot()
+        assert _not_blank(before) > 0.001 and before != after
+    finally:
+        stop()

@@ -227,13 +227,17 @@ def _add_attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="attention.png",
                    help="PNG to write (one per attention kind; .png is added to a name without an "
                         "extension); the per-head statistics go to <name>_entropy.json beside it")
+    from qkv.experiments.vlm_attention import add_image_arguments
+
+    add_image_arguments(p)  # --image, --layer, --token: a vision-language model's answer over the image
 
 
 def cmd_attention(a: argparse.Namespace) -> int:
     from qkv.experiments.attention import image_path
     from qkv.experiments.attention_report import attention_report
 
-    for line in attention_report(a.checkpoint, a.input, image_path(a.out), target=a.target):
+    for line in attention_report(a.checkpoint, a.input, image_path(a.out), target=a.target, image=a.image,
+                                 layer=a.layer, token=a.token):
         print(line)
     return 0
 

@@ -17,9 +17,12 @@ UNSUPPORTED = {
 
 
 
-def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None) -> list[str]:
+def attention_report(path: str | Path, text: str, out_png: Path, target: str | None = None, *,
+                     image: str | None = None, layer: int | None = None,
+                     token: int | None = None) -> list[str]:
     """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table: the lines
-    `qkv attention` prints. Warnings are said as the CLI says things, one line on stderr."""
+    `qkv attention` prints. Warnings are said as the CLI says things, one line on stderr. image (with layer,
+    token): a vision-language model's answer to `text` over that image (experiments.vlm_attention)."""
     from qkv.config import ConfigError
     from qkv.experiments import attention_from_checkpoint
     from qkv.run import load_model_any, model_folder
@@ -33,6 +36,8 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
                           "explore "
                           f"{path} (the page, or --wav FILE --export PAGE.html; a DTMF run renders typed "
                           "digits)")
+    if image is not None or layer is not None or token is not None:
+        return _image_question(model, path, text, out_png, image, layer, token)
     if model.kind == "image":
         return _vit_overlay(model, path, text, out_png)
     import warnings
@@ -44,6 +49,22 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
         print(f"qkv: warning: {w.message}", file=sys.stderr)
     wrote = [*res.pngs, *([res.json_path] if res.json_path is not None else [])]
     return [f"wrote {p}" for p in wrote] + [res.entropy_table()]
+
+
+def _image_question(model: Any, path: str | Path, text: str, out_png: Path, image: str | None,
+                    layer: int | None, token: int | None) -> list[str]:
+    from qkv.config import ConfigError
+    from qkv.experiments.vlm_attention import vlm_attention_report
+    from qkv.models.vlm import LLaVA
+    from qkv.run import model_folder
+
+    if image is None:
+        raise ConfigError("--layer and --token go with --image (a vision-language model's answer over an "
+                          "image)")
+    if not isinstance(model, LLaVA):
+        raise ConfigError("--image needs a vision-language model folder (a Hugging Face llava folder); "
+                          f"{path} holds a {type(model).__name__}")
+    return vlm_attention_report(model, model_folder(path), text, image, out_png, layer=layer, token=token)
 
 
 VIT_MAX_IMAGES = 32  # one row of images in one figure: wider than this is unreadable

@@ -8,7 +8,7 @@ generation config) only this file changes. What it reuses:
   attention        experiments.attention.collect_attentions / visible_keys / greedy_target (naive softmax)
   statistics       experiments.diagnostics.head_stats / flag_heads
   generation       qkv.generate.generate(..., return_attentions=True)
-  caches           model.make_cache (StaticCache) and generate.paged.PagedKVCache
+  caches           model.make_cache / make_paged_cache (per-head K/V, or an MLA model's latent caches)
   positions        the stacks' PositionalEncoding objects (nn/position.py) and the family tables that still
                    live outside the hooks (ViT's patch table, Whisper's audio sinusoids)
 
@@ -52,6 +52,7 @@ class Loaded:
     tokenizer: Any = None  # None: the input is whitespace-separated token ids
     task: Any = None  # the run's task when MODEL is a run folder
     folder: Path | None = None
+    vision: Any = None  # a vision-language model: (its chat tokenizer, its ImageProcessor)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time uses the model
 
 
@@ -76,17 +77,24 @@ def load(path: str | Path, quantize: str | None = None) -> Loaded:
     folder = _model_folder(path)
     if tok is None and kind != "image":
         tok = find_tokenizer(folder)
-    return Loaded(model, path.name or str(path), family, kind, tok, task, folder)
+    vision = None
+    if hasattr(model, "image_features"):  # a vision-language model (LLaVA): questions about an image
+        from qkv.interop.llava import ImageProcessor
+        from qkv.interop.tokenizer import load_hf_tokenizer
+
+        vision = (load_hf_tokenizer(folder), ImageProcessor.from_folder(folder))
+    return Loaded(model, path.name or str(path), family, kind, tok, task, folder, vision)
 
 
 # -- model facts -------------------------------------------------------------------------------------------
 def config(ld: Loaded) -> Any:
-    return ld.model.config
+    """The model's config (a vision-language model's: its language model's; the page shows that)."""
+    return ld.model.config.text if ld.vision is not None else ld.model.config
 
 
 def stacks(ld: Loaded) -> dict[str, Any]:
     """The model's Stacks by role: {"decoder": ...} / {"encoder": ...} / both."""
-    m = ld.model
+    m = ld.model.language_model if ld.vision is not None else ld.model
     return {name: getattr(m, name) for name in ("encoder", "decoder") if getattr(m, name, None) is not None}
 
 
@@ -128,7 +136,9 @@ def can_generate(ld: Loaded) -> bool:
 
 
 def input_kind(ld: Loaded) -> str:
-    """text | ids (no tokenizer) | image | audio."""
+    """text | ids (no tokenizer) | image | audio | text+image (a question about an image)."""
+    if ld.vision is not None:
+        return "text+image"
     if ld.kind == "image":
         return "image"
     if ld.kind == "audio":
@@ -260,6 +270,18 @@ def attention(ld: Loaded, batch: dict[str, Tensor]) -> dict[str, list[Tensor]]:
     return collect_attentions(ld.model, batch)
 
 
+def image_question(ld: Loaded, text: str, image_index: int, max_new_tokens: int) -> tuple[Any, str]:
+    """A vision-language model's greedy answer to `text` about built-in image `image_index`, with the maps of
+    every layer over the prompt and the answer (experiments.vlm_attention.ImageAttention), and a caption."""
+    from qkv.experiments.vlm_attention import image_attention
+
+    if not text or not text.strip():
+        raise ExploreError("the question is empty: type one")
+    picture, caption = question_image(ld, image_index)
+    tok, processor = ld.vision
+    return image_attention(ld.model, tok, processor, text, picture, max_new_tokens=max_new_tokens), caption
+
+
 def causal(ld: Loaded, kind: str) -> bool:
     """Does attention `kind` hide the future (the decoder's self-attention)?"""
     if kind == "decoder self":
@@ -329,6 +351,7 @@ class CacheSpec:
     block_size: int
     paged_bytes_per_block: int  # K+V bytes of one block, all layers
     cross_bytes: int = 0  # encoder-decoders: the cross-attention K/V, projected once (all layers)
+    position_bytes: int = 0  # what one position adds to one layer's cache (K+V; an MLA latent + rotary key)
 
 
 @torch.no_grad()
@@ -337,7 +360,7 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
     """Decode with qkv.generate(return_attentions=True), then replay the tokens through a PagedKVCache for
     the logits of each step and the blocks it holds. Returns (prefix ids, steps, cache facts): the prefix is
     the prompt (decoder-only) or [bos] (seq2seq)."""
-    from qkv.generate import PagedKVCache, generate
+    from qkv.generate import generate
 
     m = ld.model
     c = config(ld)
@@ -349,13 +372,14 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
     new = out.sequences[0, (0 if seq2seq else src.shape[1]):].tolist()
     new = new[: len(out.attentions)]
     prefix = [int(c.bos_token_id)] if seq2seq else [int(i) for i in src[0].tolist()]
-    # the static cache generate() allocates: prefix + new positions (search.py _Setup.total)
+    # the static cache generate() allocates: prefix + new positions (search.py _Setup.total); the model's
+    # own caches, so that a model caching something else than per-head keys and values (an MLA latent) works
     total = len(prefix) + max_new_tokens
     static = m.make_cache(1, total)
     L, _, hkv, _, hd = static.k.shape
     elem = static.k.element_size()
-    paged = PagedKVCache(L, hkv, hd, num_blocks=-(-total // block_size), block_size=block_size,
-                         dtype=static.k.dtype, device=static.k.device)
+    paged = m.make_paged_cache(-(-total // block_size), block_size, dtype=static.k.dtype,
+                               device=static.k.device)
     paged.add_sequence(0)
     paged.set_active([0])
     memory = None
@@ -376,7 +400,8 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
         pairs = (paged.get_cross(i) for i in range(L) if paged.has_cross(i))
         cross = sum(k.nbytes + v.nbytes for k, v in pairs)
     spec = CacheSpec(L, hkv, hd, elem, str(static.k.dtype).replace("torch.", ""), total,
-                     static.k.nbytes + static.v.nbytes, block_size, paged.bytes_per_block, cross)
+                     static.k.nbytes + static.v.nbytes, block_size, paged.bytes_per_block, cross,
+                     (static.k[0, 0, :, 0].numel() + static.v[0, 0, :, 0].numel()) * elem)
     return prefix, steps, spec
 
 
@@ -445,5 +470,6 @@ from qkv.explore.media import (  # noqa: E402, F401
     frame_seconds,
     image,
     pixels_for_display,
+    question_image,
     sample_images,
 )

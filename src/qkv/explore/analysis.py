@@ -80,6 +80,8 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
     m = ld.model
     dev = next(m.parameters()).device
     with ld.lock, torch.no_grad():
+        if adapter.input_kind(ld) == "text+image":
+            return _analyze_image_question(ld, text, image_index, max_target_tokens)
         if ld.kind in ("decoder", "encoder"):
             ids, labels = adapter.tokenize(ld, text)
             adapter.check_length(len(ids), adapter.context(ld), "input")
@@ -119,6 +121,26 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
         if ld.kind == "audio":
             return _analyze_audio(ld, text, target, wav_base64, max_target_tokens)
     raise ExploreError(f"cannot analyse a model of kind {ld.kind!r}")  # pragma: no cover
+
+
+def _analyze_image_question(ld: Loaded, text: str, image_index: int, max_new: int) -> dict[str, Any]:
+    """A vision-language model: its greedy answer to the question about a built-in image, the rows of the
+    queries that chose the answer's tokens over every position (view "answer"), and on the image the mean
+    over layers, heads and answer tokens of the attention on each patch (experiments.vlm_attention)."""
+    res, caption = adapter.image_question(ld, text, image_index, max_new)
+    ids, rows = res.prompt_ids + res.answer_ids, res.query_rows()
+    check_size(ld, [(adapter.n_layers(ld), len(rows), len(ids))])
+    grid = list(res.grid.shape)
+    full = res.class_share is not None  # the first placeholder holds CLIP's class token
+    where = {p: f"img {k // grid[1]},{k % grid[1]}" for k, p in enumerate(res.image_positions[int(full):])}
+    labels = [where.get(i) or adapter.label(ld, t) for i, t in enumerate(ids)]
+    pixels = adapter.pixels_for_display(res.pixel_values)
+    view = _view(ld, "answer", "answer", "input", [w[:, :, rows] for w in res.attentions])
+    return {"tokens": {"answer": [adapter.label(ld, t) for t in res.answer_ids], "input": labels},
+            "ids": {"input": ids, "answer": res.answer_ids}, "views": [view],
+            "image": {"pixels": pixels, "grid": grid, "patch_size": len(pixels[0]) // grid[1], "cls": False,
+                      "offset": res.image_positions[0] + int(full), "caption": caption,
+                      "attention": rounded(res.grid), "image_share": round(res.image_share, 5)}}
 
 
 def _target_ids(ld: Loaded, src: Tensor, target: str | None, max_new: int) -> list[int]:
@@ -190,7 +212,7 @@ def generation(ld: Loaded, text: str = "", *, max_new_tokens: int = 16, do_sampl
         prefix, steps, spec = adapter.generate_steps(ld, src, max_new_tokens, do_sample=do_sample,
                                                      temperature=temperature, top_k=top_k, seed=seed,
                                                      block_size=block_size)
-    per_pos = 2 * spec.n_kv_heads * spec.head_dim * spec.dtype_bytes  # K and V of one position, one layer
+    per_pos = spec.position_bytes  # K and V (or an MLA latent) of one position, one layer
     out_steps = []
     for s in steps:
         p = s.logits.double().softmax(-1)
@@ -247,6 +269,7 @@ def info(ld: Loaded) -> dict[str, Any]:
     d = adapter.describe(ld)
     d.update(name=ld.name, input=adapter.input_kind(ld), context=adapter.context(ld),
              target_context=adapter.target_context(ld), can_generate=adapter.can_generate(ld),
-             max_new_tokens=MAX_NEW_TOKENS, images=adapter.sample_images(ld) if ld.kind == "image" else 0,
+             max_new_tokens=MAX_NEW_TOKENS,
+             images=adapter.sample_images(ld) if adapter.input_kind(ld) in ("image", "text+image") else 0,
              renders_text=ld.kind == "audio" and ld.task is not None and hasattr(ld.task, "render"))
     return d

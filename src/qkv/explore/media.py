@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,6 +40,19 @@ def image(ld: Loaded, index: int) -> tuple[Tensor, str]:
     x = F.interpolate(x, size=(c.image_size, c.image_size), mode="bilinear", align_corners=False)
     x = _normalize(ld, x.repeat(1, c.n_channels, 1, 1))
     return x, f"scikit-learn digit {index} (a {int(labels[index])})"
+
+
+def question_image(ld: Loaded, index: int) -> tuple[Any, str]:
+    """A vision-language model's built-in image: scikit-learn's digit `index` as an RGB PIL image (the
+    folder's own preprocessing resizes it)."""
+    import numpy as np
+    from PIL import Image
+
+    if not 0 <= index < sample_images(ld):
+        raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
+    imgs, labels, _ = digit_images()
+    grey = Image.fromarray(np.asarray(imgs[index] * 255, dtype=np.uint8)).resize((64, 64), Image.NEAREST)
+    return grey.convert("RGB"), f"scikit-learn digit {index} (a {int(labels[index])})"
 
 
 def _normalize(ld: Loaded, x: Tensor) -> Tensor:

@@ -263,7 +263,13 @@ class ChatRecipe:
 
         seed_everything(self.s.seed)
         m = from_pretrained(self.source)
-        if self.s.lora is not None:
+        from qkv.models.vlm import LLaVA
+
+        if isinstance(m, LLaVA):  # LoRA on its language model, the projector trained, the tower frozen
+            from qkv.finetune.chat_images import prepare_vlm
+
+            prepare_vlm(m, self.s.lora)
+        elif self.s.lora is not None:
             from qkv.finetune.lora import apply_lora
 
             apply_lora(m, self.s.lora)
@@ -274,10 +280,14 @@ class ChatRecipe:
         records = read_chats(s.data)
         dev_records = read_chats(s.dev) if s.dev else []
         self.max_length = _max_length(s.max_length, self.model)
-        self.train_examples, self.skipped = build_examples(tok, records, self.max_length, s.data, s.too_long)
+        from qkv.finetune.chat_images import vision_data
+
+        vision = vision_data(self.model, self.source)
+        self.train_examples, self.skipped = build_examples(tok, records, self.max_length, s.data, s.too_long,
+                                                           vision)
         self.dev_examples, self.dev_skipped = (
-            build_examples(tok, dev_records, self.max_length, s.dev, s.too_long) if s.dev else ([], [])
-        )
+            build_examples(tok, dev_records, self.max_length, s.dev, s.too_long, vision) if s.dev
+            else ([], []))
         if not self.train_examples:
             raise ConfigError(f"{s.data}: every record was skipped (over --max-length {self.max_length})")
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)

@@ -36,9 +36,15 @@ def _messages(obj: Any, where: str) -> list[dict[str, str]]:
             if m["role"] not in ROLES:
                 raise ConfigError(f"{where}: message {i} has unknown role {m['role']!r} "
                                   f"(expected one of {', '.join(ROLES)})")
-            if not isinstance(m["content"], str):
-                raise ConfigError(f"{where}: message {i}: 'content' must be a string")
-            out.append({"role": m["role"], "content": m["content"]})
+            content = m["content"]
+            if isinstance(content, list):  # content parts: text and images (qkv.finetune.chat_images)
+                from qkv.finetune.chat_images import read_parts
+
+                content = read_parts(content, f"{where}: message {i}")
+            elif not isinstance(content, str):
+                raise ConfigError(f"{where}: message {i}: 'content' must be a string (or a list of text and "
+                                  "image_url parts)")
+            out.append({"role": m["role"], "content": content})
     elif "prompt" in obj or "completion" in obj:
         if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("completion"), str):
             raise ConfigError(f"{where}: a prompt/completion record needs both as strings")
@@ -51,7 +57,8 @@ def _messages(obj: Any, where: str) -> list[dict[str, str]]:
     else:
         raise ConfigError(f"{where}: missing 'messages' (or 'prompt' and 'completion'); the record has "
                           f"{', '.join(map(repr, obj)) or 'no keys'}")
-    if not any(m["role"] == "assistant" and m["content"] for m in out):
+    if not any(m["role"] == "assistant" and (m["content"] if isinstance(m["content"], str) else any(
+            p["type"] == "text" and p["text"] for p in m["content"])) for m in out):
         raise ConfigError(f"{where}: no assistant message with content: nothing to learn from this record")
     return out
 
@@ -59,6 +66,8 @@ def _messages(obj: Any, where: str) -> list[dict[str, str]]:
 def read_chats(path: str | Path) -> list[tuple[int, list[dict[str, str]]]]:
     """[(line number, messages)] of a JSONL file. Blank lines are skipped; anything else that is not a valid
     record is one ConfigError naming the file and line."""
+    from qkv.finetune.chat_images import resolve_images
+
     path = Path(path)
     text = read_data_text(path, "{path}:{line}")  # a byte order mark dropped; not UTF-8: file:line
     if not text.strip():
@@ -72,7 +81,9 @@ def read_chats(path: str | Path) -> list[tuple[int, list[dict[str, str]]]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
-        out.append((n, _messages(obj, f"{path}:{n}")))
+        messages = _messages(obj, f"{path}:{n}")
+        resolve_images(messages, path.parent, f"{path}:{n}")  # image paths are relative to the file
+        out.append((n, messages))
     return out
 
 
@@ -82,6 +93,7 @@ class Example:
     line: int
     input_ids: list[int]
     labels: list[int]  # IGNORE outside the assistant's tokens
+    pixel_values: Tensor | None = None  # (n, C, H, W): the record's images, in the order of its placeholders
 
 
 def encode_chat(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
@@ -110,14 +122,26 @@ def _plain(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[in
     return ids, [i if m else IGNORE for i, m in zip(ids, mask)]
 
 
-def build_examples(tok: Any, records: list[tuple[int, list[dict[str, str]]]], max_length: int, path: str,
-                   too_long: str) -> tuple[list[Example], list[int]]:
+def build_examples(tok: Any, records: list[tuple[int, list[dict[str, Any]]]], max_length: int, path: str,
+                   too_long: str, vision: Any = None) -> tuple[list[Example], list[int]]:
     """Examples of the records; records over max_length tokens are an error (too_long="error") or skipped
-    and listed (too_long="skip"). Returns (examples, skipped line numbers)."""
+    and listed (too_long="skip"). Returns (examples, skipped line numbers). vision: a vision-language
+    model's image preprocessing (qkv.finetune.chat_images.VisionData), which renders every record."""
+    from qkv.finetune.chat_images import encode_image_chat, has_images
+
     out, skipped = [], []
     for line, msgs in records:
+        pixels = None
+        if vision is None and has_images(msgs):
+            raise ConfigError(f"{path}:{line}: the record has images, but the model is not a "
+                              "vision-language model (a llava folder)")
         try:
-            ids, labels = encode_chat(tok, msgs)
+            if vision is not None:
+                ids, labels, pixels = encode_image_chat(tok, msgs, vision, f"{path}:{line}")
+            else:
+                ids, labels = encode_chat(tok, msgs)
+        except ConfigError:  # already names the file and line
+            raise
         except ValueError as e:  # the template refused the conversation (raise_exception), or lost the answer
             raise ConfigError(f"{path}:{line}: {str(e).splitlines()[0]}") from None
         if len(ids) > max_length:
@@ -129,7 +153,7 @@ def build_examples(tok: Any, records: list[tuple[int, list[dict[str, str]]]], ma
                               f"to leave such records out")
         if all(x == IGNORE for x in labels[1:]):  # the model predicts labels[1:] (position 0 has no history)
             raise ConfigError(f"{path}:{line}: no assistant token to learn after rendering")
-        out.append(Example(line, ids, labels))
+        out.append(Example(line, ids, labels, pixels))
     return out, skipped
 
 
@@ -180,14 +204,16 @@ class ChatData:
 
 def collate(rows: list[Example], pad_id: int) -> dict[str, Tensor]:
     """Right-padded input_ids and labels (IGNORE on the padding); no attention mask (see the module
-    docstring)."""
+    docstring). Rows with images add pixel_values: every row's images, in row order (the order in which the
+    model fills the placeholders)."""
     T = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, : len(r.input_ids)] = torch.tensor(r.input_ids)
         labels[b, : len(r.labels)] = torch.tensor(r.labels)
-    return {"input_ids": ids, "labels": labels}
+    pixels = [r.pixel_values for r in rows if r.pixel_values is not None]
+    return {"input_ids": ids, "labels": labels, **({"pixel_values": torch.cat(pixels)} if pixels else {})}
 
 
 @torch.no_grad()

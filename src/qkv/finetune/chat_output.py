@@ -24,7 +24,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
                                                       ("llama", "mistral", "qwen2", "qwen3")},
              **{mt: "qkv.interop.moe:export_moe" for mt in ("mixtral", "qwen2_moe", "qwen3_moe")},
-             "deepseek_v3": "qkv.interop.deepseek:export_deepseek"}
+             "deepseek_v3": "qkv.interop.deepseek:export_deepseek",
+             "llava": "qkv.finetune.chat_images:export_llava"}
 
 
 def check_exportable(source: Path) -> None:
@@ -48,8 +49,9 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
         check_exportable(source)
         module, _, name = EXPORTERS[model_type].partition(":")
         fn = getattr(importlib.import_module(module), name)
-        fn(model, out,
-           **({"model_type": model_type} if "model_type" in inspect.signature(fn).parameters else {}))
+        params = inspect.signature(fn).parameters
+        fn(model, out, **({"model_type": model_type} if "model_type" in params else {}),
+           **({"source": source} if "source" in params else {}))  # llava copies its frozen tower from it
         written = json.loads((out / "config.json").read_text(encoding="utf-8"))
         # the exporter knows the architecture; the source knows its token ids and anything else it declared
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

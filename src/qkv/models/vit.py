@@ -167,23 +167,33 @@ def patch_attention(model: ViT, pixel_values: Tensor, layer: int = -1) -> Tensor
 def save_attention_overlay(model: ViT, pixel_values: Tensor, path: str, layer: int = -1,
                            titles: list[str] | None = None) -> None:
     """A PNG with each image and its patch attention (patch_attention) drawn over it, upsampled to pixels."""
+    maps = patch_attention(model, pixel_values, layer)
+    images = [pixel_values[b].float().mean(0).cpu() for b in range(pixel_values.shape[0])]
+    draw_patch_overlays(images, list(maps), path, titles,
+                        f"ViT attention over patches (layer {layer}, mean over heads)")
+
+
+def draw_patch_overlays(images: list[Tensor], maps: list[Tensor], path: str, titles: list[str] | None = None,
+                        title: str = "", panel: float = 2.2) -> None:
+    """One PNG, the images in a row: each image ((H, W) grey, or (H, W, 3) RGB in [0, 1]) with its (gh, gw)
+    patch map drawn over it as a heat map, each patch upsampled to its pixels; panel: inches per image."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    maps = patch_attention(model, pixel_values, layer)
-    B = pixel_values.shape[0]
-    fig, axes = plt.subplots(1, B, figsize=(2.2 * B, 2.4), squeeze=False)
+    B = len(images)
+    fig, axes = plt.subplots(1, B, figsize=(panel * B, panel + 0.2), squeeze=False)
     for b, ax in enumerate(axes[0]):
-        img = pixel_values[b].float().mean(0).cpu()
-        att = F.interpolate(maps[b][None, None], size=img.shape, mode="nearest")[0, 0].cpu()
-        ax.imshow(img.numpy(), cmap="gray")
+        img = images[b]
+        grid = maps[b].float().cpu()[None, None]
+        att = F.interpolate(grid, size=tuple(img.shape[:2]), mode="nearest")[0, 0]
+        ax.imshow(img.numpy(), cmap="gray" if img.dim() == 2 else None)
         ax.imshow(att.numpy(), cmap="inferno", alpha=0.5)
         ax.set_axis_off()
         if titles:
             ax.set_title(titles[b], fontsize=8)
-    fig.suptitle(f"ViT attention over patches (layer {layer}, mean over heads)", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

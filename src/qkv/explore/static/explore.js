@@ -138,11 +138,12 @@
     $("model").textContent = i.name + ": " + i.class + " (" + i.kind + "), " + layers + " layers, " + i.n_heads +
       " heads, d_model " + i.d_model + ", " + i.position + " positions, " + i.parameters.toLocaleString() +
       " parameters, context " + i.context;
-    const label = { text: "Input text", ids: "Token ids", image: "", audio: "Digits" }[i.input];
+    const label = { text: "Input text", ids: "Token ids", image: "", audio: "Digits",
+                    "text+image": "Question" }[i.input];
     $("input-label").textContent = label;
     $("text-row").hidden = i.input === "image" || (i.input === "audio" && !i.renders_text);
     $("target-row").hidden = !(i.kind === "seq2seq" || i.kind === "audio");
-    $("image-row").hidden = i.input !== "image";
+    $("image-row").hidden = i.input !== "image" && i.input !== "text+image";
     $("wav-row").hidden = i.input !== "audio";
     fill($("image"), i.images, "image ");
     $("gen-controls").hidden = !i.can_generate;
@@ -282,7 +283,8 @@
     tokens(kl, "k", right, "start");
   }
 
-  // ViT: the attention of one query (the class token, or the patch hovered in the lines view) over the image
+  // ViT: the attention of one query (the class token, or the patch hovered in the lines view) over the image;
+  // a vision-language model: of the query that chose one answer token, on the image's placeholder positions
   function drawImage() {
     const a = state.analysis, v = currentView();
     if (!a || !a.image || !v) { $("image-fig").hidden = true; return; }
@@ -295,16 +297,24 @@
       g.fillStyle = "rgb(" + p.map((x) => Math.round(255 * x)).join(",") + ")";
       g.fillRect(j * scale, i * scale, scale, scale);
     }
-    const row = v.layers[state.layer][state.head][state.query], off = im.cls ? 1 : 0;
-    const patches = row.slice(off), top = Math.max.apply(null, patches) || 1, ps = im.patch_size * scale;
+    const row = v.layers[state.layer][state.head][state.query];
+    const off = im.offset !== undefined ? im.offset : (im.cls ? 1 : 0);
+    const patches = row.slice(off, off + im.grid[0] * im.grid[1]), top = Math.max.apply(null, patches) || 1, ps = im.patch_size * scale;
     patches.forEach((p, k) => {
       const r = Math.floor(k / im.grid[1]), c = k % im.grid[1];
       g.fillStyle = "rgba(255,90,0," + (0.75 * p / top).toFixed(3) + ")";
       g.fillRect(c * ps, r * ps, ps, ps);
     });
+    const where = " (layer " + state.layer + ", head " + state.head + ").";
+    if (im.offset !== undefined) {
+      $("image-caption").textContent = im.caption + "; answer: " + a.tokens.answer.join(" ") + " (" +
+        Math.round(100 * im.image_share) + "% of the answer's attention on the image, mean over layers and " +
+        "heads). Orange: where the query that chose '" + a.tokens.answer[state.query] + "' looks" + where;
+      return;
+    }
     const who = im.cls && state.query === 0 ? "the class token" : "patch " + a.tokens.input[state.query];
     $("image-caption").textContent = im.caption + "; predicted class " + im.prediction + " (p " + im.confidence +
-      "). Orange: where " + who + " looks (layer " + state.layer + ", head " + state.head + ").";
+      "). Orange: where " + who + " looks" + where;
   }
 
   function drawStats(v) {

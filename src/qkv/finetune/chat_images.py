@@ -1,0 +1,246 @@
+"""The chat recipe with images: instruction fine-tuning of a vision-language folder (Hugging Face llava).
+
+A record's message may carry images as OpenAI-style content parts, in reading order:
+
+    {"messages": [{"role": "user", "content": [
+                      {"type": "image_url", "image_url": {"url": "cat.png"}},
+                      {"type": "text", "text": "What is in the picture?"}]},
+                  {"role": "assistant", "content": "A cat."}]}
+
+The url is a file path, relative to the JSONL file (or absolute), or a `data:image/...;base64,` URL. A missing
+file or an undecodable one is one error naming the file and line, before anything is trained.
+
+Each conversation is rendered as `qkv chat --image` renders it: every message given to the chat template as a
+list of parts ({"type": "image"} per image, then {"type": "text"}); the template writes one image token per
+image, which becomes `image_tokens` placeholders (the patch embeddings replace them at the forward). Labels
+are the text recipe's (the assistant's tokens and the end of turn), never the placeholders.
+
+What trains (LLaVA's instruction-tuning stage): LoRA adapters on the language model (--lora; without it the
+whole language model), the projector in full, the vision tower frozen. OUT is written as a llava folder:
+the language model (adapters merged) and the projector from the trained model, the vision tower (every layer,
+including those qkv never runs) copied from the source folder unchanged, with its config and image
+preprocessing files.
+
+Images are preprocessed once, when the data is read, and held in memory as float32 pixel tensors (3 x H x W
+each: 1.3 MB at 336 px): data sets of a few thousand images fit; larger ones do not.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.config import ConfigError
+
+IMAGE_PART = {"type": "image"}  # what the chat template reads; "url" (the source) is kept alongside
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+# -- reading ------------------------------------------------------------------------------------------------
+def read_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """A message's content parts, checked: [{"type": "text", "text"}, {"type": "image_url", "image_url":
+    {"url"}}] -> [{"type": "text", "text"}, {"type": "image", "url"}]."""
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else None
+            if not isinstance(url, str) or not url:
+                raise ConfigError(f"{where}: part {j}: an image_url part needs "
+                                  '{"image_url": {"url": "file.png or data:..."}}')
+            out.append({**IMAGE_PART, "url": url})
+        else:
+            raise ConfigError(f"{where}: part {j} must be {{\"type\": \"text\", \"text\": ...}} or "
+                              '{"type": "image_url", "image_url": {"url": ...}}, '
+                              f"got {part!r:.80}")
+    return out
+
+
+def resolve_images(messages: list[dict[str, Any]], base: Path, where: str) -> None:
+    """Each image part's url made absolute against `base` (the JSONL file's folder), the file required."""
+    for m in messages:
+        for part in m["content"] if isinstance(m["content"], list) else []:
+            url = part.get("url")
+            if part["type"] != "image" or url.startswith("data:"):
+                continue
+            path = (base / url).resolve()
+            if not path.is_file():
+                raise ConfigError(f"{where}: image {url!r}: no such file ({path})")
+            part["url"] = str(path)
+
+
+def has_images(messages: list[dict[str, Any]]) -> bool:
+    return any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
+               for m in messages)
+
+
+def _open(url: str, where: str) -> Any:
+    """A PIL image from a file path or a base64 data URL."""
+    from PIL import Image, UnidentifiedImageError
+
+    if url.startswith("data:"):
+        head, _, payload = url.partition(",")
+        if ";base64" not in head:
+            raise ConfigError(f"{where}: a data URL image must be base64 (data:image/png;base64,...)")
+        try:
+            source: Any = io.BytesIO(base64.b64decode(payload, validate=True))
+        except (binascii.Error, ValueError):
+            raise ConfigError(f"{where}: the data URL image is not valid base64") from None
+        name = "the data URL image"
+    else:
+        source, name = url, url
+    try:
+        with Image.open(source) as im:
+            im.load()
+            return im.copy()
+    except (UnidentifiedImageError, OSError) as e:
+        raise ConfigError(f"{where}: {name} cannot be read as an image ({e})") from None
+
+
+# -- rendering ----------------------------------------------------------------------------------------------
+@dataclass
+class VisionData:
+    """What rendering an image conversation needs of the model folder."""
+
+    processor: Any  # qkv.interop.llava.ImageProcessor
+    image_token_id: int
+    image_tokens: int  # placeholders per image
+    image_token: str  # the image token's text (the plain transcript writes it)
+
+
+def vision_data(model: torch.nn.Module, folder: Path) -> VisionData | None:
+    """The folder's image preprocessing when `model` is a vision-language model, else None."""
+    from qkv.interop.llava import IMAGE_TOKEN, ImageProcessor
+    from qkv.models.vlm import LLaVA
+
+    if not isinstance(model, LLaVA):
+        return None
+    c = model.config
+    return VisionData(ImageProcessor.from_folder(folder), c.image_token_id, c.image_tokens, IMAGE_TOKEN)
+
+
+def _as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every message's content as parts (multimodal templates iterate them), images without their url."""
+    out = []
+    for m in messages:
+        c = m["content"]
+        parts = [{"type": "text", "text": c}] if isinstance(c, str) else [
+            IMAGE_PART if p["type"] == "image" else p for p in c]
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def _text(m: dict[str, Any]) -> str:
+    c = m["content"]
+    return c if isinstance(c, str) else "".join(p["text"] for p in c if p["type"] == "text")
+
+
+def _render(tok: Any, messages: list[dict[str, Any]], v: VisionData) -> tuple[list[int], list[int]]:
+    """(ids, assistant mask) of one conversation, one image token per image."""
+    from qkv.finetune.chat_data import _plain
+    from qkv.interop.tokenizer import has_generation_blocks, spans_to_token_mask
+
+    if not tok.has_chat_template:  # qkv chat's plain transcript: the image token opens its message
+        flat = [{"role": m["role"], "content": "".join(
+            f"{v.image_token}\n" for p in m["content"] if p["type"] == "image") + _text(m)}
+            if isinstance(m["content"], list) else m for m in messages]
+        ids, labels = _plain(tok, flat)
+        return ids, [int(x != -100) for x in labels]
+    parts = _as_parts(messages)
+    if has_generation_blocks(tok.chat_template or ""):
+        ids, mask = tok.apply_chat_template(parts, return_assistant_mask=True)
+        return list(ids), list(mask)
+    # no {% generation %} blocks: the assistant's text is located in the render (as for text records),
+    # searched by each message's text
+    text, _ = tok.render_chat(parts)
+    spans = tok._assistant_spans(text, [{"role": m["role"], "content": _text(m)} for m in messages], {})
+    ids, offsets = tok.encode_with_offsets(text, add_special_tokens=False)
+    return list(ids), spans_to_token_mask(spans, offsets)
+
+
+def encode_image_chat(tok: Any, messages: list[dict[str, Any]], v: VisionData,
+                      where: str) -> tuple[list[int], list[int], Tensor | None]:
+    """(ids, labels, pixel_values (n, C, H, W) or None) of one conversation: the image tokens expanded to
+    image_tokens placeholders each, labels IGNORE on them and outside the assistant's tokens."""
+    from qkv.finetune.chat_data import IGNORE
+
+    images = [p["url"] for m in messages if isinstance(m["content"], list)
+              for p in m["content"] if p["type"] == "image"]
+    ids, mask = _render(tok, messages, v)
+    found = sum(i == v.image_token_id for i in ids)
+    if found != len(images):
+        raise ConfigError(f"{where}: the chat template wrote {found} image token(s) for {len(images)} "
+                          "image(s): its template does not place the images of this record")
+    out_ids: list[int] = []
+    labels: list[int] = []
+    for i, m in zip(ids, mask):
+        n = v.image_tokens if i == v.image_token_id else 1
+        out_ids += [i] * n
+        labels += [i if m and n == 1 else IGNORE] * n
+    pixels = v.processor([_open(u, where) for u in images]) if images else None
+    return out_ids, labels, pixels
+
+
+# -- the model: what trains, what is written ---------------------------------------------------------------
+def prepare_vlm(model: torch.nn.Module, lora: Any) -> None:
+    """LoRA (or full training) on the language model, the projector trained in full, the tower frozen."""
+    if lora is not None:
+        from qkv.finetune.lora import apply_lora
+
+        apply_lora(model.language_model, lora)
+    model.vision.requires_grad_(False)
+    model.projector.requires_grad_(True)
+
+
+def _vision_tensors(source: Path) -> dict[str, Tensor]:
+    """The source's vision-tower tensors under canonical names ("vision...."), read alone (a 7B folder's
+    language model is never loaded for this)."""
+    from safetensors import safe_open
+
+    from qkv.interop.llava import canonical_key
+
+    out: dict[str, Tensor] = {}
+    for f in sorted(source.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                if canonical_key(k).startswith("vision."):
+                    out[canonical_key(k)] = sf.get_tensor(k)
+    return out
+
+
+def export_llava(model: torch.nn.Module, out: Path, source: Path) -> Path:
+    """OUT as a Hugging Face llava folder (transformers 5's key layout): the language model (export_llama)
+    and the projector from `model`, the vision tower from `source` (frozen: unchanged), the source's
+    config.json and image preprocessing files."""
+    from safetensors.torch import load_file
+
+    from qkv.interop.common import write_hf_folder
+    from qkv.interop.llama import export_llama
+    from qkv.storage import read_config
+
+    out, source = Path(out), Path(source)
+    state = {"model.vision_tower.vision_model." + k[len("vision."):]: t
+             for k, t in _vision_tensors(source).items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        export_llama(model.language_model, tmp)
+        for k, t in load_file(Path(tmp) / "model.safetensors").items():
+            state[k if k.startswith("lm_head.") else "model.language_model." + k[len("model."):]] = t
+    for k, t in model.projector.state_dict().items():
+        state["model.multi_modal_projector." + k] = t.detach().contiguous()
+    write_hf_folder(out, state, read_config(source))
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and not ((out / name).exists() and (out / name).samefile(source / name)):
+            shutil.copyfile(source / name, out / name)
+    return out
