@@ -1,5 +1,5 @@
-"""The smoke form of benchmarks/mla.py: it runs end to end and prints the cache table with DeepSeek-V3's figures
-(576 numbers per token and layer for MLA, 32,768 for 128 heads of 128) and both decoding measures."""
+"""The smoke form of benchmarks/mla.py: it runs end to end and prints the cache table with DeepSeek-V3's
+figures (576 numbers per token and layer for MLA, 32,768 for 128 heads of 128) and both decoding measures."""
 
 import os
 import subprocess

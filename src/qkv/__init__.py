@@ -13,8 +13,10 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 # imported on first use (PEP 562): `import qkv` does not import torch, so `qkv --help` starts at once
-_LAZY = {"load_model": "qkv.checkpoint", "ConfigError": "qkv.config", "BERT": "qkv.models", "GPT": "qkv.models",
-         "EncoderDecoder": "qkv.models", "ModelOutput": "qkv.models", "build": "qkv.models", "presets": "qkv.models"}
+_LAZY = {"load_model": "qkv.checkpoint", "ConfigError": "qkv.config", "BERT": "qkv.models",
+         "GPT": "qkv.models",
+         "EncoderDecoder": "qkv.models", "ModelOutput": "qkv.models", "build": "qkv.models",
+         "presets": "qkv.models"}
 
 
 def __getattr__(name: str) -> Any:
@@ -26,11 +28,10 @@ def __getattr__(name: str) -> Any:
 
 
 def from_pretrained(path: str | os.PathLike, *, quantize: str | None = None, **kwargs: Any) -> Any:
-    """Load a model from a qkv checkpoint folder, a Hugging Face-format folder (config.json's model_type: gpt2,
-    bert, ...) or a llama.cpp GGUF file (Llama / Mistral / Qwen2 / Qwen3; `dtype=` for quantized ones). Never
-    executes pickled code. quantize="int8" or "int4": its Transformer
-    blocks' projections and output head weight-only quantized right after loading, for inference only
-    (qkv.nn.quant; docs/llm.md)."""
+    """Load a model from a qkv checkpoint folder, a Hugging Face-format folder (config.json's model_type:
+    gpt2, bert, ...) or a llama.cpp GGUF file (Llama / Mistral / Qwen2 / Qwen3; `dtype=` for quantized ones).
+    Never executes pickled code. quantize="int8" or "int4": its Transformer blocks' projections and output
+    head weight-only quantized right after loading, for inference only (qkv.nn.quant; docs/llm.md)."""
     from qkv.checkpoint import load_model
 
     if quantize is None:

@@ -41,9 +41,10 @@ from qkv.storage import (  # noqa: F401  (the checkpoint API, re-exported from t
 
 def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> nn.Module:
-    """Rebuild a model from a qkv folder, a Hugging Face folder (by config.json's model_type) or a llama.cpp GGUF
-    file. A generation_config.json beside it becomes the model's generation defaults (model.generation_defaults()).
-    dtype: the floating-point type of the weights (a GGUF file's are dequantized straight into it)."""
+    """Rebuild a model from a qkv folder, a Hugging Face folder (by config.json's model_type) or a llama.cpp
+    GGUF file. A generation_config.json beside it becomes the model's generation defaults
+    (model.generation_defaults()). dtype: the floating-point type of the weights (a GGUF file's are
+    dequantized straight into it)."""
     folder = Path(path)
     from qkv.interop.gguf_model import is_gguf
 
@@ -59,14 +60,17 @@ def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "c
     model = _load(folder, meta, map_location)
     try:
         generation = GenerationConfig.from_model_folder(folder).explicit()
-    except ConfigError as e:  # transformers loads such a folder too, with config.json's settings: so do we, and say so
+    # transformers loads such a folder too, with config.json's settings: so do we, and say so
+    except ConfigError as e:
         warnings.warn(f"{e}: its generation settings are not used (config.json's are)", stacklevel=2)
         return model
     if (folder / "generation_config.json").is_file() and hasattr(model, "folder_generation_config"):
-        # transformers (5.x) takes a folder's generation settings from generation_config.json alone when there is one:
-        # the num_beams, max_length, ... an older config.json holds count only without it; its token ids stay, as
-        # the fallback of ids the file leaves out
-        model.folder_generation_config = {k: v for k, v in model.folder_generation_config.items() if k in TOKEN_IDS}
+        # transformers (5.x) takes a folder's generation settings from generation_config.json alone when there
+        # is one:
+        # the num_beams, max_length, ... an older config.json holds count only without it; its token ids stay,
+        # as the fallback of ids the file leaves out
+        model.folder_generation_config = {k: v for k, v in model.folder_generation_config.items()
+                                              if k in TOKEN_IDS}
         model.folder_generation_config.update(generation)
     return model
 
@@ -79,7 +83,8 @@ def _load(folder: Path, meta: dict, map_location: str | torch.device) -> nn.Modu
         if "model_type" in meta:
             model = load_hf(folder)  # read on the CPU, then moved as a qkv folder's tensors are
             return model if torch.device(map_location).type == "cpu" else model.to(map_location)
-        raise CheckpointError(f"{folder}/config.json names neither a qkv family nor a Hugging Face model_type")
+        raise CheckpointError(f"{folder}/config.json names neither a qkv family nor a Hugging Face "
+                              "model_type")
     if not isinstance(meta.get("config"), dict):
         raise CheckpointError(f"{folder}/{CONFIG_NAME} has no 'config' mapping beside 'qkv_family'")
     try:
@@ -90,10 +95,12 @@ def _load(folder: Path, meta: dict, map_location: str | torch.device) -> nn.Modu
     weights = folder / WEIGHTS_NAME
     if not weights.is_file():
         raise CheckpointError(f"{folder} has no {WEIGHTS_NAME}")
-    # config.json is input: its sizes against the file's header (and the machine's memory) before any allocation
+    # config.json is input: its sizes against the file's header (and the machine's memory) before any
+    # allocation
     check_folder_sizes(folder, lambda: fam.model_class(config), meta["config"], weights)
     model = fam.model_class(config)
     state, metadata = read_weights(weights, str(map_location))
     load_state_into(model, state, str(weights))
-    check_saved_config(weights, metadata, meta["config"])  # after the shape check: a wrong family's error names that
+    # after the shape check: a wrong family's error names that
+    check_saved_config(weights, metadata, meta["config"])
     return model

@@ -45,8 +45,10 @@ def run_demo(out: Path, quick: bool = False) -> dict[str, dict]:
         from qkv.experiments import attention_from_checkpoint
         from qkv.run import model_folder
 
-        res = attention_from_checkpoint(model_folder(out / "reverse"), "0123456789", out / "reverse" / "attention.png")
-        print("\nattention maps of the reverse model for '0123456789' (cross-attention should be an anti-diagonal):")
+        res = attention_from_checkpoint(model_folder(out / "reverse"), "0123456789",
+                                        out / "reverse" / "attention.png")
+        print("\nattention maps of the reverse model for '0123456789' (cross-attention should be an "
+              "anti-diagonal):")
         print("\n".join(f"wrote {p}" for p in res.pngs))
     except Exception as e:  # a plot must never fail the demo
         print(f"(attention maps skipped: {e})")

@@ -7,10 +7,11 @@ sentence-transformers folders too), and nearest neighbours by cosine similarity.
 One text per line of texts.txt -> one row of emb.npy (float32, L2-normalised unless --no-normalize). Pooling:
 the mean of the last hidden states over the real tokens (special tokens included, padding excluded: what
 sentence-transformers' mean pooling computes), or the first token's state (cls). A sentence-transformers
-folder's 1_Pooling/config.json picks the default, its sentence_bert_config.json's max_seq_length the length texts
-are cut at (as sentence-transformers cuts them: often below the model's context, e.g. 256 of 512), and a module in
-its modules.json that qkv does not apply (a Dense projection) is refused rather than left out. Texts are sorted by
-length into batches (less padding) and put back in input order; texts over the limit are truncated and counted.
+folder's 1_Pooling/config.json picks the default, its sentence_bert_config.json's max_seq_length the length
+texts are cut at (as sentence-transformers cuts them: often below the model's context, e.g. 256 of 512), and a
+module in its modules.json that qkv does not apply (a Dense projection) is refused rather than left out. Texts
+are sorted by length into batches (less padding) and put back in input order; texts over the limit are
+truncated and counted.
 """
 
 from __future__ import annotations
@@ -42,14 +43,15 @@ def folder_pooling(folder: str | Path) -> str | None:
     raise ConfigError(f"{cfg}: only mean or cls pooling is supported")
 
 
-# sentence-transformers modules (modules.json "type") that `qkv embed` computes: the encoder, mean/cls pooling,
-# and L2 normalisation (on by default, --no-normalize turns it off)
+# sentence-transformers modules (modules.json "type") that `qkv embed` computes: the encoder, mean/cls
+# pooling, and L2 normalisation (on by default, --no-normalize turns it off)
 APPLIED_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
 def folder_max_length(folder: str | Path) -> int | None:
-    """A sentence-transformers folder's max_seq_length (sentence_bert_config.json), the length it cuts texts at;
-    a module its modules.json lists that qkv does not apply is a ConfigError (its embeddings would differ)."""
+    """A sentence-transformers folder's max_seq_length (sentence_bert_config.json), the length it cuts texts
+    at; a module its modules.json lists that qkv does not apply is a ConfigError (its embeddings would
+    differ)."""
     folder = Path(folder)
     modules = folder / "modules.json"
     if modules.is_file():
@@ -60,8 +62,9 @@ def folder_max_length(folder: str | Path) -> int | None:
             raise ConfigError(f"{modules}: not a sentence-transformers module list ({e})") from None
         other = [t for t in types if t.rsplit(".", 1)[-1] not in APPLIED_MODULES]
         if other:
-            raise ConfigError(f"{modules} lists {', '.join(other)}, which qkv embed does not apply (it computes "
-                              f"{', '.join(APPLIED_MODULES)}): its embeddings would not be the folder's")
+            raise ConfigError(f"{modules} lists {', '.join(other)}, which qkv embed does not apply (it "
+                              f"computes {', '.join(APPLIED_MODULES)}): its embeddings would not be the "
+                              "folder's")
     cfg = folder / "sentence_bert_config.json"
     if not cfg.is_file():
         return None
@@ -91,7 +94,8 @@ def read_texts(path: str | Path) -> list[str]:
     lines = text_lines(path.read_text(encoding="utf-8"))  # not str.splitlines: see text_lines
     for i, line in enumerate(lines, 1):
         if not line.strip():
-            raise ConfigError(f"{path} line {i} is empty: one text per line, each row of the output is one line")
+            raise ConfigError(f"{path} line {i} is empty: one text per line, each row of the output is one "
+                              "line")
     if not lines:
         raise ConfigError(f"{path}: no texts")
     return lines
@@ -174,10 +178,12 @@ def run(folder: str, input_path: str, *, out: str | None = None, query: str | No
         lines.append(f"wrote {path}: {emb.shape[0]} x {emb.shape[1]} float32 ({pooling} pooling"
                      f"{', L2-normalised' if normalize else ''})")
     if query is not None:
-        q, _ = embed_texts(encoder, [query], pooling=pooling, normalize=normalize, device=dev, max_length=limit)
+        q, _ = embed_texts(encoder, [query], pooling=pooling, normalize=normalize, device=dev,
+                           max_length=limit)
         for rank, (i, sim) in enumerate(nearest(emb, q[0], top_k), 1):
             lines.append(f"{rank:>3}  {sim:.4f}  line {i + 1}: {texts[i][:100]}")
     return lines
 
 
-__all__ = ["POOLINGS", "embed_texts", "folder_max_length", "folder_pooling", "nearest", "pool", "read_texts", "run"]
+__all__ = ["POOLINGS", "embed_texts", "folder_max_length", "folder_pooling", "nearest", "pool",
+           "read_texts", "run"]

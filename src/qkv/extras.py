@@ -6,7 +6,8 @@ feature needs a package that is not installed.
     vision    scikit-learn: its bundled digits images (vit_digits, swin_digits, clip_captions)
     audio     scipy: resampling espeak-ng speech (whisper_speech; the DTMF task needs nothing)
     text      sacrebleu: BLEU of the translation tasks (numbers_zh, tsv)
-    seq2seq   sentencepiece + sacrebleu: Marian / T5 folders without tokenizer.json, qkv finetune --task seq2seq
+    seq2seq   sentencepiece + sacrebleu: Marian / T5 folders without tokenizer.json,
+              qkv finetune --task seq2seq
     lab       all three: every shipped config and ablation suite
 """
 
@@ -18,8 +19,8 @@ from types import ModuleType
 from qkv.config import ConfigError
 
 # import name -> (pip name, extra)
-PACKAGES = {"sklearn": ("scikit-learn", "vision"), "scipy": ("scipy", "audio"), "sacrebleu": ("sacrebleu", "text"),
-            "sentencepiece": ("sentencepiece", "seq2seq")}
+PACKAGES = {"sklearn": ("scikit-learn", "vision"), "scipy": ("scipy", "audio"),
+            "sacrebleu": ("sacrebleu", "text"), "sentencepiece": ("sentencepiece", "seq2seq")}
 
 
 def require(module: str, what: str) -> ModuleType:

@@ -1,11 +1,11 @@
 """A qkv model folder's config.json against its weights, before the model is built.
 
 config.json is input (a folder from the internet, or an edited one): a model built from `n_layers: 10**9` or
-`vocab_size: 10**12` would allocate until memory runs out, or fail inside torch with a traceback. So, before the
-real build: the fields that count modules (layers, experts) are bounded by the file; the model is then built on
-the meta device (shapes, no storage) and its tensors compared with the safetensors header, naming the config
-field a wrong shape comes from; and what no weight shows (a RoPE table as long as `context_length`) is weighed
-against the machine's memory.
+`vocab_size: 10**12` would allocate until memory runs out, or fail inside torch with a traceback. So, before
+the real build: the fields that count modules (layers, experts) are bounded by the file; the model is then
+built on the meta device (shapes, no storage) and its tensors compared with the safetensors header, naming the
+config field a wrong shape comes from; and what no weight shows (a RoPE table as long as `context_length`) is
+weighed against the machine's memory.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_counts(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: str, source: str) -> None:
+def _check_counts(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: str,
+                  source: str) -> None:
     bound = max([len(shapes), *(d for s in shapes.values() for d in s)], default=0)
 
     def walk(section: Mapping[str, Any], prefix: str) -> None:
@@ -65,8 +66,9 @@ def _check_counts(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
             elif key in COUNT_FIELDS:
                 count = sum(v for v in value if _is_int(v)) if isinstance(value, list) else value
                 if _is_int(count) and count > bound:
-                    raise CheckpointError(f"{where}: {prefix}{key} is {value!r}, but {source} holds {len(shapes)} "
-                                          f"tensors (largest dimension {bound}): too few for that many")
+                    raise CheckpointError(f"{where}: {prefix}{key} is {value!r}, but {source} holds "
+                                          f"{len(shapes)} tensors (largest dimension {bound}): too few for "
+                                          "that many")
 
     walk(config, "")
 
@@ -92,8 +94,8 @@ def _field_for(config: Mapping[str, Any], value: int) -> str | None:
     return " / ".join(name for name, v in int_fields(config) if v == value) or None
 
 
-def _check_shapes(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any], where: str,
-                  source: str) -> None:
+def _check_shapes(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any],
+                  where: str, source: str) -> None:
     """A tensor the file and the config both have, in other shapes: one error naming the config field that
     sets the differing dimension (when one holds that value); then check_state_fits for missing and unexpected
     keys, as the real load would say them."""
@@ -107,8 +109,8 @@ def _check_shapes(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], confi
         field = _field_for(config, want[dim]) if dim is not None else None
         if field is not None:
             verb = "are" if "/" in field else "is"
-            raise CheckpointError(f"{where}: {field} {verb} {want[dim]}, but {source} has {key} of shape {shape} "
-                                  f"({field} would be {shape[dim]})")
+            raise CheckpointError(f"{where}: {field} {verb} {want[dim]}, but {source} has {key} of shape "
+                                  f"{shape} ({field} would be {shape[dim]})")
         raise CheckpointError(f"{source}: {key} has shape {shape}, model expects {want}")
     check_state_fits(model, state, source)
 
@@ -131,8 +133,9 @@ def _check_memory(model: nn.Module, config: Mapping[str, Any], where: str) -> No
     name, largest = max(tensors, key=lambda nt: nt[1].numel())
     named = next(((f, d) for d in sorted(largest.shape, reverse=True) if (f := _field_for(config, d))), None)
     why = f" ({named[0]} {'are' if '/' in named[0] else 'is'} {named[1]})" if named else ""
-    raise CheckpointError(f"{where}: the model it describes needs {total / 2**30:,.1f} GiB, more than this machine's "
-                          f"{have / 2**30:,.1f} GiB of memory: its {name} alone is {tuple(largest.shape)}{why}")
+    raise CheckpointError(f"{where}: the model it describes needs {total / 2**30:,.1f} GiB, more than this "
+                          f"machine's {have / 2**30:,.1f} GiB of memory: its {name} alone is "
+                          f"{tuple(largest.shape)}{why}")
 
 
 def check_folder_sizes(folder: Path, build: Any, config: Mapping[str, Any], weights: Path) -> None:

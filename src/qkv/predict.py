@@ -5,8 +5,8 @@ preprocessor_config.json, class names from config.json's id2label) or a qkv run 
 task's image size, channels, normalisation and class names), or a bare qkv checkpoint folder (resized to the
 model's image_size, pixels in [0, 1], classes numbered).
 
-The Hugging Face preprocessing is transformers' PIL one, step by step: convert to RGB, resize with the folder's
-resampling filter (to size height x width; or the shortest edge to shortest_edge, and with ConvNext's
+The Hugging Face preprocessing is transformers' PIL one, step by step: convert to RGB, resize with the
+folder's resampling filter (to size height x width; or the shortest edge to shortest_edge, and with ConvNext's
 crop_pct to shortest_edge / crop_pct first), centre crop (crop_pct, or do_center_crop to crop_size), rescale
 (x rescale_factor), normalise (image_mean, image_std).
 """
@@ -39,7 +39,8 @@ class ImagePreprocessor:
 
     @classmethod
     def from_hf(cls, pre: dict[str, Any], channels: int) -> ImagePreprocessor:
-        """From a preprocessor_config.json (ViTImageProcessor, ConvNextImageProcessor, BitImageProcessor...)."""
+        """From a preprocessor_config.json (ViTImageProcessor, ConvNextImageProcessor,
+        BitImageProcessor...)."""
         size, crop = pre.get("size") or {}, pre.get("crop_size") or {}
         if isinstance(size, int):
             size = {"shortest_edge": size}
@@ -59,7 +60,8 @@ class ImagePreprocessor:
             out.crop = (int(crop["height"]), int(crop["width"]))
         out.rescale = float(pre.get("rescale_factor", 1 / 255)) if pre.get("do_rescale", True) else None
         if pre.get("do_normalize", True) and "image_mean" in pre:
-            out.mean, out.std = list(pre["image_mean"]), list(pre.get("image_std") or [1.0] * len(pre["image_mean"]))
+            out.mean, out.std = list(pre["image_mean"]), list(pre.get("image_std")
+                                                                  or [1.0] * len(pre["image_mean"]))
         return out
 
     def __call__(self, image: Any) -> Tensor:
@@ -84,7 +86,9 @@ class ImagePreprocessor:
         if self.rescale is not None:
             x = x * np.float32(self.rescale)
         if self.mean is not None:
-            x = (x - np.asarray(self.mean, np.float32)[: self.channels]) / np.asarray(self.std, np.float32)[: self.channels]
+            x = (x - np.asarray(self.mean, np.float32)[: self.channels]) / np.asarray(self.std,
+                                                                                      np.float32)[
+                                                                                          : self.channels]
         return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
 
 
@@ -123,7 +127,8 @@ def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, 
     return pre, list(getattr(task, "classes", None) or [str(i) for i in range(n)])
 
 
-def predict_images(path: str | Path, images: list[str], top_k: int = 5) -> list[tuple[str, list[tuple[str, float]]]]:
+def predict_images(path: str | Path, images: list[str],
+                   top_k: int = 5) -> list[tuple[str, list[tuple[str, float]]]]:
     """[(image, [(class name, probability)] * top_k)] for each image file."""
     from PIL import Image, UnidentifiedImageError
 

@@ -88,7 +88,8 @@ def atomic_write_json(obj: Any, path: Path) -> None:
     atomic_write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", path)
 
 
-def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path,
+                            metadata: dict[str, str] | None = None) -> None:
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
@@ -98,11 +99,11 @@ SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def remove_replaced_shards(folder: Path, written: str = WEIGHTS_NAME) -> list[str]:
-    """Remove the sharded weights of an earlier save from `folder`, once `written` (the one weights file of the
-    new save) is complete in it: each SHARD_INDEXES file and the shard files its weight_map names. Left beside
-    the new file they are a second, stale set of weights: transformers and qkv read model.safetensors first, but
-    a tool that globs model*.safetensors or follows the index reads the old model, and they take the disk of a
-    whole model. transformers' own save_pretrained removes its earlier shards the same way.
+    """Remove the sharded weights of an earlier save from `folder`, once `written` (the one weights file of
+    the new save) is complete in it: each SHARD_INDEXES file and the shard files its weight_map names. Left
+    beside the new file they are a second, stale set of weights: transformers and qkv read model.safetensors
+    first, but a tool that globs model*.safetensors or follows the index reads the old model, and they take
+    the disk of a whole model. transformers' own save_pretrained removes its earlier shards the same way.
 
     Only the index files and what they name are touched, and of that only a plain file name of this folder
     ending in .safetensors or .bin (never a path elsewhere, never `written`): nothing else in the folder goes
@@ -195,8 +196,8 @@ def check_state_fits(model: nn.Module, state: Mapping[str, Any], source: str,
         def show(keys: list[str]) -> str:
             return f"{[name(k) for k in keys[:5]]}{'...' if len(keys) > 5 else ''}"
 
-        raise CheckpointError(f"{source} does not fit this {type(unwrap(model)).__name__}: missing {show(missing)}, "
-                              f"unexpected {show(unexpected)}")
+        raise CheckpointError(f"{source} does not fit this {type(unwrap(model)).__name__}: missing "
+                              f"{show(missing)}, unexpected {show(unexpected)}")
     for k, v in state.items():
         shape = tuple(v) if isinstance(v, (tuple, list, torch.Size)) else tuple(v.shape)
         if own[k] != shape:
@@ -214,11 +215,13 @@ def load_state_into(model: nn.Module, state: Mapping[str, torch.Tensor], source:
 SAVED_CONFIG = "qkv_config"  # the safetensors metadata key: the config (JSON) the weights were saved with
 # model fields that change how a model trains or computes, not the function its weights compute: a resumed run
 # may change them (train/checkpoint.py), and an edit of config.json may
-MAY_DIFFER = frozenset({"dropout", "attn_dropout", "init_std", "embed_init_std", "attention", "context_length"})
+MAY_DIFFER = frozenset({"dropout", "attn_dropout", "init_std", "embed_init_std", "attention",
+                        "context_length"})
 
 
 def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{field: (saved, now)} for the fields outside MAY_DIFFER whose values differ (compared as JSON values)."""
+    """{field: (saved, now)} for the fields outside MAY_DIFFER whose values differ (compared as JSON
+    values)."""
     now = json.loads(json.dumps(now))
     return {k: (saved[k], now[k]) for k in saved if k in now and k not in MAY_DIFFER and saved[k] != now[k]}
 
@@ -239,7 +242,8 @@ def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
     state = clean_state_dict(model.state_dict())
     config = to_dict(model.config)
     atomic_save_safetensors(state, folder / WEIGHTS_NAME,
-                            metadata={"qkv_family": model.family, SAVED_CONFIG: json.dumps(config, sort_keys=True)})
+                            metadata={"qkv_family": model.family,
+                                      SAVED_CONFIG: json.dumps(config, sort_keys=True)})
     atomic_write_json({"qkv_family": model.family, "config": config}, folder / CONFIG_NAME)
     remove_replaced_shards(folder)  # the new weights are complete: an earlier sharded save's files are stale
     return folder
@@ -256,8 +260,9 @@ def read_weights(weights: Path, device: str = "cpu") -> tuple[dict[str, torch.Te
 
 def check_saved_config(weights: Path, metadata: Mapping[str, str], config: Mapping[str, Any]) -> None:
     """CheckpointError when `weights` were saved for a model that computes another function than `config`
-    describes (their SAVED_CONFIG `metadata`; fields in MAY_DIFFER may differ: an edited dropout is fine). Files
-    written before the metadata existed, and training checkpoints, which are replaced as one folder, pass."""
+    describes (their SAVED_CONFIG `metadata`; fields in MAY_DIFFER may differ: an edited dropout is fine).
+    Files written before the metadata existed, and training checkpoints, which are replaced as one folder,
+    pass."""
     saved = metadata.get(SAVED_CONFIG)
     try:
         saved = json.loads(saved) if saved is not None else None
@@ -267,8 +272,8 @@ def check_saved_config(weights: Path, metadata: Mapping[str, str], config: Mappi
     if diff:
         fields = ", ".join(f"{k} {a} (weights) vs {b} ({CONFIG_NAME})" for k, (a, b) in diff.items())
         raise CheckpointError(f"{weights.parent}: {weights.name} was saved for another model than the "
-                              f"{CONFIG_NAME} beside it describes: {fields} (a save interrupted between its two "
-                              f"files, or an edited {CONFIG_NAME}); save the model again")
+                              f"{CONFIG_NAME} beside it describes: {fields} (a save interrupted between its "
+                              f"two files, or an edited {CONFIG_NAME}); save the model again")
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -282,7 +287,8 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     try:
         data = json.loads(cfg.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        hint = f"; pass the model folder (with its {CONFIG_NAME}), not a file" if cfg.name != CONFIG_NAME else ""
+        hint = (f"; pass the model folder (with its {CONFIG_NAME}), not a file" if cfg.name != CONFIG_NAME
+                else "")
         raise CheckpointError(f"{cfg}: not valid JSON ({e}){hint}") from None
     except RecursionError:  # json's decoder recurses once per nesting level
         raise CheckpointError(f"{cfg}: nested too deeply to be a model config") from None

@@ -23,8 +23,8 @@ TEXT = ["Hello world, this is a tiny corpus for a tiny tokenizer.",
         "def f(x):\n    return x * 2  # code with indents\n"] * 4
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-LLAMA2 = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
-          "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}")
+LLAMA2 = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
+          "[/INST]{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}")
 
 
 def bpe_vocab(vocab_size: int = 300) -> dict:
@@ -60,8 +60,8 @@ def spm_vocab(tmp: Path, vocab_size: int = 400) -> dict:
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(prefix), vocab_size=vocab_size,
                                    model_type="bpe", byte_fallback=True, character_coverage=1.0,
                                    unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
-                                   split_digits=True, add_dummy_prefix=True, normalization_rule_name="identity",
-                                   remove_extra_whitespaces=False)
+                                   split_digits=True, add_dummy_prefix=True,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False)
     sp = spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
     tokens, scores, types = [], [], []
     for i in range(sp.vocab_size()):  # as convert_hf_to_gguf.py's _create_vocab_sentencepiece
@@ -103,7 +103,8 @@ def _k_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.nd
     """Random K-quant blocks with sane f16 scales (gguf.quants cannot quantize K types)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    # weights of about 0.1 at most: Q6_K's are d * int8 scale * 6-bit value, Q4_K's d * 6-bit scale * 4-bit value
+    # weights of about 0.1 at most: Q6_K's are d * int8 scale * 6-bit value, Q4_K's d * 6-bit scale * 4-bit
+    # value
     d = 3e-5 if qtype == Q.Q6_K else 1e-4
     scale = np.full(data.shape[:2], d, dtype=np.float16).view(np.uint8).reshape(*data.shape[:2], 2)
     if qtype == Q.Q6_K:  # ... ql, qh, scales (int8), d
@@ -187,7 +188,8 @@ def write_gguf(path: Path, hf_model, arch: str, vocab: dict, qtype: Q = Q.F32, *
     if rope.get("rope_type") == "linear":  # as TextModel.set_gguf_parameters
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
-    if rope.get("rope_type") == "llama3":  # as LlamaModel.generate_extra_tensors: the factors, not the parameters
+    # as LlamaModel.generate_extra_tensors: the factors, not the parameters
+    if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_factors(head_dim, rope), raw_dtype=Q.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()

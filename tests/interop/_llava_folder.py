@@ -1,6 +1,6 @@
-"""A tiny random-weight Hugging Face llava folder (transformers' LlavaForConditionalGeneration: CLIP vision 2 layers,
-32 px images of 8 px patches, Llama text 2 layers 64 wide), with a word-level tokenizer holding the <image> token,
-LLaVA 1.5's chat template and a CLIPImageProcessor config."""
+"""A tiny random-weight Hugging Face llava folder (transformers' LlavaForConditionalGeneration: CLIP vision 2
+layers, 32 px images of 8 px patches, Llama text 2 layers 64 wide), with a word-level tokenizer holding the
+<image> token, LLaVA 1.5's chat template and a CLIPImageProcessor config."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 
 IMAGE_TOKEN_ID = 99
 VOCAB = 100
-WORDS = ["<unk>", "<s>", "</s>", "USER:", "ASSISTANT:", "what", "is", "in", "the", "picture?", "describe", "it",
-         "a", "cat"]
+WORDS = ["<unk>", "<s>", "</s>", "USER:", "ASSISTANT:", "what", "is", "in", "the", "picture?", "describe",
+         "it", "a", "cat"]
 # LLaVA 1.5's template (llava-hf/llava-1.5-7b-hf, chat_template.json)
-TEMPLATE = ("{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
-            "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
-            "{{ '<image>\n' }}{% endfor %}{% if message['role'] != 'assistant' %}"
+TEMPLATE = ("{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + "
+            "': '}}{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') "
+            "%}{{ '<image>\n' }}{% endfor %}{% if message['role'] != 'assistant' %}"
             "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
             "{{ content['text'] + ' '}}{% endfor %}{% else %}"
             "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{% generation %}"
@@ -28,8 +28,8 @@ TEMPLATE = ("{% for message in messages %}{% if message['role'] != 'system' %}{{
 def hf_llava(select: str = "default", feature_layer: int = -2, seed: int = 0):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=32, patch_size=8, projection_dim=32)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
     text = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID,
@@ -63,7 +63,8 @@ def save_tokenizer(folder: Path) -> None:
 def save_processor(folder: Path) -> None:
     from transformers import CLIPImageProcessor
 
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
+    CLIPImageProcessor(size={"shortest_edge": 32},
+                       crop_size={"height": 32, "width": 32}).save_pretrained(folder)
 
 
 def llava_folder(folder: Path, **kwargs) -> Path:

@@ -13,7 +13,8 @@ V = 61  # vocabulary (ids 0..60)
 
 
 def _perturb(model, seed: int) -> None:
-    """HF init zeros biases, sets norms to 1 and the final_logits_bias to 0: perturb so every weight matters."""
+    """HF init zeros biases, sets norms to 1 and the final_logits_bias to 0: perturb so every weight
+    matters."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

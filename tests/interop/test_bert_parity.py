@@ -33,7 +33,8 @@ def _randomise(model):
 
 
 def _batch():
-    x = torch.randint(0, VOCAB, (6, 13))  # 78 rows: the linears take oneDNN where "auto" does (AVX-512; see qkv.nn.linear)
+    # 78 rows: the linears take oneDNN where "auto" does (AVX-512; see qkv.nn.linear)
+    x = torch.randint(0, VOCAB, (6, 13))
     mask = torch.ones_like(x)
     mask[1, 9:] = 0
     mask[2, 4:] = 0
@@ -41,7 +42,8 @@ def _batch():
     return x, mask, types
 
 
-@pytest.mark.parametrize("kw", [{}, {"hidden_act": "gelu_new", "layer_norm_eps": 1e-6, "num_hidden_layers": 3}],
+@pytest.mark.parametrize("kw",
+                         [{}, {"hidden_act": "gelu_new", "layer_norm_eps": 1e-6, "num_hidden_layers": 3}],
                          ids=["default", "gelu_new-eps"])
 def test_bert_model_hidden_and_pooler_parity(tmp_path, kw):
     hf = _randomise(transformers.BertModel(_cfg(**kw)))
@@ -145,8 +147,8 @@ def test_training_step_with_unpadding_matches_hf_gradients(tmp_path, head):
     """Training mode runs the token-wise layers on the real tokens only (BERT.unpad_in_training): the loss,
     the real tokens' logits and every parameter's gradient equal HF's (which computes every position), and
     the same model with unpadding off; only the hidden states of padded positions differ (zeros)."""
-    cls = {"classify": transformers.BertForSequenceClassification, "tag": transformers.BertForTokenClassification,
-           "mlm": transformers.BertForMaskedLM}[head]
+    cls = {"classify": transformers.BertForSequenceClassification,
+           "tag": transformers.BertForTokenClassification, "mlm": transformers.BertForMaskedLM}[head]
     hf = _randomise(cls(_cfg(num_labels=3))).train()
     hf.save_pretrained(tmp_path)
     ours = qkv.from_pretrained(tmp_path).train()
@@ -169,7 +171,8 @@ def test_training_step_with_unpadding_matches_hf_gradients(tmp_path, head):
         torch.testing.assert_close(got.logits[real], ref.logits[real], atol=1e-4, rtol=1e-4)
     pad_rows = ours(x, attention_mask=mask, token_type_ids=types).last_hidden_state[~mask.bool()]
     assert pad_rows.abs().max() == 0  # unpadded: padded positions are never computed
-    assert padded(x, attention_mask=mask, token_type_ids=types).last_hidden_state[~mask.bool()].abs().max() > 0
+    assert (padded(x, attention_mask=mask, token_type_ids=types).last_hidden_state[~mask.bool()].abs().max()
+            > 0)
     # gradients of the three models, by qkv parameter (HF's query/key/value are qkv's fused qkv_proj rows)
     hf_layer0 = hf.bert.encoder.layer[0]
     ref_qkv = torch.cat([getattr(hf_layer0.attention.self, n).weight.grad for n in ("query", "key", "value")])

@@ -1,6 +1,7 @@
 """DeBERTa-v2/v3 folders (random tiny DebertaV2Config models built here) load into qkv's DeBERTa with the same
 hidden states, attention maps and classifier logits as transformers, at every position of padded batches;
-export writes folders transformers reads back to the same outputs; unsupported settings are refused by name."""
+export writes folders transformers reads back to the same outputs; unsupported settings are refused by
+name."""
 
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ SETTINGS = [(8, 32, ["p2c", "c2p"], "layer_norm"), (-1, 6, ["p2c", "c2p"], "laye
 
 def hf_config(buckets: int = 8, max_rel: int = 32, terms: object = ("p2c", "c2p"), norm: str = "layer_norm",
               **kw: object) -> object:
-    base = dict(vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+    base = dict(vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=48,
                 max_position_embeddings=40, relative_attention=True, position_buckets=buckets,
-                max_relative_positions=max_rel, pos_att_type=list(terms) if not isinstance(terms, str) else terms,
+                max_relative_positions=max_rel,
+                pos_att_type=list(terms) if not isinstance(terms, str) else terms,
                 share_att_key=True, norm_rel_ebd=norm, position_biased_input=False, type_vocab_size=0,
                 num_labels=3, pad_token_id=0)
     return transformers.DebertaV2Config(**{**base, **kw})
@@ -165,8 +168,10 @@ def test_a_pretraining_checkpoint_loads_as_the_encoder(tmp_path):
     mlm.save_pretrained(tmp_path)
     state = {k: v.contiguous() for k, v in mlm.state_dict().items() if "decoder" not in k}
     d = cfg.hidden_size
-    state.update({"mask_predictions.dense.weight": torch.randn(d, d), "mask_predictions.dense.bias": torch.randn(d),
-                  "mask_predictions.LayerNorm.weight": torch.ones(d), "mask_predictions.LayerNorm.bias": torch.zeros(d),
+    state.update({"mask_predictions.dense.weight": torch.randn(d, d),
+                  "mask_predictions.dense.bias": torch.randn(d),
+                  "mask_predictions.LayerNorm.weight": torch.ones(d),
+                  "mask_predictions.LayerNorm.bias": torch.zeros(d),
                   "mask_predictions.classifier.weight": torch.randn(1, d),
                   "mask_predictions.classifier.bias": torch.zeros(1)})
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})

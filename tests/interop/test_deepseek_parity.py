@@ -1,8 +1,9 @@
-"""DeepSeek-V3 folders (MLA + sigmoid-routed, group-limited experts with shared experts and dense first layers):
+"""DeepSeek-V3 folders (MLA + sigmoid-routed, group-limited experts with shared experts and dense first
+layers):
 qkv against transformers' DeepseekV3ForCausalLM on random-weight models built and saved here. Logits to 1e-4
-relative (fp32), 24 greedy tokens through qkv's generate (the latent KV cache) equal to transformers', export back
-to a folder transformers loads (same logits), the fused expert layout, and the refusals (with sizes that would not
-fit in memory refused from the file's headers before anything is built)."""
+relative (fp32), 24 greedy tokens through qkv's generate (the latent KV cache) equal to transformers', export
+back to a folder transformers loads (same logits), the fused expert layout, and the refusals (with sizes that
+would not fit in memory refused from the file's headers before anything is built)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from qkv.storage import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
-BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+            num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=6,
             routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
             qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -29,8 +31,10 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermedia
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 CASES = {"q-lora": {}, "plain-q": {"q_lora_rank": None, "norm_topk_prob": False},
          "half-split-rope": {"rope_interleave": False, "first_k_dense_replace": 2},
-         # DeepSeek-V3's long-context setting: YaRN frequencies, cos/sin times mscale ratio, softmax times mscale^2
-         "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.8,
+         # DeepSeek-V3's long-context setting: YaRN frequencies, cos/sin times mscale ratio, softmax times
+         # mscale^2
+         "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                      "factor": 4.0, "mscale": 0.8,
                                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
                                       "beta_fast": 32, "beta_slow": 1}}}
 
@@ -39,7 +43,8 @@ def build_hf(name: str = "q-lora", seed: int = 0, **extra):
     config = transformers.DeepseekV3Config(**{**BASE, **CASES[name], **extra})
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():  # norms start at 1, the selection bias at 0: make them random so their use is tested
+    # norms start at 1, the selection bias at 0: make them random so their use is tested
+    with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.add_(torch.randn_like(p) * 0.3)
@@ -86,8 +91,8 @@ def test_greedy_24_tokens_equal_transformers(pair):
     assert isinstance(ours.make_cache(1, 8), LatentCache)
     prompt = torch.randint(3, BASE["vocab_size"], (2, 9))
     with torch.no_grad():
-        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, min_new_tokens=24,
-                           do_sample=False)
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24,
+                           min_new_tokens=24, do_sample=False)
     got = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24)
     uncached = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24, use_cache=False)
     assert torch.equal(got, want[:, :got.shape[1]]) and got.shape == want.shape
@@ -103,7 +108,8 @@ def test_export_round_trip(pair, tmp_path):
     again = qkv.from_pretrained(tmp_path)
     ids = torch.randint(0, BASE["vocab_size"], (1, 20))
     with torch.no_grad():
-        _close(back(ids).logits, hf(ids).logits, 1e-5)  # transformers reads the exported folder as the same model
+        # transformers reads the exported folder as the same model
+        _close(back(ids).logits, hf(ids).logits, 1e-5)
         assert torch.equal(again(ids).logits, ours(ids).logits)  # and qkv reads back the same model
     assert again.config == ours.config
 
@@ -126,9 +132,10 @@ def test_yarn_scales_the_softmax_as_transformers():
 def test_config_translation():
     cfg = config_from_hf(build_hf().config.to_dict())
     m, e = cfg.mla, cfg.moe
-    assert (m.kv_lora_rank, m.q_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (16, 24, 16, 8, 12)
-    assert (e.n_experts, e.n_experts_per_tok, e.ffn_dim, e.first_k_dense, e.n_shared_experts, e.score, e.n_group,
-            e.topk_group, e.routed_scaling, e.bias_balance, e.norm_topk) == (
+    assert ((m.kv_lora_rank, m.q_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim)
+            == (16, 24, 16, 8, 12))
+    assert (e.n_experts, e.n_experts_per_tok, e.ffn_dim, e.first_k_dense, e.n_shared_experts, e.score,
+            e.n_group, e.topk_group, e.routed_scaling, e.bias_balance, e.norm_topk) == (
         6, 2, 24, 1, 1, "sigmoid", 2, 1, 2.5, True, True)
     assert cfg.head_dim == 8 and cfg.d_ff == 96 and cfg.position == "rope"
 
@@ -180,7 +187,8 @@ def test_cli_generate_and_serve_decode_as_transformers(tmp_path, capsys):
     tok.train_from_iterator(list(pydoc_data.topics.topics.values())[:20], trainers.BpeTrainer(
         vocab_size=BASE["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(tmp_path)
     hf = build_hf()
     hf.save_pretrained(tmp_path)
     prompt = "The with statement"

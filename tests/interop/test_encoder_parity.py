@@ -21,7 +21,8 @@ PAD = 1  # RoBERTa's padding_idx: positions start at PAD + 1
 
 
 def _roberta_cfg(cls=None, **kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=48,
                 max_position_embeddings=24, type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=PAD,
                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     base.update(kw)
@@ -36,7 +37,8 @@ def _distil_cfg(**kw):
 
 
 def _bert_cfg(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=48,
                 max_position_embeddings=24, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     base.update(kw)
     return transformers.BertConfig(**base)
@@ -96,7 +98,8 @@ def test_roberta_base_model_parity(tmp_path, cls, left):
 
 
 @pytest.mark.parametrize("cls, head", [("RobertaForSequenceClassification", "classify"),
-                                       ("RobertaForTokenClassification", "tag"), ("RobertaForMaskedLM", "mlm")])
+                                       ("RobertaForTokenClassification", "tag"),
+                                       ("RobertaForMaskedLM", "mlm")])
 def test_roberta_heads_parity(tmp_path, cls, head):
     hf = _randomise(getattr(transformers, cls)(_roberta_cfg(num_labels=3)))
     hf.save_pretrained(tmp_path)
@@ -113,8 +116,10 @@ def test_roberta_context_is_max_positions_minus_offset(tmp_path):
         ours(torch.full((1, 23), 5))
 
 
-@pytest.mark.parametrize("cls, head", [("DistilBertModel", "none"), ("DistilBertForSequenceClassification", "classify"),
-                                       ("DistilBertForTokenClassification", "tag"), ("DistilBertForMaskedLM", "mlm")])
+@pytest.mark.parametrize("cls, head",
+                         [("DistilBertModel", "none"), ("DistilBertForSequenceClassification", "classify"),
+                                       ("DistilBertForTokenClassification", "tag"),
+                          ("DistilBertForMaskedLM", "mlm")])
 def test_distilbert_parity(tmp_path, cls, head):
     hf = _randomise(getattr(transformers, cls)(_distil_cfg(num_labels=4)))
     hf.save_pretrained(tmp_path)
@@ -132,7 +137,8 @@ def test_bert_token_classification_parity(tmp_path):
 
 
 @pytest.mark.parametrize("family, head, auto", [
-    ("bert", "classify", "AutoModelForSequenceClassification"), ("bert", "tag", "AutoModelForTokenClassification"),
+    ("bert", "classify", "AutoModelForSequenceClassification"),
+    ("bert", "tag", "AutoModelForTokenClassification"),
     ("roberta", "classify", "AutoModelForSequenceClassification"),
     ("roberta", "tag", "AutoModelForTokenClassification"), ("roberta", "none", "AutoModel"),
     ("distilbert", "classify", "AutoModelForSequenceClassification"),

@@ -40,7 +40,8 @@ def test_exporting_over_a_sharded_hf_folder_leaves_one_set_of_weights(tmp_path):
     folder = tmp_path / "gpt2"
     shards = _sharded_gpt2(folder)
     (folder / "README.md").write_text("notes")  # not weights: stays
-    (folder / "model-extra.safetensors").write_bytes(b"x")  # a weights-like name the index does not list: stays
+    # a weights-like name the index does not list: stays
+    (folder / "model-extra.safetensors").write_bytes(b"x")
     before = set(os.listdir(folder))
     model = _changed(qkv.from_pretrained(folder))
     export_gpt2(model, folder)
@@ -61,7 +62,8 @@ def test_a_qkv_save_over_a_sharded_folder_replaces_it_too(tmp_path):
     shards = _sharded_gpt2(folder)
     model = _changed(qkv.from_pretrained(folder))
     model.save_pretrained(folder)
-    assert not any((folder / s).exists() for s in shards) and not (folder / "model.safetensors.index.json").exists()
+    assert (not any((folder / s).exists() for s in shards)
+            and not (folder / "model.safetensors.index.json").exists())
     ids = torch.randint(0, 50, (1, 6))
     with torch.no_grad():
         torch.testing.assert_close(qkv.from_pretrained(folder).eval()(ids).logits, model(ids).logits)
@@ -83,7 +85,8 @@ def test_only_plain_weight_files_the_index_names_are_removed(tmp_path):
                   "c": "../outside.safetensors", "d": "notes.txt", "e": "model.safetensors",
                   "f": "sub/x.safetensors", "g": "missing-00001-of-00001.safetensors"}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a": "w-00001-of-00001.bin"}}))
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {
+        "a": "w-00001-of-00001.bin"}}))
     removed = remove_replaced_shards(folder)
     assert sorted(removed) == sorted(["a-00001-of-00002.safetensors", "a-00002-of-00002.safetensors",
                                       "model.safetensors.index.json", "w-00001-of-00001.bin",

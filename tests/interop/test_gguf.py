@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp) into qkv: tiny random Llama / Mistral / Qwen2 / Qwen3 models written here as
-convert_hf_to_gguf.py writes them (tests/interop/_gguf_files.py), in F32, F16, BF16, Q8_0, Q4_0, Q4_K and Q6_K.
+convert_hf_to_gguf.py writes them (tests/interop/_gguf_files.py), in F32, F16, BF16, Q8_0, Q4_0, Q4_K and
+Q6_K.
 
 References: the Hugging Face model run on the weights the file holds (its float values after the type's round
 trip, in HF's layout: no un-permute of ours involved), transformers' own GGUF loader
@@ -19,13 +20,14 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 from _gguf_files import Q, bpe_vocab, spm_vocab, write_gguf  # noqa: E402
 
-BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.3)
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.3)
 # name: (config class, GGUF architecture, vocabulary, fields)
 CASES = {
     "llama-spm-untied": ("LlamaConfig", "llama", "spm", dict(tie_word_embeddings=False, rope_theta=500.0)),
     "qwen2-bpe-bias-tied": ("Qwen2Config", "qwen2", "bpe", dict(tie_word_embeddings=True, rope_theta=1e6)),
-    "mistral-spm-gqa": ("MistralConfig", "llama", "spm", dict(tie_word_embeddings=False, sliding_window=None)),
+    "mistral-spm-gqa": ("MistralConfig", "llama", "spm",
+                        dict(tie_word_embeddings=False, sliding_window=None)),
     "llama3-bpe-ropefreqs-mqa": ("LlamaConfig", "llama", "bpe", dict(
         tie_word_embeddings=True, num_key_value_heads=1, head_dim=16,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -38,8 +40,8 @@ CASES = {
     "llama-spm-wide": ("LlamaConfig", "llama", "spm", dict(hidden_size=256, intermediate_size=256,
                                                            num_hidden_layers=1, tie_word_embeddings=False)),
 }
-MODEL = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM", "MistralConfig": "MistralForCausalLM",
-         "Qwen3Config": "Qwen3ForCausalLM"}
+MODEL = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM",
+         "MistralConfig": "MistralForCausalLM", "Qwen3Config": "Qwen3ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +102,9 @@ def test_quantized_files_equal_transformers_on_the_same_weights(vocabs, tmp_path
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
 def test_k_quants_equal_transformers_own_gguf_loader(vocabs, tmp_path, qtype):
-    """K-quant blocks (random, with sane scales) dequantized by gguf and un-permuted by us, against transformers'
-    own torch dequantization and un-permute of the same file, and against the HF model given gguf's values."""
+    """K-quant blocks (random, with sane scales) dequantized by gguf and un-permuted by us, against
+    transformers' own torch dequantization and un-permute of the same file, and against the HF model given
+    gguf's values."""
     path, hf = build(vocabs, tmp_path, "llama-spm-wide", qtype)
     ours = qkv.from_pretrained(path, dtype=torch.float32)
     assert_logits_equal(ours, hf, hf.config.vocab_size)
@@ -119,7 +122,8 @@ def test_transformers_gguf_loader_agrees(vocabs, tmp_path, case):
     assert_logits_equal(ours, theirs, ours.config.vocab_size)
 
 
-@pytest.mark.parametrize("qtype, dtype", [(Q.F32, torch.float32), (Q.F16, torch.float16), (Q.BF16, torch.bfloat16),
+@pytest.mark.parametrize("qtype, dtype",
+                         [(Q.F32, torch.float32), (Q.F16, torch.float16), (Q.BF16, torch.bfloat16),
                                           (Q.Q8_0, torch.bfloat16)])
 def test_dtype_follows_the_file_or_the_caller(vocabs, tmp_path, qtype, dtype):
     path, hf = build(vocabs, tmp_path, "qwen2-bpe-bias-tied", qtype)
@@ -132,8 +136,8 @@ def test_dtype_follows_the_file_or_the_caller(vocabs, tmp_path, qtype, dtype):
 
 
 TEXTS = ["Hello world, this is a test.", "  two  spaces\n\nand newlines\t tab", "café naïve Ünïcödé 12345",
-         "emoji 😀 and ∑ symbols outside the vocabulary", "<|im_start|>user\nhi<|im_end|>", "<s>[INST] hi [/INST]",
-         "", " leading space"]
+         "emoji 😀 and ∑ symbols outside the vocabulary", "<|im_start|>user\nhi<|im_end|>",
+         "<s>[INST] hi [/INST]", "", " leading space"]
 
 
 @pytest.mark.parametrize("case", ["llama-spm-untied", "qwen2-bpe-bias-tied", "llama3-bpe-ropefreqs-mqa"])
@@ -148,7 +152,8 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(vocabs, tmp_path, case):
         assert ids == ref(text)["input_ids"], text
         assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
         for skip in (False, True):
-            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+            assert (ours.decode(ids, skip_special_tokens=skip)
+                    == ref.decode(ids, skip_special_tokens=skip)), text
     assert (ours.bos_token, ours.eos_token) == (ref.bos_token, ref.eos_token)
     messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
                 {"role": "user", "content": "Bye"}]
@@ -181,10 +186,12 @@ def test_chat_stops_on_the_templates_end_of_turn(vocabs, tmp_path):
     path, _ = build(vocabs, tmp_path, "qwen2-bpe-bias-tied")
     tok = load_gguf_tokenizer(path)
     assert tok.token_to_id("<|im_end|>") in tok.end_of_turn_ids
-    assert tok.encode("<|im_start|>", add_special_tokens=False) == [tok.token_to_id("<|im_start|>")]  # kept whole
+    # kept whole
+    assert tok.encode("<|im_start|>", add_special_tokens=False) == [tok.token_to_id("<|im_start|>")]
 
 
-@pytest.mark.parametrize("case, qtype", [("qwen2-bpe-bias-tied", Q.Q8_0), ("llama3-bpe-ropefreqs-mqa", Q.BF16),
+@pytest.mark.parametrize("case, qtype",
+                         [("qwen2-bpe-bias-tied", Q.Q8_0), ("llama3-bpe-ropefreqs-mqa", Q.BF16),
                                          ("llama-spm-untied", Q.F16)])
 def test_header_reads_as_ggufs_own_reader(vocabs, tmp_path, case, qtype):
     """qkv's header parser (gguf_header.py) against gguf.GGUFReader: every metadata value, every tensor's
@@ -198,7 +205,8 @@ def test_header_reads_as_ggufs_own_reader(vocabs, tmp_path, case, qtype):
     want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
     assert ours.meta.keys() == want.keys()
     for key, value in want.items():
-        assert ours.meta[key] == pytest.approx(value) if isinstance(value, float) else ours.meta[key] == value, key
+        assert (ours.meta[key] == pytest.approx(value) if isinstance(value, float)
+                else ours.meta[key] == value), key
     assert list(ours.tensors) == [t.name for t in theirs.tensors]
     for t in theirs.tensors:
         mine = ours.tensors[t.name]
@@ -246,7 +254,8 @@ def test_unreadable_tensor_type_is_named(vocabs, tmp_path, monkeypatch):
     f = gguf_model.GGUFFile(path)
     t = f.tensors["blk.0.attn_q.weight"]
     f.tensors["blk.0.attn_q.weight"] = t._replace(ggml_type=int(gguf.GGMLQuantizationType.F64))
-    with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.attn_q\.weight' has type F64, which qkv does not read"):
+    with pytest.raises(CheckpointError,
+                       match=r"tensor 'blk\.0\.attn_q\.weight' has type F64, which qkv does not read"):
         gguf_model.GGUFTensors(f, gguf_model.hf_config(f), torch.float32)
 
 
@@ -264,7 +273,8 @@ def test_cli_generate_info_and_errors_take_a_gguf_file(vocabs, tmp_path, capsys)
     from qkv.cli.main import main
     from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
 
-    path, hf = build(vocabs, tmp_path, "llama-spm-untied")  # F32: loaded as float32, comparable to transformers
+    # F32: loaded as float32, comparable to transformers
+    path, hf = build(vocabs, tmp_path, "llama-spm-untied")
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     prompt = "Hello world"
     ids = ref(prompt, return_tensors="pt").input_ids
@@ -294,7 +304,8 @@ def test_serve_chat_and_explore_load_a_gguf_file(vocabs, tmp_path):
     path, _ = build(vocabs, tmp_path, "qwen2-bpe-bias-tied")
     served = load_served(path)
     im_end = served.codec.tokenizer.token_to_id("<|im_end|>")
-    assert im_end in served.codec.eos_ids and served.codec.encode("Hello") == served.codec.tokenizer.encode("Hello")
+    assert (im_end in served.codec.eos_ids
+            and served.codec.encode("Hello") == served.codec.tokenizer.encode("Hello"))
     session = ChatSession.from_folder(path)
     assert session.templated and session.tokenizer.token_to_id("<|im_end|>") in session.stop_ids
     loaded = load(path)

@@ -42,7 +42,8 @@ def test_gpt2_logits_parity(tmp_path, kw):
     assert isinstance(ours, GPT) and not ours.training
     assert ours.config.n_layers == hf.config.n_layer and ours.config.d_ff == (hf.config.n_inner or 128)
     assert ours.num_parameters() == hf.num_parameters()
-    x = torch.randint(0, VOCAB, (4, 40))  # 160 rows: the linears take oneDNN where "auto" does (AVX-512; see qkv.nn.linear)
+    # 160 rows: the linears take oneDNN where "auto" does (AVX-512; see qkv.nn.linear)
+    x = torch.randint(0, VOCAB, (4, 40))
     with torch.no_grad():
         ref = hf(x).logits
         got = ours(x).logits
@@ -132,7 +133,8 @@ def test_gpt2_pytorch_model_bin_and_legacy_keys(tmp_path):
     state = {k: v.clone() for k, v in hf.state_dict().items()}
     assert "lm_head.weight" in state
     for i in range(hf.config.n_layer):
-        state[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(48, 48, dtype=torch.bool)).view(1, 1, 48, 48)
+        state[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(48, 48, dtype=torch.bool)).view(1, 1,
+                                                                                                      48, 48)
         state[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     torch.save(state, tmp_path / "pytorch_model.bin")
     ours = qkv.from_pretrained(tmp_path)
@@ -192,12 +194,12 @@ def test_gpt2_last_only_equals_hf_logits_to_keep(tmp_path):
 
 
 def test_token_ids_of_config_json_are_kept_and_exported(tmp_path):
-    """A GPT-2 folder without generation_config.json: generate() stops at config.json's eos as transformers does,
-    and an export writes the model's ids back, not vocab_size - 1."""
+    """A GPT-2 folder without generation_config.json: generate() stops at config.json's eos as transformers
+    does, and an export writes the model's ids back, not vocab_size - 1."""
     from qkv.interop.gpt2 import export_gpt2
 
-    cfg = transformers.GPT2Config(vocab_size=100, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=5,
-                                  eos_token_id=7)
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                                  bos_token_id=5, eos_token_id=7)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "in")
     (tmp_path / "in" / "generation_config.json").unlink(missing_ok=True)
     ours = qkv.from_pretrained(tmp_path / "in")
@@ -211,8 +213,9 @@ def test_token_ids_of_config_json_are_kept_and_exported(tmp_path):
 
 @pytest.mark.parametrize("early_stopping", [False, "never"])
 def test_beam_search_with_several_eos_ids_equals_hf(tmp_path, early_stopping):
-    """Three eos ids among the best first candidates: every beam still gets an open candidate (transformers keeps
-    (1 + number of eos ids) x num_beams of them, as qkv now does), so both return the same beams and scores."""
+    """Three eos ids among the best first candidates: every beam still gets an open candidate (transformers
+    keeps (1 + number of eos ids) x num_beams of them, as qkv now does), so both return the same beams and
+    scores."""
     hf = _hf_gpt2(noise=0.3, n_layer=2, n_positions=64)
     hf.save_pretrained(tmp_path)
     ours = qkv.from_pretrained(tmp_path)
@@ -222,13 +225,15 @@ def test_beam_search_with_several_eos_ids_equals_hf(tmp_path, early_stopping):
         with torch.no_grad():
             first = hf(prompt).logits[0, -1].topk(4).indices.tolist()
         eos = first[1:]  # the 2nd..4th best first tokens: 2 x num_beams candidates would leave one open beam
-        pad = next(i for i in range(1, VOCAB) if i not in eos)  # not 0: transformers fills with eos for a pad of 0
-        # length_penalty 2: long open beams beat the one-token eos hypotheses, so the open beams decide the result
-        kw = dict(num_beams=2, eos_token_id=eos, pad_token_id=pad, max_new_tokens=4, early_stopping=early_stopping,
-                  num_return_sequences=2, length_penalty=2.0)
+        # not 0: transformers fills with eos for a pad of 0
+        pad = next(i for i in range(1, VOCAB) if i not in eos)
+        # length_penalty 2: long open beams beat the one-token eos hypotheses, so the open beams decide the
+        # result
+        kw = dict(num_beams=2, eos_token_id=eos, pad_token_id=pad, max_new_tokens=4,
+                  early_stopping=early_stopping, num_return_sequences=2, length_penalty=2.0)
         with torch.no_grad():
-            ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, output_scores=True,
-                              return_dict_in_generate=True, **kw)
+            ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              output_scores=True, return_dict_in_generate=True, **kw)
         got = ours.generate(prompt, return_dict=True, **kw)
         assert got.sequences.tolist() == ref.sequences.tolist()
         torch.testing.assert_close(got.scores, ref.sequences_scores, atol=1e-5, rtol=0)

@@ -1,5 +1,6 @@
-"""A bf16 or fp16 Hugging Face folder keeps its dtype in every family (as transformers loads it): the loaded weights
-are the file's bits, and the model computes what the fp32 copy of the same weights computes, to half precision."""
+"""A bf16 or fp16 Hugging Face folder keeps its dtype in every family (as transformers loads it): the loaded
+weights are the file's bits, and the model computes what the fp32 copy of the same weights computes, to half
+precision."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_a_half_folder_keeps_its_dtype(tmp_path, family, dtype):
     torch.manual_seed(0)
     FAMILIES[family](tmp_path / "fp32")
     hf = getattr(transformers, "AutoModelForSeq2SeqLM" if family in ("t5", "bart") else
-                 "AutoModelForMaskedLM" if family == "bert" else "AutoModelForCausalLM").from_pretrained(tmp_path / "fp32")
+                 "AutoModelForMaskedLM" if family == "bert"
+                     else "AutoModelForCausalLM").from_pretrained(tmp_path / "fp32")
     hf.to(dtype).save_pretrained(tmp_path / "half")
     full = qkv.from_pretrained(tmp_path / "fp32")
     half = qkv.from_pretrained(tmp_path / "half")

@@ -16,29 +16,33 @@ from qkv.storage import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
-BASE = dict(vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=2, max_position_embeddings=256,
+BASE = dict(vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+            max_position_embeddings=256,
             rms_norm_eps=1e-5, initializer_range=0.3, bos_token_id=1, eos_token_id=2)
 
 CASES = {
     # name: (config class, fields)
-    "llama-gqa2-untied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    "llama-gqa2-untied": ("LlamaConfig",
+                          dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                               rope_theta=500.0)),
     "llama-gqa3-tied-llama3": ("LlamaConfig", dict(
         num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 100}, rope_theta=10000.0)),  # one frequency of each band
+                      # one frequency of each band
+                      "original_max_position_embeddings": 100}, rope_theta=10000.0)),
     "llama-mqa-headdim-linear": ("LlamaConfig", dict(
         num_attention_heads=4, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
         rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "qwen2-bias-gqa3-tied": ("Qwen2Config", dict(num_attention_heads=6, num_key_value_heads=2,
                                                  tie_word_embeddings=True, rope_theta=1000000.0)),
-    "mistral-gqa2-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=128,
+    "mistral-gqa2-window": ("MistralConfig",
+                            dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=128,
                                                   tie_word_embeddings=False)),
     "qwen3-qknorm-headdim": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                  tie_word_embeddings=True)),
 }
-MODEL = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM", "MistralConfig": "MistralForCausalLM",
-         "Qwen3Config": "Qwen3ForCausalLM"}
+MODEL = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM",
+         "MistralConfig": "MistralForCausalLM", "Qwen3Config": "Qwen3ForCausalLM"}
 
 
 def build_hf(name: str, seed: int = 0, **extra):
@@ -46,7 +50,8 @@ def build_hf(name: str, seed: int = 0, **extra):
     config = getattr(transformers, cls)(**{**BASE, **fields, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, MODEL[cls])(config).eval()
-    with torch.no_grad():  # HF initialises biases and norms to constants: make them random, so they are tested
+    # HF initialises biases and norms to constants: make them random, so they are tested
+    with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith(".bias") or "norm" in n:
                 p.add_(torch.randn_like(p) * 0.2)
@@ -85,12 +90,13 @@ def test_greedy_64_tokens_equal_transformers_and_cached_equals_uncached(pair):
 
 
 def test_greedy_batch_equals_transformers(pair):
-    """A batch of 4 rows: the decoding step's batched products keep every greedy token equal to transformers'."""
+    """A batch of 4 rows: the decoding step's batched products keep every greedy token equal to
+    transformers'."""
     name, hf, _, ours = pair
     prompt = torch.randint(3, BASE["vocab_size"], (4, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, min_new_tokens=32,
-                           do_sample=False, pad_token_id=0)
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32,
+                           min_new_tokens=32, do_sample=False, pad_token_id=0)
     got = generate(ours, prompt, max_new_tokens=32, min_new_tokens=32)
     assert got.tolist() == want.tolist()
 
@@ -165,9 +171,9 @@ def test_sliding_window_is_refused_past_the_window(tmp_path):
 
 
 def test_a_window_as_long_as_the_context_is_kept(tmp_path):
-    """RoPE runs past max_position_embeddings, and there transformers' window limits attention: a window equal to the
-    context is kept (refusing longer sequences), not dropped (which computed another function past it), and exported
-    back as mistral."""
+    """RoPE runs past max_position_embeddings, and there transformers' window limits attention: a window equal
+    to the context is kept (refusing longer sequences), not dropped (which computed another function past it),
+    and exported back as mistral."""
     from qkv.models.decoding import configured_context
 
     hf = build_hf("mistral-gqa2-window", sliding_window=32, max_position_embeddings=32)
@@ -185,16 +191,18 @@ def test_a_window_as_long_as_the_context_is_kept(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope scaling type 'longrope' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+     "rope scaling type 'longrope' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"lacks \['original_max_position_embeddings'\]"),
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     "'dynamic' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias without mlp_bias"),
     ({"model_type": "qwen2", "use_sliding_window": True}, "sliding-window layers"),
 ])
 def test_unsupported_configs_are_clear_errors(change, message):
-    hf = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-          "num_attention_heads": 2, **change}
+    hf = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+          "num_hidden_layers": 1, "num_attention_heads": 2, **change}
     with pytest.raises(CheckpointError, match=message):
         config_from_hf(hf)
 
@@ -228,8 +236,10 @@ def test_cli_info_generate_attention_take_a_model_folder(tmp_path, capsys):
     tok.train_from_iterator(list(pydoc_data.topics.topics.values())[:20], trainers.BpeTrainer(
         vocab_size=BASE["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])  # Llama's bos
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    # Llama's bos
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(tmp_path)
     hf = build_hf("llama-gqa2-untied")
     hf.save_pretrained(tmp_path)
 
@@ -269,18 +279,21 @@ def test_last_only_logits_equal_transformers_logits_to_keep(pair):
 
 @pytest.mark.parametrize("name", ["llama-gqa3-tied-llama3", "qwen2-bias-gqa3-tied"])
 def test_bf16_greedy_equals_transformers_up_to_near_ties(tmp_path, name):
-    """A bf16 folder, batch 4 and batch 1: every greedy token equals transformers' bf16 generate up to where the two
-    part, which may only be where transformers' own top two logits are closer than the two libraries' bf16 logits
-    differ there (teacher-forced on transformers' tokens): qkv and transformers round differently (attention,
-    norms), so in bf16 they may part at such near-ties."""
+    """A bf16 folder, batch 4 and batch 1: every greedy token equals transformers' bf16 generate up to where
+    the two part, which may only be where transformers' own top two logits are closer than the two libraries'
+    bf16 logits differ there (teacher-forced on transformers' tokens): qkv and transformers round differently
+    (attention, norms), so in bf16 they may part at such near-ties."""
     hf = build_hf(name).to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
     ours = qkv.from_pretrained(tmp_path)
     for batch in (4, 1):
-        prompt = torch.randint(3, BASE["vocab_size"], (batch, 10), generator=torch.Generator().manual_seed(batch))
+        prompt = torch.randint(3, BASE["vocab_size"], (batch, 10),
+                               generator=torch.Generator().manual_seed(batch))
         with torch.no_grad():
-            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, min_new_tokens=24,
-                              do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24,
+                              min_new_tokens=24,
+                              do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                              output_scores=True)
         got = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24)
         for r in range(batch):
             differ = (got[r, 10:] != out.sequences[r, 10:]).nonzero()

@@ -1,5 +1,6 @@
-"""qkv's LLaVA against transformers' LlavaForConditionalGeneration on tiny random-weight folders: logits with an
-image, greedy decoding with the KV cache, the image preprocessing, the key layouts, clear errors, the CLI chat."""
+"""qkv's LLaVA against transformers' LlavaForConditionalGeneration on tiny random-weight folders: logits with
+an image, greedy decoding with the KV cache, the image preprocessing, the key layouts, clear errors, the CLI
+chat."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def test_greedy_with_kv_cache_equals_transformers(tmp_path):
     got = ours.generate(ids, 16, pixel_values=pix, min_new_tokens=16)
     assert got.tolist() == want.tolist()
     # the same tokens recomputing every step without a cache (the image enters every full forward)
-    assert ours.generate(ids, 16, pixel_values=pix, min_new_tokens=16, use_cache=False).tolist() == want.tolist()
+    assert (ours.generate(ids, 16, pixel_values=pix, min_new_tokens=16, use_cache=False).tolist()
+            == want.tolist())
 
 
 def test_beam_search_equals_transformers(tmp_path):
@@ -92,7 +94,8 @@ def test_preprocessing_equals_clip_image_processor(tmp_path):
         assert got.shape == want.shape == (1, 3, 32, 32)
         assert (got - want).abs().max() <= 1e-5
     grey = Image.open(png(tmp_path / "g.png")).convert("L")  # RGB conversion
-    assert (ours([grey, grey]) - ref(images=[grey, grey], return_tensors="pt").pixel_values).abs().max() <= 1e-5
+    assert ((ours([grey, grey]) - ref(images=[grey, grey], return_tensors="pt").pixel_values).abs().max()
+            <= 1e-5)
 
 
 @pytest.mark.parametrize("config", [
@@ -117,7 +120,8 @@ def test_preprocessing_options_equal_clip_image_processor(tmp_path, config):
 def test_preprocessing_errors(tmp_path):
     with pytest.raises(CheckpointError, match="no preprocessor_config.json"):
         ImageProcessor.from_folder(tmp_path)
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "SiglipImageProcessor"}))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "SiglipImageProcessor"}))
     with pytest.raises(CheckpointError, match="'SiglipImageProcessor' is not supported"):
         ImageProcessor.from_folder(tmp_path)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": {"longest_edge": 9}}))
@@ -134,7 +138,8 @@ def test_processor_expansion_equals_llava_processor(tmp_path):
         tokenizer=transformers.AutoTokenizer.from_pretrained(tmp_path), patch_size=8,
         vision_feature_select_strategy="default", num_additional_image_tokens=1)
     image = Image.open(png(tmp_path / "x.png"))
-    want = processor(text="USER: <image>\nwhat is in the picture? ASSISTANT:", images=image, return_tensors="pt")
+    want = processor(text="USER: <image>\nwhat is in the picture? ASSISTANT:", images=image,
+                     return_tensors="pt")
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     ids = tok("USER: <image>\nwhat is in the picture? ASSISTANT:").input_ids
     model = qkv.from_pretrained(tmp_path)
@@ -198,10 +203,13 @@ def test_cli_chat_with_an_image_equals_transformers(tmp_path, capsys):
     answer = capsys.readouterr().out.strip()
 
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in the picture?"}]}]
+    messages = [{"role": "user",
+                 "content": [{"type": "image"}, {"type": "text", "text": "what is in the picture?"}]}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    processor = transformers.LlavaProcessor(image_processor=transformers.AutoImageProcessor.from_pretrained(folder),
-                                            tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
+    processor = transformers.LlavaProcessor(image_processor=transformers.AutoImageProcessor.from_pretrained(
+        folder),
+                                            tokenizer=tok, patch_size=8,
+                                            vision_feature_select_strategy="default",
                                             num_additional_image_tokens=1)  # the class token, as llava-hf's
     inputs = processor(text=text, images=Image.open(image), return_tensors="pt", add_special_tokens=False)
     hf = transformers.LlavaForConditionalGeneration.from_pretrained(folder).eval()
@@ -216,7 +224,8 @@ def test_cli_chat_bad_image_is_a_clear_error(tmp_path, capsys, image, message):
     from qkv.cli.main import main
 
     (tmp_path / "bad.png").write_bytes(b"not a png")
-    rc = main(["chat", str(tmp_path / "no-model-needed"), "--image", str(tmp_path / image), "--message", "hi"])
+    rc = main(["chat", str(tmp_path / "no-model-needed"), "--image", str(tmp_path / image),
+               "--message", "hi"])
     assert rc == 2
     assert message in capsys.readouterr().err
 

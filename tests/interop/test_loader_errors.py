@@ -96,7 +96,8 @@ def test_pickle_with_code_is_refused(tmp_path, call):
         qkv.from_pretrained(tmp_path)
     # one line naming what was found, without torch's advice to retry with weights_only=False (which runs it)
     name = "print" if call == "print" else os.system.__module__ + ".system"  # posix.system on Linux
-    assert "\n" not in str(e.value) and f"it would call {name}" in str(e.value) and "weights_only" not in str(e.value)
+    assert ("\n" not in str(e.value) and f"it would call {name}" in str(e.value)
+            and "weights_only" not in str(e.value))
 
 
 def test_unsupported_gpt2_option(tmp_path):
@@ -124,7 +125,8 @@ def test_ignored_templates_match_any_layer_only():
     state = {"a": torch.zeros(1), "h.3.attn.bias": torch.zeros(1)}
     convert_state(state, mapping, ignore=("h.{}.attn.bias",))
     with pytest.raises(CheckpointError, match="unexpected key 'h.x.attn.bias'"):
-        convert_state({"a": torch.zeros(1), "h.x.attn.bias": torch.zeros(1)}, mapping, ignore=("h.{}.attn.bias",))
+        convert_state({"a": torch.zeros(1), "h.x.attn.bias": torch.zeros(1)}, mapping,
+                      ignore=("h.{}.attn.bias",))
 
 
 @pytest.mark.parametrize("escape", ["../outside.safetensors", "{abs}"])
@@ -145,7 +147,8 @@ def test_a_sharded_folder_in_the_hub_cache_layout_loads(tmp_path):
     # ../../blobs/<hash>: each shard "points outside" the folder, and transformers loads it; so must qkv
     src = tmp_path / "src"
     torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2,
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=40, n_positions=16,
+                                                              n_embd=16, n_layer=2,
                                                                n_head=2))
     hf.eval().save_pretrained(src, max_shard_size="20KB")
     assert (src / "model.safetensors.index.json").is_file()
@@ -220,22 +223,25 @@ def _bert_folder(path, cls="BertConfig", model="BertModel", **kw):
 
 
 def _bert(path):
-    return _bert_folder(path, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24)
+    return _bert_folder(path, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=24)
 
 
 def _distilbert(path):
-    return _bert_folder(path, "DistilBertConfig", "DistilBertModel", dim=16, n_layers=2, n_heads=2, hidden_dim=24)
+    return _bert_folder(path, "DistilBertConfig", "DistilBertModel", dim=16, n_layers=2,
+                        n_heads=2, hidden_dim=24)
 
 
 def _vit(path):
-    cfg = transformers.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=16, num_hidden_layers=1,
-                                 num_attention_heads=2, intermediate_size=24)
+    cfg = transformers.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=16,
+                                 num_hidden_layers=1, num_attention_heads=2, intermediate_size=24)
     transformers.ViTModel(cfg).save_pretrained(path)
     return path
 
 
 def _whisper(path):
-    cfg = transformers.WhisperConfig(vocab_size=40, num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1,
+    cfg = transformers.WhisperConfig(vocab_size=40, num_mel_bins=8, d_model=16, encoder_layers=1,
+                                     decoder_layers=1,
                                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
                                      decoder_ffn_dim=24, max_source_positions=10, max_target_positions=12,
                                      pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1)
@@ -253,13 +259,15 @@ def _bart(path):
     return path
 
 
-HUGE = [(_gpt2_folder, "n_layer", 10**9), (_gpt2_folder, "n_embd", 10**9), (_gpt2_folder, "vocab_size", 10**12),
+HUGE = [(_gpt2_folder, "n_layer", 10**9), (_gpt2_folder, "n_embd", 10**9),
+        (_gpt2_folder, "vocab_size", 10**12),
         (_gpt2_folder, "n_positions", 10**10), (_gpt2_folder, "n_inner", 10**9),
         (_tiny_llama, "num_hidden_layers", 10**9), (_tiny_llama, "vocab_size", 10**12),
         (_tiny_llama, "hidden_size", 10**9), (_tiny_llama, "intermediate_size", 10**9),
         (_bert, "num_hidden_layers", 10**9), (_bert, "max_position_embeddings", 10**10),
         (_bert, "intermediate_size", 10**9), (_distilbert, "dim", 10**9), (_distilbert, "n_layers", 10**9),
-        (_vit, "num_hidden_layers", 10**9), (_vit, "image_size", 8 * 10**5), (_vit, "intermediate_size", 10**9),
+        (_vit, "num_hidden_layers", 10**9), (_vit, "image_size", 8 * 10**5),
+        (_vit, "intermediate_size", 10**9),
         (_whisper, "decoder_layers", 10**9), (_whisper, "max_source_positions", 10**10),
         (_whisper, "vocab_size", 10**12), (_t5, "num_layers", 10**9), (_t5, "vocab_size", 10**12),
         (_t5, "d_ff", 10**9), (_bart, "decoder_layers", 10**9), (_bart, "d_model", 10**9),
@@ -267,7 +275,8 @@ HUGE = [(_gpt2_folder, "n_layer", 10**9), (_gpt2_folder, "n_embd", 10**9), (_gpt
 
 
 @pytest.mark.parametrize("make, field, value", HUGE, ids=[f"{m.__name__}-{f}" for m, f, _ in HUGE])
-def test_a_config_size_the_weights_do_not_have_is_named_before_anything_is_built(tmp_path, make, field, value):
+def test_a_config_size_the_weights_do_not_have_is_named_before_anything_is_built(tmp_path,
+                                                                                 make, field, value):
     """config.json's sizes are checked against the shapes in the file's header first: a huge field is named at
     once (it expanded the key map per layer, or allocated the model, until memory ran out)."""
     folder = make(tmp_path / "m")

@@ -1,7 +1,7 @@
-"""Mixtral / Qwen2-MoE / Qwen3-MoE folders: qkv against transformers on random-weight models built and saved here.
-Logits to 1e-4 relative (fp32), 24 greedy tokens through qkv's generate (KV cache) equal to transformers', the
-load-balancing loss equal to transformers' load_balancing_loss_func, export back to a folder transformers loads
-(same logits), and the refusals."""
+"""Mixtral / Qwen2-MoE / Qwen3-MoE folders: qkv against transformers on random-weight models built and saved
+here. Logits to 1e-4 relative (fp32), 24 greedy tokens through qkv's generate (KV cache) equal to
+transformers', the load-balancing loss equal to transformers' load_balancing_loss_func, export back to a
+folder transformers loads (same logits), and the refusals."""
 
 from __future__ import annotations
 
@@ -39,9 +39,11 @@ def build_hf(name: str, seed: int = 0, **extra):
     config = getattr(transformers, cls)(**{**BASE, **fields, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # HF initialises biases and norms to constants, the router to zeros: make them random
+    # HF initialises biases and norms to constants, the router to zeros: make them random
+    with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith(".bias") or "norm" in n or n.endswith("mlp.gate.weight") or "shared_expert_gate" in n:
+            if (n.endswith(".bias") or "norm" in n or n.endswith("mlp.gate.weight")
+                or "shared_expert_gate" in n):
                 p.add_(torch.randn_like(p) * 0.3)
     return model
 
@@ -80,8 +82,8 @@ def test_greedy_24_tokens_equal_transformers(pair):
     name, hf, _, ours = pair
     prompt = torch.randint(3, BASE["vocab_size"], (2, 9))
     with torch.no_grad():
-        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, min_new_tokens=24,
-                           do_sample=False)
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24,
+                           min_new_tokens=24, do_sample=False)
     got = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24)
     uncached = generate(ours, prompt, max_new_tokens=24, min_new_tokens=24, use_cache=False)
     assert torch.equal(got, want[:, :got.shape[1]]) and got.shape == want.shape
@@ -100,7 +102,8 @@ def test_aux_loss_equals_transformers(pair):
         ours.eval()
     torch.testing.assert_close(out.aux_loss.double(), hf_out.aux_loss.double(), atol=1e-5, rtol=1e-5)
     plain = ours(ids, labels=ids).loss  # eval: the LM loss alone
-    torch.testing.assert_close(out.loss, plain + ours.config.moe.aux_loss_coef * out.aux_loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.loss, plain + ours.config.moe.aux_loss_coef * out.aux_loss,
+                               atol=1e-5, rtol=0)
 
 
 def test_export_round_trip(pair, tmp_path):
@@ -157,7 +160,8 @@ def test_a_fused_folder_with_a_wrong_expert_shape_is_a_clear_error(tmp_path):
 
     build_hf("mixtral").save_pretrained(tmp_path, save_original_format=False)
     state = load_file(tmp_path / "model.safetensors")
-    state["model.layers.1.mlp.experts.down_proj"] = state["model.layers.1.mlp.experts.down_proj"][:, :, :-1].clone()
+    state["model.layers.1.mlp.experts.down_proj"] = state["model.layers.1.mlp.experts.down_proj"][
+        :, :, :-1].clone()
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="experts.0.w2.weight have shape"):
         qkv.from_pretrained(tmp_path)
@@ -184,7 +188,8 @@ def test_cli_info_and_generate_take_a_mixtral_folder(tmp_path, capsys):
     tok.train_from_iterator(list(pydoc_data.topics.topics.values())[:20], trainers.BpeTrainer(
         vocab_size=BASE["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(tmp_path)
     hf = build_hf("mixtral")
     hf.save_pretrained(tmp_path)
 
@@ -225,8 +230,8 @@ def test_bf16_folder_loads_in_bf16_and_each_moe_layer_matches_transformers(tmp_p
 
 
 def test_qkv_finetune_on_a_qwen2_moe_chat_folder_writes_a_qwen2_moe_folder(tmp_path, capsys):
-    """qkv finetune (full) on a Qwen2-MoE folder: the aux loss is logged, OUT is a qwen2_moe folder transformers
-    loads with qkv's logits."""
+    """qkv finetune (full) on a Qwen2-MoE folder: the aux loss is logged, OUT is a qwen2_moe folder
+    transformers loads with qkv's logits."""
     import sys
     from pathlib import Path
 
@@ -237,13 +242,15 @@ def test_qkv_finetune_on_a_qwen2_moe_chat_folder_writes_a_qwen2_moe_folder(tmp_p
 
     src, out = tmp_path / "src", tmp_path / "out"
     ids = write_tokenizer(src, vocab=BASE["vocab_size"])
-    hf = build_hf("qwen2_moe-shared-sparse-step", bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+    hf = build_hf("qwen2_moe-shared-sparse-step", bos_token_id=ids["<|endoftext|>"],
+                  eos_token_id=ids["<|im_end|>"])
     hf.save_pretrained(src)
     rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
             for q, a in (("Who wrote Hamlet?", "Shakespeare."), ("What do bees make?", "Honey."))] * 4
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    assert main(["finetune", str(src), "--data", str(data), "--out", str(out), "--no-progress", "train.max_steps=4",
+    assert main(["finetune", str(src), "--data", str(data), "--out", str(out), "--no-progress",
+                 "train.max_steps=4",
                  "train.batch_size=4", "train.plot=false", "train.tensorboard=false"]) == 0
     capsys.readouterr()
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2_moe"

@@ -13,7 +13,8 @@ from qkv.interop.resnet import export_resnet  # noqa: E402
 
 
 def _cfg(**kw):
-    base = dict(num_channels=3, embedding_size=8, hidden_sizes=[8, 16, 24], depths=[1, 2, 1], layer_type="basic")
+    base = dict(num_channels=3, embedding_size=8, hidden_sizes=[8, 16, 24], depths=[1, 2, 1],
+                layer_type="basic")
     base.update(kw)
     return transformers.ResNetConfig(**base)
 
@@ -104,10 +105,12 @@ def test_resnet_folders_with_other_layouts_are_refused(tmp_path):
 
     hf = _hf(transformers.ResNetForImageClassification, tmp_path / "a", num_labels=3)
     meta = json.loads((tmp_path / "a" / "config.json").read_text())
-    (tmp_path / "a" / "config.json").write_text(json.dumps({**meta, "depths": [1, 1, 1]}))  # file has 2 in stage 2
+    # file has 2 in stage 2
+    (tmp_path / "a" / "config.json").write_text(json.dumps({**meta, "depths": [1, 1, 1]}))
     with pytest.raises(CheckpointError, match=r"unexpected key.*stages\.1\.layers\.1"):
         load_hf(tmp_path / "a")
-    # transformers' hidden_act acts on the stem and after the sums only; loaded as ours it gave logits 0.2 away
+    # transformers' hidden_act acts on the stem and after the sums only; loaded as ours it gave logits 0.2
+    # away
     (tmp_path / "a" / "config.json").write_text(json.dumps({**meta, "hidden_act": "gelu"}))
     with pytest.raises(CheckpointError, match="hidden_act 'gelu'"):
         load_hf(tmp_path / "a")

@@ -1,5 +1,6 @@
-"""`qkv attention DIR --input ...` on Hugging Face encoder-decoder folders (T5, BART, Marian): the decoder sequence
-the maps are drawn for is the one transformers decodes or teacher-forces, and the maps are transformers'.
+"""`qkv attention DIR --input ...` on Hugging Face encoder-decoder folders (T5, BART, Marian): the decoder
+sequence the maps are drawn for is the one transformers decodes or teacher-forces, and the maps are
+transformers'.
 
 - no --target: [decoder start] + transformers' greedy generate under the folder's generation_config.json
   (BART: decoder start </s>, forced BOS <s>, forced EOS; Marian: start = pad, banned words; T5: start = pad);
@@ -85,10 +86,12 @@ def _check_maps(hf, folder, src: list[int], dec: list[int], res) -> None:
         for layer, w in enumerate(ref):  # the per-head entropy of transformers' maps equals ours
             p = w[0].double()
             ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
-            if kind == "decoder self":  # causal: the first query sees one key (one-hot), left out of the stats
+            # causal: the first query sees one key (one-hot), left out of the stats
+            if kind == "decoder self":
                 ent = ent[:, 1:]
             for h in range(p.shape[0]):
-                assert ours[(kind, layer, h)] == pytest.approx(float(ent[h].mean()), abs=1e-4), (kind, layer, h)
+                assert (ours[(kind, layer, h)]
+                        == pytest.approx(float(ent[h].mean()), abs=1e-4)), (kind, layer, h)
 
 
 @pytest.mark.parametrize("name", list(FOLDERS))
@@ -97,7 +100,8 @@ def test_default_target_is_transformers_greedy_generate(tmp_path, name):
     tok = _hf_tokenizer(tmp_path)
     src = tok(SOURCE).input_ids
     with torch.no_grad():  # greedy under the folder's generation_config.json (its num_beams overridden)
-        ref = hf.generate(input_ids=torch.tensor([src]), max_new_tokens=6, num_beams=1, do_sample=False)[0].tolist()
+        ref = hf.generate(input_ids=torch.tensor([src]), max_new_tokens=6, num_beams=1,
+                          do_sample=False)[0].tolist()
     assert ref[0] == hf.config.decoder_start_token_id
     res = attention_from_checkpoint(tmp_path, SOURCE, tmp_path / "maps.png", max_new_tokens=6)
     assert res.tokens["target"] == tok.convert_ids_to_tokens(ref)

@@ -1,6 +1,7 @@
-"""`qkv generate DIR --input ...` on pretrained encoder-decoder folders, with their tokenizers: a Marian folder
-with only SentencePiece files (source.spm / target.spm / vocab.json, read with the `sentencepiece` package)
-and a BART folder with a tokenizer.json. The text equals transformers' generate + its own tokenizer's decode."""
+"""`qkv generate DIR --input ...` on pretrained encoder-decoder folders, with their tokenizers: a Marian
+folder with only SentencePiece files (source.spm / target.spm / vocab.json, read with the `sentencepiece`
+package) and a BART folder with a tokenizer.json. The text equals transformers' generate + its own tokenizer's
+decode."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def _bart_tokenizer(folder) -> None:
     vocab.update({f"w{i}": i for i in range(4, V)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                       special_tokens=[("<s>", 0), ("</s>", 2)])
     tok.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>"])
     tok.save(str(folder / "tokenizer.json"))
 
@@ -108,11 +110,12 @@ from _seq2seq_models import _add_generation_settings  # noqa: E402
 
 def test_greedy_overrides_a_folders_beams_and_sample_samples(tmp_path, capsys):
     """A folder whose generation_config.json asks for 4 beams (OPUS-MT, BART-CNN): --greedy is transformers'
-    greedy (num_beams=1), not the beams; sampling flags without --sample are named in a warning; --sample samples
-    with them, as transformers' do_sample=True with the same seed."""
+    greedy (num_beams=1), not the beams; sampling flags without --sample are named in a warning; --sample
+    samples with them, as transformers' do_sample=True with the same seed."""
     bart(tmp_path, seed=4)
     _bart_tokenizer(tmp_path)
-    _add_generation_settings(tmp_path, num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, early_stopping=True)
+    _add_generation_settings(tmp_path, num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0,
+                             early_stopping=True)
     hf = transformers.BartForConditionalGeneration.from_pretrained(tmp_path).eval()
     ref_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     text = "w10 w11 w12"
@@ -121,7 +124,8 @@ def test_greedy_overrides_a_folders_beams_and_sample_samples(tmp_path, capsys):
         beams = hf.generate(input_ids=x, max_new_tokens=10)
         greedy = hf.generate(input_ids=x, max_new_tokens=10, num_beams=1)
     assert not torch.equal(beams, greedy)  # the case is one where the two differ
-    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--greedy", "--max-new-tokens", "10")
+    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--greedy",
+                        "--max-new-tokens", "10")
     assert rc == 0 and out == (ref_tok.decode(greedy[0], skip_special_tokens=True) or EMPTY), err
     rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--temperature", "1.5",
                         "--max-new-tokens", "10")
@@ -132,8 +136,8 @@ def test_greedy_overrides_a_folders_beams_and_sample_samples(tmp_path, capsys):
     model = qkv.from_pretrained(tmp_path)
     outs = set()
     for seed in (1, 2, 3):
-        rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--sample", "--temperature", "1.5",
-                            "--max-new-tokens", "10", "--seed", str(seed))
+        rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", text, "--sample", "--temperature",
+                            "1.5", "--max-new-tokens", "10", "--seed", str(seed))
         want = model.generate(x, max_new_tokens=10, do_sample=True, num_beams=1, temperature=1.5, seed=seed)
         assert rc == 0 and "warning" not in err
         assert out == (ref_tok.decode(want[0], skip_special_tokens=True) or EMPTY)
@@ -165,19 +169,22 @@ def test_config_json_generation_keys_count_only_without_generation_config(tmp_pa
     assert model.generation_defaults().get("num_beams", 1) == (hf.generation_config.num_beams or 1) == 1
     x = torch.tensor([[10, 11, 12, 13]])
     with torch.no_grad():
-        assert model.generate(x, max_new_tokens=6).tolist() == hf.generate(x, max_new_tokens=6)[:, 1:].tolist()
+        assert (model.generate(x, max_new_tokens=6).tolist()
+                == hf.generate(x, max_new_tokens=6)[:, 1:].tolist())
     (tmp_path / "generation_config.json").unlink()  # an older folder: config.json's keys are the settings
     assert qkv.from_pretrained(tmp_path).generation_defaults()["num_beams"] == 3
 
 
 @pytest.mark.parametrize("content, message", [(b'{"num_beams": 4', "not valid JSON"),
                                               (b'{"num_beams": \xff}', "not UTF-8")])
-def test_an_unreadable_generation_config_is_named_and_the_folder_still_loads(tmp_path, capsys, content, message):
+def test_an_unreadable_generation_config_is_named_and_the_folder_still_loads(tmp_path, capsys,
+                                                                             content, message):
     bart(tmp_path)
     _bart_tokenizer(tmp_path)
     (tmp_path / "generation_config.json").write_bytes(content)
     with warnings.catch_warnings():
-        warnings.simplefilter("always", UserWarning)  # the module ignores them; this test reads the CLI's line
+        # the module ignores them; this test reads the CLI's line
+        warnings.simplefilter("always", UserWarning)
         rc, out, err = _run(capsys, "info", str(tmp_path))
     assert rc == 0 and "EncoderDecoder" in out, err
     assert f"qkv: warning: {tmp_path / 'generation_config.json'}: {message}" in err
@@ -190,8 +197,8 @@ def test_an_unreadable_generation_config_is_named_and_the_folder_still_loads(tmp
 def test_strict_and_the_unknown_word_warning_on_a_tokenizer_json_folder(tmp_path, capsys):
     bart(tmp_path)
     _bart_tokenizer(tmp_path)  # a WordLevel vocabulary with <unk>
-    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", "hello w10 bye", "--max-new-tokens", "3",
-                        "--strict")
+    rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", "hello w10 bye", "--max-new-tokens",
+                        "3", "--strict")
     assert rc == 2 and "2 symbol(s) outside the model's vocabulary: 'hello', 'bye'" in err
     rc, out, err = _run(capsys, "generate", str(tmp_path), "--input", "hello w10", "--max-new-tokens", "3")
     assert rc == 0 and "warning: 1 prompt symbol(s) outside the model's vocabulary" in err
@@ -244,7 +251,8 @@ def test_stream_prints_the_target_piece_by_piece(tmp_path, monkeypatch, capsys, 
     assert rc == 0, err
     if not sampling:
         with torch.no_grad():
-            ref = hf.generate(input_ids=torch.tensor([ref_tok(text).input_ids]), max_new_tokens=9, min_new_tokens=9)
+            ref = hf.generate(input_ids=torch.tensor([ref_tok(text).input_ids]), max_new_tokens=9,
+                              min_new_tokens=9)
         assert plain == ref_tok.decode(ref[0], skip_special_tokens=True)
     writes = _Writes()
     monkeypatch.setattr("sys.stdout", writes)
@@ -255,11 +263,12 @@ def test_stream_prints_the_target_piece_by_piece(tmp_path, monkeypatch, capsys, 
 
 
 def test_t5_spiece_folder_reads_sentinels(tmp_path, capsys):
-    """A T5 folder with only spiece.model (google/t5-v1_1-*): a source with <extra_id_N> sentinels is encoded as
-    T5Tokenizer encodes it, so the output is transformers' generate decoded by T5Tokenizer."""
+    """A T5 folder with only spiece.model (google/t5-v1_1-*): a source with <extra_id_N> sentinels is encoded
+    as T5Tokenizer encodes it, so the output is transformers' generate decoded by T5Tokenizer."""
     hf = t5(tmp_path, gated=True, seed=5)
     rnd = random.Random(1)
-    lines = [" ".join(rnd.choice("house small the is a big cat dog runs fast slow tree green".split()) for _ in range(8)) for _ in range(300)]
+    lines = [" ".join(rnd.choice("house small the is a big cat dog runs fast slow tree green".split())
+                          for _ in range(8)) for _ in range(300)]
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=30, pad_id=0,
                                    eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)

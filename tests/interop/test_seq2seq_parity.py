@@ -1,7 +1,7 @@
-"""T5 (v1.0 and v1.1 gated/untied), BART and Marian: tiny random Hugging Face models built from our configs and
-saved locally load through qkv.from_pretrained; encoder outputs and decoder logits equal transformers' to 1e-4
-(fp32); greedy and beam-search outputs equal transformers.generate token for token, with the settings of the
-folder's generation_config.json (decoder_start_token_id, forced BOS/EOS) and beam options on top; cached
+"""T5 (v1.0 and v1.1 gated/untied), BART and Marian: tiny random Hugging Face models built from our configs
+and saved locally load through qkv.from_pretrained; encoder outputs and decoder logits equal transformers' to
+1e-4 (fp32); greedy and beam-search outputs equal transformers.generate token for token, with the settings of
+the folder's generation_config.json (decoder_start_token_id, forced BOS/EOS) and beam options on top; cached
 decoding equals uncached."""
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def test_greedy_matches_transformers_generate(pair):
 
 @pytest.mark.parametrize("opts", [
     dict(num_beams=4, length_penalty=0.6, no_repeat_ngram_size=3, early_stopping=True, max_length=14),
-    dict(num_beams=4, length_penalty=0.6, no_repeat_ngram_size=3, early_stopping=True, min_length=6, max_length=10),
+    dict(num_beams=4, length_penalty=0.6, no_repeat_ngram_size=3, early_stopping=True,
+         min_length=6, max_length=10),
     dict(num_beams=3, length_penalty=1.0, early_stopping=True, max_new_tokens=9, num_return_sequences=2),
 ], ids=["lp0.6-ngram3", "min-max-length", "3beams-2returned"])
 def test_beam_search_matches_transformers_generate(pair, opts):
@@ -166,8 +167,8 @@ def test_unsupported_variants_are_refused_clearly(tmp_path, builder, change, mes
 
 
 def test_beam_search_two_stage_topk_matches_transformers_generate(pair, monkeypatch):
-    """With the beam search's two-stage top-k forced on this tiny vocabulary (blocks of 4 entries; it otherwise
-    starts at 8192 words), the tokens are still transformers'."""
+    """With the beam search's two-stage top-k forced on this tiny vocabulary (blocks of 4 entries; it
+    otherwise starts at 8192 words), the tokens are still transformers'."""
     from qkv.generate import search
 
     monkeypatch.setattr(search, "TOPK_BLOCK", 4)
@@ -187,10 +188,11 @@ def test_beam_search_two_stage_topk_matches_transformers_generate(pair, monkeypa
 @pytest.mark.parametrize("num_beams, bias", [(4, 0.8), (4, 0.9), (4, 1.5), (1, 1.5)],
                          ids=["one-ends-at-7", "ends-at-1-and-4", "all-end-at-once", "greedy-all-end"])
 def test_beam_search_with_early_eos_matches_transformers_generate(tmp_path, monkeypatch, bias, num_beams):
-    """Marian with its eos made likely (final_logits_bias raised on eos, saved with the folder): sentences of very
-    different source lengths finish at different steps (the bias picks where: 0.8 ends one sentence at 7 tokens
-    of 12, 0.9 three at 1 and one at 4, 1.5 all at once), or every beam at once, with early stopping; the batched
-    head step (oneDNN path) and the two-stage top-k (forced on this vocabulary) give transformers' tokens."""
+    """Marian with its eos made likely (final_logits_bias raised on eos, saved with the folder): sentences of
+    very different source lengths finish at different steps (the bias picks where: 0.8 ends one sentence at 7
+    tokens of 12, 0.9 three at 1 and one at 4, 1.5 all at once), or every beam at once, with early stopping;
+    the batched head step (oneDNN path) and the two-stage top-k (forced on this vocabulary) give transformers'
+    tokens."""
     from qkv.generate import search
 
     monkeypatch.setattr(search, "TOPK_BLOCK", 4)

@@ -1,7 +1,8 @@
-"""The generic Hugging Face loaders stream: a safetensors folder is never read whole (safetensors' load_file is not
-called), every tensor of the file is read at most once, and the model is built with its parameters on the meta
-device (no random fp32 model first) while the buffers its constructor computes stay real. Plus the checks the
-streaming path must keep: tied copies a file stores, and HFTensors itself (names without reading)."""
+"""The generic Hugging Face loaders stream: a safetensors folder is never read whole (safetensors' load_file
+is not called), every tensor of the file is read at most once, and the model is built with its parameters on
+the meta device (no random fp32 model first) while the buffers its constructor computes stay real. Plus the
+checks the streaming path must keep: tied copies a file stores, and HFTensors itself (names without
+reading)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def _distilbert(folder):
 
 
 def _vit(folder):
-    cfg = transformers.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+    cfg = transformers.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=24,
                                  image_size=8, patch_size=2, num_channels=1, num_labels=3)
     transformers.ViTForImageClassification(cfg).save_pretrained(folder)
 
@@ -126,8 +128,10 @@ def test_whisper_keeps_its_computed_mel_filters(tmp_path):
 def test_build_skeleton_puts_parameters_on_meta_and_keeps_buffers_and_ties():
     from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 
-    cfg = EncoderDecoderConfig(src_vocab_size=V, n_encoder_layers=1, n_decoder_layers=1, d_model=16, n_heads=2,
-                               d_ff=24, position="sinusoidal", sinusoidal_layout="halves", share_embeddings=True)
+    cfg = EncoderDecoderConfig(src_vocab_size=V, n_encoder_layers=1, n_decoder_layers=1,
+                               d_model=16, n_heads=2,
+                               d_ff=24, position="sinusoidal", sinusoidal_layout="halves",
+                               share_embeddings=True)
     model = build_skeleton(lambda: EncoderDecoder(cfg))
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert all(b.device.type == "cpu" for b in model.buffers())
@@ -138,8 +142,8 @@ def test_build_skeleton_puts_parameters_on_meta_and_keeps_buffers_and_ties():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_random_model_is_initialised_first(tmp_path, monkeypatch, dtype):
-    """The skeleton's parameters are on meta while the constructor initialises them, and get storage in the file's
-    dtype afterwards: no random fp32 model is drawn and then overwritten (or cast)."""
+    """The skeleton's parameters are on meta while the constructor initialises them, and get storage in the
+    file's dtype afterwards: no random fp32 model is drawn and then overwritten (or cast)."""
     cfg = transformers.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=16)
     transformers.GPT2LMHeadModel(cfg).to(dtype).save_pretrained(tmp_path)
     drawn = []
@@ -156,7 +160,7 @@ def test_no_random_model_is_initialised_first(tmp_path, monkeypatch, dtype):
     assert drawn == []
 
 
-# -- the checks the streaming path keeps ----------------------------------------------------------------------
+# -- the checks the streaming path keeps ---------------------------------------------------------------------
 def _edit(folder, fn):
     f = folder / "model.safetensors"
     state = load_file(str(f))
@@ -170,15 +174,18 @@ def test_a_stored_tied_gpt2_head_is_checked(tmp_path):
     model = qkv.from_pretrained(tmp_path)
     assert model.lm_head.weight is model.tok_emb.weight
     _edit(tmp_path, lambda s: s.update({"lm_head.weight": s["transformer.wte.weight"] + 1}))
-    with pytest.raises(CheckpointError, match="lm_head.weight differs from wte.weight although tie_word_embeddings"):
+    with pytest.raises(CheckpointError,
+                       match="lm_head.weight differs from wte.weight although tie_word_embeddings"):
         qkv.from_pretrained(tmp_path)
 
 
 def test_a_stored_bert_decoder_that_is_not_tied_is_refused(tmp_path):
     _bert(tmp_path)
-    _edit(tmp_path, lambda s: s.update({"cls.predictions.decoder.weight": s["bert.embeddings.word_embeddings.weight"]
+    _edit(tmp_path,
+          lambda s: s.update({"cls.predictions.decoder.weight": s["bert.embeddings.word_embeddings.weight"]
                                         + 1}))
-    with pytest.raises(CheckpointError, match="cls.predictions.decoder.weight is not tied as this loader assumes"):
+    with pytest.raises(CheckpointError,
+                       match="cls.predictions.decoder.weight is not tied as this loader assumes"):
         qkv.from_pretrained(tmp_path)
 
 
@@ -197,9 +204,11 @@ def test_a_stored_embedding_copy_is_compared_with_the_shared_one(tmp_path, famil
 
 def test_a_fused_piece_of_the_wrong_width_names_the_files_keys(tmp_path):
     _bert(tmp_path)
-    _edit(tmp_path, lambda s: s.update({"bert.encoder.layer.1.attention.self.value.weight": torch.zeros(16, 15)}))
-    with pytest.raises(CheckpointError, match=r"cannot concatenate \[.*layer\.1\.attention\.self\.query\.weight.*"
-                                              r"value\.weight'\] into 'encoder\.blocks\.1\.attn\.qkv_proj\.weight'"):
+    _edit(tmp_path,
+          lambda s: s.update({"bert.encoder.layer.1.attention.self.value.weight": torch.zeros(16, 15)}))
+    with pytest.raises(CheckpointError,
+                       match=r"cannot concatenate \[.*layer\.1\.attention\.self\.query\.weight.*"
+                             r"value\.weight'\] into 'encoder\.blocks\.1\.attn\.qkv_proj\.weight'"):
         qkv.from_pretrained(tmp_path)
 
 
@@ -212,12 +221,14 @@ def test_a_base_bart_of_half_dtype_stays_half(tmp_path):
     transformers.BartModel(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
     model = qkv.from_pretrained(tmp_path)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.lm_head.final_logits_bias.dtype == torch.bfloat16 and not model.lm_head.final_logits_bias.any()
+    assert (model.lm_head.final_logits_bias.dtype == torch.bfloat16
+            and not model.lm_head.final_logits_bias.any())
 
 
 # -- HFTensors -----------------------------------------------------------------------------------------------
 def test_hftensors_knows_names_shapes_and_dtypes_without_reading(tmp_path, reads):
-    save_file({"a.w": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    save_file({"a.w": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
     t = HFTensors(tmp_path)
     t.rename(lambda k: k.removeprefix("a."))
     assert sorted(t) == ["b", "w"] and "w" in t and "a.w" not in t and len(t) == 2
@@ -247,8 +258,8 @@ def test_a_sharded_bf16_folder_streams_from_its_shards(tmp_path, reads):
 
 
 def test_a_skeleton_leaves_modules_other_threads_build_alone():
-    """The hook that moves parameters to meta acts only in the thread inside build_skeleton, and is torch's own
-    register_parameter again afterwards."""
+    """The hook that moves parameters to meta acts only in the thread inside build_skeleton, and is torch's
+    own register_parameter again afterwards."""
     import threading
 
     from qkv.models.gpt import GPT, GPTConfig

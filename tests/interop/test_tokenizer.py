@@ -46,19 +46,20 @@ CHATML_GENERATION = """{% for message in messages %}
     {{ '<|im_start|>assistant\\n' }}
 {% endif %}
 """
-CHATML_PLAIN = CHATML_GENERATION.replace("{% generation %}", "{% if true %}").replace("{% endgeneration %}", "{% endif %}")
+CHATML_PLAIN = CHATML_GENERATION.replace("{% generation %}",
+                                         "{% if true %}").replace("{% endgeneration %}", "{% endif %}")
 
 # Llama-2's template: bos_token / eos_token variables, .strip(), raise_exception on non-alternating roles
 LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
           "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
           "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
           "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-          "{% if loop.index0 == 0 and system_message != false %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% "
+          "endif %}{% if loop.index0 == 0 and system_message != false %}"
           "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
           "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
-          "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
-          "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+          "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' "
+          "%}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
 
 CONVERSATION = [
     {"role": "system", "content": "You answer in one short sentence."},
@@ -98,7 +99,8 @@ def save_folder(bpe, path, template, *, bos="<|endoftext|>", eos="<|im_end|>", p
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
-@pytest.mark.parametrize("template", [CHATML, CHATML_GENERATION, LLAMA2], ids=["chatml", "generation", "llama2"])
+@pytest.mark.parametrize("template", [CHATML, CHATML_GENERATION, LLAMA2],
+                         ids=["chatml", "generation", "llama2"])
 @pytest.mark.parametrize("gen_prompt", [False, True])
 def test_chat_template_renders_like_transformers(bpe, tmp_path, template, gen_prompt):
     bos, eos = ("<s>", "</s>") if template is LLAMA2 else ("<|endoftext|>", "<|im_end|>")
@@ -110,7 +112,8 @@ def test_chat_template_renders_like_transformers(bpe, tmp_path, template, gen_pr
     got = tok.apply_chat_template(msgs, add_generation_prompt=gen_prompt)
     assert got == want
     assert ("You answer in one short sentence." in got) and got.count("<|im_start|>") != 1
-    want_ids = ref.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen_prompt, return_dict=False)
+    want_ids = ref.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen_prompt,
+                                       return_dict=False)
     assert tok.apply_chat_template(msgs, add_generation_prompt=gen_prompt, tokenize=True) == list(want_ids)
 
 
@@ -126,7 +129,8 @@ def test_template_in_tokenizer_config_field(bpe, tmp_path):
 
 def test_assistant_mask_from_generation_blocks_equals_transformers(bpe, tmp_path):
     ref = save_folder(bpe, tmp_path, CHATML_GENERATION)
-    out = ref.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    out = ref.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
     ids, mask = load_hf_tokenizer(tmp_path).apply_chat_template(CONVERSATION, return_assistant_mask=True)
     assert ids == list(out["input_ids"])
     assert mask == list(out["assistant_masks"])
@@ -137,7 +141,8 @@ def test_assistant_mask_without_generation_blocks_locates_the_content(bpe, tmp_p
     """A template without generation blocks: the located spans (content + the eos that follows) give the same
     mask transformers computes for the same format written with generation blocks around content + eos."""
     ref = save_folder(bpe, tmp_path / "ref", CHATML_GENERATION)
-    out = ref.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    out = ref.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
     save_folder(bpe, tmp_path / "plain", CHATML_PLAIN)
     tok = load_hf_tokenizer(tmp_path / "plain")
     ids, mask = tok.apply_chat_template(CONVERSATION, return_assistant_mask=True)
@@ -148,7 +153,8 @@ def test_assistant_mask_without_generation_blocks_locates_the_content(bpe, tmp_p
     assert said == CONVERSATION[2]["content"] + "<|im_end|>" + CONVERSATION[4]["content"] + "<|im_end|>"
 
 
-SHORT_ANSWERS = [  # answers that also occur inside the template's own text ("a" in "assistant", "end" in <|im_end|>)
+# answers that also occur inside the template's own text ("a" in "assistant", "end" in <|im_end|>)
+SHORT_ANSWERS = [
     {"role": "system", "content": "Answer with one letter."},
     {"role": "user", "content": "First?"},
     {"role": "assistant", "content": "a"},
@@ -163,11 +169,13 @@ SHORT_ANSWERS = [  # answers that also occur inside the template's own text ("a"
 @pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"])
 def test_assistant_mask_without_generation_blocks_like_transformers(bpe, tmp_path, conversation, eos):
     """The located spans equal transformers' mask of the same format written with generation blocks: also when
-    an answer occurs inside the template's own text before it (searched from where the generation prompt of the
-    messages before it ends), and when the end-of-turn token (<|im_end|>) is not the folder's eos (a base model's
-    <|endoftext|>): the token the template writes after an answer is learned, so a fine-tuned model stops."""
+    an answer occurs inside the template's own text before it (searched from where the generation prompt of
+    the messages before it ends), and when the end-of-turn token (<|im_end|>) is not the folder's eos (a base
+    model's <|endoftext|>): the token the template writes after an answer is learned, so a fine-tuned model
+    stops."""
     ref = save_folder(bpe, tmp_path / "ref", CHATML_GENERATION, eos=eos)
-    out = ref.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    out = ref.apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
     save_folder(bpe, tmp_path / "plain", CHATML_PLAIN, eos=eos)
     tok = load_hf_tokenizer(tmp_path / "plain")
     ids, mask = tok.apply_chat_template(conversation, return_assistant_mask=True)
@@ -176,17 +184,19 @@ def test_assistant_mask_without_generation_blocks_like_transformers(bpe, tmp_pat
     assert tok.end_of_turn_ids >= {tok.token_to_id("<|im_end|>"), tok.token_to_id(eos)}
 
 
-SYSTEM_FIRST = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('start with a system message') }}{% endif %}"
+SYSTEM_FIRST = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('start with a system message') "
+                "}}{% endif %}")
 
 
 def test_end_of_turn_found_when_the_template_wants_a_system_message(bpe, tmp_path):
     """A template that refuses a conversation without a system message first refused the end-of-turn probe too
-    (user + assistant), so <|im_end|>, not the folder's eos, was left out of the assistant mask: a model tuned on
-    it never learns to stop. The probe is retried with a system message; the mask equals transformers' mask of
-    the same format written with generation blocks."""
+    (user + assistant), so <|im_end|>, not the folder's eos, was left out of the assistant mask: a model tuned
+    on it never learns to stop. The probe is retried with a system message; the mask equals transformers' mask
+    of the same format written with generation blocks."""
     eos = "<|endoftext|>"
     ref = save_folder(bpe, tmp_path / "ref", CHATML_GENERATION, eos=eos)
-    out = ref.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    out = ref.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
     save_folder(bpe, tmp_path / "plain", SYSTEM_FIRST + CHATML_PLAIN, eos=eos)
     tok = load_hf_tokenizer(tmp_path / "plain")
     assert tok.token_to_id("<|im_end|>") in tok.end_of_turn_ids
@@ -196,7 +206,8 @@ def test_end_of_turn_found_when_the_template_wants_a_system_message(bpe, tmp_pat
 
 def test_end_of_turn_after_a_newline(bpe, tmp_path):
     """A template that writes a newline between the answer and its end-of-turn token: found all the same."""
-    template = CHATML_PLAIN.replace("message['content'] + '<|im_end|>'", "message['content'] + '\\n<|im_end|>'")
+    template = CHATML_PLAIN.replace("message['content'] + '<|im_end|>'",
+                                    "message['content'] + '\\n<|im_end|>'")
     assert template != CHATML_PLAIN
     save_folder(bpe, tmp_path, template, eos="<|endoftext|>")
     tok = load_hf_tokenizer(tmp_path)

@@ -10,7 +10,8 @@ from qkv.interop import load_hf  # noqa: E402
 
 
 def _cfg(**kw):
-    base = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, image_size=8,
+    base = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=48, image_size=8,
                 patch_size=2, num_channels=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     base.update(kw)
     return transformers.ViTConfig(**base)
@@ -118,7 +119,8 @@ def test_vit_half_sharded_and_corrupt_folders(tmp_path):
         torch.testing.assert_close(load_hf(tmp_path / "sharded")(x).logits, hf(pixel_values=x).logits,
                                    atol=1e-5, rtol=1e-5)
     hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    assert {p.dtype for p in load_hf(tmp_path / "bf16").parameters()} == {torch.bfloat16}  # was loaded as fp32
+    # was loaded as fp32
+    assert {p.dtype for p in load_hf(tmp_path / "bf16").parameters()} == {torch.bfloat16}
     f = tmp_path / "bf16" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:300])
     with pytest.raises(CheckpointError, match="cannot be read as safetensors"):  # was a raw SafetensorError

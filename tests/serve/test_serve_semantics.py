@@ -189,7 +189,8 @@ def test_chat_content_as_text_parts_and_head_health(gpt2_folder):
                           json={**base, "messages": [{"role": "user", "content": "What is\na class?"}]})
         assert r.status_code == 200 and same.status_code == 200, r.text
         assert r.json()["choices"] == same.json()["choices"] and r.json()["usage"] == same.json()["usage"]
-        image = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+        image = [{"type": "text", "text": "hi"},
+                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
         r = httpx.post(url + "/v1/chat/completions", timeout=60,
                        json={**base, "messages": [{"role": "user", "content": image}]})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported", r.text

@@ -4,7 +4,7 @@
     attention_maps(model, tokenizer_or_ids, text, "maps.png")                               -> AttentionMaps
     attention_from_checkpoint("runs/x/final", "31415", "maps.png")                         -> AttentionMaps
     diagnose(model, input_ids)                                                              -> Diagnosis
-    softmax_saturation((16, 64, 256))                                                       -> the sqrt(d_k) fact
+    softmax_saturation((16, 64, 256))                                                    -> the sqrt(d_k) fact
 """
 
 from qkv.experiments.attention import (
@@ -19,7 +19,8 @@ from qkv.experiments.runner import run_suite
 from qkv.experiments.suite import Suite, expand, load_suite
 
 __all__ = [
-    "AttentionMaps", "Diagnosis", "Suite", "attention_from_checkpoint", "attention_maps", "collect_attentions",
+    "AttentionMaps", "Diagnosis", "Suite", "attention_from_checkpoint", "attention_maps",
+    "collect_attentions",
     "diagnose", "expand", "flag_heads", "head_stats", "load_suite", "run_suite", "saturation_table",
     "softmax_saturation",
 ]

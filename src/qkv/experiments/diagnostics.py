@@ -6,9 +6,11 @@ makes that check one call:
 
   head_stats(weights)   per head: mean largest probability and mean normalised entropy over the query rows
                         (rows that see a single key are skipped: their softmax is one-hot by construction)
-  flag_heads(stats)     "one-hot" when mean max prob >= onehot_max_prob, "uniform" when entropy >= uniform_entropy
+  flag_heads(stats)     "one-hot" when mean max prob >= onehot_max_prob, "uniform" when entropy >=
+                        uniform_entropy
   diagnose(model, ...)  runs the model once, returns per-head stats + flags (every attention kind) and the
-                        per-layer statistics of the pre-softmax scores q.k * scale (+ bias), masked keys excluded
+                        per-layer statistics of the pre-softmax scores q.k * scale (+ bias), masked keys
+                        excluded
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class HeadStat:
     flag: str = ""  # "", "one-hot" or "uniform"
 
 
-def head_stats(weights: Tensor, kind: str = "self", layer: int = 0, visible: Tensor | None = None) -> list[HeadStat]:
+def head_stats(weights: Tensor, kind: str = "self", layer: int = 0,
+               visible: Tensor | None = None) -> list[HeadStat]:
     """weights: (B, H, Tq, Tk) softmax probabilities. visible: bool, broadcastable to weights, True where the
     query may see the key (causal and padding masks); None = every key. The mask must be given rather than
     read off zeros, because a saturated float32 softmax underflows to exact zeros on keys it could see.
@@ -45,7 +48,8 @@ def head_stats(weights: Tensor, kind: str = "self", layer: int = 0, visible: Ten
     if weights.dim() != 4:
         raise ValueError(f"attention weights must be (B, H, Tq, Tk), got shape {tuple(weights.shape)}")
     w = weights.detach().double()
-    vis = torch.ones_like(w, dtype=torch.bool) if visible is None else visible.to(w.device).bool().expand_as(w)
+    vis = (torch.ones_like(w, dtype=torch.bool) if visible is None
+           else visible.to(w.device).bool().expand_as(w))
     visible = vis.sum(-1)  # (B, H, Tq)
     ent = -(w * w.clamp_min(1e-300).log()).sum(-1)  # (B, H, Tq), nats
     norm_ent = ent / visible.clamp_min(2).double().log()
@@ -100,12 +104,16 @@ class Diagnosis:
         return [h for h in self.heads if h.flag]
 
     def to_markdown(self) -> str:
-        lines = ["| attention | layer | head | mean max p | entropy / log n | flag |", "|---|---|---|---|---|---|"]
+        lines = ["| attention | layer | head | mean max p | entropy / log n | flag |",
+                 "|---|---|---|---|---|---|"]
         for h in self.heads:
-            lines.append(f"| {h.kind} | {h.layer} | {h.head} | {h.max_prob:.3f} | {h.entropy:.3f} | {h.flag} |")
-        lines += ["", "| module | d_k | scale | score mean | score std | max abs score |", "|---|---|---|---|---|---|"]
+            lines.append(f"| {h.kind} | {h.layer} | {h.head} | {h.max_prob:.3f} | {h.entropy:.3f} | {h.flag} "
+                         "|")
+        lines += ["", "| module | d_k | scale | score mean | score std | max abs score |",
+                  "|---|---|---|---|---|---|"]
         for s in self.scores:
-            lines.append(f"| {s.module} | {s.d_k} | {s.scale:.4g} | {s.mean:.3f} | {s.std:.3f} | {s.max_abs:.2f} |")
+            lines.append(f"| {s.module} | {s.d_k} | {s.scale:.4g} | {s.mean:.3f} | {s.std:.3f} | "
+                         f"{s.max_abs:.2f} |")
         n = len(self.flagged)
         lines += ["", f"{n} of {len(self.heads)} heads flagged (one-hot: mean max p >= {ONEHOT_MAX_PROB}; "
                   f"uniform: entropy >= {UNIFORM_ENTROPY} of the maximum)."]
@@ -133,10 +141,12 @@ def record_scores(model: nn.Module) -> Iterator[list[ScoreStat]]:
             s = (q @ kk.transpose(-2, -1)).double() * scale
             if kw.get("bias") is not None:
                 s = s + kw["bias"]
-            full = A._combined_mask(q.shape[2], kk.shape[2], kw.get("mask"), kw.get("causal", False), q.device)
+            full = A._combined_mask(q.shape[2], kk.shape[2], kw.get("mask"),
+                                    kw.get("causal", False), q.device)
             vals = s[full.expand_as(s)] if full is not None else s.reshape(-1)
             if vals.numel():
-                stats.append(ScoreStat(current[0], vals.mean().item(), vals.std().item() if vals.numel() > 1 else 0.0,
+                stats.append(ScoreStat(current[0], vals.mean().item(),
+                                       vals.std().item() if vals.numel() > 1 else 0.0,
                                        vals.abs().max().item(), q.shape[-1], float(scale)))
         return original(q, k, v, **kw)
 
@@ -153,8 +163,8 @@ def record_scores(model: nn.Module) -> Iterator[list[ScoreStat]]:
             h.remove()
 
 
-def diagnose(model: nn.Module, inputs: dict[str, Tensor] | Tensor, *, onehot_max_prob: float = ONEHOT_MAX_PROB,
-             uniform_entropy: float = UNIFORM_ENTROPY) -> Diagnosis:
+def diagnose(model: nn.Module, inputs: dict[str, Tensor] | Tensor, *,
+             onehot_max_prob: float = ONEHOT_MAX_PROB, uniform_entropy: float = UNIFORM_ENTROPY) -> Diagnosis:
     """Run `model` once on `inputs` (input ids (B, T) or a batch dict of forward kwargs; labels are dropped)
     and return per-head softmax stats with flags plus per-module q.k score statistics."""
     from qkv.experiments.attention import collect_attentions, visible_keys

@@ -52,12 +52,14 @@ def softmax_saturation(
             s = raw / math.sqrt(d) if scaled else raw
             p = torch.softmax(s, dim=-1)
             ent = -(p * p.clamp_min(1e-300).log()).sum(-1) / math.log(n_keys)
-            # Jacobian of softmax for one row: J = diag(p) - p p^T;  ||J||_F^2 = sum p^2 - 2 sum p^3 + (sum p^2)^2
+            # Jacobian of softmax for one row: J = diag(p) - p p^T;
+            # ||J||_F^2 = sum p^2 - 2 sum p^3 + (sum p^2)^2
             s2, s3 = (p**2).sum(-1), (p**3).sum(-1)
             jac = (s2 - 2 * s3 + s2**2).clamp_min(0).sqrt()
             rows.append(SaturationRow(
                 d_k=d, scaled=scaled, var_qk=raw.var().item(), var_scores=s.var().item(),
-                max_prob=p.max(-1).values.mean().item(), entropy=ent.mean().item(), grad_norm=jac.mean().item(),
+                max_prob=p.max(-1).values.mean().item(), entropy=ent.mean().item(),
+                grad_norm=jac.mean().item(),
             ))
     return rows
 

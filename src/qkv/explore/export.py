@@ -19,9 +19,10 @@ CSS_LINK = '<link rel="stylesheet" href="static/explore.css">'
 JS_TAG = '<script src="static/explore.js"></script>'
 
 
-# characters the HTML parser reads inside a <script> (or a JS engine as a line end), written as JSON's \u escapes:
-# "</script" would close the tag, "<!--<script>" switches the parser into its double-escaped state (the tag then
-# never closes), U+2028/9 end a line in older engines. The escaped text is the same JSON value.
+# characters the HTML parser reads inside a <script> (or a JS engine as a line end), written as JSON's \u
+# escapes:
+# "</script" would close the tag, "<!--<script>" switches the parser into its double-escaped state (the tag
+# then never closes), U+2028/9 end a line in older engines. The escaped text is the same JSON value.
 _SCRIPT_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
                                  "\u2029": "\\u2029"})
 
@@ -40,7 +41,8 @@ def export_data(ld: Loaded, text: str, *, target: str | None = None, image_index
                             "positions": analysis.positions(ld), "generation": None}
     if analysis.adapter.can_generate(ld):
         try:
-            data["generation"] = analysis.generation(ld, text, max_new_tokens=max_new_tokens, wav_base64=wav_base64)
+            data["generation"] = analysis.generation(ld, text, max_new_tokens=max_new_tokens,
+                                                     wav_base64=wav_base64)
         except (ExploreError, ValueError) as e:  # e.g. the prompt leaves no room: the page says so
             data["generation"] = {"error": str(e)}
     return data

@@ -3,7 +3,8 @@
   GET  /                 the page (static/index.html + explore.js + explore.css)
   GET  /api/info         the model: family, kind, layers, heads, context, what input it takes
   POST /api/analyze      {"input", "target"?, "image"?, "wav"?} -> tokens + attention of every layer and head
-  POST /api/generate     {"input", "max_new_tokens", "do_sample", "temperature", "top_k", "seed", "block_size"}
+  POST /api/generate     {"input", "max_new_tokens", "do_sample", "temperature", "top_k", "seed",
+                          "block_size"}
                          -> each new token, its attention row, top-10 probabilities, KV cache bytes
   GET  /api/positions    the positional encodings as tables
 
@@ -63,7 +64,8 @@ def create_app(ld: Loaded) -> Any:
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return JSONResponse({"error": f"bad request: {where}: {first.get('msg', 'invalid')}"}, status_code=422)
+        return JSONResponse({"error": f"bad request: {where}: {first.get('msg', 'invalid')}"},
+                            status_code=422)
 
     @app.exception_handler(ValueError)
     async def model_check(request: Request, exc: ValueError) -> JSONResponse:
@@ -73,7 +75,8 @@ def create_app(ld: Loaded) -> Any:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises after this response is sent, so uvicorn logs the traceback (server side only)
-        return JSONResponse({"error": f"internal error ({type(exc).__name__}); see the server log"}, status_code=500)
+        return JSONResponse({"error": f"internal error ({type(exc).__name__}); see the server log"},
+                            status_code=500)
 
     @app.get("/", response_class=HTMLResponse)
     def index() -> str:
@@ -136,7 +139,8 @@ def serve(ld: Loaded, host: str = "127.0.0.1", port: int = 8000) -> None:
     sock = listen(host, port)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"qkv explore: listening on {host}: anyone who can reach this address can use the model")
-    print(f"qkv explore: http://{'[' + host + ']' if ':' in host else host}:{port}/  (Ctrl-C to stop)", flush=True)
+    print(f"qkv explore: http://{'[' + host + ']' if ':' in host else host}:{port}/  (Ctrl-C to stop)",
+          flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(ld), log_level="warning"))
     try:
         server.run(sockets=[sock])

@@ -1,9 +1,11 @@
 """Autoregressive generation for every model that implements the decoder protocol (qkv.models.decoding).
 
-  generate(model, input_ids, config_or_max_new, **options)  greedy / sampling / beam search (also model.generate)
+  generate(model, input_ids, config_or_max_new, **options)  greedy / sampling / beam search
+                                                            (also model.generate)
   stream(model, input_ids, ...)                             the same tokens, yielded step by step
   beam_search(...)                                          the beam search itself (any num_beams >= 1)
-  GenerationConfig                                          every setting, HF field names, generation_config.json
+  GenerationConfig                                          every setting, HF field names,
+                                                            generation_config.json
   Engine                                                    continuous batching over a paged KV cache
 
 Modules: config.py (GenerationConfig), processors.py (one class per logits option), sampling.py (top-k /
@@ -26,5 +28,5 @@ from qkv.generate.search import GenerationOutput, beam_search, generate, stream
 from qkv.nn.paged import BlockAllocator, PagedKVCache
 
 __all__ = ["PROCESSORS", "WARPERS", "BlockAllocator", "Engine", "GenerationConfig", "GenerationOutput",
-           "LogitsProcessor", "PagedKVCache", "Pipeline", "beam_search", "generate", "process_logits", "sample",
-           "stream", "top_k_filter", "top_p_filter"]
+           "LogitsProcessor", "PagedKVCache", "Pipeline", "beam_search", "generate", "process_logits",
+           "sample", "stream", "top_k_filter", "top_p_filter"]

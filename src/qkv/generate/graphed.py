@@ -30,14 +30,15 @@ import torch
 from torch import Tensor
 
 _COMPILED: weakref.WeakKeyDictionary[Any, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
-# per model: the static caches of graph-captured generations, one per (batch, length, dtype, device), reused by
-# later calls so that a CUDA graph recorded over their buffers is replayed, not recorded again
+# per model: the static caches of graph-captured generations, one per (batch, length, dtype, device), reused
+# by later calls so that a CUDA graph recorded over their buffers is replayed, not recorded again
 _CACHES: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 # per cache: the other static buffers of its steps (the column index, the key mask, the left padding)
 _BUFFERS: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
 
 
-def _step(model: Any, ids: Tensor, cache: Any, index: Tensor, n_pad: Tensor | None, keep: Tensor | None) -> Tensor:
+def _step(model: Any, ids: Tensor, cache: Any, index: Tensor, n_pad: Tensor | None,
+          keep: Tensor | None) -> Tensor:
     offset = index if n_pad is None else index - n_pad  # each row's position: its first real token is 0
     return model.static_step(ids, cache, index=index, offset=offset, keep=keep)
 
@@ -71,9 +72,9 @@ def static_cache(model: Any, batch_size: int, max_len: int, owner: object) -> An
 
 def check_owner(cache: Any, owner: object) -> None:
     if getattr(cache, "owner", None) is not owner:
-        raise RuntimeError("compile: another generation with compile=True of the same model and shape reused this "
-                           "generation's static cache (interleaved stream() calls); finish one first, or use "
-                           "compile=False for the other")
+        raise RuntimeError("compile: another generation with compile=True of the same model and shape reused "
+                           "this generation's static cache (interleaved stream() calls); finish one first, "
+                           "or use compile=False for the other")
 
 
 def release(model: Any) -> None:
@@ -95,19 +96,20 @@ def _buffer(cache: Any, name: str, like: Tensor) -> Tensor:
 def check_graphable(model: Any) -> None:
     """A clear error for a model without the static decoding step (the LSTM) or with a position bias."""
     if not callable(getattr(model, "static_step", None)):
-        raise ValueError(f"compile: {type(model).__name__} has no static decoding step (graph-captured decoding "
-                         f"needs a Transformer decoder over a static KV cache); use compile=False")
+        raise ValueError(f"compile: {type(model).__name__} has no static decoding step (graph-captured "
+                         f"decoding needs a Transformer decoder over a static KV cache); use compile=False")
     if not model.static_step_supported:
         raise ValueError("compile: graph-captured decoding does not support ALiBi or relative-bias positions "
                          "(their bias depends on the query position); use compile=False")
 
 
 def inductor_cache_dir() -> Path:
-    """Where Inductor keeps its compiled code: TORCHINDUCTOR_CACHE_DIR if set, else $QKV_CACHE/inductor (default
-    ~/.cache/qkv/inductor), set in the environment for this process (Inductor reads it there)."""
+    """Where Inductor keeps its compiled code: TORCHINDUCTOR_CACHE_DIR if set, else $QKV_CACHE/inductor
+    (default ~/.cache/qkv/inductor), set in the environment for this process (Inductor reads it there)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    # torch writes its own default into the variable the first time it looks: that value is not a user's choice
+    # torch writes its own default into the variable the first time it looks: that value is not a user's
+    # choice
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
         root = Path(os.environ.get("QKV_CACHE", Path.home() / ".cache" / "qkv"))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
@@ -124,7 +126,8 @@ def compiled_step(model: Any, compile: bool | str) -> Callable[..., Tensor]:
     fn = per_model.get(backend)
     if fn is None:
         mode = "reduce-overhead" if backend == "inductor" else None  # CUDA graphs on a GPU
-        fn = per_model[backend] = torch.compile(_step, backend=backend, mode=mode, fullgraph=True, dynamic=False)
+        fn = per_model[backend] = torch.compile(_step, backend=backend, mode=mode,
+                                                fullgraph=True, dynamic=False)
     return fn
 
 
@@ -136,7 +139,8 @@ class GraphedSteps:
     addresses: a CUDA graph uses them in place, and a later generation over the same kept cache
     (static_cache) replays the graph instead of recording a new one."""
 
-    def __init__(self, model: Any, compile: bool | str, cache: Any, n_pad: Tensor | None, keep: Tensor | None) -> None:
+    def __init__(self, model: Any, compile: bool | str, cache: Any, n_pad: Tensor | None,
+                 keep: Tensor | None) -> None:
         if keep is not None:
             # the mask over the cache's columns (of a longer buffer its first max_len; a shorter one is padded
             # with True: columns that only generated tokens ever fill)
@@ -148,7 +152,8 @@ class GraphedSteps:
             n_pad = _buffer(cache, "n_pad", n_pad)
         self.model, self.cache, self.n_pad, self.keep = model, cache, n_pad, keep
         self.fn = compiled_step(model, compile)
-        self.index = _buffer(cache, "index", torch.full((1,), cache.length, dtype=torch.long, device=cache.k.device))
+        self.index = _buffer(cache, "index",
+                             torch.full((1,), cache.length, dtype=torch.long, device=cache.k.device))
         torch._dynamo.mark_static_address(cache.k)
         torch._dynamo.mark_static_address(cache.v)
         self.cuda = cache.k.is_cuda
@@ -157,9 +162,10 @@ class GraphedSteps:
         """Next-token logits (B, V) after ids (B, 1); advances the cache by one."""
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten now
-        # ids is a column of the generation's token buffer, whose row stride is the generation's length: passed
-        # as is, every generation of another length would fail the compiled graph's stride guard and compile
-        # again (and past torch._dynamo's cache limit fall back to eager). A kept buffer has one layout.
+        # ids is a column of the generation's token buffer, whose row stride is the generation's length:
+        # passed as is, every generation of another length would fail the compiled graph's stride guard and
+        # compile again (and past torch._dynamo's cache limit fall back to eager). A kept buffer has one
+        # layout.
         ids = _buffer(self.cache, "ids", ids)
         logits = self.fn(self.model, ids, self.cache, self.index, self.n_pad, self.keep)
         self.cache.advance(1)

@@ -125,7 +125,8 @@ class NoRepeatNGram(LogitsProcessor):
 
 class NoBadWords(LogitsProcessor):
     """bad_words_ids: a banned one-token word is never produced; the last token of a longer banned sequence is
-    banned right after its other tokens (Hugging Face's NoBadWordsLogitsProcessor; a lone eos is never banned)."""
+    banned right after its other tokens (Hugging Face's NoBadWordsLogitsProcessor; a lone eos is never
+    banned)."""
 
     def __init__(self, words: list[list[int]], eos_ids: list[int]) -> None:
         words = [list(w) for w in words if not (len(w) == 1 and w[0] in eos_ids)]
@@ -283,8 +284,8 @@ class MinP(LogitsProcessor):
         return scores.masked_fill(remove, NEG_INF)
 
 
-PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, NoRepeatNGram, NoBadWords, MinNewTokens, ForcedBOS,
-                                           ForcedEOS]
+PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, NoRepeatNGram, NoBadWords, MinNewTokens,
+                                           ForcedBOS, ForcedEOS]
 WARPERS: list[type[LogitsProcessor]] = [Temperature, TopK, TopP, MinP]
 
 
@@ -294,7 +295,8 @@ class Pipeline:
     def __init__(self, cfg: GenerationConfig, ctx: Context, generator: torch.Generator | None = None) -> None:
         self.sampling = cfg.sampling
         self.processors = [p for cls in PROCESSORS if (p := cls.from_config(cfg, ctx)) is not None]
-        self.warpers = [w for cls in WARPERS if (w := cls.from_config(cfg, ctx)) is not None] if self.sampling else []
+        self.warpers = ([w for cls in WARPERS if (w := cls.from_config(cfg, ctx)) is not None]
+                        if self.sampling else [])
         self.generator = generator
 
     @property

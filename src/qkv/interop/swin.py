@@ -101,7 +101,8 @@ def load_swin(folder: Path, meta: dict[str, Any]) -> Swin:
     model = build_skeleton(lambda: Swin(cfg))
     # relative_position_index: HF's buffer of the same (dy, dx) indexing, rebuilt by our layers
     load_hf_weights(model, sd, swin_key_map(cfg, prefix, classify=classify), source=sd.source,
-                    ignore=[f"{prefix}encoder.layers.{{}}.blocks.{{}}.attention.self.relative_position_index"])
+                    ignore=[
+                        f"{prefix}encoder.layers.{{}}.blocks.{{}}.attention.self.relative_position_index"])
     return model.eval()
 
 

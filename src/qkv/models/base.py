@@ -31,12 +31,14 @@ from qkv.storage import save_model
 class ModelOutput:
     logits: Tensor | None = None  # (B, T, vocab) or (B, num_labels)
     loss: Tensor | None = None  # mean over target tokens
-    n_targets: Tensor | None = None  # how many target tokens the mean is over (for token-normalised accumulation)
+    # how many target tokens the mean is over (for token-normalised accumulation)
+    n_targets: Tensor | None = None
     last_hidden_state: Tensor | None = None  # (B, T, d_model)
     attentions: list[dict[str, Tensor]] | None = None  # decoder (or sole stack) attention weights per layer
     encoder_attentions: list[dict[str, Tensor]] | None = None
     pooled: Tensor | None = None  # (B, d_model) pooled representation where a family has one
-    aux_loss: Tensor | None = None  # a training forward's auxiliary loss (MoE load balancing), logged by the Trainer
+    # a training forward's auxiliary loss (MoE load balancing), logged by the Trainer
+    aux_loss: Tensor | None = None
 
 
 def token_loss(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -73,8 +75,8 @@ class QKVModel(nn.Module):
 
     family: ClassVar[str] = ""
     config_class: ClassVar[type] = TransformerConfig
-    # The kinds of task this family serves (registry.KINDS), its main kind first. A task built for a family takes the
-    # first of these kinds that it supports, and shapes its batches and config by that kind alone.
+    # The kinds of task this family serves (registry.KINDS), its main kind first. A task built for a family
+    # takes the first of these kinds that it supports, and shapes its batches and config by that kind alone.
     kinds: ClassVar[tuple[str, ...]] = ()
     # a sequence classifier that reads the first position (BERT's [CLS]): tasks put such a token there
     pools_first_token: ClassVar[bool] = False
@@ -130,8 +132,8 @@ class QKVModel(nn.Module):
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         """Write config.json + model.safetensors atomically into folder `path` (qkv.storage.save_model)."""
         if quantized_layers(self):  # its integer buffers would make a folder no loader reads
-            raise ValueError("a weight-only quantized model is not saved: save the unquantized model and quantize "
-                             "it when loading (qkv.from_pretrained(folder, quantize=...))")
+            raise ValueError("a weight-only quantized model is not saved: save the unquantized model and "
+                             "quantize it when loading (qkv.from_pretrained(folder, quantize=...))")
         return save_model(self, path)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -161,7 +163,8 @@ class TransformerDecoderModel(QKVModel):
 
     def generation_defaults(self) -> dict[str, Any]:
         c = self.config
-        out = {k: getattr(c, k) for k in ("eos_token_id", "pad_token_id", "bos_token_id") if getattr(c, k, None) is not None}
+        out = {k: getattr(c, k) for k in ("eos_token_id", "pad_token_id", "bos_token_id")
+                   if getattr(c, k, None) is not None}
         if self.is_seq2seq and "bos_token_id" in out:
             out["decoder_start_token_id"] = out["bos_token_id"]
         return {**out, **self.folder_generation_config}
@@ -185,8 +188,10 @@ class TransformerDecoderModel(QKVModel):
         return StaticCache(n_layers, batch_size, n_kv, hd, max_len or self.config.context_length,
                            dtype=dtype or p.dtype, device=device or p.device)
 
-    def make_paged_cache(self, num_blocks: int | None = None, block_size: int = 16, *, max_batch_size: int = 1,
-                         dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> PagedKVCache:
+    def make_paged_cache(self, num_blocks: int | None = None, block_size: int = 16, *,
+                         max_batch_size: int = 1,
+                         dtype: torch.dtype | None = None,
+                         device: torch.device | str | None = None) -> PagedKVCache:
         """A pool of num_blocks blocks of block_size positions for the decoder stack (serving); by default
         enough for max_batch_size sequences of the model's context_length."""
         p = self._float_param()
@@ -213,7 +218,8 @@ class TransformerDecoderModel(QKVModel):
                     keep: Tensor | None = None) -> Tensor:
         """step() for one new token per row (ids (B, 1)) with shapes that never change, for torch.compile /
         CUDA graphs (Stack.static_step: the arguments, and the caller advances cache.length)."""
-        h = self.decoder.static_step(self.embed_target(ids), cache=cache, index=index, offset=offset, keep=keep)
+        h = self.decoder.static_step(self.embed_target(ids), cache=cache, index=index,
+                                     offset=offset, keep=keep)
         return self.lm_head(h[:, -1])
 
 
@@ -236,18 +242,23 @@ class Seq2SeqModel(TransformerDecoderModel):
 
     def encode_source(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Source:
         self.check_source(inputs)
-        if attention_mask is not None and attention_mask.dim() == 2 and bool((attention_mask == 0).all(1).any()):
-            # its cross-attention would see no key: a softmax over nothing (as a decoder-only prompt of padding)
+        if (attention_mask is not None and attention_mask.dim() == 2
+            and bool((attention_mask == 0).all(1).any())):
+            # its cross-attention would see no key: a softmax over nothing (as a decoder-only prompt of
+            # padding)
             raise ValueError("a source in the batch is all padding (attention_mask row of zeros)")
         memory, _ = self.encode(inputs, attention_mask)
         return Source(memory, attention_mask)
 
-    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None, offset: int | Tensor | None = None,
+    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
+                offset: int | Tensor | None = None,
                 source: Source | None = None, return_attentions: bool = False) -> tuple[Tensor, list | None]:
         if source is None:
-            raise ValueError(f"{type(self).__name__} decodes from an encoded source: pass source=encode_source(...)")
+            raise ValueError(f"{type(self).__name__} decodes from an encoded source: pass "
+                             "source=encode_source(...)")
         logits, out = self.decode(ids, source.memory, memory_mask=source.mask, decoder_attention_mask=keep,
-                                  cache=cache, offset=offset, return_attentions=return_attentions, last_only=True)
+                                  cache=cache, offset=offset,
+                                  return_attentions=return_attentions, last_only=True)
         return logits[:, -1], out.attentions
 
     def decode(self, decoder_input_ids: Tensor, memory: Tensor, *, memory_mask: Tensor | None = None,
@@ -272,7 +283,8 @@ class Seq2SeqModel(TransformerDecoderModel):
         shifted = torch.cat([start, labels[:, :-1]], dim=1)
         return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
 
-    def seq2seq_forward(self, encoder_inputs: Tensor, *, decoder_input_ids: Tensor | None, labels: Tensor | None,
+    def seq2seq_forward(self, encoder_inputs: Tensor, *, decoder_input_ids: Tensor | None,
+                        labels: Tensor | None,
                         attention_mask: Tensor | None, decoder_attention_mask: Tensor | None,
                         return_attentions: bool) -> ModelOutput:
         """encode -> decode (decoder_input_ids default to labels shifted right) -> token loss."""
@@ -282,7 +294,8 @@ class Seq2SeqModel(TransformerDecoderModel):
             decoder_input_ids = self.shift_right(labels)
         memory, enc_att = self.encode(encoder_inputs, attention_mask, return_attentions)
         logits, out = self.decode(decoder_input_ids, memory, memory_mask=attention_mask,
-                                  decoder_attention_mask=decoder_attention_mask, return_attentions=return_attentions)
+                                  decoder_attention_mask=decoder_attention_mask,
+                                  return_attentions=return_attentions)
         loss = n = None
         if labels is not None:
             loss, n = token_loss(logits, labels, self.config.label_smoothing if self.training else 0.0)

@@ -40,7 +40,8 @@ class BERTConfig(TransformerConfig):
     # RoBERTa counts positions from padding_idx + 1 = 2: the learned table then has context_length +
     # position_offset rows, the first position_offset never used by a real token (0 = BERT)
     position_offset: int = 0
-    pad_token_id: int | None = None  # with position_offset: left padding shifts each row's positions (RoBERTa)
+    # with position_offset: left padding shifts each row's positions (RoBERTa)
+    pad_token_id: int | None = None
     position: str = "learned"
     placement: str = "post"
     ffn: str = "gelu"
@@ -55,7 +56,8 @@ class BERTConfig(TransformerConfig):
         if self.head == "classify" and not self.pooler:
             raise ConfigError("head=classify needs pooler=true")
         if self.pooler_act not in POOLER_ACTS:
-            raise ConfigError(f"{type(self).__name__}.pooler_act: {self.pooler_act!r} is not one of {list(POOLER_ACTS)}")
+            raise ConfigError(f"{type(self).__name__}.pooler_act: {self.pooler_act!r} is not one of "
+                              f"{list(POOLER_ACTS)}")
 
 
 class BERT(QKVModel):
@@ -106,7 +108,8 @@ class BERT(QKVModel):
         return c.position_offset - first_real
 
     def _embed(self, input_ids: Tensor, token_type_ids: Tensor | None, keep: Tensor | None) -> Tensor:
-        """Token (+ segment) embeddings, the stack's input; keep: (B, T) real tokens (a subclass may use it)."""
+        """Token (+ segment) embeddings, the stack's input; keep: (B, T) real tokens (a subclass may use
+        it)."""
         x = self.tok_emb(input_ids)
         if self.type_emb is not None:
             tt = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
@@ -137,7 +140,8 @@ class BERT(QKVModel):
         if labels is not None and c.head in ("mlm", "tag"):
             check_labels(labels, input_ids)
         if token_type_ids is not None and self.type_emb is None:
-            raise ValueError("token_type_ids given, but this model has no segment embeddings (type_vocab_size=0)")
+            raise ValueError("token_type_ids given, but this model has no segment embeddings "
+                             "(type_vocab_size=0)")
         keep = attention_mask.bool() if attention_mask is not None else None
         x = self._embed(input_ids, token_type_ids, keep)
         out = self.encoder(x, keep=keep, offset=self._offset(input_ids), return_weights=return_attentions,

@@ -28,8 +28,8 @@ from qkv.nn.checks import check_batch, check_length, check_token_ids
 
 
 def _default_vision() -> ViTConfig:
-    return ViTConfig(head="none", image_size=224, patch_size=32, n_layers=12, d_model=768, n_heads=12, d_ff=3072,
-                     norm_eps=1e-5)
+    return ViTConfig(head="none", image_size=224, patch_size=32, n_layers=12, d_model=768, n_heads=12,
+                     d_ff=3072, norm_eps=1e-5)
 
 
 @dataclass
@@ -52,7 +52,8 @@ class CLIPConfig(TransformerConfig):
     def validate(self) -> None:
         super().validate()
         if self.vision.head != "none":
-            raise ConfigError("CLIPConfig.vision.head must be 'none' (the image tower is projected, not classified)")
+            raise ConfigError("CLIPConfig.vision.head must be 'none' (the image tower is projected, not "
+                              "classified)")
         if self.embed_dim < 1 or self.vocab_size < 1 or self.context_length < 1:
             raise ConfigError("CLIPConfig: embed_dim, vocab_size and context_length must be positive")
 
@@ -106,7 +107,8 @@ class CLIP(QKVModel):
         """Image-text pairs (row i with row i). logits: (B, B) image-to-text similarities times exp(t);
         loss: symmetric InfoNCE, averaged over the B images and B texts (n_targets = B)."""
         if pixel_values.shape[0] != input_ids.shape[0]:
-            raise ValueError(f"{pixel_values.shape[0]} images but {input_ids.shape[0]} texts: CLIP needs pairs")
+            raise ValueError(f"{pixel_values.shape[0]} images but {input_ids.shape[0]} texts: CLIP needs "
+                             "pairs")
         img = self.encode_image(pixel_values)
         txt = self.encode_text(input_ids, attention_mask)
         logits = self.scale() * img @ txt.t()  # (B_img, B_txt)
@@ -118,14 +120,17 @@ class CLIP(QKVModel):
         return ModelOutput(logits=logits, loss=loss, n_targets=n, pooled=img)
 
     @torch.no_grad()
-    def zero_shot_logits(self, pixel_values: Tensor, prompt_ids: Tensor, prompt_mask: Tensor | None = None) -> Tensor:
+    def zero_shot_logits(self, pixel_values: Tensor, prompt_ids: Tensor,
+                         prompt_mask: Tensor | None = None) -> Tensor:
         """(B, n_classes) similarities of each image to one prompt per class."""
         return self.scale() * self.encode_image(pixel_values) @ self.encode_text(prompt_ids, prompt_mask).t()
 
 
 register_family("clip", CLIPConfig, CLIP)
-register_preset("clip-vit-b-32", "clip", CLIPConfig(), "CLIP ViT-B/32 shape: 12-layer ViT-B/32 + 12-layer 512-wide text")
+register_preset("clip-vit-b-32", "clip", CLIPConfig(),
+                "CLIP ViT-B/32 shape: 12-layer ViT-B/32 + 12-layer 512-wide text")
 register_preset("clip-digits", "clip", CLIPConfig(
     vocab_size=64, n_layers=2, context_length=12, d_model=64, n_heads=4, d_ff=128, embed_dim=64,
     vision=ViTConfig(head="none", image_size=8, patch_size=2, n_channels=1, n_layers=3, d_model=64, n_heads=4,
-                     d_ff=128, pooling="mean")), "3-layer mean-pooled ViT on 8x8 digits + 2-layer text tower, 64-d")
+                     d_ff=128, pooling="mean")),
+                "3-layer mean-pooled ViT on 8x8 digits + 2-layer text tower, 64-d")

@@ -65,7 +65,8 @@ class DeBERTaConfig(BERTConfig):
 
 
 class DeBERTa(BERT):
-    # the token-wise layers run on the real tokens only in training, as BERT's (DisentangledAttention takes the rows)
+    # the token-wise layers run on the real tokens only in training, as BERT's (DisentangledAttention takes
+    # the rows)
     unpad_in_training: bool = True
 
     def __init__(self, config: DeBERTaConfig) -> None:
@@ -75,8 +76,8 @@ class DeBERTa(BERT):
         self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
         # the embedding LayerNorm is the model's, not the stack's: the padding is zeroed after it
         self.embed_norm = build_norm("layernorm", c.d_model, c.norm_eps)
-        positions = RelativeEmbeddings(c.d_model, c.relative_buckets, c.max_relative_positions, norm=c.rel_norm,
-                                       norm_eps=c.norm_eps)
+        positions = RelativeEmbeddings(c.d_model, c.relative_buckets, c.max_relative_positions,
+                                       norm=c.rel_norm, norm_eps=c.norm_eps)
         self.encoder = build_stack(c, c.n_layers, max_len=c.context_length, causal=False, position=positions)
         for block in self.encoder.blocks:
             block.attn = DisentangledAttention(c.d_model, c.n_heads, terms=c.terms, dropout=c.attn_dropout,

@@ -50,16 +50,17 @@ class Source:
 
 
 def configured_context(model: Any) -> int | None:
-    """The most positions a model is meant to see: its hard context_limit (absolute positions, a sliding window);
-    for a RoPE or ALiBi decoder, the context_length it was configured with (a Llama folder's
-    max_position_embeddings) where that is smaller: positions past it run, but the model was not trained on them.
-    None: no limit known (the LSTM, positions "none")."""
+    """The most positions a model is meant to see: its hard context_limit (absolute positions, a sliding
+    window); for a RoPE or ALiBi decoder, the context_length it was configured with (a Llama folder's
+    max_position_embeddings) where that is smaller: positions past it run, but the model was not trained on
+    them. None: no limit known (the LSTM, positions "none")."""
     limit = getattr(model, "context_limit", None)
     config = getattr(model, "config", None)
     trained = getattr(config, "context_length", None)
     if getattr(config, "position", None) not in ("rope", "alibi") or not isinstance(trained, int):
         return limit
-    return trained if limit is None else min(limit, trained)  # a sliding window's limit may lie past the context
+    # a sliding window's limit may lie past the context
+    return trained if limit is None else min(limit, trained)
 
 
 @runtime_checkable
@@ -77,13 +78,15 @@ class Decoder(Protocol):
     def make_cache(self, batch_size: int, max_len: int | None = None, *, dtype: Any = None,
                    device: Any = None) -> Any: ...
 
-    def make_paged_cache(self, num_blocks: int | None = None, block_size: int = 16, *, max_batch_size: int = 1,
-                         dtype: Any = None, device: Any = None) -> Any: ...
+    def make_paged_cache(self, num_blocks: int | None = None, block_size: int = 16, *,
+                         max_batch_size: int = 1, dtype: Any = None, device: Any = None) -> Any: ...
 
     def encode_source(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Source | None: ...
 
-    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None, offset: int | Tensor | None = None,
-                source: Source | None = None, return_attentions: bool = False) -> tuple[Tensor, list | None]: ...
+    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
+                offset: int | Tensor | None = None,
+                source: Source | None = None,
+                return_attentions: bool = False) -> tuple[Tensor, list | None]: ...
 
     def step(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
              offset: int | Tensor | None = None) -> Tensor: ...
@@ -92,6 +95,6 @@ class Decoder(Protocol):
 def as_decoder(model: Any) -> Decoder:
     """`model` itself, after checking that it implements the protocol (a clear error otherwise)."""
     if not isinstance(model, Decoder):
-        raise TypeError(f"{type(model).__name__} cannot generate: it does not implement qkv's decoder protocol "
-                        f"(qkv.models.decoding.Decoder)")
+        raise TypeError(f"{type(model).__name__} cannot generate: it does not implement qkv's decoder "
+                        f"protocol (qkv.models.decoding.Decoder)")
     return model

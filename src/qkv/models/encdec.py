@@ -12,8 +12,8 @@ The pretrained encoder-decoders are configurations of the same model (qkv.intero
                           head sees the hidden states times d_model**-0.5 (output_scale)
   BART                    learned positions read 2 rows on (position_skip=2), an embedding LayerNorm
                           (embed_norm), GELU, Post-LN, final_logits_bias (logits_bias)
-  Marian (OPUS-MT)        sinusoidal positions with sines then cosines (sinusoidal_layout="halves"), embeddings
-                          times sqrt(d_model), SiLU ("swish"), Post-LN, final_logits_bias
+  Marian (OPUS-MT)        sinusoidal positions with sines then cosines (sinusoidal_layout="halves"),
+                          embeddings times sqrt(d_model), SiLU ("swish"), Post-LN, final_logits_bias
 """
 
 from __future__ import annotations
@@ -74,9 +74,11 @@ class EncoderDecoderConfig(TransformerConfig):
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.src_vocab_size):
-            raise ConfigError("share_embeddings needs one vocabulary: set tgt_vocab_size=null or share_embeddings=false")
+            raise ConfigError("share_embeddings needs one vocabulary: set tgt_vocab_size=null or "
+                              "share_embeddings=false")
         if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
-            raise ConfigError(f"sinusoidal_layout must be one of {list(SINUSOIDAL_LAYOUTS)}, got {self.sinusoidal_layout!r}")
+            raise ConfigError(f"sinusoidal_layout must be one of {list(SINUSOIDAL_LAYOUTS)}, got "
+                              f"{self.sinusoidal_layout!r}")
         if self.position_skip < 0 or self.relative_buckets < 2 or self.relative_max_distance < 2:
             raise ConfigError("position_skip must be >= 0, relative_buckets and relative_max_distance >= 2")
         if not (math.isfinite(self.output_scale) and self.output_scale > 0):
@@ -124,9 +126,10 @@ class EncoderDecoder(Seq2SeqModel):
         self.src_emb = nn.Embedding(c.src_vocab_size, c.d_model)
         self.tgt_emb = nn.Embedding(c.target_vocab_size, c.d_model)
         stack = dict(max_len=c.context_length, embed_norm=c.embed_norm)
-        self.encoder = build_stack(c, c.n_encoder_layers, causal=False, position=c.position_encoding(), **stack)
-        self.decoder = build_stack(c, c.n_decoder_layers, causal=True, cross=True, position=c.position_encoding(),
-                                   **stack)
+        self.encoder = build_stack(c, c.n_encoder_layers, causal=False,
+                                   position=c.position_encoding(), **stack)
+        self.decoder = build_stack(c, c.n_decoder_layers, causal=True, cross=True,
+                                   position=c.position_encoding(), **stack)
         if c.output_scale != 1.0 or c.logits_bias:
             self.lm_head = OutputHead(c.d_model, c.target_vocab_size, c.output_scale, c.logits_bias)
         else:
@@ -146,7 +149,8 @@ class EncoderDecoder(Seq2SeqModel):
         # only absolute encodings (learned, sinusoidal) limit the source; RoPE / ALiBi / none take any length
         check_length(input_ids.shape[1], self.encoder.context_limit, "source sequence")
         keep = attention_mask.bool() if attention_mask is not None else None
-        out = self.encoder(self.src_emb(input_ids) * self.embed_scale, keep=keep, return_weights=return_attentions)
+        out = self.encoder(self.src_emb(input_ids) * self.embed_scale, keep=keep,
+                           return_weights=return_attentions)
         return out.hidden, out.attentions or None
 
     def check_source(self, inputs: Tensor) -> None:
@@ -168,14 +172,16 @@ class EncoderDecoder(Seq2SeqModel):
         """input_ids: source (B, S); labels: target (B, T) with -100 on padding; decoder_input_ids default
         to labels shifted right. Masks: (B, S) / (B, T), 1 = real token."""
         return self.seq2seq_forward(input_ids, decoder_input_ids=decoder_input_ids, labels=labels,
-                                    attention_mask=attention_mask, decoder_attention_mask=decoder_attention_mask,
+                                    attention_mask=attention_mask,
+                                    decoder_attention_mask=decoder_attention_mask,
                                     return_attentions=return_attentions)
 
 
 register_family("encdec", EncoderDecoderConfig, EncoderDecoder)
 register_preset("transformer-base", "encdec", EncoderDecoderConfig(),
                 "the paper's base model: 6+6 layers, 512 wide, 8 heads, shared 37k vocabulary, Post-LN")
-register_preset("transformer-big", "encdec", EncoderDecoderConfig(d_model=1024, n_heads=16, d_ff=4096, dropout=0.3),
+register_preset("transformer-big", "encdec",
+                EncoderDecoderConfig(d_model=1024, n_heads=16, d_ff=4096, dropout=0.3),
                 "the paper's big model")
 register_preset("transformer-tiny", "encdec", EncoderDecoderConfig(
     src_vocab_size=64, n_encoder_layers=2, n_decoder_layers=2, d_model=128, n_heads=4, d_ff=512,

@@ -28,8 +28,10 @@ class GPTConfig(TransformerConfig):
     n_layers: int = 4  # decoder blocks
     context_length: int = 256  # longest sequence (positions) the model accepts
     tie_embeddings: bool = True  # share the token embedding with the LM head (Press & Wolf 2017)
-    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts blocks (nn/moe.py); n_experts=0: none
-    mla: MLAConfig = field(default_factory=MLAConfig)  # multi-head latent attention (nn/mla.py); kv_lora_rank=0: none
+    # mixture-of-experts blocks (nn/moe.py); n_experts=0: none
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    # multi-head latent attention (nn/mla.py); kv_lora_rank=0: none
+    mla: MLAConfig = field(default_factory=MLAConfig)
 
     def validate(self) -> None:
         super().validate()
@@ -116,7 +118,8 @@ class GPT(TransformerDecoderModel):
             return super().make_cache(batch_size, max_len, dtype=dtype, device=device)
         p = self._float_param()
         return LatentCache(self.config.n_layers, batch_size, m.kv_lora_rank, m.qk_rope_head_dim,
-                           max_len or self.config.context_length, dtype=dtype or p.dtype, device=device or p.device)
+                           max_len or self.config.context_length, dtype=dtype or p.dtype,
+                           device=device or p.device)
 
     def make_paged_cache(self, num_blocks: int | None = None, block_size: int = 16, *,
                          max_batch_size: int = 1, dtype: Any = None, device: Any = None) -> Any:
@@ -142,7 +145,8 @@ class GPT(TransformerDecoderModel):
         check_token_ids(inputs, self.config.vocab_size, entry=True)
         return None
 
-    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None, offset: int | Tensor | None = None,
+    def prefill(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
+                offset: int | Tensor | None = None,
                 source: Source | None = None, return_attentions: bool = False) -> tuple[Tensor, list | None]:
         out = self(ids, attention_mask=keep, cache=cache, offset=offset, return_attentions=return_attentions,
                    last_only=True)

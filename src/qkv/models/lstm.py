@@ -88,7 +88,8 @@ class LSTM(QKVModel):
 
     @classmethod
     def config_for_task(cls, kind: str, needs: dict[str, Any]) -> dict[str, Any]:
-        """The mode follows the kind: decoder -> a unidirectional LM; encoder -> a bidirectional classifier."""
+        """The mode follows the kind: decoder -> a unidirectional LM; encoder -> a bidirectional
+        classifier."""
         if kind == "decoder":
             return {**needs, "mode": "lm", "bidirectional": False}
         return {**needs, "mode": "classify", "bidirectional": True}
@@ -173,13 +174,15 @@ class LSTM(QKVModel):
             out = self(ids[:, t:t + 1], cache=cache).logits[:, -1]
             k = new_keep[:, t].view(1, -1, 1)
             if prev is not None:
-                cache.state = (torch.where(k, cache.state[0], prev[0]), torch.where(k, cache.state[1], prev[1]))
+                cache.state = (torch.where(k, cache.state[0], prev[0]),
+                               torch.where(k, cache.state[1], prev[1]))
             else:  # the state before the first token is zero
                 cache.state = (cache.state[0] * k, cache.state[1] * k)
             logits = out if logits is None else torch.where(new_keep[:, t:t + 1], out, logits)
         return logits, None
 
-    def step(self, ids: Tensor, cache: LSTMCache, *, keep: Tensor | None = None, offset: Any = None) -> Tensor:
+    def step(self, ids: Tensor, cache: LSTMCache, *, keep: Tensor | None = None,
+             offset: Any = None) -> Tensor:
         """Next-token logits after the newest (real) tokens ids (B, T)."""
         return self(ids, cache=cache, last_only=True).logits[:, -1]
 
@@ -281,6 +284,7 @@ def hidden_for_params(n_params: int, config: LSTMConfig | None = None, **fields:
 register_family("lstm", LSTMConfig, LSTM)
 register_preset("lstm-tiny", "lstm", LSTMConfig(vocab_size=256, d_model=256, n_layers=2, context_length=64),
                 "2-layer LSTM language model, 256 wide (the baseline next to gpt-tiny)")
-register_preset("bilstm-classify", "lstm", LSTMConfig(vocab_size=32, d_model=128, n_layers=1, bidirectional=True,
+register_preset("bilstm-classify", "lstm",
+                LSTMConfig(vocab_size=32, d_model=128, n_layers=1, bidirectional=True,
                 mode="classify", num_labels=10, context_length=2048),
                 "1-layer bidirectional LSTM classifier, 128 wide (ListOps baseline)")

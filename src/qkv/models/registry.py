@@ -39,8 +39,8 @@ _PRESETS: dict[str, tuple[str, Any, str]] = {}  # name -> (family, config, one-l
 def register_family(name: str, config_class: type, model_class: type) -> None:
     kinds = getattr(model_class, "kinds", ())
     if not kinds or any(k not in KINDS for k in kinds):
-        raise ValueError(f"family {name!r}: {model_class.__name__}.kinds must be a non-empty tuple of {KINDS}, "
-                         f"got {kinds!r}")
+        raise ValueError(f"family {name!r}: {model_class.__name__}.kinds must be a non-empty tuple of "
+                         f"{KINDS}, got {kinds!r}")
     _FAMILIES[name] = Family(name, config_class, model_class)
     model_class.family = name
     model_class.config_class = config_class

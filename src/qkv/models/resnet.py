@@ -61,8 +61,8 @@ class ResNetConfig:
             if value not in choices:
                 raise ConfigError(f"ResNetConfig.{name}: {value!r} is not one of {list(choices)}")
         if not self.depths or len(self.depths) != len(self.widths):
-            raise ConfigError(f"ResNetConfig.depths and widths need one entry per stage, got {self.depths} and "
-                              f"{self.widths}")
+            raise ConfigError(f"ResNetConfig.depths and widths need one entry per stage, got {self.depths} "
+                              f"and {self.widths}")
         if any(d < 1 for d in self.depths) or any(w < 1 for w in self.widths):
             raise ConfigError("ResNetConfig.depths and widths must be positive")
         for name in ("image_size", "n_channels", "stem_width", "num_labels", "bottleneck_reduction"):
@@ -76,7 +76,8 @@ class ResNetConfig:
 
 
 class ConvBN(nn.Module):
-    """k x k conv (no bias: the BN after it has one) + BatchNorm; padding k // 2 keeps the grid at stride 1."""
+    """k x k conv (no bias: the BN after it has one) + BatchNorm; padding k // 2 keeps the grid at stride
+    1."""
 
     def __init__(self, c_in: int, c_out: int, kernel: int, stride: int, cfg: ResNetConfig) -> None:
         super().__init__()
@@ -135,7 +136,8 @@ class ResNet(QKVModel):
         c_in = c.stem_width
         for i, (depth, width) in enumerate(zip(c.depths, c.widths)):
             stride = 2 if (i > 0 or c.downsample_first_stage) else 1
-            blocks = [ResidualBlock(c_in if j == 0 else width, width, stride if j == 0 else 1, c) for j in range(depth)]
+            blocks = [ResidualBlock(c_in if j == 0 else width, width, stride if j == 0 else 1, c)
+                          for j in range(depth)]
             self.stages.append(nn.ModuleList(blocks))
             c_in = width
         self.head_drop = nn.Dropout(c.dropout)
@@ -160,7 +162,8 @@ class ResNet(QKVModel):
         """The last stage's feature map (B, C, H', W')."""
         c = self.config
         if pixel_values.dim() != 4 or pixel_values.shape[1] != c.n_channels:
-            raise ValueError(f"pixel_values must be (B, {c.n_channels}, H, W), got {tuple(pixel_values.shape)}")
+            raise ValueError(f"pixel_values must be (B, {c.n_channels}, H, W), got "
+                             f"{tuple(pixel_values.shape)}")
         x = self.stem(pixel_values)
         for stage in self.stages:
             for block in stage:
@@ -187,8 +190,10 @@ def _cifar(depths: list[int], width: int = 64, **kw) -> ResNetConfig:
 
 
 register_family("resnet", ResNetConfig, ResNet)
-register_preset("resnet-18", "resnet", ResNetConfig(), "ResNet-18: basic blocks 2-2-2-2, 224x224, 11.7M (He et al. 2016)")
-register_preset("resnet-34", "resnet", ResNetConfig(depths=[3, 4, 6, 3]), "ResNet-34: basic blocks 3-4-6-3, 21.8M")
+register_preset("resnet-18", "resnet", ResNetConfig(),
+                "ResNet-18: basic blocks 2-2-2-2, 224x224, 11.7M (He et al. 2016)")
+register_preset("resnet-34", "resnet", ResNetConfig(depths=[3, 4, 6, 3]),
+                "ResNet-34: basic blocks 3-4-6-3, 21.8M")
 register_preset("resnet-50", "resnet", ResNetConfig(block="bottleneck", depths=[3, 4, 6, 3],
                                                     widths=[256, 512, 1024, 2048]),
                 "ResNet-50: bottleneck blocks 3-4-6-3 (v1.5), 25.6M")

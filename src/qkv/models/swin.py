@@ -71,7 +71,8 @@ class WindowRelativeBias(PositionalEncoding):
         super().__init__()
         self.window = window
         self.table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, n_heads))
-        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window),
+                                            indexing="ij")).flatten(1)
         rel = coords[:, :, None] - coords[:, None, :] + (window - 1)  # (2, N, N), offsets shifted to >= 0
         self.register_buffer("index", rel[0] * (2 * window - 1) + rel[1], persistent=False)
 
@@ -97,7 +98,8 @@ class SwinLayer(nn.Module):
         self.block = Block(dim, n_heads, causal=False, **kw)
         self.rel_bias = WindowRelativeBias(window, n_heads)
         if shift:
-            self.register_buffer("mask", shifted_window_mask(resolution, resolution, window, shift), persistent=False)
+            self.register_buffer("mask", shifted_window_mask(resolution, resolution, window, shift),
+                                 persistent=False)
         else:
             self.mask = None
 
@@ -105,7 +107,8 @@ class SwinLayer(nn.Module):
         """x: (B, H, W, C) -> (B, H, W, C)."""
         B, H, W, C = x.shape
         if (H, W) != (self.resolution, self.resolution):
-            raise ValueError(f"this Swin layer was built for a {self.resolution}x{self.resolution} grid, got {H}x{W}")
+            raise ValueError(f"this Swin layer was built for a {self.resolution}x{self.resolution} grid, got "
+                             f"{H}x{W}")
         if self.shift:
             x = torch.roll(x, shifts=(-self.shift, -self.shift), dims=(1, 2))
         win = window_partition(x, self.window)  # (B*nW, N, C)
@@ -161,14 +164,16 @@ class SwinConfig(TransformerConfig):
             if getattr(self, name) < 1:
                 raise ConfigError(f"SwinConfig.{name} must be positive, got {getattr(self, name)}")
         if self.image_size % self.patch_size:
-            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
+            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size "
+                              f"({self.patch_size})")
         grid = self.image_size // self.patch_size
         for i in range(len(self.depths)):
             g = grid >> i
             if g < 1 or (i < len(self.depths) - 1 and g % 2):
                 raise ConfigError(f"a {grid}x{grid} token grid cannot be halved {len(self.depths) - 1} times")
             if g > self.window_size and g % self.window_size:
-                raise ConfigError(f"stage {i + 1}'s {g}x{g} grid is not a multiple of window_size {self.window_size}")
+                raise ConfigError(f"stage {i + 1}'s {g}x{g} grid is not a multiple of window_size "
+                                  f"{self.window_size}")
 
 
 class Swin(QKVModel):
@@ -230,4 +235,5 @@ register_family("swin", SwinConfig, Swin)
 register_preset("swin-tiny", "swin", SwinConfig(), "Swin-T: 224x224, patch 4, window 7, depths 2-2-6-2, 28M")
 register_preset("swin-digits", "swin", SwinConfig(
     image_size=8, patch_size=2, n_channels=1, depths=[2, 2], window_size=2, d_model=48, n_heads=2,
-    num_labels=10, dropout=0.1), "8x8 grey digits: 2x2 patches, 2x2 windows, 2 stages of 2 layers, 48 -> 96 wide")
+    num_labels=10, dropout=0.1),
+                "8x8 grey digits: 2x2 patches, 2x2 windows, 2 stages of 2 layers, 48 -> 96 wide")

@@ -27,7 +27,8 @@ from qkv.nn.position import PatchGrid, build_position, interpolate_positions, si
 POOLINGS = ("cls", "mean")
 PATCH_POSITIONS = ("learned", "sinusoidal2d", "none")
 VIT_HEADS = ("classify", "none")
-__all__ = ["ViT", "ViTConfig", "interpolate_positions", "patch_attention", "save_attention_overlay", "sinusoidal_2d"]
+__all__ = ["ViT", "ViTConfig", "interpolate_positions", "patch_attention", "save_attention_overlay",
+           "sinusoidal_2d"]
 
 
 @dataclass
@@ -38,7 +39,8 @@ class ViTConfig(TransformerConfig):
     n_layers: int = 12
     pooling: str = "cls"  # cls: a learned class token; mean: average of the patch outputs
     patch_position: str = "learned"  # learned | sinusoidal2d | none (positions added to the patches)
-    head: str = "classify"  # classify (logits over num_labels) | none (features only, e.g. CLIP's image tower)
+    # classify (logits over num_labels) | none (features only, e.g. CLIP's image tower)
+    head: str = "classify"
     num_labels: int = 1000
     pooler: bool = False  # tanh(W pooled + b) as in Hugging Face ViTModel; off in the paper's fine-tuning
     position: str = "none"  # the stack's own encoding; patches get theirs from patch_position
@@ -57,7 +59,8 @@ class ViTConfig(TransformerConfig):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ViTConfig.{name} must be positive, got {getattr(self, name)}")
         if self.image_size % self.patch_size:
-            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
+            raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size "
+                              f"({self.patch_size})")
         if self.patch_position == "sinusoidal2d" and self.d_model % 4:
             raise ConfigError("patch_position=sinusoidal2d needs d_model divisible by 4")
 
@@ -97,11 +100,12 @@ class ViT(QKVModel):
         self.cls_emb = nn.Parameter(torch.zeros(1, 1, c.d_model)) if n_extra else None
         # patch positions behind the stack's embed hook (nn.position.PatchGrid); config.position (none by
         # default) supplies rotate / bias on top of them
-        position = build_position(c.position, d_model=c.d_model, n_heads=c.n_heads, max_len=n_extra + c.grid**2,
-                                  rope_base=c.rope_base)
+        position = build_position(c.position, d_model=c.d_model, n_heads=c.n_heads,
+                                  max_len=n_extra + c.grid**2, rope_base=c.rope_base)
         if c.patch_position != "none":
             position = PatchGrid(c.patch_position, c.d_model, c.grid, n_extra, inner=position)
-        self.encoder = build_stack(c, c.n_layers, max_len=n_extra + c.grid**2, causal=False, position=position)
+        self.encoder = build_stack(c, c.n_layers, max_len=n_extra + c.grid**2, causal=False,
+                                   position=position)
         self.pooler = nn.Linear(c.d_model, c.d_model) if c.pooler else None
         self.classifier = nn.Linear(c.d_model, c.num_labels) if c.head == "classify" else None
         self.head_drop = nn.Dropout(c.dropout)
@@ -122,7 +126,8 @@ class ViT(QKVModel):
             x = torch.cat([self.cls_emb.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         position = self.encoder.position
         if isinstance(position, PatchGrid):
-            with position.at_grid(grid):  # the grid of these images (the token count cannot tell 4x6 from 6x4)
+            # the grid of these images (the token count cannot tell 4x6 from 6x4)
+            with position.at_grid(grid):
                 out = self.encoder(x, return_weights=return_attentions)
         else:
             out = self.encoder(x, return_weights=return_attentions)
@@ -203,4 +208,5 @@ register_family("vit", ViTConfig, ViT)
 register_preset("vit-base", "vit", ViTConfig(), "ViT-B/16, 224x224, 86M (Dosovitskiy et al. 2021)")
 register_preset("vit-digits", "vit", ViTConfig(
     image_size=8, patch_size=4, n_channels=1, n_layers=4, d_model=64, n_heads=4, d_ff=128, num_labels=10,
-    pooling="mean", dropout=0.1), "4 layers, 64 wide, mean-pooled 4x4 patches of 8x8 grey digits (load_digits)")
+    pooling="mean", dropout=0.1),
+                "4 layers, 64 wide, mean-pooled 4x4 patches of 8x8 grey digits (load_digits)")

@@ -2,8 +2,10 @@
 
 waveform (B, N) -> log-mel (B, n_mels, 2T) -> conv1d k3 + GELU -> conv1d k3 stride 2 + GELU -> (B, T, d)
   -> + sinusoidal positions (Whisper's table: sines in the first half of the channels, cosines in the second;
-       a FixedTable encoding behind the encoder stack's embed hook) -> Pre-LN encoder blocks -> final norm -> memory (B, T, d)
-tokens (B, L) -> embedding + learned positions -> Pre-LN decoder blocks (causal self-attention, cross-attention
+       a FixedTable encoding behind the encoder stack's embed hook) -> Pre-LN encoder blocks -> final norm
+       -> memory (B, T, d)
+tokens (B, L) -> embedding + learned positions -> Pre-LN decoder blocks (causal self-attention,
+cross-attention
   over memory) -> final norm -> LM head tied to the embedding -> logits (B, L, vocab)
 
 The blocks are the shared nn.Block/Stack; the decoder half (decode, the decoder protocol, caches) is
@@ -68,8 +70,8 @@ class WhisperConfig(TransformerConfig):
         if self.placement != "pre":
             raise ConfigError("WhisperConfig.placement must be 'pre' (Whisper is Pre-LN)")
         if self.d_model % 2 or self.d_model < 4:
-            raise ConfigError(f"WhisperConfig.d_model must be even and at least 4 (sinusoidal audio positions: "
-                              f"their frequencies step over d_model / 2 - 1), got {self.d_model}")
+            raise ConfigError("WhisperConfig.d_model must be even and at least 4 (sinusoidal audio "
+                              f"positions: their frequencies step over d_model / 2 - 1), got {self.d_model}")
         for name in ("vocab_size", "n_audio_ctx", "n_text_ctx", "n_mels", "hop_length", "n_encoder_layers",
                      "n_decoder_layers"):
             if getattr(self, name) < 1:
@@ -91,7 +93,8 @@ class WhisperConfig(TransformerConfig):
 
 class Whisper(Seq2SeqModel):
     kinds: ClassVar[tuple[str, ...]] = ("audio",)
-    renamed_keys: ClassVar[dict[str, str]] = {"audio_pos": "encoder.position.weight"}  # before the table moved
+    # before the table moved
+    renamed_keys: ClassVar[dict[str, str]] = {"audio_pos": "encoder.position.weight"}
 
     @classmethod
     def config_for_task(cls, kind: str, needs: dict[str, Any]) -> dict[str, Any]:
@@ -107,9 +110,11 @@ class Whisper(Seq2SeqModel):
         self.melspec = LogMelSpectrogram(c.sample_rate, c.n_fft, c.hop_length, c.n_mels)
         self.conv1 = nn.Conv1d(c.n_mels, c.d_model, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(c.d_model, c.d_model, kernel_size=3, stride=2, padding=1)
-        # fixed, not trained (as in Whisper); a persistent buffer, so a loaded checkpoint carries its own table
+        # fixed, not trained (as in Whisper); a persistent buffer, so a loaded checkpoint carries its own
+        # table
         audio_pos = FixedTable(whisper_sinusoids(c.n_audio_ctx, c.d_model))
-        self.encoder = build_stack(c, c.n_encoder_layers, max_len=c.n_audio_ctx, causal=False, position=audio_pos)
+        self.encoder = build_stack(c, c.n_encoder_layers, max_len=c.n_audio_ctx, causal=False,
+                                   position=audio_pos)
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.decoder = build_stack(c, c.n_decoder_layers, max_len=c.n_text_ctx, causal=True, cross=True)
         self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
@@ -137,7 +142,8 @@ class Whisper(Seq2SeqModel):
         """inputs: a waveform (B, N) or log-mel features (B, n_mels, frames). Returns memory (B, T, d)."""
         c = self.config
         if attention_mask is not None:
-            raise ValueError("Whisper's encoder attends over the whole (silence-padded) window; pass no attention_mask")
+            raise ValueError("Whisper's encoder attends over the whole (silence-padded) window; pass no "
+                             "attention_mask")
         if inputs.dim() == 2:
             inputs = self.features(inputs)
         if inputs.dim() != 3 or inputs.shape[1] != c.n_mels:
@@ -166,10 +172,12 @@ class Whisper(Seq2SeqModel):
         """audio: (B, N) waveform, or input_features: (B, n_mels, frames) log-mel. labels: (B, L) target ids
         ending in eos, -100 on padding; decoder_input_ids default to labels shifted right behind bos."""
         if (audio is None) == (input_features is None):
-            raise ValueError("Whisper.forward needs exactly one of audio (waveform) or input_features (log-mel)")
+            raise ValueError("Whisper.forward needs exactly one of audio (waveform) or input_features "
+                             "(log-mel)")
         return self.seq2seq_forward(audio if audio is not None else input_features,
                                     decoder_input_ids=decoder_input_ids, labels=labels, attention_mask=None,
-                                    decoder_attention_mask=decoder_attention_mask, return_attentions=return_attentions)
+                                    decoder_attention_mask=decoder_attention_mask,
+                                    return_attentions=return_attentions)
 
 
 register_family("whisper", WhisperConfig, Whisper)

@@ -25,7 +25,7 @@ from qkv.nn.stack import Stack, StackOutput
 __all__ = [
     "ACTIVATIONS", "ALiBi", "BatchNorm", "Block", "BlockAllocator", "FeedForward", "FixedTable", "KVCache",
     "LayerNorm", "Learned", "Linear", "MultiHeadAttention", "NoPosition", "PagedKVCache", "PatchGrid",
-    "PositionalEncoding", "RMSNorm", "RoPE", "Sinusoidal", "Stack", "StackOutput", "StaticCache", "build_norm",
-    "build_position", "causal_mask", "check_length", "check_token_ids", "count_parameters",
+    "PositionalEncoding", "RMSNorm", "RoPE", "Sinusoidal", "Stack", "StackOutput", "StaticCache",
+    "build_norm", "build_position", "causal_mask", "check_length", "check_token_ids", "count_parameters",
     "scaled_dot_product_attention", "step_scores_bias", "tied_names",
 ]

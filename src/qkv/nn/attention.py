@@ -117,8 +117,8 @@ def scaled_dot_product_attention(
     if backend == "fused" and return_weights:
         backend = "naive"  # fused kernels never materialise the probabilities (PyTorch #98505)
     if backend == "fused" and Tq == 1 and q.device.type == "cpu":
-        # One query (a KV-cache decoding step): the same math as two small matmuls. PyTorch's CPU flash
-        # kernel costs ~100x more here on the strided views of a preallocated cache (qkv benchmarks/generate.py).
+        # One query (a KV-cache decoding step): the same math as two small matmuls. PyTorch's CPU flash kernel
+        # costs ~100x more here on the strided views of a preallocated cache (qkv benchmarks/generate.py).
         backend = "naive"
     # GQA/MQA: each group of H // Hkv query heads shares one key/value head. PyTorch's CPU kernel reads the
     # shared head itself (enable_gqa; the same output bit for bit, ~12% faster than attending over copies at
@@ -162,7 +162,8 @@ def scaled_dot_product_attention(
 
     if mask is not None:
         # Zero the rows that see no key at all: the fused kernels return NaN or garbage there. Always applied
-        # (one cheap elementwise op) rather than after asking `visible.all()`, a device-to-host sync per layer.
+        # (one cheap elementwise op) rather than after asking `visible.all()`, a device-to-host sync per
+        # layer.
         visible = full.any(dim=-1, keepdim=True)  # (..., Tq, 1)
         out = out.masked_fill(~visible, 0.0)
     return out, (weights if return_weights else None)
@@ -173,8 +174,8 @@ def step_scores_bias(
     bias: Tensor | None, keep: Tensor | None, causal: bool, dtype: torch.dtype, device: torch.device,
 ) -> Tensor | None:
     """The one additive term of a decoding step's scores, built once per step for every layer:
-    position bias (ALiBi, broadcastable to (B, H, q_len, k_len)) + -inf on masked keys (keep: (B, k_len)
-    bool) + the causal mask among q_len > 1 new tokens (causal self-attention). Returned in the grouped layout of
+    position bias (ALiBi, broadcastable to (B, H, q_len, k_len)) + -inf on masked keys (keep: (B, k_len) bool)
+    + the causal mask among q_len > 1 new tokens (causal self-attention). Returned in the grouped layout of
     MultiHeadAttention.step, (B * n_kv_heads, group * q_len, k_len); None when nothing is added."""
     add = None if bias is None else bias.to(dtype)
     visible = None if keep is None else keep.bool()[:, None, None, :]
@@ -244,7 +245,8 @@ class MultiHeadAttention(nn.Module):
         if qk_norm:  # registered only when used: the plain layer's modules and state dict stay as they were
             from qkv.nn.norm import RMSNorm
 
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, qk_norm_eps), RMSNorm(self.head_dim, qk_norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim,
+                                               qk_norm_eps), RMSNorm(self.head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -305,8 +307,10 @@ class MultiHeadAttention(nn.Module):
                 # the attention is two thin products instead of a (T x T) one. Masks and biases that have a
                 # query axis keep their last row.
                 q, T = q[:, :, -1:], 1
-                mask = mask[..., -1:, :] if mask is not None and mask.dim() >= 2 and mask.shape[-2] > 1 else mask
-                bias = bias[..., -1:, :] if bias is not None and bias.dim() >= 2 and bias.shape[-2] > 1 else bias
+                mask = (mask[..., -1:, :] if mask is not None and mask.dim() >= 2 and mask.shape[-2] > 1
+                        else mask)
+                bias = (bias[..., -1:, :] if bias is not None and bias.dim() >= 2 and bias.shape[-2] > 1
+                        else bias)
         y, w = self._attend(q, k, v, mask, bias, return_weights)
         return self.out_proj(y.reshape(B, T, self.q_dim)), w
 
@@ -316,7 +320,8 @@ class MultiHeadAttention(nn.Module):
         optional q/k norms and rotary positions applied."""
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = qkv.split([self.q_dim, kv_dim, kv_dim], dim=-1)
-        q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v,
+                                                                                             self.n_kv_heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if position is not None:
@@ -363,17 +368,18 @@ class MultiHeadAttention(nn.Module):
         padding and causal mask of this step in one additive term (None: nothing to add).
 
         Differences from forward() are in how, not what: the new tokens are rows rather than (B, T) sequences,
-        and grouped-query attention folds the query heads of one key/value head into rows of one batched matmul
-        instead of repeating the cached keys. Every new token must be a real token (its own key visible).
-        last_only (self-attention, the top block of a step whose caller wants the last token only): all T tokens'
-        keys/values go into the cache, but only the last token queries them: returns (batch, d_model), that
-        token's rows."""
+        and grouped-query attention folds the query heads of one key/value head into rows of one batched
+        matmul instead of repeating the cached keys. Every new token must be a real token (its own key
+        visible). last_only (self-attention, the top block of a step whose caller wants the last token only):
+        all T tokens' keys/values go into the cache, but only the last token queries them: returns (batch,
+        d_model), that token's rows."""
         B, C = batch, self.q_dim
         T = x.shape[0] // B
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         if self.cross:
             if not cache.has_cross(layer):
-                raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill first")
+                raise ValueError("the decoding step reads the encoder's keys/values from the cache: prefill "
+                                 "first")
             q = self._scaled(self.q_proj(x))
             k, v = cache.get_cross(layer)
             if k.shape[0] != B:
@@ -382,7 +388,8 @@ class MultiHeadAttention(nn.Module):
         else:
             q, k, v = self._step_heads(self.qkv_proj(x), B, T, position, offset)
             q = self._scaled(q)
-            # (B, Hkv, Tk, hd): cached + new; the paged cache's keys/values may stay in its pool (PoolKeys/Rows)
+            # (B, Hkv, Tk, hd): cached + new; the paged cache's keys/values may stay in its pool
+            # (PoolKeys/Rows)
             k, v = getattr(cache, "step_update", cache.update)(layer, k, v)
             if last_only and T > 1:  # the other queries' outputs would only feed rows nobody reads
                 q, T = q[:, :, -1:], 1
@@ -427,7 +434,8 @@ class MultiHeadAttention(nn.Module):
             q, k = position.rotate(q, k, offset)
         return q, k, v
 
-    def _shared_cross_step(self, q: Tensor, k: Tensor, v: Tensor, B: int, T: int, add: Tensor | None) -> Tensor:
+    def _shared_cross_step(self, q: Tensor, k: Tensor, v: Tensor, B: int, T: int,
+                           add: Tensor | None) -> Tensor:
         """Cross-attention of the decoding step when the encoder K/V (B0, Hkv, S, hd) hold one row per source
         and the B = B0 * R query rows come in groups of R consecutive rows per source (beam search keeps the
         K/V of the first step's B0 rows instead of repeating them for every beam): the R rows' query heads of
@@ -436,7 +444,8 @@ class MultiHeadAttention(nn.Module):
         R times (up to fp32 summation order); only the grouping of the products differs."""
         B0, Hkv, S, hd = k.shape
         R, G = B // B0, self.n_heads // Hkv
-        # (b0, r, t, j, g) -> (b0, j, r, g, t): the queries of key/value head j of source b0 are one block of rows
+        # (b0, r, t, j, g) -> (b0, j, r, g, t): the queries of key/value head j of source b0 are one block of
+        # rows
         q = q.view(B0, R, T, Hkv, G, hd).permute(0, 3, 1, 4, 2, 5).reshape(B0 * Hkv, R * G * T, hd)
         kt = k.reshape(B0 * Hkv, S, hd).transpose(1, 2)
         scores = torch.bmm(q, kt) if add is None else torch.baddbmm(add, q, kt)

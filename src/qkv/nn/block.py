@@ -75,8 +75,8 @@ class Block(nn.Module):
         self.norm2 = build_norm(norm, d_model, norm_eps, bias)
         self.drop = nn.Dropout(dropout)
 
-    def _residual(self, x: Tensor, norm: Callable[..., Tensor], fn: Callable[..., Tensor], keep: Tensor | None,
-                  *args: object) -> Tensor:
+    def _residual(self, x: Tensor, norm: Callable[..., Tensor], fn: Callable[..., Tensor],
+                  keep: Tensor | None, *args: object) -> Tensor:
         """The one place placement is decided. Pre-LN: x + f(norm(x)); Post-LN: norm(x + f(x)), with
         f = fn(., *args). Residual dropout only where it does something (training, p > 0): the decoding
         step calls this too."""
@@ -121,7 +121,8 @@ class Block(nn.Module):
         weights: dict[str, Tensor] = {}
 
         def self_attention(h: Tensor) -> Tensor:
-            y, w = self.attn(h, mask=mask, bias=bias, position=position, offset=offset, cache=cache, layer=layer,
+            y, w = self.attn(h, mask=mask, bias=bias, position=position, offset=offset,
+                             cache=cache, layer=layer,
                              return_weights=return_weights, unpadded=unpadded, last_only=last_only)
             if w is not None:
                 weights["self"] = w
@@ -162,15 +163,17 @@ class Block(nn.Module):
         """The decoding step (inference): the same function as forward() for the few newest tokens of
         `batch` sequences over a cache, on their (batch * T, d) rows, through the attention's step method
         (MultiHeadAttention.step) and the same norm and feed-forward modules and placement. add / cross_add:
-        the additive score terms of the step (attention.step_scores_bias) for self- and cross-attention;
-        keep: the (batch * T,) real-token mask of the rows (for the norms). last_only (the top block of a step that wants the last token only,
-        without cross-attention): self-attention still caches every new token's keys/values, and it and
-        everything after it compute the last token's row only: returns (batch, d)."""
+        the additive score terms of the step (attention.step_scores_bias) for self- and cross-attention; keep:
+        the (batch * T,) real-token mask of the rows (for the norms). last_only (the top block of a step that
+        wants the last token only, without cross-attention): self-attention still caches every new token's
+        keys/values, and it and everything after it compute the last token's row only: returns (batch, d)."""
         m = self._modules
         if last_only and x.shape[0] > batch:
-            x, keep = self._last_step_residual(x, m["norm1"], keep, batch, cache, layer, add, position, offset)
+            x, keep = self._last_step_residual(x, m["norm1"], keep, batch, cache, layer, add,
+                                               position, offset)
         else:
-            x = self._residual(x, m["norm1"], m["attn"].step, keep, batch, cache, layer, add, position, offset)
+            x = self._residual(x, m["norm1"], m["attn"].step, keep, batch, cache, layer, add,
+                               position, offset)
         cross = m.get("cross")  # absent (a plain None) without cross-attention
         if cross is not None:
             x = self._residual(x, m["norm_cross"], cross.step, keep, batch, cache, layer, cross_add)
@@ -178,9 +181,9 @@ class Block(nn.Module):
 
     def _last_step_residual(self, x: Tensor, norm: Callable[..., Tensor], keep: Tensor | None, batch: int,
                             *args: object) -> tuple[Tensor, Tensor | None]:
-        """Block.step's self-attention residual with last_only: the attention reads the (batch * T, d) rows and
-        returns the last token's (batch, d); the residual adds it to those rows' x (Pre-LN), or norms the sum
-        (Post-LN). Returns the rows and their keep-mask."""
+        """Block.step's self-attention residual with last_only: the attention reads the (batch * T, d) rows
+        and returns the last token's (batch, d); the residual adds it to those rows' x (Pre-LN), or norms the
+        sum (Post-LN). Returns the rows and their keep-mask."""
         y = self._modules["attn"].step(norm(x, keep) if self.placement == "pre" else x, batch, *args, True)
         last = x.view(batch, -1, x.shape[-1])[:, -1]
         keep = None if keep is None else keep.view(batch, -1)[:, -1]

@@ -51,7 +51,8 @@ class KVCache:
         row it replaces (the beams of one sentence), which saves copying them at every step."""
         if not cross:
             return
-        self._cross = {i: (k.index_select(0, index), v.index_select(0, index)) for i, (k, v) in self._cross.items()}
+        self._cross = {i: (k.index_select(0, index), v.index_select(0, index))
+                           for i, (k, v) in self._cross.items()}
         if self.memory_keep is not None:
             self.memory_keep = self.memory_keep.index_select(0, index)
 
@@ -97,11 +98,11 @@ class StaticCache(KVCache):
         self.memory_keep = None
 
     def write_at(self, layer: int, k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-        """The static-shape update of a graph-captured decoding step (Stack.static_step): k, v (B, H_kv, 1, hd)
-        written at column `index` (a (1,) long tensor on the cache's device: the positions already cached),
-        and the whole (B, H_kv, max_len, hd) buffers returned; the step masks the columns after `index`.
-        Neither the Python `length` nor any tensor value is read, so under torch.compile one graph (one CUDA
-        graph) serves every position. `length` is the caller's to advance."""
+        """The static-shape update of a graph-captured decoding step (Stack.static_step): k, v (B, H_kv, 1,
+        hd) written at column `index` (a (1,) long tensor on the cache's device: the positions already
+        cached), and the whole (B, H_kv, max_len, hd) buffers returned; the step masks the columns after
+        `index`. Neither the Python `length` nor any tensor value is read, so under torch.compile one graph
+        (one CUDA graph) serves every position. `length` is the caller's to advance."""
         kl, vl = self.k[layer], self.v[layer]
         kl.index_copy_(2, index, k)
         vl.index_copy_(2, index, v)
@@ -117,9 +118,9 @@ class StaticCache(KVCache):
         # the same batch size (beam search): gather only the filled positions into a spare pair of buffers and
         # swap them in (the positions past `length` are written before anything reads them). One gather
         # straight into its destination: index_select of the (non-contiguous) filled slice into a new tensor
-        # and a copy back took 3-6x longer (Marian-shaped beam search's cache, 1 thread, AVX2). The spare doubles
-        # the cache's memory while beams are searched; self.k / self.v are other tensors after a reorder
-        # (beam search is never graph-captured: GenerationConfig rejects compile with num_beams > 1).
+        # and a copy back took 3-6x longer (Marian-shaped beam search's cache, 1 thread, AVX2). The spare
+        # doubles the cache's memory while beams are searched; self.k / self.v are other tensors after a
+        # reorder (beam search is never graph-captured: GenerationConfig rejects compile with num_beams > 1).
         n = self.length
         spare = self.__dict__.get("_spare")
         if spare is None or spare[0].shape != self.k.shape or spare[0].dtype != self.k.dtype:

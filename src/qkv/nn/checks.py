@@ -45,7 +45,8 @@ def check_labels(labels: Tensor, ids: Tensor, what: str = "input_ids") -> None:
     """Per-token labels must have the shape of the tokens they label (cross-entropy's error after flattening
     names row counts instead)."""
     if labels.shape != ids.shape:
-        raise ValueError(f"labels must have the shape of {what} {tuple(ids.shape)}, got {tuple(labels.shape)}")
+        raise ValueError(f"labels must have the shape of {what} {tuple(ids.shape)}, got "
+                         f"{tuple(labels.shape)}")
 
 
 def check_id_list(ids: list[int], vocab_size: int, what: str = "prompt") -> None:

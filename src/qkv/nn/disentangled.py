@@ -135,7 +135,8 @@ class DisentangledAttention(MultiHeadAttention):
         delta = position.index(T, q.device)  # δ(i, j)
         out = torch.zeros((), dtype=q.dtype, device=q.device)
         if "c2p" in self.terms:  # q_i . P_k[δ(i, j)]
-            pos_k = self._heads(F.linear(table, w[C:2 * C], b[C:2 * C])[None], self.n_heads)  # (1, H, 2 span, hd)
+            # (1, H, 2 span, hd)
+            pos_k = self._heads(F.linear(table, w[C:2 * C], b[C:2 * C])[None], self.n_heads)
             c2p = q @ pos_k.transpose(-1, -2)  # (B, H, T, 2 span): every query against every table row
             rows = (delta + span).clamp(0, 2 * span - 1)
             out = out + c2p.gather(-1, rows.expand(*c2p.shape[:2], T, T))

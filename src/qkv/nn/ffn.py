@@ -30,7 +30,8 @@ ACTIVATIONS: dict[str, Activation] = {
     "swiglu": Activation(F.silu, True),  # Llama, Mistral, Qwen: silu(W3 x) * W1 x
     "silu": Activation(F.silu, False),  # "swish": Marian / OPUS-MT
     "geglu_tanh": Activation(partial(F.gelu, approximate="tanh"), True),  # T5 v1.1 / Flan "gated-gelu"
-    "quick_gelu": Activation(lambda x: x * torch.sigmoid(1.702 * x), False),  # OpenAI CLIP's GELU approximation
+    # OpenAI CLIP's GELU approximation
+    "quick_gelu": Activation(lambda x: x * torch.sigmoid(1.702 * x), False),
 }
 
 
@@ -38,7 +39,8 @@ class FeedForward(nn.Module):
     """Gated variants have three projections (up, gate, down); their hidden size is usually 2/3 of the
     others' for equal parameters."""
 
-    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = True, dropout: float = 0.0):
+    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = True,
+                 dropout: float = 0.0):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown ffn activation {activation!r}; choose one of {tuple(ACTIVATIONS)}")

@@ -13,4 +13,5 @@ from torch import nn
 
 
 class Linear(nn.Linear):
-    """nn.Linear, unchanged: the same parameters, state-dict keys (`weight` (out, in), `bias` (out,)) and kernels."""
+    """nn.Linear, unchanged: the same parameters, state-dict keys (`weight` (out, in), `bias` (out,)) and
+    kernels."""

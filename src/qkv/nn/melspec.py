@@ -21,7 +21,8 @@ def hz_to_mel(f: Tensor) -> Tensor:
     f_sp = 200.0 / 3
     min_log_hz, min_log_mel = 1000.0, 1000.0 / f_sp
     logstep = math.log(6.4) / 27.0
-    return torch.where(f >= min_log_hz, min_log_mel + torch.log(f.clamp_min(1e-10) / min_log_hz) / logstep, f / f_sp)
+    return torch.where(f >= min_log_hz,
+                       min_log_mel + torch.log(f.clamp_min(1e-10) / min_log_hz) / logstep, f / f_sp)
 
 
 def mel_to_hz(m: Tensor) -> Tensor:
@@ -31,13 +32,15 @@ def mel_to_hz(m: Tensor) -> Tensor:
     return torch.where(m >= min_log_mel, min_log_hz * torch.exp(logstep * (m - min_log_mel)), f_sp * m)
 
 
-def mel_filterbank(n_mels: int, n_fft: int, sample_rate: int, f_min: float = 0.0, f_max: float | None = None) -> Tensor:
+def mel_filterbank(n_mels: int, n_fft: int, sample_rate: int, f_min: float = 0.0,
+                   f_max: float | None = None) -> Tensor:
     """(n_mels, n_fft // 2 + 1) triangular filters, equally spaced on the Slaney mel scale, each scaled by
     2 / (f_right - f_left) so every filter has the same area ("slaney" normalisation)."""
     f_max = sample_rate / 2 if f_max is None else f_max
     fft_freqs = torch.linspace(0, sample_rate / 2, n_fft // 2 + 1, dtype=torch.float64)
     mels = torch.linspace(float(hz_to_mel(torch.tensor(f_min, dtype=torch.float64))),
-                          float(hz_to_mel(torch.tensor(f_max, dtype=torch.float64))), n_mels + 2, dtype=torch.float64)
+                          float(hz_to_mel(torch.tensor(f_max, dtype=torch.float64))), n_mels + 2,
+                          dtype=torch.float64)
     hz = mel_to_hz(mels)  # (n_mels + 2,) filter edges
     fdiff = hz.diff()  # (n_mels + 1,)
     ramps = hz.unsqueeze(1) - fft_freqs.unsqueeze(0)  # (n_mels + 2, n_freqs)
@@ -49,9 +52,11 @@ def mel_filterbank(n_mels: int, n_fft: int, sample_rate: int, f_min: float = 0.0
 
 
 class LogMelSpectrogram(nn.Module):
-    """Whisper's log-mel features. Defaults are Whisper's: 16 kHz, 25 ms window (400), 10 ms hop (160), 80 mels."""
+    """Whisper's log-mel features. Defaults are Whisper's: 16 kHz, 25 ms window (400), 10 ms hop (160), 80
+    mels."""
 
-    def __init__(self, sample_rate: int = 16000, n_fft: int = 400, hop_length: int = 160, n_mels: int = 80) -> None:
+    def __init__(self, sample_rate: int = 16000, n_fft: int = 400, hop_length: int = 160,
+                 n_mels: int = 80) -> None:
         super().__init__()
         if n_fft < 2 or hop_length < 1 or n_mels < 1:
             raise ValueError("n_fft must be >= 2 and hop_length, n_mels >= 1")
@@ -68,7 +73,8 @@ class LogMelSpectrogram(nn.Module):
         if audio.dim() == 1:
             audio = audio.unsqueeze(0)
         if audio.dim() != 2 or not audio.is_floating_point():
-            raise ValueError(f"audio must be a float waveform of shape (B, N), got {tuple(audio.shape)} {audio.dtype}")
+            raise ValueError(f"audio must be a float waveform of shape (B, N), got {tuple(audio.shape)} "
+                             f"{audio.dtype}")
         if audio.shape[1] <= self.n_fft // 2:
             raise ValueError(f"audio of {audio.shape[1]} samples is too short for n_fft={self.n_fft}")
         stft = torch.stft(audio.float(), self.n_fft, self.hop_length, window=self.window, return_complex=True)

@@ -1,7 +1,7 @@
 """Mixture of experts: a feed-forward layer that sends each token to k of E expert FFNs (Shazeer et al. 2017;
 Switch Transformer, Fedus et al. 2021; Mixtral, Jiang et al. 2024; DeepSeekMoE / DeepSeek-V3, 2024).
 
-  s      = score(W_r x)                              softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3), E values
+  s      = score(W_r x)                     softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3), E values
   chosen = top-k(s + b)  [in the topk_group best of n_group expert groups]
            b: a per-expert bias used for the choice only (DeepSeek-V3's auxiliary-loss-free balancing), never
            trained: after each update it moves by +-rate towards the experts that received fewer tokens
@@ -11,10 +11,10 @@ Switch Transformer, Fedus et al. 2021; Mixtral, Jiang et al. 2024; DeepSeekMoE /
 Every expert is a FeedForward of ffn.py (the same activation table). Dispatch sorts the (token, expert)
 assignments by expert and runs one batched product per expert: a Python loop over experts, never over tokens.
 
-The load-balancing loss (Switch eq. 4-6, as transformers' Mixtral computes it): E * sum_e f_e * P_e, with f_e the
-share of tokens that chose expert e (the shares sum to k) and P_e the mean router probability of e, both pooled
-over every MoE layer of the forward. A training forward leaves each layer's counts in `stats`; the model turns
-them into the loss (moe_aux_loss) and adds aux_loss_coef times it to the LM loss.
+The load-balancing loss (Switch eq. 4-6, as transformers' Mixtral computes it): E * sum_e f_e * P_e, with f_e
+the share of tokens that chose expert e (the shares sum to k) and P_e the mean router probability of e, both
+pooled over every MoE layer of the forward. A training forward leaves each layer's counts in `stats`; the
+model turns them into the loss (moe_aux_loss) and adds aux_loss_coef times it to the LM loss.
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ class MoEConfig:
     n_group: int = 1  # expert groups for group-limited routing (DeepSeek-V3: 8)
     topk_group: int = 1  # groups a token may choose from (DeepSeek-V3: 4)
     routed_scaling: float = 1.0  # multiplies the routed experts' weights (DeepSeek-V3: 2.5)
-    bias_balance: bool = False  # DeepSeek-V3's selection bias, updated from the load after each optimizer step
+    # DeepSeek-V3's selection bias, updated from the load after each optimizer step
+    bias_balance: bool = False
     bias_rate: float = 0.001  # that bias's step per update (DeepSeek-V3's gamma)
-    aux_loss_coef: float = 0.02  # load-balancing loss weight in the training loss (Mixtral's router_aux_loss_coef)
+    # load-balancing loss weight in the training loss (Mixtral's router_aux_loss_coef)
+    aux_loss_coef: float = 0.02
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has the MoE FFN."""
@@ -70,8 +72,8 @@ class RouterStats(NamedTuple):
 
 
 def limit_to_groups(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
-    """DeepSeek-V3's group-limited routing: the experts form n_group equal groups, a group's score is the sum of
-    its two best choice scores, and everything outside the token's topk_group best groups is masked to -inf
+    """DeepSeek-V3's group-limited routing: the experts form n_group equal groups, a group's score is the sum
+    of its two best choice scores, and everything outside the token's topk_group best groups is masked to -inf
     (so the top-k below cannot pick it)."""
     N, E = choice.shape
     grouped = choice.view(N, n_group, E // n_group)
@@ -127,12 +129,13 @@ class Router(nn.Module):
 
 
 def dispatch(x: Tensor, routing: Routing, counts: list[int], experts: nn.ModuleList) -> Tensor:
-    """sum_i w_i expert_{e_i}(x) for every row of x (N, d): the N * k assignments sorted by expert, one batched
-    call per expert on its rows, the weighted outputs added back to their tokens (index_add_)."""
+    """sum_i w_i expert_{e_i}(x) for every row of x (N, d): the N * k assignments sorted by expert, one
+    batched call per expert on its rows, the weighted outputs added back to their tokens (index_add_)."""
     k = routing.experts.shape[1]
     order = routing.experts.reshape(-1).argsort(stable=True)
     token = order // k  # the row of x behind each sorted assignment
-    chunks = x.index_select(0, token).split(counts)  # backward: one index_add_ (x[token]: a slower index_put_)
+    # backward: one index_add_ (x[token]: a slower index_put_)
+    chunks = x.index_select(0, token).split(counts)
     ys = torch.cat([experts[e](chunk) for e, chunk in enumerate(chunks) if chunk.shape[0]]) if len(order) \
         else x.new_zeros(0, x.shape[-1])
     ys = ys * routing.weights.reshape(-1)[order].unsqueeze(-1)  # fp32 weights: the sum is formed in fp32
@@ -148,7 +151,8 @@ class MoEFeedForward(nn.Module):
         self.cfg = cfg
         self.router = Router(d_model, cfg)
         width = cfg.ffn_dim or d_ff
-        self.experts = nn.ModuleList(FeedForward(d_model, width, activation, bias) for _ in range(cfg.n_experts))
+        self.experts = nn.ModuleList(FeedForward(d_model, width, activation, bias)
+                                         for _ in range(cfg.n_experts))
         shared = cfg.shared_ffn_dim or cfg.n_shared_experts * width
         self.shared = FeedForward(d_model, shared, activation, bias) if shared else None
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
@@ -216,7 +220,8 @@ def load_balancing_loss(stats: list[RouterStats]) -> Tensor:
 
 def update_router_biases(model: nn.Module) -> None:
     """Move every bias-balanced router's selection bias once (call after each optimizer update). A frozen
-    router (LoRA fine-tuning freezes every base weight) keeps its bias too: its routing is part of the base."""
+    router (LoRA fine-tuning freezes every base weight) keeps its bias too: its routing is part of the
+    base."""
     for router in (layer.router for layer in moe_layers(model)):
         if router.weight.requires_grad:
             router.update_bias()

@@ -46,7 +46,8 @@ class RMSNorm(nn.Module):
         w = self.weight
         if x.dtype == w.dtype and x.dtype in (torch.float32, torch.float64):
             return torch.rms_norm(x, (x.shape[-1],), w, self.eps)
-        xf = x.float()  # bf16/fp16 (or mixed dtypes): the statistics and the scaling in fp32, rounded once at the end
+        # bf16/fp16 (or mixed dtypes): the statistics and the scaling in fp32, rounded once at the end
+        xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * w.float()).to(x.dtype)
 

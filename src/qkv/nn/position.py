@@ -86,8 +86,8 @@ class PositionalEncoding(nn.Module):
     def reserve(self, n_positions: int) -> None:
         if self.max_len is not None and n_positions > self.max_len:
             raise ValueError(
-                f"sequence reaches position {n_positions} but this model's context is {self.max_len} positions "
-                f"({type(self).__name__}); shorten the input"
+                f"sequence reaches position {n_positions} but this model's context is {self.max_len} "
+                f"positions ({type(self).__name__}); shorten the input"
             )
 
     def check_length(self, offset: int | Tensor, length: int) -> None:
@@ -137,13 +137,15 @@ ROPE_SCALINGS = ("linear", "llama3", "yarn")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature term 0.1 * mscale * ln(factor) + 1 (1 when the context is not extended)."""
+    """YaRN's attention temperature term 0.1 * mscale * ln(factor) + 1 (1 when the context is not
+    extended)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
     """What a scaling rule multiplies cos and sin by (so every q.k by its square): YaRN's attention_factor, or
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) (DeepSeek), or mscale(factor); 1 for the others."""
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) (DeepSeek), or mscale(factor); 1 for the
+    others."""
     if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -154,8 +156,8 @@ def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
 
 def _yarn(inv: Tensor, head_dim: int, base: float, s: Mapping[str, Any]) -> Tensor:
     """YaRN (Peng et al. 2023): frequencies whose wavelength fits the original context many times (more than
-    beta_fast rotations) are kept, those with fewer than beta_slow rotations are divided by factor, and a linear
-    ramp over the dimensions between blends the two (transformers' _compute_yarn_parameters)."""
+    beta_fast rotations) are kept, those with fewer than beta_slow rotations are divided by factor, and a
+    linear ramp over the dimensions between blends the two (transformers' _compute_yarn_parameters)."""
     factor, old = float(s["factor"]), float(s["original_max_position_embeddings"])
     fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
 
@@ -167,7 +169,8 @@ def _yarn(inv: Tensor, head_dim: int, base: float, s: Mapping[str, Any]) -> Tens
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(head_dim // 2, dtype=inv.dtype, device=inv.device) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=inv.dtype, device=inv.device) - low)
+            / (high - low)).clamp(0, 1)
     return inv / factor * ramp + inv * (1 - ramp)
 
 
@@ -217,7 +220,8 @@ class RoPE(PositionalEncoding):
             raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
         self.head_dim, self.base = head_dim, base
         self.scaling = dict(scaling) if scaling else None
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, self.scaling).float(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, self.scaling).float(),
+                             persistent=False)
         self._build(max_len)
 
     def _build(self, n: int) -> None:
@@ -231,8 +235,8 @@ class RoPE(PositionalEncoding):
         a = rope_attention_factor(self.scaling)  # YaRN scales the rotated vectors (1 otherwise: exact)
         self.register_buffer("cos", (emb.cos() * a).float(), persistent=False)
         self.register_buffer("sin", (emb.sin() * a).float(), persistent=False)
-        # sin with the sign of rotate_half folded in: rotate_half(x) * sin == swap_halves(x) * sin_rot, exactly
-        # (a sign flip is exact), one elementwise pass fewer per rotated tensor
+        # sin with the sign of rotate_half folded in: rotate_half(x) * sin == swap_halves(x) * sin_rot,
+        # exactly (a sign flip is exact), one elementwise pass fewer per rotated tensor
         half = freqs.sin() * a
         self.register_buffer("sin_rot", torch.cat([-half, half], dim=-1).float(), persistent=False)
 
@@ -319,7 +323,8 @@ def relative_buckets(relative: Tensor, bidirectional: bool, num_buckets: int, ma
     max_exact = num_buckets // 2
     is_small = relative < max_exact
     large = max_exact + (
-        torch.log(relative.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+        torch.log(relative.float() / max_exact) / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
     ).long()
     large = torch.clamp(large, max=num_buckets - 1)
     return buckets + torch.where(is_small, relative, large)
@@ -368,12 +373,15 @@ def sinusoidal_2d(grid_h: int, grid_w: int, d_model: int) -> Tensor:
         raise ValueError(f"2-D sinusoidal positions need d_model divisible by 4, got {d_model}")
     rows = sinusoidal_table(grid_h, d_model // 2)  # (gh, d/2)
     cols = sinusoidal_table(grid_w, d_model // 2)  # (gw, d/2)
-    table = torch.cat([rows[:, None, :].expand(grid_h, grid_w, -1), cols[None, :, :].expand(grid_h, grid_w, -1)], -1)
+    table = torch.cat([rows[:, None, :].expand(grid_h, grid_w, -1),
+                       cols[None, :, :].expand(grid_h, grid_w, -1)], -1)
     return table.reshape(grid_h * grid_w, d_model)
 
 
-def interpolate_positions(table: Tensor, old_grid: int, new_grid: tuple[int, int], n_extra: int = 1) -> Tensor:
-    """Bicubic resize of a learned (1, n_extra + g*g, d) table to a (gh, gw) grid; extra tokens keep theirs."""
+def interpolate_positions(table: Tensor, old_grid: int, new_grid: tuple[int, int],
+                          n_extra: int = 1) -> Tensor:
+    """Bicubic resize of a learned (1, n_extra + g*g, d) table to a (gh, gw) grid; extra tokens keep
+    theirs."""
     extra, patches = table[:, :n_extra], table[:, n_extra:]
     d = table.shape[-1]
     if patches.shape[1] != old_grid * old_grid:
@@ -403,7 +411,8 @@ class PatchGrid(PositionalEncoding):
             raise ValueError(f"unknown patch position encoding {kind!r}; choose one of {PATCH_ENCODINGS}")
         self.kind, self.d_model, self.grid, self.n_extra = kind, d_model, grid, n_extra
         self.inner = inner if inner is not None else NoPosition()
-        self.weight = nn.Parameter(torch.zeros(1, n_extra + grid * grid, d_model)) if kind == "learned" else None
+        self.weight = (nn.Parameter(torch.zeros(1, n_extra + grid * grid, d_model)) if kind == "learned"
+                       else None)
         self._current: tuple[int, int] | None = None
 
     @contextmanager
@@ -435,8 +444,8 @@ class PatchGrid(PositionalEncoding):
     def embed(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         grid = self._current or (self.grid, self.grid)
         if x.shape[1] != self.n_extra + grid[0] * grid[1]:
-            raise ValueError(f"{x.shape[1]} tokens do not make {self.n_extra} extra token(s) + a {grid[0]}x{grid[1]} "
-                             f"patch grid")
+            raise ValueError(f"{x.shape[1]} tokens do not make {self.n_extra} extra token(s) + a "
+                             f"{grid[0]}x{grid[1]} patch grid")
         return self.inner.embed(x + self.table(grid).to(device=x.device, dtype=x.dtype), offset)
 
     def rotate(self, q: Tensor, k: Tensor, offset: int | Tensor = 0) -> tuple[Tensor, Tensor]:
@@ -450,8 +459,8 @@ class PatchGrid(PositionalEncoding):
 
 
 def build_position(kind: str, *, d_model: int, n_heads: int, max_len: int, rope_base: float = 10000.0,
-                   rope_scaling: Mapping[str, Any] | None = None, num_buckets: int = 32, max_distance: int = 128,
-                   head_dim: int | None = None) -> PositionalEncoding:
+                   rope_scaling: Mapping[str, Any] | None = None, num_buckets: int = 32,
+                   max_distance: int = 128, head_dim: int | None = None) -> PositionalEncoding:
     """Factory for the config field `position` (rope_scaling: RoPE's context extension; num_buckets /
     max_distance: the relative bias's; head_dim: RoPE's rotated width when a head is not d_model // n_heads
     wide)."""

@@ -1,7 +1,7 @@
-"""Weight-only quantization for inference: a projection's weight stored as int8 codes with one scale per output
-channel, or as int4 codes with a scale and an offset per group of `group_size` inputs; activations, norms and
-embeddings keep the model's dtype. A decoding step reads every weight once per token, so on a CPU its time is
-mostly the weights' bytes: int8 halves a bf16 model's, int4 quarters it.
+"""Weight-only quantization for inference: a projection's weight stored as int8 codes with one scale per
+output channel, or as int4 codes with a scale and an offset per group of `group_size` inputs; activations,
+norms and embeddings keep the model's dtype. A decoding step reads every weight once per token, so on a CPU
+its time is mostly the weights' bytes: int8 halves a bf16 model's, int4 quarters it.
 
     model = qkv.from_pretrained(folder, quantize="int8")        # or quantize_model(model, "int4")
     qkv generate FOLDER --quantize int8                          # also qkv chat / serve / explore
@@ -12,19 +12,19 @@ The products go through PyTorch's own weight-only kernels (those torchao and gpt
         scales_and_zeros (in / group, out, 2)), where w = (q - 8) * scale + zero for q in 0..15 (CUDA:
         aten._convert_weight_to_int4pack / aten._weight_int4pack_mm, the same format; not run here: no GPU)
 What the x86 CPU kernels do (torch 2.13, read in aten/src/ATen/native/cpu/int{8,4}mm_kernel.cpp and measured
-on an AVX-512 EPYC, docs/llm.md): only bf16 activations are vectorized; fp32 and fp16 take a scalar loop (an fp32
-(8 x 576) @ (576 x 1536) product 6.0 ms through the int8 kernel against 0.42 ms dequantized + F.linear). The int8
-loop reads 16 inputs at a time with aligned loads and does not check: in_features % 16 != 0 gives wrong sums or a
-segfault, and so does an input row not 32-byte aligned. So the int8 kernel runs where those hold (bf16 on a CPU) and
-every other case computes the same formula through F.linear(x, q) * scale: exact, and still storing int8 weights.
-The int4 kernel always gets bf16 (an fp32 input is rounded to bf16 and the output cast back: that rounding is far
-below int4's own error).
+on an AVX-512 EPYC, docs/llm.md): only bf16 activations are vectorized; fp32 and fp16 take a scalar loop (an
+fp32 (8 x 576) @ (576 x 1536) product 6.0 ms through the int8 kernel against 0.42 ms dequantized + F.linear).
+The int8 loop reads 16 inputs at a time with aligned loads and does not check: in_features % 16 != 0 gives
+wrong sums or a segfault, and so does an input row not 32-byte aligned. So the int8 kernel runs where those
+hold (bf16 on a CPU) and every other case computes the same formula through F.linear(x, q) * scale: exact, and
+still storing int8 weights. The int4 kernel always gets bf16 (an fp32 input is rounded to bf16 and the output
+cast back: that rounding is far below int4's own error).
 
-Quantized layers are inference-only: they hold integer buffers, no parameters, and `.train()` refuses.
-torchao 0.18 was tried (it installs without pulling another torch): its int8 weight-only config dequantizes on a
-CPU (an int8 -> bf16 copy of the weight, mm, the scale: a 576 -> 1536 bf16 layer at one row 2.5x slower than the
-aten int8 kernel, paired timing), and its int4 config needs the mslk package; so qkv calls the aten ops directly
-and adds no dependency.
+Quantized layers are inference-only: they hold integer buffers, no parameters, and `.train()` refuses. torchao
+0.18 was tried (it installs without pulling another torch): its int8 weight-only config dequantizes on a CPU
+(an int8 -> bf16 copy of the weight, mm, the scale: a 576 -> 1536 bf16 layer at one row 2.5x slower than the
+aten int8 kernel, paired timing), and its int4 config needs the mslk package; so qkv calls the aten ops
+directly and adds no dependency.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def check_mode(mode: str) -> str:
 
 
 def quantize_int8(weight: Tensor, scale_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-channel int8: (q (out, in) int8 in -127..127, scale (out,)), w ~ q * scale[:, None].
-    The scale is rounded to its storage dtype first and q computed against the rounded value, so that every
-    weight is within scale / 2 of q * scale as stored."""
+    """Symmetric per-output-channel int8: (q (out, in) int8 in -127..127, scale (out,)), w ~ q * scale[:,
+    None]. The scale is rounded to its storage dtype first and q computed against the rounded value, so that
+    every weight is within scale / 2 of q * scale as stored."""
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))  # an all-zero row: any scale, q = 0
@@ -85,8 +85,8 @@ class _WeightOnlyLinear(nn.Module):
 
     def train(self, mode: bool = True) -> _WeightOnlyLinear:
         if mode:
-            raise RuntimeError(f"{type(self).__name__} is inference-only (integer weights, no gradient): train or "
-                               "fine-tune the unquantized model and quantize it afterwards")
+            raise RuntimeError(f"{type(self).__name__} is inference-only (integer weights, no gradient): "
+                               "train or fine-tune the unquantized model and quantize it afterwards")
         return super().train(False)
 
     def _finish(self, y: Tensor, x: Tensor) -> Tensor:
@@ -94,7 +94,8 @@ class _WeightOnlyLinear(nn.Module):
         return y if self.bias is None else y.add_(self.bias.to(y.dtype))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
 
 
 class Int8WeightOnlyLinear(_WeightOnlyLinear):
@@ -103,8 +104,8 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
         super().__init__(q.shape[1], q.shape[0], bias)
         q = q.contiguous()
-        # the kernel reads q in 16-byte vectors: a fresh tensor is aligned, a view into a file may not be. Loads
-        # and moves keep a fresh buffer, so the check below only matters for a buffer replaced by hand.
+        # the kernel reads q in 16-byte vectors: a fresh tensor is aligned, a view into a file may not be.
+        # Loads and moves keep a fresh buffer, so the check below only matters for a buffer replaced by hand.
         self.register_buffer("q", q if q.data_ptr() % 16 == 0 else q.clone())
         self.register_buffer("scale", scale)
 
@@ -131,9 +132,10 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
                 x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh tensor is 64-byte aligned
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, scale)
         else:
-            # every other input (fp32/fp16: the kernel's scalar loop; in_features not a multiple of 16; autograd
-            # through the input, which the kernel has no derivative for): the same formula, (x @ q^T) * scale.
-            # The codes are exact in any float dtype (|q| <= 127), so, as in the kernel, only the sums round.
+            # every other input (fp32/fp16: the kernel's scalar loop; in_features not a multiple of 16;
+            # autograd through the input, which the kernel has no derivative for): the same formula, (x @ q^T)
+            # * scale. The codes are exact in any float dtype (|q| <= 127), so, as in the kernel, only the
+            # sums round.
             y = F.linear(x2, self.q.to(x.dtype)).mul_(scale)
         return self._finish(y, x)
 
@@ -143,8 +145,9 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
 
 
 class Int4WeightOnlyLinear(_WeightOnlyLinear):
-    """y = x @ W^T + b with W[o, i] = (q[o, i] - 8) * scale[o, g] + zero[o, g], g = i // group_size, q in 0..15
-    packed by the kernel's own layout (`packed`, half a byte a weight) for the device it was quantized on."""
+    """y = x @ W^T + b with W[o, i] = (q[o, i] - 8) * scale[o, g] + zero[o, g], g = i // group_size, q in
+    0..15 packed by the kernel's own layout (`packed`, half a byte a weight) for the device it was quantized
+    on."""
 
     def __init__(self, packed: Tensor, scales_and_zeros: Tensor, in_features: int, group_size: int,
                  bias: Tensor | None = None) -> None:
@@ -159,7 +162,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         of the 128 that 8 inner k-tiles span)."""
         out_f, in_f = linear.weight.shape
         device = linear.weight.device.type
-        return out_f % 16 == 0 and in_f % group_size == 0 and (device == "cpu" or device == "cuda" and in_f % 128 == 0)
+        return (out_f % 16 == 0 and in_f % group_size == 0
+                and (device == "cpu" or device == "cuda" and in_f % 128 == 0))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> Int4WeightOnlyLinear:
@@ -167,7 +171,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         if linear.weight.is_cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         else:  # CUDA's tinygemm takes two codes a byte, the first in the high nibble, and 8 inner k-tiles
-            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
+            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8),
+                                                                8)
         scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         return cls(packed, scales_and_zeros, q.shape[1], group_size, linear.bias)
 
@@ -189,11 +194,12 @@ def _quantized(linear: nn.Linear, mode: str, group_size: int) -> _WeightOnlyLine
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, *, group_size: int = 64, head: bool = True) -> nn.Module:
-    """Swap every projection (nn.Linear) inside the model's Transformer blocks (qkv Stacks), and the output head
-    `lm_head` when head=True, for its weight-only quantized version, in place; returns the model in eval mode.
-    int4 uses groups of `group_size` inputs (32, 64, 128 or 256; 64 divides the widths of the common small
-    Llamas, 576 and 1536); a layer the int4 kernel cannot hold (out_features not a multiple of 16, in_features
-    not of group_size) is quantized to int8 instead. A head tied to the token embedding gets a quantized copy:
+    """Swap every projection (nn.Linear) inside the model's Transformer blocks (qkv Stacks), and the output
+    head `lm_head` when head=True, for its weight-only quantized version, in place; returns the model in eval
+    mode. int4 uses groups of `group_size` inputs (32, 64, 128 or 256; 64 divides the widths of the common
+    small Llamas, 576 and 1536); a layer the int4 kernel cannot hold (out_features not a multiple of 16,
+    in_features not of group_size) is quantized to int8 instead. A head tied to the token embedding gets a
+    quantized copy:
     the embedding keeps its full-precision table (token lookup reads only one row of it per token)."""
     check_mode(mode)
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -204,7 +210,8 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 64, head: b
     if head and isinstance(getattr(model, "lm_head", None), nn.Linear):
         targets.append((model, "lm_head", model.lm_head))
     if not targets:
-        raise ValueError(f"{type(model).__name__} has no Transformer blocks with linear projections to quantize")
+        raise ValueError(f"{type(model).__name__} has no Transformer blocks with linear projections to "
+                         "quantize")
     fallback = 0
     for parent, name, linear in targets:
         new = _quantized(linear, mode, group_size)

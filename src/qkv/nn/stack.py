@@ -23,7 +23,8 @@ from qkv.nn.position import PositionalEncoding
 @dataclass
 class StackOutput:
     hidden: Tensor  # (B, T, d_model)
-    attentions: list[dict[str, Tensor]] = field(default_factory=list)  # per layer {"self"|"cross": (B,H,T,Tk)}
+    # per layer {"self"|"cross": (B,H,T,Tk)}
+    attentions: list[dict[str, Tensor]] = field(default_factory=list)
 
 
 class Stack(nn.Module):
@@ -83,7 +84,8 @@ class Stack(nn.Module):
         same function. Ignored under torch.compile (the number of real tokens is data-dependent).
         last_only=True: only the last position's hidden state is wanted (B, 1, d) (a prefill before
         generation): the top block computes keys and values for every position and the rest of its work for
-        the last position only. Ignored with return_weights or unpad (the hidden states are then (B, T, d))."""
+        the last position only. Ignored with return_weights or unpad (the hidden states are then (B, T,
+        d))."""
         B, T, _ = x.shape
         if offset is None:
             offset = cache.offset if cache is not None else 0
@@ -108,7 +110,8 @@ class Stack(nn.Module):
         mem_mask = None if memory_keep is None else expand_mask(memory_keep)
         tok_keep = None if keep is None else keep[:, -T:]
         unpadded = None
-        if unpad and keep is not None and cache is None and memory is None and not torch.compiler.is_compiling():
+        if (unpad and keep is not None and cache is None and memory is None
+            and not torch.compiler.is_compiling()):
             u = Unpadded.from_keep(tok_keep.bool())
             if u.index.numel() < B * T:  # nothing to skip otherwise
                 unpadded, x, tok_keep = u, u.unpad(x), None  # the rows are all real: no keep for the norms
@@ -149,15 +152,15 @@ class Stack(nn.Module):
     ) -> Tensor:
         """The decoding step: forward() for the few newest tokens over a filled cache, for inference.
 
-        x: (B, T, d) embeddings of the T newest tokens (T = 1 for one token; a small chunk works too);
-        keep: (B, cached + T) bool key mask (None: every key is real); offset: position of x[:, 0] (default
-        the cache's). Returns the final hidden states (B, T, d) and advances the cache by T. Cross-attention
-        (an encoder-decoder's decoder) reads the encoder K/V and their mask from the cache, which the first,
+        x: (B, T, d) embeddings of the T newest tokens (T = 1 for one token; a small chunk works too); keep:
+        (B, cached + T) bool key mask (None: every key is real); offset: position of x[:, 0] (default the
+        cache's). Returns the final hidden states (B, T, d) and advances the cache by T. Cross-attention (an
+        encoder-decoder's decoder) reads the encoder K/V and their mask from the cache, which the first,
         prefilling forward() filled. The position bias, the key padding and the causal mask among the new
         tokens are folded into one additive term per step (step_scores_bias), shared by every layer. No
         dropout and no attention weights: use forward() for those. last_only=True: only the last token's
-        hidden state is wanted, (B, 1, d): the top block caches every token's keys/values but computes the rest
-        (its attention's queries, output projection, feed-forward) for the last token only, as forward's
+        hidden state is wanted, (B, 1, d): the top block caches every token's keys/values but computes the
+        rest (its attention's queries, output projection, feed-forward) for the last token only, as forward's
         last_only (a prefill chunk of T tokens saves ~(T - 1) / T of that work; decoder-only stacks: with
         cross-attention every token goes through)."""
         if self.training:
@@ -177,14 +180,17 @@ class Stack(nn.Module):
         add = cross_add = None
         if self.blocks:
             a = self.blocks[0].attn
-            heads = dict(batch=B, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, q_len=T, dtype=x.dtype, device=x.device)
-            add = step_scores_bias(**heads, k_len=k_len, bias=self.position.bias(T, k_len, self.causal), keep=keep,
-                                   causal=self.causal)
+            heads = dict(batch=B, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, q_len=T, dtype=x.dtype,
+                         device=x.device)
+            add = step_scores_bias(**heads, k_len=k_len, bias=self.position.bias(T, k_len, self.causal),
+                                   keep=keep, causal=self.causal)
             if self.blocks[0].cross is not None and cache.memory_keep is not None:
                 cross_add = _cross_scores_bias(heads, cache.memory_keep)
-        rows = x.reshape(B * T, x.shape[-1])  # the blocks work on the new tokens' rows: one product per linear
+        # the blocks work on the new tokens' rows: one product per linear
+        rows = x.reshape(B * T, x.shape[-1])
         row_keep = None if tok_keep is None else tok_keep.reshape(B * T)
-        # only an encoding that rotates (RoPE) is handed to the attention layers; the others did their work above
+        # only an encoding that rotates (RoPE) is handed to the attention layers; the others did their work
+        # above
         rotating = self.position if type(self.position).rotate is not PositionalEncoding.rotate else None
         top = len(self.blocks) - 1 if last_only and T > 1 and cross_add is None and self.blocks \
             and self.blocks[0].cross is None else -1
@@ -200,7 +206,8 @@ class Stack(nn.Module):
     @property
     def static_step_supported(self) -> bool:
         """static_step needs positions that are not an attention bias: ALiBi's and T5's bias depend on the
-        query's position as a Python int (the bias hook's q_len/k_len), which a static-shape step does not have."""
+        query's position as a Python int (the bias hook's q_len/k_len), which a static-shape step does not
+        have."""
         return type(self.position).bias is PositionalEncoding.bias
 
     def static_step(
@@ -223,15 +230,17 @@ class Stack(nn.Module):
         graph serves every step. Returns (B, 1, d); cache.length is NOT advanced (the caller does, outside the
         graph)."""
         if self.training:
-            raise RuntimeError("Stack.static_step is the inference path (no dropout): call model.eval() first")
+            raise RuntimeError("Stack.static_step is the inference path (no dropout): call model.eval() "
+                               "first")
         if not self.static_step_supported:
-            raise ValueError(f"static_step does not support {type(self.position).__name__} positions (an attention "
-                             f"bias that depends on the query position): use step()")
+            raise ValueError(f"static_step does not support {type(self.position).__name__} positions (an "
+                             f"attention bias that depends on the query position): use step()")
         B, T, d = x.shape
         if T != 1:
             raise ValueError(f"static_step takes one new token per row, got {T}")
         L = cache.max_len
-        self.position.reserve(L)  # a Python int: grows RoPE's table before tracing, refuses past a fixed table
+        # a Python int: grows RoPE's table before tracing, refuses past a fixed table
+        self.position.reserve(L)
         x = self.position.embed(x, offset)
         if self.embed_norm is not None:
             x = self.embed_norm(x, None)
@@ -240,7 +249,8 @@ class Stack(nn.Module):
         add = cross_add = None
         if self.blocks:
             a = self.blocks[0].attn
-            heads = dict(batch=B, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, q_len=1, dtype=x.dtype, device=x.device)
+            heads = dict(batch=B, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, q_len=1, dtype=x.dtype,
+                         device=x.device)
             add = step_scores_bias(**heads, k_len=L, bias=None, keep=visible, causal=False)
             if self.blocks[0].cross is not None and cache.memory_keep is not None:
                 cross_add = _cross_scores_bias(heads, cache.memory_keep)
@@ -256,8 +266,8 @@ class Stack(nn.Module):
 
 def _cross_scores_bias(heads: dict, memory_keep: Tensor) -> Tensor:
     """The decoding step's additive cross-attention mask from the encoder keep-mask (B0, S). heads: the
-    step_scores_bias keywords of the step's B rows. When the encoder K/V are kept once per source for R = B / B0
-    rows each (beam search), the R rows' heads form one group, as in attention._shared_cross_step."""
+    step_scores_bias keywords of the step's B rows. When the encoder K/V are kept once per source for R = B /
+    B0 rows each (beam search), the R rows' heads form one group, as in attention._shared_cross_step."""
     B0 = memory_keep.shape[0]
     if B0 != heads["batch"]:
         heads = {**heads, "batch": B0, "n_heads": heads["n_heads"] * (heads["batch"] // B0)}

@@ -34,7 +34,8 @@ from qkv.tasks.tokenizers import (
 )
 
 __all__ = [
-    "SPECIALS", "TASK_FILE", "BPETokenizer", "CharTokenizer", "Task", "Tokenizer", "TokenizerError", "WordTokenizer",
+    "SPECIALS", "TASK_FILE", "BPETokenizer", "CharTokenizer", "Task", "Tokenizer", "TokenizerError",
+    "WordTokenizer",
     "build_options", "build_task", "load_task", "load_tokenizer", "register_task", "save_tokenizer",
     "task_from_dict", "task_names", "task_spec",
 ]

@@ -58,7 +58,8 @@ def check_split(split: str) -> None:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
 
 
-def pad_rows(rows: Sequence[Sequence[int]], value: int, length: int | None = None, left: bool = False) -> Tensor:
+def pad_rows(rows: Sequence[Sequence[int]], value: int, length: int | None = None,
+             left: bool = False) -> Tensor:
     """(B, T) long tensor from ragged rows, padded with `value` on the right (or left)."""
     T = length if length is not None else max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), T), value, dtype=torch.long)
@@ -99,8 +100,8 @@ class Task:
     # the scores evaluate() reports, each with its direction ("max" = higher is better); the first is the
     # primary one: the default train.best_metric (checkpoints/best) and what a run is judged by
     metrics: dict[str, str] = {}
-    # SHA-256 of the user's data file the task was built from (None: a built-in corpus or dataset), recorded in
-    # task.json: a run rebuilt on a file that changed since (same characters, other text) must not train or
+    # SHA-256 of the user's data file the task was built from (None: a built-in corpus or dataset), recorded
+    # in task.json: a run rebuilt on a file that changed since (same characters, other text) must not train or
     # evaluate on it as if it were the run's data (check_recorded_data)
     data_sha256: str | None = None
     missing: str | None = None  # why batches and evaluation are refused (the data is gone or changed)
@@ -142,8 +143,8 @@ class Task:
     def _check_family(self, family: str | None) -> str:
         family = family or self.family
         if family != self.family:
-            raise ConfigError(f"task {self.name!r} was built for family {self.family!r}, its batches do not fit "
-                              f"{family!r}; build it with family={family!r}")
+            raise ConfigError(f"task {self.name!r} was built for family {self.family!r}, its batches do not "
+                              f"fit {family!r}; build it with family={family!r}")
         return family
 
     def build_model(self, preset_or_config: Any, **overrides: Any) -> Any:
@@ -151,8 +152,8 @@ class Task:
         and special-token ids applied (in its family's fields), then `overrides`."""
         fam, _ = config_for(preset_or_config)
         if fam.name != self.family:
-            raise ConfigError(f"model {preset_or_config!r} is a {fam.name} model, but task {self.name!r} was built "
-                              f"for family {self.family!r}")
+            raise ConfigError(f"model {preset_or_config!r} is a {fam.name} model, but task {self.name!r} was "
+                              f"built for family {self.family!r}")
         return fam.model_class(config_for(preset_or_config, **{**self.config_overrides(), **overrides})[1])
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,14 +194,15 @@ def text_sha256(text: str) -> str:
 
 
 def check_recorded_data(task: Task, recorded: str | None) -> None:
-    """A task rebuilt from a run (task.json's data_sha256 = `recorded`) on a data file whose text changed since:
+    """A task rebuilt from a run (task.json's data_sha256 = `recorded`) on a data file whose text changed
+    since:
     batches and evaluation are refused (task.missing), as for a file that is gone; generation still works (it
     needs only the saved tokenizer). Runs saved before digests were recorded are not checked."""
     if recorded is None or task.missing or task.data_sha256 in (None, recorded):
         return
     path = getattr(task.options, "path", None)
-    task.missing = (f"{path}: the file changed since the run was trained (its SHA-256 is not the one the run's "
-                    "task.json records); train a new run on it (another --out), or restore the file")
+    task.missing = (f"{path}: the file changed since the run was trained (its SHA-256 is not the one the "
+                    "run's task.json records); train a new run on it (another --out), or restore the file")
 
 
 def recorded_data_sha256(folder: str | os.PathLike) -> str | None:
@@ -214,7 +216,8 @@ def recorded_data_sha256(folder: str | os.PathLike) -> str | None:
 
 
 def read_text_file(path: str | os.PathLike, what: str = "text file") -> str:
-    """A UTF-8 text file's contents; a clear ConfigError when it is missing, not a file, not UTF-8, or empty."""
+    """A UTF-8 text file's contents; a clear ConfigError when it is missing, not a file, not UTF-8, or
+    empty."""
     p = Path(path).expanduser()  # task.path=~/book.txt: the shell does not expand ~ after "key="
     if not p.exists():
         raise ConfigError(f"{what} not found: {p}")
@@ -238,8 +241,10 @@ class TaskSpec:
     kinds: tuple[str, ...]  # the kinds of model the task serves
     default_family: str  # the family built when none is named
     description: str
-    option_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-name defaults (charlm/bpelm)
-    requires: tuple[str, ...] = ()  # optional packages (import names, see qkv.extras), checked before building
+    # per-name defaults (charlm/bpelm)
+    option_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # optional packages (import names, see qkv.extras), checked before building
+    requires: tuple[str, ...] = ()
 
 
 _TASKS: dict[str, TaskSpec] = {}
@@ -248,8 +253,8 @@ _TASKS: dict[str, TaskSpec] = {}
 def register_task(name: str, options_class: type, factory: Callable[..., Task], kinds: Sequence[str],
                   description: str, *, default_family: str, requires: Sequence[str] = (),
                   **option_defaults: Any) -> None:
-    _TASKS[name] = TaskSpec(name, options_class, factory, tuple(kinds), default_family, description, option_defaults,
-                            tuple(requires))
+    _TASKS[name] = TaskSpec(name, options_class, factory, tuple(kinds), default_family, description,
+                            option_defaults, tuple(requires))
 
 
 def _ensure_loaded() -> None:
@@ -264,14 +269,16 @@ def task_names() -> list[str]:
 def task_spec(name: str) -> TaskSpec:
     _ensure_loaded()
     if name not in _TASKS:
-        raise ConfigError(f"unknown task {name!r}{_closest(name, list(_TASKS)).replace('valid keys', 'known tasks')}")
+        raise ConfigError("unknown task "
+                          f"{name!r}{_closest(name, list(_TASKS)).replace('valid keys', 'known tasks')}")
     return _TASKS[name]
 
 
 def build_options(name: str, options: dict[str, Any] | None = None) -> Any:
     """The strict options dataclass of task `name` (unknown keys -> ConfigError naming the closest)."""
     spec = task_spec(name)
-    return from_dict(spec.options_class, {**spec.option_defaults, **(options or {})}, f"task {name!r} options")
+    return from_dict(spec.options_class, {**spec.option_defaults, **(options or {})},
+                     f"task {name!r} options")
 
 
 def build_task(name: str, family: str | None = None, *, saved_tokenizer: Tokenizer | None = None,
@@ -302,9 +309,10 @@ def task_from_dict(data: dict[str, Any], tokenizer: Tokenizer | None = None) -> 
         raise ConfigError("a task description needs a 'task' key (and optionally 'family', 'options')")
     unknown = set(data) - {"task", "family", "options", "data_sha256"}
     if unknown:
-        raise ConfigError(f"unknown key {sorted(unknown)[0]!r} in task description; valid keys: data_sha256, family, "
-                          "options, task")
-    task = build_task(data["task"], data.get("family"), saved_tokenizer=tokenizer, **(data.get("options") or {}))
+        raise ConfigError(f"unknown key {sorted(unknown)[0]!r} in task description; valid keys: data_sha256, "
+                          "family, options, task")
+    task = build_task(data["task"], data.get("family"), saved_tokenizer=tokenizer,
+                      **(data.get("options") or {}))
     check_recorded_data(task, data.get("data_sha256"))
     return task
 

@@ -7,9 +7,9 @@ Batch: {"pixel_values": (B, 1, 8, 8), "input_ids": (B, T) word ids + <eos>, righ
 Evaluation on the held-out images:
   zero_shot_accuracy  the class whose prompt ZERO_SHOT_TEMPLATE ("a photo of the digit seven", a template
                       never used in training) is most similar to the image
-  recall@1 (i2t)      each test image is captioned (seeded, training templates); for every image, the most similar
-                      of all test captions is a hit when it describes the image's digit (templated captions
-                      carry nothing else, so every caption of the right digit is a correct match)
+  recall@1 (i2t)      each test image is captioned (seeded, training templates); for every image, the most
+                      similar of all test captions is a hit when it describes the image's digit (templated
+                      captions carry nothing else, so every caption of the right digit is a correct match)
   recall@1 (t2i)      the same, from each test caption to the most similar test image
 
 Batches: with `distinct_digits` (default), the digits of a batch are drawn as consecutive random permutations
@@ -61,7 +61,8 @@ class CaptionsTask(Task):
         self.options, self.family = options, family
         images, labels, _ = load_digit_images()
         self.images, self.labels = torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels)
-        self.train_idx, self.test_idx = (torch.from_numpy(i) for i in stratified_split(labels, options.test_fraction))
+        self.train_idx, self.test_idx = (torch.from_numpy(i)
+                                             for i in stratified_split(labels, options.test_fraction))
         texts = [t.format(w) for t in (*TRAIN_TEMPLATES, ZERO_SHOT_TEMPLATE) for w in DIGIT_WORDS]
         self.tokenizer = tokenizer or WordTokenizer.from_text(texts)
         self.max_tokens = max(len(t.split()) for t in texts) + 1  # + <eos>
@@ -82,7 +83,8 @@ class CaptionsTask(Task):
             classes: list[int] = []
             while len(classes) < batch_size:
                 classes += rng.sample(range(10), 10)
-            pick = torch.tensor([int(by_class[c][rng.randrange(len(by_class[c]))]) for c in classes[:batch_size]])
+            pick = torch.tensor([int(by_class[c][rng.randrange(len(by_class[c]))])
+                                     for c in classes[:batch_size]])
         else:
             pick = torch.tensor([idx[rng.randrange(len(idx))] for _ in range(batch_size)], dtype=torch.long)
         x = self.images[pick]
@@ -139,7 +141,8 @@ class CaptionsTask(Task):
         for i, row in zip(idx.tolist(), sims):
             p = int(row.argmax())
             t = int(self.labels[i])
-            out.append(f"test image {i} ({DIGIT_WORDS[t]}): best prompt '{prompts[p]}'" + ("  (ok)" if p == t else ""))
+            out.append(f"test image {i} ({DIGIT_WORDS[t]}): best prompt '{prompts[p]}'"
+                       + ("  (ok)" if p == t else ""))
         return out
 
 

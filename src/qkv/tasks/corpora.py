@@ -64,8 +64,8 @@ def stdlib_split(val_fraction: float, root: Path | None = None) -> dict[str, lis
     split = {"train": [p for p in files if not is_val_file(p, val_fraction)],
              "val": [p for p in files if is_val_file(p, val_fraction)]}
     if not split["train"] or not split["val"]:
-        raise ConfigError(f"val_fraction={val_fraction} leaves the stdlib {'train' if not split['train'] else 'val'} "
-                          f"split empty ({len(files)} files)")
+        raise ConfigError(f"val_fraction={val_fraction} leaves the stdlib "
+                          f"{'train' if not split['train'] else 'val'} split empty ({len(files)} files)")
     return split
 
 

@@ -72,8 +72,8 @@ def load_image_folder(folder: str | Path) -> tuple[np.ndarray, np.ndarray, list[
             if shape is None:
                 shape = img.shape
             if img.shape != shape:
-                raise ConfigError(f"{f} is {img.shape[1]}x{img.shape[0]}, other images are {shape[1]}x{shape[0]}; "
-                                  "resize the folder's images to one size")
+                raise ConfigError(f"{f} is {img.shape[1]}x{img.shape[0]}, other images are "
+                                  f"{shape[1]}x{shape[0]}; resize the folder's images to one size")
             images.append(img)
             labels.append(ci)
     if not images:
@@ -81,7 +81,8 @@ def load_image_folder(folder: str | Path) -> tuple[np.ndarray, np.ndarray, list[
     return np.stack(images), np.asarray(labels, dtype=np.int64), classes
 
 
-def stratified_split(labels: np.ndarray, test_fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def stratified_split(labels: np.ndarray, test_fraction: float,
+                     seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Indices (train, test): the first ceil(test_fraction * n_c) of a seeded permutation of each class c."""
     rng = np.random.default_rng(seed)
     train, test = [], []
@@ -108,13 +109,15 @@ def shift_images(x: Tensor, dy: Tensor, dx: Tensor) -> Tensor:
 
 
 def rotate_scale(x: Tensor, degrees: Tensor, scale: Tensor) -> Tensor:
-    """Rotate each image of (B, C, H, W) about its centre by `degrees` and zoom by `scale` (bilinear, zero fill)."""
+    """Rotate each image of (B, C, H, W) about its centre by `degrees` and zoom by `scale` (bilinear, zero
+    fill)."""
     a = degrees * torch.pi / 180
     cos, sin = torch.cos(a) / scale, torch.sin(a) / scale
     theta = torch.stack([torch.stack([cos, -sin, torch.zeros_like(a)], -1),
                          torch.stack([sin, cos, torch.zeros_like(a)], -1)], 1)  # (B, 2, 3) output -> input
     grid = torch.nn.functional.affine_grid(theta, list(x.shape), align_corners=False)
-    return torch.nn.functional.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return torch.nn.functional.grid_sample(x, grid, mode="bilinear", padding_mode="zeros",
+                                           align_corners=False)
 
 
 class DigitsTask(Task):
@@ -129,10 +132,12 @@ class DigitsTask(Task):
             images, labels, self.classes = load_digit_images()
         self.images = torch.from_numpy(images).unsqueeze(1)  # (N, 1, H, W)
         self.labels = torch.from_numpy(labels)
-        self.train_idx, self.test_idx = (torch.from_numpy(i) for i in stratified_split(labels, options.test_fraction))
+        self.train_idx, self.test_idx = (torch.from_numpy(i)
+                                             for i in stratified_split(labels, options.test_fraction))
         # a tokenizer over the class names, so predictions decode to names and the task saves like the others
         if tokenizer is None:
-            tokenizer = (CharTokenizer if all(len(c) == 1 for c in self.classes) else WordTokenizer)(self.classes)
+            tokenizer = (CharTokenizer if all(len(c) == 1 for c in self.classes)
+                             else WordTokenizer)(self.classes)
         self.tokenizer = tokenizer
 
     @property

@@ -113,7 +113,8 @@ def dtmf_clip(digits: str, rng: random.Random, o: DTMFOptions) -> np.ndarray:
 
 class AudioDigitsTask(Task):
     """Shared by DTMF and espeak-ng speech: audio of a digit string -> the string. Subclasses implement
-    `render(digits, rng, split)` and set `options` with sample_rate / clip_seconds / min_digits / max_digits."""
+    `render(digits, rng, split)` and set `options` with sample_rate / clip_seconds / min_digits /
+    max_digits."""
 
     kinds = ("audio",)
     metrics = {"exact_match": "max", "wer": "min"}
@@ -157,7 +158,8 @@ class AudioDigitsTask(Task):
         n_fft = 400 * o.sample_rate // 16000  # 25 ms windows
         frames = o.n_samples // hop
         # the audio kind's needs: the text side in shared names, the front end in the audio fields
-        return {"vocab_size": tok.vocab_size, "context_length": o.max_digits + 2, "sample_rate": o.sample_rate,
+        return {"vocab_size": tok.vocab_size, "context_length": o.max_digits + 2,
+                "sample_rate": o.sample_rate,
                 "hop_length": hop, "n_fft": n_fft, "n_audio_ctx": (frames + 1) // 2,
                 "pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
 
@@ -177,7 +179,8 @@ class AudioDigitsTask(Task):
         dev = model_device(model)
         hyps = []
         for s in range(0, len(audio), batch_size):
-            ids = generate(model, audio[s:s + batch_size].to(dev), self.options.max_digits + 1, eos_token_id=EOS)
+            ids = generate(model, audio[s:s + batch_size].to(dev), self.options.max_digits + 1,
+                           eos_token_id=EOS)
             for row in ids.tolist():
                 row = row[: row.index(EOS)] if EOS in row else row
                 hyps.append(self.tokenizer.decode(row))
@@ -189,7 +192,8 @@ class AudioDigitsTask(Task):
         refs = [s for s, _ in ex]
         hyps = self.transcribe(model, torch.from_numpy(np.stack([a for _, a in ex])), batch_size)
         exact = sum(h == r for h, r in zip(hyps, refs)) / max(1, len(refs))
-        return {"exact_match": exact, "wer": word_error_rate([list(h) for h in hyps], [list(r) for r in refs]),
+        return {"exact_match": exact,
+                "wer": word_error_rate([list(h) for h in hyps], [list(r) for r in refs]),
                 "n": float(len(refs))}
 
     def samples(self, model: torch.nn.Module, n: int = 5) -> list[str]:
@@ -204,5 +208,6 @@ class DTMFTask(AudioDigitsTask):
 
 
 register_task("dtmf", DTMFOptions, DTMFTask, ("audio",),
-              "DTMF telephone tones of digit strings with noise and random timing -> the digits (speech stand-in)",
+              "DTMF telephone tones of digit strings with noise and random timing -> the digits (speech "
+              "stand-in)",
               default_family="whisper")

@@ -1,10 +1,11 @@
 """Image classification on real images: Fashion-MNIST (or MNIST) from IDX files, and a folder of images.
 
-fashion_mnist: the four IDX files of Zalando's Fashion-MNIST (60,000 training and 10,000 test 28x28 grey images,
+fashion_mnist: the four IDX files of Zalando's Fashion-MNIST (60,000 training and 10,000 test 28x28 grey
+images,
   10 classes), as Debian's `dataset-fashion-mnist` installs them under /usr/share/datasets/fashion-mnist/
-  (gzipped); `path=` names any folder with the same four files (MNIST's too), gzipped or not. The split "val" is
-  the official test set: a run's figures are test accuracy (selection of checkpoints/best on it is the only
-  use a run makes of it; the documented figures are the last step's).
+  (gzipped); `path=` names any folder with the same four files (MNIST's too), gzipped or not. The split
+  "val" is the official test set: a run's figures are test accuracy (selection of checkpoints/best on it is
+  the only use a run makes of it; the documented figures are the last step's).
 image_folder: one sub-folder per class of images (PNG, JPEG, ...; read with Pillow), made grey or RGB and
   resized to image_size x image_size; a fixed, class-stratified split by `split_seed` holds `dev_fraction` of
   each class out as "val".
@@ -57,12 +58,14 @@ def read_idx(path: str | Path) -> np.ndarray:
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise ConfigError(f"{path}: not an IDX file (bad magic number {raw[:4].hex() or 'empty'})")
     ndim = raw[3]
-    shape = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4)) if len(raw) >= 4 + 4 * ndim \
+    shape = tuple(int(d)
+                      for d in np.frombuffer(raw, ">u4", count=ndim, offset=4)) if len(raw) >= 4 + 4 * ndim \
         else None
     dtype = np.dtype(_IDX_DTYPES[raw[2]])
     start = 4 + 4 * ndim
     if shape is None or len(raw) - start != int(np.prod(shape)) * dtype.itemsize:
-        raise ConfigError(f"{path}: truncated or padded IDX file (header says {shape}, {len(raw) - start} data bytes)")
+        raise ConfigError(f"{path}: truncated or padded IDX file (header says {shape}, {len(raw) - start} "
+                          "data bytes)")
     return np.frombuffer(raw, dtype, offset=start).reshape(shape)
 
 
@@ -89,8 +92,10 @@ def load_idx_folder(folder: str | Path) -> dict[str, np.ndarray]:
     return data
 
 
-def load_image_files(folder: str | Path, image_size: int, channels: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """A folder of class sub-folders -> (N, H, W, C) uint8 images resized to image_size, (N,) labels, classes."""
+def load_image_files(folder: str | Path, image_size: int,
+                     channels: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """A folder of class sub-folders -> (N, H, W, C) uint8 images resized to image_size, (N,) labels,
+    classes."""
     from PIL import Image, UnidentifiedImageError
 
     root = Path(folder).expanduser()
@@ -148,7 +153,8 @@ class ImageClassificationTask(Task):
         self.mean = train.mean(dim=(0, 2, 3)).view(1, -1, 1, 1)
         self.std = train.std(dim=(0, 2, 3)).clamp_min(1e-3).view(1, -1, 1, 1)
         # the class names as a vocabulary, so the run saves like the others and predictions decode to names
-        self.tokenizer = tokenizer if tokenizer is not None else WordTokenizer([c.replace(" ", "_") for c in classes])
+        self.tokenizer = (tokenizer if tokenizer is not None
+                          else WordTokenizer([c.replace(" ", "_") for c in classes]))
 
     @property
     def image_size(self) -> int:
@@ -166,8 +172,8 @@ class ImageClassificationTask(Task):
         return (images.float() / 255 - self.mean) / self.std
 
     def batch_positions(self, index: int, batch_size: int, split: str = "train") -> Tensor:
-        """Which images of the split batch `index` holds: positions index*B .. index*B+B-1 of an endless stream
-        of seeded per-epoch permutations of the split (each epoch sees every image once)."""
+        """Which images of the split batch `index` holds: positions index*B .. index*B+B-1 of an endless
+        stream of seeded per-epoch permutations of the split (each epoch sees every image once)."""
         n = len(self.split_indices(split))
         pos = torch.arange(index * batch_size, (index + 1) * batch_size)
         picks = []
@@ -225,19 +231,21 @@ class FashionMNISTOptions:
     seed: int = 0  # seeds the training stream (order and augmentation)
     pad: int = 2  # augmentation: random crop of the image padded by this many pixels (0 = off)
     hflip: bool = True  # augmentation: horizontal flip with probability 1/2 (set false for digits)
-    classes: list[str] | None = None  # class names (default: Fashion-MNIST's for a folder named *fashion*, else 0..9)
+    # class names (default: Fashion-MNIST's for a folder named *fashion*, else 0..9)
+    classes: list[str] | None = None
 
     def validate(self) -> None:
         if self.pad < 0:
             raise ConfigError(f"pad must be >= 0, got {self.pad}")
 
 
-def build_fashion_mnist(options: FashionMNISTOptions, family: str, tokenizer: Any = None) -> ImageClassificationTask:
+def build_fashion_mnist(options: FashionMNISTOptions, family: str,
+                        tokenizer: Any = None) -> ImageClassificationTask:
     root = Path(options.path).expanduser()
     if not root.is_dir():
         hint = f"; install it with: {FASHION_APT}" if str(root) == FASHION_DIR else ""
-        raise ConfigError(f"no Fashion-MNIST data at {root}{hint} (or point task.path= at a folder with the four "
-                          "IDX files)")
+        raise ConfigError(f"no Fashion-MNIST data at {root}{hint} (or point task.path= at a folder with the "
+                          "four IDX files)")
     d = load_idx_folder(root)
     images = np.concatenate([d["train_images"], d["test_images"]])[:, None]  # (N, 1, 28, 28)
     labels = np.concatenate([d["train_labels"], d["test_labels"]]).astype(np.int64)
@@ -264,14 +272,16 @@ class ImageFolderOptions:
 
     def validate(self) -> None:
         if not self.path:
-            raise ConfigError("task image_folder needs path= (a folder with one sub-folder of images per class)")
+            raise ConfigError("task image_folder needs path= (a folder with one sub-folder of images per "
+                              "class)")
         if self.channels not in (1, 3):
             raise ConfigError(f"channels must be 1 or 3, got {self.channels}")
         if not 0.0 < self.dev_fraction < 1.0 or self.image_size < 1 or self.pad < 0:
             raise ConfigError("need 0 < dev_fraction < 1, image_size >= 1 and pad >= 0")
 
 
-def build_image_folder(options: ImageFolderOptions, family: str, tokenizer: Any = None) -> ImageClassificationTask:
+def build_image_folder(options: ImageFolderOptions, family: str,
+                       tokenizer: Any = None) -> ImageClassificationTask:
     images, labels, classes = load_image_files(options.path, options.image_size, options.channels)
     train, val = stratified_split(labels, options.dev_fraction, options.split_seed)
     return ImageClassificationTask(options, family, images.transpose(0, 3, 1, 2), labels, classes, train, val,

@@ -178,11 +178,12 @@ class ListOpsTask(Task):
 
     def model_overrides(self, family: str | None = None) -> dict[str, Any]:
         self._check_family(family)
-        return {"vocab_size": self.tokenizer.vocab_size, "context_length": self.options.max_len + self.pools_first_token,
-                "num_labels": 10}
+        return {"vocab_size": self.tokenizer.vocab_size,
+                "context_length": self.options.max_len + self.pools_first_token, "num_labels": 10}
 
     @torch.no_grad()
-    def predict(self, model: torch.nn.Module, examples: list[tuple[str, int]], batch_size: int = 64) -> list[int]:
+    def predict(self, model: torch.nn.Module, examples: list[tuple[str, int]],
+                batch_size: int = 64) -> list[int]:
         dev = model_device(model)
         was_training = model.training
         model.eval()

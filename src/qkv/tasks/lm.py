@@ -5,10 +5,10 @@ needs no download: `corpus: pydoc` (the default: Python's bundled documentation 
 ~465k characters) or `corpus: stdlib` (the standard library's own .py sources, ~12 MB; task `stdlib_lm`).
 
 Split: for a text (a file, pydoc) the first (1 - val_fraction) of the characters are train, the rest val
-(nanoGPT's convention), cut at a character boundary before tokenising; for `stdlib` whole files, chosen by
-a stable hash of their path (no file in both splits, see qkv.tasks.corpora). Tokenizer: `char` = the distinct characters of the whole text
-(val included, so val has no unknown characters, as in nanoGPT); `bpe` = byte-level BPE trained on the
-train split only, `bpe_vocab_size` tokens.
+(nanoGPT's convention), cut at a character boundary before tokenising; for `stdlib` whole files, chosen by a
+stable hash of their path (no file in both splits, see qkv.tasks.corpora). Tokenizer: `char` = the distinct
+characters of the whole text (val included, so val has no unknown characters, as in nanoGPT); `bpe` =
+byte-level BPE trained on the train split only, `bpe_vocab_size` tokens.
 
 Batches: `batch_size` random windows of `context` tokens from the split, window starts drawn from a
 stream seeded by (seed, split, index). input_ids = labels = the window (B, context): the model shifts the
@@ -118,12 +118,13 @@ class LMTask(Task):
             else:
                 tokenizer = BPETokenizer.train(_chunks(train_text), vocab_size=o.bpe_vocab_size)
         elif unknown := tokenizer.unknown_symbols(train_text + val_text):
-            # the run's saved vocabulary on a text that changed since: training and evaluation would read <unk>, so
-            # they say so (as for a text that is gone); the tokenizer still serves generate_text()/samples()
+            # the run's saved vocabulary on a text that changed since: training and evaluation would read
+            # <unk>, so they say so (as for a text that is gone); the tokenizer still serves
+            # generate_text()/samples()
             shown = ", ".join(repr(u) for u in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
-            self.missing = (f"{o.path or o.corpus}: {len(unknown)} character(s) the run's saved vocabulary does not "
-                            f"have ({shown}): the text changed since the run was trained; train a new run on it "
-                            "(another --out)")
+            self.missing = (f"{o.path or o.corpus}: {len(unknown)} character(s) the run's saved vocabulary "
+                            f"does not have ({shown}): the text changed since the run was trained; train a "
+                            "new run on it (another --out)")
             self.tokenizer, self.data, self.n_chars = tokenizer, {}, {}
             return
         self.tokenizer = tokenizer
@@ -131,8 +132,8 @@ class LMTask(Task):
         self.n_chars = {"train": len(train_text), "val": len(val_text)}
         for split, ids in self.data.items():
             if len(ids) < o.context:
-                raise ConfigError(f"the {split} split has {len(ids)} tokens, fewer than one window of context="
-                                  f"{o.context}; use a longer text or a smaller context")
+                raise ConfigError(f"the {split} split has {len(ids)} tokens, fewer than one window of "
+                                  f"context={o.context}; use a longer text or a smaller context")
 
     def _encode(self, text: str) -> Tensor:
         tok = self.tokenizer
@@ -164,7 +165,8 @@ class LMTask(Task):
         return {"vocab_size": self.tokenizer.vocab_size, "context_length": self.options.context}
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, n: int | None = None, batch_size: int = 64) -> dict[str, float]:
+    def evaluate(self, model: torch.nn.Module, n: int | None = None,
+                 batch_size: int = 64) -> dict[str, float]:
         """Validation loss over windows tiling the val split (all of them, or n evenly spaced)."""
         self._need_data()
         data, T = self.data["val"], self.options.context
@@ -202,11 +204,13 @@ class LMTask(Task):
             chosen["do_sample"] = False
         cfg = merge(base, chosen)
         if cfg.max_new_tokens is None:
-            cfg = cfg.replace(max_new_tokens=cfg.new_tokens(0) if cfg.max_length is not None else o.sample_tokens)
+            cfg = cfg.replace(max_new_tokens=cfg.new_tokens(0) if cfg.max_length is not None
+                                  else o.sample_tokens)
         return cfg
 
     def samples(self, model: torch.nn.Module, n: int = 1, prompt: str | None = None,
-                generation_config: GenerationConfig | None = None, *, greedy: bool = False, **options: Any) -> list[str]:
+                generation_config: GenerationConfig | None = None, *, greedy: bool = False,
+                **options: Any) -> list[str]:
         """`n` texts generated from `prompt` (default options.sample_prompt), prompt included, each
         max_new_tokens long (default options.sample_tokens), however long the context: generation runs in
         chunks that fit it, each restarting from the last context // 2 tokens (a sliding window). Settings
@@ -236,8 +240,8 @@ class LMTask(Task):
             out.append(prompt + self.tokenizer.decode(produced))
         return out
 
-    def generate_text(self, model: torch.nn.Module, prompt: str, generation_config: GenerationConfig | None = None,
-                      **options: Any) -> str:
+    def generate_text(self, model: torch.nn.Module, prompt: str,
+                      generation_config: GenerationConfig | None = None, **options: Any) -> str:
         """One continuation of `prompt`, prompt included (settings as in samples())."""
         return self.samples(model, 1, prompt, generation_config, **options)[0]
 
@@ -263,9 +267,11 @@ def _factory(options: LMOptions, family: str, tokenizer: Tokenizer | None = None
 register_task("lm", LMOptions, _factory, ("decoder",), "language modelling on a text file (char or BPE)",
               default_family="gpt")
 register_task("charlm", LMOptions, _factory, ("decoder",),
-              "character-level LM (default text: Python's bundled docs)", default_family="gpt", tokenizer="char")
+              "character-level LM (default text: Python's bundled docs)", default_family="gpt",
+              tokenizer="char")
 register_task("bpelm", LMOptions, _factory, ("decoder",),
-              "byte-level BPE LM (default text: Python's bundled docs)", default_family="gpt", tokenizer="bpe")
+              "byte-level BPE LM (default text: Python's bundled docs)", default_family="gpt",
+              tokenizer="bpe")
 register_task("stdlib_lm", LMOptions, _factory, ("decoder",),
               "byte-level BPE LM on the Python standard library's sources (~12 MB, file-level split)",
               default_family="gpt", tokenizer="bpe", corpus="stdlib", bpe_vocab_size=4096)

@@ -32,8 +32,8 @@ from qkv.tasks.base import Task, register_task
 from qkv.tasks.seq2seq import SyntheticTask
 from qkv.tasks.tokenizers import CharTokenizer, Tokenizer
 
-ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-        "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+        "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
 TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 SCALES = [(10**9, "billion"), (10**6, "million"), (1000, "thousand")]
 # spelled out, not calendar.month_name (which follows the process locale)
@@ -125,10 +125,10 @@ def _groups(n: int, base: int) -> list[int]:
 
 
 def _longest(limit: int, base: int, part_len: Any) -> int:
-    """max over 0 < n <= limit of sum(part_len(i, g, state)) over n's groups g in `base` (i: the group's index from
-    the lowest), by dynamic programming over the groups, most significant first. A state is (tight: the groups so
-    far equal limit's, state): part_len returns (length added, next state); the first state is None. The
-    longest form is not the one of any simple pattern (777 is not below 300, but 173 beats 222), so every
+    """max over 0 < n <= limit of sum(part_len(i, g, state)) over n's groups g in `base` (i: the group's index
+    from the lowest), by dynamic programming over the groups, most significant first. A state is (tight: the
+    groups so far equal limit's, state): part_len returns (length added, next state); the first state is None.
+    The longest form is not the one of any simple pattern (777 is not below 300, but 173 beats 222), so every
     group value is tried: at most 1000 or 10000 values a group, a few groups."""
     digits = _groups(limit, base)
     best: dict[tuple[bool, Any], int] = {(True, None): 0}
@@ -148,7 +148,8 @@ def _longest(limit: int, base: int, part_len: Any) -> int:
 def longest_english(limit: int) -> int:
     """max(len(english_number(n)) for n in range(limit + 1)), without enumerating the range."""
     below = [len(_below_1000(g)) for g in range(1000)]
-    names = [""] + [name for _, name in reversed(SCALES)]  # group i from the lowest: "", thousand, million, ...
+    # group i from the lowest: "", thousand, million, ...
+    names = [""] + [name for _, name in reversed(SCALES)]
 
     def part_len(i: int, g: int, parts: int | None) -> tuple[int, int]:
         parts = parts or 0  # the words so far ("" joined by spaces: a space before every part but the first)
@@ -189,7 +190,8 @@ def chinese_date(year: int, month: int, day: int) -> str:
 
 def _all_chars() -> str:
     """Every character either side can contain (a fixed vocabulary: no need to scan samples)."""
-    eng = set(" ,-0123456789") | set("".join(ONES + TENS + MONTHS + [s for _, s in SCALES] + ["hundred", "and"]))
+    eng = set(" ,-0123456789") | set("".join(ONES + TENS + MONTHS + [s for _, s in SCALES]
+                                             + ["hundred", "and"]))
     zh = set(ZH_DIGITS + "十百千" + "".join(ZH_GROUP_UNITS) + "年月日0123456789")
     return "".join(sorted(eng | zh))
 
@@ -249,4 +251,5 @@ def _factory(options: NumbersZhOptions, family: str, tokenizer: Tokenizer | None
 
 
 register_task("numbers_zh", NumbersZhOptions, _factory, ("seq2seq", "decoder"),
-              "English number words / dates -> Chinese (BLEU + exact match)", default_family="encdec", requires=("sacrebleu",))
+              "English number words / dates -> Chinese (BLEU + exact match)", default_family="encdec",
+              requires=("sacrebleu",))

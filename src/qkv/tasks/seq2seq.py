@@ -5,12 +5,13 @@ Examples are (source, target) strings of single-character symbols, e.g. reverse:
 addition: "123+989" -> "1112".
 
 Encoding, by model kind (ids from one character tokenizer, specials from tokenizers.SPECIALS):
-- seq2seq (EncoderDecoder): input_ids = source (B, S) right-padded with <pad>, attention_mask (B, S) 1 = real token,
-  labels = target + <eos> (B, T), -100 on padding. The model builds decoder inputs [<bos>, target] itself.
-- decoder (GPT, the LSTM, any decoder-only family): one sequence [source, <sep>, target, <eos>] (B, L) right-padded, with
-  attention_mask, and labels = the same ids where the target and <eos> are, -100 on the prompt
-  (source, <sep>) and on padding. Labels are aligned with input_ids: the model shifts them (the logit at
-  <sep> is scored against the first target token).
+- seq2seq (EncoderDecoder): input_ids = source (B, S) right-padded with <pad>, attention_mask (B, S)
+  1 = real token, labels = target + <eos> (B, T), -100 on padding. The model builds decoder inputs
+  [<bos>, target] itself.
+- decoder (GPT, the LSTM, any decoder-only family): one sequence [source, <sep>, target, <eos>] (B, L)
+  right-padded, with attention_mask, and labels = the same ids where the target and <eos> are, -100 on the
+  prompt (source, <sep>) and on padding. Labels are aligned with input_ids: the model shifts them (the logit
+  at <sep> is scored against the first target token).
 
 Held-out split: an example is in `val` iff a hash of its source string falls in the first `val_fraction`
 of the hash range (base.in_val_split). Train batches reject val sources and vice versa, so the splits are
@@ -77,7 +78,8 @@ class PairTask(Task):
         seqs = [s + [SEP] + t + [EOS] for s, t in enc]
         input_ids = pad_rows(seqs, PAD)
         mask = pad_rows([[1] * len(q) for q in seqs], 0)
-        labels = pad_rows([[-100] * (len(s) + 1) + t + [EOS] for s, t in enc], -100, length=input_ids.shape[1])
+        labels = pad_rows([[-100] * (len(s) + 1) + t + [EOS] for s, t in enc], -100,
+                          length=input_ids.shape[1])
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
     def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, Tensor]:
@@ -104,7 +106,8 @@ class PairTask(Task):
         """The settings of a prediction: greedy by default (a translation is a decision, not a sample, so
         do_sample is off), max_new_tokens = the longest target + eos unless set, stop at <eos>."""
         cfg = generation_config if generation_config is not None else GenerationConfig()
-        cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None}, do_sample=False, eos_token_id=EOS)
+        cfg = cfg.replace(**{k: v for k, v in options.items() if v is not None}, do_sample=False,
+                          eos_token_id=EOS)
         if cfg.max_new_tokens is None and cfg.max_length is None:
             cfg = cfg.replace(max_new_tokens=self.max_tgt_tokens + 1)
         return cfg
@@ -174,8 +177,8 @@ class PairTask(Task):
             metrics["bleu"] = float(sacrebleu.corpus_bleu(hyps, [refs], tokenize=self.bleu_tokenize).score)
         return metrics
 
-    def generate_text(self, model: torch.nn.Module, prompt: str, generation_config: GenerationConfig | None = None,
-                      **options: Any) -> str:
+    def generate_text(self, model: torch.nn.Module, prompt: str,
+                      generation_config: GenerationConfig | None = None, **options: Any) -> str:
         """The translation of one source string: greedy, or beam search with num_beams > 1, at most
         max_new_tokens tokens (default: the longest target + eos). do_sample is ignored (a translation is a
         decision, not a sample); the other settings apply (no_repeat_ngram_size, repetition_penalty, ...)."""
@@ -186,8 +189,8 @@ class PairTask(Task):
         limit = model.context_limit
         if limit is not None and prompt_len + cfg.new_tokens(prompt_len) > limit:
             room = max(0, limit - prompt_len)
-            warnings.warn(f"max_new_tokens={cfg.new_tokens(prompt_len)} goes past this model's {limit} decoder "
-                          f"positions; generating at most {room} tokens", stacklevel=2)
+            warnings.warn(f"max_new_tokens={cfg.new_tokens(prompt_len)} goes past this model's {limit} "
+                          f"decoder positions; generating at most {room} tokens", stacklevel=2)
             cfg = cfg.replace(max_new_tokens=room, max_length=None)
         if cfg.num_beams <= 1:
             return self.tokenizer.decode(self.predict_ids(model, [src], generation_config=cfg)[0])
@@ -200,7 +203,8 @@ class PairTask(Task):
         """'source -> prediction' lines for n held-out examples, marked right/wrong."""
         pairs = self.eval_pairs(n)
         hyps = self.predict(model, [s for s, _ in pairs])
-        return [f"{s} -> {h}" + ("  (ok)" if h == t else f"  (expected {t})") for (s, t), h in zip(pairs, hyps)]
+        return [f"{s} -> {h}" + ("  (ok)" if h == t else f"  (expected {t})")
+                    for (s, t), h in zip(pairs, hyps)]
 
 
 # -- synthetic tasks ---------------------------------------------------------------------------------------
@@ -214,10 +218,12 @@ class SequenceOptions:
 
     def validate(self) -> None:
         if not 1 <= self.min_len <= self.max_len:
-            raise ConfigError(f"need 1 <= min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
+            raise ConfigError(f"need 1 <= min_len <= max_len, got min_len={self.min_len}, "
+                              f"max_len={self.max_len}")
         alphabet = SYMBOL_ALIASES.get(self.symbols, self.symbols)
         if len(set(alphabet)) != len(alphabet) or not alphabet:
-            raise ConfigError(f"symbols must be distinct characters (or digits/letters), got {self.symbols!r}")
+            raise ConfigError("symbols must be distinct characters (or digits/letters), got "
+                              f"{self.symbols!r}")
         if any(c.isspace() for c in alphabet):
             raise ConfigError("symbols cannot contain whitespace")
         if not 0.0 < self.val_fraction < 1.0:
@@ -338,9 +344,11 @@ def _factory(cls: type) -> Any:
 
 
 KINDS = ("seq2seq", "decoder")  # an encoder-decoder, or a decoder-only model on [source, <sep>, target]
-register_task("copy", SequenceOptions, _factory(CopyTask), KINDS, "copy the source sequence", default_family="encdec")
+register_task("copy", SequenceOptions, _factory(CopyTask), KINDS, "copy the source sequence",
+              default_family="encdec")
 register_task("reverse", SequenceOptions, _factory(ReverseTask), KINDS, "reverse the source sequence",
               default_family="encdec")
-register_task("sort", SequenceOptions, _factory(SortTask), KINDS, "sort the source symbols", default_family="encdec")
+register_task("sort", SequenceOptions, _factory(SortTask), KINDS, "sort the source symbols",
+              default_family="encdec")
 register_task("addition", AdditionOptions, _factory(AdditionTask), KINDS, "multi-digit addition 'a+b' -> sum",
               default_family="encdec")

@@ -37,13 +37,15 @@ from qkv.tasks.digits import DIGIT_WORDS
 from qkv.tasks.dtmf import AudioDigitsTask
 from qkv.tasks.tokenizers import Tokenizer
 
-# Training voices: 5 accents x 28 espeak-ng variants (140 voices). Speaker variety is what generalises to unseen
-# voices: 12 voices gave 11.9% held-out WER, these 140 (with the train-only augmentation) 1.0%.
-# The test voices' accents (nyc, Lancaster, West Midlands) and variants (m4, m8, f1, f3) occur nowhere in training.
+# Training voices: 5 accents x 28 espeak-ng variants (140 voices). Speaker variety is what generalises to
+# unseen voices: 12 voices gave 11.9% held-out WER, these 140 (with the train-only augmentation) 1.0%. The
+# test voices' accents (nyc, Lancaster, West Midlands) and variants (m4, m8, f1, f3) occur nowhere in
+# training.
 TRAIN_ACCENTS = ["en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-029"]
-TRAIN_VARIANTS = ["m1", "m2", "m3", "m5", "m6", "m7", "f2", "f4", "f5", "klatt", "klatt2", "klatt3", "Alex", "Andy",
-                  "Annie", "adam", "david", "ed", "edward", "john", "linda", "max", "michael", "paul", "robert",
-                  "steph", "travis", "zac"]
+TRAIN_VARIANTS = ["m1", "m2", "m3", "m5", "m6", "m7", "f2", "f4", "f5", "klatt", "klatt2",
+                  "klatt3", "Alex", "Andy",
+                  "Annie", "adam", "david", "ed", "edward", "john", "linda", "max", "michael", "paul",
+                  "robert", "steph", "travis", "zac"]
 TRAIN_VOICES = [f"{a}+{v}" for v in TRAIN_VARIANTS for a in TRAIN_ACCENTS]
 TEST_VOICES = ["en-us-nyc+m4", "en-us-nyc+f3", "en-gb-x-gbclan+m8", "en-gb-x-gbcwmd+f1"]
 
@@ -66,10 +68,12 @@ def synthesize(text: str, voice: str, speed: int, pitch: int, sample_rate: int =
     """espeak-ng's rendering of `text` as float32 samples in [-1, 1] at `sample_rate`."""
     from scipy.signal import resample_poly
 
-    proc = subprocess.run([espeak_binary(), "-v", voice, "-s", str(speed), "-p", str(pitch), "--stdout", text],
+    proc = subprocess.run([espeak_binary(), "-v", voice, "-s", str(speed), "-p", str(pitch),
+                           "--stdout", text],
                           capture_output=True, check=False, timeout=60)
     if proc.returncode != 0 or len(proc.stdout) < 44:
-        raise RuntimeError(f"espeak-ng failed for voice {voice!r}: {proc.stderr.decode(errors='replace').strip()}")
+        raise RuntimeError(f"espeak-ng failed for voice {voice!r}: "
+                           f"{proc.stderr.decode(errors='replace').strip()}")
     with wave.open(io.BytesIO(proc.stdout)) as w:  # streamed WAV: the header's length is bogus, read to EOF
         sr, width = w.getframerate(), w.getsampwidth()
         raw = w.readframes(1 << 30)
@@ -112,7 +116,8 @@ class SpeechOptions:
         if not 1 <= self.min_digits <= self.max_digits:
             raise ConfigError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
         if set(self.train_voices) & set(self.test_voices):
-            raise ConfigError(f"voices both in train and test: {sorted(set(self.train_voices) & set(self.test_voices))}")
+            raise ConfigError("voices both in train and test: "
+                              f"{sorted(set(self.train_voices) & set(self.test_voices))}")
         if not self.train_voices or not self.test_voices:
             raise ConfigError("train_voices and test_voices must be non-empty")
         if not 0 < self.min_speed <= self.max_speed or not 0 <= self.min_pitch <= self.max_pitch <= 99:
@@ -145,7 +150,8 @@ class SpeechTask(AudioDigitsTask):
         o = self.options
         root = Path(o.cache_dir or os.environ.get("QKV_CACHE", Path.home() / ".cache" / "qkv")) / "speech"
         keys = {k: v for k, v in asdict(o).items() if k not in _PER_BATCH_OPTIONS}
-        digest = hashlib.sha256(json.dumps({"split": split, **keys}, sort_keys=True).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(json.dumps({"split": split, **keys},
+                                           sort_keys=True).encode()).hexdigest()[:16]
         return root / f"{split}-{digest}.npz"
 
     def pool(self, split: str) -> tuple[list[str], list[np.ndarray]]:
@@ -203,8 +209,8 @@ class SpeechTask(AudioDigitsTask):
         return out
 
     def _perturb(self, x: np.ndarray, rng: random.Random) -> np.ndarray:
-        """Train-only augmentation of the clean clip (before gain/offset/noise); draws nothing when off, so the
-        default options leave the random stream, and so the batches, untouched."""
+        """Train-only augmentation of the clean clip (before gain/offset/noise); draws nothing when off, so
+        the default options leave the random stream, and so the batches, untouched."""
         o = self.options
         if o.speed_perturb > 0:  # linear-interpolation resampling: factor > 1 is faster and higher
             factor = rng.uniform(1 - o.speed_perturb, 1 + o.speed_perturb)

@@ -67,7 +67,8 @@ class TSVOptions:
         from sacrebleu.metrics.bleu import BLEU
 
         if self.bleu_tokenize not in BLEU.TOKENIZERS:
-            raise ConfigError(f"bleu_tokenize must be one of {list(BLEU.TOKENIZERS)}, got {self.bleu_tokenize!r}")
+            raise ConfigError(f"bleu_tokenize must be one of {list(BLEU.TOKENIZERS)}, got "
+                              f"{self.bleu_tokenize!r}")
 
 
 class TSVTask(PairTask):
@@ -142,4 +143,5 @@ def _factory(options: TSVOptions, family: str, tokenizer: Tokenizer | None = Non
 
 
 register_task("tsv", TSVOptions, _factory, ("seq2seq", "decoder"),
-              "translation on a user TSV file of source<TAB>target pairs", default_family="encdec", requires=("sacrebleu",))
+              "translation on a user TSV file of source<TAB>target pairs", default_family="encdec",
+              requires=("sacrebleu",))

@@ -12,7 +12,8 @@ from qkv.train.stability import NonFiniteError
 from qkv.train.trainer import Trainer, TrainingInterrupted
 
 __all__ = [
-    "Callback", "LambdaCallback", "LengthTruncationWarning", "NonFiniteError", "StopAt", "TrainConfig", "Trainer", "TrainingInterrupted",
-    "build_optimizer", "latest_checkpoint", "list_checkpoints", "lr_at", "noam", "param_groups", "read_checkpoint",
-    "seed_everything", "truncate_batch",
+    "Callback", "LambdaCallback", "LengthTruncationWarning", "NonFiniteError", "StopAt", "TrainConfig",
+    "Trainer", "TrainingInterrupted",
+    "build_optimizer", "latest_checkpoint", "list_checkpoints", "lr_at", "noam", "param_groups",
+    "read_checkpoint", "seed_everything", "truncate_batch",
 ]

@@ -47,8 +47,8 @@ def launched_by_torchrun() -> bool:
 
 
 def world_size() -> int:
-    """The processes of this launch (torchrun's WORLD_SIZE; 1 without torchrun), known before the process group
-    starts: what a recipe divides an epoch by, since every rank reads its own share of each batch."""
+    """The processes of this launch (torchrun's WORLD_SIZE; 1 without torchrun), known before the process
+    group starts: what a recipe divides an epoch by, since every rank reads its own share of each batch."""
     return int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
 
 
@@ -63,7 +63,8 @@ def setup(mode: str, device: torch.device) -> tuple[DistInfo, torch.device]:
         return DistInfo("none"), device
     if not launched_by_torchrun():
         raise ConfigError(f"distributed={mode} needs a torchrun launch (RANK/WORLD_SIZE unset), e.g. "
-                          "`torchrun --standalone --nproc_per_node=2 ...`; use distributed=none for one process")
+                          "`torchrun --standalone --nproc_per_node=2 ...`; use distributed=none for one "
+                          "process")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -87,7 +88,8 @@ def broadcast_parameters(model: nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def wrap(model: nn.Module, info: DistInfo, *, block_types: tuple[type, ...], find_unused: bool = False) -> nn.Module:
+def wrap(model: nn.Module, info: DistInfo, *, block_types: tuple[type, ...],
+         find_unused: bool = False) -> nn.Module:
     """DDP: returns the wrapper. FSDP2: shards each block, then the root, in place (returns `model`)."""
     if info.mode == "ddp":
         ids = [model_device(model).index] if model_device(model).type == "cuda" else None
@@ -157,9 +159,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tup
         model_state, optim_state = get_model_state_dict(model, options=opts), {}
     else:
         model_state, optim_state = get_state_dict(model, optimizer, options=opts)
-    # a tied weight once, under its first name, as in every other checkpoint: FSDP's gathered copies do not share
-    # storage (so storage.clean_state_dict's dedup by pointer cannot see them), and a second copy of a 49k-word
-    # embedding is ~100 MB per checkpoint
+    # a tied weight once, under its first name, as in every other checkpoint: FSDP's gathered copies do not
+    # share storage (so storage.clean_state_dict's dedup by pointer cannot see them), and a second copy of a
+    # 49k-word embedding is ~100 MB per checkpoint
     for name in tied_names(model):
         model_state.pop(name, None)
     return model_state, optim_state
@@ -167,30 +169,33 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tup
 
 @contextlib.contextmanager
 def unsharded(model: nn.Module, info: DistInfo) -> Iterator[None]:
-    """Under FSDP2, the model's parameters gathered whole for the duration (then sharded again). Evaluation may
-    call into the model other than through its root forward, whose hook does the gathering: generate() runs the
-    encoder, the decoding steps and the head directly, and found the root's embedding still a DTensor shard.
-    Collective: every rank must enter it. Elsewhere it does nothing."""
+    """Under FSDP2, the model's parameters gathered whole for the duration (then sharded again). Evaluation
+    may call into the model other than through its root forward, whose hook does the gathering: generate()
+    runs the encoder, the decoding steps and the head directly, and found the root's embedding still a DTensor
+    shard. Collective: every rank must enter it. Elsewhere it does nothing."""
     if info.mode != "fsdp":
         yield
         return
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in units:  # and kept whole: a block's own forward (an encoder pass, a prefill) would reshard it after
+    # and kept whole: a block's own forward (an encoder pass, a prefill) would reshard it after
+    for m in units:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     try:
         yield
     finally:
-        for m in units:  # wrap()'s settings again: blocks reshard after their forward, the root (FSDP's rule) not
+        # wrap()'s settings again: blocks reshard after their forward, the root (FSDP's rule) not
+        for m in units:
             m.set_reshard_after_forward(m is not model, recurse=False)
             m.reshard()
 
 
 def model_class_name(model: nn.Module) -> str:
     """The model's own class name: fully_shard swaps in a class FSDP<name>(FSDPModule, <the class>)."""
-    own = next((c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed")), type(model))
+    own = next((c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed")),
+               type(model))
     return own.__name__
 
 
@@ -203,4 +208,5 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
     if optimizer is None or optim_state is None:
         set_model_state_dict(model, model_state, options=opts)
     else:
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=opts)
+        set_state_dict(model, optimizer, model_state_dict=model_state,
+                       optim_state_dict=optim_state, options=opts)

@@ -70,13 +70,15 @@ class RunLogger:
         if not enabled:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        self.rewind(start_step)  # keep history up to the resumed step; later lines belong to an abandoned future
+        # keep history up to the resumed step; later lines belong to an abandoned future
+        self.rewind(start_step)
         self._log_file = open(self.out / "train.log", "a" if start_step else "w", encoding="utf-8")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(self.out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+                self.tb = SummaryWriter(str(self.out / "tensorboard"),
+                                        purge_step=start_step + 1 if start_step else None)
             except ImportError:  # tensorboard not installed: the JSONL/CSV files remain
                 self.tb = None
         if progress:

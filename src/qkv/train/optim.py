@@ -9,9 +9,9 @@ Which AdamW implementation runs the update (`TrainConfig.optimizer_impl`): torch
 same update, and its default is NOT the fastest one on CPU: with foreach=None/fused=None, `torch.optim.AdamW`
 takes the multi-tensor (foreach) path only for CUDA tensors and runs a Python loop over the parameters, seven
 elementwise kernels each, on CPU. "auto" picks the fused kernel (one pass per tensor, all of Adam's arithmetic
-in it; CPU and CUDA since torch 2.4) where every parameter allows it, else foreach. Measured on a 10.8M-parameter
-GPT (76 tensors, 2 AVX2 threads): loop ~98 ms, foreach ~86 ms, fused ~21 ms per step.
-The three agree to float rounding (tests/train/test_optim.py), not bit for bit: a run resumed with another
+in it; CPU and CUDA since torch 2.4) where every parameter allows it, else foreach. Measured on a
+10.8M-parameter GPT (76 tensors, 2 AVX2 threads): loop ~98 ms, foreach ~86 ms, fused ~21 ms per step. The
+three agree to float rounding (tests/train/test_optim.py), not bit for bit: a run resumed with another
 implementation continues correctly but not bit-identically.
 """
 
@@ -29,8 +29,8 @@ from qkv.nn.position import PositionalEncoding
 
 # words of a parameter's own name (split on "_" and ".") that mark an embedding-like table: whole words, so
 # `ensemble_weight` or `decomposition` are not caught by the "emb" / "position" inside them
-_NO_DECAY_WORDS = frozenset({"emb", "embed", "embeds", "embedding", "embeddings", "pos", "position", "positions",
-                             "positional"})
+_NO_DECAY_WORDS = frozenset({"emb", "embed", "embeds", "embedding", "embeddings", "pos", "position",
+                             "positions", "positional"})
 _NO_DECAY_PAIRS = frozenset({("cls", "token"), ("mask", "token")})
 
 OptimizerImpl = Literal["auto", "fused", "foreach", "loop"]
@@ -48,7 +48,8 @@ class GroupSummary:
 
     def line(self) -> str:
         return (f"param groups: decay {self.decay_tensors} tensors / {self.decay_params:,} params; "
-                f"no decay (norms, biases, embeddings) {self.no_decay_tensors} tensors / {self.no_decay_params:,} params")
+                f"no decay (norms, biases, embeddings) {self.no_decay_tensors} tensors / "
+                f"{self.no_decay_params:,} params")
 
 
 def no_decay_names(model: nn.Module) -> set[str]:
@@ -65,7 +66,8 @@ def no_decay_names(model: nn.Module) -> set[str]:
 
 def _embedding_like(name: str) -> bool:
     words = re.split(r"[._]", name.lower())
-    return bool(_NO_DECAY_WORDS.intersection(words)) or any(pair in _NO_DECAY_PAIRS for pair in zip(words, words[1:]))
+    return (bool(_NO_DECAY_WORDS.intersection(words))
+            or any(pair in _NO_DECAY_PAIRS for pair in zip(words, words[1:])))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> tuple[list[dict], GroupSummary]:
@@ -125,8 +127,9 @@ def _flags(impl: str) -> dict[str, Any]:
 def set_impl(optimizer: torch.optim.Optimizer, impl: str) -> None:
     """Make `optimizer` run `impl` ("fused", "foreach" or "loop"), e.g. after load_state_dict, which replaces
     the param groups' settings with the saved ones (a checkpoint written before this option had foreach=None,
-    fused=None, i.e. the loop on CPU). Moves each `step` counter where the implementation keeps it: fused keeps
-    it as a float32 tensor on the parameter's device, the others as a CPU tensor; the values are unchanged."""
+    fused=None, i.e. the loop on CPU). Moves each `step` counter where the implementation keeps it: fused
+    keeps it as a float32 tensor on the parameter's device, the others as a CPU tensor; the values are
+    unchanged."""
     flags = _flags(impl)
     for group in optimizer.param_groups:
         group.update(flags)

@@ -7,9 +7,9 @@ step and the rollback multiplier. `step` counts updates: the first optimizer ste
   with `factor` = TrainConfig.lr (The Annotated Transformer uses factor 1 or 2) and d_model from the
   model's config. It peaks at step == warmup with factor * (d_model * warmup)^-0.5.
 - inverse_sqrt: linear warmup to lr, then lr * sqrt(warmup / step) (the seeds' LambdaLR recipe).
-- cosine: linear warmup to lr, then a half cosine from lr (at update warmup + 1) towards min_lr, which it would
-  reach one update after the last (max_steps + 1): no update runs at min_lr (0 by default), as in transformers'
-  get_cosine_schedule_with_warmup and nanoGPT, whose steps count from 0.
+- cosine: linear warmup to lr, then a half cosine from lr (at update warmup + 1) towards min_lr, which it
+  would reach one update after the last (max_steps + 1): no update runs at min_lr (0 by default), as in
+  transformers' get_cosine_schedule_with_warmup and nanoGPT, whose steps count from 0.
 - linear: the same with a straight line down.
 - constant: linear warmup to lr (if warmup > 0), then lr. With warmup 0: the no-warmup ablation.
 """

@@ -99,7 +99,8 @@ def report(step: int, loss: float, grad_norm: float, layers: list[str], checkpoi
            batch_path: Path | None, what: str = "stop", newest_good: Path | None = None) -> str:
     which = "loss" if not math.isfinite(loss) else "gradient"
     shown = ", ".join(layers[:8]) + (f" (+{len(layers) - 8} more)" if len(layers) > 8 else "")
-    lines = [f"non-finite {which} at step {step} (loss={loss:.6g}, grad_norm={grad_norm:.6g}); nan_policy={what}.",
+    lines = [f"non-finite {which} at step {step} (loss={loss:.6g}, grad_norm={grad_norm:.6g}); "
+             f"nan_policy={what}.",
              f"  gradients blew up in: {shown or '(no gradients)'}"]
     if checkpoint is not None:
         lines.append(f"  weights before this step saved to: {checkpoint}")
