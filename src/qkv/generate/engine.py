@@ -65,30 +65,15 @@ from torch import Tensor
 
 from qkv.generate.blocks import BlockManager
 from qkv.generate.config import GenerationConfig
+from qkv.generate.engine_config import PREEMPTION, EngineConfig
 from qkv.generate.output import TEXT_CONTEXT, OutputProcessor
 from qkv.generate.sampler import Sampler
-from qkv.generate.scheduler import PREEMPTION, Counters, Request, Scheduler
+from qkv.generate.scheduler import Counters, Request, Scheduler
 from qkv.generate.search import settings
 from qkv.models.decoding import as_decoder, configured_context
 from qkv.nn.checks import check_id_list
 
-__all__ = ["PREEMPTION", "TEXT_CONTEXT", "Counters", "Engine"]
-
-
-def _check_sizes(block_size: int, max_batch_size: int, num_blocks: int | None, prefill_chunk: int | None,
-                 max_model_len: int | None) -> None:
-    for name, value in (("block_size", block_size), ("max_batch_size", max_batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
-        raise ValueError("num_blocks must be a positive integer (or None: max_batch_size sequences of the "
-                         f"context), got {num_blocks!r}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prompts), got {prefill_chunk}")
-    if max_model_len is not None and (
-            isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1):
-        raise ValueError(f"max_model_len must be a positive integer (or None: the model's), got "
-                         f"{max_model_len!r}")
+__all__ = ["PREEMPTION", "TEXT_CONTEXT", "Counters", "Engine", "EngineConfig"]
 
 
 def _prompt_ids(prompt: Sequence[int] | Tensor) -> list[int]:
@@ -111,23 +96,17 @@ class Engine:
         model: Any,
         generation_config: GenerationConfig | None = None,
         *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_batch_size: int = 32,
-        prefill_chunk: int | None = 1024,
-        prefix_caching: bool = True,
-        preemption: str = "least_work",
+        config: EngineConfig | None = None,
         tokenizer: Any = None,
-        split_cost: int | None | str = "auto",
-        max_model_len: int | None = None,
         **options: Any,
     ) -> None:
+        """`config`: the engine's settings (EngineConfig); its field names as keywords build or override one
+        (Engine(model, block_size=16)); every other keyword is a generation setting of the engine's base."""
+        options = dict(options)
+        self.config = c = EngineConfig.merged(config, options)
         dec = as_decoder(model)
         if dec.is_seq2seq:
             raise ValueError("Engine serves decoder-only models; use generate() for encoder-decoders")
-        if preemption not in PREEMPTION:
-            raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
-        _check_sizes(block_size, max_batch_size, num_blocks, prefill_chunk, max_model_len)
         self.model = dec
         model.eval()
         self.cfg = settings(dec, generation_config, options)
@@ -137,21 +116,21 @@ class Engine:
         # the longest prompt + output a request may ask for (checked before it takes blocks): by default the
         # model's context, for RoPE / ALiBi models the context they were configured for (vLLM's max_model_len)
         self.context = configured_context(dec)
-        if max_model_len is not None:
-            if dec.context_limit is not None and max_model_len > dec.context_limit:
-                raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
+        if c.max_model_len is not None:
+            if dec.context_limit is not None and c.max_model_len > dec.context_limit:
+                raise ValueError(f"max_model_len={c.max_model_len} exceeds the model's context of "
                                  f"{dec.context_limit} positions (its position table ends there)")
-            self.context = max_model_len
-        self.cache = dec.make_paged_cache(num_blocks, block_size, max_batch_size=max_batch_size)
+            self.context = c.max_model_len
+        self.cache = dec.make_paged_cache(c.num_blocks, c.block_size, max_batch_size=c.max_batch_size)
         self.device = self.cache.device
+        split_cost = c.split_cost
         if split_cost == "auto":  # the split saves padding traffic, which only a step that gathers K/V has
             split_cost = None if self.cache.step_reads_in_place else 4096
-        elif isinstance(split_cost, str):
-            raise ValueError(f"split_cost must be an int, None or 'auto', got {split_cost!r}")
         self.counters = Counters()
-        self.blocks = BlockManager(self.cache, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, self.counters, max_batch_size=max_batch_size,
-                                   prefill_chunk=prefill_chunk, preemption=preemption, split_cost=split_cost)
+        self.blocks = BlockManager(self.cache, c.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, self.counters, max_batch_size=c.max_batch_size,
+                                   prefill_chunk=c.prefill_chunk, preemption=c.preemption,
+                                   split_cost=split_cost)
         self.output = OutputProcessor(self.decode_text, self.counters)
         self.sampler = Sampler(self.device, self.cfg.seed, self.output.errors)
         self.generator = self.sampler.generator

@@ -16,8 +16,6 @@ from typing import Any
 from qkv.generate.blocks import BlockManager
 from qkv.generate.config import GenerationConfig
 
-PREEMPTION = ("least_work", "newest")  # victim policies (the Engine checks its argument against them)
-
 
 @dataclass(eq=False)  # identity: `req in self.running` must not compare every field
 class Request:
