@@ -12,9 +12,15 @@ the flag's name. A flag given twice: the last wins (argparse's rule, and parse_o
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+import importlib
+import importlib.util
+import sys
+from dataclasses import Field, fields
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import qkv
 from qkv.config import ConfigError
 
 _TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
@@ -66,11 +72,89 @@ def check_generation(given: dict[str, Any]) -> None:
             raise ConfigError(str(e).replace(f"GenerationConfig.{name}", option(name))) from None
 
 
-QUANTIZE_MODES = ("int8", "int4")  # qkv.nn.quant.MODES, written out: the CLI imports torch only when it runs
+# the modules that declare settings, in import order; each imports only the standard library, qkv.config and
+# the modules before it, none of them torch, which their packages' __init__ files load
+_SETTINGS_MODULES = ("qkv.generate.config", "qkv.generate.engine_config", "qkv.serve.config")
+
+
+def settings_module(name: str) -> ModuleType:
+    """A settings module of _SETTINGS_MODULES, imported without running its package's __init__ (qkv.generate's
+    and qkv.serve's import torch: `qkv serve --help` would take seconds). It is registered under its own name,
+    so the package, when it is imported later, finds this module and its classes stay the same objects."""
+    for dep in _SETTINGS_MODULES[:_SETTINGS_MODULES.index(name) + 1]:
+        if dep in sys.modules:
+            continue
+        if dep.rsplit(".", 1)[0] in sys.modules:  # the package is loaded: the ordinary import is as cheap
+            importlib.import_module(dep)
+            continue
+        path = Path(qkv.__file__).parent.joinpath(*dep.split(".")[1:]).with_suffix(".py")
+        spec = importlib.util.spec_from_file_location(dep, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[dep] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[dep]
+            raise
+    return sys.modules[name]
+
+
+QUANTIZE_MODES: tuple[str, ...] = settings_module("qkv.serve.config").QUANTIZE_MODES
+
+
+def _flag_type(f: Field) -> type:
+    kind = settings_module("qkv.generate.engine_config").kind(f)
+    if kind not in ("int", "float", "str"):
+        raise TypeError(f"{f.name} ({f.type}) has no flag type")
+    return {"int": int, "float": float, "str": str}[kind]
+
+
+def add_setting_flag(p: argparse.ArgumentParser, f: Field, default: Any = None) -> None:
+    """The flag of one declared setting (engine_config.setting): typed after the field, its choices, its help
+    and bounds from the metadata, `default` (the dataclass's) in the help; a bool is --X / --no-X. The flag's
+    own default is None: not given, the dataclass's default stands."""
+    m = settings_module("qkv.generate.engine_config")
+    text = f.metadata["help"]
+    if m.kind(f) in ("int", "float") and not f.metadata.get("choices"):
+        text += "; " + m.must_text(f).split(" (or None")[0]
+        if f.metadata.get("flag_none") is not None:
+            text += f", or {f.metadata['flag_none']}: {f.metadata['none']}"
+    text += f" (default: {default if default is not None else f.metadata.get('none') or 'none'})"
+    if m.kind(f) == "bool":
+        p.add_argument(option(f.name), action=argparse.BooleanOptionalAction, default=None, help=text)
+    else:
+        p.add_argument(option(f.name), type=_flag_type(f), choices=f.metadata.get("choices"), default=None,
+                       help=text)
+
+
+def add_config_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    """A flag for each field of the settings dataclass `cls` declared with flag=True."""
+    defaults = cls()
+    for f in fields(cls):
+        if f.metadata.get("flag"):
+            add_setting_flag(p, f, getattr(defaults, f.name))
+
+
+def config_flags(a: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """{field: value} of `cls`'s flags given (a flag_none value, e.g. --prefill-chunk 0, stands for None),
+    checked by building `cls` of them: a ConfigError naming the flag (`--block-size must be a positive
+    integer, got 0`)."""
+    given = {}
+    for f in fields(cls):
+        value = getattr(a, f.name, None) if f.metadata.get("flag") else None
+        if value is not None:
+            none = f.metadata.get("flag_none")
+            given[f.name] = None if none is not None and value == none else value
+    try:
+        cls(**given)
+    except ConfigError as e:
+        name = str(e).split(" ", 1)[0]
+        raise ConfigError(str(e).replace(name, option(name), 1) if name in given else str(e)) from None
+    return given
 
 
 def add_quantize(p: argparse.ArgumentParser) -> None:
-    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore)."""
-    p.add_argument("--quantize", choices=QUANTIZE_MODES, default=None,
-                   help="weight-only quantized projections and output head for inference: int8 (per output "
-                        "channel) or int4 (per group of 64 inputs); fastest with a bf16 model (docs/llm.md)")
+    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore):
+    ServeConfig's field."""
+    cls = settings_module("qkv.serve.config").ServeConfig
+    add_setting_flag(p, next(f for f in fields(cls) if f.name == "quantize"))

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qkv.cli.flags import QUANTIZE_MODES, add_quantize  # noqa: F401  (QUANTIZE_MODES: part of this module's API)
+from qkv.cli.flags import (  # noqa: F401  (QUANTIZE_MODES: part of this module's API)
+    QUANTIZE_MODES,
+    add_config_flags,
+    add_quantize,
+    config_flags,
+    settings_module,
+)
 from qkv.cli.generate import add_chat, add_generate, cmd_chat, cmd_generate
 
 EXIT_USER_ERROR = 2
@@ -288,39 +294,16 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF "
                                  "file")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
-    p.add_argument("--name", default=None, help="the model name clients send (default: the folder's name)")
-    p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
-    p.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond the batch before 429")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: a full batch of "
-                                                                "contexts)")
-    p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
-    p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens fed per engine step (0: "
-                                                                   "whole)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
-    p.add_argument("--preemption", choices=["least_work", "newest"], default="least_work",
-                   help="which request gives its blocks back when the pool runs out")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on "
-                                                                        "SIGTERM")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="most prompt + output tokens a request may ask for (default: the model's context; "
-                        "for RoPE/ALiBi models the context_length they were configured for, "
-                        "max_position_embeddings)")
-    add_quantize(p)
+    # every other flag: a field of ServeConfig or EngineConfig, with its help, bounds and default
+    add_config_flags(p, settings_module("qkv.serve.config").ServeConfig)
+    add_config_flags(p, settings_module("qkv.generate.engine_config").EngineConfig)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from qkv.serve import serve
+    from qkv.serve import EngineConfig, ServeConfig, serve
 
-    for flag in ("max_batch_size", "block_size", "max_waiting"):
-        if getattr(a, flag) < (0 if flag == "max_waiting" else 1):
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
-    return serve(a.model, host=a.host, port=a.port, name=a.name, max_waiting=a.max_waiting,
-                 shutdown_timeout=a.shutdown_timeout, block_size=a.block_size, num_blocks=a.num_blocks,
-                 max_batch_size=a.max_batch_size, prefill_chunk=a.prefill_chunk or None,
-                 prefix_caching=not a.no_prefix_caching, preemption=a.preemption,
-                 max_model_len=a.max_model_len, quantize=a.quantize)
+    given = {**config_flags(a, ServeConfig), **config_flags(a, EngineConfig)}
+    return serve(a.model, **given)
 
 
 def cmd_finetune(a: argparse.Namespace) -> int:

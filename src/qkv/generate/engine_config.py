@@ -86,8 +86,8 @@ class EngineConfig:
     num_blocks: int | None = setting(None, "KV-cache blocks", ge=1,
                                      none="max_batch_size sequences of the context")
     max_batch_size: int = setting(32, "requests decoded together", ge=1)
-    prefill_chunk: int | None = setting(1024, "prompt tokens fed per engine step (0 on the command line: "
-                                              "whole prompts)", ge=1, none="whole prompts", flag_none=0)
+    prefill_chunk: int | None = setting(1024, "prompt tokens fed per engine step", ge=1, none="whole prompts",
+                                        flag_none=0)
     prefix_caching: bool = setting(True, "share the cached blocks of common prompt prefixes (off: "
                                          "recompute them)")
     preemption: str = setting("least_work", "which request gives its blocks back when the pool runs out",

@@ -10,31 +10,28 @@ endpoints, request checks, SSE), metrics.py (Prometheus).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable, Generator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from qkv.config import ConfigError, _closest
+from qkv.generate.engine_config import EngineConfig
 from qkv.serve.app import APIError, ServeSettings, create_app
+from qkv.serve.config import ServeConfig
 from qkv.serve.model import Served, TextCodec, load_served
 
 
-def build_engine(
-    served: Served,
-    *,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    max_batch_size: int = 32,
-    prefill_chunk: int | None = 1024,
-    prefix_caching: bool = True,
-    preemption: str = "least_work",
-    max_model_len: int | None = None,
-) -> Any:
+def build_engine(served: Served, config: EngineConfig | None = None, **options: Any) -> Any:
     """The Engine for a served model: the folder's token ids plus the tokenizer's eos ids as its base
-    settings; max_model_len None: the model's (configured) context."""
+    settings. `config` and `options` (EngineConfig's field names: block_size=4) are its EngineConfig;
+    max_model_len None: the model's (configured) context."""
+    config = _configs(options, None, config, serving=False)[1]
     from qkv.generate.engine import Engine
 
     base = served.model.generation_defaults().get("eos_token_id")
@@ -42,9 +39,7 @@ def build_engine(
     eos = sorted(i for i in ids if 0 <= i < served.model.output_vocab_size) or None
     from qkv.generate.config import GenerationConfig
 
-    engine = Engine(served.model, block_size=block_size, num_blocks=num_blocks, max_batch_size=max_batch_size,
-                    prefill_chunk=prefill_chunk, prefix_caching=prefix_caching, preemption=preemption,
-                    tokenizer=served.codec, eos_token_id=eos, max_model_len=max_model_len)
+    engine = Engine(served.model, config=config, tokenizer=served.codec, eos_token_id=eos)
     # of the folder's generation settings the engine's base keeps only the token ids: a request's sampling is
     # all the API's (app.py: the request's values, else the folder's five sampling defaults as vLLM takes
     # them, else OpenAI's), and the rest of a generation_config.json (no_repeat_ngram_size, bad_words_ids,
@@ -109,30 +104,45 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
-          max_waiting: int = 64, shutdown_timeout: float = 30.0, quantize: str | None = None,
-          **engine_options: Any) -> int:
-    """Load MODEL (quantize: "int8" / "int4" weight-only, qkv.nn.quant), start the engine thread and serve
-    until SIGINT / SIGTERM: then stop accepting, let running requests finish for up to shutdown_timeout
-    seconds, cancel the rest, return 0."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {port}")
-    if not shutdown_timeout >= 0:  # uvicorn would cancel every request at once (and NaN compares false)
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
+def serve(model: str | Path, config: ServeConfig | None = None, engine_config: EngineConfig | None = None,
+          **options: Any) -> int:
+    """Load MODEL, start the engine thread and serve until SIGINT / SIGTERM: then stop accepting, let running
+    requests finish for up to shutdown_timeout seconds, cancel the rest, return 0. `config` / `engine_config`:
+    the server's and the engine's settings; `options`, any of their fields by name (port=8001,
+    block_size=32), over them. Every setting is checked before anything binds or loads."""
+    config, engine_config = _configs(options, config, engine_config)
+    host, port = config.host, config.port
     # bound before the model loads (minutes for a big one), so that a port in use is said at once; listening
     # only after it: a client connecting meanwhile is refused rather than left waiting in the backlog
     sock = _bind(host, port)
     try:
-        served = load_served(model, name, quantize)
-        engine = build_engine(served, **engine_options)
-        app = create_app(served, engine, ServeSettings(max_waiting=max_waiting))
+        served = load_served(model, config.name, config.quantize)
+        engine = build_engine(served, engine_config)
+        app = create_app(served, engine, config)
         try:
             sock.listen(2048)  # connections wait in the backlog from now on, even before uvicorn's loop runs
         except OSError as e:  # another socket took the port first (both bound with SO_REUSEADDR)
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        return _run(app, served, sock, host, shutdown_timeout)
+        return _run(app, served, sock, host, config.shutdown_timeout)
     finally:
         sock.close()
+
+
+def _configs(options: dict[str, Any], config: ServeConfig | None, engine_config: EngineConfig | None,
+             serving: bool = True) -> tuple[ServeConfig, EngineConfig]:
+    """The server's and the engine's settings: the configs given (else the defaults) with `options`, their
+    fields by name, over them; an option of neither is a ConfigError naming the closest field (serving=False:
+    the engine's alone)."""
+    options = dict(options)
+    engine = EngineConfig.merged(engine_config, options)
+    names = [f.name for f in fields(ServeConfig)] if serving else []
+    mine = {k: options.pop(k) for k in list(options) if k in names}
+    if options:
+        key = next(iter(options))
+        raise ConfigError(f"unknown serve option {key!r}"
+                          f"{_closest(key, names + [f.name for f in fields(EngineConfig)])}")
+    server = config if config is not None else ServeConfig()
+    return (dataclasses.replace(server, **mine) if mine else server), engine
 
 
 def _make_server(app: Any, shutdown_timeout: float) -> Any:
@@ -170,6 +180,8 @@ def _run(app: Any, served: Served, sock: socket.socket, host: str, shutdown_time
 
 __all__ = [
     "APIError",
+    "EngineConfig",
+    "ServeConfig",
     "ServeSettings",
     "Served",
     "TextCodec",

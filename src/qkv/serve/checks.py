@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +15,7 @@ from torch import Tensor
 
 from qkv.generate.engine import Engine
 from qkv.serve import images
+from qkv.serve.config import ServeConfig
 from qkv.serve.errors import APIError
 from qkv.serve.model import Served
 from qkv.serve.requests import (
@@ -28,10 +28,9 @@ from qkv.serve.requests import (
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
 
 
-@dataclass
-class ServeSettings:
-    max_waiting: int = 64  # queued requests beyond the running batch before 429
-    max_tokens_cap: int = 1024  # chat requests without max_tokens: at most this many (and what fits)
+# the server's settings are one object: max_waiting (queued requests before 429) and max_tokens_cap (chat
+# requests without max_tokens) are read here, the rest by serve()
+ServeSettings = ServeConfig
 
 
 def check_text(body: dict) -> None:
