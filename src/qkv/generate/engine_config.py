@@ -22,13 +22,13 @@ from qkv.generate.config import bounds_text
 PREEMPTION = ("least_work", "newest")  # victim policies (scheduler.py)
 
 
-def setting(default: Any, help: str, *, ge: float | None = None, le: float | None = None,
-            choices: tuple | None = None, none: str = "", unit: str = "", flag: bool = True,
-            flag_none: Any = None) -> Any:
-    """A field with its help text, bounds (ge / le), `choices`, what None means (`none`), the `unit` of its
-    value, whether `qkv serve` has a flag for it, and the flag value that stands for None (`flag_none`: 0
-    for --prefill-chunk, whose None has no spelling on a command line)."""
-    return field(default=default, metadata={"help": help, "ge": ge, "le": le, "choices": choices,
+def setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, choices: tuple | None = None, none: str = "", unit: str = "",
+            flag: bool = True, flag_none: Any = None) -> Any:
+    """A field with its help text, bounds (ge / gt / le, as GenerationConfig's), `choices`, what None means
+    (`none`), the `unit` of its value, whether `qkv serve` has a flag for it, and the flag value that stands
+    for None (`flag_none`: 0 for --prefill-chunk, whose None has no spelling on a command line)."""
+    return field(default=default, metadata={"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices,
                                             "none": none, "unit": unit, "flag": flag, "flag_none": flag_none})
 
 
@@ -39,15 +39,16 @@ def kind(f: Field) -> str:
 
 def must_text(f: Field) -> str:
     """What a setting's value must be, in words: "a positive integer (or None: whole prompts)"."""
-    ge, le, unit = f.metadata.get("ge"), f.metadata.get("le"), f.metadata.get("unit")
+    ge, gt, le, unit = (f.metadata.get(k) for k in ("ge", "gt", "le", "unit"))
     if f.metadata.get("choices"):
         text = f"one of {f.metadata['choices']}"
     elif kind(f) == "bool":
         text = "true or false"
     elif kind(f) == "int":
-        text = "a positive integer" if ge == 1 and le is None else f"an integer {bounds_text(f)}".rstrip()
-    elif ge is not None and le is None:
-        text = f">= {ge}"
+        text = ("a positive integer" if (ge == 1 or gt == 0) and le is None
+                else f"an integer {bounds_text(f)}".rstrip())
+    elif (ge is not None or gt is not None) and le is None:
+        text = f">= {ge}" if ge is not None else f"> {gt}"
     else:
         text = bounds_text(f) or "a number"
     text += f" {unit}" if unit else ""
@@ -55,7 +56,7 @@ def must_text(f: Field) -> str:
 
 
 def _fits(f: Field, v: Any) -> bool:
-    ge, le, choices = f.metadata.get("ge"), f.metadata.get("le"), f.metadata.get("choices")
+    ge, gt, le, choices = (f.metadata.get(k) for k in ("ge", "gt", "le", "choices"))
     if choices:
         return v in choices
     k = kind(f)
@@ -65,7 +66,7 @@ def _fits(f: Field, v: Any) -> bool:
         return isinstance(v, str)
     number = int if k == "int" else (int, float)
     return (isinstance(v, number) and not isinstance(v, bool) and math.isfinite(v)
-            and (ge is None or v >= ge) and (le is None or v <= le))
+            and (ge is None or v >= ge) and (gt is None or v > gt) and (le is None or v <= le))
 
 
 def check_settings(cfg: Any) -> None:
