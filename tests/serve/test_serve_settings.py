@@ -163,3 +163,10 @@ def test_serve_help_imports_no_torch():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "--block-size" in r.stdout and r.stdout.splitlines()[-1] == "False False"
+
+
+def test_the_docs_flags_table_is_the_generated_one():
+    from qkv.cli.flags import flags_table
+
+    docs = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    assert flags_table(ServeConfig, EngineConfig) in docs

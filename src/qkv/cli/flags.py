@@ -109,22 +109,46 @@ def _flag_type(f: Field) -> type:
     return {"int": int, "float": float, "str": str}[kind]
 
 
-def add_setting_flag(p: argparse.ArgumentParser, f: Field, default: Any = None) -> None:
-    """The flag of one declared setting (engine_config.setting): typed after the field, its choices, its help
-    and bounds from the metadata, `default` (the dataclass's) in the help; a bool is --X / --no-X. The flag's
-    own default is None: not given, the dataclass's default stands."""
+def _described(f: Field, default: Any) -> tuple[str, str]:
+    """(what the setting does with its bounds, its default in words): the flag's help and docs' table row."""
     m = settings_module("qkv.generate.engine_config")
     text = f.metadata["help"]
     if m.kind(f) in ("int", "float") and not f.metadata.get("choices"):
         text += "; " + m.must_text(f).split(" (or None")[0]
         if f.metadata.get("flag_none") is not None:
             text += f", or {f.metadata['flag_none']}: {f.metadata['none']}"
-    text += f" (default: {default if default is not None else f.metadata.get('none') or 'none'})"
-    if m.kind(f) == "bool":
+    choices = f.metadata.get("choices") or ()
+    if not all(str(c) in text for c in choices):
+        text += f" ({' or '.join(map(str, choices))})"
+    return text, str(default) if default is not None else f.metadata.get("none") or "none"
+
+
+def add_setting_flag(p: argparse.ArgumentParser, f: Field, default: Any = None) -> None:
+    """The flag of one declared setting (engine_config.setting): typed after the field, its choices, its help
+    and bounds from the metadata, `default` (the dataclass's) in the help; a bool is --X / --no-X. The flag's
+    own default is None: not given, the dataclass's default stands."""
+    text, default_text = _described(f, default)
+    text += f" (default: {default_text})"
+    if settings_module("qkv.generate.engine_config").kind(f) == "bool":
         p.add_argument(option(f.name), action=argparse.BooleanOptionalAction, default=None, help=text)
     else:
         p.add_argument(option(f.name), type=_flag_type(f), choices=f.metadata.get("choices"), default=None,
                        help=text)
+
+
+def flags_table(*classes: type) -> str:
+    """The Markdown table of the flags of `classes` (docs/serving.md holds `qkv serve`'s: a test compares)."""
+    rows = ["| option | default | what it does |", "|---|---|---|"]
+    for cls in classes:
+        defaults = cls()
+        for f in fields(cls):
+            if f.metadata.get("flag"):
+                text, default_text = _described(f, getattr(defaults, f.name))
+                names = option(f.name)
+                if settings_module("qkv.generate.engine_config").kind(f) == "bool":
+                    names += f"`, `--no-{f.name.replace('_', '-')}"
+                rows.append(f"| `{names}` | {default_text} | {text} |")
+    return "\n".join(rows)
 
 
 def add_config_flags(p: argparse.ArgumentParser, cls: type) -> None:

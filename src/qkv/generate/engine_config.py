@@ -99,8 +99,7 @@ class EngineConfig:
         "into groups of similar length (None: one forward)", flag=False)
     max_model_len: int | None = setting(
         None, "most prompt + output tokens a request may ask for", ge=1,
-        none="the model's; for RoPE/ALiBi models the context_length they were configured for, "
-             "max_position_embeddings")
+        none="the model's configured context (max_position_embeddings: RoPE / ALiBi have no hard limit)")
 
     def __post_init__(self) -> None:
         self.validate()
