@@ -157,12 +157,15 @@ def test_serve_help_imports_no_torch():
     and FastAPI): `qkv serve --help` answers at once."""
     code = ("import sys; from qkv.cli.main import main\n"
             "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
-            "print('torch' in sys.modules, 'fastapi' in sys.modules)")
+            "print('torch' in sys.modules, 'fastapi' in sys.modules)\n"
+            # the packages, imported afterwards, load their settings modules as usual
+            "import qkv.serve; print(qkv.serve.config.ServeConfig is qkv.serve.ServeConfig,"
+            " qkv.generate.engine_config.EngineConfig is qkv.serve.EngineConfig)")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "--block-size" in r.stdout and r.stdout.splitlines()[-1] == "False False"
+    assert "--block-size" in r.stdout and r.stdout.splitlines()[-2:] == ["False False", "True True"]
 
 
 def test_the_docs_flags_table_is_the_generated_one():

@@ -77,26 +77,36 @@ def check_generation(given: dict[str, Any]) -> None:
 _SETTINGS_MODULES = ("qkv.generate.config", "qkv.generate.engine_config", "qkv.serve.config")
 
 
+_LOADED: dict[str, ModuleType] = {}  # settings modules read from their files, their packages not loaded
+
+
 def settings_module(name: str) -> ModuleType:
-    """A settings module of _SETTINGS_MODULES, imported without running its package's __init__ (qkv.generate's
-    and qkv.serve's import torch: `qkv serve --help` would take seconds). It is registered under its own name,
-    so the package, when it is imported later, finds this module and its classes stay the same objects."""
-    for dep in _SETTINGS_MODULES[:_SETTINGS_MODULES.index(name) + 1]:
-        if dep in sys.modules:
-            continue
-        if dep.rsplit(".", 1)[0] in sys.modules:  # the package is loaded: the ordinary import is as cheap
-            importlib.import_module(dep)
-            continue
-        path = Path(qkv.__file__).parent.joinpath(*dep.split(".")[1:]).with_suffix(".py")
-        spec = importlib.util.spec_from_file_location(dep, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[dep] = module
+    """A settings module of _SETTINGS_MODULES without running its package's __init__ (qkv.generate's and
+    qkv.serve's import torch: `qkv serve --help` would take seconds). Its file runs under its own name (the
+    modules before it in the list import each other so), then leaves sys.modules again: the package, when it
+    is imported later, loads its own copy as usual. This copy's classes are read for their declarations only
+    (fields, defaults, metadata); the command itself uses the package's."""
+    if name in sys.modules or name.rsplit(".", 1)[0] in sys.modules:  # the package is loaded: no torch cost
+        return importlib.import_module(name)
+    if name not in _LOADED:
+        added = []
         try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[dep]
-            raise
-    return sys.modules[name]
+            for dep in _SETTINGS_MODULES[:_SETTINGS_MODULES.index(name) + 1]:
+                if dep in sys.modules:
+                    continue
+                added.append(dep)
+                if dep in _LOADED:
+                    sys.modules[dep] = _LOADED[dep]
+                    continue
+                path = Path(qkv.__file__).parent.joinpath(*dep.split(".")[1:]).with_suffix(".py")
+                spec = importlib.util.spec_from_file_location(dep, path)
+                sys.modules[dep] = module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                _LOADED[dep] = module
+        finally:
+            for dep in added:
+                sys.modules.pop(dep, None)
+    return _LOADED[name]
 
 
 QUANTIZE_MODES: tuple[str, ...] = settings_module("qkv.serve.config").QUANTIZE_MODES
