@@ -3,10 +3,14 @@
     add_generation_flags(p, ("max_new_tokens", "temperature", "top_k", "top_p"))   # --max-new-tokens ...
     generation_flags(args, names)   # {field: value} of the flags given, checked by GenerationConfig
 
-Each flag is named after its GenerationConfig field (`top_k` -> `--top-k`), typed after it, defaults to None
-(not given: the task's, the folder's or the file's value stands) and takes its help and its bounds from the
-field's metadata (generate/config.py). A value out of bounds is GenerationConfig's own ConfigError, said with
-the flag's name. A flag given twice: the last wins (argparse's rule, and parse_overrides' for key=value).
+    add_config_flags(p, ServeConfig); config_flags(args, ServeConfig)   # any settings dataclass (qkv serve)
+
+Each flag is named after its field (`top_k` -> `--top-k`), typed after it, defaults to None (not given: the
+task's, the folder's, the file's or the dataclass's value stands) and takes its help and its bounds from the
+field's metadata (generate/config.py, generate/engine_config.py: `setting`). A value out of bounds is the
+dataclass's own ConfigError, said with the flag's name. A flag given twice: the last wins (argparse's rule,
+and parse_overrides' for key=value). The settings modules are read without importing torch
+(settings_module), so that a command's --help answers at once.
 """
 
 from __future__ import annotations
@@ -23,8 +27,6 @@ from typing import Any
 import qkv
 from qkv.config import ConfigError
 
-_TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
-
 
 def option(name: str) -> str:
     """The flag of a field: top_k -> --top-k."""
@@ -35,19 +37,18 @@ def add_generation_flags(p: argparse.ArgumentParser, names: tuple[str, ...],
                          defaults: dict[str, str] | None = None) -> None:
     """One flag per named numeric GenerationConfig field. `defaults` says, per field, what applies when the
     flag is not given in this command (the only text written here)."""
-    from qkv.generate.config import REQUEST_AT_LEAST, GenerationConfig, bounds_text
-
-    by_name = {f.name: f for f in fields(GenerationConfig)}
+    m = settings_module("qkv.generate.config")
+    by_name = {f.name: f for f in fields(m.GenerationConfig)}
     for name in names:
         f = by_name[name]
-        kind = _TYPES.get(str(f.type))
-        if kind is None:
+        if settings_module("qkv.generate.engine_config").kind(f) not in ("int", "float"):
             raise TypeError(f"GenerationConfig.{name} ({f.type}) is not a numeric setting")
-        bounds = f"at least {REQUEST_AT_LEAST[name]}" if name in REQUEST_AT_LEAST else bounds_text(f)
+        at_least = m.REQUEST_AT_LEAST
+        bounds = f"at least {at_least[name]}" if name in at_least else m.bounds_text(f)
         text = f.metadata["help"] + (f"; {bounds}" if bounds else "")
         if defaults and name in defaults:
             text += f" (default: {defaults[name]})"
-        p.add_argument(option(name), type=kind, default=None, help=text)
+        p.add_argument(option(name), type=_flag_type(f), default=None, help=text)
 
 
 def generation_flags(a: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
