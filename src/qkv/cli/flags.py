@@ -76,8 +76,6 @@ def check_generation(given: dict[str, Any]) -> None:
 # the modules that declare settings, in import order; each imports only the standard library, qkv.config and
 # the modules before it, none of them torch, which their packages' __init__ files load
 _SETTINGS_MODULES = ("qkv.generate.config", "qkv.generate.engine_config", "qkv.serve.config")
-
-
 _LOADED: dict[str, ModuleType] = {}  # settings modules read from their files, their packages not loaded
 
 
