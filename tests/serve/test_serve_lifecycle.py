@@ -20,12 +20,12 @@ from qkv.serve import load_served
 def no_model_load(monkeypatch):
     """Fails the test if serve() loads the model: the errors below must come before that (minutes, for a big
     one)."""
-    import qkv.serve
+    import qkv.serve.server
 
     def load(*a, **k):
         raise AssertionError("the model was loaded before the address was checked")
 
-    monkeypatch.setattr(qkv.serve, "load_served", load)
+    monkeypatch.setattr(qkv.serve.server, "load_served", load)
 
 
 def test_an_address_it_cannot_listen_on_is_a_user_error_before_the_model_loads(
@@ -141,8 +141,8 @@ def test_the_exit_signal_stops_admitting_requests_at_once(run_folder):
     request accepted on a connection before the signal but not yet admitted gets a 503 (API.admit)."""
     import signal
 
-    from qkv.serve import _make_server as make_server
     from qkv.serve import build_engine, create_app
+    from qkv.serve.server import _make_server as make_server
 
     served = load_served(run_folder)
     app = create_app(served, build_engine(served, block_size=4))

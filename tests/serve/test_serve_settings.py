@@ -136,8 +136,8 @@ BAD_SERVE_OPTIONS = [
 
 
 def test_serve_checks_every_setting_before_binding_or_loading(run_folder, monkeypatch):
-    monkeypatch.setattr(qkv.serve, "load_served", lambda *a, **k: pytest.fail("loaded"))
-    monkeypatch.setattr(qkv.serve, "_bind", lambda *a, **k: pytest.fail("bound"))
+    monkeypatch.setattr(qkv.serve.server, "load_served", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(qkv.serve.server, "_bind", lambda *a, **k: pytest.fail("bound"))
     for kw, message in BAD_SERVE_OPTIONS:
         with pytest.raises(ConfigError, match=message):
             qkv.serve.serve(run_folder, **kw)

@@ -9,23 +9,22 @@ Each flag is named after its field (`top_k` -> `--top-k`), typed after it, defau
 task's, the folder's, the file's or the dataclass's value stands) and takes its help and its bounds from the
 field's metadata (generate/config.py, generate/engine_config.py: `setting`). A value out of bounds is the
 dataclass's own ConfigError, said with the flag's name. A flag given twice: the last wins (argparse's rule,
-and parse_overrides' for key=value). The settings modules are read without importing torch
-(settings_module), so that a command's --help answers at once.
+and parse_overrides' for key=value). The settings modules import no torch, so a command's --help answers at
+once.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import sys
 from dataclasses import Field, fields
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import qkv
+# the settings modules import only the standard library and qkv.config (their packages load the rest on
+# first use), so that a command's --help answers at once
 from qkv.config import ConfigError
+from qkv.generate import config as generation_config
+from qkv.generate import engine_config
+from qkv.serve import config as serve_config
 
 
 def option(name: str) -> str:
@@ -37,11 +36,11 @@ def add_generation_flags(p: argparse.ArgumentParser, names: tuple[str, ...],
                          defaults: dict[str, str] | None = None) -> None:
     """One flag per named numeric GenerationConfig field. `defaults` says, per field, what applies when the
     flag is not given in this command (the only text written here)."""
-    m = settings_module("qkv.generate.config")
+    m = generation_config
     by_name = {f.name: f for f in fields(m.GenerationConfig)}
     for name in names:
         f = by_name[name]
-        if settings_module("qkv.generate.engine_config").kind(f) not in ("int", "float"):
+        if engine_config.kind(f) not in ("int", "float"):
             raise TypeError(f"GenerationConfig.{name} ({f.type}) is not a numeric setting")
         at_least = m.REQUEST_AT_LEAST
         bounds = f"at least {at_least[name]}" if name in at_least else m.bounds_text(f)
@@ -73,46 +72,11 @@ def check_generation(given: dict[str, Any]) -> None:
             raise ConfigError(str(e).replace(f"GenerationConfig.{name}", option(name))) from None
 
 
-# the modules that declare settings, in import order; each imports only the standard library, qkv.config and
-# the modules before it, none of them torch, which their packages' __init__ files load
-_SETTINGS_MODULES = ("qkv.generate.config", "qkv.generate.engine_config", "qkv.serve.config")
-_LOADED: dict[str, ModuleType] = {}  # settings modules read from their files, their packages not loaded
-
-
-def settings_module(name: str) -> ModuleType:
-    """A settings module of _SETTINGS_MODULES without running its package's __init__ (qkv.generate's and
-    qkv.serve's import torch: `qkv serve --help` would take seconds). Its file runs under its own name (the
-    modules before it in the list import each other so), then leaves sys.modules again: the package, when it
-    is imported later, loads its own copy as usual. This copy's classes are read for their declarations only
-    (fields, defaults, metadata); the command itself uses the package's."""
-    if name in sys.modules or name.rsplit(".", 1)[0] in sys.modules:  # the package is loaded: no torch cost
-        return importlib.import_module(name)
-    if name not in _LOADED:
-        added = []
-        try:
-            for dep in _SETTINGS_MODULES[:_SETTINGS_MODULES.index(name) + 1]:
-                if dep in sys.modules:
-                    continue
-                added.append(dep)
-                if dep in _LOADED:
-                    sys.modules[dep] = _LOADED[dep]
-                    continue
-                path = Path(qkv.__file__).parent.joinpath(*dep.split(".")[1:]).with_suffix(".py")
-                spec = importlib.util.spec_from_file_location(dep, path)
-                sys.modules[dep] = module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                _LOADED[dep] = module
-        finally:
-            for dep in added:
-                sys.modules.pop(dep, None)
-    return _LOADED[name]
-
-
-QUANTIZE_MODES: tuple[str, ...] = settings_module("qkv.serve.config").QUANTIZE_MODES
+QUANTIZE_MODES: tuple[str, ...] = serve_config.QUANTIZE_MODES
 
 
 def _flag_type(f: Field) -> type:
-    kind = settings_module("qkv.generate.engine_config").kind(f)
+    kind = engine_config.kind(f)
     if kind not in ("int", "float", "str"):
         raise TypeError(f"{f.name} ({f.type}) has no flag type")
     return {"int": int, "float": float, "str": str}[kind]
@@ -120,7 +84,7 @@ def _flag_type(f: Field) -> type:
 
 def _described(f: Field, default: Any) -> tuple[str, str]:
     """(what the setting does with its bounds, its default in words): the flag's help and docs' table row."""
-    m = settings_module("qkv.generate.engine_config")
+    m = engine_config
     text = f.metadata["help"]
     if m.kind(f) in ("int", "float") and not f.metadata.get("choices"):
         text += "; " + m.must_text(f).split(" (or None")[0]
@@ -138,7 +102,7 @@ def add_setting_flag(p: argparse.ArgumentParser, f: Field, default: Any = None) 
     own default is None: not given, the dataclass's default stands."""
     text, default_text = _described(f, default)
     text += f" (default: {default_text})"
-    if settings_module("qkv.generate.engine_config").kind(f) == "bool":
+    if engine_config.kind(f) == "bool":
         p.add_argument(option(f.name), action=argparse.BooleanOptionalAction, default=None, help=text)
     else:
         p.add_argument(option(f.name), type=_flag_type(f), choices=f.metadata.get("choices"), default=None,
@@ -154,7 +118,7 @@ def flags_table(*classes: type) -> str:
             if f.metadata.get("flag"):
                 text, default_text = _described(f, getattr(defaults, f.name))
                 names = option(f.name)
-                if settings_module("qkv.generate.engine_config").kind(f) == "bool":
+                if engine_config.kind(f) == "bool":
                     names += f"`, `--no-{f.name.replace('_', '-')}"
                 rows.append(f"| `{names}` | {default_text} | {text} |")
     return "\n".join(rows)
@@ -189,5 +153,5 @@ def config_flags(a: argparse.Namespace, cls: type) -> dict[str, Any]:
 def add_quantize(p: argparse.ArgumentParser) -> None:
     """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore):
     ServeConfig's field."""
-    cls = settings_module("qkv.serve.config").ServeConfig
+    cls = serve_config.ServeConfig
     add_setting_flag(p, next(f for f in fields(cls) if f.name == "quantize"))

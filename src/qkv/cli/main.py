@@ -25,9 +25,10 @@ from qkv.cli.flags import (  # noqa: F401  (QUANTIZE_MODES: part of this module'
     add_config_flags,
     add_quantize,
     config_flags,
-    settings_module,
 )
 from qkv.cli.generate import add_chat, add_generate, cmd_chat, cmd_generate
+from qkv.generate.engine_config import EngineConfig
+from qkv.serve.config import ServeConfig
 
 EXIT_USER_ERROR = 2
 EXIT_NAN_GUARD = 3
@@ -295,12 +296,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF "
                                  "file")
     # every other flag: a field of ServeConfig or EngineConfig, with its help, bounds and default
-    add_config_flags(p, settings_module("qkv.serve.config").ServeConfig)
-    add_config_flags(p, settings_module("qkv.generate.engine_config").EngineConfig)
+    add_config_flags(p, ServeConfig)
+    add_config_flags(p, EngineConfig)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from qkv.serve import EngineConfig, ServeConfig, serve
+    from qkv.serve import serve
 
     given = {**config_flags(a, ServeConfig), **config_flags(a, EngineConfig)}
     return serve(a.model, **given)

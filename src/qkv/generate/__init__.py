@@ -20,13 +20,28 @@ cache itself is a KV cache like the others: qkv.nn.paged (re-exported here).
 
 from __future__ import annotations
 
-from qkv.generate.config import GenerationConfig
-from qkv.generate.engine import Engine
-from qkv.generate.processors import PROCESSORS, WARPERS, LogitsProcessor, Pipeline
-from qkv.generate.sampling import process_logits, sample, top_k_filter, top_p_filter
-from qkv.generate.search import GenerationOutput, beam_search, generate, stream
-from qkv.nn.paged import BlockAllocator, PagedKVCache
+import importlib
+from typing import Any
 
-__all__ = ["PROCESSORS", "WARPERS", "BlockAllocator", "Engine", "GenerationConfig", "GenerationOutput",
-           "LogitsProcessor", "PagedKVCache", "Pipeline", "beam_search", "generate", "process_logits",
-           "sample", "stream", "top_k_filter", "top_p_filter"]
+# name -> the module that defines it, imported on first use (PEP 562): the settings modules (config.py,
+# engine_config.py) then load without torch, and the CLI's --help reads them at once
+_EXPORTS = {
+    "GenerationConfig": "qkv.generate.config", "Engine": "qkv.generate.engine",
+    "EngineConfig": "qkv.generate.engine_config",
+    "PROCESSORS": "qkv.generate.processors", "WARPERS": "qkv.generate.processors",
+    "LogitsProcessor": "qkv.generate.processors", "Pipeline": "qkv.generate.processors",
+    "process_logits": "qkv.generate.sampling", "sample": "qkv.generate.sampling",
+    "top_k_filter": "qkv.generate.sampling", "top_p_filter": "qkv.generate.sampling",
+    "GenerationOutput": "qkv.generate.search", "beam_search": "qkv.generate.search",
+    "generate": "qkv.generate.search", "stream": "qkv.generate.search",
+    "BlockAllocator": "qkv.nn.paged", "PagedKVCache": "qkv.nn.paged",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qkv.generate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value

@@ -5,8 +5,7 @@
 
 Each field is declared once, with its help text and bounds in its metadata (`setting`): validate(), the
 `qkv serve` flags (qkv.cli.flags) and the docs read it. This module imports only the standard library and
-qkv.generate.config (itself torch-free), so that the CLI can build its flags without loading torch
-(qkv.cli.flags.settings_module).
+qkv.generate.config (itself torch-free), so that the CLI can build its flags without loading torch.
 """
 
 from __future__ import annotations
