@@ -29,7 +29,8 @@ Then:
     .venv/bin/python benchmarks/llamacpp.py --llamacpp-python /path/venv-llamacpp/bin/python \
         [--threads 2] [--new 128] [--prompt 32] [--repeats 5] [--folder HF_LLAMA_FOLDER] [--quick]
 --llamacpp-python defaults to $QKV_LLAMACPP_PYTHON; without it (or with "") the llama.cpp rows read "n/a".
---quick: llm.py's tiny Llama, a few steps, one round (the smoke test, tests/test_benchmark_llamacpp.py).
+--quick: llm.py's tiny Llama, a few steps, one round (the smoke test,
+tests/benchmarks/test_benchmark_llamacpp.py).
 Writes OUT/llamacpp.json and llamacpp.md (OUT = benchmarks/results; llamacpp_quick.* with --quick).
 """
 

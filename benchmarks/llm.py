@@ -20,7 +20,7 @@ compile time excluded: each configuration is warmed up first), "qkv int8" (weigh
 qkv.from_pretrained(..., quantize="int8") exists), "transformers".
 
 --quick: a 2-layer model of width 64, bf16 only, batch 1, 8 tokens (the smoke test,
-tests/test_benchmark_llm.py). Writes benchmarks/results/llm.json and llm.md.
+tests/benchmarks/test_benchmark_llm.py). Writes benchmarks/results/llm.json and llm.md.
 """
 
 from __future__ import annotations

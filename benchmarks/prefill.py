@@ -12,7 +12,8 @@ absolute difference) so that a fast wrong answer cannot pass unseen.
 
     .venv/bin/python benchmarks/prefill.py [--quick] [--threads 2] [--lengths 512 1024 2048] [--repeats 3]
 
---quick: tiny configs, lengths 16 and 32, one repeat (the smoke test, tests/test_benchmark_prefill.py).
+--quick: tiny configs, lengths 16 and 32, one repeat (the smoke test,
+tests/benchmarks/test_benchmark_prefill.py).
 --ablate: one more interleaved contender, "qkv full top block": the same model with every block over every
 position and the LM head applied to the last one, so the table shows what last_only's skipping of the top
 block's other queries and FFN rows buys on the same run.

@@ -25,7 +25,7 @@ in the ops below them.
     .venv/bin/python benchmarks/profile_ops.py train --nanogpt PATH/model.py [--rounds 4]
     .venv/bin/python benchmarks/profile_ops.py beam --threads 1 [--rounds 2]
 
---quick: tiny models, one round (the smoke test, tests/test_profile_ops_bench.py). Writes
+--quick: tiny models, one round (the smoke test, tests/benchmarks/test_profile_ops_bench.py). Writes
 OUT/profile_<what>[_<family>[_<tokens>]].json and .md (OUT = benchmarks/results).
 """
 

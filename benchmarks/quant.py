@@ -17,7 +17,7 @@ int4 computes its products in bf16), int8 and int4 on the bf16 model.
     .venv/bin/python benchmarks/quant.py [--quick] [--threads 2] [--new 48] [--repeats 3] [--steps 300]
 
 --quick: a 2-layer 64-wide Llama, 8 tokens, one repeat, 20 training steps of a 2-layer char model (the smoke
-test, tests/test_benchmark_quant.py). Writes benchmarks/results/quant.json and quant.md.
+test, tests/benchmarks/test_benchmark_quant.py). Writes benchmarks/results/quant.json and quant.md.
 """
 
 from __future__ import annotations

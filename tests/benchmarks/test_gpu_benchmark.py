@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_benchmark_smoke_runs_every_section(tmp_path):

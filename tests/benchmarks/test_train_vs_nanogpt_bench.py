@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "train_vs_nanogpt.py"
 
 # nanoGPT's interface (GPTConfig fields, module names, forward(idx, targets) -> (logits, loss)), written

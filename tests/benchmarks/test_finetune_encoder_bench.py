@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_benchmark_writes_results(tmp_path):

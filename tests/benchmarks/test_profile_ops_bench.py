@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train_vs_nanogpt_bench import STAND_IN  # noqa: E402
 
