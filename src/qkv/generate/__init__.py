@@ -45,3 +45,7 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # later lookups are plain attribute reads
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
