@@ -31,6 +31,7 @@ from qkv.config import ConfigError
 from qkv.finetune import FINETUNE_FILE, Recipe, mark_out, register_recipe, shared
 from qkv.finetune.encoders import FINETUNE_DEFAULTS, best_state, flag
 from qkv.finetune.image_export import check_exportable, export_classifier, family_of, preprocessor_config
+from qkv.finetune.phases import PhasedRecipe
 from qkv.storage import atomic_write_json
 
 # fine-tuning a pretrained vision model: a higher rate than BERT's 3e-5 (the ViT paper's fine-tuning
@@ -227,10 +228,11 @@ class ImageSettings:
                    progress=not a.no_progress, args=a)
 
 
-class ImageClassifyRecipe:
+class ImageClassifyRecipe(PhasedRecipe):
     """The phases (as qkv.finetune.phases): setup_model, setup_data, train, save, report."""
 
     name = "image-classify"
+    settings = ImageSettings
 
     def __init__(self, settings: ImageSettings) -> None:
         self.s = settings
@@ -306,16 +308,6 @@ class ImageClassifyRecipe:
         lines.append(f"saved {self.s.out} ({which}: dev accuracy {r['dev']['accuracy']:.4f}; transformers: "
                      "AutoModelForImageClassification.from_pretrained; qkv predict; qkv.from_pretrained)")
         return lines
-
-    @classmethod
-    def run(cls, args: argparse.Namespace) -> dict[str, Any]:
-        """The registered entry point: every phase in order; the report travels as one string."""
-        recipe = cls(ImageSettings.from_args(args))
-        recipe.setup_model()
-        recipe.setup_data()
-        recipe.train()
-        result = recipe.save()
-        return {**result, "report": "\n".join(recipe.report())}
 
 
 register_recipe(Recipe("image-classify", ("image",), "image classifiers (ViT, ResNet, Swin) on a folder with "

@@ -47,12 +47,30 @@ class EncoderSettings:
                    args=args)
 
 
-class EncoderRecipe:
+class PhasedRecipe:
+    """A recipe whose entry point is its phases in order: setup_model, setup_data, train, save, report. A
+    subclass names its settings class (`settings`, with from_args) and writes the phases."""
+
+    settings: Any = None
+
+    @classmethod
+    def run(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The registered entry point: every phase in order; the report travels as one string."""
+        recipe = cls(cls.settings.from_args(args))
+        recipe.setup_model()
+        recipe.setup_data()
+        recipe.train()
+        result = recipe.save()
+        return {**result, "report": "\n".join(recipe.report())}
+
+
+class EncoderRecipe(PhasedRecipe):
     """Base of the encoder recipes. A subclass sets `name` and `head`, and its setup_data() sets
     `train_data`, `dev` (EncodedData or None), `n_labels` and `id2label`; evaluate(model) scores `dev`."""
 
     name = ""
     head = ""
+    settings = EncoderSettings
 
     def __init__(self, settings: EncoderSettings) -> None:
         self.s = settings
@@ -98,12 +116,3 @@ class EncoderRecipe:
     def report(self) -> list[str]:
         raise NotImplementedError
 
-    @classmethod
-    def run(cls, args: argparse.Namespace) -> dict[str, Any]:
-        """The registered entry point: every phase in order; the report travels as one string."""
-        recipe = cls(EncoderSettings.from_args(args))
-        recipe.setup_model()
-        recipe.setup_data()
-        recipe.train()
-        result = recipe.save()
-        return {**result, "report": "\n".join(recipe.report())}
