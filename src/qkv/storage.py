@@ -90,6 +90,8 @@ def atomic_write_json(obj: Any, path: Path) -> None:
 
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path,
                             metadata: dict[str, str] | None = None) -> None:
+    # safetensors stores row-major bytes: a channels_last convolution weight is written in its logical order
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
