@@ -13,7 +13,10 @@ into (B, 1, length + T, kv_lora_rank) and (B, 1, length + T, rope): the layout o
 so MultiHeadLatentAttention reads it as it reads the static cache (forward() up-projects it, step() attends
 over it in the absorbed form). The pool-reading decoding step of PagedKVCache (PoolKeys / PoolRows) is not
 used: MLA's absorbed step already reads each cached latent once for all heads, and the gathered copy is
-kv_lora_rank + rope numbers per token against a per-head cache's 2 * heads * head_dim.
+kv_lora_rank + rope numbers per token against a per-head cache's 2 * heads * head_dim. Reading in place would
+need the latent twice (per block transposed for the scores, as rows for the weighted sum: it is both key and
+value), doubling the cache; gathering into buffers reused across layers and steps (PagedKVCache._gather)
+measured no faster than these fresh copies (docs/llm.md, "Limits" of the MLA section).
 """
 
 from __future__ import annotations
