@@ -362,6 +362,17 @@ class LLaVA(QKVModel):
              offset: int | Tensor | None = None) -> Tensor:
         return self.language_model.step(ids, cache, keep=keep, offset=offset)
 
+    def step_with_images(self, ids: Tensor, cache: Any, *, where: Tensor, features: Tensor,
+                         keep: Tensor | None = None, offset: int | Tensor | None = None) -> Tensor:
+        """step() for a prefill piece holding image placeholders (the serving Engine's): the positions
+        `where` (B, T) marks take the rows of `features` (n, d) in reading order, the others their token's
+        embedding. A piece may hold any part of an image's placeholders (chunked prefill)."""
+        lm = self.language_model
+        x = lm.tok_emb(ids.masked_fill(where, 0))
+        x = x.masked_scatter(where.unsqueeze(-1), features.to(x.dtype))
+        h = lm.decoder.step(x, cache=cache, keep=keep, offset=offset, last_only=True)
+        return lm.lm_head(h[:, -1])
+
     @property
     def static_step_supported(self) -> bool:
         return self.language_model.static_step_supported
