@@ -168,6 +168,7 @@ def test_bad_image_requests_are_refused(model):
         ImageInput(torch.zeros(16, 16))
     assert not engine.has_work
     # the content key: the pixels' bytes unless a key is given
-    assert ImageInput(pixels(0)).digest() == ImageInput(pixels(0)[0]).digest() != ImageInput(pixels(1)).digest()
+    digest = ImageInput(pixels(0)).digest()
+    assert digest == ImageInput(pixels(0)[0]).digest() != ImageInput(pixels(1)).digest()
     assert ImageInput(pixels(0), key="a").digest() == ImageInput(pixels(1), key="a").digest()
     assert isinstance(engine.images, ImageEncoder)
