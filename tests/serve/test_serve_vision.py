@@ -99,6 +99,13 @@ def test_an_image_url_data_part_equals_generate_with_that_image(llava, tmp_path)
         assert plain.choices[0].message.content == decode_continuation(served.codec.decode, ids, new.tolist())
         assert plain.usage.prompt_tokens == len(ids)
         assert app.state.api.active == 0
+        # the image requests ran in the engine: counted there; each image's repeat (the streamed request)
+        # found its blocks in the prefix cache, so only the three distinct images (cat, dog, cat as JPEG)
+        # went through the vision tower
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert "qkv_image_requests_total 5.0" in metrics and "qkv_images_encoded_total 3.0" in metrics
+        st = app.state.api.engine.stats()
+        assert st["image_requests"] == 5 and st["images_encoded"] == 3 and st["prefix_hit_tokens"] > 0
 
 
 def test_urls_bad_base64_and_non_images_are_400s(llava, tmp_path):
@@ -161,15 +168,16 @@ def test_image_requests_are_admitted_under_the_same_limits(llava, tmp_path):
                         settings=ServeSettings(max_waiting=0)) as (url, app):
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={**body, "max_tokens": 10 ** 6})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-        vision, entered, release = app.state.api.vision, threading.Event(), threading.Event()
-        generate = vision._generate
+        # the image request held in the engine's vision tower while the next one arrives
+        images, entered, release = app.state.api.engine.images, threading.Event(), threading.Event()
+        ensure = images.ensure
 
         def held(*args):
             entered.set()
             release.wait(60)
-            return generate(*args)
+            return ensure(*args)
 
-        vision._generate = held
+        images.ensure = held
         out = {}
         th = threading.Thread(target=lambda: out.setdefault(
             "r", httpx.post(url + "/v1/chat/completions", json=body, timeout=60)))
