@@ -191,3 +191,61 @@ def test_image_requests_are_admitted_under_the_same_limits(llava, tmp_path):
             release.set()
             th.join(60)
         assert out["r"].status_code == 200 and app.state.api.active == 0
+
+
+def test_image_and_text_requests_are_batched_in_the_engine_and_cancelled_there(llava, tmp_path):
+    """Two images and a text prompt sent at once run in the same decoding forwards, each answering its own
+    reference; a streamed image request whose client leaves is cancelled in the engine; the completions
+    endpoint refuses the image token (images come as chat parts)."""
+    import threading
+    import time
+
+    served = load_served(llava)
+    cat, dog = png(tmp_path / "cat.png", seed=1), png(tmp_path / "dog.png", seed=2)
+    text = [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]
+    with running_server(llava, block_size=4) as (url, app):
+        engine = app.state.api.engine
+        eos = engine.cfg.eos_ids
+        mixed, decode = [], engine._decode
+
+        def slow_decode(batch, events):  # a step long enough for the three requests to meet
+            mixed.append({bool(r.images) for r in batch} == {True, False} and len(batch) == 3)
+            time.sleep(0.03)
+            return decode(batch, events)
+
+        engine._decode = slow_decode
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        out: dict[str, str] = {}
+
+        def ask_for(name, messages):
+            r = client.chat.completions.create(model=served.name, messages=messages, max_tokens=8,
+                                               temperature=0)
+            out[name] = r.choices[0].message.content
+
+        jobs = [("cat", ask(data_url(cat))), ("dog", ask(data_url(dog))), ("text", text)]
+        threads = [threading.Thread(target=ask_for, args=job) for job in jobs]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert any(mixed)  # a decoding forward held both image requests and the text one
+        for name, image in (("cat", cat), ("dog", dog)):
+            ids, new = reference(served, llava, image, eos, 8)
+            assert out[name] == decode_continuation(served.codec.decode, ids[-TEXT_CONTEXT:], new)
+        ids = served.codec.tokenizer.apply_chat_template(text, add_generation_prompt=True, tokenize=True)
+        new = served.model.generate(torch.tensor([ids]), max_new_tokens=8, eos_token_id=eos)[0, len(ids):]
+        assert out["text"] == decode_continuation(served.codec.decode, ids, new.tolist())
+        # a client that leaves mid-stream: its image request is cancelled at the engine's next step
+        cancelled = engine.stats()["cancelled"]
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+                "model": served.name, "max_tokens": 200, "stream": True, "temperature": 0,
+                "messages": ask(data_url(png(tmp_path / "b.png", seed=3)))}) as r:
+            next(r.iter_lines())
+        deadline = time.monotonic() + 30
+        while app.state.api.active or engine.stats()["cancelled"] == cancelled:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not engine.has_work
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": served.name, "prompt": [1, IMAGE_TOKEN_ID, 5], "max_tokens": 2})
+        assert r.status_code == 400 and "image token" in r.json()["error"]["message"], r.text
