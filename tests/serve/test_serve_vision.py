@@ -249,3 +249,37 @@ def test_image_and_text_requests_are_batched_in_the_engine_and_cancelled_there(l
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"model": served.name, "prompt": [1, IMAGE_TOKEN_ID, 5], "max_tokens": 2})
         assert r.status_code == 400 and "image token" in r.json()["error"]["message"], r.text
+
+
+def test_a_smolvlm_folder_is_served_with_its_tiles(tmp_path):
+    """An Idefics3 / SmolVLM folder: each image is cut into tiles (its placeholder count depends on its size)
+    and its tiles' embeddings fill the placeholders in the engine; the answer equals generate's."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "interop"))
+    from _smolvlm_folder import smolvlm_folder
+
+    folder = smolvlm_folder(tmp_path / "smol")
+    served = load_served(folder)
+    proc, tok = served.images, served.codec.tokenizer
+    with running_server(folder, block_size=4) as (url, app):
+        eos = app.state.api.engine.cfg.eos_ids
+        lengths = set()
+        for size, seed in (((45, 70), 1), ((30, 100), 2)):
+            image = png(tmp_path / f"{seed}.png", size=size, seed=seed)
+            messages = [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+                {"type": "text", "text": QUESTION}]}]
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": served.name, "max_tokens": 8, "temperature": 0, "messages": messages})
+            assert r.status_code == 200, r.text
+            pil = load_image(image)
+            parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+            ids = proc.expand_ids(tok.apply_chat_template(parts, add_generation_prompt=True, tokenize=True),
+                                  served.model.config.image_token_id, [proc.grid(pil)], tok)
+            new = served.model.generate(torch.tensor([ids]), max_new_tokens=8, pixel_values=proc(pil),
+                                        eos_token_id=eos)[0, len(ids):].tolist()
+            assert r.json()["choices"][0]["message"]["content"] == decode_continuation(
+                served.codec.decode, ids[-TEXT_CONTEXT:], new)
+            assert r.json()["usage"]["prompt_tokens"] == len(ids) and proc(pil).shape[0] > 1  # tiles
+            lengths.add(len(ids))
+        assert len(lengths) == 2  # the two image sizes take different numbers of placeholders
+        assert app.state.api.engine.stats()["images_encoded"] == 2
