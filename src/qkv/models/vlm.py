@@ -8,7 +8,9 @@ prompt ids (B, T) holding N' placeholder ids (image_token_id) per image -> token
 
 The image is part of the prompt: it enters at the prefill, its positions fill the KV cache like any token's,
 and every decoding step after that is the decoder's own. For generation, `with model.images(pixel_values):`
-(or model.generate(ids, pixel_values=...)) hands the images to the prefill; qkv.generate is unchanged.
+(or model.generate(ids, pixel_values=...)) hands the images to the prefill; qkv.generate is unchanged. The
+serving Engine feeds prefill chunks through step_with_images, the embeddings of the chunk's placeholders
+given (qkv.generate.images).
 
 The vision tower is CLIP's ViT: patches + class token + learned positions, a LayerNorm on the embeddings
 (CLIP's `pre_layrnorm`), Pre-LN blocks with quick-GELU. Only the layers up to the chosen hidden state are
