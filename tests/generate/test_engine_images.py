@@ -172,3 +172,16 @@ def test_bad_image_requests_are_refused(model):
     assert digest == ImageInput(pixels(0)[0]).digest() != ImageInput(pixels(1)).digest()
     assert ImageInput(pixels(0), key="a").digest() == ImageInput(pixels(1), key="a").digest()
     assert isinstance(engine.images, ImageEncoder)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_prompt_ending_with_its_image(model, chunk):
+    # the prompt's last token is a placeholder: fed by a decoding step when the rest is cached (the repeat)
+    # or prefilled (a chunk of 4 leaves it alone), it still takes the image's embedding
+    ids = [1, 7, 3, 2, 9] + [IMG] * 4
+    want = reference(model, ids, pixels(4))
+    engine = Engine(model, block_size=4, max_new_tokens=N, prefill_chunk=chunk)
+    for _ in range(2):
+        rid = engine.add_request(ids, images=[ImageInput(pixels(4))])
+        assert engine.run()[rid] == want
+    assert engine.counters.prefix_hit_tokens == 8

@@ -329,8 +329,8 @@ class Engine:
         return self.scheduler.length_groups(batch, [self.cache.lens[r.id] + 1 for r in batch])
 
     def _forward(self, group: list[Request], ids: list[list[int]], starts: list[int] | None = None) -> Tensor:
-        """One forward of B rows of T tokens over the paged cache (per-row offsets and key mask). starts: a
-        prefill's first positions, where its pieces may hold image placeholders."""
+        """One forward of B rows of T tokens over the paged cache (per-row offsets and key mask). starts: the
+        rows' first positions where they may hold image placeholders (prompt tokens)."""
         self.cache.set_active([r.id for r in group])
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
         keep = self.cache.keep_mask(x.shape[1]) if len({self.cache.lens[r.id] for r in group}) > 1 else None
@@ -375,7 +375,9 @@ class Engine:
         for rows in self._length_groups(batch):
             group = [batch[i] for i in rows]
             last = [[r.output[-1] if r.output else r.prompt[-1]] for r in group]
-            parts.append((rows, self._forward(group, last)))
+            # a prompt's last token comes here when the rest was cached or prefilled: it may be an image's
+            starts = [r.computed for r in group] if any(r.images and not r.output for r in group) else None
+            parts.append((rows, self._forward(group, last, starts)))
         if len(parts) == 1:
             logits = parts[0][1]
         else:  # back in batch order: one token choice for the whole batch
