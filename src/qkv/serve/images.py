@@ -1,4 +1,4 @@
-"""OpenAI's image_url content parts for a vision-language (LLaVA) model: `data:` URLs only.
+"""OpenAI's image_url content parts for a vision-language model (LLaVA, Idefics3 / SmolVLM): data: URLs only.
 
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0..."}}
 
@@ -26,6 +26,14 @@ from qkv.serve.errors import APIError
 from qkv.serve.requests import ChatCompletionRequest, ImagePart
 
 FORMATS = ("PNG", "JPEG")  # what PIL must find in a data URL's bytes
+
+
+@dataclass
+class DecodedImage:
+    """One image of a request: the PIL image and the bytes it was decoded from (its content key)."""
+
+    pil: Any
+    raw: bytes
 
 
 def decode_data_url(url: str, param: str) -> DecodedImage:
@@ -73,14 +81,6 @@ def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
             for p in m.content]
         out.append({"role": m.role, "content": parts})
     return out
-
-
-@dataclass
-class DecodedImage:
-    """One image of a request: the PIL image and the bytes it was decoded from (its content key)."""
-
-    pil: Any
-    raw: bytes
 
 
 def decoded_images(body: ChatCompletionRequest) -> list[DecodedImage]:
