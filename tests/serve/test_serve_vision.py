@@ -106,6 +106,13 @@ def test_an_image_url_data_part_equals_generate_with_that_image(llava, tmp_path)
         assert "qkv_image_requests_total 5.0" in metrics and "qkv_images_encoded_total 3.0" in metrics
         st = app.state.api.engine.stats()
         assert st["image_requests"] == 5 and st["images_encoded"] == 3 and st["prefix_hit_tokens"] > 0
+        # the cat with another question: the block where the image ends differs, so the image's last
+        # placeholders are computed again, from the embeddings the LRU kept under the image's bytes
+        other = [{"role": "user", "content": [{"type": "text", "text": "describe it"},
+                                              {"type": "image_url", "image_url": {"url": data_url(cat)}}]}]
+        client.chat.completions.create(model=served.name, messages=other, max_tokens=2, temperature=0)
+        st = app.state.api.engine.stats()
+        assert st["images_encoded"] == 3 and st["image_cache_hits"] == 1
 
 
 def test_urls_bad_base64_and_non_images_are_400s(llava, tmp_path):
