@@ -99,6 +99,20 @@ def test_an_image_url_data_part_equals_generate_with_that_image(llava, tmp_path)
         assert plain.choices[0].message.content == decode_continuation(served.codec.decode, ids, new.tolist())
         assert plain.usage.prompt_tokens == len(ids)
         assert app.state.api.active == 0
+        # the image requests ran in the engine: counted there; each image's repeat (the streamed request)
+        # found its blocks in the prefix cache, so only the three distinct images (cat, dog, cat as JPEG)
+        # went through the vision tower
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert "qkv_image_requests_total 5.0" in metrics and "qkv_images_encoded_total 3.0" in metrics
+        st = app.state.api.engine.stats()
+        assert st["image_requests"] == 5 and st["images_encoded"] == 3 and st["prefix_hit_tokens"] > 0
+        # the cat with another question: the block where the image ends differs, so the image's last
+        # placeholders are computed again, from the embeddings the LRU kept under the image's bytes
+        other = [{"role": "user", "content": [{"type": "text", "text": "describe it"},
+                                              {"type": "image_url", "image_url": {"url": data_url(cat)}}]}]
+        client.chat.completions.create(model=served.name, messages=other, max_tokens=2, temperature=0)
+        st = app.state.api.engine.stats()
+        assert st["images_encoded"] == 3 and st["image_cache_hits"] == 1
 
 
 def test_urls_bad_base64_and_non_images_are_400s(llava, tmp_path):
@@ -161,15 +175,16 @@ def test_image_requests_are_admitted_under_the_same_limits(llava, tmp_path):
                         settings=ServeSettings(max_waiting=0)) as (url, app):
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={**body, "max_tokens": 10 ** 6})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-        vision, entered, release = app.state.api.vision, threading.Event(), threading.Event()
-        generate = vision._generate
+        # the image request held in the engine's vision tower while the next one arrives
+        images, entered, release = app.state.api.engine.images, threading.Event(), threading.Event()
+        ensure = images.ensure
 
         def held(*args):
             entered.set()
             release.wait(60)
-            return generate(*args)
+            return ensure(*args)
 
-        vision._generate = held
+        images.ensure = held
         out = {}
         th = threading.Thread(target=lambda: out.setdefault(
             "r", httpx.post(url + "/v1/chat/completions", json=body, timeout=60)))
@@ -183,3 +198,95 @@ def test_image_requests_are_admitted_under_the_same_limits(llava, tmp_path):
             release.set()
             th.join(60)
         assert out["r"].status_code == 200 and app.state.api.active == 0
+
+
+def test_image_and_text_requests_are_batched_in_the_engine_and_cancelled_there(llava, tmp_path):
+    """Two images and a text prompt sent at once run in the same decoding forwards, each answering its own
+    reference; a streamed image request whose client leaves is cancelled in the engine; the completions
+    endpoint refuses the image token (images come as chat parts)."""
+    import threading
+    import time
+
+    served = load_served(llava)
+    cat, dog = png(tmp_path / "cat.png", seed=1), png(tmp_path / "dog.png", seed=2)
+    text = [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]
+    with running_server(llava, block_size=4) as (url, app):
+        engine = app.state.api.engine
+        eos = engine.cfg.eos_ids
+        mixed, decode = [], engine._decode
+
+        def slow_decode(batch, events):  # a step long enough for the three requests to meet
+            mixed.append({bool(r.images) for r in batch} == {True, False} and len(batch) == 3)
+            time.sleep(0.03)
+            return decode(batch, events)
+
+        engine._decode = slow_decode
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        out: dict[str, str] = {}
+
+        def ask_for(name, messages):
+            r = client.chat.completions.create(model=served.name, messages=messages, max_tokens=8,
+                                               temperature=0)
+            out[name] = r.choices[0].message.content
+
+        jobs = [("cat", ask(data_url(cat))), ("dog", ask(data_url(dog))), ("text", text)]
+        threads = [threading.Thread(target=ask_for, args=job) for job in jobs]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert any(mixed)  # a decoding forward held both image requests and the text one
+        for name, image in (("cat", cat), ("dog", dog)):
+            ids, new = reference(served, llava, image, eos, 8)
+            assert out[name] == decode_continuation(served.codec.decode, ids[-TEXT_CONTEXT:], new)
+        ids = served.codec.tokenizer.apply_chat_template(text, add_generation_prompt=True, tokenize=True)
+        new = served.model.generate(torch.tensor([ids]), max_new_tokens=8, eos_token_id=eos)[0, len(ids):]
+        assert out["text"] == decode_continuation(served.codec.decode, ids, new.tolist())
+        # a client that leaves mid-stream: its image request is cancelled at the engine's next step
+        cancelled = engine.stats()["cancelled"]
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+                "model": served.name, "max_tokens": 200, "stream": True, "temperature": 0,
+                "messages": ask(data_url(png(tmp_path / "b.png", seed=3)))}) as r:
+            next(r.iter_lines())
+        deadline = time.monotonic() + 30
+        while app.state.api.active or engine.stats()["cancelled"] == cancelled:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not engine.has_work
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": served.name, "prompt": [1, IMAGE_TOKEN_ID, 5], "max_tokens": 2})
+        assert r.status_code == 400 and "image token" in r.json()["error"]["message"], r.text
+
+
+def test_a_smolvlm_folder_is_served_with_its_tiles(tmp_path):
+    """An Idefics3 / SmolVLM folder: each image is cut into tiles (its placeholder count depends on its size)
+    and its tiles' embeddings fill the placeholders in the engine; the answer equals generate's."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "interop"))
+    from _smolvlm_folder import smolvlm_folder
+
+    folder = smolvlm_folder(tmp_path / "smol")
+    served = load_served(folder)
+    proc, tok = served.images, served.codec.tokenizer
+    with running_server(folder, block_size=4) as (url, app):
+        eos = app.state.api.engine.cfg.eos_ids
+        lengths = set()
+        for size, seed in (((45, 70), 1), ((30, 100), 2)):
+            image = png(tmp_path / f"{seed}.png", size=size, seed=seed)
+            messages = [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+                {"type": "text", "text": QUESTION}]}]
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": served.name, "max_tokens": 8, "temperature": 0, "messages": messages})
+            assert r.status_code == 200, r.text
+            pil = load_image(image)
+            parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+            ids = proc.expand_ids(tok.apply_chat_template(parts, add_generation_prompt=True, tokenize=True),
+                                  served.model.config.image_token_id, [proc.grid(pil)], tok)
+            new = served.model.generate(torch.tensor([ids]), max_new_tokens=8, pixel_values=proc(pil),
+                                        eos_token_id=eos)[0, len(ids):].tolist()
+            assert r.json()["choices"][0]["message"]["content"] == decode_continuation(
+                served.codec.decode, ids[-TEXT_CONTEXT:], new)
+            assert r.json()["usage"]["prompt_tokens"] == len(ids) and proc(pil).shape[0] > 1  # tiles
+            lengths.add(len(ids))
+        assert len(lengths) == 2  # the two image sizes take different numbers of placeholders
+        assert app.state.api.engine.stats()["images_encoded"] == 2

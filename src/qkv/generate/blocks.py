@@ -4,14 +4,23 @@ The blocks themselves (allocation, reference counts, least-recently-used evictio
 copy-on-write of a shared last block) are nn/paged.py's PagedKVCache and BlockAllocator; this module is what
 the scheduler asks of them: how many blocks a request still needs, which of its leading full blocks some
 earlier sequence already computed (same tokens from position 0: a chain of content hashes), and putting a
-request's newly filled blocks into that cache.
+request's newly filled blocks into that cache. A block holding image placeholders hashes the keys of those
+images too (`extra`, images.py's block_extras): the same placeholder ids with another image never match.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from qkv.nn.paged import block_digest
+
+
+def block_key(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
+    """A full block's prefix-cache key: the chained token digest, hashed once more with the block's image
+    keys when it has some (its own domain, so no text-only chain can produce it)."""
+    d = block_digest(parent, tokens)
+    return hashlib.sha256(b"images:" + d + extra).digest() if extra else d
 
 
 class BlockManager:
@@ -27,13 +36,15 @@ class BlockManager:
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
-    def head(self, prompt: list[int]) -> bytes:
+    def head(self, prompt: list[int], extra: dict[int, bytes] | None = None) -> bytes:
         """The prefix-cache key of a prompt's first block (b"": shorter than a block)."""
         bs = self.block_size
-        return block_digest(b"", prompt[:bs]) if len(prompt) >= bs else b""
+        return block_key(b"", prompt[:bs], (extra or {}).get(0, b"")) if len(prompt) >= bs else b""
 
-    def cached_prefix(self, tokens: list[int]) -> tuple[list[int], list[bytes]]:
-        """The leading full blocks of tokens found in the prefix cache, and their keys."""
+    def cached_prefix(self, tokens: list[int], extra: dict[int, bytes] | None = None
+                      ) -> tuple[list[int], list[bytes]]:
+        """The leading full blocks of tokens found in the prefix cache, and their keys (extra: the image
+        keys of blocks holding placeholders)."""
         if not self.prefix_caching:
             return [], []
         bs = self.block_size
@@ -41,7 +52,7 @@ class BlockManager:
         digests: list[bytes] = []
         parent = b""
         for i in range(len(tokens) // bs):
-            parent = block_digest(parent, tokens[i * bs:(i + 1) * bs])
+            parent = block_key(parent, tokens[i * bs:(i + 1) * bs], (extra or {}).get(i, b""))
             b = self.allocator.lookup(parent)
             if b is None:
                 break
@@ -75,14 +86,15 @@ class BlockManager:
     def holds_blocks(self, seq_id: int) -> bool:
         return bool(self.cache.tables[seq_id])
 
-    def register(self, seq_id: int, tokens: list[int], computed: int, digests: list[bytes]) -> None:
+    def register(self, seq_id: int, tokens: list[int], computed: int, digests: list[bytes],
+                 extra: dict[int, bytes] | None = None) -> None:
         """Put a sequence's newly filled blocks (of its first `computed` tokens) into the prefix cache;
         digests, the keys of its blocks registered so far, grows in place."""
         if not self.prefix_caching:
             return
-        bs, table = self.block_size, self.cache.tables[seq_id]
+        bs, table, extra = self.block_size, self.cache.tables[seq_id], extra or {}
         while len(digests) < computed // bs:
             i = len(digests)
-            d = block_digest(digests[-1] if digests else b"", tokens[i * bs:(i + 1) * bs])
+            d = block_key(digests[-1] if digests else b"", tokens[i * bs:(i + 1) * bs], extra.get(i, b""))
             self.allocator.register(table[i], d)
             digests.append(d)

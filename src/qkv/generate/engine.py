@@ -48,6 +48,11 @@ generator, so a seeded request draws the same tokens whatever else is in the bat
 Stop strings need `tokenizer` (an object with .decode(ids) or a callable ids -> str); they are looked for in
 the output's text as it streams, decoded after the prompt's tail (output.py).
 
+Images (a LLaVA model): add_request(ids, images=[ImageInput(pixel_values, key=...)]) with the placeholders
+expanded in ids; the prefill pieces that hold placeholders take the images' projected embeddings there
+(model.step_with_images), a full block's prefix-cache key also hashes its images' keys, and an LRU of
+embeddings by key spares a repeated image the vision tower (images.py). Decoding is unchanged.
+
 The parts (vLLM v1's split): scheduler.py (admission, chunked prefill, preemption), blocks.py (the KV blocks
 each request holds, the prefix cache), sampler.py (processors, seeds), output.py (finish reasons, stop
 strings); this class checks the settings, wires them and runs the model's forwards.
@@ -66,6 +71,7 @@ from torch import Tensor
 from qkv.generate.blocks import BlockManager
 from qkv.generate.config import GenerationConfig
 from qkv.generate.engine_config import PREEMPTION, EngineConfig
+from qkv.generate.images import ImageEncoder, ImageInput, Span, block_extras, spans
 from qkv.generate.output import TEXT_CONTEXT, OutputProcessor
 from qkv.generate.sampler import Sampler
 from qkv.generate.scheduler import Counters, Request, Scheduler
@@ -73,7 +79,7 @@ from qkv.generate.search import settings
 from qkv.models.decoding import as_decoder, configured_context
 from qkv.nn.checks import check_id_list
 
-__all__ = ["PREEMPTION", "TEXT_CONTEXT", "Counters", "Engine", "EngineConfig"]
+__all__ = ["PREEMPTION", "TEXT_CONTEXT", "Counters", "Engine", "EngineConfig", "ImageInput"]
 
 
 def _prompt_ids(prompt: Sequence[int] | Tensor) -> list[int]:
@@ -134,6 +140,8 @@ class Engine:
         self.output = OutputProcessor(self.decode_text, self.counters)
         self.sampler = Sampler(self.device, self.cfg.seed, self.output.errors)
         self.generator = self.sampler.generator
+        # a vision-language model's images: their embeddings, by content hash (images.py)
+        self.images = ImageEncoder(dec, c.image_cache) if hasattr(dec, "step_with_images") else None
         self._next_id = 0
         self.peak_blocks = 0
 
@@ -220,15 +228,29 @@ class Engine:
             raise ValueError(f"the request needs {need} blocks but the pool has only "
                              f"{self.cache.allocator.num_blocks}")
 
+    def _image_spans(self, ids: list[int], images: Sequence[ImageInput] | None) -> list[Span]:
+        """The request's images on its placeholders (images.py); [] for a text request. Checks the ids."""
+        if self.images is None:
+            if images:
+                raise ValueError(f"{type(self.model).__name__} takes no images (it has no vision tower)")
+            check_id_list(ids, self.model.output_vocab_size)
+            return []
+        c = self.model.config
+        out = spans(ids, list(images or []), c.image_token_id, c.image_tokens)
+        check_id_list([t for t in ids if t != c.image_token_id], self.model.output_vocab_size)
+        return out
+
     def add_request(self, prompt: Sequence[int] | Tensor,
-                    generation_config: GenerationConfig | int | None = None, **options: Any) -> int:
+                    generation_config: GenerationConfig | int | None = None, *,
+                    images: Sequence[ImageInput] | None = None, **options: Any) -> int:
         """Queue a prompt (1-D ids) with this request's settings on top of the engine's (a GenerationConfig,
         or an int = max_new_tokens, and/or keywords); returns the request id used by step(), run(),
-        cancel()."""
+        cancel(). images: a vision-language model's ImageInputs, one per image in the prompt, whose
+        placeholders the ids hold expanded."""
         ids = _prompt_ids(prompt)
         if not ids:
             raise ValueError("a request needs at least one prompt token")
-        check_id_list(ids, self.model.output_vocab_size)  # the one check, where the ids enter
+        image_spans = self._image_spans(ids, images)  # the one check of the ids, where they enter
         if isinstance(generation_config, int) and not isinstance(generation_config, bool):
             options = {"max_new_tokens": generation_config, **options}
             generation_config = None
@@ -241,8 +263,10 @@ class Engine:
         pipe = self.sampler.pipeline(cfg, len(ids), max_new, own_seed="seed" in own)
         rid = self._next_id
         self._next_id += 1
+        extra = block_extras(image_spans, self.cache.block_size)
         req = Request(rid, ids, cfg, max_new, set(cfg.eos_ids), pipe,
-                      self.output.stop_strings(ids, list(cfg.stop_strings or [])), head=self.blocks.head(ids))
+                      self.output.stop_strings(ids, list(cfg.stop_strings or [])),
+                      head=self.blocks.head(ids, extra), images=image_spans, extra=extra)
         if max_new == 0:  # done at once, but reported like any other end (take_finished, the counters)
             self.output.finish(rid, [], "length")
         else:
@@ -282,7 +306,9 @@ class Engine:
             "prompt_tokens": c.prompt_tokens, "generated_tokens": c.generated_tokens,
             "prefill_tokens": c.prefill_tokens, "prefix_hit_tokens": c.prefix_hit_tokens,
             "recomputed_tokens": c.recomputed_tokens, "finished": c.finished, "cancelled": c.cancelled,
-            "steps": c.steps,
+            "steps": c.steps, "image_requests": c.image_requests, "images": c.images,
+            "images_encoded": self.images.encoded if self.images else 0,
+            "image_cache_hits": self.images.hits if self.images else 0,
         }
 
     # -- the model step ---------------------------------------------------------------------------------
@@ -302,11 +328,17 @@ class Engine:
         1.11x in CPU time on the serve load), 4096 where it gathers them (GPU, bf16)."""
         return self.scheduler.length_groups(batch, [self.cache.lens[r.id] + 1 for r in batch])
 
-    def _forward(self, group: list[Request], ids: list[list[int]]) -> Tensor:
-        """One forward of B rows of T tokens over the paged cache (per-row offsets and key mask)."""
+    def _forward(self, group: list[Request], ids: list[list[int]], starts: list[int] | None = None) -> Tensor:
+        """One forward of B rows of T tokens over the paged cache (per-row offsets and key mask). starts: the
+        rows' first positions where they may hold image placeholders (prompt tokens)."""
         self.cache.set_active([r.id for r in group])
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
         keep = self.cache.keep_mask(x.shape[1]) if len({self.cache.lens[r.id] for r in group}) > 1 else None
+        if starts is not None and self.images is not None and any(r.images for r in group):
+            image = self.images.chunk([(r.images, s, x.shape[1]) for r, s in zip(group, starts)], self.device)
+            if image is not None:
+                where, features = image
+                return self.model.step_with_images(x, self.cache, keep=keep, where=where, features=features)
         return self.model.step(x, self.cache, keep=keep)
 
     def _track(self) -> None:
@@ -318,7 +350,8 @@ class Engine:
         Returns the ids of the requests that emitted their first token."""
         emitted: set[int] = set()
         for n, group in self.scheduler.prefill_groups().items():
-            logits = self._forward(group, [r.tokens[r.computed:r.computed + n] for r in group])
+            logits = self._forward(group, [r.tokens[r.computed:r.computed + n] for r in group],
+                                   [r.computed for r in group])
             self._track()
             done = []
             for i, req in enumerate(group):
@@ -342,7 +375,9 @@ class Engine:
         for rows in self._length_groups(batch):
             group = [batch[i] for i in rows]
             last = [[r.output[-1] if r.output else r.prompt[-1]] for r in group]
-            parts.append((rows, self._forward(group, last)))
+            # a prompt's last token comes here when the rest was cached or prefilled: it may be an image's
+            starts = [r.computed for r in group] if any(r.images and not r.output for r in group) else None
+            parts.append((rows, self._forward(group, last, starts)))
         if len(parts) == 1:
             logits = parts[0][1]
         else:  # back in batch order: one token choice for the whole batch

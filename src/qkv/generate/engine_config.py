@@ -99,6 +99,8 @@ class EngineConfig:
     max_model_len: int | None = setting(
         None, "most prompt + output tokens a request may ask for", ge=1,
         none="the model's configured context (max_position_embeddings: RoPE / ALiBi have no hard limit)")
+    image_cache: int = setting(32, "projected image embeddings kept by content hash, so a repeated image "
+                               "skips the vision tower (0: none kept)", ge=0, le=4096)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -31,6 +31,8 @@ class Request:
     digests: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
     preemptions: int = 0
     head: bytes = b""  # prefix-cache key of its first block (b"": shorter than a block)
+    images: list = field(default_factory=list)  # its images (images.Span), in prompt order
+    extra: dict[int, bytes] = field(default_factory=dict)  # block index -> image keys (images.block_extras)
 
     @property
     def tokens(self) -> list[int]:
@@ -56,6 +58,8 @@ class Counters:
     finished: int = 0
     cancelled: int = 0
     steps: int = 0
+    image_requests: int = 0  # admitted requests with images (first admission)
+    images: int = 0  # their images
 
 
 class Scheduler:
@@ -75,7 +79,7 @@ class Scheduler:
         blocks_mgr = self.blocks
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
-            blocks, digests = blocks_mgr.cached_prefix(req.tokens)
+            blocks, digests = blocks_mgr.cached_prefix(req.tokens, req.extra)
             if blocks_mgr.prefix_caching and req.head and self.running and any(
                     r.head == req.head and r.computed < len(r.prompt) for r in self.running):
                 break  # a running request is computing the same first block(s): wait and reuse them
@@ -93,6 +97,8 @@ class Scheduler:
             c = self.counters
             if not req.preemptions:
                 c.prompt_tokens += len(req.prompt)
+                c.image_requests += bool(req.images)
+                c.images += len(req.images)
             c.prefix_query_tokens += n
             c.prefix_hit_tokens += hit
             self.running.append(req)
@@ -152,7 +158,7 @@ class Scheduler:
     def register(self, req: Request) -> None:
         """Put req's newly filled blocks into the prefix cache."""
         if self.blocks.prefix_caching and len(req.digests) < req.computed // self.blocks.block_size:
-            self.blocks.register(req.id, req.tokens, req.computed, req.digests)
+            self.blocks.register(req.id, req.tokens, req.computed, req.digests, req.extra)
 
     # -- this step's work -------------------------------------------------------------------------------
     def prefill_groups(self) -> dict[int, list[Request]]:

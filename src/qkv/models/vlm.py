@@ -8,7 +8,9 @@ prompt ids (B, T) holding N' placeholder ids (image_token_id) per image -> token
 
 The image is part of the prompt: it enters at the prefill, its positions fill the KV cache like any token's,
 and every decoding step after that is the decoder's own. For generation, `with model.images(pixel_values):`
-(or model.generate(ids, pixel_values=...)) hands the images to the prefill; qkv.generate is unchanged.
+(or model.generate(ids, pixel_values=...)) hands the images to the prefill; qkv.generate is unchanged. The
+serving Engine feeds prefill chunks through step_with_images, the embeddings of the chunk's placeholders
+given (qkv.generate.images).
 
 The vision tower is CLIP's ViT: patches + class token + learned positions, a LayerNorm on the embeddings
 (CLIP's `pre_layrnorm`), Pre-LN blocks with quick-GELU. Only the layers up to the chosen hidden state are
@@ -361,6 +363,17 @@ class LLaVA(QKVModel):
     def step(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
              offset: int | Tensor | None = None) -> Tensor:
         return self.language_model.step(ids, cache, keep=keep, offset=offset)
+
+    def step_with_images(self, ids: Tensor, cache: Any, *, where: Tensor, features: Tensor,
+                         keep: Tensor | None = None, offset: int | Tensor | None = None) -> Tensor:
+        """step() for a prefill piece holding image placeholders (the serving Engine's): the positions
+        `where` (B, T) marks take the rows of `features` (n, d) in reading order, the others their token's
+        embedding. A piece may hold any part of an image's placeholders (chunked prefill)."""
+        lm = self.language_model
+        x = lm.tok_emb(ids.masked_fill(where, 0))
+        x = x.masked_scatter(where.unsqueeze(-1), features.to(x.dtype))
+        h = lm.decoder.step(x, cache=cache, keep=keep, offset=offset, last_only=True)
+        return lm.lm_head(h[:, -1])
 
     @property
     def static_step_supported(self) -> bool:

@@ -25,7 +25,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from torch import Tensor
 
 from qkv.generate.engine import Engine
 from qkv.serve.checks import RequestChecks, ServeSettings
@@ -33,7 +32,6 @@ from qkv.serve.errors import APIError
 from qkv.serve.handlers import handle
 from qkv.serve.metrics import Metrics, ResponseCounter
 from qkv.serve.model import Served
-from qkv.serve.vision import VisionWorker
 from qkv.serve.worker import EngineWorker, Ticket
 
 
@@ -43,16 +41,14 @@ class API(RequestChecks):
     def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
         super().__init__(served, engine, settings)
         self.worker = EngineWorker(engine)
-        # requests with images, on their own thread (vision.py): a vision-language model only
-        self.vision = VisionWorker(engine) if served.images is not None else None
         self.metrics = Metrics(self.worker)
         self.active = 0  # accepted requests not finished (event-loop thread only)
         self.capacity = engine.max_batch_size + settings.max_waiting
         self.shutting_down = False
 
-    def admit(self, prompt: list[int], opts: dict[str, Any], pixel_values: Tensor | None = None) -> Ticket:
-        """The request's ticket once it is accepted: 503 when the server cannot run it, 429 at capacity (image
-        requests count as any other)."""
+    def admit(self, prompt: list[int], opts: dict[str, Any]) -> Ticket:
+        """The request's ticket once it is accepted: 503 when the server cannot run it, 429 at capacity.
+        opts: the engine's add_request keywords (a request's images among them)."""
         if self.worker.error is not None:
             raise APIError(
                 503,
@@ -62,8 +58,7 @@ class API(RequestChecks):
                 "engine_dead",
                 "server_error",
             )
-        vision_down = pixel_values is not None and not self.vision.alive
-        if self.shutting_down or not self.worker.alive or vision_down:
+        if self.shutting_down or not self.worker.alive:
             raise APIError(503, "the server is shutting down", None, "unavailable", "server_error")
         if self.active >= self.capacity:
             self.metrics.rejected.inc()
@@ -76,8 +71,6 @@ class API(RequestChecks):
                 {"Retry-After": "1"},
             )
         self.active += 1
-        if pixel_values is not None:
-            return self.vision.submit(prompt, opts, pixel_values)
         return self.worker.submit(prompt, opts)
 
     def release(self, t: Ticket, reason: str | None) -> None:
@@ -182,15 +175,12 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         _quiet_expected_cancel()
-        workers = [w for w in (api.worker, api.vision) if w is not None]
-        for w in workers:
-            w.start()
+        api.worker.start()
         try:
             yield
         finally:
             api.shutting_down = True
-            for w in workers:
-                w.stop()
+            api.worker.stop()
 
     app = FastAPI(title="qkv serve", lifespan=lifespan)
     app.state.api = api

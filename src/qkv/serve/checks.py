@@ -11,9 +11,8 @@ from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
-from torch import Tensor
 
-from qkv.generate.engine import Engine
+from qkv.generate.engine import Engine, ImageInput
 from qkv.serve import images
 from qkv.serve.config import ServeConfig
 from qkv.serve.errors import APIError
@@ -113,6 +112,15 @@ class RequestChecks:
         return body.to_generation_config(self.sampling_defaults, max_tokens).explicit()
 
     def prompt_ids(self, body: CompletionRequest) -> list[int]:
+        """The prompt's ids; a vision-language model's image placeholder is refused (images come as chat
+        image_url parts: the placeholders need their image)."""
+        ids = self._prompt_ids(body)
+        if self.served.images is not None and self.served.model.config.image_token_id in ids:
+            raise APIError(400, "'prompt' holds the model's image token: send images as image_url parts of "
+                           "/v1/chat/completions", "prompt", "invalid_value")
+        return ids
+
+    def _prompt_ids(self, body: CompletionRequest) -> list[int]:
         p = body.prompt
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # a batch of one
@@ -135,8 +143,8 @@ class RequestChecks:
         raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
                        "prompt", "invalid_type")
 
-    def chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], Tensor | None]:
-        """The chat template's ids of the messages, and their images' pixel values (None: no image). A
+    def chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], list[ImageInput] | None]:
+        """The chat template's ids of the messages, and their images for the engine (None: no image). A
         vision-language model's messages go to the template as lists of parts, each image as
         {"type": "image"} (images.py)."""
         vision = self.served.images is not None
@@ -147,7 +155,8 @@ class RequestChecks:
         if not self.served.codec.has_chat_template:
             raise APIError(400, f"the model '{self.served.name}' has no chat template: use /v1/completions",
                            "messages", "no_chat_template")
-        pixels = images.pixel_values(body, self.served.images) if vision else None
+        decoded = images.decoded_images(body) if vision else []
+        inputs = images.image_inputs(decoded, self.served.images) if decoded else None
         messages = images.template_messages(body) if vision else [
             {"role": m.role, "content": m.text} for m in body.messages]
         try:
@@ -158,5 +167,5 @@ class RequestChecks:
         if not ids:
             raise APIError(400, "the rendered chat prompt is empty", "messages", "invalid_value")
         if vision:
-            ids = images.expand_placeholders(ids, self.served.model, 0 if pixels is None else len(pixels))
-        return ids, pixels
+            ids = images.expand_placeholders(ids, self.served, decoded)
+        return ids, inputs

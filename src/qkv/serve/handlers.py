@@ -45,14 +45,15 @@ class Job:
 async def handle(api: API, request: Request, chat: bool) -> Response:
     """POST /v1/completions (chat False) and /v1/chat/completions (chat True)."""
     body = await api.body(request, chat)
-    # off the event loop: tokenizing a long prompt (template, images) must not stall other clients' streams
+    # off the event loop: tokenizing a long prompt (template, images decoded and preprocessed) must not stall
+    # other clients' streams
     if chat:
-        ids, pixel_values = await asyncio.to_thread(api.chat_ids, body)
+        ids, images = await asyncio.to_thread(api.chat_ids, body)
     else:
-        ids, pixel_values = await asyncio.to_thread(api.prompt_ids, body), None
+        ids, images = await asyncio.to_thread(api.prompt_ids, body), None
     opts = api.options(body, len(ids), None if chat else DEFAULT_MAX_TOKENS)
     stream, include_usage = body.stream, body.include_usage
-    t = api.admit(ids, opts, pixel_values)
+    t = api.admit(ids, opts if images is None else {**opts, "images": images})
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     base = {"id": rid, "created": int(time.time()), "model": api.served.name}
     # the prompt's last ids as context: the engine's stop check reads the same ones

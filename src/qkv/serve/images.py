@@ -1,4 +1,4 @@
-"""OpenAI's image_url content parts for a vision-language (LLaVA) model: `data:` URLs only.
+"""OpenAI's image_url content parts for a vision-language model (LLaVA, Idefics3 / SmolVLM): data: URLs only.
 
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0..."}}
 
@@ -6,28 +6,38 @@ The server never fetches a URL (an http(s) address would let any client make it 
 other scheme is a 400, as is a payload that is not base64 or not a PNG / JPEG image. The conversation is
 rendered as qkv chat --image renders it (chat_vision.py): every message as a list of parts for the chat
 template ({"type": "image"} where an image was, {"type": "text", ...}), each image token the template
-writes expanded to the model's image_tokens placeholders, which the image's patch embeddings replace at the
-prefill.
+writes expanded to the model's placeholders, which the image's projected embeddings replace at the prefill.
+The request then runs in the engine like any other (generate/images.py: its blocks keyed by the image's
+bytes in the prefix cache, its embeddings kept in an LRU by the same key).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
-
+from qkv.generate.images import ImageInput
 from qkv.serve.errors import APIError
 from qkv.serve.requests import ChatCompletionRequest, ImagePart
 
 FORMATS = ("PNG", "JPEG")  # what PIL must find in a data URL's bytes
 
 
-def decode_data_url(url: str, param: str) -> Any:
-    """The PIL image of a `data:image/...;base64,...` URL; a 400 naming `param` for anything else."""
+@dataclass
+class DecodedImage:
+    """One image of a request: the PIL image and the bytes it was decoded from (its content key)."""
+
+    pil: Any
+    raw: bytes
+
+
+def decode_data_url(url: str, param: str) -> DecodedImage:
+    """The image of a `data:image/...;base64,...` URL; a 400 naming `param` for anything else."""
     from PIL import Image, UnidentifiedImageError
 
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
@@ -58,7 +68,7 @@ def decode_data_url(url: str, param: str) -> Any:
                        "invalid_value") from None
     if fmt not in FORMATS:
         raise APIError(400, f"{param}: a {fmt} image; only PNG and JPEG are taken", param, "invalid_value")
-    return image
+    return DecodedImage(image, raw)
 
 
 def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -73,27 +83,40 @@ def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def pixel_values(body: ChatCompletionRequest, processor: Any) -> Tensor | None:
-    """The request's images, in order, preprocessed for the model (n, 3, H, W); None without images."""
-    images = [decode_data_url(url, f"messages[{i}]") for i, m in enumerate(body.messages) for url in m.images]
-    if not images:
-        return None
-    try:
-        return processor(images)
-    except ValueError as e:  # a preprocessing step the image cannot take (e.g. smaller than the crop)
-        raise APIError(400, f"the image cannot be preprocessed for this model: {e}", "messages",
-                       "invalid_value") from None
+def decoded_images(body: ChatCompletionRequest) -> list[DecodedImage]:
+    """The request's images, in order (400s for anything but a PNG / JPEG data: URL)."""
+    return [decode_data_url(url, f"messages[{i}]") for i, m in enumerate(body.messages) for url in m.images]
 
 
-def expand_placeholders(ids: list[int], model: Any, n_images: int) -> list[int]:
-    """The template's image tokens expanded to image_tokens placeholders each; a 400 unless there is exactly
-    one per image (a template that writes none, or an image token typed into the text)."""
+def image_inputs(images: list[DecodedImage], processor: Any) -> list[ImageInput]:
+    """Each image preprocessed for the model ((tiles, 3, H, W)), keyed by the SHA-256 of its bytes and the
+    preprocessing settings (what the embedding depends on besides the weights): the engine's prefix cache
+    and embedding LRU match a repeated image by that key."""
+    out = []
+    for im in images:
+        try:
+            pixels = processor(im.pil)
+        except ValueError as e:  # a preprocessing step the image cannot take (e.g. smaller than the crop)
+            raise APIError(400, f"the image cannot be preprocessed for this model: {e}", "messages",
+                           "invalid_value") from None
+        key = hashlib.sha256(repr(processor).encode() + b"\0" + im.raw).digest()
+        out.append(ImageInput(pixels, key=key))
+    return out
+
+
+def expand_placeholders(ids: list[int], served: Any, images: list[DecodedImage]) -> list[int]:
+    """The template's image tokens expanded to each image's placeholders (LLaVA: image_tokens; Idefics3:
+    the tiles' text, image_seq_len per tile); a 400 unless there is exactly one per image (a template that
+    writes none, or an image token typed into the text)."""
     from qkv.interop.llava import expand_image_tokens
 
-    c = model.config
+    c = served.model.config
     found = sum(1 for i in ids if i == c.image_token_id)
-    if found != n_images:
-        raise APIError(400, f"the rendered prompt holds {found} image token(s) for {n_images} image(s): the "
-                       "chat template must write one per image part, and the text none", "messages",
+    if found != len(images):
+        raise APIError(400, f"the rendered prompt holds {found} image token(s) for {len(images)} image(s): "
+                       "the chat template must write one per image part, and the text none", "messages",
                        "invalid_value")
+    if hasattr(served.images, "expand_ids"):  # tiles: each image's text depends on its size
+        grids = [served.images.grid(im.pil) for im in images]
+        return served.images.expand_ids(ids, c.image_token_id, grids, served.codec.tokenizer)
     return expand_image_tokens(ids, c.image_token_id, c.image_tokens)

@@ -35,6 +35,10 @@ _COUNTERS = {
     "recomputed_tokens": ("qkv_recomputed_tokens", "computed tokens thrown away by preemption"),
     "evictions": ("qkv_prefix_cache_evictions", "cached blocks reused for other content"),
     "steps": ("qkv_engine_steps", "engine steps"),
+    "image_requests": ("qkv_image_requests", "admitted requests with images"),
+    "images_encoded": ("qkv_images_encoded", "images run through the vision tower (not found in the LRU of "
+                       "projected embeddings, nor in prefix-cached blocks)"),
+    "image_cache_hits": ("qkv_image_cache_hits", "images whose projected embeddings the LRU held"),
 }
 
 

@@ -49,7 +49,7 @@ class Served:
     path: Path
     # when the model was loaded (Unix seconds): GET /v1/models' "created"
     created: int = field(default_factory=lambda: int(time.time()))
-    # a vision-language model's image preprocessing (interop.llava.ImageProcessor); None: text only
+    # a vision-language model's image preprocessing (interop.smolvlm.folder_processor); None: text only
     images: Any = None
 
 
@@ -80,8 +80,8 @@ def load_served(path: str | Path, name: str | None = None, quantize: str | None 
     else:
         tok, eos = _folder_tokenizer(folder), set()
     images = None
-    if getattr(model, "image_features", None) is not None:  # a LLaVA: its folder's preprocessor_config.json
-        from qkv.interop.llava import ImageProcessor
+    if getattr(model, "image_features", None) is not None:  # a LLaVA / Idefics3: its folder's preprocessing
+        from qkv.interop.smolvlm import folder_processor
 
-        images = ImageProcessor.from_folder(folder)
+        images = folder_processor(folder)
     return Served(model, TextCodec(tok, eos), name or path.resolve().name, path, images=images)

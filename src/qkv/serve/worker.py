@@ -35,7 +35,7 @@ class Ticket:
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     released: bool = False  # the handler is done with it (API.release)
-    worker: Any = None  # what runs it: an EngineWorker, or a VisionWorker (vision.py) for image requests
+    worker: Any = None  # the EngineWorker that runs it
 
     def wake(self) -> None:
         """Wake the handler waiting for items (event-loop thread)."""
