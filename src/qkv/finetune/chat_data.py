@@ -138,7 +138,7 @@ def build_examples(tok: Any, records: list[tuple[int, list[dict[str, Any]]]], ma
         pixels = None
         if vision is None and has_images(msgs):
             raise ConfigError(f"{path}:{line}: the record has images, but the model is not a "
-                              "vision-language model (a llava folder)")
+                              "vision-language model (a llava, idefics3 or smolvlm folder)")
         try:
             if vision is not None:
                 ids, labels, pixels = encode_image_chat(tok, msgs, vision, f"{path}:{line}")

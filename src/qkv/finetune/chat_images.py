@@ -1,4 +1,5 @@
-"""The chat recipe with images: instruction fine-tuning of a vision-language folder (Hugging Face llava).
+"""The chat recipe with images: instruction fine-tuning of a vision-language folder (Hugging Face llava,
+idefics3 or smolvlm).
 
 A record's message may carry images as OpenAI-style content parts, in reading order:
 
@@ -7,19 +8,24 @@ A record's message may carry images as OpenAI-style content parts, in reading or
                       {"type": "text", "text": "What is in the picture?"}]},
                   {"role": "assistant", "content": "A cat."}]}
 
+or, as LLaVA / ShareGPT / LLaMA-Factory data sets write them, as a top-level list with one <image> marker
+per listed image in the text, in order (`attach_images` turns the markers into the parts above):
+
+    {"messages": [{"role": "user", "content": "<image>\nWhat is in the picture?"},
+                  {"role": "assistant", "content": "A cat."}], "images": ["cat.png"]}
+
 The url is a file path, relative to the JSONL file (or absolute), or a `data:image/...;base64,` URL. A missing
 file or an undecodable one is one error naming the file and line, before anything is trained.
 
 Each conversation is rendered as `qkv chat --image` renders it: every message given to the chat template as a
 list of parts ({"type": "image"} per image, then {"type": "text"}); the template writes one image token per
-image, which becomes `image_tokens` placeholders (the patch embeddings replace them at the forward). Labels
-are the text recipe's (the assistant's tokens and the end of turn), never the placeholders.
+image, which becomes what the folder's processor writes for it: llava's `image_tokens` placeholders, or
+Idefics3's text for the image's tiles (the patch embeddings replace the image tokens at the forward). Labels
+are the text recipe's (the assistant's tokens and the end of turn), never the image tokens.
 
 What trains (LLaVA's instruction-tuning stage): LoRA adapters on the language model (--lora; without it the
-whole language model), the projector in full, the vision tower frozen. OUT is written as a llava folder:
-the language model (adapters merged) and the projector from the trained model, the vision tower (every layer,
-including those qkv never runs) copied from the source folder unchanged, with its config and image
-preprocessing files.
+whole language model), the projector in full, the vision tower frozen. OUT is written by
+qkv.interop.vlm_export in the source's format.
 
 Images are preprocessed once, when the data is read, and held in memory as float32 pixel tensors (3 x H x W
 each: 1.3 MB at 336 px): data sets of a few thousand images fit; larger ones do not.
