@@ -46,6 +46,7 @@ def _hf(folder: Path):
 @pytest.mark.parametrize("kind, tie", [("idefics3", False), ("smolvlm", True)])
 def test_export_loads_in_transformers_and_qkv_with_equal_logits(tmp_path, kind, tie):
     source = smolvlm_folder(tmp_path / "source", kind=kind, tie=tie)
+    (source / "finetune.json").write_text("{}")  # a run's record: not a file of the model, not carried
     ours = qkv.from_pretrained(source)
     with torch.no_grad():  # the export must carry the model's weights, not the source's
         ours.projector.proj.weight.mul_(1.5)
@@ -63,6 +64,7 @@ def test_export_loads_in_transformers_and_qkv_with_equal_logits(tmp_path, kind, 
         assert torch.equal(back(ids, pix[0]).logits, want)
     for name in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert not (out / "finetune.json").exists()
     processor = transformers.AutoProcessor.from_pretrained(out)
     assert type(processor).__name__ == "Idefics3Processor" and processor.image_seq_len == 4
 

@@ -33,9 +33,12 @@ from qkv.interop.common import export_state, require, write_hf_folder
 from qkv.storage import unwrap
 
 # the source folder's files carried into the export: the processor's, the tokenizer's, the chat template's
-# and the generation defaults (config.json is written, the weights are the model's)
-CARRIED_SUFFIXES = (".json", ".jinja", ".txt", ".model")
-NOT_CARRIED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+# and the generation defaults (config.json is written, the weights are the model's). A list, not a pattern:
+# a folder may hold other JSON (a training run's records) that does not describe the exported model.
+CARRIED_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                 "generation_config.json")
 
 
 def language_state(model: torch.nn.Module, prefix: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -76,12 +79,10 @@ def write_vlm_folder(out: str | os.PathLike, state: dict[str, Tensor], hf_config
     out = write_hf_folder(out, state, hf_config)
     if source is None:
         return out
-    for f in sorted(Path(source).iterdir()):
-        target = out / f.name
-        if (not f.is_file() or f.suffix not in CARRIED_SUFFIXES or f.name in NOT_CARRIED
-                or (target.exists() and target.samefile(f))):
-            continue
-        shutil.copyfile(f, target)
+    for name in CARRIED_FILES:
+        f, target = Path(source) / name, out / name
+        if f.is_file() and not (target.exists() and target.samefile(f)):
+            shutil.copyfile(f, target)
     return out
 
 
