@@ -109,3 +109,21 @@ def test_lora_finetune_exports_a_smolvlm_folder(folder, data, tmp_path):
     key = "model.connector.modality_projection.proj.weight"
     assert not torch.equal(after[key], before[key])
     assert (out / "processor_config.json").read_bytes() == (folder / "processor_config.json").read_bytes()
+
+
+def test_full_finetuning_of_a_bf16_folder_exports_bf16_with_the_tower_unchanged(tmp_path, data):
+    """Full fine-tuning trains in fp32 and writes OUT in the source's dtype; the tower stays frozen."""
+    source = tmp_path / "bf16"
+    hf_idefics3("idefics3").to(torch.bfloat16).save_pretrained(source)
+    save_tokenizer(source)
+    hf_processor(source).save_pretrained(source)
+    out = tmp_path / "out"
+    assert main(["finetune", str(source), "--data", str(data), "--out", str(out), "--no-progress",
+                 "train.max_steps=3", "train.lr=1e-3", "train.batch_size=2", "train.plot=false",
+                 "train.tensorboard=false"]) == 0
+    before, after = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(after) == set(before) and {t.dtype for t in after.values()} == {torch.bfloat16}
+    assert all(torch.equal(after[k], t) for k, t in before.items() if k.startswith("model.vision_model."))
+    key = "model.text_model.layers.0.self_attn.q_proj.weight"  # the language model trains in full
+    assert not torch.equal(after[key], before[key])
+    assert json.loads((out / "config.json").read_text())["model_type"] == "idefics3"
