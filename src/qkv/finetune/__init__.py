@@ -282,8 +282,9 @@ def model_kind(folder: str | Path) -> str:
     meta = read_config(folder)
     if "qkv_family" in meta:
         return family(meta["qkv_family"]).model_class.kinds[0]
-    # a llava folder is a decoder with images in its prompts: the chat recipe (qkv.finetune.chat_images)
-    kind = KINDS.get(meta.get("model_type")) or ("decoder" if meta.get("model_type") == "llava" else None)
+    # a vision-language folder is a decoder with images in its prompts: the chat recipe (finetune.chat_images)
+    vlm = meta.get("model_type") in ("llava", "idefics3", "smolvlm")
+    kind = KINDS.get(meta.get("model_type")) or ("decoder" if vlm else None)
     if kind is None:
         raise CheckpointError(f"{folder}: Hugging Face model_type {meta.get('model_type')!r} is not "
                               "supported")

@@ -57,6 +57,10 @@ def _messages(obj: Any, where: str) -> list[dict[str, str]]:
     else:
         raise ConfigError(f"{where}: missing 'messages' (or 'prompt' and 'completion'); the record has "
                           f"{', '.join(map(repr, obj)) or 'no keys'}")
+    if "images" in obj:  # <image> markers in the text, the files listed (qkv.finetune.chat_images)
+        from qkv.finetune.chat_images import attach_images
+
+        attach_images(obj["images"], out, where)
     if not any(m["role"] == "assistant" and (m["content"] if isinstance(m["content"], str) else any(
             p["type"] == "text" and p["text"] for p in m["content"])) for m in out):
         raise ConfigError(f"{where}: no assistant message with content: nothing to learn from this record")
@@ -134,7 +138,7 @@ def build_examples(tok: Any, records: list[tuple[int, list[dict[str, Any]]]], ma
         pixels = None
         if vision is None and has_images(msgs):
             raise ConfigError(f"{path}:{line}: the record has images, but the model is not a "
-                              "vision-language model (a llava folder)")
+                              "vision-language model (a llava, idefics3 or smolvlm folder)")
         try:
             if vision is not None:
                 ids, labels, pixels = encode_image_chat(tok, msgs, vision, f"{path}:{line}")

@@ -1,4 +1,5 @@
-"""The chat recipe with images: instruction fine-tuning of a vision-language folder (Hugging Face llava).
+"""The chat recipe with images: instruction fine-tuning of a vision-language folder (Hugging Face llava,
+idefics3 or smolvlm).
 
 A record's message may carry images as OpenAI-style content parts, in reading order:
 
@@ -7,19 +8,24 @@ A record's message may carry images as OpenAI-style content parts, in reading or
                       {"type": "text", "text": "What is in the picture?"}]},
                   {"role": "assistant", "content": "A cat."}]}
 
+or, as LLaVA / ShareGPT / LLaMA-Factory data sets write them, as a top-level list with one <image> marker
+per listed image in the text, in order (`attach_images` turns the markers into the parts above):
+
+    {"messages": [{"role": "user", "content": "<image>\nWhat is in the picture?"},
+                  {"role": "assistant", "content": "A cat."}], "images": ["cat.png"]}
+
 The url is a file path, relative to the JSONL file (or absolute), or a `data:image/...;base64,` URL. A missing
 file or an undecodable one is one error naming the file and line, before anything is trained.
 
 Each conversation is rendered as `qkv chat --image` renders it: every message given to the chat template as a
 list of parts ({"type": "image"} per image, then {"type": "text"}); the template writes one image token per
-image, which becomes `image_tokens` placeholders (the patch embeddings replace them at the forward). Labels
-are the text recipe's (the assistant's tokens and the end of turn), never the placeholders.
+image, which becomes what the folder's processor writes for it: llava's `image_tokens` placeholders, or
+Idefics3's text for the image's tiles (the patch embeddings replace the image tokens at the forward). Labels
+are the text recipe's (the assistant's tokens and the end of turn), never the image tokens.
 
 What trains (LLaVA's instruction-tuning stage): LoRA adapters on the language model (--lora; without it the
-whole language model), the projector in full, the vision tower frozen. OUT is written as a llava folder:
-the language model (adapters merged) and the projector from the trained model, the vision tower (every layer,
-including those qkv never runs) copied from the source folder unchanged, with its config and image
-preprocessing files.
+whole language model), the projector in full, the vision tower frozen. OUT is written by
+qkv.interop.vlm_export in the source's format.
 
 Images are preprocessed once, when the data is read, and held in memory as float32 pixel tensors (3 x H x W
 each: 1.3 MB at 336 px): data sets of a few thousand images fit; larger ones do not.
@@ -30,8 +36,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +46,7 @@ from torch import Tensor
 from qkv.config import ConfigError
 
 IMAGE_PART = {"type": "image"}  # what the chat template reads; "url" (the source) is kept alongside
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+MARKER = "<image>"  # where a listed image goes in a record with a top-level "images" list
 
 
 # -- reading ------------------------------------------------------------------------------------------------
@@ -66,6 +70,38 @@ def read_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
                               '{"type": "image_url", "image_url": {"url": ...}}, '
                               f"got {part!r:.80}")
     return out
+
+
+def attach_images(images: Any, messages: list[dict[str, Any]], where: str) -> None:
+    """A record's top-level "images" list (LLaVA / ShareGPT / LLaMA-Factory's convention): each <image>
+    marker in the messages' text, in reading order, becomes an image part holding the next listed file. The
+    whitespace between a marker and its text is dropped: the chat template writes its own around an image
+    part, so the record renders as the same record written with content parts."""
+    if not isinstance(images, list) or not all(isinstance(u, str) and u for u in images):
+        raise ConfigError(f"{where}: 'images' must be a list of image file paths, got {images!r:.80}")
+    if any(isinstance(m["content"], list) for m in messages):
+        raise ConfigError(f"{where}: give the images either as a top-level 'images' list with {MARKER} "
+                          "markers or as image_url content parts, not both")
+    found = sum(m["content"].count(MARKER) for m in messages)
+    if found != len(images):
+        raise ConfigError(f"{where}: {found} {MARKER} marker(s) in the messages for {len(images)} "
+                          f"image(s) in 'images' ({', '.join(images) or 'none'}): one marker per listed "
+                          "image, in order")
+    urls = iter(images)
+    for m in messages:
+        pieces = m["content"].split(MARKER)
+        if len(pieces) == 1:
+            continue
+        parts: list[dict[str, Any]] = []
+        for j, piece in enumerate(pieces):
+            if j:
+                parts.append({**IMAGE_PART, "url": next(urls)})
+                piece = piece.lstrip()
+            if j < len(pieces) - 1:
+                piece = piece.rstrip()
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        m["content"] = parts
 
 
 def resolve_images(messages: list[dict[str, Any]], base: Path, where: str) -> None:
@@ -114,21 +150,35 @@ def _open(url: str, where: str) -> Any:
 class VisionData:
     """What rendering an image conversation needs of the model folder."""
 
-    processor: Any  # qkv.interop.llava.ImageProcessor
+    processor: Any  # qkv.interop.llava.ImageProcessor, or qkv.interop.smolvlm.Idefics3Processor (tiles)
     image_token_id: int
-    image_tokens: int  # placeholders per image
+    image_tokens: int  # placeholders per image (per tile for Idefics3)
     image_token: str  # the image token's text (the plain transcript writes it)
+
+    def expansion(self, tok: Any, image: Any) -> list[int]:
+        """The ids that replace one image token for `image`: LLaVA's image_tokens placeholders, or the text
+        Idefics3Processor writes for the image's tiles (qkv chat --image expands them the same way)."""
+        from qkv.interop.smolvlm import Idefics3Processor
+
+        if isinstance(self.processor, Idefics3Processor):
+            text = self.processor.image_text(*self.processor.grid(image))
+            return list(tok.encode(text, add_special_tokens=False))
+        return [self.image_token_id] * self.image_tokens
 
 
 def vision_data(model: torch.nn.Module, folder: Path) -> VisionData | None:
     """The folder's image preprocessing when `model` is a vision-language model, else None."""
-    from qkv.interop.llava import IMAGE_TOKEN, ImageProcessor
+    from qkv.interop.llava import IMAGE_TOKEN
+    from qkv.interop.smolvlm import Idefics3Processor, folder_processor
     from qkv.models.vlm import LLaVA
 
     if not isinstance(model, LLaVA):
         return None
-    c = model.config
-    return VisionData(ImageProcessor.from_folder(folder), c.image_token_id, c.image_tokens, IMAGE_TOKEN)
+    c, processor = model.config, folder_processor(folder)
+    if isinstance(processor, Idefics3Processor) and processor.image_seq_len != c.image_tokens:
+        raise ConfigError(f"{folder}: processor_config.json's image_seq_len ({processor.image_seq_len}) is "
+                          f"not the model's {c.image_tokens} image tokens per tile")
+    return VisionData(processor, c.image_token_id, c.image_tokens, IMAGE_TOKEN)
 
 
 def _as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -183,17 +233,22 @@ def encode_image_chat(tok: Any, messages: list[dict[str, Any]], v: VisionData,
     if found != len(images):
         raise ConfigError(f"{where}: the chat template wrote {found} image token(s) for {len(images)} "
                           "image(s): its template does not place the images of this record")
+    pictures = [_open(u, where) for u in images]
+    expansions = iter([v.expansion(tok, p) for p in pictures])
     out_ids: list[int] = []
     labels: list[int] = []
     for i, m in zip(ids, mask):
-        n = v.image_tokens if i == v.image_token_id else 1
-        out_ids += [i] * n
-        labels += [i if m and n == 1 else IGNORE] * n
-    pixels = v.processor([_open(u, where) for u in images]) if images else None
-    return out_ids, labels, pixels
+        if i == v.image_token_id:  # never learned: the image features replace (or frame) these tokens
+            span = next(expansions)
+            out_ids += span
+            labels += [IGNORE] * len(span)
+        else:
+            out_ids.append(i)
+            labels.append(i if m else IGNORE)
+    return out_ids, labels, v.processor(pictures) if pictures else None
 
 
-# -- the model: what trains, what is written ---------------------------------------------------------------
+# -- the model: what trains -----------------------------------------------------------------------------
 def prepare_vlm(model: torch.nn.Module, lora: Any) -> None:
     """LoRA (or full training) on the language model, the projector trained in full, the tower frozen."""
     if lora is not None:
@@ -202,45 +257,3 @@ def prepare_vlm(model: torch.nn.Module, lora: Any) -> None:
         apply_lora(model.language_model, lora)
     model.vision.requires_grad_(False)
     model.projector.requires_grad_(True)
-
-
-def _vision_tensors(source: Path) -> dict[str, Tensor]:
-    """The source's vision-tower tensors under canonical names ("vision...."), read alone (a 7B folder's
-    language model is never loaded for this)."""
-    from safetensors import safe_open
-
-    from qkv.interop.llava import canonical_key
-
-    out: dict[str, Tensor] = {}
-    for f in sorted(source.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                if canonical_key(k).startswith("vision."):
-                    out[canonical_key(k)] = sf.get_tensor(k)
-    return out
-
-
-def export_llava(model: torch.nn.Module, out: Path, source: Path) -> Path:
-    """OUT as a Hugging Face llava folder (transformers 5's key layout): the language model (export_llama)
-    and the projector from `model`, the vision tower from `source` (frozen: unchanged), the source's
-    config.json and image preprocessing files."""
-    from safetensors.torch import load_file
-
-    from qkv.interop.common import write_hf_folder
-    from qkv.interop.llama import export_llama
-    from qkv.storage import read_config
-
-    out, source = Path(out), Path(source)
-    state = {"model.vision_tower.vision_model." + k[len("vision."):]: t
-             for k, t in _vision_tensors(source).items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        export_llama(model.language_model, tmp)
-        for k, t in load_file(Path(tmp) / "model.safetensors").items():
-            state[k if k.startswith("lm_head.") else "model.language_model." + k[len("model."):]] = t
-    for k, t in model.projector.state_dict().items():
-        state["model.multi_modal_projector." + k] = t.detach().contiguous()
-    write_hf_folder(out, state, read_config(source))
-    for name in PROCESSOR_FILES:
-        if (source / name).is_file() and not ((out / name).exists() and (out / name).samefile(source / name)):
-            shutil.copyfile(source / name, out / name)
-    return out

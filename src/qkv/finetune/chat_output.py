@@ -25,7 +25,8 @@ EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:e
                                                       ("llama", "mistral", "qwen2", "qwen3")},
              **{mt: "qkv.interop.moe:export_moe" for mt in ("mixtral", "qwen2_moe", "qwen3_moe")},
              "deepseek_v3": "qkv.interop.deepseek:export_deepseek",
-             "llava": "qkv.finetune.chat_images:export_llava"}
+             "llava": "qkv.interop.vlm_export:export_llava",
+             **{mt: "qkv.interop.vlm_export:export_idefics3" for mt in ("idefics3", "smolvlm")}}
 
 
 def check_exportable(source: Path) -> None:
@@ -51,7 +52,7 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
         fn = getattr(importlib.import_module(module), name)
         params = inspect.signature(fn).parameters
         fn(model, out, **({"model_type": model_type} if "model_type" in params else {}),
-           **({"source": source} if "source" in params else {}))  # llava copies its frozen tower from it
+           **({"source": source} if "source" in params else {}))  # a VLM's processor files (llava: its tower)
         written = json.loads((out / "config.json").read_text(encoding="utf-8"))
         # the exporter knows the architecture; the source knows its token ids and anything else it declared
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
