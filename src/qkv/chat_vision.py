@@ -56,8 +56,9 @@ class VisionChatSession(ChatSession):
         picture = load_image(image) if image is not None else None  # a bad file is said before loading
         session = super().from_folder(folder, quantize, **kwargs)
         if not isinstance(session.model, LLaVA):
-            raise ConfigError(f"{folder}: --image needs a vision-language model folder (a Hugging Face llava "
-                              f"folder); this one holds a {type(session.model).__name__}")
+            kind = type(session.model).__name__
+            raise ConfigError(f"{folder}: --image needs a vision-language model folder (a Hugging Face "
+                              f"llava, idefics3 or smolvlm folder); this one holds a {kind}")
         session.processor = folder_processor(model_folder(folder))
         if picture is not None:
             session.set_image(picture)
