@@ -4,13 +4,10 @@ folder the test writes), the zero-shot prompt never trained on, distinct classes
 split, evaluation scored with a stand-in model whose answers are known, clear errors, and `qkv train` +
 `qkv eval` of configs/clip_fashion.yaml shrunk."""
 
-import gzip
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,6 +15,9 @@ from qkv.config import ConfigError
 from qkv.tasks import build_task, load_task
 from qkv.tasks import captions as C
 from qkv.tasks.images import FASHION_APT, FASHION_CLASSES, FASHION_DIR
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _fashion_idx import fashion_folder, label_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "clip_fashion.yaml"
@@ -28,27 +28,7 @@ TABLE = {"T-shirt/top": "t-shirt", "Trouser": "trouser", "Pullover": "pullover",
 N_TRAIN, N_TEST = 60, 30
 
 
-def write_idx(path: Path, array: np.ndarray) -> None:
-    raw = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    path.write_bytes(gzip.compress(raw + array.tobytes()))
 
-
-def fashion_folder(root: Path) -> Path:
-    """Four IDX files of 28x28 images whose brightness tells the class: mean = 29.5 + 19 * label."""
-    rng = np.random.default_rng(0)
-    root.mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", N_TRAIN), ("t10k", N_TEST)):
-        labels = (np.arange(n) % 10).astype(np.uint8)
-        images = (rng.integers(0, 60, (n, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
-        write_idx(root / f"{split}-images-idx3-ubyte.gz", images)
-        write_idx(root / f"{split}-labels-idx1-ubyte.gz", labels)
-    return root
-
-
-def label_of(task, pixels: torch.Tensor) -> int:
-    """The class of a normalised image, read from its brightness (fashion_folder's code), not the task."""
-    raw = pixels * task.data.std + task.data.mean
-    return int(round((float(raw.mean()) * 255 - 29.5) / 19))
 
 
 def class_named(text: str) -> str:

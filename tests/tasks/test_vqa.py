@@ -2,12 +2,10 @@
 batches' rows and loss mask, the scoring of evaluate() with stand-in models whose answers are known, the
 option checks, and (when Debian's dataset-fashion-mnist is installed) the real data's split."""
 
-import gzip
-import struct
+import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +14,10 @@ from qkv.config import ConfigError
 from qkv.tasks import build_task
 from qkv.tasks import vqa as V
 from qkv.tasks.images import FASHION_APT, FASHION_CLASSES, FASHION_DIR
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _fashion_idx import fashion_folder, label_of  # noqa: E402
+
 from qkv.tasks.tokenizers import BOS, EOS, PAD, SEP
 
 # Fashion-MNIST's ten classes (images.FASHION_CLASSES, the dataset's documented order), written out by hand:
@@ -28,29 +30,7 @@ DESCRIBE = {0: "it is a t-shirt worn on the body", 5: "it is a sandal worn on th
             8: "it is a bag carried by hand", 9: "it is an ankle boot worn on the feet"}
 
 
-def write_idx(path: Path, array: np.ndarray) -> None:
-    code = {np.dtype(np.uint8): 0x08}[array.dtype]
-    raw = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    path.write_bytes(gzip.compress(raw + array.tobytes()))
 
-
-def fashion_folder(root: Path, n_train: int = 60, n_test: int = 30) -> Path:
-    """Four IDX files of 28x28 images whose brightness tells the class: mean = 29.5 + 19 * label."""
-    rng = np.random.default_rng(0)
-    root.mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", n_train), ("t10k", n_test)):
-        labels = (np.arange(n) % 10).astype(np.uint8)
-        images = (rng.integers(0, 60, (n, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
-        write_idx(root / f"{split}-images-idx3-ubyte.gz", images)
-        write_idx(root / f"{split}-labels-idx1-ubyte.gz", labels)
-    return root
-
-
-def label_of(task, pixels: torch.Tensor) -> int:
-    """The class of a normalised image, read from its brightness (fashion_folder's code), not from the
-    task."""
-    raw = pixels * task.data.std.view(-1) + task.data.mean.view(-1)
-    return int(round((float(raw.mean()) * 255 - 29.5) / 19))
 
 
 def expected_answer(label: int, question: str) -> str:
