@@ -35,6 +35,14 @@ def test_variants_differ_only_in_the_balancing():
     assert len(expand(suite)) == 12 and len(expand(load_suite("14_moe_balance", quick=True))) == 4
 
 
+def test_a_nested_dotted_override_stays_in_its_variant():
+    suite = load_suite({**TINY, "model": {**TINY["model"], "moe": {"n_experts": 4}},
+                        "variants": [{"name": "a", "model.moe.score": "sigmoid"}, {"name": "b"}]})
+    models = {s.variant: s.model["moe"] for s in expand(suite) if s.seed == 0}
+    assert models == {"a": {"n_experts": 4, "score": "sigmoid"}, "b": {"n_experts": 4}}
+    assert suite.model["moe"] == {"n_experts": 4}
+
+
 def test_final_logged_is_the_mean_of_the_last_tenth():
     rows = [{"step": s, "loss": 1.0, "x": float(s)} for s in range(1, 21)] + [{"step": 20, "eval/y": 1.0}]
     assert final_logged(rows, "x") == pytest.approx((19 + 20) / 2)

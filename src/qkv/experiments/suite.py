@@ -36,6 +36,7 @@ Everything is checked strictly (qkv.config.from_dict): a misspelt key names the 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import re
@@ -315,7 +316,8 @@ def expand(suite: Suite) -> list[RunSpec]:
     """Every (variant, seed) of the suite: explicit variants x grid product, in file order."""
     runs = []
     for var, grid_over, values, name in _variants(suite):
-        sections = {"model": dict(suite.model), "task": dict(suite.task), "train": dict(suite.train)}
+        # deep copies: a dotted override into a nested mapping (model.moe.score) must not reach other variants
+        sections = copy.deepcopy({"model": suite.model, "task": suite.task, "train": suite.train})
         _apply_variant(sections, var)
         _apply_variant(sections, grid_over)
         for seed in suite.seeds:
