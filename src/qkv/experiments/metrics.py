@@ -51,7 +51,13 @@ def steps_to_threshold(series: list[tuple[int, float]], threshold: float | None,
 def final_train_loss(rows: list[dict[str, Any]], tail: float = 0.1) -> float:
     """Mean of the last `tail` fraction (at least one) of the logged training losses; NaN if any is
     non-finite."""
-    losses = [r["loss"] for r in rows if "loss" in r and isinstance(r["loss"], (int, float))]
+    return final_logged(rows, "loss", tail)
+
+
+def final_logged(rows: list[dict[str, Any]], key: str, tail: float = 0.1) -> float:
+    """Mean of the last `tail` fraction (at least one) of the values logged under `key`; NaN if there are
+    none or any of them is non-finite."""
+    losses = [r[key] for r in rows if key in r and isinstance(r[key], (int, float))]
     if not losses:
         return float("nan")
     k = max(1, int(round(len(losses) * tail)))

@@ -2,8 +2,9 @@
 
 summary.md (one row per variant): the swept values, the final metric as mean +- std over seeds (sample std,
 n-1; a single seed shows no +-), the steps to reach the threshold (mean over the seeds that reached it, with
-how many did), diverged k/n, extra evaluations, parameters and wall time. Plots: loss curves per variant
-(each seed a line) and the final metric against each swept value.
+how many did), diverged k/n, extra evaluations, the suite's `logged` training-log keys (final value: mean of
+the last 10% logged), parameters and wall time. Plots: loss curves per variant (each seed a line), the same
+for each logged key, and the final metric against each swept value.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from qkv.experiments.metrics import read_metrics
+from qkv.experiments.metrics import final_logged, read_metrics
 from qkv.experiments.suite import Suite
 
 
@@ -72,6 +73,8 @@ def summary_rows(suite: Suite, results: list[dict[str, Any]]) -> list[dict[str, 
         row["diverged"] = f"{'yes' if n_diverged else 'no'} ({n_diverged}/{len(rs)})"
         for ev in suite.extra_evals:
             row[ev.name] = fmt_mean_std([r.get("extra", {}).get(ev.name, float("nan")) for r in rs])
+        for key in suite.logged:
+            row[f"final {key}"] = fmt_mean_std([r.get("logged", {}).get(key, float("nan")) for r in rs])
         if suite.metric.name != "train_loss" and suite.judge != "train_loss":
             row["final train loss"] = fmt_mean_std([r.get("final_loss", float("nan")) for r in rs])
         row["params"] = rs[0].get("params", "")
@@ -126,7 +129,9 @@ def _plt():
     return plt
 
 
-def plot_loss_curves(out: Path, results: list[dict[str, Any]], title: str) -> Path | None:
+def plot_loss_curves(out: Path, results: list[dict[str, Any]], title: str, key: str = "loss") -> Path | None:
+    """The logged `key` against step, a line per run coloured by variant: loss_curves.png (log scale) for the
+    training loss, logged_<key>.png for another key of metrics.jsonl."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     any_line = False
@@ -134,8 +139,8 @@ def plot_loss_curves(out: Path, results: list[dict[str, Any]], title: str) -> Pa
     for ci, (variant, rs) in enumerate(group(results).items()):
         for j, r in enumerate(rs):
             rows = read_metrics(out / "runs" / r["run_id"] / "metrics.jsonl")
-            pts = [(row["step"], row["loss"]) for row in rows if "loss" in row and "step" in row
-                   and isinstance(row["loss"], (int, float)) and math.isfinite(row["loss"])]
+            pts = [(row["step"], row[key]) for row in rows if key in row and "step" in row
+                   and isinstance(row[key], (int, float)) and math.isfinite(row[key])]
             if not pts:
                 continue
             xs, ys = zip(*pts)
@@ -144,14 +149,15 @@ def plot_loss_curves(out: Path, results: list[dict[str, Any]], title: str) -> Pa
     if not any_line:
         plt.close(fig)
         return None
-    ax.set_yscale("log")
+    if key == "loss":
+        ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (log scale)")
+    ax.set_ylabel("training loss (log scale)" if key == "loss" else key)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = out / "loss_curves.png"
+    path = out / ("loss_curves.png" if key == "loss" else f"logged_{key.replace('/', '_')}.png")
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
@@ -211,6 +217,10 @@ def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path,
         from qkv.experiments.efficiency import add_ratios
 
         add_ratios(results)
+    for r in results:  # the logged keys' final values, read from each run's log (runs finished earlier too)
+        if suite.logged and r.get("run_id"):
+            rows = read_metrics(out / "runs" / r["run_id"] / "metrics.jsonl")
+            r["logged"] = {key: final_logged(rows, key) for key in suite.logged}
     write_csv(results, out / "results.csv")
     rows = summary_rows(suite, results)
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str) + "\n", encoding="utf-8")
@@ -219,6 +229,10 @@ def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path,
         p = plot_loss_curves(out, results, f"{suite.name}: training loss per variant")
         if p:
             plots.append(p)
+        for key in suite.logged:
+            p = plot_loss_curves(out, results, f"{suite.name}: {key} per variant", key=key)
+            if p:
+                plots.append(p)
     if results:
         plots += plot_metric_vs(out, suite, results)
     lines = [f"# Ablation suite `{suite.name}`", ""]

@@ -20,6 +20,8 @@
     metric: {name: exact_match, goal: max, threshold: 0.9}   # a key of task.evaluate(), or train_loss
     judge: metric                    # metric | train_loss: the verdict from the training curve, the held-out
                                      # metric still measured and shown beside it (memorisation gap)
+    logged: [moe_maxvio]             # training-log keys shown per variant (mean of the last 10% of logged
+                                     # values) and drawn over steps (logged_<key>.png)
     eval_n: 200
     extra_evals: [{name: len_2x, task: {min_len: 9, max_len: 16}}]   # same model, other task options
     budget_s: null                   # time cap per run in seconds, > 0 (equal-time comparisons); null: none
@@ -34,6 +36,7 @@ Everything is checked strictly (qkv.config.from_dict): a misspelt key names the 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import re
@@ -85,6 +88,9 @@ class Suite:
     seeds: list[int] = field(default_factory=lambda: [0])
     metric: MetricSpec = field(default_factory=MetricSpec)
     eval_n: int = 200
+    # keys of the trainer's metrics.jsonl (e.g. moe_maxvio, aux_loss) reported beside the metric: their final
+    # value (mean of the last 10% logged, as train_loss) per variant, and their curves over steps
+    logged: list[str] = field(default_factory=list)
     # what the table's verdict column is: "metric" (the held-out metric above) or "train_loss" (the training
     # curve: final train loss, steps to the threshold on the logged losses). For models big enough to memorise
     # the corpus, where the held-out loss measures overfitting rather than whether training converged; the
@@ -310,7 +316,8 @@ def expand(suite: Suite) -> list[RunSpec]:
     """Every (variant, seed) of the suite: explicit variants x grid product, in file order."""
     runs = []
     for var, grid_over, values, name in _variants(suite):
-        sections = {"model": dict(suite.model), "task": dict(suite.task), "train": dict(suite.train)}
+        # deep copies: a dotted override into a nested mapping (model.moe.score) must not reach other variants
+        sections = copy.deepcopy({"model": suite.model, "task": suite.task, "train": suite.train})
         _apply_variant(sections, var)
         _apply_variant(sections, grid_over)
         for seed in suite.seeds:

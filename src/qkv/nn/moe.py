@@ -15,6 +15,11 @@ The load-balancing loss (Switch eq. 4-6, as transformers' Mixtral computes it): 
 the share of tokens that chose expert e (the shares sum to k) and P_e the mean router probability of e, both
 pooled over every MoE layer of the forward. A training forward leaves each layer's counts in `stats`; the
 model turns them into the loss (moe_aux_loss) and adds aux_loss_coef times it to the LM loss.
+
+How balanced the routing is (logged as `moe_maxvio` by the trainer): MaxVio = max_e c_e / mean_e c_e - 1 over
+a layer's per-expert token counts c (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing"; DeepSeek-V3
+§2.1.2), 0 for a perfectly even router, E - 1 when one expert gets every assignment; averaged over the MoE
+layers, from the counts the training forwards record since the last reading (eval forwards record none).
 """
 
 from __future__ import annotations
@@ -157,6 +162,7 @@ class MoEFeedForward(nn.Module):
         self.shared = FeedForward(d_model, shared, activation, bias) if shared else None
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.stats: RouterStats | None = None  # the last training forward's, until moe_aux_loss takes it
+        self.tally: Tensor | None = None  # tokens per expert since moe_max_violation last read them
 
     def forward(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
         """x (..., d). keep: the real-token mask of x's positions (Block passes it): padded tokens are routed
@@ -185,6 +191,7 @@ class MoEFeedForward(nn.Module):
         else:
             rows = probs.shape[0]
         self.stats = RouterStats(counts.to(probs.dtype), probs.sum(0), rows)
+        self.tally = counts if self.tally is None else self.tally + counts
         if self.cfg.bias_balance:
             self.router.load += counts
 
@@ -216,6 +223,25 @@ def load_balancing_loss(stats: list[RouterStats]) -> Tensor:
     counts = torch.stack([s.counts for s in stats]).sum(0)
     probs = torch.stack([s.prob_sum for s in stats]).sum(0)
     return counts.numel() * (counts / rows * probs / rows).sum()
+
+
+def max_violation(counts: Tensor) -> Tensor:
+    """MaxVio = max_e c_e / mean_e c_e - 1 of per-expert token counts (..., E): 0 when every expert has the
+    mean load, E - 1 when one has them all."""
+    counts = counts.double()
+    return counts.amax(-1) / counts.mean(-1) - 1
+
+
+def moe_max_violation(model: nn.Module) -> float | None:
+    """MaxVio of the training forwards since the last call, averaged over the MoE layers that routed tokens
+    (the tallies are taken: a second call returns None); None for a model without one (a dense model). Under
+    torch.distributed: this rank's tokens."""
+    vios = []
+    for layer in moe_layers(model):
+        if layer.tally is not None and int(layer.tally.sum()) > 0:
+            vios.append(max_violation(layer.tally))
+        layer.tally = None
+    return float(torch.stack(vios).mean()) if vios else None
 
 
 def update_router_biases(model: nn.Module) -> None:

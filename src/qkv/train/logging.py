@@ -202,7 +202,8 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     evals = sorted({k for r in records for k in r if k.startswith("eval/") and k != "eval/loss"})
-    panels = ["loss", "lr", "grad_norm"] + evals
+    routing = [k for k in ("aux_loss", "moe_maxvio") if any(k in r for r in records)]  # MoE models only
+    panels = ["loss", "lr", "grad_norm"] + routing + evals
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), sharex=True, squeeze=False)
     for ax, key in zip(axes[:, 0], panels):
         xs, ys = _series(records, key)

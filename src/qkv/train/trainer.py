@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, from_dict
+from qkv.nn.moe import moe_layers, moe_max_violation
 from qkv.nn.params import count_parameters
 from qkv.train import checkpoint as ckpt
 from qkv.train import distributed as dist_
@@ -110,6 +111,7 @@ class Trainer(Evaluation, SignalStop):
         self.last_loss = float("nan")
         # the model's auxiliary loss, mean over the last update's batches
         self.last_aux_loss: float | None = None
+        self.last_maxvio: float | None = None  # MoE routing's max load / mean load - 1 over the last update
         self.last_checkpoint: Path | None = None
         self._signal: int | None = None  # SIGINT/SIGTERM received during fit()
         self._signal_agreed = False  # under DDP/FSDP: some rank received one (all-reduced with the loss)
@@ -131,6 +133,7 @@ class Trainer(Evaluation, SignalStop):
                 raise ConfigError(f"grad_checkpointing=true but {type(model).__name__} has no "
                                   "set_gradient_checkpointing()")
             model.set_gradient_checkpointing(True)
+        self._routes = bool(moe_layers(model))  # a dense model skips the routing-balance reading per step
         self.model = model  # the module itself: FSDP2 shards it in place; DDP/compile wrap it in `engine`
 
         # -- wrapping order: FSDP shards in place before the optimizer sees the (sharded) parameters; the
@@ -238,6 +241,7 @@ class Trainer(Evaluation, SignalStop):
         self._scale_grads(factor)
         loss = loss_total / n_total if n_total > 0 else float("nan")
         self.last_aux_loss = float(aux_sum) / ga if aux_sum is not None else None
+        self.last_maxvio = moe_max_violation(self.model) if self._routes else None
         return loss, int(n_total), int(tokens_total), batches
 
     def _grad_norm(self) -> float:
@@ -398,6 +402,8 @@ class Trainer(Evaluation, SignalStop):
                                       "step_time_s": dt, "tokens": self.tokens_seen, "targets": n_targets}
             if self.last_aux_loss is not None:
                 record["aux_loss"] = self.last_aux_loss
+            if self.last_maxvio is not None:
+                record["moe_maxvio"] = self.last_maxvio
             for key, value in (("skipped", self.skipped), ("rollbacks", self.rollbacks),
                                ("truncated", self.truncated), ("scaler_skips", self.scaler_skips)):
                 if value:
