@@ -75,7 +75,8 @@ def test_same_text_other_image_never_shares_blocks(model, monkeypatch):
     first = engine.add_request(ids, images=[ImageInput(pixels(0))])
     engine.run()
     hit = engine.counters.prefix_hit_tokens
-    # the same prompt ids, another image: its first block (no placeholder) is shared, the image's are not
+    # the same prompt ids, another image: block 0 (positions 0-3) already holds the image's first placeholder,
+    # so no block is shared
     second = engine.add_request(ids, images=[ImageInput(pixels(1))])
     engine.run()
     assert engine.counters.prefix_hit_tokens - hit == 0  # block 0 ends inside the image: nothing shared
