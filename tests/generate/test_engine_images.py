@@ -175,6 +175,41 @@ def test_bad_image_requests_are_refused(model):
     assert isinstance(engine.images, ImageEncoder)
 
 
+def test_images_that_do_not_fit_the_model_are_refused_before_queueing(model):
+    # each would fail inside step() (stopping the engine for every request) or, for too-wide features,
+    # fill the placeholders with the wrong numbers: refused by add_request, nothing queued
+    engine = Engine(model, block_size=4, max_new_tokens=2)
+    bad = [(torch.zeros(1, 3, 32, 32), "pixel_values must be .n_tiles, 3, 16, 16"),
+           (torch.zeros(1, 1, 16, 16), "pixel_values must be .n_tiles, 3, 16, 16")]
+    for pix, match in bad:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(prompt(1), images=[ImageInput(pix)])
+    for feats in (torch.zeros(4, 49), torch.zeros(4, 47), torch.zeros(3, 48)):
+        with pytest.raises(ValueError, match=r"features must be \(k \* 4, 48\)"):
+            ids = prompt(1)[:3] + [IMG] * feats.shape[0] + [9]
+            engine.add_request(ids, images=[ImageInput(features=feats)])
+    assert not engine.has_work and engine.steps == 0
+    rid = engine.add_request(prompt(1), images=[ImageInput(pixels(0))])
+    assert len(engine.run()[rid]) == 2
+
+
+def test_a_given_key_is_told_apart_by_the_tile_count(model):
+    # one key, two tile counts: other placeholders and embeddings, so other blocks and LRU entries
+    one, two = ImageInput(pixels(0), key="cat.png"), ImageInput(pixels(0, n=2), key="cat.png")
+    assert one.digest() != two.digest()
+    assert ImageInput(features=torch.zeros(4, 48), key="k").digest() \
+        != ImageInput(features=torch.zeros(8, 48), key="k").digest()
+
+
+def test_the_lru_holds_a_copy_per_image_not_a_view_of_the_batch(model):
+    engine = Engine(model, block_size=4, max_new_tokens=2, image_cache=4)
+    engine.add_request(prompt(2), images=[ImageInput(pixels(0)), ImageInput(pixels(1))])
+    engine.run()
+    assert len(engine.images.cache) == 2
+    for f in engine.images.cache.values():  # the whole batch's storage is not kept alive by one entry
+        assert f.untyped_storage().nbytes() == f.numel() * f.element_size()
+
+
 @pytest.mark.parametrize("chunk", [None, 4])
 def test_a_prompt_ending_with_its_image(model, chunk):
     # the prompt's last token is a placeholder: fed by a decoding step when the rest is cached (the repeat)

@@ -71,7 +71,7 @@ from torch import Tensor
 from qkv.generate.blocks import BlockManager
 from qkv.generate.config import GenerationConfig
 from qkv.generate.engine_config import PREEMPTION, EngineConfig
-from qkv.generate.images import ImageEncoder, ImageInput, Span, block_extras, spans
+from qkv.generate.images import ImageEncoder, ImageInput, Span, block_extras, check_images, spans
 from qkv.generate.output import TEXT_CONTEXT, OutputProcessor
 from qkv.generate.sampler import Sampler
 from qkv.generate.scheduler import Counters, Request, Scheduler
@@ -236,7 +236,10 @@ class Engine:
             check_id_list(ids, self.model.output_vocab_size)
             return []
         c = self.model.config
-        out = spans(ids, list(images or []), c.image_token_id, c.image_tokens)
+        images = list(images or [])
+        check_images(images, (c.vision.n_channels, c.vision.image_size, c.vision.image_size), c.text.d_model,
+                     c.image_tokens)
+        out = spans(ids, images, c.image_token_id, c.image_tokens)
         check_id_list([t for t in ids if t != c.image_token_id], self.model.output_vocab_size)
         return out
 

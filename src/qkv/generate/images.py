@@ -52,13 +52,15 @@ class ImageInput:
 
     def digest(self) -> bytes:
         """32 bytes naming the image's content (the prefix cache's extra key, the LRU's key)."""
+        t = self.pixel_values if self.pixel_values is not None else self.features
+        # the shape is hashed with a given key too: one key with another tile count takes other placeholders
+        # (and other embeddings), so it must name other blocks and another LRU entry
+        head = f"{'pixels' if self.features is None else 'features'}:{tuple(t.shape)}:".encode()
         if self.key is not None:
             raw = self.key.encode() if isinstance(self.key, str) else bytes(self.key)
-            return hashlib.sha256(b"image:" + raw).digest()
-        t = self.pixel_values if self.pixel_values is not None else self.features
+            return hashlib.sha256(b"image:" + head + raw).digest()
         t = t.detach().to("cpu").contiguous()
-        head = f"{'pixels' if self.features is None else 'features'}:{t.dtype}:{tuple(t.shape)}:".encode()
-        return hashlib.sha256(head + t.view(torch.uint8).numpy().tobytes()).digest()
+        return hashlib.sha256(head + f"{t.dtype}:".encode() + t.view(torch.uint8).numpy().tobytes()).digest()
 
 
 @dataclass(eq=False)
@@ -70,6 +72,22 @@ class Span:
     positions: list[int]
     pixels: Tensor | None = None
     features: Tensor | None = None
+
+
+def check_images(images: Sequence[ImageInput], pixel_shape: tuple[int, int, int], width: int,
+                 per_tile: int) -> None:
+    """ValueError unless every image fits the model: pixels of (C, H, W) = pixel_shape (the vision tower's
+    input; an Idefics3 tile), features of `width` columns (the decoder's d_model) and a whole number of
+    per_tile rows. Checked where a request enters, so a bad image never reaches a step (where it would
+    stop the engine, or fill the wrong rows)."""
+    for i, im in enumerate(images):
+        if im.pixel_values is not None and tuple(im.pixel_values.shape[1:]) != tuple(pixel_shape):
+            raise ValueError(f"image {i}: pixel_values must be (n_tiles, {', '.join(map(str, pixel_shape))}) "
+                             f"(the vision tower's input), got {tuple(im.pixel_values.shape)}")
+        if im.features is not None and (im.features.shape[1] != width or not im.features.shape[0]
+                                        or im.features.shape[0] % per_tile):
+            raise ValueError(f"image {i}: features must be (k * {per_tile}, {width}) (k images or tiles of "
+                             f"{per_tile} embeddings of the decoder's width), got {tuple(im.features.shape)}")
 
 
 def spans(prompt: list[int], images: Sequence[ImageInput], placeholder: int, per_tile: int) -> list[Span]:
@@ -141,7 +159,9 @@ class ImageEncoder:
             pix = [todo[k][0].pixels for k in keys]
             feats = self.model.image_features(torch.cat(pix))  # (tiles, N', d)
             rows = feats.reshape(-1, feats.shape[-1]).split([p.shape[0] * feats.shape[1] for p in pix])
-            for k, f in zip(keys, rows):
+            for k, view in zip(keys, rows):
+                # a copy: a view would keep the whole batch's embeddings alive in the LRU, past its bound
+                f = view.clone()
                 self.encoded += 1
                 self._keep(k, f)
                 for s in todo[k]:
