@@ -221,3 +221,29 @@ def test_a_prompt_ending_with_its_image(model, chunk):
         rid = engine.add_request(ids, images=[ImageInput(pixels(4))])
         assert engine.run()[rid] == want
     assert engine.counters.prefix_hit_tokens == 8
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_a_vision_tower_failure_fails_that_request_only(model, monkeypatch, chunk):
+    text = [1, 7, 3, 9, 11, 12]
+    refs = [reference(model, text, None), reference(model, prompt(1, lead=8), pixels(1)),
+            reference(model, prompt(1), pixels(2))]
+    inner = model.image_features
+
+    def flaky(pixel_values):  # an out-of-memory on one image (all sevens), wherever it is in the batch
+        if (pixel_values == 7).flatten(1).all(1).any():
+            raise RuntimeError("out of memory (a test's vision tower)")
+        return inner(pixel_values)
+
+    monkeypatch.setattr(model, "image_features", flaky)
+    engine = Engine(model, block_size=4, max_new_tokens=N, prefill_chunk=chunk)
+    bad = engine.add_request(prompt(1), images=[ImageInput(torch.full((3, 16, 16), 7.0))])
+    good = engine.add_request(prompt(1, lead=8), images=[ImageInput(pixels(1))])
+    txt = engine.add_request(text)
+    out = engine.run()
+    assert engine.finish_reason[bad] == "error" and out[bad] == []
+    assert "out of memory" in engine.errors[bad]
+    assert out[txt] == refs[0] and out[good] == refs[1]
+    assert engine.cache.blocks_in_use == 0  # the failed request's blocks went back too
+    nxt = engine.add_request(prompt(1), images=[ImageInput(pixels(2))])  # the engine goes on
+    assert engine.run()[nxt] == refs[2]

@@ -71,7 +71,7 @@ from torch import Tensor
 from qkv.generate.blocks import BlockManager
 from qkv.generate.config import GenerationConfig
 from qkv.generate.engine_config import PREEMPTION, EngineConfig
-from qkv.generate.images import ImageEncoder, ImageInput, Span, block_extras, check_images, spans
+from qkv.generate.images import ImageEncoder, ImageInput, Span, block_extras, check_images, in_piece, spans
 from qkv.generate.output import TEXT_CONTEXT, OutputProcessor
 from qkv.generate.sampler import Sampler
 from qkv.generate.scheduler import Counters, Request, Scheduler
@@ -344,6 +344,36 @@ class Engine:
                 return self.model.step_with_images(x, self.cache, keep=keep, where=where, features=features)
         return self.model.step(x, self.cache, keep=keep)
 
+    def _fail(self, req: Request, why: str) -> None:
+        """Finish a running request with "error" (its blocks freed, `errors` says why); the others go on."""
+        self.errors[req.id] = why
+        self.scheduler.finish(req)
+        self.output.finish(req.id, req.output, "error")
+
+    def _encode_images(self, group: list[Request], n: int) -> list[Request]:
+        """Encode the images the group's next n tokens hold before its forward (one batched vision forward,
+        ImageEncoder.ensure). A vision tower that raises (an out-of-memory on many tiles) fails only the
+        requests whose images it cannot encode one request at a time, like a failed token choice: raised
+        here, it would stop the engine and every other request. Returns the requests that go on."""
+        need = {r.id: [s for s, _, _ in in_piece(r.images, r.computed, n)] for r in group if r.images}
+        need = {rid: spans for rid, spans in need.items() if spans}
+        if self.images is None or not need:
+            return group
+        try:
+            self.images.ensure([s for spans in need.values() for s in spans])
+            return group
+        except Exception:  # noqa: BLE001  which request's images broke it: each on its own below
+            pass
+        out = []
+        for req in group:
+            try:
+                if req.id in need:
+                    self.images.ensure(need[req.id])
+                out.append(req)
+            except Exception as e:  # noqa: BLE001
+                self._fail(req, f"encoding this request's images failed: {type(e).__name__}: {e}")
+        return out
+
     def _track(self) -> None:
         self.peak_blocks = max(self.peak_blocks, self.cache.blocks_in_use)
 
@@ -353,6 +383,9 @@ class Engine:
         Returns the ids of the requests that emitted their first token."""
         emitted: set[int] = set()
         for n, group in self.scheduler.prefill_groups().items():
+            group = self._encode_images(group, n)
+            if not group:
+                continue
             logits = self._forward(group, [r.tokens[r.computed:r.computed + n] for r in group],
                                    [r.computed for r in group])
             self._track()
@@ -374,11 +407,14 @@ class Engine:
 
     def _decode(self, batch: list[Request], events: list[tuple[int, int]]) -> None:
         """One decoding step for the batch, in length groups (one forward each), one token choice for all."""
+        # a prompt's last token comes here when the rest was cached or prefilled: it may be an image's
+        batch = self._encode_images(batch, 1)
+        if not batch:
+            return
         parts = []
         for rows in self._length_groups(batch):
             group = [batch[i] for i in rows]
             last = [[r.output[-1] if r.output else r.prompt[-1]] for r in group]
-            # a prompt's last token comes here when the rest was cached or prefilled: it may be an image's
             starts = [r.computed for r in group] if any(r.images and not r.output for r in group) else None
             parts.append((rows, self._forward(group, last, starts)))
         if len(parts) == 1:
@@ -399,12 +435,14 @@ class Engine:
         """Admit, prefill chunks, one decoding step for every other running request. Returns the (request
         id, token) pairs produced, in order; take_finished() names the requests that left."""
         events: list[tuple[int, int]] = []
+        finished = self.counters.finished
         self.scheduler.admit()
         emitted = self._prefill(events)
         batch = self.scheduler.decode_batch(emitted)
         if batch:
             self._decode(batch, events)
-        if self.waiting and not self.running and not events:
+        # nothing ran and nothing left (a failed request frees its blocks for the next step): stuck
+        if self.waiting and not self.running and not events and self.counters.finished == finished:
             raise RuntimeError("the next waiting request does not fit in the free KV-cache blocks")
         self.counters.steps += 1
         return events

@@ -118,6 +118,17 @@ def block_extras(images: list[Span], block_size: int) -> dict[int, bytes]:
     return {b: b"".join(keys) for b, keys in out.items()}
 
 
+def in_piece(images: list[Span], start: int, n: int) -> list[tuple[Span, int, int]]:
+    """The images with placeholders in prompt positions [start, start + n): (span, lo, hi), its placeholders
+    lo..hi-1 lying there."""
+    out = []
+    for s in images:
+        lo, hi = bisect_left(s.positions, start), bisect_left(s.positions, start + n)
+        if lo < hi:
+            out.append((s, lo, hi))
+    return out
+
+
 @dataclass
 class ImageEncoder:
     """The model's vision tower + projector behind an LRU of projected embeddings by content hash."""
@@ -175,11 +186,9 @@ class ImageEncoder:
         where = torch.zeros(len(pieces), T, dtype=torch.bool)
         parts: list[tuple[Span, int, int]] = []
         for row, (images, start, n) in enumerate(pieces):
-            for s in images:
-                lo, hi = bisect_left(s.positions, start), bisect_left(s.positions, start + n)
-                if lo < hi:
-                    where[row, [p - start for p in s.positions[lo:hi]]] = True
-                    parts.append((s, lo, hi))
+            for s, lo, hi in in_piece(images, start, n):
+                where[row, [p - start for p in s.positions[lo:hi]]] = True
+                parts.append((s, lo, hi))
         if not parts:
             return None
         self.ensure([s for s, _, _ in parts])
