@@ -290,3 +290,27 @@ def test_a_smolvlm_folder_is_served_with_its_tiles(tmp_path):
             lengths.add(len(ids))
         assert len(lengths) == 2  # the two image sizes take different numbers of placeholders
         assert app.state.api.engine.stats()["images_encoded"] == 2
+
+
+def test_a_vision_tower_failure_fails_that_request_and_the_server_goes_on(llava, tmp_path, monkeypatch):
+    served = load_served(llava)
+    cat = png(tmp_path / "cat.png", seed=1)
+    with running_server(llava, block_size=4) as (url, app):
+        images = app.state.api.engine.images
+        inner, calls = images.model.image_features, [0]
+
+        def once_out_of_memory(pixel_values):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("out of memory (a test's vision tower)")
+            return inner(pixel_values)
+
+        monkeypatch.setattr(images.model, "image_features", once_out_of_memory)
+        body = {"model": served.name, "max_tokens": 4, "temperature": 0, "messages": ask(data_url(cat))}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed"
+        assert "out of memory" in r.json()["error"]["message"]
+        # this request failed alone: the engine lives, the same image is answered next
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        assert httpx.get(url + "/health", timeout=10).status_code == 200 and calls[0] == 2

@@ -353,26 +353,33 @@ class Engine:
     def _encode_images(self, group: list[Request], n: int) -> list[Request]:
         """Encode the images the group's next n tokens hold before its forward (one batched vision forward,
         ImageEncoder.ensure). A vision tower that raises (an out-of-memory on many tiles) fails only the
-        requests whose images it cannot encode one request at a time, like a failed token choice: raised
-        here, it would stop the engine and every other request. Returns the requests that go on."""
+        requests whose images it cannot encode (tried one request at a time when several were batched), like
+        a failed token choice: raised here, it would stop the engine and every other request. Returns the
+        requests that go on."""
         need = {r.id: [s for s, _, _ in in_piece(r.images, r.computed, n)] for r in group if r.images}
-        need = {rid: spans for rid, spans in need.items() if spans}
+        need = {rid: own for rid, own in need.items() if own}
         if self.images is None or not need:
             return group
+        failed: dict[int, Exception] = {}
         try:
-            self.images.ensure([s for spans in need.values() for s in spans])
-            return group
-        except Exception:  # noqa: BLE001  which request's images broke it: each on its own below
-            pass
-        out = []
+            self.images.ensure([s for own in need.values() for s in own])
+        except Exception as e:  # noqa: BLE001  one request's images: it fails; several: which ones?
+            failed = {rid: e for rid in need} if len(need) == 1 else self._encode_each(need)
         for req in group:
-            try:
-                if req.id in need:
-                    self.images.ensure(need[req.id])
-                out.append(req)
-            except Exception as e:  # noqa: BLE001
+            if req.id in failed:
+                e = failed[req.id]
                 self._fail(req, f"encoding this request's images failed: {type(e).__name__}: {e}")
-        return out
+        return [r for r in group if r.id not in failed]
+
+    def _encode_each(self, need: dict[int, list[Span]]) -> dict[int, Exception]:
+        """Each request's images on their own: {request id: the exception} for those that still fail."""
+        failed = {}
+        for rid, own in need.items():
+            try:
+                self.images.ensure(own)
+            except Exception as e:  # noqa: BLE001
+                failed[rid] = e
+        return failed
 
     def _track(self) -> None:
         self.peak_blocks = max(self.peak_blocks, self.cache.blocks_in_use)

@@ -123,7 +123,7 @@ class EngineWorker:
                 try:
                     rid = self.engine.add_request(prompt, **options)
                 except Exception as e:  # checked before submit; a late error still reaches the client
-                    self._send(t, ("error", str(e)))
+                    self._send(t, ("failed", str(e)))  # this request alone: the engine goes on
                     continue
                 self._tickets[rid], self._by_key[t.key] = t, rid
             elif cmd[0] == "cancel":
