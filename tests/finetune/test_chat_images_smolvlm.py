@@ -127,3 +127,22 @@ def test_full_finetuning_of_a_bf16_folder_exports_bf16_with_the_tower_unchanged(
     key = "model.text_model.layers.0.self_attn.q_proj.weight"  # the language model trains in full
     assert not torch.equal(after[key], before[key])
     assert json.loads((out / "config.json").read_text())["model_type"] == "idefics3"
+
+
+def test_fine_tuning_expands_an_image_as_serving_does(folder, tmp_path):
+    # VisionData.expansion (fine-tuning) and Idefics3Processor.expand_ids (qkv chat --image, qkv serve) give
+    # the same ids for an image, whatever its tile grid
+    from PIL import Image
+
+    from qkv import from_pretrained
+
+    tok = load_hf_tokenizer(folder)
+    vd = vision_data(from_pretrained(folder), folder)
+    grids = set()
+    for size in ((32, 32), (80, 20), (20, 80)):
+        image = Image.new("RGB", size, (200, 30, 30))
+        grid = vd.processor.grid(image)
+        grids.add(grid)
+        served = vd.processor.expand_ids([IMAGE_TOKEN_ID], IMAGE_TOKEN_ID, [grid], tok)
+        assert vd.expansion(tok, image) == served
+    assert len(grids) > 1  # more than one grid: the text differs between them

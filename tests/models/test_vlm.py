@@ -65,6 +65,14 @@ def test_placeholder_count_must_match_the_patches():
         model.generate(prompt(1), 2, pixel_values=pixels(1), do_sample=True, num_return_sequences=2)
     with pytest.raises(ValueError, match=r"pixel_values must be \(n_images, 3, 16, 16\)"):
         model(prompt(1), torch.zeros(1, 3, 32, 32))
+    # the serving step's scatter checks the same (it is the same code): rows per position, and their width
+    ids = prompt(1)
+    where = ids == IMG
+    d = model.config.text.d_model
+    with pytest.raises(ValueError, match=r"holds 4 image placeholder tokens .* but 3 image embeddings"):
+        model.step_with_images(ids, None, where=where, features=torch.zeros(3, d))
+    with pytest.raises(ValueError, match=rf"of width {d + 1} \(the decoder's: {d}\)"):
+        model.step_with_images(ids, None, where=where, features=torch.zeros(4, d + 1))
 
 
 def test_generation_with_the_cache_equals_recomputation():

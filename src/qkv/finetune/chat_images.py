@@ -161,8 +161,7 @@ class VisionData:
         from qkv.interop.smolvlm import Idefics3Processor
 
         if isinstance(self.processor, Idefics3Processor):
-            text = self.processor.image_text(*self.processor.grid(image))
-            return list(tok.encode(text, add_special_tokens=False))
+            return self.processor.image_ids(self.processor.grid(image), tok)
         return [self.image_token_id] * self.image_tokens
 
 

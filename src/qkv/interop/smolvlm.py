@@ -333,8 +333,13 @@ class Idefics3Processor:
             grid = next(images, None)
             if grid is None:
                 raise ValueError(f"the prompt holds more image tokens than the {len(grids)} image(s) given")
-            out.extend(tokenizer.encode(self.image_text(*grid), add_special_tokens=False))
+            out.extend(self.image_ids(grid, tokenizer))
         return out
+
+    def image_ids(self, grid: tuple[int, int], tokenizer: Any) -> list[int]:
+        """The ids of one image's text (grid: its (rows, cols) of tiles): what replaces its image token, the
+        one place serving, `qkv chat --image` and fine-tuning build them."""
+        return list(tokenizer.encode(self.image_text(*grid), add_special_tokens=False))
 
 
 def folder_processor(folder: str | Path) -> Any:

@@ -252,24 +252,34 @@ class LLaVA(QKVModel):
     def embed(self, input_ids: Tensor, features: Tensor | None = None) -> Tensor:
         """Token embeddings (B, T, d) with the placeholders' rows replaced by `features` (n, N', d), filled in
         reading order (row by row of the batch, left to right): one image's N' placeholders per image."""
-        c = self.config
-        placeholder = input_ids == c.image_token_id
-        n = int(placeholder.sum())
+        placeholder = input_ids == self.config.image_token_id
         # the placeholder id may lie past the vocabulary (its rows are replaced anyway): embed it as id 0
         x = self.language_model.tok_emb(input_ids.masked_fill(placeholder, 0))
-        have = 0 if features is None else features.shape[0] * features.shape[1]
-        if n != have:
-            images = 0 if features is None else features.shape[0]
-            repeated = have and n > have and n % have == 0 and input_ids.shape[0] > 1
+        return self._place(x, placeholder, features)
+
+    def _place(self, x: Tensor, where: Tensor, features: Tensor | None) -> Tensor:
+        """x (B, T, d) with the positions `where` (B, T) marks taking the rows of `features` ((n, N', d) per
+        image, or (rows, d)) in reading order; ValueError unless there is one row of width d per position (a
+        masked_scatter would silently fill them from the wrong numbers)."""
+        c = self.config
+        n = int(where.sum())
+        have = 0 if features is None else features.numel() // features.shape[-1]
+        if n != have or (features is not None and features.shape[-1] != x.shape[-1]):
+            if features is None:
+                what, width = "0 image(s) are given", ""
+            else:
+                what = (f"{features.shape[0]} image(s) give {have} patch embeddings" if features.dim() == 3
+                        else f"{have} image embeddings are given")
+                width = f" of width {features.shape[-1]} (the decoder's: {x.shape[-1]})"
+            repeated = have and n > have and n % have == 0 and x.shape[0] > 1
             raise ValueError(f"the prompt holds {n} image placeholder tokens (id {c.image_token_id}) but "
-                             f"{images} image(s) give {have} patch embeddings ({c.image_tokens} per image): "
-                             f"put {c.image_tokens} placeholders per image in the prompt (qkv.interop.llava."
-                             "expand_image_tokens)" + (
+                             f"{what}{width} ({c.image_tokens} per image): put {c.image_tokens} placeholders "
+                             "per image in the prompt (qkv.interop.llava.expand_image_tokens)" + (
                                  "; a prompt repeated for num_return_sequences > 1 repeats its placeholders, "
                                  "not the images (not supported)" if repeated else ""))
         if features is None:
             return x
-        return x.masked_scatter(placeholder.unsqueeze(-1), features.reshape(-1, x.shape[-1]).to(x.dtype))
+        return x.masked_scatter(where.unsqueeze(-1), features.reshape(-1, x.shape[-1]).to(x.dtype))
 
     def _check_ids(self, input_ids: Tensor, entry: bool = False) -> None:
         ids = input_ids.masked_fill(input_ids == self.config.image_token_id, 0)
@@ -370,8 +380,7 @@ class LLaVA(QKVModel):
         `where` (B, T) marks take the rows of `features` (n, d) in reading order, the others their token's
         embedding. A piece may hold any part of an image's placeholders (chunked prefill)."""
         lm = self.language_model
-        x = lm.tok_emb(ids.masked_fill(where, 0))
-        x = x.masked_scatter(where.unsqueeze(-1), features.to(x.dtype))
+        x = self._place(lm.tok_emb(ids.masked_fill(where, 0)), where, features)
         h = lm.decoder.step(x, cache=cache, keep=keep, offset=offset, last_only=True)
         return lm.lm_head(h[:, -1])
 
