@@ -124,3 +124,22 @@ def test_bad_records_are_one_clear_error(folders, tmp_path, capsys, row, message
     assert rc == 2 and err.startswith("qkv: error: ") and f"{bad}:2: " in err and message in err, err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_images_list_means_no_images(folders, tmp_path):
+    # LLaMA-Factory writes "images": [] on its text-only rows: with text, and with image_url content parts,
+    # the record builds what it builds without the key
+    from qkv import from_pretrained
+
+    write_images(tmp_path)
+    rows = [PAIRS[0][1], {"messages": [{"role": "user", "content": QUESTION},
+                                       {"role": "assistant", "content": "a cat"}]}]
+    listed = write_jsonl(tmp_path / "listed.jsonl", [{**r, "images": []} for r in rows])
+    plain = write_jsonl(tmp_path / "plain.jsonl", rows)
+    folder = folders["llava"]
+    tok, v = load_hf_tokenizer(folder), vision_data(from_pretrained(folder), folder)
+    got, _ = build_examples(tok, read_chats(listed), 1024, str(listed), "error", v)
+    want, _ = build_examples(tok, read_chats(plain), 1024, str(plain), "error", v)
+    assert [e.input_ids for e in got] == [e.input_ids for e in want] and len(got) == 2
+    assert [e.labels for e in got] == [e.labels for e in want]
+    assert torch.equal(got[0].pixel_values, want[0].pixel_values) and got[1].pixel_values is None

@@ -79,17 +79,19 @@ def attach_images(images: Any, messages: list[dict[str, Any]], where: str) -> No
     part, so the record renders as the same record written with content parts."""
     if not isinstance(images, list) or not all(isinstance(u, str) and u for u in images):
         raise ConfigError(f"{where}: 'images' must be a list of image file paths, got {images!r:.80}")
-    if any(isinstance(m["content"], list) for m in messages):
+    if images and any(isinstance(m["content"], list) for m in messages):
         raise ConfigError(f"{where}: give the images either as a top-level 'images' list with {MARKER} "
                           "markers or as image_url content parts, not both")
-    found = sum(m["content"].count(MARKER) for m in messages)
+    # an empty list lists no images (LLaMA-Factory writes "images": [] on its text-only rows): content parts
+    # may carry them, and a marker with nothing listed is still an error
+    found = sum(m["content"].count(MARKER) for m in messages if isinstance(m["content"], str))
     if found != len(images):
         raise ConfigError(f"{where}: {found} {MARKER} marker(s) in the messages for {len(images)} "
                           f"image(s) in 'images' ({', '.join(images) or 'none'}): one marker per listed "
                           "image, in order")
     urls = iter(images)
     for m in messages:
-        pieces = m["content"].split(MARKER)
+        pieces = m["content"].split(MARKER) if isinstance(m["content"], str) else [m["content"]]
         if len(pieces) == 1:
             continue
         parts: list[dict[str, Any]] = []
