@@ -27,8 +27,10 @@ What trains (LLaVA's instruction-tuning stage): LoRA adapters on the language mo
 whole language model), the projector in full, the vision tower frozen. OUT is written by
 qkv.interop.vlm_export in the source's format.
 
-Images are preprocessed once, when the data is read, and held in memory as float32 pixel tensors (3 x H x W
-each: 1.3 MB at 336 px): data sets of a few thousand images fit; larger ones do not.
+Images are preprocessed once, when the data is read, and held in memory as float32 pixel tensors: LLaVA's one
+3 x 336 x 336 tensor per image is 1.3 MB; an Idefics3 / SmolVLM image is up to 17 tiles of 3 x 364 x 364
+(4 x 4 tiles and the global image: 27 MB at most, 1.6 MB a tile). Data sets of a few thousand LLaVA images,
+or a few hundred large Idefics3 ones, fit; larger ones do not.
 """
 
 from __future__ import annotations
