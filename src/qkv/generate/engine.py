@@ -51,7 +51,9 @@ the output's text as it streams, decoded after the prompt's tail (output.py).
 Images (a LLaVA model): add_request(ids, images=[ImageInput(pixel_values, key=...)]) with the placeholders
 expanded in ids; the prefill pieces that hold placeholders take the images' projected embeddings there
 (model.step_with_images), a full block's prefix-cache key also hashes its images' keys, and an LRU of
-embeddings by key spares a repeated image the vision tower (images.py). Decoding is unchanged.
+embeddings by key spares a repeated image the vision tower (images.py). Decoding is unchanged. A vision
+tower that raises fails only the requests whose images it could not encode ("error"), as a failed token
+choice does.
 
 The parts (vLLM v1's split): scheduler.py (admission, chunked prefill, preemption), blocks.py (the KV blocks
 each request holds, the prefix cache), sampler.py (processors, seeds), output.py (finish reasons, stop

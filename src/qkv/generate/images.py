@@ -14,6 +14,10 @@ Prefix caching: a full block's key also hashes the keys of the images whose plac
 matches. Embeddings: an LRU of projected embeddings by content hash (EngineConfig.image_cache), so a repeated
 image skips the vision tower even when its blocks were evicted; an image whose placeholders all lie in
 cached blocks is never encoded at all.
+
+Checks: add_request refuses an image whose pixels are not the vision tower's (C, H, W) or whose embeddings
+are not the decoder's width (check_images), so a bad image never reaches a step; a vision tower that raises
+while encoding fails only the requests whose images it could not encode (Engine._encode_images).
 """
 
 from __future__ import annotations
