@@ -145,7 +145,8 @@ class ResNet(QKVModel):
         self.classifier = nn.Linear(c_in, c.num_labels) if c.head == "classify" else None
         self.reset_parameters()
         # channels_last (NHWC) is the layout oneDNN's and cuDNN's convolutions run fastest on: a training step
-        # of ResNet-10 on Fashion-MNIST costs ~15% less on CPU than in NCHW; the values are the same
+        # of ResNet-10 on Fashion-MNIST costs ~20% less CPU than in NCHW (benchmarks/conv_layout.py); the
+        # values are the same
         self.to(memory_format=torch.channels_last)
 
     def reset_parameters(self) -> None:
