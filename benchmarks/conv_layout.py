@@ -6,7 +6,8 @@ The model of configs/resnet10_fashion.yaml (ResNet-10, CIFAR stem, half width, 1
 The same weights in both layouts; the NCHW step runs the model's modules on contiguous tensors (the model's
 own forward turns its input to channels_last). The two steps' losses are checked equal (to float rounding)
 before timing. CPU time of this process (time.process_time: on a shared machine wall time mostly measures the
-other processes), one thread by default; the layouts interleaved step by step; medians of --repeats.
+other processes), one thread by default; the layouts interleaved step by step; medians of --repeats. Wall time
+per step too: with --threads 2 it says what a second core buys (CPU time sums the threads).
 
     .venv/bin/python benchmarks/conv_layout.py [--quick] [--threads 1] [--batch 128] [--repeats 9]
         [--out benchmarks/results]
@@ -82,26 +83,31 @@ def main() -> None:
     tol = 1e-2 if not a.fp32 else 1e-4
     if abs(losses["NCHW"] - losses["channels_last"]) > tol * abs(losses["NCHW"]):
         raise SystemExit(f"the two layouts disagree: {losses}")
-    times = {k: [] for k in steps}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    walls: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeats):
         for k, step in steps.items():
-            t0 = time.process_time()
+            t0, w0 = time.process_time(), time.perf_counter()
             step()
             times[k].append(time.process_time() - t0)
-    report(a, batch, times, losses)
+            walls[k].append(time.perf_counter() - w0)
+    report(a, batch, times, walls, losses)
 
 
-def report(a: argparse.Namespace, batch: int, times: dict[str, list[float]],
+def report(a: argparse.Namespace, batch: int, times: dict[str, list[float]], walls: dict[str, list[float]],
            losses: dict[str, float]) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
+    wall = {k: statistics.median(v) for k, v in walls.items()}
     precision = "fp32" if a.fp32 else "bf16 autocast"
     lines = [f"ResNet-10 training step, batch {batch}, {precision}, {a.threads} thread(s), CPU time, "
              f"median of {len(times['NCHW'])}", "",
-             "| layout | ms per step | images per CPU-second | x NCHW |", "|---|---|---|---|"]
+             "| layout | CPU ms per step | images per CPU-second | x NCHW | wall ms per step |",
+             "|---|---|---|---|---|"]
     for k, t in med.items():
-        lines.append(f"| {k} | {1000 * t:.1f} | {batch / t:.0f} | {med['NCHW'] / t:.2f} |")
+        lines.append(f"| {k} | {1000 * t:.1f} | {batch / t:.0f} | {med['NCHW'] / t:.2f} "
+                     f"| {1000 * wall[k]:.1f} |")
     result = {"batch": batch, "threads": a.threads, "precision": precision, "first_loss": losses,
-              "step_s": times, "median_s": med}
+              "step_s": times, "median_s": med, "wall_step_s": walls, "median_wall_s": wall}
     write_results(a.out, "conv_layout_quick" if a.quick else "conv_layout", result, lines)
 
 
