@@ -2,22 +2,13 @@
 decoding step, and reads each cache's bytes per token from the cache the model allocates."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.slow
-def test_attention_decode_quick(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_decode.py"), "--quick",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_attention_decode_quick(tmp_path, run_benchmark):
+    run_benchmark("attention_decode", "--quick", "--out", str(tmp_path))
     result = json.loads((tmp_path / "attention_decode_quick.json").read_text())
     got = {k: v["cache_bytes_per_token"] for k, v in result["variants"].items()}
     # 2 layers of 8 heads of 8, fp32: 2 x kv heads x 8 numbers per layer; MLA latent 16 + rotary key 4

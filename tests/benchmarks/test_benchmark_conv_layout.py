@@ -2,22 +2,13 @@
 (the script refuses to time otherwise) and each gets a timed step."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.slow
-def test_conv_layout_quick(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conv_layout.py"), "--quick",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_conv_layout_quick(tmp_path, run_benchmark):
+    run_benchmark("conv_layout", "--quick", "--out", str(tmp_path))
     result = json.loads((tmp_path / "conv_layout_quick.json").read_text())
     first = result["first_loss"]
     assert first["NCHW"] == pytest.approx(first["channels_last"], rel=1e-2)

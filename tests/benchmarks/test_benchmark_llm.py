@@ -3,24 +3,14 @@ libraries produce the same greedy tokens, and every figure is there. The full ru
 docs/llm.md."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.slow
-def test_llm_benchmark_quick(tmp_path):
+def test_llm_benchmark_quick(tmp_path, run_benchmark):
     pytest.importorskip("transformers")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llm.py"), "--quick", "--threads", "1",
-                        "--no-compile",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_benchmark("llm", "--quick", "--threads", "1", "--no-compile", "--out", str(tmp_path))
     result = json.loads((tmp_path / "llm_quick.json").read_text())
     assert {(d["library"], d["batch"]) for d in result["decode"]} >= {("qkv", 1), ("transformers", 1)}
     assert all(d["tok_per_s"] > 0 and d["floor_ms"] > 0 for d in result["decode"])

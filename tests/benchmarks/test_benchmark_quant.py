@@ -3,23 +3,14 @@ on a Llama folder): it runs end to end and every figure is there. The full run a
 docs/llm.md."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.slow
-def test_quant_benchmark_quick(tmp_path):
+def test_quant_benchmark_quick(tmp_path, run_benchmark):
     pytest.importorskip("transformers")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant.py"), "--quick", "--threads", "1",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_benchmark("quant", "--quick", "--threads", "1", "--out", str(tmp_path))
     result = json.loads((tmp_path / "quant_quick.json").read_text())
     variants = ["fp32", "bf16", "int8 (fp32 model)", "int4 (fp32 model)", "int8 (bf16 model)",
                 "int4 (bf16 model)"]
