@@ -269,6 +269,29 @@ def test_one_seed_one_run_in_new_processes(gpt2_chat, tmp_path):
     assert a == b and len(a) >= 4 and all("loss" in r for r in a)
 
 
+def test_sharegpt_records_build_the_messages_forms_examples(gpt2_chat, tmp_path):
+    """ShareGPT's {"conversations": [{from, value}]} (with a top-level or an in-line system prompt) encodes to
+    exactly the ids and labels of the same conversations in the "messages" form."""
+    def sharegpt(row: dict, top_level_system: bool) -> dict:
+        speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+        turns = [{"from": speaker[m["role"]], "value": m["content"]} for m in row["messages"]]
+        if turns[0]["from"] == "system" and top_level_system:  # LLaMA-Factory's place for it
+            return {"system": turns[0]["value"], "conversations": turns[1:]}
+        return {"conversations": turns}
+
+    rows = [r for r in chats() if "messages" in r] + [{"messages": CONVERSATION}]
+    converted = [sharegpt(r, top_level_system=i % 3 == 0) for i, r in enumerate(rows)]
+    assert any("system" in c for c in converted)
+    assert any(c["conversations"][0]["from"] == "system" for c in converted)
+    tok = load_hf_tokenizer(gpt2_chat)
+    want = read_chats(write_jsonl(tmp_path / "m.jsonl", rows))
+    got = read_chats(write_jsonl(tmp_path / "s.jsonl", converted))
+    assert got == want
+    a, _ = build_examples(tok, got, 256, "s", "error")
+    b, _ = build_examples(tok, want, 256, "m", "error")
+    assert [(e.input_ids, e.labels) for e in a] == [(e.input_ids, e.labels) for e in b]
+
+
 @pytest.mark.parametrize("content,message", [
     (b"", "the file is empty"),
     (b"\n\n", "the file is empty"),
@@ -281,6 +304,14 @@ def test_one_seed_one_run_in_new_processes(gpt2_chat, tmp_path):
     (b'{"messages": [}\n', ":1: invalid JSON"),
     (b'[1, 2]\n', ":1: expected a JSON object"),
     (b'{"prompt": "a", "completion": 3}\n', ":1: a prompt/completion record needs both as strings"),
+    (b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "f()"}]}\n',
+     ":1: conversation turn 1 is from 'function_call'"),
+    (b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": 7}]}\n',
+     ":1: conversation turn 1: 'value' must be a string"),
+    (b'{"conversations": [{"from": "human", "value": "hi"}, {"role": "gpt", "content": "x"}]}\n',
+     ":1: conversation turn 1 must be an object with 'from' and 'value'"),
+    (b'{"system": "s", "conversations": [{"from": "system", "value": "t"}, {"from": "human", "value": "a"}, '
+     b'{"from": "gpt", "value": "b"}]}\n', ":1: a top-level 'system' and a system turn"),
 ])
 def test_bad_data_is_one_line_naming_the_line(gpt2_chat, tmp_path, capsys, content, message):
     data = tmp_path / "bad.jsonl"

@@ -20,43 +20,86 @@ IGNORE = -100
 
 
 # -- reading the data --------------------------------------------------------------------------------------
-def _messages(obj: Any, where: str) -> list[dict[str, str]]:
-    """The conversation of one JSONL record, checked; errors name `where` (file:line)."""
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{where}: expected a JSON object with 'messages' (or 'prompt'/'completion'), "
-                          f"got a JSON {type(obj).__name__}")
-    if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-        out = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ConfigError(f"{where}: message {i} must be an object with 'role' and 'content'")
-            if m["role"] not in ROLES:
-                raise ConfigError(f"{where}: message {i} has unknown role {m['role']!r} "
-                                  f"(expected one of {', '.join(ROLES)})")
-            content = m["content"]
-            if isinstance(content, list):  # content parts: text and images (qkv.finetune.chat_images)
-                from qkv.finetune.chat_images import read_parts
+# ShareGPT's speakers (the "conversations" form LLaMA-Factory and FastChat read) -> the roles of "messages"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
 
-                content = read_parts(content, f"{where}: message {i}")
-            elif not isinstance(content, str):
-                raise ConfigError(f"{where}: message {i}: 'content' must be a string (or a list of text and "
-                                  "image_url parts)")
-            out.append({"role": m["role"], "content": content})
+
+def _content(content: Any, where: str) -> Any:
+    """A message's content: a string, or a list of text and image parts (qkv.finetune.chat_images)."""
+    if isinstance(content, list):
+        from qkv.finetune.chat_images import read_parts
+
+        return read_parts(content, where)
+    if not isinstance(content, str):
+        raise ConfigError(f"{where}: 'content' must be a string (or a list of text and image_url parts)")
+    return content
+
+
+def _from_messages(msgs: Any, where: str) -> list[dict[str, Any]]:
+    """The "messages" form: OpenAI's [{role, content}, ...]."""
+    if not isinstance(msgs, list) or not msgs:
+        raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ConfigError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise ConfigError(f"{where}: message {i} has unknown role {m['role']!r} "
+                              f"(expected one of {', '.join(ROLES)})")
+        out.append({"role": m["role"], "content": _content(m["content"], f"{where}: message {i}")})
+    return out
+
+
+def _from_sharegpt(turns: Any, where: str) -> list[dict[str, Any]]:
+    """ShareGPT's "conversations" form: [{from: human | gpt | system, value}, ...] (also user / assistant)."""
+    if not isinstance(turns, list) or not turns:
+        raise ConfigError(f"{where}: 'conversations' must be a non-empty list of {{from, value}} objects")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or "from" not in t or "value" not in t:
+            raise ConfigError(f"{where}: conversation turn {i} must be an object with 'from' and 'value'")
+        if t["from"] not in SHAREGPT_ROLES:
+            raise ConfigError(f"{where}: conversation turn {i} is from {t['from']!r} (expected one of "
+                              f"{', '.join(SHAREGPT_ROLES)}; tool turns are not read)")
+        if not isinstance(t["value"], str):
+            raise ConfigError(f"{where}: conversation turn {i}: 'value' must be a string")
+        out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+    return out
+
+
+def _from_prompt(obj: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The prompt/completion form: one user turn and its answer."""
+    if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("completion"), str):
+        raise ConfigError(f"{where}: a prompt/completion record needs both as strings")
+    return [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["completion"]}]
+
+
+def _with_system(obj: dict[str, Any], out: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """A top-level "system" string (prompt/completion and ShareGPT records) as the first message."""
+    if obj.get("system") is None:
+        return out
+    if not isinstance(obj["system"], str):
+        raise ConfigError(f"{where}: 'system' must be a string")
+    if out[0]["role"] == "system":
+        raise ConfigError(f"{where}: a top-level 'system' and a system turn: give one of them")
+    return [{"role": "system", "content": obj["system"]}, *out]
+
+
+def _messages(obj: Any, where: str) -> list[dict[str, Any]]:
+    """The conversation of one JSONL record in any of its forms, checked; errors name `where` (file:line)."""
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a JSON object with 'messages' (or 'conversations', or "
+                          f"'prompt'/'completion'), got a JSON {type(obj).__name__}")
+    if "messages" in obj:
+        out = _from_messages(obj["messages"], where)
+    elif "conversations" in obj:
+        out = _with_system(obj, _from_sharegpt(obj["conversations"], where), where)
     elif "prompt" in obj or "completion" in obj:
-        if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("completion"), str):
-            raise ConfigError(f"{where}: a prompt/completion record needs both as strings")
-        out = [{"role": "user", "content": obj["prompt"]},
-               {"role": "assistant", "content": obj["completion"]}]
-        if obj.get("system") is not None:
-            if not isinstance(obj["system"], str):
-                raise ConfigError(f"{where}: 'system' must be a string")
-            out.insert(0, {"role": "system", "content": obj["system"]})
+        out = _with_system(obj, _from_prompt(obj, where), where)
     else:
-        raise ConfigError(f"{where}: missing 'messages' (or 'prompt' and 'completion'); the record has "
-                          f"{', '.join(map(repr, obj)) or 'no keys'}")
+        raise ConfigError(f"{where}: missing 'messages' (or 'conversations', or 'prompt' and 'completion'); "
+                          f"the record has {', '.join(map(repr, obj)) or 'no keys'}")
     if "images" in obj:  # <image> markers in the text, the files listed (qkv.finetune.chat_images)
         from qkv.finetune.chat_images import attach_images
 
