@@ -7,6 +7,7 @@ assistant says and nothing else.
 Data: one JSON object per line, either
     {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
     {"prompt": "...", "completion": "..."}          (optionally "system": "...")
+    {"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}, ...]}  (ShareGPT; "system" too)
 Each conversation is rendered with the model folder's own chat template (so the fine-tuned model is prompted
 exactly as `qkv chat` will prompt it) and tokenized; labels are the token ids on the assistant's tokens (its
 content and the end-of-turn token after it, so the model learns to stop) and -100 everywhere else: the system
