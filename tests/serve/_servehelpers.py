@@ -10,12 +10,12 @@ import threading
 import time
 from contextlib import contextmanager
 
-from qkv.serve import ServeSettings, build_engine, create_app, load_served
+from qkv.serve import ServeConfig, build_engine, create_app, load_served
 
 
 @contextmanager
 def running_server(
-    folder, *, settings: ServeSettings | None = None, shutdown_timeout: float = 5, **engine_options
+    folder, *, settings: ServeConfig | None = None, shutdown_timeout: float = 5, **engine_options
 ):
     """(base url, app) of a server on 127.0.0.1:<free port>; stopped (and its engine thread) on exit. The
     uvicorn server is app.state.server (a test may stop it early: server.should_exit = True)."""

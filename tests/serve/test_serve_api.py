@@ -193,10 +193,10 @@ def test_errors_have_openai_shape_and_do_not_disturb_others(run_folder):
 
 
 def test_full_queue_answers_429_with_retry_after(run_folder):
-    from qkv.serve import ServeSettings
+    from qkv.serve import ServeConfig
 
     served = load_served(run_folder)
-    with running_server(run_folder, settings=ServeSettings(max_waiting=0), max_batch_size=1) as (url, app):
+    with running_server(run_folder, settings=ServeConfig(max_waiting=0), max_batch_size=1) as (url, app):
         engine = app.state.api.engine
         step = engine.step
         engine.step = lambda: (time.sleep(0.05), step())[1]  # a slow model: the first request stays running

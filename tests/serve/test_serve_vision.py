@@ -167,12 +167,12 @@ def test_image_requests_are_admitted_under_the_same_limits(llava, tmp_path):
     it runs) and its prompt + max_tokens is checked against the context before it runs."""
     import threading
 
-    from qkv.serve import ServeSettings
+    from qkv.serve import ServeConfig
 
     served = load_served(llava)
     body = {"model": served.name, "max_tokens": 2, "messages": ask(data_url(png(tmp_path / "a.png")))}
     with running_server(llava, block_size=4, max_batch_size=1,
-                        settings=ServeSettings(max_waiting=0)) as (url, app):
+                        settings=ServeConfig(max_waiting=0)) as (url, app):
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={**body, "max_tokens": 10 ** 6})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         # the image request held in the engine's vision tower while the next one arrives

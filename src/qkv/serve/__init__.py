@@ -18,7 +18,6 @@ from typing import Any
 _EXPORTS = {
     "APIError": "qkv.serve.app", "create_app": "qkv.serve.app",
     "EngineConfig": "qkv.generate.engine_config", "ServeConfig": "qkv.serve.config",
-    "ServeSettings": "qkv.serve.checks",
     "Served": "qkv.serve.model", "TextCodec": "qkv.serve.model", "load_served": "qkv.serve.model",
     "build_engine": "qkv.serve.server", "serve": "qkv.serve.server",
 }

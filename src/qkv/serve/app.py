@@ -27,7 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from qkv.generate.engine import Engine
-from qkv.serve.checks import RequestChecks, ServeSettings
+from qkv.serve.checks import RequestChecks
+from qkv.serve.config import ServeConfig
 from qkv.serve.errors import APIError
 from qkv.serve.handlers import handle
 from qkv.serve.metrics import Metrics, ResponseCounter
@@ -38,7 +39,7 @@ from qkv.serve.worker import EngineWorker, Ticket
 class API(RequestChecks):
     """The server's state: request checks (RequestChecks), the engine thread, admission and metrics."""
 
-    def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
+    def __init__(self, served: Served, engine: Engine, settings: ServeConfig) -> None:
         super().__init__(served, engine, settings)
         self.worker = EngineWorker(engine)
         self.metrics = Metrics(self.worker)
@@ -169,8 +170,8 @@ def _add_error_handlers(app: FastAPI) -> None:
                         "method_not_allowed").response()
 
 
-def create_app(served: Served, engine: Engine, settings: ServeSettings | None = None) -> FastAPI:
-    api = API(served, engine, settings or ServeSettings())
+def create_app(served: Served, engine: Engine, settings: ServeConfig | None = None) -> FastAPI:
+    api = API(served, engine, settings or ServeConfig())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -232,4 +233,4 @@ def create_app(served: Served, engine: Engine, settings: ServeSettings | None = 
     return app
 
 
-__all__ = ["API", "APIError", "ServeSettings", "create_app"]
+__all__ = ["API", "APIError", "create_app"]

@@ -27,11 +27,6 @@ from qkv.serve.requests import (
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
 
 
-# the server's settings are one object: max_waiting (queued requests before 429) and max_tokens_cap (chat
-# requests without max_tokens) are read here, the rest by serve()
-ServeSettings = ServeConfig
-
-
 def check_text(body: dict) -> None:
     """400 for a string holding a lone UTF-16 surrogate ("\\ud800" is legal JSON, but no text: the tokenizer
     cannot encode it), naming the field it is in."""
@@ -68,7 +63,7 @@ async def read_json(request: Request) -> dict:
 class RequestChecks:
     """A request body -> the prompt's token ids and the engine options, for one served model and engine."""
 
-    def __init__(self, served: Served, engine: Engine, settings: ServeSettings) -> None:
+    def __init__(self, served: Served, engine: Engine, settings: ServeConfig) -> None:
         self.served, self.engine, self.settings = served, engine, settings
         folder = served.model.generation_defaults()
         # each sampling field: the request's value, else the folder's default, else OpenAI's
