@@ -20,14 +20,15 @@ def _models() -> dict:
 
 def test_variants_share_the_width_and_cache_what_the_header_says():
     models = _models()
-    assert list(models) == ["mha", "gqa", "mqa", "mla"]
+    assert list(models) == ["mha", "gqa", "mqa", "mla", "mla-64"]
     widths = {name: tuple(getattr(m.config, f) for f in WIDTH) for name, m in models.items()}
     assert len(set(widths.values())) == 1, widths
-    assert [m.config.mla.enabled for m in models.values()] == [False, False, False, True]
-    # fp32 bytes per cached token over the 4 layers: 2 x kv heads x 16 per layer, MLA latent 32 + rope 8
+    assert [m.config.mla.enabled for m in models.values()] == [False, False, False, True, True]
+    # fp32 bytes per cached token over the 4 layers: 2 x kv heads x 16 per layer, MLA latent 32 (64) + rope 8
     got = {name: cache_bytes_per_token(m.make_cache(1, 1)) for name, m in models.items()}
-    assert got == {"mha": 4096, "gqa": 1024, "mqa": 512, "mla": 640}
-    assert got["mqa"] < got["mla"] < got["gqa"] < got["mha"]
+    assert got == {name: 4 * 4 * n for name, n in
+                   {"mha": 2 * 8 * 16, "gqa": 2 * 2 * 16, "mqa": 2 * 16, "mla": 32 + 8, "mla-64": 64 + 8}.items()}
+    assert got["mqa"] < got["mla"] < got["gqa"] < got["mla-64"] < got["mha"]
 
 
 def test_quick_size_trains_the_mla_variant(tmp_path):
