@@ -26,8 +26,8 @@ def test_variants_share_the_width_and_cache_what_the_header_says():
     assert [m.config.mla.enabled for m in models.values()] == [False, False, False, True, True]
     # fp32 bytes per cached token over the 4 layers: 2 x kv heads x 16 per layer, MLA latent 32 (64) + rope 8
     got = {name: cache_bytes_per_token(m.make_cache(1, 1)) for name, m in models.items()}
-    assert got == {name: 4 * 4 * n for name, n in
-                   {"mha": 2 * 8 * 16, "gqa": 2 * 2 * 16, "mqa": 2 * 16, "mla": 32 + 8, "mla-64": 64 + 8}.items()}
+    per_layer = {"mha": 2 * 8 * 16, "gqa": 2 * 2 * 16, "mqa": 2 * 16, "mla": 32 + 8, "mla-64": 64 + 8}
+    assert got == {name: 4 * 4 * n for name, n in per_layer.items()}
     assert got["mqa"] < got["mla"] < got["gqa"] < got["mla-64"] < got["mha"]
 
 
