@@ -26,6 +26,10 @@ def test_stems_and_stages_set_the_grid(preset, size, grid):
     out = m(torch.randn(2, 3, size, size))
     assert out.last_hidden_state.shape[-2:] == (grid, grid) and out.logits.shape == (2, m.config.num_labels)
     assert out.pooled.shape == (2, m.config.widths[-1])
+    # the map is handed out in NCHW order whatever layout the convolutions ran in: a caller's view() works
+    b, c, h, w = out.last_hidden_state.shape
+    flat = out.last_hidden_state.view(b, c * h * w)  # fails on a channels_last map's strides
+    torch.testing.assert_close(flat.view(b, c, h * w).mean(-1), out.pooled)
 
 
 def _conv(x, cb, stride, pad):

@@ -186,7 +186,10 @@ class ResNet(QKVModel):
                 if labels.shape != (h.shape[0],):
                     raise ValueError(f"labels must be (B,) class ids, got shape {tuple(labels.shape)}")
                 loss, n = token_loss(logits, labels)
-        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=h, pooled=pooled)
+        # handed out in the usual NCHW memory order (as transformers' ResNet returns it): a caller's .view()
+        # of the map works; a copy of the last stage's small map, after the pooling that trains
+        return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=h.contiguous(),
+                           pooled=pooled)
 
 
 def _cifar(depths: list[int], width: int = 64, **kw) -> ResNetConfig:
