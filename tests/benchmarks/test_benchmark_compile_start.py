@@ -2,23 +2,15 @@
 runs leave Inductor's code in the cache folder they were given (its size is reported)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.slow
-def test_compile_start_quick(tmp_path):
+def test_compile_start_quick(tmp_path, run_benchmark):
     pytest.importorskip("transformers")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_start.py"), "--quick", "--new",
-                        "4",
-                        "--threads", "1", "--out", str(tmp_path)], capture_output=True, text=True,
-                       timeout=1200)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_benchmark("compile_start", "--quick", "--new", "4", "--threads", "1", "--out", str(tmp_path),
+                  timeout=1200)
     result = json.loads((tmp_path / "compile_start_quick.json").read_text())
     assert result["cache_mb"] > 0
     assert min(result["eager_s"], result["compiled_cold_s"], result["compiled_warm_s"]) > 0

@@ -6,28 +6,22 @@ docs/performance.md."""
 
 import json
 import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def run(out: Path, peer_python: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llamacpp.py"), "--quick", "--threads", "1",
-                        "--llamacpp-python", peer_python, "--out", str(out)],
-                       capture_output=True, text=True, timeout=900, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def run(run_benchmark: Callable, out: Path, peer_python: str) -> dict:
+    run_benchmark("llamacpp", "--quick", "--threads", "1", "--llamacpp-python", peer_python, "--out",
+                  str(out), timeout=900)
     return json.loads((out / "llamacpp_quick.json").read_text())
 
 
 @pytest.mark.slow
-def test_llamacpp_benchmark_quick_without_peer(tmp_path):
+def test_llamacpp_benchmark_quick_without_peer(tmp_path, run_benchmark):
     pytest.importorskip("transformers")
-    result = run(tmp_path, "")
+    result = run(run_benchmark, tmp_path, "")
     rows = {r["qkv"]: r for r in result["rows"]}
     assert [(r["qkv"], r["llamacpp"]) for r in result["rows"]] == [
         ("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"),
@@ -44,13 +38,13 @@ def test_llamacpp_benchmark_quick_without_peer(tmp_path):
 
 
 @pytest.mark.slow
-def test_llamacpp_benchmark_quick_with_peer(tmp_path):
+def test_llamacpp_benchmark_quick_with_peer(tmp_path, run_benchmark):
     pytest.importorskip("transformers")
     peer = os.environ.get("QKV_LLAMACPP_PYTHON")
     if not peer:
         pytest.skip("llama.cpp is an optional peer: set QKV_LLAMACPP_PYTHON to a venv's python with "
                     "llama-cpp-python")
-    result = run(tmp_path, peer)
+    result = run(run_benchmark, tmp_path, peer)
     rows = {r["llamacpp"]: r for r in result["rows"]}
     assert result["meta"]["llamacpp"]["ready"]
     assert all(r["llamacpp_ms"] > 0 for r in rows.values())

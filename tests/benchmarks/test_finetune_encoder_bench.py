@@ -4,22 +4,14 @@ the figures themselves come from full runs, docs/pretrained.md)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quick_benchmark_writes_results(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_encoder.py"), "--quick", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_quick_benchmark_writes_results(tmp_path, run_benchmark):
+    run_benchmark("finetune_encoder", "--quick", "--out", str(tmp_path), timeout=300)
     result = json.loads((tmp_path / "finetune_encoder_quick.json").read_text())
     assert {row["dtype"] for row in result["rows"]} == {"fp32", "bf16"}
     # per dtype: qkv, HF, qkv with unpadding off, and each project's trainer optimizer (+ clipping) for qkv

@@ -3,23 +3,14 @@ search gives HF's tokens on the benchmark's own inputs (speed is measured by the
 asserted)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers")
 
 
-def test_seq2seq_beam_benchmark_quick(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "seq2seq_beam.py"), "--quick", "--out",
-                        str(tmp_path)],
-                       capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_seq2seq_beam_benchmark_quick(tmp_path, run_benchmark):
+    run_benchmark("seq2seq_beam", "--quick", "--out", str(tmp_path))
     result = json.loads((tmp_path / "seq2seq_beam.json").read_text())
     assert result["tokens_equal"] is True  # qkv's beam search gives HF's tokens
     assert {row["config"] for row in result["rows"]} == {"qkv beam search", "HF MarianMTModel.generate"}

@@ -6,16 +6,10 @@ and a missing --nanogpt path is one clear error."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "train_vs_nanogpt.py"
 
 # nanoGPT's interface (GPTConfig fields, module names, forward(idx, targets) -> (logits, loss)), written
 # independently: plain GPT-2 with nn.Linear (out, in) weights and a tied lm_head.
@@ -91,17 +85,12 @@ class GPT(nn.Module):
 '''
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def test_quick_benchmark_with_a_stand_in_nanogpt(tmp_path):
+def test_quick_benchmark_with_a_stand_in_nanogpt(tmp_path, run_benchmark):
     model_py = tmp_path / "nano" / "model.py"
     model_py.parent.mkdir()
     model_py.write_text(STAND_IN, encoding="utf-8")
-    r = run("--nanogpt", str(model_py), "--quick", "--threads", "1", "--out", str(tmp_path / "out"))
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_benchmark("train_vs_nanogpt", "--nanogpt", str(model_py), "--quick", "--threads", "1", "--out",
+                  str(tmp_path / "out"))
     result = json.loads((tmp_path / "out" / "train_vs_nanogpt_quick.json").read_text())
     assert {(row["model"], row["precision"]) for row in result["rows"]
                 if not row["model"].startswith("recipe:")} == {
@@ -134,14 +123,13 @@ def test_quick_benchmark_with_a_stand_in_nanogpt(tmp_path):
             and "AdamW update alone" in md)
 
 
-def test_optimizer_choice_applies_to_every_model(tmp_path):
+def test_optimizer_choice_applies_to_every_model(tmp_path, run_benchmark):
     """--optimizer fused: every model trains with the same fused AdamW (the first step's loss comes before the
     update, so it is the same as with the default loop) and the JSON says which implementation ran."""
     model_py = tmp_path / "model.py"
     model_py.write_text(STAND_IN, encoding="utf-8")
-    r = run("--nanogpt", str(model_py), "--quick", "--threads", "1", "--precisions", "fp32", "--optimizer",
-            "fused", "--no-recipes", "--out", str(tmp_path / "out"))
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_benchmark("train_vs_nanogpt", "--nanogpt", str(model_py), "--quick", "--threads", "1", "--precisions",
+                  "fp32", "--optimizer", "fused", "--no-recipes", "--out", str(tmp_path / "out"))
     result = json.loads((tmp_path / "out" / "train_vs_nanogpt_quick.json").read_text())
     assert result["config"]["optimizer"].endswith(", fused")
     assert result["recipes"] is None  # --no-recipes
@@ -149,9 +137,9 @@ def test_optimizer_choice_applies_to_every_model(tmp_path):
             < 1e-4)
 
 
-def test_missing_nanogpt_path_is_one_clear_error(tmp_path):
-    r = run("--nanogpt", str(tmp_path / "absent" / "model.py"), "--quick", "--out", str(tmp_path))
-    assert r.returncode == 2
+def test_missing_nanogpt_path_is_one_clear_error(tmp_path, run_benchmark):
+    r = run_benchmark("train_vs_nanogpt", "--nanogpt", str(tmp_path / "absent" / "model.py"), "--quick",
+                      "--out", str(tmp_path), expect_status=2)
     assert "train_vs_nanogpt: error: --nanogpt" in r.stderr and "no such file" in r.stderr
     assert "Traceback" not in r.stderr
     assert not list(tmp_path.glob("*.json"))
