@@ -66,7 +66,8 @@ def word_level_tokenizer(tok: Any) -> Any:
 def tokenizer_config(context_length: int | None, split_specials: bool) -> dict[str, Any]:
     """tokenizer_config.json of a qkv tokenizer written as a Hugging Face one."""
     return {"tokenizer_class": "PreTrainedTokenizerFast", **SPECIAL_ROLES,
-            "split_special_tokens": split_specials, "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False,
+            "split_special_tokens": split_specials, "clean_up_tokenization_spaces": False,
+            "add_bos_token": False, "add_eos_token": False,
             **({"model_max_length": context_length} if context_length else {})}
 
 
