@@ -182,3 +182,27 @@ def test_model_type_must_fit_the_model(tmp_path, capsys):
     assert "position='learned'" in one_line_error(capsys, tmp_path / "src", tmp_path / "out", "--model-type",
                                                   "llama")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("preset, fields", [
+    ("vit-digits", dict(n_layers=1, pooling="cls", dropout=0.0)),
+    ("resnet-18", dict(depths=[1, 1], widths=[8, 16], stem_width=8, num_labels=3)),
+])
+def test_image_classifier_exports_with_its_preprocessing(tmp_path, capsys, preset, fields):
+    ours = perturbed(qkv.build(preset, **fields))
+    ours.save_pretrained(tmp_path / "src")
+    code, printed, err = export(capsys, tmp_path / "src", tmp_path / "out")
+    assert code == 0 and "no tokenizer found" not in err
+    assert (tmp_path / "out" / "preprocessor_config.json").is_file()
+    hf = transformers.AutoModelForImageClassification.from_pretrained(tmp_path / "out").eval()
+    size = getattr(ours.config, "image_size", 32)
+    x = torch.randn(2, ours.config.n_channels, size, size)
+    with torch.no_grad():
+        ref = ours(x).logits
+        torch.testing.assert_close(hf(x).logits, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_mean_pooled_vit_is_refused(tmp_path, capsys):
+    qkv.build("vit-digits", n_layers=1).save_pretrained(tmp_path / "src")
+    assert "pooling='mean'" in one_line_error(capsys, tmp_path / "src", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -237,16 +237,17 @@ def export_encoder_folder(model: Any, out: Path, *, model_type: str, source: Pat
 def export_image_folder(model: Any, out: Path, *, source: Path) -> Path:
     """An image classifier (ViT, ResNet, Swin) as a Hugging Face *ForImageClassification folder, with the
     preprocessing and class names `qkv predict` uses for `source`."""
-    from qkv.finetune.image_export import export_classifier, preprocessor_config
+    from qkv.finetune.image_export import check_exportable, export_classifier, preprocessor_config
     from qkv.interop.common import require
     from qkv.predict import preprocessing_for
 
     c = model.config
     require(c.head == "classify", f"qkv export writes image classifiers; this {type(model).__name__} has "
                                   f"head {c.head!r}")
+    base = _hf_meta(source)
+    check_exportable(model, base)  # the config's refusal, before the weights' names are looked up
     pre, labels = preprocessing_for(source, model)
     mean, std = pre.mean or [0.0] * c.n_channels, pre.std or [1.0] * c.n_channels
-    base = _hf_meta(source)
     export_classifier(model.float(), out, base, dict(enumerate(labels)),
                       preprocessor_config(c.image_size, mean, std))
     from qkv.run import model_folder
