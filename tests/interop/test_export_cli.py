@@ -86,6 +86,8 @@ def test_hugging_face_folder_is_exported_again_with_its_files(charlm_run, tmp_pa
           tie_embeddings=False), "llama"),
     (dict(position="rope", norm="rmsnorm", ffn="swiglu", bias=False, n_heads=4, n_kv_heads=1, qk_norm=True,
           head_dim=16), "qwen3"),
+    (dict(position="rope", norm="rmsnorm", ffn="swiglu", bias=False, n_heads=4, d_ff=32,
+          moe={"n_experts": 4, "n_experts_per_tok": 2}), "mixtral"),
     (dict(), "gpt2"),
 ])
 def test_qkv_folder_exports_as_the_type_its_config_is(tmp_path, capsys, shape, model_type):

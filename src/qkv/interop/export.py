@@ -119,9 +119,14 @@ def choose_model_type(model: Any, meta: dict[str, Any], asked: str | None) -> st
 
 
 def check_paths(source: Path, out: Path, force: bool) -> None:
-    """Refuse a missing SOURCE, OUT = SOURCE (or holding it) and an OUT in use, before any loading."""
+    """Refuse a missing SOURCE, a GGUF file, OUT = SOURCE (or holding it) and an OUT in use, before any
+    loading."""
     if not source.exists():
         raise FileNotFoundError(f"no such run or model folder: {source}")
+    from qkv.interop.gguf_model import is_gguf
+
+    if is_gguf(source):  # no config.json to keep, no tokenizer files to copy: its format is llama.cpp's
+        raise ConfigError(f"{source} is a GGUF file: qkv export writes runs and model folders")
     src, dst = source.resolve(), out.resolve()
     if dst == src or dst in src.parents:
         raise ConfigError(f"OUT ({out}) must be a new folder, not SOURCE or a folder holding it")
