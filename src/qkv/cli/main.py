@@ -341,6 +341,30 @@ def cmd_embed(a: argparse.Namespace) -> int:
     return 0
 
 
+
+def _add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="a run folder (from qkv train), a checkpoint folder inside one, a qkv "
+                                  "model folder or a Hugging Face folder")
+    p.add_argument("out", help="the new Hugging Face folder to write (it must not exist, or be empty)")
+    p.add_argument("--model-type", default=None,
+                   help="the Hugging Face model_type to write (default: from the model's family and config: "
+                        "gpt2, llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, "
+                        "bert, vit, resnet, swin; a Hugging Face folder keeps its own)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="the weights' type in OUT (default: the model's own)")
+    p.add_argument("--force", action="store_true", help="replace OUT when it exists and is not empty")
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from qkv.interop.export import export_model
+
+    done = export_model(a.source, a.out, model_type=a.model_type, dtype=a.dtype, force=a.force)
+    tokenizer = {"copied": "the source's tokenizer files", None: "no tokenizer"}.get(
+        done.tokenizer, f"its {done.tokenizer} tokenizer as tokenizer.json")
+    print(f"wrote a Hugging Face {done.model_type} folder ({done.dtype}, {tokenizer}): {done.out}")
+    print(f"files: {', '.join(done.files)}")
+    return 0
+
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
@@ -357,6 +381,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
     "chat": ("chat with a model folder (its chat template), interactively or --message", add_chat, cmd_chat),
     "embed": ("sentence embeddings of a text file (or its lines nearest to --query)", _add_embed, cmd_embed),
+    "export": ("write a run or model folder as a Hugging Face folder (transformers loads it)", _add_export,
+               cmd_export),
 }
 
 

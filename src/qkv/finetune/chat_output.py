@@ -5,10 +5,6 @@ default, as transformers' load_best_model_at_end) and the report's lines saying 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +12,14 @@ import torch
 
 from qkv.config import ConfigError
 
-# the files of a Hugging Face folder that describe its tokenizer and generation: copied to OUT unchanged
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "added_tokens.json", "generation_config.json")
-# Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads)
-EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:export_llama" for mt in
-                                                      ("llama", "mistral", "qwen2", "qwen3")},
-             **{mt: "qkv.interop.moe:export_moe" for mt in ("mixtral", "qwen2_moe", "qwen3_moe")},
-             "deepseek_v3": "qkv.interop.deepseek:export_deepseek",
-             "llava": "qkv.interop.vlm_export:export_llava",
-             **{mt: "qkv.interop.vlm_export:export_idefics3" for mt in ("idefics3", "smolvlm")}}
+# EXPORTERS (model_type -> its writer) and TOKENIZER_FILES: one table each, declared with `qkv export`
+from qkv.interop.export import (  # noqa: F401  (TOKENIZER_FILES: part of this module's API)
+    EXPORTERS,
+    TOKENIZER_FILES,
+    copy_tokenizer_files,
+    set_token_ids,
+    write_model,
+)
 
 
 def check_exportable(source: Path) -> None:
@@ -48,29 +41,14 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
     model_type = meta.get("model_type")
     if model_type is not None:
         check_exportable(source)
-        module, _, name = EXPORTERS[model_type].partition(":")
-        fn = getattr(importlib.import_module(module), name)
-        params = inspect.signature(fn).parameters
-        fn(model, out, **({"model_type": model_type} if "model_type" in params else {}),
-           **({"source": source} if "source" in params else {}))  # a VLM's processor files (llava: its tower)
-        written = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        write_model(model, out, model_type, source)  # a VLM's processor files: from source (llava: its tower)
         # the exporter knows the architecture; the source knows its token ids and anything else it declared
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if key in meta:
-                written[key] = meta[key]
-            else:
-                written.pop(key, None)
-        from qkv.storage import atomic_write_json
-
-        atomic_write_json(written, out / "config.json")
+        set_token_ids(out, meta)
         fmt = f"hf:{model_type}"
     else:
         model.save_pretrained(out)
         fmt = "qkv"
-    for name in TOKENIZER_FILES:
-        # never a file onto itself (check_out refuses OUT = the source; this guards any other alias of it)
-        if (source / name).is_file() and not ((out / name).exists() and (out / name).samefile(source / name)):
-            shutil.copyfile(source / name, out / name)
+    copy_tokenizer_files(source, out)
     return fmt
 
 

@@ -30,6 +30,7 @@ from qkv.interop.common import (
     export_state,
     load_hf_weights,
     require,
+    unlike,
     write_hf_folder,
 )
 from qkv.models.bert import BERT, BERTConfig
@@ -238,6 +239,12 @@ def export_encoder(
         layout.pooler_act in (None, c.pooler_act) or c.head != "classify",
         f"a {layout.model_type} classifier pools with {layout.pooler_act}, this model with {c.pooler_act}",
     )
+    off = unlike(c, placement="post", norm="layernorm", bias=True, qkv_bias=(None, True), qk_norm=False,
+                 n_kv_heads=(None, c.n_heads), head_dim=(None, c.d_model // c.n_heads), scaled=True,
+                 ffn=tuple(HF_ACT), position="none" if layout.model_class is not BERT else "learned")
+    require(not off, f"a {layout.model_type} folder holds a Post-LN LayerNorm encoder with biases, one "
+                     f"key/value head per query head and a {'/'.join(HF_ACT)} FFN; this model has "
+                     f"{', '.join(off)}")
     mapping = _mapping(layout, c)
     if c.head == "tag":  # HF token classifiers have no pooler (and one in the file would read as "classify")
         mapping = {k: v for k, v in mapping.items() if not v.startswith("pooler.")}

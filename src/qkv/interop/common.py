@@ -252,6 +252,17 @@ def require(cond: bool, message: str) -> None:
         raise CheckpointError(message)
 
 
+def unlike(config: Any, **holds: Any) -> list[str]:
+    """`name=value` of each field of `config` that a format cannot hold: it holds the value given, or any of
+    a tuple's. What a refusal names, so that its message says what does not fit."""
+    out = []
+    for name, ok in holds.items():
+        value = getattr(config, name)
+        if not (value in ok if isinstance(ok, tuple) else value == ok):
+            out.append(f"{name}={value!r}")
+    return out
+
+
 # -- the other direction (qkv -> HF folder) -----------------------------------------------------------
 def export_state(
     our_state: Mapping[str, Tensor],

@@ -21,6 +21,7 @@ from qkv.interop.common import (
     export_state,
     load_hf_weights,
     require,
+    unlike,
     write_hf_folder,
 )
 from qkv.models.gpt import GPT, GPTConfig
@@ -130,10 +131,17 @@ def load_gpt2(folder: Path, hf_config: dict[str, Any]) -> GPT:
 def config_to_hf(config: GPTConfig) -> dict[str, Any]:
     """The inverse of config_from_hf, for configs a GPT2LMHeadModel can express."""
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
-    ok = (config.position == "learned" and config.placement == "pre" and config.norm == "layernorm"
-          and config.bias and config.ffn in act and config.n_kv_heads in (None, config.n_heads))
-    require(ok, "only GPT-2-shaped configs (learned positions, Pre-LN, LayerNorm, biases, MHA, "
-                "gelu/gelu_tanh/relu FFN) can be exported to a GPT-2 folder")
+    off = unlike(config, position="learned", placement="pre", norm="layernorm", bias=True,
+                 qkv_bias=(None, True), n_kv_heads=(None, config.n_heads),
+                 head_dim=(None, config.d_model // config.n_heads), qk_norm=False, sliding_window=None,
+                 ffn=tuple(act))
+    if config.moe.n_experts:
+        off.append(f"moe.n_experts={config.moe.n_experts}")
+    if config.mla.enabled:
+        off.append(f"mla.kv_lora_rank={config.mla.kv_lora_rank}")
+    require(not off, "only GPT-2-shaped configs (learned positions, Pre-LN, LayerNorm, biases, MHA, "
+                     "gelu/gelu_tanh/relu FFN) can be exported to a GPT-2 folder; this model has "
+                     + ", ".join(off))
     return {
         "model_type": "gpt2",
         "architectures": ["GPT2LMHeadModel"],

@@ -35,6 +35,7 @@ from qkv.interop.common import (
     export_state,
     materialise,
     require,
+    unlike,
     write_hf_folder,
 )
 from qkv.models.gpt import GPT, GPTConfig
@@ -318,10 +319,10 @@ def config_to_hf(config: GPTConfig, model_type: str | None = None) -> dict[str, 
         "a mixture-of-experts model is exported as mixtral, qwen2_moe or qwen3_moe "
         "(qkv.interop.moe.export_moe)",
     )
-    ok = (config.position == "rope" and config.placement == "pre" and config.norm == "rmsnorm"
-          and config.ffn == "swiglu" and config.scaled and config.attention in ("fused", "naive"))
-    require(ok, "only Llama-shaped configs (RoPE, Pre-LN, RMSNorm, SwiGLU, scaled attention) can be exported "
-                "to a Llama-style folder")
+    off = unlike(config, position="rope", placement="pre", norm="rmsnorm", ffn="swiglu", scaled=True,
+                 attention=("fused", "naive"))
+    require(not off, "only Llama-shaped configs (RoPE, Pre-LN, RMSNorm, SwiGLU, scaled attention) can be "
+                     f"exported to a Llama-style folder; this model has {', '.join(off)}")
     require((mt == "qwen2") == bool(config.qkv_bias and not config.bias),
             f"q/k/v-only biases are Qwen2's; model_type {mt!r} does not express qkv_bias={config.qkv_bias}")
     require(
