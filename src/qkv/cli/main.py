@@ -341,7 +341,6 @@ def cmd_embed(a: argparse.Namespace) -> int:
     return 0
 
 
-
 def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="a run folder (from qkv train), a checkpoint folder inside one, a qkv "
                                   "model folder or a Hugging Face folder")
@@ -364,6 +363,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     print(f"wrote a Hugging Face {done.model_type} folder ({done.dtype}, {tokenizer}): {done.out}")
     print(f"files: {', '.join(done.files)}")
     return 0
+
 
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
