@@ -92,7 +92,7 @@ class ImagePreprocessor:
         return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
 
 
-def _hf_meta(folder: Path) -> dict[str, Any] | None:
+def hf_meta(folder: Path) -> dict[str, Any] | None:
     try:
         meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -107,7 +107,7 @@ def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, 
     c = model.config
     n = int(c.num_labels)
     folder = model_folder(path)
-    meta = _hf_meta(folder)
+    meta = hf_meta(folder)
     if meta is not None:  # a Hugging Face folder
         pre_file = folder / "preprocessor_config.json"
         if pre_file.is_file():

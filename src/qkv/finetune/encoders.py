@@ -11,7 +11,6 @@ import argparse
 import csv
 import io
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,16 +20,11 @@ from torch import Tensor
 
 from qkv.config import ConfigError, apply_overrides
 from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
+from qkv.interop.bert import ENCODER_LAYOUTS
 from qkv.tasks.base import text_lines
 
-# the encoder model_types and the module whose Layout writes them back
-FAMILIES = {"bert": ("qkv.interop.bert", "BERT_LAYOUT"), "roberta": ("qkv.interop.roberta", "ROBERTA_LAYOUT"),
-            "xlm-roberta": ("qkv.interop.roberta", "XLM_ROBERTA_LAYOUT"),
-            "distilbert": ("qkv.interop.distilbert", "DISTILBERT_LAYOUT"),
-            "deberta-v2": ("qkv.interop.deberta", "DEBERTA_LAYOUT")}
-# tokenizer files a Hugging Face folder may carry; copied to the output folder so it is complete
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-                   "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spm.model", "added_tokens.json")
+# the encoder model_types the recipes take (each with the Layout that reads and writes it)
+FAMILIES = ENCODER_LAYOUTS
 
 
 def flag(group: argparse._ArgumentGroup, name: str, **kwargs: Any) -> None:
@@ -58,10 +52,9 @@ class EncoderFolder:
         return int(self.model.config.context_length)
 
     def layout(self) -> Any:
-        import importlib
+        from qkv.interop.bert import encoder_layout
 
-        module, name = FAMILIES[self.model_type]
-        return getattr(importlib.import_module(module), name)
+        return encoder_layout(self.model_type)
 
 
 def open_encoder(folder: str | Path) -> EncoderFolder:
@@ -98,18 +91,14 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
     return EncoderFolder(folder, model, tok, meta, mt)
 
 
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file() and src.resolve() != dst.resolve():
-            shutil.copyfile(src / name, dst / name)
-
-
 def export_folder(enc: EncoderFolder, model: Any, out: Path, id2label: dict[int, str] | None) -> Path:
     """`model` as a Hugging Face folder of the source's family, with the source's tokenizer files."""
     from qkv.interop.bert import export_encoder
+    from qkv.interop.export_tokenizer import copy_tokenizer_files
 
     export_encoder(model, out, enc.layout(), base_config=enc.hf_config, id2label=id2label)
-    copy_tokenizer(enc.path, out)
+    # a classifier or tagger does not generate: a generation_config.json beside it would describe no use of it
+    copy_tokenizer_files(enc.path, out, generation=False)
     return out
 
 

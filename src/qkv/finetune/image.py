@@ -88,7 +88,7 @@ def _image_size(model: Any, pre: Any) -> int:
 def open_image_model(path: str | Path) -> ImageSource:
     """A Hugging Face vit / resnet / swin folder or a qkv image run (its newest checkpoint), with its
     preprocessing and class names (read as `qkv predict` reads them)."""
-    from qkv.predict import _hf_meta, preprocessing_for
+    from qkv.predict import hf_meta, preprocessing_for
     from qkv.run import load_model_any, model_folder
 
     model = load_model_any(path)
@@ -97,7 +97,7 @@ def open_image_model(path: str | Path) -> ImageSource:
                           f"{type(model).__name__}")
     family = family_of(model)
     pre, labels = preprocessing_for(path, model)
-    base = _hf_meta(model_folder(path))
+    base = hf_meta(model_folder(path))
     check_exportable(model, base)  # refused now, not after the training
     return ImageSource(Path(path), model.float(), family, base, labels, _image_size(model, pre), pre.mean,
                        pre.std)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,9 @@ from qkv.finetune import (
     register_recipe,
     shared,
 )
+from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.tasks.base import text_lines
 from qkv.train.config import train_overrides
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
-                   "source.spm", "target.spm", "vocab.json", "generation_config.json")
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
@@ -183,9 +180,7 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
     else:
         raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, "
                           "marian)")
-    for name in TOKENIZER_FILES:  # never a file onto itself
-        if (source / name).is_file() and (source / name).resolve() != (out / name).resolve():
-            shutil.copyfile(source / name, out / name)
+    copy_tokenizer_files(source, out)
     return out
 
 

@@ -149,6 +149,23 @@ class Layout:
     extra: Callable[[BERTConfig], dict[str, str]] | None = None  # more tensors, as the config decides
 
 
+# the encoder model_types and the module whose Layout reads and writes them (imported when asked: each
+# family's module imports this one)
+ENCODER_LAYOUTS = {"bert": ("qkv.interop.bert", "BERT_LAYOUT"),
+                   "roberta": ("qkv.interop.roberta", "ROBERTA_LAYOUT"),
+                   "xlm-roberta": ("qkv.interop.roberta", "XLM_ROBERTA_LAYOUT"),
+                   "distilbert": ("qkv.interop.distilbert", "DISTILBERT_LAYOUT"),
+                   "deberta-v2": ("qkv.interop.deberta", "DEBERTA_LAYOUT")}
+
+
+def encoder_layout(model_type: str) -> Layout:
+    """The Layout of an encoder model_type (one of ENCODER_LAYOUTS)."""
+    import importlib
+
+    module, name = ENCODER_LAYOUTS[model_type]
+    return getattr(importlib.import_module(module), name)
+
+
 def _normalise_key(key: str, prefix: str) -> str:
     """The task model's prefix off; the TF-era LayerNorm names gamma/beta -> weight/bias."""
     key = key.removeprefix(prefix)
@@ -318,6 +335,8 @@ def export_bert(model: BERT, path: str | os.PathLike, **kwargs: Any) -> Path:
 LOADERS["bert"] = load_bert
 
 __all__ = [
+    "ENCODER_LAYOUTS",
+    "encoder_layout",
     "BERT_LAYOUT",
     "ENCODER_MAP",
     "Layout",

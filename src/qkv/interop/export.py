@@ -17,6 +17,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError
+from qkv.interop.bert import ENCODER_LAYOUTS
 from qkv.interop.export_tokenizer import TOKENIZER_FILES, copy_tokenizer_files  # noqa: F401  (re-exported)
 
 _DECODERS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
@@ -35,14 +38,14 @@ EXPORTERS = {"gpt2": "qkv.interop.gpt2:export_gpt2", **{mt: "qkv.interop.llama:e
              "deepseek_v3": "qkv.interop.deepseek:export_deepseek",
              "llava": "qkv.interop.vlm_export:export_llava",
              **{mt: "qkv.interop.vlm_export:export_idefics3" for mt in ("idefics3", "smolvlm")},
-             **{mt: "qkv.interop.export:export_encoder_folder" for mt in
-                ("bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2")},
+             **{mt: "qkv.interop.export:export_encoder_folder" for mt in ENCODER_LAYOUTS},
              **{mt: "qkv.interop.export:export_image_folder" for mt in ("vit", "resnet", "swin")}}
 # qkv family -> the model types its models can be written as (the first: an encoder's default)
 FAMILY_TYPES = {"gpt": _DECODERS, "bert": ("bert", "roberta", "xlm-roberta", "distilbert"),
                 "deberta": ("deberta-v2",), "vit": ("vit",), "resnet": ("resnet",), "swin": ("swin",),
                 "llava": ("llava", "idefics3", "smolvlm")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IMAGE_FAMILIES = ("vit", "resnet", "swin")
 
 
 @dataclass
@@ -107,6 +110,9 @@ def choose_model_type(model: Any, meta: dict[str, Any], asked: str | None) -> st
                           f"family) model; it writes {', '.join(sorted(FAMILY_TYPES))} models")
     hf_type = meta.get("model_type") if "qkv_family" not in meta else None
     chosen = asked or hf_type or (decoder_type(model.config) if fam == "gpt" else types[0])
+    if chosen not in EXPORTERS and asked is None:  # the folder's own type, not a flag the user gave
+        raise ConfigError(f"a Hugging Face {chosen} folder has no exporter; pass --model-type, one of "
+                          f"{', '.join(t for t in types if t in EXPORTERS)}")
     if chosen not in EXPORTERS:
         raise ConfigError(f"--model-type {chosen!r}: qkv writes {', '.join(sorted(EXPORTERS))} folders")
     if chosen not in types:
@@ -119,21 +125,60 @@ def choose_model_type(model: Any, meta: dict[str, Any], asked: str | None) -> st
 
 
 def check_paths(source: Path, out: Path, force: bool) -> None:
-    """Refuse a missing SOURCE, a GGUF file, OUT = SOURCE (or holding it) and an OUT in use, before any
-    loading."""
+    """Refuse, before any loading: a missing SOURCE, a GGUF file, an OUT that is or holds what is read
+    (SOURCE, the model folder in it, its run folder) or the working folder, a symlink OUT and an OUT in
+    use."""
     if not source.exists():
         raise FileNotFoundError(f"no such run or model folder: {source}")
     from qkv.interop.gguf_model import is_gguf
+    from qkv.run import model_folder, run_folder_of
 
     if is_gguf(source):  # no config.json to keep, no tokenizer files to copy: its format is llama.cpp's
         raise ConfigError(f"{source} is a GGUF file: qkv export writes runs and model folders")
-    src, dst = source.resolve(), out.resolve()
-    if dst == src or dst in src.parents:
-        raise ConfigError(f"OUT ({out}) must be a new folder, not SOURCE or a folder holding it")
+    dst = out.resolve()
+    read = [source.resolve(), model_folder(source).resolve(), run_folder_of(source)]
+    if any(dst == p or dst in p.parents for p in read if p is not None):
+        raise ConfigError(f"OUT ({out}) must be a new folder, not SOURCE, its model or run folder, or a "
+                          "folder holding them")
+    if out.is_symlink():  # --force would empty the folder it points to, wherever that is
+        raise ConfigError(f"OUT ({out}) is a symbolic link; give the folder itself")
+    cwd = Path.cwd().resolve()
+    if dst == cwd or dst in cwd.parents:
+        raise ConfigError(f"OUT ({out}) is the working folder or holds it; give a new folder")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"OUT ({out}) is a file")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ConfigError(f"OUT ({out}) exists and is not empty; pass --force to replace it")
+
+
+@contextmanager
+def _filesystem(what: str, path: Path) -> Iterator[None]:
+    """An OSError (no permission, a full disk, a read-only file system) as one line naming `path`."""
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError(f"cannot {what} {path}: {e.strerror or e}") from None
+
+
+def _new_parents(out: Path) -> Path | None:
+    """The outermost missing folder above `out` (None when its parent exists): what mkdir will create."""
+    missing = [p for p in out.absolute().parents if not p.exists()]
+    return missing[-1] if missing else None
+
+
+def _remove_new_parents(out: Path, first: Path | None) -> None:
+    """Remove the empty folders created above `out`, up to and including `first`."""
+    if first is None:
+        return
+    d = out.absolute().parent
+    while True:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (something else wrote there meanwhile): left alone
+            return
+        if d == first:
+            return
+        d = d.parent
 
 
 def export_model(source: str | os.PathLike, out: str | os.PathLike, *, model_type: str | None = None,
@@ -141,7 +186,7 @@ def export_model(source: str | os.PathLike, out: str | os.PathLike, *, model_typ
     """Write the model of `source` (a run folder, a checkpoint in one, a qkv or Hugging Face model folder)
     into the new folder `out` as a Hugging Face `model_type` folder with its tokenizer."""
     from qkv.run import load_model_any, model_folder
-    from qkv.storage import read_config, umask_mode
+    from qkv.storage import read_config
 
     source, out = Path(source), Path(out)
     check_paths(source, out, force)
@@ -152,31 +197,54 @@ def export_model(source: str | os.PathLike, out: str | os.PathLike, *, model_typ
     model = load_model_any(source).eval()
     chosen = choose_model_type(model, meta, model_type)
     if dtype is not None:
+        if type(model).family in _IMAGE_FAMILIES:  # its exporter writes float32 (what the parity checks hold)
+            raise ConfigError(f"--dtype: qkv export writes an image classifier in float32; drop "
+                              f"--dtype {dtype}")
         model = model.to(DTYPES[dtype])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    staging.chmod(umask_mode("dir"))  # mkdtemp's is owner-only: OUT gets a new folder's usual mode
+    first_new = _new_parents(out)
+    done = False
     try:
-        write_model(model, staging, chosen, folder)
-        tokenizer = _write_tokenizer(model, chosen, source, folder, meta, staging)
-        files = sorted(p.name for p in staging.iterdir())
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        tokenizer, files = _write_staged(model, chosen, source, folder, meta, out)
+        done = True
     finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        if not done:
+            _remove_new_parents(out, first_new)
     written = str(next(model.parameters()).dtype).removeprefix("torch.")
     return Exported(out, chosen, written, tokenizer, files)
+
+
+def _write_staged(model: Any, model_type: str, source: Path, folder: Path, meta: dict[str, Any],
+                  out: Path) -> tuple[str | None, list[str]]:
+    """The model and its tokenizer written in a new folder beside `out` that then replaces it: the tokenizer
+    written and the files."""
+    from qkv.storage import umask_mode
+
+    with _filesystem("create", out.parent):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        staging.chmod(umask_mode("dir"))  # mkdtemp's is owner-only: OUT gets a new folder's usual mode
+        write_model(model, staging, model_type, folder)
+        tokenizer = _write_tokenizer(model, model_type, source, folder, meta, staging)
+        files = sorted(p.name for p in staging.iterdir())
+        with _filesystem("replace", out):
+            if out.exists():
+                shutil.rmtree(out)
+            staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer, files
 
 
 def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, meta: dict[str, Any],
                      out: Path) -> str | None:
     """The tokenizer files beside the model (an image classifier has none), and a decoder's token ids."""
-    from qkv.interop.export_tokenizer import qkv_tokenizer_of, write_qkv_tokenizer
+    from qkv.interop.export_tokenizer import write_qkv_tokenizer
     from qkv.run import run_folder_of
+    from qkv.tasks.tokenizers import saved_tokenizer
 
-    if type(model).family in ("vit", "resnet", "swin", "llava"):  # a VLM's exporter copies its own files
+    if type(model).family in (*_IMAGE_FAMILIES, "llava"):  # a VLM's exporter copies its own files
         return None
     if "qkv_family" not in meta:  # a Hugging Face folder: its files as they are, its token ids
         copied = copy_tokenizer_files(folder, out)
@@ -184,26 +252,40 @@ def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, me
             set_token_ids(out, meta)
         return "copied" if copied else None
     run = run_folder_of(source)
-    tok = qkv_tokenizer_of([folder] + ([run] if run else []))
-    if tok is None:
-        import warnings
+    folders = [folder] + ([run] if run else [])
+    tok = saved_tokenizer(folders)
+    if tok is not None:
+        kind = write_qkv_tokenizer(tok, out, getattr(model.config, "context_length", None),
+                                   _prepends_bos(model, run))
+        if kind is not None and model_type in _DECODERS:
+            set_token_ids(out, {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
+                                "pad_token_id": tok.pad_id})
+        return kind
+    # a qkv folder carrying a Hugging Face tokenizer (the chat recipe's OUT from a qkv source): its files
+    if any(copy_tokenizer_files(d, out) for d in folders):  # the first folder holding them
+        return "copied"
+    import warnings
 
-        warnings.warn(f"no tokenizer found with {source}: the folder holds the model only", stacklevel=2)
-        return None
-    kind = write_qkv_tokenizer(tok, out, getattr(model.config, "context_length", None))
-    if kind is not None and model_type in _DECODERS:
-        set_token_ids(out, {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
-                            "pad_token_id": tok.pad_id})
-    return kind
+    warnings.warn(f"no tokenizer found with {source}: the folder holds the model only", stacklevel=2)
+    return None
+
+
+def _prepends_bos(model: Any, run: Path | None) -> bool:
+    """Does the model read <bos> first? The run's task says (ListOps puts it first for a classifier reading
+    the first position); without a run, a model that pools its first token does (qkv's tasks' convention)."""
+    if run is None:
+        return bool(type(model).pools_first_token)
+    from qkv.run import load_run_task
+
+    return bool(getattr(load_run_task(run), "pools_first_token", False))
 
 
 def _hf_meta(source: Path) -> dict[str, Any] | None:
     """The config.json of a Hugging Face folder (None for a qkv folder or run)."""
+    from qkv.predict import hf_meta
     from qkv.run import model_folder
-    from qkv.storage import read_config
 
-    meta = read_config(model_folder(source))
-    return None if "qkv_family" in meta else meta
+    return hf_meta(model_folder(source))
 
 
 def _run_classes(source: Path) -> dict[int, str] | None:
@@ -219,18 +301,9 @@ def _run_classes(source: Path) -> dict[int, str] | None:
 def export_encoder_folder(model: Any, out: Path, *, model_type: str, source: Path) -> Path:
     """A BERT-like encoder as a `model_type` folder; the class names from the source folder's config.json,
     else from the run's task."""
-    from qkv.interop.bert import BERT_LAYOUT, export_encoder
+    from qkv.interop.bert import encoder_layout, export_encoder
 
-    if model_type == "distilbert":
-        from qkv.interop.distilbert import DISTILBERT_LAYOUT as layout
-    elif model_type == "deberta-v2":
-        from qkv.interop.deberta import DEBERTA_LAYOUT as layout
-    elif model_type in ("roberta", "xlm-roberta"):
-        from qkv.interop.roberta import ROBERTA_LAYOUT, XLM_ROBERTA_LAYOUT
-
-        layout = XLM_ROBERTA_LAYOUT if model_type == "xlm-roberta" else ROBERTA_LAYOUT
-    else:
-        layout = BERT_LAYOUT
+    layout = encoder_layout(model_type)
     base = _hf_meta(source)
     names = (base or {}).get("id2label")
     id2label = {int(i): str(n) for i, n in names.items()} if isinstance(names, dict) else _run_classes(source)

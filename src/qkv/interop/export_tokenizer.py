@@ -10,7 +10,8 @@ is written as the tokenizer.json + tokenizer_config.json that transformers' Auto
 qkv's char and word tokenizers never read a special token's name out of the text ("<bos>" typed in a prompt
 is five characters): their tokenizer_config.json sets split_special_tokens (the BPE one, through tokenizers,
 does read it as the special token, and so does transformers). qkv adds no bos/eos when encoding, so there is
-no post-processor either.
+no post-processor either, except for a run whose task puts <bos> first (ListOps for a classifier that reads
+the first position, as BERT's [CLS]): a TemplateProcessing "<bos> $A" then does the same.
 """
 
 from __future__ import annotations
@@ -22,19 +23,25 @@ from typing import Any
 
 from qkv.storage import atomic_write, atomic_write_json
 
-# the files of a Hugging Face folder that describe its tokenizer and generation: copied to OUT unchanged
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "added_tokens.json", "generation_config.json")
+# the files of a Hugging Face folder that describe its tokenizer (tokenizers' JSON; GPT-2's BPE; BERT's
+# WordPiece vocab.txt; SentencePiece models: Llama's, DeBERTa-v3's, XLM-R's, T5's, Marian's source/target) and
+# its chat template: copied to OUT unchanged. A file missing from this list is a tokenizer lost on export.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt",
+                   "tokenizer.model", "spm.model", "sentencepiece.bpe.model", "spiece.model", "source.spm",
+                   "target.spm")
+GENERATION_FILES = ("generation_config.json",)  # a generative model's decoding defaults
 # qkv's special tokens under the names transformers gives them
 SPECIAL_ROLES = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "sep_token": "<sep>",
                  "unk_token": "<unk>", "mask_token": "<mask>"}
 
 
-def copy_tokenizer_files(source: Path, out: Path) -> list[str]:
-    """Copy a Hugging Face folder's tokenizer and generation files into `out`; the names copied."""
+def copy_tokenizer_files(source: Path, out: Path, *, generation: bool = True,
+                         also: tuple[str, ...] = ()) -> list[str]:
+    """Copy a Hugging Face folder's tokenizer files (its generation files too unless `generation` is False,
+    and the names in `also`) into `out`; the names copied."""
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + (GENERATION_FILES if generation else ()) + also:
         # never a file onto itself (OUT = the source is refused; this guards any other alias of it)
         if (source / name).is_file() and not ((out / name).exists() and (out / name).samefile(source / name)):
             shutil.copyfile(source / name, out / name)
@@ -63,43 +70,49 @@ def word_level_tokenizer(tok: Any) -> Any:
     return hf
 
 
-def tokenizer_config(context_length: int | None, split_specials: bool) -> dict[str, Any]:
+def with_bos(hf: Any, bos: str, bos_id: int) -> Any:
+    """`hf` (a tokenizers.Tokenizer) putting `bos` before every text it encodes, after whatever its own
+    post-processor does: what a task that prepends <bos> (as BERT's [CLS], for a classifier reading the first
+    position) feeds the model."""
+    from tokenizers import processors
+
+    template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                             special_tokens=[(bos, bos_id)])
+    hf.post_processor = template if hf.post_processor is None else processors.Sequence([hf.post_processor,
+                                                                                          template])
+    return hf
+
+
+def tokenizer_config(context_length: int | None, split_specials: bool,
+                     add_bos: bool = False) -> dict[str, Any]:
     """tokenizer_config.json of a qkv tokenizer written as a Hugging Face one."""
     return {"tokenizer_class": "PreTrainedTokenizerFast", **SPECIAL_ROLES,
             "split_special_tokens": split_specials, "clean_up_tokenization_spaces": False,
-            "add_bos_token": False, "add_eos_token": False,
+            "add_bos_token": add_bos, "add_eos_token": False,
             **({"model_max_length": context_length} if context_length else {})}
 
 
-def write_qkv_tokenizer(tok: Any, out: Path, context_length: int | None) -> str | None:
-    """`tok` (a qkv tokenizer) as Hugging Face files in `out`; its kind, or None (with a warning) for a kind
-    no tokenizer.json expresses exactly."""
+def write_qkv_tokenizer(tok: Any, out: Path, context_length: int | None,
+                        prepend_bos: bool = False) -> str | None:
+    """`tok` (a qkv tokenizer) as Hugging Face files in `out`, putting <bos> first when `prepend_bos` (the
+    run's task does); its kind, or None (with a warning) for a kind no tokenizer.json expresses exactly."""
     if tok.kind in ("char", "word"):
         hf = word_level_tokenizer(tok)
-        atomic_write(out / "tokenizer.json", hf.save)
     elif tok.kind == "bpe":
-        atomic_write(out / "tokenizer.json", tok.hf.save)
+        from tokenizers import Tokenizer
+
+        hf = Tokenizer.from_str(tok.hf.to_str())  # a copy: the loaded tokenizer stays as qkv encodes
     else:
         warnings.warn(f"the model's {tok.kind!r} tokenizer has no exact Hugging Face form: OUT has no "
                       "tokenizer", stacklevel=2)
         return None
-    atomic_write_json(tokenizer_config(context_length, tok.kind != "bpe"), out / "tokenizer_config.json")
+    if prepend_bos:
+        hf = with_bos(hf, SPECIAL_ROLES["bos_token"], tok.bos_id)
+    atomic_write(out / "tokenizer.json", hf.save)
+    atomic_write_json(tokenizer_config(context_length, tok.kind != "bpe", prepend_bos),
+                      out / "tokenizer_config.json")
     return tok.kind
 
 
-def qkv_tokenizer_of(folders: list[Path]) -> Any:
-    """The qkv tokenizer saved in the first of `folders` that has one (a run folder keeps it beside
-    task.json), or None."""
-    from qkv.tasks.tokenizers import TokenizerError, load_tokenizer
-
-    for d in folders:
-        if (d / "tokenizer.json").is_file() and (d / "tokenizer_config.json").is_file():
-            try:
-                return load_tokenizer(d)
-            except TokenizerError:  # a Hugging Face tokenizer_config.json (no qkv "kind")
-                return None
-    return None
-
-
-__all__ = ["SPECIAL_ROLES", "TOKENIZER_FILES", "copy_tokenizer_files", "qkv_tokenizer_of", "tokenizer_config",
-           "word_level_tokenizer", "write_qkv_tokenizer"]
+__all__ = ["SPECIAL_ROLES", "TOKENIZER_FILES", "GENERATION_FILES", "copy_tokenizer_files",
+           "tokenizer_config", "with_bos", "word_level_tokenizer", "write_qkv_tokenizer"]

@@ -32,13 +32,10 @@ from torch import Tensor
 from qkv.interop.common import export_state, require, write_hf_folder
 from qkv.storage import unwrap
 
-# the source folder's files carried into the export: the processor's, the tokenizer's, the chat template's
-# and the generation defaults (config.json is written, the weights are the model's). A list, not a pattern:
-# a folder may hold other JSON (a training run's records) that does not describe the exported model.
-CARRIED_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
-                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                 "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-                 "generation_config.json")
+# the source folder's processor files, carried into the export with its tokenizer, chat template and
+# generation files (config.json is written, the weights are the model's). A list, not a pattern: a folder may
+# hold other JSON (a training run's records) that does not describe the exported model.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def language_state(model: torch.nn.Module, prefix: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -74,15 +71,11 @@ def write_vlm_folder(out: str | os.PathLike, state: dict[str, Tensor], hf_config
                      source: str | os.PathLike | None) -> Path:
     """config.json and model.safetensors, plus the source folder's processor, tokenizer and chat template
     files (never a file onto itself)."""
-    import shutil
+    from qkv.interop.export_tokenizer import copy_tokenizer_files
 
     out = write_hf_folder(out, state, hf_config)
-    if source is None:
-        return out
-    for name in CARRIED_FILES:
-        f, target = Path(source) / name, out / name
-        if f.is_file() and not (target.exists() and target.samefile(f)):
-            shutil.copyfile(f, target)
+    if source is not None:
+        copy_tokenizer_files(Path(source), out, also=PROCESSOR_FILES)
     return out
 
 

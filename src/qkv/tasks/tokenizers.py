@@ -280,6 +280,18 @@ def _hf_tokenizer_settings(folder: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def saved_tokenizer(folders: list[Path]) -> Tokenizer | None:
+    """The qkv tokenizer saved in the first of `folders` that holds one (a run folder keeps it beside
+    task.json), or None; a folder whose tokenizer files are a Hugging Face tokenizer's is passed over."""
+    for d in folders:
+        if (d / "tokenizer_config.json").is_file():
+            try:
+                return load_tokenizer(d)
+            except Exception:  # noqa: BLE001  (not a qkv tokenizer: the next folder, or the Hugging Face formats)
+                pass
+    return None
+
+
 def find_tokenizer(path: str | Path) -> TextTokenizer | None:
     """The tokenizer saved with a checkpoint: a qkv tokenizer (tokenizer_config.json + tokenizer.json, in the
     folder or up to two levels above, e.g. a run folder), else a Hugging Face tokenizer.json or a BERT
@@ -294,12 +306,9 @@ def find_tokenizer(path: str | Path) -> TextTokenizer | None:
 
         gguf = load_gguf_tokenizer(folder)
         return bare_tokenizer(gguf.tokenizer, gguf.config)
-    for d in [folder, folder.parent, folder.parent.parent]:
-        if (d / "tokenizer_config.json").is_file():
-            try:
-                return load_tokenizer(d)
-            except Exception:  # noqa: BLE001  (not a qkv tokenizer: try the Hugging Face formats)
-                pass
+    saved = saved_tokenizer([folder, folder.parent, folder.parent.parent])
+    if saved is not None:
+        return saved
     if (folder / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
