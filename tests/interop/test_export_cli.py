@@ -125,6 +125,39 @@ def test_word_and_bpe_tokenizers_encode_and_decode_as_qkv(tmp_path, capsys, make
     assert hf_tok.decode(ids, skip_special_tokens=True) == tok.decode(ids)
 
 
+# strings a tokenizer port gets wrong: nothing, only spaces, CR LF, a combining accent (two code points),
+# an ideographic space (whitespace to Python, not ASCII), an emoji (four UTF-8 bytes) and a character no
+# vocabulary here has
+TRICKY = ["", "   ", "a\r\nb", "cafe\u0301 e\u0301", "a\u3000b", "ok \U0001f600!", "\u6f22 x"]
+
+
+@pytest.fixture(scope="module")
+def exported_tokenizers(tmp_path_factory) -> dict:
+    """qkv's char, word and BPE tokenizers, each exported with a model, and transformers' reading of them."""
+    from qkv.tasks.tokenizers import CharTokenizer
+
+    corpus = "def f(x): return x + 1\n a b cafe ok! \r\n"
+    made = {"char": CharTokenizer.from_text(corpus), "word": WordTokenizer.from_text(corpus),
+            "bpe": BPETokenizer.train([corpus * 3, "more text 123"], vocab_size=280, min_frequency=1)}
+    found = {}
+    for kind, tok in made.items():
+        root = tmp_path_factory.mktemp(kind)
+        qkv.build("gpt-nano", vocab_size=tok.vocab_size).save_pretrained(root / "src")
+        save_tokenizer(tok, root / "src")
+        assert main(["export", str(root / "src"), str(root / "out")]) == 0
+        found[kind] = (tok, transformers.AutoTokenizer.from_pretrained(root / "out"))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["char", "word", "bpe"])
+@pytest.mark.parametrize("text", TRICKY)
+def test_tricky_strings_encode_and_decode_as_qkv(exported_tokenizers, kind, text):
+    tok, hf_tok = exported_tokenizers[kind]
+    ids = tok.encode(text)
+    assert hf_tok(text)["input_ids"] == ids
+    assert hf_tok.decode(ids, skip_special_tokens=True) == tok.decode(ids)
+
+
 def test_bert_classifier_exports_as_bert(tmp_path, capsys):
     ours = perturbed(qkv.build("bert-tiny", vocab_size=60, n_layers=2, d_model=32, head="classify",
                                num_labels=3))
@@ -154,6 +187,9 @@ def test_config_no_format_holds_is_refused_and_writes_nothing(tmp_path, capsys, 
     qkv.build("gpt-nano", **shape).save_pretrained(tmp_path / "src")
     assert named in one_line_error(capsys, tmp_path / "src", tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # neither OUT nor its staging folder
+    # an OUT whose parents do not exist yet: the folders made for it go too
+    assert named in one_line_error(capsys, tmp_path / "src", tmp_path / "a" / "b" / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_pre_ln_bert_is_refused(tmp_path, capsys):

@@ -348,8 +348,8 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-type", default=None,
                    help="the Hugging Face model_type to write (default: from the model's family and config: "
                         "gpt2, llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, "
-                        "bert, roberta, xlm-roberta, distilbert, deberta-v2, vit, resnet, swin; a Hugging Face "
-                        "folder keeps its own)")
+                        "bert, roberta, xlm-roberta, distilbert, deberta-v2, vit, resnet, swin; a Hugging "
+                        "Face folder keeps its own)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="the weights' type in OUT (default: the model's own)")
     p.add_argument("--force", action="store_true", help="replace OUT when it exists and is not empty")
