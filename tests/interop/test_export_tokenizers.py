@@ -48,7 +48,8 @@ def listops_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("listops") / "run"
     assert main(["train", "listops", "--out", str(out), "--max-steps", "2", "model.n_layers=1",
                  "model.d_model=32", "model.n_heads=2", "task.max_len=24", "task.min_len=4",
-                 "task.max_depth=2", "train.batch_size=4", "train.warmup=1", "eval.n=4", "eval.samples=0", "--no-progress"]) == 0
+                 "task.max_depth=2", "train.batch_size=4", "train.warmup=1", "eval.n=4", "eval.samples=0",
+                 "--no-progress"]) == 0
     return out
 
 
