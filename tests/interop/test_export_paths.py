@@ -91,3 +91,11 @@ def test_model_type_help_lists_every_encoder(capsys):
     shown = " ".join(capsys.readouterr().out.split())
     for model_type in ("bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2"):
         assert model_type in shown
+
+
+def test_out_under_a_file_is_one_line(tmp_path, capsys):
+    # mkdir's OSError (here: a parent that is a file; as well no permission, a read-only disk) names the path
+    qkv.build("gpt-nano").save_pretrained(tmp_path / "src")
+    (tmp_path / "notes").write_text("mine")
+    assert "cannot create" in one_line_error(capsys, tmp_path / "src", tmp_path / "notes" / "out")
+    assert (tmp_path / "notes").read_text() == "mine"
