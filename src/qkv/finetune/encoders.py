@@ -20,11 +20,8 @@ from torch import Tensor
 
 from qkv.config import ConfigError, apply_overrides
 from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
-from qkv.interop.bert import ENCODER_LAYOUTS
+from qkv.interop.bert import ENCODER_LAYOUTS, encoder_layout
 from qkv.tasks.base import text_lines
-
-# the encoder model_types the recipes take (each with the Layout that reads and writes it)
-FAMILIES = ENCODER_LAYOUTS
 
 
 def flag(group: argparse._ArgumentGroup, name: str, **kwargs: Any) -> None:
@@ -52,8 +49,6 @@ class EncoderFolder:
         return int(self.model.config.context_length)
 
     def layout(self) -> Any:
-        from qkv.interop.bert import encoder_layout
-
         return encoder_layout(self.model_type)
 
 
@@ -69,9 +64,9 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
     folder = Path(folder)
     meta = read_config(folder)
     mt = meta.get("model_type")
-    if mt not in FAMILIES:
+    if mt not in ENCODER_LAYOUTS:  # the encoder model_types (each with the Layout that reads and writes it)
         raise ConfigError(
-            f"{folder}: the encoder recipes take a Hugging Face {'/'.join(FAMILIES)} folder; "
+            f"{folder}: the encoder recipes take a Hugging Face {'/'.join(ENCODER_LAYOUTS)} folder; "
             f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else "")
         )
     model = from_pretrained(folder)

@@ -71,10 +71,12 @@ def word_level_tokenizer(tok: Any) -> Any:
 
 
 def with_bos(hf: Any, bos: str, bos_id: int) -> Any:
-    """`hf` (a tokenizers.Tokenizer) putting `bos` before every text it encodes, after whatever its own
-    post-processor does: what a task that prepends <bos> (as BERT's [CLS], for a classifier reading the first
-    position) feeds the model."""
-    from tokenizers import processors
+    """A copy of `hf` (a tokenizers.Tokenizer) putting `bos` before every text it encodes, after whatever its
+    own post-processor does: what a task that prepends <bos> (as BERT's [CLS], for a classifier reading the
+    first position) feeds the model."""
+    from tokenizers import Tokenizer, processors
+
+    hf = Tokenizer.from_str(hf.to_str())  # the caller's tokenizer keeps encoding as it did
 
     template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
                                              special_tokens=[(bos, bos_id)])
@@ -99,9 +101,7 @@ def write_qkv_tokenizer(tok: Any, out: Path, context_length: int | None,
     if tok.kind in ("char", "word"):
         hf = word_level_tokenizer(tok)
     elif tok.kind == "bpe":
-        from tokenizers import Tokenizer
-
-        hf = Tokenizer.from_str(tok.hf.to_str())  # a copy: the loaded tokenizer stays as qkv encodes
+        hf = tok.hf
     else:
         warnings.warn(f"the model's {tok.kind!r} tokenizer has no exact Hugging Face form: OUT has no "
                       "tokenizer", stacklevel=2)
