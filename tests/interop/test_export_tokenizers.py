@@ -94,3 +94,18 @@ def test_qkv_folder_with_a_hugging_face_tokenizer_keeps_it(tmp_path, capsys):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "src" / name).read_bytes()
     reread = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert reread(TEXTS)["input_ids"] == hf_tok(TEXTS)["input_ids"]
+
+
+def test_qkv_bert_folder_with_a_bpe_tokenizer_reads_bos_first(tmp_path, capsys):
+    # no run to ask: a model that pools its first token reads <bos> there (qkv's tasks put it first)
+    from qkv.tasks.tokenizers import BPETokenizer, save_tokenizer
+
+    tok = BPETokenizer.train([" ".join(TEXTS) * 3], vocab_size=280, min_frequency=1)
+    qkv.build("bert-tiny", vocab_size=tok.vocab_size, head="classify", num_labels=2).save_pretrained(
+        tmp_path / "src")
+    save_tokenizer(tok, tmp_path / "src")
+    assert export(capsys, tmp_path / "src", tmp_path / "out")[0] == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in TEXTS:
+        assert hf_tok(text)["input_ids"] == [tok.bos_id, *tok.encode(text)]
+        assert hf_tok.decode(hf_tok(text)["input_ids"], skip_special_tokens=True) == tok.decode(tok.encode(text))

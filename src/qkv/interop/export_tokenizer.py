@@ -77,11 +77,10 @@ def with_bos(hf: Any, bos: str, bos_id: int) -> Any:
     from tokenizers import Tokenizer, processors
 
     hf = Tokenizer.from_str(hf.to_str())  # the caller's tokenizer keeps encoding as it did
-
     template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
                                              special_tokens=[(bos, bos_id)])
-    hf.post_processor = template if hf.post_processor is None else processors.Sequence([hf.post_processor,
-                                                                                          template])
+    own = hf.post_processor  # a byte-level BPE's offset trimming, say: kept, before the template
+    hf.post_processor = template if own is None else processors.Sequence([own, template])
     return hf
 
 
