@@ -107,5 +107,6 @@ def test_qkv_bert_folder_with_a_bpe_tokenizer_reads_bos_first(tmp_path, capsys):
     assert export(capsys, tmp_path / "src", tmp_path / "out")[0] == 0
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     for text in TEXTS:
-        assert hf_tok(text)["input_ids"] == [tok.bos_id, *tok.encode(text)]
-        assert hf_tok.decode(hf_tok(text)["input_ids"], skip_special_tokens=True) == tok.decode(tok.encode(text))
+        ids = hf_tok(text)["input_ids"]
+        assert ids == [tok.bos_id, *tok.encode(text)]
+        assert hf_tok.decode(ids, skip_special_tokens=True) == tok.decode(tok.encode(text))
