@@ -6,7 +6,8 @@ recipes (qkv.finetune.chat_output) write their OUT through it too. The model typ
 family and config (a GPT with learned positions: gpt2; with RoPE: llama / qwen2 / qwen3 / mistral; experts:
 mixtral / qwen2_moe / qwen3_moe; MLA: deepseek_v3; an encoder: bert; an image classifier: its own), or
 given. A config the format cannot express is refused by the exporter's own check, and OUT is written in a
-folder beside it that becomes OUT only when everything is in it: a refusal leaves nothing behind.
+folder beside it that becomes OUT only when everything is in it: a refusal leaves nothing behind (the
+parent folders made for OUT are removed too).
 """
 
 from __future__ import annotations
@@ -271,10 +272,13 @@ def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, me
 
 
 def _prepends_bos(model: Any, run: Path | None) -> bool:
-    """Does the model read <bos> first? The run's task says (ListOps puts it first for a classifier reading
-    the first position); without a run, a model that pools its first token does (qkv's tasks' convention)."""
+    """Does the model read <bos> first? Only a model that pools its first token can (qkv's tasks put <bos>
+    there as BERT's [CLS]); its run's task says whether it did (ListOps does), else it is taken to. Other
+    runs' tasks are not loaded (their data need not be where it was)."""
+    if not type(model).pools_first_token:
+        return False
     if run is None:
-        return bool(type(model).pools_first_token)
+        return True
     from qkv.run import load_run_task
 
     return bool(getattr(load_run_task(run), "pools_first_token", False))
