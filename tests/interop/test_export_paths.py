@@ -12,7 +12,7 @@ import pytest
 import qkv
 from qkv.cli.main import EXIT_USER_ERROR, main
 from qkv.config import ConfigError
-from qkv.interop.export import choose_model_type
+from qkv.export import choose_model_type
 
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "task.context=16", "train.batch_size=4",
         "train.warmup=1", "eval.n=4", "eval.samples=0", "--no-progress"]

@@ -31,8 +31,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv.chat_vision",),  # qkv chat --image: a ChatSession whose messages carry an image (LLaVA)
     # ablation suites (each run through qkv.run.train_run); fine-tuning recipes
     ("qkv.experiments", "qkv.finetune"),
-    # sentence embeddings from a BERT-family folder (uses finetune.encoders' folder + tokenizer)
-    ("qkv.embed",),
+    # sentence embeddings from a BERT-family folder (uses finetune.encoders' folder + tokenizer); qkv export
+    # (a run's tokenizer and task, qkv predict's preprocessing for an image classifier)
+    ("qkv.embed", "qkv.export"),
     ("qkv.explore", "qkv.serve"),  # the attention explorer; qkv serve
     ("qkv.demo",),
     ("qkv.cli",),

@@ -356,7 +356,7 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from qkv.interop.export import export_model
+    from qkv.export import export_model
 
     done = export_model(a.source, a.out, model_type=a.model_type, dtype=a.dtype, force=a.force)
     tokenizer = {"copied": "the source's tokenizer files", None: "no tokenizer"}.get(

@@ -12,7 +12,7 @@ import torch
 
 from qkv.config import ConfigError
 
-# EXPORTERS (model_type -> its writer) and TOKENIZER_FILES: one table each, declared with `qkv export`
+# EXPORTERS (model_type -> its writer) and TOKENIZER_FILES: one table each, declared in qkv.interop
 from qkv.interop.export import (  # noqa: F401  (TOKENIZER_FILES: part of this module's API)
     EXPORTERS,
     TOKENIZER_FILES,
