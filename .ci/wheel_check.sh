@@ -64,6 +64,9 @@ assert out["usage"]["completion_tokens"] >= 1, out
 PY
 kill -TERM "$serve_pid"
 wait "$serve_pid"
+# qkv export: the run as a Hugging Face folder with its char tokenizer as tokenizer.json
+venv/bin/qkv export "$tmp/lm" "$tmp/lm-hf"
+test -s "$tmp/lm-hf/config.json" && test -s "$tmp/lm-hf/model.safetensors" && test -s "$tmp/lm-hf/tokenizer.json"
 # an extra that is not installed is one clear line, exit 2
 set +e
 venv/bin/qkv train numbers_zh --max-steps 1 --out "$tmp/zh" 2> "$tmp/err.txt"
