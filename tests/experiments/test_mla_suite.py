@@ -20,15 +20,16 @@ def _models() -> dict:
 
 def test_variants_share_the_width_and_cache_what_the_header_says():
     models = _models()
-    assert list(models) == ["mha", "gqa", "mqa", "mla", "mla-64"]
+    assert list(models) == ["mha", "gqa", "mqa", "mla", "mla-64", "mla-rope16"]
     widths = {name: tuple(getattr(m.config, f) for f in WIDTH) for name, m in models.items()}
     assert len(set(widths.values())) == 1, widths
-    assert [m.config.mla.enabled for m in models.values()] == [False, False, False, True, True]
+    assert [m.config.mla.enabled for m in models.values()] == [False, False, False, True, True, True]
     # fp32 bytes per cached token over the 4 layers: 2 x kv heads x 16 per layer, MLA latent 32 (64) + rope 8
     got = {name: cache_bytes_per_token(m.make_cache(1, 1)) for name, m in models.items()}
-    per_layer = {"mha": 2 * 8 * 16, "gqa": 2 * 2 * 16, "mqa": 2 * 16, "mla": 32 + 8, "mla-64": 64 + 8}
+    per_layer = {"mha": 2 * 8 * 16, "gqa": 2 * 2 * 16, "mqa": 2 * 16, "mla": 32 + 8, "mla-64": 64 + 8,
+                 "mla-rope16": 32 + 16}
     assert got == {name: 4 * 4 * n for name, n in per_layer.items()}
-    assert got["mqa"] < got["mla"] < got["gqa"] < got["mla-64"] < got["mha"]
+    assert got["mqa"] < got["mla"] < got["mla-rope16"] < got["gqa"] < got["mla-64"] < got["mha"]
 
 
 def test_quick_size_trains_the_mla_variant(tmp_path):
