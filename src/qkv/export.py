@@ -26,14 +26,8 @@ import torch
 
 from qkv.config import ConfigError
 from qkv.interop.bert import ENCODER_LAYOUTS
-from qkv.interop.export import (
-    DECODERS,
-    EXPORTERS,
-    copy_tokenizer_files,
-    decoder_type,
-    set_token_ids,
-    write_model,
-)
+from qkv.interop.export import DECODERS, EXPORTERS, decoder_type, set_token_ids, write_model
+from qkv.interop.export_tokenizer import copy_tokenizer_files
 
 # every format `qkv export` writes: Hugging Face model_type -> "module:function(model, folder)"
 WRITERS = {**EXPORTERS, **{mt: "qkv.export:export_encoder_folder" for mt in ENCODER_LAYOUTS},
@@ -197,8 +191,8 @@ def _write_staged(model: Any, model_type: str, source: Path, folder: Path, meta:
 def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, meta: dict[str, Any],
                      out: Path) -> str | None:
     """The tokenizer files beside the model (an image classifier has none), and a decoder's token ids."""
-    from qkv.interop.export_tokenizer import write_qkv_tokenizer
     from qkv.run import run_folder_of
+    from qkv.tasks.tokenizer_export import write_qkv_tokenizer
     from qkv.tasks.tokenizers import saved_tokenizer
 
     if type(model).family in (*_IMAGE_FAMILIES, "llava"):  # a VLM's exporter copies its own files

@@ -52,9 +52,7 @@ from qkv.finetune.chat_data import (  # noqa: F401  (the data half of this recip
     encode_chat,
     read_chats,
 )
-from qkv.finetune.chat_output import (  # noqa: F401  (EXPORTERS, TOKENIZER_FILES: part of this recipe's API)
-    EXPORTERS,
-    TOKENIZER_FILES,
+from qkv.finetune.chat_output import (
     best_checkpoint,
     check_exportable,
     final_model,

@@ -36,14 +36,20 @@ def _content(content: Any, where: str) -> Any:
     return content
 
 
+def _objects(value: Any, where: str, name: str, item: str, keys: tuple[str, str]) -> list[dict[str, Any]]:
+    """`value` checked as the non-empty list of objects with `keys` that record field `name` holds."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: '{name}' must be a non-empty list of {{{', '.join(keys)}}} objects")
+    for i, x in enumerate(value):
+        if not isinstance(x, dict) or any(k not in x for k in keys):
+            raise ConfigError(f"{where}: {item} {i} must be an object with '{keys[0]}' and '{keys[1]}'")
+    return value
+
+
 def _from_messages(msgs: Any, where: str) -> list[dict[str, Any]]:
     """The "messages" form: OpenAI's [{role, content}, ...]."""
-    if not isinstance(msgs, list) or not msgs:
-        raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ConfigError(f"{where}: message {i} must be an object with 'role' and 'content'")
+    for i, m in enumerate(_objects(msgs, where, "messages", "message", ("role", "content"))):
         if m["role"] not in ROLES:
             raise ConfigError(f"{where}: message {i} has unknown role {m['role']!r} "
                               f"(expected one of {', '.join(ROLES)})")
@@ -53,12 +59,8 @@ def _from_messages(msgs: Any, where: str) -> list[dict[str, Any]]:
 
 def _from_sharegpt(turns: Any, where: str) -> list[dict[str, Any]]:
     """ShareGPT's "conversations" form: [{from: human | gpt | system, value}, ...] (also user / assistant)."""
-    if not isinstance(turns, list) or not turns:
-        raise ConfigError(f"{where}: 'conversations' must be a non-empty list of {{from, value}} objects")
     out = []
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict) or "from" not in t or "value" not in t:
-            raise ConfigError(f"{where}: conversation turn {i} must be an object with 'from' and 'value'")
+    for i, t in enumerate(_objects(turns, where, "conversations", "conversation turn", ("from", "value"))):
         if t["from"] not in SHAREGPT_ROLES:
             raise ConfigError(f"{where}: conversation turn {i} is from {t['from']!r} (expected one of "
                               f"{', '.join(SHAREGPT_ROLES)}; tool turns are not read)")

@@ -11,15 +11,8 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError
-
-# EXPORTERS (model_type -> its writer) and TOKENIZER_FILES: one table each, declared in qkv.interop
-from qkv.interop.export import (  # noqa: F401  (TOKENIZER_FILES: part of this module's API)
-    EXPORTERS,
-    TOKENIZER_FILES,
-    copy_tokenizer_files,
-    set_token_ids,
-    write_model,
-)
+from qkv.interop.export import EXPORTERS, set_token_ids, write_model
+from qkv.interop.export_tokenizer import copy_tokenizer_files
 
 
 def check_exportable(source: Path) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError
-from qkv.interop.export_tokenizer import TOKENIZER_FILES, copy_tokenizer_files  # noqa: F401  (re-exported)
 
 DECODERS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # Hugging Face model_type -> "module:function(model, folder)" writing that format (what transformers loads);
@@ -70,5 +69,4 @@ def decoder_type(config: Any) -> str:
     return model_type_of(config)
 
 
-__all__ = ["DECODERS", "EXPORTERS", "TOKENIZER_FILES", "copy_tokenizer_files", "decoder_type",
-           "set_token_ids", "write_model"]
+__all__ = ["DECODERS", "EXPORTERS", "decoder_type", "set_token_ids", "write_model"]
