@@ -65,6 +65,11 @@ def static_cache(model: Any, batch_size: int, max_len: int, owner: object) -> An
     cache = caches.get(key)
     if cache is None:
         cache = caches[key] = model.make_cache(batch_size, max_len)
+    # a position table (RoPE's) grown here, eagerly: growing it inside the captured step would replace a
+    # buffer that a recorded CUDA graph reads
+    position = getattr(getattr(model, "decoder", None), "position", None)
+    if position is not None:
+        position.reserve(max_len)
     cache.reset()
     cache.owner = owner
     return cache
