@@ -44,7 +44,8 @@ def main(mode: str, out: Path, device: str = "cpu") -> dict:
     # exit
     import gc
 
-    result["ddp_alive_after_close"] = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel)
+    # type(o), not isinstance(o, ...): a dead weakproxy among the objects raises ReferenceError on isinstance
+    result["ddp_alive_after_close"] = sum(issubclass(type(o), torch.nn.parallel.DistributedDataParallel)
                                           for o in gc.get_objects())
     if trainer.dist.is_main:
         (out / "losses.json").write_text(json.dumps(result))
