@@ -117,8 +117,13 @@ def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, 
         labels = meta.get("id2label") or {}
         return pre, [str(labels.get(str(i), labels.get(i, f"LABEL_{i}"))) for i in range(n)]
     pre = ImagePreprocessor(c.n_channels, size=(c.image_size, c.image_size))
-    if run_folder_of(path) is None:
-        return pre, [str(i) for i in range(n)]
+    if run_folder_of(path) is None:  # a qkv model folder; qkv finetune writes its preprocessing and classes
+        pre_file, done = folder / "preprocessor_config.json", folder / "finetune.json"
+        if pre_file.is_file():
+            pre = ImagePreprocessor.from_hf(json.loads(pre_file.read_text(encoding="utf-8")), c.n_channels)
+        labels = json.loads(done.read_text(encoding="utf-8")).get("labels") if done.is_file() else None
+        named = isinstance(labels, list) and len(labels) == n
+        return pre, [str(x) for x in labels] if named else [str(i) for i in range(n)]
     from qkv.run import load_run_task
 
     task = load_run_task(path)
