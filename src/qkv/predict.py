@@ -175,3 +175,49 @@ def format_predictions(rows: list[tuple[str, list[tuple[str, float]]]]) -> list[
         lines.append(img)
         lines += [f"  {p:6.4f}  {name}" for name, p in top]
     return lines
+
+
+MASK_NAMES = ("[MASK]", "<mask>")
+
+
+def fill_mask(path: str | Path, texts: list[str],
+              top_k: int = 5) -> list[tuple[str, list[list[tuple[str, float]]]]]:
+    """[(text, [[(token, probability)] * top_k for each mask token in the text])] from a masked-LM folder
+    (a Hugging Face *ForMaskedLM, or qkv finetune --task mlm's OUT) and its tokenizer."""
+    from qkv.checkpoint import load_model
+    from qkv.interop.tokenizer import load_hf_tokenizer
+
+    if top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {top_k}")
+    model = load_model(path)
+    if getattr(model.config, "head", None) != "mlm":
+        raise ConfigError(f"{path}: --text fills masks with a masked-LM folder (BertForMaskedLM, "
+                          f"RobertaForMaskedLM, ...); this one holds {type(model).__name__} with head "
+                          f"{getattr(model.config, 'head', None)!r}")
+    tok = load_hf_tokenizer(path)
+    named = tok.special_tokens.get("mask_token")
+    mask = next((i for i in (tok.token_to_id(n) for n in [named, *MASK_NAMES] if n) if i is not None), None)
+    if mask is None:
+        raise ConfigError(f"{path}: its tokenizer has no mask token")
+    model.eval()
+    rows = []
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=True)
+        where = [k for k, i in enumerate(ids) if i == mask]
+        if not where:
+            raise ConfigError(f"{text!r} has no {tok.id_to_token(mask)} to fill")
+        with torch.no_grad():
+            probs = model(torch.tensor([ids])).logits[0, where].float().softmax(-1)
+        top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
+        rows.append((text, [[(tok.decode([int(i)]).strip(), float(p)) for p, i in zip(v, ix)]
+                            for v, ix in zip(top.values, top.indices)]))
+    return rows
+
+
+def format_fills(rows: list[tuple[str, list[list[tuple[str, float]]]]]) -> list[str]:
+    lines = []
+    for text, masks in rows:
+        lines.append(text)
+        for n, options in enumerate(masks, 1):
+            lines += [f"  mask {n}: {p:6.4f}  {token}" for token, p in options]
+    return lines

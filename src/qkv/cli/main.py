@@ -280,14 +280,23 @@ def _add_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", default=None,
                    help='a CLIP folder\'s classes, comma-separated: "a cat,a dog" (zero-shot)')
     p.add_argument("--template", default="{}", help='the text each label is put in, e.g. "a photo of {}"')
+    p.add_argument("--text", nargs="+", default=None, metavar="TEXT",
+                   help='a masked-LM folder: texts whose [MASK] tokens to fill, e.g. "Paris is the [MASK] of '
+                        'France"')
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
     from qkv.config import ConfigError
     from qkv.image_text import is_clip_folder, zero_shot
-    from qkv.predict import format_predictions, predict_images
+    from qkv.predict import fill_mask, format_fills, format_predictions, predict_images
 
     images = list(a.images) + list(a.image)
+    if a.text is not None:
+        if images or a.labels is not None:
+            raise ConfigError("--text fills masks in texts; give it without images or --labels")
+        for line in format_fills(fill_mask(a.model, a.text, a.top_k)):
+            print(line)
+        return 0
     if not images:
         raise ConfigError("give the image files to classify (IMAGE... or --image IMAGE...)")
     if is_clip_folder(a.model):
