@@ -111,6 +111,9 @@ def _deberta():
     (lambda: transformers.BertForMaskedLM(bert_config()), "BertForMaskedLM"),
     (_roberta, "RobertaForMaskedLM"),
     (_deberta, "DebertaV2ForMaskedLM"),
+    (lambda: transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+        vocab_size=40, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=40)),
+     "DistilBertForMaskedLM"),
 ])
 def test_export_writes_the_mlm_head(tmp_path, capsys, make, cls):
     torch.manual_seed(0)

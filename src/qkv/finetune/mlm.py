@@ -1,5 +1,5 @@
 """`qkv finetune DIR --task mlm`: masked-LM training (domain adaptation) of a BERT / RoBERTa / XLM-R /
-DeBERTa-v2/v3 folder on a text file.
+DistilBERT / DeBERTa-v2/v3 folder on a text file.
 
     qkv finetune bert-folder --task mlm --data corpus.txt [--dev held_out.txt] --out adapted [--epochs 3]
         [--mask-rate 0.15] [--whole-word] [train.lr=5e-5]
@@ -105,6 +105,12 @@ class MaskedData(EncodedData):
 class MLMRecipe(EncoderRecipe):
     name = "mlm"
     head = "mlm"
+
+    def setup_model(self) -> EncoderFolder:
+        enc = super().setup_model()
+        if "mlm" not in enc.layout().architectures:  # refused now, not after the training
+            raise ConfigError(f"{enc.path}: qkv does not write a {enc.model_type} masked-LM folder")
+        return enc
 
     def data(self, path: str) -> tuple[MaskedData, int]:
         a = self.s.args
