@@ -1,4 +1,6 @@
-"""`qkv predict MODEL IMAGE...`: an image classifier's top classes for image files, with probabilities.
+"""`qkv predict MODEL IMAGE...`: an image classifier's top classes for image files, with probabilities; and
+`qkv predict MODEL --text "... [MASK] ..."`: a masked-LM folder's top tokens for each mask (fill_mask). A CLIP
+folder's zero-shot classes (--labels) are qkv.image_text's.
 
 MODEL is a Hugging Face image-classification folder (ViT, ResNet: preprocessing from its
 preprocessor_config.json, class names from config.json's id2label) or a qkv run trained on an image task (its
