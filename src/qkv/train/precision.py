@@ -5,11 +5,11 @@ matrix products in the low-precision type. bf16 keeps fp32's exponent range, so 
 fp16 underflows small gradients, hence GradScaler (Micikevicius et al. 2018) — and fp16 matrix products
 on CPU are not accelerated (about 2.5 GFLOP/s here), so fp16 on CPU is refused rather than crawled through.
 
-auto (the default) is what is fastest on the device: bf16 on a GPU that supports it, fp32 on a CPU. On a CPU
-without native bf16 (AVX2 only) bf16 autocast's backward falls to torch's reference GEMM: a charlm trained at
-660 tokens/s against fp32's 3,910; with native bf16 (AVX512-BF16, AMX) it measured no faster than fp32 for
-qkv's CPU-sized models (0.80x at width 128, 1.02x at 384, fwd+bwd+AdamW, paired in one process). An explicit
-bf16 on a CPU without native bf16 runs, with a warning that says so.
+auto (the default): bf16 on a GPU that supports it, fp32 on a CPU, decided by the device's capabilities. On a
+CPU without native bf16 (AVX2 only) bf16 autocast's backward falls to torch's reference GEMM: a charlm trained
+at 660 tokens/s against fp32's 3,910, so an explicit bf16 there runs with a warning that says so. With native
+bf16 (AVX512-BF16, AMX) the gain depends on the width: 1.60x at 6 layers x 384 (docs/performance.md), none at
+width 128 (0.80x, paired, loaded machine): auto keeps fp32's numerics there, and bf16 is one setting away.
 """
 
 from __future__ import annotations
