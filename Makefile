@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch==2.13.0 is the CPU build on this machine's disk; the library itself only needs torch>=2.6.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv install install-test demo test lint wheel-check bench clean
+.PHONY: venv install install-test demo test lint wheel-check bench clean gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,3 +40,8 @@ wheel-check: venv
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info
+
+# on a lent CUDA machine (python3 with torch and transformers): the CUDA tests and benchmarks/gpu.py's short
+# profile, results as JSON under $$OUT (default ./gpu-check-out), under 8 minutes
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -11,8 +11,8 @@ speed.
             greedy decoding at batch 1, prompt 32, --new tokens, ms per generated token (prefill included,
             as in llm.py), the median of --repeats interleaved repeats at --threads threads; the bytes of
             weights each variant holds; greedy agreement with the fp32 model over the same tokens
-Variants: fp32, bf16 (the unquantized models); int8 and int4 on the fp32 model (int8 keeps fp32 activations;
-int4 computes its products in bf16), int8 and int4 on the bf16 model.
+Variants: fp32, bf16 (the unquantized models); int8 and int4 on the fp32 model (both compute their products
+with bf16-rounded activations on an x86 CPU: the kernels' fast input), int8 and int4 on the bf16 model.
 
     .venv/bin/python benchmarks/quant.py [--quick] [--threads 2] [--new 48] [--repeats 3] [--steps 300]
 

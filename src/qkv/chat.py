@@ -78,6 +78,7 @@ class ChatSession:
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)
     history: list[dict[str, str]] = field(default_factory=list)
     note: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
+    assistant_model: Any = None  # a draft model of the same tokenizer: speculative decoding
 
     def __post_init__(self) -> None:
         self.templated = bool(self.tokenizer.has_chat_template)
@@ -175,6 +176,8 @@ class ChatSession:
         stop_ids = sorted(self.stop_ids)
         cfg = cfg.replace(eos_token_id=stop_ids or None)
         options: dict[str, Any] = {}
+        if self.assistant_model is not None:
+            options["assistant_model"] = self.assistant_model
         if not self.templated:
             cfg = cfg.replace(stop_strings=["\n" + PLAIN_USER])
             options["tokenizer"] = self.tokenizer

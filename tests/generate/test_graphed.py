@@ -159,3 +159,17 @@ def test_clear_errors_where_graph_decoding_does_not_apply():
         generate(tiny_gpt(), ids, 3, use_cache=False, compile=True)
     with pytest.raises(ValueError, match="return_attentions"):
         generate(tiny_gpt(), ids, 3, return_attentions=True, compile="eager")
+
+
+@pytest.mark.slow
+def test_more_models_than_dynamos_recompile_limit_compile_in_one_process():
+    """Dynamo counts recompilations per code object (limit 8): each model's compiled step has its own, so
+    models and shapes past 8 in one process (here 5 models of other cache lengths x 2 batch sizes) are traced,
+    not refused (fullgraph=True made that a hard failure)."""
+    for seed in range(5):
+        torch.manual_seed(seed)
+        m = tiny_gpt("learned", context=16 + 8 * seed)
+        for batch in (1, 2):
+            ids = torch.randint(0, 11, (batch, 3))
+            assert torch.equal(generate(m, ids, max_new_tokens=2, compile="eager"),
+                               generate(m, ids, max_new_tokens=2))

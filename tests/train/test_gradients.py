@@ -101,7 +101,8 @@ def test_fp16_gradscaler_trains_on_cuda(make_gpt, toy_data, cfg_factory):
     tr = Trainer(model, cfg_factory(precision="fp16", device="cuda", max_steps=20, lr=3e-3), toy_data)
     s = tr.fit()
     assert tr.precision.scaler is not None and s["final_loss"] < 3.0
-    l32, *_ = Trainer(make_gpt(), cfg_factory(device="cuda"), toy_data).compute_gradients(step=1)
+    l32, *_ = Trainer(make_gpt(), cfg_factory(device="cuda", precision="fp32"),
+                      toy_data).compute_gradients(step=1)
     l16, *_ = Trainer(make_gpt(), cfg_factory(precision="fp16", device="cuda"),
                       toy_data).compute_gradients(step=1)
     assert l16 == pytest.approx(l32, rel=1e-2)
@@ -111,8 +112,10 @@ def test_fp16_gradscaler_trains_on_cuda(make_gpt, toy_data, cfg_factory):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_accumulation_on_cuda_bf16(make_gpt, toy_data, cfg_factory):
     m32 = make_gpt()
-    Trainer(m32, cfg_factory(batch_size=32, device="cuda"), toy_data).compute_gradients(step=1)
+    Trainer(m32, cfg_factory(batch_size=32, device="cuda", precision="fp32"),
+            toy_data).compute_gradients(step=1)
     m8 = make_gpt()
-    Trainer(m8, cfg_factory(batch_size=8, grad_accum=4, device="cuda"), toy_data).compute_gradients(step=1)
+    Trainer(m8, cfg_factory(batch_size=8, grad_accum=4, device="cuda", precision="fp32"),
+            toy_data).compute_gradients(step=1)
     for (_k, a), b in zip(grads_of(m32).items(), grads_of(m8).values()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

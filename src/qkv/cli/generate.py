@@ -14,6 +14,26 @@ from qkv.cli.flags import add_generation_flags, add_quantize, generation_flags
 GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "length_penalty",
                   "no_repeat_ngram_size", "min_new_tokens")
 CHAT_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
+# --speculative prompt-lookup: the drafted tokens per verifying forward (transformers' documented example's)
+PROMPT_LOOKUP_TOKENS = 10
+
+
+def add_speculative(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="prompt-lookup|MODEL",
+                   help="speculative decoding (one sequence): 'prompt-lookup' drafts the tokens that "
+                        "followed the last words where they occur earlier in the text (fast when the answer "
+                        f"copies the prompt: rewriting, editing; {PROMPT_LOOKUP_TOKENS} per step), or a "
+                        "small model folder of the same tokenizer drafts; the model checks the drafts in one "
+                        "forward. The same tokens as without it (greedy), the same distribution (sampling)")
+
+
+def speculative_flags(spec: str | None) -> tuple[dict[str, Any], str | None]:
+    """--speculative as (GenerationConfig fields, the draft model's path or None)."""
+    if spec is None:
+        return {}, None
+    if spec == "prompt-lookup":
+        return {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}, None
+    return {}, spec
 
 
 def add_generate(p: argparse.ArgumentParser) -> None:
@@ -50,6 +70,7 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step with torch.compile (the first run compiles for a minute "
                         "or more, later runs reuse ~/.cache/qkv/inductor; one sequence, no beams)")
+    add_speculative(p)
     add_quantize(p)
 
 
@@ -86,10 +107,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
     if a.compile:
         flags["compile"] = True
+    spec, assistant = speculative_flags(a.speculative)
+    flags.update(spec)
     _loading(a.checkpoint)
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream,
-                        strict=a.strict,
-                        quantize=a.quantize, **flags)
+                        strict=a.strict, quantize=a.quantize, assistant=assistant, **flags)
     if not a.stream:
         print(out if out.strip() else "(empty output: the model ended the sequence at once, or generated "
                                       "only special tokens)")
@@ -114,6 +136,7 @@ def add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step with torch.compile (the first answer waits for the "
                         "compile; later runs reuse ~/.cache/qkv/inductor)")
+    add_speculative(p)
     add_quantize(p)
 
 
@@ -136,14 +159,22 @@ def cmd_chat(a: argparse.Namespace) -> int:
         cfg = cfg.replace(do_sample=True)
     if a.compile:
         cfg = cfg.replace(compile=True)
+    spec, assistant = speculative_flags(a.speculative)
+    cfg = cfg.replace(**spec) if spec else cfg
     _loading(a.model)
     from qkv.chat_vision import VisionChatSession, is_vision_folder
 
     if a.image is not None or is_vision_folder(a.model):  # an image, or a model whose template wants parts
         session = VisionChatSession.from_folder(a.model, a.quantize, image=a.image, system=a.system,
                                                 generation_config=cfg)
+        if assistant is not None:
+            raise ConfigError("--speculative MODEL: not with a vision-language chat (use prompt-lookup)")
     else:
         session = ChatSession.from_folder(a.model, a.quantize, system=a.system, generation_config=cfg)
+        if assistant is not None:
+            from qkv.run import load_assistant
+
+            session.assistant_model = load_assistant(assistant, session.tokenizer, a.quantize)
     defaults = session.model.generation_defaults() if hasattr(session.model, "generation_defaults") else {}
     if a.seed is None and resolve(defaults, cfg, {}).sampling:
         print(f"qkv: sampling with seed {seed} (--seed {seed} repeats it)", file=sys.stderr)

@@ -10,7 +10,8 @@
 
 Modules: config.py (GenerationConfig), processors.py (one class per logits option), sampling.py (top-k /
 top-p filters and the draw), search.py and beams.py (decoding loops, beam search), inputs.py (prompt checks),
-graphed.py (the decoding step compiled over the static cache),
+graphed.py (the decoding step compiled over the static cache), speculative.py (drafts by prompt lookup or an
+assistant model, verified k at a time),
 text.py (StreamDecoder, the one detokenising stream, and stream_pieces, the one streaming loop). The
 continuous-batching Engine in parts, as vLLM v1: engine.py (the model runner and the public API),
 scheduler.py (admission, chunked prefill, preemption), blocks.py (KV block allocation, prefix cache),

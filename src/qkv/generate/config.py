@@ -143,6 +143,14 @@ class GenerationConfig:
         "False: eager")
     context_overflow: str = _setting(
         "error", "prompt + new tokens over an absolute-position context: error or slide")
+    # -- speculative decoding (speculative.py): drafts checked k at a time by one forward -------------------
+    prompt_lookup_num_tokens: int | None = _setting(
+        None, "speculative decoding by prompt lookup: draft this many tokens that followed the last n-gram's "
+        "first occurrence in the text so far", ge=1)
+    max_matching_ngram_size: int | None = _setting(
+        None, "prompt lookup: the longest n-gram searched (None: 2, as transformers)", ge=1)
+    num_assistant_tokens: int = _setting(
+        5, "speculative decoding with an assistant_model: tokens it drafts per verifying forward", ge=1)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -175,6 +183,9 @@ class GenerationConfig:
         need(not self.compile or self.num_beams == 1, "compile: graph-captured decoding is not implemented "
                                                       "for "
              "beam search (it reorders the cache every step)")
+        need(not (self.prompt_lookup_num_tokens and (self.num_beams > 1 or self.compile)),
+             "prompt_lookup_num_tokens: speculative decoding runs greedy or sampled decoding, eagerly: not "
+             "with beam search or compile")
         if isinstance(self.stop_strings, str):
             self.stop_strings = [self.stop_strings]
 

@@ -21,6 +21,7 @@ but reuses the compiled kernels, so it starts in seconds rather than the first c
 from __future__ import annotations
 
 import os
+import types
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +122,14 @@ def inductor_cache_dir() -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
+def _own_step() -> Callable[..., Tensor]:
+    """`_step` with a code object of its own. Dynamo keeps its compiled graphs, and counts recompilations
+    against torch._dynamo.config.recompile_limit (8), per code object: through one shared `_step`, the ninth
+    model (or shape) compiled in a process failed with fullgraph=True ("recompile limit exceeded"). Per model,
+    the limit counts that model's own shapes."""
+    return types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
+
+
 def compiled_step(model: Any, compile: bool | str) -> Callable[..., Tensor]:
     """The compiled `_step` for `model` (kept per model and backend). Weights stay graph inputs (no freezing),
     so a weight changed in place after compiling is read as it is now."""
@@ -131,7 +140,7 @@ def compiled_step(model: Any, compile: bool | str) -> Callable[..., Tensor]:
     fn = per_model.get(backend)
     if fn is None:
         mode = "reduce-overhead" if backend == "inductor" else None  # CUDA graphs on a GPU
-        fn = per_model[backend] = torch.compile(_step, backend=backend, mode=mode,
+        fn = per_model[backend] = torch.compile(_own_step(), backend=backend, mode=mode,
                                                 fullgraph=True, dynamic=False)
     return fn
 

@@ -316,12 +316,16 @@ class Pipeline:
         forward can be skipped when nothing reads the cache afterwards."""
         return any(p.forces(cur) for p in self.processors)
 
-    def choose(self, ids: Tensor, logits: Tensor) -> Tensor:
-        """(B, V) logits of the next position -> (B,) tokens: greedy, or a draw after the warpers."""
+    def scores(self, ids: Tensor, logits: Tensor) -> Tensor:
+        """(B, V) logits of the next position -> the scores the token is chosen from: every processor, and
+        when sampling every warper (their softmax is the distribution of the draw)."""
         scores = self.process(ids, logits.float() if (self.processors or self.sampling) else logits)
-        if not self.sampling:
-            return scores.argmax(-1)
         for w in self.warpers:
             scores = w(ids, scores)
-        return sample(scores, self.generator)
+        return scores
+
+    def choose(self, ids: Tensor, logits: Tensor) -> Tensor:
+        """(B, V) logits of the next position -> (B,) tokens: greedy, or a draw after the warpers."""
+        scores = self.scores(ids, logits)
+        return sample(scores, self.generator) if self.sampling else scores.argmax(-1)
 

@@ -33,6 +33,7 @@ from qkv.generate.config import GenerationConfig, resolve
 from qkv.generate.graphed import GraphedSteps, cache_bucket, check_graphable, check_owner, static_cache
 from qkv.generate.inputs import check_special_ids, left_padding, warn_past_trained_context
 from qkv.generate.processors import Context, Pipeline
+from qkv.generate.speculative import SpeculationStats, speculative_loop
 from qkv.models.decoding import Decoder, as_decoder
 from qkv.nn.cache import KVCache
 
@@ -48,6 +49,7 @@ class GenerationOutput:
     scores: Tensor | None = None  # beam search: (N,) length-penalised log-probability of each sequence
     # per generated step: the per-layer dicts {"self": (B, H, Tq, Tk), "cross": (B, H, Tq, S)}
     attentions: list[list[dict[str, Tensor]]] = field(default_factory=list)
+    speculation: SpeculationStats | None = None  # speculative decoding: drafted and accepted tokens
 
 
 def settings(model: Decoder, generation_config: GenerationConfig | int | None,
@@ -389,11 +391,23 @@ def _reorder(cache: Any, rows: Tensor, seq2seq: bool) -> None:
         cache.reorder(rows)
 
 
+def _speculating(cfg: GenerationConfig, assistant_model: Any) -> bool:
+    """Whether this call decodes speculatively (a clear error for settings it cannot serve)."""
+    if assistant_model is None and not cfg.prompt_lookup_num_tokens:
+        return False
+    if assistant_model is not None and cfg.prompt_lookup_num_tokens:
+        raise ValueError("speculative decoding: pass assistant_model or prompt_lookup_num_tokens, not both")
+    if cfg.num_beams > 1 or cfg.compile:
+        raise ValueError("speculative decoding runs greedy or sampled decoding, eagerly: not with beam "
+                         "search (num_beams > 1) or compile")
+    return True
+
+
 @torch.no_grad()
 def generate(model: Any, input_ids: Tensor, generation_config: GenerationConfig | int | None = None, *,
              attention_mask: Tensor | None = None, tokenizer: Any = None,
              stopping_criteria: StoppingCriteria | None = None, generator: torch.Generator | None = None,
-             return_attentions: bool = False, return_dict: bool = False,
+             return_attentions: bool = False, return_dict: bool = False, assistant_model: Any = None,
              **options: Any) -> Tensor | GenerationOutput:
     """Generate up to max_new_tokens tokens per sequence.
 
@@ -422,9 +436,24 @@ def generate(model: Any, input_ids: Tensor, generation_config: GenerationConfig 
     (without cache) over the last context_length tokens.
     return_attentions=True (or return_dict=True) returns a GenerationOutput; its .attentions holds, per
     generated step, the per-layer attention weights (computed by the full forward pass).
+    Speculative decoding (speculative.py; one sequence, decoder-only): prompt_lookup_num_tokens=N drafts N
+    tokens by n-gram lookup in the text so far, assistant_model=a small model of the same tokenizer drafts
+    num_assistant_tokens; the target checks them in one forward. The tokens are plain greedy's, or
+    distributed as plain sampling's; GenerationOutput.speculation counts the accepted drafts.
     """
     dec = as_decoder(model)
     cfg = settings(dec, generation_config, options)
+    if _speculating(cfg, assistant_model):
+        with _EvalMode(model), _EvalMode(assistant_model or model):
+            if return_attentions:
+                raise ValueError("return_attentions is not supported with speculative decoding")
+            s = _Run(dec, input_ids, cfg, attention_mask, cfg.num_return_sequences)
+            stats = SpeculationStats()
+            loop = speculative_loop(s, _stop_fn(cfg.stop_strings, tokenizer, stopping_criteria, s.T),
+                                    generator=_generator(generator, cfg.seed, input_ids.device),
+                                    assistant_model=assistant_model, stats=stats)
+            seqs = _result(s, sum(1 for _ in loop))
+            return GenerationOutput(sequences=seqs, speculation=stats) if return_dict else seqs
     with _EvalMode(model):
         if cfg.num_beams > 1:
             if return_attentions:
@@ -449,7 +478,7 @@ def generate(model: Any, input_ids: Tensor, generation_config: GenerationConfig 
 def stream(model: Any, input_ids: Tensor, generation_config: GenerationConfig | int | None = None, *,
            attention_mask: Tensor | None = None, tokenizer: Any = None,
            stopping_criteria: StoppingCriteria | None = None, generator: torch.Generator | None = None,
-           **options: Any) -> Iterator[Tensor]:
+           assistant_model: Any = None, **options: Any) -> Iterator[Tensor]:
     """Like generate() (greedy or sampling; num_beams must be 1), but yields the (B,) LongTensor of new
     tokens as each step produces them (pad_token_id for rows that have already stopped). The tokens are
     exactly those generate() returns with the same settings. Iterate it to the end, or close it, to restore
@@ -460,12 +489,16 @@ def stream(model: Any, input_ids: Tensor, generation_config: GenerationConfig | 
         raise ValueError("stream() yields one sequence per input token by token: beam search and "
                          "num_return_sequences > 1 need generate()")
     # no_grad only around our own work: a context held across `yield` would leak into the caller's code
-    with _EvalMode(model):
+    with _EvalMode(model), _EvalMode(assistant_model or model):
         with torch.no_grad():
             s = _Run(dec, input_ids, cfg, attention_mask, 1)
         stop = _stop_fn(cfg.stop_strings, tokenizer, stopping_criteria, s.T)
-        loop = _decode_loop(s, s.pipeline(_generator(generator, cfg.seed, input_ids.device)), stop, False,
-                            None)
+        gen = _generator(generator, cfg.seed, input_ids.device)
+        if _speculating(cfg, assistant_model):
+            loop = speculative_loop(s, stop, generator=gen, assistant_model=assistant_model,
+                                    stats=SpeculationStats())
+        else:
+            loop = _decode_loop(s, s.pipeline(gen), stop, False, None)
         while True:
             with torch.no_grad():
                 try:

@@ -209,6 +209,15 @@ class TransformerDecoderModel(QKVModel):
         h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset, last_only=True)
         return self.lm_head(h[:, -1])
 
+    def verify(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
+               offset: int | Tensor | None = None, n_logits: int = 1) -> Tensor:
+        """Logits (B, n_logits, V) of the last n_logits of the newest ids (B, T) over a cache (filled or
+        empty): speculative decoding (qkv.generate.speculative) checks n_logits - 1 drafted tokens in one
+        forward, reading the weights once for all of them. Advances the cache by T; the caller crops it back
+        (StaticCache.crop) past the first rejected draft."""
+        h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset)
+        return self.lm_head(h[:, -n_logits:])
+
     @property
     def static_step_supported(self) -> bool:
         """Whether static_step (graph-captured decoding) works for this model's positions."""

@@ -97,6 +97,13 @@ class StaticCache(KVCache):
         self._cross = {}
         self.memory_keep = None
 
+    def crop(self, length: int) -> None:
+        """Forget every position from `length` on (speculative decoding's rollback of rejected drafts): they
+        are never attended again, and the next update overwrites them."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop: length must be in [0, {self.length}], got {length}")
+        self.length = length
+
     def write_at(self, layer: int, k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
         """The static-shape update of a graph-captured decoding step (Stack.static_step): k, v (B, H_kv, 1,
         hd) written at column `index` (a (1,) long tensor on the cache's device: the positions already

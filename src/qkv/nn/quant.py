@@ -16,9 +16,13 @@ on an AVX-512 EPYC, docs/llm.md): only bf16 activations are vectorized; fp32 and
 fp32 (8 x 576) @ (576 x 1536) product 6.0 ms through the int8 kernel against 0.42 ms dequantized + F.linear).
 The int8 loop reads 16 inputs at a time with aligned loads and does not check: in_features % 16 != 0 gives
 wrong sums or a segfault, and so does an input row not 32-byte aligned. So the int8 kernel runs where those
-hold (bf16 on a CPU) and every other case computes the same formula through F.linear(x, q) * scale: exact, and
-still storing int8 weights. The int4 kernel always gets bf16 (an fp32 input is rounded to bf16 and the output
-cast back: that rounding is far below int4's own error).
+hold and every other case computes the same formula through F.linear(x, q) * scale: exact, and still storing
+int8 weights. An fp32 or fp16 model's activations are rounded to bf16 for the int8 kernel and its output cast
+back (Int8WeightOnlyLinear.product_dtype), on every x86 CPU with AVX2 or more: through the scalar loop, or the
+formula (which converts the codes to fp32 at every call), int8 was 2x slower than the model's own fp32, and
+bf16's rounding of the input (2^-9 relative) is that of the int8 weights' own error (half a step of 1/127 of
+a channel's range). The int4 kernel always gets bf16 (an fp32 input is rounded to bf16 and the output cast
+back: that rounding is far below int4's own error).
 
 Quantized layers are inference-only: they hold integer buffers, no parameters, and `.train()` refuses. torchao
 0.18 was tried (it installs without pulling another torch): its int8 weight-only config dequantizes on a CPU
@@ -38,6 +42,10 @@ from torch import Tensor, nn
 from qkv.nn.stack import Stack
 
 MODES = ("int8", "int4")
+# x86 CPUs whose int8 kernel vectorizes bf16 activations (torch's dispatch level; "DEFAULT": no AVX2, or
+# another architecture, where the kernel is a plain loop and the fp32 formula is kept)
+_BF16_INT8_CAPABILITIES = ("AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX")
+_BF16_INT8_KERNEL = torch.backends.cpu.get_cpu_capability() in _BF16_INT8_CAPABILITIES
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 
 
@@ -118,26 +126,35 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         q, scale = quantize_int8(linear.weight)
         return cls(q, scale, linear.bias)
 
-    def _kernel_applies(self, x2: Tensor) -> bool:
-        """Does the aten int8 kernel compute this product correctly and fast (see the module docstring)?"""
-        return (x2.is_cpu and x2.dtype == torch.bfloat16 and self.in_features % 16 == 0
-                and self._aligned and not x2.requires_grad)
+    def takes_kernel(self, x: Tensor) -> bool:
+        """Does the aten int8 kernel compute the product with input x, correctly and fast (see the module
+        docstring; an fp32 / fp16 input is rounded to bf16 for it)?"""
+        return (x.is_cpu and self.in_features % 16 == 0 and not x.requires_grad and self._aligned
+                and (x.dtype == torch.bfloat16
+                     or (x.dtype in (torch.float32, torch.float16) and _BF16_INT8_KERNEL)))
+
+    def product_dtype(self, x: Tensor) -> torch.dtype:
+        """The dtype the product with input x is computed in: bf16 through the kernel, else x's own."""
+        return torch.bfloat16 if self.takes_kernel(x) else x.dtype
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
-        scale = self.scale.to(x.dtype)
-        if self._kernel_applies(x2):
-            # (a data pointer is not traceable: under torch.compile always the fresh copy)
-            if torch.compiler.is_compiling() or not x2.is_contiguous() or x2.data_ptr() % 32:
-                x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh tensor is 64-byte aligned
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.q, scale)
-        else:
-            # every other input (fp32/fp16: the kernel's scalar loop; in_features not a multiple of 16;
-            # autograd through the input, which the kernel has no derivative for): the same formula, (x @ q^T)
-            # * scale. The codes are exact in any float dtype (|q| <= 127), so, as in the kernel, only the
-            # sums round.
-            y = F.linear(x2, self.q.to(x.dtype)).mul_(scale)
+        if self.takes_kernel(x2):
+            y = self._kernel(x2.to(torch.bfloat16))
+            return self._finish(y.to(x.dtype), x)
+        # every other input (no fast kernel for it; in_features not a multiple of 16; autograd through the
+        # input, which the kernel has no derivative for): the same formula, (x @ q^T) * scale. The codes are
+        # exact in any float dtype (|q| <= 127), so, as in the kernel, only the sums round.
+        y = F.linear(x2, self.q.to(x.dtype)).mul_(self.scale.to(x.dtype))
         return self._finish(y, x)
+
+    def _kernel(self, x2: Tensor) -> Tensor:
+        """The aten int8 kernel on bf16 rows x2."""
+        scale = self.scale.to(torch.bfloat16)
+        # (a data pointer is not traceable: under torch.compile always the fresh copy)
+        if torch.compiler.is_compiling() or not x2.is_contiguous() or x2.data_ptr() % 32:
+            x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh tensor is 64-byte aligned
+        return torch.ops.aten._weight_int8pack_mm(x2, self.q, scale)
 
     def dequantized(self) -> Tensor:
         """q * scale as an fp32 (out, in) tensor: the weight this layer multiplies by."""

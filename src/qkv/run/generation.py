@@ -19,7 +19,7 @@ from qkv.run.folders import _model_folder, load_model_any, load_run_task, run_fo
 
 def generate_text(path: str | Path, prompt: str, generation_config: GenerationConfig | None = None, *,
                   greedy: bool = False, seed: int | None = 0, stream: bool = False, strict: bool = False,
-                  quantize: str | None = None, **options: Any) -> str:
+                  quantize: str | None = None, assistant: str | Path | None = None, **options: Any) -> str:
     """Decode with whatever the library has: the run's task decides what a prompt means (a source
     sentence for seq2seq, a text prefix for an LM); a Hugging Face folder needs its tokenizer.json.
     Settings: `generation_config` (e.g. read from a file) then `options` (GenerationConfig fields, None =
@@ -29,7 +29,8 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     target), 200 for a bare model folder. seed seeds the sampling; None: a new seed each call, said on stderr
     when the decoding samples (the way to repeat the run).
     Prompt characters outside the vocabulary are named in a warning on stderr (strict=True: an error).
-    quantize: "int8" / "int4" weight-only quantized weights (qkv.nn.quant)."""
+    quantize: "int8" / "int4" weight-only quantized weights (qkv.nn.quant). assistant: a model folder of the
+    same tokenizer that drafts for speculative decoding (qkv.generate.speculative; Hugging Face folders)."""
     fresh = seed is None
     seed = secrets.randbelow(2**31) if seed is None else seed  # unseeded: differs between runs
     torch.manual_seed(seed)
@@ -38,6 +39,9 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
     run = run_folder_of(path)
     cfg = _settings(model, run, generation_config, options, greedy, seed, fresh)
     if run is not None:
+        if assistant is not None:
+            raise ConfigError("--speculative MODEL: a draft model needs a Hugging Face model folder; for a "
+                              "run use --speculative prompt-lookup")
         task = load_run_task(run)
         _check_prompt_vocabulary(task.tokenizer, prompt, strict)
         if stream and task.kind == "decoder" and hasattr(task, "chars_per_token"):
@@ -46,7 +50,7 @@ def generate_text(path: str | Path, prompt: str, generation_config: GenerationCo
         if stream:
             print(text)
         return text
-    return _generate_folder(model, Path(path), prompt, cfg, stream, strict)
+    return _generate_folder(model, Path(path), prompt, cfg, stream, strict, assistant, quantize)
 
 
 def _settings(model: torch.nn.Module, run: Path | None, generation_config: GenerationConfig | None,
@@ -82,7 +86,7 @@ def _settings(model: torch.nn.Module, run: Path | None, generation_config: Gener
 
 
 def _generate_folder(model: torch.nn.Module, path: Path, prompt: str, cfg: GenerationConfig, stream: bool,
-                     strict: bool) -> str:
+                     strict: bool, assistant: str | Path | None = None, quantize: str | None = None) -> str:
     """generate_text for a model folder outside a run: an encoder-decoder, a Hugging Face or a qkv folder."""
     folder_seq2seq = getattr(model, "is_seq2seq", False)
     folder = _model_folder(path)
@@ -104,9 +108,13 @@ def _generate_folder(model: torch.nn.Module, path: Path, prompt: str, cfg: Gener
     if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(model.generation_defaults())):
         cfg = cfg.replace(max_new_tokens=200)  # the folder's own generation_config.json length, else 200
     hf = hf_folder_tokenizer(folder)
+    if assistant is not None and (hf is None or folder_seq2seq):
+        raise ConfigError("--speculative MODEL: a draft model needs a decoder-only Hugging Face folder with "
+                          "a tokenizer.json; --speculative prompt-lookup works for every decoder")
     if hf is not None:
         _check_prompt_vocabulary(hf, prompt, strict)
-        return _generate_hf(model, hf, prompt, cfg, stream)
+        draft = None if assistant is None else load_assistant(assistant, hf, quantize)
+        return _generate_hf(model, hf, prompt, cfg, stream, draft)
     tok = _folder_tokenizer(folder)
     _check_prompt_vocabulary(tok, prompt, strict)
     ids = torch.tensor([tok.encode(prompt) or [0]])
@@ -141,7 +149,18 @@ def hf_folder_tokenizer(folder: str | Path) -> Any:
     return load_hf_tokenizer(folder)
 
 
-def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig, stream: bool) -> str:
+def load_assistant(path: str | Path, tokenizer: Any, quantize: str | None = None) -> torch.nn.Module:
+    """The draft model of speculative decoding (a folder or GGUF file), refused unless its tokenizer has
+    the target's vocabulary: the same ids must mean the same text."""
+    draft_tok = hf_folder_tokenizer(_model_folder(Path(path)))
+    if draft_tok is None or draft_tok.tokenizer.get_vocab() != tokenizer.tokenizer.get_vocab():
+        raise ConfigError(f"--speculative {path}: the draft model must have the same tokenizer (vocabulary) "
+                          "as the model")
+    return load_model_any(path, quantize).eval()
+
+
+def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig, stream: bool,
+                 assistant: torch.nn.Module | None = None) -> str:
     """A Hugging Face folder: its tokenizer adds what its post-processor adds (Llama's bos); the
     continuation is decoded without special tokens, streamed piece by piece when asked.
     The continuation is what decoding prompt + new ids together adds to the decoded prompt (as transformers'
@@ -162,12 +181,13 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
         return tok.decode(t, skip_special_tokens=True)
 
     if not stream:
-        out = model.generate(x, cfg, tokenizer=text_of)
+        out = model.generate(x, cfg, tokenizer=text_of, assistant_model=assistant)
         return prompt + decode_continuation(lambda t: tok.decode(t, skip_special_tokens=True), ids,
                                             out[0, len(ids):].tolist())
     print(prompt, end="", flush=True)
     decoder = StreamDecoder(text_of, context=ids)  # the prompt's text is already printed: context only
-    tokens = (int(new[0]) for new in stream_tokens(model, x, cfg, tokenizer=text_of))
+    tokens = (int(new[0]) for new in stream_tokens(model, x, cfg, tokenizer=text_of,
+                                                   assistant_model=assistant))
     return prompt + stream_pieces(tokens, decoder, _write)
 
 

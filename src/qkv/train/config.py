@@ -19,7 +19,7 @@ from qkv.config import ConfigError, check_fields, parse_overrides
 from qkv.train.optim import OptimizerImpl
 
 Schedule = Literal["noam", "inverse_sqrt", "cosine", "linear", "constant"]
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
 NanPolicy = Literal["skip", "stop", "rollback"]
 Distributed = Literal["auto", "none", "ddp", "fsdp"]
 
@@ -50,7 +50,9 @@ class TrainConfig:
     max_skips: int | None = 10  # skipped updates allowed before stopping (null = no limit): a run that keeps
     #                             producing NaNs is broken, and should end with an error, not a stale loss
     # -- numerics and speed ------------------------------------------------------------------------------
-    precision: Precision = "fp32"  # fp32 | bf16 (autocast, CPU+CUDA) | fp16 (autocast + GradScaler, CUDA)
+    # auto (bf16 on a GPU that has it, fp32 on a CPU: train/precision.py) | fp32 | bf16 (autocast, CPU+CUDA) |
+    # fp16 (autocast + GradScaler, CUDA)
+    precision: Precision = "auto"
     compile: bool = False  # torch.compile the model (checkpoints never carry `_orig_mod.`)
     grad_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N

@@ -325,7 +325,7 @@ class Trainer(Evaluation, SignalStop):
             log.info(begin.fresh_note)
         n_params = count_parameters(self.model)
         log.info(f"training {dist_.model_class_name(self.model)} ({n_params:,} parameters) on {self.device}, "
-                 f"precision {cfg.precision}, distributed {info.mode} x{info.world_size}, "
+                 f"precision {self.precision.name}, distributed {info.mode} x{info.world_size}, "
                  f"global batch {cfg.batch_size * cfg.grad_accum * info.world_size} sequences")
         log.info(f"{self.group_summary.line()}; AdamW {self.optimizer_impl}")
         if begin.resumed_from is None:

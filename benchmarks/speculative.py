@@ -1,0 +1,162 @@
+"""Speculative decoding on a CPU at batch 1: what one verifying forward costs, and what it buys.
+
+Two measurements, side by side in one run (interleaved rounds, medians):
+  verify   ms of one target forward over n = 1, 2, 4, 8, 11 new tokens after a 64-token cache
+           (model.verify, the cache cropped back after each): the price of checking n - 1 drafts,
+           independent of the weights' values. Speculation pays when accepted tokens per forward + 1 exceed
+           the ratio to n = 1.
+  decode   greedy decoding of --new tokens, plain vs prompt lookup (--k drafts) vs an assistant model
+           (--draft FOLDER), on two tasks: "rewrite" (the prompt is a paragraph to copy with corrections:
+           the answer repeats long spans of it) and "free" (a short open prompt). tok/s, speed-up over
+           plain, acceptance rate (accepted / drafted), and whether the tokens equal plain greedy's.
+
+Model: --folder (a Hugging Face folder with its tokenizer.json: the tasks are real text), else SmolLM-135M's
+shape with random weights (benchmarks/llm.py's FULL; --quick: a 2-layer width-64 one) and token-id tasks: the
+paragraph is random ids and the "rewrite" prompt holds it twice, so lookup finds spans to draft. On random
+weights the acceptance rates are not a trained model's (the model neither copies nor continues text): read
+the verify table for the cost, a real folder for the acceptance. The machine is shared: compare ratios.
+
+    .venv/bin/python benchmarks/speculative.py [--folder F] [--draft F] [--quick] [--threads 2] [--new 64]
+        [--k 10] [--repeats 3] [--dtype float32]
+
+Writes benchmarks/results/speculative.json and speculative.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+import qkv  # noqa: E402
+from _timing import interleaved, write_results  # noqa: E402
+from llm import FULL, QUICK  # noqa: E402
+from qkv.generate import generate  # noqa: E402
+
+PARAGRAPH = (
+    "The key-value cache keeps the keys and values of every token that the model has already seen, so that "
+    "each new token only computes its own. At batch one the decoding step reads every weight of the model "
+    "once and does little arithmetic with it: the time of a step is the time it takes to read the weights "
+    "from memory. Speculative decoding uses that slack. A cheap drafter proposes a few tokens, and the model "
+    "checks all of them in a single forward pass, which reads the weights only once.")
+REWRITE = ("Rewrite this paragraph, correcting any mistakes, and keep everything else as it is:\n\n{}\n\n"
+           "Rewritten:\n")
+FREE = "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n"
+VERIFY_WIDTHS = (1, 2, 4, 8, 11)
+
+
+def build_random(quick: bool, dtype: torch.dtype, tmp: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(QUICK if quick else FULL), bos_token_id=1,
+                                                                eos_token_id=2)).to(dtype).eval()
+    hf.save_pretrained(tmp / "random")
+    return tmp / "random"
+
+
+def prompts(folder: Path, vocab: int) -> dict[str, torch.Tensor]:
+    """The two tasks' prompt ids: real text through the folder's tokenizer, else random ids."""
+    from qkv.run import hf_folder_tokenizer
+
+    tok = hf_folder_tokenizer(folder)
+    if tok is not None:
+        return {"rewrite": torch.tensor([tok.encode(REWRITE.format(PARAGRAPH))]),
+                "free": torch.tensor([tok.encode(FREE)])}
+    g = torch.Generator().manual_seed(0)
+    para = torch.randint(3, vocab, (1, 96), generator=g)
+    head = torch.randint(3, vocab, (1, 16), generator=g)
+    return {"rewrite": torch.cat([head, para, head[:, :4], para[:, :8]], 1),
+            "free": torch.randint(3, vocab, (1, 24), generator=g)}
+
+
+def verify_costs(model, repeats: int) -> dict[int, float]:
+    """Median ms of model.verify over n new tokens after a 64-token cache."""
+    vocab = model.output_vocab_size
+    cache = model.make_cache(1, 128)
+    with torch.no_grad():
+        model.prefill(torch.randint(0, vocab, (1, 64)), cache)
+
+        def run(n: int):
+            def fn():
+                model.verify(torch.randint(0, vocab, (1, n)), cache, n_logits=n)
+                cache.crop(64)
+            return fn
+
+        times, _ = interleaved({n: run(n) for n in VERIFY_WIDTHS}, repeats + 2)
+    return {n: 1000 * statistics.median(t[2:]) for n, t in times.items()}
+
+
+def decode_rows(model, draft, ids: dict[str, torch.Tensor], new: int, k: int, repeats: int) -> list[dict]:
+    rows = []
+    opts = dict(max_new_tokens=new, eos_token_id=[], do_sample=False, return_dict=True)
+    for task, x in ids.items():
+        fns = {"plain": lambda x=x: generate(model, x, **opts),
+               f"prompt lookup k={k}": lambda x=x: generate(model, x, prompt_lookup_num_tokens=k, **opts)}
+        if draft is not None:
+            fns["assistant"] = lambda x=x: generate(model, x, assistant_model=draft, **opts)
+        times, last = interleaved(fns, repeats)
+        base = statistics.median(times["plain"])
+        for name, t in times.items():
+            spec = last[name].speculation
+            rows.append({"task": task, "prompt_tokens": x.shape[1], "method": name,
+                         "tok_s": new / statistics.median(t), "speedup": base / statistics.median(t),
+                         "acceptance": None if spec is None else spec.acceptance_rate,
+                         "tokens_per_forward": None if spec is None else new / max(1, spec.forwards),
+                         "equal_to_plain": bool(torch.equal(last[name].sequences, last["plain"].sequences))})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--folder", default=None, help="a Hugging Face model folder (default: random weights)")
+    ap.add_argument("--draft", default=None, help="an assistant model folder of the same tokenizer")
+    ap.add_argument("--quick", action="store_true", help="a tiny random model, few tokens (smoke test)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    a = ap.parse_args()
+    if a.quick:
+        a.new, a.repeats = 12, 1
+    torch.set_num_threads(a.threads)
+    dtype = getattr(torch, a.dtype)
+    folder = Path(a.folder) if a.folder else build_random(a.quick, dtype, Path(tempfile.mkdtemp()))
+    model = qkv.from_pretrained(folder).eval()
+    draft = qkv.from_pretrained(a.draft).eval() if a.draft else None
+    ids = prompts(folder, model.output_vocab_size)
+    verify = verify_costs(model, a.repeats)
+    rows = decode_rows(model, draft, ids, a.new, a.k, a.repeats)
+    meta = {"torch": torch.__version__, "threads": a.threads, "machine": platform.processor() or
+            platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "model": str(a.folder or ("random " + ("quick" if a.quick else "SmolLM-135M shape"))),
+            "dtype": a.dtype, "new_tokens": a.new, "k": a.k, "repeats": a.repeats,
+            "note": "shared, loaded machine: medians of interleaved repeats; compare ratios within this run"}
+    lines = [f"model: {meta['model']} ({a.dtype}), {a.threads} threads, {meta['cpu_capability']}", "",
+             "| new tokens per forward | ms | x one token |", "|---|---|---|"]
+    lines += [f"| {n} | {ms:.1f} | {ms / verify[1]:.2f} |" for n, ms in verify.items()]
+    lines += ["", "| task | method | tok/s | speed-up | acceptance | tokens / forward | = plain |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = "" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        tpf = "1" if r["tokens_per_forward"] is None else f"{r['tokens_per_forward']:.2f}"
+        lines.append(f"| {r['task']} ({r['prompt_tokens']} prompt) | {r['method']} | {r['tok_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {acc} | {tpf} | {r['equal_to_plain']} |")
+    write_results(a.out, "speculative", {"meta": meta, "verify_ms": verify, "decode": rows}, lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""The smoke form of benchmarks/speculative.py: it runs end to end on a tiny random Llama, every method's
+greedy tokens equal plain greedy's, and every figure is there. The full run and its figures:
+docs/performance.md."""
+
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_speculative_benchmark_quick(tmp_path, run_benchmark):
+    pytest.importorskip("transformers")
+    run_benchmark("speculative", "--quick", "--threads", "1", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "speculative.json").read_text())
+    assert set(result["verify_ms"]) == {"1", "2", "4", "8", "11"}
+    assert {r["task"] for r in result["decode"]} == {"rewrite", "free"}
+    assert all(r["equal_to_plain"] and r["tok_s"] > 0 for r in result["decode"])
+    assert all(r["acceptance"] is not None for r in result["decode"] if r["method"] != "plain")
