@@ -91,7 +91,7 @@ def _decode(fp: Any, where: str, limits: ImageLimits) -> Any:
     except Exception as e:  # noqa: BLE001 - a malformed file raises what its plugin happens to hit
         # (OSError "truncated", SyntaxError, struct.error, ValueError, IndexError, EOFError ...): all of them
         # say the bytes are not a readable image, never a fault of the program reading them
-        raise ImageError(f"{where}: cannot be read as an image ({type(e).__name__}: {str(e)[:200]})") \
+        raise ImageError(f"{where}: not a readable image ({type(e).__name__}: {str(e)[:200]})") \
             from None
 
 
