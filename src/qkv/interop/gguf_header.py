@@ -124,6 +124,7 @@ def read_header(path: str | Path, limits: HeaderLimits = HeaderLimits()
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     cur = _Cursor(buf, limits)
     cur.pos = 4
+    where = "the version and counts"
     try:
         version = cur.one("I")
         if version not in VERSIONS:
