@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig, check_mla, check_moe
+from qkv.config import ConfigError, TransformerConfig, check_mla, check_moe, check_moe_memory
 from qkv.models.base import ModelOutput, TransformerDecoderModel, build_stack, token_loss
 from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
@@ -38,6 +38,7 @@ class GPTConfig(TransformerConfig):
         if self.vocab_size < 1 or self.n_layers < 1 or self.context_length < 1:
             raise ConfigError("vocab_size, n_layers and context_length must be positive")
         check_moe(self.moe, self.n_layers)
+        check_moe_memory(self.moe, self.n_layers, self.d_model, self.d_ff or 4 * self.d_model)
         check_mla(self)
 
     def layer_kwargs(self, layer: int) -> dict[str, Any]:
