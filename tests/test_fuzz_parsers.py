@@ -200,3 +200,8 @@ def test_run_config_reader_on_hostile_yaml(text):
     path.write_text(text)
     with pytest.raises(ConfigError):
         load_run_config(str(path), [])
+
+
+def test_an_override_nested_too_deeply_is_one_error():
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_run_config(None, ["model.d_model=" + "[" * 5000 + "]" * 5000])

@@ -277,6 +277,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        except RecursionError:  # PyYAML's parser recurses once per nesting level
+            raise ConfigError(f"override {key.strip()!r}: the value is nested too deeply") from None
         out[key.strip()] = value
     return out
 
@@ -330,6 +332,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        raise ConfigError(f"{p}: nested too deeply to be a run config") from None
     except yaml.YAMLError as e:  # one line: PyYAML's message spans several, with a "<unicode string>" mark
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -38,7 +38,6 @@ class GPTConfig(TransformerConfig):
         if self.vocab_size < 1 or self.n_layers < 1 or self.context_length < 1:
             raise ConfigError("vocab_size, n_layers and context_length must be positive")
         check_moe(self.moe, self.n_layers)
-        check_moe_memory(self.moe, self.n_layers, self.d_model, self.d_ff or 4 * self.d_model)
         check_mla(self)
 
     def layer_kwargs(self, layer: int) -> dict[str, Any]:
@@ -52,6 +51,9 @@ class GPT(TransformerDecoderModel):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
         c = config
+        # here, not in validate(): a folder's weights file bounds the expert count first, with a message that
+        # names what the file holds (qkv.folder_sizes); this bounds a model built from a config alone
+        check_moe_memory(c.moe, c.n_layers, c.d_model, c.d_ff or 4 * c.d_model)
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.decoder = build_stack(c, c.n_layers, max_len=c.context_length, causal=True)
         self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
