@@ -51,7 +51,8 @@ def body(*urls: str, text: str = "what is in the picture?") -> dict:
             "temperature": 0}
 
 
-LIMITS = ServeConfig(max_request_bytes=200_000, max_images=2, max_image_bytes=50_000, max_image_pixels=10_000)
+LIMITS = ServeConfig(max_request_bytes=200_000, max_messages=50, max_images=2, max_image_bytes=50_000,
+                     max_image_pixels=10_000)
 
 
 def test_each_limit_is_a_clear_4xx_and_the_server_goes_on(llava):
@@ -65,6 +66,9 @@ def test_each_limit_is_a_clear_4xx_and_the_server_goes_on(llava):
         cases = [
             (body(text="x" * 300_000), 413, None, "over the limit of 200,000 (--max-request-bytes)"),
             (body(png_url(), png_url(), png_url()), 400, "messages", "3 images; at most 2 are taken"),
+            ({**body(), "messages": body()["messages"] * 51}, 400, "messages",
+             "'messages' holds 51 messages; at most 50 are taken (--max-messages)"),
+            (body(*["x"] * 60), 400, "messages", "holds 61 content parts; at most 50"),
             (body(bomb_url(60_000)), 400, "messages[0]",
              "declares 3,600,000,000 pixels, over the limit of 10,000"),
             (body(png_url(101, 100)), 400, "messages[0]", "declares 101 x 100 = 10,100 pixels"),

@@ -39,6 +39,8 @@ class ServeConfig:
     # pixels decoded (docs/robustness.md)
     max_request_bytes: int = setting(50 * 2**20, "request body size; a larger one is a 413, refused before "
                                      "it is read (OpenAI's limit is 50 MB)", ge=1, unit="bytes")
+    max_messages: int = setting(4096, "messages per chat request, and content parts in all of them (each "
+                                "is validated and rendered before the context is checked)", ge=1)
     max_images: int = setting(16, "image_url parts per chat request (each is decoded and embedded)", ge=0)
     max_image_bytes: int = setting(DEFAULT_LIMITS.max_bytes, "bytes of one image (decoded from base64)",
                                    ge=1, unit="bytes")
