@@ -3,7 +3,7 @@
     open_image("cat.png", "cat.png")                         # a file
     open_image(raw_bytes, "messages[0]", ImageLimits(max_pixels=4_000_000))
 
-Every caller (`qkv predict`, `qkv chat --image`, the image-folder task, chat fine-tuning records,
+Every caller (`qkv predict`, `qkv chat --image`, the image-folder tasks, chat fine-tuning records,
 `qkv serve`'s image_url parts) goes through open_image, so the limits below hold everywhere. Each is
 checked on what the file declares, before anything proportional to that claim is allocated: the byte
 size before the bytes are read, the width x height in the header before a pixel is decoded (a 2 KB PNG
