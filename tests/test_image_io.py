@@ -110,3 +110,12 @@ def test_image_error_is_the_clis_one_line_error_type():
 def test_a_polyglot_that_is_a_png_decodes_as_the_png():
     raw = encode(Image.new("RGB", (5, 4), (1, 2, 3))) + b"PK\x03\x04" + b"\0" * 100  # a PNG with a zip after
     assert np.asarray(open_image(raw, "x")).tolist() == [[[1, 2, 3]] * 5] * 4
+
+
+def test_a_strip_is_refused_before_a_processor_upscales_it():
+    """1 x 30,000 pixels is within every size limit, but resizing its shorter side to 336 (LLaVA) would make
+    10^7 pixels of it, and a 1 x 33,000,000 strip 10^10."""
+    with pytest.raises(ImageError, match="strip.png: the image is 30,000 x 1, an aspect ratio over the limit "
+                                         "of 200 to 1"):
+        open_image(encode(Image.new("L", (30_000, 1))), "strip.png")
+    assert open_image(encode(Image.new("L", (200, 1))), "ok.png").size == (200, 1)

@@ -47,6 +47,9 @@ class ImageLimits:
     max_bytes: int = 20 * 2**20  # the encoded file (OpenAI's per-image limit is 20 MB)
     max_pixels: int = 7680 * 4320  # width x height declared in the header: 8K UHD, ~100 MB as RGB
     formats: tuple[str, ...] = ("PNG", "JPEG", "GIF", "WEBP", "BMP")  # Pillow format names tried
+    # longer side / shorter side: a processor that resizes the shorter side up (LLaVA's to 336) turns a
+    # 1 x 30,000,000 strip into 10^10 pixels; 200 is transformers' Qwen2-VL bound
+    max_aspect: float = 200.0
 
 
 DEFAULT_LIMITS = ImageLimits()
@@ -108,6 +111,9 @@ def check_header(im: Any, where: str, limits: ImageLimits) -> None:
     if w * h > limits.max_pixels:
         raise ImageError(f"{where}: the image declares {w:,} x {h:,} = {w * h:,} pixels, over the limit of "
                          f"{limits.max_pixels:,}")
+    if max(w, h) > limits.max_aspect * min(w, h):
+        raise ImageError(f"{where}: the image is {w:,} x {h:,}, an aspect ratio over the limit of "
+                         f"{limits.max_aspect:g} to 1")
     if getattr(im, "is_animated", False):
         raise ImageError(f"{where}: an animated {im.format} (more than one frame); send a single frame")
     if im.mode not in EIGHT_BIT_MODES + SIXTEEN_BIT_MODES:

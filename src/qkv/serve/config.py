@@ -50,7 +50,8 @@ class ServeConfig:
     @property
     def image_limits(self) -> ImageLimits:
         """The image_url parts' limits: PNG and JPEG only, as the API documents (serve/images.py)."""
-        return ImageLimits(self.max_image_bytes, self.max_image_pixels, ("PNG", "JPEG"))
+        return ImageLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels,
+                           formats=("PNG", "JPEG"))
 
     def __post_init__(self) -> None:
         self.validate()
