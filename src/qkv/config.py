@@ -172,6 +172,27 @@ def check_moe(moe: Any, n_layers: int | None = None) -> None:
         raise ConfigError("moe.aux_loss_coef and moe.bias_rate must be >= 0, moe.routed_scaling > 0")
 
 
+# Python's own memory per expert module (FeedForward, its Linears and parameters' objects), measured with
+# tracemalloc on the meta device: ~11 KB, whatever the width
+EXPERT_MODULE_BYTES = 10_000
+
+
+def check_moe_memory(moe: Any, n_layers: int, d_model: int, d_ff: int) -> None:
+    """The routed experts' float32 weights (two matrices each: a lower bound) and module objects, against
+    the machine's memory: before a single expert is built, as building 10^9 of them would take days."""
+    if not moe.n_experts:
+        return
+    from qkv.folder_sizes import memory_bytes  # torch: only a config with experts gets here
+
+    layers = len(moe.layers) if moe.layers is not None else max(n_layers - moe.first_k_dense, 0)
+    need = layers * moe.n_experts * (2 * d_model * (moe.ffn_dim or d_ff) * 4 + EXPERT_MODULE_BYTES)
+    have = memory_bytes()
+    if have is not None and need > have:
+        raise ConfigError(f"moe.n_experts is {moe.n_experts:,}: {layers} layers of them need at least "
+                          f"{need / 2**30:,.1f} GiB, more than this machine's {have / 2**30:,.1f} GiB of "
+                          "memory")
+
+
 def check_mla(cfg: Any) -> None:
     """Multi-head latent attention (qkv.nn.mla.MLAConfig in cfg.mla) against the rest of a TransformerConfig:
     its rotary key is RoPE, and the model's head_dim names the rotated width (as transformers'
@@ -188,6 +209,13 @@ def check_mla(cfg: Any) -> None:
     if m.q_lora_rank is not None and m.q_lora_rank < 1:
         raise ConfigError("mla.q_lora_rank must be positive (or null: no query compression), got "
                           f"{m.q_lora_rank}")
+    # a latent wider than the width it compresses costs more cache and compute than plain attention, and
+    # past it the cost is the claim's (10^5: 14 GB of activations for a 128-wide model)
+    for name in ("kv_lora_rank", "q_lora_rank"):
+        rank = getattr(m, name)
+        if rank is not None and rank > cfg.d_model:
+            raise ConfigError(f"mla.{name} is {rank}, larger than d_model ({cfg.d_model}): the latent "
+                              "compresses the model's width")
     if not (math.isfinite(m.latent_norm_eps) and m.latent_norm_eps >= 0):
         raise ConfigError(f"mla.latent_norm_eps must be a finite number >= 0, got {m.latent_norm_eps}")
     if m.softmax_scale is not None and not (math.isfinite(m.softmax_scale) and m.softmax_scale > 0):
@@ -249,6 +277,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        except RecursionError:  # PyYAML's parser recurses once per nesting level
+            raise ConfigError(f"override {key.strip()!r}: the value is nested too deeply") from None
         out[key.strip()] = value
     return out
 
@@ -302,6 +332,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        raise ConfigError(f"{p}: nested too deeply to be a run config") from None
     except yaml.YAMLError as e:  # one line: PyYAML's message spans several, with a "<unicode string>" mark
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

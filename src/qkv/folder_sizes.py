@@ -138,6 +138,17 @@ def _check_memory(model: nn.Module, config: Mapping[str, Any], where: str) -> No
                           f"{tuple(largest.shape)}{why}")
 
 
+def check_new_model_memory(build: Any, config: Mapping[str, Any], where: str) -> None:
+    """Refuse, before anything is allocated, a model to be trained from scratch whose config (`config`: the
+    model fields as given) describes more parameters and buffers than the machine's memory (`moe.n_experts:
+    10**9` would otherwise be an allocator traceback). build() runs on the meta device, with the random
+    number generators' state kept, so the real build draws the same weights."""
+    with torch.random.fork_rng(devices=[]):
+        model = _meta_model(build, config, where)
+    if model is not None:
+        _check_memory(model, config, where)
+
+
 def check_folder_sizes(folder: Path, build: Any, config: Mapping[str, Any], weights: Path) -> None:
     """Refuse, before anything is allocated, a qkv folder whose config.json (its "config" mapping `config`)
     does not fit the weights file, or describes a model larger than the machine's memory. build(): the model

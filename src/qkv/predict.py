@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.image_io import open_image
 
 
 @dataclass
@@ -137,8 +138,6 @@ def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, 
 def predict_images(path: str | Path, images: list[str],
                    top_k: int = 5) -> list[tuple[str, list[tuple[str, float]]]]:
     """[(image, [(class name, probability)] * top_k)] for each image file."""
-    from PIL import Image, UnidentifiedImageError
-
     from qkv.run import load_model_any
 
     if top_k < 1:
@@ -155,11 +154,7 @@ def predict_images(path: str | Path, images: list[str],
     pre, names = preprocessing_for(path, model)
     pixels = []
     for f in files:
-        try:
-            with Image.open(f) as im:
-                pixels.append(pre(im))
-        except (UnidentifiedImageError, OSError) as e:
-            raise ConfigError(f"{f}: not a readable image ({e})") from None
+        pixels.append(pre(open_image(f, str(f))))
     if len({tuple(p.shape) for p in pixels}) > 1:  # shortest-edge resizing without a crop keeps aspect ratios
         return [row for f in images for row in predict_images(path, [f], top_k)]
     dtype = next(model.parameters()).dtype

@@ -141,3 +141,23 @@ def test_vit_attention_overlay_on_an_image_folder_run(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     r = run_cli("attention", str(out), "--input", "1", "--out", str(tmp_path / "att.png"))
     assert r.returncode == 0 and (tmp_path / "att.png").is_file(), r.stderr[-2000:]
+
+
+def test_a_decompression_bomb_is_one_line(resnet_folder, tmp_path):
+    """A 2 KB PNG declaring 60,000 x 60,000 pixels: refused from its header (qkv.image_io), not a Pillow
+    DecompressionBombError traceback."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    bomb = tmp_path / "bomb.png"
+    header = struct.pack(">IIBBBBB", 60_000, 60_000, 8, 2, 0, 0, 0)
+    data = zlib.compress(b"\0" * 2000)
+    bomb.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data)
+                     + chunk(b"IEND", b""))
+    r = run_cli("predict", str(resnet_folder[0]), str(bomb))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f"qkv: error: {bomb}: the image declares 3,600,000,000 pixels, over the "
+                                "limit of 33,177,600")

@@ -164,7 +164,7 @@ def test_full_finetuning_freezes_the_tower(folder, data, tmp_path):
 @pytest.mark.parametrize("content, message", [
     ([{"type": "image_url", "image_url": {"url": "nope.png"}}], "image 'nope.png': no such file"),
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}], "not valid base64"),
-    ([{"type": "image_url", "image_url": {"url": "train.jsonl"}}], "cannot be read as an image"),
+    ([{"type": "image_url", "image_url": {"url": "train.jsonl"}}], "not a readable image"),
     ([{"type": "image_url", "image_url": "x.png"}], "an image_url part needs"),
     ([{"type": "picture"}], "part 0 must be"),
 ])

@@ -219,7 +219,7 @@ def test_cli_chat_with_an_image_equals_transformers(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("image, message", [("missing.png", "no such image file"),
-                                            ("bad.png", "cannot be read as an image")])
+                                            ("bad.png", "not a readable image")])
 def test_cli_chat_bad_image_is_a_clear_error(tmp_path, capsys, image, message):
     from qkv.cli.main import main
 

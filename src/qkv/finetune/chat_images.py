@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.image_io import DEFAULT_LIMITS, open_image
 
 IMAGE_PART = {"type": "image"}  # what the chat template reads; "url" (the source) is kept alongside
 MARKER = "<image>"  # where a listed image goes in a record with a top-level "images" list
@@ -127,26 +127,20 @@ def has_images(messages: list[dict[str, Any]]) -> bool:
 
 
 def _open(url: str, where: str) -> Any:
-    """A PIL image from a file path or a base64 data URL."""
-    from PIL import Image, UnidentifiedImageError
-
-    if url.startswith("data:"):
-        head, _, payload = url.partition(",")
-        if ";base64" not in head:
-            raise ConfigError(f"{where}: a data URL image must be base64 (data:image/png;base64,...)")
-        try:
-            source: Any = io.BytesIO(base64.b64decode(payload, validate=True))
-        except (binascii.Error, ValueError):
-            raise ConfigError(f"{where}: the data URL image is not valid base64") from None
-        name = "the data URL image"
-    else:
-        source, name = url, url
+    """A PIL image from a file path or a base64 data URL (qkv.image_io's limits)."""
+    if not url.startswith("data:"):
+        return open_image(url, f"{where}: {url}")
+    head, _, payload = url.partition(",")
+    if ";base64" not in head:
+        raise ConfigError(f"{where}: a data URL image must be base64 (data:image/png;base64,...)")
+    if len(payload) * 3 // 4 > DEFAULT_LIMITS.max_bytes:  # refused before it is decoded
+        raise ConfigError(f"{where}: the data URL image is about {len(payload) * 3 // 4:,} bytes, over the "
+                          f"limit of {DEFAULT_LIMITS.max_bytes:,}")
     try:
-        with Image.open(source) as im:
-            im.load()
-            return im.copy()
-    except (UnidentifiedImageError, OSError) as e:
-        raise ConfigError(f"{where}: {name} cannot be read as an image ({e})") from None
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{where}: the data URL image is not valid base64") from None
+    return open_image(raw, f"{where}: the data URL image")
 
 
 # -- rendering ----------------------------------------------------------------------------------------------

@@ -314,6 +314,7 @@ class Engine:
             "steps": c.steps, "image_requests": c.image_requests, "images": c.images,
             "images_encoded": self.images.encoded if self.images else 0,
             "image_cache_hits": self.images.hits if self.images else 0,
+            "image_cache_entries": len(self.images.cache) if self.images else 0,
         }
 
     # -- the model step ---------------------------------------------------------------------------------

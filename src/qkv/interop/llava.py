@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qkv.image_io import open_image
 from qkv.interop import LOADERS
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
 from qkv.interop.llama import check_decoder_sizes, key_map, load_decoder
@@ -306,18 +307,12 @@ def _center_crop(x: Tensor, crop: tuple[int, int]) -> Tensor:
 
 
 def load_image(path: str | Path) -> Any:
-    """A PIL image from a file, or a ValueError that says why not (missing, not an image)."""
-    from PIL import Image, UnidentifiedImageError
-
+    """A PIL image from a file, or a ValueError that says why not (missing, not an image, over
+    qkv.image_io's limits)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{path}: no such image file")
-    try:
-        with Image.open(p) as im:
-            im.load()
-            return im.copy()
-    except (UnidentifiedImageError, OSError) as e:
-        raise ValueError(f"{path}: cannot be read as an image ({e})") from None
+    return open_image(p, str(path))
 
 
 def expand_image_tokens(ids: Sequence[int], image_token_id: int, n: int) -> list[int]:

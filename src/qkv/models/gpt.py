@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig, check_mla, check_moe
+from qkv.config import ConfigError, TransformerConfig, check_mla, check_moe, check_moe_memory
 from qkv.models.base import ModelOutput, TransformerDecoderModel, build_stack, token_loss
 from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
@@ -51,6 +51,9 @@ class GPT(TransformerDecoderModel):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
         c = config
+        # here, not in validate(): a folder's weights file bounds the expert count first, with a message that
+        # names what the file holds (qkv.folder_sizes); this bounds a model built from a config alone
+        check_moe_memory(c.moe, c.n_layers, c.d_model, c.d_ff or 4 * c.d_model)
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.decoder = build_stack(c, c.n_layers, max_len=c.context_length, causal=True)
         self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)

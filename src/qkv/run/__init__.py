@@ -13,6 +13,7 @@ results.json; `load_model_any` and `load_run_task` rebuild the model and the tas
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ import torch
 import yaml
 
 from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides
+from qkv.folder_sizes import check_new_model_memory
 from qkv.nn.params import count_parameters
 
 # re-exported: `qkv.run` is where callers (cli, serve, explore, chat) find a folder's model, task and
@@ -294,8 +296,9 @@ def build_parts(cfg: dict[str, Any], out_dir: Path | None = None, tokenizer: Any
         sized = "vocab" in k or k in _context_keys(needs)
         if sized and isinstance(needs.get(k), int) and isinstance(v, int) and v < needs[k]:
             raise ConfigError(f"model.{k}={v} is below what the task {name!r} needs ({needs[k]})")
-    model = task.build_model(base, **{**context, **fields})
-    return task, model, train_cfg, ev, extra
+    build = functools.partial(task.build_model, base, **{**context, **fields})
+    check_new_model_memory(build, fields, "the model config")
+    return task, build(), train_cfg, ev, extra
 
 
 def prepare(cfg: dict[str, Any], out_dir: str | Path | None = None):

@@ -39,10 +39,31 @@ def check_text(body: dict) -> None:
                            "invalid_value") from None
 
 
-async def read_json(request: Request) -> dict:
-    """The request's body as a JSON object; 400 for a body cut short, not JSON, or not an object."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's bytes; a 413 as soon as they are known to pass `limit` (its Content-Length, else the
+    bytes received so far), so that an oversized body is never held whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body is {size:,} bytes or more, over the limit of {limit:,} "
+                    "(--max-request-bytes)", None, "request_too_large")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The request's body as a JSON object; 413 past `limit` bytes, 400 for a body cut short, not JSON, or
+    not an object."""
     try:
-        raw = await request.body()
+        raw = await read_body(request, limit)
     except ClientDisconnect:  # nobody to answer; uvicorn would log a traceback for each such client
         client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
         logging.getLogger("uvicorn.error").warning("%s went away before sending its whole request body",
@@ -60,6 +81,22 @@ async def read_json(request: Request) -> dict:
     return body
 
 
+def check_counts(body: dict, most: int) -> None:
+    """400 for a chat body of more than `most` messages or content parts, counted before they are validated
+    (10^6 one-word messages fit a 50 MB body, and took a minute of the event loop to validate)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return  # parse() says what is wrong
+    what = f"{len(messages):,} messages" if len(messages) > most else None
+    if what is None:
+        parts = sum(len(m["content"]) for m in messages
+                    if isinstance(m, dict) and isinstance(m.get("content"), list))
+        what = f"{parts:,} content parts" if parts > most else None
+    if what is not None:
+        raise APIError(400, f"'messages' holds {what}; at most {most:,} are taken (--max-messages)",
+                       "messages", "invalid_value")
+
+
 class RequestChecks:
     """A request body -> the prompt's token ids and the engine options, for one served model and engine."""
 
@@ -71,7 +108,7 @@ class RequestChecks:
 
     async def body(self, request: Request, chat: bool) -> CompletionRequest | ChatCompletionRequest:
         """The request's body, read and checked: the model's name first (a 404 for another model)."""
-        body = await read_json(request)
+        body = await read_json(request, self.settings.max_request_bytes)
         check_text(body)
         model = body.get("model")
         if not isinstance(model, str):
@@ -79,6 +116,8 @@ class RequestChecks:
         if model != self.served.name:
             raise APIError(404, f"the model '{model}' does not exist; this server has '{self.served.name}'",
                            "model", "model_not_found")
+        if chat:
+            check_counts(body, self.settings.max_messages)
         return parse(body, chat)
 
     def options(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
@@ -150,7 +189,7 @@ class RequestChecks:
         if not self.served.codec.has_chat_template:
             raise APIError(400, f"the model '{self.served.name}' has no chat template: use /v1/completions",
                            "messages", "no_chat_template")
-        decoded = images.decoded_images(body) if vision else []
+        decoded = images.decoded_images(body, self.settings) if vision else []
         inputs = images.image_inputs(decoded, self.served.images) if decoded else None
         messages = images.template_messages(body) if vision else [
             {"role": m.role, "content": m.text} for m in body.messages]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qkv.generate.engine_config import check_settings, setting
+from qkv.image_io import DEFAULT_LIMITS, ImageLimits
 
 # qkv.nn.quant.MODES, written out: the CLI reads it without importing torch (a test checks they agree)
 QUANTIZE_MODES = ("int8", "int4")
@@ -34,6 +35,23 @@ class ServeConfig:
         None, "weight-only quantized projections and output head for inference: int8 (per output channel) "
         "or int4 (per group of 64 inputs); fastest with a bf16 model (docs/llm.md)", choices=QUANTIZE_MODES,
         none="full precision")
+    # what one request may make the server read and decode: each checked before the bytes are held or the
+    # pixels decoded (docs/robustness.md)
+    max_request_bytes: int = setting(50 * 2**20, "request body size; a larger one is a 413, refused before "
+                                     "it is read (OpenAI's limit is 50 MB)", ge=1, unit="bytes")
+    max_messages: int = setting(4096, "messages per chat request, and content parts in all of them (each "
+                                "is validated and rendered before the context is checked)", ge=1)
+    max_images: int = setting(16, "image_url parts per chat request (each is decoded and embedded)", ge=0)
+    max_image_bytes: int = setting(DEFAULT_LIMITS.max_bytes, "bytes of one image (decoded from base64)",
+                                   ge=1, unit="bytes")
+    max_image_pixels: int = setting(DEFAULT_LIMITS.max_pixels, "width x height one image may declare",
+                                    ge=1, unit="pixels")
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """The image_url parts' limits: PNG and JPEG only, as the API documents (serve/images.py)."""
+        return ImageLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels,
+                           formats=("PNG", "JPEG"))
 
     def __post_init__(self) -> None:
         self.validate()

@@ -16,16 +16,14 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import io
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from qkv.generate.images import ImageInput
+from qkv.image_io import ImageError, ImageLimits, open_image
+from qkv.serve.config import ServeConfig
 from qkv.serve.errors import APIError
 from qkv.serve.requests import ChatCompletionRequest, ImagePart
-
-FORMATS = ("PNG", "JPEG")  # what PIL must find in a data URL's bytes
 
 
 @dataclass
@@ -36,10 +34,9 @@ class DecodedImage:
     raw: bytes
 
 
-def decode_data_url(url: str, param: str) -> DecodedImage:
-    """The image of a `data:image/...;base64,...` URL; a 400 naming `param` for anything else."""
-    from PIL import Image, UnidentifiedImageError
-
+def decode_data_url(url: str, param: str, limits: ImageLimits) -> DecodedImage:
+    """The image of a `data:image/...;base64,...` URL; a 400 naming `param` for anything else, or for an image
+    over `limits` (qkv.image_io: checked before its pixels are decoded)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme != "data":
         what = f"a {scheme}: URL" if scheme else "not a data: URL"
@@ -49,25 +46,18 @@ def decode_data_url(url: str, param: str) -> DecodedImage:
     if not sep or not header.lower().endswith(";base64"):
         raise APIError(400, f"{param}: a data: URL must be base64 (data:image/png;base64,...)", param,
                        "invalid_value")
+    if len(payload) * 3 // 4 > limits.max_bytes:  # base64's size, before it is decoded
+        raise APIError(400, f"{param}: the image is about {len(payload) * 3 // 4:,} bytes, over the limit of "
+                       f"{limits.max_bytes:,} (--max-image-bytes)", param, "invalid_value")
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise APIError(400, f"{param}: the data: URL is not valid base64 ({e})", param,
                        "invalid_value") from None
     try:
-        with warnings.catch_warnings():
-            # a huge image: refused, not decoded
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(raw)) as im:
-                fmt = im.format
-                im.load()
-                image = im.copy()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as e:
-        raise APIError(400, f"{param}: the data: URL does not hold a readable image ({e})", param,
-                       "invalid_value") from None
-    if fmt not in FORMATS:
-        raise APIError(400, f"{param}: a {fmt} image; only PNG and JPEG are taken", param, "invalid_value")
+        image = open_image(raw, param, limits)
+    except ImageError as e:
+        raise APIError(400, str(e), param, "invalid_value") from None
     return DecodedImage(image, raw)
 
 
@@ -83,9 +73,15 @@ def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def decoded_images(body: ChatCompletionRequest) -> list[DecodedImage]:
-    """The request's images, in order (400s for anything but a PNG / JPEG data: URL)."""
-    return [decode_data_url(url, f"messages[{i}]") for i, m in enumerate(body.messages) for url in m.images]
+def decoded_images(body: ChatCompletionRequest, settings: ServeConfig) -> list[DecodedImage]:
+    """The request's images, in order (400s for anything but a PNG / JPEG data: URL within the limits,
+    and for more images than settings.max_images, counted before any is decoded)."""
+    urls = [(f"messages[{i}]", url) for i, m in enumerate(body.messages) for url in m.images]
+    if len(urls) > settings.max_images:
+        raise APIError(400, f"the request holds {len(urls)} images; at most {settings.max_images} are taken "
+                       "(--max-images)", "messages", "invalid_value")
+    limits = settings.image_limits
+    return [decode_data_url(url, param, limits) for param, url in urls]
 
 
 def image_inputs(images: list[DecodedImage], processor: Any) -> list[ImageInput]:

@@ -25,6 +25,7 @@ _GAUGES = {
     ),
     "blocks_total": ("qkv_kv_blocks_total", "KV-cache blocks in the pool"),
     "prefix_hit_rate": ("qkv_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / looked up"),
+    "image_cache_entries": ("qkv_image_cache_entries", "projected image embeddings held by the LRU"),
 }
 _COUNTERS = {
     "prompt_tokens": ("qkv_prompt_tokens", "prompt tokens of admitted requests"),

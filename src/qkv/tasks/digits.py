@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.image_io import open_image
 from qkv.tasks.base import Task, check_split, model_device, register_task, rng_for
 from qkv.tasks.tokenizers import CharTokenizer, Tokenizer, WordTokenizer
 
@@ -55,8 +56,6 @@ def load_digit_images() -> tuple[np.ndarray, np.ndarray, list[str]]:
 
 def load_image_folder(folder: str | Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Images of a folder with one sub-folder per class (PNG), as grey (N, H, W) float32 in [0, 1]."""
-    import matplotlib.image as mpimg
-
     root = Path(folder)
     if not root.is_dir():
         raise ConfigError(f"image_folder {root} does not exist")
@@ -66,7 +65,8 @@ def load_image_folder(folder: str | Path) -> tuple[np.ndarray, np.ndarray, list[
     images, labels, shape = [], [], None
     for ci, name in enumerate(classes):
         for f in sorted((root / name).glob("*.png")):
-            img = np.asarray(mpimg.imread(f), dtype=np.float32)  # PNG: floats in [0, 1]
+            im = open_image(f, str(f))  # within qkv.image_io's limits; a 16-bit PNG comes back as 8 bits
+            img = np.asarray(im if im.mode == "L" else im.convert("RGB"), dtype=np.float32) / 255
             if img.ndim == 3:
                 img = img[..., :3].mean(-1)
             if shape is None:

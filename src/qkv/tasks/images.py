@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.image_io import open_image
 from qkv.tasks.base import Task, check_split, model_device, register_task
 from qkv.tasks.digits import stratified_split
 from qkv.tasks.tokenizers import WordTokenizer
@@ -96,7 +97,7 @@ def load_image_files(folder: str | Path, image_size: int,
                      channels: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """A folder of class sub-folders -> (N, H, W, C) uint8 images resized to image_size, (N,) labels,
     classes."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     root = Path(folder).expanduser()
     if not root.is_dir():
@@ -107,13 +108,9 @@ def load_image_files(folder: str | Path, image_size: int,
     images, labels = [], []
     for ci, name in enumerate(classes):
         for f in sorted(p for p in (root / name).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES):
-            try:
-                with Image.open(f) as im:
-                    im = im.convert("L" if channels == 1 else "RGB")
-                    im = im.resize((image_size, image_size), Image.Resampling.BILINEAR)
-                    images.append(np.asarray(im, dtype=np.uint8).reshape(image_size, image_size, channels))
-            except (UnidentifiedImageError, OSError) as e:
-                raise ConfigError(f"{f}: not a readable image ({e})") from None
+            im = open_image(f, str(f)).convert("L" if channels == 1 else "RGB")
+            im = im.resize((image_size, image_size), Image.Resampling.BILINEAR)
+            images.append(np.asarray(im, dtype=np.uint8).reshape(image_size, image_size, channels))
             labels.append(ci)
     if not images:
         raise ConfigError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {root}/<class>/")
