@@ -122,6 +122,12 @@ class GenerationConfig:
     no_repeat_ngram_size: int = _setting(0, "no n-gram of this size occurs twice", ge=0)
     bad_words_ids: list[list[int]] | None = _setting(
         None, "token sequences never produced (OPUS-MT bans its pad token)")
+    presence_penalty: float = _setting(
+        0.0, "OpenAI's: subtract it from the logit of every token already generated", ge=-2, le=2)
+    frequency_penalty: float = _setting(
+        0.0, "OpenAI's: subtract it times the count of each token already generated", ge=-2, le=2)
+    logit_bias: dict[int, float] | None = _setting(
+        None, "token id -> bias in [-100, 100] added to its logit (OpenAI's logit_bias)")
     # -- special tokens -----------------------------------------------------------------------------------
     eos_token_id: int | list[int] | None = _setting(None, "stop tokens (None: the model's)")
     pad_token_id: int | None = _setting(None, "fills finished rows (None: the model's, else the first eos, "
@@ -157,6 +163,7 @@ class GenerationConfig:
              len(w) > 0 and all(isinstance(i, int) and i >= 0 for i in w) for w in self.bad_words_ids)),
              "bad_words_ids must be a non-empty list of non-empty lists of token ids, got "
              f"{self.bad_words_ids}")
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
         need(not (self.do_sample and self.num_beams > 1),
              "do_sample: beam search is deterministic: use do_sample=True or num_beams > 1, not both")
         need(self.num_beams > 1 or self.do_sample or self.num_return_sequences == 1,
@@ -279,6 +286,28 @@ class GenerationConfig:
     @property
     def sampling(self) -> bool:
         return self.do_sample and self.temperature >= MIN_TEMPERATURE
+
+
+LOGIT_BIAS_LIMIT = 100  # OpenAI's bound on a logit_bias value: -100 bans a token, 100 forces it
+
+
+def _checked_logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """logit_bias with int keys (a JSON file's keys are strings: "50256" -> 50256) and finite float values in
+    [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]; None or {} for none."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        key = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+        if not isinstance(key, int) or isinstance(key, bool) or key < 0:
+            raise ConfigError(f"GenerationConfig.logit_bias: keys must be token ids (integers >= 0), "
+                              f"got {k!r}")
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                or abs(v) > LOGIT_BIAS_LIMIT):
+            raise ConfigError(f"GenerationConfig.logit_bias[{key}] must be a number in [-{LOGIT_BIAS_LIMIT}, "
+                              f"{LOGIT_BIAS_LIMIT}], got {v!r}")
+        out[key] = float(v)
+    return out
 
 
 def _json_mapping(path: Path) -> dict[str, Any]:

@@ -151,6 +151,51 @@ class NoBadWords(LogitsProcessor):
         return scores.masked_fill(banned, NEG_INF)
 
 
+class PresenceFrequencyPenalty(LogitsProcessor):
+    """OpenAI's penalties over the GENERATED tokens (the prompt's do not count, unlike RepetitionPenalty):
+    logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0), count[j] being how many
+    times token j was generated so far in the row."""
+
+    def __init__(self, presence: float, frequency: float, start: int) -> None:
+        self.presence, self.frequency, self.start = presence, frequency, start
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> PresenceFrequencyPenalty | None:
+        if cfg.presence_penalty == 0 and cfg.frequency_penalty == 0:
+            return None
+        return cls(cfg.presence_penalty, cfg.frequency_penalty, ctx.prompt_len)
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        out = ids[:, self.start:]
+        if out.shape[1] == 0:
+            return scores
+        V = scores.shape[-1]
+        counts = torch.zeros(scores.shape[0], V + 1, dtype=scores.dtype, device=scores.device)
+        counts.scatter_add_(1, out.clamp(0, V).to(scores.device), torch.ones_like(out, dtype=scores.dtype))
+        counts = counts[:, :V]
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+class LogitBias(LogitsProcessor):
+    """OpenAI's logit_bias: a fixed bias added to the logits of the listed token ids (-100 in practice bans
+    a token, 100 forces it); ids past the model's vocabulary are the caller's to refuse (the server's 400)."""
+
+    needs_ids = False
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.ids = torch.tensor(list(bias), dtype=torch.long)
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> LogitBias | None:
+        return cls(cfg.logit_bias) if cfg.logit_bias else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        keep = self.ids < scores.shape[-1]
+        index = self.ids[keep].to(scores.device)
+        return scores.index_add(1, index, self.values[keep].to(scores).expand(scores.shape[0], -1))
+
+
 class MinNewTokens(LogitsProcessor):
     """eos is impossible until `min_new` tokens have been generated (min_new_tokens, or min_length counted
     as Hugging Face does: prompt included)."""
@@ -284,8 +329,9 @@ class MinP(LogitsProcessor):
         return scores.masked_fill(remove, NEG_INF)
 
 
-PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, NoRepeatNGram, NoBadWords, MinNewTokens,
-                                           ForcedBOS, ForcedEOS]
+# OpenAI's penalties and bias before the bans (a bias never lifts a banned token), as vLLM applies them
+PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, PresenceFrequencyPenalty, LogitBias,
+                                           NoRepeatNGram, NoBadWords, MinNewTokens, ForcedBOS, ForcedEOS]
 WARPERS: list[type[LogitsProcessor]] = [Temperature, TopK, TopP, MinP]
 
 
