@@ -30,6 +30,8 @@ DEFAULT_MAX_NEW_TOKENS = 32
 # turns every score into +-inf and the sampler's probabilities into NaN). vLLM draws the line at the same
 # place.
 MIN_TEMPERATURE = 1e-5
+# OpenAI's bound on top_logprobs: the most likely tokens listed beside each token (vLLM's max_logprobs too)
+MAX_TOP_LOGPROBS = 20
 # a user's request's one rule beyond the library's (the CLI and the server read it): asking for no new tokens
 # is a mistake there, while the library takes 0 (an engine request that only reads its prompt)
 REQUEST_AT_LEAST = {"max_new_tokens": 1}

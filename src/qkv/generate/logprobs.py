@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (vLLM's default max_logprobs is 20 too)
+from qkv.generate.config import MAX_TOP_LOGPROBS
+
+__all__ = ["MAX_TOP_LOGPROBS", "TokenLogprob", "token_logprobs"]
 
 
 @dataclass

@@ -104,7 +104,22 @@ class RequestChecks:
                            f"{e}: the prompt of {prompt_len} tokens alone does not fit; shorten it",
                            body.max_tokens_field if given else prompt_field,
                            "context_length_exceeded") from None
-        return body.to_generation_config(self.sampling_defaults, max_tokens).explicit()
+        self._check_choices(body)
+        cfg = body.to_generation_config(self.sampling_defaults, max_tokens)
+        return {**cfg.explicit(), **body.engine_options()}
+
+    def _check_choices(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """400 for n past the running batch (each choice is a sequence of it) and logit_bias ids past the
+        vocabulary."""
+        n, most = body.n or 1, self.engine.max_batch_size
+        if n > most:
+            raise APIError(400, f"'n' must be at most {most} (the server's max_batch_size), got {n}", "n",
+                           "invalid_value")
+        V = self.served.model.output_vocab_size
+        bad = [t for t in body.logit_bias_ids or {} if t >= V]
+        if bad:
+            raise APIError(400, f"'logit_bias' has token ids outside the vocabulary 0..{V - 1}: {bad[:5]}",
+                           "logit_bias", "invalid_value")
 
     def prompt_ids(self, body: CompletionRequest) -> list[int]:
         """The prompt's ids; a vision-language model's image placeholder is refused (images come as chat

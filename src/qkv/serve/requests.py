@@ -17,7 +17,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from qkv.generate.config import MIN_TEMPERATURE, REQUEST_AT_LEAST, GenerationConfig, bounds_text
+from qkv.generate.config import (
+    LOGIT_BIAS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    MIN_TEMPERATURE,
+    REQUEST_AT_LEAST,
+    GenerationConfig,
+    bounds_text,
+)
 from qkv.serve.errors import APIError
 
 # the smallest repetition_penalty accepted: seen tokens' positive logits are divided by it, and 1e-300
@@ -36,6 +43,8 @@ OPENAI_RULES: dict[str, dict[str, Any]] = {
     "repetition_penalty": {"ge": MIN_REPETITION_PENALTY, "le": 10},
     # GenerationConfig takes any int; torch's generators take a 64-bit seed, signed or not
     "seed": {"ge": -(2 ** 63), "le": 2 ** 64 - 1},
+    # n: choices of one request, each a sequence in the running batch (checks.py: at most max_batch_size)
+    "num_return_sequences": {"le": 128},
 }
 
 
@@ -66,16 +75,14 @@ def setting(name: str) -> Any:
 SETTING_OF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
               "repetition_penalty": "repetition_penalty", "seed": "seed", "max_tokens": "max_new_tokens",
               "max_completion_tokens": "max_new_tokens", "n": "num_return_sequences",
-              "best_of": "num_return_sequences"}
+              "best_of": "num_return_sequences", "presence_penalty": "presence_penalty",
+              "frequency_penalty": "frequency_penalty"}
 # OpenAI fields this server does not implement, and their "off" values (a value, or a type's): set to
 # anything else they are refused, since answering as if they had been honoured would be worse (a logit_bias
 # or a JSON response_format silently ignored)
 UNSUPPORTED: dict[str, tuple] = {
-    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
-    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "top_logprobs": (None, 0)}
-# completions' logprobs is an int, where 0 asks for the sampled token's logprob; chat's a switch
-LOGPROBS_OFF = {"completions": (None,), "chat": (None, False)}
+    "suffix": (None, ""), "tools": (None, []),
+    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none")}
 # The sampling fields a folder's generation_config.json may set for the requests that leave them out (vLLM's
 # --generation-config auto: the same five); OpenAI's values where it does not.
 FOLDER_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -102,22 +109,21 @@ class _Body(BaseModel):
     max_completion_tokens: int | None = setting("max_new_tokens")
     n: int | None = setting("num_return_sequences")
     best_of: int | None = setting("num_return_sequences")
-    presence_penalty: float | None = None  # OpenAI's [-2, 2]; only 0 here (check_supported)
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = setting("presence_penalty")
+    frequency_penalty: float | None = setting("frequency_penalty")
+    logit_bias: dict[str, float] | None = None  # token id (JSON keys are strings) -> bias (check_supported)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
     def check_supported(self, chat: bool = False) -> None:
-        """400 for what this server does not do: more than one choice, penalties, OpenAI's UNSUPPORTED
-        features, stop strings past OpenAI's four, stream_options without a stream."""
-        if self.n not in (None, 1):
-            raise APIError(400, f"'n' must be 1: this server returns one choice per request (got {self.n})",
-                           "n", "invalid_value")
+        """400 for what this server does not do (best_of, OpenAI's UNSUPPORTED features), logit_bias that is
+        not token id -> bias, stop strings past OpenAI's four, stream_options without a stream."""
         if self.best_of not in (None, 1):
-            raise APIError(400, "'best_of' > 1 is not supported", "best_of", "unsupported")
+            raise APIError(400, "'best_of' > 1 is not supported (ask for n choices)", "best_of",
+                           "unsupported")
         extra = self.model_extra or {}
-        off = {**UNSUPPORTED, "logprobs": LOGPROBS_OFF["chat" if chat else "completions"]}
+        off = {**UNSUPPORTED, "echo": (None, False)} if chat else UNSUPPORTED  # chat has no echo
         for name, values in off.items():
             v = extra.get(name)
             if not any(v is a or (type(v) is type(a) and v == a) for a in values):
@@ -126,14 +132,35 @@ class _Body(BaseModel):
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise APIError(400, "'response_format' is not supported by this server (only {\"type\": "
                            "\"text\"})", "response_format", "unsupported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise APIError(400, f"'{name}' is not supported (only 0)", name, "invalid_value")
+        self.logit_bias_ids  # noqa: B018  its check
         if not (len(self.stop_strings) <= 4 and all(self.stop_strings)):
             raise APIError(400, "'stop' takes at most 4 non-empty strings", "stop", "invalid_value")
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
                            "invalid_value")
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with int keys; 400 for a key that is no token id or a bias out of [-100, 100] (the ids'
+        range is the model's: checks.py)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for k, v in self.logit_bias.items():
+            if not k.isdigit():
+                raise APIError(400, f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias",
+                               "invalid_value")
+            if not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
+                raise APIError(400, f"'logit_bias' values must be in [-{LOGIT_BIAS_LIMIT}, "
+                               f"{LOGIT_BIAS_LIMIT}], got {v} for {k}", "logit_bias", "invalid_value")
+            out[int(k)] = float(v)
+        return out
+
+    def engine_options(self) -> dict[str, Any]:
+        """The Engine's add_request keywords that are no generation setting: n choices, log-probabilities
+        (logprobs: of the new tokens; prompt_logprobs: of the prompt's, completions' echo), each the number
+        of most likely tokens listed beside the token."""
+        return {"n": self.n or 1}
 
     @property
     def stop_strings(self) -> list[str]:
@@ -167,13 +194,31 @@ class _Body(BaseModel):
             temperature=float(pick["temperature"]), top_p=float(pick["top_p"]),
             top_k=max(pick["top_k"], 0),  # OpenAI's -1 is GenerationConfig's 0: no top-k
             min_p=float(pick["min_p"]), repetition_penalty=float(pick["repetition_penalty"]),
-            stop_strings=self.stop_strings or None)
+            presence_penalty=float(self.presence_penalty or 0),
+            frequency_penalty=float(self.frequency_penalty or 0),
+            logit_bias=self.logit_bias_ids, stop_strings=self.stop_strings or None)
 
 
 class CompletionRequest(_Body):
     """POST /v1/completions: one prompt, text or token ids (a batch of one is taken too)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # the new tokens' (and with echo the prompt's) log-probabilities, with the `logprobs` most likely tokens
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # the prompt comes back before the completion (max_tokens 0: the prompt alone)
+    # 0 is for echo alone: the prompt's log-probabilities without a new token (check_supported)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+
+    def check_supported(self, chat: bool = False) -> None:
+        super().check_supported(chat)
+        if self.max_new_tokens == 0 and not self.echo:
+            raise APIError(400, f"'{self.max_tokens_field}' must be at least 1 (0 only with echo: the "
+                           "prompt's log-probabilities alone)", self.max_tokens_field, "invalid_value")
+
+    def engine_options(self) -> dict[str, Any]:
+        k = self.logprobs
+        return {**super().engine_options(), "logprobs": k, "prompt_logprobs": k if self.echo else None}
 
 
 class TextPart(BaseModel):
@@ -217,6 +262,16 @@ class ChatCompletionRequest(_Body):
     """POST /v1/chat/completions: the conversation, rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None  # each new token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # ... and its most likely alternatives
+
+    def check_supported(self, chat: bool = True) -> None:
+        super().check_supported(chat)
+        if self.top_logprobs and not self.logprobs:  # as OpenAI answers it
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+
+    def engine_options(self) -> dict[str, Any]:
+        return {**super().engine_options(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 def parse(body: dict, chat: bool) -> CompletionRequest | ChatCompletionRequest:
