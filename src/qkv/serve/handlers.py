@@ -125,7 +125,7 @@ async def whole(job: Job) -> JSONResponse:
 def _choice_object(job: Job, index: int, c: Choice, prompt: list) -> dict:
     decode = job.api.served.codec.decode
     content = cut_at_stop(decode_continuation(decode, job.context, c.ids), job.stop)
-    fmt = LogprobFormat(decode) if job.top is not None else None
+    fmt = LogprobFormat(job.api.served.codec.token_text) if job.top is not None else None
     if job.chat:
         return {"index": index, "message": {"role": "assistant", "content": content},
                 "finish_reason": c.reason, "logprobs": fmt.chat(c.ids, c.entries) if fmt else None}
@@ -186,7 +186,7 @@ class StreamEvents:
     def __init__(self, job: Job, include_usage: bool) -> None:
         self.job, self.include_usage = job, include_usage
         self.chunks = Chunks(job.base, job.chat)
-        fmt = LogprobFormat(job.api.served.codec.decode) if job.top is not None else None
+        fmt = LogprobFormat(job.api.served.codec.token_text) if job.top is not None else None
         self.streams = [ChoiceStream(job, i, fmt) for i in range(job.n)]
         self.ended = 0
 

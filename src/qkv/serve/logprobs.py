@@ -5,8 +5,9 @@
     chat:        {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
                   "refusal": null}
 
-A token's string is its id decoded alone (as vLLM's): a character split over byte-level tokens shows as
-U+FFFD in each.
+A token's string is its id decoded alone, special tokens spelled out (as vLLM's): a character split over
+byte-level tokens shows as U+FFFD in each. Completions' top_logprobs is keyed by those strings: of two tokens
+with one string, the likelier is listed.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from qkv.generate.logprobs import TokenLogprob
 
 
 class LogprobFormat:
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
+    def __init__(self, token_text: Callable[[int], str]) -> None:
+        self.token_text = token_text  # TextCodec.token_text
         self._text: dict[int, str] = {}
 
     def token(self, i: int) -> str:
         t = self._text.get(i)
         if t is None:
-            t = self._text[i] = self.decode([i])
+            t = self._text[i] = self.token_text(i)
         return t
 
     def completion(self, ids: list[int], entries: list[TokenLogprob | None], offset: int = 0) -> dict:
@@ -40,7 +41,9 @@ class LogprobFormat:
             if e is None:
                 top.append(None)
                 continue
-            d = {self.token(j): lp for j, lp in e.top}
+            d: dict[str, float] = {}
+            for j, lp in e.top:  # most likely first
+                d.setdefault(self.token(j), lp)
             d.setdefault(self.token(i), e.logprob)  # the chosen token is listed too, as OpenAI's
             top.append(d)
         return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],

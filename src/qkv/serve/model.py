@@ -32,6 +32,13 @@ class TextCodec:
         except TypeError:
             return self.tokenizer.decode(ids)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens spelled out (a log-probability entry names its token)."""
+        try:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        except TypeError:
+            return self.tokenizer.decode([token_id])
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self.tokenizer.chat_template)  # a field of every qkv.tokenizer.TextTokenizer
