@@ -83,7 +83,8 @@ def test_token_logprobs_completions_and_chat(server, hf, gpt2_folder):
     content = c.choices[0].logprobs.content
     assert [x.logprob for x in content] == pytest.approx(lp.token_logprobs, abs=1e-6)
     assert [x.token for x in content] == lp.tokens
-    assert [[t.logprob for t in x.top_logprobs] for x in content] == [pytest.approx(t, abs=1e-5) for t in tops]
+    assert [[t.logprob for t in x.top_logprobs] for x in content] == [pytest.approx(t, abs=1e-5)
+                                                                       for t in tops]
     assert content[0].bytes == list(content[0].token.encode())
     # streamed: the chunks carry the same entries, in order
     chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0,
