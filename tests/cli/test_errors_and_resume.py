@@ -64,6 +64,11 @@ def test_eval_needs_at_least_one_example(lm_run):
     (["--top-k", "-1"], "--top-k"),
     (["--temperature", "-1"], "--temperature"),
     (["--temperature", "nan"], "--temperature"),
+    (["--presence-penalty", "3"], "--presence-penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "-2.5"], "--frequency-penalty must be in [-2, 2]"),
+    (["--logit-bias", "x"], "--logit-bias takes ID=BIAS"),
+    (["--logit-bias", "3=101"], "--logit-bias[3] must be a number in [-100, 100]"),
+    (["--logit-bias", "100000=1"], "logit_bias 100000 is outside the model's vocabulary"),
 ])
 def test_generate_flags_out_of_range(lm_run, flags, message):
     assert message in one_error_line(run_cli("generate", str(lm_run), "--prompt", "The ", *flags))

@@ -95,6 +95,11 @@ def test_generate_and_engine_apply_them_as_defined():
     # +100 forces a token, -100 bans one
     out = generate(model, torch.tensor([prompt]), GenerationConfig(max_new_tokens=6, logit_bias={9: 100}))
     assert out[0, len(prompt):].tolist() == [9] * 6
+    # an id past the vocabulary of 13 is refused, not ignored
+    with pytest.raises(ValueError, match="logit_bias 13 is outside"):
+        generate(model, torch.tensor([prompt]), GenerationConfig(max_new_tokens=2, logit_bias={13: 1}))
+    with pytest.raises(ValueError, match="logit_bias 13 is outside"):
+        engine.add_request(prompt, GenerationConfig(max_new_tokens=2, logit_bias={13: 1}))
 
 
 def test_pipeline_order_puts_bias_before_the_bans():

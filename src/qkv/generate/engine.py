@@ -217,6 +217,10 @@ class Engine:
                              "num_return_sequences must be 1")
         if cfg.stop_strings and self.decode_text is None:
             raise ValueError("stop_strings need the Engine's tokenizer= (to decode the tokens)")
+        V = self.model.output_vocab_size
+        bad = [i for i in cfg.logit_bias or {} if i >= V]
+        if bad:
+            raise ValueError(f"logit_bias {bad[0]} is outside the model's vocabulary [0, {V})")
 
     # -- requests ---------------------------------------------------------------------------------------
     def room(self, prompt_len: int) -> int:

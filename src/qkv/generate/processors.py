@@ -178,7 +178,8 @@ class PresenceFrequencyPenalty(LogitsProcessor):
 
 class LogitBias(LogitsProcessor):
     """OpenAI's logit_bias: a fixed bias added to the logits of the listed token ids (-100 in practice bans
-    a token, 100 forces it); ids past the model's vocabulary are the caller's to refuse (the server's 400)."""
+    a token, 100 forces it). Ids past the model's vocabulary are refused where the settings meet the model
+    (inputs.check_special_ids, Engine._check, the server's 400); here they are left out."""
 
     needs_ids = False
 
