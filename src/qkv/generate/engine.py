@@ -55,6 +55,14 @@ embeddings by key spares a repeated image the vision tower (images.py). Decoding
 tower that raises fails only the requests whose images it could not encode ("error"), as a failed token
 choice does.
 
+Parallel samples and log-probabilities: add_request(ids, n=4) queues one request whose prompt is computed
+once; when it is, three more sequences start on its blocks (PagedKVCache.fork: shared, the partial last block
+copied by its first writer), request ids rid + 1 .. rid + 3, each with its own token choice (a seed s: s + i).
+logprobs=k records each new token's log-probability and its k most likely alternatives (token_logprobs());
+prompt_logprobs=k the prompt tokens' (prompt_logprobs()), from every position's logits of its prefill pieces
+(model.step(all_logits=True)); such a request skips the prefix cache for its prompt (cached blocks have their
+keys and values, not their logits). The values are log_softmax of the model's raw logits (logprobs.py).
+
 The parts (vLLM v1's split): scheduler.py (admission, chunked prefill, preemption), blocks.py (the KV blocks
 each request holds, the prefix cache), sampler.py (processors, seeds), output.py (finish reasons, stop
 strings); this class checks the settings, wires them and runs the model's forwards.
@@ -410,6 +418,11 @@ class Engine:
         self.errors[req.id] = why
         self.scheduler.finish(req)
         self.output.finish(req.id, req.output, "error")
+        for r in req.forks:  # its parallel samples never started: they end with it
+            self._forked.pop(r.id, None)
+            self.errors[r.id] = why
+            self.output.finish(r.id, [], "error")
+        req.forks = []
 
     def _encode_images(self, group: list[Request], n: int) -> list[Request]:
         """Encode the images the group's next n tokens hold before its forward (one batched vision forward,

@@ -109,12 +109,15 @@ class RequestChecks:
         return {**cfg.explicit(), **body.engine_options()}
 
     def _check_choices(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        """400 for n past the running batch (each choice is a sequence of it) and logit_bias ids past the
-        vocabulary."""
+        """400 for n past the running batch (each choice is a sequence of it), a prompt's log-probabilities
+        from a model that cannot give them, and logit_bias ids past the vocabulary."""
         n, most = body.n or 1, self.engine.max_batch_size
         if n > most:
             raise APIError(400, f"'n' must be at most {most} (the server's max_batch_size), got {n}", "n",
                            "invalid_value")
+        if body.engine_options().get("prompt_logprobs") is not None and not self.engine.all_logits:
+            raise APIError(400, f"'echo' with 'logprobs': {type(self.served.model).__name__} cannot score a "
+                           "prompt (its step returns only the last position's logits)", "echo", "unsupported")
         V = self.served.model.output_vocab_size
         bad = [t for t in body.logit_bias_ids or {} if t >= V]
         if bad:
