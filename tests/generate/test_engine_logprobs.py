@@ -114,3 +114,30 @@ def test_n_samples_cancel_and_checks(gpt2):
         engine.add_request(PROMPT, n=5)
     with pytest.raises(ValueError, match="logprobs"):
         engine.add_request(PROMPT, logprobs=21)
+
+
+def test_preemption_keeps_samples_and_prompt_logprobs(gpt2):
+    """On a pool too small for everything at once, requests are preempted and recomputed: the n samples and
+    the prompt's log-probabilities are those of a pool that never preempts."""
+    _, model = gpt2
+    cfg = GenerationConfig(max_new_tokens=20, do_sample=True, seed=4)
+    prompts = [PROMPT, PROMPT[5:30], PROMPT[::-1]]
+
+    def run(**engine_options):
+        e = Engine(model, block_size=8, prefill_chunk=8, **engine_options)
+        rids = [e.add_request(p, cfg.replace(seed=i), n=3, logprobs=1, prompt_logprobs=2)
+                for i, p in enumerate(prompts)]
+        out, lps = {}, {}
+        while e.has_work:
+            e.step()
+            for r in rids:
+                got = e.prompt_logprobs(r)
+                if got is not None:
+                    lps[r] = [None if x is None else round(x.logprob, 4) for x in got]
+        out = {r + j: e.finished[r + j] for r in rids for j in range(3)}
+        return out, [lps[r] for r in rids], e.stats()
+
+    want, want_lp, _ = run()
+    got, got_lp, st = run(num_blocks=14)
+    assert st["preemptions"] > 0
+    assert got == want and got_lp == want_lp
