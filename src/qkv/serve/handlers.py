@@ -205,6 +205,8 @@ class StreamEvents:
         """The events of one delivery (one write), and the request's end reason if it ended."""
         job, out, reason = self.job, [], None
         for kind, v in items:
+            if kind == "done":
+                reason = v
             if kind == "token":
                 i, tok, entry = v
                 out.append(self.streams[i].push(self.chunks, tok, entry))
@@ -215,14 +217,14 @@ class StreamEvents:
                 out.extend(self.chunks.chunk(job.echo[0], None, index=i, logprobs=lp) for i in range(job.n))
             elif kind == "end" or (kind == "done" and job.n == 1):
                 i, why = v if kind == "end" else (0, v)
+                if why == "cancelled":  # the stream ends with an error event instead (stream_events)
+                    continue
                 self.ended += 1
                 # OpenAI's include_usage: usage null on the choices' chunks, its own chunk at the end; else
                 # (vLLM's continuous usage extension) the last choice's last chunk carries it
                 extra = ({"usage": None} if self.include_usage else
                          {"usage": self.usage()} if self.ended == job.n else {})
                 out.append(self.streams[i].end(self.chunks, why, **extra))
-            if kind == "done":
-                reason = v
         return "".join(out), reason
 
 
