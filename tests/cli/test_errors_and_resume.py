@@ -454,3 +454,16 @@ def test_generate_says_loading_at_a_terminal_only(lm_run, capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(args) == 0
     assert capsys.readouterr().err.startswith(f"loading {lm_run}...")
+
+
+def test_logit_bias_flag_forces_a_token(lm_run):
+    """--logit-bias ID=100 makes that token the greedy choice at every step: the continuation is that
+    token four times (the run's character tokenizer says which text it is)."""
+    from qkv.run import load_run_task
+
+    tok = load_run_task(lm_run).tokenizer
+    for token in (20, 21):
+        r = run_cli("generate", str(lm_run), "--prompt", "The ", "--max-new-tokens", "4", "--greedy",
+                    "--logit-bias", f"{token}=100")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.rstrip("\n") == "The " + tok.decode([token] * 4), r.stdout
