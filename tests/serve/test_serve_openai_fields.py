@@ -160,6 +160,7 @@ def test_penalties_and_logit_bias_follow_their_definitions(server, hf, gpt2_fold
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"echo": True}, "echo"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs"),  # completions' alternatives: logprobs=N
 ])
 def test_bad_values_are_400s_naming_the_field(server, kind, body, param):
     client, app = server

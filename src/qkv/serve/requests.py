@@ -123,7 +123,8 @@ class _Body(BaseModel):
             raise APIError(400, "'best_of' > 1 is not supported (ask for n choices)", "best_of",
                            "unsupported")
         extra = self.model_extra or {}
-        off = {**UNSUPPORTED, "echo": (None, False)} if chat else UNSUPPORTED  # chat has no echo
+        # chat has no echo; completions list alternatives with logprobs=N, not chat's top_logprobs
+        off = {**UNSUPPORTED, **({"echo": (None, False)} if chat else {"top_logprobs": (None, 0)})}
         for name, values in off.items():
             v = extra.get(name)
             if not any(v is a or (type(v) is type(a) and v == a) for a in values):
