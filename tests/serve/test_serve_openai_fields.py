@@ -122,6 +122,16 @@ def test_n_choices_whole_and_streamed(server):
     chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], n=3,
                                           max_tokens=5, seed=1)
     assert [c.index for c in chat.choices] == [0, 1, 2]
+    # streamed chat: each choice opens with its role and carries its own text and log-probabilities
+    roles, texts, lps = set(), ["", "", ""], [[], [], []]
+    for ch in client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], n=3,
+                                             max_tokens=5, seed=1, stream=True, logprobs=True):
+        for c in ch.choices:
+            roles |= {c.index} if c.delta.role == "assistant" else set()
+            texts[c.index] += c.delta.content or ""
+            lps[c.index] += [x.token for x in c.logprobs.content] if c.logprobs else []
+    assert roles == {0, 1, 2} and texts == [c.message.content for c in chat.choices]
+    assert sum(map(len, lps)) == chat.usage.completion_tokens  # one entry per token of each choice
     assert app.state.api.engine.stats()["cow_copies"] > 0
 
 
