@@ -11,12 +11,13 @@ A new option = one field in GenerationConfig + one class here, appended to PROCE
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from qkv.generate.config import GenerationConfig
+from qkv.generate.grammar import Matcher, token_table
 from qkv.generate.sampling import sample, top_k_filter, top_p_filter
 
 NEG_INF = float("-inf")
@@ -30,6 +31,8 @@ class Context:
     max_new_tokens: int
     eos_ids: list[int]
     n_pad: Tensor | None = None  # (B,) left-padding tokens per row, not part of the text
+    tokenizer: Any = None  # the caller's tokenizer: a grammar's vocabulary (GrammarMask)
+    vocab_size: int | None = None  # the model's output columns (GrammarMask; None: the tokenizer's)
 
 
 class LogitsProcessor:
@@ -220,6 +223,36 @@ class ForcedEOS(LogitsProcessor):
         return cur == self.max_length - 1
 
 
+class GrammarMask(LogitsProcessor):
+    """Structured output: only the tokens the grammar allows next (GenerationConfig.grammar: a JSON schema's,
+    a tool call's; generate/grammar.py). One llguidance matcher per row, advanced by the tokens generated
+    since the last call; where the grammar is done, only eos. Last among the processors: what it allows is
+    what the warpers and the draw see."""
+
+    def __init__(self, grammar: str, table: Any, start: int) -> None:
+        self.grammar, self.table, self.start = grammar, table, start
+        self.rows: list[Matcher] = []
+        self.fed = 0  # generated tokens consumed by every row's matcher
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> GrammarMask | None:
+        if cfg.grammar is None:
+            return None
+        vocab = ctx.vocab_size if ctx.vocab_size is not None else len(ctx.tokenizer)
+        return cls(cfg.grammar, token_table(ctx.tokenizer, vocab, ctx.eos_ids), ctx.prompt_len)
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        if not self.rows:
+            self.rows = [Matcher(self.table, self.grammar) for _ in range(ids.shape[0])]
+        new = ids[:, self.start + self.fed:].tolist()
+        self.fed = ids.shape[1] - self.start
+        allowed = torch.empty(scores.shape, dtype=torch.bool)
+        for i, (row, toks) in enumerate(zip(self.rows, new)):
+            row.consume(toks)
+            allowed[i] = row.allowed(scores.shape[-1])
+        return scores.masked_fill(~allowed.to(scores.device), NEG_INF)
+
+
 # -- warpers: sampling only -----------------------------------------------------------------------------
 class Temperature(LogitsProcessor):
     needs_ids = False
@@ -285,7 +318,7 @@ class MinP(LogitsProcessor):
 
 
 PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, NoRepeatNGram, NoBadWords, MinNewTokens,
-                                           ForcedBOS, ForcedEOS]
+                                           ForcedBOS, ForcedEOS, GrammarMask]
 WARPERS: list[type[LogitsProcessor]] = [Temperature, TopK, TopP, MinP]
 
 
