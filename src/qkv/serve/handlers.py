@@ -18,6 +18,8 @@ from qkv.generate.text import StreamDecoder, cut_at_stop, decode_continuation
 from qkv.serve.checks import DEFAULT_MAX_TOKENS
 from qkv.serve.errors import APIError, cancelled
 from qkv.serve.sse import Chunks, Stream, error_event
+from qkv.serve.structured import ToolUse
+from qkv.serve.tools import openai_tool_calls
 from qkv.serve.worker import Ticket
 
 if TYPE_CHECKING:
@@ -36,6 +38,17 @@ class Job:
     context: list[int]
     stop: list[str]
     base: dict
+    tools: ToolUse | None = None  # the calls in the answer are parsed into tool_calls
+
+    def answer(self, text: str, reason: str) -> tuple[str | None, list[dict], str]:
+        """(content, OpenAI tool_calls, finish reason) of a chat answer's text: its calls read out where the
+        request gave tools ("tool_calls" the reason of an answer that ended by itself with calls)."""
+        if self.tools is None:
+            return text, [], reason
+        content, calls = self.tools.format.parse(text)
+        if not calls:
+            return content, [], reason
+        return content, openai_tool_calls(calls), "tool_calls" if reason == "stop" else reason
 
     def usage(self, n: int) -> dict:
         p = self.ticket.prompt_len
@@ -47,8 +60,9 @@ async def handle(api: API, request: Request, chat: bool) -> Response:
     body = await api.body(request, chat)
     # off the event loop: tokenizing a long prompt (template, images decoded and preprocessed) must not stall
     # other clients' streams
+    tools = api.tool_use(body) if chat else None
     if chat:
-        ids, images = await asyncio.to_thread(api.chat_ids, body)
+        ids, images = await asyncio.to_thread(api.chat_ids, body, tools)
     else:
         ids, images = await asyncio.to_thread(api.prompt_ids, body), None
     opts = api.options(body, len(ids), None if chat else DEFAULT_MAX_TOKENS)
@@ -57,7 +71,7 @@ async def handle(api: API, request: Request, chat: bool) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     base = {"id": rid, "created": int(time.time()), "model": api.served.name}
     # the prompt's last ids as context: the engine's stop check reads the same ones
-    job = Job(api, request, t, chat, ids[-TEXT_CONTEXT:], opts.get("stop_strings", []), base)
+    job = Job(api, request, t, chat, ids[-TEXT_CONTEXT:], opts.get("stop_strings", []), base, tools)
     if stream:
         return Stream(stream_events(job, include_usage), lambda: api.release(t, None))
     return await whole(job)
@@ -82,8 +96,9 @@ async def whole(job: Job) -> JSONResponse:
         raise cancelled(shutdown=False)
     content = cut_at_stop(decode_continuation(api.served.codec.decode, job.context, ids), job.stop)
     if job.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason,
-                  "logprobs": None}
+        content, calls, reason = job.answer(content, reason)
+        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": content, "finish_reason": reason, "logprobs": None}
@@ -97,6 +112,7 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
     chunks = Chunks(job.base, job.chat)
     text = StreamDecoder(api.served.codec.decode, job.stop, job.context)
     n, reason = 0, None
+    held: list[str] | None = [] if job.tools is not None else None  # tools: the answer read out at the end
     try:
         if job.chat:
             yield chunks.chunk(None, None, first=True)
@@ -107,7 +123,9 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
                     if kind == "token":
                         n += 1
                         piece = text.push(v)
-                        if piece:
+                        if piece and held is not None:
+                            held.append(piece)
+                        elif piece:
                             out.append(chunks.piece(piece))
                     else:
                         reason = v
@@ -126,7 +144,13 @@ async def stream_events(job: Job, include_usage: bool) -> AsyncIterator[str]:
             yield error_event(cancelled(shutdown=False))
         if reason in (None, "cancelled"):
             return
-        for e in chunks.end(text.flush(), reason, job.usage(n), include_usage):
+        rest = text.flush()
+        if held is not None:  # a tool call's text is never streamed as content
+            content, calls, reason = job.answer("".join(held) + rest, reason)
+            rest = "" if calls else content or ""
+            if calls:
+                yield chunks.tool_calls(content, calls)
+        for e in chunks.end(rest, reason, job.usage(n), include_usage):
             yield e
     finally:
         api.release(t, reason)

@@ -71,8 +71,8 @@ SETTING_OF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", 
 # anything else they are refused, since answering as if they had been honoured would be worse (a logit_bias
 # or a JSON response_format silently ignored)
 UNSUPPORTED: dict[str, tuple] = {
-    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
-    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}),
+    "functions": (None, []), "function_call": (None, "none"),
     "top_logprobs": (None, 0)}
 # completions' logprobs is an int, where 0 asks for the sampled token's logprob; chat's a switch
 LOGPROBS_OFF = {"completions": (None,), "chat": (None, False)}
@@ -85,6 +85,23 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool | None = None
+
+
+class JSONSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema every output validates against (strict or not: the grammar
+    is the schema, so the output always validates)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _Body(BaseModel):
@@ -107,6 +124,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # structured output (serve/structured.py)
 
     def check_supported(self, chat: bool = False) -> None:
         """400 for what this server does not do: more than one choice, penalties, OpenAI's UNSUPPORTED
@@ -122,10 +140,14 @@ class _Body(BaseModel):
             v = extra.get(name)
             if not any(v is a or (type(v) is type(a) and v == a) for a in values):
                 raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported")
-        fmt = extra.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise APIError(400, "'response_format' is not supported by this server (only {\"type\": "
-                           "\"text\"})", "response_format", "unsupported")
+        for name in ("tools", "tool_choice"):  # chat's (ChatCompletionRequest's fields, never in its extra)
+            if extra.get(name) is not None:
+                raise APIError(400, f"'{name}' is a chat field: send it to /v1/chat/completions", name,
+                               "unsupported")
+        fmt = self.response_format
+        if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            raise APIError(400, "'response_format.json_schema' is required with \"type\": \"json_schema\" "
+                           "and only allowed with it", "response_format.json_schema", "invalid_value")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise APIError(400, f"'{name}' is not supported (only 0)", name, "invalid_value")
@@ -195,28 +217,59 @@ class ImagePart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A message; extra keys are kept (an assistant's tool_calls, a tool message's tool_call_id)."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+    # None: an assistant message that only calls tools
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
 
     @property
     def text(self) -> str:
         """The content's text: its text parts joined with newlines (as vLLM)."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
 
     @property
     def images(self) -> list[str]:
         """The URLs of the content's image parts, in order."""
-        return [] if isinstance(self.content, str) else [
+        return [] if not isinstance(self.content, list) else [
             p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Body):
     """POST /v1/chat/completions: the conversation, rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None  # rendered by the chat template; calls parsed back (serve/tools.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse(body: dict, chat: bool) -> CompletionRequest | ChatCompletionRequest:

@@ -64,6 +64,15 @@ class Chunks:
             choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
         return event({**self.base, "object": self.object, "choices": [choice], **extra})
 
+    def tool_calls(self, content: str | None, calls: list[dict]) -> str:
+        """A chat delta with the answer's tool calls (each whole, with its index) and the content beside
+        them."""
+        delta: dict[str, Any] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        if content:
+            delta["content"] = content
+        choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+        return event({**self.base, "object": self.object, "choices": [choice]})
+
     def piece(self, text: str) -> str:
         return self.head + json.dumps(text) + self.tail
 
