@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from qkv.generate.config import MIN_TEMPERATURE, REQUEST_AT_LEAST, GenerationConfig, bounds_text
 from qkv.serve.errors import APIError
@@ -141,7 +141,7 @@ class _Body(BaseModel):
             if not any(v is a or (type(v) is type(a) and v == a) for a in values):
                 raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported")
         for name in ("tools", "tool_choice"):  # chat's (ChatCompletionRequest's fields, never in its extra)
-            if extra.get(name) is not None:
+            if extra.get(name) not in (None, [], "none"):
                 raise APIError(400, f"'{name}' is a chat field: send it to /v1/chat/completions", name,
                                "unsupported")
         fmt = self.response_format
@@ -223,6 +223,13 @@ class ChatMessage(BaseModel):
     role: str
     # None: an assistant message that only calls tools
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        calls = (self.model_extra or {}).get("tool_calls")
+        if self.content is None and not (self.role == "assistant" and calls):
+            raise ValueError("'content' is required (null only in an assistant's message with tool_calls)")
+        return self
 
     @property
     def text(self) -> str:
