@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -48,6 +49,31 @@ def json_schema_grammar(schema: dict[str, Any] | None) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as e:
         raise GrammarError(str(e)) from None
+
+
+def schema_file_grammar(path: str | Path) -> str:
+    """The grammar of a JSON schema file (`qkv generate --json-schema`), checked before any model loads;
+    GrammarError naming the file when it is no schema llguidance compiles."""
+    schema = read_schema(path)
+    try:
+        grammar = json_schema_grammar(schema)
+        check_grammar(grammar)
+    except GrammarError as e:
+        raise GrammarError(f"{path}: not a JSON schema the grammar engine compiles: {e}") from None
+    return grammar
+
+
+def read_schema(path: str | Path) -> dict[str, Any]:
+    """A JSON schema file; GrammarError naming the file when it is none."""
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise GrammarError(f"cannot read the JSON schema {path}: {e.strerror}") from None
+    except (ValueError, RecursionError) as e:
+        raise GrammarError(f"{path} is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{path}: a JSON schema is a JSON object, got {type(schema).__name__}")
+    return schema
 
 
 def lark_json(schema: dict[str, Any]) -> str:
