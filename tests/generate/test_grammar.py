@@ -122,3 +122,25 @@ def test_bad_grammars_are_refused(lm):
     with pytest.raises(GrammarError, match="tokenizer.json"):
         generate(model, torch.tensor([[5, 6]]), max_new_tokens=3, grammar='start: "a"', eos_token_id=EOS,
                  tokenizer=lambda ids: "")
+
+
+def test_engine_preemption_keeps_the_grammar_state(lm):
+    """A pool too small for all requests at once: preempted requests are recomputed from their tokens, the
+    grammar's state stays with the request, and the answers are those of a pool with room for all."""
+    model, tok = lm
+    cfg = GenerationConfig(max_new_tokens=80, grammar=json_schema_grammar(SCHEMA), eos_token_id=EOS,
+                           do_sample=True)
+    prompts = [tok.encode(f"Record {i}:") for i in range(4)]
+
+    def run(num_blocks):
+        engine = Engine(model, tokenizer=tok, block_size=4, num_blocks=num_blocks, eos_token_id=EOS)
+        rids = [engine.add_request(p, cfg.replace(seed=i)) for i, p in enumerate(prompts)]
+        out = engine.run()
+        return [out[r] for r in rids], engine.counters.preemptions
+
+    roomy, none = run(256)
+    tight, preempted = run(34)
+    assert none == 0 and preempted > 0
+    assert tight == roomy
+    for out in tight:
+        jsonschema.validate(json.loads(_text(tok, out)), SCHEMA)
