@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 from torch import Tensor
 
 # compact JSON (", " and ": " between items, no free whitespace): a model may otherwise spend its tokens on
 # whitespace the grammar allows, and a random one does
 JSON_OPTIONS = {"whitespace_flexible": False}
-# a bit's place in a byte of the matcher's little-endian bitmask
-_BITS = torch.arange(8, dtype=torch.uint8)
 
 
 class GrammarError(ValueError):
@@ -151,8 +150,9 @@ class Matcher:
             bits = torch.zeros(width, dtype=torch.bool)
             bits[[t for t in self.eos if t < width]] = True
             return bits
-        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        bits = ((packed.unsqueeze(-1) >> _BITS) & 1).flatten().bool()
+        # numpy's unpackbits: one single-threaded pass (torch's shifts over a 150k vocabulary are several)
+        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        bits = torch.from_numpy(np.unpackbits(packed, bitorder="little").view(np.bool_))
         if bits.numel() >= width:
             return bits[:width]
         return torch.cat([bits, bits.new_zeros(width - bits.numel())])

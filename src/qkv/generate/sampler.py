@@ -46,7 +46,10 @@ class Sampler:
             key = -1 if not (p.processors or p.sampling) else id(r.cfg) if not p.processors else -2 - i
             groups.setdefault(key, []).append(i)
         for key, rows in groups.items():
-            sub = logits if len(rows) == len(reqs) else logits[rows]
+            # one row: a view (a request with its own processors: a grammar's, a penalty's); indexing with a
+            # list took 20 ms for one (1, 32000) row on a loaded 2-core CPU (torch's threaded index kernel)
+            sub = logits if len(rows) == len(reqs) else logits[rows[0]:rows[0] + 1] if len(rows) == 1 else \
+                logits.index_select(0, torch.tensor(rows, device=logits.device))
             if key == -1:
                 toks = sub.argmax(-1).tolist()
             else:
