@@ -136,6 +136,22 @@ def test_named_function_then_the_tool_result_back(server):
     assert back.usage.prompt_tokens > out.usage.prompt_tokens  # the call and its result were rendered
 
 
+class GetWeather(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    days: int = Field(ge=1, le=7)
+
+
+def test_parse_with_a_pydantic_function_tool(server):
+    """The client's strict function tools: parse() reads the forced call's arguments into the model."""
+    client, name = server
+    out = client.chat.completions.parse(
+        model=name, messages=[{"role": "user", "content": "weather?"}], seed=1, max_tokens=100,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+    (call,) = out.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
 def test_required_calls_one_of_the_tools(server):
     client, name = server
     for seed in range(3):

@@ -109,15 +109,12 @@ class RequestChecks:
                            f"{e}: the prompt of {prompt_len} tokens alone does not fit; shorten it",
                            body.max_tokens_field if given else prompt_field,
                            "context_length_exceeded") from None
-        opts = body.to_generation_config(self.sampling_defaults, max_tokens).explicit()
-        grammar = self.grammar(body)
-        if grammar is not None:
-            opts["grammar"] = grammar
-        return opts
+        return body.to_generation_config(self.sampling_defaults, max_tokens).explicit()
 
     def grammar(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
         """The grammar response_format / tools ask for (serve/structured.py), compiled against the model's
-        vocabulary (the engine's: same tokenizer, columns and eos ids); None: unconstrained."""
+        vocabulary (the engine's: same tokenizer, columns and eos ids); None: unconstrained. Called off the
+        event loop: a large schema compiles for milliseconds, a tokenizer's table is read once in ~1 s."""
         wants = body.response_format is not None and body.response_format.type != "text"
         if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice != "none":
             wants = True

@@ -66,6 +66,9 @@ async def handle(api: API, request: Request, chat: bool) -> Response:
     else:
         ids, images = await asyncio.to_thread(api.prompt_ids, body), None
     opts = api.options(body, len(ids), None if chat else DEFAULT_MAX_TOKENS)
+    grammar = await asyncio.to_thread(api.grammar, body)  # response_format, forced tool calls
+    if grammar is not None:
+        opts["grammar"] = grammar
     stream, include_usage = body.stream, body.include_usage
     t = api.admit(ids, opts if images is None else {**opts, "images": images})
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
