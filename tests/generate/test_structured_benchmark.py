@@ -25,3 +25,4 @@ def test_structured_benchmark_quick(tmp_path):
                                                                           ("json_object", "llguidance")}
     assert all(row["tokens"] > 50 and row["per_token_us"] > 0 for row in res["engines"])
     assert res["engine"]["tokens"] > 0 and res["engine"]["free_tok_s"] > 0
+    assert res["engine"]["in_mask_per_token_us"] > 0

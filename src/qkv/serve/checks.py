@@ -121,13 +121,16 @@ class RequestChecks:
         if not wants:
             return None
         try:
-            table = token_table(self.served.codec, self.served.model.output_vocab_size,
-                                self.engine.cfg.eos_ids)
-        except GrammarError as e:
-            field = "response_format" if body.response_format is not None else "tools"
-            raise APIError(400, f"structured output is not available for this model: {e}", field,
-                           "unsupported") from None
-        return structured.grammar_of(body, self.tool_format, table)
+            table, why = token_table(self.served.codec, self.served.model.output_vocab_size,
+                                     self.engine.cfg.eos_ids), None
+        except GrammarError as e:  # no Hugging Face tokenizer, no eos: schemas checked without the vocabulary
+            table, why = None, e
+        grammar = structured.grammar_of(body, self.tool_format, table)
+        if grammar is not None and why is not None:
+            field = "response_format" if body.response_format is not None else "tool_choice"
+            raise APIError(400, f"structured output is not available for this model: {why}", field,
+                           "unsupported")
+        return grammar
 
     def tool_use(self, body: CompletionRequest | ChatCompletionRequest) -> ToolUse | None:
         """The request's tools (None: none, or tool_choice "none"); 400 where the chat template cannot show
