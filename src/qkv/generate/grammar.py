@@ -27,8 +27,6 @@ from typing import Any
 
 import llguidance
 import numpy as np
-import torch
-from torch import Tensor
 
 # compact JSON (", " and ": " between items, no free whitespace): a model may otherwise spend its tokens on
 # whitespace the grammar allows, and a random one does
@@ -143,16 +141,16 @@ class Matcher:
         if tokens and not self.matcher.is_stopped() and not self.matcher.consume_tokens(tokens):
             raise RuntimeError(f"the grammar rejected the generated tokens: {self.matcher.get_error()}")
 
-    def allowed(self, width: int) -> Tensor:
-        """(width,) bool: the tokens the grammar allows next (columns past the tokenizer's: never); once it is
-        done, only the end of the sequence."""
+    def banned(self, width: int) -> np.ndarray:
+        """(width,) bool: the tokens the grammar does not allow next (columns past the tokenizer's: all);
+        once it is done, every one but the end of the sequence. numpy: one single-threaded pass each, where
+        torch's ops on a loaded CPU wait for their thread pool."""
         if self.matcher.is_stopped():
-            bits = torch.zeros(width, dtype=torch.bool)
-            bits[[t for t in self.eos if t < width]] = True
-            return bits
-        # numpy's unpackbits: one single-threaded pass (torch's shifts over a 150k vocabulary are several)
-        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        bits = torch.from_numpy(np.unpackbits(packed, bitorder="little").view(np.bool_))
-        if bits.numel() >= width:
-            return bits[:width]
-        return torch.cat([bits, bits.new_zeros(width - bits.numel())])
+            out = np.ones(width, dtype=np.bool_)
+            out[[t for t in self.eos if t < width]] = False
+            return out
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        out = np.ones(width, dtype=np.bool_)
+        n = min(width, bits.size)
+        np.equal(bits[:n], 0, out=out[:n])
+        return out

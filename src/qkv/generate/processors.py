@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -246,11 +247,10 @@ class GrammarMask(LogitsProcessor):
             self.rows = [Matcher(self.table, self.grammar) for _ in range(ids.shape[0])]
         new = ids[:, self.start + self.fed:].tolist()
         self.fed = ids.shape[1] - self.start
-        allowed = torch.empty(scores.shape, dtype=torch.bool)
-        for i, (row, toks) in enumerate(zip(self.rows, new)):
+        for row, toks in zip(self.rows, new):
             row.consume(toks)
-            allowed[i] = row.allowed(scores.shape[-1])
-        return scores.masked_fill(~allowed.to(scores.device), NEG_INF)
+        banned = np.stack([row.banned(scores.shape[-1]) for row in self.rows])
+        return scores.masked_fill(torch.from_numpy(banned).to(scores.device), NEG_INF)
 
 
 # -- warpers: sampling only -----------------------------------------------------------------------------
