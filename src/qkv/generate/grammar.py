@@ -14,7 +14,7 @@ Why llguidance (docs/serving.md, "Structured outputs", has the figures of benchm
 32000-token vocabulary its mask costs about 10 µs a token on a CPU where the answer is structure (more inside
 strings, where nearly every token is allowed), as xgrammar's, and it does no ahead-of-time work (about 1 ms
 before the first token, where xgrammar compiles for tens of milliseconds and outlines-core builds a token
-index for 0.6-1.4 s, 35-67 s for any JSON object); it supports JSON schema, Lark and regex in one engine; and
+index for 0.6-1.4 s, 28-67 s for any JSON object); it supports JSON schema, Lark and regex in one engine; and
 its wheel depends on nothing (xgrammar's requires torch and pulls triton, a GPU compiler).
 """
 
