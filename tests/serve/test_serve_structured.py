@@ -256,3 +256,43 @@ def test_llama3_call_grammar_parses_back(server, folder):
         assert content is None
         tool = {"get_weather": WEATHER, "get_time": TIME}[c["name"]]
         jsonschema.validate(c["arguments"], tool["function"]["parameters"])
+
+
+# a Llama 3.x-style template: tools in the user turn, a call written as {"name", "parameters"} (after
+# <|python_tag|> for its built-in tools), results back in "ipython" turns
+LLAMA_TEMPLATE = (
+    "{%- if tools %}<|system|>Respond with {\"name\": function name, \"parameters\": arguments}.\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|end|>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls is defined %}<|assistant|>"
+    "{% for c in m.tool_calls %}{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}"
+    "{% endfor %}<|end|>"
+    "{%- elif m.role == 'tool' %}<|user|>ipython: {{ m.content }}<|end|>"
+    "{%- else %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}{# <|python_tag|> #}")
+
+
+def test_llama3_family_round_trip(folder, tmp_path):
+    """A Llama 3-style template: its calls are read as {"name", "parameters"} objects, forced the same way."""
+    import shutil
+
+    llama = tmp_path / "llama3ish"
+    shutil.copytree(folder, llama)
+    (llama / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>",
+                                                             "chat_template": LLAMA_TEMPLATE}))
+    with running_server(llama, block_size=16, num_blocks=128) as (url, app):
+        assert app.state.api.tool_format.name == "llama3_json"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "time in Lima?"}]
+        out = client.chat.completions.create(model=llama.name, messages=messages, tools=[WEATHER, TIME],
+                                             tool_choice="required", parallel_tool_calls=False, seed=2,
+                                             max_tokens=100)
+        (call,) = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        messages += [out.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+        back = client.chat.completions.create(model=llama.name, messages=messages, tools=[WEATHER, TIME],
+                                              max_tokens=3, seed=0)
+        assert back.usage.prompt_tokens > out.usage.prompt_tokens
