@@ -46,6 +46,9 @@ def add_generate(p: argparse.ArgumentParser) -> None:
                    help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, "
                         "Hugging Face names, e.g. a model's generation_config.json); the flags above "
                         "override it")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="structured output: only JSON valid against this JSON schema file (a Hugging Face "
+                        "folder's tokenizer; ends at the model's eos; qkv.generate.grammar)")
     p.add_argument("--strict", action="store_true",
                    help="refuse a prompt with characters outside the model's vocabulary (default: warn, read "
                         "them as <unk>)")
@@ -110,6 +113,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if bias:
         check_generation({"logit_bias": bias})
         flags["logit_bias"] = bias
+    if a.json_schema:
+        from qkv.generate.grammar import schema_file_grammar
+
+        flags["grammar"] = schema_file_grammar(a.json_schema)
     _loading(a.checkpoint)
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream,
                         strict=a.strict,

@@ -130,6 +130,9 @@ class GenerationConfig:
         0.0, "OpenAI's: subtract it times the count of each token already generated", ge=-2, le=2)
     logit_bias: dict[int, float] | None = _setting(
         None, "token id -> bias in [-100, 100] added to its logit (OpenAI's logit_bias)")
+    grammar: str | None = _setting(
+        None, "only output this grammar allows: llguidance's Lark text or JSON grammar (generate/grammar.py: "
+        "json_schema_grammar); needs a Hugging Face tokenizer and an eos token")
     # -- special tokens -----------------------------------------------------------------------------------
     eos_token_id: int | list[int] | None = _setting(None, "stop tokens (None: the model's)")
     pad_token_id: int | None = _setting(None, "fills finished rows (None: the model's, else the first eos, "
@@ -184,6 +187,10 @@ class GenerationConfig:
         need(not self.compile or self.num_beams == 1, "compile: graph-captured decoding is not implemented "
                                                       "for "
              "beam search (it reorders the cache every step)")
+        need(self.grammar is None or self.num_beams == 1, "grammar: a grammar follows one sequence per row; "
+             "beam search reorders its rows every step: use num_beams=1")
+        need(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+             f"grammar must be a non-empty string, got {self.grammar!r}")
         if isinstance(self.stop_strings, str):
             self.stop_strings = [self.stop_strings]
 

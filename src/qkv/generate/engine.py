@@ -150,7 +150,8 @@ class Engine:
                                    prefill_chunk=c.prefill_chunk, preemption=c.preemption,
                                    split_cost=split_cost)
         self.output = OutputProcessor(self.decode_text, self.counters)
-        self.sampler = Sampler(self.device, self.cfg.seed, self.output.errors)
+        self.sampler = Sampler(self.device, self.cfg.seed, self.output.errors, tokenizer,
+                               dec.output_vocab_size)
         self.generator = self.sampler.generator
         # a vision-language model's images: their embeddings, by content hash (images.py)
         self.images = ImageEncoder(dec, c.image_cache) if hasattr(dec, "step_with_images") else None

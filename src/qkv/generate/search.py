@@ -135,8 +135,10 @@ class _Run:
         if self.source is not None:
             self.source = self.source.select_rows(rows)
 
-    def pipeline(self, generator: torch.Generator | None) -> Pipeline:
-        return Pipeline(self.cfg, Context(self.T, self.max_new, self.eos, self.n_pad), generator)
+    def pipeline(self, generator: torch.Generator | None, tokenizer: Any = None) -> Pipeline:
+        """tokenizer: the caller's (a grammar's vocabulary, GenerationConfig.grammar)."""
+        ctx = Context(self.T, self.max_new, self.eos, self.n_pad, tokenizer, self.model.output_vocab_size)
+        return Pipeline(self.cfg, ctx, generator)
 
     def logits(self, cache: Any, cur: int, inp: Tensor,
                return_attentions: bool) -> tuple[Tensor, list | None, Any]:
@@ -437,7 +439,7 @@ def generate(model: Any, input_ids: Tensor, generation_config: GenerationConfig 
             raise ValueError("return_attentions needs the full forward at every step: use compile=False")
         s = _Run(dec, input_ids, cfg, attention_mask, cfg.num_return_sequences)
         stop = _stop_fn(cfg.stop_strings, tokenizer, stopping_criteria, s.T)
-        pipe = s.pipeline(_generator(generator, cfg.seed, input_ids.device))
+        pipe = s.pipeline(_generator(generator, cfg.seed, input_ids.device), tokenizer)
         attentions: list | None = [] if return_attentions else None
         n = sum(1 for _ in _decode_loop(s, pipe, stop, return_attentions, attentions))
         seqs = _result(s, n)
@@ -464,8 +466,8 @@ def stream(model: Any, input_ids: Tensor, generation_config: GenerationConfig | 
         with torch.no_grad():
             s = _Run(dec, input_ids, cfg, attention_mask, 1)
         stop = _stop_fn(cfg.stop_strings, tokenizer, stopping_criteria, s.T)
-        loop = _decode_loop(s, s.pipeline(_generator(generator, cfg.seed, input_ids.device)), stop, False,
-                            None)
+        loop = _decode_loop(s, s.pipeline(_generator(generator, cfg.seed, input_ids.device), tokenizer), stop,
+                            False, None)
         while True:
             with torch.no_grad():
                 try:

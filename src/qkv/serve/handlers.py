@@ -19,6 +19,8 @@ from qkv.serve.checks import DEFAULT_MAX_TOKENS
 from qkv.serve.errors import APIError, cancelled
 from qkv.serve.logprobs import LogprobFormat
 from qkv.serve.sse import DONE, Chunks, Stream, error_event
+from qkv.serve.structured import ToolUse
+from qkv.serve.tools import openai_tool_calls
 from qkv.serve.worker import Ticket
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 class Job:
     """One admitted request: its ticket, the ids its text is decoded after, and the response's common
     fields; its n choices, the log-probabilities it asked for (top: how many alternatives a token lists, None:
-    none) and, with echo, the prompt it sends back first."""
+    none), with echo the prompt it sends back first, with tools how the calls in each answer are read."""
 
     api: API
     request: Request
@@ -41,6 +43,17 @@ class Job:
     n: int = 1
     top: int | None = None
     echo: tuple[str, list[int]] | None = None  # (the prompt's text, its ids)
+    tools: ToolUse | None = None  # the calls in each answer are parsed into tool_calls
+
+    def answer(self, text: str, reason: str) -> tuple[str | None, list[dict], str]:
+        """(content, OpenAI tool_calls, finish reason) of a chat answer's text: its calls read out where the
+        request gave tools ("tool_calls" the reason of an answer that ended by itself with calls)."""
+        if self.tools is None:
+            return text, [], reason
+        content, calls = self.tools.format.parse(text)
+        if not calls:
+            return content, [], reason
+        return content, openai_tool_calls(calls), "tool_calls" if reason == "stop" else reason
 
     def usage(self, n: int) -> dict:
         p = self.ticket.prompt_len
@@ -61,11 +74,16 @@ async def handle(api: API, request: Request, chat: bool) -> Response:
     body = await api.body(request, chat)
     # off the event loop: tokenizing a long prompt (template, images decoded and preprocessed) must not stall
     # other clients' streams
+    tools = api.tool_use(body) if chat else None
     if chat:
-        ids, images = await asyncio.to_thread(api.chat_ids, body)
+        ids, images = await asyncio.to_thread(api.chat_ids, body, tools)
     else:
         ids, images = await asyncio.to_thread(api.prompt_ids, body), None
     opts = api.options(body, len(ids), None if chat else DEFAULT_MAX_TOKENS)
+    # response_format, forced tool calls: one grammar, a matcher of its own per choice (the engine's)
+    grammar = await asyncio.to_thread(api.grammar, body)
+    if grammar is not None:
+        opts["grammar"] = grammar
     stream, include_usage = body.stream, body.include_usage
     t = api.admit(ids, opts if images is None else {**opts, "images": images})
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -75,7 +93,7 @@ async def handle(api: API, request: Request, chat: bool) -> Response:
         echo = (body.prompt if isinstance(body.prompt, str) else api.served.codec.decode(ids), ids)
     # the prompt's last ids as context: the engine's stop check reads the same ones
     job = Job(api, request, t, chat, ids[-TEXT_CONTEXT:], opts.get("stop_strings", []), base, opts["n"],
-              opts["logprobs"], echo)
+              opts["logprobs"], echo, tools)
     if stream:
         return Stream(stream_events(job, include_usage), lambda: api.release(t, None))
     return await whole(job)
@@ -127,8 +145,10 @@ def _choice_object(job: Job, index: int, c: Choice, prompt: list) -> dict:
     content = cut_at_stop(decode_continuation(decode, job.context, c.ids), job.stop)
     fmt = LogprobFormat(job.api.served.codec.token_text) if job.top is not None else None
     if job.chat:
-        return {"index": index, "message": {"role": "assistant", "content": content},
-                "finish_reason": c.reason, "logprobs": fmt.chat(c.ids, c.entries) if fmt else None}
+        content, calls, reason = job.answer(content, c.reason)
+        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        return {"index": index, "message": message, "finish_reason": reason,
+                "logprobs": fmt.chat(c.ids, c.entries) if fmt else None}
     ids, entries = c.ids, c.entries
     if job.echo is not None:
         content = job.echo[0] + content
@@ -140,7 +160,7 @@ def _choice_object(job: Job, index: int, c: Choice, prompt: list) -> dict:
 class ChoiceStream:
     """One choice's side of a stream: its text piece by piece (StreamDecoder), the log-probability entries of
     the tokens whose text is not sent yet, and where its next token's text starts (completions'
-    text_offset)."""
+    text_offset). With tools, the text is held and read out at the end (a call's text is never content)."""
 
     def __init__(self, job: Job, index: int, fmt: LogprobFormat | None) -> None:
         self.job, self.index, self.fmt = job, index, fmt
@@ -148,6 +168,7 @@ class ChoiceStream:
         self.pending: list[tuple[int, object]] = []
         self.offset = len(job.echo[0]) if job.echo is not None else 0
         self.count = 0
+        self.held: list[str] | None = [] if job.tools is not None else None
 
     def logprobs(self, ids: list[int], entries: list) -> dict:
         if self.job.chat:
@@ -161,11 +182,15 @@ class ChoiceStream:
         with the log-probabilities of the tokens it completes."""
         self.count += 1
         piece = self.text.push(tok)
-        if self.fmt is None:
-            return chunks.piece(piece, self.index) if piece else ""
-        self.pending.append((tok, entry))
+        if self.fmt is not None:
+            self.pending.append((tok, entry))
+        if self.held is not None:
+            self.held.append(piece)
+            return ""
         if not piece:
             return ""
+        if self.fmt is None:
+            return chunks.piece(piece, self.index)
         return chunks.chunk(piece, None, index=self.index, logprobs=self._take())
 
     def _take(self) -> dict | None:
@@ -176,7 +201,15 @@ class ChoiceStream:
         return self.logprobs(ids, entries)
 
     def end(self, chunks: Chunks, reason: str, **extra: object) -> str:
-        return chunks.chunk(self.text.flush(), reason, index=self.index, logprobs=self._take(), **extra)
+        """The choice's last events: with tools, its calls (their own delta, the content beside them), then
+        the rest of its text with the finish reason."""
+        rest, calls_event = self.text.flush(), ""
+        if self.held is not None:
+            content, calls, reason = self.job.answer("".join(self.held) + rest, reason)
+            rest = "" if calls else content or ""
+            if calls:
+                calls_event = chunks.tool_calls(content, calls, index=self.index)
+        return calls_event + chunks.chunk(rest, reason, index=self.index, logprobs=self._take(), **extra)
 
 
 class StreamEvents:

@@ -43,9 +43,11 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(self.tokenizer.chat_template)  # a field of every qkv.tokenizer.TextTokenizer
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat template's rendering of `messages` with the assistant's turn opened, as token ids."""
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    def chat_prompt(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
+        """The chat template's rendering of `messages` with the assistant's turn opened, as token ids;
+        variables: the template's others (tools)."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       **variables))
 
 
 @dataclass

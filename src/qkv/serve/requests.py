@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from qkv.generate.config import (
     LOGIT_BIAS_LIMIT,
@@ -81,8 +81,7 @@ SETTING_OF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", 
 # anything else they are refused, since answering as if they had been honoured would be worse (a logit_bias
 # or a JSON response_format silently ignored)
 UNSUPPORTED: dict[str, tuple] = {
-    "suffix": (None, ""), "tools": (None, []),
-    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none")}
+    "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
 # The sampling fields a folder's generation_config.json may set for the requests that leave them out (vLLM's
 # --generation-config auto: the same five); OpenAI's values where it does not.
 FOLDER_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -92,6 +91,23 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool | None = None
+
+
+class JSONSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema every output validates against (strict or not: the grammar
+    is the schema, so the output always validates)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _Body(BaseModel):
@@ -115,6 +131,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # structured output (serve/structured.py)
 
     def check_supported(self, chat: bool = False) -> None:
         """400 for what this server does not do (best_of, OpenAI's UNSUPPORTED features), logit_bias that is
@@ -129,10 +146,14 @@ class _Body(BaseModel):
             v = extra.get(name)
             if not any(v is a or (type(v) is type(a) and v == a) for a in values):
                 raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported")
-        fmt = extra.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise APIError(400, "'response_format' is not supported by this server (only {\"type\": "
-                           "\"text\"})", "response_format", "unsupported")
+        for name in ("tools", "tool_choice"):  # chat's (ChatCompletionRequest's fields, never in its extra)
+            if extra.get(name) not in (None, [], "none"):
+                raise APIError(400, f"'{name}' is a chat field: send it to /v1/chat/completions", name,
+                               "unsupported")
+        fmt = self.response_format
+        if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            raise APIError(400, "'response_format.json_schema' is required with \"type\": \"json_schema\" "
+                           "and only allowed with it", "response_format.json_schema", "invalid_value")
         self.logit_bias_ids  # noqa: B018  its check
         if not (len(self.stop_strings) <= 4 and all(self.stop_strings)):
             raise APIError(400, "'stop' takes at most 4 non-empty strings", "stop", "invalid_value")
@@ -241,28 +262,66 @@ class ImagePart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A message; extra keys are kept (an assistant's tool_calls, a tool message's tool_call_id)."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+    # None: an assistant message that only calls tools
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        calls = (self.model_extra or {}).get("tool_calls")
+        if self.content is None and not (self.role == "assistant" and calls):
+            raise ValueError("'content' is required (null only in an assistant's message with tool_calls)")
+        return self
 
     @property
     def text(self) -> str:
         """The content's text: its text parts joined with newlines (as vLLM)."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
 
     @property
     def images(self) -> list[str]:
         """The URLs of the content's image parts, in order."""
-        return [] if isinstance(self.content, str) else [
+        return [] if not isinstance(self.content, list) else [
             p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Body):
     """POST /v1/chat/completions: the conversation, rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None  # rendered by the chat template; calls parsed back (serve/tools.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = None  # each new token's log-probability
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # ... and its most likely alternatives
 

@@ -73,6 +73,15 @@ class Chunks:
             t = self.templates[index] = (head, tail)
         return t[0] + json.dumps(text) + t[1]
 
+    def tool_calls(self, content: str | None, calls: list[dict], index: int = 0) -> str:
+        """A chat delta with the answer's tool calls (each whole, with its index) and the content beside
+        them."""
+        delta: dict[str, Any] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        if content:
+            delta["content"] = content
+        choice = {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
+        return event({**self.base, "object": self.object, "choices": [choice]})
+
     def usage(self, usage: dict) -> str:
         """OpenAI's stream_options include_usage: usage on a last chunk of its own, with no choice."""
         return event({**self.base, "object": self.object, "choices": [], "usage": usage})
