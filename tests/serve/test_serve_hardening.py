@@ -36,6 +36,7 @@ def test_tiny_temperature_big_seed_and_unsupported_fields(run_folder):
             assert (
                 httpx.post(url + "/v1/completions", json={**ok, "seed": seed}, timeout=60).status_code == 200
             )
+        # a character LM has no Hugging Face tokenizer for a grammar; tools are chat's
         refused = [("response_format", {"type": "json_object"}), ("suffix", "x"),
                    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto")]
         for name, value in refused:

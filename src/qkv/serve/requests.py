@@ -134,8 +134,9 @@ class _Body(BaseModel):
     response_format: ResponseFormat | None = None  # structured output (serve/structured.py)
 
     def check_supported(self, chat: bool = False) -> None:
-        """400 for what this server does not do (best_of, OpenAI's UNSUPPORTED features), logit_bias that is
-        not token id -> bias, stop strings past OpenAI's four, stream_options without a stream."""
+        """400 for what this server does not do (best_of, OpenAI's UNSUPPORTED features, tools on
+        completions), logit_bias that is not token id -> bias, a json_schema response_format without its
+        schema, stop strings past OpenAI's four, stream_options without a stream."""
         if self.best_of not in (None, 1):
             raise APIError(400, "'best_of' > 1 is not supported (ask for n choices)", "best_of",
                            "unsupported")
