@@ -14,6 +14,10 @@
           recomputed tokens with the least_work and the newest victim policy, same outputs.
 5. chunked prefill: a 768-token prompt joins 16 decoding requests: the longest gap between their tokens
           and the newcomer's time to first token, prefill_chunk=256 vs the whole prompt in one step.
+6. choices 8 prompts of 384 tokens, 4 samples each (64 new tokens): one request with n=4 (the samples
+          forked on the prompt's blocks, copy-on-write) vs four separate requests (seeds s .. s+3: the same
+          samples), with and without prefix caching: tok/s, prefill tokens, peak KV blocks (medians of
+          --repeats, interleaved).
 
 Models (--family): 'gpt' = qkv's 'gpt-bench' run folder (6 layers, 384 wide, vocab 65, random weights) with a
 1024-position table; 'llama' = the 135M-class Llama of benchmarks/llm.py (30 layers, hidden 576, 9 / 3 heads,
@@ -61,7 +65,7 @@ LLAMA = dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_k
              intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
 LLAMA_QUICK = dict(LLAMA, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, vocab_size=512)
-PARTS = ("load", "static", "prefix", "preempt", "chunk")
+PARTS = ("load", "static", "prefix", "preempt", "chunk", "choices")
 
 
 def make_llama_folder(path: Path, quick: bool) -> Path:
@@ -324,6 +328,44 @@ def chunked_prefill(m, long_len: int, running: int = 16, chunk: int = 256) -> di
     return out
 
 
+def parallel_samples(m, n_prompts: int, prompt_len: int, new: int, repeats: int, n: int = 4) -> dict:
+    """n samples of each prompt: one request with n=n vs n separate requests seeded seed .. seed + n - 1
+    (the samples the n=n request's choices are), with the prefix cache on (the separate requests then share
+    the prompt's full blocks too) and off."""
+    g = torch.Generator().manual_seed(3)
+    V = m.output_vocab_size
+    prompts = [torch.randint(0, V, (prompt_len,), generator=g).tolist() for _ in range(n_prompts)]
+    cfg = dict(max_new_tokens=new, do_sample=True)
+    times: dict[str, list[float]] = {}
+    stats, outs = {}, {}
+    for _ in range(repeats):  # interleaved
+        for name, forked, cache in (("forked", True, True), ("separate", False, True),
+                                    ("separate_no_cache", False, False)):
+            e = Engine(m, max_batch_size=n_prompts * n, prefix_caching=cache)
+            t0 = time.perf_counter()
+            if forked:
+                firsts = [e.add_request(p, seed=10 * i, n=n, **cfg) for i, p in enumerate(prompts)]
+                rids = [r + j for r in firsts for j in range(n)]  # a request's choices: ids r .. r + n - 1
+            else:
+                rids = [e.add_request(p, seed=10 * i + j, **cfg) for i, p in enumerate(prompts)
+                        for j in range(n)]
+            out = e.run()
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+            st = e.stats()
+            stats[name] = {"prefill_tokens": st["prefill_tokens"], "peak_blocks": e.peak_blocks,
+                           "cow_copies": st["cow_copies"]}
+            outs[name] = [out[r] for r in rids]
+    total = n_prompts * n * new
+    res = {"prompts": n_prompts, "prompt_len": prompt_len, "samples": n, "new_tokens": new,
+           "same_tokens": outs["forked"] == outs["separate"] == outs["separate_no_cache"]}
+    for name, ts in times.items():
+        res[name] = {"tok_s": round(total / statistics.median(ts), 1), **stats[name]}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    res["forked_over_separate"] = round(med["separate"] / med["forked"], 2)
+    res["forked_over_separate_no_cache"] = round(med["separate_no_cache"] / med["forked"], 2)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a CPU smoke run (tiny model, few clients)")
@@ -365,6 +407,9 @@ def main() -> None:
         if "chunk" in run:
             result["chunked_prefill"] = chunked_prefill(m, 64 if a.quick else 768, 4 if a.quick else 16,
                                                         16 if a.quick else 256)
+        if "choices" in run:
+            result["choices"] = parallel_samples(m, 2 if a.quick else 8, 40 if a.quick else 384,
+                                                 8 if a.quick else 64, a.repeats)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     report(result)
@@ -402,6 +447,18 @@ def report(result: dict) -> None:
               f"gap between their tokens {chunk['chunked']['max_gap_ms']} ms chunked ({chunk['chunk']} per "
               f"step) vs {chunk['whole']['max_gap_ms']} ms whole; its first token after "
               f"{chunk['chunked']['ttft_s']} vs {chunk['whole']['ttft_s']} s")
+    if ch := result.get("choices"):
+        n = ch["samples"]
+        print(f"{ch['prompts']} prompts of {ch['prompt_len']} tokens x {n} samples of "
+              f"{ch['new_tokens']} tokens; same samples: {ch['same_tokens']}\n"
+              "| | tok/s | prefill tokens | peak KV blocks | copy-on-write copies |\n|---|---|---|---|---|")
+        for name, label in (("forked", f"n={n}"), ("separate", f"{n} requests, prefix cache"),
+                            ("separate_no_cache", f"{n} requests, no prefix cache")):
+            r = ch[name]
+            print(f"| {label} | {r['tok_s']} | {r['prefill_tokens']} | {r['peak_blocks']} | "
+                  f"{r['cow_copies']} |")
+        print(f"n={n} is {ch['forked_over_separate']}x as fast as separate requests "
+              f"({ch['forked_over_separate_no_cache']}x without the prefix cache)")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,11 @@ def test_eval_needs_at_least_one_example(lm_run):
     (["--top-k", "-1"], "--top-k"),
     (["--temperature", "-1"], "--temperature"),
     (["--temperature", "nan"], "--temperature"),
+    (["--presence-penalty", "3"], "--presence-penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "-2.5"], "--frequency-penalty must be in [-2, 2]"),
+    (["--logit-bias", "x"], "--logit-bias takes ID=BIAS"),
+    (["--logit-bias", "3=101"], "--logit-bias[3] must be a number in [-100, 100]"),
+    (["--logit-bias", "100000=1"], "logit_bias 100000 is outside the model's vocabulary"),
 ])
 def test_generate_flags_out_of_range(lm_run, flags, message):
     assert message in one_error_line(run_cli("generate", str(lm_run), "--prompt", "The ", *flags))
@@ -449,3 +454,16 @@ def test_generate_says_loading_at_a_terminal_only(lm_run, capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(args) == 0
     assert capsys.readouterr().err.startswith(f"loading {lm_run}...")
+
+
+def test_logit_bias_flag_forces_a_token(lm_run):
+    """--logit-bias ID=100 makes that token the greedy choice at every step: the continuation is that
+    token four times (the run's character tokenizer says which text it is)."""
+    from qkv.run import load_run_task
+
+    tok = load_run_task(lm_run).tokenizer
+    for token in (20, 21):
+        r = run_cli("generate", str(lm_run), "--prompt", "The ", "--max-new-tokens", "4", "--greedy",
+                    "--logit-bias", f"{token}=100")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.rstrip("\n") == "The " + tok.decode([token] * 4), r.stdout

@@ -19,11 +19,17 @@ def running_server(
 ):
     """(base url, app) of a server on 127.0.0.1:<free port>; stopped (and its engine thread) on exit. The
     uvicorn server is app.state.server (a test may stop it early: server.should_exit = True)."""
-    import uvicorn
-
     served = load_served(folder)
     engine = build_engine(served, **engine_options)
-    app = create_app(served, engine, settings)
+    with running_app(create_app(served, engine, settings), shutdown_timeout) as out:
+        yield out
+
+
+@contextmanager
+def running_app(app, shutdown_timeout: float = 5):
+    """(base url, app) of any app (an embeddings server's too) served on 127.0.0.1:<free port>."""
+    import uvicorn
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -22,6 +22,10 @@ def test_serve_benchmark_quick(tmp_path):
     assert res["prefix_caching"]["work_saved"] > 0.5  # 4 requests, 64 shared tokens: 3 of 4 prefixes reused
     for policy in ("least_work", "newest"):
         assert res["preemption"][policy]["same_tokens"]
+    # n=4 draws the samples of four requests seeded s .. s+3, computing each prompt once
+    choices = res["choices"]
+    assert choices["same_tokens"] and choices["forked"]["prefill_tokens"] == 2 * 40
+    assert choices["separate_no_cache"]["prefill_tokens"] == 4 * 2 * 40
 
 
 def test_serve_benchmark_quick_llama_folder(tmp_path):

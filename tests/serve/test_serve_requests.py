@@ -53,8 +53,12 @@ def test_openai_rules_are_the_only_differences():
     assert [accepted(repetition_penalty=v) for v in VALUES] == [
         config_accepts(repetition_penalty=v) and 0.01 <= v <= 10 for v in VALUES]
     assert [accepted(seed=v) for v in ints] == [-(2 ** 63) <= v < 2 ** 64 for v in ints]
-    # n follows num_return_sequences' rule (>= 1) and then the server's (one choice)
-    assert [accepted(n=v) for v in (0, 1, 2)] == [False, True, False]
+    # n follows num_return_sequences' rule (>= 1) and then the server's bound (checks.py: max_batch_size too)
+    assert [accepted(n=v) for v in (0, 1, 2, 128, 129)] == [False, True, True, True, False]
+    # OpenAI's penalties: GenerationConfig's [-2, 2]
+    for name in ("presence_penalty", "frequency_penalty"):
+        assert [accepted(**{name: v}) for v in VALUES] == [config_accepts(**{name: v}) for v in VALUES]
+    assert [accepted(max_tokens=0, echo=e) for e in (False, True)] == [False, True]
 
 
 def test_a_changed_bound_in_generation_config_is_the_apis_bound(monkeypatch):

@@ -151,7 +151,7 @@ def test_worker_hands_over_one_batch_per_step_in_order(run_folder, monkeypatch):
     finally:
         w.stop()
     for g, r in zip(got, rids):
-        assert g == [("token", x) for x in out[r]] + [("done", "length")]
+        assert g == [("token", (0, x, None)) for x in out[r]] + [("done", "length")]
     assert sum(calls) == sum(news) + len(news)
     assert len(calls) <= engine.stats()["steps"] < sum(news)
 

@@ -8,11 +8,11 @@ import argparse
 import sys
 from typing import Any
 
-from qkv.cli.flags import add_generation_flags, add_quantize, generation_flags
+from qkv.cli.flags import add_generation_flags, add_quantize, check_generation, generation_flags
 
 # the sampling flags, generated from GenerationConfig's fields (qkv.cli.flags): its bounds and help text
 GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "length_penalty",
-                  "no_repeat_ngram_size", "min_new_tokens")
+                  "no_repeat_ngram_size", "min_new_tokens", "presence_penalty", "frequency_penalty")
 CHAT_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
 # --speculative prompt-lookup: the drafted tokens per verifying forward (transformers' documented example's)
 PROMPT_LOOKUP_TOKENS = 10
@@ -59,11 +59,16 @@ def add_generate(p: argparse.ArgumentParser) -> None:
                         "default)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
+    p.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit; repeat the flag for more tokens")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--generation-config", default=None, metavar="FILE",
                    help="a JSON or YAML file of generation settings (qkv.generate.GenerationConfig fields, "
                         "Hugging Face names, e.g. a model's generation_config.json); the flags above "
                         "override it")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="structured output: only JSON valid against this JSON schema file (a Hugging Face "
+                        "folder's tokenizer; ends at the model's eos; qkv.generate.grammar)")
     p.add_argument("--strict", action="store_true",
                    help="refuse a prompt with characters outside the model's vocabulary (default: warn, read "
                         "them as <unk>)")
@@ -84,6 +89,24 @@ def _check_generate_flags(a: argparse.Namespace, names: tuple[str, ...]) -> dict
         raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
                           "only knows its sequence at the end: use one or the other")
     return flags
+
+
+def _logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS flags as GenerationConfig.logit_bias (its own check of ids and bounds)."""
+    from qkv.config import ConfigError
+
+    if not pairs:
+        return None
+    out: dict[int, float] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise ConfigError(f"--logit-bias takes ID=BIAS (a token id and a number), got {pair!r}") from None
+        if not sep:
+            raise ConfigError(f"--logit-bias takes ID=BIAS, got {pair!r}")
+    return out
 
 
 def _loading(model: str) -> None:
@@ -109,6 +132,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
         flags["compile"] = True
     spec, assistant = speculative_flags(a.speculative)
     flags.update(spec)
+    bias = _logit_bias(a.logit_bias)
+    if bias:
+        check_generation({"logit_bias": bias})
+        flags["logit_bias"] = bias
+    if a.json_schema:
+        from qkv.generate.grammar import schema_file_grammar
+
+        flags["grammar"] = schema_file_grammar(a.json_schema)
     _loading(a.checkpoint)
     out = generate_text(a.checkpoint, a.prompt, cfg, greedy=a.greedy, seed=a.seed, stream=a.stream,
                         strict=a.strict, quantize=a.quantize, assistant=assistant, **flags)

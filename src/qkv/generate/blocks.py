@@ -80,6 +80,10 @@ class BlockManager:
         """Blocks for n more tokens of a sequence; False when the pool is short."""
         return self.cache.reserve(seq_id, n)
 
+    def fork(self, parent: int, child: int) -> None:
+        """child starts on all of parent's blocks (shared; copied on their first write)."""
+        self.cache.fork(parent, child)
+
     def free(self, seq_id: int) -> None:
         self.cache.free_sequence(seq_id)
 

@@ -30,6 +30,8 @@ DEFAULT_MAX_NEW_TOKENS = 32
 # turns every score into +-inf and the sampler's probabilities into NaN). vLLM draws the line at the same
 # place.
 MIN_TEMPERATURE = 1e-5
+# OpenAI's bound on top_logprobs: the most likely tokens listed beside each token (vLLM's max_logprobs too)
+MAX_TOP_LOGPROBS = 20
 # a user's request's one rule beyond the library's (the CLI and the server read it): asking for no new tokens
 # is a mistake there, while the library takes 0 (an engine request that only reads its prompt)
 REQUEST_AT_LEAST = {"max_new_tokens": 1}
@@ -122,6 +124,15 @@ class GenerationConfig:
     no_repeat_ngram_size: int = _setting(0, "no n-gram of this size occurs twice", ge=0)
     bad_words_ids: list[list[int]] | None = _setting(
         None, "token sequences never produced (OPUS-MT bans its pad token)")
+    presence_penalty: float = _setting(
+        0.0, "OpenAI's: subtract it from the logit of every token already generated", ge=-2, le=2)
+    frequency_penalty: float = _setting(
+        0.0, "OpenAI's: subtract it times the count of each token already generated", ge=-2, le=2)
+    logit_bias: dict[int, float] | None = _setting(
+        None, "token id -> bias in [-100, 100] added to its logit (OpenAI's logit_bias)")
+    grammar: str | None = _setting(
+        None, "only output this grammar allows: llguidance's Lark text or JSON grammar (generate/grammar.py: "
+        "json_schema_grammar); needs a Hugging Face tokenizer and an eos token")
     # -- special tokens -----------------------------------------------------------------------------------
     eos_token_id: int | list[int] | None = _setting(None, "stop tokens (None: the model's)")
     pad_token_id: int | None = _setting(None, "fills finished rows (None: the model's, else the first eos, "
@@ -165,6 +176,7 @@ class GenerationConfig:
              len(w) > 0 and all(isinstance(i, int) and i >= 0 for i in w) for w in self.bad_words_ids)),
              "bad_words_ids must be a non-empty list of non-empty lists of token ids, got "
              f"{self.bad_words_ids}")
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
         need(not (self.do_sample and self.num_beams > 1),
              "do_sample: beam search is deterministic: use do_sample=True or num_beams > 1, not both")
         need(self.num_beams > 1 or self.do_sample or self.num_return_sequences == 1,
@@ -186,6 +198,10 @@ class GenerationConfig:
         need(not (self.prompt_lookup_num_tokens and (self.num_beams > 1 or self.compile)),
              "prompt_lookup_num_tokens: speculative decoding runs greedy or sampled decoding, eagerly: not "
              "with beam search or compile")
+        need(self.grammar is None or self.num_beams == 1, "grammar: a grammar follows one sequence per row; "
+             "beam search reorders its rows every step: use num_beams=1")
+        need(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+             f"grammar must be a non-empty string, got {self.grammar!r}")
         if isinstance(self.stop_strings, str):
             self.stop_strings = [self.stop_strings]
 
@@ -290,6 +306,28 @@ class GenerationConfig:
     @property
     def sampling(self) -> bool:
         return self.do_sample and self.temperature >= MIN_TEMPERATURE
+
+
+LOGIT_BIAS_LIMIT = 100  # OpenAI's bound on a logit_bias value: -100 bans a token, 100 forces it
+
+
+def _checked_logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """logit_bias with int keys (a JSON file's keys are strings: "50256" -> 50256) and finite float values in
+    [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]; None or {} for none."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        key = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+        if not isinstance(key, int) or isinstance(key, bool) or key < 0:
+            raise ConfigError(f"GenerationConfig.logit_bias: keys must be token ids (integers >= 0), "
+                              f"got {k!r}")
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                or abs(v) > LOGIT_BIAS_LIMIT):
+            raise ConfigError(f"GenerationConfig.logit_bias[{key}] must be a number in [-{LOGIT_BIAS_LIMIT}, "
+                              f"{LOGIT_BIAS_LIMIT}], got {v!r}")
+        out[key] = float(v)
+    return out
 
 
 def _json_mapping(path: Path) -> dict[str, Any]:

@@ -55,6 +55,14 @@ embeddings by key spares a repeated image the vision tower (images.py). Decoding
 tower that raises fails only the requests whose images it could not encode ("error"), as a failed token
 choice does.
 
+Parallel samples and log-probabilities: add_request(ids, n=4) queues one request whose prompt is computed
+once; when it is, three more sequences start on its blocks (PagedKVCache.fork: shared, the partial last block
+copied by its first writer), request ids rid + 1 .. rid + 3, each with its own token choice (a seed s: s + i).
+logprobs=k records each new token's log-probability and its k most likely alternatives (token_logprobs());
+prompt_logprobs=k the prompt tokens' (prompt_logprobs()), from every position's logits of its prefill pieces
+(model.step(all_logits=True)); such a request skips the prefix cache for its prompt (cached blocks have their
+keys and values, not their logits). The values are log_softmax of the model's raw logits (logprobs.py).
+
 The parts (vLLM v1's split): scheduler.py (admission, chunked prefill, preemption), blocks.py (the KV blocks
 each request holds, the prefix cache), sampler.py (processors, seeds), output.py (finish reasons, stop
 strings); this class checks the settings, wires them and runs the model's forwards.
@@ -62,6 +70,7 @@ strings); this class checks the settings, wires them and runs the model's forwar
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -74,6 +83,7 @@ from qkv.generate.blocks import BlockManager
 from qkv.generate.config import GenerationConfig
 from qkv.generate.engine_config import PREEMPTION, EngineConfig
 from qkv.generate.images import ImageEncoder, ImageInput, Span, block_extras, check_images, in_piece, spans
+from qkv.generate.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from qkv.generate.output import TEXT_CONTEXT, OutputProcessor
 from qkv.generate.sampler import Sampler
 from qkv.generate.scheduler import Counters, Request, Scheduler
@@ -140,12 +150,16 @@ class Engine:
                                    prefill_chunk=c.prefill_chunk, preemption=c.preemption,
                                    split_cost=split_cost)
         self.output = OutputProcessor(self.decode_text, self.counters)
-        self.sampler = Sampler(self.device, self.cfg.seed, self.output.errors)
+        self.sampler = Sampler(self.device, self.cfg.seed, self.output.errors, tokenizer,
+                               dec.output_vocab_size)
         self.generator = self.sampler.generator
         # a vision-language model's images: their embeddings, by content hash (images.py)
         self.images = ImageEncoder(dec, c.image_cache) if hasattr(dec, "step_with_images") else None
         self._next_id = 0
         self.peak_blocks = 0
+        # a model whose step can return every position's logits can give a prompt's log-probabilities
+        self.all_logits = "all_logits" in inspect.signature(dec.step).parameters
+        self._forked: dict[int, Request] = {}  # a parallel sample not started yet -> the request it forks
 
     # -- the parts' state, under the names callers use -------------------------------------------------
     @property
@@ -212,6 +226,10 @@ class Engine:
                              "num_return_sequences must be 1")
         if cfg.stop_strings and self.decode_text is None:
             raise ValueError("stop_strings need the Engine's tokenizer= (to decode the tokens)")
+        V = self.model.output_vocab_size
+        bad = [i for i in cfg.logit_bias or {} if i >= V]
+        if bad:
+            raise ValueError(f"logit_bias {bad[0]} is outside the model's vocabulary [0, {V})")
 
     # -- requests ---------------------------------------------------------------------------------------
     def room(self, prompt_len: int) -> int:
@@ -247,11 +265,18 @@ class Engine:
 
     def add_request(self, prompt: Sequence[int] | Tensor,
                     generation_config: GenerationConfig | int | None = None, *,
-                    images: Sequence[ImageInput] | None = None, **options: Any) -> int:
+                    images: Sequence[ImageInput] | None = None, n: int = 1, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None, **options: Any) -> int:
         """Queue a prompt (1-D ids) with this request's settings on top of the engine's (a GenerationConfig,
         or an int = max_new_tokens, and/or keywords); returns the request id used by step(), run(),
         cancel(). images: a vision-language model's ImageInputs, one per image in the prompt, whose
-        placeholders the ids hold expanded."""
+        placeholders the ids hold expanded.
+
+        n > 1: n samples of the prompt, request ids rid .. rid + n - 1, computed once and shared (each later
+        one starts on the first's blocks, copy-on-write), each with its own random stream (a seed s: s + i
+        for the i-th). logprobs=k: each new token's log-probability and its k most likely tokens'
+        (token_logprob()); prompt_logprobs=k: the same for the prompt's tokens, computed in its prefill
+        (prompt_logprobs())."""
         ids = _prompt_ids(prompt)
         if not ids:
             raise ValueError("a request needs at least one prompt token")
@@ -265,25 +290,64 @@ class Engine:
         self._check(cfg)
         max_new = cfg.new_tokens(len(ids))
         self.check_request(len(ids), max_new)
-        pipe = self.sampler.pipeline(cfg, len(ids), max_new, own_seed="seed" in own)
-        rid = self._next_id
-        self._next_id += 1
+        self._check_extras(n, logprobs, prompt_logprobs)
         extra = block_extras(image_spans, self.cache.block_size)
-        req = Request(rid, ids, cfg, max_new, set(cfg.eos_ids), pipe,
-                      self.output.stop_strings(ids, list(cfg.stop_strings or [])),
-                      head=self.blocks.head(ids, extra), images=image_spans, extra=extra)
-        if max_new == 0:  # done at once, but reported like any other end (take_finished, the counters)
-            self.output.finish(rid, [], "length")
+        reqs = []
+        for i in range(n):
+            # the i-th sample's own stream: the request's seed + i (torch takes 64-bit seeds)
+            own_cfg = cfg.replace(seed=(cfg.seed + i) % 2 ** 64) if i and cfg.seed is not None else cfg
+            pipe = self.sampler.pipeline(own_cfg, len(ids), max_new, own_seed="seed" in own)
+            reqs.append(Request(self._next_id, ids, own_cfg, max_new, set(cfg.eos_ids), pipe,
+                                self.output.stop_strings(ids, list(cfg.stop_strings or [])),
+                                head=self.blocks.head(ids, extra), images=image_spans, extra=extra,
+                                logprobs=logprobs))
+            self._next_id += 1
+        req = reqs[0]
+        req.forks, req.prompt_logprobs = reqs[1:], prompt_logprobs
+        if prompt_logprobs is not None:
+            req.prompt_lp = [None] * len(ids)
+        if max_new == 0 and prompt_logprobs is None:  # done at once, reported like any other end
+            for r in reqs:
+                self.output.finish(r.id, [], "length")
         else:
+            self._forked.update((r.id, req) for r in req.forks)
             self.scheduler.waiting.append(req)
-        return rid
+        return req.id
+
+    def _check_extras(self, n: int, logprobs: int | None, prompt_logprobs: int | None) -> None:
+        if not (isinstance(n, int) and 1 <= n <= self.max_batch_size):
+            raise ValueError(f"n must be an integer in [1, max_batch_size={self.max_batch_size}], got {n!r}")
+        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and not (isinstance(k, int) and 0 <= k <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+        if prompt_logprobs is not None and not self.all_logits:
+            raise ValueError(f"{type(self.model).__name__}.step cannot return every position's logits: "
+                             "no prompt_logprobs")
+
+    def token_logprobs(self, request_id: int) -> list[TokenLogprob]:
+        """The log-probability entries of the request's new tokens so far (it asked for logprobs; [] if
+        not), until pop_finished."""
+        return self.output.logprobs.get(request_id, [])
+
+    def prompt_logprobs(self, request_id: int) -> list[TokenLogprob | None] | None:
+        """The prompt's log-probability entries (the first token's None) once its prefill is done, taken
+        (forgotten by the engine); None when not (yet) there."""
+        return self.output.prompt_logprobs.pop(request_id, None)
 
     def cancel(self, request_id: int) -> bool:
-        """Drop a waiting or running request and free every block it holds; False if it is not queued."""
+        """Drop a waiting or running request and free every block it holds; False if it is not queued. Its
+        parallel samples not started yet are dropped with it."""
+        parent = self._forked.pop(request_id, None)
+        if parent is not None:  # a sample waiting for its prompt: it never took a block
+            parent.forks = [r for r in parent.forks if r.id != request_id]
+            self.output.finish(request_id, [], "cancelled")
+            return True
         req = self.scheduler.cancel(request_id)
         if req is None:
             return False
         self.output.finish(req.id, req.output, "cancelled")
+        for r in req.forks:
+            self.cancel(r.id)
         return True
 
     def pop_finished(self, request_id: int) -> tuple[list[int], str] | None:
@@ -334,12 +398,16 @@ class Engine:
         1.11x in CPU time on the serve load), 4096 where it gathers them (GPU, bf16)."""
         return self.scheduler.length_groups(batch, [self.cache.lens[r.id] + 1 for r in batch])
 
-    def _forward(self, group: list[Request], ids: list[list[int]], starts: list[int] | None = None) -> Tensor:
+    def _forward(self, group: list[Request], ids: list[list[int]], starts: list[int] | None = None,
+                 all_logits: bool = False) -> Tensor:
         """One forward of B rows of T tokens over the paged cache (per-row offsets and key mask). starts: the
-        rows' first positions where they may hold image placeholders (prompt tokens)."""
+        rows' first positions where they may hold image placeholders (prompt tokens). all_logits: every
+        position's logits (B, T, V), else the last's (B, V)."""
         self.cache.set_active([r.id for r in group])
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
         keep = self.cache.keep_mask(x.shape[1]) if len({self.cache.lens[r.id] for r in group}) > 1 else None
+        if all_logits:  # a text model (prompt_logprobs is refused for the others)
+            return self.model.step(x, self.cache, keep=keep, all_logits=True)
         if starts is not None and self.images is not None and any(r.images for r in group):
             image = self.images.chunk([(r.images, s, x.shape[1]) for r, s in zip(group, starts)], self.device)
             if image is not None:
@@ -352,6 +420,11 @@ class Engine:
         self.errors[req.id] = why
         self.scheduler.finish(req)
         self.output.finish(req.id, req.output, "error")
+        for r in req.forks:  # its parallel samples never started: they end with it
+            self._forked.pop(r.id, None)
+            self.errors[r.id] = why
+            self.output.finish(r.id, [], "error")
+        req.forks = []
 
     def _encode_images(self, group: list[Request], n: int) -> list[Request]:
         """Encode the images the group's next n tokens hold before its forward (one batched vision forward,
@@ -396,9 +469,13 @@ class Engine:
             group = self._encode_images(group, n)
             if not group:
                 continue
+            every = any(r.needs_prompt_logits for r in group)
             logits = self._forward(group, [r.tokens[r.computed:r.computed + n] for r in group],
-                                   [r.computed for r in group])
+                                   [r.computed for r in group], all_logits=every)
             self._track()
+            if every:
+                self._record_prompt_logprobs(group, logits)
+                logits = logits[:, -1]
             done = []
             for i, req in enumerate(group):
                 done_now = req.pending == n
@@ -409,11 +486,64 @@ class Engine:
                     done.append(i)
             if done:
                 rows = [group[i] for i in done]
-                toks = self.sampler.choose(rows, logits if len(done) == len(group) else logits[done])
-                for req, tok in zip(rows, toks):
-                    emitted.add(req.id)
-                    self._emit(req, tok, events)
+                rows_logits = logits if len(done) == len(group) else logits[done]
+                emitted.update(self._choose(rows, rows_logits, events))
         return emitted
+
+    def _record_prompt_logprobs(self, group: list[Request], logits: Tensor) -> None:
+        """The prompt tokens' entries this piece's logits give (B, T, V): position p's logits score token
+        p + 1. Read before the rows' computed counts move."""
+        T = logits.shape[1]
+        for i, req in enumerate(group):
+            if not req.needs_prompt_logits:
+                continue
+            c, P = req.computed, len(req.prompt)
+            m = min(T, P - 1 - c)  # the positions whose next token is a prompt token
+            if m > 0:
+                entries = token_logprobs(logits[i, :m], req.prompt[c + 1:c + 1 + m], req.prompt_logprobs)
+                req.prompt_lp[c + 1:c + 1 + m] = entries
+
+    def _choose(self, rows: list[Request], logits: Tensor, events: list[tuple[int, int]]) -> list[int]:
+        """Each row's next token from its logits (B, V), recorded: the rows whose prompt is done start their
+        parallel samples (on their blocks) and publish their prompt log-probabilities first; a row asked for
+        no new token (only its prompt's log-probabilities) finishes without one. Returns the ids that
+        emitted."""
+        index = list(range(len(rows)))
+        for i, req in enumerate(list(rows)):
+            if req.output:
+                continue
+            if req.prompt_lp is not None:
+                self.output.prompt_logprobs[req.id] = req.prompt_lp
+                req.prompt_lp = None
+            for child in req.forks:
+                self._forked.pop(child.id, None)
+                self.blocks.fork(req.id, child.id)
+                child.computed, child.digests = req.computed, list(req.digests)
+                self.scheduler.running.append(child)
+                rows.append(child)
+                index.append(i)
+            req.forks = []
+        live = [i for i, r in enumerate(rows) if r.max_new_tokens > 0]
+        for r in rows:
+            if r.max_new_tokens == 0:  # its prompt's log-probabilities were all it asked for
+                self.scheduler.finish(r)
+                self.output.finish(r.id, [], "length")
+        if not live:
+            return []
+        rows, pick = [rows[i] for i in live], [index[i] for i in live]
+        if pick != list(range(logits.shape[0])):  # parallel samples read their parent's row
+            logits = logits[pick]
+        toks = self.sampler.choose(rows, logits)
+        want = [i for i, r in enumerate(rows) if r.logprobs is not None and toks[i] is not None]
+        if want:
+            top = max(rows[i].logprobs for i in want)
+            entries = token_logprobs(logits[want], [toks[i] for i in want], top)
+            for i, e in zip(want, entries):
+                e.top = e.top[:rows[i].logprobs]
+                self.output.logprobs.setdefault(rows[i].id, []).append(e)
+        for req, tok in zip(rows, toks):
+            self._emit(req, tok, events)
+        return [r.id for r in rows]
 
     def _decode(self, batch: list[Request], events: list[tuple[int, int]]) -> None:
         """One decoding step for the batch, in length groups (one forward each), one token choice for all."""
@@ -435,10 +565,10 @@ class Engine:
             for rows, lg in parts:
                 logits[torch.tensor(rows, device=self.device)] = lg
         self._track()
-        for req, tok in zip(batch, self.sampler.choose(batch, logits)):
+        for req in batch:
             req.computed += 1
             self.scheduler.register(req)
-            self._emit(req, tok, events)
+        self._choose(list(batch), logits, events)
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, int]]:

@@ -43,7 +43,8 @@ def check_special_ids(cfg: GenerationConfig, vocab: int) -> None:
     named = {"eos_token_id": cfg.eos_ids, "pad_token_id": [cfg.pad_token_id],
              "forced_bos_token_id": [cfg.forced_bos_token_id], "forced_eos_token_id": cfg.forced_eos_token_id,
              "decoder_start_token_id": [cfg.decoder_start_token_id],
-             "bad_words_ids": [i for w in (cfg.bad_words_ids or []) for i in w]}
+             "bad_words_ids": [i for w in (cfg.bad_words_ids or []) for i in w],
+             "logit_bias": list(cfg.logit_bias or {})}
     for name, ids in named.items():
         ids = ids if isinstance(ids, list) else [ids]
         bad = [i for i in ids if i is not None and not 0 <= int(i) < vocab]

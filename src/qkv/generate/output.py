@@ -47,6 +47,10 @@ class OutputProcessor:
         self.finish_reason: dict[int, str] = {}  # "stop" (eos / stop string), "length", "cancelled", "error"
         self.errors: dict[int, str] = {}  # why a request finished with "error" (until pop)
         self.just_finished: list[int] = []  # ids finished or cancelled since the last take()
+        # requests that asked for log-probabilities (logprobs.py): their new tokens' entries (until pop),
+        # their prompts' entries once computed (until taken: Engine.prompt_logprobs)
+        self.logprobs: dict[int, list] = {}
+        self.prompt_logprobs: dict[int, list] = {}
 
     def stop_strings(self, prompt: list[int], stop: list[str]) -> StopStrings | None:
         """A request's stop-string watch (None: it has none)."""
@@ -85,6 +89,8 @@ class OutputProcessor:
         if request_id not in self.finished:
             return None
         self.errors.pop(request_id, None)
+        self.logprobs.pop(request_id, None)
+        self.prompt_logprobs.pop(request_id, None)
         return self.finished.pop(request_id), self.finish_reason.pop(request_id)
 
     def take(self) -> list[int]:

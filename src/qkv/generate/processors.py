@@ -11,12 +11,14 @@ A new option = one field in GenerationConfig + one class here, appended to PROCE
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from qkv.generate.config import GenerationConfig
+from qkv.generate.grammar import Matcher, token_table
 from qkv.generate.sampling import sample, top_k_filter, top_p_filter
 
 NEG_INF = float("-inf")
@@ -30,6 +32,8 @@ class Context:
     max_new_tokens: int
     eos_ids: list[int]
     n_pad: Tensor | None = None  # (B,) left-padding tokens per row, not part of the text
+    tokenizer: Any = None  # the caller's tokenizer: a grammar's vocabulary (GrammarMask)
+    vocab_size: int | None = None  # the model's output columns (GrammarMask; None: the tokenizer's)
 
 
 class LogitsProcessor:
@@ -151,6 +155,52 @@ class NoBadWords(LogitsProcessor):
         return scores.masked_fill(banned, NEG_INF)
 
 
+class PresenceFrequencyPenalty(LogitsProcessor):
+    """OpenAI's penalties over the GENERATED tokens (the prompt's do not count, unlike RepetitionPenalty):
+    logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0), count[j] being how many
+    times token j was generated so far in the row."""
+
+    def __init__(self, presence: float, frequency: float, start: int) -> None:
+        self.presence, self.frequency, self.start = presence, frequency, start
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> PresenceFrequencyPenalty | None:
+        if cfg.presence_penalty == 0 and cfg.frequency_penalty == 0:
+            return None
+        return cls(cfg.presence_penalty, cfg.frequency_penalty, ctx.prompt_len)
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        out = ids[:, self.start:]
+        if out.shape[1] == 0:
+            return scores
+        V = scores.shape[-1]
+        counts = torch.zeros(scores.shape[0], V + 1, dtype=scores.dtype, device=scores.device)
+        counts.scatter_add_(1, out.clamp(0, V).to(scores.device), torch.ones_like(out, dtype=scores.dtype))
+        counts = counts[:, :V]
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+class LogitBias(LogitsProcessor):
+    """OpenAI's logit_bias: a fixed bias added to the logits of the listed token ids (-100 in practice bans
+    a token, 100 forces it). Ids past the model's vocabulary are refused where the settings meet the model
+    (inputs.check_special_ids, Engine._check, the server's 400); here they are left out."""
+
+    needs_ids = False
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.ids = torch.tensor(list(bias), dtype=torch.long)
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> LogitBias | None:
+        return cls(cfg.logit_bias) if cfg.logit_bias else None
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        keep = self.ids < scores.shape[-1]
+        index = self.ids[keep].to(scores.device)
+        return scores.index_add(1, index, self.values[keep].to(scores).expand(scores.shape[0], -1))
+
+
 class MinNewTokens(LogitsProcessor):
     """eos is impossible until `min_new` tokens have been generated (min_new_tokens, or min_length counted
     as Hugging Face does: prompt included)."""
@@ -220,6 +270,35 @@ class ForcedEOS(LogitsProcessor):
         return cur == self.max_length - 1
 
 
+class GrammarMask(LogitsProcessor):
+    """Structured output: only the tokens the grammar allows next (GenerationConfig.grammar: a JSON schema's,
+    a tool call's; generate/grammar.py). One llguidance matcher per row, advanced by the tokens generated
+    since the last call; where the grammar is done, only eos. Last among the processors: what it allows is
+    what the warpers and the draw see."""
+
+    def __init__(self, grammar: str, table: Any, start: int) -> None:
+        self.grammar, self.table, self.start = grammar, table, start
+        self.rows: list[Matcher] = []
+        self.fed = 0  # generated tokens consumed by every row's matcher
+
+    @classmethod
+    def from_config(cls, cfg: GenerationConfig, ctx: Context) -> GrammarMask | None:
+        if cfg.grammar is None:
+            return None
+        vocab = ctx.vocab_size if ctx.vocab_size is not None else len(ctx.tokenizer)
+        return cls(cfg.grammar, token_table(ctx.tokenizer, vocab, ctx.eos_ids), ctx.prompt_len)
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        if not self.rows:
+            self.rows = [Matcher(self.table, self.grammar) for _ in range(ids.shape[0])]
+        new = ids[:, self.start + self.fed:].tolist()
+        self.fed = ids.shape[1] - self.start
+        for row, toks in zip(self.rows, new):
+            row.consume(toks)
+        banned = np.stack([row.banned(scores.shape[-1]) for row in self.rows])
+        return scores.masked_fill(torch.from_numpy(banned).to(scores.device), NEG_INF)
+
+
 # -- warpers: sampling only -----------------------------------------------------------------------------
 class Temperature(LogitsProcessor):
     needs_ids = False
@@ -284,8 +363,11 @@ class MinP(LogitsProcessor):
         return scores.masked_fill(remove, NEG_INF)
 
 
-PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, NoRepeatNGram, NoBadWords, MinNewTokens,
-                                           ForcedBOS, ForcedEOS]
+# OpenAI's penalties and bias before the bans (a bias never lifts a banned token), as vLLM applies them; the
+# grammar's mask last: what it allows is what the warpers and the draw see
+PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, PresenceFrequencyPenalty, LogitBias,
+                                           NoRepeatNGram, NoBadWords, MinNewTokens, ForcedBOS, ForcedEOS,
+                                           GrammarMask]
 WARPERS: list[type[LogitsProcessor]] = [Temperature, TopK, TopP, MinP]
 
 

@@ -33,10 +33,23 @@ class Request:
     head: bytes = b""  # prefix-cache key of its first block (b"": shorter than a block)
     images: list = field(default_factory=list)  # its images (images.Span), in prompt order
     extra: dict[int, bytes] = field(default_factory=dict)  # block index -> image keys (images.block_extras)
+    logprobs: int | None = None  # None: none; k: each new token's log-probability and its k most likely
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (computed in prefill)
+    # the prompt's entries by position (logprobs.TokenLogprob; position 0 has none), while they are computed
+    prompt_lp: list | None = None
+    # parallel samples of the same prompt (n > 1): they start when this request's prompt is computed, on its
+    # blocks (copy-on-write), each with its own token choice
+    forks: list[Request] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Its prompt's log-probabilities are still to compute: every prompt token must be fed (the prefix
+        cache would skip some)."""
+        return self.prompt_logprobs is not None and not self.output
 
     @property
     def pending(self) -> int:
@@ -79,7 +92,10 @@ class Scheduler:
         blocks_mgr = self.blocks
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
-            blocks, digests = blocks_mgr.cached_prefix(req.tokens, req.extra)
+            if len(self.running) + 1 + len(req.forks) > self.max_batch_size and self.running:
+                break  # its parallel samples join the batch when its prompt is computed
+            blocks, digests = ([], []) if req.needs_prompt_logits else blocks_mgr.cached_prefix(req.tokens,
+                                                                                                 req.extra)
             if blocks_mgr.prefix_caching and req.head and self.running and any(
                     r.head == req.head and r.computed < len(r.prompt) for r in self.running):
                 break  # a running request is computing the same first block(s): wait and reuse them

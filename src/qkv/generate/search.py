@@ -137,8 +137,10 @@ class _Run:
         if self.source is not None:
             self.source = self.source.select_rows(rows)
 
-    def pipeline(self, generator: torch.Generator | None) -> Pipeline:
-        return Pipeline(self.cfg, Context(self.T, self.max_new, self.eos, self.n_pad), generator)
+    def pipeline(self, generator: torch.Generator | None, tokenizer: Any = None) -> Pipeline:
+        """tokenizer: the caller's (a grammar's vocabulary, GenerationConfig.grammar)."""
+        ctx = Context(self.T, self.max_new, self.eos, self.n_pad, tokenizer, self.model.output_vocab_size)
+        return Pipeline(self.cfg, ctx, generator)
 
     def logits(self, cache: Any, cur: int, inp: Tensor,
                return_attentions: bool) -> tuple[Tensor, list | None, Any]:
@@ -397,6 +399,8 @@ def _speculating(cfg: GenerationConfig, assistant_model: Any) -> bool:
         return False
     if assistant_model is not None and cfg.prompt_lookup_num_tokens:
         raise ValueError("speculative decoding: pass assistant_model or prompt_lookup_num_tokens, not both")
+    if cfg.grammar is not None:
+        raise ValueError("speculative decoding does not follow a grammar: drop the grammar or the drafts")
     if cfg.num_beams > 1 or cfg.compile:
         raise ValueError("speculative decoding runs greedy or sampled decoding, eagerly: not with beam "
                          "search (num_beams > 1) or compile")
@@ -466,7 +470,7 @@ def generate(model: Any, input_ids: Tensor, generation_config: GenerationConfig 
             raise ValueError("return_attentions needs the full forward at every step: use compile=False")
         s = _Run(dec, input_ids, cfg, attention_mask, cfg.num_return_sequences)
         stop = _stop_fn(cfg.stop_strings, tokenizer, stopping_criteria, s.T)
-        pipe = s.pipeline(_generator(generator, cfg.seed, input_ids.device))
+        pipe = s.pipeline(_generator(generator, cfg.seed, input_ids.device), tokenizer)
         attentions: list | None = [] if return_attentions else None
         n = sum(1 for _ in _decode_loop(s, pipe, stop, return_attentions, attentions))
         seqs = _result(s, n)
@@ -498,7 +502,7 @@ def stream(model: Any, input_ids: Tensor, generation_config: GenerationConfig | 
             loop = speculative_loop(s, stop, generator=gen, assistant_model=assistant_model,
                                     stats=SpeculationStats())
         else:
-            loop = _decode_loop(s, s.pipeline(gen), stop, False, None)
+            loop = _decode_loop(s, s.pipeline(gen, tokenizer), stop, False, None)
         while True:
             with torch.no_grad():
                 try:

@@ -202,12 +202,14 @@ class TransformerDecoderModel(QKVModel):
                             device=device or p.device)
 
     def step(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
-             offset: int | Tensor | None = None) -> Tensor:
+             offset: int | Tensor | None = None, all_logits: bool = False) -> Tensor:
         """Next-token logits (B, V) after the newest ids (B, T) over a filled cache: the decoder stack's fast
         path (Stack.step, for the last token only: the others' outputs are not read) and the output
-        projection's (Linear.step)."""
-        h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset, last_only=True)
-        return self.lm_head(h[:, -1])
+        projection's (Linear.step). all_logits=True: every new position's logits (B, T, V), for the
+        log-probabilities of a prompt's own tokens (the serving Engine's prompt_logprobs)."""
+        h = self.decoder.step(self.embed_target(ids), cache=cache, keep=keep, offset=offset,
+                              last_only=not all_logits)
+        return self.lm_head(h) if all_logits else self.lm_head(h[:, -1])
 
     def verify(self, ids: Tensor, cache: Any, *, keep: Tensor | None = None,
                offset: int | Tensor | None = None, n_logits: int = 1) -> Tensor:

@@ -225,6 +225,16 @@ class PagedKVCache(KVCache):
             self.allocator.share(b)
         self.tables[seq_id], self.lens[seq_id] = list(shared), len(shared) * self.block_size
 
+    def fork(self, parent: int, child: int) -> None:
+        """A new sequence `child` holding every block and position of `parent` (one more reference each): the
+        first write into a shared block copies it (copy-on-write), so parallel samples of one prompt share
+        its keys/values."""
+        if child in self.tables:
+            raise ValueError(f"sequence {child} is already in the cache")
+        for b in self.tables[parent]:
+            self.allocator.share(b)
+        self.tables[child], self.lens[child] = list(self.tables[parent]), self.lens[parent]
+
     def free_sequence(self, seq_id: int) -> None:
         # last block first: the LRU queue of cached blocks then evicts a sequence's tail before its prefix
         self.allocator.free(self.tables.pop(seq_id)[::-1])

@@ -180,13 +180,15 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
     def text_of(t: list[int]) -> str:  # the text stop_strings are matched in
         return tok.decode(t, skip_special_tokens=True)
 
+    # a grammar reads the tokenizer's vocabulary (stop strings are then matched with special tokens written)
+    tokenizer = tok if cfg.grammar is not None else text_of
     if not stream:
-        out = model.generate(x, cfg, tokenizer=text_of, assistant_model=assistant)
+        out = model.generate(x, cfg, tokenizer=tokenizer, assistant_model=assistant)
         return prompt + decode_continuation(lambda t: tok.decode(t, skip_special_tokens=True), ids,
                                             out[0, len(ids):].tolist())
     print(prompt, end="", flush=True)
     decoder = StreamDecoder(text_of, context=ids)  # the prompt's text is already printed: context only
-    tokens = (int(new[0]) for new in stream_tokens(model, x, cfg, tokenizer=text_of,
+    tokens = (int(new[0]) for new in stream_tokens(model, x, cfg, tokenizer=tokenizer,
                                                    assistant_model=assistant))
     return prompt + stream_pieces(tokens, decoder, _write)
 

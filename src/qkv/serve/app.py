@@ -146,7 +146,7 @@ def _quiet_expected_cancel() -> None:
         logger.addFilter(_drop_cancel_record)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
     """Every error in OpenAI's shape: an APIError raised, a bug (500), no route (404), a bad method (405)."""
 
     @app.exception_handler(APIError)
@@ -187,7 +187,7 @@ def create_app(served: Served, engine: Engine, settings: ServeConfig | None = No
     app.state.api = api
     app.add_middleware(ResponseCounter, counter=api.metrics.responses)
 
-    _add_error_handlers(app)
+    add_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers' checks send
     async def health() -> JSONResponse:

@@ -13,7 +13,8 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from qkv.generate.engine import Engine, ImageInput
-from qkv.serve import images
+from qkv.generate.grammar import GrammarError, token_table
+from qkv.serve import images, structured
 from qkv.serve.config import ServeConfig
 from qkv.serve.errors import APIError
 from qkv.serve.model import Served
@@ -23,6 +24,8 @@ from qkv.serve.requests import (
     CompletionRequest,
     parse,
 )
+from qkv.serve.structured import ToolUse
+from qkv.serve.tools import renders_tools, template_message, tool_format
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
 
@@ -105,6 +108,8 @@ class RequestChecks:
         folder = served.model.generation_defaults()
         # each sampling field: the request's value, else the folder's default, else OpenAI's
         self.sampling_defaults = {k: folder[k] for k in FOLDER_SAMPLING if folder.get(k) is not None}
+        self.chat_template = getattr(served.codec.tokenizer, "chat_template", None)
+        self.tool_format = tool_format(self.chat_template)  # how this model writes a tool call
 
     async def body(self, request: Request, chat: bool) -> CompletionRequest | ChatCompletionRequest:
         """The request's body, read and checked: the model's name first (a 404 for another model)."""
@@ -143,7 +148,55 @@ class RequestChecks:
                            f"{e}: the prompt of {prompt_len} tokens alone does not fit; shorten it",
                            body.max_tokens_field if given else prompt_field,
                            "context_length_exceeded") from None
-        return body.to_generation_config(self.sampling_defaults, max_tokens).explicit()
+        self._check_choices(body)
+        cfg = body.to_generation_config(self.sampling_defaults, max_tokens)
+        return {**cfg.explicit(), **body.engine_options()}
+
+    def _check_choices(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """400 for n past the running batch (each choice is a sequence of it), a prompt's log-probabilities
+        from a model that cannot give them, and logit_bias ids past the vocabulary."""
+        n, most = body.n or 1, self.engine.max_batch_size
+        if n > most:
+            raise APIError(400, f"'n' must be at most {most} (the server's max_batch_size), got {n}", "n",
+                           "invalid_value")
+        if body.engine_options().get("prompt_logprobs") is not None and not self.engine.all_logits:
+            raise APIError(400, f"'echo' with 'logprobs': {type(self.served.model).__name__} cannot score a "
+                           "prompt (its step returns only the last position's logits)", "echo", "unsupported")
+        V = self.served.model.output_vocab_size
+        bad = [t for t in body.logit_bias_ids or {} if t >= V]
+        if bad:
+            raise APIError(400, f"'logit_bias' has token ids outside the vocabulary 0..{V - 1}: {bad[:5]}",
+                           "logit_bias", "invalid_value")
+
+    def grammar(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+        """The grammar response_format / tools ask for (serve/structured.py), compiled against the model's
+        vocabulary (the engine's: same tokenizer, columns and eos ids); None: unconstrained. Called off the
+        event loop: a large schema compiles for milliseconds, a tokenizer's table is read once in ~1 s."""
+        wants = body.response_format is not None and body.response_format.type != "text"
+        if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice != "none":
+            wants = True
+        if not wants:
+            return None
+        try:
+            table, why = token_table(self.served.codec, self.served.model.output_vocab_size,
+                                     self.engine.cfg.eos_ids), None
+        except GrammarError as e:  # no Hugging Face tokenizer, no eos: schemas checked without the vocabulary
+            table, why = None, e
+        grammar = structured.grammar_of(body, self.tool_format, table)
+        if grammar is not None and why is not None:
+            field = "response_format" if body.response_format is not None else "tool_choice"
+            raise APIError(400, f"structured output is not available for this model: {why}", field,
+                           "unsupported")
+        return grammar
+
+    def tool_use(self, body: CompletionRequest | ChatCompletionRequest) -> ToolUse | None:
+        """The request's tools (None: none, or tool_choice "none"); 400 where the chat template cannot show
+        them to the model."""
+        use = structured.tool_use(body, self.tool_format)
+        if use is not None and not renders_tools(self.chat_template):
+            raise APIError(400, f"the chat template of '{self.served.name}' does not render tools", "tools",
+                           "unsupported")
+        return use
 
     def prompt_ids(self, body: CompletionRequest) -> list[int]:
         """The prompt's ids; a vision-language model's image placeholder is refused (images come as chat
@@ -177,9 +230,10 @@ class RequestChecks:
         raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
                        "prompt", "invalid_type")
 
-    def chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], list[ImageInput] | None]:
-        """The chat template's ids of the messages, and their images for the engine (None: no image). A
-        vision-language model's messages go to the template as lists of parts, each image as
+    def chat_ids(self, body: ChatCompletionRequest,
+                 tools: ToolUse | None = None) -> tuple[list[int], list[ImageInput] | None]:
+        """The chat template's ids of the messages (and of `tools`), and their images for the engine (None:
+        no image). A vision-language model's messages go to the template as lists of parts, each image as
         {"type": "image"} (images.py)."""
         vision = self.served.images is not None
         for i, m in enumerate(body.messages):
@@ -191,10 +245,9 @@ class RequestChecks:
                            "messages", "no_chat_template")
         decoded = images.decoded_images(body, self.settings) if vision else []
         inputs = images.image_inputs(decoded, self.served.images) if decoded else None
-        messages = images.template_messages(body) if vision else [
-            {"role": m.role, "content": m.text} for m in body.messages]
+        messages = images.template_messages(body) if vision else [template_message(m) for m in body.messages]
         try:
-            ids = self.served.codec.chat_prompt(messages)
+            ids = self.served.codec.chat_prompt(messages, **({"tools": tools.tools} if tools else {}))
         except Exception as e:  # a template's own raise_exception (e.g. roles must alternate)
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages",
                            "invalid_value") from None

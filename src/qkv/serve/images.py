@@ -66,7 +66,7 @@ def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     {"type": "image"}."""
     out = []
     for m in body.messages:
-        parts = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else [
+        parts = [{"type": "text", "text": m.text}] if not isinstance(m.content, list) else [
             {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
             for p in m.content]
         out.append({"role": m.role, "content": parts})

@@ -32,13 +32,22 @@ class TextCodec:
         except TypeError:
             return self.tokenizer.decode(ids)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens spelled out (a log-probability entry names its token)."""
+        try:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        except TypeError:
+            return self.tokenizer.decode([token_id])
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self.tokenizer.chat_template)  # a field of every qkv.tokenizer.TextTokenizer
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat template's rendering of `messages` with the assistant's turn opened, as token ids."""
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    def chat_prompt(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
+        """The chat template's rendering of `messages` with the assistant's turn opened, as token ids;
+        variables: the template's others (tools)."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       **variables))
 
 
 @dataclass

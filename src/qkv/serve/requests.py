@@ -15,9 +15,16 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from qkv.generate.config import MIN_TEMPERATURE, REQUEST_AT_LEAST, GenerationConfig, bounds_text
+from qkv.generate.config import (
+    LOGIT_BIAS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    MIN_TEMPERATURE,
+    REQUEST_AT_LEAST,
+    GenerationConfig,
+    bounds_text,
+)
 from qkv.serve.errors import APIError
 
 # the smallest repetition_penalty accepted: seen tokens' positive logits are divided by it, and 1e-300
@@ -36,6 +43,8 @@ OPENAI_RULES: dict[str, dict[str, Any]] = {
     "repetition_penalty": {"ge": MIN_REPETITION_PENALTY, "le": 10},
     # GenerationConfig takes any int; torch's generators take a 64-bit seed, signed or not
     "seed": {"ge": -(2 ** 63), "le": 2 ** 64 - 1},
+    # n: choices of one request, each a sequence in the running batch (checks.py: at most max_batch_size)
+    "num_return_sequences": {"le": 128},
 }
 
 
@@ -66,16 +75,13 @@ def setting(name: str) -> Any:
 SETTING_OF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
               "repetition_penalty": "repetition_penalty", "seed": "seed", "max_tokens": "max_new_tokens",
               "max_completion_tokens": "max_new_tokens", "n": "num_return_sequences",
-              "best_of": "num_return_sequences"}
+              "best_of": "num_return_sequences", "presence_penalty": "presence_penalty",
+              "frequency_penalty": "frequency_penalty"}
 # OpenAI fields this server does not implement, and their "off" values (a value, or a type's): set to
 # anything else they are refused, since answering as if they had been honoured would be worse (a logit_bias
 # or a JSON response_format silently ignored)
 UNSUPPORTED: dict[str, tuple] = {
-    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
-    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "top_logprobs": (None, 0)}
-# completions' logprobs is an int, where 0 asks for the sampled token's logprob; chat's a switch
-LOGPROBS_OFF = {"completions": (None,), "chat": (None, False)}
+    "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
 # The sampling fields a folder's generation_config.json may set for the requests that leave them out (vLLM's
 # --generation-config auto: the same five); OpenAI's values where it does not.
 FOLDER_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -85,6 +91,23 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool | None = None
+
+
+class JSONSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema every output validates against (strict or not: the grammar
+    is the schema, so the output always validates)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _Body(BaseModel):
@@ -102,38 +125,65 @@ class _Body(BaseModel):
     max_completion_tokens: int | None = setting("max_new_tokens")
     n: int | None = setting("num_return_sequences")
     best_of: int | None = setting("num_return_sequences")
-    presence_penalty: float | None = None  # OpenAI's [-2, 2]; only 0 here (check_supported)
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = setting("presence_penalty")
+    frequency_penalty: float | None = setting("frequency_penalty")
+    logit_bias: dict[str, float] | None = None  # token id (JSON keys are strings) -> bias (check_supported)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # structured output (serve/structured.py)
 
     def check_supported(self, chat: bool = False) -> None:
-        """400 for what this server does not do: more than one choice, penalties, OpenAI's UNSUPPORTED
-        features, stop strings past OpenAI's four, stream_options without a stream."""
-        if self.n not in (None, 1):
-            raise APIError(400, f"'n' must be 1: this server returns one choice per request (got {self.n})",
-                           "n", "invalid_value")
+        """400 for what this server does not do (best_of, OpenAI's UNSUPPORTED features, tools on
+        completions), logit_bias that is not token id -> bias, a json_schema response_format without its
+        schema, stop strings past OpenAI's four, stream_options without a stream."""
         if self.best_of not in (None, 1):
-            raise APIError(400, "'best_of' > 1 is not supported", "best_of", "unsupported")
+            raise APIError(400, "'best_of' > 1 is not supported (ask for n choices)", "best_of",
+                           "unsupported")
         extra = self.model_extra or {}
-        off = {**UNSUPPORTED, "logprobs": LOGPROBS_OFF["chat" if chat else "completions"]}
+        # chat has no echo; completions list alternatives with logprobs=N, not chat's top_logprobs
+        off = {**UNSUPPORTED, **({"echo": (None, False)} if chat else {"top_logprobs": (None, 0)})}
         for name, values in off.items():
             v = extra.get(name)
             if not any(v is a or (type(v) is type(a) and v == a) for a in values):
                 raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported")
-        fmt = extra.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise APIError(400, "'response_format' is not supported by this server (only {\"type\": "
-                           "\"text\"})", "response_format", "unsupported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise APIError(400, f"'{name}' is not supported (only 0)", name, "invalid_value")
+        for name in ("tools", "tool_choice"):  # chat's (ChatCompletionRequest's fields, never in its extra)
+            if extra.get(name) not in (None, [], "none"):
+                raise APIError(400, f"'{name}' is a chat field: send it to /v1/chat/completions", name,
+                               "unsupported")
+        fmt = self.response_format
+        if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            raise APIError(400, "'response_format.json_schema' is required with \"type\": \"json_schema\" "
+                           "and only allowed with it", "response_format.json_schema", "invalid_value")
+        self.logit_bias_ids  # noqa: B018  its check
         if not (len(self.stop_strings) <= 4 and all(self.stop_strings)):
             raise APIError(400, "'stop' takes at most 4 non-empty strings", "stop", "invalid_value")
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
                            "invalid_value")
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with int keys; 400 for a key that is no token id or a bias out of [-100, 100] (the ids'
+        range is the model's: checks.py)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for k, v in self.logit_bias.items():
+            if not k.isdigit():
+                raise APIError(400, f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias",
+                               "invalid_value")
+            if not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
+                raise APIError(400, f"'logit_bias' values must be in [-{LOGIT_BIAS_LIMIT}, "
+                               f"{LOGIT_BIAS_LIMIT}], got {v} for {k}", "logit_bias", "invalid_value")
+            out[int(k)] = float(v)
+        return out
+
+    def engine_options(self) -> dict[str, Any]:
+        """The Engine's add_request keywords that are no generation setting: n choices, log-probabilities
+        (logprobs: of the new tokens; prompt_logprobs: of the prompt's, completions' echo), each the number
+        of most likely tokens listed beside the token."""
+        return {"n": self.n or 1}
 
     @property
     def stop_strings(self) -> list[str]:
@@ -167,13 +217,31 @@ class _Body(BaseModel):
             temperature=float(pick["temperature"]), top_p=float(pick["top_p"]),
             top_k=max(pick["top_k"], 0),  # OpenAI's -1 is GenerationConfig's 0: no top-k
             min_p=float(pick["min_p"]), repetition_penalty=float(pick["repetition_penalty"]),
-            stop_strings=self.stop_strings or None)
+            presence_penalty=float(self.presence_penalty or 0),
+            frequency_penalty=float(self.frequency_penalty or 0),
+            logit_bias=self.logit_bias_ids, stop_strings=self.stop_strings or None)
 
 
 class CompletionRequest(_Body):
     """POST /v1/completions: one prompt, text or token ids (a batch of one is taken too)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # the new tokens' (and with echo the prompt's) log-probabilities, with the `logprobs` most likely tokens
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # the prompt comes back before the completion (max_tokens 0: the prompt alone)
+    # 0 is for echo alone: the prompt's log-probabilities without a new token (check_supported)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+
+    def check_supported(self, chat: bool = False) -> None:
+        super().check_supported(chat)
+        if self.max_new_tokens == 0 and not self.echo:
+            raise APIError(400, f"'{self.max_tokens_field}' must be at least 1 (0 only with echo: the "
+                           "prompt's log-probabilities alone)", self.max_tokens_field, "invalid_value")
+
+    def engine_options(self) -> dict[str, Any]:
+        k = self.logprobs
+        return {**super().engine_options(), "logprobs": k, "prompt_logprobs": k if self.echo else None}
 
 
 class TextPart(BaseModel):
@@ -195,28 +263,76 @@ class ImagePart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A message; extra keys are kept (an assistant's tool_calls, a tool message's tool_call_id)."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+    # None: an assistant message that only calls tools
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        calls = (self.model_extra or {}).get("tool_calls")
+        if self.content is None and not (self.role == "assistant" and calls):
+            raise ValueError("'content' is required (null only in an assistant's message with tool_calls)")
+        return self
 
     @property
     def text(self) -> str:
         """The content's text: its text parts joined with newlines (as vLLM)."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
 
     @property
     def images(self) -> list[str]:
         """The URLs of the content's image parts, in order."""
-        return [] if isinstance(self.content, str) else [
+        return [] if not isinstance(self.content, list) else [
             p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Body):
     """POST /v1/chat/completions: the conversation, rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None  # rendered by the chat template; calls parsed back (serve/tools.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None  # each new token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # ... and its most likely alternatives
+
+    def check_supported(self, chat: bool = True) -> None:
+        super().check_supported(chat)
+        if self.top_logprobs and not self.logprobs:  # as OpenAI answers it
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+
+    def engine_options(self) -> dict[str, Any]:
+        return {**super().engine_options(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 def parse(body: dict, chat: bool) -> CompletionRequest | ChatCompletionRequest:

@@ -18,6 +18,7 @@ from qkv.config import ConfigError, _closest
 from qkv.generate.engine_config import EngineConfig
 from qkv.serve.app import create_app
 from qkv.serve.config import ServeConfig
+from qkv.serve.embeddings import create_embeddings_app, is_encoder_folder, load_embedder
 from qkv.serve.model import Served, load_served
 
 
@@ -110,14 +111,18 @@ def serve(model: str | Path, config: ServeConfig | None = None, engine_config: E
     # only after it: a client connecting meanwhile is refused rather than left waiting in the backlog
     sock = _bind(host, port)
     try:
-        served = load_served(model, config.name, config.quantize)
-        engine = build_engine(served, engine_config)
-        app = create_app(served, engine, config)
+        if is_encoder_folder(model):  # an encoder: /v1/embeddings (embeddings.py)
+            app = create_embeddings_app(load_embedder(model, config.name), config)
+            name = app.state.embedder.name
+        else:
+            served = load_served(model, config.name, config.quantize)
+            app = create_app(served, build_engine(served, engine_config), config)
+            name = served.name
         try:
             sock.listen(2048)  # connections wait in the backlog from now on, even before uvicorn's loop runs
         except OSError as e:  # another socket took the port first (both bound with SO_REUSEADDR)
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        return _run(app, served, sock, host, config.shutdown_timeout)
+        return _run(app, name, sock, host, config.shutdown_timeout)
     finally:
         sock.close()
 
@@ -144,7 +149,9 @@ def _make_server(app: Any, shutdown_timeout: float) -> Any:
 
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
     server = _server_class()(config)
-    api = app.state.api
+    api = getattr(app.state, "api", None)
+    if api is None:  # an embeddings server: no engine thread to watch
+        return server
     # from the signal on, a request not yet admitted (its connection accepted before uvicorn closed the
     # listener) gets a 503 "shutting down" instead of starting: only those already running get the shutdown
     # timeout
@@ -155,16 +162,16 @@ def _make_server(app: Any, shutdown_timeout: float) -> Any:
     return server
 
 
-def _run(app: Any, served: Served, sock: socket.socket, host: str, shutdown_timeout: float) -> int:
+def _run(app: Any, name: str, sock: socket.socket, host: str, shutdown_timeout: float) -> int:
     bound = sock.getsockname()[1]
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"qkv serve: listening on {host}: anyone who can reach this address can use the model")
     shown = f"[{host}]" if ":" in host else host
-    print(f"qkv serve: model '{served.name}' at http://{shown}:{bound}/v1  (Ctrl-C to stop)", flush=True)
+    print(f"qkv serve: model '{name}' at http://{shown}:{bound}/v1  (Ctrl-C to stop)", flush=True)
     server = _make_server(app, shutdown_timeout)
-    worker = app.state.api.worker
+    worker = app.state.api.worker if hasattr(app.state, "api") else None
     server.run(sockets=[sock])
-    if worker.error is not None:
+    if worker is not None and worker.error is not None:
         print(f"qkv serve: stopped: the engine failed ({type(worker.error).__name__}: {worker.error})",
               file=sys.stderr, flush=True)
         return 1

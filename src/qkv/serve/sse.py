@@ -46,31 +46,42 @@ def error_event(e: APIError) -> str:
 
 class Chunks:
     """The events of one streamed response: completions' `text_completion` or chat's `chat.completion.chunk`
-    objects around `base` (id, created, model)."""
+    objects around `base` (id, created, model), one choice each (its `index`: n > 1 choices interleave)."""
 
     def __init__(self, base: dict, chat: bool) -> None:
         self.base, self.chat = base, chat
         self.object = "chat.completion.chunk" if chat else "text_completion"
-        # a token's event is chunk(piece, None) with only the piece changing: made once, the piece put in
-        # with json.dumps (the same bytes as chunk's, tests/serve: no dict and no whole-object dumps a token)
-        self.head, self.tail = self.chunk(_MARK, None).split(json.dumps(_MARK))
+        # a token's event is chunk(piece, None) with only the piece changing: made once per choice, the piece
+        # put in with json.dumps (the same bytes as chunk's, tests/serve: no dict and no whole-object dumps a
+        # token)
+        self.templates: dict[int, tuple[str, str]] = {}
 
-    def chunk(self, piece: str | None, reason: str | None, first: bool = False, **extra: Any) -> str:
+    def chunk(self, piece: str | None, reason: str | None, first: bool = False, index: int = 0,
+              logprobs: dict | None = None, **extra: Any) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
                 {"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "text": piece or "", "finish_reason": reason, "logprobs": logprobs}
         return event({**self.base, "object": self.object, "choices": [choice], **extra})
 
-    def piece(self, text: str) -> str:
-        return self.head + json.dumps(text) + self.tail
+    def piece(self, text: str, index: int = 0) -> str:
+        t = self.templates.get(index)
+        if t is None:
+            head, tail = self.chunk(_MARK, None, index=index).split(json.dumps(_MARK))
+            t = self.templates[index] = (head, tail)
+        return t[0] + json.dumps(text) + t[1]
 
-    def end(self, text: str, reason: str, usage: dict, include_usage: bool) -> list[str]:
-        """The last events: the rest of the text with the finish reason, usage, [DONE]."""
-        if include_usage:  # OpenAI's form: usage only on a last chunk of its own
-            return [self.chunk(text, reason, usage=None),
-                    event({**self.base, "object": self.object, "choices": [], "usage": usage}), DONE]
-        # an extension (as vLLM's continuous usage): the last chunk carries it
-        return [self.chunk(text, reason, usage=usage), DONE]
+    def tool_calls(self, content: str | None, calls: list[dict], index: int = 0) -> str:
+        """A chat delta with the answer's tool calls (each whole, with its index) and the content beside
+        them."""
+        delta: dict[str, Any] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        if content:
+            delta["content"] = content
+        choice = {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
+        return event({**self.base, "object": self.object, "choices": [choice]})
+
+    def usage(self, usage: dict) -> str:
+        """OpenAI's stream_options include_usage: usage on a last chunk of its own, with no choice."""
+        return event({**self.base, "object": self.object, "choices": [], "usage": usage})

@@ -28,9 +28,13 @@ class Ticket:
     key: int
     prompt_len: int
     loop: asyncio.AbstractEventLoop
-    # ("token", id) ... then ("done", reason), or ("failed", why) (this request), or ("error", why) (the
-    # engine died): delivered, not yet read
+    # ("token", (choice, id, logprob entry or None)) ... then ("done", reason), or ("failed", why) (this
+    # request), or ("error", why) (the engine died): delivered, not yet read. With n > 1 choices each ends
+    # with ("end", (choice, reason)) before the request's "done"; a request that asked for its prompt's
+    # log-probabilities gets ("prompt_logprobs", entries) before its first token
     items: list = field(default_factory=list)
+    n: int = 1  # choices (parallel samples of the prompt)
+    logprobs: bool = False  # its tokens' log-probability entries are wanted
     waiter: asyncio.Future | None = None  # the handler waits on it for items (event-loop thread only)
     created: float = field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -55,8 +59,10 @@ class EngineWorker:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._tickets: dict[int, Ticket] = {}  # engine request id -> ticket (engine thread only)
-        self._by_key: dict[int, int] = {}  # ticket key -> engine request id (engine thread only)
+        # engine request id -> (ticket, choice index); ticket key -> its engine request ids (engine thread)
+        self._tickets: dict[int, tuple[Ticket, int]] = {}
+        self._by_key: dict[int, list[int]] = {}
+        self._open: dict[int, int] = {}  # ticket key -> its choices not ended yet
         self._next_key = 0
         # items of this step, sent together by _flush (engine thread)
         self._outbox: list[tuple[Ticket, tuple]] = []
@@ -86,7 +92,8 @@ class EngineWorker:
         with self._lock:
             key = self._next_key
             self._next_key += 1
-        t = Ticket(key, len(prompt), asyncio.get_running_loop(), worker=self)
+        t = Ticket(key, len(prompt), asyncio.get_running_loop(), worker=self, n=options.get("n", 1),
+                   logprobs=options.get("logprobs") is not None)
         self._commands.put(("add", t, prompt, options))
         return t
 
@@ -125,22 +132,46 @@ class EngineWorker:
                 except Exception as e:  # checked before submit; a late error still reaches the client
                     self._send(t, ("failed", str(e)))  # this request alone: the engine goes on
                     continue
-                self._tickets[rid], self._by_key[t.key] = t, rid
+                rids = list(range(rid, rid + t.n))  # the engine numbers a request's choices in a row
+                self._tickets.update((r, (t, i)) for i, r in enumerate(rids))
+                self._by_key[t.key], self._open[t.key] = rids, t.n
             elif cmd[0] == "cancel":
-                rid = self._by_key.get(cmd[1])
-                if rid is not None:
+                for rid in self._by_key.get(cmd[1], []):
                     self.engine.cancel(rid)
-                    self._finish_all()
+                self._finish_all()
+
+    def _prompt_logprobs(self, rid: int, t: Ticket) -> None:
+        entries = self.engine.prompt_logprobs(rid)
+        if entries is not None:
+            self._send(t, ("prompt_logprobs", entries))
 
     def _finish_all(self) -> None:
         for rid in self.engine.take_finished():
-            t = self._tickets.pop(rid, None)
+            t, i = self._tickets.pop(rid, (None, 0))
             error = self.engine.errors.get(rid)  # a request that failed on its own (the engine goes on)
-            done = self.engine.pop_finished(rid)
             if t is not None:
-                self._by_key.pop(t.key, None)
-                reason = done[1] if done else "cancelled"
-                self._send(t, ("failed", error) if error is not None else ("done", reason))
+                self._prompt_logprobs(rid, t)  # a request that asked for no new token: they are all it gets
+            done = self.engine.pop_finished(rid)
+            if t is None or t.key not in self._open:
+                continue
+            reason = done[1] if done else "cancelled"
+            if error is not None:  # the whole request fails: its other choices stop
+                self._send(t, ("failed", error))
+                self._close(t)
+                continue
+            self._open[t.key] -= 1
+            if t.n > 1:
+                self._send(t, ("end", (i, reason)))
+            if not self._open[t.key]:
+                self._send(t, ("done", reason))
+                self._close(t)
+
+    def _close(self, t: Ticket) -> None:
+        """The ticket is answered: forget it, cancelling its choices that still run."""
+        del self._open[t.key]
+        for rid in self._by_key.pop(t.key, []):
+            if self._tickets.pop(rid, None) is not None:
+                self.engine.cancel(rid)  # popped by the next _finish_all, which finds no ticket for it
 
     def _run(self) -> None:
         try:
@@ -153,17 +184,19 @@ class EngineWorker:
                     events = self.engine.step()
                     now = time.monotonic()
                     for rid, tok in events:
-                        t = self._tickets.get(rid)
+                        t, i = self._tickets.get(rid, (None, 0))
                         if t is not None:
                             if t.first_token is None:
                                 t.first_token = now
-                            self._send(t, ("token", tok))
+                            self._prompt_logprobs(rid, t)
+                            entry = self.engine.token_logprobs(rid)[-1] if t.logprobs else None
+                            self._send(t, ("token", (i, tok, entry)))
                     self._finish_all()
                     self._flush()
                 self.stats = self.engine.stats()
         except BaseException as e:  # noqa: BLE001  every waiting client hears about it
             self.error = e
-            for t in self._tickets.values():
+            for t in {id(t): t for t, _ in self._tickets.values()}.values():
                 self._send(t, ("error", f"the engine stopped: {e}"))
             if self.on_error is not None:
                 self.on_error(e)
@@ -171,7 +204,7 @@ class EngineWorker:
         finally:
             for rid in list(self._tickets):
                 self.engine.cancel(rid)
-            for t in self._tickets.values():
+            for t in {id(t): t for t, _ in self._tickets.values()}.values():
                 self._send(t, ("done", "cancelled"))
             self._tickets.clear()
             self._flush()
