@@ -8,8 +8,9 @@ decoder caches what its attention reads back at every later step:
   MLA               the compressed latent and the shared rotary key: kv_lora_rank + qk_rope_head_dim numbers
                     (nn/mla.py: the heads' K and V are recomputed from the latent)
 
-times the layers and the cache's dtype size. An encoder-decoder also keeps the encoder output's cross-attention
-K and V, 2 x n_kv_heads x head_dim per source token and decoder layer, computed once per source.
+times the layers and the cache's dtype size. An encoder-decoder also keeps the encoder output's
+cross-attention K and V, 2 x n_kv_heads x head_dim per source token and decoder layer, computed once per
+source.
 
 Training (000 §5.3): weights, their gradients, AdamW's two moment tensors (the parameters' dtype), and the
 activations autograd saves for the backward pass. The activation count follows what qkv's blocks save (the
@@ -38,7 +39,7 @@ ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, one tensor each per trainable parame
 
 @dataclass(frozen=True)
 class KVCacheSize:
-    """A decoder's KV cache: the numbers it keeps per token (over all layers) and the dtype they are kept in."""
+    """A decoder's KV cache: the numbers it keeps per token (over all layers), the dtype it keeps them in."""
 
     layout: str  # MHA | GQA | MQA | MLA
     n_layers: int
@@ -58,7 +59,7 @@ class KVCacheSize:
         return self.cross_numbers_per_source_token * self.dtype.itemsize
 
     def bytes_at(self, tokens: int, batch: int = 1, source_tokens: int = 0) -> int:
-        """The whole cache of `batch` sequences of `tokens` positions (and `source_tokens` encoder positions)."""
+        """The cache of `batch` sequences of `tokens` positions (and `source_tokens` encoder positions)."""
         return batch * (tokens * self.bytes_per_token + source_tokens * self.cross_bytes_per_source_token)
 
 
@@ -99,8 +100,9 @@ def kv_cache_size(model: nn.Module, dtype: torch.dtype | None = None) -> KVCache
                            layers * per, dtype, context, layers * per, source)
     mla = getattr(c, "mla", None)
     if mla is not None and mla.enabled:
-        return KVCacheSize("MLA", c.n_layers, f"latent {mla.kv_lora_rank} + rotary key {mla.qk_rope_head_dim}",
-                           c.n_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim), dtype, c.context_length)
+        width = mla.kv_lora_rank + mla.qk_rope_head_dim
+        what = f"latent {mla.kv_lora_rank} + rotary key {mla.qk_rope_head_dim}"
+        return KVCacheSize("MLA", c.n_layers, what, c.n_layers * width, dtype, c.context_length)
     return KVCacheSize(_layout(heads, kv_heads), c.n_layers, f"K and V: 2 x {kv_heads} heads x {hd}",
                        c.n_layers * 2 * kv_heads * hd, dtype, c.context_length)
 
@@ -126,14 +128,14 @@ class TrainMemory:
 
     @property
     def activations_checkpointed(self) -> int:
-        """With gradient checkpointing: the blocks' inputs, the head's, and one block's recomputed in backward."""
+        """With gradient checkpointing: the blocks' inputs, the head's, one block's recomputed in backward."""
         return self.block_inputs + self.head + self.per_layer
 
     def peak(self, checkpointing: bool = False) -> int:
-        """The step's peak: weights and optimizer state always, then the larger of two moments. At the start of
-        backward every activation is alive and the logits' gradients are made; at its end every gradient is,
-        with the first block's activations (recomputed, under checkpointing) and its transient. Backward frees a
-        block's activations as it makes that block's gradients, so the two never all live at once."""
+        """The step's peak: weights and optimizer state always, then the larger of two moments. At the start
+        of backward every activation is alive and the logits' gradients are made; at its end every gradient
+        is, with the first block's activations (recomputed, under checkpointing) and its transient. Backward
+        frees a block's activations as it makes that block's gradients, so the two never all live at once."""
         acts = self.block_inputs + self.head if checkpointing else self.activations
         start = acts + self.backward_transient
         end = self.gradients + self.per_layer + self.block_transient
@@ -181,7 +183,8 @@ def _dropout_bytes(c: Any, seq: int) -> int:
 def train_memory(model: nn.Module, batch: int, seq: int) -> TrainMemory:
     """The estimate for a GPT-family language model (dense feed-forward, MHA/GQA/MQA attention) trained in
     fp32 with AdamW, from its config and parameter count."""
-    from qkv.models.gpt import GPT  # the one family this estimate covers; qkv.models imports nothing from here
+    # the one family this estimate covers (qkv.models imports nothing from this module)
+    from qkv.models.gpt import GPT
 
     if batch < 1 or seq < 1:
         raise ConfigError(f"--batch and --seq must be at least 1, got {batch} and {seq}")
@@ -190,8 +193,9 @@ def train_memory(model: nn.Module, batch: int, seq: int) -> TrainMemory:
                           f"{type(model).__name__}")
     c = model.config
     if c.mla.enabled or c.moe.n_experts:
-        raise ConfigError("the training estimate covers dense attention and feed-forward blocks; this model "
-                          "has " + ("multi-head latent attention" if c.mla.enabled else "mixture-of-experts blocks"))
+        what = "multi-head latent attention" if c.mla.enabled else "mixture-of-experts blocks"
+        raise ConfigError(f"the training estimate covers dense attention and feed-forward blocks; this model "
+                          f"has {what}")
     if c.context_length and seq > c.context_length and c.position in ("learned", "sinusoidal"):
         raise ConfigError(f"--seq {seq} is longer than the model's context_length {c.context_length}")
     params = _unique_parameters(model)
@@ -207,8 +211,9 @@ def train_memory(model: nn.Module, batch: int, seq: int) -> TrainMemory:
     block_inputs = c.n_layers * tokens * c.d_model * FP32
     ffn_hidden = tokens * (c.d_ff or 4 * c.d_model) * FP32
     return TrainMemory(batch, seq, weights, grads, ADAM_MOMENTS * grads,
-                       activations=c.n_layers * per_layer + head, per_layer=per_layer, block_inputs=block_inputs,
-                       head=head, backward_transient=2 * logits, block_transient=ffn_hidden)
+                       activations=c.n_layers * per_layer + head, per_layer=per_layer,
+                       block_inputs=block_inputs, head=head, backward_transient=2 * logits,
+                       block_transient=ffn_hidden)
 
 
 class LiveTensorBytes(TorchDispatchMode):
