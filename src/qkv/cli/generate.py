@@ -12,7 +12,7 @@ from qkv.cli.flags import add_generation_flags, add_quantize, generation_flags
 
 # the sampling flags, generated from GenerationConfig's fields (qkv.cli.flags): its bounds and help text
 GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "length_penalty",
-                  "no_repeat_ngram_size", "min_new_tokens")
+                  "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens")
 CHAT_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
 
 
