@@ -59,7 +59,7 @@ def test_every_runnable_command_of_a_guide_runs(name, tmp_path, monkeypatch, cap
     for info, body in bash:
         if info != RUNNABLE:  # shown only: it says why
             first = body.lstrip().splitlines()[0]
-            assert first.startswith("# not run by the tests:"), f"{name}: a shown-only block without its reason"
+            assert first.startswith("# not run by the tests:"), f"{name}: a shown block without its reason"
     monkeypatch.chdir(tmp_path)
     for info, body in bash:
         if info != RUNNABLE:
@@ -76,7 +76,8 @@ def test_every_runnable_command_of_a_guide_runs(name, tmp_path, monkeypatch, cap
 
 
 def test_the_block_parser():
-    text = "x\n```bash runnable\n# a comment\nqkv info gpt-tiny \\\n  --depth 1\n\nls\n```\n```bash\n# not run\n```\n"
+    text = ("x\n```bash runnable\n# a comment\nqkv info gpt-tiny \\\n  --depth 1\n\nls\n```\n"
+            "```bash\n# not run\n```\n")
     assert blocks(text) == [("bash runnable", "# a comment\nqkv info gpt-tiny \\\n  --depth 1\n\nls\n"),
                             ("bash", "# not run\n")]
     assert commands(blocks(text)[0][1]) == ["qkv info gpt-tiny --depth 1", "ls"]
