@@ -14,6 +14,7 @@ from qkv.cli.main import main
 from qkv.generate import generate
 from qkv.memory import LiveTensorBytes, kv_cache_size, train_memory
 from qkv.models.gpt import GPT, GPTConfig
+from qkv.models.whisper import Whisper, WhisperConfig
 from qkv.nn.mla import MLAConfig
 from qkv.train.optim import build_optimizer
 
@@ -33,7 +34,7 @@ LAYOUTS = {
 }
 
 
-def decoded_cache(model, ids: torch.Tensor, new: int):
+def decoded_cache(model, ids: torch.Tensor, new: int, **options):
     """The cache generate() allocates and fills for `model` (recorded from make_cache)."""
     made = []
     make = model.make_cache
@@ -43,7 +44,7 @@ def decoded_cache(model, ids: torch.Tensor, new: int):
         return made[-1]
 
     model.make_cache = recording
-    generate(model, ids, max_new_tokens=new, do_sample=False)
+    generate(model, ids, max_new_tokens=new, do_sample=False, **options)
     assert len(made) == 1
     return made[0]
 
@@ -80,6 +81,20 @@ def test_kv_formula_of_an_encoder_decoder_counts_the_cross_attention_cache():
     assert cross == kv.bytes_at(0, batch=B, source_tokens=S)
     assert tensor_bytes(cache.k, cache.v) == kv.bytes_at(cache.k.shape[3], batch=B)
     assert kv.layout == "GQA" and kv.source_context == model.config.context_length
+
+
+def test_kv_formula_of_whisper_counts_the_audio_cross_attention_cache():
+    model = Whisper(WhisperConfig(vocab_size=13, n_encoder_layers=2, n_decoder_layers=2, d_model=16,
+                                  n_heads=2, n_kv_heads=1, d_ff=32, n_audio_ctx=10, n_text_ctx=12,
+                                  n_mels=8)).eval()
+    kv = kv_cache_size(model)
+    B = 2
+    # 0.2 s of audio: 10 encoder frames; no eos, so every row decodes all 4 tokens
+    cache = decoded_cache(model, torch.randn(B, 3200) * 0.1, 4, eos_token_id=[])
+    cross = tensor_bytes(*(t for i in range(2) for t in cache.get_cross(i)))
+    assert cross == kv.bytes_at(0, batch=B, source_tokens=kv.source_context) and kv.source_context == 10
+    assert tensor_bytes(cache.k, cache.v) == kv.bytes_at(cache.k.shape[3], batch=B)
+    assert kv.layout == "MQA" and kv.context == 12
 
 
 def test_models_without_a_kv_cache_say_so():
