@@ -250,3 +250,13 @@ def test_qkv_info_names_the_field_a_folder_lacks(tmp_path, capsys):
     assert main(["info", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lacks 'max_position_embeddings'" in err[0] and err[0].startswith("qkv: error:")
+
+
+def test_qkv_info_names_the_field_a_qkv_folder_lacks(tmp_path, capsys):
+    folder = tiny_gpt().save_pretrained(tmp_path / "gpt")
+    meta = json.loads((folder / "config.json").read_text())
+    del meta["config"]["n_layers"]  # the family's default (4) would size another model than the file's 2
+    (folder / "config.json").write_text(json.dumps(meta))
+    assert main(["info", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lacks 'n_layers'" in err[0] and "(gpt)" in err[0]

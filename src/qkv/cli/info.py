@@ -34,6 +34,14 @@ HF_SIZING_FIELDS: dict[str, tuple[str, ...]] = {
                 "max_source_positions"),
 }
 
+# The same for a qkv folder's config.json ("config" section), by family: a field missing there would be
+# filled with the family's default, which sizes another model
+QKV_SIZING_FIELDS: dict[str, tuple[str, ...]] = {
+    "gpt": ("n_layers", "d_model", "n_heads", "context_length"),
+    "encdec": ("n_decoder_layers", "d_model", "n_heads", "context_length"),
+    "whisper": ("n_decoder_layers", "d_model", "n_heads", "n_text_ctx", "n_audio_ctx"),
+}
+
 
 def parameter_table(model: nn.Module, depth: int = 2) -> list[tuple[str, int]]:
     """Unique parameters grouped by module path truncated to `depth` components; numeric components
@@ -172,15 +180,21 @@ def _folder_config(path: str) -> dict[str, Any] | None:
 
 
 def check_sizable(path: str) -> None:
-    """A Hugging Face folder lacking a field the KV cache's size is computed from: one line naming it, before
-    anything is loaded."""
+    """A folder (Hugging Face or qkv) lacking a field the KV cache's size is computed from: one line naming
+    it, before anything is loaded."""
     meta = _folder_config(path)
-    if meta is None or "qkv_family" in meta:
+    if meta is None:
         return
-    for field in HF_SIZING_FIELDS.get(str(meta.get("model_type")), ()):
-        if meta.get(field) is None:
+    family = meta.get("qkv_family")
+    kind, fields = (family, QKV_SIZING_FIELDS.get(str(family), ())) if family is not None else \
+        (meta.get("model_type"), HF_SIZING_FIELDS.get(str(meta.get("model_type")), ()))
+    section = meta.get("config") if family is not None else meta
+    if not isinstance(section, dict):
+        return  # the loader says what is wrong with the file
+    for field in fields:
+        if section.get(field) is None:
             raise ConfigError(f"{path}: config.json lacks {field!r}, which the KV cache's size is computed "
-                              f"from ({meta['model_type']})")
+                              f"from ({kind})")
 
 
 def hf_model_type(path: str) -> str | None:
