@@ -12,7 +12,8 @@ from qkv.cli.flags import add_generation_flags, add_quantize, check_generation, 
 
 # the sampling flags, generated from GenerationConfig's fields (qkv.cli.flags): its bounds and help text
 GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "length_penalty",
-                  "no_repeat_ngram_size", "min_new_tokens", "presence_penalty", "frequency_penalty")
+                  "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens", "presence_penalty",
+                  "frequency_penalty")
 CHAT_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
 # --speculative prompt-lookup: the drafted tokens per verifying forward (transformers' documented example's)
 PROMPT_LOOKUP_TOKENS = 10

@@ -27,6 +27,7 @@ from qkv.cli.flags import (  # noqa: F401  (QUANTIZE_MODES: part of this module'
     config_flags,
 )
 from qkv.cli.generate import add_chat, add_generate, cmd_chat, cmd_generate
+from qkv.cli.info import add_info, cmd_info
 from qkv.generate.engine_config import EngineConfig
 from qkv.serve.config import ServeConfig
 
@@ -111,56 +112,6 @@ def cmd_eval(a: argparse.Namespace) -> int:
         print(f"{k}: {int(v)}" if count and float(v).is_integer() else f"{k}: {v:.4f}" if isinstance(v, float)
               else f"{k}: {v}")
     return 0
-
-
-def _add_info(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", help="a preset name, a checkpoint folder or a GGUF file")
-    p.add_argument("--depth", type=int, default=3, help="module path depth of the table")
-
-
-def cmd_info(a: argparse.Namespace) -> int:
-    import qkv
-    from qkv.cli.info import format_table, parameter_table
-    from qkv.config import ConfigError
-
-    if a.depth < 1:
-        raise ConfigError(f"--depth must be at least 1 (module path parts per row), got {a.depth}")
-    if Path(a.target).exists():
-        from qkv.run import load_model_any
-
-        model = load_model_any(a.target)
-        title = f"{a.target}: {type(model).__name__}"
-        hf_type = _hf_model_type(a.target)
-        if hf_type:
-            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            gguf = hf_type.startswith("GGUF")
-            title += f" ({hf_type} file, {dtype})" if gguf else f" (Hugging Face {hf_type} folder, {dtype})"
-    # meant as a path, not a preset
-    elif "/" in a.target or a.target.startswith((".", "~")) or os.sep in a.target:
-        raise ConfigError(f"no such folder: {a.target}")
-    else:
-        model = qkv.build(a.target)
-        title = f"preset {a.target}: {type(model).__name__}"
-    print(title)
-    print(format_table(parameter_table(model, a.depth)))
-    return 0
-
-
-def _hf_model_type(path: str) -> str | None:
-    import json
-
-    from qkv.interop.gguf_model import is_gguf
-    from qkv.run import model_folder
-
-    if is_gguf(path):
-        from qkv.interop.gguf_model import GGUFFile
-
-        return f"GGUF {GGUFFile(path).meta.get('general.architecture')}"
-    try:
-        meta = json.loads((model_folder(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):  # read_config, when the model loads, says what is wrong
-        return None
-    return meta.get("model_type") if isinstance(meta, dict) and "qkv_family" not in meta else None
 
 
 def _add_presets(p: argparse.ArgumentParser) -> None:
@@ -423,7 +374,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
     "generate": ("generate text from a trained model", add_generate, cmd_generate),
-    "info": ("parameter table of a preset or checkpoint", _add_info, cmd_info),
+    "info": ("parameters, KV-cache bytes per token and (--train) training memory of a model", add_info,
+             cmd_info),
     "presets": ("list the named model presets", _add_presets, cmd_presets),
     "demo": ("the main job: train two small models and show them working", _add_demo, cmd_demo),
     "ablate": ("run an ablation suite and write its table and plots", _add_ablate, cmd_ablate),
