@@ -40,7 +40,15 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError, from_dict
-from qkv.finetune import FINETUNE_FILE, Recipe, epoch_updates, epochs_to_steps, register_recipe, shared
+from qkv.finetune import (
+    FINETUNE_FILE,
+    Recipe,
+    epoch_updates,
+    epochs_to_steps,
+    mark_out,
+    register_recipe,
+    shared,
+)
 from qkv.finetune.chat_data import (  # noqa: F401  (the data half of this recipe, imported from here too)
     IGNORE,
     ROLES,
@@ -59,7 +67,8 @@ from qkv.finetune.chat_output import (
     save_model_folder,
     weights_lines,
 )
-from qkv.storage import atomic_write_json
+from qkv.finetune.chat_template import write_chat_tokenizer
+from qkv.storage import atomic_write_json, read_config
 
 FEW_STEPS = 50  # fewer optimizer steps than this, set by --epochs rather than train.max_steps: a warning
 
@@ -243,7 +252,12 @@ class ChatRecipe:
         check_exportable(self.source)  # OUT itself was checked by qkv.finetune.check_out before this recipe
         if s.resume:
             _check_same_lora(s.out, s.lora)
-        self.tok = load_hf_tokenizer(self.source)
+        # a qkv run (or its checkpoint) keeps its tokenizer in qkv's form: written into OUT as Hugging Face
+        # files with qkv's chat template, and read from there (finetune.chat_template)
+        context = read_config(self.source).get("config", {}).get("context_length")
+        mark_out(s.out, "chat")  # OUT is this recipe's before anything is written into it
+        own = write_chat_tokenizer(Path(s.model), self.source, s.out, context)
+        self.tok = load_hf_tokenizer(s.out if own else self.source)
         if not self.tok.has_chat_template:
             self.notes.append(f"note: {self.source} has no chat template: conversations are rendered as qkv "
                               "chat's plain 'User: ... / Assistant: ...' transcript, each answer followed by "

@@ -37,7 +37,12 @@ from qkv.run.folders import (  # noqa: F401
     model_folder,
     run_folder_of,
 )
-from qkv.run.generation import _folder_tokenizer, generate_text, hf_folder_tokenizer  # noqa: F401
+from qkv.run.generation import (  # noqa: F401
+    _folder_tokenizer,
+    generate_text,
+    hf_folder_tokenizer,
+    hugging_face_tokenizer_files,
+)
 from qkv.storage import atomic_write_text
 
 SECTIONS = ("model", "task", "train", "eval")
@@ -413,6 +418,7 @@ __all__ = [
     "evaluate_run",
     "generate_text",
     "hf_folder_tokenizer",
+    "hugging_face_tokenizer_files",
     "load_model_any",
     "load_run_config",
     "load_run_task",
