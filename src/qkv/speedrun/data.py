@@ -53,8 +53,8 @@ def module_name(path: str) -> str:
 def split_modules(val_fraction: float, max_modules: int = 0,
                   root: Path | None = None) -> dict[str, list[str]]:
     """{"train": paths, "val": paths}: the stdlib's files split by module (corpora.is_val_file).
-    max_modules > 0 keeps that many of each split's smallest files (a test's or a quick profile's scale);
-    the split itself does not change."""
+    max_modules > 0 keeps that many of the smallest train modules and a quarter as many held-out ones (a
+    test's or a quick profile's scale); which side a module is on does not change."""
     files = stdlib_files(root)
     split = {"train": [p for p in files if not is_val_file(p, val_fraction)],
              "val": [p for p in files if is_val_file(p, val_fraction)]}
@@ -62,9 +62,9 @@ def split_modules(val_fraction: float, max_modules: int = 0,
         root = root or stdlib_root()
         for side, paths in split.items():
             keep = sorted(paths, key=lambda p: ((root / p).stat().st_size, p))
-            # small modules first, but not the empty __init__ files
-            keep = [p for p in keep if (root / p).stat().st_size > 2000][:max_modules]
-            split[side] = sorted(keep)
+            # small modules first, but not the near-empty __init__ files
+            n = max_modules if side == "train" else max(2, max_modules // 4)
+            split[side] = sorted([p for p in keep if (root / p).stat().st_size > 2000][:n])
     return split
 
 

@@ -29,24 +29,23 @@ from qkv.storage import atomic_write_json
 from qkv.tasks.tokenizers import load_tokenizer
 
 BATCH = 16
+INDENT = "    "  # a function body's first indentation (PEP 8)
 ADDITION_CHANCE = 1 / 199  # a sum of two numbers below 100 is one of 199 values
 
 
 @torch.no_grad()
-def continue_batch(model: Any, prompts: list[list[int]], max_new: int, stop: set[int], pad: int,
-                   sample_seed: int | None = None) -> list[list[int]]:
-    """Each prompt's greedy (or, with sample_seed, sampled) continuation, cut before its first `stop` id;
-    prompts left-padded into batches of BATCH."""
+def continue_batch(model: Any, prompts: list[list[int]], max_new: int, stop: set[int],
+                   pad: int) -> list[list[int]]:
+    """Each prompt's greedy continuation, cut before its first `stop` id; prompts left-padded into batches of
+    BATCH."""
     out: list[list[int]] = []
     for s in range(0, len(prompts), BATCH):
         rows = prompts[s:s + BATCH]
         width = max(map(len, rows))
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        options = {"do_sample": True, "temperature": 0.8, "seed": sample_seed} if sample_seed is not None \
-            else {"do_sample": False}
         res = generate(model, ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=sorted(stop),
-                       pad_token_id=pad, **options)
+                       pad_token_id=pad, do_sample=False)
         for row in res[:, width:].tolist():
             cut = next((i for i, t in enumerate(row) if t in stop), len(row))
             out.append(row[:cut])
@@ -85,12 +84,15 @@ class BaseModel:
         head = "".join(f"Q: {s['q']}\nA: {s['a']}\n\n" for s in shots)
         prompts = [self.tok.encode(head + f"Q: {q}\nA:")[-(room - max_new):] for q in questions]
         answers = continue_batch(self.model, prompts, max_new, {self.tok.eos_id}, self.tok.pad_id)
-        return [self.tok.decode(a).split("\n")[0].strip() for a in answers]
+        return [self.tok.decode(a).strip().split("\n")[0].strip() for a in answers]
 
-    def functions(self, headers: list[str], max_new: int, seed: int) -> list[str]:
-        prompts = [self.tok.encode(h) for h in headers]
-        bodies = continue_batch(self.model, prompts, max_new, {self.tok.eos_id}, self.tok.pad_id, seed)
-        return [function_source(h, self.tok.decode(b)) for h, b in zip(headers, bodies, strict=True)]
+    def functions(self, headers: list[str], max_new: int) -> list[str]:
+        """Each `def ...:\n` header continued. The prompt ends with the body's first indent:
+        a byte-level BPE reads a newline followed by spaces as one token, so a prompt ending in a bare newline
+        would tell the model the next line is not indented."""
+        prompts = [self.tok.encode(h + INDENT) for h in headers]
+        bodies = continue_batch(self.model, prompts, max_new, {self.tok.eos_id}, self.tok.pad_id)
+        return [function_source(h, INDENT + self.tok.decode(b)) for h, b in zip(headers, bodies, strict=True)]
 
 
 def evaluate_phase(out: Path, p: Profile) -> dict[str, Any]:
@@ -101,7 +103,7 @@ def evaluate_phase(out: Path, p: Profile) -> dict[str, Any]:
     refs = [x["a"] for x in ev["doc_qa"]]
     sft_answers = chat.answers(questions, e.max_new_tokens)
     base_answers = base.few_shot(ev["few_shot"], questions, e.max_new_tokens, p.pretrain.context)
-    code = base.functions(ev["code"], e.code_tokens, p.seed)
+    code = base.functions(ev["code"], e.code_tokens)
     syn_answers = chat.answers([x["q"] for x in ev["synthetic"]], 16)
     syn_hits = [exact(a, x["a"]) for a, x in zip(syn_answers, ev["synthetic"], strict=True)]
     sums = [h for h, x in zip(syn_hits, ev["synthetic"], strict=True) if x["q"].startswith("What is")]

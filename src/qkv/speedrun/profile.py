@@ -20,7 +20,7 @@ DEFAULT_PROFILE = "cpu"
 @dataclass
 class DataSettings:
     val_fraction: float = 0.1  # share of modules held out (by a stable hash of the path)
-    max_modules: int = 0  # > 0: that many modules per split (the smallest); 0 = every module
+    max_modules: int = 0  # > 0: that many train modules (the smallest), a quarter as many held out; 0 = all
 
 
 @dataclass

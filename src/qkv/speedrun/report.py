@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 import torch  # noqa: E402
 
+from qkv.speedrun.state import PHASES  # noqa: E402
 from qkv.storage import atomic_write, atomic_write_text  # noqa: E402
 
 
@@ -53,7 +54,8 @@ def _f(x: Any, digits: int = 3) -> str:
 
 def _phase_table(state: dict[str, Any]) -> list[str]:
     lines = ["| phase | wall (s) | CPU (s) | figures |", "|---|---:|---:|---|"]
-    for name, fig in state["phases"].items():
+    for name in [p for p in PHASES if p in state["phases"]]:
+        fig = state["phases"][name]
         shown = ", ".join(f"{k}={_f(v)}" for k, v in fig.items()
                           if k not in ("wall_s", "cpu_s", "sample") and not isinstance(v, dict | list))
         lines.append(f"| {name} | {fig.get('wall_s', 0):.0f} | {fig.get('cpu_s', 0):.0f} | {shown} |")
