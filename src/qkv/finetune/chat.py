@@ -67,7 +67,7 @@ from qkv.finetune.chat_output import (
     save_model_folder,
     weights_lines,
 )
-from qkv.finetune.chat_template import write_chat_tokenizer
+from qkv.finetune.chat_template import run_tokenizer, write_chat_tokenizer
 from qkv.storage import atomic_write_json, read_config
 
 FEW_STEPS = 50  # fewer optimizer steps than this, set by --epochs rather than train.max_steps: a warning
@@ -254,10 +254,12 @@ class ChatRecipe:
             _check_same_lora(s.out, s.lora)
         # a qkv run (or its checkpoint) keeps its tokenizer in qkv's form: written into OUT as Hugging Face
         # files with qkv's chat template, and read from there (finetune.chat_template)
-        context = read_config(self.source).get("config", {}).get("context_length")
-        mark_out(s.out, "chat")  # OUT is this recipe's before anything is written into it
-        own = write_chat_tokenizer(Path(s.model), self.source, s.out, context)
-        self.tok = load_hf_tokenizer(s.out if own else self.source)
+        own = run_tokenizer(Path(s.model), self.source)
+        if own is not None:
+            mark_out(s.out, "chat")  # OUT is this recipe's before anything is written into it
+            context = read_config(self.source).get("config", {}).get("context_length")
+            write_chat_tokenizer(own, s.out, context)
+        self.tok = load_hf_tokenizer(s.out if own is not None else self.source)
         if not self.tok.has_chat_template:
             self.notes.append(f"note: {self.source} has no chat template: conversations are rendered as qkv "
                               "chat's plain 'User: ... / Assistant: ...' transcript, each answer followed by "

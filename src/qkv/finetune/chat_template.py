@@ -2,9 +2,9 @@
 
 A `qkv train` run keeps its tokenizer in qkv's own form beside task.json; the chat recipe, `qkv chat`, `qkv
 serve` and transformers read a folder's tokenizer.json + tokenizer_config.json + chat_template.jinja. So
-before a chat fine-tune of such a run, `write_chat_tokenizer` writes the run's byte-level BPE as those files
-into OUT (qkv.tasks.tokenizer_export) with QKV_CHAT_TEMPLATE beside it, and the recipe reads them from there:
-OUT then carries the template every later command renders conversations with.
+before a chat fine-tune of such a run (`run_tokenizer` finds it), `write_chat_tokenizer` writes its BPE as
+those files into OUT (qkv.tasks.tokenizer_export) with QKV_CHAT_TEMPLATE beside it, and the recipe reads them
+from there: OUT then carries the template every later command renders conversations with.
 
 The template: every turn is a role marker line, the content and <eos>:
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from qkv.config import ConfigError
 from qkv.storage import atomic_write_text
 from qkv.tasks.tokenizer_export import write_qkv_tokenizer
-from qkv.tasks.tokenizers import saved_tokenizer
+from qkv.tasks.tokenizers import BPETokenizer, saved_tokenizer
 
 CHAT_ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -41,27 +41,32 @@ QKV_CHAT_TEMPLATE = (
 )
 
 
-def write_chat_tokenizer(model_path: Path, source: Path, out: Path, context_length: int | None) -> bool:
-    """For a qkv source folder with no tokenizer.json: its run's saved tokenizer written into `out` as Hugging
-    Face files with QKV_CHAT_TEMPLATE beside it. False when the source is not such a folder (a Hugging Face
-    folder, read as it is). A qkv tokenizer that is not a byte-level BPE is refused: a character or word
-    vocabulary cannot spell the template's role markers."""
+def run_tokenizer(model_path: Path, source: Path) -> BPETokenizer | None:
+    """The qkv tokenizer a source folder without tokenizer.json was trained with (saved beside it or in its
+    run folder); None for any other folder (a Hugging Face folder is read as it is). A qkv tokenizer that is
+    not a byte-level BPE is refused: a character or word vocabulary cannot spell the template's role
+    markers."""
     from qkv.run import run_folder_of
 
     if (source / "tokenizer.json").is_file():
-        return False
+        return None
     run = run_folder_of(model_path)
     tok = saved_tokenizer([source, *([run] if run else [])])
     if tok is None:
-        return False
-    if tok.kind != "bpe":
+        return None
+    if not isinstance(tok, BPETokenizer):
         raise ConfigError(f"{model_path}: a chat fine-tune needs a byte-level BPE tokenizer (task.tokenizer="
                           f"bpe); this run's is {tok.kind!r}, which cannot spell the chat template's role "
                           "markers")
+    return tok
+
+
+def write_chat_tokenizer(tok: BPETokenizer, out: Path, context_length: int | None) -> None:
+    """`tok` written into `out` as Hugging Face files with QKV_CHAT_TEMPLATE beside it."""
     out.mkdir(parents=True, exist_ok=True)
     write_qkv_tokenizer(tok, out, context_length)
     atomic_write_text(QKV_CHAT_TEMPLATE, out / CHAT_TEMPLATE_FILE)
-    return True
 
 
-__all__ = ["CHAT_ROLE_TOKENS", "CHAT_TEMPLATE_FILE", "QKV_CHAT_TEMPLATE", "write_chat_tokenizer"]
+__all__ = ["CHAT_ROLE_TOKENS", "CHAT_TEMPLATE_FILE", "QKV_CHAT_TEMPLATE", "run_tokenizer",
+           "write_chat_tokenizer"]
