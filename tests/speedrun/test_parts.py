@@ -110,3 +110,26 @@ def test_shipped_profiles_build_llama_shaped_models(name):
 
 def test_default_profile_is_cpu():
     assert load_profile().name == "cpu"
+
+
+def test_lm_task_reads_a_held_out_file_and_a_trained_tokenizer(tmp_path):
+    from qkv.config import ConfigError
+    from qkv.tasks import build_task
+    from qkv.tasks.lm import LMOptions
+    from qkv.tasks.tokenizers import BPETokenizer
+
+    train, val = "def f(x):\n    return x\n" * 40, "class C:\n    pass\n" * 20
+    (tmp_path / "train.txt").write_text(train)
+    (tmp_path / "val.txt").write_text(val)
+    tok = BPETokenizer.train([train], vocab_size=280, min_frequency=1, extra_specials=("<|user|>",))
+    tok.save(tmp_path / "tok")
+    task = build_task("lm", family="gpt", path=str(tmp_path / "train.txt"),
+                      val_path=str(tmp_path / "val.txt"), tokenizer="bpe",
+                      tokenizer_file=str(tmp_path / "tok" / "tokenizer.json"), context=8)
+    assert task.tokenizer.hf.to_str() == tok.hf.to_str() and task.tokenizer.encode("<|user|>") == [6]
+    assert task.data["val"].tolist() == tok.encode(val) and task.n_chars == {"train": len(train),
+                                                                               "val": len(val)}
+    with pytest.raises(ConfigError, match="val_path needs path"):
+        LMOptions(val_path="v.txt").validate()
+    with pytest.raises(ConfigError, match="set tokenizer=bpe"):
+        LMOptions(tokenizer_file="t.json").validate()

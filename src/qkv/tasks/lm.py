@@ -6,9 +6,11 @@ needs no download: `corpus: pydoc` (the default: Python's bundled documentation 
 
 Split: for a text (a file, pydoc) the first (1 - val_fraction) of the characters are train, the rest val
 (nanoGPT's convention), cut at a character boundary before tokenising; for `stdlib` whole files, chosen by a
-stable hash of their path (no file in both splits, see qkv.tasks.corpora). Tokenizer: `char` = the distinct
+stable hash of their path (no file in both splits, see qkv.tasks.corpora); with `val_path` the held-out text
+is that file and `path` is all train (`qkv speedrun` splits modules itself). Tokenizer: `char` = the distinct
 characters of the whole text (val included, so val has no unknown characters, as in nanoGPT); `bpe` =
-byte-level BPE trained on the train split only, `bpe_vocab_size` tokens.
+byte-level BPE trained on the train split only, `bpe_vocab_size` tokens, or read from `tokenizer_file` (a
+tokenizer.json trained beforehand).
 
 Batches: `batch_size` random windows of `context` tokens from the split, window starts drawn from a
 stream seeded by (seed, split, index). input_ids = labels = the window (B, context): the model shifts the
