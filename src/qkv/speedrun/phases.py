@@ -20,6 +20,7 @@ from qkv.nn.params import count_parameters
 from qkv.run import train_run
 from qkv.speedrun.data import (
     SYSTEM_PROMPT,
+    chat,
     corpus_text,
     doc_qa,
     documented,
@@ -52,9 +53,7 @@ def data_phase(out: Path, p: Profile) -> dict[str, Any]:
         qa = qa[:p.sft.max_doc_qa]
     words = words_of(sources["train"])
     train_synthetic = synthetic(p.sft.synthetic, words, p.seed)
-    rows = qa + identity_chats(p.sft.identity_copies) + [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-        for q, a in train_synthetic]
+    rows = qa + identity_chats(p.sft.identity_copies) + [chat(q, a) for q, a in train_synthetic]
     rng.shuffle(rows)
     atomic_write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), folder / "sft.jsonl")
     seen = {q for q, _ in train_synthetic}
@@ -137,7 +136,8 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
         model=str(out / "base"), data=str(out / "data" / "sft.jsonl"), dev=None, out=str(chat), task="chat",
         resume=latest_checkpoint(chat / "checkpoints") is not None, seed=p.seed, no_progress=quiet,
         epochs=p.sft.epochs, too_long="skip", overrides=[f"train.{k}={_yaml(v)}" for k, v in train.items()],
-        lora=p.sft.lora, lora_rank=16, lora_alpha=32.0, lora_dropout=0.0, lora_targets="all-linear",
+        lora=p.sft.lora, lora_rank=p.sft.lora_rank, lora_alpha=2.0 * p.sft.lora_rank, lora_dropout=0.0,
+        lora_targets="all-linear",
         export="last", max_length=None)
     result = finetune(args)
     settings = result["settings"]

@@ -43,6 +43,7 @@ class PretrainSettings:
 class SFTSettings:
     epochs: float = 2.0  # passes over the conversations
     lora: bool = False  # LoRA adapters instead of every weight
+    lora_rank: int = 16  # with lora: the adapters' rank (alpha = 2 x rank), on every linear layer
     identity_copies: int = 8  # times each identity question is repeated
     synthetic: int = 2000  # arithmetic + spelling conversations
     max_doc_qa: int = 0  # > 0: at most this many doc-QA conversations (0 = all)
