@@ -1,13 +1,14 @@
 """`qkv speedrun` end to end at a test's scale (the quick profile with a tiny model, a few modules, a few
-steps) walking every phase and every join: killed mid-pretrain and continued from its checkpoint, then the
-chat model answering through qkv chat and qkv serve (openai client), exported to transformers with equal
-logits and equal greedy text. Then the bad inputs: one clear line each, and a phase cut short never
-recorded."""
+steps) walking every phase and every join: killed mid-pretrain and mid-SFT and continued from the
+checkpoints, then the chat model answering through qkv chat and qkv serve (openai client), exported to
+transformers with equal logits and equal greedy text. Then the bad inputs: one clear line each, and a phase
+cut short never recorded."""
 
 from __future__ import annotations
 
 import errno
 import json
+from types import SimpleNamespace
 
 import pytest
 from _chatrun import check_explore, check_export_parity, check_serve
@@ -19,7 +20,7 @@ from qkv.speedrun.data import module_name
 from qkv.speedrun.state import STATE_FILE
 
 TINY = """data.max_modules=8 tokenizer.vocab_size=400 pretrain.model.d_model=32 pretrain.model.n_layers=1
-pretrain.model.n_heads=2 pretrain.model.n_kv_heads=1 pretrain.context=64 pretrain.train.max_steps=12
+pretrain.model.n_heads=2 pretrain.model.n_kv_heads=1 pretrain.context=96 pretrain.train.max_steps=12
 pretrain.train.save_every=4 pretrain.train.plot=false pretrain.train.tensorboard=false pretrain.eval_windows=8
 sft.synthetic=40 sft.max_doc_qa=40 sft.epochs=1 sft.identity_copies=1 sft.train.max_steps=4
 sft.train.tensorboard=false eval.doc_qa=4 eval.synthetic=4 eval.code=2 eval.max_new_tokens=8
@@ -30,39 +31,54 @@ class Killed(Exception):
     """Stands for the process dying mid-pretrain."""
 
 
-@pytest.fixture(scope="module")
-def done(tmp_path_factory):
-    """The tiny speedrun, killed after 4 pretraining steps (a checkpoint written, the phase unrecorded), then
-    rerun to the end: (DIR, the second run's stderr lines)."""
-    out = tmp_path_factory.mktemp("speedrun") / "run"
-    real = phases.train_run
-
-    def killed_after_4_steps(cfg, folder, **kw):
-        real({**cfg, "train": {**cfg["train"], "max_steps": 4}}, folder, **kw)
-        raise Killed
-
-    phases.train_run = killed_after_4_steps
+def _killed(out, name, cut):
+    """Run the speedrun with phases.`name` replaced by `cut` (which raises Killed): the phase is left behind
+    unrecorded, its checkpoints written."""
+    real = getattr(phases, name)
+    setattr(phases, name, lambda *a, **kw: cut(real, *a, **kw))
     try:
         with pytest.raises(Killed):
             speedrun(out, "quick", TINY, quiet=True, log=lambda _: None)
     finally:
-        phases.train_run = real
-    state = json.loads((out / STATE_FILE).read_text())
-    assert set(state["phases"]) == {"data", "tokenizer"}  # pretrain never recorded as complete
+        setattr(phases, name, real)
+
+
+def _pretrain_4_steps(real, cfg, folder, **kw):
+    real({**cfg, "train": {**cfg["train"], "max_steps": 4}}, folder, **kw)
+    raise Killed
+
+
+def _sft_2_steps(real, args):
+    real(SimpleNamespace(**{**vars(args), "overrides": [*args.overrides, "train.max_steps=2"]}))
+    raise Killed
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    """The tiny speedrun killed after 4 pretraining steps, rerun and killed after 2 fine-tuning steps (each
+    time a checkpoint written, the phase unrecorded), then rerun to the end: (DIR, the last run's stderr
+    lines)."""
+    out = tmp_path_factory.mktemp("speedrun") / "run"
+    _killed(out, "train_run", _pretrain_4_steps)
+    assert set(json.loads((out / STATE_FILE).read_text())["phases"]) == {"data", "tokenizer"}
+    _killed(out, "finetune", _sft_2_steps)
+    assert set(json.loads((out / STATE_FILE).read_text())["phases"]) == {"data", "tokenizer", "pretrain"}
     said: list[str] = []
     speedrun(out, "quick", TINY, quiet=True, log=said.append)
     return out, said
 
 
-def test_every_phase_recorded_and_the_pretrain_continued(done):
+def test_every_phase_recorded_and_the_cut_phases_continued(done):
     out, said = done
     state = json.loads((out / STATE_FILE).read_text())
     assert set(state["phases"]) == set(PHASES)
-    assert "speedrun: data ..." not in said and "speedrun: pretrain ..." in said
-    steps = [json.loads(line)["step"] for line in (out / "base" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(set(steps)) and steps[-1] == 12  # one history, continued from step 4
+    assert "speedrun: pretrain ..." not in said and "speedrun: sft ..." in said
+    for run, last in (("base", 12), ("chat", 4)):  # one history each, continued from steps 4 and 2
+        steps = [json.loads(line)["step"] for line in (out / run / "metrics.jsonl").read_text().splitlines()]
+        assert steps == sorted(set(steps)) and steps[-1] == last
+    assert state["phases"]["sft"]["steps"] == 4
     pre = state["phases"]["pretrain"]
-    assert pre["steps"] == 12 and pre["tokens_seen"] == 12 * 16 * 64
+    assert pre["steps"] == 12 and pre["tokens_seen"] == 12 * 16 * 96
     assert 0 < pre["val_bits_per_byte"] < 16
 
 
