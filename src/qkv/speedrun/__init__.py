@@ -31,6 +31,7 @@ from qkv.speedrun.phases import data_phase, pretrain_phase, sft_phase, tokenizer
 from qkv.speedrun.profile import DEFAULT_PROFILE, Profile, load_profile, profile_names
 from qkv.speedrun.report import write_report
 from qkv.speedrun.state import PHASES, open_state, record_phase
+from qkv.train.distributed import world_size
 
 
 def _timed(phase: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -50,6 +51,8 @@ def speedrun(out: str | Path, profile: str | None = None, overrides: list[str] |
              quiet: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run (or continue) the speedrun in `out`; returns {"out", "state", "report", "skipped"}."""
     say = log or (lambda line: print(line, file=sys.stderr))
+    if world_size() > 1:  # every rank would write the data, tokenizer, evaluation and report at once
+        raise ConfigError("qkv speedrun runs as one process (one GPU at most), not under torchrun")
     p = load_profile(profile, overrides)
     out = Path(out)
     state = open_state(out, p.to_dict())
