@@ -179,3 +179,10 @@ def test_disk_full_leaves_the_phase_unrecorded(tmp_path, capsys, monkeypatch):
     assert "speedrun phase data: cannot write" in line and "No space left on device" in line
     assert "not marked complete" in line
     assert json.loads((tmp_path / "x" / STATE_FILE).read_text())["phases"] == {}
+
+
+def test_torchrun_launch_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = _error(capsys, ["speedrun", "--profile", "quick", "--out", str(tmp_path / "x")])
+    assert "runs as one process" in line and not (tmp_path / "x").exists()
