@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -112,9 +113,7 @@ def pretrain_phase(out: Path, p: Profile, quiet: bool, bytes_per_token: float) -
     """`qkv train` into DIR/base; a partial run (checkpoints, no record) continues as `--resume` does.
     bytes_per_token: the tokenizer's on the held-out text, turning nats per token into bits per byte."""
     cfg = pretrain_config(out, p)
-    result = train_run(cfg, out / "base", resume=True, quiet=quiet)
-    if result.get("error"):
-        raise RuntimeError(f"pretraining stopped: {result['error']}")
+    result = train_run(cfg, out / "base", resume=True, quiet=quiet)  # the NaN guard raises: `qkv` exits 3
     train = cfg["train"]
     steps = int(result["train"]["steps"])
     metrics = result["metrics"]
@@ -122,7 +121,7 @@ def pretrain_phase(out: Path, p: Profile, quiet: bool, bytes_per_token: float) -
             "tokens_seen": steps * int(train["batch_size"]) * int(train.get("grad_accum", 1))
             * p.pretrain.context,
             "final_train_loss": result["train"].get("final_loss"), "val_loss": metrics.get("val_loss"),
-            "val_bits_per_byte": metrics["val_loss"] / 0.6931471805599453 / bytes_per_token
+            "val_bits_per_byte": metrics["val_loss"] / math.log(2) / bytes_per_token
             if "val_loss" in metrics else None,
             "sample": (result["samples"] or [""])[0]}
 
@@ -137,8 +136,7 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
         resume=latest_checkpoint(chat / "checkpoints") is not None, seed=p.seed, no_progress=quiet,
         epochs=p.sft.epochs, too_long="skip", overrides=[f"train.{k}={_yaml(v)}" for k, v in train.items()],
         lora=p.sft.lora, lora_rank=p.sft.lora_rank, lora_alpha=2.0 * p.sft.lora_rank, lora_dropout=0.0,
-        lora_targets="all-linear",
-        export="last", max_length=None)
+        lora_targets="all-linear", export="last", max_length=None)
     result = finetune(args)
     settings = result["settings"]
     return {"steps": settings["steps"], "conversations": settings["examples"],
