@@ -186,3 +186,17 @@ def test_torchrun_launch_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     line = _error(capsys, ["speedrun", "--profile", "quick", "--out", str(tmp_path / "x")])
     assert "runs as one process" in line and not (tmp_path / "x").exists()
+
+
+def test_lora_sft_phase(done, tmp_path):
+    """sft.lora: true fine-tunes the same base through LoRA adapters (merged on save), a chat folder still."""
+    import shutil
+
+    from qkv.interop.tokenizer import load_hf_tokenizer
+
+    out, _ = done
+    for part in ("data", "tokenizer", "base"):
+        shutil.copytree(out / part, tmp_path / part)
+    figures = phases.sft_phase(tmp_path, load_profile("quick", [*TINY, "sft.lora=true"]), quiet=True)
+    assert figures["lora"] is True and figures["trainable_parameters"] < figures["parameters"]
+    assert figures["steps"] == 4 and load_hf_tokenizer(tmp_path / "chat").has_chat_template

@@ -141,7 +141,7 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
     settings = result["settings"]
     return {"steps": settings["steps"], "conversations": settings["examples"],
             "skipped_too_long": len(settings["skipped_lines"]), "lora": p.sft.lora,
-            "trainable_parameters": settings["trainable_parameters"],
+            "trainable_parameters": settings["trainable_parameters"], "parameters": settings["parameters"],
             "final_train_loss": settings["final_train_loss"]}
 
 
