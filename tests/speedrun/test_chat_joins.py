@@ -101,3 +101,23 @@ def test_qkv_explore_takes_the_chat_folder(chat_folder):
 def test_export_loads_in_transformers_with_equal_logits_and_text(chat_folder, tmp_path):
     pytest.importorskip("transformers")
     check_export_parity(chat_folder, tmp_path / "hf")
+
+
+def test_exported_base_fine_tunes_with_chat_template_qkv(base_run, tmp_path, capsys):
+    """`qkv export` of the run, then the chat recipe on that Hugging Face folder (which has no template): a
+    note naming --chat-template qkv without it; with it, OUT carries qkv's template."""
+    pytest.importorskip("transformers")
+    hf, data = tmp_path / "hf", write_chats(tmp_path / "c.jsonl")
+    assert main(["export", str(base_run), str(hf)]) == 0
+    common = ["--task", "chat", "--data", str(data), "--no-progress", "train.max_steps=2", "train.plot=false",
+              "train.tensorboard=false"]
+    assert main(["finetune", str(hf), *common, "--out", str(tmp_path / "plain")]) == 0
+    assert "--chat-template qkv" in capsys.readouterr().err
+    assert not load_hf_tokenizer(tmp_path / "plain").has_chat_template
+    assert main(["finetune", str(hf), *common, "--out", str(tmp_path / "qkv"), "--chat-template", "qkv"]) == 0
+    tok = load_hf_tokenizer(tmp_path / "qkv")
+    assert tok.chat_template == QKV_CHAT_TEMPLATE and tok.eos_token == "<eos>"
+    again = ["finetune", str(tmp_path / "qkv"), *common, "--out", str(tmp_path / "x"), "--chat-template",
+             "qkv"]
+    assert main(again) == 2
+    assert "has a chat template of its own" in capsys.readouterr().err

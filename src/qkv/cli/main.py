@@ -405,8 +405,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "embed": ("sentence embeddings of a text file (or its lines nearest to --query)", _add_embed, cmd_embed),
     "export": ("write a run or model folder as a Hugging Face folder (transformers loads it)", _add_export,
                cmd_export),
-    "speedrun": ("your own chat model from nothing: tokenizer, pretraining, SFT, evaluation, report card",
-                 _add_speedrun, cmd_speedrun),
+    "speedrun": ("a chat model from nothing: tokenizer, pretrain, SFT, eval, report card", _add_speedrun,
+                 cmd_speedrun),
 }
 
 

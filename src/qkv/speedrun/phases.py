@@ -136,7 +136,7 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
         resume=latest_checkpoint(chat / "checkpoints") is not None, seed=p.seed, no_progress=quiet,
         epochs=p.sft.epochs, too_long="skip", overrides=[f"train.{k}={_yaml(v)}" for k, v in train.items()],
         lora=p.sft.lora, lora_rank=p.sft.lora_rank, lora_alpha=2.0 * p.sft.lora_rank, lora_dropout=0.0,
-        lora_targets="all-linear", export="last", max_length=None)
+        lora_targets="all-linear", export="last", max_length=None, chat_template=None)
     result = finetune(args)
     settings = result["settings"]
     return {"steps": settings["steps"], "conversations": settings["examples"],
