@@ -37,6 +37,7 @@ def test_wheel_ships_every_shipped_config(tmp_path):
     assert (len(shipped) >= 20 and "qkv/configs/reverse.yaml" in shipped
             and "qkv/configs/ablations/01_sqrt_dk.yaml" in shipped)
     assert [s for s in shipped if s not in names] == []
+    assert "qkv/configs/speedrun/quick.yaml" in names and "qkv/serve/static/chat.html" in names
 
 
 def test_core_dependencies_leave_lab_packages_to_extras():

@@ -191,7 +191,8 @@ def _write_staged(model: Any, model_type: str, source: Path, folder: Path, meta:
 def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, meta: dict[str, Any],
                      out: Path) -> str | None:
     """The tokenizer files beside the model (an image classifier has none), and a decoder's token ids."""
-    from qkv.run import run_folder_of
+    from qkv.interop.tokenizer import load_hf_tokenizer
+    from qkv.run import hugging_face_tokenizer_files, run_folder_of
     from qkv.tasks.tokenizer_export import write_qkv_tokenizer
     from qkv.tasks.tokenizers import saved_tokenizer
 
@@ -202,6 +203,13 @@ def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, me
         if model_type in DECODERS:
             set_token_ids(out, meta)
         return "copied" if copied else None
+    if hugging_face_tokenizer_files(folder):  # a qkv model folder the chat recipe wrote: its files, template
+        copy_tokenizer_files(folder, out)  # included, as they are
+        if model_type in DECODERS:
+            hf = load_hf_tokenizer(folder)
+            set_token_ids(out, {"bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id,
+                                "pad_token_id": hf.pad_token_id})
+        return "copied"
     run = run_folder_of(source)
     folders = [folder] + ([run] if run else [])
     tok = saved_tokenizer(folders)

@@ -28,8 +28,8 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 def _args(model: Path, data: Path, out: Path, **extra) -> argparse.Namespace:
     base = dict(model=str(model), data=str(data), out=str(out), dev=None, resume=False, seed=0, lora=False,
                 lora_rank=8, lora_alpha=16.0, lora_dropout=0.05, lora_targets="q,v", export="best",
-                max_length=None, too_long=None, epochs=None, overrides=[], no_progress=True,
-                given_flags=set())
+                max_length=None, chat_template=None, too_long=None, epochs=None, overrides=[],
+                no_progress=True, given_flags=set())
     return argparse.Namespace(**{**base, **extra})
 
 

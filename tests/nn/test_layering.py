@@ -36,6 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     # (a run's tokenizer and task, qkv predict's preprocessing for an image classifier)
     ("qkv.embed", "qkv.export"),
     ("qkv.explore", "qkv.serve"),  # the attention explorer; qkv serve
+    # qkv speedrun: tokenizer -> qkv train -> qkv finetune --task chat -> evaluation -> report card
+    ("qkv.speedrun",),
     ("qkv.demo",),
     ("qkv.cli",),
 ]

@@ -36,7 +36,8 @@ EXIT_NAN_GUARD = 3
 TRAIN_EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 3 training stopped by the "
                 "NaN guard, 130/143 interrupted by SIGINT/SIGTERM (the current step is checkpointed first; "
                 "continue with --resume), 141 the reader of stdout went away (qkv presets | head)")
-TRAINING = ("train", "demo", "ablate", "finetune")  # the subcommands that train: the NaN guard and --resume
+# the subcommands that train: the NaN guard and --resume
+TRAINING = ("train", "demo", "ablate", "finetune", "speedrun")
 EPILOG = ("exit status: 0 done, 2 user error (one line 'qkv: error: ...'), 130/143 interrupted by "
           "SIGINT/SIGTERM, "
           "141 the reader of stdout went away (qkv presets | head)")
@@ -370,6 +371,26 @@ def cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_speedrun(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="profile settings as section.key=value (e.g. "
+                                                "pretrain.train.max_steps=200)")
+    p.add_argument("--profile", default=None,
+                   help="quick (minutes: what the tests run), cpu (the default: about an hour on 2 "
+                        "cores), gpu, or a profile YAML of your own (copy one from qkv/configs/speedrun/)")
+    p.add_argument("--out", default="runs/speedrun",
+                   help="the run folder (default runs/speedrun); rerunning continues it")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def cmd_speedrun(a: argparse.Namespace) -> int:
+    from qkv.speedrun import speedrun
+
+    done = speedrun(a.out, a.profile, a.overrides, quiet=a.no_progress)
+    print(f"report card: {done['report']}")
+    print(f"chat model: {done['out'] / 'chat'}; try: qkv chat {done['out'] / 'chat'}")
+    return 0
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "train": ("train a model on a task", _add_train, cmd_train),
     "eval": ("evaluate a trained run on its held-out split", _add_eval, cmd_eval),
@@ -393,6 +414,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
                    cmd_transcribe),
     "export": ("write a run or model folder as a Hugging Face folder (transformers loads it)", _add_export,
                cmd_export),
+    "speedrun": ("a chat model from nothing: tokenizer, pretrain, SFT, eval, report card", _add_speedrun,
+                 cmd_speedrun),
 }
 
 

@@ -40,7 +40,15 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError, from_dict
-from qkv.finetune import FINETUNE_FILE, Recipe, epoch_updates, epochs_to_steps, register_recipe, shared
+from qkv.finetune import (
+    FINETUNE_FILE,
+    Recipe,
+    epoch_updates,
+    epochs_to_steps,
+    mark_out,
+    register_recipe,
+    shared,
+)
 from qkv.finetune.chat_data import (  # noqa: F401  (the data half of this recipe, imported from here too)
     IGNORE,
     ROLES,
@@ -59,7 +67,15 @@ from qkv.finetune.chat_output import (
     save_model_folder,
     weights_lines,
 )
-from qkv.storage import atomic_write_json
+from qkv.finetune.chat_template import (
+    CHAT_TEMPLATE_FILE,
+    QKV_CHAT_TEMPLATE,
+    run_tokenizer,
+    write_chat_tokenizer,
+)
+from qkv.interop.export_tokenizer import copy_tokenizer_files
+from qkv.interop.tokenizer import load_hf_tokenizer
+from qkv.storage import atomic_write_json, atomic_write_text, read_config
 
 FEW_STEPS = 50  # fewer optimizer steps than this, set by --epochs rather than train.max_steps: a warning
 
@@ -79,6 +95,10 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--export", choices=("best", "last"), default="best",
                    help="the weights OUT holds: the best dev loss's checkpoint when --dev was evaluated more "
                         "than once (best, the default), or the last step's (last)")
+    g.add_argument("--chat-template", choices=("qkv",), default=None,
+                   help="for a folder without a chat template: write qkv's (role lines, each turn ended by "
+                        "eos) into OUT and fine-tune with it, instead of the plain 'User:/Assistant:' "
+                        "transcript")
     g.add_argument("--max-length", type=int, default=None,
                    help="longest conversation in tokens (default and upper bound: the longest sequence the "
                         "model accepts, its context length or a shorter sliding window)")
@@ -203,6 +223,7 @@ class ChatSettings:
     export: str
     max_length: int | None
     too_long: str
+    chat_template: str | None
     args: argparse.Namespace
 
     @classmethod
@@ -214,7 +235,7 @@ class ChatSettings:
                               "trained)")
         return cls(model=args.model, data=args.data, out=Path(args.out), dev=args.dev,
                    resume=bool(args.resume), seed=args.seed, lora=_lora_config(args) if args.lora else None,
-                   export=args.export, max_length=args.max_length,
+                   export=args.export, max_length=args.max_length, chat_template=args.chat_template,
                    too_long=shared(args, "too_long", "error", ("error", "skip"), "chat"), args=args)
 
 
@@ -235,7 +256,6 @@ class ChatRecipe:
         self.notes: list[str] = []
 
     def setup_model(self) -> torch.nn.Module:
-        from qkv.interop.tokenizer import load_hf_tokenizer
         from qkv.run import model_folder
 
         s = self.s
@@ -243,17 +263,42 @@ class ChatRecipe:
         check_exportable(self.source)  # OUT itself was checked by qkv.finetune.check_out before this recipe
         if s.resume:
             _check_same_lora(s.out, s.lora)
-        self.tok = load_hf_tokenizer(self.source)
+        self.tok = self.setup_tokenizer()
         if not self.tok.has_chat_template:
             self.notes.append(f"note: {self.source} has no chat template: conversations are rendered as qkv "
                               "chat's plain 'User: ... / Assistant: ...' transcript, each answer followed by "
-                              "the eos token")
+                              "the eos token (--chat-template qkv gives OUT qkv's template instead)")
         self.model = self.build()
         self.dtype = next(self.model.parameters()).dtype
         if s.lora is None and self.dtype != torch.float32:
             # full fine-tuning updates the weights themselves: in fp32 (saved in the source dtype)
             self.model.float()
         return self.model
+
+    def setup_tokenizer(self) -> Any:
+        """The tokenizer conversations are rendered with: the source folder's, or one written into OUT with
+        qkv's chat template (finetune.chat_template) for a qkv run, which keeps its tokenizer in qkv's form,
+        and for a folder without a template when --chat-template qkv asks for it."""
+        s = self.s
+        own = run_tokenizer(Path(s.model), self.source)
+        if own is not None:
+            mark_out(s.out, "chat")  # OUT is this recipe's before anything is written into it
+            context = read_config(self.source).get("config", {}).get("context_length")
+            write_chat_tokenizer(own, s.out, context)
+            return load_hf_tokenizer(s.out)
+        tok = load_hf_tokenizer(self.source)
+        if s.chat_template is None:
+            return tok
+        if tok.has_chat_template:
+            raise ConfigError(f"--chat-template {s.chat_template}: {self.source} has a chat template of its "
+                              "own; drop the flag to fine-tune with it")
+        if tok.eos_token is None:
+            raise ConfigError(f"--chat-template qkv ends each turn with the eos token; {self.source} has "
+                              "none")
+        mark_out(s.out, "chat")
+        copy_tokenizer_files(self.source, s.out, generation=False)
+        atomic_write_text(QKV_CHAT_TEMPLATE, s.out / CHAT_TEMPLATE_FILE)
+        return load_hf_tokenizer(s.out)
 
     def build(self) -> torch.nn.Module:
         """A fresh copy of the source model, seeded (LoRA's A matrices are random: one seed, one run)."""

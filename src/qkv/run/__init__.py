@@ -44,6 +44,7 @@ from qkv.run.generation import (  # noqa: F401
     generate_text,
     hf_folder_tokenizer,
     load_assistant,
+    hugging_face_tokenizer_files,
 )
 from qkv.storage import atomic_write_text
 
@@ -422,6 +423,7 @@ __all__ = [
     "generate_text",
     "hf_folder_tokenizer",
     "load_assistant",
+    "hugging_face_tokenizer_files",
     "load_model_any",
     "load_run_config",
     "load_run_task",

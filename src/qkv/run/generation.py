@@ -127,8 +127,9 @@ def _generate_folder(model: torch.nn.Module, path: Path, prompt: str, cfg: Gener
 
 def hf_folder_tokenizer(folder: str | Path) -> Any:
     """The HFTokenizer (special tokens, chat template) of a Hugging Face model folder (config.json with a
-    model_type and a tokenizer.json) or of a GGUF file; None for qkv folders and folders without
-    tokenizer.json."""
+    model_type and a tokenizer.json), of a qkv model folder carrying Hugging Face tokenizer files (the chat
+    recipe's output from a model qkv pretrained) or of a GGUF file; None for folders without tokenizer.json
+    and for qkv folders whose tokenizer is qkv's own."""
     from qkv.interop.gguf_model import is_gguf
 
     folder = Path(folder)
@@ -142,11 +143,22 @@ def hf_folder_tokenizer(folder: str | Path) -> Any:
         meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, RecursionError):
         return None
-    if not isinstance(meta, dict) or "model_type" not in meta or "qkv_family" in meta:
+    if not isinstance(meta, dict) or ("model_type" not in meta and "qkv_family" not in meta):
         return None
+    if "qkv_family" in meta and not hugging_face_tokenizer_files(folder):
+        return None  # qkv's own tokenizer files: the caller reads them (find_tokenizer)
     from qkv.interop.tokenizer import load_hf_tokenizer
 
     return load_hf_tokenizer(folder)
+
+
+def hugging_face_tokenizer_files(folder: Path) -> bool:
+    """tokenizer_config.json is a Hugging Face one (qkv's own names only its "kind")."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "kind" not in config
 
 
 def load_assistant(path: str | Path, tokenizer: Any, quantize: str | None = None) -> torch.nn.Module:

@@ -3,6 +3,7 @@
     POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream",
     ...} POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...}  (the model's chat
     template) GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text format)
+    GET  /   a chat page (static/chat.html) streaming from /v1/chat/completions
 
 Every request is checked before it reaches the engine (types, ranges, the model name, the context and the
 KV pool): a bad one gets OpenAI's error shape {"error": {"message", "type", "param", "code"}} and never
@@ -21,10 +22,11 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from qkv.generate.engine import Engine
 from qkv.serve.checks import RequestChecks
@@ -193,6 +195,10 @@ def create_app(served: Served, engine: Engine, settings: ServeConfig | None = No
     async def health() -> JSONResponse:
         ok = api.worker.alive and not api.shutting_down
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def chat_page() -> str:  # a static page; the conversation and settings live in the browser
+        return (resources.files("qkv.serve") / "static" / "chat.html").read_text(encoding="utf-8")
 
     card = {
         "id": served.name,

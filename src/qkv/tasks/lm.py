@@ -6,9 +6,11 @@ needs no download: `corpus: pydoc` (the default: Python's bundled documentation 
 
 Split: for a text (a file, pydoc) the first (1 - val_fraction) of the characters are train, the rest val
 (nanoGPT's convention), cut at a character boundary before tokenising; for `stdlib` whole files, chosen by a
-stable hash of their path (no file in both splits, see qkv.tasks.corpora). Tokenizer: `char` = the distinct
+stable hash of their path (no file in both splits, see qkv.tasks.corpora); with `val_path` the held-out text
+is that file and `path` is all train (`qkv speedrun` splits modules itself). Tokenizer: `char` = the distinct
 characters of the whole text (val included, so val has no unknown characters, as in nanoGPT); `bpe` =
-byte-level BPE trained on the train split only, `bpe_vocab_size` tokens.
+byte-level BPE trained on the train split only, `bpe_vocab_size` tokens, or read from `tokenizer_file` (a
+tokenizer.json trained beforehand).
 
 Batches: `batch_size` random windows of `context` tokens from the split, window starts drawn from a
 stream seeded by (seed, split, index). input_ids = labels = the window (B, context): the model shifts the
@@ -54,6 +56,8 @@ def default_corpus() -> str:
 @dataclass
 class LMOptions:
     path: str | None = None  # UTF-8 text file; None = the built-in `corpus`
+    val_path: str | None = None  # a held-out text file of its own (path is then all train); None = split path
+    tokenizer_file: str | None = None  # a trained tokenizer.json to use (tokenizer=bpe); None = train one
     corpus: str = "pydoc"  # pydoc (bundled docs text) | stdlib (the stdlib's .py sources, file-level split)
     tokenizer: str = "char"  # char | bpe (byte-level BPE trained on the train split)
     bpe_vocab_size: int = 1024  # BPE vocabulary, specials and the 256 bytes included
@@ -73,6 +77,10 @@ class LMOptions:
             raise ConfigError(f"give either path or corpus={self.corpus!r}, not both")
         if self.tokenizer not in ("char", "bpe"):
             raise ConfigError(f"tokenizer must be 'char' or 'bpe', got {self.tokenizer!r}")
+        if self.val_path is not None and self.path is None:
+            raise ConfigError("val_path needs path (the training text)")
+        if self.tokenizer_file is not None and self.tokenizer != "bpe":
+            raise ConfigError("tokenizer_file is a byte-level BPE's tokenizer.json: set tokenizer=bpe")
         if self.context < 2:
             raise ConfigError(f"context must be at least 2 tokens, got {self.context}")
         if not 0.0 < self.val_fraction < 1.0:
@@ -93,8 +101,9 @@ class LMTask(Task):
         self.options = o = options
         self.family = family
         self.missing = None
-        if o.path:  # absolute in task.json: `qkv eval` and --resume from another folder read the same file
-            o.path = str(Path(o.path).expanduser().resolve())
+        for name in ("path", "val_path", "tokenizer_file"):  # absolute in task.json: `qkv eval` and --resume
+            if getattr(o, name):  # from another folder read the same file
+                setattr(o, name, str(Path(getattr(o, name)).expanduser().resolve()))
         try:
             if o.corpus == "stdlib":
                 split = stdlib_texts(o.val_fraction)
@@ -103,8 +112,11 @@ class LMTask(Task):
                 text = read_text_file(o.path) if o.path else default_corpus()
                 if o.path:
                     self.data_sha256 = text_sha256(text)
-                cut = int(len(text) * (1 - o.val_fraction))
-                train_text, val_text = text[:cut], text[cut:]
+                if o.val_path:  # held out by the caller (whole files: qkv speedrun's modules)
+                    train_text, val_text = text, read_text_file(o.val_path)
+                else:
+                    cut = int(len(text) * (1 - o.val_fraction))
+                    train_text, val_text = text[:cut], text[cut:]
         except ConfigError as e:
             if tokenizer is None:
                 raise
@@ -115,8 +127,10 @@ class LMTask(Task):
         if tokenizer is None:
             if o.tokenizer == "char":
                 tokenizer = CharTokenizer.from_text(train_text + val_text)
+            elif o.tokenizer_file:
+                tokenizer = BPETokenizer.from_file(o.tokenizer_file)
             else:
-                tokenizer = BPETokenizer.train(_chunks(train_text), vocab_size=o.bpe_vocab_size)
+                tokenizer = BPETokenizer.train(text_chunks(train_text), vocab_size=o.bpe_vocab_size)
         elif unknown := tokenizer.unknown_symbols(train_text + val_text):
             # the run's saved vocabulary on a text that changed since: training and evaluation would read
             # <unk>, so they say so (as for a text that is gone); the tokenizer still serves
@@ -138,7 +152,7 @@ class LMTask(Task):
     def _encode(self, text: str) -> Tensor:
         tok = self.tokenizer
         if isinstance(tok, BPETokenizer):
-            ids = [i for part in tok.encode_batch(_chunks(text)) for i in part]
+            ids = [i for part in tok.encode_batch(text_chunks(text)) for i in part]
         else:
             ids = tok.encode(text)
         return torch.tensor(ids, dtype=torch.long)
@@ -246,7 +260,7 @@ class LMTask(Task):
         return self.samples(model, 1, prompt, generation_config, **options)[0]
 
 
-def _chunks(text: str, size: int = 4096) -> list[str]:
+def text_chunks(text: str, size: int = 4096) -> list[str]:
     """Cut text into pieces (at newlines where possible) so BPE works on bounded strings; the cut points
     never fall inside a word more than once per `size` characters."""
     out, start = [], 0

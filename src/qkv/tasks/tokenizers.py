@@ -181,18 +181,21 @@ class BPETokenizer(Tokenizer):
                 raise TokenizerError(f"BPE tokenizer must have special token {s} at id {i}")
 
     @classmethod
-    def train(cls, texts: str | Iterable[str], vocab_size: int = 512, min_frequency: int = 2) -> BPETokenizer:
+    def train(cls, texts: str | Iterable[str], vocab_size: int = 512, min_frequency: int = 2,
+              extra_specials: Sequence[str] = ()) -> BPETokenizer:
+        """extra_specials: more special tokens reserved after SPECIALS (a chat format's role markers), each
+        read as one token and never merged into others."""
         from tokenizers import ByteLevelBPETokenizer
 
-        if vocab_size < 256 + len(SPECIALS):
+        least = 256 + len(SPECIALS) + len(extra_specials)
+        if vocab_size < least:
             raise TokenizerError(
-                f"byte-level BPE needs vocab_size >= {256 + len(SPECIALS)} (256 bytes + specials), "
-                f"got {vocab_size}"
+                f"byte-level BPE needs vocab_size >= {least} (256 bytes + specials), got {vocab_size}"
             )
         bpe = ByteLevelBPETokenizer(add_prefix_space=False)
         texts = [texts] if isinstance(texts, str) else list(texts)
         bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
-                                special_tokens=list(SPECIALS), show_progress=False)
+                                special_tokens=[*SPECIALS, *extra_specials], show_progress=False)
         return cls(bpe._tokenizer)  # the underlying tokenizers.Tokenizer (saves/loads as tokenizer.json)
 
     @property
