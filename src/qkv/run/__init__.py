@@ -43,8 +43,8 @@ from qkv.run.generation import (  # noqa: F401
     _folder_tokenizer,
     generate_text,
     hf_folder_tokenizer,
-    load_assistant,
     hugging_face_tokenizer_files,
+    load_assistant,
 )
 from qkv.storage import atomic_write_text
 
