@@ -26,9 +26,11 @@ class ConfigError(ValueError):
     """A wrong key or value in a configuration (printed as one line by the CLI)."""
 
 
-def _closest(name: str, valid: list[str]) -> str:
+def suggest(name: object, valid: list[str], what: str = "valid keys") -> str:
+    """The tail of an error message about an unknown `name`: the closest of `valid`, or all of them listed as
+    `what` ("; did you mean 'lr'?" / "; known tasks: a, b")."""
     match = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(sorted(valid))}"
+    return f"; did you mean {match[0]!r}?" if match else f"; {what}: {', '.join(sorted(valid))}"
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -111,7 +113,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str | None = None) -> T
     kwargs = {}
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"unknown key {key!r} in {where}{_closest(key, names)}")
+            raise ConfigError(f"unknown key {key!r} in {where}{suggest(key, names)}")
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
     try:
         obj = cls(**kwargs)
@@ -231,7 +233,7 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any, where: str) -> No
     node = data
     for p in parts[:-1]:
         if p not in node or not isinstance(node[p], dict):
-            raise ConfigError(f"unknown key {dotted!r} in {where}{_closest(p, [k for k in node])}")
+            raise ConfigError(f"unknown key {dotted!r} in {where}{suggest(p, [k for k in node])}")
         node = node[p]
     node[parts[-1]] = value
 
@@ -359,7 +361,7 @@ class TransformerConfig:
         ]:
             if value not in choices:
                 raise ConfigError(f"{type(self).__name__}.{name}: {value!r} is not one of {list(choices)}"
-                                  + _closest(value, list(choices)).replace("valid keys", "choices"))
+                                  + suggest(value, list(choices), "choices"))
         for name in ("d_model", "n_heads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{type(self).__name__}.{name} must be positive, got {getattr(self, name)}")

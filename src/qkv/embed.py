@@ -23,8 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from qkv.config import ConfigError
+from qkv.finetune.encoders import encode, open_encoder, pad_batch
+from qkv.storage import atomic_write
 from qkv.tasks.base import text_lines
 
 POOLINGS = ("mean", "cls")
@@ -107,9 +110,6 @@ def embed_texts(encoder: Any, texts: list[str], *, pooling: str = "mean", normal
     """(embeddings (N, d) float32 in input order, how many texts were truncated). `encoder` is a
     qkv.finetune.encoders.EncoderFolder (open_encoder(folder)); texts are cut at max_length tokens (a
     sentence-transformers folder's max_seq_length: folder_max_length) or the model's context, the smaller."""
-    from tqdm import tqdm
-
-    from qkv.finetune.encoders import encode, pad_batch
 
     if pooling not in POOLINGS:
         raise ConfigError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
@@ -147,8 +147,6 @@ def run(folder: str, input_path: str, *, out: str | None = None, query: str | No
         pooling: str | None = None, normalize: bool = True, batch_size: int = 32, device: str = "auto",
         progress: bool = True) -> list[str]:
     """What `qkv embed` does; returns the lines it prints."""
-    from qkv.finetune.encoders import open_encoder
-
     if out is None and query is None:
         raise ConfigError("give --out FILE.npy to save the embeddings, --query TEXT to search them, or both")
     if top_k < 1:
@@ -168,7 +166,6 @@ def run(folder: str, input_path: str, *, out: str | None = None, query: str | No
     if out is not None:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        from qkv.storage import atomic_write
 
         def write(tmp: str) -> None:
             with open(tmp, "wb") as f:

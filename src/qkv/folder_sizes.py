@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from qkv.interop.common import SkipInitOnMeta
 from qkv.storage import CONFIG_NAME, CheckpointError, check_state_fits, clean_key, renamed_state
 
 # config fields that set how many modules a constructor makes: building even on the meta device runs Python
@@ -76,8 +77,6 @@ def _check_counts(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
 def _meta_model(build: Any, config: Mapping[str, Any], where: str) -> nn.Module | None:
     """build() on the meta device, every tensor a shape without storage; None for a constructor that computes
     from a tensor's values (Whisper's mel filters call .item()): that model is built for real, unchecked."""
-    from qkv.interop.common import SkipInitOnMeta
-
     try:
         with torch.device("meta"), SkipInitOnMeta():
             return build()

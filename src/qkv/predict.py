@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.run import load_model_any, load_run_task, model_folder, run_folder_of
 
 
 @dataclass
@@ -66,7 +67,7 @@ class ImagePreprocessor:
 
     def __call__(self, image: Any) -> Tensor:
         """A PIL image -> (C, H, W) float32."""
-        from PIL import Image
+        from PIL import Image  # noqa: PLC0415  (PIL: loaded only when an image file is read)
 
         im = image.convert("L" if self.channels == 1 else "RGB")
         if self.size is not None:
@@ -102,8 +103,6 @@ def hf_meta(folder: Path) -> dict[str, Any] | None:
 
 def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, list[str]]:
     """The preprocessing and class names of a model folder or run (see the module docstring)."""
-    from qkv.run import model_folder, run_folder_of
-
     c = model.config
     n = int(c.num_labels)
     folder = model_folder(path)
@@ -119,7 +118,6 @@ def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, 
     pre = ImagePreprocessor(c.n_channels, size=(c.image_size, c.image_size))
     if run_folder_of(path) is None:
         return pre, [str(i) for i in range(n)]
-    from qkv.run import load_run_task
 
     task = load_run_task(path)
     if hasattr(task, "mean"):  # the image tasks' per-channel normalisation
@@ -130,9 +128,8 @@ def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, 
 def predict_images(path: str | Path, images: list[str],
                    top_k: int = 5) -> list[tuple[str, list[tuple[str, float]]]]:
     """[(image, [(class name, probability)] * top_k)] for each image file."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # noqa: PLC0415  (PIL: loaded only when an image file is read)
 
-    from qkv.run import load_model_any
 
     if top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {top_k}")

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
+from qkv import from_pretrained
 from qkv.config import ConfigError
+from qkv.extras import require
 from qkv.finetune import (
     Recipe,
     epoch_updates,
@@ -35,8 +37,12 @@ from qkv.finetune import (
     register_recipe,
     shared,
 )
+from qkv.interop.bart import save_bart
 from qkv.interop.export_tokenizer import copy_tokenizer_files
+from qkv.interop.t5 import save_t5
 from qkv.tasks.base import text_lines
+from qkv.tasks.tokenizers import find_tokenizer
+from qkv.train import Trainer, read_checkpoint, seed_everything
 from qkv.train.config import train_overrides
 
 
@@ -154,8 +160,6 @@ def translate(model: Any, tok: Any, sources: list[list[int]], pad: int, *, batch
 
 
 def scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
-    from qkv.extras import require
-
     sacrebleu = require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq")
     return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
             "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
@@ -170,12 +174,8 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
     if "qkv_family" in meta or mt is None:
         model.save_pretrained(out)
     elif mt == "t5":
-        from qkv.interop.t5 import save_t5
-
         save_t5(model, out, meta)
     elif mt in ("bart", "marian"):
-        from qkv.interop.bart import save_bart
-
         save_bart(model, out, meta)
     else:
         raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, "
@@ -215,8 +215,6 @@ class Seq2SeqSettings:
             raise ConfigError("--max-source-length and --max-target-length must be at least 1")
         # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
         if args.dev:
-            from qkv.extras import require
-
             require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq --dev")
         return cls(model=Path(args.model), data=args.data, dev=args.dev, out=Path(args.out), seed=args.seed,
                    resume=bool(args.resume), epochs=epochs, batch_size=args.batch_size, lr=args.lr,
@@ -235,10 +233,6 @@ class Seq2SeqRecipe:
         self.s = settings
 
     def setup_model(self) -> Any:
-        from qkv import from_pretrained
-        from qkv.tasks.tokenizers import find_tokenizer
-        from qkv.train import seed_everything
-
         source = self.s.model
         seed_everything(self.s.seed)  # before anything is built: one seed gives the same run in a new process
         self.model = from_pretrained(source)
@@ -293,8 +287,6 @@ class Seq2SeqRecipe:
         return scores(translate(m, self.tok, self.dev.sources, model.config.pad_token_id, **gen), refs)
 
     def train(self) -> dict[str, Any]:
-        from qkv.train import Trainer
-
         train_cfg = self.train_config()
         self.model.train()
         mark_out(self.s.out, "seq2seq")  # the data are read and checked: the run starts
@@ -304,8 +296,6 @@ class Seq2SeqRecipe:
         return self.summary
 
     def save(self) -> Path:
-        from qkv.train import read_checkpoint
-
         best = self.summary.get("best_checkpoint")
         if best and Path(best).is_dir():  # the best epoch's weights go into the output folder
             state, _ = read_checkpoint(best)

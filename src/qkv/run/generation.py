@@ -12,9 +12,14 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError
+from qkv.generate import stream as stream_tokens
 from qkv.generate.config import GenerationConfig, resolve
 from qkv.generate.text import StreamDecoder, stream_pieces
-from qkv.run.folders import _model_folder, load_model_any, load_run_task, run_folder_of
+from qkv.interop.gguf_model import is_gguf
+from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
+from qkv.interop.tokenizer import HFTokenizer, decode_continuation, load_hf_tokenizer
+from qkv.run.folders import load_model_any, load_run_task, model_folder, run_folder_of
+from qkv.tasks.tokenizers import Tokenizer, find_tokenizer
 
 
 def generate_text(path: str | Path, prompt: str, generation_config: GenerationConfig | None = None, *,
@@ -85,10 +90,10 @@ def _generate_folder(model: torch.nn.Module, path: Path, prompt: str, cfg: Gener
                      strict: bool) -> str:
     """generate_text for a model folder outside a run: an encoder-decoder, a Hugging Face or a qkv folder."""
     folder_seq2seq = getattr(model, "is_seq2seq", False)
-    folder = _model_folder(path)
+    folder = model_folder(path)
     _warn_unused_sampling(resolve(model.generation_defaults(), cfg, {}), cfg)
     if folder_seq2seq:  # the prompt is the source; the output is the target alone
-        tok = _folder_tokenizer(folder)
+        tok = folder_tokenizer(folder)
         _check_prompt_vocabulary(tok, prompt, strict)
         folder_defaults = model.generation_defaults()
         if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(folder_defaults)):
@@ -107,7 +112,7 @@ def _generate_folder(model: torch.nn.Module, path: Path, prompt: str, cfg: Gener
     if hf is not None:
         _check_prompt_vocabulary(hf, prompt, strict)
         return _generate_hf(model, hf, prompt, cfg, stream)
-    tok = _folder_tokenizer(folder)
+    tok = folder_tokenizer(folder)
     _check_prompt_vocabulary(tok, prompt, strict)
     ids = torch.tensor([tok.encode(prompt) or [0]])
     out = model.generate(ids, cfg)
@@ -121,12 +126,8 @@ def hf_folder_tokenizer(folder: str | Path) -> Any:
     """The HFTokenizer (special tokens, chat template) of a Hugging Face model folder (config.json with a
     model_type and a tokenizer.json) or of a GGUF file; None for qkv folders and folders without
     tokenizer.json."""
-    from qkv.interop.gguf_model import is_gguf
-
     folder = Path(folder)
     if is_gguf(folder):
-        from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
-
         return load_gguf_tokenizer(folder)
     if not (folder / "tokenizer.json").is_file() or (folder / "task.json").is_file():
         return None
@@ -136,7 +137,6 @@ def hf_folder_tokenizer(folder: str | Path) -> Any:
         return None
     if not isinstance(meta, dict) or "model_type" not in meta or "qkv_family" in meta:
         return None
-    from qkv.interop.tokenizer import load_hf_tokenizer
 
     return load_hf_tokenizer(folder)
 
@@ -148,9 +148,6 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
     decode of the whole output): decoded on its own, a SentencePiece-style (Metaspace) decoder would drop the
     leading space of its first token ("Hellocon" for "Hello con"). Streaming, the incremental decoder is
     given the prompt ids first, so that its pieces add up to the same suffix."""
-    from qkv.generate import stream as stream_tokens
-    from qkv.interop.tokenizer import decode_continuation
-
     ids = tok.encode(prompt, add_special_tokens=True)
     if not ids:
         if tok.bos_token_id is None:
@@ -191,8 +188,6 @@ def _unknown_pieces(tok: Any, prompt: str) -> list[str]:
     vocabularies have one; byte-level BPE never needs it)."""
     if tok is None:
         return []
-    from qkv.interop.tokenizer import HFTokenizer
-    from qkv.tasks.tokenizers import Tokenizer
 
     if isinstance(tok, Tokenizer):
         return tok.unknown_symbols(prompt)
@@ -213,8 +208,6 @@ def _stream_seq2seq(model: torch.nn.Module, tok: Any, source: torch.Tensor, cfg:
     new token adds to the decoded target so far (StreamDecoder over the folder tokenizer's decode, special
     tokens skipped), so the pieces add up to the non-streamed text. The decoder start token is not yielded;
     every tokenizer here skips it (a special token) when decoding the whole output."""
-    from qkv.generate import stream as stream_tokens
-
     tokens = (int(new[0]) for new in stream_tokens(model, source, cfg))
     return stream_pieces(tokens, StreamDecoder(tok.decode), _write)
 
@@ -238,13 +231,11 @@ def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
 
 def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig) -> str:
     """Print a language model's continuation token by token as it is produced (qkv.generate.stream)."""
-    from qkv.generate import stream
-
     ids = tok.encode(prompt) or [tok.eos_id if tok.eos_id is not None else 0]
     print(prompt, end="", flush=True)
     # a byte-level BPE character can span tokens: decoded one by one it would print U+FFFD for each part
-    tokens = (int(new[0]) for new in stream(model, torch.tensor([ids]), cfg.replace(context_overflow="slide"),
-                                            tokenizer=tok))
+    tokens = (int(new[0]) for new in stream_tokens(model, torch.tensor([ids]),
+                                                   cfg.replace(context_overflow="slide"), tokenizer=tok))
     return prompt + stream_pieces(tokens, StreamDecoder(tok.decode), _write)
 
 
@@ -252,8 +243,7 @@ def _write(piece: str) -> None:
     print(piece, end="", flush=True)
 
 
-def _folder_tokenizer(folder: Path):
-    from qkv.tasks.tokenizers import find_tokenizer
+def folder_tokenizer(folder: Path):
 
     tok = find_tokenizer(folder)
     if tok is None:

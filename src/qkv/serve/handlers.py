@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -17,11 +17,24 @@ from qkv.generate.engine import TEXT_CONTEXT
 from qkv.generate.text import StreamDecoder, cut_at_stop, decode_continuation
 from qkv.serve.checks import DEFAULT_MAX_TOKENS
 from qkv.serve.errors import APIError, cancelled
+from qkv.serve.model import Served
 from qkv.serve.sse import Chunks, Stream, error_event
 from qkv.serve.worker import Ticket
 
-if TYPE_CHECKING:
-    from qkv.serve.app import API
+
+class API(Protocol):
+    """What handling a request needs from the server (app.API): its request checks, admission and the
+    engine's deliveries; a protocol, so that this module stands below app.py."""
+
+    served: Served
+
+    async def body(self, request: Request, chat: bool) -> Any: ...
+    def chat_ids(self, body: Any) -> tuple[list[int], list[Any] | None]: ...
+    def prompt_ids(self, body: Any) -> list[int]: ...
+    def options(self, body: Any, prompt_len: int, default_max: int | None) -> dict[str, Any]: ...
+    def admit(self, prompt: list[int], opts: dict[str, Any]) -> Ticket: ...
+    def release(self, t: Ticket, reason: str | None) -> None: ...
+    def batches(self, t: Ticket, request: Request) -> AsyncIterator[list[tuple[str, Any]]]: ...
 
 
 @dataclass
