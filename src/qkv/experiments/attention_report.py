@@ -13,7 +13,7 @@ import torch
 from qkv.config import ConfigError
 from qkv.experiments import attention_from_checkpoint
 from qkv.experiments.vlm_attention import vlm_attention_report
-from qkv.models.vit import ViT, save_attention_overlay
+from qkv.models import vit
 from qkv.models.vlm import LLaVA
 from qkv.run import load_model_any, load_run_task, model_folder
 
@@ -75,7 +75,7 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     task, in order (`--input N`, default 8, at most VIT_MAX_IMAGES and the held-out images there are), titled
     with predicted / true class."""
 
-    if not isinstance(model, ViT):
+    if not isinstance(model, vit.ViT):
         raise ConfigError(f"attention overlays are drawn for ViT models, not {type(model).__name__}")
     try:
         n = int(text) if text.strip() else 8
@@ -109,6 +109,6 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     names = [classes[int(i)] if classes else str(int(i)) for i in pred]
     truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    save_attention_overlay(model, batch["pixel_values"], str(out_png),
+    vit.save_attention_overlay(model, batch["pixel_values"], str(out_png),
                            titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
     return [f"wrote {out_png}"]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv import from_pretrained
+import qkv
 from qkv.config import ConfigError, apply_overrides, from_dict
 from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
 from qkv.interop.bert import ENCODER_LAYOUTS, encoder_layout, export_encoder
@@ -72,7 +72,7 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
             f"{folder}: the encoder recipes take a Hugging Face {'/'.join(ENCODER_LAYOUTS)} folder; "
             f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else "")
         )
-    model = from_pretrained(folder)
+    model = qkv.from_pretrained(folder)
     found = find_tokenizer(folder)
     # the `tokenizers` object inside (batches with offsets and truncation): a folder's tokenizer.json or
     # vocab.txt (HFTokenizer), or a tokenizer.json that qkv's BPE wrapper accepted

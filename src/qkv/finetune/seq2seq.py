@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from qkv import from_pretrained
+import qkv
 from qkv.config import ConfigError
 from qkv.extras import require
 from qkv.finetune import (
@@ -235,7 +235,7 @@ class Seq2SeqRecipe:
     def setup_model(self) -> Any:
         source = self.s.model
         seed_everything(self.s.seed)  # before anything is built: one seed gives the same run in a new process
-        self.model = from_pretrained(source)
+        self.model = qkv.from_pretrained(source)
         if not getattr(self.model, "is_seq2seq", False) or self.model.kind != "seq2seq":
             raise ConfigError(f"{source}: --task seq2seq fine-tunes encoder-decoder models, not "
                               f"{type(self.model).__name__}")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import yaml
 
-from qkv import from_pretrained
+import qkv
 from qkv.config import ConfigError, apply_overrides, from_dict, load_yaml, parse_overrides, suggest
 from qkv.models.registry import config_for
 from qkv.nn.params import count_parameters
@@ -340,7 +340,7 @@ def train_run(
     model = trainer.model
     if trainer.dist.mode == "fsdp":  # the sharded module's forward needs every rank: evaluate a full copy
 
-        model = from_pretrained(trainer.last_checkpoint) if trainer.last_checkpoint else None
+        model = qkv.from_pretrained(trainer.last_checkpoint) if trainer.last_checkpoint else None
     trainer.close()
     finite = model is not None and all(bool(torch.isfinite(p).all()) for p in model.parameters())
     metrics: dict[str, Any] = {}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from qkv import from_pretrained
+import qkv
 from qkv.checkpoint import CheckpointError
 from qkv.config import ConfigError
 from qkv.interop.gguf_model import is_gguf
@@ -43,7 +43,7 @@ def run_folder_of(path: str | Path) -> Path | None:
 def load_model_any(path: str | Path, quantize: str | None = None) -> torch.nn.Module:
     """A model from a run folder, a qkv checkpoint folder, or a Hugging Face-format folder; quantize: "int8"
     or "int4" for weight-only quantized inference (qkv.nn.quant)."""
-    return from_pretrained(model_folder(path), quantize=quantize)
+    return qkv.from_pretrained(model_folder(path), quantize=quantize)
 
 
 def load_run_task(path: str | Path):

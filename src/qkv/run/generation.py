@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+import qkv.generate
 from qkv.config import ConfigError
-from qkv.generate import stream as stream_tokens
 from qkv.generate.config import GenerationConfig, resolve
 from qkv.generate.text import StreamDecoder, stream_pieces
 from qkv.interop.gguf_model import is_gguf
@@ -164,7 +164,7 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
                                             out[0, len(ids):].tolist())
     print(prompt, end="", flush=True)
     decoder = StreamDecoder(text_of, context=ids)  # the prompt's text is already printed: context only
-    tokens = (int(new[0]) for new in stream_tokens(model, x, cfg, tokenizer=text_of))
+    tokens = (int(new[0]) for new in qkv.generate.stream(model, x, cfg, tokenizer=text_of))
     return prompt + stream_pieces(tokens, decoder, _write)
 
 
@@ -208,7 +208,7 @@ def _stream_seq2seq(model: torch.nn.Module, tok: Any, source: torch.Tensor, cfg:
     new token adds to the decoded target so far (StreamDecoder over the folder tokenizer's decode, special
     tokens skipped), so the pieces add up to the non-streamed text. The decoder start token is not yielded;
     every tokenizer here skips it (a special token) when decoding the whole output."""
-    tokens = (int(new[0]) for new in stream_tokens(model, source, cfg))
+    tokens = (int(new[0]) for new in qkv.generate.stream(model, source, cfg))
     return stream_pieces(tokens, StreamDecoder(tok.decode), _write)
 
 
@@ -234,7 +234,7 @@ def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationCon
     ids = tok.encode(prompt) or [tok.eos_id if tok.eos_id is not None else 0]
     print(prompt, end="", flush=True)
     # a byte-level BPE character can span tokens: decoded one by one it would print U+FFFD for each part
-    tokens = (int(new[0]) for new in stream_tokens(model, torch.tensor([ids]),
+    tokens = (int(new[0]) for new in qkv.generate.stream(model, torch.tensor([ids]),
                                                    cfg.replace(context_overflow="slide"), tokenizer=tok))
     return prompt + stream_pieces(tokens, StreamDecoder(tok.decode), _write)
 
