@@ -12,18 +12,21 @@ generation config) only this file changes. What it reuses:
   positions        the stacks' PositionalEncoding objects (nn/position.py) and the family tables that still
                    live outside the hooks (ViT's patch table, Whisper's audio sinusoids)
 
-Images and audio in: explore/media.py. What qkv does not compute and this file does: the per-step next-token
-probabilities (generate() returns no scores: a replay of the generated tokens through a real PagedKVCache
-gives the logits and the paged block counts in one pass).
+Audio in, and an image's pixels for the page: explore/media.py. What qkv does not compute and this file
+does: the per-step next-token probabilities (generate() returns no scores: a replay of the generated tokens
+through a real PagedKVCache gives the logits and the paged block counts in one pass).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.config import ConfigError
@@ -39,10 +42,7 @@ from qkv.explore.media import (  # noqa: F401  (re-exported: callers reach the i
     audio,
     audio_frames,
     frame_seconds,
-    image,
     pixels_for_display,
-    question_image,
-    sample_images,
 )
 from qkv.generate import GenerationConfig, generate
 from qkv.interop.llava import ImageProcessor
@@ -51,6 +51,7 @@ from qkv.nn.attention import causal_mask
 from qkv.nn.position import ALiBi, Learned, PatchGrid, RoPE, Sinusoidal
 from qkv.run import load_model_any, load_run_task, model_folder, run_folder_of
 from qkv.storage import atomic_write_text as atomic_write_text  # for export.py: one atomic writer
+from qkv.tasks.digits import load_digit_images
 from qkv.tasks.seq2seq import PairTask
 from qkv.tasks.tokenizers import SEP, CharTokenizer, find_tokenizer
 
@@ -421,3 +422,54 @@ def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
         else:
             found.append({"where": where, "kind": "none"})
     return found
+
+
+# -- the built-in sample images ----------------------------------------------------------------------------
+def sample_images(ld: Loaded) -> int:
+    """How many built-in images the page offers (scikit-learn's bundled digits, or the run's held-out
+    split)."""
+    return 20
+
+
+def image(ld: Loaded, index: int) -> tuple[Tensor, str]:
+    """(1, C, H, W) pixels in the model's input range, and a caption. A run folder's own held-out images
+    (its task knows the preprocessing); otherwise scikit-learn's bundled 8x8 digits, resized to the model's
+    image size (offline, always at hand)."""
+    c = config(ld)
+    if not 0 <= index < sample_images(ld):
+        raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
+    if ld.task is not None and hasattr(ld.task, "batch"):
+        b = ld.task.batch(0, index + 1, "val")
+        px, y = b["pixel_values"][index:index + 1], int(b["labels"][index])
+        names = getattr(ld.task, "classes", None)
+        return px.float(), f"held-out image {index} (class {names[y] if names else y})"
+    imgs, labels, _ = load_digit_images()
+    x = torch.from_numpy(imgs[index]).float()[None, None]  # (1, 1, 8, 8) in [0, 1]
+    x = F.interpolate(x, size=(c.image_size, c.image_size), mode="bilinear", align_corners=False)
+    x = _normalize(ld, x.repeat(1, c.n_channels, 1, 1))
+    return x, f"scikit-learn digit {index} (a {int(labels[index])})"
+
+
+def question_image(ld: Loaded, index: int) -> tuple[Any, str]:
+    """A vision-language model's built-in image: scikit-learn's digit `index` as an RGB PIL image (the
+    folder's own preprocessing resizes it)."""
+    from PIL import Image  # noqa: PLC0415  (PIL: loaded only when an image file is read)
+
+    if not 0 <= index < sample_images(ld):
+        raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
+    imgs, labels, _ = load_digit_images()
+    grey = Image.fromarray(np.asarray(imgs[index] * 255, dtype=np.uint8)).resize((64, 64), Image.NEAREST)
+    return grey.convert("RGB"), f"scikit-learn digit {index} (a {int(labels[index])})"
+
+
+def _normalize(ld: Loaded, x: Tensor) -> Tensor:
+    """A Hugging Face image folder's own normalisation (preprocessor_config.json), when it has one."""
+    cfg = ld.folder / "preprocessor_config.json" if ld.folder is not None else None
+    if cfg is None or not cfg.is_file():
+        return x
+    pre = json.loads(cfg.read_text(encoding="utf-8"))
+    if not pre.get("do_normalize", True) or "image_mean" not in pre:
+        return x
+    mean = torch.tensor(pre["image_mean"], dtype=x.dtype).view(1, -1, 1, 1)
+    std = torch.tensor(pre.get("image_std", [1.0] * len(pre["image_mean"])), dtype=x.dtype).view(1, -1, 1, 1)
+    return (x - mean[:, : x.shape[1]]) / std[:, : x.shape[1]]
