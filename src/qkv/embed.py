@@ -1,8 +1,10 @@
 """Sentence embeddings from a BERT-family folder (BERT, RoBERTa, XLM-R, DistilBERT, DeBERTa-v2/v3;
-sentence-transformers folders too), and nearest neighbours by cosine similarity.
+sentence-transformers folders too), image and text embeddings from a CLIP folder (qkv.image_text), and nearest
+neighbours by cosine similarity.
 
     qkv embed DIR --input texts.txt --out emb.npy [--pooling mean|cls] [--batch-size 32]
     qkv embed DIR --input texts.txt --query "a question" [--top-k 5]
+    qkv embed CLIP_DIR --image a.png b.png --out img.npy [--query "a dog"]    (or --text T... / --input FILE)
 
 One text per line of texts.txt -> one row of emb.npy (float32, L2-normalised unless --no-normalize). Pooling:
 the mean of the last hidden states over the real tokens (special tokens included, padding excluded: what
@@ -27,6 +29,7 @@ from tqdm import tqdm
 
 from qkv.config import ConfigError
 from qkv.finetune.encoders import encode, open_encoder, pad_batch
+from qkv.image_text import image_embeddings, is_clip_folder, open_clip, text_embeddings
 from qkv.storage import atomic_write
 from qkv.tasks.base import text_lines
 
@@ -143,20 +146,37 @@ def nearest(emb: np.ndarray, query: np.ndarray, k: int) -> list[tuple[int, float
     return [(int(i), float(sims[i])) for i in top]
 
 
-def run(folder: str, input_path: str, *, out: str | None = None, query: str | None = None, top_k: int = 5,
+def run(folder: str, input_path: str | None = None, *, texts: list[str] | None = None,
+        images: list[str] | None = None, out: str | None = None, query: str | None = None, top_k: int = 5,
         pooling: str | None = None, normalize: bool = True, batch_size: int = 32, device: str = "auto",
         progress: bool = True) -> list[str]:
-    """What `qkv embed` does; returns the lines it prints."""
+    """What `qkv embed` does; returns the lines it prints. The rows: the lines of `input_path`, or `texts`,
+    or (a CLIP folder) the image files `images`."""
     if out is None and query is None:
         raise ConfigError("give --out FILE.npy to save the embeddings, --query TEXT to search them, or both")
     if top_k < 1:
         raise ConfigError(f"--top-k must be >= 1, got {top_k}")
-    texts = read_texts(input_path)
+    if sum(x is not None for x in (input_path, texts, images)) != 1:
+        raise ConfigError("give the rows to embed one way: --input FILE, --text TEXT..., or --image FILE...")
+    if is_clip_folder(folder):
+        return run_clip(folder, input_path, texts=texts, images=images, out=out, query=query, top_k=top_k,
+                        batch_size=batch_size, device=device)
+    if images is not None:
+        raise ConfigError(f"--image needs a CLIP folder; {folder} holds a text encoder")
+    return run_text(folder, texts if texts is not None else read_texts(input_path), out=out, query=query,
+                    top_k=top_k, pooling=pooling, normalize=normalize, batch_size=batch_size, device=device,
+                    progress=progress)
+
+
+def run_text(folder: str, texts: list[str], *, out: str | None, query: str | None, top_k: int,
+             pooling: str | None, normalize: bool, batch_size: int, device: str, progress: bool) -> list[str]:
+    """qkv embed over a BERT-family folder."""
+    check_texts(texts)
     encoder = open_encoder(folder)
     pooling = pooling or folder_pooling(folder) or "mean"
     max_length = folder_max_length(folder)
     limit = encoder.max_length if max_length is None else min(max_length, encoder.max_length)
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dev = pick_device(device)
     emb, cut = embed_texts(encoder, texts, pooling=pooling, normalize=normalize, batch_size=batch_size,
                            device=dev, progress=progress, max_length=limit)
     lines = []
@@ -164,22 +184,62 @@ def run(folder: str, input_path: str, *, out: str | None = None, query: str | No
         what = "the model's context" if limit == encoder.max_length else "the folder's max_seq_length"
         lines.append(f"note: {cut} text(s) longer than {what} of {limit} tokens were truncated")
     if out is not None:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-        def write(tmp: str) -> None:
-            with open(tmp, "wb") as f:
-                np.save(f, emb)
-
-        atomic_write(path, write)
-        lines.append(f"wrote {path}: {emb.shape[0]} x {emb.shape[1]} float32 ({pooling} pooling"
-                     f"{', L2-normalised' if normalize else ''})")
+        lines.append(save_embeddings(out, emb, f"{pooling} pooling{', L2-normalised' if normalize else ''}"))
     if query is not None:
         q, _ = embed_texts(encoder, [query], pooling=pooling, normalize=normalize, device=dev,
                            max_length=limit)
-        for rank, (i, sim) in enumerate(nearest(emb, q[0], top_k), 1):
-            lines.append(f"{rank:>3}  {sim:.4f}  line {i + 1}: {texts[i][:100]}")
+        lines += ranked(emb, q[0], texts, top_k)
     return lines
+
+
+def run_clip(folder: str, input_path: str | None, *, texts: list[str] | None, images: list[str] | None,
+             out: str | None, query: str | None, top_k: int, batch_size: int, device: str) -> list[str]:
+    """qkv embed over a CLIP folder: image files or texts into the shared embedding space."""
+    clip = open_clip(folder, pick_device(device))
+    if images is not None:
+        rows, emb = images, image_embeddings(clip, images, batch_size)
+    else:
+        rows = texts if texts is not None else read_texts(input_path)
+        check_texts(rows)
+        emb = text_embeddings(clip, rows, batch_size)
+    lines = []
+    if out is not None:
+        lines.append(save_embeddings(out, emb, f"CLIP {'image' if images is not None else 'text'} "
+                                               "embeddings, L2-normalised"))
+    if query is not None:
+        lines += ranked(emb, text_embeddings(clip, [query])[0], rows, top_k)
+    return lines
+
+
+def check_texts(texts: list[str]) -> None:
+    if not texts:
+        raise ConfigError("no texts to embed")
+    for i, text in enumerate(texts, 1):
+        if not text.strip():
+            raise ConfigError(f"text {i} is empty: each row of the output is one text")
+
+
+def pick_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def save_embeddings(out: str, emb: np.ndarray, what: str) -> str:
+    """Write `emb` to `out` (.npy, atomically); the line that says so."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, emb)
+
+    atomic_write(path, write)
+    return f"wrote {path}: {emb.shape[0]} x {emb.shape[1]} float32 ({what})"
+
+
+def ranked(emb: np.ndarray, query: np.ndarray, rows: list[str], top_k: int) -> list[str]:
+    """The rows nearest to `query`, one line each: rank, cosine similarity, row number, the row."""
+    return [f"{rank:>3}  {sim:.4f}  line {i + 1}: {rows[i][:100]}"
+            for rank, (i, sim) in enumerate(nearest(emb, query, top_k), 1)]
 
 
 __all__ = ["POOLINGS", "embed_texts", "folder_max_length", "folder_pooling", "nearest", "pool",

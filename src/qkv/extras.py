@@ -4,8 +4,9 @@ feature needs a package that is not installed.
     core      torch, numpy, safetensors, tokenizers, pyyaml, tqdm, matplotlib: every command, the text
               tasks, the demo, curves.png, attention maps and ablation plots
     vision    scikit-learn: its bundled digits images (vit_digits, swin_digits, clip_captions)
-    audio     scipy: resampling espeak-ng speech (whisper_speech; the DTMF task needs nothing)
-    text      sacrebleu: BLEU of the translation tasks (numbers_zh, tsv)
+    audio     scipy + soundfile: resampling espeak-ng speech (whisper_speech; the DTMF task needs nothing),
+              reading and resampling audio files (qkv transcribe)
+    text      sacrebleu + rouge-score: BLEU of the translation tasks (numbers_zh, tsv), ROUGE of seq2seq
     seq2seq   sentencepiece + sacrebleu: Marian / T5 folders without tokenizer.json,
               qkv finetune --task seq2seq
     lab       all three: every shipped config and ablation suite
@@ -20,6 +21,7 @@ from qkv.config import ConfigError
 
 # import name -> (pip name, extra)
 PACKAGES = {"sklearn": ("scikit-learn", "vision"), "scipy": ("scipy", "audio"),
+            "soundfile": ("soundfile", "audio"), "rouge_score": ("rouge-score", "text"),
             "sacrebleu": ("sacrebleu", "text"), "sentencepiece": ("sentencepiece", "seq2seq")}
 
 

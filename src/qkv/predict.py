@@ -1,4 +1,6 @@
-"""`qkv predict MODEL IMAGE...`: an image classifier's top classes for image files, with probabilities.
+"""`qkv predict MODEL IMAGE...`: an image classifier's top classes for image files, with probabilities; and
+`qkv predict MODEL --text "... [MASK] ..."`: a masked-LM folder's top tokens for each mask (fill_mask). A CLIP
+folder's zero-shot classes (--labels) are qkv.image_text's.
 
 MODEL is a Hugging Face image-classification folder (ViT, ResNet: preprocessing from its
 preprocessor_config.json, class names from config.json's id2label) or a qkv run trained on an image task (its
@@ -22,7 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from qkv.checkpoint import load_model
 from qkv.config import ConfigError
+from qkv.interop.tokenizer import load_hf_tokenizer
 from qkv.run import load_model_any, load_run_task, model_folder, run_folder_of
 
 
@@ -116,8 +120,13 @@ def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, 
         labels = meta.get("id2label") or {}
         return pre, [str(labels.get(str(i), labels.get(i, f"LABEL_{i}"))) for i in range(n)]
     pre = ImagePreprocessor(c.n_channels, size=(c.image_size, c.image_size))
-    if run_folder_of(path) is None:
-        return pre, [str(i) for i in range(n)]
+    if run_folder_of(path) is None:  # a qkv model folder; qkv finetune writes its preprocessing and classes
+        pre_file, done = folder / "preprocessor_config.json", folder / "finetune.json"
+        if pre_file.is_file():
+            pre = ImagePreprocessor.from_hf(json.loads(pre_file.read_text(encoding="utf-8")), c.n_channels)
+        labels = json.loads(done.read_text(encoding="utf-8")).get("labels") if done.is_file() else None
+        named = isinstance(labels, list) and len(labels) == n
+        return pre, [str(x) for x in labels] if named else [str(i) for i in range(n)]
 
     task = load_run_task(path)
     if hasattr(task, "mean"):  # the image tasks' per-channel normalisation
@@ -129,7 +138,6 @@ def predict_images(path: str | Path, images: list[str],
                    top_k: int = 5) -> list[tuple[str, list[tuple[str, float]]]]:
     """[(image, [(class name, probability)] * top_k)] for each image file."""
     from PIL import Image, UnidentifiedImageError  # noqa: PLC0415  (PIL: loaded only when an image file is read)
-
 
     if top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {top_k}")
@@ -166,4 +174,47 @@ def format_predictions(rows: list[tuple[str, list[tuple[str, float]]]]) -> list[
     for img, top in rows:
         lines.append(img)
         lines += [f"  {p:6.4f}  {name}" for name, p in top]
+    return lines
+
+
+MASK_NAMES = ("[MASK]", "<mask>")
+
+
+def fill_mask(path: str | Path, texts: list[str],
+              top_k: int = 5) -> list[tuple[str, list[list[tuple[str, float]]]]]:
+    """[(text, [[(token, probability)] * top_k for each mask token in the text])] from a masked-LM folder
+    (a Hugging Face *ForMaskedLM, or qkv finetune --task mlm's OUT) and its tokenizer."""
+    if top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {top_k}")
+    model = load_model(path)
+    if getattr(model.config, "head", None) != "mlm":
+        raise ConfigError(f"{path}: --text fills masks with a masked-LM folder (BertForMaskedLM, "
+                          f"RobertaForMaskedLM, ...); this one holds {type(model).__name__} with head "
+                          f"{getattr(model.config, 'head', None)!r}")
+    tok = load_hf_tokenizer(path)
+    named = tok.special_tokens.get("mask_token")
+    mask = next((i for i in (tok.token_to_id(n) for n in [named, *MASK_NAMES] if n) if i is not None), None)
+    if mask is None:
+        raise ConfigError(f"{path}: its tokenizer has no mask token")
+    model.eval()
+    rows = []
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=True)
+        where = [k for k, i in enumerate(ids) if i == mask]
+        if not where:
+            raise ConfigError(f"{text!r} has no {tok.id_to_token(mask)} to fill")
+        with torch.no_grad():
+            probs = model(torch.tensor([ids])).logits[0, where].float().softmax(-1)
+        top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
+        rows.append((text, [[(tok.decode([int(i)]).strip(), float(p)) for p, i in zip(v, ix)]
+                            for v, ix in zip(top.values, top.indices)]))
+    return rows
+
+
+def format_fills(rows: list[tuple[str, list[list[tuple[str, float]]]]]) -> list[str]:
+    lines = []
+    for text, masks in rows:
+        lines.append(text)
+        for n, options in enumerate(masks, 1):
+            lines += [f"  mask {n}: {p:6.4f}  {token}" for token, p in options]
     return lines

@@ -273,15 +273,40 @@ def cmd_explore(a: argparse.Namespace) -> int:
 
 def _add_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="an image classifier: a Hugging Face folder (vit, resnet) or a qkv image "
-                                 "run")
-    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+                                 "run; or a CLIP folder with --labels (zero-shot)")
+    p.add_argument("images", nargs="*", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+    p.add_argument("--image", nargs="+", default=[], metavar="IMAGE", help="image files (as IMAGE...)")
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
+    p.add_argument("--labels", default=None,
+                   help='a CLIP folder\'s classes, comma-separated: "a cat,a dog" (zero-shot)')
+    p.add_argument("--template", default="{}", help='the text each label is put in, e.g. "a photo of {}"')
+    p.add_argument("--text", nargs="+", default=None, metavar="TEXT",
+                   help='a masked-LM folder: texts whose [MASK] tokens to fill, e.g. "Paris is the [MASK] of '
+                        'France"')
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
-    from qkv.predict import format_predictions, predict_images
+    from qkv.config import ConfigError
+    from qkv.image_text import is_clip_folder, zero_shot
+    from qkv.predict import fill_mask, format_fills, format_predictions, predict_images
 
-    for line in format_predictions(predict_images(a.model, a.images, a.top_k)):
+    images = list(a.images) + list(a.image)
+    if a.text is not None:
+        if images or a.labels is not None:
+            raise ConfigError("--text fills masks in texts; give it without images or --labels")
+        for line in format_fills(fill_mask(a.model, a.text, a.top_k)):
+            print(line)
+        return 0
+    if not images:
+        raise ConfigError("give the image files to classify (IMAGE... or --image IMAGE...)")
+    if is_clip_folder(a.model):
+        rows = zero_shot(a.model, images, a.labels, template=a.template, top_k=a.top_k)
+    elif a.labels is not None:
+        raise ConfigError(f"--labels needs a CLIP folder (zero-shot); {a.model} is an image classifier with "
+                          "its own classes")
+    else:
+        rows = predict_images(a.model, images, a.top_k)
+    for line in format_predictions(rows):
         print(line)
     return 0
 
@@ -318,8 +343,12 @@ def cmd_finetune(a: argparse.Namespace) -> int:
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa folder (Hugging Face "
-                                 "format)")
-    p.add_argument("--input", required=True, help="text file, one text per line")
+                                 "format), or a CLIP folder")
+    p.add_argument("--input", default=None, help="text file, one text per line")
+    p.add_argument("--text", nargs="+", default=None, metavar="TEXT",
+                   help="texts to embed (instead of --input)")
+    p.add_argument("--image", nargs="+", default=None, metavar="IMAGE",
+                   help="image files to embed (a CLIP folder)")
     p.add_argument("--out", default=None, help="write the embeddings here (.npy, one row per line)")
     p.add_argument("--query", default=None, help="print the input lines nearest to this text")
     p.add_argument("--top-k", type=int, default=5)
@@ -334,10 +363,34 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
 def cmd_embed(a: argparse.Namespace) -> int:
     from qkv.embed import run
 
-    for line in run(a.model, a.input, out=a.out, query=a.query, top_k=a.top_k, pooling=a.pooling,
+    for line in run(a.model, a.input, texts=a.text, images=a.image, out=a.out, query=a.query, top_k=a.top_k,
+                    pooling=a.pooling,
                     normalize=not a.no_normalize, batch_size=a.batch_size, device=a.device,
                     progress=not a.no_progress):
         print(line)
+    return 0
+
+
+def _add_transcribe(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a Whisper folder (Hugging Face format)")
+    p.add_argument("audio", nargs="+", metavar="AUDIO",
+                   help="audio files (WAV, FLAC, OGG: what soundfile reads)")
+    p.add_argument("--language", default=None, help="the spoken language (en, de, ...; default: detected)")
+    p.add_argument("--task", choices=("transcribe", "translate"), default=None,
+                   help="transcribe, or translate into English (default: none given, as transformers)")
+    p.add_argument("--timestamps", action="store_true", help="segments with start and end times")
+    p.add_argument("--format", choices=("text", "json", "srt"), default="text",
+                   help="plain text, JSON (text, language, segments) or SRT subtitles (implies --timestamps)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per 30-s window at most (default: the decoder's context)")
+    p.add_argument("--device", default="auto")
+
+
+def cmd_transcribe(a: argparse.Namespace) -> int:
+    from qkv.transcribe import transcribe
+
+    print(transcribe(a.model, a.audio, language=a.language, task=a.task, timestamps=a.timestamps,
+                     fmt=a.format, max_new_tokens=a.max_new_tokens, device=a.device))
     return 0
 
 
@@ -377,11 +430,15 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore,
                 cmd_explore),
-    "predict": ("an image classifier's top classes for image files", _add_predict, cmd_predict),
+    "predict": ("top classes of image files (CLIP: zero-shot --labels; masked LM: --text)", _add_predict,
+                cmd_predict),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
     "chat": ("chat with a model folder (its chat template), interactively or --message", add_chat, cmd_chat),
-    "embed": ("sentence embeddings of a text file (or its lines nearest to --query)", _add_embed, cmd_embed),
+    "embed": ("embeddings of texts (CLIP: images too), or the rows nearest to --query", _add_embed,
+              cmd_embed),
+    "transcribe": ("speech to text (or SRT subtitles) with a Whisper folder", _add_transcribe,
+                   cmd_transcribe),
     "export": ("write a run or model folder as a Hugging Face folder (transformers loads it)", _add_export,
                cmd_export),
 }

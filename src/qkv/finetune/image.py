@@ -1,6 +1,6 @@
 """`qkv finetune MODEL --task image-classify --data FOLDER`: fine-tune a pretrained image classifier (a
-Hugging Face ViT, ResNet or Swin folder, or a qkv image run) on a folder with one sub-folder of images per
-class.
+Hugging Face ViT, ResNet or Swin folder, or a qkv image run), or a CLIP folder's image tower under a new head
+(clip_source), on a folder with one sub-folder of images per class.
 
     qkv finetune vit-folder --task image-classify --data photos/ --out clf [--epochs 3] [--lr 1e-4]
         [--batch-size 32] [--freeze-backbone] [--dev-fraction 0.1] [--split-seed 0] [train.key=value ...]
@@ -41,6 +41,8 @@ from qkv.finetune import (
 from qkv.finetune.encoders import FINETUNE_DEFAULTS, best_state, flag
 from qkv.finetune.image_export import check_exportable, export_classifier, family_of, preprocessor_config
 from qkv.finetune.phases import PhasedRecipe
+from qkv.interop.llava import ImageProcessor
+from qkv.models.clip import CLIP
 from qkv.predict import hf_meta, preprocessing_for
 from qkv.run import load_model_any, model_folder
 from qkv.storage import atomic_write_json
@@ -77,6 +79,7 @@ class ImageSource:
     image_size: int
     mean: list[float] | None  # its normalisation (None: the training images' own statistics)
     std: list[float] | None
+    clip: bool = False  # a CLIP folder's image tower (written as a qkv model folder: see clip_source)
 
     @property
     def channels(self) -> int:
@@ -104,6 +107,8 @@ def open_image_model(path: str | Path) -> ImageSource:
     """A Hugging Face vit / resnet / swin folder or a qkv image run (its newest checkpoint), with its
     preprocessing and class names (read as `qkv predict` reads them)."""
     model = load_model_any(path)
+    if isinstance(model, CLIP):
+        return clip_source(Path(path), model)
     if getattr(model, "kind", None) != "image":
         raise ConfigError(f"{path}: --task image-classify needs an image model (ViT, ResNet, Swin), not "
                           f"{type(model).__name__}")
@@ -113,6 +118,20 @@ def open_image_model(path: str | Path) -> ImageSource:
     check_exportable(model, base)  # refused now, not after the training
     return ImageSource(Path(path), model.float(), family, base, labels, _image_size(model, pre), pre.mean,
                        pre.std)
+
+
+def clip_source(path: Path, model: CLIP) -> ImageSource:
+    """A CLIP folder's image tower (a ViT without a head) as the backbone of a new classifier that reads the
+    tower's pooled feature (the normed class token, the feature CLIP's linear probes read), with the folder's
+    normalisation. transformers' CLIPForImageClassification reads the mean of the un-normed patch outputs
+    instead, so the classifier is written as a qkv model folder (qkv predict and qkv.from_pretrained load it),
+    not as a transformers folder."""
+    tower = model.visual.float()
+    pre = (ImageProcessor.from_folder(path) if (path / "preprocessor_config.json").is_file()
+           else ImageProcessor())
+    mean = list(pre.mean) if pre.mean is not None else None
+    std = list(pre.std) if pre.std is not None else None
+    return ImageSource(path, tower, "vit", None, [], int(tower.config.image_size), mean, std, clip=True)
 
 
 def load_images(s: Any, src: ImageSource) -> Any:
@@ -284,8 +303,12 @@ class ImageClassifyRecipe(PhasedRecipe):
             self.model.load_state_dict(best)
         self.model.cpu().eval()
         mean, std = self.task.mean.flatten().tolist(), self.task.std.flatten().tolist()
-        export_classifier(self.model, self.s.out, self.src.hf_config, self.id2label,
-                          preprocessor_config(self.src.image_size, mean, std))
+        preprocessor = preprocessor_config(self.src.image_size, mean, std)
+        if self.src.clip:
+            self.model.save_pretrained(self.s.out)
+            atomic_write_json(preprocessor, self.s.out / "preprocessor_config.json")
+        else:
+            export_classifier(self.model, self.s.out, self.src.hf_config, self.id2label, preprocessor)
         self.result = {"recipe": self.name, "family": self.src.family, "labels": list(self.task.classes),
                        "head": "kept" if self.kept_head else "new",
                        "frozen_backbone": self.s.freeze_backbone,
@@ -305,12 +328,15 @@ class ImageClassifyRecipe(PhasedRecipe):
         lines += [f"epoch {e['epoch']:g}: dev accuracy {e['dev_accuracy']:.4f} ({r['dev_images']} images)"
                   for e in r["epochs"]]
         which = f"best epoch, step {r['best']['step']}" if r.get("best") else "final model"
-        lines.append(f"saved {self.s.out} ({which}: dev accuracy {r['dev']['accuracy']:.4f}; transformers: "
-                     "AutoModelForImageClassification.from_pretrained; qkv predict; qkv.from_pretrained)")
+        loaders = ("qkv predict; qkv.from_pretrained" if self.src.clip else
+                   "transformers: AutoModelForImageClassification.from_pretrained; qkv predict; "
+                   "qkv.from_pretrained")
+        lines.append(f"saved {self.s.out} ({which}: dev accuracy {r['dev']['accuracy']:.4f}; {loaders})")
         return lines
 
 
-register_recipe(Recipe("image-classify", ("image",), "image classifiers (ViT, ResNet, Swin) on a folder with "
+register_recipe(Recipe("image-classify", ("image", "dual"), "image classifiers (ViT, ResNet, Swin; a CLIP "
+                       "image tower) on a folder with "
                        f"one sub-folder of images per class; reads --lr (default {DEFAULT_LR:g}) and "
                        f"--batch-size (default {DEFAULT_BATCH}) too", ImageClassifyRecipe.run, add_arguments,
                        data_folder=True, reads=(("lr", DEFAULT_LR), ("batch_size", DEFAULT_BATCH))))

@@ -6,8 +6,9 @@ source or target, or longer than --max-source-length / --max-target-length token
 clear error naming the file and line (--too-long truncate: cut and count instead). Training is the library's
 Trainer (AdamW, warmup + decay, clipping, bf16, checkpoints, --resume), seeded before anything is built; an
 epoch is one pass over the shuffled pairs. Every epoch the dev pairs are decoded (greedy, or --num-beams) and
-scored with sacrebleu's BLEU and chrF, plus exact match; checkpoints/best keeps the best epoch
-(train.best_metric, default bleu).
+scored with sacrebleu's BLEU and chrF, rouge-score's ROUGE-1/2/L, plus exact match; checkpoints/best keeps the
+best epoch (train.best_metric, default bleu; rougeL for summaries). Summaries: --length-penalty,
+--no-repeat-ngram-size and --min-new-tokens shape the dev decoding.
 
 OUT is a model folder: a Hugging Face folder (the source's config.json, generation_config.json and tokenizer
 files, the weights under HF's names) that `transformers` and `qkv.from_pretrained` load to the same logits, or
@@ -55,6 +56,12 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-target-length", type=int, default=128, help="target tokens at most (default 128)")
     g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (default 1: "
                                                             "greedy)")
+    # summaries: length control in the dev decoding (the same fields as qkv generate's)
+    g.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam score = sum log p / length ** length_penalty (> 1 favours longer outputs)")
+    g.add_argument("--no-repeat-ngram-size", type=int, default=0,
+                   help="no n-gram of this size occurs twice in a dev output (0: off)")
+    g.add_argument("--min-new-tokens", type=int, default=0, help="no end-of-sequence before this many tokens")
 
 
 # -- data -------------------------------------------------------------------------------------------------
@@ -113,7 +120,9 @@ def encode_pairs(pairs: list[tuple[str, str, int]], tok: Any, path: str, max_src
 class PairSource:
     """The Trainer's batch source: shuffled pairs, one permutation per epoch (seeded), right-padded."""
 
-    metrics = {"bleu": "max", "chrf": "max", "exact_match": "max"}  # the first is the default best metric
+    # the first is the default best metric (train.best_metric=rougeL for summaries)
+    metrics = {"bleu": "max", "chrf": "max", "rouge1": "max", "rouge2": "max", "rougeL": "max",
+               "exact_match": "max"}
 
     def __init__(self, data: Encoded, pad: int, seed: int) -> None:
         self.data, self.pad, self.seed = data, pad, seed
@@ -159,10 +168,24 @@ def translate(model: Any, tok: Any, sources: list[list[int]], pad: int, *, batch
     return out
 
 
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+
+
+def rouge(hyps: list[str], refs: list[str]) -> dict[str, float]:
+    """ROUGE-1, ROUGE-2 (n-gram overlap) and ROUGE-L (longest common subsequence): the mean over pairs of each
+    pair's F1, x 100, from Google's `rouge-score` (Porter stemming, its lower-cased a-z0-9 tokens: text in
+    other scripts scores 0 there), as Hugging Face `evaluate`'s rouge reports it."""
+    scorer = require("rouge_score.rouge_scorer", "ROUGE of qkv finetune --task seq2seq").RougeScorer(
+        list(ROUGE_TYPES), use_stemmer=True)
+    per_pair = [scorer.score(r, h) for h, r in zip(hyps, refs)]
+    return {t: 100.0 * sum(p[t].fmeasure for p in per_pair) / max(1, len(per_pair)) for t in ROUGE_TYPES}
+
+
 def scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
+    """BLEU and chrF (sacrebleu, corpus level), ROUGE-1/2/L (rouge) and the share of exact matches."""
     sacrebleu = require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq")
     return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
-            "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
+            "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score, **rouge(hyps, refs),
             "exact_match": sum(h == r for h, r in zip(hyps, refs)) / max(1, len(refs))}
 
 
@@ -200,6 +223,9 @@ class Seq2SeqSettings:
     batch_size: int
     lr: float
     num_beams: int
+    length_penalty: float
+    no_repeat_ngram_size: int
+    min_new_tokens: int
     max_source_length: int
     max_target_length: int
     truncate: bool
@@ -211,14 +237,20 @@ class Seq2SeqSettings:
         epochs = shared(args, "epochs", 3)
         if epochs <= 0 or args.batch_size < 1 or args.num_beams < 1:
             raise ConfigError("--epochs must be positive, --batch-size and --num-beams at least 1")
+        if args.no_repeat_ngram_size < 0 or args.min_new_tokens < 0:
+            raise ConfigError("--no-repeat-ngram-size and --min-new-tokens must be >= 0")
         if args.max_source_length < 1 or args.max_target_length < 1:
             raise ConfigError("--max-source-length and --max-target-length must be at least 1")
         # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
         if args.dev:
             require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq --dev")
+            require("rouge_score", "ROUGE of qkv finetune --task seq2seq --dev")
         return cls(model=Path(args.model), data=args.data, dev=args.dev, out=Path(args.out), seed=args.seed,
                    resume=bool(args.resume), epochs=epochs, batch_size=args.batch_size, lr=args.lr,
-                   num_beams=args.num_beams, max_source_length=args.max_source_length,
+                   num_beams=args.num_beams, length_penalty=float(args.length_penalty),
+                   no_repeat_ngram_size=int(args.no_repeat_ngram_size),
+                   min_new_tokens=int(args.min_new_tokens),
+                   max_source_length=args.max_source_length,
                    max_target_length=args.max_target_length,
                    truncate=shared(args, "too_long", "error", ("error", "truncate"), "seq2seq") == "truncate",
                    progress=not args.no_progress, args=args)
@@ -278,11 +310,14 @@ class Seq2SeqRecipe:
                 "eval_every": per_epoch if self.dev is not None else 0, "save_every": per_epoch, **cfg}
 
     def evaluate(self, m: Any) -> dict[str, float]:
-        """BLEU and chrF of the --dev translations (beam search, greedy with --num-beams 1)."""
+        """BLEU, chrF and ROUGE of the --dev outputs (beam search, greedy with --num-beams 1; the length
+        settings of the command line)."""
         model = self.model
         # the decoder holds its start token too: a target as long as the context leaves one position fewer
         max_new = min(self.max_tgt, model.context_limit - 1) if model.context_limit else self.max_tgt
-        gen = {"num_beams": self.s.num_beams, "max_new_tokens": max_new, "do_sample": False}
+        gen = {"num_beams": self.s.num_beams, "max_new_tokens": max_new, "do_sample": False,
+               "length_penalty": self.s.length_penalty, "no_repeat_ngram_size": self.s.no_repeat_ngram_size,
+               "min_new_tokens": min(self.s.min_new_tokens, max_new)}
         refs = [t for _, t in self.dev.texts]
         return scores(translate(m, self.tok, self.dev.sources, model.config.pad_token_id, **gen), refs)
 
@@ -329,4 +364,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 register_recipe(Recipe("seq2seq", ("seq2seq",), "encoder-decoder models (T5, BART, Marian): "
                                                 "source<TAB>target pairs, "
-                       "BLEU / chrF on --dev each epoch", run, add_arguments))
+                       "BLEU / chrF / ROUGE on --dev each epoch", run, add_arguments))

@@ -29,6 +29,7 @@ _MODULES = {
     "swin": "qkv.interop.swin",
     "whisper": "qkv.interop.whisper",
     "llava": "qkv.interop.llava",
+    "clip": "qkv.interop.clip",
     "idefics3": "qkv.interop.smolvlm",
     "smolvlm": "qkv.interop.smolvlm",
     "llama": "qkv.interop.llama",
@@ -52,7 +53,7 @@ KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
          "deberta-v2": "encoder",
          "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "resnet": "image",
-         "swin": "image", "whisper": "audio"}
+         "swin": "image", "whisper": "audio", "clip": "dual"}
 
 
 def load_hf(folder: str | Path) -> Any:

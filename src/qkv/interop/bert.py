@@ -250,8 +250,11 @@ def export_encoder(
     every architecture field is written from our config). id2label: class names, in id order."""
     model = unwrap(model)
     c: BERTConfig = model.config
-    require(c.head in ("none", "classify", "tag"), f"exporting a BERT with head {c.head!r} is not supported "
-                                                   "(none, classify, tag)")
+    require(c.head in layout.architectures, f"exporting a {layout.model_type} with head {c.head!r} is not "
+                                            f"supported ({', '.join(layout.architectures)})")
+    # transformers' MLM transform applies hidden_act; ours is exact GELU
+    require(c.head != "mlm" or c.ffn == "gelu",
+            f"a {layout.model_type} MLM head is written for a GELU model; this one's ffn is {c.ffn!r}")
     require(
         layout.pooler_act in (None, c.pooler_act) or c.head != "classify",
         f"a {layout.model_type} classifier pools with {layout.pooler_act}, this model with {c.pooler_act}",
@@ -263,7 +266,8 @@ def export_encoder(
                      f"key/value head per query head and a {'/'.join(HF_ACT)} FFN; this model has "
                      f"{', '.join(off)}")
     mapping = _mapping(layout, c)
-    if c.head == "tag":  # HF token classifiers have no pooler (and one in the file would read as "classify")
+    if c.head in ("tag", "mlm"):  # HF token classifiers and masked LMs have no pooler (and one in a tagger's
+        # file would read as "classify")
         mapping = {k: v for k, v in mapping.items() if not v.startswith("pooler.")}
     state = export_state(model.state_dict(), mapping)
     head_keys = set(layout.heads.get(c.head, {}))
@@ -317,7 +321,7 @@ BERT_LAYOUT = Layout(
     detect=(("mlm", ("cls.predictions.transform.dense.weight",)),
             ("classify", ("classifier.weight", "pooler.dense.weight")), ("tag", ("classifier.weight",))),
     architectures={"none": "BertModel", "classify": "BertForSequenceClassification",
-                   "tag": "BertForTokenClassification"},
+                   "tag": "BertForTokenClassification", "mlm": "BertForMaskedLM"},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, ignore=IGNORE,
     tied={"cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
           "cls.predictions.decoder.bias": "cls.predictions.bias"},

@@ -21,6 +21,7 @@ from typing import Any
 
 from qkv.interop import LOADERS
 from qkv.interop.bert import ACTIVATIONS, HF_ACT, Layout, export_encoder, load_encoder
+from qkv.interop.bert import MLM_MAP as BERT_MLM_MAP
 from qkv.interop.common import require
 from qkv.models.deberta import DeBERTa, DeBERTaConfig
 
@@ -56,6 +57,8 @@ CLASSIFY_MAP = {"classifier.weight": "classifier.weight", "classifier.bias": "cl
 IGNORE = (
     "embeddings.position_ids",
     "embeddings.position_embeddings.weight",
+    "cls.predictions.decoder.weight",  # the MLM decoder: tied to the word embeddings (checked by `tied`)
+    "cls.predictions.decoder.bias",
     *(
         f"lm_predictions.lm_head.{k}"
         for k in ("dense.weight", "dense.bias", "LayerNorm.weight", "LayerNorm.bias", "bias")
@@ -118,6 +121,9 @@ def config_from_hf(hf: dict[str, Any], *, head: str = "none", pooler: bool = Tru
     act = hf.get("hidden_act", "gelu")
     require(isinstance(act, str) and act in ACTIVATIONS,
             f"DeBERTa hidden_act {act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+    # our MLM head's transform is exact GELU; transformers' applies hidden_act
+    require(head != "mlm" or act == "gelu",
+            f"a DeBERTa MLM head with hidden_act {act!r} is not supported (only 'gelu')")
     pool_act = hf.get("pooler_hidden_act", "gelu")
     require(pool_act in ("gelu", "tanh", "relu"),
             f"DeBERTa pooler_hidden_act {pool_act!r} is not supported (gelu, tanh, relu)")
@@ -194,19 +200,24 @@ DEBERTA_LAYOUT = Layout(
     encoder=ENCODER_MAP,
     types=TYPE_MAP,
     pooler=POOLER_MAP,
-    heads={"classify": CLASSIFY_MAP, "tag": CLASSIFY_MAP},
+    # DebertaV2ForMaskedLM's head (legacy layout, transformers' default) has BERT's cls.predictions.* keys
+    heads={"mlm": BERT_MLM_MAP, "classify": CLASSIFY_MAP, "tag": CLASSIFY_MAP},
     # classifier.* beside a pooler: DebertaV2ForSequenceClassification; without one: ...ForTokenClassification
-    detect=(("classify", ("classifier.weight", "pooler.dense.weight")), ("tag", ("classifier.weight",))),
+    detect=(("mlm", ("cls.predictions.transform.dense.weight",)),
+            ("classify", ("classifier.weight", "pooler.dense.weight")), ("tag", ("classifier.weight",))),
     architectures={
         "none": "DebertaV2Model",
         "classify": "DebertaV2ForSequenceClassification",
         "tag": "DebertaV2ForTokenClassification",
+        "mlm": "DebertaV2ForMaskedLM",
     },
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     ignore=IGNORE,
     pooler_act=None,
     model_class=DeBERTa,
+    tied={"cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
+          "cls.predictions.decoder.bias": "cls.predictions.bias"},
     extra=lambda c: REL_NORM_MAP if c.rel_norm else {},
 )
 

@@ -120,7 +120,7 @@ DISTILBERT_LAYOUT = Layout(
     detect=(("mlm", ("vocab_transform.weight",)), ("classify", ("pre_classifier.weight",)),
             ("tag", ("classifier.weight",))),
     architectures={"none": "DistilBertModel", "classify": "DistilBertForSequenceClassification",
-                   "tag": "DistilBertForTokenClassification"},
+                   "tag": "DistilBertForTokenClassification", "mlm": "DistilBertForMaskedLM"},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, ignore=IGNORE,
     tied={"vocab_projector.weight": "embeddings.word_embeddings.weight"}, pooler_act="relu",
     fields={"n_layers": "n_layers", "vocab_size": "vocab_size", "d_model": "dim",

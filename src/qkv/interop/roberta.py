@@ -85,6 +85,7 @@ ROBERTA_LAYOUT = Layout(
         "none": "RobertaModel",
         "classify": "RobertaForSequenceClassification",
         "tag": "RobertaForTokenClassification",
+        "mlm": "RobertaForMaskedLM",
     },
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,

@@ -26,6 +26,8 @@ from qkv.models.registry import register_family, register_preset
 from qkv.models.vit import ViT, ViTConfig
 from qkv.nn.checks import check_batch, check_length, check_token_ids
 
+TEXT_POOLS = ("last", "eos", "argmax")
+
 
 def _default_vision() -> ViTConfig:
     return ViTConfig(head="none", image_size=224, patch_size=32, n_layers=12, d_model=768, n_heads=12,
@@ -40,6 +42,11 @@ class CLIPConfig(TransformerConfig):
     n_layers: int = 12  # text tower layers
     context_length: int = 77
     text_causal: bool = True  # causal text tower pooled at the last token (CLIP); False: bidirectional + mean
+    # where a causal tower is pooled: the last real token (last), the first `text_eos_id` (eos: Hugging Face
+    # CLIP, whose pad token may be its end-of-text token), or the largest id (argmax: OpenAI's CLIP, whose
+    # end-of-text token is the vocabulary's last)
+    text_pool: str = "last"
+    text_eos_id: int = 0
     embed_dim: int = 512  # shared image-text embedding size
     logit_scale_init: float = math.log(1 / 0.07)
     max_logit_scale: float = 100.0  # exp(logit_scale) is clamped here (the paper's stability fix)
@@ -54,6 +61,8 @@ class CLIPConfig(TransformerConfig):
         if self.vision.head != "none":
             raise ConfigError("CLIPConfig.vision.head must be 'none' (the image tower is projected, not "
                               "classified)")
+        if self.text_pool not in TEXT_POOLS:
+            raise ConfigError(f"CLIPConfig.text_pool: {self.text_pool!r} is not one of {list(TEXT_POOLS)}")
         if self.embed_dim < 1 or self.vocab_size < 1 or self.context_length < 1:
             raise ConfigError("CLIPConfig: embed_dim, vocab_size and context_length must be positive")
 
@@ -91,13 +100,23 @@ class CLIP(QKVModel):
         h = self.text(self.tok_emb(input_ids), keep=keep).hidden  # (B, T, d)
         if keep is None:
             keep = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-        if c.text_causal:  # the last real token has seen the whole caption
-            last = keep.long().sum(1).clamp_min(1) - 1
-            pooled = h[torch.arange(h.shape[0], device=h.device), last]
+        if c.text_causal:  # the end-of-text token has seen the whole caption
+            pooled = h[torch.arange(h.shape[0], device=h.device), self.text_end(input_ids, keep)]
         else:
             w = keep.unsqueeze(-1).to(h.dtype)
             pooled = (h * w).sum(1) / w.sum(1).clamp_min(1.0)
         return F.normalize(self.text_proj(pooled), dim=-1)
+
+    def text_end(self, input_ids: Tensor, keep: Tensor) -> Tensor:
+        """(B,) the position each text is pooled at (CLIPConfig.text_pool)."""
+        pool = self.config.text_pool
+        if pool == "argmax":
+            return input_ids.argmax(dim=-1)
+        last = keep.long().sum(1).clamp_min(1) - 1
+        if pool == "last":
+            return last
+        is_end = input_ids == self.config.text_eos_id
+        return torch.where(is_end.any(1), is_end.int().argmax(dim=-1), last)
 
     def scale(self) -> Tensor:
         return self.logit_scale.exp().clamp(max=self.config.max_logit_scale)

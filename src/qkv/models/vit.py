@@ -43,6 +43,8 @@ class ViTConfig(TransformerConfig):
     head: str = "classify"
     num_labels: int = 1000
     pooler: bool = False  # tanh(W pooled + b) as in Hugging Face ViTModel; off in the paper's fine-tuning
+    embed_norm: bool = False  # a norm on the embeddings before the first block (CLIP's pre_layrnorm)
+    patch_bias: bool = True  # CLIP's patch convolution has no bias
     position: str = "none"  # the stack's own encoding; patches get theirs from patch_position
     d_model: int = 768
     n_heads: int = 12
@@ -72,10 +74,10 @@ class ViTConfig(TransformerConfig):
 class PatchEmbedding(nn.Module):
     """(B, C, H, W) -> (B, (H/p)(W/p), d): one linear map per non-overlapping p x p patch (a strided conv)."""
 
-    def __init__(self, n_channels: int, d_model: int, patch_size: int) -> None:
+    def __init__(self, n_channels: int, d_model: int, patch_size: int, bias: bool = True) -> None:
         super().__init__()
         self.patch_size, self.n_channels = patch_size, n_channels
-        self.proj = nn.Conv2d(n_channels, d_model, kernel_size=patch_size, stride=patch_size)
+        self.proj = nn.Conv2d(n_channels, d_model, kernel_size=patch_size, stride=patch_size, bias=bias)
 
     def forward(self, pixels: Tensor) -> tuple[Tensor, tuple[int, int]]:
         if pixels.dim() != 4 or pixels.shape[1] != self.n_channels:
@@ -95,7 +97,7 @@ class ViT(QKVModel):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__(config)
         c = config
-        self.patch_emb = PatchEmbedding(c.n_channels, c.d_model, c.patch_size)
+        self.patch_emb = PatchEmbedding(c.n_channels, c.d_model, c.patch_size, c.patch_bias)
         n_extra = 1 if c.pooling == "cls" else 0
         self.cls_emb = nn.Parameter(torch.zeros(1, 1, c.d_model)) if n_extra else None
         # patch positions behind the stack's embed hook (nn.position.PatchGrid); config.position (none by
@@ -105,7 +107,7 @@ class ViT(QKVModel):
         if c.patch_position != "none":
             position = PatchGrid(c.patch_position, c.d_model, c.grid, n_extra, inner=position)
         self.encoder = build_stack(c, c.n_layers, max_len=n_extra + c.grid**2, causal=False,
-                                   position=position)
+                                   position=position, embed_norm=c.embed_norm)
         self.pooler = nn.Linear(c.d_model, c.d_model) if c.pooler else None
         self.classifier = nn.Linear(c.d_model, c.num_labels) if c.head == "classify" else None
         self.head_drop = nn.Dropout(c.dropout)

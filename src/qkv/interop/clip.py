@@ -1,0 +1,129 @@
+"""Hugging Face `clip` folders (CLIPModel: a ViT image tower, a causal text tower, two projections and a
+learned temperature) -> qkv's CLIP (models/clip.py), by an explicit key map.
+
+HF CLIP's towers are Pre-LN with separate q/k/v linears (ours fuse them: rows q, then k, then v), quick-GELU,
+LayerNorm eps 1e-5. The image tower adds a class token and learned positions to bias-free patches, normalises
+the sum (`pre_layrnorm`: our ViT's embed_norm), and pools the class token through `post_layernorm` (our ViT's
+final norm, applied to every token; the class token's row is the same). The text tower pools the first
+end-of-text token (`eos_token_id`), or the largest id when eos_token_id is 2 (folders written before
+transformers fixed the field). Image preprocessing is CLIPImageProcessor's (interop/llava.ImageProcessor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qkv.interop import LOADERS
+from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
+from qkv.interop.vit import hf_activation
+from qkv.models.clip import CLIP, CLIPConfig
+from qkv.models.vit import ViTConfig
+
+# transformers' CLIPTextConfig / CLIPVisionConfig defaults, for the fields a folder's config.json leaves out
+TEXT_DEFAULTS = {"vocab_size": 49408, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 12,
+                 "num_attention_heads": 8, "max_position_embeddings": 77, "hidden_act": "quick_gelu",
+                 "layer_norm_eps": 1e-5, "eos_token_id": 49407}
+VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                   "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 32,
+                   "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}
+
+
+def _sub(meta: dict[str, Any], name: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    sub = meta.get(name) or {}
+    require(isinstance(sub, dict), f"config.json: {name} must be a mapping, got {type(sub).__name__}")
+    return {**defaults, **{k: v for k, v in sub.items() if v is not None}}
+
+
+def _act(name: str) -> str:
+    return "quick_gelu" if name == "quick_gelu" else hf_activation(name)
+
+
+def config_from_hf(meta: dict[str, Any]) -> CLIPConfig:
+    t, v = _sub(meta, "text_config", TEXT_DEFAULTS), _sub(meta, "vision_config", VISION_DEFAULTS)
+    eos = t["eos_token_id"]
+    require(isinstance(eos, int) and not isinstance(eos, bool),
+            f"config.json: text_config.eos_token_id must be one integer, got {eos!r}")
+    vision = ViTConfig(
+        image_size=int(v["image_size"]), patch_size=int(v["patch_size"]), n_channels=int(v["num_channels"]),
+        n_layers=int(v["num_hidden_layers"]), d_model=int(v["hidden_size"]),
+        n_heads=int(v["num_attention_heads"]), d_ff=int(v["intermediate_size"]), ffn=_act(v["hidden_act"]),
+        norm_eps=float(v["layer_norm_eps"]), pooling="cls", patch_position="learned", head="none",
+        placement="pre", embed_norm=True, patch_bias=False)
+    return CLIPConfig(
+        vocab_size=int(t["vocab_size"]), n_layers=int(t["num_hidden_layers"]), d_model=int(t["hidden_size"]),
+        n_heads=int(t["num_attention_heads"]), d_ff=int(t["intermediate_size"]), ffn=_act(t["hidden_act"]),
+        norm_eps=float(t["layer_norm_eps"]), context_length=int(t["max_position_embeddings"]),
+        embed_dim=int(meta.get("projection_dim", 512)), text_causal=True,
+        text_pool="argmax" if eos == 2 else "eos", text_eos_id=eos,
+        logit_scale_init=float(meta.get("logit_scale_init_value", 2.6592)), vision=vision)
+
+
+def _layer_map(hf: str, ours: str, n_layers: int) -> dict[str, str]:
+    simple = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "norm1", "layer_norm2": "norm2",
+              "mlp.fc1": "ffn.up", "mlp.fc2": "ffn.down"}
+    m: dict[str, str] = {}
+    for i in range(n_layers):
+        h, o = f"{hf}encoder.layers.{i}.", f"{ours}blocks.{i}."
+        for kind in ("weight", "bias"):
+            m.update({f"{h}self_attn.{p}_proj.{kind}": f"{o}attn.qkv_proj.{kind}" for p in "qkv"})
+            m.update({f"{h}{a}.{kind}": f"{o}{b}.{kind}" for a, b in simple.items()})
+    return m
+
+
+def key_map(config: CLIPConfig) -> dict[str, str]:
+    """HF CLIPModel keys -> ours."""
+    v, t = "vision_model.", "text_model."
+    m = {f"{v}embeddings.class_embedding": "visual.cls_emb",
+         f"{v}embeddings.patch_embedding.weight": "visual.patch_emb.proj.weight",
+         f"{v}embeddings.position_embedding.weight": "visual.encoder.position.weight",
+         f"{t}embeddings.token_embedding.weight": "tok_emb.weight",
+         f"{t}embeddings.position_embedding.weight": "text.position.weight",
+         "visual_projection.weight": "visual_proj.weight", "text_projection.weight": "text_proj.weight",
+         "logit_scale": "logit_scale"}
+    for kind in ("weight", "bias"):
+        m[f"{v}pre_layrnorm.{kind}"] = f"visual.encoder.embed_norm.{kind}"
+        m[f"{v}post_layernorm.{kind}"] = f"visual.encoder.final_norm.{kind}"
+        m[f"{t}final_layer_norm.{kind}"] = f"text.final_norm.{kind}"
+    m.update(_layer_map(f"{v}", "visual.encoder.", config.vision.n_layers))
+    m.update(_layer_map(f"{t}", "text.", config.n_layers))
+    return m
+
+
+def _check_sizes(sd: HFTensors, config: CLIPConfig) -> None:
+    v, e, t = config.vision, "vision_model.embeddings.", "text_model."
+    check_sizes(sd, sd.source, [
+        ("vision_config.num_hidden_layers", v.n_layers, "vision_model.encoder.layers.{}.layer_norm1.weight",
+         None),
+        ("vision_config.hidden_size", v.d_model, f"{e}patch_embedding.weight", 0),
+        ("vision_config.num_channels", v.n_channels, f"{e}patch_embedding.weight", 1),
+        ("vision_config.patch_size", v.patch_size, f"{e}patch_embedding.weight", 2),
+        ("(image_size / patch_size)**2 + 1", v.grid ** 2 + 1, f"{e}position_embedding.weight", 0),
+        ("vision_config.intermediate_size", v.d_ff, "vision_model.encoder.layers.0.mlp.fc1.weight", 0),
+        ("text_config.num_hidden_layers", config.n_layers, t + "encoder.layers.{}.layer_norm1.weight", None),
+        ("text_config.vocab_size", config.vocab_size, f"{t}embeddings.token_embedding.weight", 0),
+        ("text_config.hidden_size", config.d_model, f"{t}embeddings.token_embedding.weight", 1),
+        ("text_config.max_position_embeddings", config.context_length,
+         f"{t}embeddings.position_embedding.weight", 0),
+        ("text_config.intermediate_size", config.d_ff, f"{t}encoder.layers.0.mlp.fc1.weight", 0),
+        ("projection_dim", config.embed_dim, "text_projection.weight", 0)])
+
+
+def load_clip(folder: Path, meta: dict[str, Any]) -> CLIP:
+    """A CLIPModel folder -> our CLIP in eval mode, in the folder's dtype."""
+    sd = HFTensors(folder)
+    for k in [k for k in sd if k.endswith("position_ids")]:  # buffers of older saves: computed, not weights
+        del sd[k]
+    require("text_projection.weight" in sd and "visual_projection.weight" in sd,
+            f"{sd.source}: no text_projection / visual_projection (a CLIPModel folder holds both towers; "
+            "a lone CLIPVisionModel or CLIPTextModel is not supported)")
+    config = config_from_hf(meta)
+    _check_sizes(sd, config)
+    model = build_skeleton(lambda: CLIP(config))
+    transforms = {"vision_model.embeddings.class_embedding": lambda x: x.reshape(1, 1, -1),
+                  "vision_model.embeddings.position_embedding.weight": lambda x: x.unsqueeze(0)}
+    load_hf_weights(model, sd, key_map(config), transforms=transforms, source=sd.source)
+    return model.eval()
+
+
+LOADERS["clip"] = load_clip
