@@ -26,7 +26,6 @@ import torch
 from qkv.config import from_dict, to_dict
 from qkv.experiments.parts import build_run
 from qkv.experiments.suite import RunSpec, Suite
-from qkv.experiments.suite import Suite as S
 
 
 def _rss_mb() -> float:
@@ -42,8 +41,7 @@ def _rss_mb() -> float:
 def _child(suite_dict: dict[str, Any], spec_dict: dict[str, Any], out_path: str, threads: int) -> None:
     torch.set_num_threads(threads)  # the parent's setting (spawned processes start with torch's default)
 
-
-    suite = from_dict(S, suite_dict, "suite")
+    suite = from_dict(Suite, suite_dict, "suite")
     spec = RunSpec(**spec_dict)
     model, task, _ = build_run(suite, spec)
     train = spec.train

@@ -33,7 +33,6 @@ class Evaluation:
                               f"task declares directions only for {sorted(goals)}")
         return metric, mode or "min"
 
-
     def _eval_enabled(self) -> bool:
         return self.eval_fn is not None or bool(self.cfg.max_eval_batches)
 
