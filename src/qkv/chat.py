@@ -27,9 +27,11 @@ from typing import Any, TextIO
 
 import torch
 
+from qkv.config import ConfigError
 from qkv.generate import GenerationConfig, stream
 from qkv.generate.text import stream_pieces
 from qkv.models.decoding import configured_context
+from qkv.run import hf_folder_tokenizer, load_model_any, model_folder
 
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
 DEFAULT_ANSWER_TOKENS = 512  # an answer's length when none is asked for, capped by the model's context
@@ -92,13 +94,9 @@ class ChatSession:
     @classmethod
     def from_folder(cls, folder: str | Path, quantize: str | None = None, **kwargs: Any) -> ChatSession:
         """A session over a Hugging Face folder; quantize: "int8" / "int4" weight-only (qkv.nn.quant)."""
-        from qkv.run import hf_folder_tokenizer, load_model_any, model_folder
-
         mf = model_folder(folder)
         tok = hf_folder_tokenizer(mf)
         if tok is None:
-            from qkv.config import ConfigError
-
             raise ConfigError(f"{folder}: qkv chat needs a Hugging Face model folder with a tokenizer.json "
                               "(config.json with a model_type)")
         model = load_model_any(folder, quantize).eval()
@@ -265,7 +263,7 @@ def chat_loop(session: ChatSession, lines: Iterable[str] | None = None, out: Tex
     if source is None:
         # input() then edits the line and recalls earlier messages (arrow keys), where Python has readline
         try:
-            import readline  # noqa: F401
+            import readline  # noqa: F401, PLC0415  (absent on some platforms)
         except ImportError:
             pass
     answers = 0

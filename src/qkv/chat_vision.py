@@ -14,6 +14,7 @@ never dropped.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +27,11 @@ from qkv.config import ConfigError
 from qkv.interop.llava import IMAGE_TOKEN, ImageProcessor, expand_image_tokens, load_image
 from qkv.interop.smolvlm import Idefics3Processor, folder_processor
 from qkv.models.vlm import LLaVA
+from qkv.run import model_folder
 
 
 def is_vision_folder(folder: str | Path) -> bool:
     """Whether `folder` holds a vision-language model qkv chats with (config.json alone is read)."""
-    import json
-
     try:
         meta = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
@@ -51,8 +51,6 @@ class VisionChatSession(ChatSession):
     def from_folder(cls, folder: str | Path, quantize: str | None = None, *, image: str | Path | None = None,
                     **kwargs: Any) -> VisionChatSession:
         """A session over a llava folder; image: a file for the first user message."""
-        from qkv.run import model_folder
-
         picture = load_image(image) if image is not None else None  # a bad file is said before loading
         session = super().from_folder(folder, quantize, **kwargs)
         if not isinstance(session.model, LLaVA):

@@ -18,6 +18,7 @@ from qkv.config import ConfigError, from_dict
 from qkv.folder_sizes import check_folder_sizes
 from qkv.generate.config import GenerationConfig
 from qkv.interop import load_hf
+from qkv.interop.gguf_model import is_gguf, load_gguf
 from qkv.models.registry import family
 from qkv.storage import (  # noqa: F401  (the checkpoint API, re-exported from the storage layer)
     CONFIG_NAME,
@@ -46,11 +47,8 @@ def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "c
     (model.generation_defaults()). dtype: the floating-point type of the weights (a GGUF file's are
     dequantized straight into it)."""
     folder = Path(path)
-    from qkv.interop.gguf_model import is_gguf
 
     if is_gguf(folder):
-        from qkv.interop.gguf_model import load_gguf
-
         return load_gguf(folder, dtype).to(map_location)
     if dtype is not None:
         return load_model(folder, map_location=map_location).to(dtype)

@@ -26,9 +26,11 @@ class ConfigError(ValueError):
     """A wrong key or value in a configuration (printed as one line by the CLI)."""
 
 
-def _closest(name: str, valid: list[str]) -> str:
+def suggest(name: object, valid: list[str], what: str = "valid keys") -> str:
+    """The tail of an error message about an unknown `name`: the closest of `valid`, or all of them listed as
+    `what` ("; did you mean 'lr'?" / "; known tasks: a, b")."""
     match = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else f"; valid keys: {', '.join(sorted(valid))}"
+    return f"; did you mean {match[0]!r}?" if match else f"; {what}: {', '.join(sorted(valid))}"
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -111,7 +113,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str | None = None) -> T
     kwargs = {}
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"unknown key {key!r} in {where}{_closest(key, names)}")
+            raise ConfigError(f"unknown key {key!r} in {where}{suggest(key, names)}")
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
     try:
         obj = cls(**kwargs)
@@ -172,6 +174,14 @@ def check_moe(moe: Any, n_layers: int | None = None) -> None:
         raise ConfigError("moe.aux_loss_coef and moe.bias_rate must be >= 0, moe.routed_scaling > 0")
 
 
+def memory_bytes() -> int | None:
+    """The machine's physical memory, where the platform says it (None where it does not)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 # Python's own memory per expert module (FeedForward, its Linears and parameters' objects), measured with
 # tracemalloc on the meta device: ~11 KB, whatever the width
 EXPERT_MODULE_BYTES = 10_000
@@ -182,8 +192,6 @@ def check_moe_memory(moe: Any, n_layers: int, d_model: int, d_ff: int) -> None:
     the machine's memory: before a single expert is built, as building 10^9 of them would take days."""
     if not moe.n_experts:
         return
-    from qkv.folder_sizes import memory_bytes  # torch: only a config with experts gets here
-
     layers = len(moe.layers) if moe.layers is not None else max(n_layers - moe.first_k_dense, 0)
     need = layers * moe.n_experts * (2 * d_model * (moe.ffn_dim or d_ff) * 4 + EXPERT_MODULE_BYTES)
     have = memory_bytes()
@@ -259,7 +267,7 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any, where: str) -> No
     node = data
     for p in parts[:-1]:
         if p not in node or not isinstance(node[p], dict):
-            raise ConfigError(f"unknown key {dotted!r} in {where}{_closest(p, [k for k in node])}")
+            raise ConfigError(f"unknown key {dotted!r} in {where}{suggest(p, [k for k in node])}")
         node = node[p]
     node[parts[-1]] = value
 
@@ -391,7 +399,7 @@ class TransformerConfig:
         ]:
             if value not in choices:
                 raise ConfigError(f"{type(self).__name__}.{name}: {value!r} is not one of {list(choices)}"
-                                  + _closest(value, list(choices)).replace("valid keys", "choices"))
+                                  + suggest(value, list(choices), "choices"))
         for name in ("d_model", "n_heads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{type(self).__name__}.{name} must be positive, got {getattr(self, name)}")

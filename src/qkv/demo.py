@@ -12,7 +12,8 @@ import shutil
 import time
 from pathlib import Path
 
-from qkv.run import load_run_config, train_run
+from qkv.experiments import attention_from_checkpoint
+from qkv.run import load_run_config, model_folder, train_run
 
 QUICK = ["train.max_steps=20", "eval.n=20", "train.log_every=5"]
 
@@ -42,9 +43,6 @@ def run_demo(out: Path, quick: bool = False) -> dict[str, dict]:
         print(f"({time.perf_counter() - t0:.0f} s)")
         results[name] = summary
     try:  # the reverse model's cross-attention should be an anti-diagonal: show it
-        from qkv.experiments import attention_from_checkpoint
-        from qkv.run import model_folder
-
         res = attention_from_checkpoint(model_folder(out / "reverse"), "0123456789",
                                         out / "reverse" / "attention.png")
         print("\nattention maps of the reverse model for '0123456789' (cross-attention should be an "

@@ -25,8 +25,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from qkv.config import ConfigError
+from qkv.finetune.encoders import encode, open_encoder, pad_batch
 from qkv.image_text import image_embeddings, is_clip_folder, open_clip, text_embeddings
 from qkv.storage import atomic_write
 from qkv.tasks.base import text_lines
@@ -111,9 +113,6 @@ def embed_texts(encoder: Any, texts: list[str], *, pooling: str = "mean", normal
     """(embeddings (N, d) float32 in input order, how many texts were truncated). `encoder` is a
     qkv.finetune.encoders.EncoderFolder (open_encoder(folder)); texts are cut at max_length tokens (a
     sentence-transformers folder's max_seq_length: folder_max_length) or the model's context, the smaller."""
-    from tqdm import tqdm
-
-    from qkv.finetune.encoders import encode, pad_batch
 
     if pooling not in POOLINGS:
         raise ConfigError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
@@ -172,8 +171,6 @@ def run(folder: str, input_path: str | None = None, *, texts: list[str] | None =
 def run_text(folder: str, texts: list[str], *, out: str | None, query: str | None, top_k: int,
              pooling: str | None, normalize: bool, batch_size: int, device: str, progress: bool) -> list[str]:
     """qkv embed over a BERT-family folder."""
-    from qkv.finetune.encoders import open_encoder
-
     check_texts(texts)
     encoder = open_encoder(folder)
     pooling = pooling or folder_pooling(folder) or "mean"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,9 +26,18 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError
-from qkv.interop.bert import ENCODER_LAYOUTS
+from qkv.finetune.image_export import check_exportable, export_classifier, preprocessor_config
+from qkv.interop.bert import ENCODER_LAYOUTS, encoder_layout, export_encoder
+from qkv.interop.common import require
 from qkv.interop.export import DECODERS, EXPORTERS, decoder_type, set_token_ids, write_model
 from qkv.interop.export_tokenizer import copy_tokenizer_files
+from qkv.interop.gguf_model import is_gguf
+from qkv.interop.tokenizer import load_hf_tokenizer
+from qkv.predict import hf_meta, preprocessing_for
+from qkv.run import hugging_face_tokenizer_files, load_model_any, load_run_task, model_folder, run_folder_of
+from qkv.storage import read_config, umask_mode
+from qkv.tasks.tokenizer_export import write_qkv_tokenizer
+from qkv.tasks.tokenizers import saved_tokenizer
 
 # every format `qkv export` writes: Hugging Face model_type -> "module:function(model, folder)"
 WRITERS = {**EXPORTERS, **{mt: "qkv.export:export_encoder_folder" for mt in ENCODER_LAYOUTS},
@@ -81,8 +91,6 @@ def check_paths(source: Path, out: Path, force: bool) -> None:
     use."""
     if not source.exists():
         raise FileNotFoundError(f"no such run or model folder: {source}")
-    from qkv.interop.gguf_model import is_gguf
-    from qkv.run import model_folder, run_folder_of
 
     if is_gguf(source):  # no config.json to keep, no tokenizer files to copy: its format is llama.cpp's
         raise ConfigError(f"{source} is a GGUF file: qkv export writes runs and model folders")
@@ -136,9 +144,6 @@ def export_model(source: str | os.PathLike, out: str | os.PathLike, *, model_typ
                  dtype: str | None = None, force: bool = False) -> Exported:
     """Write the model of `source` (a run folder, a checkpoint in one, a qkv or Hugging Face model folder)
     into the new folder `out` as a Hugging Face `model_type` folder with its tokenizer."""
-    from qkv.run import load_model_any, model_folder
-    from qkv.storage import read_config
-
     source, out = Path(source), Path(out)
     check_paths(source, out, force)
     if dtype is not None and dtype not in DTYPES:
@@ -168,8 +173,6 @@ def _write_staged(model: Any, model_type: str, source: Path, folder: Path, meta:
                   out: Path) -> tuple[str | None, list[str]]:
     """The model and its tokenizer written in a new folder beside `out` that then replaces it: the tokenizer
     written and the files."""
-    from qkv.storage import umask_mode
-
     with _filesystem("create", out.parent):
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -191,11 +194,6 @@ def _write_staged(model: Any, model_type: str, source: Path, folder: Path, meta:
 def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, meta: dict[str, Any],
                      out: Path) -> str | None:
     """The tokenizer files beside the model (an image classifier has none), and a decoder's token ids."""
-    from qkv.interop.tokenizer import load_hf_tokenizer
-    from qkv.run import hugging_face_tokenizer_files, run_folder_of
-    from qkv.tasks.tokenizer_export import write_qkv_tokenizer
-    from qkv.tasks.tokenizers import saved_tokenizer
-
     if type(model).family in (*_IMAGE_FAMILIES, "llava"):  # a VLM's exporter copies its own files
         return None
     if "qkv_family" not in meta:  # a Hugging Face folder: its files as they are, its token ids
@@ -223,7 +221,6 @@ def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, me
     # a qkv folder carrying a Hugging Face tokenizer (the chat recipe's OUT from a qkv source): its files
     if any(copy_tokenizer_files(d, out) for d in folders):  # the first folder holding them
         return "copied"
-    import warnings
 
     warnings.warn(f"no tokenizer found with {source}: the folder holds the model only", stacklevel=2)
     return None
@@ -237,23 +234,17 @@ def _prepends_bos(model: Any, run: Path | None) -> bool:
         return False
     if run is None:
         return True
-    from qkv.run import load_run_task
 
     return bool(getattr(load_run_task(run), "pools_first_token", False))
 
 
 def _hf_meta(source: Path) -> dict[str, Any] | None:
     """The config.json of a Hugging Face folder (None for a qkv folder or run)."""
-    from qkv.predict import hf_meta
-    from qkv.run import model_folder
-
     return hf_meta(model_folder(source))
 
 
 def _run_classes(source: Path) -> dict[int, str] | None:
     """Class names of the task a qkv run was trained on, by id (None without a run or classes)."""
-    from qkv.run import load_run_task, run_folder_of
-
     if run_folder_of(source) is None:
         return None
     classes = getattr(load_run_task(source), "classes", None)
@@ -263,8 +254,6 @@ def _run_classes(source: Path) -> dict[int, str] | None:
 def export_encoder_folder(model: Any, out: Path, *, model_type: str, source: Path) -> Path:
     """A BERT-like encoder as a `model_type` folder; the class names from the source folder's config.json,
     else from the run's task."""
-    from qkv.interop.bert import encoder_layout, export_encoder
-
     layout = encoder_layout(model_type)
     base = _hf_meta(source)
     names = (base or {}).get("id2label")
@@ -277,10 +266,6 @@ def export_encoder_folder(model: Any, out: Path, *, model_type: str, source: Pat
 def export_image_folder(model: Any, out: Path, *, source: Path) -> Path:
     """An image classifier (ViT, ResNet, Swin) as a Hugging Face *ForImageClassification folder, with the
     preprocessing and class names `qkv predict` uses for `source`."""
-    from qkv.finetune.image_export import check_exportable, export_classifier, preprocessor_config
-    from qkv.interop.common import require
-    from qkv.predict import preprocessing_for
-
     c = model.config
     require(c.head == "classify", f"qkv export writes image classifiers; this {type(model).__name__} has "
                                   f"head {c.head!r}")
@@ -290,7 +275,6 @@ def export_image_folder(model: Any, out: Path, *, source: Path) -> Path:
     mean, std = pre.mean or [0.0] * c.n_channels, pre.std or [1.0] * c.n_channels
     export_classifier(model.float(), out, base, dict(enumerate(labels)),
                       preprocessor_config(c.image_size, mean, std))
-    from qkv.run import model_folder
 
     original = model_folder(source) / "preprocessor_config.json"
     if base is not None and original.is_file():  # a Hugging Face folder's own preprocessing, as it was

@@ -10,7 +10,6 @@ weighed against the machine's memory.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from qkv.config import memory_bytes
+from qkv.interop.common import SkipInitOnMeta
 from qkv.storage import CONFIG_NAME, CheckpointError, check_state_fits, clean_key, renamed_state
 
 # config fields that set how many modules a constructor makes: building even on the meta device runs Python
@@ -76,8 +77,6 @@ def _check_counts(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
 def _meta_model(build: Any, config: Mapping[str, Any], where: str) -> nn.Module | None:
     """build() on the meta device, every tensor a shape without storage; None for a constructor that computes
     from a tensor's values (Whisper's mel filters call .item()): that model is built for real, unchecked."""
-    from qkv.interop.common import SkipInitOnMeta
-
     try:
         with torch.device("meta"), SkipInitOnMeta():
             return build()
@@ -113,14 +112,6 @@ def _check_shapes(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], confi
                                   f"{shape} ({field} would be {shape[dim]})")
         raise CheckpointError(f"{source}: {key} has shape {shape}, model expects {want}")
     check_state_fits(model, state, source)
-
-
-def memory_bytes() -> int | None:
-    """The machine's physical memory, where the platform says it."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _check_memory(model: nn.Module, config: Mapping[str, Any], where: str) -> None:

@@ -71,7 +71,7 @@ def open_image(source: bytes | str | Path, where: str, limits: ImageLimits = DEF
 
 
 def _decode(fp: Any, where: str, limits: ImageLimits) -> Any:
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415  (Pillow on first use: `qkv serve --help` stays light)
 
     try:
         with warnings.catch_warnings():
@@ -122,11 +122,11 @@ def check_header(im: Any, where: str, limits: ImageLimits) -> None:
 
 def eight_bit(im: Any, where: str) -> Any:
     """A 16-bit greyscale image scaled to 8-bit "L" (v * 255 / 65535, rounded); other images as they are."""
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415  (Pillow on first use, as above)
 
     if im.mode not in SIXTEEN_BIT_MODES:
         return im
-    import numpy as np  # inside, as Pillow: the module stays light for `qkv serve --help`
+    import numpy as np  # noqa: PLC0415  (inside, as Pillow: the module stays light for `qkv serve --help`)
 
     a = np.asarray(im, dtype=np.float64)
     if a.min() < 0 or a.max() > 65535:  # an "I" image that is not a 16-bit PNG's container

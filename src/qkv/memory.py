@@ -33,6 +33,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.config import ConfigError
+from qkv.models.base import Seq2SeqModel, TransformerDecoderModel
+from qkv.models.gpt import GPT
 
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, one tensor each per trainable parameter
 
@@ -82,9 +84,6 @@ def kv_cache_size(model: nn.Module, dtype: torch.dtype | None = None) -> KVCache
     """The KV cache `model` decodes with (model.make_cache), computed from its config; dtype: the cache's
     (default: the model's floating-point parameters', as make_cache takes it). None for a model that caches
     no keys and values (an encoder, a classifier, an LSTM)."""
-    # the decoder protocol's base class; imported here because qkv.models imports nothing from this module
-    from qkv.models.base import Seq2SeqModel, TransformerDecoderModel
-
     lm = language_model(model)
     if not isinstance(lm, TransformerDecoderModel):
         return None
@@ -183,9 +182,6 @@ def _dropout_bytes(c: Any, seq: int) -> int:
 def train_memory(model: nn.Module, batch: int, seq: int) -> TrainMemory:
     """The estimate for a GPT-family language model (dense feed-forward, MHA/GQA/MQA attention) trained in
     fp32 with AdamW, from its config and parameter count."""
-    # the one family this estimate covers (qkv.models imports nothing from this module)
-    from qkv.models.gpt import GPT
-
     if batch < 1 or seq < 1:
         raise ConfigError(f"--batch and --seq must be at least 1, got {batch} and {seq}")
     if not isinstance(model, GPT):

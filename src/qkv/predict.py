@@ -24,8 +24,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from qkv.checkpoint import load_model
 from qkv.config import ConfigError
 from qkv.image_io import open_image
+from qkv.interop.tokenizer import load_hf_tokenizer
+from qkv.run import load_model_any, load_run_task, model_folder, run_folder_of
 
 
 @dataclass
@@ -69,7 +72,7 @@ class ImagePreprocessor:
 
     def __call__(self, image: Any) -> Tensor:
         """A PIL image -> (C, H, W) float32."""
-        from PIL import Image
+        from PIL import Image  # noqa: PLC0415  (PIL: loaded only when an image file is read)
 
         im = image.convert("L" if self.channels == 1 else "RGB")
         if self.size is not None:
@@ -105,8 +108,6 @@ def hf_meta(folder: Path) -> dict[str, Any] | None:
 
 def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, list[str]]:
     """The preprocessing and class names of a model folder or run (see the module docstring)."""
-    from qkv.run import model_folder, run_folder_of
-
     c = model.config
     n = int(c.num_labels)
     folder = model_folder(path)
@@ -127,7 +128,6 @@ def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, 
         labels = json.loads(done.read_text(encoding="utf-8")).get("labels") if done.is_file() else None
         named = isinstance(labels, list) and len(labels) == n
         return pre, [str(x) for x in labels] if named else [str(i) for i in range(n)]
-    from qkv.run import load_run_task
 
     task = load_run_task(path)
     if hasattr(task, "mean"):  # the image tasks' per-channel normalisation
@@ -138,8 +138,6 @@ def preprocessing_for(path: str | Path, model: Any) -> tuple[ImagePreprocessor, 
 def predict_images(path: str | Path, images: list[str],
                    top_k: int = 5) -> list[tuple[str, list[tuple[str, float]]]]:
     """[(image, [(class name, probability)] * top_k)] for each image file."""
-    from qkv.run import load_model_any
-
     if top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {top_k}")
     files = [Path(f) for f in images]
@@ -181,9 +179,6 @@ def fill_mask(path: str | Path, texts: list[str],
               top_k: int = 5) -> list[tuple[str, list[list[tuple[str, float]]]]]:
     """[(text, [[(token, probability)] * top_k for each mask token in the text])] from a masked-LM folder
     (a Hugging Face *ForMaskedLM, or qkv finetune --task mlm's OUT) and its tokenizer."""
-    from qkv.checkpoint import load_model
-    from qkv.interop.tokenizer import load_hf_tokenizer
-
     if top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {top_k}")
     model = load_model(path)

@@ -8,7 +8,7 @@ from importlib import resources
 import pytest
 
 from qkv.config import ConfigError, from_dict
-from qkv.experiments.runner import run_config
+from qkv.experiments.parts import run_config
 from qkv.experiments.suite import expand, load_suite
 from qkv.models.registry import config_for
 from qkv.run import EvalSettings

@@ -167,7 +167,7 @@ def _strip(path):
 
 
 def test_runner_builds_and_trains_runs_like_qkv_train(tmp_path):
-    from qkv.experiments import runner
+    from qkv.experiments import parts
     from qkv.run import evaluate_run, train_run
 
     data = dict(TINY, grid={}, seeds=[3], metric={"name": "exact_match", "goal": "max"}, eval_n=4,
@@ -176,7 +176,7 @@ def test_runner_builds_and_trains_runs_like_qkv_train(tmp_path):
     run_suite(suite, tmp_path / "suite", log=None)
     (spec,) = expand(suite)
     run_dir = tmp_path / "suite" / "runs" / spec.run_id
-    direct = train_run(runner.run_config(suite, spec), out=tmp_path / "direct", quiet=True)
+    direct = train_run(parts.run_config(suite, spec), out=tmp_path / "direct", quiet=True)
     # same seeding, same trajectory, bit for bit
     assert _strip(run_dir / "metrics.jsonl") == _strip(tmp_path / "direct" / "metrics.jsonl")
     res = json.loads((run_dir / "result.json").read_text())
@@ -187,7 +187,7 @@ def test_runner_builds_and_trains_runs_like_qkv_train(tmp_path):
 
 
 def test_interrupted_run_of_a_suite_is_resumed_not_restarted(tmp_path):
-    from qkv.experiments import runner
+    from qkv.experiments import parts
     from qkv.run import train_run
     from qkv.train import StopAt
 
@@ -195,12 +195,12 @@ def test_interrupted_run_of_a_suite_is_resumed_not_restarted(tmp_path):
     suite = load_suite(data)
     (spec,) = expand(suite)
     run_dir = tmp_path / "suite" / "runs" / spec.run_id
-    train_run(runner.run_config(suite, spec), out=run_dir, quiet=True, callbacks=[StopAt(4)])  # "interrupted"
+    train_run(parts.run_config(suite, spec), out=run_dir, quiet=True, callbacks=[StopAt(4)])  # "interrupted"
     first = _strip(run_dir / "metrics.jsonl")
     assert max(r["step"] for r in first) == 4
     run_suite(suite, tmp_path / "suite", log=None)
     rows = _strip(run_dir / "metrics.jsonl")
     assert rows[: len(first)] == first and [r["step"] for r in rows] == list(range(1, 7))
     assert "resumed from" in (run_dir / "train.log").read_text()
-    full = train_run(runner.run_config(suite, spec), out=tmp_path / "uninterrupted", quiet=True)
+    full = train_run(parts.run_config(suite, spec), out=tmp_path / "uninterrupted", quiet=True)
     assert rows == _strip(tmp_path / "uninterrupted" / "metrics.jsonl") and full["train"]["steps"] == 6

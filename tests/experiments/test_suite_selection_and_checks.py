@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from qkv.config import ConfigError
-from qkv.experiments.runner import build_run, run_suite
+from qkv.experiments.parts import build_run
+from qkv.experiments.runner import run_suite
 from qkv.experiments.suite import expand, load_suite
 
 TINY = {

@@ -16,9 +16,11 @@ SRC = Path(qkv.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("qkv.nn",),  # building blocks: know no model family, no training, no task
     ("qkv.config",),  # strict dataclass configs (validates the names nn/ defines)
+    ("qkv.image_io",),  # the one reader of untrusted images (limits checked before decoding)
     ("qkv.extras",),  # optional packages: one clear error naming the extra to install
     ("qkv.storage",),  # files: CheckpointError, atomic writes, the one state-dict fit check, model folders
     ("qkv.models",),  # families, registry, kinds, the decoder protocol
+    ("qkv.memory",),  # a model's KV-cache bytes and training-step memory, from its config (qkv info)
     ("qkv.generate",),  # decoding over the decoder protocol, GenerationConfig, processors, Engine
     ("qkv.interop",),  # Hugging Face folders -> models
     ("qkv.folder_sizes",),  # a qkv folder's config checked against its weights before anything is built

@@ -14,23 +14,23 @@ from qkv.train import resume as resume_
 
 def test_start_is_fresh_resumed_or_refused(tmp_path, make_gpt, toy_data, cfg_factory):
     tr = Trainer(make_gpt(), cfg_factory(max_steps=4, save_every=2), toy_data, callbacks=[StopAt(2)])
-    begin = resume_.start(tr)
+    begin = tr.begin()
     assert (begin.resumed_from, begin.repaired, begin.fresh_note) == (None, [], "")
     tr.fit()
     stale = tr.ckpt_root / ".step_00000009.123.tmp"
     stale.mkdir()
     again = Trainer(make_gpt(), cfg_factory(max_steps=4, save_every=2, resume=True), toy_data)
-    begin = resume_.start(again)
+    begin = again.begin()
     assert begin.resumed_from == tr.ckpt_root / "step_00000002" and again.step == 2
     assert begin.repaired == [f"removed {stale.name}"] and not stale.exists()
     with pytest.raises(ConfigError, match="already holds checkpoints of another run"):
-        resume_.start(Trainer(make_gpt(), cfg_factory(max_steps=4), toy_data))
+        Trainer(make_gpt(), cfg_factory(max_steps=4), toy_data).begin()
 
 
 def test_a_resume_without_checkpoints_starts_fresh_with_a_note(tmp_path, make_gpt, toy_data, cfg_factory):
     tr = Trainer(make_gpt(), cfg_factory(max_steps=2, resume=True), toy_data)
     with pytest.warns(UserWarning, match="holds no checkpoint: starting fresh"):
-        begin = resume_.start(tr)
+        begin = tr.begin()
     assert begin.resumed_from is None and "starting fresh" in begin.fresh_note
 
 

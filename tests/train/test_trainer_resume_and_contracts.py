@@ -66,7 +66,7 @@ def test_a_rollback_keeps_the_best_found_after_the_checkpoint_it_returns_to(tmp_
 
     def acc(model):
         t = trainers[0]
-        return {"acc": {2: 0.5, 4: 0.4, 6: 0.9 if t.rollbacks == 0 else 0.6, 8: 0.3}[t.step]}
+        return {"acc": {2: 0.5, 4: 0.4, 6: 0.9 if t.state.counters.rollbacks == 0 else 0.6, 8: 0.3}[t.step]}
 
     c = cfg(tmp_path, max_steps=8, eval_every=2, save_every=4, nan_policy="rollback", best_metric="acc",
             best_mode="max")

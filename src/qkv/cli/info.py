@@ -132,7 +132,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     import torch
 
     import qkv
-    from qkv.folder_sizes import memory_bytes
+    from qkv.config import memory_bytes
     from qkv.memory import kv_cache_size, train_memory
 
     if a.depth < 1:

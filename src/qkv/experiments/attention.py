@@ -23,8 +23,13 @@ import tokenizers
 import torch
 from torch import Tensor, nn
 
-from qkv.experiments.diagnostics import HeadStat, flag_heads, head_stats
+import qkv
+from qkv.experiments.head_stats import HeadStat, flag_heads, head_stats
+from qkv.generate import generate
+from qkv.generate.search import settings
 from qkv.interop.tokenizer import bare_tokenizer
+from qkv.models.decoding import as_decoder
+from qkv.nn.attention import MultiHeadAttention, causal_mask
 from qkv.tasks.tokenizers import Tokenizer, find_tokenizer
 
 _FORWARD_ONLY = ("labels",)  # dropped: the maps need no loss
@@ -70,8 +75,6 @@ def visible_keys(
 ) -> Tensor:
     """(B|1, 1, Tq, Tk) bool: which keys each query of attention `kind` may see (causal and padding masks),
     for head statistics. Decoder self-attention (and a decoder-only model's "self") is causal."""
-    from qkv.nn.attention import causal_mask
-
     batch = {"input_ids": inputs} if isinstance(inputs, Tensor) else inputs
     device = batch["input_ids"].device
     if kind == "cross" or kind == "encoder self":
@@ -90,8 +93,6 @@ def visible_keys(
 
 
 def _is_causal(model: nn.Module) -> bool:
-    from qkv.nn.attention import MultiHeadAttention
-
     return any(m.causal for m in model.modules() if isinstance(m, MultiHeadAttention))
 
 
@@ -113,10 +114,10 @@ def tokenize(tokenizer_or_ids: Any, text: str | None) -> tuple[list[int], list[s
         tok = bare_tokenizer(tok)
     enc = tok.encode(text)  # a TextTokenizer's ids, or a transformers tokenizer's (a list or a tensor)
     ids = [int(i) for i in (enc.tolist() if isinstance(enc, Tensor) else enc)]
-    return ids, [_label(tok, i) for i in ids]
+    return ids, [token_label(tok, i) for i in ids]
 
 
-def _label(tok: Any, i: int) -> str:
+def token_label(tok: Any, i: int) -> str:
     for name in ("id_to_token", "convert_ids_to_tokens"):
         fn = getattr(tok, name, None)
         if fn is not None:
@@ -141,9 +142,6 @@ def _label(tok: Any, i: int) -> str:
 def _decoding_settings(model: nn.Module) -> Any:
     """The model's resolved generation settings (a Hugging Face folder's generation_config.json included):
     where its decoder starts and which ids end a sequence, as qkv.generate reads them."""
-    from qkv.generate.search import settings
-    from qkv.models.decoding import as_decoder
-
     return settings(as_decoder(model), None, {})
 
 
@@ -173,9 +171,6 @@ def greedy_target(model: nn.Module, src: Tensor, max_new_tokens: int = 32) -> Te
     output, from qkv.generate under the model's settings (decoder_start_token_id, forced BOS / EOS, banned
     words, min length of a Hugging Face folder's generation_config.json): the sequence `qkv generate --greedy`
     decodes, beams and sampling aside."""
-    from qkv.generate import generate
-    from qkv.models.decoding import as_decoder
-
     limit = as_decoder(model).context_limit  # the start token takes one decoder position
     n = max_new_tokens if limit is None else max(1, min(max_new_tokens, limit - 1))
     out = generate(model, src, max_new_tokens=n, do_sample=False, num_beams=1, num_return_sequences=1)
@@ -183,7 +178,7 @@ def greedy_target(model: nn.Module, src: Tensor, max_new_tokens: int = 32) -> Te
     return torch.cat([torch.full_like(out[:, :1], decoder_start(model)), out], dim=1)
 
 
-def _target_ids(tok: Any, text: str) -> list[int]:
+def target_token_ids(tok: Any, text: str) -> list[int]:
     """A target sentence's ids as labels: the tokenizer's target side (Marian's target.spm) when it has one,
     with the special tokens its post-processor adds (as transformers' `text_target=`)."""
     encode = getattr(tok, "encode_target", None) or tok.encode
@@ -227,10 +222,10 @@ def image_path(out: str | Path) -> Path:
 def plot_grid(maps: list[Tensor], q_labels: list[str], k_labels: list[str], title: str, out_png: Path,
               stats: list[HeadStat] | None = None, max_label_tokens: int = 48) -> Path:
     """One PNG: rows = layers, columns = heads; each cell the (Tq, Tk) map of batch item 0."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (matplotlib: slow to import, only for plots)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     n_layers, n_heads = len(maps), maps[0].shape[1]
     tq, tk = maps[0].shape[2], maps[0].shape[3]
@@ -303,10 +298,10 @@ def attention_maps(
         elif isinstance(target, str):
             if ids_only:
                 raise ValueError("a text target needs a tokenizer: give the target as token ids")
-            t_ids = teacher_forced_input(model, _target_ids(label_tok, target))
+            t_ids = teacher_forced_input(model, target_token_ids(label_tok, target))
         else:
             t_ids = teacher_forced_input(model, list(target))
-        t_labels = [str(i) if ids_only else _label(label_tok, i) for i in t_ids]
+        t_labels = [str(i) if ids_only else token_label(label_tok, i) for i in t_ids]
         tokens = {"source": labels, "target": t_labels}
         batch = {
             "input_ids": src,
@@ -351,8 +346,6 @@ def attention_from_checkpoint(checkpoint: str | Path, text: str, out_png: str | 
     it, not loaded twice) and its tokenizer, and plot the attention maps of `text`. Without a tokenizer,
     `text` must be whitespace-separated token ids. Symbols a character/word vocabulary lacks (read as <unk>)
     are named in a warning."""
-    import qkv
-
     model = model if model is not None else qkv.from_pretrained(checkpoint)
     tok = find_tokenizer(checkpoint)
     unknown = tok.unknown_symbols(text + (target or "")) if isinstance(tok, Tokenizer) else []

@@ -4,8 +4,18 @@ or for a ViT the last layer's attention drawn over held-out images of the run's 
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from qkv.config import ConfigError
+from qkv.experiments import attention_from_checkpoint
+from qkv.experiments.vlm_attention import vlm_attention_report
+from qkv.models import vit
+from qkv.models.vlm import LLaVA
+from qkv.run import load_model_any, load_run_task, model_folder
 
 # families with no attention map to draw, and why (qkv attention and qkv explore refuse them alike)
 UNSUPPORTED = {
@@ -23,10 +33,6 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
     """Attention maps of every layer x head for `text` (PNG grids) and the per-head entropy table: the lines
     `qkv attention` prints. Warnings are said as the CLI says things, one line on stderr. image (with layer,
     token): a vision-language model's answer to `text` over that image (experiments.vlm_attention)."""
-    from qkv.config import ConfigError
-    from qkv.experiments import attention_from_checkpoint
-    from qkv.run import load_model_any, model_folder
-
     model = load_model_any(path)
     family = getattr(model, "family", "") or type(model).__name__.lower()
     if family in UNSUPPORTED:  # the same refusals as qkv explore's
@@ -40,7 +46,6 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
         return _image_question(model, path, text, out_png, image, layer, token)
     if model.kind == "image":
         return _vit_overlay(model, path, text, out_png)
-    import warnings
 
     with warnings.catch_warnings(record=True) as caught:  # said as the CLI says things: one line on stderr
         warnings.simplefilter("always")
@@ -53,11 +58,6 @@ def attention_report(path: str | Path, text: str, out_png: Path, target: str | N
 
 def _image_question(model: Any, path: str | Path, text: str, out_png: Path, image: str | None,
                     layer: int | None, token: int | None) -> list[str]:
-    from qkv.config import ConfigError
-    from qkv.experiments.vlm_attention import vlm_attention_report
-    from qkv.models.vlm import LLaVA
-    from qkv.run import model_folder
-
     if image is None:
         raise ConfigError("--layer and --token go with --image (a vision-language model's answer over an "
                           "image)")
@@ -74,13 +74,8 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     """ViT: attention of the last layer over the patches, drawn on the first N held-out images of the run's
     task, in order (`--input N`, default 8, at most VIT_MAX_IMAGES and the held-out images there are), titled
     with predicted / true class."""
-    import torch
 
-    from qkv.config import ConfigError
-    from qkv.models.vit import ViT, save_attention_overlay
-    from qkv.run import load_run_task
-
-    if not isinstance(model, ViT):
+    if not isinstance(model, vit.ViT):
         raise ConfigError(f"attention overlays are drawn for ViT models, not {type(model).__name__}")
     try:
         n = int(text) if text.strip() else 8
@@ -114,6 +109,6 @@ def _vit_overlay(model: Any, path: str | Path, text: str, out_png: Path) -> list
     names = [classes[int(i)] if classes else str(int(i)) for i in pred]
     truth = [classes[int(i)] if classes else str(int(i)) for i in batch["labels"]]
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    save_attention_overlay(model, batch["pixel_values"], str(out_png),
+    vit.save_attention_overlay(model, batch["pixel_values"], str(out_png),
                            titles=[f"pred {p} / true {t}" for p, t in zip(names, truth)])
     return [f"wrote {out_png}"]

@@ -24,64 +24,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-ONEHOT_MAX_PROB = 0.9  # mean largest probability at or above this: the head attends to one key
-UNIFORM_ENTROPY = 0.95  # mean entropy / log(#visible keys) at or above this: the head averages everything
-
-
-@dataclass
-class HeadStat:
-    kind: str  # "self", "encoder self", "decoder self", "cross"
-    layer: int
-    head: int
-    max_prob: float  # mean over valid rows of the largest probability
-    entropy: float  # mean over valid rows of entropy / log(number of visible keys), in [0, 1]
-    entropy_nats: float  # mean row entropy in nats (what the attention-map titles show)
-    flag: str = ""  # "", "one-hot" or "uniform"
-
-
-def head_stats(weights: Tensor, kind: str = "self", layer: int = 0,
-               visible: Tensor | None = None) -> list[HeadStat]:
-    """weights: (B, H, Tq, Tk) softmax probabilities. visible: bool, broadcastable to weights, True where the
-    query may see the key (causal and padding masks); None = every key. The mask must be given rather than
-    read off zeros, because a saturated float32 softmax underflows to exact zeros on keys it could see.
-    Rows with fewer than 2 visible keys are skipped (their softmax is one-hot by construction)."""
-    if weights.dim() != 4:
-        raise ValueError(f"attention weights must be (B, H, Tq, Tk), got shape {tuple(weights.shape)}")
-    w = weights.detach().double()
-    vis = (torch.ones_like(w, dtype=torch.bool) if visible is None
-           else visible.to(w.device).bool().expand_as(w))
-    visible = vis.sum(-1)  # (B, H, Tq)
-    ent = -(w * w.clamp_min(1e-300).log()).sum(-1)  # (B, H, Tq), nats
-    norm_ent = ent / visible.clamp_min(2).double().log()
-    maxp = w.max(-1).values
-    valid = visible >= 2
-    out = []
-    for h in range(w.shape[1]):
-        v = valid[:, h]
-        n = int(v.sum())
-        if n == 0:
-            out.append(HeadStat(kind, layer, h, float("nan"), float("nan"), float("nan")))
-            continue
-        out.append(HeadStat(kind, layer, h, maxp[:, h][v].mean().item(), norm_ent[:, h][v].mean().item(),
-                            ent[:, h][v].mean().item()))
-    return out
-
-
-def flag_heads(stats: list[HeadStat], *, onehot_max_prob: float = ONEHOT_MAX_PROB,
-               uniform_entropy: float = UNIFORM_ENTROPY) -> list[HeadStat]:
-    """Set .flag on each stat (in place) and return the flagged ones."""
-    flagged = []
-    for s in stats:
-        s.flag = ""
-        if math.isnan(s.max_prob):
-            continue
-        if s.max_prob >= onehot_max_prob:
-            s.flag = "one-hot"
-        elif s.entropy >= uniform_entropy:
-            s.flag = "uniform"
-        if s.flag:
-            flagged.append(s)
-    return flagged
+import qkv.nn.attention as A
+from qkv.experiments.attention import collect_attentions, visible_keys
+from qkv.experiments.head_stats import (  # noqa: F401  (re-exported: the checks are one module to callers)
+    ONEHOT_MAX_PROB,
+    UNIFORM_ENTROPY,
+    HeadStat,
+    flag_heads,
+    head_stats,
+)
 
 
 @dataclass
@@ -127,8 +78,6 @@ def record_scores(model: nn.Module) -> Iterator[list[ScoreStat]]:
 
     It wraps qkv.nn.attention.scaled_dot_product_attention (the function MultiHeadAttention calls) and names
     each call after the module through forward pre-hooks; both are removed on exit."""
-    import qkv.nn.attention as A
-
     stats: list[ScoreStat] = []
     current: list[str] = [""]
     original = A.scaled_dot_product_attention
@@ -167,8 +116,6 @@ def diagnose(model: nn.Module, inputs: dict[str, Tensor] | Tensor, *,
              onehot_max_prob: float = ONEHOT_MAX_PROB, uniform_entropy: float = UNIFORM_ENTROPY) -> Diagnosis:
     """Run `model` once on `inputs` (input ids (B, T) or a batch dict of forward kwargs; labels are dropped)
     and return per-head softmax stats with flags plus per-module q.k score statistics."""
-    from qkv.experiments.attention import collect_attentions, visible_keys
-
     with record_scores(model) as scores:
         maps = collect_attentions(model, inputs)
     heads: list[HeadStat] = []

@@ -21,6 +21,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from qkv.config import from_dict, to_dict
+from qkv.experiments.parts import build_run
 from qkv.experiments.suite import RunSpec, Suite
 
 
@@ -35,15 +39,9 @@ def _rss_mb() -> float:
 
 
 def _child(suite_dict: dict[str, Any], spec_dict: dict[str, Any], out_path: str, threads: int) -> None:
-    import torch
-
     torch.set_num_threads(threads)  # the parent's setting (spawned processes start with torch's default)
 
-    from qkv.config import from_dict
-    from qkv.experiments.runner import build_run
-    from qkv.experiments.suite import Suite as S
-
-    suite = from_dict(S, suite_dict, "suite")
+    suite = from_dict(Suite, suite_dict, "suite")
     spec = RunSpec(**spec_dict)
     model, task, _ = build_run(suite, spec)
     train = spec.train
@@ -91,9 +89,6 @@ def _child(suite_dict: dict[str, Any], spec_dict: dict[str, Any], out_path: str,
 
 def efficiency_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     """The runner's train_fn for efficiency suites: one spawned process per run."""
-    import torch
-
-    from qkv.config import to_dict
 
     out = run_dir / "efficiency.json"
     t0 = time.perf_counter()
@@ -122,9 +117,6 @@ def interleaved_timing(suite: Suite, specs: list[RunSpec], rounds: int | None = 
     """Median step time (ms) of every variant, measured in this process with the variants' steps interleaved
     round-robin (A B C A B C ...), so that a machine whose speed drifts (shared cores) slows every variant
     alike; the separate-process step times are kept as step_ms_isolated."""
-    import torch
-
-    from qkv.experiments.runner import build_run
 
     eff = suite.efficiency
     rounds = rounds or eff.steps

@@ -76,10 +76,10 @@ def saturation_table(rows: list[SaturationRow]) -> str:
 
 def plot_saturation(rows: list[SaturationRow], path: str) -> str:
     """Two panels against d_k: Var(scores) and the mean largest softmax probability, scaled vs unscaled."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (matplotlib: slow to import, only for plots)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for scaled, style in ((False, "o-"), (True, "s--")):

@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from qkv.experiments.efficiency import add_ratios
 from qkv.experiments.metrics import final_logged, read_metrics
 from qkv.experiments.suite import Suite
 
@@ -121,10 +122,10 @@ def write_csv(results: list[dict[str, Any]], path: Path) -> Path:
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (matplotlib: slow to import, only for plots)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     return plt
 
@@ -214,8 +215,6 @@ def write_report(suite: Suite, results: list[dict[str, Any]], out: str | Path,
     the whole report). expected: the suite's number of runs; with fewer results, summary.md says how many."""
     out = Path(out)
     if suite.kind == "efficiency":
-        from qkv.experiments.efficiency import add_ratios
-
         add_ratios(results)
     for r in results:  # the logged keys' final values, read from each run's log (runs finished earlier too)
         if suite.logged and r.get("run_id"):

@@ -35,16 +35,21 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from qkv.config import ConfigError, to_dict
+from qkv.checkpoint import save_model
+from qkv.config import ConfigError, from_dict, to_dict
+from qkv.experiments.efficiency import efficiency_run, interleaved_timing
 from qkv.experiments.metrics import (
     final_train_loss,
     is_diverged,
@@ -52,10 +57,17 @@ from qkv.experiments.metrics import (
     read_metrics,
     steps_to_threshold,
 )
+from qkv.experiments.parts import extra_evals, run_config
+from qkv.experiments.report import write_report
 from qkv.experiments.selection import select_runs
 from qkv.experiments.suite import RunSpec, Suite, check_jobs, expand, load_suite
+from qkv.models.registry import config_for
 from qkv.nn.params import count_parameters
+from qkv.run import EvalSettings
+from qkv.run import train_run as train
 from qkv.storage import atomic_write_text
+from qkv.tasks.base import build_options, build_task, kind_for, task_spec
+from qkv.train import Callback, TrainConfig, latest_checkpoint
 
 RESULT = "result.json"
 TrainFn = Callable[[Suite, RunSpec, Path], dict[str, Any]]
@@ -66,33 +78,9 @@ def _write_json(obj: Any, path: Path) -> None:
 
 
 # -- one training run ---------------------------------------------------------------------------------------
-def run_config(suite: Suite, spec: RunSpec) -> dict[str, Any]:
-    """The run config (model / task / train / eval sections, as `qkv train` reads them) of one run."""
-    scored = suite.metric.name != "train_loss"
-    train = {"progress": False, "tensorboard": False, "plot": False, "keep_last": 1, **spec.train,
-             "seed": spec.seed, "resume": False}
-    return {"model": dict(spec.model), "task": dict(spec.task), "train": train,
-            "eval": {"n": suite.eval_n if scored else 0, "samples": 0,
-                     "during_training": suite.eval_n if scored else 0}}
-
-
-def extra_evals(suite: Suite) -> dict[str, dict[str, Any]]:
-    return {ev.name: {"task": dict(ev.task), "n": ev.n or suite.eval_n} for ev in suite.extra_evals}
-
-
-def build_run(suite: Suite, spec: RunSpec):
-    """(model, train task, extra eval tasks) for one run, seeded: qkv.run.build_parts, as `qkv train` does."""
-    from qkv.run import build_parts
-
-    task, model, _, _, extra = build_parts(run_config(suite, spec), extra_evals=extra_evals(suite))
-    return model, task, {name: t for name, (t, _) in extra.items()}
-
-
 def _budget_callback(seconds: float, clock: str = "wall"):
     """A trainer callback that ends training once `seconds` have passed since fit() started (equal-time
     comparisons, suite 8), on the wall clock or the process's CPU clock; max_steps stays an upper bound."""
-    from qkv.train import Callback
-
     now = time.process_time if clock == "cpu" else time.perf_counter
 
     class TimeBudget(Callback):
@@ -110,10 +98,6 @@ def train_run(suite: Suite, spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     """Train one run through qkv.run.train_run (the function behind `qkv train`: same seeding, validation
     and resume) and turn its outcome into the result record. A run folder holding a checkpoint (a run
     interrupted by Ctrl-C or a kill) is resumed, not restarted."""
-    from qkv.checkpoint import save_model
-    from qkv.run import train_run as train
-    from qkv.train import latest_checkpoint
-
     callbacks = [_budget_callback(suite.budget_s, suite.budget_clock)] if suite.budget_s else []
     resume = latest_checkpoint(run_dir / "checkpoints") is not None
     t0, c0 = time.perf_counter(), time.process_time()
@@ -177,9 +161,6 @@ def _run_parallel(suite: Suite, pending: list[tuple[int, RunSpec, Path]], total:
     as each run ends, so an interrupted suite resumes like a sequential one. train_fn must be picklable (a
     module-level function). The first failing run stops the suite (as sequentially), after the runs in
     flight end; runs not yet started are cancelled."""
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
     per_run = threads if threads is not None else max(1, torch.get_num_threads() // jobs)
     workers = min(jobs, len(pending))
     if log:
@@ -218,12 +199,6 @@ def check_runs(suite: Suite, specs: list[RunSpec]) -> None:
     family's config), task options, Trainer and eval settings, extra evaluations, and, for train suites, the
     metric against the task's metrics. Run before the first run starts: a typo in a later variant (or a
     misspelt metric) is an error now, not after the earlier runs have trained."""
-    from qkv.config import from_dict
-    from qkv.models.registry import config_for
-    from qkv.run import EvalSettings
-    from qkv.tasks.base import build_options, build_task, kind_for, task_spec
-    from qkv.train import TrainConfig
-
     # (task name, family) -> the metric names its evaluate() reports
     tasks: dict[tuple[str, str], list[str]] = {}
     checked: set[str] = set()
@@ -341,8 +316,6 @@ def run_suite(path_or_suite: str | Path | dict | Suite, out_dir: str | Path | No
 
     The phases: load and check the suite, plan every run folder (nothing touched yet), prepare the folders,
     train the pending runs, time efficiency variants side by side, write the report."""
-    from qkv.experiments.report import write_report
-
     suite = load_suite(path_or_suite, quick, scale)
     jobs = _check_parallel(suite, jobs, threads)
     out = Path(out_dir or Path("runs") / "ablations" / (suite.name + ("-quick" if quick else "") +
@@ -398,8 +371,6 @@ def _check_parallel(suite: Suite, jobs: int | None, threads: int | None) -> int:
 def _default_run(suite: Suite) -> TrainFn:
     """The run function of a suite's kind: a timing run for efficiency suites, a training run otherwise."""
     if suite.kind == "efficiency":
-        from qkv.experiments.efficiency import efficiency_run
-
         return efficiency_run
     return train_run
 
@@ -418,8 +389,6 @@ def plan_runs(suite: Suite, specs: list[RunSpec], selected: set[int], out: Path,
     """Decide every run folder's fate before touching any, so a refused one leaves the folders as they were.
     resumes: the run function continues an unfinished run from its checkpoint (train_run does; other run
     functions start it again)."""
-    from qkv.train import latest_checkpoint
-
     plan = Plan()
     for i, spec in enumerate(specs):
         run_dir = out / "runs" / spec.run_id
@@ -445,8 +414,6 @@ def plan_runs(suite: Suite, specs: list[RunSpec], selected: set[int], out: Path,
 def _prepare_folders(suite: Suite, out: Path,
                      todo: list[tuple[int, RunSpec, Path, bool]]) -> list[tuple[int, RunSpec, Path]]:
     """Write OUT/suite.yaml and each pending run's folder with its run.json; returns the pending runs."""
-    import yaml
-
     (out / "runs").mkdir(parents=True, exist_ok=True)
     atomic_write_text(yaml.safe_dump(to_dict(suite), sort_keys=False), out / "suite.yaml")
     pending: list[tuple[int, RunSpec, Path]] = []
@@ -463,8 +430,6 @@ def _interleave(suite: Suite, specs: list[RunSpec], results: list[dict[str, Any]
                 log: Callable[[str], None] | None) -> None:
     """An efficiency suite on a CPU: its step times measured again with the variants' steps interleaved
     (cached in OUT/interleaved.json), replacing each result's isolated time (kept as step_ms_isolated)."""
-    from qkv.experiments.efficiency import interleaved_timing
-
     cache = out / "interleaved.json"
     variants = sorted({r["variant"] for r in results})
     timing = json.loads(cache.read_text(encoding="utf-8")) if cache.is_file() else {}

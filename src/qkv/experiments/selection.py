@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
+
 from qkv.config import ConfigError
-from qkv.experiments.suite import RunSpec, Suite, _fmt
+from qkv.experiments.suite import RunSpec, Suite, format_value
 
 
 def _only_items(spec: RunSpec) -> set[str]:
@@ -14,7 +16,7 @@ def _only_items(spec: RunSpec) -> set[str]:
     variant=NAME), and each swept value as key=value, written as in the table and the folder names."""
     items = {spec.variant}
     for k, v in spec.values.items():
-        items.add(f"{k}={_fmt(v)}")
+        items.add(f"{k}={format_value(v)}")
         if k == "variant":
             items.add(str(v))
     return items
@@ -23,9 +25,7 @@ def _only_items(spec: RunSpec) -> set[str]:
 def _same_value(raw: str, value: Any) -> bool:
     """`raw` (typed after key= in --only) names `value`: as displayed (True, 0.001), or as YAML reads it
     (true, 1e-3, 1.0 for 1), without taking a bool for a number."""
-    import yaml
-
-    if raw == _fmt(value):
+    if raw == format_value(value):
         return True
     try:
         parsed = yaml.safe_load(raw)

@@ -41,6 +41,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -155,7 +156,7 @@ class Suite:
         into '_' (_slug), so two names that differ only there, or a grid value listed twice, would make two
         variants share (and overwrite) one folder."""
         for key, values in self.grid.items():
-            shown = [_fmt(v) for v in values]
+            shown = [format_value(v) for v in values]
             for v in shown:
                 if shown.count(v) > 1:
                     raise ConfigError(f"suite {self.name!r}: grid[{key!r}] lists the value {v} twice")
@@ -200,8 +201,6 @@ def load_suite(path_or_suite: str | Path | dict | Suite, quick: bool = False, sc
     else:
         p = Path(path_or_suite)
         if not p.is_file():
-            from importlib import resources
-
             shipped = resources.files("qkv") / "configs" / "ablations"  # package data: works from a wheel too
             bundled = shipped / (f"{p.name}.yaml" if not p.suffix else p.name)
             if bundled.is_file():
@@ -272,7 +271,7 @@ def _short(key: str) -> str:
     return key.split(".", 1)[1]
 
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
     return "null" if v is None else str(v)
 
 
@@ -303,7 +302,7 @@ def _variants(suite: Suite):
                 parts.append(str(var["name"]))
             for k, v in grid_over.items():
                 values[_short(k)] = v
-                parts.append(f"{_short(k)}={_fmt(v)}")
+                parts.append(f"{_short(k)}={format_value(v)}")
             yield var, grid_over, values, ",".join(parts) or "base"
 
 

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qkv.chat_vision import VisionChatSession
 from qkv.config import ConfigError
+from qkv.experiments.attention import collect_attentions
+from qkv.interop.llava import ImageProcessor, load_image
+from qkv.interop.tokenizer import load_hf_tokenizer
+from qkv.models.vit import draw_patch_overlays
+from qkv.storage import atomic_write_text
 
 
 def add_image_arguments(p: Any) -> None:
@@ -66,8 +72,6 @@ class ImageAttention:
 def image_prompt(model: Any, tokenizer: Any, processor: Any, question: str,
                  image: Any) -> tuple[list[int], Tensor]:
     """(prompt ids with the placeholders, pixel_values) exactly as `qkv chat --image` builds them."""
-    from qkv.chat_vision import VisionChatSession
-
     session = VisionChatSession(model, tokenizer, processor=processor)
     session.set_image(image)
     return session._render([{"role": "user", "content": question}]), session.pixel_values
@@ -100,8 +104,6 @@ def image_attention(model: Any, tokenizer: Any, processor: Any, question: str, i
                     max_new_tokens: int = 16) -> ImageAttention:
     """The map for a question about an image: the greedy answer (at most max_new_tokens), then the attention
     of its tokens (or of answer token `token` alone) to the image's patches."""
-    from qkv.experiments.attention import collect_attentions
-
     c = model.config
     if not question.strip():
         raise ConfigError("--input: the question is empty")
@@ -144,11 +146,6 @@ def vlm_attention_report(model: Any, folder: Path, question: str, image_file: st
                          layer: int | None = None, token: int | None = None) -> list[str]:
     """`qkv attention LLAVA --image FILE --input QUESTION`: the overlay PNG and <stem>_image.json (the grid,
     the answer, what was averaged); returns the lines printed."""
-    from qkv.interop.llava import ImageProcessor, load_image
-    from qkv.interop.tokenizer import load_hf_tokenizer
-    from qkv.models.vit import draw_patch_overlays
-    from qkv.storage import atomic_write_text
-
     try:
         picture = load_image(image_file)
     except ValueError as e:

@@ -12,23 +12,48 @@ generation config) only this file changes. What it reuses:
   positions        the stacks' PositionalEncoding objects (nn/position.py) and the family tables that still
                    live outside the hooks (ViT's patch table, Whisper's audio sinusoids)
 
-Images and audio in: explore/media.py. What qkv does not compute and this file does: the per-step next-token
-probabilities (generate() returns no scores: a replay of the generated tokens through a real PagedKVCache
-gives the logits and the paged block counts in one pass).
+Audio in, and an image's pixels for the page: explore/media.py. What qkv does not compute and this file
+does: the per-step next-token probabilities (generate() returns no scores: a replay of the generated tokens
+through a real PagedKVCache gives the logits and the paged block counts in one pass).
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.config import ConfigError
+from qkv.experiments import diagnostics
+from qkv.experiments.attention import collect_attentions, teacher_forced_input, token_label
+from qkv.experiments.attention import greedy_target as greedy
+from qkv.experiments.attention import target_token_ids as label_ids
+from qkv.experiments.attention import tokenize as tokenize_any
 from qkv.experiments.attention_report import UNSUPPORTED
+from qkv.experiments.vlm_attention import image_attention
+from qkv.explore.loaded import ExploreError, Loaded, config
+from qkv.explore.media import (  # noqa: F401  (re-exported: callers reach the images and audio through here)
+    audio,
+    audio_frames,
+    frame_seconds,
+    pixels_for_display,
+)
+from qkv.generate import GenerationConfig, generate
+from qkv.interop.llava import ImageProcessor
+from qkv.interop.tokenizer import load_hf_tokenizer
+from qkv.nn.attention import causal_mask
+from qkv.nn.position import ALiBi, Learned, PatchGrid, RoPE, Sinusoidal
+from qkv.run import load_model_any, load_run_task, model_folder, run_folder_of
 from qkv.storage import atomic_write_text as atomic_write_text  # for export.py: one atomic writer
+from qkv.tasks.digits import load_digit_images
+from qkv.tasks.seq2seq import PairTask
+from qkv.tasks.tokenizers import SEP, CharTokenizer, find_tokenizer
 
 # the kinds the explorer has views for (a model declares its kinds: qkv.models.registry); it branches on the
 # kind only, never on the family
@@ -37,31 +62,9 @@ MAX_PROMPT_BYTES = 20_000  # a request larger than this is refused before tokeni
 POSITIONS_SHOWN = 64  # positions drawn in the RoPE pictures
 
 
-class ExploreError(ValueError):
-    """A user error (bad input, unsupported model): shown on the page, answered with HTTP 400."""
-
-
-@dataclass
-class Loaded:
-    """A model ready to explore: the module, how to turn input into tokens, and what kind it is."""
-
-    model: torch.nn.Module
-    name: str
-    family: str
-    kind: str  # decoder | seq2seq | encoder | image | audio
-    tokenizer: Any = None  # None: the input is whitespace-separated token ids
-    task: Any = None  # the run's task when MODEL is a run folder
-    folder: Path | None = None
-    vision: Any = None  # a vision-language model: (its chat tokenizer, its ImageProcessor)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time uses the model
-
-
 def load(path: str | Path, quantize: str | None = None) -> Loaded:
     """A qkv run folder, a qkv checkpoint folder or a Hugging Face folder qkv loads (gpt2, bert, vit,
     whisper); quantize: "int8" / "int4" weight-only (qkv.nn.quant)."""
-    from qkv.run import _model_folder, load_model_any, load_run_task, run_folder_of
-    from qkv.tasks.tokenizers import find_tokenizer
-
     path = Path(path)
     model = load_model_any(path, quantize)
     model.eval()
@@ -74,24 +77,17 @@ def load(path: str | Path, quantize: str | None = None) -> Loaded:
                            f"(family {family!r})")
     task = load_run_task(path) if run_folder_of(path) is not None else None
     tok = getattr(task, "tokenizer", None) if task is not None else None
-    folder = _model_folder(path)
+    folder = model_folder(path)
     if tok is None and kind != "image":
         tok = find_tokenizer(folder)
     vision = None
     if hasattr(model, "image_features"):  # a vision-language model (LLaVA): questions about an image
-        from qkv.interop.llava import ImageProcessor
-        from qkv.interop.tokenizer import load_hf_tokenizer
 
         vision = (load_hf_tokenizer(folder), ImageProcessor.from_folder(folder))
     return Loaded(model, path.name or str(path), family, kind, tok, task, folder, vision)
 
 
 # -- model facts -------------------------------------------------------------------------------------------
-def config(ld: Loaded) -> Any:
-    """The model's config (a vision-language model's: its language model's; the page shows that)."""
-    return ld.model.config.text if ld.vision is not None else ld.model.config
-
-
 def stacks(ld: Loaded) -> dict[str, Any]:
     """The model's Stacks by role: {"decoder": ...} / {"encoder": ...} / both."""
     m = ld.model.language_model if ld.vision is not None else ld.model
@@ -183,9 +179,6 @@ def tokenize(ld: Loaded, text: str, what: str = "input",
              vocab: int | None = None) -> tuple[list[int], list[str]]:
     """Ids and display labels of `text`. Empty text and characters a character/word tokenizer does not know
     are errors (a char tokenizer would otherwise silently turn them into <unk>)."""
-    from qkv.experiments.attention import tokenize as tokenize_any
-    from qkv.tasks.tokenizers import CharTokenizer
-
     if not text or not text.strip():
         raise ExploreError(f"the {what} is empty: type some text")
     if len(text.encode("utf-8")) > MAX_PROMPT_BYTES:
@@ -214,21 +207,16 @@ def tokenize(ld: Loaded, text: str, what: str = "input",
 
 
 def label(ld: Loaded, i: int) -> str:
-    from qkv.experiments.attention import _label
-
     tok = ld.tokenizer
     if tok is None:
         return str(i)
     itos = getattr(tok, "itos", None)
-    return _display(itos[i] if itos is not None and 0 <= i < len(itos) else _label(tok, i))
+    return _display(itos[i] if itos is not None and 0 <= i < len(itos) else token_label(tok, i))
 
 
 def prompt_ids(ld: Loaded, ids: list[int]) -> list[int]:
     """What the model is fed for generation: a decoder-only model trained on a (source, target) task expects
     [source, <sep>] (tasks/seq2seq.py)."""
-    from qkv.tasks.seq2seq import PairTask
-    from qkv.tasks.tokenizers import SEP
-
     if ld.kind == "decoder" and isinstance(ld.task, PairTask):
         return ids + [SEP]
     return ids
@@ -237,9 +225,6 @@ def prompt_ids(ld: Loaded, ids: list[int]) -> list[int]:
 def check_sampling(**settings: Any) -> None:
     """The sampling settings by GenerationConfig's rule, the one the CLI and the server use (temperature 0 is
     greedy), its message the page's error."""
-    from qkv.config import ConfigError
-    from qkv.generate import GenerationConfig
-
     try:
         GenerationConfig(**settings)
     except ConfigError as e:
@@ -256,8 +241,6 @@ def check_length(n: int, limit: int | None, what: str) -> None:
 @torch.no_grad()
 def attention(ld: Loaded, batch: dict[str, Tensor]) -> dict[str, list[Tensor]]:
     """{"self" | "encoder self" | "decoder self" | "cross": [(1, H, Tq, Tk)] per layer}: the naive softmax."""
-    from qkv.experiments.attention import collect_attentions
-
     if ld.kind == "image":
         out = ld.model(pixel_values=batch["pixel_values"], return_attentions=True)
         return {"self": [layer["self"] for layer in out.attentions]}
@@ -273,8 +256,6 @@ def attention(ld: Loaded, batch: dict[str, Tensor]) -> dict[str, list[Tensor]]:
 def image_question(ld: Loaded, text: str, image_index: int, max_new_tokens: int) -> tuple[Any, str]:
     """A vision-language model's greedy answer to `text` about built-in image `image_index`, with the maps of
     every layer over the prompt and the answer (experiments.vlm_attention.ImageAttention), and a caption."""
-    from qkv.experiments.vlm_attention import image_attention
-
     if not text or not text.strip():
         raise ExploreError("the question is empty: type one")
     picture, caption = question_image(ld, image_index)
@@ -293,15 +274,12 @@ def causal(ld: Loaded, kind: str) -> bool:
 
 def head_stats(ld: Loaded, kind: str, layers: list[Tensor]) -> list[Any]:
     """experiments.diagnostics per-head statistics (entropy, mean max prob, one-hot / uniform flag)."""
-    from qkv.experiments.diagnostics import flag_heads, head_stats
-    from qkv.nn.attention import causal_mask
-
     tq, tk = layers[0].shape[-2], layers[0].shape[-1]
     vis = causal_mask(tq, tk, layers[0].device)[None, None] if causal(ld, kind) else None
     stats = []
     for i, w in enumerate(layers):
-        stats.extend(head_stats(w, kind, i, vis))
-    flag_heads(stats)
+        stats.extend(diagnostics.head_stats(w, kind, i, vis))
+    diagnostics.flag_heads(stats)
     return stats
 
 
@@ -310,9 +288,6 @@ def teacher_forced_target(ld: Loaded, target: str) -> list[int]:
     """The decoder input for a typed target of a seq2seq model, as `qkv attention --target` builds it:
     [decoder start] + the target's label ids (the special tokens labels carry, e.g. BART's <s> ... </s>), less
     a final eos."""
-    from qkv.experiments.attention import _target_ids as label_ids
-    from qkv.experiments.attention import teacher_forced_input
-
     ids, _ = tokenize(ld, target, "target")  # its checks: empty, too long, unknown symbols, the id range
     if ld.tokenizer is not None:
         ids = label_ids(ld.tokenizer, target)
@@ -321,8 +296,6 @@ def teacher_forced_target(ld: Loaded, target: str) -> list[int]:
 
 def greedy_target(ld: Loaded, src: Tensor, max_new_tokens: int) -> list[int]:
     """[bos] + the greedy output of a seq2seq model (the decoder input the maps are drawn for)."""
-    from qkv.experiments.attention import greedy_target as greedy
-
     if ld.kind == "audio":
         out = ld.model.generate(src, max_new_tokens)
         return [int(config(ld).bos_token_id)] + [int(i) for i in out[0].tolist()]
@@ -360,8 +333,6 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
     """Decode with qkv.generate(return_attentions=True), then replay the tokens through a PagedKVCache for
     the logits of each step and the blocks it holds. Returns (prefix ids, steps, cache facts): the prefix is
     the prompt (decoder-only) or [bos] (seq2seq)."""
-    from qkv.generate import generate
-
     m = ld.model
     c = config(ld)
     seq2seq = ld.kind in ("seq2seq", "audio")
@@ -409,13 +380,10 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
 def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
     """Each positional encoding the model holds: {"where", "kind", and its tensors}. The stacks' encodings
     through nn/position.py's classes, plus the family tables outside the hooks (ViT, Whisper)."""
-    from qkv.nn.position import ALiBi, Learned, RoPE, Sinusoidal
-
     m = ld.model
     found: list[dict[str, Any]] = []
     if ld.kind == "image":
         c = config(ld)
-        from qkv.nn.position import PatchGrid
 
         pos = m.encoder.position  # ViT's patch positions are the encoder's PatchGrid encoding
         table = pos.table((c.grid, c.grid)) if isinstance(pos, PatchGrid) else None
@@ -456,20 +424,52 @@ def position_encodings(ld: Loaded) -> list[dict[str, Any]]:
     return found
 
 
-def digit_images() -> tuple[Any, Any, Any]:
-    """scikit-learn's bundled digits: the page's sample images for a ViT (images, labels, classes)."""
-    from qkv.tasks.digits import load_digit_images
+# -- the built-in sample images ----------------------------------------------------------------------------
+def sample_images(ld: Loaded) -> int:
+    """How many built-in images the page offers (scikit-learn's bundled digits, or the run's held-out
+    split)."""
+    return 20
 
-    return load_digit_images()
+
+def image(ld: Loaded, index: int) -> tuple[Tensor, str]:
+    """(1, C, H, W) pixels in the model's input range, and a caption. A run folder's own held-out images
+    (its task knows the preprocessing); otherwise scikit-learn's bundled 8x8 digits, resized to the model's
+    image size (offline, always at hand)."""
+    c = config(ld)
+    if not 0 <= index < sample_images(ld):
+        raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
+    if ld.task is not None and hasattr(ld.task, "batch"):
+        b = ld.task.batch(0, index + 1, "val")
+        px, y = b["pixel_values"][index:index + 1], int(b["labels"][index])
+        names = getattr(ld.task, "classes", None)
+        return px.float(), f"held-out image {index} (class {names[y] if names else y})"
+    imgs, labels, _ = load_digit_images()
+    x = torch.from_numpy(imgs[index]).float()[None, None]  # (1, 1, 8, 8) in [0, 1]
+    x = F.interpolate(x, size=(c.image_size, c.image_size), mode="bilinear", align_corners=False)
+    x = _normalize(ld, x.repeat(1, c.n_channels, 1, 1))
+    return x, f"scikit-learn digit {index} (a {int(labels[index])})"
 
 
-# the images-and-audio half of this interface lives in its own module; callers reach it through this one
-from qkv.explore.media import (  # noqa: E402, F401
-    audio,
-    audio_frames,
-    frame_seconds,
-    image,
-    pixels_for_display,
-    question_image,
-    sample_images,
-)
+def question_image(ld: Loaded, index: int) -> tuple[Any, str]:
+    """A vision-language model's built-in image: scikit-learn's digit `index` as an RGB PIL image (the
+    folder's own preprocessing resizes it)."""
+    from PIL import Image  # noqa: PLC0415  (PIL: loaded only when an image file is read)
+
+    if not 0 <= index < sample_images(ld):
+        raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
+    imgs, labels, _ = load_digit_images()
+    grey = Image.fromarray(np.asarray(imgs[index] * 255, dtype=np.uint8)).resize((64, 64), Image.NEAREST)
+    return grey.convert("RGB"), f"scikit-learn digit {index} (a {int(labels[index])})"
+
+
+def _normalize(ld: Loaded, x: Tensor) -> Tensor:
+    """A Hugging Face image folder's own normalisation (preprocessor_config.json), when it has one."""
+    cfg = ld.folder / "preprocessor_config.json" if ld.folder is not None else None
+    if cfg is None or not cfg.is_file():
+        return x
+    pre = json.loads(cfg.read_text(encoding="utf-8"))
+    if not pre.get("do_normalize", True) or "image_mean" not in pre:
+        return x
+    mean = torch.tensor(pre["image_mean"], dtype=x.dtype).view(1, -1, 1, 1)
+    std = torch.tensor(pre.get("image_std", [1.0] * len(pre["image_mean"])), dtype=x.dtype).view(1, -1, 1, 1)
+    return (x - mean[:, : x.shape[1]]) / std[:, : x.shape[1]]

@@ -6,7 +6,8 @@ import base64
 from pathlib import Path
 
 from qkv.explore.adapter import ExploreError, load
-from qkv.explore.export import check_export_path
+from qkv.explore.export import check_export_path, export_html
+from qkv.explore.server import serve
 
 
 def explore(model: str, *, host: str = "127.0.0.1", port: int = 8000, text: str | None = None,
@@ -20,8 +21,6 @@ def explore(model: str, *, host: str = "127.0.0.1", port: int = 8000, text: str 
         check_export_path(Path(export))  # before loading the model: a wrong path fails at once
     ld = load(model, quantize)
     if export is not None:
-        from qkv.explore.export import export_html
-
         kw: dict = {}
         if wav is not None:
             kw["wav_base64"] = base64.b64encode(_read_wav(Path(wav))).decode()
@@ -38,7 +37,6 @@ def explore(model: str, *, host: str = "127.0.0.1", port: int = 8000, text: str 
         out = export_html(ld, text, Path(export), target=target, **kw)
         print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): open it in a browser, no server needed")
         return 0
-    from qkv.explore.server import serve
 
     serve(ld, host=host, port=port)
     return 0

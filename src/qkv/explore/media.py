@@ -1,75 +1,23 @@
-"""Images and audio into the explorer: the built-in sample images, a ViT's normalised pixels, a WAV file (or a
-run's rendered DTMF digits) at a Whisper model's sample rate, and how audio maps onto encoder frames."""
+"""Images and audio into the explorer: an image's pixels for the page, a WAV file (or a run's rendered DTMF
+digits) at a Whisper model's sample rate, and how audio maps onto encoder frames. The built-in sample images
+come from qkv.tasks, so adapter.py reads them."""
 
 from __future__ import annotations
 
 import base64
 import io
 import math
-from typing import Any
+import random
+import wave
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from qkv.explore.adapter import ExploreError, Loaded, config, digit_images
+from qkv.explore.loaded import ExploreError, Loaded, config
 
 
 # -- images and audio --------------------------------------------------------------------------------------
-def sample_images(ld: Loaded) -> int:
-    """How many built-in images the page offers (scikit-learn's bundled digits, or the run's held-out
-    split)."""
-    return 20
-
-
-def image(ld: Loaded, index: int) -> tuple[Tensor, str]:
-    """(1, C, H, W) pixels in the model's input range, and a caption. A run folder's own held-out images
-    (its task knows the preprocessing); otherwise scikit-learn's bundled 8x8 digits, resized to the model's
-    image size (offline, always at hand)."""
-    import torch.nn.functional as F
-
-    c = config(ld)
-    if not 0 <= index < sample_images(ld):
-        raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
-    if ld.task is not None and hasattr(ld.task, "batch"):
-        b = ld.task.batch(0, index + 1, "val")
-        px, y = b["pixel_values"][index:index + 1], int(b["labels"][index])
-        names = getattr(ld.task, "classes", None)
-        return px.float(), f"held-out image {index} (class {names[y] if names else y})"
-    imgs, labels, _ = digit_images()
-    x = torch.from_numpy(imgs[index]).float()[None, None]  # (1, 1, 8, 8) in [0, 1]
-    x = F.interpolate(x, size=(c.image_size, c.image_size), mode="bilinear", align_corners=False)
-    x = _normalize(ld, x.repeat(1, c.n_channels, 1, 1))
-    return x, f"scikit-learn digit {index} (a {int(labels[index])})"
-
-
-def question_image(ld: Loaded, index: int) -> tuple[Any, str]:
-    """A vision-language model's built-in image: scikit-learn's digit `index` as an RGB PIL image (the
-    folder's own preprocessing resizes it)."""
-    import numpy as np
-    from PIL import Image
-
-    if not 0 <= index < sample_images(ld):
-        raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
-    imgs, labels, _ = digit_images()
-    grey = Image.fromarray(np.asarray(imgs[index] * 255, dtype=np.uint8)).resize((64, 64), Image.NEAREST)
-    return grey.convert("RGB"), f"scikit-learn digit {index} (a {int(labels[index])})"
-
-
-def _normalize(ld: Loaded, x: Tensor) -> Tensor:
-    """A Hugging Face image folder's own normalisation (preprocessor_config.json), when it has one."""
-    import json
-
-    cfg = ld.folder / "preprocessor_config.json" if ld.folder is not None else None
-    if cfg is None or not cfg.is_file():
-        return x
-    pre = json.loads(cfg.read_text(encoding="utf-8"))
-    if not pre.get("do_normalize", True) or "image_mean" not in pre:
-        return x
-    mean = torch.tensor(pre["image_mean"], dtype=x.dtype).view(1, -1, 1, 1)
-    std = torch.tensor(pre.get("image_std", [1.0] * len(pre["image_mean"])), dtype=x.dtype).view(1, -1, 1, 1)
-    return (x - mean[:, : x.shape[1]]) / std[:, : x.shape[1]]
-
-
 def pixels_for_display(px: Tensor) -> list[list[list[float]]]:
     """(H, W, 3) floats in [0, 1] for a canvas: min-max scaled (the model's normalisation is unknown here)."""
     x = px[0].float()
@@ -86,8 +34,6 @@ def audio(ld: Loaded, text: str, wav_base64: str | None) -> tuple[Tensor, str]:
     if wav_base64:
         return _read_wav(base64.b64decode(wav_base64), c.sample_rate, c.n_samples), "uploaded WAV"
     if ld.task is not None and hasattr(ld.task, "render"):
-        import random
-
         text = text.strip()
         if not text:
             raise ExploreError("the input is empty: type the digits to render as audio")
@@ -103,17 +49,13 @@ def audio(ld: Loaded, text: str, wav_base64: str | None) -> tuple[Tensor, str]:
                                "string "
                                f"may not fit its {c.n_samples / c.sample_rate:.2f} s clip), as a longer WAV "
                                "is refused")
-        wave = ld.task.render(text, random.Random(0), "val")
-        clip = torch.as_tensor(wave, dtype=torch.float32)[None, : c.n_samples]
+        samples = ld.task.render(text, random.Random(0), "val")
+        clip = torch.as_tensor(samples, dtype=torch.float32)[None, : c.n_samples]
         return clip, f"{text!r} rendered by the task"
     raise ExploreError("this audio model has no task to render text: choose a WAV file")
 
 
 def _read_wav(data: bytes, rate: int, max_samples: int) -> Tensor:
-    import wave
-
-    import numpy as np
-
     try:
         with wave.open(io.BytesIO(data)) as w:
             sr, ch, width, n = w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()
@@ -127,7 +69,7 @@ def _read_wav(data: bytes, rate: int, max_samples: int) -> Tensor:
     x = (x - 128.0) / 128.0 if width == 1 else x / float(2 ** (8 * width - 1))
     x = x.reshape(-1, ch).mean(1)
     if sr != rate:
-        from scipy.signal import resample_poly
+        from scipy.signal import resample_poly  # noqa: PLC0415  (scipy: an optional extra, for resampling)
 
         g = math.gcd(sr, rate)
         x = resample_poly(x, rate // g, sr // g)

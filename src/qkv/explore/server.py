@@ -134,7 +134,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(ld: Loaded, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Run the app with uvicorn until interrupted, on a socket bound here first (see listen)."""
-    import uvicorn
+    import uvicorn  # noqa: PLC0415  (uvicorn: loaded only when the page is served)
 
     sock = listen(host, port)
     if host not in ("127.0.0.1", "localhost", "::1"):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError, _closest, check_flag_keys, parse_overrides
+from qkv.config import ConfigError, check_flag_keys, parse_overrides, suggest
 
 DEFAULT_BY_KIND = {"decoder": "chat", "encoder": "classify", "seq2seq": "seq2seq"}
 FINETUNE_FILE = "finetune.json"  # in OUT: the recipe that wrote it, its settings and results
@@ -300,7 +300,7 @@ def choose(task: str | None, kind: str) -> Recipe:
                           f"({', '.join(sorted(all_))})")
     if name not in all_:
         raise ConfigError(f"unknown fine-tuning task {name!r}" +
-                          _closest(name, list(all_)).replace("valid keys", "known tasks"))
+                          suggest(name, list(all_), "known tasks"))
     r = all_[name]
     if kind not in r.kinds:
         raise ConfigError(f"--task {name} fine-tunes {'/'.join(r.kinds)} models; this folder holds a {kind} "

@@ -422,5 +422,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 register_recipe(Recipe("chat", ("decoder",), "decoder models: chat / instruction data, loss on the "
-                                             "assistant's "
-                       "tokens only; full fine-tuning or LoRA", run, add_arguments, distributed=True))
+                       "assistant's tokens only; full fine-tuning or LoRA", run, add_arguments,
+                       distributed=True))

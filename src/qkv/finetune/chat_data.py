@@ -14,9 +14,9 @@ from torch import Tensor
 
 from qkv.config import ConfigError
 from qkv.finetune import read_data_text
+from qkv.finetune.chat_tokens import IGNORE, encode_plain
 
 ROLES = ("system", "user", "assistant")
-IGNORE = -100
 
 
 @dataclass(frozen=True)
@@ -182,23 +182,7 @@ def encode_chat(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], li
     if tok.has_chat_template:
         ids, mask = tok.apply_chat_template(messages, return_assistant_mask=True)
         return list(ids), [i if m else IGNORE for i, m in zip(ids, mask)]
-    return _plain(tok, messages)
-
-
-def _plain(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """The plain transcript `qkv chat` uses for a folder without a template ("system\n\nUser: ...\nAssistant:
-    ..."), with the eos token written after each answer; the loss on " answer<eos>". Tokenized as one text
-    (as qkv chat tokenizes it), the answers located by character offsets."""
-    from qkv.chat import plain_transcript
-    from qkv.interop.tokenizer import spans_to_token_mask
-
-    if tok.eos_token is None:
-        raise ConfigError("the model folder has no chat template and no eos token: cannot mark where an "
-                          "answer ends")
-    text, spans = plain_transcript(messages, tok.eos_token, reply=False)
-    ids, offsets = tok.encode_with_offsets(text, add_special_tokens=True)  # as qkv chat encodes its prompt
-    mask = spans_to_token_mask(spans, offsets)
-    return ids, [i if m else IGNORE for i, m in zip(ids, mask)]
+    return encode_plain(tok, messages)
 
 
 def build_examples(tok: Any, records: list[tuple[int, list[dict[str, Any]]]], max_length: int, path: str,

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.finetune.chat_tokens import IGNORE, encode_plain
 from qkv.image_io import DEFAULT_LIMITS, open_image
 
 IMAGE_PART = {"type": "image"}  # what the chat template reads; "url" (the source) is kept alongside
@@ -196,15 +197,14 @@ def _text(m: dict[str, Any]) -> str:
 
 def _render(tok: Any, messages: list[dict[str, Any]], v: VisionData) -> tuple[list[int], list[int]]:
     """(ids, assistant mask) of one conversation, one image token per image."""
-    from qkv.finetune.chat_data import _plain
     from qkv.interop.tokenizer import has_generation_blocks, spans_to_token_mask
 
     if not tok.has_chat_template:  # qkv chat's plain transcript: the image token opens its message
         flat = [{"role": m["role"], "content": "".join(
             f"{v.image_token}\n" for p in m["content"] if p["type"] == "image") + _text(m)}
             if isinstance(m["content"], list) else m for m in messages]
-        ids, labels = _plain(tok, flat)
-        return ids, [int(x != -100) for x in labels]
+        ids, labels = encode_plain(tok, flat)
+        return ids, [int(x != IGNORE) for x in labels]
     parts = _as_parts(messages)
     if has_generation_blocks(tok.chat_template or ""):
         ids, mask = tok.apply_chat_template(parts, return_assistant_mask=True)
@@ -221,8 +221,6 @@ def encode_image_chat(tok: Any, messages: list[dict[str, Any]], v: VisionData,
                       where: str) -> tuple[list[int], list[int], Tensor | None]:
     """(ids, labels, pixel_values (n, C, H, W) or None) of one conversation: the image tokens expanded to
     image_tokens placeholders each, labels IGNORE on them and outside the assistant's tokens."""
-    from qkv.finetune.chat_data import IGNORE
-
     images = [p["url"] for m in messages if isinstance(m["content"], list)
               for p in m["content"] if p["type"] == "image"]
     ids, mask = _render(tok, messages, v)

@@ -64,10 +64,10 @@ def scores(gold: list[int], pred: list[int], n: int) -> dict[str, float]:
 
 
 def plot_confusion(m: list[list[int]], names: list[str], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (matplotlib: slow to import, only for plots)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     n = len(names)
     fig, ax = plt.subplots(figsize=(1.2 + 0.6 * n, 1.0 + 0.6 * n))

@@ -11,17 +11,25 @@ import argparse
 import csv
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError, apply_overrides
+import qkv
+from qkv.config import ConfigError, apply_overrides, from_dict
 from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
-from qkv.interop.bert import ENCODER_LAYOUTS, encoder_layout
+from qkv.interop.bert import ENCODER_LAYOUTS, encoder_layout, export_encoder
+from qkv.interop.export_tokenizer import copy_tokenizer_files
+from qkv.interop.tokenizer import HFTokenizer
+from qkv.storage import read_config
 from qkv.tasks.base import text_lines
+from qkv.tasks.tokenizers import BPETokenizer, find_tokenizer
+from qkv.train import TrainConfig
+from qkv.train import checkpoint as ckpt
+from qkv.train.config import train_overrides
 
 
 def flag(group: argparse._ArgumentGroup, name: str, **kwargs: Any) -> None:
@@ -56,11 +64,6 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
     """A Hugging Face BERT / RoBERTa / XLM-R / DistilBERT / DeBERTa-v2/v3 folder and its tokenizer
     (tokenizer.json, else vocab.txt), found by the library's one lookup
     (qkv.tasks.tokenizers.find_tokenizer)."""
-    from qkv import from_pretrained
-    from qkv.interop.tokenizer import HFTokenizer
-    from qkv.storage import read_config
-    from qkv.tasks.tokenizers import BPETokenizer, find_tokenizer
-
     folder = Path(folder)
     meta = read_config(folder)
     mt = meta.get("model_type")
@@ -69,7 +72,7 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
             f"{folder}: the encoder recipes take a Hugging Face {'/'.join(ENCODER_LAYOUTS)} folder; "
             f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else "")
         )
-    model = from_pretrained(folder)
+    model = qkv.from_pretrained(folder)
     found = find_tokenizer(folder)
     # the `tokenizers` object inside (batches with offsets and truncation): a folder's tokenizer.json or
     # vocab.txt (HFTokenizer), or a tokenizer.json that qkv's BPE wrapper accepted
@@ -88,9 +91,6 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
 
 def export_folder(enc: EncoderFolder, model: Any, out: Path, id2label: dict[int, str] | None) -> Path:
     """`model` as a Hugging Face folder of the source's family, with the source's tokenizer files."""
-    from qkv.interop.bert import export_encoder
-    from qkv.interop.export_tokenizer import copy_tokenizer_files
-
     export_encoder(model, out, enc.layout(), base_config=enc.hf_config, id2label=id2label)
     # a classifier or tagger does not generate: a generation_config.json beside it would describe no use of it
     copy_tokenizer_files(enc.path, out, generation=False)
@@ -101,8 +101,6 @@ def new_head_model(enc: EncoderFolder, head: str, num_labels: int, seed: int) ->
     """The folder's model class (BERT, or DeBERTa) with `head` (classify: the pooler kept or added; tag: per
     token) over the folder's encoder. Seeded before building so the new head's initial weights are the same
     in every run."""
-    from dataclasses import replace
-
     cfg = replace(enc.model.config, head=head, num_labels=num_labels,
                   pooler=head == "classify" or (head != "tag" and enc.model.config.pooler))
     torch.manual_seed(seed)
@@ -289,10 +287,6 @@ FINETUNE_DEFAULTS = {"lr": 3e-5, "schedule": "linear", "warmup": 0.06, "weight_d
 def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
     """TrainConfig for a fine-tuning run: the defaults above, --epochs (max_steps = epochs x batches per
     epoch), an evaluation and a checkpoint each epoch, then the command line's train.key=value overrides."""
-    from qkv.config import from_dict
-    from qkv.train import TrainConfig
-    from qkv.train.config import train_overrides
-
     raw = {f"train.{k}": v for k, v in train_overrides(getattr(args, "overrides", None)).items()}
     batch = int(raw.get("train.batch_size", FINETUNE_DEFAULTS["batch_size"]))
     accum = int(raw.get("train.grad_accum", FINETUNE_DEFAULTS.get("grad_accum", 1)))
@@ -306,8 +300,6 @@ def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
 
 def best_state(out: Path) -> dict[str, Tensor] | None:
     """The weights of OUT/checkpoints/best, when the run kept one."""
-    from qkv.train import checkpoint as ckpt
-
     folder = Path(out) / "checkpoints" / ckpt.BEST
     if not (folder / "model.safetensors").is_file():
         return None

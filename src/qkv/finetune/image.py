@@ -20,6 +20,7 @@ AutoModelForImageClassification load.
 from __future__ import annotations
 
 import argparse
+import json
 import types
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,14 +28,28 @@ from typing import Any
 
 import torch
 
-from qkv.config import ConfigError
-from qkv.finetune import FINETUNE_FILE, Recipe, mark_out, register_recipe, shared
+from qkv.config import ConfigError, apply_overrides, from_dict
+from qkv.finetune import (
+    FINETUNE_FILE,
+    Recipe,
+    epoch_updates,
+    epochs_to_steps,
+    mark_out,
+    register_recipe,
+    shared,
+)
 from qkv.finetune.encoders import FINETUNE_DEFAULTS, best_state, flag
 from qkv.finetune.image_export import check_exportable, export_classifier, family_of, preprocessor_config
 from qkv.finetune.phases import PhasedRecipe
 from qkv.interop.llava import ImageProcessor
 from qkv.models.clip import CLIP
+from qkv.predict import hf_meta, preprocessing_for
+from qkv.run import load_model_any, model_folder
 from qkv.storage import atomic_write_json
+from qkv.tasks.images import ImageFolderOptions, build_image_folder
+from qkv.train import TrainConfig, Trainer
+from qkv.train.callbacks import Callback
+from qkv.train.config import train_overrides
 
 # fine-tuning a pretrained vision model: a higher rate than BERT's 3e-5 (the ViT paper's fine-tuning
 # sweeps 1e-3 .. 3e-2 with SGD; with AdamW 1e-4 is the common choice), larger batches of small inputs
@@ -91,9 +106,6 @@ def _image_size(model: Any, pre: Any) -> int:
 def open_image_model(path: str | Path) -> ImageSource:
     """A Hugging Face vit / resnet / swin folder or a qkv image run (its newest checkpoint), with its
     preprocessing and class names (read as `qkv predict` reads them)."""
-    from qkv.predict import hf_meta, preprocessing_for
-    from qkv.run import load_model_any, model_folder
-
     model = load_model_any(path)
     if isinstance(model, CLIP):
         return clip_source(Path(path), model)
@@ -124,8 +136,6 @@ def clip_source(path: Path, model: CLIP) -> ImageSource:
 
 def load_images(s: Any, src: ImageSource) -> Any:
     """The image_folder task over --data at the model's size and channels, normalised as the model is."""
-    from qkv.tasks.images import ImageFolderOptions, build_image_folder
-
     if not 0.0 < s.dev_fraction < 1.0:
         raise ConfigError(f"--dev-fraction must be between 0 and 1, got {s.dev_fraction:g}")
     augment = not s.no_augment
@@ -190,11 +200,6 @@ def freeze_backbone(model: Any) -> None:
 def train_config(s: Any, n_train: int) -> Any:
     """TrainConfig: the BERT-style fine-tuning defaults with this recipe's rate and batch, --epochs as steps,
     an evaluation and a checkpoint each epoch, then the train.key=value overrides."""
-    from qkv.config import apply_overrides, from_dict
-    from qkv.finetune import epoch_updates, epochs_to_steps
-    from qkv.train import TrainConfig
-    from qkv.train.config import train_overrides
-
     raw = {f"train.{k}": v for k, v in train_overrides(s.args.overrides).items()}
     accum = int(raw.get("train.grad_accum", 1))
     per_epoch = epoch_updates(n_train, s.batch_size, accum)
@@ -207,8 +212,6 @@ def train_config(s: Any, n_train: int) -> Any:
 
 def earlier_epochs(out: Path) -> list[tuple[int, float]]:
     """(step, dev accuracy) of the epochs OUT/finetune.json records (none for a run that never finished)."""
-    import json
-
     try:
         rows = json.loads((out / FINETUNE_FILE).read_text(encoding="utf-8")).get("epochs") or []
         return [(int(r["step"]), float(r["dev_accuracy"])) for r in rows]
@@ -273,9 +276,6 @@ class ImageClassifyRecipe(PhasedRecipe):
         return {"accuracy": metrics["accuracy"]}
 
     def train(self) -> dict[str, Any]:
-        from qkv.train import Trainer
-        from qkv.train.callbacks import Callback
-
         recipe = self
 
         class EpochLog(Callback):

@@ -15,7 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qkv.interop.common import require
+from qkv.config import ConfigError
+from qkv.interop.common import export_state, require, write_hf_folder
+from qkv.interop.resnet import resnet_config_to_hf, resnet_key_map
+from qkv.interop.swin import swin_key_map
+from qkv.interop.vit import vit_key_map
+from qkv.storage import atomic_write_json
 
 ARCHITECTURES = {"vit": "ViTForImageClassification", "resnet": "ResNetForImageClassification",
                  "swin": "SwinForImageClassification"}
@@ -27,8 +32,6 @@ def family_of(model: Any) -> str:
     """vit, resnet or swin, from the model's class."""
     name = type(model).__name__.lower()
     if name not in ARCHITECTURES:
-        from qkv.config import ConfigError
-
         raise ConfigError(f"--task image-classify fine-tunes ViT, ResNet and Swin classifiers, not "
                           f"{type(model).__name__}")
     return name
@@ -77,8 +80,6 @@ def hf_config(model: Any, base: dict[str, Any] | None, id2label: dict[int, str])
         config = {k: v for k, v in base.items()
                   if k not in ("num_labels", "_name_or_path", "dtype", "torch_dtype")}
     elif family == "resnet":
-        from qkv.interop.resnet import resnet_config_to_hf
-
         config = resnet_config_to_hf(model.config)
     else:
         config = (vit_config_to_hf if family == "vit" else swin_config_to_hf)(model.config)
@@ -97,14 +98,9 @@ def key_map(model: Any) -> dict[str, str]:
     """transformers' keys of the classifier -> ours (the loaders' maps, with the backbone's prefix)."""
     family, c = family_of(model), model.config
     if family == "vit":
-        from qkv.interop.vit import vit_key_map
-
         return vit_key_map(c.n_layers, PREFIX[family], pooler=False, classify=True)
     if family == "resnet":
-        from qkv.interop.resnet import resnet_key_map
-
         return resnet_key_map(model, PREFIX[family])
-    from qkv.interop.swin import swin_key_map
 
     return swin_key_map(c, PREFIX[family], classify=True)
 
@@ -120,9 +116,6 @@ def preprocessor_config(image_size: int, mean: list[float], std: list[float]) ->
 def export_classifier(model: Any, out: Path, base: dict[str, Any] | None, id2label: dict[int, str],
                       preprocessor: dict[str, Any]) -> Path:
     """`model` as a Hugging Face image-classification folder in `out` (each file written atomically)."""
-    from qkv.interop.common import export_state, write_hf_folder
-    from qkv.storage import atomic_write_json
-
     state = export_state(model.state_dict(), key_map(model))
     write_hf_folder(out, state, hf_config(model, base, id2label))
     atomic_write_json(preprocessor, Path(out) / "preprocessor_config.json")

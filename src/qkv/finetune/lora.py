@@ -49,6 +49,7 @@ from qkv.config import ConfigError
 from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.linear import Linear
 from qkv.nn.mla import MultiHeadLatentAttention
+from qkv.nn.params import count_parameters
 
 # Hugging Face (Llama/Mistral/Qwen) module names -> ours
 HF_ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "out_proj", "gate_proj": "gate",
@@ -262,7 +263,6 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> dict[str, Any]:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, LoRALinear(lin, slices, config.rank, config.alpha, config.dropout))
-    from qkv.nn.params import count_parameters
 
     return {"modules": plan, "trainable": count_parameters(model, trainable_only=True),
             "total": count_parameters(model)}

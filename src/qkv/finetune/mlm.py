@@ -27,11 +27,23 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
-from qkv.finetune import Recipe, register_recipe
-from qkv.finetune.encoders import EncodedData, EncoderFolder, encode, flag, new_head_model, pad_batch
+from qkv.finetune import FINETUNE_FILE, Recipe, mark_out, register_recipe
+from qkv.finetune.encoders import (
+    EncodedData,
+    EncoderFolder,
+    best_state,
+    encode,
+    export_folder,
+    flag,
+    new_head_model,
+    pad_batch,
+    train_config,
+)
 from qkv.finetune.phases import EncoderRecipe
+from qkv.storage import atomic_write_json
 from qkv.tasks.base import text_lines
 from qkv.tasks.mlm import MaskingRule, generator_for, mask_tokens, masked_lm_scores
+from qkv.train import Trainer
 
 METRICS = {"mlm_loss": "min", "perplexity": "min", "mlm_accuracy": "max"}
 MASK_NAMES = ("[MASK]", "<mask>")
@@ -141,10 +153,6 @@ class MLMRecipe(EncoderRecipe):
         return masked_lm_scores(model, self.dev.fixed_batches())
 
     def train(self) -> dict[str, Any]:
-        from qkv.finetune import mark_out
-        from qkv.finetune.encoders import train_config
-        from qkv.train import Trainer
-
         cfg = train_config(self.s.args, len(self.train_data), self.dev is not None)
         self.model = self.start_model()
         mark_out(self.s.out, self.name)
@@ -156,10 +164,6 @@ class MLMRecipe(EncoderRecipe):
     def save(self) -> dict[str, Any]:
         """OUT with the best checkpoint's weights (a checkpoint stores the tied decoder once, as the word
         embeddings), then the results."""
-        from qkv.finetune import FINETUNE_FILE
-        from qkv.finetune.encoders import best_state, export_folder
-        from qkv.storage import atomic_write_json
-
         best = best_state(self.s.out) if self.summary.get("best_eval") else None
         if best is not None:
             missing, unexpected = self.model.load_state_dict(best, strict=False)

@@ -27,6 +27,7 @@ from qkv.finetune.encoders import (
     train_config,
 )
 from qkv.storage import atomic_write_json
+from qkv.train import Trainer
 
 
 @dataclass
@@ -88,8 +89,6 @@ class EncoderRecipe(PhasedRecipe):
         raise NotImplementedError
 
     def train(self) -> dict[str, Any]:
-        from qkv.train import Trainer
-
         cfg = train_config(self.s.args, len(self.train_data), self.dev is not None)
         self.model = new_head_model(self.enc, self.head, self.n_labels, self.s.seed)
         mark_out(self.s.out, self.name)  # the data are read and checked: the run starts

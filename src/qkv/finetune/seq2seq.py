@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
+import qkv
 from qkv.config import ConfigError
+from qkv.extras import require
 from qkv.finetune import (
     Recipe,
     epoch_updates,
@@ -36,8 +38,12 @@ from qkv.finetune import (
     register_recipe,
     shared,
 )
+from qkv.interop.bart import save_bart
 from qkv.interop.export_tokenizer import copy_tokenizer_files
+from qkv.interop.t5 import save_t5
 from qkv.tasks.base import text_lines
+from qkv.tasks.tokenizers import find_tokenizer
+from qkv.train import Trainer, read_checkpoint, seed_everything
 from qkv.train.config import train_overrides
 
 
@@ -169,8 +175,6 @@ def rouge(hyps: list[str], refs: list[str]) -> dict[str, float]:
     """ROUGE-1, ROUGE-2 (n-gram overlap) and ROUGE-L (longest common subsequence): the mean over pairs of each
     pair's F1, x 100, from Google's `rouge-score` (Porter stemming, its lower-cased a-z0-9 tokens: text in
     other scripts scores 0 there), as Hugging Face `evaluate`'s rouge reports it."""
-    from qkv.extras import require
-
     scorer = require("rouge_score.rouge_scorer", "ROUGE of qkv finetune --task seq2seq").RougeScorer(
         list(ROUGE_TYPES), use_stemmer=True)
     per_pair = [scorer.score(r, h) for h, r in zip(hyps, refs)]
@@ -179,8 +183,6 @@ def rouge(hyps: list[str], refs: list[str]) -> dict[str, float]:
 
 def scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
     """BLEU and chrF (sacrebleu, corpus level), ROUGE-1/2/L (rouge) and the share of exact matches."""
-    from qkv.extras import require
-
     sacrebleu = require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq")
     return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
             "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score, **rouge(hyps, refs),
@@ -195,12 +197,8 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
     if "qkv_family" in meta or mt is None:
         model.save_pretrained(out)
     elif mt == "t5":
-        from qkv.interop.t5 import save_t5
-
         save_t5(model, out, meta)
     elif mt in ("bart", "marian"):
-        from qkv.interop.bart import save_bart
-
         save_bart(model, out, meta)
     else:
         raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, "
@@ -245,8 +243,6 @@ class Seq2SeqSettings:
             raise ConfigError("--max-source-length and --max-target-length must be at least 1")
         # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
         if args.dev:
-            from qkv.extras import require
-
             require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq --dev")
             require("rouge_score", "ROUGE of qkv finetune --task seq2seq --dev")
         return cls(model=Path(args.model), data=args.data, dev=args.dev, out=Path(args.out), seed=args.seed,
@@ -269,13 +265,9 @@ class Seq2SeqRecipe:
         self.s = settings
 
     def setup_model(self) -> Any:
-        from qkv import from_pretrained
-        from qkv.tasks.tokenizers import find_tokenizer
-        from qkv.train import seed_everything
-
         source = self.s.model
         seed_everything(self.s.seed)  # before anything is built: one seed gives the same run in a new process
-        self.model = from_pretrained(source)
+        self.model = qkv.from_pretrained(source)
         if not getattr(self.model, "is_seq2seq", False) or self.model.kind != "seq2seq":
             raise ConfigError(f"{source}: --task seq2seq fine-tunes encoder-decoder models, not "
                               f"{type(self.model).__name__}")
@@ -330,8 +322,6 @@ class Seq2SeqRecipe:
         return scores(translate(m, self.tok, self.dev.sources, model.config.pad_token_id, **gen), refs)
 
     def train(self) -> dict[str, Any]:
-        from qkv.train import Trainer
-
         train_cfg = self.train_config()
         self.model.train()
         mark_out(self.s.out, "seq2seq")  # the data are read and checked: the run starts
@@ -341,8 +331,6 @@ class Seq2SeqRecipe:
         return self.summary
 
     def save(self) -> Path:
-        from qkv.train import read_checkpoint
-
         best = self.summary.get("best_checkpoint")
         if best and Path(best).is_dir():  # the best epoch's weights go into the output folder
             state, _ = read_checkpoint(best)

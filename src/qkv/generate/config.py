@@ -21,7 +21,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError, _closest, from_dict, load_yaml, replace, to_dict
+from qkv.config import ConfigError, from_dict, load_yaml, replace, suggest, to_dict
 
 EARLY_STOPPING = (True, False, "never")
 CONTEXT_OVERFLOW = ("error", "slide")
@@ -258,7 +258,7 @@ class GenerationConfig:
         names = [f.name for f in fields(self)]
         for key in overrides:
             if key not in names:
-                raise ConfigError(f"unknown generation option {key!r}{_closest(key, names)}")
+                raise ConfigError(f"unknown generation option {key!r}{suggest(key, names)}")
         new = replace(self, **overrides)
         new._given = self.given() | frozenset(overrides)
         return new

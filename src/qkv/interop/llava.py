@@ -72,7 +72,7 @@ def canonical_key(key: str) -> str:
     return key
 
 
-def _sub_config(meta: dict[str, Any], name: str, defaults: dict[str, Any]) -> dict[str, Any]:
+def sub_config(meta: dict[str, Any], name: str, defaults: dict[str, Any]) -> dict[str, Any]:
     sub = meta.get(name) or {}
     require(isinstance(sub, dict), f"config.json: {name} must be a mapping, got {type(sub).__name__}")
     return {**defaults, **{k: v for k, v in sub.items() if v is not None or k not in defaults}}
@@ -109,8 +109,8 @@ def config_from_hf(
 ) -> VLMConfig:
     """A llava config.json -> VLMConfig (transformers' defaults for the fields it leaves out)."""
     m = {**LLAVA_DEFAULTS, **meta}
-    vision = _sub_config(meta, "vision_config", CLIP_DEFAULTS)
-    text = _sub_config(meta, "text_config", LLAMA_DEFAULTS)
+    vision = sub_config(meta, "vision_config", CLIP_DEFAULTS)
+    text = sub_config(meta, "text_config", LLAMA_DEFAULTS)
     n_used = feature_layer_index(m["vision_feature_layer"], int(vision["num_hidden_layers"]))
     select = m["vision_feature_select_strategy"]
     require(select in ("default", "full"), f"vision_feature_select_strategy {select!r} is not supported")
@@ -181,8 +181,8 @@ def load_llava(folder: Path, meta: dict[str, Any]) -> LLaVA:
     patch_bias = "vision.embeddings.patch_embedding.bias" in sd
     linear = "projector.linear_1.weight" in sd and "projector.linear_2.weight" not in sd
     config = config_from_hf(meta, patch_bias, linear)
-    _check_vision_sizes(sd, _sub_config(meta, "vision_config", CLIP_DEFAULTS), config)
-    text_meta = _sub_config(meta, "text_config", LLAMA_DEFAULTS)
+    _check_vision_sizes(sd, sub_config(meta, "vision_config", CLIP_DEFAULTS), config)
+    text_meta = sub_config(meta, "text_config", LLAMA_DEFAULTS)
     text = _split(folder, ("model.", "lm_head."))
     check_decoder_sizes(text, config.text)  # before the key map is expanded per layer
     decoder = load_decoder(folder, text_meta, config.text, key_map(config.text), text)

@@ -42,7 +42,7 @@ from qkv.interop import LOADERS
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
 from qkv.interop.llama import check_decoder_sizes, key_map, load_decoder
 from qkv.interop.llama import config_from_hf as llama_config_from_hf
-from qkv.interop.llava import LLAMA_DEFAULTS, _sub_config
+from qkv.interop.llava import LLAMA_DEFAULTS, sub_config
 from qkv.interop.vit import hf_activation
 from qkv.models.vlm import LLaVA, VisionConfig, VLMConfig
 from qkv.storage import CheckpointError
@@ -79,11 +79,11 @@ def _split(folder: Path, keep: tuple[str, ...]) -> HFTensors:
 def config_from_hf(meta: dict[str, Any]) -> VLMConfig:
     """An idefics3 / smolvlm config.json -> VLMConfig (transformers' defaults for fields it leaves out)."""
     m = {**IDEFICS3_DEFAULTS, **meta}
-    v = _sub_config(meta, "vision_config", VISION_DEFAULTS)
+    v = sub_config(meta, "vision_config", VISION_DEFAULTS)
     require(v.get("model_type") in VISION_TYPES,
             f"vision_config model_type {v.get('model_type')!r} is not supported (Idefics3's SigLIP tower)")
     # the top level's tie_word_embeddings is the one transformers reads (the decoder is a sub-module)
-    text = {**_sub_config(meta, "text_config", TEXT_DEFAULTS),
+    text = {**sub_config(meta, "text_config", TEXT_DEFAULTS),
             "tie_word_embeddings": m["tie_word_embeddings"]}
     vision = VisionConfig(
         image_size=int(v["image_size"]), patch_size=int(v["patch_size"]), n_channels=int(v["num_channels"]),
@@ -143,7 +143,7 @@ def load_idefics3(folder: Path, meta: dict[str, Any]) -> LLaVA:
     _check_vision_sizes(sd, config)
     text = _split(folder, ("model.", "lm_head."))
     check_decoder_sizes(text, config.text)  # before the key map is expanded per layer
-    text_meta = {**_sub_config(meta, "text_config", TEXT_DEFAULTS),
+    text_meta = {**sub_config(meta, "text_config", TEXT_DEFAULTS),
                  "tie_word_embeddings": config.text.tie_embeddings}
     decoder = load_decoder(folder, text_meta, config.text, key_map(config.text), text)
     sd.pop("vision.embeddings.position_ids", None)

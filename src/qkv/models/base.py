@@ -140,7 +140,7 @@ class QKVModel(nn.Module):
         """Autoregressive generation; see qkv.generate.generate for the arguments."""
         # The one upward import of the models layer (allow-listed in tests/nn/test_layering.py): the HF-style
         # model.generate(...) convenience. Generation itself consumes only the decoder protocol.
-        from qkv.generate import generate
+        from qkv.generate import generate  # noqa: PLC0415  (the one upward import (tests/nn/test_layering.py): model.generate() convenience)
 
         return generate(self, *args, **kwargs)
 

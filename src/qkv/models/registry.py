@@ -113,4 +113,4 @@ def build(name_or_config: Any, **overrides: Any) -> Any:
 
 
 def _ensure_loaded() -> None:
-    import qkv.models  # noqa: F401  (importing the package registers every family)
+    import qkv.models  # noqa: F401, PLC0415  (importing the package registers every family; the package imports this module)

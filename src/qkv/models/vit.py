@@ -184,10 +184,10 @@ def draw_patch_overlays(images: list[Tensor], maps: list[Tensor], path: str, tit
                         title: str = "", panel: float = 2.2) -> None:
     """One PNG, the images in a row: each image ((H, W) grey, or (H, W, 3) RGB in [0, 1]) with its (gh, gw)
     patch map drawn over it as a heat map, each patch upsampled to its pixels; panel: inches per image."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (matplotlib: slow to import, only for plots)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     B = len(images)
     fig, axes = plt.subplots(1, B, figsize=(panel * B, panel + 0.2), squeeze=False)

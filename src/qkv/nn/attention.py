@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.nn.linear import Linear
+from qkv.nn.norm import RMSNorm
 from qkv.nn.paged import PoolKeys, PoolRows
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -243,7 +244,6 @@ class MultiHeadAttention(nn.Module):
             self.qkv_proj = Linear(d_model, self.q_dim + 2 * kv_dim, bias=in_bias)
         self.out_proj = Linear(self.q_dim, d_model, bias=bias)
         if qk_norm:  # registered only when used: the plain layer's modules and state dict stay as they were
-            from qkv.nn.norm import RMSNorm
 
             self.q_norm, self.k_norm = RMSNorm(self.head_dim,
                                                qk_norm_eps), RMSNorm(self.head_dim, qk_norm_eps)

@@ -37,9 +37,10 @@ import torch
 from torch import Tensor, nn
 
 from qkv.nn.attention import BACKENDS, Backend, Unpadded, scaled_dot_product_attention
-from qkv.nn.cache import KVCache, StaticCache
+from qkv.nn.cache import ColumnWrites, KVCache, StaticCache
 from qkv.nn.linear import Linear
 from qkv.nn.norm import RMSNorm
+from qkv.nn.paged_latent import PagedLatentCache
 
 if TYPE_CHECKING:  # pragma: no cover
     from qkv.nn.position import PositionalEncoding
@@ -235,9 +236,6 @@ class MultiHeadLatentAttention(nn.Module):
 
 def _check_cache(cache: KVCache) -> KVCache:
     """MLA's cache holds latents: a plain StaticCache or PagedKVCache (per-head K/V) would mix layouts."""
-    from qkv.nn.cache import ColumnWrites
-    from qkv.nn.paged_latent import PagedLatentCache
-
     inner = cache.cache if isinstance(cache, ColumnWrites) else cache
     if not isinstance(inner, (LatentCache, PagedLatentCache)):
         raise TypeError(f"multi-head latent attention caches its latent in a LatentCache "

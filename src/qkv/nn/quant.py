@@ -216,8 +216,8 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = 64, head: b
     mode. int4 uses groups of `group_size` inputs (32, 64, 128 or 256; 64 divides the widths of the common
     small Llamas, 576 and 1536); a layer the int4 kernel cannot hold (out_features not a multiple of 16,
     in_features not of group_size) is quantized to int8 instead. A head tied to the token embedding gets a
-    quantized copy:
-    the embedding keeps its full-precision table (token lookup reads only one row of it per token)."""
+    quantized copy: the embedding keeps its full-precision table (token lookup reads only one row of it per
+    token)."""
     check_mode(mode)
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")

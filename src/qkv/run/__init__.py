@@ -26,27 +26,34 @@ from typing import Any
 import torch
 import yaml
 
-from qkv.config import ConfigError, _closest, apply_overrides, from_dict, load_yaml, parse_overrides
+import qkv
+from qkv.config import ConfigError, apply_overrides, from_dict, load_yaml, parse_overrides, suggest
 from qkv.folder_sizes import check_new_model_memory
+from qkv.models.registry import config_for
 from qkv.nn.params import count_parameters
 
 # re-exported: `qkv.run` is where callers (cli, serve, explore, chat) find a folder's model, task and
 # tokenizer
 from qkv.run.folders import (  # noqa: F401
-    _model_folder,
     load_model_any,
     load_run_task,
     model_folder,
     run_folder_of,
 )
 from qkv.run.generation import (  # noqa: F401
-    _folder_tokenizer,
+    folder_tokenizer,
     generate_text,
     hf_folder_tokenizer,
     hugging_face_tokenizer_files,
     load_assistant,
 )
 from qkv.storage import atomic_write_text
+from qkv.tasks import build_task, load_tokenizer, task_names
+from qkv.tasks.base import check_recorded_data, recorded_data_sha256
+from qkv.tasks.tokenizers import TokenizerError
+from qkv.train import NonFiniteError, TrainConfig, Trainer, latest_checkpoint
+from qkv.train.checkpoint import STATE_NAME, check_fits, check_same_architecture, read_train_state
+from qkv.train.rng import seed_everything
 
 SECTIONS = ("model", "task", "train", "eval")
 RUN_FILE = "run.yaml"
@@ -80,13 +87,12 @@ def config_path(name_or_path: str) -> Path:
     names = (
         sorted(x.name[:-5] for x in shipped.iterdir() if x.name.endswith(".yaml")) if shipped.is_dir() else []
     )
-    from qkv.tasks import task_names
 
     if name_or_path in task_names():  # `qkv train bpelm`: a task without a shipped config of its own
         raise ConfigError(f"config file not found: {name_or_path}; {name_or_path!r} is a task: pass "
                           f"--task {name_or_path} --model PRESET (see `qkv presets`)")
-    raise ConfigError(f"config file not found: {name_or_path}" + (_closest(name_or_path, names).replace(
-        "valid keys", "shipped configs") if names else ""))
+    hint = suggest(name_or_path, names, "shipped configs") if names else ""
+    raise ConfigError(f"config file not found: {name_or_path}{hint}")
 
 
 def load_run_config(path: str | None, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -105,7 +111,7 @@ def check_sections(data: Any) -> None:
         raise ConfigError(f"a run config must be a mapping of sections, got {type(data).__name__}")
     for key in data:
         if key not in SECTIONS:
-            raise ConfigError(f"unknown section {key!r} in run config{_closest(str(key), list(SECTIONS))}")
+            raise ConfigError(f"unknown section {key!r} in run config{suggest(str(key), list(SECTIONS))}")
         if not isinstance(data[key], dict):
             raise ConfigError(f"run config section {key!r} must be a mapping, got {data[key]!r}"[:200])
 
@@ -202,12 +208,6 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     resume: continue OUT's saved run (run.yaml, its tokenizer, its newest checkpoint), with `cfg`'s values
       laid over the saved ones. extra_evals: {name: {"task": {option: value}, "n": examples}}: more held-out
       sets for the same model (same tokenizer, other task options; the model's context covers them all)."""
-    from qkv.tasks import load_tokenizer
-    from qkv.tasks.base import check_recorded_data, recorded_data_sha256
-    from qkv.tasks.tokenizers import TokenizerError
-    from qkv.train import latest_checkpoint
-    from qkv.train.checkpoint import STATE_NAME, check_fits, check_same_architecture, read_train_state
-
     check_sections(cfg)
     out = Path(out) if out else default_out(cfg)
     resume = wants_resume(cfg, resume)  # train.resume: true is --resume
@@ -257,11 +257,6 @@ def build_parts(cfg: dict[str, Any], out_dir: Path | None = None, tokenizer: Any
     """(task, model, TrainConfig, EvalSettings, extra tasks) of a run config, seeded with train.seed before
     the task and the model are built. No out-folder checks (build_run does those); `tokenizer`: reuse a
     saved vocabulary; extra_evals as in build_run."""
-    from qkv.models.registry import config_for
-    from qkv.tasks import build_task
-    from qkv.train import TrainConfig
-    from qkv.train.rng import seed_everything
-
     model_sec = dict(cfg.get("model") or {})
     task_sec = dict(cfg.get("task") or {})
     if "preset" not in model_sec and "family" not in model_sec:
@@ -328,8 +323,6 @@ def train_run(
     so seeding, resume and validation live in one place. Everything is checked before anything is written.
     callbacks: extra Trainer callbacks. keep_going: a run the NaN guard stops is evaluated and returned with
     its "error" instead of raising (the ablation runner records divergence as a result)."""
-    from qkv.train import NonFiniteError, Trainer
-
     run = build_run(cfg, out, resume=resume, extra_evals=extra_evals)
     out, task, ev = run.out, run.task, run.eval
     trainer = Trainer(run.model, run.train, task, eval_fn=run.eval_fn(), callbacks=list(callbacks),
@@ -355,9 +348,8 @@ def train_run(
                 "error": error, "model": trainer.model, "task": task}
     model = trainer.model
     if trainer.dist.mode == "fsdp":  # the sharded module's forward needs every rank: evaluate a full copy
-        from qkv import from_pretrained
 
-        model = from_pretrained(trainer.last_checkpoint) if trainer.last_checkpoint else None
+        model = qkv.from_pretrained(trainer.last_checkpoint) if trainer.last_checkpoint else None
     trainer.close()
     finite = model is not None and all(bool(torch.isfinite(p).all()) for p in model.parameters())
     metrics: dict[str, Any] = {}

@@ -7,30 +7,28 @@ from pathlib import Path
 
 import torch
 
+import qkv
+from qkv.checkpoint import CheckpointError
 from qkv.config import ConfigError
+from qkv.interop.gguf_model import is_gguf
+from qkv.tasks import load_task
+from qkv.train import latest_checkpoint
 
 
-def _model_folder(path: Path) -> Path:
-    """A folder holding config.json: the path itself, or a run folder's best/newest checkpoint (a GGUF file is
-    a model folder of its own)."""
-    from qkv.interop.gguf_model import is_gguf
-    from qkv.train import latest_checkpoint
+def model_folder(path: str | Path) -> Path:
+    """The folder `from_pretrained` reads for `path` (one holding config.json): itself, or a run folder's
+    newest checkpoint (a GGUF file is a model folder of its own)."""
+    path = Path(path)
 
     if (path / "config.json").is_file() or is_gguf(path):
         return path
     ck = latest_checkpoint(path / "checkpoints")
     if ck is not None:
         return ck
-    from qkv.checkpoint import CheckpointError
 
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     raise CheckpointError(f"{path} is neither a model folder (config.json) nor a run folder with checkpoints")
-
-
-def model_folder(path: str | Path) -> Path:
-    """The folder `from_pretrained` reads for `path`: itself, or a run folder's newest checkpoint."""
-    return _model_folder(Path(path))
 
 
 def run_folder_of(path: str | Path) -> Path | None:
@@ -45,14 +43,10 @@ def run_folder_of(path: str | Path) -> Path | None:
 def load_model_any(path: str | Path, quantize: str | None = None) -> torch.nn.Module:
     """A model from a run folder, a qkv checkpoint folder, or a Hugging Face-format folder; quantize: "int8"
     or "int4" for weight-only quantized inference (qkv.nn.quant)."""
-    from qkv import from_pretrained
-
-    return from_pretrained(_model_folder(Path(path)), quantize=quantize)
+    return qkv.from_pretrained(model_folder(path), quantize=quantize)
 
 
 def load_run_task(path: str | Path):
-    from qkv.tasks import load_task
-
     run = run_folder_of(path)
     if run is None:
         raise ConfigError(f"{path} is not inside a qkv run folder (no task.json): it records no task")

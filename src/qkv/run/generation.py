@@ -11,10 +11,15 @@ from typing import Any
 
 import torch
 
+import qkv.generate
 from qkv.config import ConfigError
 from qkv.generate.config import GenerationConfig, resolve
 from qkv.generate.text import StreamDecoder, stream_pieces
-from qkv.run.folders import _model_folder, load_model_any, load_run_task, run_folder_of
+from qkv.interop.gguf_model import is_gguf
+from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
+from qkv.interop.tokenizer import HFTokenizer, decode_continuation, load_hf_tokenizer
+from qkv.run.folders import load_model_any, load_run_task, model_folder, run_folder_of
+from qkv.tasks.tokenizers import Tokenizer, find_tokenizer
 
 
 def generate_text(path: str | Path, prompt: str, generation_config: GenerationConfig | None = None, *,
@@ -89,10 +94,10 @@ def _generate_folder(model: torch.nn.Module, path: Path, prompt: str, cfg: Gener
                      strict: bool, assistant: str | Path | None = None, quantize: str | None = None) -> str:
     """generate_text for a model folder outside a run: an encoder-decoder, a Hugging Face or a qkv folder."""
     folder_seq2seq = getattr(model, "is_seq2seq", False)
-    folder = _model_folder(path)
+    folder = model_folder(path)
     _warn_unused_sampling(resolve(model.generation_defaults(), cfg, {}), cfg)
     if folder_seq2seq:  # the prompt is the source; the output is the target alone
-        tok = _folder_tokenizer(folder)
+        tok = folder_tokenizer(folder)
         _check_prompt_vocabulary(tok, prompt, strict)
         folder_defaults = model.generation_defaults()
         if not {"max_new_tokens", "max_length"} & (set(cfg.explicit()) | set(folder_defaults)):
@@ -115,7 +120,7 @@ def _generate_folder(model: torch.nn.Module, path: Path, prompt: str, cfg: Gener
         _check_prompt_vocabulary(hf, prompt, strict)
         draft = None if assistant is None else load_assistant(assistant, hf, quantize)
         return _generate_hf(model, hf, prompt, cfg, stream, draft)
-    tok = _folder_tokenizer(folder)
+    tok = folder_tokenizer(folder)
     _check_prompt_vocabulary(tok, prompt, strict)
     ids = torch.tensor([tok.encode(prompt) or [0]])
     out = model.generate(ids, cfg)
@@ -130,12 +135,8 @@ def hf_folder_tokenizer(folder: str | Path) -> Any:
     model_type and a tokenizer.json), of a qkv model folder carrying Hugging Face tokenizer files (the chat
     recipe's output from a model qkv pretrained) or of a GGUF file; None for folders without tokenizer.json
     and for qkv folders whose tokenizer is qkv's own."""
-    from qkv.interop.gguf_model import is_gguf
-
     folder = Path(folder)
     if is_gguf(folder):
-        from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
-
         return load_gguf_tokenizer(folder)
     if not (folder / "tokenizer.json").is_file() or (folder / "task.json").is_file():
         return None
@@ -147,7 +148,6 @@ def hf_folder_tokenizer(folder: str | Path) -> Any:
         return None
     if "qkv_family" in meta and not hugging_face_tokenizer_files(folder):
         return None  # qkv's own tokenizer files: the caller reads them (find_tokenizer)
-    from qkv.interop.tokenizer import load_hf_tokenizer
 
     return load_hf_tokenizer(folder)
 
@@ -164,7 +164,7 @@ def hugging_face_tokenizer_files(folder: Path) -> bool:
 def load_assistant(path: str | Path, tokenizer: Any, quantize: str | None = None) -> torch.nn.Module:
     """The draft model of speculative decoding (a folder or GGUF file), refused unless its tokenizer has
     the target's vocabulary: the same ids must mean the same text."""
-    draft_tok = hf_folder_tokenizer(_model_folder(Path(path)))
+    draft_tok = hf_folder_tokenizer(model_folder(Path(path)))
     if draft_tok is None or draft_tok.tokenizer.get_vocab() != tokenizer.tokenizer.get_vocab():
         raise ConfigError(f"--speculative {path}: the draft model must have the same tokenizer (vocabulary) "
                           "as the model")
@@ -179,9 +179,6 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
     decode of the whole output): decoded on its own, a SentencePiece-style (Metaspace) decoder would drop the
     leading space of its first token ("Hellocon" for "Hello con"). Streaming, the incremental decoder is
     given the prompt ids first, so that its pieces add up to the same suffix."""
-    from qkv.generate import stream as stream_tokens
-    from qkv.interop.tokenizer import decode_continuation
-
     ids = tok.encode(prompt, add_special_tokens=True)
     if not ids:
         if tok.bos_token_id is None:
@@ -200,8 +197,8 @@ def _generate_hf(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationC
                                             out[0, len(ids):].tolist())
     print(prompt, end="", flush=True)
     decoder = StreamDecoder(text_of, context=ids)  # the prompt's text is already printed: context only
-    tokens = (int(new[0]) for new in stream_tokens(model, x, cfg, tokenizer=tokenizer,
-                                                   assistant_model=assistant))
+    tokens = (int(new[0]) for new in qkv.generate.stream(model, x, cfg, tokenizer=tokenizer,
+                                                         assistant_model=assistant))
     return prompt + stream_pieces(tokens, decoder, _write)
 
 
@@ -225,8 +222,6 @@ def _unknown_pieces(tok: Any, prompt: str) -> list[str]:
     vocabularies have one; byte-level BPE never needs it)."""
     if tok is None:
         return []
-    from qkv.interop.tokenizer import HFTokenizer
-    from qkv.tasks.tokenizers import Tokenizer
 
     if isinstance(tok, Tokenizer):
         return tok.unknown_symbols(prompt)
@@ -247,9 +242,7 @@ def _stream_seq2seq(model: torch.nn.Module, tok: Any, source: torch.Tensor, cfg:
     new token adds to the decoded target so far (StreamDecoder over the folder tokenizer's decode, special
     tokens skipped), so the pieces add up to the non-streamed text. The decoder start token is not yielded;
     every tokenizer here skips it (a special token) when decoding the whole output."""
-    from qkv.generate import stream as stream_tokens
-
-    tokens = (int(new[0]) for new in stream_tokens(model, source, cfg))
+    tokens = (int(new[0]) for new in qkv.generate.stream(model, source, cfg))
     return stream_pieces(tokens, StreamDecoder(tok.decode), _write)
 
 
@@ -272,13 +265,11 @@ def _check_prompt_vocabulary(tok: Any, prompt: str, strict: bool) -> None:
 
 def _stream_lm(model: torch.nn.Module, tok: Any, prompt: str, cfg: GenerationConfig) -> str:
     """Print a language model's continuation token by token as it is produced (qkv.generate.stream)."""
-    from qkv.generate import stream
-
     ids = tok.encode(prompt) or [tok.eos_id if tok.eos_id is not None else 0]
     print(prompt, end="", flush=True)
     # a byte-level BPE character can span tokens: decoded one by one it would print U+FFFD for each part
-    tokens = (int(new[0]) for new in stream(model, torch.tensor([ids]), cfg.replace(context_overflow="slide"),
-                                            tokenizer=tok))
+    tokens = (int(new[0]) for new in qkv.generate.stream(model, torch.tensor([ids]),
+                                                   cfg.replace(context_overflow="slide"), tokenizer=tok))
     return prompt + stream_pieces(tokens, StreamDecoder(tok.decode), _write)
 
 
@@ -286,8 +277,7 @@ def _write(piece: str) -> None:
     print(piece, end="", flush=True)
 
 
-def _folder_tokenizer(folder: Path):
-    from qkv.tasks.tokenizers import find_tokenizer
+def folder_tokenizer(folder: Path):
 
     tok = find_tokenizer(folder)
     if tok is None:

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API over the Engine (FastAPI).
 
-    POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream",
-    ...} POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...}  (the model's chat
-    template) GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text format)
+    POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "stop",
+                                "stream", ...}
+    POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ...}  (the model's chat
+                                template)
+    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text format)
     GET  /   a chat page (static/chat.html) streaming from /v1/chat/completions
 
 Every request is checked before it reaches the engine (types, ranges, the model name, the context and the
@@ -12,8 +14,8 @@ answer is 429 with Retry-After. `stream: true` sends server-sent events ending w
 client that goes away mid-stream has its request cancelled (blocks freed) at the next engine step.
 
 Modules: requests.py (the request bodies: pydantic models), checks.py (reading a body, its prompt ids and
-engine options), handlers.py (the one request -> engine -> response path),
-sse.py (the events of a stream), errors.py (APIError).
+engine options), handlers.py (the one request -> engine -> response path), sse.py (the events of a stream),
+errors.py (APIError).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -18,13 +18,28 @@ from qkv.generate.text import StreamDecoder, cut_at_stop, decode_continuation
 from qkv.serve.checks import DEFAULT_MAX_TOKENS
 from qkv.serve.errors import APIError, cancelled
 from qkv.serve.logprobs import LogprobFormat
+from qkv.serve.model import Served
 from qkv.serve.sse import DONE, Chunks, Stream, error_event
 from qkv.serve.structured import ToolUse
 from qkv.serve.tools import openai_tool_calls
 from qkv.serve.worker import Ticket
 
-if TYPE_CHECKING:
-    from qkv.serve.app import API
+
+class API(Protocol):
+    """What handling a request needs from the server (app.API): its request checks, admission and the
+    engine's deliveries; a protocol, so that this module stands below app.py."""
+
+    served: Served
+
+    async def body(self, request: Request, chat: bool) -> Any: ...
+    def tool_use(self, body: Any) -> ToolUse | None: ...
+    def grammar(self, body: Any) -> str | None: ...
+    def chat_ids(self, body: Any, tools: ToolUse | None = None) -> tuple[list[int], list[Any] | None]: ...
+    def prompt_ids(self, body: Any) -> list[int]: ...
+    def options(self, body: Any, prompt_len: int, default_max: int | None) -> dict[str, Any]: ...
+    def admit(self, prompt: list[int], opts: dict[str, Any]) -> Ticket: ...
+    def release(self, t: Ticket, reason: str | None) -> None: ...
+    def batches(self, t: Ticket, request: Request) -> AsyncIterator[list[tuple[str, Any]]]: ...
 
 
 @dataclass

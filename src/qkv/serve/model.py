@@ -68,7 +68,7 @@ def load_served(path: str | Path, name: str | None = None, quantize: str | None 
     from qkv.interop.gguf_model import is_gguf
     from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
     from qkv.interop.tokenizer import load_hf_tokenizer
-    from qkv.run import _folder_tokenizer, load_model_any, load_run_task, model_folder, run_folder_of
+    from qkv.run import folder_tokenizer, load_model_any, load_run_task, model_folder, run_folder_of
 
     path = Path(path)
     model = load_model_any(path, quantize).eval()
@@ -87,7 +87,7 @@ def load_served(path: str | Path, name: str | None = None, quantize: str | None 
         # stops
         eos = {i for i in tok.end_of_turn_ids if i < model.output_vocab_size}
     else:
-        tok, eos = _folder_tokenizer(folder), set()
+        tok, eos = folder_tokenizer(folder), set()
     images = None
     if getattr(model, "image_features", None) is not None:  # a LLaVA / Idefics3: its folder's preprocessing
         from qkv.interop.smolvlm import folder_processor

@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError, _closest
+from qkv.config import ConfigError, suggest
 from qkv.generate.engine_config import EngineConfig
 from qkv.serve.app import create_app
 from qkv.serve.config import ServeConfig
@@ -139,7 +139,7 @@ def _configs(options: dict[str, Any], config: ServeConfig | None, engine_config:
     if options:
         key = next(iter(options))
         raise ConfigError(f"unknown serve option {key!r}"
-                          f"{_closest(key, names + [f.name for f in fields(EngineConfig)])}")
+                          f"{suggest(key, names + [f.name for f in fields(EngineConfig)])}")
     server = config if config is not None else ServeConfig()
     return (dataclasses.replace(server, **mine) if mine else server), engine
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError, _closest, from_dict, to_dict
+from qkv.config import ConfigError, from_dict, suggest, to_dict
 from qkv.models.registry import config_for, families
 from qkv.models.registry import family as family_spec
 from qkv.storage import atomic_write_json
@@ -270,7 +270,7 @@ def task_spec(name: str) -> TaskSpec:
     _ensure_loaded()
     if name not in _TASKS:
         raise ConfigError("unknown task "
-                          f"{name!r}{_closest(name, list(_TASKS)).replace('valid keys', 'known tasks')}")
+                          f"{name!r}{suggest(name, list(_TASKS), 'known tasks')}")
     return _TASKS[name]
 
 

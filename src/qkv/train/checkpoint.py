@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -193,8 +194,6 @@ def state_is_finite(model_state: dict[str, torch.Tensor], optim_state: dict[str,
 def check_fits(model: nn.Module, folder: Path) -> None:
     """CheckpointError unless the weights in `folder` fit `model` key for key and shape for shape. Reads
     only the safetensors header (names and shapes), so it is cheap enough to run before writing anything."""
-    from safetensors import safe_open
-
     weights = folder / WEIGHTS_NAME
     if not _complete(folder):
         raise CheckpointError(f"{folder} is not a complete training checkpoint (needs {WEIGHTS_NAME} and "

@@ -127,6 +127,22 @@ class TrainConfig:
         """Warmup in steps: `warmup` itself when >= 1, else that fraction of max_steps (rounded)."""
         return int(self.warmup) if self.warmup >= 1 else int(round(self.warmup * self.max_steps))
 
+    def misleading(self, evaluates: bool) -> list[str]:
+        """Notes on settings that run but do not do what they seem to (`evaluates`: the trainer has an
+        evaluation to run)."""
+        notes = []
+        # every schedule but noam (whose warmup sets its peak) ramps linearly to train.lr over the warmup
+        if self.schedule != "noam" and self.warmup_steps() >= self.max_steps:  # a smoke run's, often
+            decays = " and never decays" if self.schedule != "constant" else ""
+            notes.append(f"warmup of {self.warmup_steps()} steps >= max_steps={self.max_steps}: the "
+                         f"{self.schedule} schedule never reaches train.lr{decays} (a warmup < 1 is a share "
+                         "of max_steps)")
+        if self.eval_every and not evaluates:
+            notes.append(f"train.eval_every={self.eval_every} has nothing to evaluate (no evaluation "
+                         "function, train.max_eval_batches=0): no evaluation runs during training (qkv "
+                         "train: set eval.during_training=N held-out examples)")
+        return notes
+
 
 def train_overrides(overrides: list[str] | None) -> dict[str, Any]:
     """The Trainer settings of a `qkv finetune` command line's train.key=value overrides, as {key: value}

@@ -22,8 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from qkv.config import ConfigError
+from qkv.nn.params import tied_names
 
 
 @dataclass
@@ -95,8 +104,6 @@ def wrap(model: nn.Module, info: DistInfo, *, block_types: tuple[type, ...],
         ids = [model_device(model).index] if model_device(model).type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused)
     if info.mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
         broadcast_parameters(model)
         for m in model.modules():
             if isinstance(m, block_types):
@@ -150,9 +157,6 @@ def barrier(info: DistInfo) -> None:
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
     """Full (unsharded, CPU) model and optimizer state dicts keyed by parameter names, without wrapper
     prefixes. Collective under DDP/FSDP: every rank must call it (rank 0 receives the tensors)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-
-    from qkv.nn.params import tied_names
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if optimizer is None:
@@ -176,7 +180,6 @@ def unsharded(model: nn.Module, info: DistInfo) -> Iterator[None]:
     if info.mode != "fsdp":
         yield
         return
-    from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     # and kept whole: a block's own forward (an encoder pass, a prefill) would reshard it after
@@ -202,8 +205,6 @@ def model_class_name(model: nn.Module) -> str:
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,
                     optim_state: dict | None) -> None:
     """Inverse of full_state: every rank passes the full dicts; FSDP keeps its own shard of each."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
     opts = StateDictOptions(full_state_dict=True, strict=False)
     if optimizer is None or optim_state is None:
         set_model_state_dict(model, model_state, options=opts)

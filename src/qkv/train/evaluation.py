@@ -33,7 +33,6 @@ class Evaluation:
                               f"task declares directions only for {sorted(goals)}")
         return metric, mode or "min"
 
-
     def _eval_enabled(self) -> bool:
         return self.eval_fn is not None or bool(self.cfg.max_eval_batches)
 
@@ -102,12 +101,12 @@ class Evaluation:
                               f"{sorted(metrics)} (step {self.step}; checkpoint saved)")
         value = metrics[self.best_metric]
         if math.isfinite(value):
-            if self._is_better(value, self.best):
-                previous, self.best = (self.best,
+            if self._is_better(value, self.state.best):
+                previous, self.state.best = (self.state.best,
                                        {"metric": self.best_metric, "value": value, "step": self.step})
                 if self.save_checkpoint(self.ckpt_root / ckpt.BEST,
                                         extra={"eval.json": {**metrics, "step": self.step}}) is None:
-                    self.best = previous  # a non-finite state is no best
+                    self.state.best = previous  # a non-finite state is no best
         return metrics
 
     def _is_better(self, value: float, than: dict[str, Any] | None) -> bool:

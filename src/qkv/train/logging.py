@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from qkv.storage import atomic_write
 
 FIRST_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
@@ -75,15 +77,13 @@ class RunLogger:
         self._log_file = open(self.out / "train.log", "a" if start_step else "w", encoding="utf-8")
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  (tensorboard: an optional extra)
 
                 self.tb = SummaryWriter(str(self.out / "tensorboard"),
                                         purge_step=start_step + 1 if start_step else None)
             except ImportError:  # tensorboard not installed: the JSONL/CSV files remain
                 self.tb = None
         if progress:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                             file=sys.stderr, disable=None)
 
@@ -196,10 +196,10 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
 
 def plot_curves(records: list[dict[str, Any]], path: str | Path) -> None:
     """Loss (train and eval), LR, pre-clip grad norm and other eval metrics against step."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (matplotlib: slow to import, only for plots)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     evals = sorted({k for r in records for k in r if k.startswith("eval/") and k != "eval/loss"})
     routing = [k for k in ("aux_loss", "moe_maxvio") if any(k in r for r in records)]  # MoE models only

@@ -3,6 +3,7 @@ back to the newest checkpoint with a lower learning rate, or stop with the evide
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,29 +25,32 @@ def nonfinite_step(trainer: Any, step: int, loss: float, grad_norm: float,
     if trainer.precision.scaler is not None:
         trainer.precision.scaler.update()  # close this iteration's unscale_ bookkeeping
     policy = cfg.nan_policy
-    if policy == "skip" and (cfg.max_skips is None or trainer.skipped < cfg.max_skips):
-        trainer.skipped += 1
-        trainer.step = step  # the update slot (and its data) is consumed
+    state, counters = trainer.state, trainer.state.counters
+    if policy == "skip" and (cfg.max_skips is None or counters.skipped < cfg.max_skips):
+        counters.skipped += 1
+        state.step = step  # the update slot (and its data) is consumed
         log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, grad_norm={grad_norm:.4g}); "
-                 f"update skipped ({trainer.skipped} so far); layers: {', '.join(layers[:5])}")
+                 f"update skipped ({counters.skipped} so far); layers: {', '.join(layers[:5])}")
         log.log({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": trainer.lr_for(step),
-                 "skipped": trainer.skipped})
+                 "skipped": counters.skipped})
         return
-    if policy == "rollback" and trainer.rollbacks < cfg.max_rollbacks:
+    if policy == "rollback" and counters.rollbacks < cfg.max_rollbacks:
         path = ckpt.latest_checkpoint(trainer.ckpt_root)
         if path is not None:
-            new_scale = trainer.lr_scale * cfg.rollback_lr_factor
-            # the best so far stays the best: checkpoints/best holds it even if it came after `path`,
-            # and forgetting it would let a worse evaluation of the replayed steps overwrite it
-            counters = (trainer.rollbacks + 1, trainer.skipped, trainer.truncated, trainer.best)
+            # the counters (but the GradScaler's) and the best so far outlive the rollback: checkpoints/best
+            # holds the best even if it came after `path`, and forgetting it would let a worse evaluation of
+            # the replayed steps overwrite it
+            kept = replace(counters, rollbacks=counters.rollbacks + 1)
             trainer.load_checkpoint(path)
-            log.rewind(trainer.step)  # the records after the restored step describe an abandoned path
-            trainer.lr_scale = new_scale
-            trainer.rollbacks, trainer.skipped, trainer.truncated, trainer.best = counters
+            restored = trainer.state
+            kept.scaler_skips = restored.counters.scaler_skips
+            restored.counters, restored.best = kept, state.best
+            restored.lr_scale = state.lr_scale * cfg.rollback_lr_factor
+            log.rewind(restored.step)  # the records after the restored step describe an abandoned path
             log.info(f"step {step}: non-finite loss/gradient (loss={loss:.4g}, "
                      f"grad_norm={grad_norm:.4g}) in {', '.join(layers[:5])}; rolled back to {path.name} "
-                     f"(step {trainer.step}), LR x{new_scale:.3g} (rollback "
-                     f"{trainer.rollbacks}/{cfg.max_rollbacks})")
+                     f"(step {restored.step}), LR x{restored.lr_scale:.3g} (rollback "
+                     f"{kept.rollbacks}/{cfg.max_rollbacks})")
             return
     # stop (or skip/rollback limits exhausted): keep the evidence, then report. The state saved is the one
     # before the bad update; it is never pruned against, and not written at all if an earlier update

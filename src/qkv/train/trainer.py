@@ -19,13 +19,15 @@ import signal
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, from_dict
+from qkv.config import ConfigError, from_dict, to_dict
+from qkv.nn.block import Block
 from qkv.nn.moe import moe_layers, moe_max_violation
 from qkv.nn.params import count_parameters
 from qkv.train import checkpoint as ckpt
@@ -39,10 +41,11 @@ from qkv.train.logging import RunLogger
 from qkv.train.nonfinite import nonfinite_step
 from qkv.train.optim import build_optimizer, implementation
 from qkv.train.precision import Precision, resolve_device
-from qkv.train.rng import rng_state
+from qkv.train.rng import rng_state, seed_everything
 from qkv.train.schedule import lr_at
 from qkv.train.signals import SignalStop, TrainingInterrupted
 from qkv.train.stability import NonFiniteError, layer_norms
+from qkv.train.state import TrainState
 
 
 class BatchSource(Protocol):
@@ -91,28 +94,20 @@ class Trainer(Evaluation, SignalStop):
         self.cfg = cfg
         self.data = data
         self.eval_fn = eval_fn
-        self._warn_settings()
+        for note in cfg.misleading(evaluates=self._eval_enabled()):
+            warnings.warn(note, stacklevel=2)
         self.callbacks = list(callbacks)
         self.resume = cfg.resume if resume is None else resume
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
 
-        # -- state that checkpoints carry ----------------------------------------------------------------
-        self.step = 0  # completed optimizer updates
-        self.lr_scale = 1.0  # multiplied by rollback_lr_factor at every rollback
-        self.skipped = 0  # updates dropped by nan_policy=skip
-        self.scaler_skips = 0  # fp16 steps the GradScaler skipped (overflow)
-        self.rollbacks = 0
-        self.truncated = 0  # tensors cut to the model's context
-        self.tokens_seen = 0
-        self.best: dict[str, Any] | None = None  # {"metric", "value", "step"}
+        self.state = TrainState()  # what checkpoints carry and restore
         self.should_stop = False
         self.last_eval: dict[str, float] = {}
         self.last_loss = float("nan")
         # the model's auxiliary loss, mean over the last update's batches
         self.last_aux_loss: float | None = None
         self.last_maxvio: float | None = None  # MoE routing's max load / mean load - 1 over the last update
-        self.last_checkpoint: Path | None = None
         self._signal: int | None = None  # SIGINT/SIGTERM received during fit()
         self._signal_agreed = False  # under DDP/FSDP: some rank received one (all-reduced with the loss)
         self._old_handlers: dict[int, Any] = {}
@@ -138,7 +133,6 @@ class Trainer(Evaluation, SignalStop):
 
         # -- wrapping order: FSDP shards in place before the optimizer sees the (sharded) parameters; the
         #    compiled module goes inside DDP (nanoGPT's order) ----------------------------------------------
-        from qkv.nn.block import Block
 
         if self.dist.mode == "fsdp":
             dist_.wrap(model, self.dist, block_types=(Block,))
@@ -156,25 +150,19 @@ class Trainer(Evaluation, SignalStop):
         self.logger: RunLogger | None = None
         self.best_metric, self.best_mode = self._best_rule(data)
 
-    def _warn_settings(self) -> None:
-        """Warnings for settings that run but do not do what they seem to."""
-        cfg = self.cfg
-        # every schedule but noam (whose warmup sets its peak) ramps linearly to train.lr over the warmup
-        if cfg.schedule != "noam" and cfg.warmup_steps() >= cfg.max_steps:  # a smoke run's, often
-            decays = " and never decays" if cfg.schedule != "constant" else ""
-            warnings.warn(f"warmup of {cfg.warmup_steps()} steps >= max_steps={cfg.max_steps}: the "
-                          f"{cfg.schedule} schedule never reaches train.lr{decays} (a warmup < 1 is a share "
-                          "of max_steps)",
-                          stacklevel=3)
-        if cfg.eval_every and not self._eval_enabled():
-            warnings.warn(f"train.eval_every={cfg.eval_every} has nothing to evaluate (no evaluation "
-                          "function, train.max_eval_batches=0): no evaluation runs during training (qkv "
-                          f"train: set eval.during_training=N held-out examples)", stacklevel=3)
+    # -- read-only views of the state, for callbacks and callers --------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        return self.state.last_checkpoint
 
     # ---------------------------------------------------------------------------------------------------
     def lr_for(self, step: int) -> float:
         c = self.cfg
-        return self.lr_scale * lr_at(step, schedule=c.schedule, lr=c.lr, warmup=c.warmup_steps(),
+        return self.state.lr_scale * lr_at(step, schedule=c.schedule, lr=c.lr, warmup=c.warmup_steps(),
                                      max_steps=c.max_steps, min_lr=c.min_lr, d_model=self.d_model)
 
     def _set_lr(self, lr: float) -> None:
@@ -189,9 +177,9 @@ class Trainer(Evaluation, SignalStop):
             warnings.simplefilter("always", LengthTruncationWarning)
             batch, n_cut = truncate_batch(batch, self.context_length)
         if n_cut:
-            if self.truncated == 0 and self.logger is not None:
+            if self.state.counters.truncated == 0 and self.logger is not None:
                 self.logger.info(f"step {step}: {caught[0].message} (counted in metrics as 'truncated')")
-            self.truncated += n_cut
+            self.state.counters.truncated += n_cut
             for w in caught[:1]:
                 warnings.warn(w.message, LengthTruncationWarning, stacklevel=3)
         batch = to_device(batch, self.device)
@@ -272,7 +260,7 @@ class Trainer(Evaluation, SignalStop):
         cfg, info = self.cfg, self.dist
         t_start = time.perf_counter()
         self.should_stop = False
-        begin = resume_.start(self)
+        begin = self.begin()
         self.logger = RunLogger(self.out_dir, enabled=info.is_main, progress=cfg.progress,
                                 tensorboard=cfg.tensorboard, total_steps=cfg.max_steps, start_step=self.step)
         log = self.logger
@@ -300,9 +288,9 @@ class Trainer(Evaluation, SignalStop):
                 raise TrainingInterrupted(self._signal or signal.SIGINT, self.step, here)
             summary = self.summary(time.perf_counter() - t_start)
             log.info(f"done: {self.step} steps, final loss {self.last_loss:.4f}"
-                     + (f", best eval {self.best['metric']}={self.best['value']:.4f} at step "
-                        f"{self.best['step']}"
-                        if self.best else ""))
+                     + (f", best eval {self.state.best['metric']}={self.state.best['value']:.4f} at step "
+                        f"{self.state.best['step']}"
+                        if self.state.best else ""))
             for cb in self.callbacks:
                 cb.on_fit_end(self, summary)
             return summary
@@ -331,7 +319,8 @@ class Trainer(Evaluation, SignalStop):
         if begin.resumed_from is None:
             return
         log.info(f"resumed from {begin.resumed_from} at step {self.step}")
-        changed = resume_.changed_settings(self._resumed_config, self._resumed_world, cfg, info.world_size)
+        changed = resume_.changed_settings(self.state.resumed_config, self.state.resumed_world, cfg,
+                                           info.world_size)
         if changed:
             log.info("note: resumed with changed settings (saved -> now): " + ", ".join(
                 f"{k} {a} -> {b}" for k, (a, b) in changed.items()) + "; the continuation is not exact")
@@ -376,38 +365,36 @@ class Trainer(Evaluation, SignalStop):
                     self.optimizer.zero_grad(set_to_none=True)
                     if self.precision.scaler is not None:
                         self.precision.scaler.update()
-                    self.step = step
+                    self.state.step = step
                     continue
-                self._nonfinite(step, loss, grad_norm, batches)  # raises, or skips / rolls back
+                nonfinite_step(self, step, loss, grad_norm, batches)  # raises, or skips / rolls back
                 continue
             if cfg.diag_every and step % cfg.diag_every == 0:
                 log.diag(step, layer_norms(self.model))  # pre-clip grads, weights before this update
             self._clip(grad_norm)
             if scaler_owns_grads and not math.isfinite(grad_norm):
-                self.scaler_skips += 1
+                self.state.counters.scaler_skips += 1
             self.precision.step(self.optimizer)
             after_update = getattr(self.model, "after_update", None)  # state a model moves per update (MoE)
             if after_update is not None:
                 after_update()
             self.optimizer.zero_grad(set_to_none=True)
-            self.step = step
+            self.state.step = step
             self.last_loss = loss
-            self.tokens_seen += tokens
+            self.state.tokens_seen += tokens
             dt = time.perf_counter() - t0
             interval_time += dt
             interval_tokens += tokens
 
             record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                       "tokens_per_s": interval_tokens / max(interval_time, 1e-9),
-                                      "step_time_s": dt, "tokens": self.tokens_seen, "targets": n_targets}
+                                      "step_time_s": dt, "tokens": self.state.tokens_seen,
+                                      "targets": n_targets}
             if self.last_aux_loss is not None:
                 record["aux_loss"] = self.last_aux_loss
             if self.last_maxvio is not None:
                 record["moe_maxvio"] = self.last_maxvio
-            for key, value in (("skipped", self.skipped), ("rollbacks", self.rollbacks),
-                               ("truncated", self.truncated), ("scaler_skips", self.scaler_skips)):
-                if value:
-                    record[key] = value
+            record.update(self.state.counters.nonzero())
             if self.precision.scaler is not None:
                 record["loss_scale"] = float(self.precision.scaler.get_scale())
             if cfg.eval_every and step % cfg.eval_every == 0 and self._eval_enabled():
@@ -427,12 +414,10 @@ class Trainer(Evaluation, SignalStop):
                 log.log(record)  # the last step of a stopped run: a resume reads its loss back from the log
 
     # ---------------------------------------------------------------------------------------------------
-    def _nonfinite(self, step: int, loss: float, grad_norm: float, batches: list[dict[str, Any]]) -> None:
-        nonfinite_step(self, step, loss, grad_norm, batches)
-
-    # ---------------------------------------------------------------------------------------------------
     def train_state(self) -> dict[str, Any]:
-        return resume_.train_state(self)
+        """The counters, scaler and settings a checkpoint carries beside the weights and optimizer."""
+        return {"format": 1, **self.state.saved(), "world_size": self.dist.world_size,
+                "scaler": self.precision.state_dict(), "train_config": to_dict(self.cfg)}
 
     def save_checkpoint(self, folder: Path | None = None, extra: dict[str, Any] | None = None, *,
                         prune: bool = True) -> Path | None:
@@ -458,23 +443,46 @@ class Trainer(Evaluation, SignalStop):
         if not written:
             return None
         if periodic:
-            self.last_checkpoint = folder
+            self.state.last_checkpoint = folder
         for cb in self.callbacks:
             cb.on_checkpoint(self, self.step, folder)
         return folder
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore weights, optimizer, counters and RNG states from a training checkpoint folder."""
-        resume_.restore(self, Path(folder))
+        self.state = resume_.restore(Path(folder), self.model, self.optimizer, self.optimizer_impl,
+                                     self.precision, self.cfg, self.dist)
+
+    def begin(self) -> resume_.Start:
+        """Where fit() starts: repair the checkpoints folder, then resume from its newest checkpoint
+        (train.resume, or fit() again on a trainer whose newest checkpoint is its own), or check the folder
+        is empty and seed a fresh run."""
+        info, root = self.dist, self.ckpt_root
+        begin = resume_.Start(repaired=resume_.repair(root, info))
+        path = ckpt.latest_checkpoint(root)
+        # fit() again (after Ctrl-C in a notebook, or to see the summary again): the newest checkpoint is
+        # this trainer's own, so continue from it as a resume would
+        again = self.step > 0 and path is not None and path == self.last_checkpoint
+        if (self.resume or again) and path is not None:
+            self.load_checkpoint(path)
+            begin.resumed_from = path
+            self.state.best = resume_.best_after_resume(root, self.state.best, self.best_metric,
+                                                        self._is_better, info)
+        elif self.resume:
+            begin.fresh_note = f"resume=True but {root} holds no checkpoint: starting fresh"
+            warnings.warn(begin.fresh_note, stacklevel=3)
+        if begin.resumed_from is None:
+            resume_.check_fresh(root)
+            seed_everything(self.cfg.seed + info.rank)
+        return begin
 
     def summary(self, elapsed: float) -> dict[str, Any]:
-        return {"steps": self.step, "final_loss": self.last_loss, "best_eval": self.best,
+        return {"steps": self.step, "final_loss": self.last_loss, "best_eval": self.state.best,
                 "eval": {k: v for k, v in self.last_eval.items() if not k.startswith("_")},
-                "skipped": self.skipped, "rollbacks": self.rollbacks, "truncated": self.truncated,
-                "scaler_skips": self.scaler_skips, "tokens": self.tokens_seen, "elapsed_s": elapsed,
+                **asdict(self.state.counters), "tokens": self.state.tokens_seen, "elapsed_s": elapsed,
                 "out_dir": str(self.out_dir),
                 "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-                "best_checkpoint": str(self.ckpt_root / ckpt.BEST) if self.best else None,
+                "best_checkpoint": str(self.ckpt_root / ckpt.BEST) if self.state.best else None,
                 "metrics": str(self.out_dir / "metrics.jsonl")}
 
     def close(self) -> None:
