@@ -167,7 +167,7 @@ def test_text_where_an_image_is_due(folder, tmp_path, capsys):
     note.write_text("a photo of a cat\n")
     assert main(["embed", str(folder), "--image", str(note), "--out", str(tmp_path / "e.npy")]) == 2
     err = capsys.readouterr().err
-    assert "cannot be read as an image" in err and err.count("\n") == 1
+    assert "not a readable image" in err and err.count("\n") == 1
     assert not (tmp_path / "e.npy").exists()
 
 

@@ -16,7 +16,8 @@ def test_every_task_declares_a_primary_metric_and_direction():
 
 
 def _task_class(name):
-    from qkv.tasks import captions, digits, dtmf, images, listops, lm, numbers_zh, seq2seq, speech, tsv, vqa
+    from qkv.tasks import (captions, digits, dtmf, images, listops, lm, mlm, numbers_zh, seq2seq, speech, tsv,
+                           vqa)
 
     return {"copy": seq2seq.CopyTask, "reverse": seq2seq.ReverseTask, "sort": seq2seq.SortTask,
             "addition": seq2seq.AdditionTask, "numbers_zh": numbers_zh.NumbersZhTask, "tsv": tsv.TSVTask,
@@ -24,7 +25,8 @@ def _task_class(name):
             "listops": listops.ListOpsTask,
             "digits": digits.DigitsTask, "captions": captions.CaptionsTask, "dtmf": dtmf.DTMFTask,
             "speech": speech.SpeechTask, "fashion_mnist": images.ImageClassificationTask,
-            "image_folder": images.ImageClassificationTask, "vqa": vqa.VQATask}[name]
+            "image_folder": images.ImageClassificationTask, "vqa": vqa.VQATask,
+            "mlm": mlm.MLMTask}[name]
 
 
 @pytest.mark.parametrize("name, family, model, opts", [

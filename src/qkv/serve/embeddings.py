@@ -128,8 +128,8 @@ def embedding_response(req: EmbeddingRequest, vectors: np.ndarray, tokens: int, 
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-async def handle_embeddings(embedder: Embedder, request: Request) -> JSONResponse:
-    body = await read_json(request)
+async def handle_embeddings(embedder: Embedder, request: Request, max_bytes: int) -> JSONResponse:
+    body = await read_json(request, max_bytes)
     check_text(body)
     req = parse_embedding_request(body, embedder)
     texts = [req.input] if isinstance(req.input, str) else req.input
@@ -145,6 +145,7 @@ async def handle_embeddings(embedder: Embedder, request: Request) -> JSONRespons
 
 def create_embeddings_app(embedder: Embedder, settings: ServeConfig | None = None) -> FastAPI:
     """The app of an encoder folder: /v1/embeddings, /v1/models, /health; errors in OpenAI's shape."""
+    settings = settings if settings is not None else ServeConfig()
     app = FastAPI(title="qkv serve (embeddings)")
     app.state.embedder = embedder
     add_error_handlers(app)
@@ -161,6 +162,6 @@ def create_embeddings_app(embedder: Embedder, settings: ServeConfig | None = Non
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> JSONResponse:
-        return await handle_embeddings(embedder, request)
+        return await handle_embeddings(embedder, request, settings.max_request_bytes)
 
     return app
