@@ -16,8 +16,20 @@ def test_every_task_declares_a_primary_metric_and_direction():
 
 
 def _task_class(name):
-    from qkv.tasks import (captions, digits, dtmf, images, listops, lm, mlm, numbers_zh, seq2seq, speech, tsv,
-                           vqa)
+    from qkv.tasks import (
+        captions,
+        digits,
+        dtmf,
+        images,
+        listops,
+        lm,
+        mlm,
+        numbers_zh,
+        seq2seq,
+        speech,
+        tsv,
+        vqa,
+    )
 
     return {"copy": seq2seq.CopyTask, "reverse": seq2seq.ReverseTask, "sort": seq2seq.SortTask,
             "addition": seq2seq.AdditionTask, "numbers_zh": numbers_zh.NumbersZhTask, "tsv": tsv.TSVTask,
