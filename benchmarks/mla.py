@@ -61,7 +61,8 @@ def build(transformers, quick: bool):
         moe_intermediate_size=256,
         num_hidden_layers=4 if not quick else 2, num_attention_heads=16, num_key_value_heads=16,
         n_shared_experts=1,
-        n_routed_experts=8, kv_lora_rank=128 if not quick else 48, q_lora_rank=96 if not quick else 48, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        n_routed_experts=8, kv_lora_rank=128 if not quick else 48, q_lora_rank=96 if not quick else 48,
+        qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=32, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
         max_position_embeddings=4096)
     torch.manual_seed(0)
