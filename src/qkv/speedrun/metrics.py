@@ -1,7 +1,8 @@
 """The speedrun's answer scores: ROUGE-L F1 and token F1 (SQuAD's) over lower-case alphanumeric words, exact
 match, and whether a generated function parses.
 
-ROUGE-L is Google's `rouge_score` without stemming (the docstrings' words as written); token F1 splits words as
+ROUGE-L is Google's `rouge_score` without stemming (the docstrings' words as written); token F1 splits
+words as
 that package does (lower case, runs of [a-z0-9]).
 """
 
