@@ -2,8 +2,7 @@
 match, and whether a generated function parses.
 
 ROUGE-L is Google's `rouge_score` without stemming (the docstrings' words as written); token F1 splits
-words as
-that package does (lower case, runs of [a-z0-9]).
+words as that package does (lower case, runs of [a-z0-9]).
 """
 
 from __future__ import annotations
