@@ -32,7 +32,7 @@ def test_info_says_a_question_about_an_image(llava, clients):
 
 
 def test_image_view_equals_transformers(llava, clients):
-    from qkv.explore.media import question_image
+    from qkv.explore.adapter import question_image
 
     r = clients(llava).post("/api/analyze", json={"input": QUESTION, "image": IMAGE, "max_target_tokens": 8})
     assert r.status_code == 200, r.text
