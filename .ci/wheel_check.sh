@@ -61,6 +61,8 @@ body = json.dumps({"model": "lm", "prompt": "The ", "max_tokens": 4}).encode()
 req = urllib.request.Request(base + "/completions", data=body, headers={"content-type": "application/json"})
 out = json.load(urllib.request.urlopen(req, timeout=120))
 assert out["usage"]["completion_tokens"] >= 1, out
+page = urllib.request.urlopen(base.removesuffix("/v1") + "/", timeout=60).read().decode()  # the chat page
+assert "/v1/chat/completions" in page, page[:200]
 PY
 kill -TERM "$serve_pid"
 wait "$serve_pid"
@@ -73,4 +75,10 @@ venv/bin/qkv train numbers_zh --max-steps 1 --out "$tmp/zh" 2> "$tmp/err.txt"
 code=$?
 set -e
 test "$code" -eq 2 && grep -q "pip install 'qkv\[text\]'" "$tmp/err.txt"
+# qkv speedrun's profiles are package data: a misspelt one is one line naming the shipped ones
+set +e
+venv/bin/qkv speedrun --profile quikc --out "$tmp/sr" 2> "$tmp/err.txt"
+code=$?
+set -e
+test "$code" -eq 2 && grep -q "quick" "$tmp/err.txt" && test ! -e "$tmp/sr"
 echo "wheel check: ok"
