@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qkv.config import ConfigError
+from qkv.run import run_folder_of
 from qkv.storage import atomic_write_text
 from qkv.tasks.tokenizer_export import write_qkv_tokenizer
 from qkv.tasks.tokenizers import BPETokenizer, saved_tokenizer
@@ -46,8 +47,6 @@ def run_tokenizer(model_path: Path, source: Path) -> BPETokenizer | None:
     run folder); None for any other folder (a Hugging Face folder is read as it is). A qkv tokenizer that is
     not a byte-level BPE is refused: a character or word vocabulary cannot spell the template's role
     markers."""
-    from qkv.run import run_folder_of
-
     if (source / "tokenizer.json").is_file():
         return None
     run = run_folder_of(model_path)
