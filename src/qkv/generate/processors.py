@@ -363,8 +363,8 @@ class MinP(LogitsProcessor):
         return scores.masked_fill(remove, NEG_INF)
 
 
-# OpenAI's penalties and logit_bias ahead of the bans (a bias never lifts a banned token), as vLLM applies them; the
-# grammar's mask last: what it allows is what the warpers and the draw see
+# OpenAI's penalties and logit_bias ahead of the bans (a bias never lifts a banned token), as vLLM applies
+# them; the grammar's mask last: what it allows is what the warpers and the draw see
 PROCESSORS: list[type[LogitsProcessor]] = [RepetitionPenalty, PresenceFrequencyPenalty, LogitBias,
                                            NoRepeatNGram, NoBadWords, MinNewTokens, ForcedBOS, ForcedEOS,
                                            GrammarMask]
