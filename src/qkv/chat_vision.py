@@ -25,6 +25,7 @@ from torch import Tensor
 from qkv.chat import ChatSession
 from qkv.config import ConfigError
 from qkv.interop.llava import IMAGE_TOKEN, ImageProcessor, expand_image_tokens, load_image
+from qkv.interop.model_types import is_vision_language
 from qkv.interop.smolvlm import Idefics3Processor, folder_processor
 from qkv.models.vlm import LLaVA
 from qkv.run import model_folder
@@ -36,7 +37,7 @@ def is_vision_folder(folder: str | Path) -> bool:
         meta = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return False
-    return isinstance(meta, dict) and (meta.get("model_type") in ("llava", "idefics3", "smolvlm")
+    return isinstance(meta, dict) and (is_vision_language(meta.get("model_type"))
                                        or meta.get("qkv_family") == "llava")
 
 

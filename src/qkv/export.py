@@ -1,14 +1,14 @@
 """`qkv export SOURCE OUT`: a qkv run, a qkv model folder or a Hugging Face folder written as a Hugging Face
 folder (config.json + model.safetensors + tokenizer files) that transformers loads.
 
-WRITERS is qkv.interop.export's EXPORTERS (decoders, vision-language models) with the writers that need a
-run's task or `qkv predict`'s preprocessing (encoders: their class names; image classifiers: theirs and their
-preprocessor_config.json). The model type is chosen from the model's
-family and config (a GPT with learned positions: gpt2; with RoPE: llama / qwen2 / qwen3 / mistral; experts:
-mixtral / qwen2_moe / qwen3_moe; MLA: deepseek_v3; an encoder: bert; an image classifier: its own), or
-given. A config the format cannot express is refused by the exporter's own check, and OUT is written in a
-folder beside it that becomes OUT only when everything is in it: a refusal leaves nothing behind (the
-parent folders made for OUT are removed too).
+Each model_type is written by its record's exporter (qkv.interop.model_types), told the class names of a
+run's task (an encoder's); an image classifier by export_image_folder below, with `qkv predict`'s
+preprocessing and class names. The model type is chosen from the model's family and config (a GPT with
+learned positions: gpt2; with RoPE: llama / qwen2 / qwen3 / mistral; experts: mixtral / qwen2_moe /
+qwen3_moe; MLA: deepseek_v3; an encoder: bert; an image classifier: its own), or given. A config the format
+cannot express is refused by the exporter's own check, and OUT is written in a folder beside it that becomes
+OUT only when everything is in it: a refusal leaves nothing behind (the parent folders made for OUT are
+removed too).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import torch
 
 from qkv.config import ConfigError
 from qkv.finetune.image_export import check_exportable, export_classifier, preprocessor_config
-from qkv.interop.bert import ENCODER_LAYOUTS, encoder_layout, export_encoder
 from qkv.interop.common import require
-from qkv.interop.export import DECODERS, EXPORTERS, decoder_type, set_token_ids, write_model
+from qkv.interop.export import decoder_type, set_token_ids, writable_types, write_model
 from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.interop.gguf_model import is_gguf
+from qkv.interop.model_types import ExportRequest, lookup, model_types, names
 from qkv.interop.tokenizer import load_hf_tokenizer
 from qkv.predict import hf_meta, preprocessing_for
 from qkv.run import hugging_face_tokenizer_files, load_model_any, load_run_task, model_folder, run_folder_of
@@ -39,15 +39,17 @@ from qkv.storage import read_config, umask_mode
 from qkv.tasks.tokenizer_export import write_qkv_tokenizer
 from qkv.tasks.tokenizers import saved_tokenizer
 
-# every format `qkv export` writes: Hugging Face model_type -> "module:function(model, folder)"
-WRITERS = {**EXPORTERS, **{mt: "qkv.export:export_encoder_folder" for mt in ENCODER_LAYOUTS},
-           **{mt: "qkv.export:export_image_folder" for mt in ("vit", "resnet", "swin")}}
-# qkv family -> the model types its models can be written as (the first: an encoder's default)
-FAMILY_TYPES = {"gpt": DECODERS, "bert": ("bert", "roberta", "xlm-roberta", "distilbert"),
-                "deberta": ("deberta-v2",), "vit": ("vit",), "resnet": ("resnet",), "swin": ("swin",),
-                "llava": ("llava", "idefics3", "smolvlm")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_IMAGE_FAMILIES = ("vit", "resnet", "swin")
+
+
+def image_types(family: str | None = None) -> tuple[str, ...]:
+    """The image classifiers' model_types (of qkv `family`), written by export_image_folder."""
+    return names(model_types(kind="image", family=family))
+
+
+def family_types(family: str | None = None) -> tuple[str, ...]:
+    """The model_types `qkv export` writes (a model of qkv `family` as; the first: an encoder's default)."""
+    return writable_types(family) + image_types(family)
 
 
 @dataclass
@@ -65,17 +67,18 @@ def choose_model_type(model: Any, meta: dict[str, Any], asked: str | None) -> st
     """`asked`, checked against the model's family; else the default for the model (a Hugging Face folder:
     its own model_type)."""
     fam = type(model).family
-    types = FAMILY_TYPES.get(fam)
-    if types is None:
+    types, written = family_types(fam), family_types()
+    if not types:
+        families = sorted({r.family for r in model_types() if r.name in written})
         raise ConfigError(f"qkv export has no Hugging Face format for a {type(model).__name__} ({fam!r} "
-                          f"family) model; it writes {', '.join(sorted(FAMILY_TYPES))} models")
+                          f"family) model; it writes {', '.join(families)} models")
     hf_type = meta.get("model_type") if "qkv_family" not in meta else None
     chosen = asked or hf_type or (decoder_type(model.config) if fam == "gpt" else types[0])
-    if chosen not in WRITERS and asked is None:  # the folder's own type, not a flag the user gave
+    if chosen not in written and asked is None:  # the folder's own type, not a flag the user gave
         raise ConfigError(f"a Hugging Face {chosen} folder has no exporter; pass --model-type, one of "
-                          f"{', '.join(t for t in types if t in WRITERS)}")
-    if chosen not in WRITERS:
-        raise ConfigError(f"--model-type {chosen!r}: qkv writes {', '.join(sorted(WRITERS))} folders")
+                          f"{', '.join(types)}")
+    if chosen not in written:
+        raise ConfigError(f"--model-type {chosen!r}: qkv writes {', '.join(sorted(written))} folders")
     if chosen not in types:
         raise ConfigError(f"a {type(model).__name__} cannot be written as {chosen!r}: choose one of "
                           f"{', '.join(types)}")
@@ -153,7 +156,7 @@ def export_model(source: str | os.PathLike, out: str | os.PathLike, *, model_typ
     model = load_model_any(source).eval()
     chosen = choose_model_type(model, meta, model_type)
     if dtype is not None:
-        if type(model).family in _IMAGE_FAMILIES:  # its exporter writes float32 (what the parity checks hold)
+        if chosen in image_types():  # its exporter writes float32 (what the parity checks hold)
             raise ConfigError(f"--dtype: qkv export writes an image classifier in float32; drop "
                               f"--dtype {dtype}")
         model = model.to(DTYPES[dtype])
@@ -178,7 +181,11 @@ def _write_staged(model: Any, model_type: str, source: Path, folder: Path, meta:
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         staging.chmod(umask_mode("dir"))  # mkdtemp's is owner-only: OUT gets a new folder's usual mode
-        write_model(model, staging, model_type, folder, WRITERS)
+        if model_type in image_types():
+            export_image_folder(model, staging, source=folder)
+        else:  # an encoder's class names: its folder's, else its run's task's
+            classes = _run_classes(folder) if lookup(model_type).kind == "encoder" else None
+            write_model(model, staging, ExportRequest(model_type, folder, labels=classes))
         tokenizer = _write_tokenizer(model, model_type, source, folder, meta, staging)
         files = sorted(p.name for p in staging.iterdir())
         with _filesystem("replace", out):
@@ -194,16 +201,18 @@ def _write_staged(model: Any, model_type: str, source: Path, folder: Path, meta:
 def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, meta: dict[str, Any],
                      out: Path) -> str | None:
     """The tokenizer files beside the model (an image classifier has none), and a decoder's token ids."""
-    if type(model).family in (*_IMAGE_FAMILIES, "llava"):  # a VLM's exporter copies its own files
+    record = lookup(model_type)
+    if record.kind == "image" or record.family == "llava":  # a VLM's exporter copies its own files
         return None
+    decoder = record.family == "gpt"
     if "qkv_family" not in meta:  # a Hugging Face folder: its files as they are, its token ids
         copied = copy_tokenizer_files(folder, out)
-        if model_type in DECODERS:
+        if decoder:
             set_token_ids(out, meta)
         return "copied" if copied else None
     if hugging_face_tokenizer_files(folder):  # a qkv model folder the chat recipe wrote: its files, template
         copy_tokenizer_files(folder, out)  # included, as they are
-        if model_type in DECODERS:
+        if decoder:
             hf = load_hf_tokenizer(folder)
             set_token_ids(out, {"bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id,
                                 "pad_token_id": hf.pad_token_id})
@@ -214,7 +223,7 @@ def _write_tokenizer(model: Any, model_type: str, source: Path, folder: Path, me
     if tok is not None:
         kind = write_qkv_tokenizer(tok, out, getattr(model.config, "context_length", None),
                                    _prepends_bos(model, run))
-        if kind is not None and model_type in DECODERS:
+        if kind is not None and decoder:
             set_token_ids(out, {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
                                 "pad_token_id": tok.pad_id})
         return kind
@@ -251,18 +260,6 @@ def _run_classes(source: Path) -> dict[int, str] | None:
     return dict(enumerate(map(str, classes))) if classes else None
 
 
-def export_encoder_folder(model: Any, out: Path, *, model_type: str, source: Path) -> Path:
-    """A BERT-like encoder as a `model_type` folder; the class names from the source folder's config.json,
-    else from the run's task."""
-    layout = encoder_layout(model_type)
-    base = _hf_meta(source)
-    names = (base or {}).get("id2label")
-    id2label = {int(i): str(n) for i, n in names.items()} if isinstance(names, dict) else _run_classes(source)
-    if id2label is not None and len(id2label) != getattr(model.config, "num_labels", None):
-        id2label = None  # a head the names do not describe (or none): numbered labels
-    return export_encoder(model, out, layout, base_config=base, id2label=id2label)
-
-
 def export_image_folder(model: Any, out: Path, *, source: Path) -> Path:
     """An image classifier (ViT, ResNet, Swin) as a Hugging Face *ForImageClassification folder, with the
     preprocessing and class names `qkv predict` uses for `source`."""
@@ -282,5 +279,5 @@ def export_image_folder(model: Any, out: Path, *, source: Path) -> Path:
     return Path(out)
 
 
-__all__ = ["DTYPES", "FAMILY_TYPES", "WRITERS", "Exported", "check_paths", "choose_model_type",
-           "export_encoder_folder", "export_image_folder", "export_model"]
+__all__ = ["DTYPES", "Exported", "check_paths", "choose_model_type", "export_image_folder", "export_model",
+           "family_types", "image_types"]

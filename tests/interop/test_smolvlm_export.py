@@ -1,4 +1,4 @@
-"""qkv's Idefics3 / SmolVLM export (qkv.interop.vlm_export) on tiny random-weight folders: the written folder
+"""qkv's Idefics3 / SmolVLM export (qkv.interop.smolvlm) on tiny random-weight folders: the written folder
 loads in transformers (AutoModelForImageTextToText, the family class) with qkv's logits, loads back in qkv
 equal, holds the source's tensors bit for bit (the model was loaded from it unchanged), keeps the processor,
 tokenizer and chat template; the llava export through the same writer; refusals."""
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import qkv
-from qkv.interop.llava import canonical_key
-from qkv.interop.vlm_export import export_idefics3, export_llava
+from qkv.interop.llava import canonical_key, export_llava
+from qkv.interop.smolvlm import export_idefics3
 from qkv.storage import CheckpointError
 
 sys.path.insert(0, str(Path(__file__).parent))

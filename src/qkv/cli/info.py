@@ -19,23 +19,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 DTYPES = ("float32", "bfloat16", "float16")  # the KV cache's dtypes --dtype offers (torch's names)
 
-# The Hugging Face config.json fields the KV cache's size is computed from, by model_type: a folder lacking
-# one cannot be sized (the loaders default some of them, e.g. the context, which would size another model)
-HF_SIZING_FIELDS: dict[str, tuple[str, ...]] = {
-    "gpt2": ("n_layer", "n_head", "n_embd", "n_positions"),
-    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"),
-                    ("num_hidden_layers", "num_attention_heads", "hidden_size", "max_position_embeddings")),
-    **dict.fromkeys(("deepseek_v3", "deepseek_v2"),
-                    ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim", "max_position_embeddings")),
-    "t5": ("num_layers", "num_heads", "d_kv"),
-    **dict.fromkeys(("bart", "marian"), ("decoder_layers", "decoder_attention_heads", "d_model",
-                                         "max_position_embeddings")),
-    "whisper": ("decoder_layers", "decoder_attention_heads", "d_model", "max_target_positions",
-                "max_source_positions"),
-}
-
-# The same for a qkv folder's config.json ("config" section), by family: a field missing there would be
-# filled with the family's default, which sizes another model
+# The config.json fields the KV cache's size is computed from, by qkv family (its "config" section): a field
+# missing there would be filled with the family's default, which sizes another model. A Hugging Face folder's
+# are its model_type record's (qkv.interop.model_types): the loaders default some of them too
 QKV_SIZING_FIELDS: dict[str, tuple[str, ...]] = {
     "gpt": ("n_layers", "d_model", "n_heads", "context_length"),
     "encdec": ("n_decoder_layers", "d_model", "n_heads", "context_length"),
@@ -185,9 +171,11 @@ def check_sizable(path: str) -> None:
     meta = _folder_config(path)
     if meta is None:
         return
-    family = meta.get("qkv_family")
+    from qkv.interop.model_types import lookup
+
+    family, record = meta.get("qkv_family"), lookup(meta.get("model_type"))
     kind, fields = (family, QKV_SIZING_FIELDS.get(str(family), ())) if family is not None else \
-        (meta.get("model_type"), HF_SIZING_FIELDS.get(str(meta.get("model_type")), ()))
+        (meta.get("model_type"), record.sizing_fields if record is not None else ())
     section = meta.get("config") if family is not None else meta
     if not isinstance(section, dict):
         return  # the loader says what is wrong with the file

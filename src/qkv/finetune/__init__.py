@@ -270,7 +270,7 @@ def epochs_to_steps(epochs: float, per_epoch: int) -> int:
 def model_kind(folder: str | Path) -> str:
     """The kind of the model in `folder` (or in a qkv run folder's newest checkpoint), read from its
     config.json alone (no weights are loaded)."""
-    from qkv.interop import KINDS
+    from qkv.interop.model_types import lookup
     from qkv.models.registry import family
     from qkv.run import run_folder_of
     from qkv.storage import CheckpointError, read_config
@@ -282,13 +282,11 @@ def model_kind(folder: str | Path) -> str:
     meta = read_config(folder)
     if "qkv_family" in meta:
         return family(meta["qkv_family"]).model_class.kinds[0]
-    # a vision-language folder is a decoder with images in its prompts: the chat recipe (finetune.chat_images)
-    vlm = meta.get("model_type") in ("llava", "idefics3", "smolvlm")
-    kind = KINDS.get(meta.get("model_type")) or ("decoder" if vlm else None)
-    if kind is None:
+    record = lookup(meta.get("model_type"))  # a vision-language folder's kind: decoder (finetune.chat_images)
+    if record is None:
         raise CheckpointError(f"{folder}: Hugging Face model_type {meta.get('model_type')!r} is not "
                               "supported")
-    return kind
+    return record.kind
 
 
 def choose(task: str | None, kind: str) -> Recipe:

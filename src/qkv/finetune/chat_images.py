@@ -25,7 +25,7 @@ are the text recipe's (the assistant's tokens and the end of turn), never the im
 
 What trains (LLaVA's instruction-tuning stage): LoRA adapters on the language model (--lora; without it the
 whole language model), the projector in full, the vision tower frozen. OUT is written by
-qkv.interop.vlm_export in the source's format.
+its model type's exporter in the source's format.
 
 Images are preprocessed once, when the data is read, and held in memory as float32 pixel tensors: LLaVA's one
 3 x 336 x 336 tensor per image is 1.3 MB; an Idefics3 / SmolVLM image is up to 17 tiles of 3 x 364 x 364

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError
-from qkv.interop.export import EXPORTERS, set_token_ids, write_model
+from qkv.interop.export import set_token_ids, writable_types, write_model
 from qkv.interop.export_tokenizer import copy_tokenizer_files
+from qkv.interop.model_types import ExportRequest
 
 
 def check_exportable(source: Path) -> None:
@@ -20,9 +21,10 @@ def check_exportable(source: Path) -> None:
     from qkv.storage import read_config
 
     model_type = read_config(source).get("model_type")
-    if model_type is not None and model_type not in EXPORTERS:
+    decoders = writable_types(kind="decoder")  # a chat model: a decoder, or a vision-language one
+    if model_type is not None and model_type not in decoders:
         raise ConfigError(f"cannot write a fine-tuned {model_type!r} folder yet: qkv exports "
-                          f"{', '.join(sorted(EXPORTERS))} folders")
+                          f"{', '.join(sorted(decoders))} folders")
 
 
 def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
@@ -34,7 +36,8 @@ def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
     model_type = meta.get("model_type")
     if model_type is not None:
         check_exportable(source)
-        write_model(model, out, model_type, source)  # a VLM's processor files: from source (llava: its tower)
+        # a VLM's processor files: from source (llava: its tower)
+        write_model(model, out, ExportRequest(model_type, source))
         # the exporter knows the architecture; the source knows its token ids and anything else it declared
         set_token_ids(out, meta)
         fmt = f"hf:{model_type}"

@@ -21,8 +21,9 @@ from torch import Tensor
 import qkv
 from qkv.config import ConfigError, apply_overrides, from_dict
 from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
-from qkv.interop.bert import ENCODER_LAYOUTS, encoder_layout, export_encoder
+from qkv.interop.bert import encoder_layout, export_encoder
 from qkv.interop.export_tokenizer import copy_tokenizer_files
+from qkv.interop.model_types import model_types, names
 from qkv.interop.tokenizer import HFTokenizer
 from qkv.storage import read_config
 from qkv.tasks.base import text_lines
@@ -67,9 +68,10 @@ def open_encoder(folder: str | Path) -> EncoderFolder:
     folder = Path(folder)
     meta = read_config(folder)
     mt = meta.get("model_type")
-    if mt not in ENCODER_LAYOUTS:  # the encoder model_types (each with the Layout that reads and writes it)
+    encoders = names(model_types(kind="encoder"))  # each with the Layout that reads and writes it
+    if mt not in encoders:
         raise ConfigError(
-            f"{folder}: the encoder recipes take a Hugging Face {'/'.join(ENCODER_LAYOUTS)} folder; "
+            f"{folder}: the encoder recipes take a Hugging Face {'/'.join(encoders)} folder; "
             f"this one has model_type {mt!r}" + (" (a qkv checkpoint)" if "qkv_family" in meta else "")
         )
     model = qkv.from_pretrained(folder)

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
@@ -40,6 +39,7 @@ from qkv.interop.common import (
     require,
     write_hf_folder,
 )
+from qkv.interop.model_types import ModelType, register
 from qkv.interop.t5 import generation_from_config
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 
@@ -190,7 +190,8 @@ def save_bart(model: EncoderDecoder, folder: str | Path, meta: dict[str, Any]) -
     return write_hf_folder(folder, state, meta)
 
 
-LOADERS["bart"] = load_bart
-LOADERS["marian"] = load_bart
+SIZING_FIELDS = ("decoder_layers", "decoder_attention_heads", "d_model", "max_position_embeddings")
+register(*(ModelType(mt, "seq2seq", "encdec", load_bart, sizing_fields=SIZING_FIELDS)
+           for mt in ("bart", "marian")))
 
 __all__ = ["config_from_hf", "key_map", "load_bart", "save_bart"]

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
@@ -33,8 +32,9 @@ from qkv.interop.common import (
     unlike,
     write_hf_folder,
 )
+from qkv.interop.model_types import ExportRequest, ModelType, lookup, register
 from qkv.models.bert import BERT, BERTConfig
-from qkv.storage import unwrap
+from qkv.storage import read_config, unwrap
 
 ENCODER_MAP = {
     "embeddings.word_embeddings.weight": "tok_emb.weight",
@@ -149,21 +149,12 @@ class Layout:
     extra: Callable[[BERTConfig], dict[str, str]] | None = None  # more tensors, as the config decides
 
 
-# the encoder model_types and the module whose Layout reads and writes them (imported when asked: each
-# family's module imports this one)
-ENCODER_LAYOUTS = {"bert": ("qkv.interop.bert", "BERT_LAYOUT"),
-                   "roberta": ("qkv.interop.roberta", "ROBERTA_LAYOUT"),
-                   "xlm-roberta": ("qkv.interop.roberta", "XLM_ROBERTA_LAYOUT"),
-                   "distilbert": ("qkv.interop.distilbert", "DISTILBERT_LAYOUT"),
-                   "deberta-v2": ("qkv.interop.deberta", "DEBERTA_LAYOUT")}
-
-
 def encoder_layout(model_type: str) -> Layout:
-    """The Layout of an encoder model_type (one of ENCODER_LAYOUTS)."""
-    import importlib
-
-    module, name = ENCODER_LAYOUTS[model_type]
-    return getattr(importlib.import_module(module), name)
+    """The Layout of an encoder model_type (its record's)."""
+    record = lookup(model_type)
+    if record is None or record.layout is None:
+        raise ValueError(f"{model_type!r} is not an encoder model_type qkv reads")
+    return record.layout
 
 
 def _normalise_key(key: str, prefix: str) -> str:
@@ -336,10 +327,22 @@ def export_bert(model: BERT, path: str | os.PathLike, **kwargs: Any) -> Path:
     return export_encoder(model, path, BERT_LAYOUT, **kwargs)
 
 
-LOADERS["bert"] = load_bert
+def write_encoder(model: BERT, out: Path, request: ExportRequest) -> None:
+    """Any encoder model_type's exporter: config.json's other fields from the source folder's (a Hugging Face
+    one); the class names the request gives, else the source's, numbered when they do not fit the head."""
+    meta = read_config(request.source) if request.source is not None else {}
+    base = meta if meta and "qkv_family" not in meta else None
+    names = (base or {}).get("id2label")
+    id2label = request.labels or ({int(i): str(n) for i, n in names.items()} if isinstance(names, dict)
+                                  else None)
+    if id2label is not None and len(id2label) != getattr(model.config, "num_labels", None):
+        id2label = None
+    export_encoder(model, out, encoder_layout(request.model_type), base_config=base, id2label=id2label)
+
+
+register(ModelType("bert", "encoder", "bert", load_bert, write_encoder, layout=BERT_LAYOUT))
 
 __all__ = [
-    "ENCODER_LAYOUTS",
     "encoder_layout",
     "BERT_LAYOUT",
     "ENCODER_MAP",

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qkv.interop import LOADERS
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
+from qkv.interop.model_types import ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.models.clip import CLIP, CLIPConfig
 from qkv.models.vit import ViTConfig
@@ -126,4 +126,4 @@ def load_clip(folder: Path, meta: dict[str, Any]) -> CLIP:
     return model.eval()
 
 
-LOADERS["clip"] = load_clip
+register(ModelType("clip", "dual", "clip", load_clip))

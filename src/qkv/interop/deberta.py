@@ -19,10 +19,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qkv.interop import LOADERS
-from qkv.interop.bert import ACTIVATIONS, HF_ACT, Layout, export_encoder, load_encoder
+from qkv.interop.bert import ACTIVATIONS, HF_ACT, Layout, export_encoder, load_encoder, write_encoder
 from qkv.interop.bert import MLM_MAP as BERT_MLM_MAP
 from qkv.interop.common import require
+from qkv.interop.model_types import ModelType, register
 from qkv.models.deberta import DeBERTa, DeBERTaConfig
 
 ENCODER_MAP = {
@@ -230,6 +230,6 @@ def export_deberta(model: DeBERTa, path: str | os.PathLike, **kwargs: Any) -> Pa
     return export_encoder(model, path, DEBERTA_LAYOUT, **kwargs)
 
 
-LOADERS["deberta-v2"] = load_deberta
+register(ModelType("deberta-v2", "encoder", "deberta", load_deberta, write_encoder, layout=DEBERTA_LAYOUT))
 
 __all__ = ["DEBERTA_LAYOUT", "config_from_hf", "config_to_hf", "export_deberta", "load_deberta"]

@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.interop import LOADERS, llama
+from qkv.interop import llama
 from qkv.interop.common import HFTensors, check_sizes, require
+from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.interop.moe import FusedExperts
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.nn.mla import MLAConfig
@@ -338,7 +339,12 @@ def export_deepseek(
     return llama.export_decoder(model, path, config_to_hf(model.config), mapping, token_ids)
 
 
-LOADERS[MODEL_TYPE] = load_deepseek
-LOADERS["deepseek_v2"] = _refuse_v2
+def write_deepseek(model: GPT, out: Path, request: ExportRequest) -> None:
+    export_deepseek(model, out)
+
+
+SIZING_FIELDS = ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim", "max_position_embeddings")
+register(ModelType(MODEL_TYPE, "decoder", "gpt", load_deepseek, write_deepseek, SIZING_FIELDS),
+         ModelType("deepseek_v2", "decoder", "gpt", _refuse_v2, sizing_fields=SIZING_FIELDS))
 
 __all__ = ["config_from_hf", "config_to_hf", "export_deepseek", "key_map", "load_deepseek"]

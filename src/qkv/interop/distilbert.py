@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qkv.interop import LOADERS
-from qkv.interop.bert import ACTIVATIONS, HF_ACT, Layout, export_encoder, load_encoder
+from qkv.interop.bert import ACTIVATIONS, HF_ACT, Layout, export_encoder, load_encoder, write_encoder
 from qkv.interop.common import require
+from qkv.interop.model_types import ModelType, register
 from qkv.models.bert import BERT, BERTConfig
 
 ENCODER_MAP = {
@@ -136,6 +136,6 @@ def export_distilbert(model: BERT, path: str | os.PathLike, **kwargs: Any) -> Pa
     return export_encoder(model, path, DISTILBERT_LAYOUT, **kwargs)
 
 
-LOADERS["distilbert"] = load_distilbert
+register(ModelType("distilbert", "encoder", "bert", load_distilbert, write_encoder, layout=DISTILBERT_LAYOUT))
 
 __all__ = ["DISTILBERT_LAYOUT", "config_from_hf", "export_distilbert", "load_distilbert"]

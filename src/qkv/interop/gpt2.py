@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
@@ -24,6 +23,7 @@ from qkv.interop.common import (
     unlike,
     write_hf_folder,
 )
+from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.storage import unwrap
 
@@ -179,6 +179,11 @@ def export_gpt2(model: GPT, path: str | os.PathLike) -> Path:
     return write_hf_folder(path, state, hf_config)
 
 
-LOADERS["gpt2"] = load_gpt2
+def write_gpt2(model: GPT, out: Path, request: ExportRequest) -> None:
+    export_gpt2(model, out)
+
+
+register(ModelType("gpt2", "decoder", "gpt", load_gpt2, write_gpt2,
+                   sizing_fields=("n_layer", "n_head", "n_embd", "n_positions")))
 
 __all__ = ["KEY_MAP", "config_from_hf", "config_to_hf", "export_gpt2", "load_gpt2"]

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
@@ -38,11 +37,14 @@ from qkv.interop.common import (
     unlike,
     write_hf_folder,
 )
+from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.nn.position import ROPE_SCALINGS, build_position
 from qkv.storage import CheckpointError, unwrap
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# the config.json fields a decoder's KV cache is sized from (qkv info), here and in interop/moe.py
+SIZING_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "max_position_embeddings")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 
@@ -401,8 +403,11 @@ def export_decoder(model: GPT, path: str | os.PathLike, hf_config: dict[str, Any
     return write_hf_folder(path, out, hf_config)
 
 
-for _mt in MODEL_TYPES:
-    LOADERS[_mt] = load_llama
+def write_llama(model: GPT, out: Path, request: ExportRequest) -> None:
+    export_llama(model, out, model_type=request.model_type)
+
+
+register(*(ModelType(mt, "decoder", "gpt", load_llama, write_llama, SIZING_FIELDS) for mt in MODEL_TYPES))
 
 __all__ = [
     "KEY_MAP",

@@ -21,23 +21,26 @@ mean and std. The prompt's one <image> token per image becomes `image_tokens` pl
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from qkv.image_io import open_image
-from qkv.interop import LOADERS
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
 from qkv.interop.llama import check_decoder_sizes, key_map, load_decoder
 from qkv.interop.llama import config_from_hf as llama_config_from_hf
+from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.interop.vit import hf_activation
+from qkv.interop.vlm_export import language_state, source_tensors, write_vlm_folder
 from qkv.models.vlm import LLaVA, VisionConfig, VLMConfig
-from qkv.storage import CheckpointError
+from qkv.storage import CheckpointError, read_config, unwrap
 
 # transformers' defaults for the fields a folder's config.json may leave out (LlamaConfig, CLIPVisionConfig,
 # LlavaConfig)
@@ -207,7 +210,29 @@ def load_llava(folder: Path, meta: dict[str, Any]) -> LLaVA:
     return model.eval()
 
 
-LOADERS["llava"] = load_llava
+def export_llava(model: LLaVA, out: str | os.PathLike, source: str | os.PathLike) -> Path:
+    """OUT as a Hugging Face llava folder (transformers 5's key layout): the language model and the projector
+    from `model`, the vision tower (every layer, including those qkv never runs) and config.json from
+    `source`."""
+    # qkv's tower is cut at the layer the projector reads, so the tower is copied from the source folder (the
+    # chat recipe freezes it: that copy is the trained model's)
+    model, source = unwrap(model), Path(source)
+    state = {"model.vision_tower.vision_model." + k[len("vision."):]: t
+             for k, t in source_tensors(source, canonical_key, "vision.").items()}
+    state.update(language_state(model.language_model, "model.language_model.")[0])
+    for k, t in model.projector.state_dict().items():
+        state["model.multi_modal_projector." + k] = t.detach().contiguous()
+    return write_vlm_folder(out, state, read_config(source), source)
+
+
+def write_llava(model: LLaVA, out: Path, request: ExportRequest) -> None:
+    if request.source is None:
+        raise CheckpointError("a llava folder is written from the folder its model was loaded from (its "
+                              "vision tower); none was given")
+    export_llava(model, out, request.source)
+
+
+register(ModelType("llava", "decoder", "llava", load_llava, write_llava))
 
 
 # -- the processor: images -> pixel_values, <image> -> placeholders
@@ -277,8 +302,6 @@ class ImageProcessor:
 
     def __call__(self, images: Any) -> Tensor:
         """A PIL image or a list of them -> pixel_values (n, 3, H, W) float32."""
-        import numpy as np
-
         out = []
         for image in images if isinstance(images, (list, tuple)) else [images]:
             image = image.convert("RGB")

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.interop import LOADERS, llama
+from qkv.interop import llama
 from qkv.interop.common import HFTensors, require
+from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.nn.moe import MoEConfig
 from qkv.storage import unwrap
@@ -250,7 +251,10 @@ def export_moe(model: GPT, path: str | os.PathLike, *, model_type: str | None = 
     )
 
 
-for _mt in MODEL_TYPES:
-    LOADERS[_mt] = load_moe
+def write_moe(model: GPT, out: Path, request: ExportRequest) -> None:
+    export_moe(model, out, model_type=request.model_type)
+
+
+register(*(ModelType(mt, "decoder", "gpt", load_moe, write_moe, llama.SIZING_FIELDS) for mt in MODEL_TYPES))
 
 __all__ = ["config_from_hf", "config_to_hf", "export_moe", "key_map", "load_moe", "model_type_of"]

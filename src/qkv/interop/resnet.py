@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
@@ -23,6 +22,7 @@ from qkv.interop.common import (
     require,
     write_hf_folder,
 )
+from qkv.interop.model_types import ModelType, register
 from qkv.models.resnet import ResNet, ResNetConfig
 from qkv.storage import CheckpointError
 
@@ -127,6 +127,6 @@ def export_resnet(model: ResNet, path: str | os.PathLike, id2label: dict[int, st
     return write_hf_folder(path, state, hf_config)
 
 
-LOADERS["resnet"] = load_resnet
+register(ModelType("resnet", "image", "resnet", load_resnet))
 
 __all__ = ["export_resnet", "load_resnet", "resnet_config_from_hf", "resnet_config_to_hf", "resnet_key_map"]

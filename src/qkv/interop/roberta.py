@@ -19,11 +19,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qkv.interop import LOADERS
-from qkv.interop.bert import ENCODER_MAP, POOLER_MAP, TYPE_MAP, Layout, export_encoder, load_encoder
+from qkv.interop.bert import (
+    ENCODER_MAP,
+    POOLER_MAP,
+    TYPE_MAP,
+    Layout,
+    export_encoder,
+    load_encoder,
+    write_encoder,
+)
 from qkv.interop.bert import config_from_hf as bert_config_from_hf
 from qkv.interop.bert import config_to_hf as bert_config_to_hf
 from qkv.interop.common import require
+from qkv.interop.model_types import ModelType, register
 from qkv.models.bert import BERT, BERTConfig
 
 MLM_MAP = {
@@ -108,7 +116,7 @@ def export_roberta(model: BERT, path: str | os.PathLike, *, xlm: bool = False, *
     return export_encoder(model, path, XLM_ROBERTA_LAYOUT if xlm else ROBERTA_LAYOUT, **kwargs)
 
 
-LOADERS["roberta"] = load_roberta
-LOADERS["xlm-roberta"] = load_roberta
+register(ModelType("roberta", "encoder", "bert", load_roberta, write_encoder, layout=ROBERTA_LAYOUT),
+         ModelType("xlm-roberta", "encoder", "bert", load_roberta, write_encoder, layout=XLM_ROBERTA_LAYOUT))
 
 __all__ = ["ROBERTA_LAYOUT", "XLM_ROBERTA_LAYOUT", "config_from_hf", "export_roberta", "load_roberta"]

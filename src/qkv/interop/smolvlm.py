@@ -30,22 +30,25 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qkv.interop import LOADERS
-from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
+from qkv.interop.common import HFTensors, build_skeleton, check_sizes, export_state, load_hf_weights, require
 from qkv.interop.llama import check_decoder_sizes, key_map, load_decoder
 from qkv.interop.llama import config_from_hf as llama_config_from_hf
-from qkv.interop.llava import LLAMA_DEFAULTS, sub_config
+from qkv.interop.llava import LLAMA_DEFAULTS, ImageProcessor, sub_config
+from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.interop.vit import hf_activation
+from qkv.interop.vlm_export import language_state, source_tensors, write_vlm_folder
 from qkv.models.vlm import LLaVA, VisionConfig, VLMConfig
-from qkv.storage import CheckpointError
+from qkv.storage import CheckpointError, unwrap
 
 # transformers' defaults for the fields a folder's config.json may leave out (Idefics3VisionConfig,
 # Idefics3Config, whose text_config is a Llama with rms_norm_eps 1e-5)
@@ -54,6 +57,7 @@ VISION_DEFAULTS = {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_l
                    "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
 TEXT_DEFAULTS = {**LLAMA_DEFAULTS, "rms_norm_eps": 1e-5}
 IDEFICS3_DEFAULTS = {"image_token_id": 128257, "scale_factor": 2, "tie_word_embeddings": False}
+MODEL_TYPES = ("idefics3", "smolvlm")
 VISION_TYPES = (None, "idefics3_vision", "smolvlm_vision", "idefics3", "smolvlm")
 
 RENAMES = (("model.vision_model.", "vision."), ("model.connector.modality_projection.", "projector."),
@@ -162,8 +166,70 @@ def load_idefics3(folder: Path, meta: dict[str, Any]) -> LLaVA:
     return model.eval()
 
 
-LOADERS["idefics3"] = load_idefics3
-LOADERS["smolvlm"] = load_idefics3
+# -- export -----------------------------------------------------------------------------------------
+IDEFICS3_PREFIXES = {"vision.": "model.vision_model.", "projector.": "model.connector.modality_projection."}
+ARCHITECTURES = {"idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}
+HF_ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu"}  # hf_activation inverted
+
+
+def idefics3_config_to_hf(config: Any, text_config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The inverse of smolvlm.config_from_hf, for a VLMConfig of Idefics3's shape (refused otherwise)."""
+    require(model_type in ARCHITECTURES, f"cannot export to model_type {model_type!r}; choose one of "
+                                         f"{sorted(ARCHITECTURES)}")
+    v = config.vision
+    siglip = (not v.class_token and not v.pre_norm and v.patch_bias and v.post_norm and v.placement == "pre"
+              and v.ffn in HF_ACTIVATIONS and config.vision_blocks == v.n_layers)
+    require(siglip and config.projector == "pixel_shuffle" and config.feature_select == "full",
+            f"only Idefics3-shaped models (a SigLIP tower read at its last layer, a pixel-shuffle connector) "
+            f"can be exported as {model_type}")
+    vision = {"model_type": f"{model_type}_vision", "hidden_size": v.d_model, "intermediate_size": v.d_ff,
+              "num_hidden_layers": v.n_layers, "num_attention_heads": v.n_heads, "num_channels": v.n_channels,
+              "image_size": v.image_size, "patch_size": v.patch_size, "hidden_act": HF_ACTIVATIONS[v.ffn],
+              "layer_norm_eps": v.norm_eps, "attention_dropout": v.attn_dropout}
+    return {"model_type": model_type, "architectures": [ARCHITECTURES[model_type]],
+            "vision_config": vision, "text_config": text_config, "scale_factor": config.scale_factor,
+            "image_token_id": config.image_token_id, "tie_word_embeddings": config.text.tie_embeddings}
+
+
+def _position_table(pos: Tensor, side: int, source_table: Tensor | None) -> Tensor:
+    """The model's positions (1, side**2, d), in patch order -> Idefics3's table (side**2, d)."""
+    pos = pos.detach()[0]
+    table = source_table.to(pos.dtype).clone() if source_table is not None else torch.zeros_like(pos)
+    table[navit_position_ids(side)] = pos
+    return table
+
+
+def export_idefics3(model: LLaVA, out: str | os.PathLike, *, model_type: str = "idefics3",
+                    source: str | os.PathLike | None = None) -> Path:
+    """OUT as a Hugging Face idefics3 / smolvlm folder (config.json and model.safetensors, in the model's
+    dtype) that transformers loads as Idefics3- / SmolVLMForConditionalGeneration; `source` (the folder it
+    was loaded from) gives the processor, tokenizer and chat template files and any position row the model
+    never reads. The tower runs every layer: it is written from the model itself, config.json from the model's
+    config. Its position table holds the rows Idefics3's bucketed lookup reads, in patch order; for some grid
+    sides (19, 25, ...) that lookup reads a row twice and another never, and such a row is taken from `source`
+    when one is given (zeros otherwise: transformers reads it for no full tile)."""
+    model = unwrap(model)
+    config = model.config
+    state, text_config = language_state(model.language_model, "model.text_model.")
+    hf_config = idefics3_config_to_hf(config, text_config, model_type)
+    pos_key = "vision.embeddings.position_embedding.weight"
+    source_table = source_tensors(Path(source), canonical_key, pos_key).get(pos_key) if source else None
+    side = config.vision.image_size // config.vision.patch_size
+    ours = {"vision." + k: t for k, t in model.vision.state_dict().items()}
+    ours.update({"projector." + k: t for k, t in model.projector.state_dict().items()})
+    parts = export_state(ours, vision_key_map(config.vision.n_layers),
+                         transforms={pos_key: lambda t: _position_table(t, side, source_table)})
+    for k, t in parts.items():
+        head = next(p for p in IDEFICS3_PREFIXES if k.startswith(p))
+        state[IDEFICS3_PREFIXES[head] + k[len(head):]] = t
+    return write_vlm_folder(out, state, hf_config, source)
+
+
+def write_idefics3(model: LLaVA, out: Path, request: ExportRequest) -> None:
+    export_idefics3(model, out, model_type=request.model_type, source=request.source)
+
+
+register(*(ModelType(mt, "decoder", "llava", load_idefics3, write_idefics3) for mt in MODEL_TYPES))
 
 
 # -- the processor: an image -> tiles -> pixel_values, <image> -> the tiles' tokens -----------------------
@@ -220,8 +286,6 @@ def _tile_multiple_size(h: int, w: int, tile: int) -> tuple[int, int]:
 def _to_tensor(image: Any, rescale: float | None, mean: Sequence[float] | None,
                std: Sequence[float] | None) -> Tensor:
     """A PIL image -> (C, H, W) float32, rescaled and normalised as transformers' numpy steps do."""
-    import numpy as np
-
     x = torch.from_numpy(np.asarray(image).copy())
     x = (x.unsqueeze(-1) if x.dim() == 2 else x).permute(2, 0, 1)
     x = (x.double() * rescale if rescale is not None else x.double()).float()
@@ -345,12 +409,10 @@ class Idefics3Processor:
 def folder_processor(folder: str | Path) -> Any:
     """The image preprocessing of a vision-language folder: an Idefics3Processor for idefics3 / smolvlm
     folders, else llava's ImageProcessor."""
-    from qkv.interop.llava import ImageProcessor
-
     try:
         mt = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
         mt = None
-    if mt in ("idefics3", "smolvlm"):
+    if mt in MODEL_TYPES:
         return Idefics3Processor.from_folder(folder)
     return ImageProcessor.from_folder(folder)

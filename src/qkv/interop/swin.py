@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qkv.interop import LOADERS
 from qkv.interop.common import HFTensors, build_skeleton, load_hf_weights, require
+from qkv.interop.model_types import ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.models.swin import Swin, SwinConfig
 
@@ -106,6 +106,6 @@ def load_swin(folder: Path, meta: dict[str, Any]) -> Swin:
     return model.eval()
 
 
-LOADERS["swin"] = load_swin
+register(ModelType("swin", "image", "swin", load_swin))
 
 __all__ = ["load_swin", "swin_config_from_hf", "swin_key_map"]

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from qkv.interop import LOADERS
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
@@ -39,6 +38,7 @@ from qkv.interop.common import (
     require,
     write_hf_folder,
 )
+from qkv.interop.model_types import ModelType, register
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 
 FFN = {"relu": "relu", "gated-gelu": "geglu_tanh", "gated-gelu_new": "geglu_tanh", "gelu": "gelu",
@@ -200,6 +200,6 @@ def save_t5(model: EncoderDecoder, folder: str | Path, meta: dict[str, Any]) -> 
     return write_hf_folder(folder, state, meta)
 
 
-LOADERS["t5"] = load_t5
+register(ModelType("t5", "seq2seq", "encdec", load_t5, sizing_fields=("num_layers", "num_heads", "d_kv")))
 
 __all__ = ["config_from_hf", "key_map", "load_t5", "save_t5"]

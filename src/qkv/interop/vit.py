@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qkv.interop import LOADERS
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights
+from qkv.interop.model_types import ModelType, register
 from qkv.models.vit import ViT, ViTConfig
 from qkv.storage import CheckpointError
 
@@ -121,4 +121,4 @@ def load_vit(folder: Path, meta: dict[str, Any]) -> ViT:
     return model.eval()
 
 
-LOADERS["vit"] = load_vit
+register(ModelType("vit", "image", "vit", load_vit))

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from qkv.interop import LOADERS
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights
+from qkv.interop.model_types import ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.models.whisper import Whisper, WhisperConfig
 from qkv.storage import CheckpointError
@@ -133,4 +133,6 @@ def load_whisper(folder: Path, meta: dict[str, Any]) -> Whisper:
     return model.eval()
 
 
-LOADERS["whisper"] = load_whisper
+SIZING_FIELDS = ("decoder_layers", "decoder_attention_heads", "d_model", "max_target_positions",
+                 "max_source_positions")
+register(ModelType("whisper", "audio", "whisper", load_whisper, sizing_fields=SIZING_FIELDS))

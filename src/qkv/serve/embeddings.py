@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from qkv.embed import embed_texts, folder_max_length, folder_pooling
 from qkv.finetune.encoders import open_encoder
-from qkv.interop.bert import ENCODER_LAYOUTS
+from qkv.interop.model_types import model_types, names
 from qkv.serve.app import add_error_handlers
 from qkv.serve.checks import check_text, read_json
 from qkv.serve.config import ServeConfig
@@ -84,9 +84,10 @@ def is_encoder_folder(path: str | Path) -> bool:
     if not config.is_file():
         return False
     try:
-        return json.loads(config.read_text(encoding="utf-8")).get("model_type") in ENCODER_LAYOUTS
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
     except (ValueError, AttributeError):
         return False
+    return model_type in names(model_types(kind="encoder"))
 
 
 def parse_embedding_request(body: dict, embedder: Embedder) -> EmbeddingRequest:
