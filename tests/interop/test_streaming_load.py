@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import qkv  # noqa: E402
 from qkv.checkpoint import CheckpointError  # noqa: E402
+from qkv.interop import files  # noqa: E402
 from qkv.interop.common import HFTensors, build_skeleton  # noqa: E402
 
 
@@ -62,7 +63,7 @@ FAMILIES = {"gpt2": _gpt2, "bert": _bert, "distilbert": _distilbert, "t5": t5, "
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Counts every tensor read through safetensors.safe_open; safetensors' whole-file load_file raises."""
+    """Counts every tensor read through safe_open; safetensors' whole-file load_file raises."""
     counts: Counter[str] = Counter()
     real_open = safetensors.safe_open
 
@@ -87,8 +88,8 @@ def reads(monkeypatch):
     def whole_file(*args, **kwargs):
         raise AssertionError("the loader read a whole safetensors file at once")
 
-    monkeypatch.setattr(safetensors, "safe_open", Counting)
-    monkeypatch.setattr(safetensors.torch, "load_file", whole_file)
+    monkeypatch.setattr(files, "safe_open", Counting)  # every loader reads its files through interop/files.py
+    monkeypatch.setattr(files, "load_file", whole_file)
     return counts
 
 

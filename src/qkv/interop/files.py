@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import Tensor
 
 from qkv.storage import CheckpointError
@@ -50,8 +52,6 @@ def _load_torch_bin(path: Path) -> dict[str, Tensor]:
 
 
 def _load_safetensors(path: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path), device="cpu")
     except Exception as e:
@@ -127,8 +127,6 @@ class HFTensors(Mapping[str, Tensor]):
         else:
             self._memory, self.source = read_hf_state(folder)  # pytorch_model.bin (weights_only) or absent
             return
-        from safetensors import safe_open
-
         for path in files:
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -158,8 +156,6 @@ class HFTensors(Mapping[str, Tensor]):
         if name in self._memory:
             return self._memory[name]
         path, key = self._where[name]  # KeyError for an absent name, as a dict
-        from safetensors import safe_open
-
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 return f.get_tensor(key)

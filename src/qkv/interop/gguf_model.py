@@ -36,6 +36,7 @@ from qkv.interop.common import require
 from qkv.interop.gguf_header import MAGIC, TensorInfo, read_header
 from qkv.interop.llama import config_from_hf, empty_model, fill_model, key_map
 from qkv.models.gpt import GPT
+from qkv.nn.position import rope_inv_freq
 from qkv.storage import CheckpointError
 
 # general.architecture -> (HF model_type, whether q/k rows were permuted for ggml's interleaved RoPE)
@@ -74,7 +75,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 def gguf_module() -> Any:
     try:
-        import gguf
+        import gguf  # noqa: PLC0415  (the optional extra qkv[gguf], imported when a GGUF file is read)
     except ModuleNotFoundError:
         raise CheckpointError("reading GGUF files needs the gguf package: pip install qkv[gguf]") from None
     return gguf
@@ -218,8 +219,6 @@ def _rope_scaling(f: GGUFFile, arch: str, head_dim: int, theta: float) -> dict[s
 
 def _llama3_scaling(f: GGUFFile, head_dim: int, theta: float) -> dict[str, Any]:
     """The llama3 rope_scaling whose per-frequency factors are the file's rope_freqs, or a clear refusal."""
-    from qkv.nn.position import rope_inv_freq
-
     factors = f.tensor("rope_freqs.weight", torch.float64)
     require(
         factors.shape == (head_dim // 2,),

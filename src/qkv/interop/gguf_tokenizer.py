@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
 from qkv.interop.gguf_model import GGUFFile
 from qkv.interop.tokenizer import HFTokenizer
 from qkv.storage import CheckpointError
@@ -76,8 +78,6 @@ def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[s
 
 
 def _byte_level(meta: dict[str, Any]) -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
     alphabet = set(_bytes_to_unicode().values())
     spell = _bytes_to_unicode()
     tokens = [t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))
@@ -97,8 +97,6 @@ def _byte_level(meta: dict[str, Any]) -> Any:
 
 
 def _sentencepiece(meta: dict[str, Any]) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     tokens = list(meta["tokenizer.ggml.tokens"])
     if meta.get("tokenizer.ggml.merges"):
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -124,8 +122,6 @@ BUILDERS = {"gpt2": _byte_level, "llama": _sentencepiece}
 def build_tokenizer(meta: dict[str, Any]) -> Any:
     """The `tokenizers.Tokenizer` a GGUF file's metadata describes (special tokens added, bos
     post-processor)."""
-    from tokenizers import AddedToken, processors
-
     kind = meta.get("tokenizer.ggml.model")
     if kind not in BUILDERS:
         raise CheckpointError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -189,8 +190,6 @@ def empty_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
 def fill_model(model: GPT, tensors: HFTensors, mapping: Mapping[str, str]) -> None:
     """Copy the folder's tensors into `model` through `mapping`, one parameter at a time, checking names
     (missing / unexpected) and shapes, and that every parameter is filled."""
-    import re
-
     names = set(tensors)
     source = tensors.source
     missing = [k for k in mapping if k not in names]

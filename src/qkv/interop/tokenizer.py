@@ -30,7 +30,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from tokenizers import Tokenizer
+
 from qkv.generate.text import StreamDecoder, decode_continuation  # noqa: F401  (re-exported)
+from qkv.interop.chat_sandbox import LimitedEnvironment, render_limited
 from qkv.storage import CheckpointError
 
 # the named special tokens transformers passes to a chat template (its `special_tokens_map`)
@@ -75,8 +81,6 @@ _SPANS: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
 
 
 def _raise_exception(message: str) -> None:
-    import jinja2
-
     raise jinja2.exceptions.TemplateError(message)
 
 
@@ -90,36 +94,31 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}body{% endgeneration %}`: renders body unchanged and, while a render is tracking,
+    records where in the output it landed (the assistant's part of the conversation)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller: Any) -> str:
+        text = caller()
+        tracking = _SPANS.get()
+        if tracking is not None:
+            # the blocks the template has yielded so far are the output before this one
+            blocks, spans = tracking
+            start = sum(len(b) for b in blocks)
+            spans.append((start, start + len(text)))
+        return text
+
+
 @lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> Any:
     """The template compiled in the sandbox (cached: a chat renders the same template every turn)."""
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-
-    from qkv.interop.chat_sandbox import LimitedEnvironment
-
-    class GenerationTag(jinja2.ext.Extension):
-        """`{% generation %}body{% endgeneration %}`: renders body unchanged and, while a render is tracking,
-        records where in the output it landed (the assistant's part of the conversation)."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
-
-        def _mark(self, caller: Any) -> str:
-            text = caller()
-            tracking = _SPANS.get()
-            if tracking is not None:
-                # the blocks the template has yielded so far are the output before this one
-                blocks, spans = tracking
-                start = sum(len(b) for b in blocks)
-                spans.append((start, start + len(text)))
-            return text
-
     env = LimitedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
     )
@@ -137,10 +136,6 @@ def render_chat_template(source: str, messages: Sequence[Message], *, add_genera
                          **variables: Any) -> tuple[str, list[tuple[int, int]]]:
     """Render `source` for `messages` under qkv.interop.chat_sandbox's size and time limits; returns (text,
     character spans of `{% generation %}` blocks). origin: where the template came from, for errors."""
-    import jinja2
-
-    from qkv.interop.chat_sandbox import render_limited
-
     name = f"chat template{f' of {origin}' if origin else ''}"
     template = compile_chat_template(source)
     # as transformers does: keys whose value is None are dropped, so `message.tool_calls is defined` works
@@ -407,8 +402,6 @@ def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
 
 def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
     """The tokenizer of a Hugging Face model folder (tokenizer.json is required)."""
-    from tokenizers import Tokenizer
-
     folder = Path(folder)
     path = folder / "tokenizer.json"
     if not path.is_file():
