@@ -1,9 +1,9 @@
 """`qkv export SOURCE OUT`: a qkv run, a qkv model folder or a Hugging Face folder written as a Hugging Face
 folder (config.json + model.safetensors + tokenizer files) that transformers loads.
 
-Each model_type is written by its record's exporter (qkv.interop.model_types), told the class names of a
-run's task (an encoder's); an image classifier by export_image_folder below, with `qkv predict`'s
-preprocessing and class names. The model type is chosen from the model's family and config (a GPT with
+Each model_type is written by its record's exporter (qkv.interop.model_types), told what the run knows: an
+encoder's class names (its task's), an image classifier's class names and preprocessing (`qkv predict`'s).
+The model type is chosen from the model's family and config (a GPT with
 learned positions: gpt2; with RoPE: llama / qwen2 / qwen3 / mistral; experts: mixtral / qwen2_moe /
 qwen3_moe; MLA: deepseek_v3; an encoder: bert; an image classifier: its own), or given. A config the format
 cannot express is refused by the exporter's own check, and OUT is written in a folder beside it that becomes
@@ -26,30 +26,20 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError
-from qkv.finetune.image_export import check_exportable, export_classifier, preprocessor_config
+from qkv.interop.classifier import preprocessor_config
 from qkv.interop.common import require
-from qkv.interop.export import decoder_type, set_token_ids, writable_types, write_model
+from qkv.interop.export import check_model, decoder_type, set_token_ids, writable_types, write_model
 from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.interop.gguf_model import is_gguf
-from qkv.interop.model_types import ExportRequest, lookup, model_types, names
+from qkv.interop.model_types import ExportRequest, lookup, model_types
 from qkv.interop.tokenizer import load_hf_tokenizer
-from qkv.predict import hf_meta, preprocessing_for
+from qkv.predict import preprocessing_for
 from qkv.run import hugging_face_tokenizer_files, load_model_any, load_run_task, model_folder, run_folder_of
 from qkv.storage import read_config, umask_mode
 from qkv.tasks.tokenizer_export import write_qkv_tokenizer
 from qkv.tasks.tokenizers import saved_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def image_types(family: str | None = None) -> tuple[str, ...]:
-    """The image classifiers' model_types (of qkv `family`), written by export_image_folder."""
-    return names(model_types(kind="image", family=family))
-
-
-def family_types(family: str | None = None) -> tuple[str, ...]:
-    """The model_types `qkv export` writes (a model of qkv `family` as; the first: an encoder's default)."""
-    return writable_types(family) + image_types(family)
 
 
 @dataclass
@@ -67,7 +57,8 @@ def choose_model_type(model: Any, meta: dict[str, Any], asked: str | None) -> st
     """`asked`, checked against the model's family; else the default for the model (a Hugging Face folder:
     its own model_type)."""
     fam = type(model).family
-    types, written = family_types(fam), family_types()
+    # the types a model of its family can be written as: the first registered is an encoder's default
+    types, written = writable_types(fam), writable_types()
     if not types:
         families = sorted({r.family for r in model_types() if r.name in written})
         raise ConfigError(f"qkv export has no Hugging Face format for a {type(model).__name__} ({fam!r} "
@@ -156,7 +147,7 @@ def export_model(source: str | os.PathLike, out: str | os.PathLike, *, model_typ
     model = load_model_any(source).eval()
     chosen = choose_model_type(model, meta, model_type)
     if dtype is not None:
-        if chosen in image_types():  # its exporter writes float32 (what the parity checks hold)
+        if lookup(chosen).kind == "image":  # its exporter writes float32 (what the parity checks hold)
             raise ConfigError(f"--dtype: qkv export writes an image classifier in float32; drop "
                               f"--dtype {dtype}")
         model = model.to(DTYPES[dtype])
@@ -181,11 +172,10 @@ def _write_staged(model: Any, model_type: str, source: Path, folder: Path, meta:
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         staging.chmod(umask_mode("dir"))  # mkdtemp's is owner-only: OUT gets a new folder's usual mode
-        if model_type in image_types():
-            export_image_folder(model, staging, source=folder)
-        else:  # an encoder's class names: its folder's, else its run's task's
-            classes = _run_classes(folder) if lookup(model_type).kind == "encoder" else None
-            write_model(model, staging, ExportRequest(model_type, folder, labels=classes))
+        write_model(model, staging, _request(model, model_type, folder))
+        original = folder / "preprocessor_config.json"  # a Hugging Face classifier's own, kept as it was
+        if lookup(model_type).kind == "image" and "qkv_family" not in meta and original.is_file():
+            shutil.copyfile(original, staging / original.name)
         tokenizer = _write_tokenizer(model, model_type, source, folder, meta, staging)
         files = sorted(p.name for p in staging.iterdir())
         with _filesystem("replace", out):
@@ -247,11 +237,6 @@ def _prepends_bos(model: Any, run: Path | None) -> bool:
     return bool(getattr(load_run_task(run), "pools_first_token", False))
 
 
-def _hf_meta(source: Path) -> dict[str, Any] | None:
-    """The config.json of a Hugging Face folder (None for a qkv folder or run)."""
-    return hf_meta(model_folder(source))
-
-
 def _run_classes(source: Path) -> dict[int, str] | None:
     """Class names of the task a qkv run was trained on, by id (None without a run or classes)."""
     if run_folder_of(source) is None:
@@ -260,24 +245,22 @@ def _run_classes(source: Path) -> dict[int, str] | None:
     return dict(enumerate(map(str, classes))) if classes else None
 
 
-def export_image_folder(model: Any, out: Path, *, source: Path) -> Path:
-    """An image classifier (ViT, ResNet, Swin) as a Hugging Face *ForImageClassification folder, with the
-    preprocessing and class names `qkv predict` uses for `source`."""
+def _request(model: Any, model_type: str, folder: Path) -> ExportRequest:
+    """What the exporter is told beyond the model: an encoder's class names (its run's task's; a Hugging Face
+    folder's own are read by the exporter), an image classifier's and its preprocessing (`qkv predict`'s)."""
+    kind = lookup(model_type).kind
+    if kind == "encoder":
+        return ExportRequest(model_type, folder, labels=_run_classes(folder))
+    if kind != "image":
+        return ExportRequest(model_type, folder)
     c = model.config
     require(c.head == "classify", f"qkv export writes image classifiers; this {type(model).__name__} has "
                                   f"head {c.head!r}")
-    base = _hf_meta(source)
-    check_exportable(model, base)  # the config's refusal, before the weights' names are looked up
-    pre, labels = preprocessing_for(source, model)
+    check_model(model, ExportRequest(model_type, folder))  # the config's refusal, before the run's task loads
+    pre, labels = preprocessing_for(folder, model)
     mean, std = pre.mean or [0.0] * c.n_channels, pre.std or [1.0] * c.n_channels
-    export_classifier(model.float(), out, base, dict(enumerate(labels)),
-                      preprocessor_config(c.image_size, mean, std))
-
-    original = model_folder(source) / "preprocessor_config.json"
-    if base is not None and original.is_file():  # a Hugging Face folder's own preprocessing, as it was
-        shutil.copyfile(original, Path(out) / "preprocessor_config.json")
-    return Path(out)
+    preprocessor = preprocessor_config(c.image_size, mean, std)
+    return ExportRequest(model_type, folder, dict(enumerate(labels)), preprocessor)
 
 
-__all__ = ["DTYPES", "Exported", "check_paths", "choose_model_type", "export_image_folder", "export_model",
-           "family_types", "image_types"]
+__all__ = ["DTYPES", "Exported", "check_paths", "choose_model_type", "export_model"]

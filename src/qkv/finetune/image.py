@@ -13,8 +13,8 @@ image then keeps the class id the model gives it) and gets a new, freshly initia
 size otherwise. Training (qkv.train.Trainer: AdamW, warmup then linear decay, clipping, light augmentation,
 a checkpoint each epoch, --resume) updates every weight, or the head alone with --freeze-backbone. Dev
 accuracy is measured after each epoch; the best epoch's weights are written to OUT as a Hugging Face folder
-(qkv.finetune.image_export) that `qkv predict`, qkv.from_pretrained and transformers'
-AutoModelForImageClassification load.
+(by its model type's exporter: qkv.interop.vit / resnet / swin) that `qkv predict`, qkv.from_pretrained and
+transformers' AutoModelForImageClassification load.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ from qkv.finetune import (
     shared,
 )
 from qkv.finetune.encoders import FINETUNE_DEFAULTS, best_state, flag
-from qkv.finetune.image_export import check_exportable, export_classifier, family_of, preprocessor_config
 from qkv.finetune.phases import PhasedRecipe
+from qkv.interop.classifier import preprocessor_config
+from qkv.interop.export import check_model, writable_types, write_model
 from qkv.interop.llava import ImageProcessor
+from qkv.interop.model_types import ExportRequest
 from qkv.models.clip import CLIP
 from qkv.predict import hf_meta, preprocessing_for
 from qkv.run import load_model_any, model_folder
@@ -90,6 +92,15 @@ class ImageSource:
         return getattr(self.model, "classifier", None) is not None
 
 
+def family_of(model: Any) -> str:
+    """vit, resnet or swin: the model's family, the model_type OUT is written as."""
+    family = getattr(type(model), "family", None)
+    if family not in writable_types(kind="image"):
+        raise ConfigError(f"--task image-classify fine-tunes ViT, ResNet and Swin classifiers, not "
+                          f"{type(model).__name__}")
+    return family
+
+
 def _image_size(model: Any, pre: Any) -> int:
     """The side of the square images the model takes: ViT's and Swin's own (their positions / windows are
     sized for it); a ResNet takes any size, so its preprocessor's (the crop, else the resized edge)."""
@@ -115,7 +126,7 @@ def open_image_model(path: str | Path) -> ImageSource:
     family = family_of(model)
     pre, labels = preprocessing_for(path, model)
     base = hf_meta(model_folder(path))
-    check_exportable(model, base)  # refused now, not after the training
+    check_model(model, ExportRequest(family, model_folder(path)))  # refused now, not after the training
     return ImageSource(Path(path), model.float(), family, base, labels, _image_size(model, pre), pre.mean,
                        pre.std)
 
@@ -308,7 +319,8 @@ class ImageClassifyRecipe(PhasedRecipe):
             self.model.save_pretrained(self.s.out)
             atomic_write_json(preprocessor, self.s.out / "preprocessor_config.json")
         else:
-            export_classifier(self.model, self.s.out, self.src.hf_config, self.id2label, preprocessor)
+            request = ExportRequest(self.src.family, model_folder(self.src.path), self.id2label, preprocessor)
+            write_model(self.model, self.s.out, request)
         self.result = {"recipe": self.name, "family": self.src.family, "labels": list(self.task.classes),
                        "head": "kept" if self.kept_head else "new",
                        "frozen_backbone": self.s.freeze_backbone,

@@ -34,7 +34,7 @@ from qkv.interop.common import (
 )
 from qkv.interop.model_types import ExportRequest, ModelType, lookup, register
 from qkv.models.bert import BERT, BERTConfig
-from qkv.storage import read_config, unwrap
+from qkv.storage import unwrap
 
 ENCODER_MAP = {
     "embeddings.word_embeddings.weight": "tok_emb.weight",
@@ -330,8 +330,7 @@ def export_bert(model: BERT, path: str | os.PathLike, **kwargs: Any) -> Path:
 def write_encoder(model: BERT, out: Path, request: ExportRequest) -> None:
     """Any encoder model_type's exporter: config.json's other fields from the source folder's (a Hugging Face
     one); the class names the request gives, else the source's, numbered when they do not fit the head."""
-    meta = read_config(request.source) if request.source is not None else {}
-    base = meta if meta and "qkv_family" not in meta else None
+    base = request.base_config()
     names = (base or {}).get("id2label")
     id2label = request.labels or ({int(i): str(n) for i, n in names.items()} if isinstance(names, dict)
                                   else None)

@@ -14,7 +14,7 @@ import torch
 
 from qkv.config import ConfigError
 from qkv.interop import llama, moe
-from qkv.interop.model_types import ExportRequest, lookup, model_types, names
+from qkv.interop.model_types import ExportRequest, ModelType, lookup, model_types, names
 from qkv.storage import atomic_write_json
 
 
@@ -23,13 +23,25 @@ def writable_types(family: str | None = None, kind: str | None = None) -> tuple[
     return names(model_types(kind=kind, family=family, writable=True))
 
 
+def writer(model_type: str) -> ModelType:
+    """The record of `model_type`, refused when qkv does not write it."""
+    record = lookup(model_type)
+    if record is None or record.exporter is None:
+        raise ConfigError(f"no Hugging Face exporter for model_type {model_type!r}: qkv writes "
+                          f"{', '.join(sorted(writable_types()))} folders")
+    return record
+
+
+def check_model(model: torch.nn.Module, request: ExportRequest) -> None:
+    """Refuse, writing nothing, a model the exporter of `request.model_type` would refuse."""
+    record = writer(request.model_type)
+    if record.check is not None:
+        record.check(model, request)
+
+
 def write_model(model: torch.nn.Module, out: Path, request: ExportRequest) -> None:
     """`model` as a Hugging Face `request.model_type` folder in `out`, by that type's exporter."""
-    record = lookup(request.model_type)
-    if record is None or record.exporter is None:
-        raise ConfigError(f"no Hugging Face exporter for model_type {request.model_type!r}: qkv writes "
-                          f"{', '.join(sorted(writable_types()))} folders")
-    record.exporter(model, out, request)
+    writer(request.model_type).exporter(model, out, request)
 
 
 def set_token_ids(out: Path, ids: dict[str, Any]) -> None:
@@ -55,4 +67,4 @@ def decoder_type(config: Any) -> str:
     return llama.model_type_of(config)
 
 
-__all__ = ["decoder_type", "set_token_ids", "writable_types", "write_model"]
+__all__ = ["check_model", "decoder_type", "set_token_ids", "writable_types", "write_model", "writer"]

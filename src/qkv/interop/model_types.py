@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qkv.storage import read_config
+
 # The modules that register model types, imported together on the first query (a record is found by its
 # model_type, which names no module). The first registered type of a family is what `qkv export` writes a
 # model of that family as when no type is asked for (bert before roberta and distilbert).
@@ -30,9 +32,16 @@ class ExportRequest:
     labels: dict[int, str] | None = None  # a classifier's class names by id, where the caller knows them
     preprocessor: dict[str, Any] | None = None  # an image classifier's preprocessor_config.json
 
+    def base_config(self) -> dict[str, Any] | None:
+        """The source's config.json when it is a Hugging Face folder's (None for a qkv folder, or none): an
+        exporter keeps the fields it does not write."""
+        meta = read_config(self.source) if self.source is not None else None
+        return meta if meta is not None and "qkv_family" not in meta else None
+
 
 Loader = Callable[[Path, dict[str, Any]], Any]  # (folder, its config.json) -> a qkv model
 Exporter = Callable[[Any, Path, ExportRequest], object]  # writes the model's folder into OUT
+Check = Callable[[Any, ExportRequest], object]  # raises what the exporter would, before anything is written
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class ModelType:
     family: str  # the qkv family of that model (a model's `family`): what `qkv export` matches a model by
     loader: Loader
     exporter: Exporter | None = None  # None: qkv reads this format but does not write it
+    check: Check | None = None  # refuses, writing nothing, what the exporter would (before a recipe trains)
     # the config.json fields `qkv info` sizes the KV cache from: a folder lacking one is refused (the loader
     # would default it, e.g. the context, and size another model)
     sizing_fields: tuple[str, ...] = ()
@@ -101,5 +111,5 @@ def is_vision_language(name: object) -> bool:
     return record is not None and record.family == "llava"
 
 
-__all__ = ["FAMILY_MODULES", "ExportRequest", "Exporter", "Loader", "ModelType", "is_vision_language",
-           "lookup", "model_types", "names", "register"]
+__all__ = ["FAMILY_MODULES", "Check", "ExportRequest", "Exporter", "Loader", "ModelType",
+           "is_vision_language", "lookup", "model_types", "names", "register"]

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from qkv.interop.classifier import classifier_config, write_classifier
 from qkv.interop.common import (
     HFTensors,
     build_skeleton,
@@ -22,7 +23,7 @@ from qkv.interop.common import (
     require,
     write_hf_folder,
 )
-from qkv.interop.model_types import ModelType, register
+from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.models.resnet import ResNet, ResNetConfig
 from qkv.storage import CheckpointError
 
@@ -127,6 +128,18 @@ def export_resnet(model: ResNet, path: str | os.PathLike, id2label: dict[int, st
     return write_hf_folder(path, state, hf_config)
 
 
-register(ModelType("resnet", "image", "resnet", load_resnet))
+def check_resnet(model: ResNet, request: ExportRequest) -> dict[str, Any]:
+    """config.json of `model` as a ResNetForImageClassification folder."""
+    c = model.config
+    return classifier_config(request, "ResNetForImageClassification", lambda: resnet_config_to_hf(c),
+                             c.num_labels)
+
+
+def write_resnet(model: ResNet, out: Path, request: ExportRequest) -> None:
+    write_classifier(model, out, check_resnet(model, request), resnet_key_map(model, "resnet."),
+                     request.preprocessor)
+
+
+register(ModelType("resnet", "image", "resnet", load_resnet, write_resnet, check_resnet))
 
 __all__ = ["export_resnet", "load_resnet", "resnet_config_from_hf", "resnet_config_to_hf", "resnet_key_map"]

@@ -16,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from qkv.interop.classifier import HF_ACTIVATIONS, classifier_config, transformer_checks, write_classifier
 from qkv.interop.common import HFTensors, build_skeleton, load_hf_weights, require
-from qkv.interop.model_types import ModelType, register
+from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.models.swin import Swin, SwinConfig
 
@@ -106,6 +107,28 @@ def load_swin(folder: Path, meta: dict[str, Any]) -> Swin:
     return model.eval()
 
 
-register(ModelType("swin", "image", "swin", load_swin))
+def swin_config_to_hf(c: SwinConfig) -> dict[str, Any]:
+    """A qkv SwinConfig as transformers' SwinConfig fields (refused where transformers' Swin differs)."""
+    transformer_checks(c, "Swin")
+    return {"model_type": "swin", "image_size": c.image_size, "patch_size": c.patch_size,
+            "num_channels": c.n_channels, "embed_dim": c.d_model, "depths": list(c.depths),
+            "num_heads": [c.n_heads * 2 ** i for i in range(len(c.depths))], "window_size": c.window_size,
+            "mlp_ratio": c.ffn_ratio, "hidden_act": HF_ACTIVATIONS[c.ffn], "layer_norm_eps": c.norm_eps,
+            "qkv_bias": True, "use_absolute_embeddings": False}
 
-__all__ = ["load_swin", "swin_config_from_hf", "swin_key_map"]
+
+def check_swin(model: Swin, request: ExportRequest) -> dict[str, Any]:
+    """config.json of `model` as a SwinForImageClassification folder."""
+    c = model.config
+    return classifier_config(request, "SwinForImageClassification", lambda: swin_config_to_hf(c),
+                             c.num_labels)
+
+
+def write_swin(model: Swin, out: Path, request: ExportRequest) -> None:
+    mapping = swin_key_map(model.config, "swin.", classify=True)
+    write_classifier(model, out, check_swin(model, request), mapping, request.preprocessor)
+
+
+register(ModelType("swin", "image", "swin", load_swin, write_swin, check_swin))
+
+__all__ = ["load_swin", "swin_config_from_hf", "swin_config_to_hf", "swin_key_map"]

@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights
-from qkv.interop.model_types import ModelType, register
+from qkv.interop.classifier import HF_ACTIVATIONS, classifier_config, transformer_checks, write_classifier
+from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
+from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.models.vit import ViT, ViTConfig
 from qkv.storage import CheckpointError
 
@@ -121,4 +122,28 @@ def load_vit(folder: Path, meta: dict[str, Any]) -> ViT:
     return model.eval()
 
 
-register(ModelType("vit", "image", "vit", load_vit))
+def vit_config_to_hf(c: ViTConfig) -> dict[str, Any]:
+    """A qkv ViTConfig as transformers' ViTConfig fields (refused when transformers' ViT cannot hold it)."""
+    transformer_checks(c, "ViT")
+    require(c.pooling == "cls" and c.patch_position == "learned" and not c.pooler,
+            "transformers' ViT classifier reads a class token with learned positions and no pooler; this "
+            f"model has pooling={c.pooling!r}, patch_position={c.patch_position!r}, pooler={c.pooler}")
+    return {"model_type": "vit", "image_size": c.image_size, "patch_size": c.patch_size,
+            "num_channels": c.n_channels, "num_hidden_layers": c.n_layers, "hidden_size": c.d_model,
+            "num_attention_heads": c.n_heads, "intermediate_size": c.d_ff,
+            "hidden_act": HF_ACTIVATIONS[c.ffn], "layer_norm_eps": c.norm_eps, "qkv_bias": True}
+
+
+def check_vit(model: ViT, request: ExportRequest) -> dict[str, Any]:
+    """config.json of `model` as a ViTForImageClassification folder (refused when transformers cannot hold
+    it)."""
+    c = model.config
+    return classifier_config(request, "ViTForImageClassification", lambda: vit_config_to_hf(c), c.num_labels)
+
+
+def write_vit(model: ViT, out: Path, request: ExportRequest) -> None:
+    mapping = vit_key_map(model.config.n_layers, "vit.", pooler=False, classify=True)
+    write_classifier(model, out, check_vit(model, request), mapping, request.preprocessor)
+
+
+register(ModelType("vit", "image", "vit", load_vit, write_vit, check_vit))
