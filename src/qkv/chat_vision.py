@@ -25,7 +25,7 @@ from torch import Tensor
 from qkv.chat import ChatSession
 from qkv.config import ConfigError
 from qkv.interop.llava import IMAGE_TOKEN, ImageProcessor, expand_image_tokens, load_image
-from qkv.interop.model_types import is_vision_language
+from qkv.interop.registry import is_vision_language
 from qkv.interop.smolvlm import Idefics3Processor, folder_processor
 from qkv.models.vlm import LLaVA
 from qkv.run import model_folder

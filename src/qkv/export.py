@@ -1,7 +1,7 @@
 """`qkv export SOURCE OUT`: a qkv run, a qkv model folder or a Hugging Face folder written as a Hugging Face
 folder (config.json + model.safetensors + tokenizer files) that transformers loads.
 
-Each model_type is written by its record's exporter (qkv.interop.model_types), told what the run knows: an
+Each model_type is written by its record's exporter (qkv.interop.registry), told what the run knows: an
 encoder's class names (its task's), an image classifier's class names and preprocessing (`qkv predict`'s).
 The model type is chosen from the model's family and config (a GPT with
 learned positions: gpt2; with RoPE: llama / qwen2 / qwen3 / mistral; experts: mixtral / qwen2_moe /
@@ -31,7 +31,7 @@ from qkv.interop.common import require
 from qkv.interop.export import check_model, decoder_type, set_token_ids, writable_types, write_model
 from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.interop.gguf_model import is_gguf
-from qkv.interop.model_types import ExportRequest, lookup, model_types
+from qkv.interop.registry import ExportRequest, lookup, model_types
 from qkv.interop.tokenizer import load_hf_tokenizer
 from qkv.predict import preprocessing_for
 from qkv.run import hugging_face_tokenizer_files, load_model_any, load_run_task, model_folder, run_folder_of

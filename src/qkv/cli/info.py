@@ -21,7 +21,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # the KV cache's dtypes --dtype off
 
 # The config.json fields the KV cache's size is computed from, by qkv family (its "config" section): a field
 # missing there would be filled with the family's default, which sizes another model. A Hugging Face folder's
-# are its model_type record's (qkv.interop.model_types): the loaders default some of them too
+# are its model_type record's (qkv.interop.registry): the loaders default some of them too
 QKV_SIZING_FIELDS: dict[str, tuple[str, ...]] = {
     "gpt": ("n_layers", "d_model", "n_heads", "context_length"),
     "encdec": ("n_decoder_layers", "d_model", "n_heads", "context_length"),
@@ -171,7 +171,7 @@ def check_sizable(path: str) -> None:
     meta = _folder_config(path)
     if meta is None:
         return
-    from qkv.interop.model_types import lookup
+    from qkv.interop.registry import lookup
 
     family, record = meta.get("qkv_family"), lookup(meta.get("model_type"))
     kind, fields = (family, QKV_SIZING_FIELDS.get(str(family), ())) if family is not None else \

@@ -270,7 +270,7 @@ def epochs_to_steps(epochs: float, per_epoch: int) -> int:
 def model_kind(folder: str | Path) -> str:
     """The kind of the model in `folder` (or in a qkv run folder's newest checkpoint), read from its
     config.json alone (no weights are loaded)."""
-    from qkv.interop.model_types import lookup
+    from qkv.interop.registry import lookup
     from qkv.models.registry import family
     from qkv.run import run_folder_of
     from qkv.storage import CheckpointError, read_config

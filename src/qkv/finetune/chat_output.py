@@ -13,7 +13,7 @@ import torch
 from qkv.config import ConfigError
 from qkv.interop.export import set_token_ids, writable_types, write_model
 from qkv.interop.export_tokenizer import copy_tokenizer_files
-from qkv.interop.model_types import ExportRequest
+from qkv.interop.registry import ExportRequest
 
 
 def check_exportable(source: Path) -> None:

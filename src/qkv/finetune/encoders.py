@@ -23,7 +23,7 @@ from qkv.config import ConfigError, apply_overrides, from_dict
 from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
 from qkv.interop.bert import encoder_layout, export_encoder
 from qkv.interop.export_tokenizer import copy_tokenizer_files
-from qkv.interop.model_types import model_types, names
+from qkv.interop.registry import model_types, names
 from qkv.interop.tokenizer import HFTokenizer
 from qkv.storage import read_config
 from qkv.tasks.base import text_lines

@@ -43,7 +43,7 @@ from qkv.finetune.phases import PhasedRecipe
 from qkv.interop.classifier import preprocessor_config
 from qkv.interop.export import check_model, writable_types, write_model
 from qkv.interop.llava import ImageProcessor
-from qkv.interop.model_types import ExportRequest
+from qkv.interop.registry import ExportRequest
 from qkv.models.clip import CLIP
 from qkv.predict import hf_meta, preprocessing_for
 from qkv.run import load_model_any, model_folder

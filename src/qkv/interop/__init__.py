@@ -1,6 +1,6 @@
 """Hugging Face-format folders -> qkv models, through one explicit key map per family.
 
-Each family module registers a record per model_type it reads (interop/model_types.py); `load_hf(folder)`
+Each family module registers a record per model_type it reads (interop/registry.py); `load_hf(folder)`
 dispatches on config.json's `model_type`.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
-from qkv.interop.model_types import lookup, model_types, names
+from qkv.interop.registry import lookup, model_types, names
 from qkv.storage import CheckpointError, read_config
 
 

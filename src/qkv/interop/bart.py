@@ -39,7 +39,7 @@ from qkv.interop.common import (
     require,
     write_hf_folder,
 )
-from qkv.interop.model_types import ModelType, register
+from qkv.interop.registry import ModelType, register
 from qkv.interop.t5 import generation_from_config
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 

@@ -32,7 +32,7 @@ from qkv.interop.common import (
     unlike,
     write_hf_folder,
 )
-from qkv.interop.model_types import ExportRequest, ModelType, lookup, register
+from qkv.interop.registry import ExportRequest, ModelType, lookup, register
 from qkv.models.bert import BERT, BERTConfig
 from qkv.storage import unwrap
 

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from qkv.interop.common import export_state, require, write_hf_folder
-from qkv.interop.model_types import ExportRequest
+from qkv.interop.registry import ExportRequest
 from qkv.storage import atomic_write_json
 
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}  # ours -> transformers'

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
-from qkv.interop.model_types import ModelType, register
+from qkv.interop.registry import ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.models.clip import CLIP, CLIPConfig
 from qkv.models.vit import ViTConfig

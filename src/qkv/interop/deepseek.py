@@ -38,8 +38,8 @@ from torch import Tensor
 
 from qkv.interop import llama
 from qkv.interop.common import HFTensors, check_sizes, require
-from qkv.interop.model_types import ExportRequest, ModelType, register
 from qkv.interop.moe import FusedExperts
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.nn.mla import MLAConfig
 from qkv.nn.moe import MoEConfig
@@ -344,7 +344,7 @@ def write_deepseek(model: GPT, out: Path, request: ExportRequest) -> None:
 
 
 SIZING_FIELDS = ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim", "max_position_embeddings")
-register(ModelType(MODEL_TYPE, "decoder", "gpt", load_deepseek, write_deepseek, SIZING_FIELDS),
+register(ModelType(MODEL_TYPE, "decoder", "gpt", load_deepseek, write_deepseek, sizing_fields=SIZING_FIELDS),
          ModelType("deepseek_v2", "decoder", "gpt", _refuse_v2, sizing_fields=SIZING_FIELDS))
 
 __all__ = ["config_from_hf", "config_to_hf", "export_deepseek", "key_map", "load_deepseek"]

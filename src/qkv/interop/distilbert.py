@@ -19,7 +19,7 @@ from typing import Any
 
 from qkv.interop.bert import ACTIVATIONS, HF_ACT, Layout, export_encoder, load_encoder, write_encoder
 from qkv.interop.common import require
-from qkv.interop.model_types import ModelType, register
+from qkv.interop.registry import ModelType, register
 from qkv.models.bert import BERT, BERTConfig
 
 ENCODER_MAP = {

@@ -1,5 +1,5 @@
 """The steps every writer of a Hugging Face model folder shares (the fine-tune recipes' OUT, `qkv export`:
-qkv.export): the model written by its model_type's exporter (interop/model_types.py), the token ids set from
+qkv.export): the model written by its model_type's exporter (interop/registry.py), the token ids set from
 the tokenizer, a GPT's model_type chosen from its config. A config the format cannot express is refused by
 the exporter's own check.
 """
@@ -14,7 +14,7 @@ import torch
 
 from qkv.config import ConfigError
 from qkv.interop import llama, moe
-from qkv.interop.model_types import ExportRequest, ModelType, lookup, model_types, names
+from qkv.interop.registry import ExportRequest, ModelType, lookup, model_types, names
 from qkv.storage import atomic_write_json
 
 

@@ -23,7 +23,7 @@ from qkv.interop.common import (
     unlike,
     write_hf_folder,
 )
-from qkv.interop.model_types import ExportRequest, ModelType, register
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.storage import unwrap
 

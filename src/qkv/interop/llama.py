@@ -38,7 +38,7 @@ from qkv.interop.common import (
     unlike,
     write_hf_folder,
 )
-from qkv.interop.model_types import ExportRequest, ModelType, register
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.nn.position import ROPE_SCALINGS, build_position
 from qkv.storage import CheckpointError, unwrap
@@ -406,7 +406,8 @@ def write_llama(model: GPT, out: Path, request: ExportRequest) -> None:
     export_llama(model, out, model_type=request.model_type)
 
 
-register(*(ModelType(mt, "decoder", "gpt", load_llama, write_llama, SIZING_FIELDS) for mt in MODEL_TYPES))
+register(*(ModelType(mt, "decoder", "gpt", load_llama, write_llama, sizing_fields=SIZING_FIELDS)
+           for mt in MODEL_TYPES))
 
 __all__ = [
     "KEY_MAP",

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from qkv.interop import llama
 from qkv.interop.common import HFTensors, require
-from qkv.interop.model_types import ExportRequest, ModelType, register
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.nn.moe import MoEConfig
 from qkv.storage import unwrap
@@ -255,6 +255,7 @@ def write_moe(model: GPT, out: Path, request: ExportRequest) -> None:
     export_moe(model, out, model_type=request.model_type)
 
 
-register(*(ModelType(mt, "decoder", "gpt", load_moe, write_moe, llama.SIZING_FIELDS) for mt in MODEL_TYPES))
+register(*(ModelType(mt, "decoder", "gpt", load_moe, write_moe, sizing_fields=llama.SIZING_FIELDS)
+           for mt in MODEL_TYPES))
 
 __all__ = ["config_from_hf", "config_to_hf", "export_moe", "key_map", "load_moe", "model_type_of"]

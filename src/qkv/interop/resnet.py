@@ -23,7 +23,7 @@ from qkv.interop.common import (
     require,
     write_hf_folder,
 )
-from qkv.interop.model_types import ExportRequest, ModelType, register
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.models.resnet import ResNet, ResNetConfig
 from qkv.storage import CheckpointError
 
@@ -140,6 +140,6 @@ def write_resnet(model: ResNet, out: Path, request: ExportRequest) -> None:
                      request.preprocessor)
 
 
-register(ModelType("resnet", "image", "resnet", load_resnet, write_resnet, check_resnet))
+register(ModelType("resnet", "image", "resnet", load_resnet, write_resnet, check=check_resnet))
 
 __all__ = ["export_resnet", "load_resnet", "resnet_config_from_hf", "resnet_config_to_hf", "resnet_key_map"]

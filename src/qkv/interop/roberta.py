@@ -31,7 +31,7 @@ from qkv.interop.bert import (
 from qkv.interop.bert import config_from_hf as bert_config_from_hf
 from qkv.interop.bert import config_to_hf as bert_config_to_hf
 from qkv.interop.common import require
-from qkv.interop.model_types import ModelType, register
+from qkv.interop.registry import ModelType, register
 from qkv.models.bert import BERT, BERTConfig
 
 MLM_MAP = {

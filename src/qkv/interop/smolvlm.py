@@ -44,7 +44,7 @@ from qkv.interop.common import HFTensors, build_skeleton, check_sizes, export_st
 from qkv.interop.llama import check_decoder_sizes, key_map, load_decoder
 from qkv.interop.llama import config_from_hf as llama_config_from_hf
 from qkv.interop.llava import LLAMA_DEFAULTS, ImageProcessor, sub_config
-from qkv.interop.model_types import ExportRequest, ModelType, register
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.interop.vlm_export import language_state, source_tensors, write_vlm_folder
 from qkv.models.vlm import LLaVA, VisionConfig, VLMConfig

@@ -18,7 +18,7 @@ from typing import Any
 
 from qkv.interop.classifier import HF_ACTIVATIONS, classifier_config, transformer_checks, write_classifier
 from qkv.interop.common import HFTensors, build_skeleton, load_hf_weights, require
-from qkv.interop.model_types import ExportRequest, ModelType, register
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.models.swin import Swin, SwinConfig
 
@@ -129,6 +129,6 @@ def write_swin(model: Swin, out: Path, request: ExportRequest) -> None:
     write_classifier(model, out, check_swin(model, request), mapping, request.preprocessor)
 
 
-register(ModelType("swin", "image", "swin", load_swin, write_swin, check_swin))
+register(ModelType("swin", "image", "swin", load_swin, write_swin, check=check_swin))
 
 __all__ = ["load_swin", "swin_config_from_hf", "swin_config_to_hf", "swin_key_map"]

@@ -38,7 +38,7 @@ from qkv.interop.common import (
     require,
     write_hf_folder,
 )
-from qkv.interop.model_types import ModelType, register
+from qkv.interop.registry import ModelType, register
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 
 FFN = {"relu": "relu", "gated-gelu": "geglu_tanh", "gated-gelu_new": "geglu_tanh", "gelu": "gelu",

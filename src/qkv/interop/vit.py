@@ -13,7 +13,7 @@ from typing import Any
 
 from qkv.interop.classifier import HF_ACTIVATIONS, classifier_config, transformer_checks, write_classifier
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
-from qkv.interop.model_types import ExportRequest, ModelType, register
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.models.vit import ViT, ViTConfig
 from qkv.storage import CheckpointError
 
@@ -146,4 +146,4 @@ def write_vit(model: ViT, out: Path, request: ExportRequest) -> None:
     write_classifier(model, out, check_vit(model, request), mapping, request.preprocessor)
 
 
-register(ModelType("vit", "image", "vit", load_vit, write_vit, check_vit))
+register(ModelType("vit", "image", "vit", load_vit, write_vit, check=check_vit))

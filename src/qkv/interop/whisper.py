@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights
-from qkv.interop.model_types import ModelType, register
+from qkv.interop.registry import ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.models.whisper import Whisper, WhisperConfig
 from qkv.storage import CheckpointError

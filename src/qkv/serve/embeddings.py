@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from qkv.embed import embed_texts, folder_max_length, folder_pooling
 from qkv.finetune.encoders import open_encoder
-from qkv.interop.model_types import model_types, names
+from qkv.interop.registry import model_types, names
 from qkv.serve.app import add_error_handlers
 from qkv.serve.checks import check_text, read_json
 from qkv.serve.config import ServeConfig

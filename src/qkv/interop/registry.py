@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
 from qkv.storage import read_config
 
 # The modules that register model types, imported together on the first query (a record is found by its
-# model_type, which names no module). The first registered type of a family is what `qkv export` writes a
-# model of that family as when no type is asked for (bert before roberta and distilbert).
+# model_type, which names no module). Records are listed in this order (then each module's own): the first
+# of a family is what `qkv export` writes a model of that family as when no type is asked for (bert before
+# roberta and distilbert).
 FAMILY_MODULES = ("gpt2", "llama", "moe", "deepseek", "bert", "roberta", "distilbert", "deberta", "t5",
                   "bart", "vit", "resnet", "swin", "whisper", "clip", "llava", "smolvlm")
 
@@ -53,6 +54,7 @@ class ModelType:
     family: str  # the qkv family of that model (a model's `family`): what `qkv export` matches a model by
     loader: Loader
     exporter: Exporter | None = None  # None: qkv reads this format but does not write it
+    _: KW_ONLY
     check: Check | None = None  # refuses, writing nothing, what the exporter would (before a recipe trains)
     # the config.json fields `qkv info` sizes the KV cache from: a folder lacking one is refused (the loader
     # would default it, e.g. the context, and size another model)
@@ -94,11 +96,16 @@ def lookup(name: object) -> ModelType | None:
 
 def model_types(*, kind: str | None = None, family: str | None = None,
                 writable: bool = False) -> tuple[ModelType, ...]:
-    """The records of `kind` and of `family` (default: any), only those qkv writes if `writable`; in the
-    order they were registered."""
+    """The records of `kind` and of `family` (default: any), only those qkv writes if `writable`; in
+    FAMILY_MODULES' order, each module's in the order it registered them."""
     _load_families()
-    return tuple(r for r in _RECORDS.values() if (kind is None or r.kind == kind)
+    return tuple(r for r in sorted(_RECORDS.values(), key=_module_order) if (kind is None or r.kind == kind)
                  and (family is None or r.family == family) and (r.exporter is not None or not writable))
+
+
+def _module_order(record: ModelType) -> int:
+    name = record.module.removeprefix("qkv.interop.")
+    return FAMILY_MODULES.index(name) if name in FAMILY_MODULES else len(FAMILY_MODULES)
 
 
 def names(records: tuple[ModelType, ...]) -> tuple[str, ...]:
