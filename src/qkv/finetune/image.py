@@ -45,7 +45,7 @@ from qkv.interop.export import check_model, writable_types, write_model
 from qkv.interop.llava import ImageProcessor
 from qkv.interop.registry import ExportRequest
 from qkv.models.clip import CLIP
-from qkv.predict import hf_meta, preprocessing_for
+from qkv.predict import preprocessing_for
 from qkv.run import load_model_any, model_folder
 from qkv.storage import atomic_write_json
 from qkv.tasks.images import ImageFolderOptions, build_image_folder
@@ -76,7 +76,6 @@ class ImageSource:
     path: Path
     model: Any  # qkv ViT / ResNet / Swin as loaded
     family: str  # vit | resnet | swin
-    hf_config: dict[str, Any] | None  # the source's config.json when it is a Hugging Face folder
     labels: list[str]  # the model's class names, by id
     image_size: int
     mean: list[float] | None  # its normalisation (None: the training images' own statistics)
@@ -125,10 +124,8 @@ def open_image_model(path: str | Path) -> ImageSource:
                           f"{type(model).__name__}")
     family = family_of(model)
     pre, labels = preprocessing_for(path, model)
-    base = hf_meta(model_folder(path))
     check_model(model, ExportRequest(family, model_folder(path)))  # refused now, not after the training
-    return ImageSource(Path(path), model.float(), family, base, labels, _image_size(model, pre), pre.mean,
-                       pre.std)
+    return ImageSource(Path(path), model.float(), family, labels, _image_size(model, pre), pre.mean, pre.std)
 
 
 def clip_source(path: Path, model: CLIP) -> ImageSource:
@@ -142,7 +139,7 @@ def clip_source(path: Path, model: CLIP) -> ImageSource:
            else ImageProcessor())
     mean = list(pre.mean) if pre.mean is not None else None
     std = list(pre.std) if pre.std is not None else None
-    return ImageSource(path, tower, "vit", None, [], int(tower.config.image_size), mean, std, clip=True)
+    return ImageSource(path, tower, "vit", [], int(tower.config.image_size), mean, std, clip=True)
 
 
 def load_images(s: Any, src: ImageSource) -> Any:
