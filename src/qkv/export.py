@@ -60,7 +60,7 @@ def choose_model_type(model: Any, meta: dict[str, Any], asked: str | None) -> st
     # the types a model of its family can be written as: the first registered is an encoder's default
     types, written = writable_types(fam), writable_types()
     if not types:
-        families = sorted({r.family for r in model_types() if r.name in written})
+        families = sorted({r.family for r in model_types(writable=True)})
         raise ConfigError(f"qkv export has no Hugging Face format for a {type(model).__name__} ({fam!r} "
                           f"family) model; it writes {', '.join(families)} models")
     hf_type = meta.get("model_type") if "qkv_family" not in meta else None
