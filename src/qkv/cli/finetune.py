@@ -18,8 +18,8 @@ from typing import Any
 from qkv.cli.flags import add_flags, check_flags, option
 from qkv.config import ConfigError, check_flag_keys
 
-# FinetuneSettings' fields with a flag in the common group (model, a positional, and train are not flags)
-COMMON = ("data", "dev", "out", "resume", "seed", "progress", "epochs", "too_long")
+# FinetuneSettings' fields made flags of the common group (model is a positional, --out a path: written here)
+COMMON = ("data", "dev", "resume", "seed", "progress", "epochs", "too_long")
 # what applies when the flag is not given: the recipe's default
 DEFAULTS = {"epochs": "chat 1, the other recipes 3", "too_long": "error for chat and seq2seq, truncate for "
                                                                   "classify/tag"}
@@ -49,8 +49,10 @@ def add_finetune(p: argparse.ArgumentParser) -> None:
     """The `qkv finetune` command line: the common flags, then one group per recipe."""
     from qkv.finetune import FinetuneSettings, recipes
 
-    p.add_argument("model", help="a model folder (Hugging Face format or a qkv checkpoint/run folder)")
+    helps = {f.name: f.metadata.get("help") for f in fields(FinetuneSettings)}
+    p.add_argument("model", help=helps["model"])
     p.add_argument("overrides", nargs="*", help="Trainer settings as train.key=value (e.g. train.lr=2e-5)")
+    p.add_argument("--out", required=True, help=helps["out"])
     p.add_argument("--task", default=None, help="recipe: " + ", ".join(sorted(recipes())) +
                    " (default: from the model's kind); the flags of another recipe's group below are refused")
     add_flags(p, FinetuneSettings, only=COMMON, defaults=DEFAULTS)
@@ -102,7 +104,7 @@ def read_settings(a: argparse.Namespace, recipe: Any) -> Any:
 
     given = refuse_foreign(a, recipe)
     common = {name: getattr(a, name) for name in COMMON if getattr(a, name, None) is not None}
-    values = {"model": a.model, **common, **given}
+    values = {"model": a.model, "out": a.out, **common, **given}
     check_train_flags(values, recipe.settings, list(a.overrides or []))
     values["train"] = train_overrides(a.overrides)
     check_flags(recipe.settings, values)  # an error about one setting is said with its flag
