@@ -143,9 +143,9 @@ def test_a_recipes_settings_are_made_from_its_flags(tmp_path):
         assert all(name in owners for name in own_fields(r.settings)), r.name
     p = argparse.ArgumentParser()
     add_finetune(p)
-    args = p.parse_args([str(tmp_path), "--data", "d", "--out", "o", "--task", "chat", "--lora",
-                         "--lora-rank", "4", "--export", "last", "--no-progress", "--epochs", "2",
-                         "--too-long", "skip", "train.lr=1e-3"])
+    args = p.parse_intermixed_args([str(tmp_path), "--data", "d", "--out", "o", "--task", "chat", "--lora",
+                                    "--lora-rank", "4", "--export", "last", "--no-progress", "--epochs", "2",
+                                    "--too-long", "skip", "train.lr=0.001"])
     s = read_settings(args, ft.recipes()["chat"])
     assert (s.lora, s.lora_config().rank, s.export, s.progress, s.epochs, s.too_long, s.train) == (
         True, 4, "last", False, 2.0, "skip", {"lr": 1e-3})

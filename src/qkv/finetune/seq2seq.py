@@ -244,8 +244,9 @@ class Seq2SeqRecipe(FinetuneRecipe):
         self.max_tgt = (
             min(s.max_target_length, model.context_limit) if model.context_limit else s.max_target_length
         )
-        self.train_pairs = encode_pairs(read_pairs(s.data), tok, s.data, max_src, self.max_tgt, s.truncate)
-        self.dev = (encode_pairs(read_pairs(s.dev), tok, s.dev, max_src, self.max_tgt, s.truncate)
+        truncate = s.too_long == "truncate"
+        self.train_pairs = encode_pairs(read_pairs(s.data), tok, s.data, max_src, self.max_tgt, truncate)
+        self.dev = (encode_pairs(read_pairs(s.dev), tok, s.dev, max_src, self.max_tgt, truncate)
                     if s.dev else None)
         for enc, path in ((self.train_pairs, s.data), (self.dev, s.dev)):
             if enc is not None:
