@@ -65,9 +65,8 @@ class FinetuneRecipe:
     def run(self, note: Callable[[str], None] | None = None) -> FinetuneResult:
         """Every phase in order; `note` hears the notes before the data are read and training starts."""
         self.setup_model()
-        for text in self.notes:
-            if note is not None:
-                note(text)
+        for text in self.notes if note is not None else ():
+            note(text)
         self.setup_data()
         summary = self.train()
         if not self.is_main:
