@@ -23,9 +23,9 @@ from typing import Any
 from qkv.cli.finetune import add_finetune, cmd_finetune
 from qkv.cli.flags import (  # noqa: F401  (QUANTIZE_MODES: part of this module's API)
     QUANTIZE_MODES,
-    add_config_flags,
+    add_flags,
     add_quantize,
-    config_flags,
+    read_flags,
 )
 from qkv.cli.generate import add_chat, add_generate, cmd_chat, cmd_generate
 from qkv.cli.info import add_info, cmd_info
@@ -268,14 +268,14 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF "
                                  "file")
     # every other flag: a field of ServeConfig or EngineConfig, with its help, bounds and default
-    add_config_flags(p, ServeConfig)
-    add_config_flags(p, EngineConfig)
+    add_flags(p, ServeConfig)
+    add_flags(p, EngineConfig)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from qkv.serve import serve
 
-    given = {**config_flags(a, ServeConfig), **config_flags(a, EngineConfig)}
+    given = {**read_flags(a, ServeConfig), **read_flags(a, EngineConfig)}
     return serve(a.model, **given)
 
 

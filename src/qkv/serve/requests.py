@@ -17,13 +17,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from qkv.config import bounds_text
 from qkv.generate.config import (
     LOGIT_BIAS_LIMIT,
     MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     REQUEST_AT_LEAST,
     GenerationConfig,
-    bounds_text,
 )
 from qkv.serve.errors import APIError
 
@@ -61,7 +61,7 @@ def api_bounds(name: str) -> dict[str, Any]:
 
 def describe(name: str) -> str:
     """A GenerationConfig field's API bounds in words (GenerationConfig's own wording: bounds_text)."""
-    return bounds_text(dataclasses.field(metadata=api_bounds(name)))
+    return bounds_text(api_bounds(name))
 
 
 def setting(name: str) -> Any:
