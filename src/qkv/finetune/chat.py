@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from qkv import from_pretrained
-from qkv.config import ConfigError, from_dict
+from qkv.config import ConfigError, from_dict, setting
 from qkv.finetune.chat_data import (  # noqa: F401  (the data half of this recipe, imported from here too)
     IGNORE,
     ROLES,
@@ -68,7 +68,7 @@ from qkv.finetune.lora import LoRAConfig, apply_lora, merge_lora
 from qkv.finetune.out import FINETUNE_FILE, mark_out
 from qkv.finetune.recipe import FinetuneRecipe, epoch_updates, epochs_to_steps
 from qkv.finetune.registry import Recipe, register_recipe
-from qkv.finetune.settings import FinetuneSettings, setting
+from qkv.finetune.settings import FinetuneSettings
 from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.interop.tokenizer import load_hf_tokenizer
 from qkv.models.vlm import LLaVA
@@ -94,13 +94,13 @@ class ChatSettings(FinetuneSettings):
 
     epochs: float = 1.0
     lora: bool = setting(False, "train LoRA adapters instead of every weight (merged on save)")
-    lora_rank: int | None = setting(None, "LoRA rank r (default 8)")
-    lora_alpha: float | None = setting(None, "LoRA alpha; the update is scaled by alpha/r (default 16)")
-    lora_dropout: float | None = setting(None, "dropout on the adapters' input (default 0.05)")
+    lora_rank: int | None = setting(None, "LoRA rank r", none="8")
+    lora_alpha: float | None = setting(None, "LoRA alpha; the update is scaled by alpha/r", none="16")
+    lora_dropout: float | None = setting(None, "dropout on the adapters' input", none="0.05")
     lora_targets: str | None = setting(None, "layers to adapt, comma separated: q,k,v (slices of the "
                                              "fused attention projection), out_proj, up, gate, down, Hugging "
-                                             "Face names (q_proj, o_proj, ...), globs, or all-linear "
-                                             "(default q,v)")
+                                             "Face names (q_proj, o_proj, ...), globs, or all-linear",
+                                       none="q,v")
     export: str = setting("best", "the weights OUT holds: the best dev loss's checkpoint when --dev was "
                                   "evaluated more than once (best), or the last step's (last)",
                           choices=("best", "last"))

@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.finetune.encoders import FINETUNE_DEFAULTS, best_state
 from qkv.finetune.image_export import check_exportable, export_classifier, family_of, preprocessor_config
 from qkv.finetune.out import FINETUNE_FILE, mark_out
 from qkv.finetune.recipe import FinetuneRecipe, epoch_config
 from qkv.finetune.registry import Recipe, register_recipe
-from qkv.finetune.settings import FinetuneSettings, setting
+from qkv.finetune.settings import FinetuneSettings
 from qkv.interop.llava import ImageProcessor
 from qkv.models.clip import CLIP
 from qkv.predict import hf_meta, preprocessing_for

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.finetune.encoders import EncodedData, EncoderFolder, encode, new_head_model, pad_batch
 from qkv.finetune.phases import EncoderRecipe
 from qkv.finetune.registry import Recipe, register_recipe
-from qkv.finetune.settings import FinetuneSettings, setting
+from qkv.finetune.settings import FinetuneSettings
 from qkv.tasks.base import text_lines
 from qkv.tasks.mlm import MaskingRule, generator_for, mask_tokens, masked_lm_scores
 

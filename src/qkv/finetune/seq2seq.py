@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 import qkv
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.extras import require
 from qkv.finetune.data import read_data_text
 from qkv.finetune.out import mark_out
 from qkv.finetune.recipe import FinetuneRecipe, epoch_config
 from qkv.finetune.registry import Recipe, register_recipe
-from qkv.finetune.settings import FinetuneSettings, setting
+from qkv.finetune.settings import FinetuneSettings
 from qkv.interop.bart import save_bart
 from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.interop.t5 import save_t5

@@ -8,20 +8,11 @@ gets them complete and checked, and reads nothing else; `qkv finetune` builds th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from qkv.config import ConfigError
-
-
-def setting(default: Any = None, help: str = "", **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
-
-
-def required(help: str) -> Any:
-    return field(metadata={"help": help})
-
+from qkv.config import ConfigError, setting
 
 # The settings that are a Trainer setting as well: (field, train key, type). train.key=value sets the field
 # too, so that a recipe reads one value whichever was given: the seed of the data order and of a new head,
@@ -59,10 +50,10 @@ class FinetuneSettings:
     RECIPE: ClassVar[str] = ""
     TOO_LONG: ClassVar[tuple[str, ...]] = ()
 
-    model: str = required("a model folder (Hugging Face format or a qkv checkpoint/run folder)")
-    data: str = required("training data file (its format depends on --task; a folder for image-classify)")
-    out: Path = required("output folder (a model folder qkv and transformers load)")
-    dev: str | None = setting(help="held-out data file, evaluated during and after training")
+    model: str = setting(help="a model folder (Hugging Face format or a qkv checkpoint/run folder)")
+    data: str = setting(help="training data file (its format depends on --task; a folder for image-classify)")
+    out: Path = setting(help="output folder (a model folder qkv and transformers load)")
+    dev: str | None = setting(None, "held-out data file, evaluated during and after training")
     resume: bool = setting(False, "continue OUT's last checkpoint")
     seed: int = setting(0, "random seed (the same as train.seed)")
     progress: bool = setting(True, "a progress bar (the same as train.progress)")
@@ -70,7 +61,8 @@ class FinetuneSettings:
     too_long: str = setting("error", "an example over the length limit: error naming it, skip it (chat) or "
                                      "truncate it (classify, tag, seq2seq)",
                             choices=("error", "skip", "truncate"))
-    train: dict[str, Any] = field(default_factory=dict)  # Trainer settings over the recipe's defaults
+    train: dict[str, Any] = setting({}, "Trainer settings over the recipe's defaults (train.key=value)",
+                                    flag=False)
 
     def __post_init__(self) -> None:
         for name, key, kind in TRAIN_KEYS:
@@ -82,4 +74,4 @@ class FinetuneSettings:
                               f"one of {', '.join(self.TOO_LONG)}")
 
 
-__all__ = ["TRAIN_KEYS", "FinetuneSettings", "setting", "train_value"]
+__all__ = ["TRAIN_KEYS", "FinetuneSettings", "train_value"]

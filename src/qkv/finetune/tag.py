@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.finetune.data import read_data_text
 from qkv.finetune.encoders import EncodedData, encode, predict
 from qkv.finetune.phases import EncoderRecipe
 from qkv.finetune.registry import Recipe, register_recipe
-from qkv.finetune.settings import FinetuneSettings, setting
+from qkv.finetune.settings import FinetuneSettings
 from qkv.tasks.base import text_lines
 
 METRICS = {"f1": "max", "precision": "max", "recall": "max", "token_accuracy": "max"}
