@@ -149,3 +149,12 @@ def test_a_recipes_settings_are_made_from_its_flags(tmp_path):
     s = read_settings(args, ft.recipes()["chat"])
     assert (s.lora, s.lora_config().rank, s.export, s.progress, s.epochs, s.too_long, s.train) == (
         True, 4, "last", False, 2.0, "skip", {"lr": 1e-3})
+
+
+def test_the_docs_flags_tables_are_the_generated_ones():
+    from pathlib import Path
+
+    from qkv.cli.finetune import flags_tables
+
+    docs = (Path(__file__).parents[2] / "docs" / "finetune.md").read_text(encoding="utf-8")
+    assert flags_tables() in docs

@@ -15,7 +15,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from qkv.cli.flags import add_flags, check_flags, option
+from qkv.cli.flags import add_flags, check_flags, flags_table, option
 from qkv.config import ConfigError, check_flag_keys
 
 # FinetuneSettings' fields made flags of the common group (model is a positional, --out a path: written here)
@@ -61,6 +61,21 @@ def add_finetune(p: argparse.ArgumentParser) -> None:
         mine = [name for name in own_fields(r.settings) if owners.get(name) == r.name]
         if mine:
             add_flags(p.add_argument_group(f"--task {r.name}", r.description), r.settings, only=mine)
+
+
+def flags_tables() -> str:
+    """The Markdown tables of the flags add_finetune makes from the settings: the common ones, then each
+    recipe's group (docs/finetune.md holds them: a test compares)."""
+    from qkv.finetune import FinetuneSettings, recipes
+
+    common = flags_table(FinetuneSettings, only=COMMON, defaults={**DEFAULTS, "data": "required"})
+    parts = ["Every recipe:", "", common]
+    owners = recipe_flags()
+    for r in recipes().values():
+        mine = [name for name in own_fields(r.settings) if owners.get(name) == r.name]
+        if mine:
+            parts += ["", f"`--task {r.name}`:", "", flags_table(r.settings, only=mine)]
+    return "\n".join(parts)
 
 
 def refuse_foreign(a: argparse.Namespace, recipe: Any) -> dict[str, Any]:
