@@ -152,16 +152,19 @@ def read_flags(args: argparse.Namespace, cls: type, *, only: Iterable[str] | Non
 
 
 def flags_table(*classes: type, only: Iterable[str] | None = None, defaults: Mapping[str, str] | None = None,
-                rules: Rules | None = None) -> str:
-    """The Markdown table of the flags add_flags makes for `classes` with these arguments (the docs hold each
-    command's: a test compares)."""
-    rows = ["| option | default | what it does |", "|---|---|---|"]
+                rules: Rules | None = None, keys: str | None = None) -> str:
+    """The Markdown table of the flags add_flags makes for `classes` with these arguments, or with `keys`
+    (a section: "train.") of the `section.key=value` settings (the docs hold each command's: a test
+    compares)."""
+    rows = [f"| {'key' if keys is not None else 'option'} | default | what it does |", "|---|---|---|"]
     for cls in classes:
         names = None if only is None else [n for n in only if n in {f.name for f in fields(cls)}]
-        for f in _flagged(cls, names):
+        for f in _flagged(cls, names) if keys is None else fields(cls):
             text, default = _described(cls, f, _default(f), defaults, rules)
+            if keys is not None and f.metadata.get("none") and default != f.metadata["none"]:
+                text += f"; null: {f.metadata['none']}"
             shown = flag_of(f) + (f"`, `--no-{flag_of(f)[2:]}" if _flag_type(cls, f)[0] is bool else "")
-            rows.append(f"| `{shown}` | {default or 'none'} | {text} |")
+            rows.append(f"| `{shown if keys is None else keys + f.name}` | {default or 'none'} | {text} |")
     return "\n".join(rows)
 
 
