@@ -33,6 +33,16 @@ def own_fields(cls: type) -> list[str]:
     return [f.name for f in fields(cls) if f.name not in common]
 
 
+def groups() -> list[tuple[Any, list[str]]]:
+    """(recipe, the fields its group has flags for), for every recipe that has a group."""
+    from qkv.finetune import recipes
+
+    owners = recipe_flags()
+    found = [(r, [name for name in own_fields(r.settings) if owners.get(name) == r.name])
+             for r in recipes().values()]
+    return [(r, names) for r, names in found if names]
+
+
 def recipe_flags() -> dict[str, str]:
     """{field: the recipe whose group has its flag} for every recipe's own fields."""
     from qkv.finetune import recipes
@@ -56,25 +66,19 @@ def add_finetune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=None, help="recipe: " + ", ".join(sorted(recipes())) +
                    " (default: from the model's kind); the flags of another recipe's group below are refused")
     add_flags(p, FinetuneSettings, only=COMMON, defaults=DEFAULTS)
-    owners = recipe_flags()
-    for r in recipes().values():
-        mine = [name for name in own_fields(r.settings) if owners.get(name) == r.name]
-        if mine:
-            add_flags(p.add_argument_group(f"--task {r.name}", r.description), r.settings, only=mine)
+    for r, names in groups():
+        add_flags(p.add_argument_group(f"--task {r.name}", r.description), r.settings, only=names)
 
 
 def flags_tables() -> str:
     """The Markdown tables of the flags add_finetune makes from the settings: the common ones, then each
     recipe's group (docs/finetune.md holds them: a test compares)."""
-    from qkv.finetune import FinetuneSettings, recipes
+    from qkv.finetune import FinetuneSettings
 
     common = flags_table(FinetuneSettings, only=COMMON, defaults={**DEFAULTS, "data": "required"})
     parts = ["Every recipe:", "", common]
-    owners = recipe_flags()
-    for r in recipes().values():
-        mine = [name for name in own_fields(r.settings) if owners.get(name) == r.name]
-        if mine:
-            parts += ["", f"`--task {r.name}`:", "", flags_table(r.settings, only=mine)]
+    for r, names in groups():
+        parts += ["", f"`--task {r.name}`:", "", flags_table(r.settings, only=names)]
     return "\n".join(parts)
 
 
@@ -88,7 +92,7 @@ def refuse_foreign(a: argparse.Namespace, recipe: Any) -> dict[str, Any]:
         if name not in own:
             hint = f"; set train.{name}=... instead" if name in ("batch_size", "lr") else ""
             raise ConfigError(f"{option(name)} is not supported by --task {recipe.name} (it is a --task "
-                         f"{owners[name]} flag){hint}")
+                              f"{owners[name]} flag){hint}")
     return given
 
 
