@@ -114,3 +114,32 @@ def test_the_table_lists_what_the_flags_say():
     assert len(table) == 2 + 9 and not any("hidden" in row for row in table)
     assert flags_table(Toy, only=("steps",), defaults={"steps": "ten"}).splitlines()[2] == (
         "| `--steps` | ten | updates; at least 1 |")
+
+
+def test_every_settings_dataclass_declares_each_field_with_the_helper():
+    from dataclasses import fields
+
+    from qkv.generate.config import GenerationConfig
+    from qkv.generate.engine_config import EngineConfig
+    from qkv.run import EvalSettings
+    from qkv.serve.config import ServeConfig
+    from qkv.train import TrainConfig
+
+    for cls in (GenerationConfig, EngineConfig, ServeConfig, TrainConfig, EvalSettings):
+        undeclared = [f.name for f in fields(cls) if not f.metadata.get("help")]
+        assert not undeclared, (cls.__name__, undeclared)
+
+
+@pytest.mark.parametrize("section,cls_name,data,field", [
+    ("train", "TrainConfig", {"lr": 0.0}, "lr"), ("train", "TrainConfig", {"min_lr": 1.0}, "min_lr"),
+    ("train", "TrainConfig", {"warmup": 2.5}, "warmup"),
+    ("train", "TrainConfig", {"max_skips": -1}, "max_skips"),
+    ("eval", "EvalSettings", {"n": -1}, "n")])
+def test_a_run_sections_bad_value_names_its_key(section, cls_name, data, field):
+    from qkv.run import EvalSettings
+    from qkv.train import TrainConfig
+
+    cls = {"TrainConfig": TrainConfig, "EvalSettings": EvalSettings}[cls_name]
+    with pytest.raises(ConfigError) as e:
+        from_dict(cls, data, section)
+    assert e.value.field == field and field in str(e.value)

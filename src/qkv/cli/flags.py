@@ -31,7 +31,8 @@ from qkv.config import ConfigError, bounds_text, check_value, field_types
 from qkv.serve.config import QUANTIZE_MODES, ServeConfig
 
 Rules = Mapping[str, Mapping[str, Any]]
-__all__ = ["QUANTIZE_MODES", "add_flags", "check_flags", "flags_table", "option", "read_flags"]
+__all__ = ["QUANTIZE_MODES", "add_flags", "add_quantize", "check_flags", "flag_of", "flags_table", "option",
+           "read_flags"]
 
 
 def option(name: str) -> str:
