@@ -6,6 +6,7 @@ annotation. Configs stay plain data (no objects), so they serialise to JSON/YAML
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -13,7 +14,8 @@ import math
 import os
 import types
 import typing
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -23,7 +25,76 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A wrong key or value in a configuration (printed as one line by the CLI)."""
+    """A wrong key or value in a configuration (printed as one line by the CLI). Raised about one setting, it
+    carries the setting's `field` (and the config it is in, `where`) and its `problem`, the words after the
+    setting's name: the CLI says it with the flag's name instead (named)."""
+
+    def __init__(self, message: str, field: str | None = None, where: str | None = None) -> None:
+        self.problem, self.field, self.where = message, field, where
+        super().__init__(message if field is None else self.named(f"{where}.{field}" if where else field))
+
+    def named(self, name: str) -> str:
+        """The message with the setting called `name` ("--top-p must be in (0, 1], got 1.5")."""
+        return f"{name}{'' if self.problem[:1] in (':', '[') else ' '}{self.problem}"
+
+    def for_flag(self, flag: str) -> ConfigError:
+        """This error, about the setting the command-line flag `flag` gave."""
+        error = ConfigError(self.problem, self.field, self.where)
+        error.args = (self.named(flag),)
+        return error
+
+
+def setting(default: Any = MISSING, help: str = "", *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, lt: float | None = None, choices: tuple | None = None, note: str = "",
+            none: str = "", unit: str = "", flag: bool | str = True, flag_none: Any = None) -> Any:
+    """A settings dataclass's field, declared once: its default (a list or dict is copied for each instance),
+    `help` text, bounds (ge / gt / le / lt), `choices` (where the annotation is no Literal), what a boundary
+    value means (`note`: "0 = greedy"), what None means (`none`), the `unit` of its value, whether a command's
+    flags include it (`flag`: True, False, or the flag's own spelling) and the flag value that stands for None
+    (`flag_none`: 0 for --prefill-chunk). check_fields enforces the bounds and choices, qkv.cli.flags builds
+    the flags and the docs' tables of it."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "note": note,
+            "none": none, "unit": unit, "flag": flag, "flag_none": flag_none}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def bounds_text(meta: Mapping[str, Any]) -> str:
+    """What a setting's value must be, in words: "in (0, 1]", "at least 0 (0 = greedy)", "at least 0
+    seconds", "one of ('int8', 'int4')"; "" for a setting without bounds or choices."""
+    ge, gt, le, lt, note, unit = (meta.get(k) for k in ("ge", "gt", "le", "lt", "note", "unit"))
+    if meta.get("choices"):
+        return f"one of {tuple(meta['choices'])}"
+    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
+    high = f"{le}]" if le is not None else f"{lt})" if lt is not None else None
+    if low is not None and high is not None:
+        text = f"in {low}, {high}"
+    elif low is not None:
+        text = f"at least {ge}" if ge is not None else f"> {gt}"
+    else:
+        text = f"<= {le}" if le is not None else f"< {lt}" if lt is not None else ""
+    text += f" {unit}" if unit and text else ""
+    return f"{text} ({note})" if note and text else text
+
+
+def check_value(name: str, value: Any, meta: Mapping[str, Any], where: str | None = None,
+                optional: bool = True) -> None:
+    """`value` of the setting `name` inside its bounds and choices (`meta`: its field's metadata, or a
+    command's rules over it), or None where None has a meaning (`optional`); else a ConfigError about that
+    field."""
+    ge, gt, le, lt, choices = (meta.get(k) for k in ("ge", "gt", "le", "lt", "choices"))
+    if (value is None and optional) or (not choices and (ge, gt, le, lt) == (None,) * 4):
+        return
+    if choices:
+        ok = value in choices
+    else:
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              and (ge is None or value >= ge) and (gt is None or value > gt) and (le is None or value <= le)
+              and (lt is None or value < lt))
+    if not ok:
+        none = f" (or None: {meta['none']})" if meta.get("none") else ""
+        raise ConfigError(f"must be {bounds_text(meta)}{none}, got {value!r}", field=name, where=where)
 
 
 def suggest(name: object, valid: list[str], what: str = "valid keys") -> str:
@@ -33,8 +104,12 @@ def suggest(name: object, valid: list[str], what: str = "valid keys") -> str:
     return f"; did you mean {match[0]!r}?" if match else f"; {what}: {', '.join(sorted(valid))}"
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check `value` against annotation `tp` (int, float, bool, str, Optional, Literal, list, dict)."""
+def _coerce(value: Any, tp: Any, where: str | None, name: str) -> Any:
+    """Check `value` of the field `name` of `where` against annotation `tp` (int, float, bool, str, Optional,
+    Literal, list, dict, a nested dataclass)."""
+    def bad(problem: str) -> ConfigError:
+        return ConfigError(f": {problem}", field=name, where=where)
+
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -47,32 +122,32 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             if a is type(None):
                 continue
             try:
-                return _coerce(value, a, where)
+                return _coerce(value, a, where, name)
             except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+                errors.append(e)
+        raise errors[0] if errors else bad(f"bad value {value!r}")
     if origin is Literal:
         if value not in get_args(tp):
-            raise ConfigError(f"{where}: {value!r} is not one of {list(get_args(tp))}")
+            raise bad(f"{value!r} is not one of {list(get_args(tp))}")
         return value
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise bad(f"expected a list, got {value!r}")
         (item,) = get_args(tp)[:1] or (Any,)
-        return [_coerce(v, item, where) for v in value]
+        return [_coerce(v, item, where, name) for v in value]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise bad(f"expected a mapping, got {value!r}")
         return dict(value)
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+            raise bad(f"expected true/false, got {value!r}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise bad(f"expected an integer, got {value!r}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 (PyYAML) reads 1e-3 (no dot) as a string, not a float
@@ -81,25 +156,25 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise bad(f"expected a number, got {value!r}")
         return float(value)
     if tp is str:
         if isinstance(value, os.PathLike):  # a Path for a folder field (TrainConfig(out_dir=Path(...)))
             return os.fspath(value)
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise bad(f"expected a string, got {value!r}")
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return from_dict(tp, value, where)
+            raise bad(f"expected a mapping, got {value!r}")
+        return from_dict(tp, value, f"{where}.{name}" if where else name)
     return value
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     """typing.get_type_hints, once per class: it evaluates every string annotation again on each call (~ms
     for a config of many fields; the serving engine builds a GenerationConfig per request)."""
     return typing.get_type_hints(cls)
@@ -108,13 +183,13 @@ def _type_hints(cls: type) -> dict[str, Any]:
 def from_dict(cls: type[T], data: dict[str, Any], where: str | None = None) -> T:
     """Build dataclass `cls` from a mapping, rejecting unknown keys and ill-typed values."""
     where = where or cls.__name__
-    hints = _type_hints(cls)
+    hints = field_types(cls)
     names = [f.name for f in fields(cls) if f.init]
     kwargs = {}
     for key, value in data.items():
         if key not in names:
             raise ConfigError(f"unknown key {key!r} in {where}{suggest(key, names)}")
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+        kwargs[key] = _coerce(value, hints[key], where, key)
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field is missing
@@ -126,52 +201,28 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str | None = None) -> T
 
 
 def check_fields(cfg: Any, where: str | None = None) -> None:
-    """Type-check a dataclass built directly in Python as from_dict checks a mapping (its validate() calls
-    this, so a Literal typo or a "10" for an int is the same ConfigError either way); normalises in place
-    what from_dict would (an int field's 10.0 -> 10, a tuple -> list)."""
-    where = where or type(cfg).__name__
-    hints = _type_hints(type(cfg))
+    """Every field of the dataclass `cfg` holds a value of its annotation's type (checked as from_dict checks
+    a mapping: a Literal typo or a "10" for an int is the same ConfigError either way), inside the bounds and
+    choices its metadata declares (setting); normalises in place what from_dict would (an int field's 10.0
+    -> 10, a tuple -> list). `where` names the config in messages (default its class; "" for none)."""
+    where = type(cfg).__name__ if where is None else where
+    hints = field_types(type(cfg))
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        checked = _coerce(value, hints[f.name], f"{where}.{f.name}")
+        checked = _coerce(value, hints[f.name], where or None, f.name)
         if checked is not value:
             setattr(cfg, f.name, checked)
+        check_value(f.name, checked, f.metadata, where or None)
 
 
-def check_moe(moe: Any, n_layers: int | None = None) -> None:
-    """A mixture-of-experts config (qkv.nn.moe.MoEConfig): n_layers, the model's, to check `layers`
-    against."""
-    from qkv.nn.moe import SCORES
-
-    check_fields(moe, "moe")
-    if moe.n_experts < 0:
-        raise ConfigError(f"moe.n_experts must be >= 0 (0 = dense), got {moe.n_experts}")
-    if not moe.n_experts:
-        return
-    if not 1 <= moe.n_experts_per_tok <= moe.n_experts:
-        raise ConfigError(f"moe.n_experts_per_tok must be in 1..n_experts ({moe.n_experts}), "
-                          f"got {moe.n_experts_per_tok}")
-    if moe.score not in SCORES:
-        raise ConfigError(f"moe.score: {moe.score!r} is not one of {list(SCORES)}")
-    if moe.n_group < 1 or moe.n_experts % moe.n_group:
-        raise ConfigError(f"moe.n_group ({moe.n_group}) must divide n_experts ({moe.n_experts})")
-    if not 1 <= moe.topk_group <= moe.n_group:
-        raise ConfigError(f"moe.topk_group must be in 1..n_group ({moe.n_group}), got {moe.topk_group}")
-    if moe.n_experts_per_tok > moe.topk_group * (moe.n_experts // moe.n_group):
-        raise ConfigError(f"moe.n_experts_per_tok ({moe.n_experts_per_tok}) exceeds the experts of "
-                          f"topk_group={moe.topk_group} groups")
-    bad = [i for i in moe.layers or () if i < 0 or (n_layers is not None and i >= n_layers)]
-    if bad:
-        raise ConfigError(f"moe.layers {bad} are not blocks of a {n_layers}-layer model")
-    for name in ("ffn_dim", "shared_ffn_dim"):
-        if getattr(moe, name) is not None and getattr(moe, name) < 1:
-            raise ConfigError(f"moe.{name} must be positive (or null)")
-    if moe.n_shared_experts < 0 or moe.first_k_dense < 0:
-        raise ConfigError("moe.n_shared_experts and moe.first_k_dense must be >= 0")
-    if moe.shared_expert_gate and not (moe.n_shared_experts or moe.shared_ffn_dim):
-        raise ConfigError("moe.shared_expert_gate needs a shared expert (n_shared_experts or shared_ffn_dim)")
-    if moe.aux_loss_coef < 0 or moe.bias_rate < 0 or moe.routed_scaling <= 0:
-        raise ConfigError("moe.aux_loss_coef and moe.bias_rate must be >= 0, moe.routed_scaling > 0")
+def check_bounds(cfg: Any, where: str | None = None) -> None:
+    """Every field of the dataclass `cfg` inside the bounds and choices its metadata declares: check_fields
+    without the type check (for a config built for each request from values already typed)."""
+    where = type(cfg).__name__ if where is None else where
+    hints = field_types(type(cfg))
+    for f in fields(cfg):
+        optional = type(None) in get_args(hints[f.name])
+        check_value(f.name, getattr(cfg, f.name), f.metadata, where or None, optional)
 
 
 def memory_bytes() -> int | None:
@@ -180,62 +231,6 @@ def memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-# Python's own memory per expert module (FeedForward, its Linears and parameters' objects), measured with
-# tracemalloc on the meta device: ~11 KB, whatever the width
-EXPERT_MODULE_BYTES = 10_000
-
-
-def check_moe_memory(moe: Any, n_layers: int, d_model: int, d_ff: int) -> None:
-    """The routed experts' float32 weights (two matrices each: a lower bound) and module objects, against
-    the machine's memory: before a single expert is built, as building 10^9 of them would take days."""
-    if not moe.n_experts:
-        return
-    layers = len(moe.layers) if moe.layers is not None else max(n_layers - moe.first_k_dense, 0)
-    need = layers * moe.n_experts * (2 * d_model * (moe.ffn_dim or d_ff) * 4 + EXPERT_MODULE_BYTES)
-    have = memory_bytes()
-    if have is not None and need > have:
-        raise ConfigError(f"moe.n_experts is {moe.n_experts:,}: {layers} layers of them need at least "
-                          f"{need / 2**30:,.1f} GiB, more than this machine's {have / 2**30:,.1f} GiB of "
-                          "memory")
-
-
-def check_mla(cfg: Any) -> None:
-    """Multi-head latent attention (qkv.nn.mla.MLAConfig in cfg.mla) against the rest of a TransformerConfig:
-    its rotary key is RoPE, and the model's head_dim names the rotated width (as transformers'
-    DeepseekV3Config)."""
-    m = cfg.mla
-    check_fields(m, "mla")
-    if m.kv_lora_rank < 0:
-        raise ConfigError(f"mla.kv_lora_rank must be >= 0 (0 = no MLA), got {m.kv_lora_rank}")
-    if not m.kv_lora_rank:
-        return
-    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        if getattr(m, name) < 1:
-            raise ConfigError(f"mla.{name} must be positive, got {getattr(m, name)}")
-    if m.q_lora_rank is not None and m.q_lora_rank < 1:
-        raise ConfigError("mla.q_lora_rank must be positive (or null: no query compression), got "
-                          f"{m.q_lora_rank}")
-    # a latent wider than the width it compresses costs more cache and compute than plain attention, and
-    # past it the cost is the claim's (10^5: 14 GB of activations for a 128-wide model)
-    for name in ("kv_lora_rank", "q_lora_rank"):
-        rank = getattr(m, name)
-        if rank is not None and rank > cfg.d_model:
-            raise ConfigError(f"mla.{name} is {rank}, larger than d_model ({cfg.d_model}): the latent "
-                              "compresses the model's width")
-    if not (math.isfinite(m.latent_norm_eps) and m.latent_norm_eps >= 0):
-        raise ConfigError(f"mla.latent_norm_eps must be a finite number >= 0, got {m.latent_norm_eps}")
-    if m.softmax_scale is not None and not (math.isfinite(m.softmax_scale) and m.softmax_scale > 0):
-        raise ConfigError(f"mla.softmax_scale must be a finite number > 0 (or null), got {m.softmax_scale}")
-    if cfg.position != "rope" or cfg.head_dim != m.qk_rope_head_dim:
-        raise ConfigError(f"MLA rotates a shared key of mla.qk_rope_head_dim={m.qk_rope_head_dim}: set "
-                          f"position=rope and head_dim={m.qk_rope_head_dim} (got position={cfg.position}, "
-                          f"head_dim={cfg.head_dim})")
-    if (cfg.n_kv_heads not in (None, cfg.n_heads) or cfg.qk_norm or cfg.qkv_bias
-            or cfg.sliding_window is not None):
-        raise ConfigError("MLA has its own key/value layout: n_kv_heads, qk_norm, qkv_bias and "
-                          "sliding_window must stay unset")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

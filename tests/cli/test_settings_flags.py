@@ -8,12 +8,16 @@ from dataclasses import fields
 
 import pytest
 
-from qkv.cli.flags import check_generation, option
-from qkv.cli.generate import CHAT_FLAGS, GENERATE_FLAGS
+from qkv.cli.flags import check_flags, option
+from qkv.cli.generate import CHAT_FLAGS, GENERATE_FLAGS, REQUEST_RULES
 from qkv.cli.main import build_parser, main
-from qkv.config import ConfigError, check_flag_keys, parse_overrides
+from qkv.config import ConfigError, bounds_text, check_flag_keys, parse_overrides
 from qkv.generate import GenerationConfig
-from qkv.generate.config import REQUEST_AT_LEAST, bounds_text
+from qkv.generate.config import REQUEST_AT_LEAST
+
+
+def check_generation(given: dict) -> None:
+    check_flags(GenerationConfig, given, REQUEST_RULES)
 
 
 def _subparser_help(command: str) -> str:
@@ -34,8 +38,11 @@ def test_flag_help_and_bounds_come_from_generation_config(command, names):
         f = by_name[name]
         assert option(name) in text
         assert " ".join(f.metadata["help"].split()) in text, name
-        bounds = f"at least {REQUEST_AT_LEAST[name]}" if name in REQUEST_AT_LEAST else bounds_text(f)
-        assert bounds in text, (name, bounds)
+        bounds = f"at least {REQUEST_AT_LEAST[name]}" if name in REQUEST_AT_LEAST else bounds_text(f.metadata)
+        if f.metadata["choices"]:  # argparse's choices, each named in the help
+            assert all(str(c) in f.metadata["help"] for c in f.metadata["choices"])
+        else:
+            assert bounds in text, (name, bounds)
 
 
 @pytest.mark.parametrize("name,value", [("temperature", -0.5), ("temperature", float("nan")), ("top_k", -1),

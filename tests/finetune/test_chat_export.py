@@ -4,7 +4,6 @@ learn (the default single epoch of a small set) is warned about."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import warnings
 
@@ -13,9 +12,10 @@ import torch
 from test_chat_recipe import _finetune, chats, write_jsonl
 
 from qkv import from_pretrained
-from qkv.finetune.chat import FEW_STEPS, _train_config
+from qkv.finetune.chat import FEW_STEPS, ChatSettings, _train_config
 from qkv.train import Trainer, latest_checkpoint
 from qkv.train.checkpoint import read_checkpoint
+from qkv.train.config import train_overrides
 
 
 def _weights_of(checkpoint, source, lora: bool) -> dict[str, torch.Tensor]:
@@ -80,9 +80,10 @@ def test_export_is_a_chat_flag(gpt2_chat, tmp_path, capsys):
     assert "invalid choice: 'first'" in capsys.readouterr().err
 
 
-def _args(tmp_path, overrides: list[str], epochs: float | None) -> argparse.Namespace:
-    return argparse.Namespace(overrides=overrides, out=tmp_path, no_progress=True, seed=0, epochs=epochs,
-                              resume=False)
+def _args(tmp_path, overrides: list[str], epochs: float | None) -> ChatSettings:
+    more = {} if epochs is None else {"epochs": epochs}
+    return ChatSettings(model="m", data="d", out=tmp_path, progress=False, train=train_overrides(overrides),
+                        **more)
 
 
 def test_a_handful_of_steps_is_warned_about(tmp_path):

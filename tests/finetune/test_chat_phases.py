@@ -4,7 +4,6 @@ prints."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -25,30 +24,30 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def _args(model: Path, data: Path, out: Path, **extra) -> argparse.Namespace:
-    base = dict(model=str(model), data=str(data), out=str(out), dev=None, resume=False, seed=0, lora=False,
-                lora_rank=8, lora_alpha=16.0, lora_dropout=0.05, lora_targets="q,v", export="best",
-                max_length=None, chat_template=None, too_long=None, epochs=None, overrides=[],
-                no_progress=True, given_flags=set())
-    return argparse.Namespace(**{**base, **extra})
+def _args(model: Path, data: Path, out: Path, **extra) -> ChatSettings:
+    return ChatSettings(model=str(model), data=str(data), out=str(out), progress=False, **extra)
 
 
-def test_settings_come_from_the_command_line_in_one_place(gpt2_chat, tmp_path):
+def test_settings_are_complete_and_checked_in_one_place(gpt2_chat, tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", ROWS)
-    s = ChatSettings.from_args(_args(gpt2_chat, data, tmp_path / "out", lora=True, lora_rank=4,
-                                     too_long="skip", max_length=64))
-    assert (s.out, s.lora.rank, s.lora.targets, s.too_long, s.max_length) == (tmp_path / "out", 4, ["q", "v"],
-                                                                              "skip", 64)
-    assert ChatSettings.from_args(_args(gpt2_chat, data, tmp_path / "o")).lora is None
+    s = _args(gpt2_chat, data, tmp_path / "out", lora=True, lora_rank=4, too_long="skip", max_length=64,
+              train={"seed": 3})
+    lora = s.lora_config()
+    assert (s.out, lora.rank, lora.alpha, lora.targets, s.too_long, s.max_length) == (
+        tmp_path / "out", 4, 16.0, ["q", "v"], "skip", 64)
+    assert (s.seed, s.epochs) == (3, 1.0)  # train.seed is the recipe's seed too; one epoch is chat's default
+    assert _args(gpt2_chat, data, tmp_path / "o").lora_config() is None
     with pytest.raises(ConfigError, match="--lora-rank needs --lora"):
-        ChatSettings.from_args(_args(gpt2_chat, data, tmp_path / "o", given_flags={"lora_rank"}))
+        _args(gpt2_chat, data, tmp_path / "o", lora_rank=8)
     with pytest.raises(ConfigError, match="--too-long truncate is not supported by --task chat"):
-        ChatSettings.from_args(_args(gpt2_chat, data, tmp_path / "o", too_long="truncate"))
+        _args(gpt2_chat, data, tmp_path / "o", too_long="truncate")
+    with pytest.raises(ConfigError, match="--lora-rank must be at least 1"):
+        _args(gpt2_chat, data, tmp_path / "o", lora=True, lora_rank=0)
 
 
 def test_setup_data_gives_the_batches_of_the_data_functions(gpt2_chat, tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", ROWS)
-    recipe = ChatRecipe(ChatSettings.from_args(_args(gpt2_chat, data, tmp_path / "out", max_length=48)))
+    recipe = ChatRecipe(_args(gpt2_chat, data, tmp_path / "out", max_length=48))
     model = recipe.setup_model()
     assert recipe.notes == [] and not any(p.dtype != torch.float32 for p in model.parameters())
     got = recipe.setup_data()

@@ -167,7 +167,7 @@ def test_csv_rows_are_checked_against_the_header(bert, tmp_path, capsys, content
 def test_byte_order_mark_and_unicode_digits_in_labels(tmp_path):
     """A CSV saved with a UTF-8 byte order mark (Excel) has the header 'text', not '\\ufefftext'; a label such
     as '²' (a digit to str.isdigit, not to int) is a name, not an id."""
-    from qkv.finetune.encoders import read_records
+    from qkv.finetune.data import read_records
 
     data = tmp_path / "bom.csv"
     data.write_bytes(b"\xef\xbb\xbftext,label\nw1 good,1\nw2 bad,\xc2\xb2\n")

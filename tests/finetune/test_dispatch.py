@@ -8,16 +8,26 @@ import pytest
 import qkv.finetune as ft
 from qkv.cli.main import main
 from qkv.config import ConfigError
+from qkv.finetune import registry
+from qkv.finetune.recipe import FinetuneRecipe
+from qkv.finetune.settings import FinetuneSettings
 
 
 @pytest.fixture
 def fake_recipes(monkeypatch):
     calls = []
-    monkeypatch.setattr(ft, "_RECIPES", {})
-    monkeypatch.setattr(ft, "_load_all", lambda: None)
+    monkeypatch.setattr(registry, "RECIPES", {})
+    monkeypatch.setattr(registry, "load_all", lambda: None)
     for name, kinds in (("chat", ("decoder",)), ("classify", ("encoder",))):
-        ft.register_recipe(ft.Recipe(name, kinds, f"{name} recipe",
-                                     lambda a, n=name: calls.append(n) or {"report": n}))
+        settings = type(f"{name}Settings", (FinetuneSettings,), {})  # a settings class of its own
+
+        class Fake(FinetuneRecipe):
+            def run(self, note=None, n=name):
+                calls.append(n)
+                return ft.FinetuneResult({}, {}, [n])
+
+        Fake.settings = settings
+        registry.register_recipe(ft.Recipe(name, kinds, f"{name} recipe", Fake))
     return calls
 
 
@@ -47,7 +57,7 @@ def test_cli_missing_files_exit_2(fake_recipes, tmp_path, capsys):
 def test_cli_runs_the_recipe_of_the_model_kind(fake_recipes, tmp_path, monkeypatch, capsys):
     (tmp_path / "d.jsonl").write_text("{}\n")
     (tmp_path / "m").mkdir()
-    monkeypatch.setattr(ft, "model_kind", lambda folder: "encoder")
+    monkeypatch.setattr(registry, "model_kind", lambda folder: "encoder")
     assert main(["finetune", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl"), "--out",
                  str(tmp_path / "o")]) == 0
     assert fake_recipes == ["classify"] and capsys.readouterr().out.strip() == "classify"
@@ -104,12 +114,47 @@ def test_flags_of_another_recipe_are_refused(tmp_path, capsys, model_type, flags
 def test_recipe_flags_get_their_defaults_when_not_given(tmp_path):
     import argparse
 
+    from qkv.cli.finetune import add_finetune, read_settings
+
     p = argparse.ArgumentParser()
-    ft.add_arguments(p)
+    add_finetune(p)
     args = p.parse_args([str(tmp_path), "--data", "d", "--out", "o"])
     # what the user set: nothing
     assert args.lora is None and args.batch_size is None and args.text_column is None
-    ft.resolve_flags(args, "seq2seq")
-    assert ((args.batch_size, args.lr, args.num_beams, args.lora, args.text_column)
-            == (16, 3e-4, 1, False, "text"))
-    assert args.given_flags == set()
+    s = read_settings(args, ft.recipes()["seq2seq"])
+    assert (s.batch_size, s.lr, s.num_beams, s.epochs, s.too_long) == (16, 3e-4, 1, 3.0, "error")
+    s = read_settings(args, ft.recipes()["image-classify"])  # --lr and --batch-size: seq2seq's flags
+    assert (s.batch_size, s.lr, s.augment) == (32, 1e-4, True)
+    s = read_settings(args, ft.recipes()["classify"])
+    assert (s.text_column, s.too_long, s.seed, s.progress) == ("text", "truncate", 0, True)
+
+
+def test_a_recipes_settings_are_made_from_its_flags(tmp_path):
+    """Every own field of every recipe's settings has a flag in its group (or, listed in `reads`, in another
+    recipe's), and the flags given reach the settings."""
+    import argparse
+    from dataclasses import fields
+
+    from qkv.cli.finetune import add_finetune, own_fields, read_settings, recipe_flags
+
+    owners = recipe_flags()
+    for r in ft.recipes().values():
+        assert {f.name for f in fields(r.settings)} >= set(own_fields(r.settings))
+        assert all(name in owners for name in own_fields(r.settings)), r.name
+    p = argparse.ArgumentParser()
+    add_finetune(p)
+    args = p.parse_intermixed_args([str(tmp_path), "--data", "d", "--out", "o", "--task", "chat", "--lora",
+                                    "--lora-rank", "4", "--export", "last", "--no-progress", "--epochs", "2",
+                                    "--too-long", "skip", "train.lr=0.001"])
+    s = read_settings(args, ft.recipes()["chat"])
+    assert (s.lora, s.lora_config().rank, s.export, s.progress, s.epochs, s.too_long, s.train) == (
+        True, 4, "last", False, 2.0, "skip", {"lr": 1e-3})
+
+
+def test_the_docs_flags_tables_are_the_generated_ones():
+    from pathlib import Path
+
+    from qkv.cli.finetune import flags_tables
+
+    docs = (Path(__file__).parents[2] / "docs" / "finetune.md").read_text(encoding="utf-8")
+    assert flags_tables() in docs

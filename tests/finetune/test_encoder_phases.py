@@ -3,7 +3,6 @@ gives, setting up writes nothing, and report() is exactly what the command print
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -13,8 +12,7 @@ pytest.importorskip("transformers")
 from _encoders import make_folder, sentiment_rows, write_csv  # noqa: E402
 
 from qkv.cli.main import main  # noqa: E402
-from qkv.finetune.classify import ClassifyRecipe  # noqa: E402
-from qkv.finetune.phases import EncoderSettings  # noqa: E402
+from qkv.finetune.classify import ClassifyRecipe, ClassifySettings  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -22,17 +20,15 @@ def bert(tmp_path_factory):
     return make_folder(tmp_path_factory.mktemp("bert"), "bert")
 
 
-def _args(model, data, dev, out) -> argparse.Namespace:
-    return argparse.Namespace(model=str(model), data=str(data), dev=str(dev), out=str(out), seed=0,
-                              resume=False, no_progress=True, epochs=None, too_long=None, text_column="text",
-                              text_pair_column=None, label_column="label",
-                              overrides=["train.max_steps=3", "train.tensorboard=false", "train.plot=false"])
+def _args(model, data, dev, out) -> ClassifySettings:
+    return ClassifySettings(model=str(model), data=str(data), dev=str(dev), out=str(out), progress=False,
+                            train={"max_steps": 3, "tensorboard": False, "plot": False})
 
 
 def test_classify_phases_one_by_one_and_the_printed_report(bert, tmp_path, capsys):
     train = write_csv(tmp_path / "train.csv", sentiment_rows(24, 1))
     dev = write_csv(tmp_path / "dev.csv", sentiment_rows(8, 2))
-    recipe = ClassifyRecipe(EncoderSettings.from_args(_args(bert, train, dev, tmp_path / "a")))
+    recipe = ClassifyRecipe(_args(bert, train, dev, tmp_path / "a"))
     assert recipe.setup_model().model_type == "bert"
     data = recipe.setup_data()
     assert len(data) == 24 and recipe.n_labels == 2 and len(recipe.dev) == 8

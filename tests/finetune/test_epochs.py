@@ -4,18 +4,20 @@ helper, after the train.key=value overrides)."""
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
 
-from qkv.finetune.chat import _train_config
-from qkv.finetune.encoders import train_config
+from qkv.finetune.chat import ChatSettings, _train_config
+from qkv.finetune.classify import ClassifySettings
+from qkv.finetune.encoders import FINETUNE_DEFAULTS
+from qkv.finetune.recipe import epoch_config
+from qkv.train.config import train_overrides
 
 
-def _args(tmp_path, overrides, epochs):
-    return argparse.Namespace(overrides=overrides, out=tmp_path, no_progress=True, seed=0, epochs=epochs,
-                              resume=False)
+def _args(tmp_path, overrides, epochs, cls=ChatSettings):
+    return cls(model="m", data="d", out=tmp_path, progress=False, epochs=epochs,
+               train=train_overrides(overrides))
 
 
 @pytest.mark.parametrize("world, accum", [(None, 1), (2, 1), (2, 2), (3, 1)])
@@ -31,7 +33,8 @@ def test_an_epoch_is_all_ranks_sequences(tmp_path, monkeypatch, world, accum):
     per_update = 2 * accum * (world or 1)
     chat = _train_config(_args(tmp_path, over, 1.0), n_train=n, n_dev=0, lora=False)
     assert chat.max_steps == math.ceil(n / per_update)
-    enc = train_config(_args(tmp_path, over, 2.0), n_train=n, has_dev=False)
+    enc = epoch_config(_args(tmp_path, over, 2.0, ClassifySettings), FINETUNE_DEFAULTS, n_train=n,
+                       has_dev=False)
     assert enc.max_steps == 2 * math.ceil(n / per_update)
 
 

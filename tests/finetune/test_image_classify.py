@@ -7,7 +7,6 @@ exit 2, nothing written."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
@@ -103,24 +102,16 @@ def test_finetune_learns_and_saves_a_folder_transformers_loads(tmp_path, images,
     assert capsys.readouterr().out.splitlines()[1].split()[-1] == "red"
 
 
-def _recipe(model, data, out, *flags):
-    from qkv.finetune import add_arguments as finetune_arguments
-    from qkv.finetune import resolve_flags, train_flags
-
-    p = argparse.ArgumentParser()
-    finetune_arguments(p)
-    args = p.parse_args([str(model), "--task", "image-classify", "--data", str(data), "--out", str(out),
-                         "--no-progress", *flags])
-    resolve_flags(args, "image-classify")
-    train_flags(args, "image-classify")
-    return ImageClassifyRecipe(ImageSettings.from_args(args))
+def _recipe(model, data, out, **settings):
+    return ImageClassifyRecipe(ImageSettings(model=str(model), data=str(data), out=out, progress=False,
+                                             **settings))
 
 
 def test_the_same_labels_keep_the_head_and_the_model_ids(tmp_path, images):
     order = ("red", "blue", "green")  # the model's own ids, not the sorted ones
     torch.manual_seed(0)
     make_vit(tmp_path / "model", order)
-    r = _recipe(tmp_path / "model", images, tmp_path / "out", "--epochs", "1")
+    r = _recipe(tmp_path / "model", images, tmp_path / "out", epochs=1)
     r.setup_model()
     task = r.setup_data()
     assert r.kept_head and task.classes == list(order)

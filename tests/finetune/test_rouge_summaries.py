@@ -97,17 +97,17 @@ def test_dev_scores_with_beams_length_penalty_and_min_length(tmp_path):
 
 def test_dev_scores_with_no_repeat_ngrams(tmp_path):
     """The recipe's evaluation (no training) with --no-repeat-ngram-size, greedy."""
+    from qkv.cli.finetune import read_settings
     from qkv.cli.main import build_parser
-    from qkv.finetune import resolve_flags, train_flags
-    from qkv.finetune.seq2seq import Seq2SeqRecipe, Seq2SeqSettings
+    from qkv.finetune import recipes
+    from qkv.finetune.seq2seq import Seq2SeqRecipe
 
     sources, refs = _data(tmp_path)
     src = _t5_folder(tmp_path / "t5")
     argv = _args(src, tmp_path, "--no-repeat-ngram-size", "1", "--min-new-tokens", "3")
-    args = build_parser(argv).parse_args(argv)
-    resolve_flags(args, "seq2seq")  # what qkv finetune does before a recipe reads its flags
-    train_flags(args, "seq2seq")
-    recipe = Seq2SeqRecipe(Seq2SeqSettings.from_args(args))
+    settings = read_settings(build_parser(argv).parse_args(argv), recipes()["seq2seq"])  # as qkv finetune
+    assert (settings.no_repeat_ngram_size, settings.min_new_tokens, settings.batch_size) == (1, 3, 8)
+    recipe = Seq2SeqRecipe(settings)
     recipe.setup_model()
     recipe.setup_data()
     got = recipe.evaluate(recipe.model.eval())

@@ -11,6 +11,7 @@ import argparse
 import pytest
 
 import qkv.finetune as ft
+from qkv.cli.finetune import add_finetune, read_settings
 from qkv.cli.main import main
 
 pytest.importorskip("transformers")
@@ -78,39 +79,31 @@ def test_train_resume_true_continues_like_the_flag(t5, tmp_path, capsys):
     assert "2 steps" in captured.out
 
 
-def _parsed(tmp_path, *argv):
+def _settings(tmp_path, recipe, *argv):
     p = argparse.ArgumentParser()
-    ft.add_arguments(p)
+    add_finetune(p)
     args = p.parse_intermixed_args([str(tmp_path), "--data", "d", "--out", "o", *argv])
-    return args
+    return read_settings(args, ft.recipes()[recipe])
 
 
 @pytest.mark.parametrize("recipe", ["seq2seq", "classify", "chat"])
 def test_the_override_alone_sets_what_the_recipe_reads(tmp_path, recipe):
     """What every recipe reads before the Trainer (the data order's and the new head's seed, check_out's
-    resume, the progress bar) comes from args: an override alone must set it there."""
-    args = _parsed(tmp_path, "train.seed=7", "train.resume=true", "train.progress=false")
-    ft.resolve_flags(args, recipe)
-    ft.train_flags(args, recipe)
-    assert (args.seed, args.resume, args.no_progress) == (7, True, True)
-    args = _parsed(tmp_path)
-    ft.resolve_flags(args, recipe)
-    ft.train_flags(args, recipe)
-    assert (args.seed, args.resume, args.no_progress) == (0, False, False)  # the defaults
+    resume, the progress bar) comes from its settings: an override alone must set it there."""
+    s = _settings(tmp_path, recipe, "train.seed=7", "train.resume=true", "train.progress=false")
+    assert (s.seed, s.resume, s.progress) == (7, True, False)
+    s = _settings(tmp_path, recipe)
+    assert (s.seed, s.resume, s.progress) == (0, False, True)  # the defaults
     if recipe == "seq2seq":
-        args = _parsed(tmp_path, "train.batch_size=5", "train.lr=1e-2")
-        ft.resolve_flags(args, recipe)
-        ft.train_flags(args, recipe)
-        assert (args.batch_size, args.lr) == (5, 1e-2)
+        s = _settings(tmp_path, recipe, "train.batch_size=5", "train.lr=1e-2")
+        assert (s.batch_size, s.lr) == (5, 1e-2)
 
 
 def test_an_override_of_the_wrong_type_is_one_error(tmp_path):
     from qkv.config import ConfigError
 
-    args = _parsed(tmp_path, "train.seed=abc")
-    ft.resolve_flags(args, "classify")
     with pytest.raises(ConfigError, match="train.seed='abc': expected int"):
-        ft.train_flags(args, "classify")
+        _settings(tmp_path, "classify", "train.seed=abc")
 
 
 def test_recipes_that_do_not_run_under_torchrun_say_so_before_anything(t5, tmp_path, capsys, monkeypatch):

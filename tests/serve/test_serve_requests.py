@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from qkv.config import ConfigError
-from qkv.generate.config import GenerationConfig, bounds_text
+from qkv.config import ConfigError, bounds_text
+from qkv.generate.config import GenerationConfig
 from qkv.serve.errors import APIError
 from qkv.serve.requests import OPENAI_RULES, ChatCompletionRequest, CompletionRequest, parse
 
@@ -81,7 +81,7 @@ def test_an_error_says_the_bounds_in_generation_configs_words():
     fields = {f.name: f for f in dataclasses.fields(GenerationConfig)}
     with pytest.raises(APIError) as e:
         parse({**BASE, "top_p": 1.5}, chat=False)
-    assert e.value.param == "top_p" and bounds_text(fields["top_p"]) in e.value.message
+    assert e.value.param == "top_p" and bounds_text(fields["top_p"].metadata) in e.value.message
     with pytest.raises(APIError, match="'top_k' must be an integer at least -1 .-1 or 0 = off., got -2"):
         parse({**BASE, "top_k": -2}, chat=False)
     with pytest.raises(APIError, match=r"'max_tokens' must be an integer at least 1, got \"4\""):

@@ -15,9 +15,9 @@ import pytest
 import qkv.serve
 from qkv.cli.flags import option
 from qkv.cli.main import build_parser, main
-from qkv.config import ConfigError
+from qkv.config import ConfigError, bounds_text
 from qkv.generate import Engine
-from qkv.generate.engine_config import EngineConfig, must_text
+from qkv.generate.engine_config import EngineConfig
 from qkv.serve import ServeConfig, build_engine, load_served
 from qkv.serve.config import QUANTIZE_MODES
 
@@ -58,7 +58,7 @@ def test_every_setting_has_its_flag_typed_bounded_and_helped_from_the_dataclass(
         if f.metadata["choices"]:
             assert tuple(a.choices) == f.metadata["choices"]
         elif f.type in ("int", "int | None", "float"):
-            assert must_text(f).split(" (or None")[0] in help_text, f.name
+            assert bounds_text(f.metadata) in help_text, f.name
 
 
 def _bad_values(f) -> list[object]:
@@ -76,7 +76,7 @@ def test_a_value_out_of_bounds_is_one_line_naming_the_flag_and_the_bound_itself_
     for bad in _bad_values(f):
         assert main(["serve", str(tmp_path), option(f.name), str(bad)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"qkv: error: {option(f.name)} must be {must_text(f).split(' (or None')[0]}")
+        assert err.startswith(f"qkv: error: {option(f.name)} must be {bounds_text(f.metadata)}")
         assert err.count("\n") == 1 and not no_serve, err
         with pytest.raises(ConfigError, match=f"^{f.name} must be "):
             cls(**{f.name: type(getattr(cls(), f.name) or 1)(bad)})
@@ -120,16 +120,16 @@ def test_engine_keywords_build_the_same_config_and_override_a_given_one(run_fold
         assert got == (3, None, False, "newest", None, 32)
     over = Engine(model, config=EngineConfig(block_size=4, max_batch_size=3), max_batch_size=2)
     assert over.config == EngineConfig(block_size=4, max_batch_size=2)
-    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="block_size must be at least 1, got 0"):
         Engine(model, config=EngineConfig(block_size=4), block_size=0)
     with pytest.raises(TypeError, match="EngineConfig"):
         Engine(model, config={"block_size": 4})
 
 
 BAD_SERVE_OPTIONS = [
-    (dict(port=70000), r"port must be an integer in \[0, 65535\], got 70000"),
-    (dict(shutdown_timeout=-1.0), "shutdown_timeout must be >= 0 seconds"),
-    (dict(block_size=0), "block_size must be a positive integer"),
+    (dict(port=70000), r"port must be in \[0, 65535\], got 70000"),
+    (dict(shutdown_timeout=-1.0), "shutdown_timeout must be at least 0 seconds"),
+    (dict(block_size=0), "block_size must be at least 1"),
     (dict(quantize="int3"), "quantize must be one of"),
     (dict(max_batch=4), "unknown serve option 'max_batch'; did you mean 'max_batch_size'"),
 ]

@@ -6,9 +6,9 @@ cut short never recorded."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
-from types import SimpleNamespace
 
 import pytest
 from _chatrun import check_explore, check_export_parity, check_serve
@@ -48,8 +48,8 @@ def _pretrain_4_steps(real, cfg, folder, **kw):
     raise Killed
 
 
-def _sft_2_steps(real, args):
-    real(SimpleNamespace(**{**vars(args), "overrides": [*args.overrides, "train.max_steps=2"]}))
+def _sft_2_steps(real, settings, **kw):
+    real(dataclasses.replace(settings, train={**settings.train, "max_steps": 2}), **kw)
     raise Killed
 
 

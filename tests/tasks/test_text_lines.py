@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from qkv.finetune.encoders import read_records
+from qkv.finetune.data import read_records
 from qkv.finetune.seq2seq import read_pairs as finetune_pairs
 from qkv.tasks.base import text_lines
 from qkv.tasks.tsv import read_pairs as task_pairs

@@ -8,13 +8,21 @@ import argparse
 import sys
 from typing import Any
 
-from qkv.cli.flags import add_generation_flags, add_quantize, check_generation, generation_flags
+from qkv.cli.flags import add_flags, add_quantize, check_flags, read_flags
+from qkv.generate.config import REQUEST_AT_LEAST, GenerationConfig
 
 # the sampling flags, generated from GenerationConfig's fields (qkv.cli.flags): its bounds and help text
 GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "length_penalty",
                   "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens", "presence_penalty",
-                  "frequency_penalty")
+                  "frequency_penalty", "context_overflow")
 CHAT_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
+# a command's rule beyond the library's: asking for no new tokens is a mistake here
+REQUEST_RULES = {name: {"ge": at_least} for name, at_least in REQUEST_AT_LEAST.items()}
+GENERATE_DEFAULTS = {"max_new_tokens": "an LM's sample length, 200; a seq2seq task's longest target",
+                     "temperature": "the task's or the folder's, else 1.0", "num_beams": "1",
+                     "context_overflow": "error for a model folder, slide for an LM run"}
+CHAT_DEFAULTS = {"max_new_tokens": "512, capped by what the context leaves",
+                 "temperature": "the folder's generation_config.json"}
 # --speculative prompt-lookup: the drafted tokens per verifying forward (transformers' documented example's)
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -41,9 +49,7 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a run folder, a checkpoint folder, a Hugging Face folder or a GGUF "
                                       "file")
     p.add_argument("--prompt", "--input", default="", help="text prompt (source sentence for seq2seq models)")
-    add_generation_flags(p, GENERATE_FLAGS, {
-        "max_new_tokens": "an LM's sample length, 200; a seq2seq task's longest target",
-        "temperature": "the task's or the folder's, else 1.0", "num_beams": "1"})
+    add_flags(p, GenerationConfig, only=GENERATE_FLAGS, defaults=GENERATE_DEFAULTS, rules=REQUEST_RULES)
     p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
                    help="beam search: stop at num_beams finished (true), HF's heuristic (false), exact "
                         "(never)")
@@ -54,10 +60,6 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     how.add_argument("--sample", action="store_true",
                      help="sample (with --temperature / --top-k / --top-p), also where a model folder's "
                           "generation_config.json decodes greedily or with beams")
-    p.add_argument("--context-overflow", choices=["error", "slide"], default=None,
-                   help="prompt + new tokens longer than the model's context: refuse (error, the default for "
-                        "a model folder), or go on over the last context-many tokens (slide, an LM run's "
-                        "default)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampling (default: a new one each run, printed on stderr to repeat it)")
     p.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
@@ -85,7 +87,7 @@ def _check_generate_flags(a: argparse.Namespace, names: tuple[str, ...]) -> dict
     and the server's; qkv.cli.flags)."""
     from qkv.config import ConfigError
 
-    flags = generation_flags(a, names)
+    flags = read_flags(a, GenerationConfig, only=names, rules=REQUEST_RULES)
     if getattr(a, "stream", False) and flags.get("num_beams", 1) > 1:
         raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
                           "only knows its sequence at the end: use one or the other")
@@ -118,15 +120,14 @@ def _loading(model: str) -> None:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from qkv.generate import GenerationConfig
     from qkv.run import generate_text
 
     # a flag left out leaves the file's (or the task's, the folder's) value alone; one given wins, even at 1.0
     flags = _check_generate_flags(a, GENERATE_FLAGS)
     cfg = GenerationConfig.from_file(a.generation_config) if a.generation_config else None
     early = {"true": True, "false": False, "never": "never"}.get(a.early_stopping)
-    flags.update({k: v for k, v in dict(early_stopping=early, context_overflow=a.context_overflow).items()
-                  if v is not None})
+    if early is not None:
+        flags["early_stopping"] = early
     if a.sample:  # one sampled sequence: not a folder's beams
         flags.update(do_sample=True, num_beams=flags.get("num_beams", 1))
     if a.compile:
@@ -135,7 +136,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     flags.update(spec)
     bias = _logit_bias(a.logit_bias)
     if bias:
-        check_generation({"logit_bias": bias})
+        check_flags(GenerationConfig, {"logit_bias": bias})
         flags["logit_bias"] = bias
     if a.json_schema:
         from qkv.generate.grammar import schema_file_grammar
@@ -158,8 +159,7 @@ def add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--image", default=None, help="an image file for the first message (a vision-language "
                    "folder: llava); in the interactive chat, /image PATH sets another")
-    add_generation_flags(p, CHAT_FLAGS, {"max_new_tokens": "512, capped by what the context leaves",
-                                         "temperature": "the folder's generation_config.json"})
+    add_flags(p, GenerationConfig, only=CHAT_FLAGS, defaults=CHAT_DEFAULTS, rules=REQUEST_RULES)
     p.add_argument("--greedy", action="store_true",
                    help="greedy decoding. Default: what the folder's generation_config.json says "
                         "(do_sample); greedy when it says nothing; --temperature / --top-k / --top-p sample")
@@ -177,7 +177,6 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
     from qkv.chat import ChatSession, chat_loop
     from qkv.config import ConfigError
-    from qkv.generate import GenerationConfig
     from qkv.generate.config import resolve
 
     flags = _check_generate_flags(a, CHAT_FLAGS)

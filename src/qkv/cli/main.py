@@ -20,11 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qkv.cli.finetune import add_finetune, cmd_finetune
 from qkv.cli.flags import (  # noqa: F401  (QUANTIZE_MODES: part of this module's API)
     QUANTIZE_MODES,
-    add_config_flags,
+    add_flags,
     add_quantize,
-    config_flags,
+    read_flags,
 )
 from qkv.cli.generate import add_chat, add_generate, cmd_chat, cmd_generate
 from qkv.cli.info import add_info, cmd_info
@@ -263,34 +264,19 @@ def cmd_predict(a: argparse.Namespace) -> int:
     return 0
 
 
-def _add_finetune(p: argparse.ArgumentParser) -> None:
-    from qkv.finetune import add_arguments
-
-    add_arguments(p)
-
-
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a qkv run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF "
                                  "file")
     # every other flag: a field of ServeConfig or EngineConfig, with its help, bounds and default
-    add_config_flags(p, ServeConfig)
-    add_config_flags(p, EngineConfig)
+    add_flags(p, ServeConfig)
+    add_flags(p, EngineConfig)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from qkv.serve import serve
 
-    given = {**config_flags(a, ServeConfig), **config_flags(a, EngineConfig)}
+    given = {**read_flags(a, ServeConfig), **read_flags(a, EngineConfig)}
     return serve(a.model, **given)
-
-
-def cmd_finetune(a: argparse.Namespace) -> int:
-    from qkv.finetune import finetune
-
-    summary = finetune(a)
-    if summary.get("report"):
-        print(summary["report"])
-    return 0
 
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
@@ -405,7 +391,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
                 cmd_explore),
     "predict": ("top classes of image files (CLIP: zero-shot --labels; masked LM: --text)", _add_predict,
                 cmd_predict),
-    "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
+    "finetune": ("fine-tune a pretrained model folder on your data", add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
     "chat": ("chat with a model folder (its chat template), interactively or --message", add_chat, cmd_chat),
     "embed": ("embeddings of texts (CLIP: images too), or the rows nearest to --query", _add_embed,

@@ -228,7 +228,7 @@ def check_sampling(**settings: Any) -> None:
     try:
         GenerationConfig(**settings)
     except ConfigError as e:
-        raise ExploreError(str(e).replace("GenerationConfig.", "")) from None
+        raise ExploreError(e.named(e.field) if e.field else str(e)) from None
 
 
 def check_length(n: int, limit: int | None, what: str) -> None:

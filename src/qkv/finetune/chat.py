@@ -28,10 +28,8 @@ source folder's tokenizer and chat template: `qkv generate OUT`, `qkv chat OUT` 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +37,8 @@ from typing import Any
 
 import torch
 
-from qkv.config import ConfigError, from_dict
-from qkv.finetune import (
-    FINETUNE_FILE,
-    Recipe,
-    epoch_updates,
-    epochs_to_steps,
-    mark_out,
-    register_recipe,
-    shared,
-)
+from qkv import from_pretrained
+from qkv.config import ConfigError, from_dict, setting
 from qkv.finetune.chat_data import (  # noqa: F401  (the data half of this recipe, imported from here too)
     IGNORE,
     ROLES,
@@ -60,6 +50,7 @@ from qkv.finetune.chat_data import (  # noqa: F401  (the data half of this recip
     encode_chat,
     read_chats,
 )
+from qkv.finetune.chat_images import prepare_vlm, vision_data
 from qkv.finetune.chat_output import (
     best_checkpoint,
     check_exportable,
@@ -73,57 +64,91 @@ from qkv.finetune.chat_template import (
     run_tokenizer,
     write_chat_tokenizer,
 )
+from qkv.finetune.lora import LoRAConfig, apply_lora, merge_lora
+from qkv.finetune.out import FINETUNE_FILE, mark_out
+from qkv.finetune.recipe import FinetuneRecipe, epoch_updates, epochs_to_steps
+from qkv.finetune.registry import Recipe, register_recipe
+from qkv.finetune.settings import FinetuneSettings
 from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.interop.tokenizer import load_hf_tokenizer
+from qkv.models.vlm import LLaVA
+from qkv.run import model_folder
 from qkv.storage import atomic_write_json, atomic_write_text, read_config
+from qkv.train import TrainConfig, Trainer
+from qkv.train.rng import seed_everything
 
 FEW_STEPS = 50  # fewer optimizer steps than this, set by --epochs rather than train.max_steps: a warning
 
 
-# -- the recipe ----------------------------------------------------------------------------------------------
-def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--lora", action="store_true", help="train LoRA adapters instead of every weight (merged "
-                                                       "on save)")
-    g.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r (default 8)")
-    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha; the update is scaled by "
-                                                                  "alpha/r (16)")
-    g.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on the adapters' input (0.05)")
-    g.add_argument("--lora-targets", default="q,v",
-                   help="layers to adapt, comma separated: q,k,v (slices of the fused attention projection), "
-                        "out_proj, up, gate, down, Hugging Face names (q_proj, o_proj, ...), globs, or "
-                        "all-linear (default q,v)")
-    g.add_argument("--export", choices=("best", "last"), default="best",
-                   help="the weights OUT holds: the best dev loss's checkpoint when --dev was evaluated more "
-                        "than once (best, the default), or the last step's (last)")
-    g.add_argument("--chat-template", choices=("qkv",), default=None,
-                   help="for a folder without a chat template: write qkv's (role lines, each turn ended by "
-                        "eos) into OUT and fine-tune with it, instead of the plain 'User:/Assistant:' "
-                        "transcript")
-    g.add_argument("--max-length", type=int, default=None,
-                   help="longest conversation in tokens (default and upper bound: the longest sequence the "
-                        "model accepts, its context length or a shorter sliding window)")
+# -- the settings ---------------------------------------------------------------------------------------
+LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16.0, "lora_dropout": 0.05, "lora_targets": "q,v"}
 
 
-def _train_config(args: argparse.Namespace, n_train: int, n_dev: int, lora: bool) -> Any:
+@dataclass(kw_only=True)
+class ChatSettings(FinetuneSettings):
+    """The chat recipe's settings. The LoRA settings are None unless given (LORA_DEFAULTS then stand): given
+    without --lora, the user meant LoRA and full fine-tuning would run, so that is an error."""
+
+    RECIPE = "chat"
+    TOO_LONG = ("error", "skip")
+
+    epochs: float = 1.0
+    lora: bool = setting(False, "train LoRA adapters instead of every weight (merged on save)")
+    lora_rank: int | None = setting(None, "LoRA rank r", none="8")
+    lora_alpha: float | None = setting(None, "LoRA alpha; the update is scaled by alpha/r", none="16")
+    lora_dropout: float | None = setting(None, "dropout on the adapters' input", none="0.05")
+    lora_targets: str | None = setting(None, "layers to adapt, comma separated: q,k,v (slices of the "
+                                             "fused attention projection), out_proj, up, gate, down, Hugging "
+                                             "Face names (q_proj, o_proj, ...), globs, or all-linear",
+                                       none="q,v")
+    export: str = setting("best", "the weights OUT holds: the best dev loss's checkpoint when --dev was "
+                                  "evaluated more than once (best), or the last step's (last)",
+                          choices=("best", "last"))
+    chat_template: str | None = setting(None, "for a folder without a chat template: write qkv's (role "
+                                              "lines, each turn ended by eos) into OUT and fine-tune with "
+                                              "it, instead of the plain 'User:/Assistant:' transcript",
+                                        choices=("qkv",))
+    max_length: int | None = setting(None, "longest conversation in tokens (default and upper bound: the "
+                                           "longest sequence the model accepts, its context length or a "
+                                           "shorter sliding window)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        stray = sorted(name for name in LORA_DEFAULTS if getattr(self, name) is not None)
+        if stray and not self.lora:
+            raise ConfigError(f"--{stray[0].replace('_', '-')} needs --lora (without it every weight is "
+                              "trained)")
+        if self.lora:
+            self.lora_config().validate()
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings (None: full fine-tuning)."""
+        if not self.lora:
+            return None
+        given = {name: getattr(self, name) for name in LORA_DEFAULTS}
+        v = {name: LORA_DEFAULTS[name] if value is None else value for name, value in given.items()}
+        return LoRAConfig(rank=v["lora_rank"], alpha=v["lora_alpha"], dropout=v["lora_dropout"],
+                          targets=[t.strip() for t in str(v["lora_targets"]).split(",") if t.strip()])
+
+
+# -- the recipe ---------------------------------------------------------------------------------------------
+def _train_config(s: ChatSettings, n_train: int, n_dev: int, lora: bool) -> Any:
     """TrainConfig: fine-tuning defaults, then the command line's train.key=value."""
-    from qkv.train import TrainConfig
-    from qkv.train.config import train_overrides
-
-    train = train_overrides(args.overrides)
+    train = s.train
     cfg: dict[str, Any] = {
         # the usual instruction-tuning settings: a small LR for full fine-tuning, ten times that for LoRA
         # (its update starts at zero and is scaled by alpha/r), no weight decay, short warmup, cosine decay
         "lr": 2e-4 if lora else 2e-5, "weight_decay": 0.0, "warmup": 0.03, "schedule": "cosine",
-        "betas": [0.9, 0.999], "batch_size": 8, "clip_grad": 1.0, "log_every": 10, "seed": args.seed,
+        "betas": [0.9, 0.999], "batch_size": 8, "clip_grad": 1.0, "log_every": 10, "seed": s.seed,
     }
     cfg.update(train)
-    cfg["out_dir"] = str(args.out)
-    if args.no_progress:
+    cfg["out_dir"] = str(s.out)
+    if not s.progress:
         cfg["progress"] = False
     bs = int(cfg["batch_size"])
     if "max_steps" not in train:
         per_epoch = epoch_updates(n_train, bs, int(cfg.get("grad_accum", 1)))
-        epochs = float(shared(args, "epochs", 1.0))
+        epochs = float(s.epochs)
         cfg["max_steps"] = epochs_to_steps(epochs, per_epoch)
         if cfg["max_steps"] < FEW_STEPS:
             warnings.warn(_few_steps(epochs, n_train, bs, cfg["max_steps"], per_epoch, lora), stacklevel=2)
@@ -141,15 +166,6 @@ def _few_steps(epochs: float, n_train: int, batch: int, steps: int, per_epoch: i
     return (f"{epochs:g} epoch(s) of {n_train} conversation(s) at batch {batch} is {steps} optimizer "
             f"step(s), too few to learn much: pass --epochs {more} (~{more * per_epoch} steps) or "
             f"train.max_steps=N{hint}")
-
-
-def _lora_config(args: argparse.Namespace) -> Any:
-    from qkv.finetune.lora import LoRAConfig
-
-    cfg = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                     targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()])
-    cfg.validate()
-    return cfg
 
 
 def _lora_settings(lora: Any) -> dict[str, Any] | None:
@@ -208,38 +224,7 @@ def _listed(lines: list[int]) -> str:
     return ", ".join(map(str, lines[:20])) + (" ..." if len(lines) > 20 else "")
 
 
-@dataclass
-class ChatSettings:
-    """The chat recipe's settings, read from the `qkv finetune` command line in one place (from_args).
-    `args` stays for what is shared with the other recipes' parsing: train.key=value, --epochs."""
-
-    model: str
-    data: str
-    out: Path
-    dev: str | None
-    resume: bool
-    seed: int
-    lora: Any  # a LoRAConfig, or None for full fine-tuning
-    export: str
-    max_length: int | None
-    too_long: str
-    chat_template: str | None
-    args: argparse.Namespace
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ChatSettings:
-        stray = sorted(d for d in getattr(args, "given_flags", ()) if d.startswith("lora_"))
-        # LoRA settings without LoRA: the user meant LoRA, full fine-tuning would run
-        if stray and not args.lora:
-            raise ConfigError(f"--{stray[0].replace('_', '-')} needs --lora (without it every weight is "
-                              "trained)")
-        return cls(model=args.model, data=args.data, out=Path(args.out), dev=args.dev,
-                   resume=bool(args.resume), seed=args.seed, lora=_lora_config(args) if args.lora else None,
-                   export=args.export, max_length=args.max_length, chat_template=args.chat_template,
-                   too_long=shared(args, "too_long", "error", ("error", "skip"), "chat"), args=args)
-
-
-class ChatRecipe:
+class ChatRecipe(FinetuneRecipe):
     """The chat recipe in named phases, each returning what it made (and keeping it for the next):
 
         setup_model() -> model      the source folder checked, its tokenizer, the model (LoRA applied)
@@ -248,21 +233,22 @@ class ChatRecipe:
         save()        -> settings   OUT as a model folder (best or last weights, LoRA merged), finetune.json
         report()      -> lines      what `qkv finetune` prints
 
-    `notes` collects what the user should know before training starts (no chat template); nothing here
-    prints: run() (the registered entry point) does."""
+    `notes` collects what the user should know before training starts (no chat template); on the ranks of a
+    torchrun launch other than 0, train() is the last phase."""
+
+    name = "chat"
+    settings = ChatSettings
 
     def __init__(self, settings: ChatSettings) -> None:
-        self.s = settings
-        self.notes: list[str] = []
+        super().__init__(settings)
+        self.lora = settings.lora_config()
 
     def setup_model(self) -> torch.nn.Module:
-        from qkv.run import model_folder
-
         s = self.s
         self.source = model_folder(s.model)
         check_exportable(self.source)  # OUT itself was checked by qkv.finetune.check_out before this recipe
         if s.resume:
-            _check_same_lora(s.out, s.lora)
+            _check_same_lora(s.out, self.lora)
         self.tok = self.setup_tokenizer()
         if not self.tok.has_chat_template:
             self.notes.append(f"note: {self.source} has no chat template: conversations are rendered as qkv "
@@ -270,7 +256,7 @@ class ChatRecipe:
                               "the eos token (--chat-template qkv gives OUT qkv's template instead)")
         self.model = self.build()
         self.dtype = next(self.model.parameters()).dtype
-        if s.lora is None and self.dtype != torch.float32:
+        if self.lora is None and self.dtype != torch.float32:
             # full fine-tuning updates the weights themselves: in fp32 (saved in the source dtype)
             self.model.float()
         return self.model
@@ -302,21 +288,12 @@ class ChatRecipe:
 
     def build(self) -> torch.nn.Module:
         """A fresh copy of the source model, seeded (LoRA's A matrices are random: one seed, one run)."""
-        from qkv import from_pretrained
-        from qkv.train.rng import seed_everything
-
         seed_everything(self.s.seed)
         m = from_pretrained(self.source)
-        from qkv.models.vlm import LLaVA
-
         if isinstance(m, LLaVA):  # LoRA on its language model, the projector trained, the tower frozen
-            from qkv.finetune.chat_images import prepare_vlm
-
-            prepare_vlm(m, self.s.lora)
-        elif self.s.lora is not None:
-            from qkv.finetune.lora import apply_lora
-
-            apply_lora(m, self.s.lora)
+            prepare_vlm(m, self.lora)
+        elif self.lora is not None:
+            apply_lora(m, self.lora)
         return m
 
     def setup_data(self) -> ChatData:
@@ -324,8 +301,6 @@ class ChatRecipe:
         records = read_chats(s.data)
         dev_records = read_chats(s.dev) if s.dev else []
         self.max_length = _max_length(s.max_length, self.model)
-        from qkv.finetune.chat_images import vision_data
-
         vision = vision_data(self.model, self.source)
         self.train_examples, self.skipped = build_examples(tok, records, self.max_length, s.data, s.too_long,
                                                            vision)
@@ -336,12 +311,10 @@ class ChatRecipe:
             raise ConfigError(f"{s.data}: every record was skipped (over --max-length {self.max_length})")
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         self.data = ChatData(self.train_examples, self.dev_examples, self.pad, seed=s.seed)
-        self.cfg = _train_config(s.args, len(self.train_examples), len(self.dev_examples), s.lora is not None)
+        self.cfg = _train_config(s, len(self.train_examples), len(self.dev_examples), self.lora is not None)
         return self.data
 
     def train(self) -> dict[str, Any]:
-        from qkv.train import Trainer
-
         s, model, dev = self.s, self.model, self.dev_examples
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -349,7 +322,7 @@ class ChatRecipe:
                          "examples": len(self.train_examples), "dev_examples": len(dev),
                          "skipped_lines": self.skipped, "dev_skipped_lines": self.dev_skipped,
                          "max_length": self.max_length, "seed": s.seed,
-                         "chat_template": self.tok.has_chat_template, "lora": _lora_settings(s.lora),
+                         "chat_template": self.tok.has_chat_template, "lora": _lora_settings(self.lora),
                          "trainable_parameters": trainable, "parameters": total}
         self.dev_loss_before = assistant_loss(model, dev, self.pad, self.cfg.batch_size) if dev else None
         self.trainer = Trainer(model, self.cfg, self.data, resume=s.resume)
@@ -357,19 +330,20 @@ class ChatRecipe:
             s.out.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.settings, s.out / FINETUNE_FILE)
         self.summary = self.trainer.fit()
+        self.is_main = self.trainer.dist.is_main
+        if not self.is_main:  # rank 0 alone exports and reports
+            self.trainer.close()
         return self.summary
 
     def save(self) -> dict[str, Any]:
         """Rank 0's export: the chosen weights evaluated on --dev, LoRA merged, OUT written."""
         s, summary, dev = self.s, self.summary, self.dev_examples
-        self.best_path = best_checkpoint(s.args, summary)
+        self.best_path = best_checkpoint(s.export, summary)
         final = final_model(self.trainer, self.build, self.best_path)
         self.trainer.close()
         final.eval()
         after = assistant_loss(final, dev, self.pad, self.cfg.batch_size) if dev else None
-        if s.lora is not None:
-            from qkv.finetune.lora import merge_lora
-
+        if self.lora is not None:
             merge_lora(final)
         final.to(device="cpu", dtype=self.dtype)
         fmt = save_model_folder(final, self.source, s.out)
@@ -383,7 +357,7 @@ class ChatRecipe:
     def report(self) -> list[str]:
         """The lines `qkv finetune` prints at the end: what was trained, what was skipped, the losses, and
         which step's weights the model folder holds."""
-        s, st, summary, lora = self.s, self.settings, self.summary, self.s.lora
+        s, st, summary, lora = self.s, self.settings, self.summary, self.lora
         trainable, total = st["trainable_parameters"], st["parameters"]
         what = (f"LoRA r={lora.rank} alpha={lora.alpha:g} on {','.join(lora.targets)}: " if lora
                 else "full fine-tuning: ")
@@ -406,21 +380,6 @@ class ChatRecipe:
         return lines + weights_lines(s.out, st["format"], lora, summary, self.best_path is not None)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """`qkv finetune --task chat`: the phases in order; the notes go to stderr before training starts."""
-    recipe = ChatRecipe(ChatSettings.from_args(args))
-    recipe.setup_model()
-    for note in recipe.notes:
-        print(f"qkv: {note}", file=sys.stderr)
-    recipe.setup_data()
-    summary = recipe.train()
-    if not recipe.trainer.dist.is_main:
-        recipe.trainer.close()
-        return {"report": "", "train": summary}
-    settings = recipe.save()
-    return {"report": "\n".join(recipe.report()), "train": summary, "settings": settings, "out": recipe.s.out}
-
-
 register_recipe(Recipe("chat", ("decoder",), "decoder models: chat / instruction data, loss on the "
-                       "assistant's tokens only; full fine-tuning or LoRA", run, add_arguments,
+                       "assistant's tokens only; full fine-tuning or LoRA", ChatRecipe,
                        distributed=True))

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
-from qkv.finetune import read_data_text
+from qkv.finetune.chat_images import attach_images, encode_image_chat, has_images, read_parts, resolve_images
 from qkv.finetune.chat_tokens import IGNORE, encode_plain
+from qkv.finetune.data import read_data_text
 
 ROLES = ("system", "user", "assistant")
 
@@ -38,8 +39,6 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 def _content(content: Any, where: str) -> Any:
     """A message's content: a string, or a list of text and image parts (qkv.finetune.chat_images)."""
     if isinstance(content, list):
-        from qkv.finetune.chat_images import read_parts
-
         return read_parts(content, where)
     if not isinstance(content, str):
         raise ConfigError(f"{where}: 'content' must be a string (or a list of text and image_url parts)")
@@ -118,8 +117,6 @@ def _messages(obj: Any, where: str, limits: RecordLimits) -> list[dict[str, Any]
         raise ConfigError(f"{where}: missing 'messages' (or 'conversations', or 'prompt' and 'completion'); "
                           f"the record has {', '.join(map(repr, obj)) or 'no keys'}")
     if "images" in obj:  # <image> markers in the text, the files listed (qkv.finetune.chat_images)
-        from qkv.finetune.chat_images import attach_images
-
         attach_images(obj["images"], out, where)
     if not any(m["role"] == "assistant" and (m["content"] if isinstance(m["content"], str) else any(
             p["type"] == "text" and p["text"] for p in m["content"])) for m in out):
@@ -131,8 +128,6 @@ def read_chats(path: str | Path,
                limits: RecordLimits = RecordLimits()) -> list[tuple[int, list[dict[str, str]]]]:
     """[(line number, messages)] of a JSONL file. Blank lines are skipped; anything else that is not a valid
     record, or one over `limits`, is one ConfigError naming the file and line."""
-    from qkv.finetune.chat_images import resolve_images
-
     path = Path(path)
     text = read_data_text(path, "{path}:{line}")  # a byte order mark dropped; not UTF-8: file:line
     if not text.strip():
@@ -190,8 +185,6 @@ def build_examples(tok: Any, records: list[tuple[int, list[dict[str, Any]]]], ma
     """Examples of the records; records over max_length tokens are an error (too_long="error") or skipped
     and listed (too_long="skip"). Returns (examples, skipped line numbers). vision: a vision-language
     model's image preprocessing (qkv.finetune.chat_images.VisionData), which renders every record."""
-    from qkv.finetune.chat_images import encode_image_chat, has_images
-
     out, skipped = [], []
     for line, msgs in records:
         pixels = None

@@ -46,7 +46,12 @@ from torch import Tensor
 
 from qkv.config import ConfigError
 from qkv.finetune.chat_tokens import IGNORE, encode_plain
+from qkv.finetune.lora import apply_lora
 from qkv.image_io import DEFAULT_LIMITS, open_image
+from qkv.interop.llava import IMAGE_TOKEN
+from qkv.interop.smolvlm import Idefics3Processor, folder_processor
+from qkv.interop.tokenizer import has_generation_blocks, spans_to_token_mask
+from qkv.models.vlm import LLaVA
 
 IMAGE_PART = {"type": "image"}  # what the chat template reads; "url" (the source) is kept alongside
 MARKER = "<image>"  # where a listed image goes in a record with a top-level "images" list
@@ -157,8 +162,6 @@ class VisionData:
     def expansion(self, tok: Any, image: Any) -> list[int]:
         """The ids that replace one image token for `image`: LLaVA's image_tokens placeholders, or the text
         Idefics3Processor writes for the image's tiles (qkv chat --image expands them the same way)."""
-        from qkv.interop.smolvlm import Idefics3Processor
-
         if isinstance(self.processor, Idefics3Processor):
             return self.processor.image_ids(self.processor.grid(image), tok)
         return [self.image_token_id] * self.image_tokens
@@ -166,10 +169,6 @@ class VisionData:
 
 def vision_data(model: torch.nn.Module, folder: Path) -> VisionData | None:
     """The folder's image preprocessing when `model` is a vision-language model, else None."""
-    from qkv.interop.llava import IMAGE_TOKEN
-    from qkv.interop.smolvlm import Idefics3Processor, folder_processor
-    from qkv.models.vlm import LLaVA
-
     if not isinstance(model, LLaVA):
         return None
     c, processor = model.config, folder_processor(folder)
@@ -197,8 +196,6 @@ def _text(m: dict[str, Any]) -> str:
 
 def _render(tok: Any, messages: list[dict[str, Any]], v: VisionData) -> tuple[list[int], list[int]]:
     """(ids, assistant mask) of one conversation, one image token per image."""
-    from qkv.interop.tokenizer import has_generation_blocks, spans_to_token_mask
-
     if not tok.has_chat_template:  # qkv chat's plain transcript: the image token opens its message
         flat = [{"role": m["role"], "content": "".join(
             f"{v.image_token}\n" for p in m["content"] if p["type"] == "image") + _text(m)}
@@ -247,8 +244,6 @@ def encode_image_chat(tok: Any, messages: list[dict[str, Any]], v: VisionData,
 def prepare_vlm(model: torch.nn.Module, lora: Any) -> None:
     """LoRA (or full training) on the language model, the projector trained in full, the tower frozen."""
     if lora is not None:
-        from qkv.finetune.lora import apply_lora
-
         apply_lora(model.language_model, lora)
     model.vision.requires_grad_(False)
     model.projector.requires_grad_(True)

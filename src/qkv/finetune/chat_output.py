@@ -4,22 +4,23 @@ default, as transformers' load_best_model_at_end) and the report's lines saying 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qkv.checkpoint import CheckpointError
 from qkv.config import ConfigError
 from qkv.interop.export import set_token_ids, writable_types, write_model
 from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.interop.registry import ExportRequest
+from qkv.nn.params import tied_names
+from qkv.storage import read_config
+from qkv.train.checkpoint import read_checkpoint
 
 
 def check_exportable(source: Path) -> None:
     """Refuse, before training, a Hugging Face folder whose format OUT could not be written in."""
-    from qkv.storage import read_config
-
     model_type = read_config(source).get("model_type")
     decoders = writable_types(kind="decoder")  # a chat model: a decoder, or a vision-language one
     if model_type is not None and model_type not in decoders:
@@ -30,8 +31,6 @@ def check_exportable(source: Path) -> None:
 def save_model_folder(model: torch.nn.Module, source: Path, out: Path) -> str:
     """Write `model` (adapters already merged) into OUT as a model folder of the source's format, plus the
     source's tokenizer and generation files. Returns the format written ("hf:<model_type>" or "qkv")."""
-    from qkv.storage import read_config
-
     meta = read_config(source)
     model_type = meta.get("model_type")
     if model_type is not None:
@@ -55,10 +54,6 @@ def final_model(trainer: Any, build: Any, checkpoint: str | None) -> torch.nn.Mo
     fsdp = trainer.dist.mode == "fsdp"
     if not fsdp and checkpoint is None:
         return trainer.model
-    from qkv.checkpoint import CheckpointError
-    from qkv.nn.params import tied_names
-    from qkv.train.checkpoint import read_checkpoint
-
     model = build() if fsdp else trainer.model
     path = checkpoint or trainer.last_checkpoint
     state, _ = read_checkpoint(path)
@@ -69,11 +64,11 @@ def final_model(trainer: Any, build: Any, checkpoint: str | None) -> torch.nn.Mo
     return model
 
 
-def best_checkpoint(args: argparse.Namespace, summary: dict[str, Any]) -> str | None:
+def best_checkpoint(export: str, summary: dict[str, Any]) -> str | None:
     """The checkpoint to export instead of the last step's weights: the best dev loss's, when --export best
     and an evaluation before the last step was the best (transformers' load_best_model_at_end)."""
     best, path = summary.get("best_eval"), summary.get("best_checkpoint")
-    if args.export != "best" or not best or best.get("step") == summary["steps"] or not path:
+    if export != "best" or not best or best.get("step") == summary["steps"] or not path:
         return None
     return path if Path(path).is_dir() else None
 

@@ -15,28 +15,31 @@ tokenizer files.
 
 from __future__ import annotations
 
-import argparse
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError
-from qkv.finetune import Recipe, register_recipe, shared
-from qkv.finetune.encoders import EncodedData, column, encode, flag, predict, read_records
+from qkv.config import ConfigError, setting
+from qkv.finetune.data import column, read_records
+from qkv.finetune.encoders import EncodedData, encode, predict
 from qkv.finetune.phases import EncoderRecipe
+from qkv.finetune.registry import Recipe, register_recipe
+from qkv.finetune.settings import FinetuneSettings
 
 METRICS = {"macro_f1": "max", "accuracy": "max"}  # the first selects the best checkpoint
 
 
-def add_arguments(g: argparse._ArgumentGroup) -> None:
-    flag(g, "--text-column", default="text", help="column with the text (default: text)")
-    flag(g, "--text-pair-column", default=None, help="column with the second text of a pair (optional)")
-    flag(g, "--label-column", default="label", help="column with the label, a name or an id (default: label)")
+@dataclass(kw_only=True)
+class ClassifySettings(FinetuneSettings):
+    RECIPE = "classify"
+    TOO_LONG = ("truncate", "error")
 
-
-def too_long(args: argparse.Namespace) -> str:
-    return shared(args, "too_long", "truncate", ("truncate", "error"), "classify")
+    too_long: str = "truncate"
+    text_column: str = setting("text", "column with the text")
+    text_pair_column: str | None = setting(None, "column with the second text of a pair (optional)")
+    label_column: str = setting("label", "column with the label, a name or an id")
 
 
 # -- metrics --------------------------------------------------------------------------------------------
@@ -140,14 +143,14 @@ def checked_labels(values: list[Any], path: str, records: list[tuple[int, Any]])
     return out
 
 
-def _examples(path: str, args: argparse.Namespace,
+def _examples(path: str, s: ClassifySettings,
               enc: Any) -> tuple[list[Any], list[Any], list[tuple[int, Any]], int]:
     records = read_records(path)
-    texts = [str(t) for t in column(path, records, args.text_column, "text")]
-    pairs = column(path, records, args.text_pair_column, "text pair")
-    pairs = [str(p) for p in pairs] if args.text_pair_column else None
-    labels = checked_labels(column(path, records, args.label_column, "label"), path, records)
-    encodings, cut = encode(enc.tokenizer, texts, pairs, enc.max_length, too_long(args), path,
+    texts = [str(t) for t in column(path, records, s.text_column, "text")]
+    pairs = column(path, records, s.text_pair_column, "text pair")
+    pairs = [str(p) for p in pairs] if s.text_pair_column else None
+    labels = checked_labels(column(path, records, s.label_column, "label"), path, records)
+    encodings, cut = encode(enc.tokenizer, texts, pairs, enc.max_length, s.too_long, path,
                             lines=[line for line, _ in records])
     return encodings, labels, records, cut
 
@@ -157,10 +160,11 @@ class ClassifyRecipe(EncoderRecipe):
     """Text / text-pair classification in the shared encoder phases (qkv.finetune.phases)."""
 
     name = head = "classify"
+    settings = ClassifySettings
 
     def setup_data(self) -> EncodedData:
         s, enc = self.s, self.enc
-        train_enc, train_raw, train_rec, self.cut = _examples(s.data, s.args, enc)
+        train_enc, train_raw, train_rec, self.cut = _examples(s.data, s, enc)
         folder_names = {int(k): v for k, v in (enc.hf_config.get("id2label") or {}).items()}
         mapping, self.id2label = label_set(train_raw, folder_names)
         train_y = label_ids(train_raw, mapping, s.data, train_rec)
@@ -172,7 +176,7 @@ class ClassifyRecipe(EncoderRecipe):
         self.train_data = EncodedData(train_enc, train_y, enc.pad_id, s.seed, METRICS, token_types=types)
         self.dev_cut = 0
         if s.dev:
-            dev_enc, dev_raw, dev_rec, self.dev_cut = _examples(s.dev, s.args, enc)
+            dev_enc, dev_raw, dev_rec, self.dev_cut = _examples(s.dev, s, enc)
             self.dev = EncodedData(dev_enc, label_ids(dev_raw, mapping, s.dev, dev_rec), enc.pad_id, s.seed,
                                    token_types=types)
         return self.train_data
@@ -218,10 +222,5 @@ class ClassifyRecipe(EncoderRecipe):
         return lines
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """`qkv finetune --task classify`."""
-    return ClassifyRecipe.run(args)
-
-
 register_recipe(Recipe("classify", ("encoder",), "text / text-pair classification with a BERT-family encoder",
-                       run, add_arguments))
+                       ClassifyRecipe))

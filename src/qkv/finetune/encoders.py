@@ -1,16 +1,12 @@
-"""What the encoder recipes (classify, tag) and `qkv embed` share: a BERT-family folder with its tokenizer,
-data files read with one clear error per defect, padded batches, the Trainer's settings, and the export
-back to a Hugging Face folder.
+"""What the encoder recipes (classify, tag, mlm) and `qkv embed` share: a BERT-family folder with its
+tokenizer, texts encoded (cut or refused at the context), padded batches, the Trainer's defaults, and the
+export back to a Hugging Face folder.
 
 Not a recipe itself (it registers nothing).
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
-import io
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,24 +15,14 @@ import torch
 from torch import Tensor
 
 import qkv
-from qkv.config import ConfigError, apply_overrides, from_dict
-from qkv.finetune import epoch_updates, epochs_to_steps, read_data_text, shared
+from qkv.config import ConfigError
 from qkv.interop.bert import encoder_layout, export_encoder
 from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.interop.registry import model_types, names
 from qkv.interop.tokenizer import HFTokenizer
 from qkv.storage import read_config
-from qkv.tasks.base import text_lines
 from qkv.tasks.tokenizers import BPETokenizer, find_tokenizer
-from qkv.train import TrainConfig
 from qkv.train import checkpoint as ckpt
-from qkv.train.config import train_overrides
-
-
-def flag(group: argparse._ArgumentGroup, name: str, **kwargs: Any) -> None:
-    """Add a recipe's own flag to its group. Recipes share one parser, so a flag two recipes want (e.g.
-    --epochs) is defined once in qkv.finetune.add_arguments; a second definition is argparse's error."""
-    group.add_argument(name, **kwargs)
 
 
 # -- the model folder ------------------------------------------------------------------------------------
@@ -114,73 +100,7 @@ def new_head_model(enc: EncoderFolder, head: str, num_labels: int, seed: int) ->
     return model
 
 
-# -- data files -----------------------------------------------------------------------------------------
-def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, record) of a CSV, TSV or JSONL file; the format follows the file's extension."""
-    path = Path(path)
-    ext = path.suffix.lower()
-    text = read_data_text(path)  # a byte order mark dropped; not UTF-8: the file and line
-    if ext in (".jsonl", ".json", ".ndjson"):
-        out = []
-        for i, line in enumerate(text_lines(text), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} line {i}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ConfigError(f"{path} line {i}: expected a JSON object per line")
-            out.append((i, rec))
-        return out
-    if ext not in (".csv", ".tsv", ".tab", ".txt"):
-        raise ConfigError(f"{path}: unknown data format {ext!r} (use .csv, .tsv or .jsonl)")
-    # the csv module splits the rows itself (a quoted field may hold a line break), at "\n" and "\r" only
-    sep = "," if ext == ".csv" else "\t"
-    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=sep)
-    if not reader.fieldnames:
-        raise ConfigError(f"{path}: empty file (a header row naming the columns is needed)")
-    out = []
-    for row in reader:
-        # DictReader puts a row's fields beyond the header's under the key None (a list), and gives the
-        # missing
-        # ones the value None: either way the columns are misaligned, so the row would be read wrongly
-        extra, values = row.pop(None, None) or [], list(row.values())
-        if not any((v or "").strip() for v in values + extra):
-            continue  # a blank row
-        if extra or any(v is None for v in values):
-            n = sum(v is not None for v in values) + len(extra)
-            hint = " (quote texts that contain commas)" if sep == "," and extra else ""
-            raise ConfigError(
-                f"{path} line {reader.line_num}: {n} fields, the header has {len(values)}{hint}"
-            )
-        out.append((reader.line_num, row))
-    return out
-
-
-def column(path: str | Path, records: list[tuple[int, dict[str, Any]]], name: str | None, what: str,
-           allow_empty: bool = False) -> list[Any]:
-    """The values of column `name`, each present and non-empty (one clear error naming the row)."""
-    if name is None:
-        return [None] * len(records)
-    if not records:
-        raise ConfigError(f"{path}: no data rows")
-    if name not in records[0][1]:
-        raise ConfigError(
-            f"{path}: no {what} column {name!r} (columns: {', '.join(map(str, records[0][1]))})"
-        )
-    values = []
-    for line, rec in records:
-        v = rec.get(name)
-        if v is None or (isinstance(v, str) and not v.strip()):
-            if allow_empty:
-                values.append("")
-                continue
-            raise ConfigError(f"{path} line {line}: empty {what} ({name!r}); remove or fill the row")
-        values.append(v)
-    return values
-
-
+# -- encoded data -----------------------------------------------------------------------------------------
 def encode(tokenizer: Any, texts: list[Any], pairs: list[Any] | None, max_length: int, too_long: str,
            source: str, *, pretokenized: bool = False,
            lines: list[int] | None = None) -> tuple[list[Any], int]:
@@ -279,25 +199,10 @@ def predict(model: Any, data: EncodedData, batch_size: int = 64) -> list[Tensor]
     return out
 
 
-# -- training settings ----------------------------------------------------------------------------------
 # BERT-style fine-tuning defaults (Devlin et al. 2019, HF run_glue): AdamW 0.9/0.999, warmup then linear decay
 FINETUNE_DEFAULTS = {"lr": 3e-5, "schedule": "linear", "warmup": 0.06, "weight_decay": 0.01,
                      "betas": [0.9, 0.999], "batch_size": 16, "clip_grad": 1.0, "log_every": 10,
                      "keep_last": 1}
-
-
-def train_config(args: argparse.Namespace, n_train: int, has_dev: bool) -> Any:
-    """TrainConfig for a fine-tuning run: the defaults above, --epochs (max_steps = epochs x batches per
-    epoch), an evaluation and a checkpoint each epoch, then the command line's train.key=value overrides."""
-    raw = {f"train.{k}": v for k, v in train_overrides(getattr(args, "overrides", None)).items()}
-    batch = int(raw.get("train.batch_size", FINETUNE_DEFAULTS["batch_size"]))
-    accum = int(raw.get("train.grad_accum", FINETUNE_DEFAULTS.get("grad_accum", 1)))
-    per_epoch = epoch_updates(n_train, batch, accum)
-    base = {**FINETUNE_DEFAULTS, "max_steps": epochs_to_steps(float(shared(args, "epochs", 3.0)), per_epoch),
-            "eval_every": per_epoch if has_dev else 0, "save_every": per_epoch, "out_dir": str(args.out),
-            "resume": bool(args.resume), "seed": int(args.seed), "progress": not args.no_progress}
-    data = apply_overrides({"train": base}, raw, "fine-tuning settings")
-    return from_dict(TrainConfig, data["train"])
 
 
 def best_state(out: Path) -> dict[str, Tensor] | None:
@@ -308,5 +213,5 @@ def best_state(out: Path) -> dict[str, Tensor] | None:
     return ckpt.read_checkpoint(folder)[0]
 
 
-__all__ = ["EncodedData", "EncoderFolder", "column", "encode", "export_folder", "flag", "new_head_model",
-           "open_encoder", "predict", "read_records", "train_config"]
+__all__ = ["FINETUNE_DEFAULTS", "EncodedData", "EncoderFolder", "best_state", "encode", "export_folder",
+           "new_head_model", "open_encoder", "predict"]

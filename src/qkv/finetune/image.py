@@ -19,7 +19,6 @@ transformers' AutoModelForImageClassification load.
 
 from __future__ import annotations
 
-import argparse
 import json
 import types
 from dataclasses import dataclass, replace
@@ -28,18 +27,12 @@ from typing import Any
 
 import torch
 
-from qkv.config import ConfigError, apply_overrides, from_dict
-from qkv.finetune import (
-    FINETUNE_FILE,
-    Recipe,
-    epoch_updates,
-    epochs_to_steps,
-    mark_out,
-    register_recipe,
-    shared,
-)
-from qkv.finetune.encoders import FINETUNE_DEFAULTS, best_state, flag
-from qkv.finetune.phases import PhasedRecipe
+from qkv.config import ConfigError, setting
+from qkv.finetune.encoders import FINETUNE_DEFAULTS, best_state
+from qkv.finetune.out import FINETUNE_FILE, mark_out
+from qkv.finetune.recipe import FinetuneRecipe, epoch_config
+from qkv.finetune.registry import Recipe, register_recipe
+from qkv.finetune.settings import FinetuneSettings
 from qkv.interop.classifier import preprocessor_config
 from qkv.interop.export import check_model, writable_types, write_model
 from qkv.interop.llava import ImageProcessor
@@ -49,24 +42,34 @@ from qkv.predict import preprocessing_for
 from qkv.run import load_model_any, model_folder
 from qkv.storage import atomic_write_json
 from qkv.tasks.images import ImageFolderOptions, build_image_folder
-from qkv.train import TrainConfig, Trainer
+from qkv.train import Trainer
 from qkv.train.callbacks import Callback
-from qkv.train.config import train_overrides
 
 # fine-tuning a pretrained vision model: a higher rate than BERT's 3e-5 (the ViT paper's fine-tuning
 # sweeps 1e-3 .. 3e-2 with SGD; with AdamW 1e-4 is the common choice), larger batches of small inputs
 DEFAULT_LR, DEFAULT_BATCH = 1e-4, 32
 
 
-def add_arguments(g: argparse._ArgumentGroup) -> None:
-    flag(g, "--freeze-backbone", action="store_true",
-         help="train the classification head only (every other weight, BatchNorm statistics included, kept)")
-    flag(g, "--dev-fraction", type=float, default=0.1,
-         help="share of each class held out as the dev set (default 0.1)")
-    flag(g, "--split-seed", type=int, default=0, help="seed of the fixed train/dev split (default 0)")
-    flag(g, "--no-augment", action="store_true",
-         help="no random shifts and flips of the training images (for digits, text: their mirror images "
-              "are other classes)")
+@dataclass(kw_only=True)
+class ImageSettings(FinetuneSettings):
+    """--lr and --batch-size are seq2seq's flags too: defined once, in its group (Recipe.reads)."""
+
+    RECIPE = "image-classify"
+
+    lr: float = setting(DEFAULT_LR, "peak learning rate (the same as train.lr: give one)")
+    batch_size: int = setting(DEFAULT_BATCH, "images per batch (the same as train.batch_size: give one)")
+    freeze_backbone: bool = setting(False, "train the classification head only (every other weight, "
+                                           "BatchNorm statistics included, kept)")
+    dev_fraction: float = setting(0.1, "share of each class held out as the dev set")
+    split_seed: int = setting(0, "seed of the fixed train/dev split")
+    augment: bool = setting(True, "random shifts and flips of the training images (--no-augment for digits, "
+                                  "text: their mirror images are other classes)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dev is not None:
+            raise ConfigError("--task image-classify holds out --dev-fraction of each class of --data as its "
+                              "dev set; --dev is not supported")
 
 
 @dataclass
@@ -146,7 +149,7 @@ def load_images(s: Any, src: ImageSource) -> Any:
     """The image_folder task over --data at the model's size and channels, normalised as the model is."""
     if not 0.0 < s.dev_fraction < 1.0:
         raise ConfigError(f"--dev-fraction must be between 0 and 1, got {s.dev_fraction:g}")
-    augment = not s.no_augment
+    augment = s.augment
     opts = ImageFolderOptions(path=str(s.data), image_size=src.image_size, channels=src.channels,
                               dev_fraction=s.dev_fraction, split_seed=s.split_seed, seed=s.seed,
                               pad=max(1, src.image_size // 8) if augment else 0, hflip=augment)
@@ -205,19 +208,6 @@ def freeze_backbone(model: Any) -> None:
             m.train = types.MethodType(lambda self, mode=True: self, m)  # stays in eval mode
 
 
-def train_config(s: Any, n_train: int) -> Any:
-    """TrainConfig: the BERT-style fine-tuning defaults with this recipe's rate and batch, --epochs as steps,
-    an evaluation and a checkpoint each epoch, then the train.key=value overrides."""
-    raw = {f"train.{k}": v for k, v in train_overrides(s.args.overrides).items()}
-    accum = int(raw.get("train.grad_accum", 1))
-    per_epoch = epoch_updates(n_train, s.batch_size, accum)
-    base = {**FINETUNE_DEFAULTS, "lr": s.lr, "batch_size": s.batch_size,
-            "max_steps": epochs_to_steps(s.epochs, per_epoch), "eval_every": per_epoch,
-            "save_every": per_epoch, "out_dir": str(s.out), "resume": s.resume, "seed": s.seed,
-            "progress": s.progress}
-    return from_dict(TrainConfig, apply_overrides({"train": base}, raw, "fine-tuning settings")["train"])
-
-
 def earlier_epochs(out: Path) -> list[tuple[int, float]]:
     """(step, dev accuracy) of the epochs OUT/finetune.json records (none for a run that never finished)."""
     try:
@@ -227,45 +217,14 @@ def earlier_epochs(out: Path) -> list[tuple[int, float]]:
         return []
 
 
-@dataclass
-class ImageSettings:
-    """What the recipe reads of the command line, in one place."""
-
-    model: str
-    data: str
-    out: Path
-    seed: int
-    epochs: float
-    lr: float
-    batch_size: int
-    freeze_backbone: bool
-    dev_fraction: float
-    split_seed: int
-    no_augment: bool
-    resume: bool
-    progress: bool
-    args: argparse.Namespace
-
-    @classmethod
-    def from_args(cls, a: argparse.Namespace) -> ImageSettings:
-        if a.dev is not None:
-            raise ConfigError("--task image-classify holds out --dev-fraction of each class of --data as its "
-                              "dev set; --dev is not supported")
-        return cls(model=a.model, data=a.data, out=Path(a.out), seed=a.seed,
-                   epochs=float(shared(a, "epochs", 3.0)), lr=float(a.lr), batch_size=int(a.batch_size),
-                   freeze_backbone=bool(a.freeze_backbone), dev_fraction=float(a.dev_fraction),
-                   split_seed=int(a.split_seed), no_augment=bool(a.no_augment), resume=bool(a.resume),
-                   progress=not a.no_progress, args=a)
-
-
-class ImageClassifyRecipe(PhasedRecipe):
-    """The phases (as qkv.finetune.phases): setup_model, setup_data, train, save, report."""
+class ImageClassifyRecipe(FinetuneRecipe):
+    """The phases (qkv.finetune.recipe): setup_model, setup_data, train, save, report."""
 
     name = "image-classify"
     settings = ImageSettings
 
     def __init__(self, settings: ImageSettings) -> None:
-        self.s = settings
+        super().__init__(settings)
         self.epochs: list[tuple[int, float]] = []  # (step, dev accuracy) after each epoch
         self.result: dict[str, Any] = {}
 
@@ -295,7 +254,8 @@ class ImageClassifyRecipe(PhasedRecipe):
             with_head(self.src, len(self.id2label), self.s.seed)
         if self.s.freeze_backbone:
             freeze_backbone(self.model)
-        cfg = train_config(self.s, len(self.task.train_idx))
+        defaults = {**FINETUNE_DEFAULTS, "lr": self.s.lr, "batch_size": self.s.batch_size}
+        cfg = epoch_config(self.s, defaults, len(self.task.train_idx), True)
         if self.s.resume:  # the epochs before the resumed checkpoint, as the earlier run recorded them
             self.epochs = earlier_epochs(self.s.out)
         mark_out(self.s.out, self.name)  # the data are read and checked: the run starts
@@ -347,5 +307,5 @@ class ImageClassifyRecipe(PhasedRecipe):
 register_recipe(Recipe("image-classify", ("image", "dual"), "image classifiers (ViT, ResNet, Swin; a CLIP "
                        "image tower) on a folder with "
                        f"one sub-folder of images per class; reads --lr (default {DEFAULT_LR:g}) and "
-                       f"--batch-size (default {DEFAULT_BATCH}) too", ImageClassifyRecipe.run, add_arguments,
-                       data_folder=True, reads=(("lr", DEFAULT_LR), ("batch_size", DEFAULT_BATCH))))
+                       f"--batch-size (default {DEFAULT_BATCH}) too", ImageClassifyRecipe,
+                       data_folder=True, reads=("lr", "batch_size")))

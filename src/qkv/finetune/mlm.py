@@ -18,40 +18,36 @@ tokenizer files.
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
-from qkv.finetune import FINETUNE_FILE, Recipe, mark_out, register_recipe
-from qkv.finetune.encoders import (
-    EncodedData,
-    EncoderFolder,
-    best_state,
-    encode,
-    export_folder,
-    flag,
-    new_head_model,
-    pad_batch,
-    train_config,
-)
+from qkv.config import ConfigError, setting
+from qkv.finetune.encoders import EncodedData, EncoderFolder, encode, new_head_model, pad_batch
 from qkv.finetune.phases import EncoderRecipe
-from qkv.storage import atomic_write_json
+from qkv.finetune.registry import Recipe, register_recipe
+from qkv.finetune.settings import FinetuneSettings
 from qkv.tasks.base import text_lines
 from qkv.tasks.mlm import MaskingRule, generator_for, mask_tokens, masked_lm_scores
-from qkv.train import Trainer
 
 METRICS = {"mlm_loss": "min", "perplexity": "min", "mlm_accuracy": "max"}
 MASK_NAMES = ("[MASK]", "<mask>")
 
 
-def add_arguments(g: argparse._ArgumentGroup) -> None:
-    flag(g, "--mask-rate", type=float, default=0.15, help="share of the tokens chosen for prediction (0.15)")
-    flag(g, "--whole-word", action="store_true", help="choose whole words (every token of a chosen word)")
+@dataclass(kw_only=True)
+class MLMSettings(FinetuneSettings):
+    RECIPE = "mlm"
+
+    mask_rate: float = setting(0.15, "share of the tokens chosen for prediction")
+    whole_word: bool = setting(False, "choose whole words (every token of a chosen word)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        MaskingRule(rate=float(self.mask_rate), whole_word=bool(self.whole_word)).validate()
 
 
 def mask_id(enc: EncoderFolder) -> int:
@@ -117,6 +113,7 @@ class MaskedData(EncodedData):
 class MLMRecipe(EncoderRecipe):
     name = "mlm"
     head = "mlm"
+    settings = MLMSettings
 
     def setup_model(self) -> EncoderFolder:
         enc = super().setup_model()
@@ -125,9 +122,7 @@ class MLMRecipe(EncoderRecipe):
         return enc
 
     def data(self, path: str) -> tuple[MaskedData, int]:
-        a = self.s.args
-        rule = MaskingRule(rate=float(a.mask_rate), whole_word=bool(a.whole_word))
-        rule.validate()  # the flags before the data
+        rule = MaskingRule(rate=float(self.s.mask_rate), whole_word=bool(self.s.whole_word))
         texts = read_texts(path)
         encs, cut = encode(self.enc.tokenizer, texts, None, self.enc.max_length, "truncate", path)
         types = self.enc.model.config.type_vocab_size > 0
@@ -152,29 +147,13 @@ class MLMRecipe(EncoderRecipe):
     def evaluate(self, model: Any) -> dict[str, float]:
         return masked_lm_scores(model, self.dev.fixed_batches())
 
-    def train(self) -> dict[str, Any]:
-        cfg = train_config(self.s.args, len(self.train_data), self.dev is not None)
-        self.model = self.start_model()
-        mark_out(self.s.out, self.name)
-        trainer = Trainer(self.model, cfg, self.train_data,
-                          eval_fn=self.evaluate if self.dev is not None else None)
-        self.summary = trainer.fit()
-        return self.summary
-
-    def save(self) -> dict[str, Any]:
-        """OUT with the best checkpoint's weights (a checkpoint stores the tied decoder once, as the word
-        embeddings), then the results."""
-        best = best_state(self.s.out) if self.summary.get("best_eval") else None
-        if best is not None:
-            missing, unexpected = self.model.load_state_dict(best, strict=False)
-            if unexpected or set(missing) - {"mlm_decoder.weight"}:
-                raise ConfigError(f"{self.s.out}: the best checkpoint does not fit the model (missing "
-                                  f"{missing[:3]}, unexpected {unexpected[:3]})")
-        self.model.cpu().eval()
-        export_folder(self.enc, self.model, self.s.out, None)
-        self.result = self.results()
-        atomic_write_json(self.result, self.s.out / FINETUNE_FILE)
-        return self.result
+    def load_best(self, best: dict[str, Any]) -> None:
+        """The best checkpoint's weights (a checkpoint stores the tied decoder once, as the word
+        embeddings)."""
+        missing, unexpected = self.model.load_state_dict(best, strict=False)
+        if unexpected or set(missing) - {"mlm_decoder.weight"}:
+            raise ConfigError(f"{self.s.out}: the best checkpoint does not fit the model (missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]})")
 
     def results(self) -> dict[str, Any]:
         out = {"recipe": self.name, "model_type": self.enc.model_type, "texts": len(self.train_data),
@@ -200,4 +179,4 @@ class MLMRecipe(EncoderRecipe):
 
 
 register_recipe(Recipe("mlm", ("encoder",), "masked-LM training (BERT's 15%, 80/10/10, --whole-word) of an "
-                       "encoder folder on a text file, one text per line", MLMRecipe.run, add_arguments))
+                       "encoder folder on a text file, one text per line", MLMRecipe))

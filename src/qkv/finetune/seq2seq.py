@@ -17,7 +17,6 @@ a qkv folder when the source was one; beside it the run's metrics.jsonl, curves.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -27,41 +26,19 @@ from typing import Any
 import torch
 
 import qkv
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.extras import require
-from qkv.finetune import (
-    Recipe,
-    epoch_updates,
-    epochs_to_steps,
-    mark_out,
-    read_data_text,
-    register_recipe,
-    shared,
-)
+from qkv.finetune.data import read_data_text
+from qkv.finetune.out import mark_out
+from qkv.finetune.recipe import FinetuneRecipe, epoch_config
+from qkv.finetune.registry import Recipe, register_recipe
+from qkv.finetune.settings import FinetuneSettings
 from qkv.interop.bart import save_bart
 from qkv.interop.export_tokenizer import copy_tokenizer_files
 from qkv.interop.t5 import save_t5
 from qkv.tasks.base import text_lines
 from qkv.tasks.tokenizers import find_tokenizer
 from qkv.train import Trainer, read_checkpoint, seed_everything
-from qkv.train.config import train_overrides
-
-
-def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--batch-size", type=int, default=16,
-                   help="pairs per batch (default 16; the same as train.batch_size: give one)")
-    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4; the same as "
-                                                          "train.lr: give one)")
-    g.add_argument("--max-source-length", type=int, default=256, help="source tokens at most (default 256)")
-    g.add_argument("--max-target-length", type=int, default=128, help="target tokens at most (default 128)")
-    g.add_argument("--num-beams", type=int, default=1, help="beams for decoding the dev file (default 1: "
-                                                            "greedy)")
-    # summaries: length control in the dev decoding (the same fields as qkv generate's)
-    g.add_argument("--length-penalty", type=float, default=1.0,
-                   help="beam score = sum log p / length ** length_penalty (> 1 favours longer outputs)")
-    g.add_argument("--no-repeat-ngram-size", type=int, default=0,
-                   help="no n-gram of this size occurs twice in a dev output (0: off)")
-    g.add_argument("--min-new-tokens", type=int, default=0, help="no end-of-sequence before this many tokens")
 
 
 # -- data -------------------------------------------------------------------------------------------------
@@ -208,64 +185,46 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
 
 
 # -- the recipe -------------------------------------------------------------------------------------------
-@dataclass
-class Seq2SeqSettings:
-    """The seq2seq recipe's settings, read from the command line and checked in one place. `args` stays for
-    the train.key=value overrides."""
+@dataclass(kw_only=True)
+class Seq2SeqSettings(FinetuneSettings):
+    RECIPE = "seq2seq"
+    TOO_LONG = ("error", "truncate")
 
-    model: Path
-    data: str
-    dev: str | None
-    out: Path
-    seed: int
-    resume: bool
-    epochs: float
-    batch_size: int
-    lr: float
-    num_beams: int
-    length_penalty: float
-    no_repeat_ngram_size: int
-    min_new_tokens: int
-    max_source_length: int
-    max_target_length: int
-    truncate: bool
-    progress: bool
-    args: argparse.Namespace
+    batch_size: int = setting(16, "pairs per batch (the same as train.batch_size: give one)")
+    lr: float = setting(3e-4, "peak learning rate (the same as train.lr: give one)")
+    max_source_length: int = setting(256, "source tokens at most")
+    max_target_length: int = setting(128, "target tokens at most")
+    num_beams: int = setting(1, "beams for decoding the dev file (1: greedy)")
+    # summaries: length control in the dev decoding (the same fields as qkv generate's)
+    length_penalty: float = setting(1.0, "beam score = sum log p / length ** length_penalty (> 1 favours "
+                                         "longer outputs)")
+    no_repeat_ngram_size: int = setting(0, "no n-gram of this size occurs twice in a dev output (0: off)")
+    min_new_tokens: int = setting(0, "no end-of-sequence before this many tokens")
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Seq2SeqSettings:
-        epochs = shared(args, "epochs", 3)
-        if epochs <= 0 or args.batch_size < 1 or args.num_beams < 1:
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.epochs <= 0 or self.batch_size < 1 or self.num_beams < 1:
             raise ConfigError("--epochs must be positive, --batch-size and --num-beams at least 1")
-        if args.no_repeat_ngram_size < 0 or args.min_new_tokens < 0:
+        if self.no_repeat_ngram_size < 0 or self.min_new_tokens < 0:
             raise ConfigError("--no-repeat-ngram-size and --min-new-tokens must be >= 0")
-        if args.max_source_length < 1 or args.max_target_length < 1:
+        if self.max_source_length < 1 or self.max_target_length < 1:
             raise ConfigError("--max-source-length and --max-target-length must be at least 1")
-        # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
-        if args.dev:
-            require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq --dev")
-            require("rouge_score", "ROUGE of qkv finetune --task seq2seq --dev")
-        return cls(model=Path(args.model), data=args.data, dev=args.dev, out=Path(args.out), seed=args.seed,
-                   resume=bool(args.resume), epochs=epochs, batch_size=args.batch_size, lr=args.lr,
-                   num_beams=args.num_beams, length_penalty=float(args.length_penalty),
-                   no_repeat_ngram_size=int(args.no_repeat_ngram_size),
-                   min_new_tokens=int(args.min_new_tokens),
-                   max_source_length=args.max_source_length,
-                   max_target_length=args.max_target_length,
-                   truncate=shared(args, "too_long", "error", ("error", "truncate"), "seq2seq") == "truncate",
-                   progress=not args.no_progress, args=args)
 
 
-class Seq2SeqRecipe:
-    """The seq2seq recipe in named phases (see qkv.finetune.phases for the pattern): setup_model (the
-    folder's model and tokenizer), setup_data (pairs encoded and checked against the vocabulary),
-    train, save (the best epoch's weights as a model folder), report (the lines qkv finetune prints)."""
+class Seq2SeqRecipe(FinetuneRecipe):
+    """The seq2seq recipe in named phases (qkv.finetune.recipe): setup_model (the folder's model and
+    tokenizer), setup_data (pairs encoded and checked against the vocabulary), train, save (the best epoch's
+    weights as a model folder), report (the lines qkv finetune prints)."""
 
-    def __init__(self, settings: Seq2SeqSettings) -> None:
-        self.s = settings
+    name = "seq2seq"
+    settings = Seq2SeqSettings
 
     def setup_model(self) -> Any:
-        source = self.s.model
+        source = Path(self.s.model)
+        # scored with sacrebleu each epoch: say it is missing now, not after an epoch of training
+        if self.s.dev:
+            require("sacrebleu", "BLEU and chrF of qkv finetune --task seq2seq --dev")
+            require("rouge_score", "ROUGE of qkv finetune --task seq2seq --dev")
         seed_everything(self.s.seed)  # before anything is built: one seed gives the same run in a new process
         self.model = qkv.from_pretrained(source)
         if not getattr(self.model, "is_seq2seq", False) or self.model.kind != "seq2seq":
@@ -285,8 +244,9 @@ class Seq2SeqRecipe:
         self.max_tgt = (
             min(s.max_target_length, model.context_limit) if model.context_limit else s.max_target_length
         )
-        self.train_pairs = encode_pairs(read_pairs(s.data), tok, s.data, max_src, self.max_tgt, s.truncate)
-        self.dev = (encode_pairs(read_pairs(s.dev), tok, s.dev, max_src, self.max_tgt, s.truncate)
+        truncate = s.too_long == "truncate"
+        self.train_pairs = encode_pairs(read_pairs(s.data), tok, s.data, max_src, self.max_tgt, truncate)
+        self.dev = (encode_pairs(read_pairs(s.dev), tok, s.dev, max_src, self.max_tgt, truncate)
                     if s.dev else None)
         for enc, path in ((self.train_pairs, s.data), (self.dev, s.dev)):
             if enc is not None:
@@ -296,18 +256,6 @@ class Seq2SeqRecipe:
                                       f"vocabulary of {vocab}: tokenizer and model do not match")
         self.data = PairSource(self.train_pairs, model.config.pad_token_id, s.seed)
         return self.data
-
-    def train_config(self) -> dict[str, Any]:
-        """The Trainer settings: this recipe's defaults, the command line's train.key=value, then an epoch in
-        updates of the batch the Trainer will read (train.batch_size / grad_accum overrides included)."""
-        s = self.s
-        cfg = {"batch_size": s.batch_size, "lr": s.lr, "warmup": 0.06, "schedule": "linear",
-               "weight_decay": 0.01, "betas": [0.9, 0.999], "out_dir": str(s.out), "seed": s.seed,
-               "progress": s.progress}
-        cfg.update(train_overrides(s.args.overrides))
-        per_epoch = epoch_updates(len(self.data), int(cfg["batch_size"]), int(cfg.get("grad_accum", 1)))
-        return {"max_steps": epochs_to_steps(float(s.epochs), per_epoch),
-                "eval_every": per_epoch if self.dev is not None else 0, "save_every": per_epoch, **cfg}
 
     def evaluate(self, m: Any) -> dict[str, float]:
         """BLEU, chrF and ROUGE of the --dev outputs (beam search, greedy with --num-beams 1; the length
@@ -322,46 +270,40 @@ class Seq2SeqRecipe:
         return scores(translate(m, self.tok, self.dev.sources, model.config.pad_token_id, **gen), refs)
 
     def train(self) -> dict[str, Any]:
-        train_cfg = self.train_config()
+        s = self.s
+        defaults = {"batch_size": s.batch_size, "lr": s.lr, "warmup": 0.06, "schedule": "linear",
+                    "weight_decay": 0.01, "betas": [0.9, 0.999]}
+        train_cfg = epoch_config(s, defaults, len(self.data), self.dev is not None)
         self.model.train()
-        mark_out(self.s.out, "seq2seq")  # the data are read and checked: the run starts
+        mark_out(s.out, "seq2seq")  # the data are read and checked: the run starts
         trainer = Trainer(self.model, train_cfg, self.data,
-                          eval_fn=self.evaluate if self.dev is not None else None, resume=self.s.resume)
+                          eval_fn=self.evaluate if self.dev is not None else None)
         self.summary = trainer.fit()
         return self.summary
 
-    def save(self) -> Path:
+    def save(self) -> dict[str, Any]:
         best = self.summary.get("best_checkpoint")
         if best and Path(best).is_dir():  # the best epoch's weights go into the output folder
             state, _ = read_checkpoint(best)
             self.model.load_state_dict(state, strict=False)
         self.model.eval()
-        return save_folder(self.model, self.s.model, self.s.out)
+        save_folder(self.model, Path(self.s.model), self.s.out)
+        return self.summary
 
     def report(self) -> list[str]:
         s, summary, truncated = self.s, self.summary, self.train_pairs.truncated
-        lines = [f"fine-tuned {s.model} on {len(self.data)} pairs ({s.epochs:g} epochs, {summary['steps']} "
-                 "steps)"
+        lines = [f"fine-tuned {Path(s.model)} on {len(self.data)} pairs ({s.epochs:g} epochs, "
+                 f"{summary['steps']} steps)"
                  + (f"; {truncated} over-long pairs truncated" if truncated else "")]
         if summary.get("best_eval"):
             ev = summary["best_eval"]
             lines.append(f"best dev {ev['metric']} {ev['value']:.2f} at step {ev['step']}")
         if summary.get("eval"):
             lines.append("last dev: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["eval"].items()))
-        lines.append(f"model folder: {s.args.out} (qkv.from_pretrained / transformers load it)")
+        lines.append(f"model folder: {s.out} (qkv.from_pretrained / transformers load it)")
         return lines
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """`qkv finetune --task seq2seq`: the phases in order."""
-    recipe = Seq2SeqRecipe(Seq2SeqSettings.from_args(args))
-    recipe.setup_model()
-    recipe.setup_data()
-    summary = recipe.train()
-    recipe.save()
-    return {**summary, "report": "\n".join(recipe.report())}
 
 
 register_recipe(Recipe("seq2seq", ("seq2seq",), "encoder-decoder models (T5, BART, Marian): "
                                                 "source<TAB>target pairs, "
-                       "BLEU / chrF / ROUGE on --dev each epoch", run, add_arguments))
+                       "BLEU / chrF / ROUGE on --dev each epoch", Seq2SeqRecipe))

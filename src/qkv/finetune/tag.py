@@ -17,26 +17,29 @@ OUT is a Hugging Face folder (AutoModelForTokenClassification; qkv.from_pretrain
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError
-from qkv.finetune import Recipe, read_data_text, register_recipe, shared
-from qkv.finetune.encoders import EncodedData, encode, flag, predict
+from qkv.config import ConfigError, setting
+from qkv.finetune.data import read_data_text
+from qkv.finetune.encoders import EncodedData, encode, predict
 from qkv.finetune.phases import EncoderRecipe
+from qkv.finetune.registry import Recipe, register_recipe
+from qkv.finetune.settings import FinetuneSettings
 from qkv.tasks.base import text_lines
 
 METRICS = {"f1": "max", "precision": "max", "recall": "max", "token_accuracy": "max"}
 CHUNK_TAGS = ("B", "I", "E", "S")
 
 
-def add_arguments(g: argparse._ArgumentGroup) -> None:
-    flag(g, "--tag-column", type=int, default=-1, help="CoNLL column holding the tag (default: -1, the last)")
+@dataclass(kw_only=True)
+class TagSettings(FinetuneSettings):
+    RECIPE = "tag"
+    TOO_LONG = ("truncate", "error")
 
-
-def too_long(args: argparse.Namespace) -> str:
-    return shared(args, "too_long", "truncate", ("truncate", "error"), "tag")
+    too_long: str = "truncate"
+    tag_column: int = setting(-1, "CoNLL column holding the tag (-1: the last)")
 
 
 # -- CoNLL files ----------------------------------------------------------------------------------------
@@ -150,9 +153,9 @@ def predicted_tags(logits: Any, encoding: Any, n_words: int, names: dict[int, st
     return tags
 
 
-def _encode(enc: Any, sentences: list[tuple[list[str], list[str]]], args: argparse.Namespace,
+def _encode(enc: Any, sentences: list[tuple[list[str], list[str]]], too_long: str,
             source: str, lines: list[int]) -> tuple[list[Any], int]:
-    return encode(enc.tokenizer, [w for w, _ in sentences], None, enc.max_length, too_long(args), source,
+    return encode(enc.tokenizer, [w for w, _ in sentences], None, enc.max_length, too_long, source,
                   pretokenized=True, lines=lines)
 
 
@@ -160,14 +163,15 @@ class TagRecipe(EncoderRecipe):
     """Token classification (CoNLL BIO tags) in the shared encoder phases (qkv.finetune.phases)."""
 
     name = head = "tag"
+    settings = TagSettings
 
     def setup_data(self) -> EncodedData:
         s, enc = self.s, self.enc
-        train_s, train_lines = read_conll_lines(s.data, s.args.tag_column)
+        train_s, train_lines = read_conll_lines(s.data, s.tag_column)
         self.names = sorted({t for _, tags in train_s for t in tags}, key=lambda t: (t != "O", t[2:], t))
         tag_id = {t: i for i, t in enumerate(self.names)}
         self.id2label, self.n_labels = dict(enumerate(self.names)), len(self.names)
-        train_enc, self.cut = _encode(enc, train_s, s.args, s.data, train_lines)
+        train_enc, self.cut = _encode(enc, train_s, s.too_long, s.data, train_lines)
         self.types = enc.model.config.type_vocab_size > 1
         self.train_data = EncodedData(train_enc,
                                       [word_labels(e, t, tag_id) for e, (_, t) in zip(train_enc, train_s)],
@@ -180,14 +184,14 @@ class TagRecipe(EncoderRecipe):
     def _setup_dev(self, tag_id: dict[str, int]) -> None:
         """The --dev sentences, encoded; a tag the training data never showed is an error naming its line."""
         s, enc = self.s, self.enc
-        self.dev_s, dev_lines = read_conll_lines(s.dev, s.args.tag_column)
+        self.dev_s, dev_lines = read_conll_lines(s.dev, s.tag_column)
         for (words, tags), first in zip(self.dev_s, dev_lines):
             unknown = [j for j, t in enumerate(tags) if t not in tag_id]
             if unknown:
                 j = unknown[0]
                 raise ConfigError(f"{s.dev} line {first + j}: tag {tags[j]!r} (in {' '.join(words[:8])!r}) "
                                   f"does not occur in the training data (tags: {', '.join(self.names[:20])})")
-        dev_enc, self.dev_cut = _encode(enc, self.dev_s, s.args, s.dev, dev_lines)
+        dev_enc, self.dev_cut = _encode(enc, self.dev_s, s.too_long, s.dev, dev_lines)
         self.dev = EncodedData(dev_enc, [word_labels(e, t, tag_id) for e, (_, t) in zip(dev_enc, self.dev_s)],
                                enc.pad_id, s.seed, token_types=self.types)
 
@@ -224,10 +228,5 @@ class TagRecipe(EncoderRecipe):
         return lines
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """`qkv finetune --task tag`."""
-    return TagRecipe.run(args)
-
-
 register_recipe(Recipe("tag", ("encoder",), "token classification (NER, BIO tags in CoNLL format) with a "
-                       "BERT-family encoder", run, add_arguments))
+                       "BERT-family encoder", TagRecipe))

@@ -17,11 +17,11 @@ import json
 import math
 import os
 import warnings
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from qkv.config import ConfigError, from_dict, load_yaml, replace, suggest, to_dict
+from qkv.config import ConfigError, check_bounds, from_dict, load_yaml, replace, setting, suggest, to_dict
 
 EARLY_STOPPING = (True, False, "never")
 CONTEXT_OVERFLOW = ("error", "slide")
@@ -41,39 +41,6 @@ REQUEST_AT_LEAST = {"max_new_tokens": 1}
 _HF_METADATA = {"_from_model_config", "transformers_version", "_commit_hash", "generation_kwargs",
                 "output_attentions", "output_hidden_states", "output_scores", "output_logits",
                 "return_dict_in_generate", "cache_implementation", "cache_config"}
-
-
-def _setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-             le: float | None = None, note: str = "") -> Any:
-    """A field with its help text and numeric bounds: the one declaration that validate(), the `qkv generate`
-    / `qkv chat` flags (qkv.cli.flags) and the docs read. `note` says what a boundary value means."""
-    return field(default=default, metadata={"help": help, "ge": ge, "gt": gt, "le": le, "note": note})
-
-
-def bounds_text(f: Field) -> str:
-    """A field's bounds in words, e.g. ">= 0 (0 = greedy)" or "in (0, 1]"; "" for an unbounded field."""
-    ge, gt, le, note = (f.metadata.get(k) for k in ("ge", "gt", "le", "note"))
-    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
-    if low is not None and le is not None:
-        text = f"in {low}, {le}]"
-    elif low is not None:
-        text = f"at least {ge}" if ge is not None else f"> {gt}"
-    else:
-        text = f"<= {le}" if le is not None else ""
-    return f"{text} ({note})" if note and text else text
-
-
-def _check_bounds(cfg: Any) -> None:
-    """Every field declared with bounds (_setting) is a finite number inside them, or None."""
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        ge, gt, le = (f.metadata.get(k) for k in ("ge", "gt", "le"))
-        if v is None or (ge is None and gt is None and le is None):
-            continue
-        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-              and (ge is None or v >= ge) and (gt is None or v > gt) and (le is None or v <= le))
-        if not ok:
-            raise ConfigError(f"GenerationConfig.{f.name} must be {bounds_text(f)}, got {v}")
 
 
 def _remember_given_fields(cls: type) -> type:
@@ -98,69 +65,71 @@ def _remember_given_fields(cls: type) -> type:
 @dataclass
 class GenerationConfig:
     # -- length -------------------------------------------------------------------------------------------
-    max_new_tokens: int | None = _setting(None, "tokens to generate", ge=0)  # None: max_length's, else 32
-    max_length: int | None = _setting(
+    max_new_tokens: int | None = setting(None, "tokens to generate", ge=0)  # None: max_length's, else 32
+    max_length: int | None = setting(
         None, "prompt + new tokens (decoder-only) or decoder tokens incl. the start, as in HF", ge=0)
-    min_new_tokens: int | None = _setting(None, "no eos before this many new tokens", ge=0)
-    min_length: int | None = _setting(None, "the same, counted like max_length", ge=0)
+    min_new_tokens: int | None = setting(None, "no eos before this many new tokens", ge=0)
+    min_length: int | None = setting(None, "the same, counted like max_length", ge=0)
     # -- strategy -----------------------------------------------------------------------------------------
-    do_sample: bool = _setting(False, "sample from the processed distribution (else greedy / beam search)")
-    num_beams: int = _setting(1, "> 1: beam search", ge=1)
-    num_return_sequences: int = _setting(1, "sequences returned per input (samples, or the best beams)", ge=1)
-    length_penalty: float = _setting(1.0, "beam score = sum log p / length ** length_penalty")
-    early_stopping: bool | str = _setting(
-        "never", "beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)")
+    do_sample: bool = setting(False, "sample from the processed distribution (else greedy / beam search)")
+    num_beams: int = setting(1, "> 1: beam search", ge=1)
+    num_return_sequences: int = setting(1, "sequences returned per input (samples, or the best beams)", ge=1)
+    length_penalty: float = setting(1.0, "beam score = sum log p / length ** length_penalty")
+    early_stopping: bool | str = setting(
+        "never", "beam search: stop at num_beams finished (true), HF's heuristic (false), exact (never)",
+        choices=EARLY_STOPPING)
     # -- logits processors (processors.py) ----------------------------------------------------------------
-    temperature: float = _setting(1.0, "divide the logits when sampling", ge=0,
+    temperature: float = setting(1.0, "divide the logits when sampling", ge=0,
                                   note=f"0, or below {MIN_TEMPERATURE}, = greedy")
-    top_k: int | None = _setting(None, "keep the k most likely tokens when sampling", ge=0,
+    top_k: int | None = setting(None, "keep the k most likely tokens when sampling", ge=0,
                                  note="0 = no top-k")
-    top_p: float | None = _setting(
+    top_p: float | None = setting(
         None, "nucleus sampling: the smallest set of tokens with probability >= top_p", gt=0, le=1)
-    min_p: float | None = _setting(
+    min_p: float | None = setting(
         None, "drop tokens below min_p x the top token's probability when sampling", ge=0, le=1)
-    repetition_penalty: float = _setting(
+    repetition_penalty: float = setting(
         1.0, "CTRL: divide positive / multiply negative logits of seen tokens", gt=0)
-    no_repeat_ngram_size: int = _setting(0, "no n-gram of this size occurs twice", ge=0)
-    bad_words_ids: list[list[int]] | None = _setting(
+    no_repeat_ngram_size: int = setting(0, "no n-gram of this size occurs twice", ge=0)
+    bad_words_ids: list[list[int]] | None = setting(
         None, "token sequences never produced (OPUS-MT bans its pad token)")
-    presence_penalty: float = _setting(
+    presence_penalty: float = setting(
         0.0, "OpenAI's: subtract it from the logit of every token already generated", ge=-2, le=2)
-    frequency_penalty: float = _setting(
+    frequency_penalty: float = setting(
         0.0, "OpenAI's: subtract it times the count of each token already generated", ge=-2, le=2)
-    logit_bias: dict[int, float] | None = _setting(
+    logit_bias: dict[int, float] | None = setting(
         None, "token id -> bias in [-100, 100] added to its logit (OpenAI's logit_bias)")
-    grammar: str | None = _setting(
+    grammar: str | None = setting(
         None, "only output this grammar allows: llguidance's Lark text or JSON grammar (generate/grammar.py: "
         "json_schema_grammar); needs a Hugging Face tokenizer and an eos token")
     # -- special tokens -----------------------------------------------------------------------------------
-    eos_token_id: int | list[int] | None = _setting(None, "stop tokens (None: the model's)")
-    pad_token_id: int | None = _setting(None, "fills finished rows (None: the model's, else the first eos, "
+    eos_token_id: int | list[int] | None = setting(None, "stop tokens (None: the model's)")
+    pad_token_id: int | None = setting(None, "fills finished rows (None: the model's, else the first eos, "
                                               "else 0)")
-    bos_token_id: int | None = _setting(
+    bos_token_id: int | None = setting(
         None, "the model's begin-of-sequence id (seq2seq start when no decoder_start)")
-    decoder_start_token_id: int | None = _setting(None, "first decoder token of an encoder-decoder")
-    forced_bos_token_id: int | None = _setting(None, "forced as the first generated token")
-    forced_eos_token_id: int | list[int] | None = _setting(
+    decoder_start_token_id: int | None = setting(None, "first decoder token of an encoder-decoder")
+    forced_bos_token_id: int | None = setting(None, "forced as the first generated token")
+    forced_eos_token_id: int | list[int] | None = setting(
         None, "forced as the last token when max_length is reached")
-    stop_strings: list[str] | None = _setting(
+    stop_strings: list[str] | None = setting(
         None, "stop a row once its decoded continuation contains one (needs a tokenizer)")
     # -- run ----------------------------------------------------------------------------------------------
-    seed: int | None = _setting(None, "seeds sampling (a fresh generator per call)")
-    use_cache: bool = _setting(True, "KV cache (False: recompute the whole prefix every step)")
+    seed: int | None = setting(None, "seeds sampling (a fresh generator per call)")
+    use_cache: bool = setting(True, "KV cache (False: recompute the whole prefix every step)")
     # graph-captured decoding steps (generate/graphed.py): a string names another torch.compile backend
-    compile: bool | str = _setting(
+    compile: bool | str = setting(
         False, "True: torch.compile(mode='reduce-overhead'), CUDA graphs on a GPU; a string: a backend; "
         "False: eager")
-    context_overflow: str = _setting(
-        "error", "prompt + new tokens over an absolute-position context: error or slide")
+    context_overflow: str = setting(
+        "error", "prompt + new tokens longer than an absolute-position model's context: refuse (error), or "
+        "go on over the last context-many tokens (slide)", choices=CONTEXT_OVERFLOW)
     # -- speculative decoding (speculative.py): drafts checked k at a time by one forward -------------------
-    prompt_lookup_num_tokens: int | None = _setting(
+    prompt_lookup_num_tokens: int | None = setting(
         None, "speculative decoding by prompt lookup: draft this many tokens that followed the last n-gram's "
         "first occurrence in the text so far", ge=1)
-    max_matching_ngram_size: int | None = _setting(
+    max_matching_ngram_size: int | None = setting(
         None, "prompt lookup: the longest n-gram searched (None: 2, as transformers)", ge=1)
-    num_assistant_tokens: int = _setting(
+    num_assistant_tokens: int = setting(
         5, "speculative decoding with an assistant_model: tokens it drafts per verifying forward", ge=1)
 
     def __post_init__(self) -> None:
@@ -171,7 +140,7 @@ class GenerationConfig:
             if not cond:
                 raise ConfigError(f"GenerationConfig.{message}")
 
-        _check_bounds(self)
+        check_bounds(self)
         need(self.bad_words_ids is None or (len(self.bad_words_ids) > 0 and all(
              len(w) > 0 and all(isinstance(i, int) and i >= 0 for i in w) for w in self.bad_words_ids)),
              "bad_words_ids must be a non-empty list of non-empty lists of token ids, got "
@@ -184,10 +153,6 @@ class GenerationConfig:
         need(self.num_beams == 1 or self.num_return_sequences <= self.num_beams,
              f"num_return_sequences ({self.num_return_sequences}) must be between 1 and num_beams "
              f"({self.num_beams})")
-        need(self.early_stopping in EARLY_STOPPING, f"early_stopping must be true, false or 'never', "
-             f"got {self.early_stopping!r}")
-        need(self.context_overflow in CONTEXT_OVERFLOW, f"context_overflow must be 'error' or 'slide', "
-             f"got {self.context_overflow!r}")
         need(self.compile is not None and (isinstance(self.compile, bool) or bool(self.compile)),
              f"compile must be true, false or a torch.compile backend name, got {self.compile!r}")
         need(not self.compile or self.use_cache, "compile: graph-captured decoding runs over the KV cache: "
@@ -320,12 +285,12 @@ def _checked_logit_bias(bias: dict | None) -> dict[int, float] | None:
     for k, v in bias.items():
         key = int(k) if isinstance(k, str) and k.strip().isdigit() else k
         if not isinstance(key, int) or isinstance(key, bool) or key < 0:
-            raise ConfigError(f"GenerationConfig.logit_bias: keys must be token ids (integers >= 0), "
-                              f"got {k!r}")
+            raise ConfigError(f": keys must be token ids (integers >= 0), got {k!r}", "logit_bias",
+                              "GenerationConfig")
         if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                 or abs(v) > LOGIT_BIAS_LIMIT):
-            raise ConfigError(f"GenerationConfig.logit_bias[{key}] must be a number in [-{LOGIT_BIAS_LIMIT}, "
-                              f"{LOGIT_BIAS_LIMIT}], got {v!r}")
+            raise ConfigError(f"[{key}] must be a number in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got "
+                              f"{v!r}", "logit_bias", "GenerationConfig")
         out[key] = float(v)
     return out
 

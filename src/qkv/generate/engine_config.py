@@ -3,81 +3,20 @@
     Engine(model, cfg, config=EngineConfig(block_size=16, max_batch_size=32))
     Engine(model, cfg, block_size=16, max_batch_size=32)        # the same: keywords build an EngineConfig
 
-Each field is declared once, with its help text and bounds in its metadata (`setting`): validate(), the
-`qkv serve` flags (qkv.cli.flags) and the docs read it. This module imports only the standard library and
-qkv.generate.config (itself torch-free), so that the CLI can build its flags without loading torch.
+Each field is declared once, with its help text and bounds in its metadata (qkv.config.setting): validate(),
+the `qkv serve` flags (qkv.cli.flags) and the docs read it. This module imports only the standard library and
+qkv.config, so that the CLI can build its flags without loading torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
-from qkv.config import ConfigError
-from qkv.generate.config import bounds_text
+from qkv.config import ConfigError, check_fields, setting
 
 PREEMPTION = ("least_work", "newest")  # victim policies (scheduler.py)
-
-
-def setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, choices: tuple | None = None, none: str = "", unit: str = "",
-            flag: bool = True, flag_none: Any = None) -> Any:
-    """A field with its help text, bounds (ge / gt / le, as GenerationConfig's), `choices`, what None means
-    (`none`), the `unit` of its value, whether `qkv serve` has a flag for it, and the flag value that stands
-    for None (`flag_none`: 0 for --prefill-chunk, whose None has no spelling on a command line)."""
-    return field(default=default, metadata={"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices,
-                                            "none": none, "unit": unit, "flag": flag, "flag_none": flag_none})
-
-
-def kind(f: Field) -> str:
-    """The base type of a setting's annotation: "int", "float", "bool" or "str" (None allowed or not)."""
-    return str(f.type).replace(" | None", "").replace("None | ", "")
-
-
-def must_text(f: Field) -> str:
-    """What a setting's value must be, in words: "a positive integer (or None: whole prompts)"."""
-    ge, gt, le, unit = (f.metadata.get(k) for k in ("ge", "gt", "le", "unit"))
-    if f.metadata.get("choices"):
-        text = f"one of {f.metadata['choices']}"
-    elif kind(f) == "bool":
-        text = "true or false"
-    elif kind(f) == "int":
-        text = ("a positive integer" if (ge == 1 or gt == 0) and le is None
-                else f"an integer {bounds_text(f)}".rstrip())
-    elif (ge is not None or gt is not None) and le is None:
-        text = f">= {ge}" if ge is not None else f"> {gt}"
-    else:
-        text = bounds_text(f) or "a number"
-    text += f" {unit}" if unit else ""
-    return text + (f" (or None: {f.metadata['none']})" if f.metadata.get("none") else "")
-
-
-def _fits(f: Field, v: Any) -> bool:
-    ge, gt, le, choices = (f.metadata.get(k) for k in ("ge", "gt", "le", "choices"))
-    if choices:
-        return v in choices
-    k = kind(f)
-    if k == "bool":
-        return isinstance(v, bool)
-    if k == "str":
-        return isinstance(v, str)
-    number = int if k == "int" else (int, float)
-    return (isinstance(v, number) and not isinstance(v, bool) and math.isfinite(v)
-            and (ge is None or v >= ge) and (gt is None or v > gt) and (le is None or v <= le))
-
-
-def check_settings(cfg: Any) -> None:
-    """Every declared field of `cfg` (flag=True or typed int / float / bool / str) holds a value of its kind
-    inside its bounds, or None where None has a meaning: else one ConfigError (a ValueError) naming the field
-    as `name must be <must_text>, got <value>`."""
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        if kind(f) not in ("int", "float", "bool", "str") or (v is None and "None" in str(f.type)):
-            continue
-        if not _fits(f, v):
-            raise ConfigError(f"{f.name} must be {must_text(f)}, got {v!r}")
 
 
 @dataclass
@@ -106,7 +45,7 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        check_settings(self)
+        check_fields(self, "")
         s = self.split_cost
         if not (s is None or s == "auto" or (isinstance(s, int) and not isinstance(s, bool))):
             raise ConfigError(f"split_cost must be an int, None or 'auto', got {s!r}")

@@ -6,20 +6,111 @@ token ids (B, T) -> token embedding -> [position.embed] -> N causal Pre-LN block
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig, check_mla, check_moe, check_moe_memory
+from qkv.config import ConfigError, TransformerConfig, check_fields, memory_bytes
 from qkv.models.base import ModelOutput, TransformerDecoderModel, build_stack, token_loss
 from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
 from qkv.nn.linear import Linear
 from qkv.nn.mla import LatentCache, MLAConfig
-from qkv.nn.moe import MoEConfig, moe_aux_loss, update_router_biases
+from qkv.nn.moe import SCORES, MoEConfig, moe_aux_loss, update_router_biases
 from qkv.nn.paged_latent import PagedLatentCache
+
+
+def check_moe(moe: Any, n_layers: int | None = None) -> None:
+    """A mixture-of-experts config (qkv.nn.moe.MoEConfig): n_layers, the model's, to check `layers`
+    against."""
+    check_fields(moe, "moe")
+    if moe.n_experts < 0:
+        raise ConfigError(f"moe.n_experts must be >= 0 (0 = dense), got {moe.n_experts}")
+    if not moe.n_experts:
+        return
+    if not 1 <= moe.n_experts_per_tok <= moe.n_experts:
+        raise ConfigError(f"moe.n_experts_per_tok must be in 1..n_experts ({moe.n_experts}), "
+                          f"got {moe.n_experts_per_tok}")
+    if moe.score not in SCORES:
+        raise ConfigError(f"moe.score: {moe.score!r} is not one of {list(SCORES)}")
+    if moe.n_group < 1 or moe.n_experts % moe.n_group:
+        raise ConfigError(f"moe.n_group ({moe.n_group}) must divide n_experts ({moe.n_experts})")
+    if not 1 <= moe.topk_group <= moe.n_group:
+        raise ConfigError(f"moe.topk_group must be in 1..n_group ({moe.n_group}), got {moe.topk_group}")
+    if moe.n_experts_per_tok > moe.topk_group * (moe.n_experts // moe.n_group):
+        raise ConfigError(f"moe.n_experts_per_tok ({moe.n_experts_per_tok}) exceeds the experts of "
+                          f"topk_group={moe.topk_group} groups")
+    bad = [i for i in moe.layers or () if i < 0 or (n_layers is not None and i >= n_layers)]
+    if bad:
+        raise ConfigError(f"moe.layers {bad} are not blocks of a {n_layers}-layer model")
+    for name in ("ffn_dim", "shared_ffn_dim"):
+        if getattr(moe, name) is not None and getattr(moe, name) < 1:
+            raise ConfigError(f"moe.{name} must be positive (or null)")
+    if moe.n_shared_experts < 0 or moe.first_k_dense < 0:
+        raise ConfigError("moe.n_shared_experts and moe.first_k_dense must be >= 0")
+    if moe.shared_expert_gate and not (moe.n_shared_experts or moe.shared_ffn_dim):
+        raise ConfigError("moe.shared_expert_gate needs a shared expert (n_shared_experts or shared_ffn_dim)")
+    if moe.aux_loss_coef < 0 or moe.bias_rate < 0 or moe.routed_scaling <= 0:
+        raise ConfigError("moe.aux_loss_coef and moe.bias_rate must be >= 0, moe.routed_scaling > 0")
+
+
+# Python's own memory per expert module (FeedForward, its Linears and parameters' objects), measured with
+# tracemalloc on the meta device: ~11 KB, whatever the width
+EXPERT_MODULE_BYTES = 10_000
+
+
+def check_moe_memory(moe: Any, n_layers: int, d_model: int, d_ff: int) -> None:
+    """The routed experts' float32 weights (two matrices each: a lower bound) and module objects, against
+    the machine's memory: before a single expert is built, as building 10^9 of them would take days."""
+    if not moe.n_experts:
+        return
+    layers = len(moe.layers) if moe.layers is not None else max(n_layers - moe.first_k_dense, 0)
+    need = layers * moe.n_experts * (2 * d_model * (moe.ffn_dim or d_ff) * 4 + EXPERT_MODULE_BYTES)
+    have = memory_bytes()
+    if have is not None and need > have:
+        raise ConfigError(f"moe.n_experts is {moe.n_experts:,}: {layers} layers of them need at least "
+                          f"{need / 2**30:,.1f} GiB, more than this machine's {have / 2**30:,.1f} GiB of "
+                          "memory")
+
+
+def check_mla(cfg: Any) -> None:
+    """Multi-head latent attention (qkv.nn.mla.MLAConfig in cfg.mla) against the rest of a TransformerConfig:
+    its rotary key is RoPE, and the model's head_dim names the rotated width (as transformers'
+    DeepseekV3Config)."""
+    m = cfg.mla
+    check_fields(m, "mla")
+    if m.kv_lora_rank < 0:
+        raise ConfigError(f"mla.kv_lora_rank must be >= 0 (0 = no MLA), got {m.kv_lora_rank}")
+    if not m.kv_lora_rank:
+        return
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"mla.{name} must be positive, got {getattr(m, name)}")
+    if m.q_lora_rank is not None and m.q_lora_rank < 1:
+        raise ConfigError("mla.q_lora_rank must be positive (or null: no query compression), got "
+                          f"{m.q_lora_rank}")
+    # a latent wider than the width it compresses costs more cache and compute than plain attention, and
+    # past it the cost is the claim's (10^5: 14 GB of activations for a 128-wide model)
+    for name in ("kv_lora_rank", "q_lora_rank"):
+        rank = getattr(m, name)
+        if rank is not None and rank > cfg.d_model:
+            raise ConfigError(f"mla.{name} is {rank}, larger than d_model ({cfg.d_model}): the latent "
+                              "compresses the model's width")
+    if not (math.isfinite(m.latent_norm_eps) and m.latent_norm_eps >= 0):
+        raise ConfigError(f"mla.latent_norm_eps must be a finite number >= 0, got {m.latent_norm_eps}")
+    if m.softmax_scale is not None and not (math.isfinite(m.softmax_scale) and m.softmax_scale > 0):
+        raise ConfigError(f"mla.softmax_scale must be a finite number > 0 (or null), got {m.softmax_scale}")
+    if cfg.position != "rope" or cfg.head_dim != m.qk_rope_head_dim:
+        raise ConfigError(f"MLA rotates a shared key of mla.qk_rope_head_dim={m.qk_rope_head_dim}: set "
+                          f"position=rope and head_dim={m.qk_rope_head_dim} (got position={cfg.position}, "
+                          f"head_dim={cfg.head_dim})")
+    if (cfg.n_kv_heads not in (None, cfg.n_heads) or cfg.qk_norm or cfg.qkv_bias
+            or cfg.sliding_window is not None):
+        raise ConfigError("MLA has its own key/value layout: n_kv_heads, qk_norm, qkv_bias and "
+                          "sliding_window must stay unset")
 
 
 @dataclass

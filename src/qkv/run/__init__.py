@@ -27,7 +27,16 @@ import torch
 import yaml
 
 import qkv
-from qkv.config import ConfigError, apply_overrides, from_dict, load_yaml, parse_overrides, suggest
+from qkv.config import (
+    ConfigError,
+    apply_overrides,
+    check_fields,
+    from_dict,
+    load_yaml,
+    parse_overrides,
+    setting,
+    suggest,
+)
 from qkv.folder_sizes import check_new_model_memory
 from qkv.models.registry import config_for
 from qkv.nn.params import count_parameters
@@ -62,14 +71,15 @@ RESULTS_FILE = "results.json"
 
 @dataclass
 class EvalSettings:
-    n: int = 500  # held-out examples in the final evaluation (0 = none)
-    samples: int = 3  # sample outputs printed at the end
-    during_training: int = 0  # held-out examples evaluated every train.eval_every steps (0 = final only)
+    """A run's `eval:` section."""
+
+    n: int = setting(500, "held-out examples in the final evaluation", ge=0, note="0 = none")
+    samples: int = setting(3, "sample outputs printed at the end", ge=0)
+    during_training: int = setting(0, "held-out examples evaluated every train.eval_every steps", ge=0,
+                                   note="0 = the final evaluation only")
 
     def validate(self) -> None:
-        for name in ("n", "samples", "during_training"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
+        check_fields(self, "eval")
 
 
 def config_path(name_or_path: str) -> Path:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qkv.generate.engine_config import check_settings, setting
+from qkv.config import check_fields, setting
 from qkv.image_io import DEFAULT_LIMITS, ImageLimits
 
 # qkv.nn.quant.MODES, written out: the CLI reads it without importing torch (a test checks they agree)
@@ -26,7 +26,7 @@ class ServeConfig:
     port: int = setting(8000, "port (0: any free one, printed at start)", ge=0, le=65535)
     name: str | None = setting(None, "the model name clients send", none="the folder's name")
     max_waiting: int = setting(64, "queued requests beyond the running batch before 429", ge=0)
-    # below 0 uvicorn would cancel every request at once (and NaN compares false: check_settings refuses it)
+    # below 0 uvicorn would cancel every request at once (and NaN compares false: check_fields refuses it)
     shutdown_timeout: float = setting(30.0, "seconds running requests get to finish on SIGINT / SIGTERM",
                                       ge=0, unit="seconds")
     max_tokens_cap: int = setting(1024, "tokens a chat request without max_tokens may generate at most "
@@ -57,4 +57,4 @@ class ServeConfig:
         self.validate()
 
     def validate(self) -> None:
-        check_settings(self)
+        check_fields(self, "")

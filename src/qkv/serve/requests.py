@@ -13,17 +13,17 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from qkv.config import bounds_text, field_types
 from qkv.generate.config import (
     LOGIT_BIAS_LIMIT,
     MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     REQUEST_AT_LEAST,
     GenerationConfig,
-    bounds_text,
 )
 from qkv.serve.errors import APIError
 
@@ -49,34 +49,26 @@ OPENAI_RULES: dict[str, dict[str, Any]] = {
 
 
 def api_bounds(name: str) -> dict[str, Any]:
-    """GenerationConfig.<name>'s bounds (ge / gt / le / note) with OPENAI_RULES' over them."""
-    meta = _GC[name].metadata
-    bounds = {k: meta.get(k) for k in ("ge", "gt", "le", "note")}
+    """GenerationConfig.<name>'s metadata with OPENAI_RULES' bounds over it (a lower bound replaces its lower
+    bound)."""
     rule = OPENAI_RULES.get(name, {})
-    if "ge" in rule or "gt" in rule:
-        bounds["ge"], bounds["gt"] = rule.get("ge"), rule.get("gt")
-    bounds.update({k: v for k, v in rule.items() if k in ("le", "note")})
-    return bounds
+    low = {"ge": None, "gt": None} if "ge" in rule or "gt" in rule else {}
+    return {**_GC[name].metadata, **low, **rule}
 
 
 def describe(name: str) -> str:
     """A GenerationConfig field's API bounds in words (GenerationConfig's own wording: bounds_text)."""
-    return bounds_text(dataclasses.field(metadata=api_bounds(name)))
+    return bounds_text(api_bounds(name))
 
 
 def setting(name: str) -> Any:
-    """The pydantic field of the API setting that is GenerationConfig.<name>: its help text and bounds."""
+    """The pydantic field of the API setting that is GenerationConfig.<name>: its help text and bounds (and
+    the name, SETTING_OF's)."""
     b = api_bounds(name)
-    return Field(None, description=_GC[name].metadata["help"],
-                 **{k: b[k] for k in ("ge", "gt", "le") if b[k] is not None})
+    return Field(None, description=_GC[name].metadata["help"], json_schema_extra={"setting": name},
+                 **{k: b[k] for k in ("ge", "gt", "le", "lt") if b[k] is not None})
 
 
-# API field -> the GenerationConfig field whose rule it follows (for the error message's bounds)
-SETTING_OF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-              "repetition_penalty": "repetition_penalty", "seed": "seed", "max_tokens": "max_new_tokens",
-              "max_completion_tokens": "max_new_tokens", "n": "num_return_sequences",
-              "best_of": "num_return_sequences", "presence_penalty": "presence_penalty",
-              "frequency_penalty": "frequency_penalty"}
 # OpenAI fields this server does not implement, and their "off" values (a value, or a type's): set to
 # anything else they are refused, since answering as if they had been honoured would be worse (a logit_bias
 # or a JSON response_format silently ignored)
@@ -220,6 +212,11 @@ class _Body(BaseModel):
             presence_penalty=float(self.presence_penalty or 0),
             frequency_penalty=float(self.frequency_penalty or 0),
             logit_bias=self.logit_bias_ids, stop_strings=self.stop_strings or None)
+
+
+# API field -> the GenerationConfig field whose rule it follows (for the error message's bounds)
+SETTING_OF = {name: f.json_schema_extra["setting"] for name, f in _Body.model_fields.items()
+              if isinstance(f.json_schema_extra, dict) and "setting" in f.json_schema_extra}
 
 
 class CompletionRequest(_Body):
@@ -376,7 +373,8 @@ def _api_error(err: dict[str, Any]) -> APIError:
     if err["type"] == "missing":
         return APIError(400, f"'{name}' is required", name, "invalid_type")
     if name in SETTING_OF:
-        number = "an integer" if _GC[SETTING_OF[name]].type in ("int", "int | None") else "a number"
+        tp = field_types(GenerationConfig)[SETTING_OF[name]]
+        number = "an integer" if int in (tp, *get_args(tp)) else "a number"
         bounds = describe(SETTING_OF[name])
         return APIError(400, f"'{name}' must be {number}{' ' + bounds if bounds else ''}, got {got}", name,
                         kind)

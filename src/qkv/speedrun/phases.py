@@ -12,10 +12,10 @@ import json
 import math
 import random
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from qkv.finetune import finetune
+from qkv.finetune.chat import ChatSettings
 from qkv.finetune.chat_template import CHAT_ROLE_TOKENS
 from qkv.nn.params import count_parameters
 from qkv.run import train_run
@@ -131,23 +131,17 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
     chat = out / "chat"
     train = {"batch_size": 16, "lr": 1e-3 if p.sft.lora else 3e-4, "log_every": 10, "save_every": 100,
              "keep_last": 1, "warmup": 0.05, **p.sft.train}
-    args = SimpleNamespace(
-        model=str(out / "base"), data=str(out / "data" / "sft.jsonl"), dev=None, out=str(chat), task="chat",
-        resume=latest_checkpoint(chat / "checkpoints") is not None, seed=p.seed, no_progress=quiet,
-        epochs=p.sft.epochs, too_long="skip", overrides=[f"train.{k}={_yaml(v)}" for k, v in train.items()],
-        lora=p.sft.lora, lora_rank=p.sft.lora_rank, lora_alpha=2.0 * p.sft.lora_rank, lora_dropout=0.0,
-        lora_targets="all-linear", export="last", max_length=None, chat_template=None)
-    result = finetune(args)
-    settings = result["settings"]
+    lora = {"lora_rank": p.sft.lora_rank, "lora_alpha": 2.0 * p.sft.lora_rank, "lora_dropout": 0.0,
+            "lora_targets": "all-linear"} if p.sft.lora else {}
+    result = finetune(ChatSettings(
+        model=str(out / "base"), data=str(out / "data" / "sft.jsonl"), out=chat, seed=p.seed,
+        resume=latest_checkpoint(chat / "checkpoints") is not None, progress=not quiet, epochs=p.sft.epochs,
+        too_long="skip", train=train, lora=p.sft.lora, **lora, export="last"))
+    settings = result.record
     return {"steps": settings["steps"], "conversations": settings["examples"],
             "skipped_too_long": len(settings["skipped_lines"]), "lora": p.sft.lora,
             "trainable_parameters": settings["trainable_parameters"], "parameters": settings["parameters"],
             "final_train_loss": settings["final_train_loss"]}
-
-
-def _yaml(value: Any) -> str:
-    """A value as a train.key=value override reads it back (YAML scalars; a list in flow style)."""
-    return json.dumps(value) if isinstance(value, list | bool) or value is None else str(value)
 
 
 __all__ = ["data_phase", "pretrain_config", "pretrain_phase", "sft_phase", "tokenizer_phase"]

@@ -90,7 +90,7 @@ class LMOptions:
         try:  # the rule `qkv generate`, `qkv chat` and the server hold sampling to
             GenerationConfig(temperature=self.temperature, top_k=self.top_k)
         except ConfigError as e:
-            raise ConfigError(str(e).replace("GenerationConfig.", "")) from None
+            raise ConfigError(e.problem, e.field) from None
 
 
 class LMTask(Task):
