@@ -48,7 +48,8 @@ def test_bounds_in_words():
 @pytest.mark.parametrize("kw,field,message", [
     ({"steps": 0}, "steps", "Toy.steps must be at least 1, got 0"),
     ({"rate": 0.0}, "rate", "Toy.rate must be in (0, 1] (1 = all), got 0.0"),
-    ({"rate": math.nan}, "rate", "Toy.rate must be in (0, 1] (1 = all), got nan"),
+    ({"rate": math.nan}, "rate", "Toy.rate must be a finite number in (0, 1] (1 = all), got nan"),
+    ({"wait": math.inf}, "wait", "Toy.wait must be a finite number at least 0 seconds, got inf"),
     ({"wait": -1.0}, "wait", "Toy.wait must be at least 0 seconds, got -1.0"),
     ({"chunk": 0}, "chunk", "Toy.chunk must be at least 1 (or None: whole prompts), got 0"),
     ({"quant": "int3"}, "quant", "Toy.quant must be one of ('int8', 'int4') (or None: full precision), got "

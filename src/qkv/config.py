@@ -94,7 +94,8 @@ def check_value(name: str, value: Any, meta: Mapping[str, Any], where: str | Non
               and (lt is None or value < lt))
     if not ok:
         none = f" (or None: {meta['none']})" if meta.get("none") else ""
-        raise ConfigError(f"must be {bounds_text(meta)}{none}, got {value!r}", field=name, where=where)
+        finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
+        raise ConfigError(f"must be {finite}{bounds_text(meta)}{none}, got {value!r}", name, where)
 
 
 def suggest(name: object, valid: list[str], what: str = "valid keys") -> str:

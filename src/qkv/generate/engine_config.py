@@ -48,7 +48,7 @@ class EngineConfig:
         check_fields(self, "")
         s = self.split_cost
         if not (s is None or s == "auto" or (isinstance(s, int) and not isinstance(s, bool))):
-            raise ConfigError(f"split_cost must be an int, None or 'auto', got {s!r}")
+            raise ConfigError(f"must be an int, None or 'auto', got {s!r}", "split_cost")
 
     @classmethod
     def merged(cls, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:

@@ -71,8 +71,6 @@ RESULTS_FILE = "results.json"
 
 @dataclass
 class EvalSettings:
-    """A run's `eval:` section."""
-
     n: int = setting(500, "held-out examples in the final evaluation", ge=0, note="0 = none")
     samples: int = setting(3, "sample outputs printed at the end", ge=0)
     during_training: int = setting(0, "held-out examples evaluated every train.eval_every steps", ge=0,
