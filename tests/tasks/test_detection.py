@@ -4,6 +4,7 @@ the evaluation wiring through an oracle detector (mAP 1), the drawing, and bad i
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,9 @@ from qkv.tasks.canvases import VISIBLE, CanvasSpec, compose
 from qkv.tasks.coco_map import coco_map
 from qkv.tasks.detection import DetectionOptions, DetectionTask, detections
 from qkv.tasks.images import FASHION_DIR
-from tests.tasks._fashion_idx import write_idx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _fashion_idx import write_idx  # noqa: E402
 
 pytest.importorskip("pycocotools")
 HAS_FASHION = Path(FASHION_DIR).is_dir()
@@ -148,7 +151,7 @@ class Oracle(nn.Module):
             for q, ((x0, y0, x1, y1), label) in enumerate(zip(c.boxes + [self.shift, 0, self.shift, 0],
                                                              c.labels)):
                 logits[b, q, C], logits[b, q, label] = -10.0, 10.0
-                boxes[b, q] = torch.tensor([(x0 + x1) / 2 / S, (y0 + y1) / 2 / S, (x1 - x0) / S, (y1 - y0) / S])
+                boxes[b, q] = torch.tensor([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0]) / S
         return type("Out", (), {"logits": logits, "pred_boxes": boxes})()
 
 
