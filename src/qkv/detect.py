@@ -120,9 +120,9 @@ def format_detections(image_file: str, found: list[Detection], threshold: float)
                            for d in found]
 
 
-def save_drawing(drawing: Any, out: str | Path) -> Path:
-    """Write the drawing to `out` (its format from the suffix: .png, .jpg, ...) through a temporary file, so
-    that an interrupted write leaves no half image under the name."""
+def drawing_format(out: str | Path) -> str:
+    """Pillow's format for the file `out` (from its suffix), checked before any work; its folder must
+    exist."""
     out = Path(out)
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
@@ -130,6 +130,14 @@ def save_drawing(drawing: Any, out: str | Path) -> Path:
     if fmt is None or fmt not in Image.SAVE:
         raise ConfigError(f"--out {out}: no image format for suffix {out.suffix or '(none)'!r}; use .png or "
                           ".jpg")
+    return fmt
+
+
+def save_drawing(drawing: Any, out: str | Path) -> Path:
+    """Write the drawing to `out` (its format from the suffix: .png, .jpg, ...) through a temporary file, so
+    that an interrupted write leaves no half image under the name."""
+    out = Path(out)
+    fmt = drawing_format(out)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         drawing.save(tmp, format=fmt)

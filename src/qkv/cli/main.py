@@ -274,10 +274,12 @@ def cmd_predict(a: argparse.Namespace) -> int:
 
 def predict_boxes(model: str, images: list[str], out: str | None, threshold: float) -> int:
     from qkv.config import ConfigError
-    from qkv.detect import detect, draw, format_detections, save_drawing
+    from qkv.detect import detect, draw, drawing_format, format_detections, save_drawing
 
     if out is not None and len(images) != 1:
         raise ConfigError(f"--out draws one image's boxes; {len(images)} images given")
+    if out is not None:
+        drawing_format(out)
     for f, (image, found) in zip(images, detect(model, images, threshold)):
         for line in format_detections(f, found, threshold):
             print(line)
