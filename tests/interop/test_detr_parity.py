@@ -1,9 +1,9 @@
 """Hugging Face DetrForObjectDetection folders (transformers' own ResNet backbone) -> qkv DETR: logits and
 boxes equal transformers' on random weights (every parameter and BatchNorm statistic redrawn, so nothing is
 near zero), with and without auxiliary_loss (which changes transformers' decoder), bottleneck and basic
-backbones, a backbone read before its last stage; the auxiliary outputs equal transformers'; the loss
-equals transformers' on the same targets; the in-memory key names load too; what cannot load is one clear
-error naming why."""
+backbones, a backbone read before its last stage, in float32 and in float64 (to rounding); the auxiliary
+outputs equal transformers'; the loss equals transformers' on the same targets; the in-memory key names
+load too; what cannot load is one clear error naming why."""
 
 from __future__ import annotations
 
@@ -76,6 +76,16 @@ def test_outputs_equal_transformers(tmp_path, aux, layer_type, out_stage):
         model.config.renorm_intermediate = False
         with torch.no_grad():
             assert not torch.allclose(model(x).logits, want.logits, rtol=1e-3, atol=1e-3)
+
+
+def test_float64_outputs_equal_transformers_to_rounding(tmp_path):
+    ref = hf_detr(True, "bottleneck", 3).double()
+    model = qkv.from_pretrained(save(ref, tmp_path / "detr")).double()
+    x = torch.randn(1, 3, 40, 56, dtype=torch.float64)
+    with torch.no_grad():
+        want, got = ref(pixel_values=x), model(x)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got.pred_boxes, want.pred_boxes, rtol=1e-10, atol=1e-10)
 
 
 def test_in_memory_key_names_load(tmp_path):
