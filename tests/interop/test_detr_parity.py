@@ -1,9 +1,9 @@
 """Hugging Face DetrForObjectDetection folders (transformers' own ResNet backbone) -> qkv DETR: logits and
 boxes equal transformers' on random weights (every parameter and BatchNorm statistic redrawn, so nothing is
 near zero), with and without auxiliary_loss (which changes transformers' decoder), bottleneck and basic
-backbones, a backbone read before its last stage, in float32 and in float64 (to rounding); the auxiliary
-outputs equal transformers'; the loss equals transformers' on the same targets; the in-memory key names
-load too; what cannot load is one clear error naming why."""
+backbones, a backbone read before its last stage, a padded batch (pixel_mask), in float32 and in float64;
+the auxiliary outputs equal transformers'; the loss equals transformers' on the same targets; the in-memory
+key names load too; what cannot load is one clear error naming why."""
 
 from __future__ import annotations
 
@@ -76,6 +76,21 @@ def test_outputs_equal_transformers(tmp_path, aux, layer_type, out_stage):
         model.config.renorm_intermediate = False
         with torch.no_grad():
             assert not torch.allclose(model(x).logits, want.logits, rtol=1e-3, atol=1e-3)
+
+
+def test_padded_batch_equals_transformers(tmp_path):
+    ref = hf_detr(False, "basic", 3)
+    model = qkv.from_pretrained(save(ref, tmp_path / "detr"))
+    x = torch.randn(2, 3, 64, 64)
+    mask = torch.ones(2, 64, 64, dtype=torch.long)
+    mask[1, 40:], mask[1, :, 24:] = 0, 0  # the second image is 40 x 24, padded to the batch's 64 x 64
+    x[1] *= mask[1]
+    with torch.no_grad():
+        want, got = ref(pixel_values=x, pixel_mask=mask), model(x, pixel_mask=mask)
+        unmasked = model(x).logits
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.pred_boxes, want.pred_boxes, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(unmasked[1], want.logits[1], rtol=1e-3, atol=1e-3)  # the mask mattered
 
 
 def test_float64_outputs_equal_transformers_to_rounding(tmp_path):
