@@ -93,6 +93,21 @@ def test_padded_batch_equals_transformers(tmp_path):
     assert not torch.allclose(unmasked[1], want.logits[1], rtol=1e-3, atol=1e-3)  # the mask mattered
 
 
+def test_a_loaded_folder_fine_tunes_with_its_batch_norms_frozen(tmp_path):
+    model = qkv.from_pretrained(save(hf_detr(True), tmp_path / "detr")).train()
+    stats = {k: v.clone() for k, v in model.backbone.state_dict().items() if "bn." in k}
+    assert stats and not any("bn." in name for name, _ in model.backbone.named_parameters())
+    conv = model.backbone.stages[0][0].branch[0].conv.weight
+    before = conv.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3, 32, 32), labels=targets()).loss.backward()
+    opt.step()
+    assert not torch.equal(conv, before)  # the convolutions train
+    for k, v in model.backbone.state_dict().items():
+        if k in stats:
+            assert torch.equal(v, stats[k]), k  # the BatchNorms do not, in train mode either
+
+
 def test_float64_outputs_equal_transformers_to_rounding(tmp_path):
     ref = hf_detr(True, "bottleneck", 3).double()
     model = qkv.from_pretrained(save(ref, tmp_path / "detr")).double()

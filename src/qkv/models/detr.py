@@ -64,7 +64,7 @@ class DETRConfig:
     num_queries: int = 25  # the most objects one image can hold
     num_labels: int = 10  # object classes; the logits have one more, "no object" (the last)
     box_layers: int = 3  # of the box MLP (d_model wide, ReLU between)
-    position_temperature: float = 10000.0  # the sine table's longest wavelength / 2 pi
+    position_temperature: float = 10000.0  # the base of the sine table's wavelengths (the Transformer's)
     aux_loss: bool = True  # every decoder layer's output is scored (auxiliary decoding losses)
     # the next decoder layer reads the LayerNorm'd output when aux_loss is on: transformers' DetrDecoder does
     # this (the original DETR normalises only the copy the heads read); a Hugging Face folder sets it
