@@ -12,7 +12,7 @@ import torch
 
 import qkv
 from qkv.config import ConfigError, from_dict
-from qkv.models.detr import DETR, DETRConfig, FrozenBatchNorm2d, sine_position_grid
+from qkv.models.detr import DETR, DETRConfig, FrozenBatchNorm2d, sine_position_embedding, sine_position_grid
 from qkv.models.resnet import ResNetConfig
 
 pytest.importorskip("scipy")
@@ -46,10 +46,15 @@ def test_sine_grid_is_the_formula_in_float64():
                     assert got[i, j, half * npf + c].item() == pytest.approx(want, abs=1e-12)
 
 
-def test_sine_grid_equals_transformers():
+def test_sine_tables_equal_transformers():
     detr = pytest.importorskip("transformers.models.detr.modeling_detr")
-    ref = detr.DetrSinePositionEmbedding(16, normalize=True)(torch.Size([1, 32, 4, 7]), "cpu", torch.float32)
+    table = detr.DetrSinePositionEmbedding(16, normalize=True)
+    ref = table(torch.Size([1, 32, 4, 7]), "cpu", torch.float32)
     torch.testing.assert_close(sine_position_grid(4, 7, 32), ref[0].flatten(1).T)
+    keep = torch.ones(2, 4, 7, dtype=torch.bool)
+    keep[1, 3:], keep[1, :, 5:] = False, False  # the second image padded below and to the right
+    ref = table(torch.Size([2, 32, 4, 7]), "cpu", torch.float32, mask=keep)
+    torch.testing.assert_close(sine_position_embedding(keep, 32), ref.flatten(2).transpose(1, 2))
 
 
 def test_frozen_batch_norm_is_batch_norm_in_eval():
@@ -88,7 +93,7 @@ def test_the_aux_outputs_are_the_earlier_layers_through_the_shared_heads():
     model = DETR(tiny(aux_loss=True, decoder_layers=2)).eval()
     x = torch.randn(1, 1, 32, 32)
     out = model(x)
-    memory, pos = model.encode(x)
+    memory, pos, _ = model.encode(x)
     query_pos = model.query_embed.weight[None]
     first = model.decoder[0](torch.zeros_like(query_pos), query_pos, memory, pos)
     logits, boxes = model.heads(model.decoder_norm(first))
@@ -96,6 +101,14 @@ def test_the_aux_outputs_are_the_earlier_layers_through_the_shared_heads():
     torch.testing.assert_close(out.aux_outputs[0][1], boxes)
     last = model.decoder[1](first, query_pos, memory, pos)  # not renormalised in between (the paper's)
     torch.testing.assert_close(out.logits, model.heads(model.decoder_norm(last))[0])
+
+
+def test_an_all_ones_pixel_mask_changes_nothing():
+    torch.manual_seed(0)
+    model = DETR(tiny()).eval()
+    x = torch.randn(2, 1, 32, 32)
+    torch.testing.assert_close(model(x, pixel_mask=torch.ones(2, 32, 32, dtype=torch.long)).logits,
+                               model(x).logits)
 
 
 def test_a_few_steps_fit_one_canvas():
@@ -130,6 +143,8 @@ def test_bad_input_is_one_clear_error():
     model = DETR(tiny()).eval()
     with pytest.raises(ValueError, match=r"pixel_values must be \(B, 1, H, W\).*got shape \(2, 3, 32, 32\)"):
         model(torch.randn(2, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"pixel_mask must be \(B, H, W\) = \(1, 32, 32\)"):
+        model(torch.randn(1, 1, 32, 32), pixel_mask=torch.ones(1, 1, 32, 32))
     with pytest.raises(ValueError, match="must be floats"):
         model(torch.zeros(1, 1, 32, 32, dtype=torch.uint8))
     bad = [{"class_labels": torch.tensor([3]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.2]])}]

@@ -44,6 +44,7 @@ _MODULES = {
     "t5": "qkv.interop.t5",
     "bart": "qkv.interop.bart",
     "marian": "qkv.interop.bart",
+    "detr": "qkv.interop.detr",
 }
 
 
@@ -53,7 +54,7 @@ KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
          "deberta-v2": "encoder",
          "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "resnet": "image",
-         "swin": "image", "whisper": "audio", "clip": "dual"}
+         "swin": "image", "whisper": "audio", "clip": "dual", "detr": "detection"}
 
 
 def load_hf(folder: str | Path) -> Any:

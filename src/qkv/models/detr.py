@@ -64,7 +64,7 @@ class DETRConfig:
     num_queries: int = 25  # the most objects one image can hold
     num_labels: int = 10  # object classes; the logits have one more, "no object" (the last)
     box_layers: int = 3  # of the box MLP (d_model wide, ReLU between)
-    position_temperature: float = 10000.0  # the sine table's longest wavelength / 2 pi
+    position_temperature: float = 10000.0  # the base of the sine table's wavelengths (the Transformer's)
     aux_loss: bool = True  # every decoder layer's output is scored (auxiliary decoding losses)
     # the next decoder layer reads the LayerNorm'd output when aux_loss is on: transformers' DetrDecoder does
     # this (the original DETR normalises only the copy the heads read); a Hugging Face folder sets it
@@ -111,25 +111,35 @@ class DetectionOutput(ModelOutput):
     encoder_hidden_state: Tensor | None = None  # (B, H'W', d_model)
 
 
-def sine_position_grid(h: int, w: int, d_model: int, temperature: float = 10000.0,
-                       device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
-    """DETR's 2-D sine table (h * w, d_model): the first half of the channels encode the row, the second
-    half the column. Each coordinate is (1 .. n) / (n + 1e-6) * 2 pi, then for pair k = 0 .. d/4 - 1 the
-    channels 2k, 2k + 1 are sin and cos of it / temperature ** (2k / (d / 2)) (the Transformer's table with
-    the position normalised to the grid, so a larger image keeps the same range)."""
+def sine_position_embedding(keep: Tensor, d_model: int, temperature: float = 10000.0,
+                            dtype: torch.dtype = torch.float32) -> Tensor:
+    """DETR's 2-D sine table of a feature map, (B, h * w, d_model), from its (B, h, w) mask of real (not
+    padding) positions: the first half of the channels encode the row, the second half the column. A
+    position's coordinate is the count of real positions up to it along its column (row), divided by the
+    column's (row's) total + 1e-6 and scaled to 2 pi, so the real part of any image spans (0, 2 pi]; then for
+    pair k = 0 .. d/4 - 1 the channels 2k, 2k + 1 are sin and cos of it / temperature ** (2k / (d / 2)) (the
+    Transformer's table at a normalised position)."""
     npf = d_model // 2
-    y = torch.arange(1, h + 1, device=device, dtype=dtype) / (h + 1e-6) * (2 * math.pi)
-    x = torch.arange(1, w + 1, device=device, dtype=dtype) / (w + 1e-6) * (2 * math.pi)
-    dim_t = torch.arange(npf, device=device).div(2, rounding_mode="floor").to(dtype)
+    m = keep.to(dtype)
+    y, x = m.cumsum(1), m.cumsum(2)
+    y = y / (y[:, -1:, :] + 1e-6) * (2 * math.pi)
+    x = x / (x[:, :, -1:] + 1e-6) * (2 * math.pi)
+    dim_t = torch.arange(npf, device=keep.device).div(2, rounding_mode="floor").to(dtype)
     dim_t = temperature ** (2 * dim_t / npf)
 
-    def encode(c: Tensor) -> Tensor:  # (n,) -> (n, npf): sin, cos interleaved per frequency
-        a = c[:, None] / dim_t
-        return torch.stack((a[:, 0::2].sin(), a[:, 1::2].cos()), dim=-1).flatten(1)
+    def encode(c: Tensor) -> Tensor:  # (B, h, w) -> (B, h, w, npf): sin, cos interleaved per frequency
+        a = c[..., None] / dim_t
+        return torch.stack((a[..., 0::2].sin(), a[..., 1::2].cos()), dim=-1).flatten(-2)
 
-    pos_y, pos_x = encode(y), encode(x)
-    grid = torch.cat([pos_y[:, None].expand(h, w, npf), pos_x[None].expand(h, w, npf)], dim=-1)
-    return grid.reshape(h * w, d_model)
+    return torch.cat([encode(y), encode(x)], dim=-1).flatten(1, 2)
+
+
+def sine_position_grid(h: int, w: int, d_model: int, temperature: float = 10000.0,
+                       device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The sine table (h * w, d_model) of a map with no padding: row i's coordinate is (i + 1) / (h + 1e-6)
+    * 2 pi, column j's (j + 1) / (w + 1e-6) * 2 pi."""
+    keep = torch.ones(1, h, w, dtype=torch.bool, device=device)
+    return sine_position_embedding(keep, d_model, temperature, dtype)[0]
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -174,7 +184,9 @@ class PositionalAttention(nn.Module):
         self.q_proj, self.k_proj = Linear(d_model, d_model), Linear(d_model, d_model)
         self.v_proj, self.out_proj = Linear(d_model, d_model), Linear(d_model, d_model)
 
-    def forward(self, x: Tensor, pos_q: Tensor | None, memory: Tensor, pos_k: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, pos_q: Tensor | None, memory: Tensor, pos_k: Tensor | None,
+                keep: Tensor | None = None) -> Tensor:
+        """keep: (B, S) True where a key is real (not padding), or None (all are)."""
         B, T, C = x.shape
         S = memory.shape[1]
 
@@ -184,7 +196,8 @@ class PositionalAttention(nn.Module):
         q = heads(self.q_proj(x if pos_q is None else x + pos_q), T)
         k = heads(self.k_proj(memory if pos_k is None else memory + pos_k), S)
         v = heads(self.v_proj(memory), S)
-        y, _ = scaled_dot_product_attention(q, k, v, backend="fused",
+        mask = None if keep is None else keep[:, None, None, :]
+        y, _ = scaled_dot_product_attention(q, k, v, mask=mask, backend="fused",
                                             dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -201,8 +214,8 @@ class EncoderLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(d, eps=cfg.norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, h: Tensor, pos: Tensor) -> Tensor:
-        h = self.attn_norm(h + self.drop(self.attn(h, pos, h, pos)))
+    def forward(self, h: Tensor, pos: Tensor, keep: Tensor | None = None) -> Tensor:
+        h = self.attn_norm(h + self.drop(self.attn(h, pos, h, pos, keep)))
         return self.ffn_norm(h + self.drop(self.ffn(h)))
 
 
@@ -221,9 +234,10 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(d, eps=cfg.norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, t: Tensor, query_pos: Tensor, memory: Tensor, pos: Tensor) -> Tensor:
+    def forward(self, t: Tensor, query_pos: Tensor, memory: Tensor, pos: Tensor,
+                keep: Tensor | None = None) -> Tensor:
         t = self.self_norm(t + self.drop(self.self_attn(t, query_pos, t, query_pos)))
-        t = self.cross_norm(t + self.drop(self.cross_attn(t, query_pos, memory, pos)))
+        t = self.cross_norm(t + self.drop(self.cross_attn(t, query_pos, memory, pos, keep)))
         return self.ffn_norm(t + self.drop(self.ffn(t)))
 
 
@@ -278,33 +292,51 @@ class DETR(QKVModel):
         out.update({f"backbone.{k}": needs[k] for k in ("image_size", "n_channels") if k in needs})
         return out
 
-    def check_pixels(self, pixel_values: Tensor) -> None:
+    def check_pixels(self, pixel_values: Tensor, pixel_mask: Tensor | None = None) -> None:
         n = self.config.backbone.n_channels
         if pixel_values.dim() != 4 or pixel_values.shape[1] != n:
             raise ValueError(f"DETR: pixel_values must be (B, {n}, H, W) (this model's backbone takes {n} "
                              f"channel{'s' if n > 1 else ''}), got shape {tuple(pixel_values.shape)}")
         if not pixel_values.is_floating_point():
             raise ValueError(f"DETR: pixel_values must be floats, got {pixel_values.dtype}")
+        want = (pixel_values.shape[0], *pixel_values.shape[2:])
+        if pixel_mask is not None and tuple(pixel_mask.shape) != want:
+            raise ValueError(f"DETR: pixel_mask must be (B, H, W) = {want} like pixel_values, got shape "
+                             f"{tuple(pixel_mask.shape)}")
 
-    def encode(self, pixel_values: Tensor) -> tuple[Tensor, Tensor]:
-        """(the encoder's output (B, H'W', d_model), the sine table (H'W', d_model) it was built with)."""
+    def feature_keep(self, pixel_mask: Tensor | None, h: int, w: int) -> Tensor | None:
+        """The pixel mask (B, H, W) (1 = real, 0 = padding) taken to the feature grid (B, h, w) by nearest
+        neighbours, as transformers does; None without padding."""
+        if pixel_mask is None:
+            return None
+        return F.interpolate(pixel_mask[None].float(), size=(h, w))[0].bool()
+
+    def encode(self, pixel_values: Tensor, pixel_mask: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(the encoder's output (B, H'W', d_model), the sine table it was built with ((H'W', d_model), or
+        (B, H'W', d_model) with a pixel mask), which of the H'W' positions are real (B, H'W') or None)."""
         feats = self.input_proj(self.backbone.features(pixel_values))  # (B, d, H', W')
         B, d, h, w = feats.shape
-        pos = sine_position_grid(h, w, d, self.config.position_temperature, feats.device, feats.dtype)
+        keep = self.feature_keep(pixel_mask, h, w)
+        if keep is None:
+            pos = sine_position_grid(h, w, d, self.config.position_temperature, feats.device, feats.dtype)
+        else:
+            pos = sine_position_embedding(keep, d, self.config.position_temperature, feats.dtype)
+            keep = keep.flatten(1)
         x = feats.flatten(2).transpose(1, 2)  # (B, H'W', d)
         for layer in self.encoder:
-            x = layer(x, pos)
-        return x, pos
+            x = layer(x, pos, keep)
+        return x, pos, keep
 
-    def decode(self, memory: Tensor, pos: Tensor) -> list[Tensor]:
+    def decode(self, memory: Tensor, pos: Tensor, keep: Tensor | None = None) -> list[Tensor]:
         """The decoder's normalised outputs (B, Q, d): the last layer's, preceded by every earlier layer's
-        with aux_loss."""
+        with aux_loss. keep: which memory positions are real (B, H'W'), or None (all)."""
         c = self.config
         query_pos = self.query_embed.weight.unsqueeze(0).expand(memory.shape[0], -1, -1)
         t = torch.zeros_like(query_pos)
         outs = []
         for i, layer in enumerate(self.decoder):
-            t = layer(t, query_pos, memory, pos)
+            t = layer(t, query_pos, memory, pos, keep)
             if c.aux_loss and i < len(self.decoder) - 1:
                 normed = self.decoder_norm(t)
                 outs.append(normed)
@@ -319,13 +351,15 @@ class DETR(QKVModel):
         """(class logits (..., num_labels + 1), boxes (..., 4) (cx, cy, w, h) in [0, 1])."""
         return self.class_head(h), self.box_head(h).sigmoid()
 
-    def forward(self, pixel_values: Tensor, *, labels: list[dict[str, Tensor]] | None = None
-                ) -> DetectionOutput:
-        """pixel_values (B, C, H, W) floats; labels (optional): per image {"class_labels": (M,) ids in
+    def forward(self, pixel_values: Tensor, *, pixel_mask: Tensor | None = None,
+                labels: list[dict[str, Tensor]] | None = None) -> DetectionOutput:
+        """pixel_values (B, C, H, W) floats; pixel_mask (optional) (B, H, W), 1 on an image's pixels and 0 on
+        the padding that brought images of different sizes to one batch (keys there are not attended, the
+        sine table counts real positions only); labels (optional): per image {"class_labels": (M,) ids in
         [0, num_labels), "boxes": (M, 4) (cx, cy, w, h) in [0, 1]}, M >= 0. The loss is set_loss's total."""
-        self.check_pixels(pixel_values)
-        memory, pos = self.encode(pixel_values)
-        hs = self.decode(memory, pos)
+        self.check_pixels(pixel_values, pixel_mask)
+        memory, pos, keep = self.encode(pixel_values, pixel_mask)
+        hs = self.decode(memory, pos, keep)
         logits, boxes = self.heads(hs[-1])
         out = DetectionOutput(logits=logits, pred_boxes=boxes, last_hidden_state=hs[-1],
                               encoder_hidden_state=memory, aux_outputs=[self.heads(h) for h in hs[:-1]])
@@ -349,4 +383,5 @@ register_preset("detr-small", "detr", DETRConfig(),
                 "a small DETR for 64 px grey canvases: ResNet 16..128 (stride 8), d_model 128, 2+2 layers, "
                 "25 queries, auxiliary losses")
 
-__all__ = ["DETR", "DETRConfig", "DetectionOutput", "FrozenBatchNorm2d", "sine_position_grid"]
+__all__ = ["DETR", "DETRConfig", "DetectionOutput", "FrozenBatchNorm2d", "sine_position_embedding",
+           "sine_position_grid"]
