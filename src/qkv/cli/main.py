@@ -428,8 +428,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore,
                 cmd_explore),
-    "predict": ("top classes of image files (CLIP: zero-shot --labels; masked LM: --text; DETR: boxes, "
-                "--out)", _add_predict, cmd_predict),
+    "predict": ("top classes of image files, a DETR's boxes (CLIP: --labels; masked LM: --text)",
+                _add_predict, cmd_predict),
     "finetune": ("fine-tune a pretrained model folder on your data", _add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
     "chat": ("chat with a model folder (its chat template), interactively or --message", add_chat, cmd_chat),
