@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from qkv.cli.main import main
@@ -98,3 +99,32 @@ def test_out_with_a_classifier_is_one_line(tmp_path, capsys):
     args = ["predict", str(tmp_path / "vit"), str(tmp_path / "x.png"), "--out", str(tmp_path / "o.png")]
     assert main(args) == 2
     assert "is not a detector" in capsys.readouterr().err
+
+
+def test_a_hugging_face_folder_lists_transformers_boxes(tmp_path, capsys):
+    """A DetrForObjectDetection folder with its DetrImageProcessor: the boxes and scores listed equal the
+    processor's own preprocessing, the transformers model and post_process_object_detection."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent / "interop"))
+    from test_detr_parity import hf_detr
+
+    ref = hf_detr(aux=False)
+    ref.save_pretrained(tmp_path / "detr")
+    processor = transformers.DetrImageProcessor(size={"shortest_edge": 24, "longest_edge": 48}, do_pad=False)
+    processor.save_pretrained(tmp_path / "detr")
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+    image.save(tmp_path / "x.png")
+    assert main(["predict", str(tmp_path / "detr"), str(tmp_path / "x.png"), "--threshold", "0"]) == 0
+    lines = [ln.split() for ln in capsys.readouterr().out.splitlines() if " box " in ln]
+    got = sorted((float(ln[0]), *map(float, ln[-4:])) for ln in lines)
+    with torch.no_grad():
+        inputs = processor(images=image, return_tensors="pt")
+        assert tuple(inputs["pixel_values"].shape[-2:]) == (24, 32)
+        out = ref(pixel_values=inputs["pixel_values"])
+        want = processor.post_process_object_detection(out, threshold=0.0, target_sizes=[(30, 40)])[0]
+    expected = np.array(sorted((float(s), *b.tolist()) for s, b in zip(want["scores"], want["boxes"])))
+    got = np.array(got)
+    assert got.shape == expected.shape == (5, 5) and expected[:, 0].min() < 0.9  # not all "no object"
+    np.testing.assert_allclose(got[:, 0], expected[:, 0], atol=6e-5)  # printed with 4 decimals
+    np.testing.assert_allclose(got[:, 1:], expected[:, 1:], atol=0.051)  # and boxes with 1
