@@ -132,12 +132,13 @@ def test_compose_is_a_function_of_its_random_stream():
 
 # -- the evaluation's wiring ---------------------------------------------------------------------------
 class Oracle(nn.Module):
-    """Answers each held-out canvas in order with its true boxes (as DETR outputs them: normalised centre
-    boxes, logits over the classes + "no object"); the other queries say "no object"."""
+    """Answers the held-out canvases 0..n-1 in order (and again from 0 on each pass) with their true boxes (as
+    DETR outputs them: normalised centre boxes, logits over the classes + "no object"); the other queries say
+    "no object"."""
 
-    def __init__(self, task: DetectionTask, queries: int = 6, shift: float = 0.0) -> None:
+    def __init__(self, task: DetectionTask, n: int, queries: int = 6, shift: float = 0.0) -> None:
         super().__init__()
-        self.task, self.queries, self.shift, self.next = task, queries, shift, 0
+        self.task, self.n, self.queries, self.shift, self.next = task, n, queries, shift, 0
         self.weight = nn.Parameter(torch.zeros(1))
 
     def forward(self, pixel_values):
@@ -146,7 +147,7 @@ class Oracle(nn.Module):
         logits[..., C] = 10.0
         boxes = torch.full((B, self.queries, 4), 0.5)
         for b in range(B):
-            c = self.task.canvas("val", self.next)
+            c = self.task.canvas("val", self.next % self.n)
             self.next += 1
             for q, ((x0, y0, x1, y1), label) in enumerate(zip(c.boxes + [self.shift, 0, self.shift, 0],
                                                              c.labels)):
@@ -156,11 +157,18 @@ class Oracle(nn.Module):
 
 
 def test_an_oracle_scores_map_one_and_a_shifted_one_less(tmp_path):
+    # the evaluation path end to end: canvases -> the model's normalised centre boxes -> pixel corners -> COCO
+    # mAP, and the held-out set-loss terms of the same outputs
     task = DetectionTask(DetectionOptions(path=str(flat_folder(tmp_path / "f")), val_canvases=30), "detr")
-    scores = task.evaluate(Oracle(task), n=30, batch_size=7)
+    scores = task.evaluate(Oracle(task, 30), n=30, batch_size=7)
     assert scores["map"] == pytest.approx(1.0) and scores["n"] == 30
-    shifted = task.evaluate(Oracle(task, shift=4.0), n=30, batch_size=7)  # 4 px on 16..32 px items
+    assert scores["loss_bbox"] == pytest.approx(0.0, abs=1e-6)
+    assert scores["loss_giou"] == pytest.approx(0.0, abs=1e-6)
+    assert scores["cardinality_error"] == 0.0
+    shifted = task.evaluate(Oracle(task, 30, shift=4.0), n=30, batch_size=7)  # 4 px on 16..32 px items
     assert 0.0 < shifted["map"] < 0.9 and shifted["map_50"] > shifted["map_75"]
+    # each matched box off by 4 px in cx only, on a 64 px canvas: L1 = 4 / 64 per box
+    assert shifted["loss_bbox"] == pytest.approx(4 / 64, abs=1e-6) and shifted["loss_giou"] > 0.1
 
 
 def test_detections_keep_the_queries_over_the_threshold():

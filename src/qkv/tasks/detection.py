@@ -13,11 +13,14 @@ Batch: {"pixel_values": (B, 1, S, S) floats (pixels / 255, centred and scaled by
 box (a folder whose images are blank: no item pixel reaches canvases.VISIBLE) is a ConfigError naming it.
 
 Evaluation: COCO box mAP (pycocotools, tasks/coco_map.py) of every query's (box, best non-empty class,
-its probability) on the first n held-out canvases: map (IoU 0.50:0.95), map_50, map_75.
+its probability) on the first n held-out canvases: map (IoU 0.50:0.95), map_50, map_75; beside it the last
+decoder layer's held-out set-loss terms (loss_bbox, loss_giou, loss_ce, cardinality_error), which move long
+before a short run's mAP does.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
-from qkv.models.set_loss import center_to_corners, corners_to_center
+from qkv.models.set_loss import SetLossWeights, center_to_corners, corners_to_center, set_loss
 from qkv.tasks.base import Task, check_split, model_device, register_task, rng_for
 from qkv.tasks.canvases import VISIBLE, Canvas, CanvasSpec, compose
 from qkv.tasks.coco_map import coco_map
@@ -154,12 +157,41 @@ class DetectionTask(Task):
         model.train(was)
         return out
 
+    @torch.no_grad()
+    def set_losses(self, model: torch.nn.Module, canvases: list[Canvas], batch_size: int = 100
+                   ) -> dict[str, float]:
+        """The last decoder layer's set-loss terms on `canvases` (DETR's matching and losses,
+        models/set_loss.py, with the model's weights): loss_bbox and loss_giou per target box, loss_ce and
+        cardinality_error per canvas (batch means weighted by batch size). Only the last layer is scored, so
+        models with and without auxiliary losses compare; loss_ce does not compare across query counts (more
+        queries, more no-object terms)."""
+        weights = getattr(getattr(model, "config", None), "loss", None)
+        weights = weights if isinstance(weights, SetLossWeights) else None
+        was = model.training
+        model.eval()
+        dev = model_device(model)
+        sums: dict[str, float] = defaultdict(float)
+        for s in range(0, len(canvases), batch_size):
+            chunk = canvases[s:s + batch_size]
+            batch = self.collate(chunk)
+            o = model(batch["pixel_values"].to(dev))
+            targets = [{k: v.to(dev) for k, v in t.items()} for t in batch["labels"]]
+            _, terms = set_loss(o.logits, o.pred_boxes, targets, weights)
+            m = sum(len(c.labels) for c in chunk)
+            for key, weight in (("loss_bbox", m), ("loss_giou", m), ("loss_ce", len(chunk)),
+                                ("cardinality_error", len(chunk))):
+                sums[key] += float(terms[key]) * weight
+        model.train(was)
+        boxes = sum(len(c.labels) for c in canvases)
+        return {k: v / (boxes if k in ("loss_bbox", "loss_giou") else len(canvases)) for k, v in sums.items()}
+
     def evaluate(self, model: torch.nn.Module, n: int = 500, batch_size: int = 100) -> dict[str, float]:
-        """COCO box mAP on the first n held-out canvases (all val_canvases by default)."""
+        """COCO box mAP on the first n held-out canvases (all val_canvases by default), and the last decoder
+        layer's set-loss terms on them (`set_losses`)."""
         canvases = [self.canvas("val", k) for k in range(min(n, self.options.val_canvases))]
         found = self.predict(model, canvases, batch_size)
         scores = coco_map([(c.boxes, c.labels) for c in canvases], found)
-        return {**scores, "n": float(len(canvases))}
+        return {**scores, **self.set_losses(model, canvases, batch_size), "n": float(len(canvases))}
 
     def samples(self, model: torch.nn.Module, n: int = 5, threshold: float = 0.5) -> list[str]:
         canvases = [self.canvas("val", k) for k in range(min(n, self.options.val_canvases))]
