@@ -188,3 +188,12 @@ def test_a_canvas_with_no_boxes_is_one_clear_error(tmp_path):
         DetectionTask(DetectionOptions(path=str(blank)), "detr")
     with pytest.raises(ConfigError, match="max_size"):
         DetectionOptions(max_size=80).validate()
+
+
+def test_the_targets_follow_the_trainers_device_move(tmp_path):
+    from qkv.train.batches import to_device
+
+    task = DetectionTask(DetectionOptions(path=str(flat_folder(tmp_path / "f"))), "detr")
+    moved = to_device(task.batch(0, 3), torch.device("meta"))
+    assert moved["pixel_values"].is_meta and len(moved["labels"]) == 3
+    assert all(t["boxes"].is_meta and t["class_labels"].is_meta for t in moved["labels"])
