@@ -165,6 +165,7 @@ def test_an_oracle_scores_map_one_and_a_shifted_one_less(tmp_path):
     assert scores["loss_bbox"] == pytest.approx(0.0, abs=1e-6)
     assert scores["loss_giou"] == pytest.approx(0.0, abs=1e-6)
     assert scores["cardinality_error"] == 0.0
+    assert set(scores) - {"n"} == set(DetectionTask.metrics)  # every score declared, with its direction
     shifted = task.evaluate(Oracle(task, 30, shift=4.0), n=30, batch_size=7)  # 4 px on 16..32 px items
     assert 0.0 < shifted["map"] < 0.9 and shifted["map_50"] > shifted["map_75"]
     # each matched box off by 4 px in cx only, on a 64 px canvas: L1 = 4 / 64 per box

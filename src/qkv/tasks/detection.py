@@ -88,7 +88,8 @@ def detections(logits: Tensor, pred_boxes: Tensor, width: float, height: float,
 
 class DetectionTask(Task):
     kinds = ("detection",)
-    metrics = {"map": "max", "map_50": "max", "map_75": "max"}
+    metrics = {"map": "max", "map_50": "max", "map_75": "max", "loss_giou": "min", "loss_bbox": "min",
+               "loss_ce": "min", "cardinality_error": "min"}
 
     def __init__(self, options: DetectionOptions, family: str, tokenizer: Tokenizer | None = None) -> None:
         self.options, self.family, self.spec = options, family, options.spec()
