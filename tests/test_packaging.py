@@ -59,7 +59,8 @@ def test_torch_floor_excludes_the_weights_only_bypass():
 
 @pytest.mark.parametrize("task, module, extra",
                          [("digits", "sklearn", "vision"), ("numbers_zh", "sacrebleu", "text"),
-                                                 ("captions", "sklearn", "vision")])
+                                                 ("captions", "sklearn", "vision"),
+                          ("detection", "pycocotools", "detection")])
 def test_missing_optional_package_is_one_clear_error(monkeypatch, task, module, extra):
     from qkv.config import ConfigError
     from qkv.tasks import build_task

@@ -9,7 +9,8 @@ feature needs a package that is not installed.
     text      sacrebleu + rouge-score: BLEU of the translation tasks (numbers_zh, tsv), ROUGE of seq2seq
     seq2seq   sentencepiece + sacrebleu: Marian / T5 folders without tokenizer.json,
               qkv finetune --task seq2seq
-    lab       all three: every shipped config and ablation suite
+    detection scipy + pycocotools: DETR's Hungarian matching, the detection task's COCO mAP
+    lab       all of them: every shipped config and ablation suite
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from qkv.config import ConfigError
 # import name -> (pip name, extra)
 PACKAGES = {"sklearn": ("scikit-learn", "vision"), "scipy": ("scipy", "audio"),
             "soundfile": ("soundfile", "audio"), "rouge_score": ("rouge-score", "text"),
-            "sacrebleu": ("sacrebleu", "text"), "sentencepiece": ("sentencepiece", "seq2seq")}
+            "sacrebleu": ("sacrebleu", "text"), "sentencepiece": ("sentencepiece", "seq2seq"),
+            "pycocotools": ("pycocotools", "detection")}
 
 
 def require(module: str, what: str) -> ModuleType:

@@ -46,7 +46,8 @@ def test_every_shipped_run_config_validates(path, tmp_path):
     header = path.read_text(encoding="utf-8").splitlines()[:6]
     assert any("qkv train" in line for line in header), f"{path.name} must state its command in its header"
     cfg = load_run_config(str(path))
-    fashion = cfg["task"]["name"] in ("fashion_mnist", "vqa") or cfg["task"].get("dataset") == "fashion_mnist"
+    fashion = (cfg["task"]["name"] in ("fashion_mnist", "vqa", "detection")
+               or cfg["task"].get("dataset") == "fashion_mnist")
     if fashion and not Path(cfg["task"].get("path", FASHION_DIR)).is_dir():
         pytest.skip(f"Fashion-MNIST is not installed ({FASHION_APT})")
     if cfg["task"]["name"] == "speech":

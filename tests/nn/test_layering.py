@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     # and zero-shot classes; qkv transcribe: Whisper folders over audio files
     ("qkv.chat", "qkv.predict", "qkv.image_text", "qkv.transcribe"),
     ("qkv.chat_vision",),  # qkv chat --image: a ChatSession whose messages carry an image (LLaVA)
+    ("qkv.detect",),  # qkv predict DETECTOR --out: a DETR's boxes drawn (qkv.predict's image preprocessing)
     # ablation suites (each run through qkv.run.train_run); fine-tuning recipes
     ("qkv.experiments", "qkv.finetune"),
     # sentence embeddings from a BERT-family folder (uses finetune.encoders' folder + tokenizer); qkv export

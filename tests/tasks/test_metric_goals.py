@@ -18,6 +18,7 @@ def test_every_task_declares_a_primary_metric_and_direction():
 def _task_class(name):
     from qkv.tasks import (
         captions,
+        detection,
         digits,
         dtmf,
         images,
@@ -38,7 +39,7 @@ def _task_class(name):
             "digits": digits.DigitsTask, "captions": captions.CaptionsTask, "dtmf": dtmf.DTMFTask,
             "speech": speech.SpeechTask, "fashion_mnist": images.ImageClassificationTask,
             "image_folder": images.ImageClassificationTask, "vqa": vqa.VQATask,
-            "mlm": mlm.MLMTask}[name]
+            "mlm": mlm.MLMTask, "detection": detection.DetectionTask}[name]
 
 
 @pytest.mark.parametrize("name, family, model, opts", [

@@ -236,10 +236,15 @@ def _add_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", nargs="+", default=None, metavar="TEXT",
                    help='a masked-LM folder: texts whose [MASK] tokens to fill, e.g. "Paris is the [MASK] of '
                         'France"')
+    p.add_argument("--out", default=None, metavar="FILE.png",
+                   help="a detector (DETR): draw the boxes found on the image into this file")
+    p.add_argument("--threshold", type=float, default=0.5,
+                   help="a detector: the least class probability a box is shown with (default 0.5)")
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
     from qkv.config import ConfigError
+    from qkv.detect import is_detector
     from qkv.image_text import is_clip_folder, zero_shot
     from qkv.predict import fill_mask, format_fills, format_predictions, predict_images
 
@@ -252,6 +257,10 @@ def cmd_predict(a: argparse.Namespace) -> int:
         return 0
     if not images:
         raise ConfigError("give the image files to classify (IMAGE... or --image IMAGE...)")
+    if is_detector(a.model):
+        return predict_boxes(a.model, images, a.out, a.threshold)
+    if a.out is not None:
+        raise ConfigError(f"--out draws a detector's boxes; {a.model} is not a detector (a DETR)")
     if is_clip_folder(a.model):
         rows = zero_shot(a.model, images, a.labels, template=a.template, top_k=a.top_k)
     elif a.labels is not None:
@@ -261,6 +270,22 @@ def cmd_predict(a: argparse.Namespace) -> int:
         rows = predict_images(a.model, images, a.top_k)
     for line in format_predictions(rows):
         print(line)
+    return 0
+
+
+def predict_boxes(model: str, images: list[str], out: str | None, threshold: float) -> int:
+    from qkv.config import ConfigError
+    from qkv.detect import detect, draw, drawing_format, format_detections, save_drawing
+
+    if out is not None and len(images) != 1:
+        raise ConfigError(f"--out draws one image's boxes; {len(images)} images given")
+    if out is not None:
+        drawing_format(out)
+    for f, (image, found) in zip(images, detect(model, images, threshold)):
+        for line in format_detections(f, found, threshold):
+            print(line)
+        if out is not None:
+            print(f"drawn: {save_drawing(draw(image, found), out)}")
     return 0
 
 
@@ -389,8 +414,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "attention": ("attention maps (every layer x head) for an input", _add_attention, cmd_attention),
     "explore": ("a web page that shows what attention does (or --export one HTML file)", _add_explore,
                 cmd_explore),
-    "predict": ("top classes of image files (CLIP: zero-shot --labels; masked LM: --text)", _add_predict,
-                cmd_predict),
+    "predict": ("top classes of image files, a DETR's boxes (CLIP: --labels; masked LM: --text)",
+                _add_predict, cmd_predict),
     "finetune": ("fine-tune a pretrained model folder on your data", add_finetune, cmd_finetune),
     "serve": ("an OpenAI-compatible HTTP server for a language model", _add_serve, cmd_serve),
     "chat": ("chat with a model folder (its chat template), interactively or --message", add_chat, cmd_chat),

@@ -21,7 +21,7 @@ from qkv.storage import read_config
 # of a family is what `qkv export` writes a model of that family as when no type is asked for (bert before
 # roberta and distilbert).
 FAMILY_MODULES = ("gpt2", "llama", "moe", "deepseek", "bert", "roberta", "distilbert", "deberta", "t5",
-                  "bart", "vit", "resnet", "swin", "whisper", "clip", "llava", "smolvlm")
+                  "bart", "vit", "resnet", "swin", "whisper", "clip", "llava", "smolvlm", "detr")
 
 
 @dataclass(frozen=True)

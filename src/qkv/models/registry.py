@@ -30,6 +30,7 @@ KINDS = (
     "image",  # pixels -> a class (ViT, Swin)
     "audio",  # a waveform -> token ids (Whisper)
     "dual",  # two towers mapping images and texts into one space (CLIP)
+    "detection",  # pixels -> a set of (class, box) pairs (DETR)
 )
 
 _FAMILIES: dict[str, Family] = {}

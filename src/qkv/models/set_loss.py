@@ -12,7 +12,7 @@ scored (boxes are cx, cy, w, h in [0, 1]).
 
 With auxiliary decoding losses every decoder layer's prediction is matched and scored the same way (suffix
 _i). The loss is the weighted sum (1, 5, 2 for ce, bbox, giou: DETR's). Equal to transformers' ImageLoss /
-HungarianMatcher (tests/models/test_set_loss.py). The detector that would use it is not in qkv yet.
+HungarianMatcher (tests/models/test_set_loss.py). The detector that uses it: qkv.models.detr.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ Importing this package registers every task.
 
 # importing the task modules registers the tasks (captions, digits, images, dtmf, speech: image and audio)
 from qkv.tasks import captions, digits, dtmf, images, listops, lm, numbers_zh, seq2seq, speech, tsv  # noqa: F401
+from qkv.tasks import detection as _detection  # noqa: F401  (object detection on Fashion-MNIST canvases)
 from qkv.tasks import mlm as _mlm  # noqa: F401  (masked-LM pretraining)
 from qkv.tasks import vqa as _vqa  # noqa: F401  (images and text)
 from qkv.tasks.base import (

@@ -44,7 +44,19 @@ def truncate_batch(batch: dict[str, Any], max_len: int | None) -> tuple[dict[str
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, Tensor) else v) for k, v in batch.items()}
+    return {k: move(v, device) for k, v in batch.items()}
+
+
+def move(value: Any, device: torch.device) -> Any:
+    """A tensor on `device`; lists and dicts of tensors (a detection batch's per-image targets) item by item;
+    anything else as it is."""
+    if isinstance(value, Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, list):
+        return [move(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: move(v, device) for k, v in value.items()}
+    return value
 
 
 def count_tokens(batch: dict[str, Any]) -> int:
