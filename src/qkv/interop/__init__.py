@@ -30,6 +30,7 @@ _MODULES = {
     "whisper": "qkv.interop.whisper",
     "llava": "qkv.interop.llava",
     "clip": "qkv.interop.clip",
+    "siglip": "qkv.interop.clip",
     "idefics3": "qkv.interop.smolvlm",
     "smolvlm": "qkv.interop.smolvlm",
     "llama": "qkv.interop.llama",
@@ -53,7 +54,7 @@ KINDS = {"gpt2": "decoder", "llama": "decoder", "mistral": "decoder", "qwen2": "
          "bert": "encoder", "roberta": "encoder", "xlm-roberta": "encoder", "distilbert": "encoder",
          "deberta-v2": "encoder",
          "t5": "seq2seq", "bart": "seq2seq", "marian": "seq2seq", "vit": "image", "resnet": "image",
-         "swin": "image", "whisper": "audio", "clip": "dual"}
+         "swin": "image", "whisper": "audio", "clip": "dual", "siglip": "dual"}
 
 
 def load_hf(folder: str | Path) -> Any:
