@@ -1,8 +1,8 @@
-"""Hugging Face `siglip` folders: a tiny random-weight transformers SiglipModel loads into qkv's CLIP (SigLIP's
-ends: attention-pooled image tower without projection, bidirectional text tower read at the final position,
-sigmoid scoring with a logit bias) with the same image embeddings, text embeddings, logits and sigmoid loss;
-`qkv embed` writes those embeddings, `qkv predict --labels` gives transformers' sigmoid probabilities; bad
-input is one clear line, exit 2."""
+"""Hugging Face `siglip` folders: a tiny random-weight transformers SiglipModel loads into qkv's CLIP
+(SigLIP's ends: attention-pooled image tower without projection, bidirectional text tower read at the final
+position, sigmoid scoring with a logit bias) with the same image embeddings, text embeddings, logits and
+sigmoid loss; `qkv embed` writes those embeddings, `qkv predict --labels` gives transformers' sigmoid
+probabilities; bad input is one clear line, exit 2."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def hf_siglip(seed=0, **vision):
     torch.manual_seed(seed)
     model = transformers.SiglipModel(cfg).eval()
     with torch.no_grad():  # HF's init zeros biases and sets norms to 1: make every weight matter
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
         model.logit_scale.fill_(np.log(20.0))  # exp(t) = 20, b = -3: probabilities away from 0 and 1
         model.logit_bias.fill_(-3.0)
@@ -88,7 +88,8 @@ def reference(folder, images, texts, **kw):
 def test_config_is_read_as_siglip(folder):
     model = qkv.from_pretrained(folder)
     c = model.config
-    assert isinstance(model, CLIP) and c.sigmoid and c.vision.pooling == "map" and model.visual.cls_emb is None
+    assert isinstance(model, CLIP) and c.sigmoid and c.vision.pooling == "map"
+    assert model.visual.cls_emb is None
     assert model.visual_proj is None and c.text_pool == "final" and not c.text_causal
     assert c.max_logit_scale is None and c.vision.ffn == "gelu_tanh"
 

@@ -79,8 +79,8 @@ SIGLIP_VISION_DEFAULTS = {**VISION_DEFAULTS, "patch_size": 16, "hidden_act": "ge
 def siglip_config_from_hf(meta: dict[str, Any]) -> CLIPConfig:
     t = _sub(meta, "text_config", SIGLIP_TEXT_DEFAULTS)
     v = _sub(meta, "vision_config", SIGLIP_VISION_DEFAULTS)
-    require(v["vision_use_head"] is True, "config.json: vision_config.vision_use_head is false (a SiglipModel "
-            "without the pooling head has no image embedding)")
+    require(v["vision_use_head"] is True, "config.json: vision_config.vision_use_head is false (a "
+            "SiglipModel without the pooling head has no image embedding)")
     vision = ViTConfig(
         image_size=int(v["image_size"]), patch_size=int(v["patch_size"]), n_channels=int(v["num_channels"]),
         n_layers=int(v["num_hidden_layers"]), d_model=int(v["hidden_size"]),

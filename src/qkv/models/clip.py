@@ -60,7 +60,7 @@ class CLIPConfig(TransformerConfig):
     logit_scale_init: float = math.log(1 / 0.07)
     # exp(logit_scale) is clamped here (the paper's stability fix); None: not clamped (SigLIP's is not)
     max_logit_scale: float | None = 100.0
-    # None: softmax scoring (CLIP); a number: sigmoid scoring with a learned logit bias starting there (SigLIP)
+    # None: softmax scoring (CLIP); a number: sigmoid scoring, a learned logit bias starting there (SigLIP)
     logit_bias_init: float | None = None
     vision: ViTConfig = field(default_factory=_default_vision)
     d_model: int = 512
@@ -79,7 +79,8 @@ class CLIPConfig(TransformerConfig):
             raise ConfigError("CLIPConfig: embed_dim, vocab_size and context_length must be positive")
         if not self.visual_projection and self.vision.d_model != self.embed_dim:
             raise ConfigError(f"CLIPConfig: without visual_projection the image tower's width "
-                              f"({self.vision.d_model}) is the embedding size, but embed_dim is {self.embed_dim}")
+                              f"({self.vision.d_model}) is the embedding size, but embed_dim is "
+                              f"{self.embed_dim}")
 
     @property
     def sigmoid(self) -> bool:
@@ -96,7 +97,8 @@ class CLIP(QKVModel):
         self.visual = ViT(c.vision)
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.text = build_stack(c, c.n_layers, max_len=c.context_length, causal=c.text_causal)
-        self.visual_proj = nn.Linear(c.vision.d_model, c.embed_dim, bias=False) if c.visual_projection else None
+        self.visual_proj = (nn.Linear(c.vision.d_model, c.embed_dim, bias=False) if c.visual_projection
+                            else None)
         self.text_proj = nn.Linear(c.d_model, c.embed_dim, bias=c.text_proj_bias)
         self.logit_scale = nn.Parameter(torch.tensor(float(c.logit_scale_init)))
         self.logit_bias = nn.Parameter(torch.tensor(float(c.logit_bias_init))) if c.sigmoid else None
@@ -179,7 +181,8 @@ class CLIP(QKVModel):
                          prompt_mask: Tensor | None = None) -> Tensor:
         """(B, n_classes) logits of each image with one prompt per class (softmax over the classes for
         CLIP's probabilities, a sigmoid of each for SigLIP's)."""
-        return self.similarity_logits(self.encode_image(pixel_values), self.encode_text(prompt_ids, prompt_mask))
+        img, txt = self.encode_image(pixel_values), self.encode_text(prompt_ids, prompt_mask)
+        return self.similarity_logits(img, txt)
 
 
 register_family("clip", CLIPConfig, CLIP)
