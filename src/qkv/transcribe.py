@@ -2,7 +2,9 @@
 interop/whisper.py).
 
     qkv transcribe whisper-folder talk.wav [--language en] [--task transcribe|translate] [--timestamps]
-        [--format text|json|srt] [--max-new-tokens N]
+        [--format text|json|srt] [--max-new-tokens N] [--num-beams K]
+        [--temperature 0,0.2,0.4,0.6,0.8,1 --compression-ratio-threshold 2.4 --logprob-threshold -1
+         --no-speech-threshold 0.6]
 
 Audio: any file soundfile reads (WAV, FLAC, OGG, ...), averaged to mono and resampled to the model's 16 kHz
 (scipy's polyphase resample_poly). The model hears one window at a time (30 s for every released Whisper: its
@@ -14,7 +16,8 @@ overlapping windows the longest run of equal tokens is found, the left window ke
 right window from there; with timestamps, segments are cut at the timestamp tokens and those inside the
 strides are resolved the same way.
 
-Decoding follows transformers' WhisperForConditionalGeneration.generate, greedy: the prompt is
+Decoding follows transformers' WhisperForConditionalGeneration.generate, greedy or beam search, with its
+temperature fallback (DecodeSettings) on each window: the prompt is
 <|startoftranscript|> <|language|> <|task|> [<|notimestamps|>] from the folder's generation_config.json
 (lang_to_id, task_to_id, no_timestamps_token_id); without --language a multilingual model's language is the
 most likely language token after <|startoftranscript|> (transformers' detect_language); the logits pass
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +42,8 @@ from torch import Tensor
 
 from qkv.config import ConfigError
 from qkv.extras import require
+from qkv.generate.beams import BeamBook
+from qkv.generate.config import GenerationConfig
 from qkv.interop import load_hf
 from qkv.interop.tokenizer import load_hf_tokenizer
 from qkv.models.whisper import Whisper, WhisperConfig
@@ -222,12 +228,154 @@ def process(seq: list[int], logits: Tensor, p: WhisperPrompts, timestamps: bool)
     return scores
 
 
+@dataclass
+class DecodeSettings:
+    """How a window is decoded, as transformers' Whisper generate takes it (generate_with_fallback): each
+    temperature in turn, 0 = greedy (or beam search with num_beams > 1), above 0 = sampling; the next one is
+    tried when the result repeats itself (its tokens' zlib compression ratio above
+    compression_ratio_threshold) or is unlikely (average log-probability below logprob_threshold; a beam's
+    length-penalised score), unless the window is silence (also no_speech_prob above no_speech_threshold:
+    then the window gives no tokens)."""
+
+    temperatures: tuple[float, ...] = (0.0,)
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    compression_ratio_threshold: float | None = None
+    logprob_threshold: float | None = None
+    no_speech_threshold: float | None = None
+    seed: int | None = None  # the sampling generator's seed (temperatures above 0)
+
+    def __post_init__(self) -> None:
+        if not self.temperatures or any(not math.isfinite(t) or t < 0 for t in self.temperatures):
+            raise ConfigError(f"--temperature must be one or more numbers >= 0, got "
+                              f"{list(self.temperatures)}")
+        if self.num_beams < 1:
+            raise ConfigError(f"--num-beams must be >= 1, got {self.num_beams}")
+        if self.no_speech_threshold is not None and self.logprob_threshold is None:
+            raise ConfigError("--no-speech-threshold needs --logprob-threshold (a window is silence when "
+                              "both say so)")
+
+
+def parse_temperatures(text: str) -> tuple[float, ...]:
+    """--temperature "0,0.2,0.4" -> (0.0, 0.2, 0.4)."""
+    try:
+        return tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--temperature {text!r}: give numbers separated by commas, e.g. 0,0.2,0.4"
+                          ) from None
+
+
+@dataclass
+class Attempt:
+    tokens: list[int]  # generated, the end-of-text token included when reached
+    logprob: float  # average log-probability of the tokens (greedy, sampling) or the beam's score
+
+
+def compression_ratio(tokens: list[int], vocab_size: int) -> float:
+    """Bytes of the tokens (little-endian, as few bytes as the vocabulary needs) over their zlib size."""
+    width = int(math.log2(vocab_size) / 8) + 1
+    raw = b"".join(t.to_bytes(width, "little") for t in tokens)
+    return len(raw) / len(zlib.compress(raw))
+
+
+@torch.no_grad()
+def sample_or_greedy(model: Whisper, source: Any, prompt: list[int], p: WhisperPrompts, timestamps: bool,
+                     n: int, temperature: float, generator: torch.Generator | None) -> Attempt:
+    """One window's tokens, greedy (temperature 0) or drawn from softmax(scores / temperature)."""
+    device = source.memory.device
+    cache = model.make_cache(1, len(prompt) + n)
+    logits, _ = model.prefill(torch.tensor([prompt], device=device), cache, source=source)
+    seq: list[int] = []
+    total = 0.0
+    while len(seq) < n:
+        scores = process(seq, logits[0], p, timestamps)
+        if temperature > 0:
+            probs = torch.softmax(scores / temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        else:
+            token = int(scores.argmax())
+        total += float(torch.log_softmax(scores, dim=-1)[token])
+        seq.append(token)
+        if token == p.eos:
+            break
+        logits = model.step(torch.tensor([[token]], device=device), cache)
+    return Attempt(seq, total / max(1, len(seq)))
+
+
+@torch.no_grad()
+def beam_search(model: Whisper, source: Any, prompt: list[int], p: WhisperPrompts, timestamps: bool, n: int,
+                settings: DecodeSettings) -> Attempt:
+    """transformers' beam search with Whisper's processors on the log-probabilities (early_stopping False, its
+    default): the best hypothesis and its length-penalised score."""
+    K, device = settings.num_beams, source.memory.device
+    cfg = GenerationConfig(num_beams=K, length_penalty=settings.length_penalty, early_stopping=False)
+    book = BeamBook(1, cfg, n, {p.eos}, p.eos)
+    cache = model.make_cache(1, len(prompt) + n)
+    logits, _ = model.prefill(torch.tensor([prompt], device=device), cache, source=source)
+    scores = torch.zeros(1, 1)
+    seqs: list[list[int]] = [[]]
+    for step in range(n):
+        logp = torch.stack([process(seq, torch.log_softmax(row.float(), -1), p, timestamps)
+                            for seq, row in zip(seqs, logits)])  # (Kc, V)
+        cand = (logp + scores.view(-1, 1)).view(-1)
+        top, flat = cand.topk(min(2 * K, cand.numel()))
+        V = logp.shape[-1]
+        generated = torch.tensor(seqs, dtype=torch.long)  # (Kc, step)
+        beams = book.advance([top.tolist()], [(flat // V).tolist()], [(flat % V).tolist()], len(seqs),
+                             generated, step + 1)
+        if book.done[0] or step == n - 1:
+            if not book.done[0]:
+                pairs = zip(beams.sources[0].tolist(), beams.tokens[0].tolist())
+                book.close(beams.scores, torch.tensor([seqs[s] + [t] for s, t in pairs]))
+            break
+        rows = beams.sources[0]
+        seqs = [seqs[s] + [t] for s, t in zip(rows.tolist(), beams.tokens[0].tolist())]
+        scores = beams.scores[0]
+        cache.reorder(rows.to(device))
+        logits = model.step(beams.tokens[0].view(-1, 1).to(device), cache)
+    best, score = book.best(torch.device("cpu"))
+    return Attempt(best[0].tolist(), float(score[0]))
+
+
+@torch.no_grad()
+def no_speech_probability(model: Whisper, source: Any, p: WhisperPrompts) -> float:
+    """The probability of <|nocaptions|> (the id before <|notimestamps|>) right after <|startoftranscript|>,
+    from the raw logits (transformers' WhisperNoSpeechDetection)."""
+    ids = torch.tensor([[p.decoder_start]], device=source.memory.device)
+    logits, _ = model.prefill(ids, None, source=source)
+    return float(torch.softmax(logits[0].float(), -1)[p.no_timestamps - 1])
+
+
+def decode_with_fallback(model: Whisper, source: Any, prompt: list[int], p: WhisperPrompts, timestamps: bool,
+                         n: int, settings: DecodeSettings) -> list[int] | None:
+    """A window's generated tokens after the temperature fallback; None when it is skipped as silence."""
+    generator = None
+    if any(t > 0 for t in settings.temperatures):
+        generator = torch.Generator(device=source.memory.device)
+        generator.manual_seed(settings.seed if settings.seed is not None else torch.seed())
+    no_speech = (no_speech_probability(model, source, p) if settings.no_speech_threshold is not None else 0.0)
+    for i, t in enumerate(settings.temperatures):
+        if t == 0 and settings.num_beams > 1:
+            a = beam_search(model, source, prompt, p, timestamps, n, settings)
+        else:
+            a = sample_or_greedy(model, source, prompt, p, timestamps, n, t, generator)
+        limit = settings.compression_ratio_threshold
+        again = limit is not None and compression_ratio(a.tokens, model.config.vocab_size) > limit
+        unlikely = settings.logprob_threshold is not None and a.logprob < settings.logprob_threshold
+        again = again or unlikely
+        if unlikely and settings.no_speech_threshold is not None and no_speech > settings.no_speech_threshold:
+            return None
+        if not again or i == len(settings.temperatures) - 1:
+            return a.tokens
+    return None  # pragma: no cover  (the loop returns at its last temperature)
+
+
 @torch.no_grad()
 def decode_window(model: Whisper, features: Tensor, p: WhisperPrompts, *, language: int | None,
-                  task: str | None, timestamps: bool,
-                  max_new_tokens: int | None) -> tuple[list[int], int | None]:
-    """Greedy tokens of one (1, n_mels, frames) window after the prompt (kept_tokens: as transformers'
-    generate returns them), and the language token it was decoded in."""
+                  task: str | None, timestamps: bool, max_new_tokens: int | None,
+                  settings: DecodeSettings | None = None) -> tuple[list[int], int | None]:
+    """The tokens of one (1, n_mels, frames) window after the prompt (kept_tokens: as transformers' generate
+    returns them; none for a window skipped as silence), and the language token it was decoded in."""
     source = model.encode_source(features)
     given = language is not None
     if language is None and p.multilingual:
@@ -235,16 +383,8 @@ def decode_window(model: Whisper, features: Tensor, p: WhisperPrompts, *, langua
     prompt = init_tokens(p, language, task, timestamps, given)
     room = model.config.n_text_ctx - len(prompt)
     n = room if max_new_tokens is None else min(max_new_tokens, room)
-    cache = model.make_cache(1, len(prompt) + n)
-    logits, _ = model.prefill(torch.tensor([prompt], device=features.device), cache, source=source)
-    seq: list[int] = []
-    while len(seq) < n:
-        token = int(process(seq, logits[0], p, timestamps).argmax())
-        seq.append(token)
-        if token == p.eos:
-            break
-        logits = model.step(torch.tensor([[token]], device=features.device), cache)
-    return kept_tokens(seq, p, timestamps), language
+    seq = decode_with_fallback(model, source, prompt, p, timestamps, n, settings or DecodeSettings())
+    return (kept_tokens(seq, p, timestamps) if seq is not None else []), language
 
 
 # -- stitching (transformers' _decode_asr, segment timestamps) ---------------------------------------------
@@ -361,7 +501,7 @@ class Transcript:
 
 def transcribe_file(model: Whisper, tokenizer: Any, p: WhisperPrompts, path: str, wave: np.ndarray, *,
                     language: str | None, task: str | None, timestamps: bool,
-                    max_new_tokens: int | None) -> Transcript:
+                    max_new_tokens: int | None, settings: DecodeSettings | None = None) -> Transcript:
     """One file's transcript; `wave` is its audio at the model's sample rate (read_audio)."""
     c = model.config
     lang = language_id(p, language) if language else None
@@ -370,7 +510,7 @@ def transcribe_file(model: Whisper, tokenizer: Any, p: WhisperPrompts, path: str
     for w in windows(wave, c.n_samples, c.sample_rate):
         feats = model.features(torch.from_numpy(w.audio)[None].to(device))
         tokens, used = decode_window(model, feats, p, language=lang, task=task, timestamps=timestamps,
-                                     max_new_tokens=max_new_tokens)
+                                     max_new_tokens=max_new_tokens, settings=settings)
         detected = detected if detected is not None else used
         outputs.append((tokens, w.stride))
     precision = c.n_samples / c.sample_rate / c.n_audio_ctx  # 0.02 s for every released Whisper
@@ -402,7 +542,7 @@ def format_transcripts(items: list[Transcript], fmt: str) -> str:
 
 def transcribe(folder: str, audio: list[str], *, language: str | None = None, task: str | None = None,
                timestamps: bool = False, fmt: str = "text", max_new_tokens: int | None = None,
-               device: str = "auto") -> str:
+               device: str = "auto", settings: DecodeSettings | None = None) -> str:
     """What `qkv transcribe` prints."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {list(FORMATS)}, got {fmt!r}")
@@ -422,9 +562,9 @@ def transcribe(folder: str, audio: list[str], *, language: str | None = None, ta
     model = model.to(dev).eval()
     p, tokenizer = WhisperPrompts.from_folder(folder), load_hf_tokenizer(folder)
     items = [transcribe_file(model, tokenizer, p, a, w, language=language, task=task, timestamps=timestamps,
-                             max_new_tokens=max_new_tokens) for a, w in zip(audio, waves)]
+                             max_new_tokens=max_new_tokens, settings=settings) for a, w in zip(audio, waves)]
     return format_transcripts(items, fmt)
 
 
-__all__ = ["FORMATS", "Transcript", "WhisperPrompts", "decode_window", "format_transcripts",
-           "longest_common_sequence", "read_audio", "stitch", "transcribe", "windows"]
+__all__ = ["FORMATS", "DecodeSettings", "Transcript", "WhisperPrompts", "decode_window", "format_transcripts",
+           "longest_common_sequence", "parse_temperatures", "read_audio", "stitch", "transcribe", "windows"]
