@@ -263,19 +263,29 @@ def _window(folder, seed):
     return transformers.WhisperForConditionalGeneration.from_pretrained(folder).eval(), ours, feats
 
 
+@pytest.fixture(scope="module")
+def folder3(tmp_path_factory):
+    """Weights (seed 3) whose beams find other tokens than greedy decoding: beam search is not vacuous."""
+    d = tmp_path_factory.mktemp("whisper3")
+    whisper_folder(d, seed=3)
+    return d
+
+
 @pytest.mark.parametrize("kw", [dict(language="en", task="transcribe"), dict(),
                                 dict(language="de", return_timestamps=True)])
 @pytest.mark.parametrize("num_beams", [2, 4])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_beam_search_tokens_equal_transformers(folder, kw, num_beams, seed):
-    hf, ours, feats = _window(folder, seed)
-    p = WhisperPrompts.from_folder(folder)
-    ref = hf_tokens(hf, feats, num_beams=num_beams, **kw)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_beam_search_tokens_equal_transformers(folder3, kw, num_beams, seed):
+    hf, ours, feats = _window(folder3, seed)
+    p = WhisperPrompts.from_folder(folder3)
+    ref = hf_tokens(hf, feats, max_new_tokens=20, num_beams=num_beams, **kw)
     lang = language_id(p, kw["language"]) if "language" in kw else None
-    got, _ = decode_window(ours, feats, p, language=lang, task=kw.get("task"),
-                           timestamps=kw.get("return_timestamps", False), max_new_tokens=12,
-                           settings=DecodeSettings(num_beams=num_beams))
+    opts = dict(language=lang, task=kw.get("task"), timestamps=kw.get("return_timestamps", False),
+                max_new_tokens=20)
+    got, _ = decode_window(ours, feats, p, settings=DecodeSettings(num_beams=num_beams), **opts)
     assert got == ref
+    if num_beams == 4 and "language" in kw:  # measured: 4 beams end elsewhere than greedy on these windows
+        assert got != decode_window(ours, feats, p, **opts)[0]
 
 
 FALLBACK = dict(temperature=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), compression_ratio_threshold=1.35,
