@@ -177,3 +177,25 @@ def test_saved_qkv_checkpoint_keeps_sigmoid_scoring(folder, tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(again.encode_image(x), model.encode_image(x))
+
+
+def test_finetune_image_classify_on_the_siglip_tower(folder, tmp_path, capsys):
+    """A classifier on the SigLIP image tower reads its attention-pooled feature; it starts from the folder's
+    pooling head and predicts with the class names."""
+    data = tmp_path / "data"
+    for c, name in enumerate(("blue", "red")):
+        (data / name).mkdir(parents=True)
+        for i in range(6):
+            png(data / name / f"{i}.png", seed=100 * c + i, size=(20, 20))
+    out = tmp_path / "out"
+    assert main(["finetune", str(folder), "--task", "image-classify", "--data", str(data), "--out", str(out),
+                 "--epochs", "1", "--lr", "1e-3", "--batch-size", "4", "--dev-fraction", "0.25",
+                 "--no-progress"]) == 0
+    model = qkv.from_pretrained(out)
+    assert model.config.pooling == "map" and model.map_head is not None
+    probe = transformers.SiglipModel.from_pretrained(folder).vision_model.head.probe.detach()
+    assert (model.map_head.probe.detach() - probe).abs().max() < 0.5 * probe.abs().max()
+    capsys.readouterr()
+    assert main(["predict", str(out), str(data / "red" / "0.png"), "--top-k", "2"]) == 0
+    names = {line.split()[-1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert names == {"blue", "red"}
