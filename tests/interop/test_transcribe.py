@@ -345,3 +345,22 @@ def test_bad_decoding_settings(folder, tmp_path, capsys, args, message):
     assert main(["transcribe", str(folder), str(wav), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("qkv: error: ") and message in err and err.count("\n") == 1
+
+
+def test_transcribe_cli_beams_and_fallback_settings(folder3, tmp_path, capsys):
+    """--num-beams and the fallback flags reach every window: the text is transformers' beam tokens."""
+    hf = transformers.WhisperForConditionalGeneration.from_pretrained(folder3).eval()
+    ours = load_hf(folder3)
+    short = (np.random.default_rng(2).standard_normal(3000) * 0.2).astype(np.float32)
+    sf.write(tmp_path / "short.wav", short, 16000, subtype="FLOAT")
+    assert main(["transcribe", str(folder3), str(tmp_path / "short.wav"), "--language", "en",
+                 "--max-new-tokens", "20", "--num-beams", "4", "--temperature", "0,0.2,0.4",
+                 "--compression-ratio-threshold", "100", "--logprob-threshold", "-100",
+                 "--no-speech-threshold", "0.6"]) == 0
+    text = capsys.readouterr().out.strip()
+    feats = ours.features(torch.from_numpy(short)[None])
+    ref = hf_tokens(hf, feats, max_new_tokens=20, num_beams=4, language="en", task="transcribe")
+    greedy = hf_tokens(hf, feats, max_new_tokens=20, language="en", task="transcribe")
+    tok = transformers.AutoTokenizer.from_pretrained(folder3)
+    assert text.split() == tok.decode([i for i in ref if i < EOS]).split()
+    assert text.split() != tok.decode([i for i in greedy if i < EOS]).split()  # the beams were used
