@@ -317,7 +317,7 @@ def test_fallback_where_deterministic_equals_transformers(folder, num_beams, see
 def test_fallback_samples_at_a_higher_temperature(folder, monkeypatch):
     """A ratio threshold every result crosses: each temperature is tried in turn and the last one's draw is
     kept (sampled, so seeded, not compared token by token)."""
-    from qkv import transcribe as tr
+    from qkv import whisper_decode as tr
 
     tried = []
     real = tr.sample_or_greedy
