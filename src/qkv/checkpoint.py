@@ -61,7 +61,7 @@ def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "c
     # transformers loads such a folder too, with config.json's settings: so do we, and say so
     except ConfigError as e:
         warnings.warn(f"{e}: its generation settings are not used (config.json's are)", stacklevel=2)
-        return model
+        return _transformers_defaults(model, meta)
     if (folder / "generation_config.json").is_file() and hasattr(model, "folder_generation_config"):
         # transformers (5.x) takes a folder's generation settings from generation_config.json alone when there
         # is one:
@@ -70,10 +70,23 @@ def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "c
         model.folder_generation_config = {k: v for k, v in model.folder_generation_config.items()
                                               if k in TOKEN_IDS}
         model.folder_generation_config.update(generation)
-    return model
+    return _transformers_defaults(model, meta)
 
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+# transformers' GenerationConfig defaults where qkv's own differ: a Hugging Face folder that leaves them out
+# decodes as transformers decodes it. early_stopping: transformers' heuristic (False) ends a beam search once
+# the best open beam, scored at its current length, cannot beat the worst finished one, which can stop it
+# before a longer, better-scoring hypothesis (qkv's own default, "never", is the exact bound).
+HF_GENERATION_DEFAULTS = {"early_stopping": False}
+
+
+def _transformers_defaults(model: nn.Module, meta: dict) -> nn.Module:
+    if "qkv_family" not in meta and hasattr(model, "folder_generation_config"):
+        model.folder_generation_config = {**HF_GENERATION_DEFAULTS, **model.folder_generation_config}
+    return model
 
 
 def _load(folder: Path, meta: dict, map_location: str | torch.device) -> nn.Module:

@@ -1,5 +1,5 @@
-"""A CLIP folder (Hugging Face `clip`, or a qkv CLIP checkpoint) as a feature extractor and a zero-shot
-classifier.
+"""A CLIP folder (Hugging Face `clip` or `siglip`, or a qkv CLIP checkpoint) as a feature extractor and a
+zero-shot classifier.
 
     qkv embed CLIP_DIR --image a.png b.jpg --out img.npy       # (2, E) unit-length image embeddings
     qkv embed CLIP_DIR --text "a cat" "a dog" --out txt.npy    # (or --input texts.txt, one text per line)
@@ -10,7 +10,9 @@ Images are preprocessed as the folder's preprocessor_config.json says (CLIPImage
 edge, centre crop, rescale, normalise); texts are tokenized by its tokenizer.json. A text longer than the text
 tower's context keeps its first tokens and its end-of-text token (OpenAI's `clip.tokenize(truncate=True)`),
 because the tower reads the caption at that token. Zero-shot probabilities are the softmax over the labels of
-exp(t) * cos(image, label text), CLIP's logits_per_image.
+exp(t) * cos(image, label text), CLIP's logits_per_image; with SigLIP each label's own sigmoid of
+exp(t) * cos + b (they need not sum to 1), and its texts are padded to the context, as it was trained
+(SiglipProcessor's padding="max_length"), because its text tower reads the final position.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def is_clip_folder(folder: str | Path) -> bool:
         meta = read_config(Path(folder))
     except (CheckpointError, OSError):  # not a model folder at all: the caller's own loader says why
         return False
-    return meta.get("model_type") == "clip" or meta.get("qkv_family") == "clip"
+    return meta.get("model_type") in ("clip", "siglip") or meta.get("qkv_family") == "clip"
 
 
 def open_clip(folder: str | Path, device: str = "cpu") -> ClipFolder:
@@ -71,8 +73,11 @@ def tokenize(clip: ClipFolder, texts: Sequence[str]) -> tuple[torch.Tensor, torc
             raise ConfigError("a text to embed is empty")
         ids = clip.tokenizer.encode(text, add_special_tokens=True)
         rows.append(ids if len(ids) <= limit else ids[:limit - 1] + ids[-1:])
-    width = max(map(len, rows))
     pad = clip.tokenizer.pad_token_id or 0
+    if clip.model.config.text_pool == "final":  # SigLIP: every position attended, padding included
+        ids = torch.tensor([r + [pad] * (limit - len(r)) for r in rows])
+        return ids, torch.ones_like(ids)
+    width = max(map(len, rows))
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     return ids, mask
@@ -135,7 +140,8 @@ def zero_shot(folder: str | Path, images: Sequence[str], labels: str | None, *, 
     img = torch.from_numpy(image_embeddings(clip, images))
     txt = torch.from_numpy(text_embeddings(clip, [template.format(n) for n in names]))
     with torch.no_grad():
-        probs = (clip.model.scale().float().cpu() * img @ txt.t()).softmax(-1)
+        logits = clip.model.similarity_logits(img, txt)
+        probs = logits.sigmoid() if clip.model.config.sigmoid else logits.softmax(-1)
     top = probs.topk(min(top_k, len(names)), dim=-1)
     return [(f, [(names[int(i)], float(p)) for p, i in zip(top.values[b], top.indices[b])])
             for b, f in enumerate(images)]

@@ -2,7 +2,9 @@
 interop/whisper.py).
 
     qkv transcribe whisper-folder talk.wav [--language en] [--task transcribe|translate] [--timestamps]
-        [--format text|json|srt] [--max-new-tokens N]
+        [--format text|json|srt] [--max-new-tokens N] [--num-beams K]
+        [--temperature 0,0.2,0.4,0.6,0.8,1 --compression-ratio-threshold 2.4 --logprob-threshold -1
+         --no-speech-threshold 0.6]
 
 Audio: any file soundfile reads (WAV, FLAC, OGG, ...), averaged to mono and resampled to the model's 16 kHz
 (scipy's polyphase resample_poly). The model hears one window at a time (30 s for every released Whisper: its
@@ -14,7 +16,8 @@ overlapping windows the longest run of equal tokens is found, the left window ke
 right window from there; with timestamps, segments are cut at the timestamp tokens and those inside the
 strides are resolved the same way.
 
-Decoding follows transformers' WhisperForConditionalGeneration.generate, greedy: the prompt is
+Decoding follows transformers' WhisperForConditionalGeneration.generate, greedy or beam search, with its
+temperature fallback (DecodeSettings) on each window: the prompt is
 <|startoftranscript|> <|language|> <|task|> [<|notimestamps|>] from the folder's generation_config.json
 (lang_to_id, task_to_id, no_timestamps_token_id); without --language a multilingual model's language is the
 most likely language token after <|startoftranscript|> (transformers' detect_language); the logits pass
@@ -28,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,48 +44,10 @@ from qkv.extras import require
 from qkv.interop import load_hf
 from qkv.interop.tokenizer import load_hf_tokenizer
 from qkv.models.whisper import Whisper, WhisperConfig
+from qkv.whisper_decode import DecodeSettings, WhisperPrompts, decode_with_fallback, parse_temperatures
 
 FORMATS = ("text", "json", "srt")
 TASKS = ("transcribe", "translate")
-
-
-@dataclass
-class WhisperPrompts:
-    """The special ids of a Whisper folder's generation_config.json that decoding reads."""
-
-    decoder_start: int
-    eos: int
-    no_timestamps: int
-    lang_to_id: dict[str, int] = field(default_factory=dict)
-    task_to_id: dict[str, int] = field(default_factory=dict)
-    suppress: list[int] = field(default_factory=list)
-    begin_suppress: list[int] = field(default_factory=list)
-    max_initial_timestamp_index: int | None = None
-    multilingual: bool = False
-
-    @property
-    def timestamp_begin(self) -> int:
-        return self.no_timestamps + 1
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> WhisperPrompts:
-        path = Path(folder) / "generation_config.json"
-        if not path.is_file():
-            raise ConfigError(f"{folder}: no generation_config.json (a Whisper folder's special token ids: "
-                              "decoder_start_token_id, no_timestamps_token_id, lang_to_id, task_to_id)")
-        try:
-            g = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        for key in ("decoder_start_token_id", "eos_token_id", "no_timestamps_token_id"):
-            if not isinstance(g.get(key), int):
-                raise ConfigError(f"{path}: {key} must be one integer, got {g.get(key)!r}")
-        return cls(decoder_start=g["decoder_start_token_id"], eos=g["eos_token_id"],
-                   no_timestamps=g["no_timestamps_token_id"], lang_to_id=dict(g.get("lang_to_id") or {}),
-                   task_to_id=dict(g.get("task_to_id") or {}), suppress=list(g.get("suppress_tokens") or []),
-                   begin_suppress=list(g.get("begin_suppress_tokens") or []),
-                   max_initial_timestamp_index=g.get("max_initial_timestamp_index"),
-                   multilingual=bool(g.get("is_multilingual", bool(g.get("lang_to_id")))))
 
 
 # -- audio --------------------------------------------------------------------------------------------------
@@ -186,48 +151,12 @@ def detect_language(model: Whisper, source: Any, p: WhisperPrompts) -> int:
     return int(allowed[logits[0, allowed].argmax()])
 
 
-def timestamp_rules(seq: list[int], scores: Tensor, p: WhisperPrompts, first: bool) -> None:
-    """WhisperTimeStampLogitsProcessor on one row's generated tokens `seq` (in place on scores (V,))."""
-    begin, inf = p.timestamp_begin, float("-inf")
-    scores[p.no_timestamps] = inf
-    last_ts = len(seq) >= 1 and seq[-1] >= begin
-    penultimate_ts = len(seq) < 2 or seq[-2] >= begin
-    if last_ts:
-        if penultimate_ts:
-            scores[begin:] = inf
-        else:
-            scores[:p.eos] = inf
-    stamps = [t for t in seq if t >= begin]
-    lowest = begin if not stamps else stamps[-1] if (last_ts and not penultimate_ts) else stamps[-1] + 1
-    scores[begin:lowest] = inf
-    if first:
-        scores[:begin] = inf
-        if p.max_initial_timestamp_index is not None:
-            scores[begin + p.max_initial_timestamp_index + 1:] = inf
-    logprobs = torch.log_softmax(scores.float(), dim=-1)
-    if logprobs[begin:].logsumexp(-1) > logprobs[:begin].max():
-        scores[:begin] = inf
-
-
-def process(seq: list[int], logits: Tensor, p: WhisperPrompts, timestamps: bool) -> Tensor:
-    """The logits processors of transformers' Whisper generate, in its order, on (V,) logits."""
-    scores = logits.float().clone()
-    first = not seq
-    if first and p.begin_suppress:
-        scores[p.begin_suppress] = float("-inf")
-    if p.suppress:
-        scores[p.suppress] = float("-inf")
-    if timestamps:
-        timestamp_rules(seq, scores, p, first)
-    return scores
-
-
 @torch.no_grad()
 def decode_window(model: Whisper, features: Tensor, p: WhisperPrompts, *, language: int | None,
-                  task: str | None, timestamps: bool,
-                  max_new_tokens: int | None) -> tuple[list[int], int | None]:
-    """Greedy tokens of one (1, n_mels, frames) window after the prompt (kept_tokens: as transformers'
-    generate returns them), and the language token it was decoded in."""
+                  task: str | None, timestamps: bool, max_new_tokens: int | None,
+                  settings: DecodeSettings | None = None) -> tuple[list[int], int | None]:
+    """The tokens of one (1, n_mels, frames) window after the prompt (kept_tokens: as transformers' generate
+    returns them; none for a window skipped as silence), and the language token it was decoded in."""
     source = model.encode_source(features)
     given = language is not None
     if language is None and p.multilingual:
@@ -235,16 +164,8 @@ def decode_window(model: Whisper, features: Tensor, p: WhisperPrompts, *, langua
     prompt = init_tokens(p, language, task, timestamps, given)
     room = model.config.n_text_ctx - len(prompt)
     n = room if max_new_tokens is None else min(max_new_tokens, room)
-    cache = model.make_cache(1, len(prompt) + n)
-    logits, _ = model.prefill(torch.tensor([prompt], device=features.device), cache, source=source)
-    seq: list[int] = []
-    while len(seq) < n:
-        token = int(process(seq, logits[0], p, timestamps).argmax())
-        seq.append(token)
-        if token == p.eos:
-            break
-        logits = model.step(torch.tensor([[token]], device=features.device), cache)
-    return kept_tokens(seq, p, timestamps), language
+    seq = decode_with_fallback(model, source, prompt, p, timestamps, n, settings or DecodeSettings())
+    return (kept_tokens(seq, p, timestamps) if seq is not None else []), language
 
 
 # -- stitching (transformers' _decode_asr, segment timestamps) ---------------------------------------------
@@ -361,7 +282,7 @@ class Transcript:
 
 def transcribe_file(model: Whisper, tokenizer: Any, p: WhisperPrompts, path: str, wave: np.ndarray, *,
                     language: str | None, task: str | None, timestamps: bool,
-                    max_new_tokens: int | None) -> Transcript:
+                    max_new_tokens: int | None, settings: DecodeSettings | None = None) -> Transcript:
     """One file's transcript; `wave` is its audio at the model's sample rate (read_audio)."""
     c = model.config
     lang = language_id(p, language) if language else None
@@ -370,7 +291,7 @@ def transcribe_file(model: Whisper, tokenizer: Any, p: WhisperPrompts, path: str
     for w in windows(wave, c.n_samples, c.sample_rate):
         feats = model.features(torch.from_numpy(w.audio)[None].to(device))
         tokens, used = decode_window(model, feats, p, language=lang, task=task, timestamps=timestamps,
-                                     max_new_tokens=max_new_tokens)
+                                     max_new_tokens=max_new_tokens, settings=settings)
         detected = detected if detected is not None else used
         outputs.append((tokens, w.stride))
     precision = c.n_samples / c.sample_rate / c.n_audio_ctx  # 0.02 s for every released Whisper
@@ -402,7 +323,7 @@ def format_transcripts(items: list[Transcript], fmt: str) -> str:
 
 def transcribe(folder: str, audio: list[str], *, language: str | None = None, task: str | None = None,
                timestamps: bool = False, fmt: str = "text", max_new_tokens: int | None = None,
-               device: str = "auto") -> str:
+               device: str = "auto", settings: DecodeSettings | None = None) -> str:
     """What `qkv transcribe` prints."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {list(FORMATS)}, got {fmt!r}")
@@ -422,9 +343,9 @@ def transcribe(folder: str, audio: list[str], *, language: str | None = None, ta
     model = model.to(dev).eval()
     p, tokenizer = WhisperPrompts.from_folder(folder), load_hf_tokenizer(folder)
     items = [transcribe_file(model, tokenizer, p, a, w, language=language, task=task, timestamps=timestamps,
-                             max_new_tokens=max_new_tokens) for a, w in zip(audio, waves)]
+                             max_new_tokens=max_new_tokens, settings=settings) for a, w in zip(audio, waves)]
     return format_transcripts(items, fmt)
 
 
-__all__ = ["FORMATS", "Transcript", "WhisperPrompts", "decode_window", "format_transcripts",
-           "longest_common_sequence", "read_audio", "stitch", "transcribe", "windows"]
+__all__ = ["FORMATS", "DecodeSettings", "Transcript", "WhisperPrompts", "decode_window", "format_transcripts",
+           "longest_common_sequence", "parse_temperatures", "read_audio", "stitch", "transcribe", "windows"]

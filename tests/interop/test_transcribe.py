@@ -19,6 +19,7 @@ pytest.importorskip("scipy")
 from qkv.cli.main import main  # noqa: E402
 from qkv.interop import load_hf  # noqa: E402
 from qkv.transcribe import (  # noqa: E402
+    DecodeSettings,
     WhisperPrompts,
     decode_window,
     language_id,
@@ -252,3 +253,114 @@ def test_missing_soundfile_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "soundfile", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"soundfile, which is not installed: pip install 'qkv\[audio\]'"):
         read_audio(tmp_path / "x.wav", 16000)
+
+
+# -- beam search and the temperature fallback (transformers' generate_with_fallback) -------------------------
+def _window(folder, seed):
+    ours = load_hf(folder)
+    torch.manual_seed(seed)
+    feats = ours.features(torch.randn(1, ours.config.n_samples) * 0.2)
+    return transformers.WhisperForConditionalGeneration.from_pretrained(folder).eval(), ours, feats
+
+
+@pytest.fixture(scope="module")
+def folder3(tmp_path_factory):
+    """Weights (seed 3) whose beams find other tokens than greedy decoding: beam search is not vacuous."""
+    d = tmp_path_factory.mktemp("whisper3")
+    whisper_folder(d, seed=3)
+    return d
+
+
+@pytest.mark.parametrize("kw", [dict(language="en", task="transcribe"), dict(),
+                                dict(language="de", return_timestamps=True)])
+@pytest.mark.parametrize("num_beams", [2, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_beam_search_tokens_equal_transformers(folder3, kw, num_beams, seed):
+    hf, ours, feats = _window(folder3, seed)
+    p = WhisperPrompts.from_folder(folder3)
+    ref = hf_tokens(hf, feats, max_new_tokens=20, num_beams=num_beams, **kw)
+    lang = language_id(p, kw["language"]) if "language" in kw else None
+    opts = dict(language=lang, task=kw.get("task"), timestamps=kw.get("return_timestamps", False),
+                max_new_tokens=20)
+    got, _ = decode_window(ours, feats, p, settings=DecodeSettings(num_beams=num_beams), **opts)
+    assert got == ref
+    if num_beams == 4 and "language" in kw:  # measured: 4 beams end elsewhere than greedy on these windows
+        assert got != decode_window(ours, feats, p, **opts)[0]
+
+
+FALLBACK = dict(temperature=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), compression_ratio_threshold=1.35,
+                logprob_threshold=-1.0, no_speech_threshold=0.6)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fallback_where_deterministic_equals_transformers(folder, num_beams, seed):
+    """The fallback settings transformers' long-form recipe uses; thresholds the temperature-0 result passes
+    (none of ratio, log-probability or silence triggers: the greedy / beam tokens), and a silence threshold
+    every window crosses (no_speech_threshold 0, logprob_threshold 0: the window is skipped, no tokens)."""
+    hf, ours, feats = _window(folder, seed)
+    p = WhisperPrompts.from_folder(folder)
+    lenient = dict(FALLBACK, compression_ratio_threshold=100.0, logprob_threshold=-100.0)
+    ref = hf_tokens(hf, feats, num_beams=num_beams, language="en", task="transcribe", **lenient)
+    settings = DecodeSettings(lenient["temperature"], num_beams, 1.0, 100.0, -100.0, 0.6)
+    got, _ = decode_window(ours, feats, p, language=EN, task="transcribe", timestamps=False,
+                           max_new_tokens=12, settings=settings)
+    assert got == ref and got
+    silent = dict(FALLBACK, logprob_threshold=0.0, no_speech_threshold=0.0)
+    ref = hf_tokens(hf, feats, num_beams=num_beams, language="en", task="transcribe", **silent)
+    got, _ = decode_window(ours, feats, p, language=EN, task="transcribe", timestamps=False,
+                           max_new_tokens=12, settings=DecodeSettings(silent["temperature"], num_beams,
+                                                                     1.0, 1.35, 0.0, 0.0))
+    assert got == ref == []
+
+
+def test_fallback_samples_at_a_higher_temperature(folder, monkeypatch):
+    """A ratio threshold every result crosses: each temperature is tried in turn and the last one's draw is
+    kept (sampled, so seeded, not compared token by token)."""
+    from qkv import whisper_decode as tr
+
+    tried = []
+    real = tr.sample_or_greedy
+    monkeypatch.setattr(tr, "sample_or_greedy", lambda *a: (tried.append(a[6]), real(*a))[1])
+    _, ours, feats = _window(folder, 0)
+    p = WhisperPrompts.from_folder(folder)
+    settings = DecodeSettings((0.0, 0.5, 1.0), compression_ratio_threshold=0.0, seed=3)
+    got, _ = decode_window(ours, feats, p, language=EN, task="transcribe", timestamps=False,
+                           max_new_tokens=12, settings=settings)
+    assert tried == [0.0, 0.5, 1.0] and got
+    again, _ = decode_window(ours, feats, p, language=EN, task="transcribe", timestamps=False,
+                             max_new_tokens=12, settings=settings)
+    assert again == got  # the seed makes the draw repeatable
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "0,hot"], "give numbers separated by commas"),
+    (["--temperature", "-0.5"], "numbers >= 0"),
+    (["--num-beams", "0"], "--num-beams must be >= 1"),
+    (["--no-speech-threshold", "0.6"], "needs --logprob-threshold"),
+])
+def test_bad_decoding_settings(folder, tmp_path, capsys, args, message):
+    wav = tmp_path / "a.wav"
+    sf.write(wav, np.zeros(1600, dtype=np.float32), 16000)
+    assert main(["transcribe", str(folder), str(wav), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkv: error: ") and message in err and err.count("\n") == 1
+
+
+def test_transcribe_cli_beams_and_fallback_settings(folder3, tmp_path, capsys):
+    """--num-beams and the fallback flags reach every window: the text is transformers' beam tokens."""
+    hf = transformers.WhisperForConditionalGeneration.from_pretrained(folder3).eval()
+    ours = load_hf(folder3)
+    short = (np.random.default_rng(2).standard_normal(3000) * 0.2).astype(np.float32)
+    sf.write(tmp_path / "short.wav", short, 16000, subtype="FLOAT")
+    assert main(["transcribe", str(folder3), str(tmp_path / "short.wav"), "--language", "en",
+                 "--max-new-tokens", "20", "--num-beams", "4", "--temperature", "0,0.2,0.4",
+                 "--compression-ratio-threshold", "100", "--logprob-threshold", "-100",
+                 "--no-speech-threshold", "0.6"]) == 0
+    text = capsys.readouterr().out.strip()
+    feats = ours.features(torch.from_numpy(short)[None])
+    ref = hf_tokens(hf, feats, max_new_tokens=20, num_beams=4, language="en", task="transcribe")
+    greedy = hf_tokens(hf, feats, max_new_tokens=20, language="en", task="transcribe")
+    tok = transformers.AutoTokenizer.from_pretrained(folder3)
+    assert text.split() == tok.decode([i for i in ref if i < EOS]).split()
+    assert text.split() != tok.decode([i for i in greedy if i < EOS]).split()  # the beams were used

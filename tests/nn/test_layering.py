@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("qkv",),  # the package API (qkv/__init__.py: build, from_pretrained)
     ("qkv.tasks", "qkv.train"),  # batch sources / the training loop: neither knows the other
     ("qkv.run",),  # one way to build and train a run (train/demo/ablation runner all come here)
+    ("qkv.whisper_decode",),  # one Whisper window decoded as transformers' generate (greedy, beams, fallback)
     # qkv chat: a conversation through its chat template; qkv predict: image classes; CLIP folders' embeddings
     # and zero-shot classes; qkv transcribe: Whisper folders over audio files
     ("qkv.chat", "qkv.predict", "qkv.image_text", "qkv.transcribe"),

@@ -346,14 +346,32 @@ def _add_transcribe(p: argparse.ArgumentParser) -> None:
                    help="plain text, JSON (text, language, segments) or SRT subtitles (implies --timestamps)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens per 30-s window at most (default: the decoder's context)")
+    p.add_argument("--num-beams", type=int, default=1, help="beam search at temperature 0 (default: greedy)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam score = sum log p / length ** this")
+    p.add_argument("--temperature", default="0",
+                   help="temperatures tried in turn, comma-separated (0 = greedy / beams), e.g. "
+                        "0,0.2,0.4,0.6,0.8,1")
+    p.add_argument("--compression-ratio-threshold", type=float, default=None,
+                   help="fall back to the next temperature above this zlib ratio of a window's tokens "
+                        "(e.g. 2.4)")
+    p.add_argument("--logprob-threshold", type=float, default=None,
+                   help="fall back below this average token log-probability (e.g. -1.0)")
+    p.add_argument("--no-speech-threshold", type=float, default=None,
+                   help="a window is silence (no text) above this <|nocaptions|> probability when also "
+                        "below --logprob-threshold (e.g. 0.6)")
+    p.add_argument("--seed", type=int, default=None, help="the seed of the fallback's sampling")
     p.add_argument("--device", default="auto")
 
 
 def cmd_transcribe(a: argparse.Namespace) -> int:
-    from qkv.transcribe import transcribe
+    from qkv.transcribe import DecodeSettings, parse_temperatures, transcribe
 
+    settings = DecodeSettings(parse_temperatures(a.temperature), a.num_beams, a.length_penalty,
+                              a.compression_ratio_threshold, a.logprob_threshold, a.no_speech_threshold,
+                              a.seed)
     print(transcribe(a.model, a.audio, language=a.language, task=a.task, timestamps=a.timestamps,
-                     fmt=a.format, max_new_tokens=a.max_new_tokens, device=a.device))
+                     fmt=a.format, max_new_tokens=a.max_new_tokens, device=a.device, settings=settings))
     return 0
 
 

@@ -252,7 +252,7 @@ def _size(value: Any, what: str) -> tuple[int, int] | int:
 
 @dataclass
 class ImageProcessor:
-    """CLIPImageProcessor's preprocessing with PIL and torch."""
+    """CLIPImageProcessor's (and SiglipImageProcessor's) preprocessing with PIL and torch."""
 
     size: tuple[int, int] | int = 224  # (height, width), or the shortest edge (aspect kept)
     crop: tuple[int, int] | None = (224, 224)
@@ -274,19 +274,24 @@ class ImageProcessor:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: not valid JSON ({e})") from None
         kind = p.get("image_processor_type", "CLIPImageProcessor")
-        require(kind in ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil"),
-                f"{path}: image_processor_type {kind!r} is not supported (CLIPImageProcessor only)")
+        siglip = kind in ("SiglipImageProcessor", "SiglipImageProcessorFast", "SiglipImageProcessorPil")
+        require(siglip or kind in ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil"),
+                f"{path}: image_processor_type {kind!r} is not supported (CLIPImageProcessor and "
+                "SiglipImageProcessor only)")
         require(not p.get("do_pad", False), f"{path}: do_pad is not supported")
-        def on(flag: str) -> bool:  # CLIPImageProcessor's steps are all on by default
-            return bool(p.get(flag, True))
+        def on(flag: str) -> bool:  # CLIPImageProcessor's steps are all on by default; SigLIP does not crop
+            return bool(p.get(flag, not (siglip and flag == "do_center_crop")))
 
+        # SiglipImageProcessor: a square resize, no crop, mean = std = 0.5 (IMAGENET_STANDARD)
+        mean, std = ((0.5, 0.5, 0.5),) * 2 if siglip else (cls.mean, cls.std)
         crop = _size(p.get("crop_size", 224), "crop_size")
-        return cls(size=_size(p.get("size", 224), "size"), resize=on("do_resize"),
+        return cls(size=_size(p.get("size", {"height": 224, "width": 224} if siglip else 224), "size"),
+                   resize=on("do_resize"),
                    crop=((crop, crop) if isinstance(crop, int) else crop) if on("do_center_crop") else None,
                    resample=int(p.get("resample", 3)),
                    rescale_factor=float(p.get("rescale_factor", 1 / 255)) if on("do_rescale") else None,
-                   mean=tuple(p.get("image_mean", cls.mean)) if on("do_normalize") else None,
-                   std=tuple(p.get("image_std", cls.std)) if on("do_normalize") else None)
+                   mean=tuple(p.get("image_mean", mean)) if on("do_normalize") else None,
+                   std=tuple(p.get("image_std", std)) if on("do_normalize") else None)
 
     def _resize(self, image: Any) -> Any:
         w, h = image.size

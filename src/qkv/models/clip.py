@@ -6,6 +6,12 @@ text  (B, T)       -> token emb -> Stack (causal or bidirectional) -> pooled at 
 logits = exp(t) * I T^T (B, B), t a learned temperature (init ln(1/0.07), exp(t) capped at 100)
 loss   = (CE(logits, diag) + CE(logits^T, diag)) / 2        symmetric InfoNCE (the paper's Figure 3)
 
+SigLIP (Zhai et al. 2023) is the same two towers scored pair by pair: logits = exp(t) * I T^T + b with a
+learned bias b, loss = -sum log sigmoid(z_ij * logits_ij) over all pairs (z = 1 on the diagonal, -1 off it)
+averaged over the images, and a zero-shot probability is the sigmoid of one image-label logit. Its image
+tower pools with attention (ViTConfig.pooling "map") into the embedding itself (no projection), its text
+tower is bidirectional, pooled at the final position of texts padded to the context, with a biased head.
+
 Zero-shot classification embeds one prompt per class ("a photo of the digit seven") and picks the class
 whose prompt is most similar to the image. Both towers are the shared Block/Stack.
 """
@@ -26,7 +32,7 @@ from qkv.models.registry import register_family, register_preset
 from qkv.models.vit import ViT, ViTConfig
 from qkv.nn.checks import check_batch, check_length, check_token_ids
 
-TEXT_POOLS = ("last", "eos", "argmax")
+TEXT_POOLS = ("last", "eos", "argmax", "final")
 
 
 def _default_vision() -> ViTConfig:
@@ -44,12 +50,18 @@ class CLIPConfig(TransformerConfig):
     text_causal: bool = True  # causal text tower pooled at the last token (CLIP); False: bidirectional + mean
     # where a causal tower is pooled: the last real token (last), the first `text_eos_id` (eos: Hugging Face
     # CLIP, whose pad token may be its end-of-text token), or the largest id (argmax: OpenAI's CLIP, whose
-    # end-of-text token is the vocabulary's last)
+    # end-of-text token is the vocabulary's last); final: the last position, padding included, causal or not
+    # (SigLIP, whose texts are padded to context_length)
     text_pool: str = "last"
     text_eos_id: int = 0
     embed_dim: int = 512  # shared image-text embedding size
+    visual_projection: bool = True  # False: the image tower's pooled output is the embedding (SigLIP)
+    text_proj_bias: bool = False  # SigLIP's text head has a bias
     logit_scale_init: float = math.log(1 / 0.07)
-    max_logit_scale: float = 100.0  # exp(logit_scale) is clamped here (the paper's stability fix)
+    # exp(logit_scale) is clamped here (the paper's stability fix); None: not clamped (SigLIP's is not)
+    max_logit_scale: float | None = 100.0
+    # None: softmax scoring (CLIP); a number: sigmoid scoring, a learned logit bias starting there (SigLIP)
+    logit_bias_init: float | None = None
     vision: ViTConfig = field(default_factory=_default_vision)
     d_model: int = 512
     n_heads: int = 8
@@ -65,6 +77,15 @@ class CLIPConfig(TransformerConfig):
             raise ConfigError(f"CLIPConfig.text_pool: {self.text_pool!r} is not one of {list(TEXT_POOLS)}")
         if self.embed_dim < 1 or self.vocab_size < 1 or self.context_length < 1:
             raise ConfigError("CLIPConfig: embed_dim, vocab_size and context_length must be positive")
+        if not self.visual_projection and self.vision.d_model != self.embed_dim:
+            raise ConfigError(f"CLIPConfig: without visual_projection the image tower's width "
+                              f"({self.vision.d_model}) is the embedding size, but embed_dim is "
+                              f"{self.embed_dim}")
+
+    @property
+    def sigmoid(self) -> bool:
+        """Whether image-text pairs are scored one by one with a sigmoid (SigLIP), not a softmax."""
+        return self.logit_bias_init is not None
 
 
 class CLIP(QKVModel):
@@ -76,9 +97,11 @@ class CLIP(QKVModel):
         self.visual = ViT(c.vision)
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.text = build_stack(c, c.n_layers, max_len=c.context_length, causal=c.text_causal)
-        self.visual_proj = nn.Linear(c.vision.d_model, c.embed_dim, bias=False)
-        self.text_proj = nn.Linear(c.d_model, c.embed_dim, bias=False)
+        self.visual_proj = (nn.Linear(c.vision.d_model, c.embed_dim, bias=False) if c.visual_projection
+                            else None)
+        self.text_proj = nn.Linear(c.d_model, c.embed_dim, bias=c.text_proj_bias)
         self.logit_scale = nn.Parameter(torch.tensor(float(c.logit_scale_init)))
+        self.logit_bias = nn.Parameter(torch.tensor(float(c.logit_bias_init))) if c.sigmoid else None
         self.init_weights(c.n_layers + c.vision.n_layers)
         # LeCun-normal patch embedding (std 1/sqrt(fan_in), as in the original JAX ViT): N(0, 0.02) suits
         # 16x16x3 patches (fan_in 768) but leaves a tiny patch's content ~50x below the class token and
@@ -88,7 +111,8 @@ class CLIP(QKVModel):
 
     def encode_image(self, pixel_values: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, embed_dim), unit length."""
-        return F.normalize(self.visual_proj(self.visual(pixel_values).pooled), dim=-1)
+        pooled = self.visual(pixel_values).pooled
+        return F.normalize(self.visual_proj(pooled) if self.visual_proj is not None else pooled, dim=-1)
 
     def encode_text(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """(B, T) right-padded token ids (mask 1 = real) -> (B, embed_dim), unit length."""
@@ -100,7 +124,9 @@ class CLIP(QKVModel):
         h = self.text(self.tok_emb(input_ids), keep=keep).hidden  # (B, T, d)
         if keep is None:
             keep = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-        if c.text_causal:  # the end-of-text token has seen the whole caption
+        if c.text_pool == "final":
+            pooled = h[:, -1]
+        elif c.text_causal:  # the end-of-text token has seen the whole caption
             pooled = h[torch.arange(h.shape[0], device=h.device), self.text_end(input_ids, keep)]
         else:
             w = keep.unsqueeze(-1).to(h.dtype)
@@ -119,20 +145,32 @@ class CLIP(QKVModel):
         return torch.where(is_end.any(1), is_end.int().argmax(dim=-1), last)
 
     def scale(self) -> Tensor:
-        return self.logit_scale.exp().clamp(max=self.config.max_logit_scale)
+        cap = self.config.max_logit_scale
+        return self.logit_scale.exp() if cap is None else self.logit_scale.exp().clamp(max=cap)
+
+    def similarity_logits(self, img: Tensor, txt: Tensor) -> Tensor:
+        """(B_img, B_txt) logits of unit-length embeddings: exp(t) * cos, plus the bias b with sigmoid
+        scoring."""
+        logits = self.scale() * img @ txt.t()
+        return logits + self.logit_bias if self.logit_bias is not None else logits
 
     def forward(self, pixel_values: Tensor, input_ids: Tensor, *, attention_mask: Tensor | None = None,
                 return_loss: bool = True) -> ModelOutput:
-        """Image-text pairs (row i with row i). logits: (B, B) image-to-text similarities times exp(t);
-        loss: symmetric InfoNCE, averaged over the B images and B texts (n_targets = B)."""
+        """Image-text pairs (row i with row i). logits: (B, B) image-to-text similarities times exp(t) (+ b);
+        loss: symmetric InfoNCE averaged over the B images and B texts, or SigLIP's pairwise sigmoid loss
+        summed over the texts and averaged over the images (n_targets = B)."""
         if pixel_values.shape[0] != input_ids.shape[0]:
             raise ValueError(f"{pixel_values.shape[0]} images but {input_ids.shape[0]} texts: CLIP needs "
                              "pairs")
         img = self.encode_image(pixel_values)
         txt = self.encode_text(input_ids, attention_mask)
-        logits = self.scale() * img @ txt.t()  # (B_img, B_txt)
+        logits = self.similarity_logits(img, txt)  # (B_img, B_txt)
         loss = n = None
-        if return_loss:
+        if return_loss and self.config.sigmoid:
+            sign = 2 * torch.eye(logits.shape[0], device=logits.device) - 1  # +1 matching pairs, -1 the rest
+            loss = -F.logsigmoid(sign * logits.float()).sum(-1).mean()
+            n = torch.tensor(logits.shape[0], device=logits.device)
+        elif return_loss:
             target = torch.arange(logits.shape[0], device=logits.device)
             loss = (F.cross_entropy(logits.float(), target) + F.cross_entropy(logits.t().float(), target)) / 2
             n = torch.tensor(logits.shape[0], device=logits.device)
@@ -141,8 +179,10 @@ class CLIP(QKVModel):
     @torch.no_grad()
     def zero_shot_logits(self, pixel_values: Tensor, prompt_ids: Tensor,
                          prompt_mask: Tensor | None = None) -> Tensor:
-        """(B, n_classes) similarities of each image to one prompt per class."""
-        return self.scale() * self.encode_image(pixel_values) @ self.encode_text(prompt_ids, prompt_mask).t()
+        """(B, n_classes) logits of each image with one prompt per class (softmax over the classes for
+        CLIP's probabilities, a sigmoid of each for SigLIP's)."""
+        img, txt = self.encode_image(pixel_values), self.encode_text(prompt_ids, prompt_mask)
+        return self.similarity_logits(img, txt)
 
 
 register_family("clip", CLIPConfig, CLIP)

@@ -2,7 +2,8 @@
 
 pixels (B, C, H, W) -> conv k=p, stride=p -> patches (B, N, d), N = (H/p)(W/p)
   -> [class token] + positions (learned | 2-D sinusoidal | none) -> N Pre-LN encoder blocks -> final norm
-  -> pooled (class token or mean over patches) -> [tanh pooler] -> classifier -> logits (B, num_labels)
+  -> pooled (class token, mean over patches, or attention pooling) -> [tanh pooler] -> classifier
+  -> logits (B, num_labels)
 
 The blocks are the shared nn.Block/Stack; only the front end (patches + positions) and the head are new.
 A model trained at one image size runs at another: learned position tables are resized by bicubic
@@ -22,9 +23,10 @@ from torch import Tensor, nn
 from qkv.config import ConfigError, TransformerConfig, replace
 from qkv.models.base import ModelOutput, QKVModel, build_stack, token_loss
 from qkv.models.registry import register_family, register_preset
+from qkv.nn.ffn import FeedForward
 from qkv.nn.position import PatchGrid, build_position, interpolate_positions, sinusoidal_2d
 
-POOLINGS = ("cls", "mean")
+POOLINGS = ("cls", "mean", "map")
 PATCH_POSITIONS = ("learned", "sinusoidal2d", "none")
 VIT_HEADS = ("classify", "none")
 __all__ = ["ViT", "ViTConfig", "interpolate_positions", "patch_attention", "save_attention_overlay",
@@ -37,7 +39,9 @@ class ViTConfig(TransformerConfig):
     patch_size: int = 16  # side of a square patch = stride of the patch convolution
     n_channels: int = 3
     n_layers: int = 12
-    pooling: str = "cls"  # cls: a learned class token; mean: average of the patch outputs
+    # cls: a learned class token; mean: average of the patch outputs; map: multihead attention pooling
+    # (a learned query attends over the patch outputs, then a residual FFN: big_vision's MAPHead, SigLIP)
+    pooling: str = "cls"
     patch_position: str = "learned"  # learned | sinusoidal2d | none (positions added to the patches)
     # classify (logits over num_labels) | none (features only, e.g. CLIP's image tower)
     head: str = "classify"
@@ -90,6 +94,23 @@ class PatchEmbedding(nn.Module):
         return x.flatten(2).transpose(1, 2), (H // p, W // p)  # (B, N, d), row-major patches
 
 
+class AttentionPool(nn.Module):
+    """(B, N, d) -> (B, d): one learned probe attends over the N outputs (torch's MultiheadAttention: the
+    probe is the query, the outputs keys and values), then x + FFN(LayerNorm(x)) (SigLIP's pooling head)."""
+
+    def __init__(self, c: ViTConfig) -> None:
+        super().__init__()
+        self.probe = nn.Parameter(torch.randn(1, 1, c.d_model) * c.init_std)
+        self.attention = nn.MultiheadAttention(c.d_model, c.n_heads, batch_first=True)
+        self.norm = nn.LayerNorm(c.d_model, eps=c.norm_eps)
+        self.ffn = FeedForward(c.d_model, c.d_ff or 4 * c.d_model, c.ffn)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        probe = self.probe.expand(hidden.shape[0], -1, -1).to(hidden.dtype)
+        x = self.attention(probe, hidden, hidden, need_weights=False)[0]  # (B, 1, d)
+        return (x + self.ffn(self.norm(x)))[:, 0]
+
+
 class ViT(QKVModel):
     kinds: ClassVar[tuple[str, ...]] = ("image",)
     renamed_keys: ClassVar[dict[str, str]] = {"pos_emb": "encoder.position.weight"}  # before the table moved
@@ -109,6 +130,7 @@ class ViT(QKVModel):
         self.encoder = build_stack(c, c.n_layers, max_len=n_extra + c.grid**2, causal=False,
                                    position=position, embed_norm=c.embed_norm)
         self.pooler = nn.Linear(c.d_model, c.d_model) if c.pooler else None
+        self.map_head = AttentionPool(c) if c.pooling == "map" else None
         self.classifier = nn.Linear(c.d_model, c.num_labels) if c.head == "classify" else None
         self.head_drop = nn.Dropout(c.dropout)
         self.init_weights(c.n_layers)
@@ -136,7 +158,10 @@ class ViT(QKVModel):
         return out.hidden, out
 
     def pool(self, hidden: Tensor) -> Tensor:
-        pooled = hidden[:, 0] if self.config.pooling == "cls" else hidden.mean(dim=1)
+        if self.map_head is not None:
+            pooled = self.map_head(hidden)
+        else:
+            pooled = hidden[:, 0] if self.config.pooling == "cls" else hidden.mean(dim=1)
         return torch.tanh(self.pooler(pooled)) if self.pooler is not None else pooled
 
     def forward(self, pixel_values: Tensor, *, labels: Tensor | None = None,
