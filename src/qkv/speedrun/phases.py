@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from qkv.config import ConfigError
 from qkv.finetune import finetune
 from qkv.finetune.chat_template import CHAT_ROLE_TOKENS
 from qkv.nn.params import count_parameters
@@ -36,6 +37,7 @@ from qkv.storage import atomic_write_json, atomic_write_text
 from qkv.tasks.lm import text_chunks
 from qkv.tasks.tokenizers import BPETokenizer
 from qkv.train import latest_checkpoint
+from qkv.train.distributed import world_size
 
 
 def data_phase(out: Path, p: Profile) -> dict[str, Any]:
@@ -100,6 +102,7 @@ def pretrain_config(out: Path, p: Profile) -> dict[str, Any]:
     train = {"max_steps": 1000, "batch_size": 16, "lr": 3e-3, "min_lr": 3e-4, "warmup": 0.05,
              "betas": [0.9, 0.95], "weight_decay": 0.1, "log_every": 10, "save_every": 100, "keep_last": 1,
              "seed": p.seed, **p.pretrain.train}
+    train["batch_size"] = per_rank(train["batch_size"], "pretrain")
     return {"model": {"family": "gpt", **p.pretrain.model},
             "task": {"name": "lm", "path": str(out / "data" / "train.txt"),
                      "val_path": str(out / "data" / "val.txt"), "tokenizer": "bpe",
@@ -118,7 +121,7 @@ def pretrain_phase(out: Path, p: Profile, quiet: bool, bytes_per_token: float) -
     steps = int(result["train"]["steps"])
     metrics = result["metrics"]
     return {"steps": steps, "parameters": count_parameters(result["model"]),
-            "tokens_seen": steps * int(train["batch_size"]) * int(train.get("grad_accum", 1))
+            "tokens_seen": steps * int(train["batch_size"]) * world_size() * int(train.get("grad_accum", 1))
             * p.pretrain.context,
             "final_train_loss": result["train"].get("final_loss"), "val_loss": metrics.get("val_loss"),
             "val_bits_per_byte": metrics["val_loss"] / math.log(2) / bytes_per_token
@@ -131,6 +134,7 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
     chat = out / "chat"
     train = {"batch_size": 16, "lr": 1e-3 if p.sft.lora else 3e-4, "log_every": 10, "save_every": 100,
              "keep_last": 1, "warmup": 0.05, **p.sft.train}
+    train["batch_size"] = per_rank(train["batch_size"], "sft")
     args = SimpleNamespace(
         model=str(out / "base"), data=str(out / "data" / "sft.jsonl"), dev=None, out=str(chat), task="chat",
         resume=latest_checkpoint(chat / "checkpoints") is not None, seed=p.seed, no_progress=quiet,
@@ -138,6 +142,8 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
         lora=p.sft.lora, lora_rank=p.sft.lora_rank, lora_alpha=2.0 * p.sft.lora_rank, lora_dropout=0.0,
         lora_targets="all-linear", export="last", max_length=None, chat_template=None)
     result = finetune(args)
+    if "settings" not in result:  # a rank other than 0 under torchrun: rank 0 reports and records the phase
+        return {}
     settings = result["settings"]
     return {"steps": settings["steps"], "conversations": settings["examples"],
             "skipped_too_long": len(settings["skipped_lines"]), "lora": p.sft.lora,
@@ -145,9 +151,19 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
             "final_train_loss": settings["final_train_loss"]}
 
 
+def per_rank(batch_size: int, phase: str) -> int:
+    """Each rank's share of a phase's batch under torchrun, so that the global batch (and with it the run)
+    is the profile's whatever the number of processes."""
+    world = world_size()
+    if batch_size % world:
+        raise ConfigError(f"{phase}.train.batch_size={batch_size} does not divide among the {world} "
+                          "processes of this torchrun launch; choose a multiple of it")
+    return batch_size // world
+
+
 def _yaml(value: Any) -> str:
     """A value as a train.key=value override reads it back (YAML scalars; a list in flow style)."""
     return json.dumps(value) if isinstance(value, list | bool) or value is None else str(value)
 
 
-__all__ = ["data_phase", "pretrain_config", "pretrain_phase", "sft_phase", "tokenizer_phase"]
+__all__ = ["data_phase", "per_rank", "pretrain_config", "pretrain_phase", "sft_phase", "tokenizer_phase"]
