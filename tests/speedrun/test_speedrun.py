@@ -15,6 +15,7 @@ from _chatrun import check_explore, check_export_parity, check_serve
 
 import qkv.speedrun.phases as phases
 from qkv.cli.main import main
+from qkv.config import ConfigError
 from qkv.speedrun import PHASES, load_profile, speedrun
 from qkv.speedrun.data import module_name
 from qkv.speedrun.state import STATE_FILE
@@ -181,11 +182,35 @@ def test_disk_full_leaves_the_phase_unrecorded(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "x" / STATE_FILE).read_text())["phases"] == {}
 
 
-def test_torchrun_launch_is_refused(tmp_path, capsys, monkeypatch):
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_torchrun_every_rank_trains_and_rank_0_writes(tmp_path, torchrun):
+    """torchrun, 2 CPU processes (gloo): pretrain and SFT run data-parallel, each rank taking half of the
+    profile's batch, so they see the sequences one process sees with half the batch and 2 accumulation
+    steps, and their figures equal that run's (losses to the order of gloo's sums); rank 0 alone writes the
+    data, the tokenizer, the evaluation and the report, and tells the story once."""
+    r = torchrun(["-m", "qkv.cli.main", "speedrun", "--profile", "quick", "--out", tmp_path / "two", *TINY])
+    assert "distributed ddp x2, global batch 16 sequences" in r.stderr
+    assert r.stderr.count("speedrun: report done") == 1
+    two = json.loads((tmp_path / "two" / STATE_FILE).read_text())["phases"]
+    assert set(two) == set(PHASES) and (tmp_path / "two" / "report.md").is_file()
+    accumulated = [f"{phase}.train.{key}={value}" for phase in ("pretrain", "sft")
+                   for key, value in (("batch_size", 8), ("grad_accum", 2))]
+    speedrun(tmp_path / "one", "quick", [*TINY, *accumulated], quiet=True, log=lambda _: None)
+    one = json.loads((tmp_path / "one" / STATE_FILE).read_text())["phases"]
+    for phase, key in (("pretrain", "tokens_seen"), ("pretrain", "steps"), ("sft", "steps"),
+                       ("sft", "conversations")):
+        assert two[phase][key] == one[phase][key], (phase, key)
+    for phase, key in (("pretrain", "val_loss"), ("pretrain", "final_train_loss"),
+                       ("sft", "final_train_loss")):
+        assert two[phase][key] == pytest.approx(one[phase][key], rel=1e-5), (phase, key)
+
+
+def test_a_batch_that_does_not_divide_among_the_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    line = _error(capsys, ["speedrun", "--profile", "quick", "--out", str(tmp_path / "x")])
-    assert "runs as one process" in line and not (tmp_path / "x").exists()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"pretrain.train.batch_size=16 does not divide among the 3 proc"):
+        phases.pretrain_config(tmp_path, load_profile("quick"))
 
 
 def test_lora_sft_phase(done, tmp_path):

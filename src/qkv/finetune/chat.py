@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +77,7 @@ from qkv.models.vlm import LLaVA
 from qkv.run import model_folder
 from qkv.storage import atomic_write_json, atomic_write_text, read_config
 from qkv.train import TrainConfig, Trainer
+from qkv.train.distributed import launched_by_torchrun
 from qkv.train.rng import seed_everything
 
 FEW_STEPS = 50  # fewer optimizer steps than this, set by --epochs rather than train.max_steps: a warning
@@ -242,6 +245,7 @@ class ChatRecipe(FinetuneRecipe):
     def __init__(self, settings: ChatSettings) -> None:
         super().__init__(settings)
         self.lora = settings.lora_config()
+        self.private: tempfile.TemporaryDirectory | None = None  # see tokenizer_folder
 
     def setup_model(self) -> torch.nn.Module:
         s = self.s
@@ -270,8 +274,9 @@ class ChatRecipe(FinetuneRecipe):
         if own is not None:
             mark_out(s.out, "chat")  # OUT is this recipe's before anything is written into it
             context = read_config(self.source).get("config", {}).get("context_length")
-            write_chat_tokenizer(own, s.out, context)
-            return load_hf_tokenizer(s.out)
+            where = self.tokenizer_folder()
+            write_chat_tokenizer(own, where, context)
+            return load_hf_tokenizer(where)
         tok = load_hf_tokenizer(self.source)
         if s.chat_template is None:
             return tok
@@ -282,9 +287,18 @@ class ChatRecipe(FinetuneRecipe):
             raise ConfigError(f"--chat-template qkv ends each turn with the eos token; {self.source} has "
                               "none")
         mark_out(s.out, "chat")
-        copy_tokenizer_files(self.source, s.out, generation=False)
-        atomic_write_text(QKV_CHAT_TEMPLATE, s.out / CHAT_TEMPLATE_FILE)
-        return load_hf_tokenizer(s.out)
+        where = self.tokenizer_folder()
+        copy_tokenizer_files(self.source, where, generation=False)
+        atomic_write_text(QKV_CHAT_TEMPLATE, where / CHAT_TEMPLATE_FILE)
+        return load_hf_tokenizer(where)
+
+    def tokenizer_folder(self) -> Path:
+        """Where the tokenizer with its template is written: OUT, which only rank 0 writes; under torchrun the
+        other ranks write the same files into a folder of their own (kept as long as the recipe)."""
+        if not launched_by_torchrun() or os.environ["RANK"] == "0":
+            return Path(self.s.out)
+        self.private = tempfile.TemporaryDirectory(prefix="qkv-chat-tokenizer-")
+        return Path(self.private.name)
 
     def build(self) -> torch.nn.Module:
         """A fresh copy of the source model, seeded (LoRA's A matrices are random: one seed, one run)."""

@@ -32,7 +32,10 @@ def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) ->
     model folder itself or a folder inside it, a file, a model folder or other files that qkv finetune did
     not write, another recipe's output, or this recipe's run with checkpoints when --resume is not given.
     What is left is a new or empty folder, or this recipe's own output (continued with --resume, else
-    written over)."""
+    written over). Under torchrun rank 0 alone checks: a slower rank would find what rank 0 has begun to
+    write, and a refusal on rank 0 stops every rank."""
+    if launched_by_torchrun() and os.environ["RANK"] != "0":
+        return
     out, source = Path(out), Path(source)
     where, src = out.resolve(), source.resolve()
     if where == src:

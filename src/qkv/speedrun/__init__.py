@@ -15,10 +15,15 @@ The phases, in order, each writing its part of DIR (qkv.speedrun.phases, evaluat
 A phase is complete only once DIR/speedrun.json records it (qkv.speedrun.state); rerunning the command skips
 completed phases and continues a partial pretrain or fine-tune from its newest checkpoint. DIR/chat is an
 ordinary model folder: `qkv chat`, `qkv serve`, `qkv explore` and `qkv export` take it.
+
+Under `torchrun --nproc_per_node=N qkv speedrun ...` every rank trains (pretrain and sft, data-parallel as
+`qkv train` is under torchrun, the same global batch), while the phases that write one file each (data,
+tokenizer, evaluate, report) run on rank 0 alone and the other ranks wait for its record of them.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -30,8 +35,13 @@ from qkv.speedrun.evaluate import evaluate_phase
 from qkv.speedrun.phases import data_phase, pretrain_phase, sft_phase, tokenizer_phase
 from qkv.speedrun.profile import DEFAULT_PROFILE, Profile, load_profile, profile_names
 from qkv.speedrun.report import write_report
-from qkv.speedrun.state import PHASES, open_state, record_phase
-from qkv.train.distributed import world_size
+from qkv.speedrun.state import PHASES, open_state, read_state, record_phase
+from qkv.train.distributed import end_group, launched_by_torchrun, start_group
+
+# The phases every rank runs under torchrun (their training is data-parallel); rank 0 alone runs the rest.
+ALL_RANKS = ("pretrain", "sft")
+# How often a waiting rank rereads DIR/speedrun.json for rank 0's record of a phase.
+POLL_S = 0.5
 
 
 def _timed(phase: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -50,12 +60,23 @@ def _timed(phase: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 def speedrun(out: str | Path, profile: str | None = None, overrides: list[str] | None = None, *,
              quiet: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run (or continue) the speedrun in `out`; returns {"out", "state", "report", "skipped"}."""
+    rank = int(os.environ["RANK"]) if launched_by_torchrun() else 0
     say = log or (lambda line: print(line, file=sys.stderr))
-    if world_size() > 1:  # every rank would write the data, tokenizer, evaluation and report at once
-        raise ConfigError("qkv speedrun runs as one process (one GPU at most), not under torchrun")
+    if rank != 0:  # rank 0 tells the story once
+        say = _silent
     p = load_profile(profile, overrides)
     out = Path(out)
-    state = open_state(out, p.to_dict())
+    start_group()  # under torchrun: one process group for both trainings
+    try:
+        return _phases(out, p, rank, quiet, say)
+    finally:
+        end_group()
+
+
+def _phases(out: Path, p: Profile, rank: int, quiet: bool, say: Callable[[str], None]) -> dict[str, Any]:
+    """Every phase not yet recorded in OUT, in order (rank 0 alone runs those outside ALL_RANKS)."""
+    # rank 0 checks OUT and writes the record first; the others read it once it is there
+    state = open_state(out, p.to_dict()) if rank == 0 else _wait_for(out, lambda s: True)
     steps: dict[str, Callable[[], dict[str, Any]]] = {
         "data": lambda: data_phase(out, p),
         "tokenizer": lambda: tokenizer_phase(out, p),
@@ -70,13 +91,31 @@ def speedrun(out: str | Path, profile: str | None = None, overrides: list[str] |
         if phase in state["phases"]:
             skipped.append(phase)
             continue
+        if rank != 0 and phase not in ALL_RANKS:
+            state = _wait_for(out, lambda s, phase=phase: phase in s["phases"])
+            continue
         say(f"speedrun: {phase} ...")
         figures = _timed(phase, steps[phase])
-        record_phase(out, state, phase, figures)
+        if rank == 0:
+            record_phase(out, state, phase, figures)
         say(f"speedrun: {phase} done in {figures['wall_s']:.0f} s")
     if skipped:
         say(f"speedrun: {', '.join(skipped)} already complete in {out} (skipped)")
     return {"out": out, "state": state, "report": out / "report.md", "skipped": skipped}
+
+
+def _silent(line: str) -> None:
+    del line
+
+
+def _wait_for(out: Path, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """A rank other than 0: OUT's record once `done` holds of it. No timeout of its own: when rank 0 fails,
+    torchrun stops every rank."""
+    while True:
+        state = read_state(out)
+        if state is not None and done(state):
+            return state
+        time.sleep(POLL_S)
 
 
 def _total_wall(state: dict[str, Any]) -> float:

@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from qkv.config import ConfigError
 from qkv.finetune import finetune
 from qkv.finetune.chat import ChatSettings
 from qkv.finetune.chat_template import CHAT_ROLE_TOKENS
@@ -36,6 +37,7 @@ from qkv.storage import atomic_write_json, atomic_write_text
 from qkv.tasks.lm import text_chunks
 from qkv.tasks.tokenizers import BPETokenizer
 from qkv.train import latest_checkpoint
+from qkv.train.distributed import world_size
 
 
 def data_phase(out: Path, p: Profile) -> dict[str, Any]:
@@ -100,6 +102,7 @@ def pretrain_config(out: Path, p: Profile) -> dict[str, Any]:
     train = {"max_steps": 1000, "batch_size": 16, "lr": 3e-3, "min_lr": 3e-4, "warmup": 0.05,
              "betas": [0.9, 0.95], "weight_decay": 0.1, "log_every": 10, "save_every": 100, "keep_last": 1,
              "seed": p.seed, **p.pretrain.train}
+    train["batch_size"] = per_rank(train["batch_size"], "pretrain")
     return {"model": {"family": "gpt", **p.pretrain.model},
             "task": {"name": "lm", "path": str(out / "data" / "train.txt"),
                      "val_path": str(out / "data" / "val.txt"), "tokenizer": "bpe",
@@ -118,7 +121,7 @@ def pretrain_phase(out: Path, p: Profile, quiet: bool, bytes_per_token: float) -
     steps = int(result["train"]["steps"])
     metrics = result["metrics"]
     return {"steps": steps, "parameters": count_parameters(result["model"]),
-            "tokens_seen": steps * int(train["batch_size"]) * int(train.get("grad_accum", 1))
+            "tokens_seen": steps * int(train["batch_size"]) * world_size() * int(train.get("grad_accum", 1))
             * p.pretrain.context,
             "final_train_loss": result["train"].get("final_loss"), "val_loss": metrics.get("val_loss"),
             "val_bits_per_byte": metrics["val_loss"] / math.log(2) / bytes_per_token
@@ -131,12 +134,15 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
     chat = out / "chat"
     train = {"batch_size": 16, "lr": 1e-3 if p.sft.lora else 3e-4, "log_every": 10, "save_every": 100,
              "keep_last": 1, "warmup": 0.05, **p.sft.train}
+    train["batch_size"] = per_rank(train["batch_size"], "sft")
     lora = {"lora_rank": p.sft.lora_rank, "lora_alpha": 2.0 * p.sft.lora_rank, "lora_dropout": 0.0,
             "lora_targets": "all-linear"} if p.sft.lora else {}
     result = finetune(ChatSettings(
         model=str(out / "base"), data=str(out / "data" / "sft.jsonl"), out=chat, seed=p.seed,
         resume=latest_checkpoint(chat / "checkpoints") is not None, progress=not quiet, epochs=p.sft.epochs,
         too_long="skip", train=train, lora=p.sft.lora, **lora, export="last"))
+    if not result.record:  # a rank other than 0 under torchrun: rank 0 reports and records the phase
+        return {}
     settings = result.record
     return {"steps": settings["steps"], "conversations": settings["examples"],
             "skipped_too_long": len(settings["skipped_lines"]), "lora": p.sft.lora,
@@ -144,4 +150,14 @@ def sft_phase(out: Path, p: Profile, quiet: bool) -> dict[str, Any]:
             "final_train_loss": settings["final_train_loss"]}
 
 
-__all__ = ["data_phase", "pretrain_config", "pretrain_phase", "sft_phase", "tokenizer_phase"]
+def per_rank(batch_size: int, phase: str) -> int:
+    """Each rank's share of a phase's batch under torchrun, so that the global batch (and with it the run)
+    is the profile's whatever the number of processes."""
+    world = world_size()
+    if batch_size % world:
+        raise ConfigError(f"{phase}.train.batch_size={batch_size} does not divide among the {world} "
+                          "processes of this torchrun launch; choose a multiple of it")
+    return batch_size // world
+
+
+__all__ = ["data_phase", "per_rank", "pretrain_config", "pretrain_phase", "sft_phase", "tokenizer_phase"]

@@ -41,6 +41,10 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    # whether setup started the process group: who starts it ends it, so that a caller that runs several
+    # trainings in one launch (qkv speedrun) keeps one group; a group started again in the same torchrun
+    # launch would meet the first one's addresses in torchrun's store
+    owns_group: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -78,15 +82,34 @@ def setup(mode: str, device: torch.device) -> tuple[DistInfo, torch.device]:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
                                 device_id=device if device.type == "cuda" else None)
-    return DistInfo(mode, rank, dist.get_world_size(), local_rank), device
+    return DistInfo(mode, rank, dist.get_world_size(), local_rank, owns), device
+
+
+def start_group() -> None:
+    """Start the process group of a torchrun launch for a caller that runs several trainings in it (each
+    training's setup then finds it, and its teardown leaves it): gloo for CPU tensors, NCCL beside it for
+    CUDA ones where there is a GPU."""
+    if not launched_by_torchrun() or dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+
+
+def end_group() -> None:
+    """End the group start_group started."""
+    if launched_by_torchrun() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def teardown(info: DistInfo) -> None:
-    if info.enabled and dist.is_initialized():
+    if info.enabled and info.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
