@@ -69,11 +69,12 @@ def test_the_tables_derived_from_the_records():
     encoders = {"bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2"}
     assert set(names(model_types(kind="encoder"))) == encoders
     assert {r.name for r in model_types() if r.exporter is None} == {
-        "deepseek_v2", "t5", "bart", "marian", "whisper", "clip"}
+        "deepseek_v2", "t5", "bart", "marian", "whisper", "clip", "siglip", "detr"}
     assert [n for n in names(model_types()) if is_vision_language(n)] == ["llava", "idefics3", "smolvlm"]
     assert {r.name: r.kind for r in model_types(kind="seq2seq")} == {"t5": "seq2seq", "bart": "seq2seq",
                                                                     "marian": "seq2seq"}
     assert lookup("whisper").kind == "audio" and lookup("clip").kind == "dual"
+    assert lookup("siglip").family == "clip" and lookup("detr").kind == "detection"
     assert lookup("gpt2").sizing_fields == ("n_layer", "n_head", "n_embd", "n_positions")
     assert lookup("vit").sizing_fields == ()
     assert lookup("nope") is None and lookup(None) is None
