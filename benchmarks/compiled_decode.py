@@ -6,7 +6,8 @@ weights, --layers of them (default 30), loaded by qkv from a transformers folder
 own copy of the step (`model.static_step` over a static cache of 256 columns, what generate(compile=True)
 runs); its first call (the compile) is timed apart. Then, in every one of --repeats interleaved rounds, each
 variant runs --steps greedy steps after the same 16-token prefill; the table gives medians of ms/token, the
-speed against eager and the multiple of the floor. Variants:
+speed against eager (the median over rounds of eager's time / the variant's in the same round) and the
+multiple of the floor. Variants:
 
   eager               model.step: torch's F.linear (aten::mm) for every product
   compiled            torch.compile, Inductor's defaults (the aten products stay)
@@ -140,7 +141,11 @@ def main() -> None:
     floor_ms = weight_bytes / (gbps * 1e9) * 1000
     scale = float(ref.abs().max())
     ms = {k: 1000 * statistics.median(t) / a.steps for k, t in times.items()}
-    rows = {k: {"ms_per_token": round(v, 2), "speed_vs_eager": round(ms["eager"] / v, 3),
+    # the speed-up is paired round by round (eager's time / the variant's in the same round), then the median:
+    # on a shared machine the load drifts between rounds more than variants differ within one
+    paired = {k: statistics.median(e / t for e, t in zip(times["eager"], t_k, strict=True))
+              for k, t_k in times.items()}
+    rows = {k: {"ms_per_token": round(v, 2), "speed_vs_eager": round(paired[k], 3),
                 "x_floor": round(v / floor_ms, 2), "compile_s": compile_s.get(k),
                 "rel_diff": float((last[k] - ref).abs().max()) / scale,
                 "ms_per_token_all": [round(1000 * t / a.steps, 2) for t in times[k]]}
