@@ -159,7 +159,7 @@ def main() -> None:
             "floor_ms": round(floor_ms, 2), "quick": a.quick,
             "note": "shared, loaded machine: medians of interleaved rounds; compare ratios within this run"}
     lines = [f"Decoding step, batch 1, {a.dtype}, {spec['num_hidden_layers']} layers "
-             f"({weight_bytes / 1e6:.0f} MB of weights), {a.threads} threads, {meta['cpu_capability']}; "
+             f"({weight_bytes / 1e6:.1f} MB of weights), {a.threads} threads, {meta['cpu_capability']}; "
              f"floor {floor_ms:.1f} ms at {gbps:.1f} GB/s; medians of {a.repeats} interleaved rounds of "
              f"{a.steps} steps", "",
              "| variant | ms/token | x eager speed | x floor | compile s | max rel. diff vs eager |",
