@@ -1,7 +1,8 @@
 """One-row weight products at batch 1: eager F.linear vs torch.compile of F.linear vs torch.compile of the
-product written as a reduction, (w * x).sum(-1), over 60 fp32 weights of 576 x 1536 (SmolLM-135M's MLP shape,
-212 MB), in one process, 9 interleaved rounds after the compile; GB/s = weight bytes / time. The question:
-does Inductor's reduction stream the weights faster than torch's one-row GEMM on this CPU
+product written as a reduction, (w * x).sum(-1), vs Inductor's decompose_mm_pass (the compiler's own rewrite
+of F.linear into that reduction), over 60 fp32 weights of 576 x 1536 (SmolLM-135M's MLP shape, 212 MB), in
+one process, 9 interleaved rounds after the compile; GB/s = weight bytes / time. The question: does
+Inductor's reduction stream the weights faster than torch's one-row GEMM on this CPU
 (docs/performance.md)?
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/onerow_reduction.py [--threads 2] [--rounds 9]
@@ -38,7 +39,11 @@ def main() -> None:
     x = torch.randn(1, 576)
     variants = {"eager F.linear": eager_linear,
                 "compiled F.linear": torch.compile(eager_linear, dynamic=False),
-                "compiled (w*x).sum(-1)": torch.compile(reductions, dynamic=False)}
+                "compiled (w*x).sum(-1)": torch.compile(reductions, dynamic=False),
+                # Inductor's own rewrite of a one-row mm into a mul + sum (its CPU limit: sides <= 2048)
+                "compiled F.linear, decompose_mm_pass": torch.compile(
+                    eager_linear, dynamic=False,
+                    options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})}
     for name, fn in variants.items():
         t0 = time.perf_counter()
         fn(x, ws)

@@ -13,6 +13,7 @@ from _genmodels import tiny_encdec, tiny_gpt
 import qkv
 from qkv.config import ConfigError
 from qkv.generate import generate
+from qkv.generate.graphed import GraphedSteps
 
 
 def _unique_graphs() -> int:
@@ -93,6 +94,25 @@ def test_inductor_compiled_step_sees_weights_changed_after_it_was_compiled():
         m.lm_head.weight.mul_(-1.0)  # every logit changes sign
     want = generate(m, ids, 6)
     assert torch.equal(generate(m, ids, 6, compile=True), want)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_inductor_cpu_step_at_batch_one_gives_the_eager_steps_logits():
+    """compile=True on a CPU at batch 1, where Inductor computes each one-row product as a fused reduction
+    (graphed.cpu_options): the logits equal the eager step's to fp32 rounding, step after step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = tiny_gpt("rope", gqa=True, norm="rmsnorm", ffn="swiglu", bias=False)
+    ids = torch.randint(0, 11, (1, 4))
+    eager, static = m.make_cache(1, 16), m.make_cache(1, 16)
+    with torch.no_grad():
+        m.prefill(ids, eager)
+        m.prefill(ids, static)
+        steps = GraphedSteps(m, True, static, None, None)
+        for t in range(6):
+            tok = torch.tensor([[t + 1]])
+            torch.testing.assert_close(steps(tok), m.step(tok, eager), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
 
 

@@ -6,12 +6,13 @@ token per row, its K/V written at a device-side column index, attention over eve
 preallocated cache with the future masked. No shape depends on the position and nothing is read back to the
 host, so torch.compile traces one graph for the whole generation, and mode="reduce-overhead" replays it as a
 CUDA graph: one launch per step instead of one per kernel, which is what a small model at batch 1 is bound by
-on a GPU. On a CPU the step is bound by the one-row weight products, which Inductor leaves to the same aten
-kernels as eager: compile gains little there (docs/performance.md).
+on a GPU. On a CPU the step is bound by the one-row weight products: there Inductor writes them as fused
+reductions and calls its kernels from C++ (cpu_options; docs/performance.md has what that gains).
 
-compile=True means backend="inductor", mode="reduce-overhead"; a string names another torch.compile backend
-("eager", "aot_eager": tracing without code generation, which the tests use). The compiled step is kept per
-model and backend, so later generate() calls reuse it (a new batch size or cache length compiles again).
+compile=True means backend="inductor" (mode="reduce-overhead" on a GPU); a string names another
+torch.compile backend ("eager", "aot_eager": tracing without code generation, which the tests use). The
+compiled step is kept per model and backend, so later generate() calls reuse it (a new batch size or cache
+length compiles again).
 
 Inductor keeps the code it generates on disk, under $QKV_CACHE/inductor (default ~/.cache/qkv/inductor; an
 explicit TORCHINDUCTOR_CACHE_DIR wins): a second process that compiles the same model and shapes traces again
@@ -130,18 +131,32 @@ def _own_step() -> Callable[..., Tensor]:
     return types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
 
 
+def cpu_options() -> dict[str, Any]:
+    """Inductor's settings for the compiled step on a CPU (torch.compile's `options`, which it takes instead
+    of a `mode`). decompose_mm_pass: Inductor rewrites each one-row weight product (batch 1; both sides at
+    most 2048, so not the output head) into a multiply and a row sum that it fuses and vectorises, instead of
+    calling torch's one-row GEMM. cpp_wrapper: the graph calls its kernels from generated C++ rather than a
+    Python wrapper, one Python call per kernel saved, hundreds a step. Together 1.1-1.2x the speed of the step
+    under Inductor's defaults, paired in two runs of benchmarks/compiled_decode.py (docs/performance.md)."""
+    return {"post_grad_fusion_options": {"decompose_mm_pass": {}}, "cpp_wrapper": True}
+
+
 def compiled_step(model: Any, compile: bool | str) -> Callable[..., Tensor]:
     """The compiled `_step` for `model` (kept per model and backend). Weights stay graph inputs (no freezing),
-    so a weight changed in place after compiling is read as it is now."""
+    so a weight changed in place after compiling is read as it is now. Inductor on a CUDA device:
+    mode="reduce-overhead" (CUDA graphs); on a CPU: cpu_options()."""
     backend = "inductor" if compile is True else str(compile)
     if backend == "inductor":
         inductor_cache_dir()
     per_model = _COMPILED.setdefault(model, {})
     fn = per_model.get(backend)
     if fn is None:
-        mode = "reduce-overhead" if backend == "inductor" else None  # CUDA graphs on a GPU
-        fn = per_model[backend] = torch.compile(_own_step(), backend=backend, mode=mode,
-                                                fullgraph=True, dynamic=False)
+        settings: dict[str, Any] = {}
+        if backend == "inductor":
+            on_cpu = next(model.parameters()).device.type == "cpu"
+            settings = {"options": cpu_options()} if on_cpu else {"mode": "reduce-overhead"}
+        fn = per_model[backend] = torch.compile(_own_step(), backend=backend, fullgraph=True, dynamic=False,
+                                                **settings)
     return fn
 
 
