@@ -118,8 +118,8 @@ class GenerationConfig:
     use_cache: bool = setting(True, "KV cache (False: recompute the whole prefix every step)")
     # graph-captured decoding steps (generate/graphed.py): a string names another torch.compile backend
     compile: bool | str = setting(
-        False, "True: torch.compile(mode='reduce-overhead'), CUDA graphs on a GPU; a string: a backend; "
-        "False: eager")
+        False, "True: torch.compile of the decoding step (CUDA graphs on a GPU; on a CPU one-row products as "
+        "reductions, C++ wrapper); a string: a backend; False: eager")
     context_overflow: str = setting(
         "error", "prompt + new tokens longer than an absolute-position model's context: refuse (error), or "
         "go on over the last context-many tokens (slide)", choices=CONTEXT_OVERFLOW)
