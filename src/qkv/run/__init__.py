@@ -315,6 +315,109 @@ def _write_yaml(obj: Any, path: Path) -> None:
     atomic_write_text(yaml.safe_dump(obj, sort_keys=False), path)
 
 
+class TrainRecipe:
+    """`qkv train`'s run in phases, as a fine-tuning recipe runs: built from a checked Run (build_run: nothing
+    written yet), then
+
+        setup()     -> Trainer    the training settings checked against the model; run.yaml, task.json and
+                                  the tokenizer written (rank 0)
+        train()     -> summary    Trainer.fit (a NaN stop kept as `error` when keep_going)
+        evaluate()  -> metrics    the held-out split, the extra evaluations and samples (rank 0)
+        save()      -> result     results.json
+        report()    -> str        what `qkv train` prints
+
+    run() goes through them and returns the summary every caller reads (`qkv train`, `qkv demo`, the
+    ablation runner, `qkv speedrun`); on ranks other than 0 under torchrun, train() is the last phase."""
+
+    def __init__(self, run: Run, *, callbacks: list | tuple = (), keep_going: bool = False,
+                 quiet: bool = False) -> None:
+        self.built = run
+        self.callbacks, self.keep_going, self.quiet = list(callbacks), keep_going, quiet
+        self.trainer: Trainer | None = None
+        self.error: str | None = None
+        self.model: torch.nn.Module | None = None  # the trained model rank 0 evaluates (None: none finite)
+
+    def setup(self) -> Trainer:
+        run = self.built
+        # the Trainer checks the training settings against the model
+        self.trainer = Trainer(run.model, run.train, run.task, eval_fn=run.eval_fn(),
+                               callbacks=self.callbacks, resume=run.resume_from is not None)
+        if self.trainer.dist.is_main:
+            run.write()
+            if run.resume_from is not None and not self.quiet:
+                print(f"resuming {run.out} from {run.resume_from.name}: the saved run's settings (run.yaml) "
+                      "apply; the command line overrides only what it names", file=sys.stderr)
+        return self.trainer
+
+    def train(self) -> dict[str, Any]:
+        trainer = self.trainer
+        t0 = time.perf_counter()
+        try:
+            return trainer.fit()
+        except NonFiniteError as e:
+            if not self.keep_going:
+                trainer.close()
+                raise
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0]}"[:300]
+            return trainer.summary(time.perf_counter() - t0)
+
+    def evaluate(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[str]]:
+        """(held-out metrics, extra evaluations, samples) of the trained model, rank 0 only."""
+        trainer, run, ev = self.trainer, self.built, self.built.eval
+        model = trainer.model
+        if trainer.dist.mode == "fsdp":  # the sharded module's forward needs every rank: evaluate a full copy
+            model = qkv.from_pretrained(trainer.last_checkpoint) if trainer.last_checkpoint else None
+        trainer.close()
+        self.model = model
+        if model is None or not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            return {}, {}, []
+        model.eval()
+        last = dict(trainer.last_eval)
+        metrics: dict[str, Any] = {}
+        if ev.n and last.get("_step") == trainer.step and ev.during_training == ev.n and self.error is None:
+            metrics = {k: v for k, v in last.items() if not k.startswith("_")}  # fit() just evaluated it
+        elif ev.n:
+            metrics = run.task.evaluate(model, n=ev.n)
+        extra = {name: t.evaluate(model, n=n) for name, (t, n) in run.extra_tasks.items()}
+        return metrics, extra, run.task.samples(model, ev.samples) if ev.samples else []
+
+    def save(self, summary: dict[str, Any], metrics: dict[str, Any], extra: dict[str, dict[str, Any]],
+             samples: list[str]) -> dict[str, Any]:
+        """results.json, and the result it holds."""
+        result = {"metrics": metrics, "extra": extra, "samples": samples, "train": _jsonable(summary),
+                  "error": self.error,
+                  "parameters": count_parameters(self.model) if self.model is not None else None}
+        atomic_write_text(json.dumps(result, indent=2, default=str) + "\n", self.built.out / RESULTS_FILE)
+        return result
+
+    def report(self, metrics: dict[str, Any], samples: list[str]) -> str:
+        out = self.built.out
+        lines = [f"run folder: {out}"]
+        if metrics:
+            lines.append(f"held-out ({_measured(metrics, self.built.eval.n)}): " + ", ".join(
+                f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+                if k not in ("n", "n_tokens")))
+        if samples:
+            lines += ["samples:"] + [f"  {s}" for s in samples]
+        lines += [f"checkpoint: {self.trainer.last_checkpoint}", f"metrics: {out / 'metrics.jsonl'}",
+                  f"plot: {out / 'curves.png'}"]
+        return "\n".join(lines)
+
+    def run(self) -> dict[str, Any]:
+        out, task = self.built.out, self.built.task
+        self.setup()
+        summary = self.train()
+        if not self.trainer.dist.is_main:  # under torchrun only rank 0 evaluates and writes results
+            self.trainer.close()
+            return {"out": out, "metrics": {}, "extra": {}, "samples": [], "train": summary, "report": "",
+                    "error": self.error, "model": self.trainer.model, "task": task}
+        metrics, extra, samples = self.evaluate()
+        self.save(summary, metrics, extra, samples)
+        return {"out": out, "metrics": metrics, "extra": extra, "samples": samples, "train": summary,
+                "report": self.report(metrics, samples), "error": self.error, "model": self.model,
+                "task": task}
+
+
 def train_run(
     cfg: dict[str, Any],
     out: str | Path | None = None,
@@ -332,63 +435,7 @@ def train_run(
     callbacks: extra Trainer callbacks. keep_going: a run the NaN guard stops is evaluated and returned with
     its "error" instead of raising (the ablation runner records divergence as a result)."""
     run = build_run(cfg, out, resume=resume, extra_evals=extra_evals)
-    out, task, ev = run.out, run.task, run.eval
-    trainer = Trainer(run.model, run.train, task, eval_fn=run.eval_fn(), callbacks=list(callbacks),
-                      resume=run.resume_from is not None)  # checks the training settings against the model
-    if trainer.dist.is_main:
-        run.write()
-        if run.resume_from is not None and not quiet:
-            print(f"resuming {out} from {run.resume_from.name}: the saved run's settings (run.yaml) apply; "
-                  "the command line overrides only what it names", file=sys.stderr)
-    error = None
-    t0 = time.perf_counter()
-    try:
-        summary = trainer.fit()
-    except NonFiniteError as e:
-        if not keep_going:
-            trainer.close()
-            raise
-        error = f"{type(e).__name__}: {str(e).splitlines()[0]}"[:300]
-        summary = trainer.summary(time.perf_counter() - t0)
-    if not trainer.dist.is_main:  # under torchrun only rank 0 evaluates and writes results
-        trainer.close()
-        return {"out": out, "metrics": {}, "extra": {}, "samples": [], "train": summary, "report": "",
-                "error": error, "model": trainer.model, "task": task}
-    model = trainer.model
-    if trainer.dist.mode == "fsdp":  # the sharded module's forward needs every rank: evaluate a full copy
-
-        model = qkv.from_pretrained(trainer.last_checkpoint) if trainer.last_checkpoint else None
-    trainer.close()
-    finite = model is not None and all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    metrics: dict[str, Any] = {}
-    extra: dict[str, dict[str, Any]] = {}
-    samples: list[str] = []
-    if finite:
-        model.eval()
-        last = dict(trainer.last_eval)
-        if ev.n and last.get("_step") == trainer.step and ev.during_training == ev.n and error is None:
-            metrics = {k: v for k, v in last.items() if not k.startswith("_")}  # fit() just evaluated it
-        elif ev.n:
-            metrics = task.evaluate(model, n=ev.n)
-        extra = {name: t.evaluate(model, n=n) for name, (t, n) in run.extra_tasks.items()}
-        samples = task.samples(model, ev.samples) if ev.samples else []
-    result = {"metrics": metrics, "extra": extra, "samples": samples, "train": _jsonable(summary),
-              "error": error, "parameters": count_parameters(model) if model is not None else None}
-    atomic_write_text(json.dumps(result, indent=2, default=str) + "\n", out / RESULTS_FILE)
-    lines = [f"run folder: {out}"]
-    if metrics:
-        lines.append(f"held-out ({_measured(metrics, ev.n)}): " + ", ".join(
-            f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-            if k not in ("n", "n_tokens")))
-    if samples:
-        lines += ["samples:"] + [f"  {s}" for s in samples]
-    lines += [
-        f"checkpoint: {trainer.last_checkpoint}",
-        f"metrics: {out / 'metrics.jsonl'}",
-        f"plot: {out / 'curves.png'}",
-    ]
-    return {"out": out, "metrics": metrics, "extra": extra, "samples": samples, "train": summary,
-            "report": "\n".join(lines), "error": error, "model": model, "task": task}
+    return TrainRecipe(run, callbacks=callbacks, keep_going=keep_going, quiet=quiet).run()
 
 
 def _measured(metrics: dict[str, Any], asked: int) -> str:
@@ -415,6 +462,7 @@ def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
 __all__ = [
     "EvalSettings",
     "Run",
+    "TrainRecipe",
     "build_parts",
     "build_run",
     "command_line_config",
