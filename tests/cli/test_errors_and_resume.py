@@ -1,9 +1,15 @@
 """What the command line does at its edges: flags out of range, what the
 report claims, unknown prompt characters, resumes that must write nothing or keep the saved settings,
-signals, divergence. Every failure is one line `qkv: error: ...` with a documented exit status."""
+signals, divergence. Every failure is one line `qkv: error: ...` with a documented exit status.
+
+The commands run in this process (main(), what the `qkv` script calls), since a new interpreter importing
+torch for each of them was most of the file's time; what needs a process of its own (a signal, a closed
+pipe, what importing qkv loads) still gets one."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -15,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from qkv.cli.main import main
 from qkv.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,10 +29,16 @@ TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "task.context
         "train.lr=5e-3", "train.warmup=1", "eval.n=4", "eval.samples=0", "--no-progress"]
 
 
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "qkv.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`qkv ARGS` run by main() here: its exit status, stdout and stderr, as subprocess.run gives them (a
+    bug's exception is not caught: it fails the test with its traceback)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def one_error_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -304,11 +317,12 @@ def book_run(tmp_path_factory):
     """A run trained on a user's text file given by a relative path (task.path=book.txt, cwd = its folder)."""
     folder = tmp_path_factory.mktemp("book")
     (folder / "book.txt").write_text("alpha beta gamma delta\n" * 200, encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "train", "charlm", "--out", "run",
-                        "--max-steps", "2",
-                        "task.path=book.txt", *TINY], capture_output=True, text=True, cwd=folder, env=env,
-                       timeout=300)
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        r = run_cli("train", "charlm", "--out", "run", "--max-steps", "2", "task.path=book.txt", *TINY)
+    finally:
+        os.chdir(here)
     assert r.returncode == 0, r.stderr[-2000:]
     return folder
 
