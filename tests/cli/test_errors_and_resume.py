@@ -1,15 +1,9 @@
 """What the command line does at its edges: flags out of range, what the
 report claims, unknown prompt characters, resumes that must write nothing or keep the saved settings,
-signals, divergence. Every failure is one line `qkv: error: ...` with a documented exit status.
-
-The commands run in this process (main(), what the `qkv` script calls), since a new interpreter importing
-torch for each of them was most of the file's time; what needs a process of its own (a signal, a closed
-pipe, what importing qkv loads) still gets one."""
+signals, divergence. Every failure is one line `qkv: error: ...` with a documented exit status."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -20,25 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from _clirun import run_cli
 
-from qkv.cli.main import main
 from qkv.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "task.context=16", "train.batch_size=4",
         "train.lr=5e-3", "train.warmup=1", "eval.n=4", "eval.samples=0", "--no-progress"]
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """`qkv ARGS` run by main() here: its exit status, stdout and stderr, as subprocess.run gives them (a
-    bug's exception is not caught: it fails the test with its traceback)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as e:  # argparse's usage errors
-            code = e.code
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def one_error_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -317,12 +299,8 @@ def book_run(tmp_path_factory):
     """A run trained on a user's text file given by a relative path (task.path=book.txt, cwd = its folder)."""
     folder = tmp_path_factory.mktemp("book")
     (folder / "book.txt").write_text("alpha beta gamma delta\n" * 200, encoding="utf-8")
-    here = os.getcwd()
-    os.chdir(folder)
-    try:
-        r = run_cli("train", "charlm", "--out", "run", "--max-steps", "2", "task.path=book.txt", *TINY)
-    finally:
-        os.chdir(here)
+    r = run_cli("train", "charlm", "--out", "run", "--max-steps", "2", "task.path=book.txt", *TINY,
+                cwd=folder)
     assert r.returncode == 0, r.stderr[-2000:]
     return folder
 
