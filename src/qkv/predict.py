@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
 from qkv.checkpoint import load_model
@@ -72,8 +73,6 @@ class ImagePreprocessor:
 
     def __call__(self, image: Any) -> Tensor:
         """A PIL image -> (C, H, W) float32."""
-        from PIL import Image  # noqa: PLC0415  (PIL: loaded only when an image file is read)
-
         im = image.convert("L" if self.channels == 1 else "RGB")
         if self.size is not None:
             im = im.resize((self.size[1], self.size[0]), Image.Resampling(self.resample))

@@ -15,17 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from _clirun import run_cli
 from qkv.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "task.context=16", "train.batch_size=4",
         "train.lr=5e-3", "train.warmup=1", "eval.n=4", "eval.samples=0", "--no-progress"]
-
-
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "qkv.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
 
 
 def one_error_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -304,11 +299,8 @@ def book_run(tmp_path_factory):
     """A run trained on a user's text file given by a relative path (task.path=book.txt, cwd = its folder)."""
     folder = tmp_path_factory.mktemp("book")
     (folder / "book.txt").write_text("alpha beta gamma delta\n" * 200, encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "train", "charlm", "--out", "run",
-                        "--max-steps", "2",
-                        "task.path=book.txt", *TINY], capture_output=True, text=True, cwd=folder, env=env,
-                       timeout=300)
+    r = run_cli("train", "charlm", "--out", "run", "--max-steps", "2", "task.path=book.txt", *TINY,
+                cwd=folder)
     assert r.returncode == 0, r.stderr[-2000:]
     return folder
 

@@ -4,14 +4,13 @@ image processors, and the other commands on a ResNet folder: info works, attenti
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+import _clirun as clirun
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
@@ -21,10 +20,8 @@ from qkv.predict import ImagePreprocessor, predict_images  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run([sys.executable, "-m", "qkv.cli.main", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=env)
+def run_cli(*args: str):
+    return clirun.run_cli(*args, cwd=ROOT)
 
 
 def _image(path: Path, w: int = 45, h: int = 30, seed: int = 0) -> Path:

@@ -4,12 +4,11 @@ as one after another (each run is seeded by its own spec), and a bad N is a clea
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _clirun import run_cli
 from qkv.config import ConfigError
 from qkv.experiments.runner import run_suite
 
@@ -76,8 +75,6 @@ def test_efficiency_suites_refuse_parallel_runs(tmp_path):
 
 
 def test_cli_jobs_zero_is_one_line_error():
-    proc = subprocess.run([sys.executable, "-m", "qkv.cli.main", "ablate", "04_norm_placement", "--quick",
-                           "--jobs", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("ablate", "04_norm_placement", "--quick", "--jobs", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("qkv: error:") and "--jobs" in proc.stderr

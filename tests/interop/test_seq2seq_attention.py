@@ -66,7 +66,7 @@ def _hf_tokenizer(folder):
     return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
 
 
-def _check_maps(hf, folder, src: list[int], dec: list[int], res) -> None:
+def _check_maps(hf, folder, src: list[int], dec: list[int], json_path) -> None:
     """qkv's maps on (src, dec) equal transformers' (every layer and head), and the maps the command drew
     (their per-head entropies in <stem>_entropy.json) are those."""
     hf = type(hf).from_pretrained(folder, attn_implementation="eager").eval()  # sdpa returns no weights
@@ -79,7 +79,7 @@ def _check_maps(hf, folder, src: list[int], dec: list[int], res) -> None:
         assert len(mine[kind]) == len(ref)
         for a, b in zip(mine[kind], ref):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    heads = json.loads(res.json_path.read_text())["heads"]
+    heads = json.loads(json_path.read_text())["heads"]
     ours = {(h["kind"], h["layer"], h["head"]): h["entropy_nats"] for h in heads}
     for kind, ref in (("cross", out.cross_attentions), ("decoder self", out.decoder_attentions),
                       ("encoder self", out.encoder_attentions)):
@@ -106,11 +106,11 @@ def test_default_target_is_transformers_greedy_generate(tmp_path, name):
     res = attention_from_checkpoint(tmp_path, SOURCE, tmp_path / "maps.png", max_new_tokens=6)
     assert res.tokens["target"] == tok.convert_ids_to_tokens(ref)
     assert res.tokens["source"] == tok.convert_ids_to_tokens(src)
-    _check_maps(hf, tmp_path, src, ref, res)
+    _check_maps(hf, tmp_path, src, ref, res.json_path)
 
 
 @pytest.mark.parametrize("name", list(FOLDERS))
-def test_target_text_is_teacher_forced_as_transformers_shifts_labels(tmp_path, capsys, name):
+def test_target_text_is_teacher_forced_as_transformers_shifts_labels(tmp_path, name):
     hf = FOLDERS[name](tmp_path)
     tok = _hf_tokenizer(tmp_path)
     src, labels = tok(SOURCE).input_ids, tok(text_target=TARGET).input_ids
@@ -118,14 +118,12 @@ def test_target_text_is_teacher_forced_as_transformers_shifts_labels(tmp_path, c
     dec = transformers.models.bart.modeling_bart.shift_tokens_right(
         torch.tensor([labels]), c.pad_token_id, c.decoder_start_token_id)[0].tolist()
     assert dec[0] == c.decoder_start_token_id and dec[1:] == labels[:-1] and labels[-1] == c.eos_token_id
-    res = attention_from_checkpoint(tmp_path, SOURCE, tmp_path / "maps.png", target=TARGET)
-    assert res.tokens["target"] == tok.convert_ids_to_tokens(dec)
-    _check_maps(hf, tmp_path, src, dec, res)
-    # the CLI draws the same maps
-    capsys.readouterr()
+    # the command draws them (through attention_from_checkpoint, as the test above)
     assert main(["attention", str(tmp_path), "--input", SOURCE, "--target", TARGET, "--out",
                  str(tmp_path / "cli.png")]) == 0
-    assert json.loads((tmp_path / "cli_entropy.json").read_text())["tokens"]["target"] == res.tokens["target"]
+    assert json.loads((tmp_path / "cli_entropy.json").read_text())["tokens"]["target"] == \
+        tok.convert_ids_to_tokens(dec)
+    _check_maps(hf, tmp_path, src, dec, tmp_path / "cli_entropy.json")
     # and qkv explore's page teacher-forces a typed target the same way (it built [bos] + the target's ids)
     from qkv.explore import analyze, load
 

@@ -4,14 +4,13 @@ end to end on configs/vlm_fashion.yaml shrunk, and bad config values as one clea
 
 import gzip
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from _clirun import run_cli
 from qkv.config import ConfigError
 from qkv.models.vlm import LLaVA
 from qkv.run import load_run_config, prepare
@@ -111,19 +110,16 @@ def test_generate_with_an_image_is_the_greedy_loop_over_forward(data):
 def test_qkv_train_then_qkv_eval_end_to_end(data, tmp_path):
     out = tmp_path / "run"
     args = [*TINY, f"task.path={data}", "train.max_steps=3", "eval.n=5", "eval.samples=2", "--out", str(out)]
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "train", str(CONFIG), *args],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = run_cli("train", str(CONFIG), *args)
     assert r.returncode == 0, r.stderr
     assert "accuracy_what=" in r.stdout and "test image" in r.stdout
     assert (out / "run.yaml").is_file() and (out / "checkpoints").is_dir()
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "eval", str(out), "-n", "5"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = run_cli("eval", str(out), "-n", "5")
     assert r.returncode == 0, r.stderr
     for q in ("what", "category", "yesno", "describe"):
         assert f"accuracy_{q}" in r.stdout, r.stdout
     ask = ["generate", str(out), "--prompt", "what is it ?"]
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", *ask], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    r = run_cli(*ask)
     assert r.returncode == 2 and "qkv: error: a vqa run answers questions about an image" in r.stderr
 
 
@@ -143,8 +139,7 @@ def test_bad_config_values_are_one_clear_error(data, override, message):
 @pytest.mark.parametrize("override", ["model.vision.patch_size=4", "model.feature_layer=-9"])
 def test_on_the_command_line_a_bad_value_is_one_line_and_writes_nothing(data, tmp_path, override):
     command = ["train", str(CONFIG), *TINY, f"task.path={data}", override, "--out", str(tmp_path / "run")]
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", *command], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    r = run_cli(*command)
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("qkv: error:")]
     assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()  # nothing written

@@ -4,13 +4,13 @@ folder the test writes), the zero-shot prompt never trained on, distinct classes
 split, evaluation scored with a stand-in model whose answers are known, clear errors, and `qkv train` +
 `qkv eval` of configs/clip_fashion.yaml shrunk."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from _clirun import run_cli
 from qkv.config import ConfigError
 from qkv.tasks import build_task, load_task
 from qkv.tasks import captions as C
@@ -163,12 +163,10 @@ def test_qkv_train_then_qkv_eval_on_the_shipped_config_shrunk(folder, tmp_path):
     tiny = ["model.n_layers=1", "model.vision.n_layers=1", "model.d_model=32", "model.vision.d_model=32",
             "train.batch_size=10", "train.warmup=0", "train.log_every=1", "eval.n=20"]
     train = ["train", str(CONFIG), *tiny, f"task.path={folder}", "--max-steps", "3", "--out", str(out)]
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", *train], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    r = run_cli(*train)
     assert r.returncode == 0, r.stderr
     assert "held-out (20 examples): zero_shot_accuracy=" in r.stdout and "best prompt" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "qkv.cli.main", "eval", str(out), "-n", "30"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = run_cli("eval", str(out), "-n", "30")
     assert r.returncode == 0, r.stderr
     for key in ("zero_shot_accuracy", "recall@1_i2t", "recall@1_t2i"):
         assert key in r.stdout, r.stdout

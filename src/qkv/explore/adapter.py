@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import Tensor
 
 from qkv.config import ConfigError
@@ -453,8 +454,6 @@ def image(ld: Loaded, index: int) -> tuple[Tensor, str]:
 def question_image(ld: Loaded, index: int) -> tuple[Any, str]:
     """A vision-language model's built-in image: scikit-learn's digit `index` as an RGB PIL image (the
     folder's own preprocessing resizes it)."""
-    from PIL import Image  # noqa: PLC0415  (PIL: loaded only when an image file is read)
-
     if not 0 <= index < sample_images(ld):
         raise ExploreError(f"image index {index} is out of range [0, {sample_images(ld)})")
     imgs, labels, _ = load_digit_images()

@@ -20,6 +20,7 @@ import socket
 from importlib import resources
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -134,8 +135,6 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(ld: Loaded, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Run the app with uvicorn until interrupted, on a socket bound here first (see listen)."""
-    import uvicorn  # noqa: PLC0415  (uvicorn: loaded only when the page is served)
-
     sock = listen(host, port)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"qkv explore: listening on {host}: anyone who can reach this address can use the model")

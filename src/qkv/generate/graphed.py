@@ -113,7 +113,8 @@ def check_graphable(model: Any) -> None:
 def inductor_cache_dir() -> Path:
     """Where Inductor keeps its compiled code: TORCHINDUCTOR_CACHE_DIR if set, else $QKV_CACHE/inductor
     (default ~/.cache/qkv/inductor), set in the environment for this process (Inductor reads it there)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    # Inductor takes seconds to import: only a compiled generation pays for it
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: PLC0415
 
     # torch writes its own default into the variable the first time it looks: that value is not a user's
     # choice

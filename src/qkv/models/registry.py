@@ -52,24 +52,20 @@ def register_preset(name: str, family_name: str, config: Any, description: str =
 
 
 def family(name: str) -> Family:
-    _ensure_loaded()
     if name not in _FAMILIES:
         raise ConfigError(f"unknown model family {name!r}; known: {sorted(_FAMILIES)}")
     return _FAMILIES[name]
 
 
 def families() -> list[str]:
-    _ensure_loaded()
     return sorted(_FAMILIES)
 
 
 def presets() -> list[str]:
-    _ensure_loaded()
     return sorted(_PRESETS)
 
 
 def preset(name: str) -> tuple[Family, Any, str]:
-    _ensure_loaded()
     if name not in _PRESETS:
         match = difflib.get_close_matches(name, list(_PRESETS), n=1, cutoff=0.4)
         hint = f"; did you mean {match[0]!r}?" if match else f"; known presets: {', '.join(sorted(_PRESETS))}"
@@ -80,7 +76,6 @@ def preset(name: str) -> tuple[Family, Any, str]:
 
 def config_for(name_or_config: Any, **overrides: Any) -> tuple[Family, Any]:
     """Resolve a preset name, a config object, or a mapping {'family': ..., **fields} to (family, config)."""
-    _ensure_loaded()
     if isinstance(name_or_config, str):
         fam, cfg, _ = preset(name_or_config)
     elif isinstance(name_or_config, dict):
@@ -111,7 +106,3 @@ def build(name_or_config: Any, **overrides: Any) -> Any:
     """A freshly initialised model from a preset name or a config, with keyword overrides."""
     fam, cfg = config_for(name_or_config, **overrides)
     return fam.model_class(cfg)
-
-
-def _ensure_loaded() -> None:
-    import qkv.models  # noqa: F401, PLC0415  (importing the package registers every family; the package imports this module)

@@ -21,6 +21,7 @@ from typing import Any
 
 from qkv.generate.images import ImageInput
 from qkv.image_io import ImageError, ImageLimits, open_image
+from qkv.interop.llava import expand_image_tokens
 from qkv.serve.config import ServeConfig
 from qkv.serve.errors import APIError
 from qkv.serve.requests import ChatCompletionRequest, ImagePart
@@ -104,8 +105,6 @@ def expand_placeholders(ids: list[int], served: Any, images: list[DecodedImage])
     """The template's image tokens expanded to each image's placeholders (LLaVA: image_tokens; Idefics3:
     the tiles' text, image_seq_len per tile); a 400 unless there is exactly one per image (a template that
     writes none, or an image token typed into the text)."""
-    from qkv.interop.llava import expand_image_tokens
-
     c = served.model.config
     found = sum(1 for i in ids if i == c.image_token_id)
     if found != len(images):

@@ -14,6 +14,11 @@ from typing import Any
 import torch
 
 from qkv.config import ConfigError
+from qkv.interop.gguf_model import is_gguf
+from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
+from qkv.interop.smolvlm import folder_processor
+from qkv.interop.tokenizer import load_hf_tokenizer
+from qkv.run import folder_tokenizer, load_model_any, load_run_task, model_folder, run_folder_of
 
 
 @dataclass
@@ -65,11 +70,6 @@ class Served:
 def load_served(path: str | Path, name: str | None = None, quantize: str | None = None) -> Served:
     """Model + tokenizer of a run folder, a qkv checkpoint folder, a Hugging Face folder or a GGUF file
     (quantize: "int8" / "int4" weight-only, qkv.nn.quant)."""
-    from qkv.interop.gguf_model import is_gguf
-    from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
-    from qkv.interop.tokenizer import load_hf_tokenizer
-    from qkv.run import folder_tokenizer, load_model_any, load_run_task, model_folder, run_folder_of
-
     path = Path(path)
     model = load_model_any(path, quantize).eval()
     if getattr(model, "is_seq2seq", True):
@@ -90,7 +90,5 @@ def load_served(path: str | Path, name: str | None = None, quantize: str | None 
         tok, eos = folder_tokenizer(folder), set()
     images = None
     if getattr(model, "image_features", None) is not None:  # a LLaVA / Idefics3: its folder's preprocessing
-        from qkv.interop.smolvlm import folder_processor
-
         images = folder_processor(folder)
     return Served(model, TextCodec(tok, eos), name or path.resolve().name, path, images=images)

@@ -14,7 +14,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+
 from qkv.config import ConfigError, suggest
+from qkv.generate.config import GenerationConfig
+from qkv.generate.engine import Engine
 from qkv.generate.engine_config import EngineConfig
 from qkv.serve.app import create_app
 from qkv.serve.config import ServeConfig
@@ -22,18 +26,14 @@ from qkv.serve.embeddings import create_embeddings_app, is_encoder_folder, load_
 from qkv.serve.model import Served, load_served
 
 
-def build_engine(served: Served, config: EngineConfig | None = None, **options: Any) -> Any:
+def build_engine(served: Served, config: EngineConfig | None = None, **options: Any) -> Engine:
     """The Engine for a served model: the folder's token ids plus the tokenizer's eos ids as its base
     settings. `config` and `options` (EngineConfig's field names: block_size=4) are its EngineConfig;
     max_model_len None: the model's (configured) context."""
     config = _configs(options, None, config, serving=False)[1]
-    from qkv.generate.engine import Engine
-
     base = served.model.generation_defaults().get("eos_token_id")
     ids = set(served.codec.eos_ids) | ({base} if isinstance(base, int) else set(base or []))
     eos = sorted(i for i in ids if 0 <= i < served.model.output_vocab_size) or None
-    from qkv.generate.config import GenerationConfig
-
     engine = Engine(served.model, config=config, tokenizer=served.codec, eos_token_id=eos)
     # of the folder's generation settings the engine's base keeps only the token ids: a request's sampling is
     # all the API's (app.py: the request's values, else the folder's five sampling defaults as vLLM takes
@@ -54,35 +54,30 @@ def _image_token_ban(served: Served) -> list[list[int]] | None:
     return [[c.image_token_id]] if c.image_token_id < served.model.output_vocab_size else None
 
 
-def _server_class():
-    import uvicorn
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, but a SIGINT / SIGTERM ends a graceful shutdown with exit status 0 (uvicorn re-raises
+    the signal after shutting down, which would kill the process with it), and calls on_exit at once (the
+    app's shutting_down flag: _make_server)."""
 
-    class Server(uvicorn.Server):
-        """uvicorn's server, but a SIGINT / SIGTERM ends a graceful shutdown with exit status 0 (uvicorn
-        re-raises the signal after shutting down, which would kill the process with it), and calls on_exit
-        at once (the app's shutting_down flag: _make_server)."""
+    on_exit: Callable[[], None] | None = None
 
-        on_exit: Callable[[], None] | None = None
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if self.on_exit is not None:
+            self.on_exit()
 
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            super().handle_exit(sig, frame)
-            if self.on_exit is not None:
-                self.on_exit()
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Generator[None, None, None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
-            try:
-                yield
-            finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
-
-    return Server
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -144,11 +139,9 @@ def _configs(options: dict[str, Any], config: ServeConfig | None, engine_config:
     return (dataclasses.replace(server, **mine) if mine else server), engine
 
 
-def _make_server(app: Any, shutdown_timeout: float) -> Any:
-    import uvicorn
-
+def _make_server(app: Any, shutdown_timeout: float) -> GracefulServer:
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
-    server = _server_class()(config)
+    server = GracefulServer(config)
     api = getattr(app.state, "api", None)
     if api is None:  # an embeddings server: no engine thread to watch
         return server

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError, from_dict, suggest, to_dict
+from qkv.extras import require
 from qkv.models.registry import config_for, families
 from qkv.models.registry import family as family_spec
 from qkv.storage import atomic_write_json
@@ -257,17 +258,11 @@ def register_task(name: str, options_class: type, factory: Callable[..., Task], 
                             option_defaults, tuple(requires))
 
 
-def _ensure_loaded() -> None:
-    import qkv.tasks  # noqa: F401  (importing the package registers every task)
-
-
 def task_names() -> list[str]:
-    _ensure_loaded()
     return sorted(_TASKS)
 
 
 def task_spec(name: str) -> TaskSpec:
-    _ensure_loaded()
     if name not in _TASKS:
         raise ConfigError("unknown task "
                           f"{name!r}{suggest(name, list(_TASKS), 'known tasks')}")
@@ -291,8 +286,6 @@ def build_task(name: str, family: str | None = None, *, saved_tokenizer: Tokeniz
     if isinstance(options.get("tokenizer"), Tokenizer):  # a tokenizer object, not the char|bpe option
         saved_tokenizer = options.pop("tokenizer")
     spec = task_spec(name)
-    from qkv.extras import require
-
     for module in spec.requires:  # a missing optional package: one clear error before any work
         require(module, f"task {name!r}")
     family = family or spec.default_family

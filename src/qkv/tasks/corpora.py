@@ -21,6 +21,7 @@ import hashlib
 import os
 import sysconfig
 from pathlib import Path
+from pydoc_data.topics import topics
 
 from qkv.config import ConfigError
 
@@ -30,8 +31,6 @@ EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pyc
 
 def pydoc_text() -> str:
     """Python's bundled documentation text: pydoc_data.topics values in sorted-key order."""
-    from pydoc_data.topics import topics
-
     return "".join(topics[k] for k in sorted(topics))
 
 

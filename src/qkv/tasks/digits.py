@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.extras import require
 from qkv.image_io import open_image
 from qkv.tasks.base import Task, check_split, model_device, register_task, rng_for
 from qkv.tasks.tokenizers import CharTokenizer, Tokenizer, WordTokenizer
@@ -48,8 +49,6 @@ class DigitsOptions:
 
 def load_digit_images() -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(N, 8, 8) float32 images in [0, 1], (N,) labels, class names."""
-    from qkv.extras import require
-
     d = require("sklearn.datasets", "the digits images").load_digits()
     return (d.images / 16.0).astype(np.float32), d.target.astype(np.int64), [str(i) for i in range(10)]
 

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from qkv.config import ConfigError
+from qkv.generate import generate
 from qkv.tasks.base import Task, check_split, in_val_split, model_device, pad_rows, register_task, rng_for
 from qkv.tasks.tokenizers import EOS, CharTokenizer, Tokenizer
 
@@ -174,8 +175,6 @@ class AudioDigitsTask(Task):
 
     @torch.no_grad()
     def transcribe(self, model: torch.nn.Module, audio: Tensor, batch_size: int = 64) -> list[str]:
-        from qkv.generate import generate
-
         dev = model_device(model)
         hyps = []
         for s in range(0, len(audio), batch_size):

@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import Tensor
 
 from qkv.config import ConfigError
 from qkv.image_io import open_image
-from qkv.tasks.base import Task, check_split, model_device, register_task
+from qkv.tasks.base import Task, check_split, model_device, register_task, rng_for
 from qkv.tasks.digits import stratified_split
 from qkv.tasks.tokenizers import WordTokenizer
 
@@ -97,8 +98,6 @@ def load_image_files(folder: str | Path, image_size: int,
                      channels: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """A folder of class sub-folders -> (N, H, W, C) uint8 images resized to image_size, (N,) labels,
     classes."""
-    from PIL import Image
-
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise ConfigError(f"image folder {root} does not exist")
@@ -217,8 +216,6 @@ class ImageClassificationTask(Task):
 
 def hash_seed(*parts: Any) -> int:
     """A 63-bit torch seed from (seed, split, index ...), the same on every platform (rng_for's hashing)."""
-    from qkv.tasks.base import rng_for
-
     return rng_for(parts[0], str(parts[1]), int(parts[2]), "images").getrandbits(63)
 
 

@@ -172,7 +172,7 @@ class PairTask(Task):
         metrics = {"exact_match": exact / max(1, len(pairs)), "token_accuracy": right / max(1, total),
                    "n": float(len(pairs))}
         if self.bleu_tokenize is not None:
-            import sacrebleu
+            import sacrebleu  # noqa: PLC0415  (sacrebleu: an optional extra, only for BLEU)
 
             metrics["bleu"] = float(sacrebleu.corpus_bleu(hyps, [refs], tokenize=self.bleu_tokenize).score)
         return metrics

@@ -66,7 +66,7 @@ def espeak_binary() -> str:
 
 def synthesize(text: str, voice: str, speed: int, pitch: int, sample_rate: int = 16000) -> np.ndarray:
     """espeak-ng's rendering of `text` as float32 samples in [-1, 1] at `sample_rate`."""
-    from scipy.signal import resample_poly
+    from scipy.signal import resample_poly  # noqa: PLC0415  (scipy: an optional extra, for resampling)
 
     proc = subprocess.run([espeak_binary(), "-v", voice, "-s", str(speed), "-p", str(pitch),
                            "--stdout", text],

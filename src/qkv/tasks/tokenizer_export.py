@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
 from qkv.storage import atomic_write, atomic_write_json
 from qkv.tasks.tokenizers import SPECIALS
 
@@ -36,8 +38,6 @@ def _python_whitespace() -> str:
 
 def word_level_tokenizer(tok: Any) -> Any:
     """A tokenizers.Tokenizer that encodes and decodes as qkv's CharTokenizer / WordTokenizer `tok`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {s: i for i, s in enumerate(tok.itos)}
     hf = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_ROLES["unk_token"]))
     if tok.kind == "char":  # Python's list(text): one piece per code point, newlines included
@@ -53,8 +53,6 @@ def with_bos(hf: Any, bos: str, bos_id: int) -> Any:
     """A copy of `hf` (a tokenizers.Tokenizer) putting `bos` before every text it encodes, after whatever its
     own post-processor does: what a task that prepends <bos> (as BERT's [CLS], for a classifier reading the
     first position) feeds the model."""
-    from tokenizers import Tokenizer, processors
-
     hf = Tokenizer.from_str(hf.to_str())  # the caller's tokenizer keeps encoding as it did
     template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
                                              special_tokens=[(bos, bos_id)])

@@ -17,7 +17,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import tokenizers
+
+from qkv.interop.gguf_model import is_gguf
+from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
+from qkv.interop.tokenizer import bare_tokenizer, special_tokens_config
 from qkv.storage import atomic_write, atomic_write_text
+from qkv.tasks.spm import sentencepiece_tokenizer
 from qkv.tokenizer import TextTokenizer
 
 SPECIALS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>", "<mask>")
@@ -185,14 +191,12 @@ class BPETokenizer(Tokenizer):
               extra_specials: Sequence[str] = ()) -> BPETokenizer:
         """extra_specials: more special tokens reserved after SPECIALS (a chat format's role markers), each
         read as one token and never merged into others."""
-        from tokenizers import ByteLevelBPETokenizer
-
         least = 256 + len(SPECIALS) + len(extra_specials)
         if vocab_size < least:
             raise TokenizerError(
                 f"byte-level BPE needs vocab_size >= {least} (256 bytes + specials), got {vocab_size}"
             )
-        bpe = ByteLevelBPETokenizer(add_prefix_space=False)
+        bpe = tokenizers.ByteLevelBPETokenizer(add_prefix_space=False)
         texts = [texts] if isinstance(texts, str) else list(texts)
         bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
                                 special_tokens=[*SPECIALS, *extra_specials], show_progress=False)
@@ -220,10 +224,8 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> BPETokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
-
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            return cls(tokenizers.Tokenizer.from_file(str(path)))
         except Exception as e:  # tokenizers raises its own Exception type on a bad file
             if isinstance(e, TokenizerError):
                 raise
@@ -301,35 +303,24 @@ def find_tokenizer(path: str | Path) -> TextTokenizer | None:
     vocab.txt in the folder, or a GGUF file's own (each an HFTokenizer that decodes without special tokens),
     or a SentencePiece one; None when there is none. Each is a qkv.tokenizer.TextTokenizer."""
     folder = Path(path)
-    from qkv.interop.gguf_model import is_gguf
-    from qkv.interop.tokenizer import bare_tokenizer, special_tokens_config
-
     if is_gguf(folder):
-        from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
-
         gguf = load_gguf_tokenizer(folder)
         return bare_tokenizer(gguf.tokenizer, gguf.config)
     saved = saved_tokenizer([folder, folder.parent, folder.parent.parent])
     if saved is not None:
         return saved
     if (folder / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
         return bare_tokenizer(
-            Tokenizer.from_file(str(folder / "tokenizer.json")), special_tokens_config(folder)
+            tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")), special_tokens_config(folder)
         )
     if (folder / "vocab.txt").is_file():
-        from tokenizers import BertWordPieceTokenizer
-
         # as transformers' BertTokenizer: lower case unless the folder's tokenizer_config.json says otherwise
         # (a cased BERT); accents are stripped when lowercasing unless strip_accents says
         settings = _hf_tokenizer_settings(folder)
         lower = settings.get("do_lower_case", True)
-        bert = BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=bool(lower),
-                                      strip_accents=settings.get("strip_accents"))
+        bert = tokenizers.BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=bool(lower),
+                                                 strip_accents=settings.get("strip_accents"))
         # the tokenizers.Tokenizer inside: its encode and decode, as the wrapper's
         return bare_tokenizer(bert._tokenizer, special_tokens_config(folder))
     # Marian's source.spm / T5's spiece.model, through the sentencepiece package (qkv[seq2seq])
-    from qkv.tasks.spm import sentencepiece_tokenizer
-
     return sentencepiece_tokenizer(folder)

@@ -64,7 +64,7 @@ class TSVOptions:
             raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.max_len < 1:
             raise ConfigError("max_len must be positive")
-        from sacrebleu.metrics.bleu import BLEU
+        from sacrebleu.metrics.bleu import BLEU  # noqa: PLC0415  (sacrebleu: an optional extra, for BLEU)
 
         if self.bleu_tokenize not in BLEU.TOKENIZERS:
             raise ConfigError(f"bleu_tokenize must be one of {list(BLEU.TOKENIZERS)}, got "
