@@ -121,8 +121,8 @@ def test_preprocessing_errors(tmp_path):
     with pytest.raises(CheckpointError, match="no preprocessor_config.json"):
         ImageProcessor.from_folder(tmp_path)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "SiglipImageProcessor"}))
-    with pytest.raises(CheckpointError, match="'SiglipImageProcessor' is not supported"):
+        "image_processor_type": "ConvNextImageProcessor"}))
+    with pytest.raises(CheckpointError, match="'ConvNextImageProcessor' is not supported"):
         ImageProcessor.from_folder(tmp_path)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": {"longest_edge": 9}}))
     with pytest.raises(CheckpointError, match="size .* is not supported"):
