@@ -191,6 +191,37 @@ def test_qkv_folder_round_trip(pair, tmp_path):
                            ours(x, attention_mask=mask, decoder_input_ids=dec).logits)
 
 
+def test_qkv_export_writes_the_folder_transformers_loads(pair, tmp_path):
+    """`qkv export` of a T5 / BART / Marian folder (its record's exporter, the one fine-tuning uses): a folder
+    transformers loads with the same logits, its config.json the source's."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from qkv.export import export_model
+
+    name, folder, hf, _ = pair
+    export_model(folder, tmp_path / "hf")
+    again = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf").eval()
+    x, mask = _inputs(3)
+    dec = torch.randint(3, V - 1, (3, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=x, attention_mask=mask, decoder_input_ids=dec).logits,
+                                   hf(input_ids=x, attention_mask=mask, decoder_input_ids=dec).logits,
+                                   atol=1e-5, rtol=1e-5)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == hf.config.model_type
+
+
+def test_a_model_without_its_source_folder_is_not_written_as_t5(pair, tmp_path):
+    from qkv.config import ConfigError
+    from qkv.interop.export import write_model
+    from qkv.interop.registry import ExportRequest
+
+    name, _, hf, ours = pair
+    mt = hf.config.model_type
+    with pytest.raises(ConfigError, match=f"a {mt} folder is written from the {mt} folder the model was"):
+        write_model(ours, tmp_path / "x", ExportRequest(mt))
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("builder,change,message", [
     ("t5", {"feed_forward_proj": "gated-silu"}, "feed_forward_proj 'gated-silu' is not supported"),
     ("bart", {"decoder_attention_heads": 2}, "encoder_attention_heads != decoder_attention_heads"),

@@ -33,9 +33,9 @@ from qkv.finetune.out import mark_out
 from qkv.finetune.recipe import FinetuneRecipe, epoch_config
 from qkv.finetune.registry import Recipe, register_recipe
 from qkv.finetune.settings import FinetuneSettings
-from qkv.interop.bart import save_bart
+from qkv.interop.export import writable_types, write_model
 from qkv.interop.export_tokenizer import copy_tokenizer_files
-from qkv.interop.t5 import save_t5
+from qkv.interop.registry import ExportRequest
 from qkv.tasks.base import text_lines
 from qkv.tasks.tokenizers import find_tokenizer
 from qkv.train import Trainer, read_checkpoint, seed_everything
@@ -173,13 +173,11 @@ def save_folder(model: Any, source: Path, out: Path) -> Path:
     mt = meta.get("model_type")
     if "qkv_family" in meta or mt is None:
         model.save_pretrained(out)
-    elif mt == "t5":
-        save_t5(model, out, meta)
-    elif mt in ("bart", "marian"):
-        save_bart(model, out, meta)
+    elif mt in writable_types(kind="seq2seq"):
+        write_model(model, out, ExportRequest(mt, source))
     else:
-        raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes t5, bart, "
-                          "marian)")
+        raise ConfigError(f"{source}: cannot write a fine-tuned {mt!r} folder (seq2seq fine-tunes "
+                          f"{', '.join(writable_types(kind='seq2seq'))})")
     copy_tokenizer_files(source, out)
     return out
 

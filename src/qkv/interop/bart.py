@@ -39,7 +39,7 @@ from qkv.interop.common import (
     require,
     write_hf_folder,
 )
-from qkv.interop.registry import ModelType, register
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.interop.t5 import generation_from_config
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 
@@ -190,8 +190,12 @@ def save_bart(model: EncoderDecoder, folder: str | Path, meta: dict[str, Any]) -
     return write_hf_folder(folder, state, meta)
 
 
+def export_bart(model: EncoderDecoder, out: Path, request: ExportRequest) -> None:
+    save_bart(model, out, request.source_config())
+
+
 SIZING_FIELDS = ("decoder_layers", "decoder_attention_heads", "d_model", "max_position_embeddings")
-register(*(ModelType(mt, "seq2seq", "encdec", load_bart, sizing_fields=SIZING_FIELDS)
+register(*(ModelType(mt, "seq2seq", "encdec", load_bart, export_bart, sizing_fields=SIZING_FIELDS)
            for mt in ("bart", "marian")))
 
-__all__ = ["config_from_hf", "key_map", "load_bart", "save_bart"]
+__all__ = ["config_from_hf", "export_bart", "key_map", "load_bart", "save_bart"]

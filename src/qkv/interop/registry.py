@@ -14,6 +14,7 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
+from qkv.config import ConfigError
 from qkv.storage import read_config
 
 # The modules that register model types, imported together on the first query (a record is found by its
@@ -38,6 +39,15 @@ class ExportRequest:
         exporter keeps the fields it does not write."""
         meta = read_config(self.source) if self.source is not None else None
         return meta if meta is not None and "qkv_family" not in meta else None
+
+    def source_config(self) -> dict[str, Any]:
+        """base_config() for an exporter that writes only the folder the model was loaded from (its
+        architecture is that config.json, kept as it is)."""
+        meta = self.base_config()
+        if meta is None or meta.get("model_type") != self.model_type:
+            raise ConfigError(f"a {self.model_type} folder is written from the {self.model_type} folder the "
+                              "model was loaded from (its config.json); this model has none")
+        return meta
 
 
 Loader = Callable[[Path, dict[str, Any]], Any]  # (folder, its config.json) -> a qkv model

@@ -38,7 +38,7 @@ from qkv.interop.common import (
     require,
     write_hf_folder,
 )
-from qkv.interop.registry import ModelType, register
+from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.models.encdec import EncoderDecoder, EncoderDecoderConfig
 
 FFN = {"relu": "relu", "gated-gelu": "geglu_tanh", "gated-gelu_new": "geglu_tanh", "gelu": "gelu",
@@ -200,6 +200,11 @@ def save_t5(model: EncoderDecoder, folder: str | Path, meta: dict[str, Any]) -> 
     return write_hf_folder(folder, state, meta)
 
 
-register(ModelType("t5", "seq2seq", "encdec", load_t5, sizing_fields=("num_layers", "num_heads", "d_kv")))
+def export_t5(model: EncoderDecoder, out: Path, request: ExportRequest) -> None:
+    save_t5(model, out, request.source_config())
 
-__all__ = ["config_from_hf", "key_map", "load_t5", "save_t5"]
+
+register(ModelType("t5", "seq2seq", "encdec", load_t5, export_t5,
+                   sizing_fields=("num_layers", "num_heads", "d_kv")))
+
+__all__ = ["config_from_hf", "export_t5", "key_map", "load_t5", "save_t5"]
