@@ -81,7 +81,9 @@ def test_folder_without_an_exporter_names_its_type_not_a_flag():
         choose_model_type(model, {"model_type": "deepseek_v2"}, None)
     assert "a Hugging Face deepseek_v2 folder has no exporter; pass --model-type, one of" in str(e.value)
     assert "llama" in str(e.value) and "--model-type 'deepseek_v2'" not in str(e.value)
-    with pytest.raises(ConfigError, match="--model-type 't5'"):  # a flag the user gave is named as given
+    with pytest.raises(ConfigError, match="--model-type 'whisper'"):  # a flag the user gave is named as given
+        choose_model_type(model, {"model_type": "deepseek_v2"}, "whisper")
+    with pytest.raises(ConfigError, match="a GPT cannot be written as 't5'"):  # another family's format
         choose_model_type(model, {"model_type": "deepseek_v2"}, "t5")
 
 
