@@ -29,6 +29,7 @@ from qkv.cli.flags import (  # noqa: F401  (QUANTIZE_MODES: part of this module'
 )
 from qkv.cli.generate import add_chat, add_generate, cmd_chat, cmd_generate
 from qkv.cli.info import add_info, cmd_info
+from qkv.config import ConfigError
 from qkv.generate.engine_config import EngineConfig
 from qkv.serve.config import ServeConfig
 
@@ -102,7 +103,6 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from qkv.config import ConfigError
     from qkv.run import evaluate_run
 
     if a.n < 1:
@@ -243,7 +243,6 @@ def _add_predict(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
-    from qkv.config import ConfigError
     from qkv.detect import is_detector
     from qkv.image_text import is_clip_folder, zero_shot
     from qkv.predict import fill_mask, format_fills, format_predictions, predict_images
@@ -274,7 +273,6 @@ def cmd_predict(a: argparse.Namespace) -> int:
 
 
 def predict_boxes(model: str, images: list[str], out: str | None, threshold: float) -> int:
-    from qkv.config import ConfigError
     from qkv.detect import detect, draw, drawing_format, format_detections, save_drawing
 
     if out is not None and len(images) != 1:
@@ -514,7 +512,6 @@ def _run_command(a: argparse.Namespace) -> int:
         return 128 + signal.SIGPIPE
     except Exception as e:  # one clear line for user errors; --debug for the traceback
         from qkv.checkpoint import CheckpointError
-        from qkv.config import ConfigError
         from qkv.train import NonFiniteError
 
         if a.debug:

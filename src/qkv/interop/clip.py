@@ -150,7 +150,10 @@ def siglip_key_map(config: CLIPConfig) -> dict[str, str]:
     return m
 
 
-def _check_sizes(sd: HFTensors, config: CLIPConfig) -> None:
+def _check_sizes(sd: HFTensors, config: CLIPConfig, *, class_token: bool, vision_ff: str,
+                 projection: tuple[str, str]) -> None:
+    """config.json's sizes against the weights' shapes, for both towers (CLIP's and SigLIP's layouts differ in
+    the class token, where the vision MLP is read, and the projection: (its config name, its weight))."""
     v, e, t = config.vision, "vision_model.embeddings.", "text_model."
     check_sizes(sd, sd.source, [
         ("vision_config.num_hidden_layers", v.n_layers, "vision_model.encoder.layers.{}.layer_norm1.weight",
@@ -158,15 +161,16 @@ def _check_sizes(sd: HFTensors, config: CLIPConfig) -> None:
         ("vision_config.hidden_size", v.d_model, f"{e}patch_embedding.weight", 0),
         ("vision_config.num_channels", v.n_channels, f"{e}patch_embedding.weight", 1),
         ("vision_config.patch_size", v.patch_size, f"{e}patch_embedding.weight", 2),
-        ("(image_size / patch_size)**2 + 1", v.grid ** 2 + 1, f"{e}position_embedding.weight", 0),
-        ("vision_config.intermediate_size", v.d_ff, "vision_model.encoder.layers.0.mlp.fc1.weight", 0),
+        ("(image_size / patch_size)**2" + (" + 1" if class_token else ""), v.grid ** 2 + class_token,
+         f"{e}position_embedding.weight", 0),
+        ("vision_config.intermediate_size", v.d_ff, vision_ff, 0),
         ("text_config.num_hidden_layers", config.n_layers, t + "encoder.layers.{}.layer_norm1.weight", None),
         ("text_config.vocab_size", config.vocab_size, f"{t}embeddings.token_embedding.weight", 0),
         ("text_config.hidden_size", config.d_model, f"{t}embeddings.token_embedding.weight", 1),
         ("text_config.max_position_embeddings", config.context_length,
          f"{t}embeddings.position_embedding.weight", 0),
         ("text_config.intermediate_size", config.d_ff, f"{t}encoder.layers.0.mlp.fc1.weight", 0),
-        ("projection_dim", config.embed_dim, "text_projection.weight", 0)])
+        (projection[0], config.embed_dim, projection[1], 0)])
 
 
 def load_clip(folder: Path, meta: dict[str, Any]) -> CLIP:
@@ -178,7 +182,8 @@ def load_clip(folder: Path, meta: dict[str, Any]) -> CLIP:
             f"{sd.source}: no text_projection / visual_projection (a CLIPModel folder holds both towers; "
             "a lone CLIPVisionModel or CLIPTextModel is not supported)")
     config = config_from_hf(meta)
-    _check_sizes(sd, config)
+    _check_sizes(sd, config, class_token=True, vision_ff="vision_model.encoder.layers.0.mlp.fc1.weight",
+                 projection=("projection_dim", "text_projection.weight"))
     model = build_skeleton(lambda: CLIP(config))
     transforms = {"vision_model.embeddings.class_embedding": lambda x: x.reshape(1, 1, -1),
                   "vision_model.embeddings.position_embedding.weight": lambda x: x.unsqueeze(0)}
@@ -197,22 +202,8 @@ def load_siglip(folder: Path, meta: dict[str, Any]) -> CLIP:
             f"{sd.source}: no logit_bias / text_model.head (a SiglipModel folder holds both towers; a lone "
             "SiglipVisionModel or SiglipTextModel is not supported)")
     config = siglip_config_from_hf(meta)
-    v, e, t = config.vision, "vision_model.embeddings.", "text_model."
-    check_sizes(sd, sd.source, [
-        ("vision_config.num_hidden_layers", v.n_layers, "vision_model.encoder.layers.{}.layer_norm1.weight",
-         None),
-        ("vision_config.hidden_size", v.d_model, f"{e}patch_embedding.weight", 0),
-        ("vision_config.num_channels", v.n_channels, f"{e}patch_embedding.weight", 1),
-        ("vision_config.patch_size", v.patch_size, f"{e}patch_embedding.weight", 2),
-        ("(image_size / patch_size)**2", v.grid ** 2, f"{e}position_embedding.weight", 0),
-        ("vision_config.intermediate_size", v.d_ff, "vision_model.head.mlp.fc1.weight", 0),
-        ("text_config.num_hidden_layers", config.n_layers, t + "encoder.layers.{}.layer_norm1.weight", None),
-        ("text_config.vocab_size", config.vocab_size, f"{t}embeddings.token_embedding.weight", 0),
-        ("text_config.hidden_size", config.d_model, f"{t}embeddings.token_embedding.weight", 1),
-        ("text_config.max_position_embeddings", config.context_length,
-         f"{t}embeddings.position_embedding.weight", 0),
-        ("text_config.intermediate_size", config.d_ff, f"{t}encoder.layers.0.mlp.fc1.weight", 0),
-        ("text_config.projection_size", config.embed_dim, f"{t}head.weight", 0)])
+    _check_sizes(sd, config, class_token=False, vision_ff="vision_model.head.mlp.fc1.weight",
+                 projection=("text_config.projection_size", "text_model.head.weight"))
     model = build_skeleton(lambda: CLIP(config))
     transforms = {"logit_scale": _scalar, "logit_bias": _scalar,
                   "vision_model.embeddings.position_embedding.weight": lambda x: x.unsqueeze(0)}
