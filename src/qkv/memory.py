@@ -229,9 +229,6 @@ class LiveTensorBytes(TorchDispatchMode):
         for t in tensors:
             self._count(t.untyped_storage())
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
     def _count(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
         if key in self._live or storage.device.type == "meta":

@@ -95,13 +95,6 @@ class BlockAllocator:
     def lookup(self, digest: bytes) -> int | None:
         return self._by_hash.get(digest)
 
-    def clear_prefix_cache(self) -> None:
-        """Forget every registered prefix (unreferenced cached blocks become plain free blocks)."""
-        self._free.extend(self._cached)
-        self._cached.clear()
-        self._hash_of.clear()
-        self._by_hash.clear()
-
 
 def block_digest(parent: bytes, tokens: list[int]) -> bytes:
     """The prefix-cache key of a full block: a SHA-256 chained over the previous block's key, so a block is

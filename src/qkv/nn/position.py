@@ -241,11 +241,6 @@ class RoPE(PositionalEncoding):
         self.register_buffer("sin_rot", torch.cat([-half, half], dim=-1).float(), persistent=False)
 
     @staticmethod
-    def _rotate_half(x: Tensor) -> Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([-x2, x1], dim=-1)
-
-    @staticmethod
     def _swap_halves(x: Tensor) -> Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x2, x1], dim=-1)
