@@ -98,14 +98,14 @@ def test_conll_byte_order_mark_and_encoding(tmp_path):
     """A UTF-8 byte order mark is dropped (it used to glue onto the first token); bytes that are not UTF-8 are
     one error naming the file and line."""
     from qkv.config import ConfigError
-    from qkv.finetune.tag import read_conll
+    from qkv.finetune.tag import read_conll_lines
 
     path = tmp_path / "d.conll"
     path.write_bytes(b"\xef\xbb\xbfalice B-PER\nsmith I-PER\n")
-    assert read_conll(path) == [(["alice", "smith"], ["B-PER", "I-PER"])]
+    assert read_conll_lines(path)[0] == [(["alice", "smith"], ["B-PER", "I-PER"])]
     path.write_bytes(b"alice B-PER\ncaf\xe9 O\n")
     with pytest.raises(ConfigError, match=r"d.conll line 2: not UTF-8 text \(byte 0xe9 at column 4\)"):
-        read_conll(path)
+        read_conll_lines(path)
 
 
 def test_conll_sentences_keep_their_first_line(tmp_path):

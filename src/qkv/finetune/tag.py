@@ -43,11 +43,6 @@ class TagSettings(FinetuneSettings):
 
 
 # -- CoNLL files ----------------------------------------------------------------------------------------
-def read_conll(path: str | Path, tag_column: int = -1) -> list[tuple[list[str], list[str]]]:
-    """Sentences as (words, tags); a tag that is not O / B-X / I-X / E-X / S-X is an error naming the line."""
-    return read_conll_lines(path, tag_column)[0]
-
-
 def read_conll_lines(path: str | Path,
                      tag_column: int = -1) -> tuple[list[tuple[list[str], list[str]]], list[int]]:
     """(sentences, the line of each sentence's first token): a sentence's token j is on line first + j, so an
