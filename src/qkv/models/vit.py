@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig, replace
+from qkv.config import ConfigError, TransformerConfig
 from qkv.models.base import ModelOutput, QKVModel, build_stack, token_loss
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.ffn import FeedForward
@@ -134,13 +134,6 @@ class ViT(QKVModel):
         self.classifier = nn.Linear(c.d_model, c.num_labels) if c.head == "classify" else None
         self.head_drop = nn.Dropout(c.dropout)
         self.init_weights(c.n_layers)
-
-    def resize_image(self, image_size: int) -> None:
-        """Make `image_size` the model's native size (learned positions interpolated once, config updated)."""
-        new = replace(self.config, image_size=image_size)
-        if isinstance(self.encoder.position, PatchGrid):
-            self.encoder.position.resize(new.grid)
-        self.config = new
 
     # -- forward -----------------------------------------------------------------------------------------
     def features(self, pixel_values: Tensor, return_attentions: bool = False):

@@ -428,14 +428,6 @@ class PatchGrid(PositionalEncoding):
             return self.weight
         return interpolate_positions(self.weight, self.grid, grid, n_extra=self.n_extra)
 
-    def resize(self, grid: int) -> None:
-        """Make grid x grid the native grid (a learned table is interpolated once)."""
-        if self.weight is not None:
-            with torch.no_grad():
-                table = interpolate_positions(self.weight, self.grid, (grid, grid), n_extra=self.n_extra)
-            self.weight = nn.Parameter(table.detach().clone())
-        self.grid = grid
-
     def embed(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         grid = self._current or (self.grid, self.grid)
         if x.shape[1] != self.n_extra + grid[0] * grid[1]:
