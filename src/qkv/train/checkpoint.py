@@ -203,7 +203,7 @@ def check_fits(model: nn.Module, folder: Path) -> None:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as e:
         raise CheckpointError(f"{weights}: cannot read checkpoint ({type(e).__name__}: {e})") from None
-    check_model_state(model, {k: torch.empty(v, device="meta") for k, v in shapes.items()}, str(folder))
+    check_state_fits(model, {k: torch.empty(v, device="meta") for k, v in shapes.items()}, str(folder))
 
 
 def check_same_architecture(model: nn.Module, folder: Path) -> None:
@@ -265,12 +265,6 @@ def read_train_state(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     if not isinstance(train_state, dict) or "step" not in train_state:
         raise CheckpointError(f"{path} is not a qkv training state")
     return train_state
-
-
-def check_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Every key and shape must match the (unwrapped, possibly FSDP-sharded) model; tied duplicates may be
-    absent. The library's one fit check (qkv.storage.check_state_fits)."""
-    check_state_fits(model, state, source)
 
 
 def read_json(path: Path) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkv.checkpoint import CheckpointError
+from qkv.checkpoint import CheckpointError, check_state_fits
 from qkv.config import ConfigError
 from qkv.train import checkpoint as ckpt
 from qkv.train import distributed as dist_
@@ -123,7 +123,7 @@ def restore(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, op
     """Load weights, optimizer, scaler and RNG states from a training checkpoint folder into the given parts;
     the run's state there, returned as a value."""
     model_state, saved = ckpt.read_checkpoint(folder)
-    ckpt.check_model_state(model, model_state, str(folder))
+    check_state_fits(model, model_state, str(folder))
     ckpt.check_same_architecture(model, folder)
     try:
         dist_.load_full_state(model, optimizer, model_state, saved.get("optimizer"))
