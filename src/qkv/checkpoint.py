@@ -24,8 +24,6 @@ from qkv.storage import (  # noqa: F401  (the checkpoint API, re-exported from t
     CONFIG_NAME,
     WEIGHTS_NAME,
     CheckpointError,
-    atomic_save_safetensors,
-    atomic_write_json,
     check_saved_config,
     check_state_fits,
     clean_state_dict,

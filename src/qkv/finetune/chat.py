@@ -43,12 +43,9 @@ from qkv import from_pretrained
 from qkv.config import ConfigError, from_dict, setting
 from qkv.finetune.chat_data import (  # noqa: F401  (the data half of this recipe, imported from here too)
     IGNORE,
-    ROLES,
     ChatData,
-    Example,
     assistant_loss,
     build_examples,
-    collate,
     encode_chat,
     read_chats,
 )
