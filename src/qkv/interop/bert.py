@@ -36,6 +36,19 @@ from qkv.interop.registry import ExportRequest, ModelType, lookup, register
 from qkv.models.bert import BERT, BERTConfig
 from qkv.storage import unwrap
 
+# a layer after its self-attention: the same keys in BERT and DeBERTa
+BLOCK_OUTPUT_MAP = {
+    "encoder.layer.{}.attention.output.dense.weight": "encoder.blocks.{}.attn.out_proj.weight",
+    "encoder.layer.{}.attention.output.dense.bias": "encoder.blocks.{}.attn.out_proj.bias",
+    "encoder.layer.{}.attention.output.LayerNorm.weight": "encoder.blocks.{}.norm1.weight",
+    "encoder.layer.{}.attention.output.LayerNorm.bias": "encoder.blocks.{}.norm1.bias",
+    "encoder.layer.{}.intermediate.dense.weight": "encoder.blocks.{}.ffn.up.weight",
+    "encoder.layer.{}.intermediate.dense.bias": "encoder.blocks.{}.ffn.up.bias",
+    "encoder.layer.{}.output.dense.weight": "encoder.blocks.{}.ffn.down.weight",
+    "encoder.layer.{}.output.dense.bias": "encoder.blocks.{}.ffn.down.bias",
+    "encoder.layer.{}.output.LayerNorm.weight": "encoder.blocks.{}.norm2.weight",
+    "encoder.layer.{}.output.LayerNorm.bias": "encoder.blocks.{}.norm2.bias",
+}
 ENCODER_MAP = {
     "embeddings.word_embeddings.weight": "tok_emb.weight",
     "embeddings.position_embeddings.weight": "encoder.position.weight",
@@ -48,16 +61,7 @@ ENCODER_MAP = {
     "encoder.layer.{}.attention.self.query.bias": "encoder.blocks.{}.attn.qkv_proj.bias",
     "encoder.layer.{}.attention.self.key.bias": "encoder.blocks.{}.attn.qkv_proj.bias",
     "encoder.layer.{}.attention.self.value.bias": "encoder.blocks.{}.attn.qkv_proj.bias",
-    "encoder.layer.{}.attention.output.dense.weight": "encoder.blocks.{}.attn.out_proj.weight",
-    "encoder.layer.{}.attention.output.dense.bias": "encoder.blocks.{}.attn.out_proj.bias",
-    "encoder.layer.{}.attention.output.LayerNorm.weight": "encoder.blocks.{}.norm1.weight",
-    "encoder.layer.{}.attention.output.LayerNorm.bias": "encoder.blocks.{}.norm1.bias",
-    "encoder.layer.{}.intermediate.dense.weight": "encoder.blocks.{}.ffn.up.weight",
-    "encoder.layer.{}.intermediate.dense.bias": "encoder.blocks.{}.ffn.up.bias",
-    "encoder.layer.{}.output.dense.weight": "encoder.blocks.{}.ffn.down.weight",
-    "encoder.layer.{}.output.dense.bias": "encoder.blocks.{}.ffn.down.bias",
-    "encoder.layer.{}.output.LayerNorm.weight": "encoder.blocks.{}.norm2.weight",
-    "encoder.layer.{}.output.LayerNorm.bias": "encoder.blocks.{}.norm2.bias",
+    **BLOCK_OUTPUT_MAP,
 }
 TYPE_MAP = {"embeddings.token_type_embeddings.weight": "type_emb.weight"}
 # our config's sizes -> the config.json fields that give them (named when the weights disagree)

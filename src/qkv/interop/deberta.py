@@ -19,7 +19,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qkv.interop.bert import ACTIVATIONS, HF_ACT, Layout, export_encoder, load_encoder, write_encoder
+from qkv.interop.bert import (
+    ACTIVATIONS,
+    BLOCK_OUTPUT_MAP,
+    CLASSIFY_MAP,
+    HF_ACT,
+    POOLER_MAP,
+    TYPE_MAP,
+    Layout,
+    export_encoder,
+    load_encoder,
+    write_encoder,
+)
 from qkv.interop.bert import MLM_MAP as BERT_MLM_MAP
 from qkv.interop.common import require
 from qkv.interop.registry import ModelType, register
@@ -37,22 +48,10 @@ ENCODER_MAP = {
     "encoder.layer.{}.attention.self.query_proj.bias": "encoder.blocks.{}.attn.qkv_proj.bias",
     "encoder.layer.{}.attention.self.key_proj.bias": "encoder.blocks.{}.attn.qkv_proj.bias",
     "encoder.layer.{}.attention.self.value_proj.bias": "encoder.blocks.{}.attn.qkv_proj.bias",
-    "encoder.layer.{}.attention.output.dense.weight": "encoder.blocks.{}.attn.out_proj.weight",
-    "encoder.layer.{}.attention.output.dense.bias": "encoder.blocks.{}.attn.out_proj.bias",
-    "encoder.layer.{}.attention.output.LayerNorm.weight": "encoder.blocks.{}.norm1.weight",
-    "encoder.layer.{}.attention.output.LayerNorm.bias": "encoder.blocks.{}.norm1.bias",
-    "encoder.layer.{}.intermediate.dense.weight": "encoder.blocks.{}.ffn.up.weight",
-    "encoder.layer.{}.intermediate.dense.bias": "encoder.blocks.{}.ffn.up.bias",
-    "encoder.layer.{}.output.dense.weight": "encoder.blocks.{}.ffn.down.weight",
-    "encoder.layer.{}.output.dense.bias": "encoder.blocks.{}.ffn.down.bias",
-    "encoder.layer.{}.output.LayerNorm.weight": "encoder.blocks.{}.norm2.weight",
-    "encoder.layer.{}.output.LayerNorm.bias": "encoder.blocks.{}.norm2.bias",
+    **BLOCK_OUTPUT_MAP,
 }
 REL_NORM_MAP = {"encoder.LayerNorm.weight": "encoder.position.norm.weight",
                 "encoder.LayerNorm.bias": "encoder.position.norm.bias"}
-TYPE_MAP = {"embeddings.token_type_embeddings.weight": "type_emb.weight"}
-POOLER_MAP = {"pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias"}
-CLASSIFY_MAP = {"classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}
 # index buffers, an unused absolute position table (position_biased_input=false), the pretraining heads
 IGNORE = (
     "embeddings.position_ids",
