@@ -68,8 +68,9 @@ RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model
 IMAGE_TOKEN = "<image>"
 
 
-def canonical_key(key: str) -> str:
-    for old, new in RENAMES:
+def canonical_key(key: str, renames: Sequence[tuple[str, str]] = RENAMES) -> str:
+    """`key` with the first (old prefix, new prefix) of `renames` it starts with replaced."""
+    for old, new in renames:
         if key.startswith(old):
             return new + key[len(old):]
     return key
@@ -167,11 +168,12 @@ def _check_vision_sizes(sd: HFTensors, vision: dict[str, Any], config: VLMConfig
         ("text_config.hidden_size", config.text.d_model, "projector.linear_1.weight", 0)])
 
 
-def _split(folder: Path, keep: tuple[str, ...]) -> HFTensors:
+def canonical_tensors(folder: Path, keep: tuple[str, ...],
+                      renames: Sequence[tuple[str, str]] = RENAMES) -> HFTensors:
     """The folder's tensors under canonical names, only those starting with one of `keep` (nothing is
     read)."""
     sd = HFTensors(folder)
-    sd.rename(canonical_key)
+    sd.rename(lambda key: canonical_key(key, renames))
     for k in [k for k in sd if not k.startswith(keep)]:
         del sd[k]
     return sd
@@ -179,14 +181,14 @@ def _split(folder: Path, keep: tuple[str, ...]) -> HFTensors:
 
 def load_llava(folder: Path, meta: dict[str, Any]) -> LLaVA:
     """A LlavaForConditionalGeneration folder -> our LLaVA in eval mode, in the folder's dtype."""
-    sd = _split(folder, ("vision.", "projector."))
+    sd = canonical_tensors(folder, ("vision.", "projector."))
     require(sd, f"{sd.source}: no vision tower or projector keys (is this a llava folder?)")
     patch_bias = "vision.embeddings.patch_embedding.bias" in sd
     linear = "projector.linear_1.weight" in sd and "projector.linear_2.weight" not in sd
     config = config_from_hf(meta, patch_bias, linear)
     _check_vision_sizes(sd, sub_config(meta, "vision_config", CLIP_DEFAULTS), config)
     text_meta = sub_config(meta, "text_config", LLAMA_DEFAULTS)
-    text = _split(folder, ("model.", "lm_head."))
+    text = canonical_tensors(folder, ("model.", "lm_head."))
     check_decoder_sizes(text, config.text)  # before the key map is expanded per layer
     decoder = load_decoder(folder, text_meta, config.text, key_map(config.text), text)
 

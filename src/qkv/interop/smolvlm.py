@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, export_state, load_hf_weights, require
 from qkv.interop.llama import check_decoder_sizes, key_map, load_decoder
 from qkv.interop.llama import config_from_hf as llama_config_from_hf
-from qkv.interop.llava import LLAMA_DEFAULTS, ImageProcessor, sub_config
+from qkv.interop.llava import LLAMA_DEFAULTS, ImageProcessor, canonical_key, canonical_tensors, sub_config
 from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.interop.vlm_export import language_state, source_tensors, write_vlm_folder
@@ -62,22 +62,6 @@ VISION_TYPES = (None, "idefics3_vision", "smolvlm_vision", "idefics3", "smolvlm"
 
 RENAMES = (("model.vision_model.", "vision."), ("model.connector.modality_projection.", "projector."),
            ("model.text_model.", "model."))
-
-
-def canonical_key(key: str) -> str:
-    for old, new in RENAMES:
-        if key.startswith(old):
-            return new + key[len(old):]
-    return key
-
-
-def _split(folder: Path, keep: tuple[str, ...]) -> HFTensors:
-    """The folder's tensors under canonical names, those starting with one of `keep` (nothing is read)."""
-    sd = HFTensors(folder)
-    sd.rename(canonical_key)
-    for k in [k for k in sd if not k.startswith(keep)]:
-        del sd[k]
-    return sd
 
 
 def config_from_hf(meta: dict[str, Any]) -> VLMConfig:
@@ -142,10 +126,10 @@ def _check_vision_sizes(sd: HFTensors, config: VLMConfig) -> None:
 def load_idefics3(folder: Path, meta: dict[str, Any]) -> LLaVA:
     """An Idefics3 / SmolVLM ForConditionalGeneration folder -> our LLaVA in eval mode, in its dtype."""
     config = config_from_hf(meta)
-    sd = _split(folder, ("vision.", "projector."))
+    sd = canonical_tensors(folder, ("vision.", "projector."), RENAMES)
     require(sd, f"{sd.source}: no vision tower or connector keys (is this an idefics3 / smolvlm folder?)")
     _check_vision_sizes(sd, config)
-    text = _split(folder, ("model.", "lm_head."))
+    text = canonical_tensors(folder, ("model.", "lm_head."), RENAMES)
     check_decoder_sizes(text, config.text)  # before the key map is expanded per layer
     text_meta = {**sub_config(meta, "text_config", TEXT_DEFAULTS),
                  "tie_word_embeddings": config.text.tie_embeddings}
@@ -213,7 +197,8 @@ def export_idefics3(model: LLaVA, out: str | os.PathLike, *, model_type: str = "
     state, text_config = language_state(model.language_model, "model.text_model.")
     hf_config = idefics3_config_to_hf(config, text_config, model_type)
     pos_key = "vision.embeddings.position_embedding.weight"
-    source_table = source_tensors(Path(source), canonical_key, pos_key).get(pos_key) if source else None
+    source_table = (source_tensors(Path(source), lambda k: canonical_key(k, RENAMES), pos_key).get(pos_key)
+                    if source else None)
     side = config.vision.image_size // config.vision.patch_size
     ours = {"vision." + k: t for k, t in model.vision.state_dict().items()}
     ours.update({"projector." + k: t for k, t in model.projector.state_dict().items()})
