@@ -39,12 +39,6 @@ from qkv.experiments.attention import tokenize as tokenize_any
 from qkv.experiments.attention_report import UNSUPPORTED
 from qkv.experiments.vlm_attention import image_attention
 from qkv.explore.loaded import ExploreError, Loaded, config
-from qkv.explore.media import (  # noqa: F401  (re-exported: callers reach the images and audio through here)
-    audio,
-    audio_frames,
-    frame_seconds,
-    pixels_for_display,
-)
 from qkv.generate import GenerationConfig, generate
 from qkv.interop.llava import ImageProcessor
 from qkv.interop.tokenizer import load_hf_tokenizer

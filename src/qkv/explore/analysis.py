@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.explore import adapter
+from qkv.explore import adapter, media
 from qkv.explore.adapter import ExploreError, Loaded
 
 DIGITS = 5
@@ -115,7 +115,7 @@ def analyze(ld: Loaded, text: str = "", *, target: str | None = None, image_inde
             labels = (["CLS"] if cls else []) + [f"{r},{q}" for r in range(c.grid) for q in range(c.grid)]
             pred = m(pixel_values=px).logits[0].softmax(-1)
             return {"tokens": {"input": labels}, "views": [_view(ld, "self", "input", "input", maps["self"])],
-                    "image": {"pixels": adapter.pixels_for_display(px), "grid": [c.grid, c.grid],
+                    "image": {"pixels": media.pixels_for_display(px), "grid": [c.grid, c.grid],
                               "patch_size": c.patch_size, "cls": cls, "caption": caption,
                               "prediction": int(pred.argmax()), "confidence": round(float(pred.max()), 4)}}
         if ld.kind == "audio":
@@ -134,7 +134,7 @@ def _analyze_image_question(ld: Loaded, text: str, image_index: int, max_new: in
     full = res.class_share is not None  # the first placeholder holds CLIP's class token
     where = {p: f"img {k // grid[1]},{k % grid[1]}" for k, p in enumerate(res.image_positions[int(full):])}
     labels = [where.get(i) or adapter.label(ld, t) for i, t in enumerate(ids)]
-    pixels = adapter.pixels_for_display(res.pixel_values)
+    pixels = media.pixels_for_display(res.pixel_values)
     view = _view(ld, "answer", "answer", "input", [w[:, :, rows] for w in res.attentions])
     return {"tokens": {"answer": [adapter.label(ld, t) for t in res.answer_ids], "input": labels},
             "ids": {"input": ids, "answer": res.answer_ids}, "views": [view],
@@ -159,13 +159,13 @@ def _target_ids(ld: Loaded, src: Tensor, target: str | None, max_new: int) -> li
 def _analyze_audio(ld: Loaded, text: str, target: str | None, wav: str | None,
                    max_new: int) -> dict[str, Any]:
     dev = next(ld.model.parameters()).device
-    audio, caption = adapter.audio(ld, text, wav)
+    audio, caption = media.audio(ld, text, wav)
     audio = audio.to(dev)
     t_ids = _target_ids(ld, audio, target, max_new)
     maps = adapter.attention(ld, {"audio": audio, "decoder_input_ids": torch.tensor([t_ids], device=dev)})
     frames = maps["encoder self"][0].shape[-1]
     bins = min(frames, MAX_AUDIO_BINS)
-    sec = adapter.frame_seconds(ld) * frames / bins
+    sec = media.frame_seconds(ld) * frames / bins
     frame_labels = [f"{i * sec:.2f}s" for i in range(bins)]
     t_labels = [adapter.label(ld, i) for i in t_ids]
     enc = _view(ld, "encoder self", "source", "source", maps["encoder self"], (bins, bins))
@@ -174,7 +174,7 @@ def _analyze_audio(ld: Loaded, text: str, target: str | None, wav: str | None,
             "views": [enc, _view(ld, "decoder self", "target", "target", maps["decoder self"]), cross],
             "audio": {"caption": caption,
                       "seconds": round(audio.shape[-1] / adapter.config(ld).sample_rate, 3),
-                      "frames": frames, "bins": bins, "audio_frames": adapter.audio_frames(ld, audio)}}
+                      "frames": frames, "bins": bins, "audio_frames": media.audio_frames(ld, audio)}}
 
 
 # -- generation --------------------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def generation(ld: Loaded, text: str = "", *, max_new_tokens: int = 16, do_sampl
             src = torch.tensor([ids], device=dev)
             max_new_tokens = min(max_new_tokens, adapter.target_context(ld) - 1)
         else:
-            src, _ = adapter.audio(ld, text, wav_base64)
+            src, _ = media.audio(ld, text, wav_base64)
             src = src.to(dev)
             max_new_tokens = min(max_new_tokens, adapter.target_context(ld) - 1)
         prefix, steps, spec = adapter.generate_steps(ld, src, max_new_tokens, do_sample=do_sample,
