@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 
 from qkv.generate import Engine, generate  # noqa: E402
 from qkv.generate.engine import TEXT_CONTEXT  # noqa: E402
-from qkv.interop.tokenizer import decode_continuation  # noqa: E402
+from qkv.generate.text import decode_continuation  # noqa: E402
 from qkv.serve import load_served  # noqa: E402
 from qkv.tasks import build_task  # noqa: E402
 

@@ -35,7 +35,7 @@ import jinja2.ext
 import jinja2.nodes
 from tokenizers import Tokenizer
 
-from qkv.generate.text import StreamDecoder, decode_continuation  # noqa: F401  (re-exported)
+from qkv.generate.text import StreamDecoder
 from qkv.interop.chat_sandbox import LimitedEnvironment, render_limited
 from qkv.storage import CheckpointError
 

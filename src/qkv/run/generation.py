@@ -14,10 +14,10 @@ import torch
 import qkv.generate
 from qkv.config import ConfigError
 from qkv.generate.config import GenerationConfig, resolve
-from qkv.generate.text import StreamDecoder, stream_pieces
+from qkv.generate.text import StreamDecoder, decode_continuation, stream_pieces
 from qkv.interop.gguf_model import is_gguf
 from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
-from qkv.interop.tokenizer import HFTokenizer, decode_continuation, load_hf_tokenizer
+from qkv.interop.tokenizer import HFTokenizer, load_hf_tokenizer
 from qkv.run.folders import load_model_any, load_run_task, model_folder, run_folder_of
 from qkv.tasks.tokenizers import Tokenizer, find_tokenizer
 
