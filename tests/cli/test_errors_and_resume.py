@@ -291,7 +291,7 @@ def test_a_closed_pipe_stops_quietly():
 def test_out_under_a_file(tmp_path):
     (tmp_path / "taken").write_text("x")
     r = run_cli("train", "charlm", "--out", str(tmp_path / "taken" / "run"), "--max-steps", "1", *TINY)
-    assert f"is under a file ({tmp_path / 'taken'})" in one_error_line(r)
+    assert f"{tmp_path / 'taken'} is a file, not a folder" in one_error_line(r)
 
 
 @pytest.fixture(scope="module")

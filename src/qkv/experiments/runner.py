@@ -65,6 +65,7 @@ from qkv.models.registry import config_for
 from qkv.nn.params import count_parameters
 from qkv.run import EvalSettings
 from qkv.run import train_run as train
+from qkv.run.folders import check_out_folder
 from qkv.storage import atomic_write_text
 from qkv.tasks.base import build_options, build_task, kind_for, task_spec
 from qkv.train import Callback, TrainConfig, latest_checkpoint
@@ -186,14 +187,6 @@ def _run_parallel(suite: Suite, pending: list[tuple[int, RunSpec, Path]], total:
 
 
 # -- the suite ----------------------------------------------------------------------------------------------
-def _check_out(out: Path) -> None:
-    """The output folder, or any folder above it, must not be an existing file (one line, as `qkv train`)."""
-    for p in (out, *out.parents):
-        if p.exists() and not p.is_dir():
-            raise ConfigError(f"--out {out} is a file, not a folder" if p == out else
-                              f"--out {out}: {p} is a file, not a folder")
-
-
 def check_runs(suite: Suite, specs: list[RunSpec]) -> None:
     """Every run's settings checked as `qkv train` checks them, nothing built or trained: model fields (the
     family's config), task options, Trainer and eval settings, extra evaluations, and, for train suites, the
@@ -320,7 +313,7 @@ def run_suite(path_or_suite: str | Path | dict | Suite, out_dir: str | Path | No
     jobs = _check_parallel(suite, jobs, threads)
     out = Path(out_dir or Path("runs") / "ablations" / (suite.name + ("-quick" if quick else "") +
                                                         ("-gpu" if scale == "gpu" else "")))
-    _check_out(out)
+    check_out_folder(out)
     specs = expand(suite)
     selected = select_runs(suite, specs, only)
     if train_fn is None:  # the runner's own runs: checked like `qkv train` before the first one starts

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from qkv.config import ConfigError
+from qkv.run.folders import check_out_folder
 from qkv.storage import atomic_write_json
 from qkv.train import latest_checkpoint
 from qkv.train.distributed import launched_by_torchrun
@@ -43,10 +44,7 @@ def check_out(out: str | Path, source: str | Path, recipe: str, resume: bool) ->
                           "choose another --out")
     if src in where.parents:
         raise ConfigError(f"--out {out} lies inside the source model folder {source}; choose another --out")
-    for p in (out, *out.parents):
-        if p.exists() and not p.is_dir():
-            raise ConfigError(f"--out {out} is a file, not a folder" if p == out else
-                              f"--out {out}: {p} is a file, not a folder")
+    check_out_folder(out)
     # .gitkeep, .DS_Store
     if not out.exists() or not any(p for p in out.iterdir() if not p.name.startswith(".")):
         return

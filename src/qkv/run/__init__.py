@@ -44,6 +44,7 @@ from qkv.nn.params import count_parameters
 # re-exported: `qkv.run` is where callers (cli, serve, explore, chat) find a folder's model, task and
 # tokenizer
 from qkv.run.folders import (  # noqa: F401
+    check_out_folder,
     load_model_any,
     load_run_task,
     model_folder,
@@ -219,11 +220,7 @@ def build_run(cfg: dict[str, Any], out: str | Path | None = None, *, resume: boo
     check_sections(cfg)
     out = Path(out) if out else default_out(cfg)
     resume = wants_resume(cfg, resume)  # train.resume: true is --resume
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder")
-    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise ConfigError(f"--out {out} is under a file ({blocking}), not a folder")
+    check_out_folder(out)
     newest = latest_checkpoint(out / "checkpoints")
     if newest is not None and not resume:
         raise ConfigError(

@@ -51,3 +51,11 @@ def load_run_task(path: str | Path):
     if run is None:
         raise ConfigError(f"{path} is not inside a qkv run folder (no task.json): it records no task")
     return load_task(run)
+
+
+def check_out_folder(out: Path) -> None:
+    """A one-line ConfigError, before any work, when OUT or a folder above it is an existing file."""
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"--out {out} is a file, not a folder" if p == out else
+                              f"--out {out}: {p} is a file, not a folder")

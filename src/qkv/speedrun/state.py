@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv.config import ConfigError
+from qkv.run.folders import check_out_folder
 from qkv.storage import atomic_write_json
 
 STATE_FILE = "speedrun.json"
@@ -51,8 +52,7 @@ def open_state(out: Path, profile: dict[str, Any]) -> dict[str, Any]:
     """OUT's record for `profile`: a new one for a new or empty folder, the saved one when OUT holds a
     speedrun of the same settings (continued). Anything else is refused with one line, before anything is
     written."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder")
+    check_out_folder(out)
     state = read_state(out) if out.is_dir() else None
     if state is None:
         names = sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) if out.is_dir() else []
