@@ -51,6 +51,20 @@ def token_loss(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> 
     return loss / n.clamp_min(1), n
 
 
+def class_logits(classifier: nn.Module | None, dropout: nn.Module, pooled: Tensor,
+                 labels: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """An image classifier's head on pooled (B, d) features: (logits, loss, n_targets), each None where there
+    is no classifier or no labels; labels are (B,) class ids."""
+    if classifier is None:
+        return None, None, None
+    logits = classifier(dropout(pooled))
+    if labels is None:
+        return logits, None, None
+    if labels.shape != (pooled.shape[0],):
+        raise ValueError(f"labels must be (B,) class ids, got shape {tuple(labels.shape)}")
+    return (logits, *token_loss(logits, labels))
+
+
 def build_stack(
     cfg: TransformerConfig, n_layers: int, *, max_len: int, causal: bool, cross: bool = False,
     embed_norm: bool = False, position: str | PositionalEncoding | None = None,

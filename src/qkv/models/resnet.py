@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.config import ConfigError
-from qkv.models.base import ModelOutput, QKVModel, token_loss
+from qkv.models.base import ModelOutput, QKVModel, class_logits
 from qkv.models.registry import register_family, register_preset
 
 STEMS = ("imagenet", "cifar")
@@ -179,13 +179,7 @@ class ResNet(QKVModel):
         """pixel_values: (B, C, H, W) floats; labels: (B,) class ids. Returns logits (B, num_labels)."""
         h = self.features(pixel_values)
         pooled = h.mean(dim=(2, 3))  # global average pooling: (B, C)
-        logits = loss = n = None
-        if self.classifier is not None:
-            logits = self.classifier(self.head_drop(pooled))
-            if labels is not None:
-                if labels.shape != (h.shape[0],):
-                    raise ValueError(f"labels must be (B,) class ids, got shape {tuple(labels.shape)}")
-                loss, n = token_loss(logits, labels)
+        logits, loss, n = class_logits(self.classifier, self.head_drop, pooled, labels)
         # handed out in the usual NCHW memory order (as transformers' ResNet returns it): a caller's .view()
         # of the map works; a copy of the last stage's small map, after the pooling that trains
         return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=h.contiguous(),

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
-from qkv.models.base import ModelOutput, QKVModel, token_loss
+from qkv.models.base import ModelOutput, QKVModel, class_logits
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.block import Block
 from qkv.nn.norm import build_norm
@@ -222,11 +222,7 @@ class Swin(QKVModel):
                 x = self.merges[i](x)
         h = self.final_norm(x.flatten(1, 2))  # (B, tokens, dim)
         pooled = h.mean(dim=1)
-        logits = loss = n = None
-        if self.classifier is not None:
-            logits = self.classifier(self.head_drop(pooled))
-            if labels is not None:
-                loss, n = token_loss(logits, labels)
+        logits, loss, n = class_logits(self.classifier, self.head_drop, pooled, labels)
         return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=h, pooled=pooled,
                            attentions=attentions or None)
 

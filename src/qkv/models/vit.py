@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.config import ConfigError, TransformerConfig
-from qkv.models.base import ModelOutput, QKVModel, build_stack, token_loss
+from qkv.models.base import ModelOutput, QKVModel, build_stack, class_logits
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.ffn import FeedForward
 from qkv.nn.position import PatchGrid, build_position, interpolate_positions, sinusoidal_2d
@@ -162,13 +162,7 @@ class ViT(QKVModel):
         """pixel_values: (B, C, H, W) floats; labels: (B,) class ids. Returns logits (B, num_labels)."""
         h, out = self.features(pixel_values, return_attentions)
         pooled = self.pool(h)
-        logits = loss = n = None
-        if self.classifier is not None:
-            logits = self.classifier(self.head_drop(pooled))
-            if labels is not None:
-                if labels.shape != (h.shape[0],):
-                    raise ValueError(f"labels must be (B,) class ids, got shape {tuple(labels.shape)}")
-                loss, n = token_loss(logits, labels)
+        logits, loss, n = class_logits(self.classifier, self.head_drop, pooled, labels)
         return ModelOutput(logits=logits, loss=loss, n_targets=n, last_hidden_state=h, pooled=pooled,
                            attentions=out.attentions or None)
 
