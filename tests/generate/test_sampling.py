@@ -8,7 +8,8 @@ import pytest
 import torch
 from _genmodels import tiny_gpt
 
-from qkv.generate import generate, process_logits, top_k_filter, top_p_filter
+from qkv.generate import GenerationConfig, generate, top_k_filter, top_p_filter
+from qkv.generate.processors import Context, Pipeline
 from qkv.generate.sampling import sample
 
 NEG = float("-inf")
@@ -48,7 +49,9 @@ def test_filters_match_hugging_face_warpers():
         assert torch.equal(ours.isinf(), hf.isinf())
     t = TemperatureLogitsWarper(0.7)(None, logits.clone())
     hf = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(10)(None, t))
-    ours = process_logits(logits, temperature=0.7, top_k=10, top_p=0.8)
+    # the warpers a sampling generation runs, in their order
+    cfg = GenerationConfig(max_new_tokens=1, do_sample=True, temperature=0.7, top_k=10, top_p=0.8)
+    ours = Pipeline(cfg, Context(0, 1, [])).scores(torch.zeros(6, 0, dtype=torch.long), logits)
     torch.testing.assert_close(ours, hf)
 
 

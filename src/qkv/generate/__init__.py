@@ -31,7 +31,7 @@ _EXPORTS = {
     "EngineConfig": "qkv.generate.engine_config",
     "PROCESSORS": "qkv.generate.processors", "WARPERS": "qkv.generate.processors",
     "LogitsProcessor": "qkv.generate.processors", "Pipeline": "qkv.generate.processors",
-    "process_logits": "qkv.generate.sampling", "sample": "qkv.generate.sampling",
+    "sample": "qkv.generate.sampling",
     "top_k_filter": "qkv.generate.sampling", "top_p_filter": "qkv.generate.sampling",
     "GenerationOutput": "qkv.generate.search", "beam_search": "qkv.generate.search",
     "generate": "qkv.generate.search", "stream": "qkv.generate.search",

@@ -35,15 +35,6 @@ def top_p_filter(logits: Tensor, p: float | None) -> Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def process_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None) -> Tensor:
-    """temperature -> top-k -> top-p, on (B, V) float logits."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    logits = top_k_filter(logits, top_k)
-    return top_p_filter(logits, top_p)
-
-
 def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One draw per row from softmax(logits): (B, V) -> (B,) token ids."""
     probs = torch.softmax(logits.float(), dim=-1)
