@@ -18,7 +18,7 @@ import _seq2seq_models  # noqa: E402
 
 import qkv  # noqa: E402
 from qkv.checkpoint import CheckpointError  # noqa: E402
-from qkv.interop.common import convert_state, expand, export_state  # noqa: E402
+from qkv.interop.common import expand, export_state, load_hf_weights  # noqa: E402
 
 
 def _gpt2_folder(path):
@@ -107,15 +107,29 @@ def test_unsupported_gpt2_option(tmp_path):
         qkv.from_pretrained(tmp_path)
 
 
+def _module_with(shapes: dict[str, tuple[int, ...]]) -> torch.nn.Module:
+    """A module whose parameters are `shapes` (dotted names: nested submodules)."""
+    root = torch.nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape)))
+    return root
+
+
 def test_expand_and_concatenate_and_transform():
     mapping = expand({"l.{}.q": "b.{}.qkv", "l.{}.k": "b.{}.qkv", "l.{}.v": "b.{}.qkv", "w": "emb"}, 2)
     assert mapping["l.1.k"] == "b.1.qkv" and len(mapping) == 7
     hf = {f"l.{i}.{n}": torch.full((2, 3), float(10 * i + j)) for i in range(2) for j, n in enumerate("qkv")}
     hf["w"] = torch.arange(6.0).view(2, 3)
-    state, sources = convert_state(hf, mapping, transforms={"w": lambda t: t.t()})
+    model = _module_with({"b.0.qkv": (6, 3), "b.1.qkv": (6, 3), "emb": (3, 2)})
+    state = load_hf_weights(model, hf, mapping, transforms={"w": lambda t: t.t()}).state_dict()
     assert state["b.1.qkv"][:, 0].tolist() == [10, 10, 11, 11, 12, 12]  # q rows, then k, then v
     assert torch.equal(state["emb"], hf["w"].t())
-    assert sources["b.0.qkv"] == ["l.0.q", "l.0.k", "l.0.v"]
     back = export_state(state, mapping, transforms={"w": lambda t: t.t()})
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
@@ -123,10 +137,10 @@ def test_expand_and_concatenate_and_transform():
 def test_ignored_templates_match_any_layer_only():
     mapping = {"a": "x"}
     state = {"a": torch.zeros(1), "h.3.attn.bias": torch.zeros(1)}
-    convert_state(state, mapping, ignore=("h.{}.attn.bias",))
+    load_hf_weights(_module_with({"x": (1,)}), state, mapping, ignore=("h.{}.attn.bias",))
     with pytest.raises(CheckpointError, match="unexpected key 'h.x.attn.bias'"):
-        convert_state({"a": torch.zeros(1), "h.x.attn.bias": torch.zeros(1)}, mapping,
-                      ignore=("h.{}.attn.bias",))
+        load_hf_weights(_module_with({"x": (1,)}), {"a": torch.zeros(1), "h.x.attn.bias": torch.zeros(1)},
+                        mapping, ignore=("h.{}.attn.bias",))
 
 
 @pytest.mark.parametrize("escape", ["../outside.safetensors", "{abs}"])

@@ -139,31 +139,6 @@ def _check_concatenable(ours: str, hfs: list[str], shapes: list[tuple[int, ...]]
         )
 
 
-def convert_state(
-    hf_state: Mapping[str, Tensor],
-    mapping: Mapping[str, str],
-    *,
-    transforms: Mapping[str, Transform] | None = None,
-    ignore: Iterable[str] = (),
-    source: str = "checkpoint",
-) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
-    """Rename (and transform / concatenate) HF tensors into our key space, all at once (the loaders stream
-    instead: load_hf_weights).
-
-    mapping: concrete keys (already expanded). ignore: key templates ("{}" = any index) of tensors that
-    may be in the file but carry nothing we need (HF's causal-mask buffers, position_ids, ...).
-    Returns (our state dict, our_key -> the HF keys it was built from) for error messages."""
-    compiled = [(_pattern(t), fn) for t, fn in (transforms or {}).items()]
-    _check_names(hf_state, mapping, ignore, source)
-    sources = _groups(mapping)
-    state = {}
-    for ours, hfs in sources.items():
-        ts = [_transform(hf_state[hf], hf, compiled) for hf in hfs]
-        _check_concatenable(ours, hfs, [tuple(t.shape) for t in ts], source)
-        state[ours] = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
-    return state, sources
-
-
 def _half_dtype(dtypes: set[torch.dtype]) -> torch.dtype | None:
     """The file's dtype when its floating tensors are all bf16 or all fp16 (the model keeps it), else None."""
     if len(dtypes) == 1 and (half := next(iter(dtypes))) in (torch.bfloat16, torch.float16):
@@ -290,6 +265,5 @@ def export_state(
     return out
 
 
-__all__ = ["HFTensors", "SkipInitOnMeta", "Transform", "build_skeleton", "check_sizes", "convert_state",
-           "expand", "export_state", "load_hf_weights", "materialise", "meta_of", "require",
-           "write_hf_folder"]
+__all__ = ["HFTensors", "SkipInitOnMeta", "Transform", "build_skeleton", "check_sizes", "expand",
+           "export_state", "load_hf_weights", "materialise", "meta_of", "require", "write_hf_folder"]
