@@ -272,11 +272,6 @@ def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def expected_trainable(in_out_slices: list[tuple[int, int]], rank: int) -> int:
-    """The formula: sum over adapted (in, out) slices of r * (in + out)."""
-    return sum(rank * (i + o) for i, o in in_out_slices)
-
-
 def merge_lora(model: nn.Module) -> nn.Module:
     """Merge every adapter into its weight (W += alpha/r B A) and put plain Linears back: the model is an
     ordinary model again (adapters gone, every parameter trainable, as without LoRA)."""
@@ -296,5 +291,5 @@ def set_merged(model: nn.Module, merged: bool) -> None:
         m.merge() if merged else m.unmerge()
 
 
-__all__ = ["HF_ALIASES", "LoRAConfig", "LoRALinear", "apply_lora", "expected_trainable", "lora_layers",
+__all__ = ["HF_ALIASES", "LoRAConfig", "LoRALinear", "apply_lora", "lora_layers",
            "merge_lora", "resolve_targets", "set_merged"]
