@@ -268,21 +268,9 @@ def export_encoder(
     head_keys = set(layout.heads.get(c.head, {}))
     if c.head != "none":
         state = {(k if k in head_keys else layout.prefix + k): v for k, v in state.items()}
-    hf = {
-        k: v
-        for k, v in (base_config or {}).items()
-        if k
-        not in (
-            "architectures",
-            "id2label",
-            "label2id",
-            "num_labels",
-            "_name_or_path",
-            "transformers_version",
-            "torch_dtype",
-            "dtype",
-        )
-    }
+    dropped = ("architectures", "id2label", "label2id", "num_labels", "_name_or_path", "transformers_version",
+               "torch_dtype", "dtype")
+    hf = {k: v for k, v in (base_config or {}).items() if k not in dropped}
     hf.setdefault("model_type", layout.model_type)
     hf.update(layout.config_to_hf(c))
     hf["architectures"] = [layout.architectures[c.head]]
@@ -345,15 +333,5 @@ def write_encoder(model: BERT, out: Path, request: ExportRequest) -> None:
 
 register(ModelType("bert", "encoder", "bert", load_bert, write_encoder, layout=BERT_LAYOUT))
 
-__all__ = [
-    "encoder_layout",
-    "BERT_LAYOUT",
-    "ENCODER_MAP",
-    "Layout",
-    "config_from_hf",
-    "config_to_hf",
-    "export_bert",
-    "export_encoder",
-    "load_bert",
-    "load_encoder",
-]
+__all__ = ["BERT_LAYOUT", "ENCODER_MAP", "Layout", "config_from_hf", "config_to_hf", "encoder_layout",
+           "export_bert", "export_encoder", "load_bert", "load_encoder"]

@@ -302,21 +302,9 @@ def config_to_hf(config: GPTConfig) -> dict[str, Any]:
         "deepseek_v3 is Pre-LN RMSNorm / SwiGLU without biases",
     )
     base = llama.config_to_hf(dataclasses.replace(config, mla=MLAConfig(), moe=MoEConfig()), "llama")
-    keep = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "initializer_range",
-        "tie_word_embeddings",
-        "attention_dropout",
-        "rope_parameters",
-        "rope_theta",
-        "rope_scaling",
-    )
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "max_position_embeddings", "rms_norm_eps", "initializer_range", "tie_word_embeddings",
+            "attention_dropout", "rope_parameters", "rope_theta", "rope_scaling")
     out = {k: base[k] for k in keep}
     out.update(model_type=MODEL_TYPE, architectures=["DeepseekV3ForCausalLM"], hidden_act="silu",
                num_key_value_heads=config.n_heads, head_dim=m.qk_rope_head_dim, attention_bias=False,

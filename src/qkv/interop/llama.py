@@ -409,14 +409,5 @@ def write_llama(model: GPT, out: Path, request: ExportRequest) -> None:
 register(*(ModelType(mt, "decoder", "gpt", load_llama, write_llama, sizing_fields=SIZING_FIELDS)
            for mt in MODEL_TYPES))
 
-__all__ = [
-    "KEY_MAP",
-    "config_from_hf",
-    "config_to_hf",
-    "export_decoder",
-    "export_llama",
-    "key_map",
-    "load_decoder",
-    "load_llama",
-    "model_type_of",
-]
+__all__ = ["KEY_MAP", "config_from_hf", "config_to_hf", "export_decoder", "export_llama", "key_map",
+           "load_decoder", "load_llama", "model_type_of"]

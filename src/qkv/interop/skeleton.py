@@ -26,27 +26,9 @@ M = TypeVar("M", bound=nn.Module)
 
 
 # the in-place fills that initialisers (torch.nn.init, reset_parameters, init_weights) run on a parameter
-_INIT_OPS = frozenset(
-    {
-        "normal_",
-        "uniform_",
-        "zero_",
-        "fill_",
-        "copy_",
-        "mul_",
-        "add_",
-        "sub_",
-        "div_",
-        "clamp_",
-        "erfinv_",
-        "exponential_",
-        "log_normal_",
-        "bernoulli_",
-        "random_",
-        "cauchy_",
-        "geometric_",
-    }
-)
+_INIT_OPS = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "mul_", "add_", "sub_", "div_",
+                       "clamp_", "erfinv_", "exponential_", "log_normal_", "bernoulli_", "random_", "cauchy_",
+                       "geometric_"})
 
 
 class SkipInitOnMeta(TorchFunctionMode):

@@ -456,23 +456,7 @@ def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
     return task.evaluate(model, n=n)
 
 
-__all__ = [
-    "EvalSettings",
-    "Run",
-    "TrainRecipe",
-    "build_parts",
-    "build_run",
-    "command_line_config",
-    "wants_resume",
-    "evaluate_run",
-    "generate_text",
-    "hf_folder_tokenizer",
-    "load_assistant",
-    "hugging_face_tokenizer_files",
-    "load_model_any",
-    "load_run_config",
-    "load_run_task",
-    "model_folder",
-    "prepare",
-    "train_run",
-]
+__all__ = ["EvalSettings", "Run", "TrainRecipe", "build_parts", "build_run", "command_line_config",
+           "wants_resume", "evaluate_run", "generate_text", "hf_folder_tokenizer", "load_assistant",
+           "hugging_face_tokenizer_files", "load_model_any", "load_run_config", "load_run_task",
+           "model_folder", "prepare", "train_run"]
