@@ -10,7 +10,7 @@ import pytest
 
 import _clirun as clirun
 from qkv.cli.main import SUBCOMMANDS, build_parser, main
-from qkv.run import load_run_config, prepare
+from qkv.run import build_parts, load_run_config
 from qkv.tasks.images import FASHION_APT, FASHION_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_every_shipped_run_config_validates(path, tmp_path):
         config_for(cfg["model"])
         from_dict(TrainConfig, cfg.get("train", {}))
         return
-    task, model, train_cfg, ev = prepare(cfg, tmp_path)
+    task, model, train_cfg, ev, _ = build_parts(cfg, tmp_path)
     assert model.num_parameters() > 0 and train_cfg.max_steps > 0
     batch = task.batch(0, 2)
     out = model(**batch)

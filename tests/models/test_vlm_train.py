@@ -13,7 +13,7 @@ import torch
 from _clirun import run_cli
 from qkv.config import ConfigError
 from qkv.models.vlm import LLaVA
-from qkv.run import load_run_config, prepare
+from qkv.run import build_parts, load_run_config
 from qkv.tasks import build_task
 from qkv.tasks.tokenizers import EOS
 
@@ -42,7 +42,7 @@ def data(tmp_path_factory) -> Path:
 
 def tiny_run(data: Path, *extra: str) -> tuple:
     cfg = load_run_config(str(CONFIG), [*TINY, f"task.path={data}", *extra])
-    return prepare(cfg)[:2]
+    return build_parts(cfg)[:2]
 
 
 def test_the_task_sizes_a_small_llama_style_vlm(data):

@@ -302,12 +302,6 @@ def build_parts(cfg: dict[str, Any], out_dir: Path | None = None, tokenizer: Any
     return task, build(), train_cfg, ev, extra
 
 
-def prepare(cfg: dict[str, Any], out_dir: str | Path | None = None):
-    """(task, model, TrainConfig, EvalSettings) for a run config, seeded (see build_run)."""
-    task, model, train_cfg, ev, _ = build_parts(cfg, Path(out_dir) if out_dir is not None else None)
-    return task, model, train_cfg, ev
-
-
 def _write_yaml(obj: Any, path: Path) -> None:
     atomic_write_text(yaml.safe_dump(obj, sort_keys=False), path)
 
@@ -459,4 +453,4 @@ def evaluate_run(path: str | Path, n: int = 500) -> dict[str, Any]:
 __all__ = ["EvalSettings", "Run", "TrainRecipe", "build_parts", "build_run", "command_line_config",
            "wants_resume", "evaluate_run", "generate_text", "hf_folder_tokenizer", "load_assistant",
            "hugging_face_tokenizer_files", "load_model_any", "load_run_config", "load_run_task",
-           "model_folder", "prepare", "train_run"]
+           "model_folder", "train_run"]
