@@ -96,7 +96,10 @@ def siglip_config_from_hf(meta: dict[str, Any]) -> CLIPConfig:
         logit_bias_init=-10.0, vision=vision)
 
 
-def _layer_map(hf: str, ours: str, n_layers: int) -> dict[str, str]:
+def encoder_layer_map(hf: str, ours: str, n_layers: int) -> dict[str, str]:
+    """The layers of a CLIP / SigLIP tower (CLIP's and SigLIP's two, LLaVA's and SmolVLM's vision towers):
+    `{hf}encoder.layers.i.*` -> `{ours}blocks.i.*`; q, k and v fuse into qkv_proj, concatenated in that
+    order."""
     simple = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "norm1", "layer_norm2": "norm2",
               "mlp.fc1": "ffn.up", "mlp.fc2": "ffn.down"}
     m: dict[str, str] = {}
@@ -122,8 +125,8 @@ def key_map(config: CLIPConfig) -> dict[str, str]:
         m[f"{v}pre_layrnorm.{kind}"] = f"visual.encoder.embed_norm.{kind}"
         m[f"{v}post_layernorm.{kind}"] = f"visual.encoder.final_norm.{kind}"
         m[f"{t}final_layer_norm.{kind}"] = f"text.final_norm.{kind}"
-    m.update(_layer_map(f"{v}", "visual.encoder.", config.vision.n_layers))
-    m.update(_layer_map(f"{t}", "text.", config.n_layers))
+    m.update(encoder_layer_map(f"{v}", "visual.encoder.", config.vision.n_layers))
+    m.update(encoder_layer_map(f"{t}", "text.", config.n_layers))
     return m
 
 
@@ -145,8 +148,8 @@ def siglip_key_map(config: CLIPConfig) -> dict[str, str]:
         m[f"{h}mlp.fc2.{kind}"] = f"visual.map_head.ffn.down.{kind}"
         m[f"{t}final_layer_norm.{kind}"] = f"text.final_norm.{kind}"
         m[f"{t}head.{kind}"] = f"text_proj.{kind}"
-    m.update(_layer_map(f"{v}", "visual.encoder.", config.vision.n_layers))
-    m.update(_layer_map(f"{t}", "text.", config.n_layers))
+    m.update(encoder_layer_map(f"{v}", "visual.encoder.", config.vision.n_layers))
+    m.update(encoder_layer_map(f"{t}", "text.", config.n_layers))
     return m
 
 

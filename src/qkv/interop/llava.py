@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.image_io import open_image
+from qkv.interop.clip import encoder_layer_map
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
 from qkv.interop.llama import check_decoder_sizes, key_map, load_decoder
 from qkv.interop.llama import config_from_hf as llama_config_from_hf
@@ -142,13 +143,7 @@ def vision_key_map(
          "vision.pre_layrnorm.bias": "vision.encoder.embed_norm.bias"}
     if patch_bias:
         m[f"{e}patch_embedding.bias"] = "vision.patch.bias"
-    simple = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "norm1", "layer_norm2": "norm2",
-              "mlp.fc1": "ffn.up", "mlp.fc2": "ffn.down"}
-    for i in range(n_layers):
-        h, o = f"vision.encoder.layers.{i}.", f"vision.encoder.blocks.{i}."
-        for kind in ("weight", "bias"):
-            m.update({f"{h}self_attn.{p}_proj.{kind}": f"{o}attn.qkv_proj.{kind}" for p in "qkv"})
-            m.update({f"{h}{hf}.{kind}": f"{o}{ours}.{kind}" for hf, ours in simple.items()})
+    m.update(encoder_layer_map("vision.", "vision.encoder.", n_layers))
     for i in (1,) if linear_projector else (1, 2):
         for kind in ("weight", "bias") if projector_bias else ("weight",):
             m[f"projector.linear_{i}.{kind}"] = f"projector.linear_{i}.{kind}"

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from qkv.interop.clip import encoder_layer_map
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, export_state, load_hf_weights, require
 from qkv.interop.llama import check_decoder_sizes, key_map, load_decoder
 from qkv.interop.llama import config_from_hf as llama_config_from_hf
@@ -98,16 +99,10 @@ def vision_key_map(n_layers: int) -> dict[str, str]:
     e = "vision.embeddings."
     m = {f"{e}position_embedding.weight": "vision.pos_emb",
          f"{e}patch_embedding.weight": "vision.patch.weight", f"{e}patch_embedding.bias": "vision.patch.bias",
-         "projector.proj.weight": "projector.proj.weight"}
-    simple = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "norm1", "layer_norm2": "norm2",
-              "mlp.fc1": "ffn.up", "mlp.fc2": "ffn.down"}
-    for kind in ("weight", "bias"):
-        m[f"vision.post_layernorm.{kind}"] = f"vision.encoder.final_norm.{kind}"
-        for i in range(n_layers):
-            h, o = f"vision.encoder.layers.{i}.", f"vision.encoder.blocks.{i}."
-            m.update({f"{h}self_attn.{p}_proj.{kind}": f"{o}attn.qkv_proj.{kind}" for p in "qkv"})
-            m.update({f"{h}{hf}.{kind}": f"{o}{ours}.{kind}" for hf, ours in simple.items()})
-    return m
+         "projector.proj.weight": "projector.proj.weight",
+         "vision.post_layernorm.weight": "vision.encoder.final_norm.weight",
+         "vision.post_layernorm.bias": "vision.encoder.final_norm.bias"}
+    return m | encoder_layer_map("vision.", "vision.encoder.", n_layers)
 
 
 def _check_vision_sizes(sd: HFTensors, config: VLMConfig) -> None:
