@@ -278,6 +278,19 @@ def check_saved_config(weights: Path, metadata: Mapping[str, str], config: Mappi
                               f"two files, or an edited {CONFIG_NAME}); save the model again")
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file a model folder may hold ({} when absent); CheckpointError when it is not one."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """A folder's config.json (or the file itself) as a dict, with a clear error if absent or not JSON."""
     folder = Path(path)

@@ -49,7 +49,7 @@ from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.interop.vit import hf_activation
 from qkv.interop.vlm_export import language_state, source_tensors, write_vlm_folder
 from qkv.models.vlm import LLaVA, VisionConfig, VLMConfig
-from qkv.storage import CheckpointError, unwrap
+from qkv.storage import CheckpointError, read_json_object, unwrap
 
 # transformers' defaults for the fields a folder's config.json may leave out (Idefics3VisionConfig,
 # Idefics3Config, whose text_config is a Llama with rms_norm_eps 1e-5)
@@ -217,15 +217,6 @@ PROCESSOR_TYPES = tuple(f"{m}ImageProcessor{b}" for m in ("Idefics3", "SmolVLM")
 MAX_IMAGE_SIZE = 4096  # Idefics3ImageProcessor's cap on a side after the first resize
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        out = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    require(isinstance(out, dict), f"{path}: not a JSON object")
-    return out
-
-
 def _longest_edge(value: Any, what: str) -> int:
     if isinstance(value, dict) and set(value) == {"longest_edge"}:
         return int(value["longest_edge"])
@@ -293,10 +284,9 @@ class Idefics3Processor:
         """preprocessor_config.json (or processor_config.json's "image_processor", as transformers 5 saves it)
         and processor_config.json's image_seq_len."""
         folder = Path(folder)
-        both_path = folder / "processor_config.json"
-        both = _read_json(both_path) if both_path.is_file() else {}
-        if (folder / "preprocessor_config.json").is_file():
-            p, where = _read_json(folder / "preprocessor_config.json"), folder / "preprocessor_config.json"
+        both = read_json_object(folder / "processor_config.json")
+        if (pre := folder / "preprocessor_config.json").is_file():
+            p, where = read_json_object(pre), pre
         else:
             p, where = both.get("image_processor"), folder / "processor_config.json"
             require(isinstance(p, dict), f"{folder}: no preprocessor_config.json and no image_processor in "

@@ -37,24 +37,12 @@ from tokenizers import Tokenizer
 
 from qkv.generate.text import StreamDecoder
 from qkv.interop.chat_sandbox import LimitedEnvironment, render_limited
-from qkv.storage import CheckpointError
+from qkv.storage import CheckpointError, read_json_object
 
 # the named special tokens transformers passes to a chat template (its `special_tokens_map`)
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 Message = Mapping[str, Any]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 def _token_text(value: Any) -> str | None:
@@ -396,7 +384,7 @@ def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
                                   "but none called 'default'")
     if field is None:
         legacy = folder / "chat_template.json"  # processor folders
-        field = _read_json(legacy).get("chat_template")
+        field = read_json_object(legacy).get("chat_template")
     return field if isinstance(field, str) and field else None
 
 
@@ -415,12 +403,12 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:
     except Exception as e:  # the Rust side raises a plain Exception for a malformed file
         raise CheckpointError(f"{path}: cannot be read by the tokenizers library ({e})") from None
     config = {
-        **_read_json(folder / "special_tokens_map.json"),
-        **_read_json(folder / "tokenizer_config.json"),
+        **read_json_object(folder / "special_tokens_map.json"),
+        **read_json_object(folder / "tokenizer_config.json"),
     }
     extra: list[int] = []
     for name in ("generation_config.json", "config.json"):
-        extra += _ids(_read_json(folder / name).get("eos_token_id"))
+        extra += _ids(read_json_object(folder / name).get("eos_token_id"))
     tok = HFTokenizer(tokenizer, config, _chat_template(folder, config), extra)
     tok.chat_template_origin = str(folder)
     return tok
@@ -432,7 +420,7 @@ def special_tokens_config(folder: Path) -> dict[str, Any]:
     config: dict[str, Any] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         try:
-            config.update(_read_json(folder / name))
+            config.update(read_json_object(folder / name))
         except CheckpointError:
             continue
     return {k: v for k, v in config.items() if k in SPECIAL_NAMES}
