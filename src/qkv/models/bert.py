@@ -85,6 +85,12 @@ class BERT(QKVModel):
         self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
         self.encoder = build_stack(c, c.n_layers, max_len=c.context_length + c.position_offset, causal=False,
                                    embed_norm=True)
+        self._add_heads(c.dropout)
+
+    def _add_heads(self, classifier_dropout: float) -> None:
+        """The pooler and the config's head, then every weight initialised; an MLM head's decoder is tied to
+        the word embeddings."""
+        c = self.config
         self.pooler = nn.Linear(c.d_model, c.d_model) if c.pooler else None
         if c.head == "mlm":
             self.mlm_dense = nn.Linear(c.d_model, c.d_model)
@@ -92,7 +98,7 @@ class BERT(QKVModel):
             self.mlm_decoder = nn.Linear(c.d_model, c.vocab_size)
         elif c.head in ("classify", "tag"):
             self.classifier = nn.Linear(c.d_model, c.num_labels)
-            self.cls_drop = nn.Dropout(c.dropout)
+            self.cls_drop = nn.Dropout(classifier_dropout)
         self.init_weights(c.n_layers)
         if c.head == "mlm":
             self.mlm_decoder.weight = self.tok_emb.weight

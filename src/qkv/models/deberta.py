@@ -82,19 +82,9 @@ class DeBERTa(BERT):
         for block in self.encoder.blocks:
             block.attn = DisentangledAttention(c.d_model, c.n_heads, terms=c.terms, dropout=c.attn_dropout,
                                                pos_dropout=c.dropout, backend=c.attention)
-        self.pooler = nn.Linear(c.d_model, c.d_model) if c.pooler else None
         self.pool_drop = nn.Dropout(c.pooler_dropout)
-        if c.head == "mlm":  # BERT's head (DebertaV2ForMaskedLM's), its decoder tied to the word embeddings
-            self.mlm_dense = nn.Linear(c.d_model, c.d_model)
-            self.mlm_norm = build_norm("layernorm", c.d_model, c.norm_eps)
-            self.mlm_decoder = nn.Linear(c.d_model, c.vocab_size)
-        elif c.head in ("classify", "tag"):
-            self.classifier = nn.Linear(c.d_model, c.num_labels)
-            use_cls = c.head == "classify" and c.cls_dropout is not None
-            self.cls_drop = nn.Dropout(c.cls_dropout if use_cls else c.dropout)
-        self.init_weights(c.n_layers)
-        if c.head == "mlm":
-            self.mlm_decoder.weight = self.tok_emb.weight
+        use_cls = c.head == "classify" and c.cls_dropout is not None
+        self._add_heads(c.cls_dropout if use_cls else c.dropout)  # BERT's heads (DebertaV2For...'s)
 
     def _embed(self, input_ids: Tensor, token_type_ids: Tensor | None, keep: Tensor | None) -> Tensor:
         """LayerNorm'd embeddings with the padded positions zeroed: their keys and values then carry the
