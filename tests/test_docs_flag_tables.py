@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qkv.cli.flags import flags_table
+from qkv.cli.flags import command_table, flags_table
 from qkv.cli.generate import (
     CHAT_DEFAULTS,
     CHAT_FLAGS,
@@ -16,6 +16,7 @@ from qkv.cli.generate import (
     GENERATE_FLAGS,
     REQUEST_RULES,
 )
+from qkv.cli.main import SUBCOMMANDS, build_parser
 from qkv.generate.config import GenerationConfig
 from qkv.generate.engine_config import EngineConfig
 from qkv.run import EvalSettings
@@ -40,3 +41,27 @@ def test_the_docs_table_is_the_generated_one(command):
     doc, table = TABLES[command]
     text = (ROOT / doc).read_text(encoding="utf-8")
     assert table() in text, f"{doc}: the table of {command} is not the generated one:\n{table()}"
+
+
+@pytest.mark.parametrize("name", [name for name in SUBCOMMANDS if name != "finetune"])
+def test_docs_cli_holds_every_commands_generated_table(name):
+    """docs/cli.md: each command's section holds the table of every flag and argument the command takes
+    (finetune's, per recipe, are docs/finetune.md's, compared above)."""
+    text = (ROOT / "docs/cli.md").read_text(encoding="utf-8")
+    table = command_table(SUBCOMMANDS[name].flag_sets())
+    section = text.split(f"## qkv {name}\n", 1)[-1].split("\n## ", 1)[0]
+    assert table in section, f"docs/cli.md: the table of qkv {name} is not the generated one:\n{table}"
+
+
+def test_every_flag_of_a_command_is_in_its_table():
+    """The tables cover the whole command line: each option string argparse knows (but --help) is in its
+    command's table, so a flag added by hand beside the dataclasses would show here."""
+    for name, command in SUBCOMMANDS.items():
+        if name == "finetune":
+            continue
+        parser = build_parser([name])
+        sub = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == name)[1]
+        table = command_table(command.flag_sets())
+        for action in sub._actions:
+            for flag in action.option_strings:
+                assert flag in ("-h", "--help") or f"`{flag}`" in table, f"qkv {name} {flag}"

@@ -187,11 +187,13 @@ def table_rows(cls: type, *, only: Iterable[str] | None = None, defaults: Mappin
         if keys is not None:
             shown = keys + f.name
         elif f.metadata.get("positional"):
-            shown, default = flag_of(f), default or ("required" if _default(f) is None else "none")
+            required = f.default is MISSING and f.default_factory is MISSING
+            shown, default = flag_of(f), "required" if required else default if _default(f) else None
         else:
             shown = "`, `".join(spellings(f))
             shown += f"`, `--no-{spellings(f)[0][2:]}" if _flag_type(cls, f)[0] is bool else ""
-        rows.append(f"| `{shown}` | {default or 'none'} | {text} |")
+        cells = (default or "none", text)  # a | in a cell would end it
+        rows.append(f"| `{shown}` | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return rows
 
 
