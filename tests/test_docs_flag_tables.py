@@ -21,6 +21,9 @@ from qkv.generate.config import GenerationConfig
 from qkv.generate.engine_config import EngineConfig
 from qkv.run import EvalSettings
 from qkv.serve.config import ServeConfig
+from qkv.tasks import task_names, task_spec
+from qkv.tasks.lm import LMOptions
+from qkv.tasks.speech import TRAIN_ACCENTS, TRAIN_VARIANTS, TRAIN_VOICES, SpeechOptions
 from qkv.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +37,18 @@ TABLES = {
     "train:": ("docs/training.md", lambda: flags_table(TrainConfig, keys="train.")),
     "eval:": ("docs/training.md", lambda: flags_table(EvalSettings, keys="eval.")),
 }
+# a task's default that a table cell cannot show as it is, in words
+TASK_DEFAULTS = {
+    LMOptions: {"sample_prompt": "a newline"},
+    SpeechOptions: {"train_voices": f"{len(TRAIN_VOICES)} voices: {len(TRAIN_ACCENTS)} accents x "
+                                    f"{len(TRAIN_VARIANTS)} variants"},
+}
+TASKS: dict[type, list[str]] = {}  # every registered task's options class, with the tasks it serves
+for _name in task_names():
+    TASKS.setdefault(task_spec(_name).options_class, []).append(_name)
+for _cls, _names in TASKS.items():
+    TABLES[f"task: {', '.join(_names)}"] = (
+        "docs/tasks.md", lambda cls=_cls: flags_table(cls, keys="task.", defaults=TASK_DEFAULTS.get(cls)))
 
 
 @pytest.mark.parametrize("command", list(TABLES))
