@@ -41,6 +41,16 @@ TRAIN_SHORTCUTS = (("task", "task.name"), ("model", "model.preset"), ("max_steps
 
 
 @dataclass
+class FinetuneArgs:
+    """`qkv finetune`'s arguments beside the recipes' settings (qkv.finetune.settings)."""
+
+    overrides: list[str] = setting([], "Trainer settings as train.key=value (e.g. train.lr=2e-5)",
+                                   positional=True)
+    task: str | None = setting(None, "the recipe; the flags of another recipe's group below are refused",
+                               none="from the model's kind")
+
+
+@dataclass
 class EvalArgs:
     checkpoint: str = setting(help="a run folder (from qkv train) or a checkpoint folder inside it",
                               positional=True)

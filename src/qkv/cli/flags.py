@@ -22,6 +22,7 @@ import argparse
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, Field, dataclass, fields
+from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from qkv.config import ConfigError, bounds_text, check_value, field_types
@@ -79,7 +80,7 @@ def _flag_type(cls: type, f: Field) -> tuple[type, tuple | None, bool]:
         return type(choices[0]), choices, False
     if get_origin(tp) in (list, tuple):
         return get_args(tp)[0], choices, True
-    if tp not in (bool, int, float, str):
+    if tp not in (bool, int, float, str, Path):
         raise TypeError(f"{cls.__name__}.{f.name} ({tp}) has no flag type")
     return tp, choices, False
 
@@ -184,11 +185,14 @@ def table_rows(cls: type, *, only: Iterable[str] | None = None, defaults: Mappin
         text, default = _described(cls, f, _default(f), defaults, rules)
         if keys is not None and f.metadata.get("none") and default != f.metadata["none"]:
             text += f"; null: {f.metadata['none']}"
+        if f.default is MISSING and f.default_factory is MISSING:
+            default = "required"
+        elif f.default_factory is not MISSING and not _default(f):
+            default = None  # an empty list
         if keys is not None:
             shown = keys + f.name
         elif f.metadata.get("positional"):
-            required = f.default is MISSING and f.default_factory is MISSING
-            shown, default = flag_of(f), "required" if required else default if _default(f) else None
+            shown = flag_of(f)
         else:
             shown = "`, `".join(spellings(f))
             shown += f"`, `--no-{spellings(f)[0][2:]}" if _flag_type(cls, f)[0] is bool else ""
