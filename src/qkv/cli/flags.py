@@ -4,16 +4,18 @@ no bound, choice or help text is written twice:
     add_flags(p, ServeConfig)                      # a flag for each field declared with flag=True
     add_flags(p, GenerationConfig, only=("top_k", "top_p"), rules={"top_k": {"ge": 1}})
     given = read_flags(args, ServeConfig)          # {field: value} of the flags given, checked
+    s = read_settings(args, ExportArgs)            # the dataclass of them, defaults for the rest
     flags_table(ServeConfig, EngineConfig)         # the Markdown table of docs/serving.md (a test compares)
 
-Each flag is named after its field (`top_k` -> `--top-k`, or the spelling its `flag` metadata gives), typed
+Each flag is named after its field (`top_k` -> `--top-k`, or the spellings its `flag` metadata gives), typed
 after its annotation (a Literal's values or the `choices` are the flag's choices; a bool is --X / --no-X; a
 list takes several values), defaults to None (not given: the task's, the folder's, the file's or the
-dataclass's value stands) and takes its help and bounds from the metadata. `rules` lays a command's own
-bounds over a field's (a request must ask for at least one new token). A value out of bounds is the
-dataclass's own ConfigError, said with the flag's name. A flag given twice: the last wins (argparse's rule,
-and parse_overrides' for key=value). The settings modules import no torch, so a command's --help answers at
-once.
+dataclass's value stands) and takes its help and bounds from the metadata; a field declared `positional` is
+a positional argument. `rules` lays a command's own bounds over a field's (a request must ask for at least
+one new token). A value out of bounds is the dataclass's own ConfigError, said with the flag's name. A flag
+given twice: the last wins (argparse's rule, and parse_overrides' for key=value); a list flag gathers both.
+The settings modules import no torch, so a command's --help answers at once. A FlagSet is one class's part
+of a command line (cli/main.py's Command records list them), and the rows of its docs table.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from qkv.config import ConfigError, bounds_text, check_value, field_types
 
 # the settings modules import only the standard library and qkv.config (their packages load the rest on
 # first use), so that a command's --help answers at once
-from qkv.serve.config import QUANTIZE_MODES, ServeConfig
+from qkv.serve.config import ServeConfig
 
 Rules = Mapping[str, Mapping[str, Any]]
 T = TypeVar("T")
-__all__ = ["QUANTIZE", "QUANTIZE_MODES", "add_flags", "add_quantize", "check_flags", "command_table",
+__all__ = ["QUANTIZE", "add_flags", "check_flags", "command_table",
            "flag_of", "flags_table", "FlagSet", "option", "read_flags", "read_settings", "spellings",
            "table_rows"]
 
@@ -239,9 +241,3 @@ def command_table(flag_sets: Iterable[FlagSet]) -> str:
     """The Markdown table of a command's flags (docs/cli.md holds each command's: a test compares)."""
     rows = ["| option | default | what it does |", "|---|---|---|"]
     return "\n".join(rows + [row for flag_set in flag_sets for row in flag_set.rows()])
-
-
-def add_quantize(p: argparse.ArgumentParser) -> None:
-    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore):
-    ServeConfig's field."""
-    add_flags(p, ServeConfig, only=("quantize",))

@@ -38,9 +38,8 @@ from qkv.cli.args import (
     TranscribeArgs,
 )
 from qkv.cli.finetune import add_finetune, cmd_finetune
-from qkv.cli.flags import (  # noqa: F401  (QUANTIZE_MODES: part of this module's API)
+from qkv.cli.flags import (
     QUANTIZE,
-    QUANTIZE_MODES,
     FlagSet,
     flag_of,
     read_flags,
