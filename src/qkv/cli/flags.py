@@ -68,8 +68,6 @@ def _flag_type(cls: type, f: Field) -> tuple[type, tuple | None, bool]:
         return type(choices[0]), choices, False
     if get_origin(tp) in (list, tuple):
         return get_args(tp)[0], choices, True
-    if tp not in (bool, int, float, str):
-        raise TypeError(f"{cls.__name__}.{f.name} ({tp}) has no flag type")
     return tp, choices, False
 
 
@@ -115,6 +113,8 @@ def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *
         text, default = _described(cls, f, _default(f), defaults, rules)
         text += f" (default: {default})" if default is not None else ""
         tp, choices, many = _flag_type(cls, f)
+        if tp not in (bool, int, float, str):  # a mapping or a nested config: keys only
+            raise TypeError(f"{cls.__name__}.{f.name} ({tp}) has no flag type")
         required = f.default is MISSING and f.default_factory is MISSING
         if tp is bool:
             p.add_argument(flag_of(f), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
@@ -160,7 +160,7 @@ def flags_table(*classes: type, only: Iterable[str] | None = None, defaults: Map
     rows = [f"| {'key' if keys is not None else 'option'} | default | what it does |", "|---|---|---|"]
     for cls in classes:
         names = None if only is None else [n for n in only if n in {f.name for f in fields(cls)}]
-        for f in _flagged(cls, names) if keys is None else fields(cls):
+        for f in _flagged(cls, names) if keys is None or only is not None else fields(cls):
             text, default = _described(cls, f, _default(f), defaults, rules)
             if keys is not None and f.metadata.get("none") and default != f.metadata["none"]:
                 text += f"; null: {f.metadata['none']}"

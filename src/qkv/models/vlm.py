@@ -42,7 +42,7 @@ from qkv.models.gpt import GPT, GPTConfig
 from qkv.models.registry import register_family
 from qkv.nn.block import Block
 from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
-from qkv.nn.ffn import ACTIVATIONS
+from qkv.nn.ffn import ACTIVATIONS, UNGATED
 from qkv.nn.position import build_position
 from qkv.nn.stack import Stack
 
@@ -97,8 +97,7 @@ class VLMConfig:
     projector: Literal["mlp", "linear", "pixel_shuffle"] = setting(
         "mlp", "mlp: Linear-act-Linear; linear: one Linear; pixel_shuffle: Idefics3 / SmolVLM "
         "(models/connector.py)")
-    projector_act: str = setting("gelu", "the projector's activation (an ungated qkv.nn.ffn activation)",
-                                 choices=ACTIVATIONS)
+    projector_act: str = setting("gelu", "the projector's activation", choices=UNGATED)
     projector_bias: bool = setting(True, "biases in the projector")
     scale_factor: int = setting(1, "pixel_shuffle: each scale_factor x scale_factor patches become one image "
                                 "token", ge=1)
@@ -117,9 +116,6 @@ class VLMConfig:
         if not -(n + 1) <= self.feature_layer <= n:
             raise ConfigError(f"VLMConfig.feature_layer {self.feature_layer} is not a hidden state of a "
                               f"{n}-layer vision tower (0..{n}, or -1..-{n + 1} from the end)")
-        if ACTIVATIONS[self.projector_act].gated:
-            raise ConfigError(f"VLMConfig.projector_act: {self.projector_act!r} is gated; the projector "
-                              "needs a plain activation")
         if self.feature_select == "default" and not self.vision.class_token:
             raise ConfigError("VLMConfig.feature_select='default' drops a class token the vision tower lacks")
         side = self.vision.image_size // self.vision.patch_size
