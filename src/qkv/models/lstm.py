@@ -47,7 +47,7 @@ class LSTMConfig:
                                   "limit)", ge=1)
     tie_embeddings: bool = setting(True, "LM head shares the embedding matrix (mode=lm)")
     pad_token_id: int = setting(0, "padding token")
-    eos_token_id: int | None = setting(None, "default stop token for generate()", none="none")
+    eos_token_id: int | None = setting(None, "default stop token for generate()", none="no stop token")
 
     def validate(self) -> None:
         check_fields(self)
