@@ -46,15 +46,18 @@ class ConfigError(ValueError):
 
 def setting(default: Any = MISSING, help: str = "", *, ge: float | None = None, gt: float | None = None,
             le: float | None = None, lt: float | None = None, choices: tuple | None = None, note: str = "",
-            none: str = "", unit: str = "", flag: bool | str = True, flag_none: Any = None) -> Any:
+            none: str = "", unit: str = "", flag: bool | str | tuple[str, ...] = True, flag_none: Any = None,
+            positional: bool = False, metavar: str = "") -> Any:
     """A settings dataclass's field, declared once: its default (a list or dict is copied for each instance),
     `help` text, bounds (ge / gt / le / lt), `choices` (where the annotation is no Literal), what a boundary
     value means (`note`: "0 = greedy"), what None means (`none`), the `unit` of its value, whether a command's
-    flags include it (`flag`: True, False, or the flag's own spelling) and the flag value that stands for None
-    (`flag_none`: 0 for --prefill-chunk). check_fields enforces the bounds and choices, qkv.cli.flags builds
-    the flags and the docs' tables of it."""
+    flags include it (`flag`: True, False, or the flag's own spellings), the flag value that stands for None
+    (`flag_none`: 0 for --prefill-chunk), whether it is a command's positional argument and the name its
+    value is shown by (`metavar`). check_fields enforces the bounds and choices, qkv.cli.flags builds the
+    flags and the docs' tables of it."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "note": note,
-            "none": none, "unit": unit, "flag": flag, "flag_none": flag_none}
+            "none": none, "unit": unit, "flag": flag, "flag_none": flag_none, "positional": positional,
+            "metavar": metavar}
     if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):  # a nested config too
         return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
