@@ -82,8 +82,6 @@ def _flag_type(cls: type, f: Field) -> tuple[type, tuple | None, bool]:
         return type(choices[0]), choices, False
     if get_origin(tp) in (list, tuple):
         return get_args(tp)[0], choices, True
-    if tp not in (bool, int, float, str, Path):
-        raise TypeError(f"{cls.__name__}.{f.name} ({tp}) has no flag type")
     return tp, choices, False
 
 
@@ -129,6 +127,8 @@ def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *
     for f in _flagged(cls, only):
         text, default = _described(cls, f, _default(f), defaults, rules)
         tp, choices, many = _flag_type(cls, f)
+        if tp not in (bool, int, float, str, Path):  # a mapping or a nested config: keys only
+            raise TypeError(f"{cls.__name__}.{f.name} ({tp}) has no flag type")
         required = f.default is MISSING and f.default_factory is MISSING
         if f.metadata.get("positional"):
             nargs = ("+" if required else "*") if many else None if required else "?"
@@ -183,7 +183,7 @@ def table_rows(cls: type, *, only: Iterable[str] | None = None, defaults: Mappin
                rules: Rules | None = None, keys: str | None = None) -> list[str]:
     """The Markdown rows of flags_table for one class."""
     rows = []
-    for f in _flagged(cls, only) if keys is None else fields(cls):
+    for f in _flagged(cls, only) if keys is None or only is not None else fields(cls):
         text, default = _described(cls, f, _default(f), defaults, rules)
         if keys is not None and f.metadata.get("none") and default != f.metadata["none"]:
             text += f"; null: {f.metadata['none']}"
