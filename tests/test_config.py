@@ -67,11 +67,11 @@ def test_bad_choices(key, value, message):
 
 @pytest.mark.parametrize("fields, message", [
     ({"d_model": 30, "n_heads": 4}, "divisible"),
-    ({"n_heads": 0}, "n_heads must be positive"),
+    ({"n_heads": 0}, "GPTConfig.n_heads must be at least 1, got 0"),
     ({"n_kv_heads": 3}, "multiple of n_kv_heads"),
     ({"position": "rope", "d_model": 12, "n_heads": 4}, "even head dimension"),
     ({"dropout": 1.0}, "dropout"),
-    ({"vocab_size": 0}, "positive"),
+    ({"vocab_size": 0}, "GPTConfig.vocab_size must be at least 1, got 0"),
     ({"norm_eps": -1e-5}, "norm_eps"),  # these passed validation and crashed (or gave NaN) later
     ({"rope_base": 0}, "rope_base"),
     ({"rope_base": -10000.0}, "rope_base"),

@@ -46,16 +46,19 @@ class ConfigError(ValueError):
 
 def setting(default: Any = MISSING, help: str = "", *, ge: float | None = None, gt: float | None = None,
             le: float | None = None, lt: float | None = None, choices: tuple | None = None, note: str = "",
-            none: str = "", unit: str = "", flag: bool | str = True, flag_none: Any = None) -> Any:
+            none: str = "", unit: str = "", flag: bool | str | tuple[str, ...] = True, flag_none: Any = None,
+            positional: bool = False, metavar: str = "") -> Any:
     """A settings dataclass's field, declared once: its default (a list or dict is copied for each instance),
     `help` text, bounds (ge / gt / le / lt), `choices` (where the annotation is no Literal), what a boundary
     value means (`note`: "0 = greedy"), what None means (`none`), the `unit` of its value, whether a command's
-    flags include it (`flag`: True, False, or the flag's own spelling) and the flag value that stands for None
-    (`flag_none`: 0 for --prefill-chunk). check_fields enforces the bounds and choices, qkv.cli.flags builds
-    the flags and the docs' tables of it."""
+    flags include it (`flag`: True, False, or the flag's own spellings), the flag value that stands for None
+    (`flag_none`: 0 for --prefill-chunk), whether it is a command's positional argument and the name its
+    value is shown by (`metavar`). check_fields enforces the bounds and choices, qkv.cli.flags builds the
+    flags and the docs' tables of it."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "note": note,
-            "none": none, "unit": unit, "flag": flag, "flag_none": flag_none}
-    if isinstance(default, (list, dict, set)):
+            "none": none, "unit": unit, "flag": flag, "flag_none": flag_none, "positional": positional,
+            "metavar": metavar}
+    if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):  # a nested config too
         return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
@@ -352,86 +355,72 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 @dataclass
 class TransformerConfig:
-    """Fields every family's blocks share (each model config extends this)."""
+    """Fields every family's blocks share (each model config extends this). The choices of ffn, norm,
+    placement, position and attention are the names qkv.nn defines (checked by validate: nn/ is the one
+    place a variant lives, so a new one is one table entry there)."""
 
-    d_model: int = 256  # width of the residual stream
-    n_heads: int = 4  # attention heads; head_dim = d_model // n_heads
-    n_kv_heads: int | None = None  # key/value heads (GQA/MQA); None = n_heads
-    d_ff: int | None = None  # feed-forward hidden size; None = 4 * d_model
-    ffn: str = "gelu"  # relu | gelu | gelu_tanh | swiglu
-    norm: str = "layernorm"  # layernorm | rmsnorm | batchnorm
-    norm_eps: float = 1e-5
-    placement: str = "pre"  # pre (x + f(norm(x))) | post (norm(x + f(x)))
-    position: str = "learned"  # none | sinusoidal | learned | rope | alibi
-    rope_base: float = 10000.0
-    attention: str = "fused"  # naive (returns weights) | fused (torch SDPA / flash)
-    scaled: bool = True  # multiply q.k by 1/sqrt(d_k); False is the ablation
-    bias: bool = True  # biases in linears and norms
-    dropout: float = 0.0  # residual / embedding dropout
-    attn_dropout: float = 0.0  # dropout on attention probabilities
-    init_std: float = 0.02  # std of the normal init of linears and embeddings
-    # std for embeddings (None = init_std); the seeds' "init 1.0 -> NaN" ablation
-    embed_init_std: float | None = None
+    d_model: int = setting(256, "width of the residual stream", ge=1)
+    n_heads: int = setting(4, "attention heads; head_dim = d_model // n_heads", ge=1)
+    n_kv_heads: int | None = setting(None, "key/value heads (GQA/MQA); divides n_heads", ge=1, none="n_heads")
+    d_ff: int | None = setting(None, "feed-forward hidden size", ge=1, none="4 * d_model")
+    ffn: str = setting("gelu", "feed-forward activation: relu, gelu, gelu_tanh, swiglu, silu, geglu_tanh or "
+                       "quick_gelu (qkv.nn.ffn.ACTIVATIONS)")
+    norm: str = setting("layernorm", "layernorm, rmsnorm or batchnorm")
+    norm_eps: float = setting(1e-5, "the norms' epsilon", ge=0)
+    placement: str = setting("pre", "pre (x + f(norm(x))) or post (norm(x + f(x)))")
+    position: str = setting("learned", "none, sinusoidal, learned, rope, alibi or relative")
+    rope_base: float = setting(10000.0, "RoPE's base (theta)", gt=0)
+    attention: str = setting("fused", "naive (returns weights) or fused (torch SDPA / flash)")
+    scaled: bool = setting(True, "multiply q.k by 1/sqrt(d_k); false is the ablation")
+    bias: bool = setting(True, "biases in linears and norms")
+    dropout: float = setting(0.0, "residual / embedding dropout", ge=0, lt=1)
+    attn_dropout: float = setting(0.0, "dropout on attention probabilities", ge=0, lt=1)
+    init_std: float = setting(0.02, "std of the normal init of linears and embeddings", ge=0)
+    embed_init_std: float | None = setting(None, "std for embeddings (the seeds' 'init 1.0 -> NaN' "
+                                           "ablation)", ge=0, none="init_std")
     # variants of released decoder models (Llama, Qwen2/3, Mistral); the defaults are the plain blocks
-    # attention head width when n_heads * head_dim != d_model (None = d_model // n_heads)
-    head_dim: int | None = None
-    qkv_bias: bool | None = None  # biases on the q/k/v projection only (Qwen2); None = follow `bias`
-    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
-    # {"rope_type": "linear"|"llama3", "factor": ..., ...}; None = plain
-    rope_scaling: dict[str, Any] | None = None
-    sliding_window: int | None = None  # attention span (Mistral): longer sequences are refused, not truncated
+    head_dim: int | None = setting(None, "attention head width when n_heads * head_dim != d_model", ge=1,
+                                   none="d_model // n_heads")
+    qkv_bias: bool | None = setting(None, "biases on the q/k/v projection only (Qwen2)", none="follow bias")
+    qk_norm: bool = setting(False, "RMSNorm over each head's queries and keys before RoPE (Qwen3)")
+    rope_scaling: dict[str, Any] | None = setting(None, '{"rope_type": "linear" or "llama3", "factor": ...}',
+                                                  none="plain RoPE")
+    sliding_window: int | None = setting(None, "attention span (Mistral): longer sequences are refused, "
+                                         "not truncated", ge=1, none="no window")
+
+    @classmethod
+    def override(cls, name: str, default: Any) -> Any:
+        """The setting `name` of this config declared again in a subclass with another default, its help and
+        bounds kept (a dataclass field re-declared with a bare default would lose them)."""
+        return setting(default, **{f.name: f for f in fields(cls)}[name].metadata)
 
     def validate(self) -> None:
         from qkv.nn.attention import BACKENDS
         from qkv.nn.block import PLACEMENTS
         from qkv.nn.ffn import ACTIVATIONS
         from qkv.nn.norm import NORMS
-        from qkv.nn.position import ENCODINGS
+        from qkv.nn.position import ENCODINGS, rope_inv_freq
 
-        for name, value, choices in [
-            ("ffn", self.ffn, ACTIVATIONS), ("norm", self.norm, NORMS),
-            ("placement", self.placement, PLACEMENTS),
-            ("position", self.position, ENCODINGS), ("attention", self.attention, BACKENDS),
-        ]:
+        check_fields(self)
+        name = type(self).__name__
+        for field_name, choices in [("ffn", ACTIVATIONS), ("norm", NORMS), ("placement", PLACEMENTS),
+                                    ("position", ENCODINGS), ("attention", BACKENDS)]:
+            value = getattr(self, field_name)
             if value not in choices:
-                raise ConfigError(f"{type(self).__name__}.{name}: {value!r} is not one of {list(choices)}"
-                                  + suggest(value, list(choices), "choices"))
-        for name in ("d_model", "n_heads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{type(self).__name__}.{name} must be positive, got {getattr(self, name)}")
-        if self.d_ff is not None and self.d_ff < 1:
-            raise ConfigError(f"{type(self).__name__}.d_ff must be positive (or null for 4 * d_model)")
+                raise ConfigError(f": {value!r} is not one of {list(choices)}"
+                                  + suggest(value, list(choices), "choices"), field_name, name)
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.head_dim is not None and self.head_dim < 1:
-            raise ConfigError(f"{type(self).__name__}.head_dim must be positive (or null for d_model // "
-                              "n_heads)")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ConfigError(f"{type(self).__name__}.sliding_window must be positive (or null for none)")
-        if self.rope_scaling is not None:
-            from qkv.nn.position import rope_inv_freq
-
-            try:
-                rope_inv_freq(2, 10000.0, self.rope_scaling)
-            except (KeyError, TypeError, ValueError) as e:
-                raise ConfigError(f"{type(self).__name__}.rope_scaling {self.rope_scaling}: {e!r}") from None
-        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
                               f"({self.n_kv_heads})")
         if self.position == "rope" and (self.head_dim or self.d_model // self.n_heads) % 2:
             raise ConfigError("position=rope needs an even head dimension (head_dim or d_model // n_heads)")
-        if not 0.0 <= self.dropout < 1.0 or not 0.0 <= self.attn_dropout < 1.0:
-            raise ConfigError("dropout must be in [0, 1)")
-        # values that pass the types but would only fail (or give NaN) deep inside a forward pass
-        name = type(self).__name__
-        if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
-            raise ConfigError(f"{name}.norm_eps must be a finite number >= 0, got {self.norm_eps}")
-        if not (math.isfinite(self.rope_base) and self.rope_base > 0):
-            raise ConfigError(f"{name}.rope_base must be a finite number > 0, got {self.rope_base}")
-        for field_name in ("init_std", "embed_init_std"):
-            value = getattr(self, field_name)
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"{name}.{field_name} must be a finite number >= 0, got {value}")
+        if self.rope_scaling is not None:
+            try:
+                rope_inv_freq(2, 10000.0, self.rope_scaling)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ConfigError(f"{self.rope_scaling}: {e!r}", "rope_scaling", name) from None
 
     def block_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of nn.Block taken from this config."""

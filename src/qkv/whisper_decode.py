@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, check_fields, setting
 from qkv.generate.beams import BeamBook
 from qkv.generate.config import GenerationConfig
 from qkv.models.whisper import Whisper
@@ -107,20 +107,25 @@ class DecodeSettings:
     length-penalised score), unless the window is silence (also no_speech_prob above no_speech_threshold:
     then the window gives no tokens)."""
 
-    temperatures: tuple[float, ...] = (0.0,)
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    compression_ratio_threshold: float | None = None
-    logprob_threshold: float | None = None
-    no_speech_threshold: float | None = None
-    seed: int | None = None  # the sampling generator's seed (temperatures above 0)
+    # the CLI's --temperature is one comma-separated list (TranscribeArgs.temperature, parse_temperatures)
+    temperatures: tuple[float, ...] = setting((0.0,), "temperatures tried in turn (0 = greedy / beams)",
+                                              flag=False)
+    num_beams: int = setting(1, "beam search at temperature 0", ge=1, note="1 = greedy")
+    length_penalty: float = setting(1.0, "beam score = sum log p / length ** this")
+    compression_ratio_threshold: float | None = setting(
+        None, "fall back to the next temperature above this zlib ratio of a window's tokens (e.g. 2.4)", ge=0)
+    logprob_threshold: float | None = setting(None, "fall back below this average token log-probability "
+                                                    "(e.g. -1.0)")
+    no_speech_threshold: float | None = setting(
+        None, "a window is silence (no text) above this <|nocaptions|> probability when also below "
+              "--logprob-threshold (e.g. 0.6)", ge=0, le=1)
+    seed: int | None = setting(None, "the seed of the fallback's sampling (temperatures above 0)")
 
     def __post_init__(self) -> None:
+        check_fields(self, "")
         if not self.temperatures or any(not math.isfinite(t) or t < 0 for t in self.temperatures):
             raise ConfigError(f"--temperature must be one or more numbers >= 0, got "
                               f"{list(self.temperatures)}")
-        if self.num_beams < 1:
-            raise ConfigError(f"--num-beams must be >= 1, got {self.num_beams}")
         if self.no_speech_threshold is not None and self.logprob_threshold is None:
             raise ConfigError("--no-speech-threshold needs --logprob-threshold (a window is silence when "
                               "both say so)")

@@ -26,7 +26,7 @@ def test_help_of_every_subcommand(name, capsys):
     with pytest.raises(SystemExit) as e:
         main([name, "--help"])
     assert e.value.code == 0
-    assert SUBCOMMANDS[name][0] in capsys.readouterr().out
+    assert SUBCOMMANDS[name].help in capsys.readouterr().out
 
 
 def test_top_level_help_lists_subcommands():

@@ -181,10 +181,10 @@ def test_resume_applies_changed_adamw_settings(lm_run, tmp_path):
     (["train.device=cuda:x"], "TrainConfig.device: 'cuda:x' is not auto, cpu, cuda or cuda:N"),
     # these trained, evaluated, then failed in the final sampling or evaluation, leaving no results.json
     (["model.context_length=8"], "model.context_length=8 is below what the task 'charlm' needs (16)"),
-    (["task.sample_tokens=-3"], "sample_tokens must be >= 0"),
-    (["task.top_k=-1"], "top_k must be at least 0 (0 = no top-k)"),
-    (["task.temperature=.nan"], "temperature must be a finite number at least 0"),
-    (["task.temperature=-1"], "temperature must be at least 0"),
+    (["task.sample_tokens=-3"], "task.sample_tokens must be at least 0, got -3"),
+    (["task.top_k=-1"], "task.top_k must be at least 0 (0 = no top-k), got -1"),
+    (["task.temperature=.nan"], "task.temperature must be a finite number at least 0"),
+    (["task.temperature=-1"], "task.temperature must be at least 0"),
 ])
 def test_settings_that_cannot_work_are_refused_before_writing(tmp_path, flags, message):
     out = tmp_path / "run"

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import qkv
-from qkv.cli.main import QUANTIZE_MODES, main
+from qkv.cli.main import main
 from qkv.nn.quant import MODES, quantized_layers
 from qkv.run import generate_text
+from qkv.serve.config import QUANTIZE_MODES
 
 transformers = pytest.importorskip("transformers")
 

@@ -35,7 +35,7 @@ def test_port_in_use_is_a_one_line_error(charlm_run, capsys, no_server):
 @pytest.mark.parametrize("port", [0, -1, 65536])
 def test_port_out_of_range_is_refused(charlm_run, capsys, no_server, port):
     assert main(["explore", str(charlm_run), "--port", str(port)]) == 2
-    assert f"--port must be in 1..65535, got {port}" in capsys.readouterr().err
+    assert f"--port must be in [1, 65535], got {port}" in capsys.readouterr().err
 
 
 def test_listen_binds_the_port_it_was_given():

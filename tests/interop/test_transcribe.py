@@ -336,7 +336,7 @@ def test_fallback_samples_at_a_higher_temperature(folder, monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "0,hot"], "give numbers separated by commas"),
     (["--temperature", "-0.5"], "numbers >= 0"),
-    (["--num-beams", "0"], "--num-beams must be >= 1"),
+    (["--num-beams", "0"], "--num-beams must be at least 1"),
     (["--no-speech-threshold", "0.6"], "needs --logprob-threshold"),
 ])
 def test_bad_decoding_settings(folder, tmp_path, capsys, args, message):

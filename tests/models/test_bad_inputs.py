@@ -48,13 +48,13 @@ def test_token_types_for_a_model_without_segment_embeddings_are_refused():
 
 
 @pytest.mark.parametrize("preset, overrides, match", [
-    ("vit-digits", dict(patch_size=0), "patch_size must be positive"),
-    ("vit-digits", dict(n_layers=0), "n_layers must be positive"),
-    ("swin-digits", dict(window_size=0), "window_size must be positive"),
-    ("swin-digits", dict(window_size=-2), "window_size must be positive"),
-    ("swin-digits", dict(patch_size=0), "patch_size must be positive"),
+    ("vit-digits", dict(patch_size=0), "ViTConfig.patch_size must be at least 1, got 0"),
+    ("vit-digits", dict(n_layers=0), "ViTConfig.n_layers must be at least 1, got 0"),
+    ("swin-digits", dict(window_size=0), "SwinConfig.window_size must be at least 1, got 0"),
+    ("swin-digits", dict(window_size=-2), "SwinConfig.window_size must be at least 1, got -2"),
+    ("swin-digits", dict(patch_size=0), "SwinConfig.patch_size must be at least 1, got 0"),
     ("whisper-digits", dict(d_model=2, n_heads=1), "at least 4"),
-    ("whisper-digits", dict(n_encoder_layers=0), "n_encoder_layers must be positive"),
+    ("whisper-digits", dict(n_encoder_layers=0), "WhisperConfig.n_encoder_layers must be at least 1, got 0"),
 ])
 def test_sizes_that_break_a_constructor_are_config_errors(preset, overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -99,7 +99,7 @@ def test_bad_inputs_are_clear_errors():
         tiny(head="ner")
     with pytest.raises(qkv.ConfigError, match="pooler"):
         tiny(head="classify", pooler=False)
-    with pytest.raises(qkv.ConfigError, match="positive"):
+    with pytest.raises(qkv.ConfigError, match="vocab_size must be at least 1, got 0"):
         tiny(vocab_size=0)
 
 

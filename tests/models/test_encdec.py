@@ -121,7 +121,7 @@ def test_separate_vocabularies():
         tiny(tgt_vocab_size=13, share_embeddings=True)
     with pytest.raises(ConfigError, match="label_smoothing"):
         tiny(label_smoothing=1.5)
-    with pytest.raises(ConfigError, match="positive"):
+    with pytest.raises(ConfigError, match="src_vocab_size must be at least 1, got 0"):
         tiny(src_vocab_size=0)
 
 

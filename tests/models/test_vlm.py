@@ -116,7 +116,7 @@ def test_save_and_load_keep_the_function(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"feature_select": "cls"}, "feature_select"), ({"projector": "mlp3"}, "projector"),
-    ({"projector_act": "swiglu"}, "gated"),
+    ({"projector_act": "swiglu"}, "projector_act must be one of .*'gelu'.*, got 'swiglu'"),
 ])
 def test_config_errors(change, message):
     with pytest.raises(ConfigError, match=message):

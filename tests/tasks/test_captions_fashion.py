@@ -143,10 +143,10 @@ def test_the_saved_tokenizer_rebuilds_the_same_task(task, tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"dataset": "cifar"}, "dataset must be one of \\['digits', 'fashion_mnist'\\], got 'cifar'"),
+    ({"dataset": "cifar"}, "task.dataset: 'cifar' is not one of \\['digits', 'fashion_mnist'\\]"),
     ({"dataset": "fashion_mnist", "path": "/nonexistent/fashion"}, "no Fashion-MNIST data at /nonexistent"),
-    ({"dataset": "fashion_mnist", "max_shift": -1}, "max_shift must be >= 0"),
-    ({"hflip": True}, "path and hflip are for dataset fashion_mnist, not digits"),
+    ({"dataset": "fashion_mnist", "max_shift": -1}, "task.max_shift must be at least 0, got -1"),
+    ({"hflip": True}, "task.dataset: path and hflip are for dataset fashion_mnist, not digits"),
 ])
 def test_bad_options_are_one_clear_error(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -66,7 +66,7 @@ def test_char_lm_on_the_stdlib():
 
 
 def test_bad_corpus_options():
-    with pytest.raises(ConfigError, match="corpus must be one of"):
-        build_task("charlm", corpus="wikipedia")
-    with pytest.raises(ConfigError, match="either path or corpus"):
+    with pytest.raises(ConfigError, match=r"task.corpus must be one of \('pydoc', 'stdlib'\), got 'wiki'"):
+        build_task("charlm", corpus="wiki")
+    with pytest.raises(ConfigError, match="task.corpus: give either path or corpus"):
         build_task("charlm", corpus="stdlib", path="x.txt")

@@ -182,12 +182,12 @@ def test_detections_keep_the_queries_over_the_threshold():
 
 # -- bad input -----------------------------------------------------------------------------------------
 def test_a_canvas_with_no_boxes_is_one_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="no boxes"):
+    with pytest.raises(ConfigError, match="task.min_items must be at least 1, got 0"):
         DetectionOptions(min_items=0).validate()
     blank = flat_folder(tmp_path / "blank", value_of=lambda c: 5)  # below VISIBLE: nothing to box
     with pytest.raises(ConfigError, match=r"detection canvas 0 \(val\) has no boxes"):
         DetectionTask(DetectionOptions(path=str(blank)), "detr")
-    with pytest.raises(ConfigError, match="max_size"):
+    with pytest.raises(ConfigError, match=r"task.canvas_size must be at least max_size \(80\), got 64"):
         DetectionOptions(max_size=80).validate()
 
 

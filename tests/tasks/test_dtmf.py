@@ -42,7 +42,7 @@ def test_batches_split_and_shapes():
     assert all(1 <= len(s) <= 4 and s.isdigit() and not in_val_split(s, 0.1) for s in strings)
     val = task.eval_examples(20)
     assert all(in_val_split(s, 0.1) for s, _ in val)
-    with pytest.raises(ConfigError, match="clip_seconds"):
+    with pytest.raises(ConfigError, match=r"task.clip_seconds \(2.0\) is below what 20 digits can last"):
         build_task("dtmf", family="whisper", max_digits=20)
 
 

@@ -149,7 +149,7 @@ def test_image_folder_task(tmp_path):
 
 
 def test_image_folder_errors(tmp_path):
-    with pytest.raises(ConfigError, match="needs path="):
+    with pytest.raises(ConfigError, match="task.path is required"):
         build_task("image_folder")
     root = _write_images(tmp_path / "one", {"cat": [(8, 8)] * 2})
     with pytest.raises(ConfigError, match="at least two class"):

@@ -221,9 +221,9 @@ def test_model_overrides_fit_the_batches():
 def test_option_and_name_errors():
     with pytest.raises(ConfigError, match="did you mean 'max_len'"):
         build_task("reverse", max_lenn=5)
-    with pytest.raises(ConfigError, match="min_len"):
+    with pytest.raises(ConfigError, match=r"task.max_len must be at least min_len \(9\), got 3"):
         build_task("reverse", min_len=9, max_len=3)
-    with pytest.raises(ConfigError, match="expected an integer"):
+    with pytest.raises(ConfigError, match="task.min_len: expected an integer"):
         build_task("reverse", min_len="three")
     with pytest.raises(ConfigError, match="did you mean 'reverse'"):
         build_task("reverce")

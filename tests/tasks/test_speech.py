@@ -41,9 +41,9 @@ def test_speech_pool_batches(tmp_path):
 
 
 def test_augmentation_options_validated():
-    with pytest.raises(ConfigError, match="speed_perturb"):
+    with pytest.raises(ConfigError, match=r"task.speed_perturb must be in \[0, 1\), got 1.5"):
         build_task("speech", family="whisper", speed_perturb=1.5)
-    with pytest.raises(ConfigError, match="time_masks"):
+    with pytest.raises(ConfigError, match="task.freq_masks must be at least 0, got -1"):
         build_task("speech", family="whisper", freq_masks=-1)
 
 

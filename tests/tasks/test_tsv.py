@@ -78,7 +78,7 @@ def test_max_len_drops_long_pairs(tsv):
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         build_task("tsv", path=str(tmp_path / "nope.tsv"))
-    with pytest.raises(ConfigError, match="needs path"):
+    with pytest.raises(ConfigError, match="task.path is required"):
         build_task("tsv")
     empty = tmp_path / "empty.tsv"
     empty.write_text("\n\n")

@@ -140,11 +140,11 @@ def test_a_subset_of_question_types(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"questions": ["colour"]}, "questions: \\['colour'\\]"),
+    ({"questions": ["colour"]}, "task.questions: \\['colour'\\]"),
     ({"questions": []}, "give one or more"),
     ({"patch_size": 5}, "patch_size \\(5\\) must divide the image size \\(28\\)"),
-    ({"patch_size": 0}, "patch_size >= 1"),
-    ({"pad": -1}, "pad >= 0"),
+    ({"patch_size": 0}, "task.patch_size must be at least 1, got 0"),
+    ({"pad": -1}, "task.pad must be at least 0, got -1"),
     ({"path": "/nonexistent/fashion"}, "no Fashion-MNIST data at /nonexistent/fashion"),
 ])
 def test_bad_options_are_one_clear_error(tmp_path, options, message):

@@ -15,11 +15,12 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from qkv.cli.flags import add_flags, check_flags, flags_table, option
+from qkv.cli.args import FinetuneArgs
+from qkv.cli.flags import FlagSet, add_flags, check_flags, command_table, flags_table, option
 from qkv.config import ConfigError, check_flag_keys
 
-# FinetuneSettings' fields made flags of the common group (model is a positional, --out a path: written here)
-COMMON = ("data", "dev", "resume", "seed", "progress", "epochs", "too_long")
+# FinetuneSettings' fields made flags of the common group (model, the positional argument, goes first)
+COMMON = ("data", "out", "dev", "resume", "seed", "progress", "epochs", "too_long")
 # what applies when the flag is not given: the recipe's default
 DEFAULTS = {"epochs": "chat 1, the other recipes 3", "too_long": "error for chat and seq2seq, truncate for "
                                                                   "classify/tag"}
@@ -55,17 +56,18 @@ def recipe_flags() -> dict[str, str]:
     return owners
 
 
+def common_flags() -> tuple[FlagSet, ...]:
+    """The flags every recipe takes: the model, the command's own, FinetuneSettings' common ones."""
+    from qkv.finetune import FinetuneSettings
+
+    return (FlagSet(FinetuneSettings, ("model",)), FlagSet(FinetuneArgs),
+            FlagSet(FinetuneSettings, COMMON, DEFAULTS))
+
+
 def add_finetune(p: argparse.ArgumentParser) -> None:
     """The `qkv finetune` command line: the common flags, then one group per recipe."""
-    from qkv.finetune import FinetuneSettings, recipes
-
-    helps = {f.name: f.metadata.get("help") for f in fields(FinetuneSettings)}
-    p.add_argument("model", help=helps["model"])
-    p.add_argument("overrides", nargs="*", help="Trainer settings as train.key=value (e.g. train.lr=2e-5)")
-    p.add_argument("--out", required=True, help=helps["out"])
-    p.add_argument("--task", default=None, help="recipe: " + ", ".join(sorted(recipes())) +
-                   " (default: from the model's kind); the flags of another recipe's group below are refused")
-    add_flags(p, FinetuneSettings, only=COMMON, defaults=DEFAULTS)
+    for flag_set in common_flags():
+        flag_set.add(p)
     for r, names in groups():
         add_flags(p.add_argument_group(f"--task {r.name}", r.description), r.settings, only=names)
 
@@ -73,10 +75,7 @@ def add_finetune(p: argparse.ArgumentParser) -> None:
 def flags_tables() -> str:
     """The Markdown tables of the flags add_finetune makes from the settings: the common ones, then each
     recipe's group (docs/finetune.md holds them: a test compares)."""
-    from qkv.finetune import FinetuneSettings
-
-    common = flags_table(FinetuneSettings, only=COMMON, defaults={**DEFAULTS, "data": "required"})
-    parts = ["Every recipe:", "", common]
+    parts = ["Every recipe:", "", command_table(common_flags())]
     for r, names in groups():
         parts += ["", f"`--task {r.name}`:", "", flags_table(r.settings, only=names)]
     return "\n".join(parts)

@@ -4,16 +4,18 @@ no bound, choice or help text is written twice:
     add_flags(p, ServeConfig)                      # a flag for each field declared with flag=True
     add_flags(p, GenerationConfig, only=("top_k", "top_p"), rules={"top_k": {"ge": 1}})
     given = read_flags(args, ServeConfig)          # {field: value} of the flags given, checked
+    s = read_settings(args, ExportArgs)            # the dataclass of them, defaults for the rest
     flags_table(ServeConfig, EngineConfig)         # the Markdown table of docs/serving.md (a test compares)
 
-Each flag is named after its field (`top_k` -> `--top-k`, or the spelling its `flag` metadata gives), typed
+Each flag is named after its field (`top_k` -> `--top-k`, or the spellings its `flag` metadata gives), typed
 after its annotation (a Literal's values or the `choices` are the flag's choices; a bool is --X / --no-X; a
 list takes several values), defaults to None (not given: the task's, the folder's, the file's or the
-dataclass's value stands) and takes its help and bounds from the metadata. `rules` lays a command's own
-bounds over a field's (a request must ask for at least one new token). A value out of bounds is the
-dataclass's own ConfigError, said with the flag's name. A flag given twice: the last wins (argparse's rule,
-and parse_overrides' for key=value). The settings modules import no torch, so a command's --help answers at
-once.
+dataclass's value stands) and takes its help and bounds from the metadata; a field declared `positional` is
+a positional argument. `rules` lays a command's own bounds over a field's (a request must ask for at least
+one new token). A value out of bounds is the dataclass's own ConfigError, said with the flag's name. A flag
+given twice: the last wins (argparse's rule, and parse_overrides' for key=value); a list flag gathers both.
+The settings modules import no torch, so a command's --help answers at once. A FlagSet is one class's part
+of a command line (cli/main.py's Command records list them), and the rows of its docs table.
 """
 
 from __future__ import annotations
@@ -21,18 +23,21 @@ from __future__ import annotations
 import argparse
 import types
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, Field, fields
-from typing import Any, Literal, Union, get_args, get_origin
+from dataclasses import MISSING, Field, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from qkv.config import ConfigError, bounds_text, check_value, field_types
 
 # the settings modules import only the standard library and qkv.config (their packages load the rest on
 # first use), so that a command's --help answers at once
-from qkv.serve.config import QUANTIZE_MODES, ServeConfig
+from qkv.serve.config import ServeConfig
 
 Rules = Mapping[str, Mapping[str, Any]]
-__all__ = ["QUANTIZE_MODES", "add_flags", "add_quantize", "check_flags", "flag_of", "flags_table", "option",
-           "read_flags"]
+T = TypeVar("T")
+__all__ = ["QUANTIZE", "add_flags", "check_flags", "command_table",
+           "flag_of", "flags_table", "FlagSet", "option", "read_flags", "read_settings", "spellings",
+           "table_rows"]
 
 
 def option(name: str) -> str:
@@ -40,10 +45,19 @@ def option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def flag_of(f: Field) -> str:
-    """The flag of a declared field: its metadata's own spelling, else option(name)."""
+def spellings(f: Field) -> tuple[str, ...]:
+    """The flag's spellings of a declared field: its metadata's own (one or several), else option(name)."""
     spelt = f.metadata.get("flag")
-    return spelt if isinstance(spelt, str) else option(f.name)
+    if isinstance(spelt, (str, tuple)):
+        return (spelt,) if isinstance(spelt, str) else spelt
+    return (option(f.name),)
+
+
+def flag_of(f: Field) -> str:
+    """A field's flag as messages name it (its first spelling), or its metavar for a positional argument."""
+    if f.metadata.get("positional"):
+        return f.metadata.get("metavar") or f.name.upper()
+    return spellings(f)[0]
 
 
 def _flagged(cls: type, only: Iterable[str] | None) -> list[Field]:
@@ -68,8 +82,6 @@ def _flag_type(cls: type, f: Field) -> tuple[type, tuple | None, bool]:
         return type(choices[0]), choices, False
     if get_origin(tp) in (list, tuple):
         return get_args(tp)[0], choices, True
-    if tp not in (bool, int, float, str):
-        raise TypeError(f"{cls.__name__}.{f.name} ({tp}) has no flag type")
     return tp, choices, False
 
 
@@ -108,20 +120,29 @@ def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *
               only: Iterable[str] | None = None, defaults: Mapping[str, str] | None = None,
               rules: Rules | None = None) -> None:
     """A flag for each field of the settings dataclass `cls` declared with a flag (or each named in `only`),
-    typed, bounded and helped from the field's declaration. `defaults`: per field, what applies in this
-    command when the flag is not given, in words (else the dataclass's default); `rules`: per field, this
-    command's bounds over the field's own."""
+    typed, bounded and helped from the field's declaration; a field declared positional is a positional
+    argument (a list: one or more values, or any number where it has a default). `defaults`: per field,
+    what applies in this command when the flag is not given, in words (else the dataclass's default);
+    `rules`: per field, this command's bounds over the field's own."""
     for f in _flagged(cls, only):
         text, default = _described(cls, f, _default(f), defaults, rules)
-        text += f" (default: {default})" if default is not None else ""
         tp, choices, many = _flag_type(cls, f)
+        if tp not in (bool, int, float, str, Path):  # a mapping or a nested config: keys only
+            raise TypeError(f"{cls.__name__}.{f.name} ({tp}) has no flag type")
         required = f.default is MISSING and f.default_factory is MISSING
+        if f.metadata.get("positional"):
+            nargs = ("+" if required else "*") if many else None if required else "?"
+            p.add_argument(f.name, type=tp, choices=choices, nargs=nargs, default=None,
+                           metavar=f.metadata.get("metavar") or None, help=text)
+            continue
+        text += f" (default: {default})" if default is not None else ""
         if tp is bool:
-            p.add_argument(flag_of(f), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+            p.add_argument(*spellings(f), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                            required=required, help=text)
-        else:
-            p.add_argument(flag_of(f), dest=f.name, type=tp, choices=choices, nargs="+" if many else None,
-                           default=None, required=required, help=text)
+        else:  # a list flag given twice gathers both lists (--image a.png --image b.png)
+            p.add_argument(*spellings(f), dest=f.name, type=tp, choices=choices, nargs="+" if many else None,
+                           action="extend" if many else "store", default=None, required=required,
+                           metavar=f.metadata.get("metavar") or None, help=text)
 
 
 def check_flags(cls: type, given: dict[str, Any], rules: Rules | None = None) -> dict[str, Any]:
@@ -152,6 +173,36 @@ def read_flags(args: argparse.Namespace, cls: type, *, only: Iterable[str] | Non
     return check_flags(cls, given, rules)
 
 
+def read_settings(args: argparse.Namespace, cls: type[T], *, rules: Rules | None = None) -> T:
+    """The settings dataclass `cls` of a command's flags and positional arguments (add_flags(p, cls)): the
+    values given, the dataclass's defaults for the rest, checked (check_flags)."""
+    return cls(**read_flags(args, cls, rules=rules))
+
+
+def table_rows(cls: type, *, only: Iterable[str] | None = None, defaults: Mapping[str, str] | None = None,
+               rules: Rules | None = None, keys: str | None = None) -> list[str]:
+    """The Markdown rows of flags_table for one class."""
+    rows = []
+    for f in _flagged(cls, only) if keys is None or only is not None else fields(cls):
+        text, default = _described(cls, f, _default(f), defaults, rules)
+        if keys is not None and f.metadata.get("none") and default != f.metadata["none"]:
+            text += f"; null: {f.metadata['none']}"
+        if f.default is MISSING and f.default_factory is MISSING:
+            default = "required"
+        elif f.default_factory is not MISSING and not _default(f):
+            default = None  # an empty list
+        if keys is not None:
+            shown = keys + f.name
+        elif f.metadata.get("positional"):
+            shown = flag_of(f)
+        else:
+            shown = "`, `".join(spellings(f))
+            shown += f"`, `--no-{spellings(f)[0][2:]}" if _flag_type(cls, f)[0] is bool else ""
+        cells = (default or "none", text)  # a | in a cell would end it
+        rows.append(f"| `{shown}` | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return rows
+
+
 def flags_table(*classes: type, only: Iterable[str] | None = None, defaults: Mapping[str, str] | None = None,
                 rules: Rules | None = None, keys: str | None = None) -> str:
     """The Markdown table of the flags add_flags makes for `classes` with these arguments, or with `keys`
@@ -160,16 +211,33 @@ def flags_table(*classes: type, only: Iterable[str] | None = None, defaults: Map
     rows = [f"| {'key' if keys is not None else 'option'} | default | what it does |", "|---|---|---|"]
     for cls in classes:
         names = None if only is None else [n for n in only if n in {f.name for f in fields(cls)}]
-        for f in _flagged(cls, names) if keys is None else fields(cls):
-            text, default = _described(cls, f, _default(f), defaults, rules)
-            if keys is not None and f.metadata.get("none") and default != f.metadata["none"]:
-                text += f"; null: {f.metadata['none']}"
-            shown = flag_of(f) + (f"`, `--no-{flag_of(f)[2:]}" if _flag_type(cls, f)[0] is bool else "")
-            rows.append(f"| `{shown if keys is None else keys + f.name}` | {default or 'none'} | {text} |")
+        rows += table_rows(cls, only=names, defaults=defaults, rules=rules, keys=keys)
     return "\n".join(rows)
 
 
-def add_quantize(p: argparse.ArgumentParser) -> None:
-    """--quantize, shared by the commands that load a model for inference (generate, chat, serve, explore):
-    ServeConfig's field."""
-    add_flags(p, ServeConfig, only=("quantize",))
+@dataclass(frozen=True)
+class FlagSet:
+    """The flags one settings dataclass gives a command: add_flags' and flags_table's arguments, once."""
+
+    cls: type
+    only: tuple[str, ...] | None = None
+    defaults: Mapping[str, str] | None = None
+    rules: Rules | None = None
+
+    def add(self, p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        add_flags(p, self.cls, only=self.only, defaults=self.defaults, rules=self.rules)
+
+    def read(self, args: argparse.Namespace) -> dict[str, Any]:
+        return read_flags(args, self.cls, only=self.only, rules=self.rules)
+
+    def rows(self) -> list[str]:
+        return table_rows(self.cls, only=self.only, defaults=self.defaults, rules=self.rules)
+
+
+QUANTIZE = FlagSet(ServeConfig, only=("quantize",))  # the commands that load a model for inference
+
+
+def command_table(flag_sets: Iterable[FlagSet]) -> str:
+    """The Markdown table of a command's flags (docs/cli.md holds each command's: a test compares)."""
+    rows = ["| option | default | what it does |", "|---|---|---|"]
+    return "\n".join(rows + [row for flag_set in flag_sets for row in flag_set.rows()])

@@ -10,14 +10,14 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qkv.cli.args import InfoArgs
+from qkv.cli.flags import read_settings
 from qkv.config import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from qkv.memory import KVCacheSize, TrainMemory
-
-DTYPES = ("float32", "bfloat16", "float16")  # the KV cache's dtypes --dtype offers (torch's names)
 
 # The config.json fields the KV cache's size is computed from, by qkv family (its "config" section): a field
 # missing there would be filled with the family's default, which sizes another model. A Hugging Face folder's
@@ -100,20 +100,7 @@ def format_train_memory(est: TrainMemory, machine: int | None) -> list[str]:
     return lines
 
 
-def add_info(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", help="a preset name, a run or checkpoint folder, a Hugging Face folder or a "
-                                  "GGUF file")
-    p.add_argument("--depth", type=int, default=3, help="module path depth of the table")
-    p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="the KV cache's dtype (default: the model's, as decoding allocates it)")
-    p.add_argument("--train", action="store_true",
-                   help="also estimate a training step's memory (fp32, AdamW; GPT-family models)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per batch (the KV cache and --train)")
-    p.add_argument("--seq", type=int, default=None,
-                   help="--train: tokens per sequence (default: the context)")
-
-
-def cmd_info(a: argparse.Namespace) -> int:
+def cmd_info(args: argparse.Namespace) -> int:
     # torch and every family: imported here so that `qkv --help` stays light
     import torch
 
@@ -121,10 +108,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     from qkv.config import memory_bytes
     from qkv.memory import kv_cache_size, train_memory
 
-    if a.depth < 1:
-        raise ConfigError(f"--depth must be at least 1 (module path parts per row), got {a.depth}")
-    if a.batch < 1:
-        raise ConfigError(f"--batch must be at least 1, got {a.batch}")
+    a = read_settings(args, InfoArgs)
     if Path(a.target).exists():
         from qkv.run import load_model_any
 

@@ -34,18 +34,6 @@ from qkv.models.vit import draw_patch_overlays
 from qkv.storage import atomic_write_text
 
 
-def add_image_arguments(p: Any) -> None:
-    """`qkv attention`'s flags for a vision-language model."""
-    p.add_argument("--image", default=None,
-                   help="a llava folder: the image the question (--input) is about; draws where the answer's "
-                        "tokens look on it")
-    p.add_argument("--layer", type=int, default=None,
-                   help="with --image: one layer of the language model (negative from the end; default: the "
-                        "mean over all)")
-    p.add_argument("--token", type=int, default=None,
-                   help="with --image: one answer token, 0-based (default: the mean over the answer)")
-
-
 @dataclass
 class ImageAttention:
     grid: Tensor  # (gh, gw) float64: mean attention on each patch's position

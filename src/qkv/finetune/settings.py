@@ -50,7 +50,8 @@ class FinetuneSettings:
     RECIPE: ClassVar[str] = ""
     TOO_LONG: ClassVar[tuple[str, ...]] = ()
 
-    model: str = setting(help="a model folder (Hugging Face format or a qkv checkpoint/run folder)")
+    model: str = setting(help="a model folder (Hugging Face format or a qkv checkpoint/run folder)",
+                         positional=True)
     data: str = setting(help="training data file (its format depends on --task; a folder for image-classify)")
     out: Path = setting(help="output folder (a model folder qkv and transformers load)")
     dev: str | None = setting(None, "held-out data file, evaluated during and after training")

@@ -77,7 +77,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     require(not hf.get("add_cross_attention", False), "GPT-2 with add_cross_attention=True is not supported")
     require(not hf.get("scale_attn_by_inverse_layer_idx", False),
             "GPT-2 with scale_attn_by_inverse_layer_idx=True is not supported")
-    d = hf.get("n_embd", 768)
+    d = int(hf.get("n_embd", 768))  # as llama reads hidden_size: a bad value is the loader's CheckpointError
     return GPTConfig(
         vocab_size=hf.get("vocab_size", 50257),
         n_layers=hf.get("n_layer", 12),

@@ -8,56 +8,49 @@ ids (B, T) -> tok + pos + type embeddings -> LayerNorm -> N Post-LN blocks -> hi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig
+from qkv.config import ConfigError, TransformerConfig, setting
 from qkv.models.base import ModelOutput, QKVModel, build_stack, token_loss
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
 from qkv.nn.norm import build_norm
 
-HEADS = ("none", "mlm", "classify", "tag")
 # the pooler's activation: BERT's tanh, DistilBERT's relu (pre_classifier), DeBERTa's ContextPooler gelu
 POOLER_ACTS = {"tanh": torch.tanh, "relu": torch.relu, "gelu": F.gelu}
 
 
 @dataclass
 class BERTConfig(TransformerConfig):
-    vocab_size: int = 30522
-    n_layers: int = 12
-    d_model: int = 768
-    n_heads: int = 12
-    context_length: int = 512
-    type_vocab_size: int = 2  # segment (sentence A/B) embeddings; 0 disables them
-    pooler: bool = True  # tanh(W h_[CLS] + b), as in BERT
-    head: str = "none"  # none (like BertModel) | mlm | classify | tag (one label per token)
-    num_labels: int = 2  # classes of the classification (or tagging) head
-    pooler_act: str = "tanh"  # tanh (BERT, RoBERTa's classifier.dense) | relu (DistilBERT) | gelu (DeBERTa)
+    vocab_size: int = setting(30522, "token vocabulary", ge=1)
+    n_layers: int = setting(12, "encoder blocks", ge=1)
+    d_model: int = TransformerConfig.override("d_model", 768)
+    n_heads: int = TransformerConfig.override("n_heads", 12)
+    context_length: int = setting(512, "longest sequence (positions) the model accepts", ge=1)
+    type_vocab_size: int = setting(2, "segment (sentence A/B) embeddings", ge=0, note="0 = none")
+    pooler: bool = setting(True, "tanh(W h_[CLS] + b), as in BERT")
+    head: Literal["none", "mlm", "classify", "tag"] = setting(
+        "none", "none (like BertModel), mlm, classify or tag (one label per token)")
+    num_labels: int = setting(2, "classes of the classification (or tagging) head", ge=1)
+    pooler_act: str = setting("tanh", "tanh (BERT, RoBERTa's classifier.dense), relu (DistilBERT) or gelu "
+                              "(DeBERTa)", choices=tuple(POOLER_ACTS))
     # RoBERTa counts positions from padding_idx + 1 = 2: the learned table then has context_length +
-    # position_offset rows, the first position_offset never used by a real token (0 = BERT)
-    position_offset: int = 0
-    # with position_offset: left padding shifts each row's positions (RoBERTa)
-    pad_token_id: int | None = None
-    position: str = "learned"
-    placement: str = "post"
-    ffn: str = "gelu"
-    norm_eps: float = 1e-12
+    # position_offset rows, the first position_offset never used by a real token
+    position_offset: int = setting(0, "learned position rows before the first real one (RoBERTa: 2)",
+                                   note="0 = BERT")
+    pad_token_id: int | None = setting(None, "with position_offset: left padding shifts each row's positions "
+                                       "(RoBERTa)", none="no shift")
+    placement: str = TransformerConfig.override("placement", "post")
+    norm_eps: float = TransformerConfig.override("norm_eps", 1e-12)
 
     def validate(self) -> None:
         super().validate()
-        if min(self.vocab_size, self.context_length, self.num_labels) < 1 or self.type_vocab_size < 0:
-            raise ConfigError("vocab_size, context_length and num_labels must be positive")
-        if self.head not in HEADS:
-            raise ConfigError(f"BERTConfig.head: {self.head!r} is not one of {list(HEADS)}")
         if self.head == "classify" and not self.pooler:
             raise ConfigError("head=classify needs pooler=true")
-        if self.pooler_act not in POOLER_ACTS:
-            raise ConfigError(f"{type(self).__name__}.pooler_act: {self.pooler_act!r} is not one of "
-                              f"{list(POOLER_ACTS)}")
 
 
 class BERT(QKVModel):

@@ -19,64 +19,54 @@ whose prompt is most similar to the image. Both towers are the shared Block/Stac
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig
+from qkv.config import ConfigError, TransformerConfig, setting
 from qkv.models.base import ModelOutput, QKVModel, build_stack
 from qkv.models.registry import register_family, register_preset
 from qkv.models.vit import ViT, ViTConfig
 from qkv.nn.checks import check_batch, check_length, check_token_ids
-
-TEXT_POOLS = ("last", "eos", "argmax", "final")
-
-
-def _default_vision() -> ViTConfig:
-    return ViTConfig(head="none", image_size=224, patch_size=32, n_layers=12, d_model=768, n_heads=12,
-                     d_ff=3072, norm_eps=1e-5)
 
 
 @dataclass
 class CLIPConfig(TransformerConfig):
     """The TransformerConfig fields describe the text tower; `vision` is the image tower's ViT config."""
 
-    vocab_size: int = 49408
-    n_layers: int = 12  # text tower layers
-    context_length: int = 77
-    text_causal: bool = True  # causal text tower pooled at the last token (CLIP); False: bidirectional + mean
-    # where a causal tower is pooled: the last real token (last), the first `text_eos_id` (eos: Hugging Face
-    # CLIP, whose pad token may be its end-of-text token), or the largest id (argmax: OpenAI's CLIP, whose
-    # end-of-text token is the vocabulary's last); final: the last position, padding included, causal or not
-    # (SigLIP, whose texts are padded to context_length)
-    text_pool: str = "last"
-    text_eos_id: int = 0
-    embed_dim: int = 512  # shared image-text embedding size
-    visual_projection: bool = True  # False: the image tower's pooled output is the embedding (SigLIP)
-    text_proj_bias: bool = False  # SigLIP's text head has a bias
-    logit_scale_init: float = math.log(1 / 0.07)
-    # exp(logit_scale) is clamped here (the paper's stability fix); None: not clamped (SigLIP's is not)
-    max_logit_scale: float | None = 100.0
-    # None: softmax scoring (CLIP); a number: sigmoid scoring, a learned logit bias starting there (SigLIP)
-    logit_bias_init: float | None = None
-    vision: ViTConfig = field(default_factory=_default_vision)
-    d_model: int = 512
-    n_heads: int = 8
-    placement: str = "pre"
-    position: str = "learned"
+    vocab_size: int = setting(49408, "token vocabulary", ge=1)
+    n_layers: int = setting(12, "text tower layers")
+    context_length: int = setting(77, "longest text (positions) the text tower accepts", ge=1)
+    text_causal: bool = setting(True, "causal text tower pooled at the last token (CLIP); false: "
+                                "bidirectional + mean")
+    # eos: Hugging Face CLIP, whose pad token may be its end-of-text token; argmax: OpenAI's CLIP, whose
+    # end-of-text token is the vocabulary's last; final: SigLIP, whose texts are padded to context_length
+    text_pool: Literal["last", "eos", "argmax", "final"] = setting(
+        "last", "where a causal tower is pooled: the last real token (last), the first text_eos_id (eos), "
+        "the largest id (argmax), or the last position, padding included, causal or not (final)")
+    text_eos_id: int = setting(0, "the end-of-text id text_pool=eos looks for")
+    embed_dim: int = setting(512, "shared image-text embedding size", ge=1)
+    visual_projection: bool = setting(True, "false: the image tower's pooled output is the embedding "
+                                      "(SigLIP)")
+    text_proj_bias: bool = setting(False, "a bias in the text head (SigLIP)")
+    logit_scale_init: float = setting(math.log(1 / 0.07), "the learned temperature's start, log(1/0.07)")
+    max_logit_scale: float | None = setting(100.0, "exp(logit_scale) is clamped here (the paper's stability "
+                                            "fix)", none="not clamped (SigLIP)")
+    logit_bias_init: float | None = setting(None, "sigmoid scoring, a learned logit bias starting here "
+                                            "(SigLIP)", none="softmax scoring (CLIP)")
+    vision: ViTConfig = setting(ViTConfig(head="none", patch_size=32, d_ff=3072, norm_eps=1e-5),
+                                "the image tower (its head must be none)")
+    d_model: int = TransformerConfig.override("d_model", 512)
+    n_heads: int = TransformerConfig.override("n_heads", 8)
 
     def validate(self) -> None:
         super().validate()
         if self.vision.head != "none":
             raise ConfigError("CLIPConfig.vision.head must be 'none' (the image tower is projected, not "
                               "classified)")
-        if self.text_pool not in TEXT_POOLS:
-            raise ConfigError(f"CLIPConfig.text_pool: {self.text_pool!r} is not one of {list(TEXT_POOLS)}")
-        if self.embed_dim < 1 or self.vocab_size < 1 or self.context_length < 1:
-            raise ConfigError("CLIPConfig: embed_dim, vocab_size and context_length must be positive")
         if not self.visual_projection and self.vision.d_model != self.embed_dim:
             raise ConfigError(f"CLIPConfig: without visual_projection the image tower's width "
                               f"({self.vision.d_model}) is the embedding size, but embed_dim is "

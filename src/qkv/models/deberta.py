@@ -15,49 +15,42 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.models.base import QKVModel, build_stack
 from qkv.models.bert import BERT, BERTConfig
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.disentangled import DisentangledAttention, RelativeEmbeddings
 from qkv.nn.norm import build_norm
 
-HEADS = ("none", "mlm", "classify", "tag")
-
 
 @dataclass
 class DeBERTaConfig(BERTConfig):
-    vocab_size: int = 128100
-    type_vocab_size: int = 0
-    pooler_act: str = "gelu"
-    position: str = "none"  # positions are relative (below), never added to the input
-    norm_eps: float = 1e-7
-    # relative positions: exact within relative_buckets // 2, log-bucketed out to max_relative_positions;
-    # relative_buckets 0 = no bucketing, a table of 2 * max_relative_positions rows
-    relative_buckets: int = 256
-    max_relative_positions: int = 512
-    c2p: bool = True  # the content-to-position term
-    p2c: bool = True  # the position-to-content term
-    rel_norm: bool = True  # LayerNorm over the relative table (norm_rel_ebd="layer_norm")
-    pooler_dropout: float = 0.0  # on [CLS] before the pooler's dense layer
-    cls_dropout: float | None = None  # the sequence classifier's dropout; None = dropout
+    vocab_size: int = BERTConfig.override("vocab_size", 128100)
+    type_vocab_size: int = BERTConfig.override("type_vocab_size", 0)
+    pooler_act: str = BERTConfig.override("pooler_act", "gelu")
+    # positions are relative (below), never added to the input
+    position: str = BERTConfig.override("position", "none")
+    norm_eps: float = BERTConfig.override("norm_eps", 1e-7)
+    # relative positions: exact within relative_buckets // 2, log-bucketed out to max_relative_positions
+    relative_buckets: int = setting(256, "log buckets of relative positions (not 1)", ge=0,
+                                    note="0 = no bucketing, a table of 2 * max_relative_positions rows")
+    max_relative_positions: int = setting(512, "the farthest relative position told apart", ge=1)
+    c2p: bool = setting(True, "the content-to-position term")
+    p2c: bool = setting(True, "the position-to-content term")
+    rel_norm: bool = setting(True, "LayerNorm over the relative table (norm_rel_ebd='layer_norm')")
+    pooler_dropout: float = setting(0.0, "on [CLS] before the pooler's dense layer", ge=0, lt=1)
+    cls_dropout: float | None = setting(None, "the sequence classifier's dropout", ge=0, lt=1, none="dropout")
 
     def validate(self) -> None:
         super().validate()
         name = type(self).__name__
-        if self.head not in HEADS:
-            raise ConfigError(f"{name}.head: {self.head!r} is not one of {list(HEADS)}")
-        if self.relative_buckets == 1 or self.relative_buckets < 0 or self.max_relative_positions < 1:
-            raise ConfigError(f"{name}: relative_buckets must be 0 or >= 2 and max_relative_positions >= 1, "
-                              f"got {self.relative_buckets} and {self.max_relative_positions}")
+        if self.relative_buckets == 1:
+            raise ConfigError(f"must be 0 or at least 2, got {self.relative_buckets}", "relative_buckets",
+                              name)
         if self.position != "none" or self.placement != "post" or self.norm != "layernorm":
             raise ConfigError(f"{name}: DeBERTa is position=none (relative), placement=post, norm=layernorm")
         if self.head_dim is not None or self.n_kv_heads not in (None, self.n_heads):
             raise ConfigError(f"{name}: head_dim and n_kv_heads are not DeBERTa options")
-        for field_name in ("pooler_dropout", "cls_dropout"):
-            value = getattr(self, field_name)
-            if value is not None and not 0.0 <= value < 1.0:
-                raise ConfigError(f"{name}.{field_name} must be in [0, 1)")
 
     @property
     def terms(self) -> tuple[str, ...]:

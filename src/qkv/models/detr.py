@@ -30,47 +30,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, check_fields
+from qkv.config import ConfigError, check_fields, setting
 from qkv.models.base import ModelOutput, QKVModel
 from qkv.models.registry import register_family, register_preset
 from qkv.models.resnet import ResNet, ResNetConfig
 from qkv.models.set_loss import SetLossWeights, set_loss
 from qkv.nn.attention import scaled_dot_product_attention
-from qkv.nn.ffn import ACTIVATIONS, FeedForward
+from qkv.nn.ffn import UNGATED, FeedForward
 from qkv.nn.linear import Linear
-
-
-def small_backbone() -> ResNetConfig:
-    """A 4-stage ResNet 16..128 wide with the 3x3 stem (no max-pool): stride 8, so a 64 px canvas is an 8x8
-    grid of 64 encoder tokens; one grey channel (Fashion-MNIST canvases)."""
-    return ResNetConfig(image_size=64, n_channels=1, stem="cifar", stem_width=16, depths=[1, 1, 1, 1],
-                        widths=[16, 32, 64, 128], head="none")
 
 
 @dataclass
 class DETRConfig:
-    backbone: ResNetConfig = field(default_factory=small_backbone)  # its head must be "none"
-    d_model: int = 128
-    encoder_layers: int = 2
-    decoder_layers: int = 2
-    encoder_heads: int = 4
-    decoder_heads: int = 4
-    encoder_d_ff: int = 256
-    decoder_d_ff: int = 256
-    activation: str = "relu"  # of the feed-forward layers (qkv.nn.ffn.ACTIVATIONS, ungated ones)
-    dropout: float = 0.1  # on every residual branch and inside the feed-forward layers
-    attn_dropout: float = 0.0  # on the attention weights
-    norm_eps: float = 1e-5  # the LayerNorms'
-    num_queries: int = 25  # the most objects one image can hold
-    num_labels: int = 10  # object classes; the logits have one more, "no object" (the last)
-    box_layers: int = 3  # of the box MLP (d_model wide, ReLU between)
-    position_temperature: float = 10000.0  # the base of the sine table's wavelengths (the Transformer's)
-    aux_loss: bool = True  # every decoder layer's output is scored (auxiliary decoding losses)
-    # the next decoder layer reads the LayerNorm'd output when aux_loss is on: transformers' DetrDecoder does
-    # this (the original DETR normalises only the copy the heads read); a Hugging Face folder sets it
-    renorm_intermediate: bool = False
-    frozen_bn: bool = False  # the backbone's BatchNorms are fixed affine maps (DETR fine-tuning; HF folders)
-    loss: SetLossWeights = field(default_factory=SetLossWeights)  # matching costs and loss weights
+    # a 4-stage ResNet 16..128 wide with the 3x3 stem (no max-pool): stride 8, so a 64 px canvas is an 8x8
+    # grid of 64 encoder tokens; one grey channel (Fashion-MNIST canvases)
+    backbone: ResNetConfig = setting(
+        ResNetConfig(image_size=64, n_channels=1, stem="cifar", stem_width=16, depths=[1, 1, 1, 1],
+                     widths=[16, 32, 64, 128], head="none"), "the CNN backbone (its head must be none)")
+    d_model: int = setting(128, "width of the Transformer; a multiple of 4 (the 2-D sine table) and of the "
+                           "heads", ge=1)
+    encoder_layers: int = setting(2, "encoder blocks", ge=0)
+    decoder_layers: int = setting(2, "decoder blocks", ge=1)
+    encoder_heads: int = setting(4, "the encoder's attention heads", ge=1)
+    decoder_heads: int = setting(4, "the decoder's attention heads", ge=1)
+    encoder_d_ff: int = setting(256, "the encoder's feed-forward hidden size", ge=1)
+    decoder_d_ff: int = setting(256, "the decoder's feed-forward hidden size", ge=1)
+    activation: str = setting("relu", "of the feed-forward layers", choices=UNGATED)
+    dropout: float = setting(0.1, "on every residual branch and inside the feed-forward layers", ge=0, lt=1)
+    attn_dropout: float = setting(0.0, "on the attention weights", ge=0, lt=1)
+    norm_eps: float = setting(1e-5, "the LayerNorms' epsilon")
+    num_queries: int = setting(25, "the most objects one image can hold", ge=1)
+    num_labels: int = setting(10, "object classes; the logits have one more, 'no object' (the last)", ge=1)
+    box_layers: int = setting(3, "of the box MLP (d_model wide, ReLU between)", ge=1)
+    position_temperature: float = setting(10000.0, "the base of the sine table's wavelengths (the "
+                                          "Transformer's)")
+    aux_loss: bool = setting(True, "every decoder layer's output is scored (auxiliary decoding losses)")
+    # transformers' DetrDecoder does this; the original DETR normalises only the copy the heads read
+    renorm_intermediate: bool = setting(False, "with aux_loss, the next decoder layer reads the LayerNorm'd "
+                                        "output (a Hugging Face folder sets it)")
+    frozen_bn: bool = setting(False, "the backbone's BatchNorms are fixed affine maps (DETR fine-tuning; HF "
+                              "folders)")
+    loss: SetLossWeights = setting(SetLossWeights(), "matching costs and loss weights")
 
     def validate(self) -> None:
         check_fields(self)
@@ -78,12 +78,6 @@ class DETRConfig:
         if self.backbone.head != "none":
             raise ConfigError(f"DETRConfig.backbone.head must be 'none' (DETR reads the feature map), got "
                               f"{self.backbone.head!r}")
-        for name in ("d_model", "encoder_heads", "decoder_heads", "encoder_d_ff", "decoder_d_ff",
-                     "num_queries", "num_labels", "box_layers", "decoder_layers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"DETRConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.encoder_layers < 0:
-            raise ConfigError(f"DETRConfig.encoder_layers must be >= 0, got {self.encoder_layers}")
         if self.d_model % 4:  # half the channels per axis, each half sin/cos pairs
             raise ConfigError(f"DETRConfig.d_model must be a multiple of 4 (the 2-D sine table), got "
                               f"{self.d_model}")
@@ -91,12 +85,6 @@ class DETRConfig:
             if self.d_model % getattr(self, name):
                 raise ConfigError(f"DETRConfig.d_model ({self.d_model}) must be divisible by {name} "
                                   f"({getattr(self, name)})")
-        if self.activation not in ACTIVATIONS or ACTIVATIONS[self.activation].gated:
-            ungated = [k for k, a in ACTIVATIONS.items() if not a.gated]
-            raise ConfigError(f"DETRConfig.activation: {self.activation!r} is not one of {ungated}")
-        for name in ("dropout", "attn_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"DETRConfig.{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig
+from qkv.config import ConfigError, TransformerConfig, setting
 from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_batch, check_length, check_token_ids
@@ -35,33 +35,40 @@ from qkv.nn.position import SINUSOIDAL_LAYOUTS, Learned, PositionalEncoding, Rel
 
 @dataclass
 class EncoderDecoderConfig(TransformerConfig):
-    src_vocab_size: int = 37000
-    tgt_vocab_size: int | None = None  # None = the shared source vocabulary
-    n_encoder_layers: int = 6
-    n_decoder_layers: int = 6
-    context_length: int = 512  # longest source or target sequence
-    share_embeddings: bool = True  # tie source, target and output embeddings (needs a shared vocabulary)
-    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (section 3.4)
-    label_smoothing: float = 0.1
-    pad_token_id: int = 0
-    bos_token_id: int = 1  # decoder start token
-    eos_token_id: int = 2
-    d_model: int = 512
-    n_heads: int = 8
-    d_ff: int | None = 2048
-    ffn: str = "relu"
-    position: str = "sinusoidal"
-    placement: str = "post"
-    dropout: float = 0.1
+    src_vocab_size: int = setting(37000, "source (or shared) vocabulary", ge=1)
+    tgt_vocab_size: int | None = setting(None, "target vocabulary", ge=0, note="0 = as null",
+                                         none="the shared source vocabulary")
+    n_encoder_layers: int = setting(6, "encoder blocks")
+    n_decoder_layers: int = setting(6, "decoder blocks")
+    context_length: int = setting(512, "longest source or target sequence", ge=1)
+    share_embeddings: bool = setting(True, "tie source, target and output embeddings (needs a shared "
+                                     "vocabulary)")
+    scale_embeddings: bool = setting(True, "multiply embeddings by sqrt(d_model) (section 3.4)")
+    label_smoothing: float = setting(0.1, "of the training cross-entropy", ge=0, lt=1)
+    pad_token_id: int = setting(0, "padding token")
+    bos_token_id: int = setting(1, "decoder start token")
+    eos_token_id: int = setting(2, "end-of-sequence token")
+    d_model: int = TransformerConfig.override("d_model", 512)
+    n_heads: int = TransformerConfig.override("n_heads", 8)
+    d_ff: int | None = TransformerConfig.override("d_ff", 2048)
+    ffn: str = TransformerConfig.override("ffn", "relu")
+    position: str = TransformerConfig.override("position", "sinusoidal")
+    placement: str = TransformerConfig.override("placement", "post")
+    dropout: float = TransformerConfig.override("dropout", 0.1)
     # -- the pretrained layouts (T5, BART, Marian); the defaults are the paper's model ------------------
-    tie_output: bool | None = None  # output projection = target embedding; None: as share_embeddings
-    output_scale: float = 1.0  # hidden states x this before the output projection (T5 tied: d_model**-0.5)
-    logits_bias: bool = False  # a (1, vocab) bias added to the logits (BART / Marian final_logits_bias)
-    embed_norm: bool = False  # LayerNorm after embeddings + positions, in both stacks (BART)
-    position_skip: int = 0  # learned positions: position p reads row p + skip (BART: 2)
-    sinusoidal_layout: str = "interleaved"  # interleaved (Vaswani) | halves (sines then cosines: Marian)
-    relative_buckets: int = 32  # position="relative" (T5): buckets of key-query distances
-    relative_max_distance: int = 128  # ... and the distance from which they all share the last bucket
+    tie_output: bool | None = setting(None, "output projection = target embedding",
+                                      none="as share_embeddings")
+    output_scale: float = setting(1.0, "hidden states x this before the output projection (T5 tied: "
+                                  "d_model**-0.5)", gt=0)
+    logits_bias: bool = setting(False, "a (1, vocab) bias added to the logits (BART / Marian "
+                                "final_logits_bias)")
+    embed_norm: bool = setting(False, "LayerNorm after embeddings + positions, in both stacks (BART)")
+    position_skip: int = setting(0, "learned positions: position p reads row p + skip (BART: 2)", ge=0)
+    sinusoidal_layout: str = setting("interleaved", "interleaved (Vaswani) or halves (sines then cosines: "
+                                     "Marian)", choices=SINUSOIDAL_LAYOUTS)
+    relative_buckets: int = setting(32, "position=relative (T5): buckets of key-query distances", ge=2)
+    relative_max_distance: int = setting(128, "... and the distance from which they all share the last "
+                                         "bucket", ge=2)
 
     @property
     def target_vocab_size(self) -> int:
@@ -69,20 +76,9 @@ class EncoderDecoderConfig(TransformerConfig):
 
     def validate(self) -> None:
         super().validate()
-        if min(self.src_vocab_size, self.tgt_vocab_size or 1, self.context_length) < 1:
-            raise ConfigError("src_vocab_size, tgt_vocab_size and context_length must be positive")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.src_vocab_size):
             raise ConfigError("share_embeddings needs one vocabulary: set tgt_vocab_size=null or "
                               "share_embeddings=false")
-        if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
-            raise ConfigError(f"sinusoidal_layout must be one of {list(SINUSOIDAL_LAYOUTS)}, got "
-                              f"{self.sinusoidal_layout!r}")
-        if self.position_skip < 0 or self.relative_buckets < 2 or self.relative_max_distance < 2:
-            raise ConfigError("position_skip must be >= 0, relative_buckets and relative_max_distance >= 2")
-        if not (math.isfinite(self.output_scale) and self.output_scale > 0):
-            raise ConfigError(f"output_scale must be a finite number > 0, got {self.output_scale}")
 
     def position_encoding(self) -> PositionalEncoding | None:
         """The encoding object for a non-default layout (None: build_stack's default from `position`)."""

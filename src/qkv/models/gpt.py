@@ -7,12 +7,12 @@ token ids (B, T) -> token embedding -> [position.embed] -> N causal Pre-LN block
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig, check_fields, memory_bytes
+from qkv.config import ConfigError, TransformerConfig, check_fields, memory_bytes, setting
 from qkv.models.base import ModelOutput, TransformerDecoderModel, build_stack, token_loss
 from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
@@ -115,19 +115,15 @@ def check_mla(cfg: Any) -> None:
 
 @dataclass
 class GPTConfig(TransformerConfig):
-    vocab_size: int = 65  # token vocabulary
-    n_layers: int = 4  # decoder blocks
-    context_length: int = 256  # longest sequence (positions) the model accepts
-    tie_embeddings: bool = True  # share the token embedding with the LM head (Press & Wolf 2017)
-    # mixture-of-experts blocks (nn/moe.py); n_experts=0: none
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    # multi-head latent attention (nn/mla.py); kv_lora_rank=0: none
-    mla: MLAConfig = field(default_factory=MLAConfig)
+    vocab_size: int = setting(65, "token vocabulary", ge=1)
+    n_layers: int = setting(4, "decoder blocks", ge=1)
+    context_length: int = setting(256, "longest sequence (positions) the model accepts", ge=1)
+    tie_embeddings: bool = setting(True, "share the token embedding with the LM head (Press & Wolf 2017)")
+    moe: MoEConfig = setting(MoEConfig(), "mixture-of-experts blocks (nn/moe.py); n_experts=0: none")
+    mla: MLAConfig = setting(MLAConfig(), "multi-head latent attention (nn/mla.py); kv_lora_rank=0: none")
 
     def validate(self) -> None:
         super().validate()
-        if self.vocab_size < 1 or self.n_layers < 1 or self.context_length < 1:
-            raise ConfigError("vocab_size, n_layers and context_length must be positive")
         check_moe(self.moe, self.n_layers)
         check_mla(self)
 

@@ -20,47 +20,43 @@ tokens, like a KV cache; left-padded prompts step through the padding with the s
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, check_fields, setting
 from qkv.models.base import ModelOutput, QKVModel, token_loss
 from qkv.models.decoding import Source
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_batch, check_token_ids
 
-MODES = ("lm", "classify")
-
 
 @dataclass
 class LSTMConfig:
-    vocab_size: int = 256  # token vocabulary
-    d_model: int = 256  # embedding size = hidden size of every LSTM layer
-    n_layers: int = 2  # stacked LSTM layers
-    dropout: float = 0.0  # on embeddings, between layers and before the head
-    bidirectional: bool = False  # only for mode=classify (an LM must not see the future)
-    mode: str = "lm"  # lm (next-token prediction) | classify (sequence classification)
-    num_labels: int = 2  # classes, mode=classify
-    context_length: int = 256  # longest input accepted (interface symmetry; the LSTM itself has no limit)
-    tie_embeddings: bool = True  # LM head shares the embedding matrix (mode=lm)
-    pad_token_id: int = 0
-    eos_token_id: int | None = None  # default stop token for generate()
+    vocab_size: int = setting(256, "token vocabulary", ge=1)
+    d_model: int = setting(256, "embedding size = hidden size of every LSTM layer", ge=1)
+    n_layers: int = setting(2, "stacked LSTM layers", ge=1)
+    dropout: float = setting(0.0, "on embeddings, between layers and before the head", ge=0, lt=1)
+    bidirectional: bool = setting(False, "only for mode=classify (an LM must not see the future)")
+    mode: Literal["lm", "classify"] = setting("lm", "lm (next-token prediction) or classify (sequence "
+                                              "classification)")
+    num_labels: int = setting(2, "classes, mode=classify (there at least 1)")
+    context_length: int = setting(256, "longest input accepted (interface symmetry; the LSTM itself has no "
+                                  "limit)", ge=1)
+    tie_embeddings: bool = setting(True, "LM head shares the embedding matrix (mode=lm)")
+    pad_token_id: int = setting(0, "padding token")
+    eos_token_id: int | None = setting(None, "default stop token for generate()", none="no stop token")
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"LSTMConfig.mode: {self.mode!r} is not one of {list(MODES)}")
-        if self.vocab_size < 1 or self.d_model < 1 or self.n_layers < 1 or self.context_length < 1:
-            raise ConfigError("vocab_size, d_model, n_layers and context_length must be positive")
+        check_fields(self)
         if self.mode == "lm" and self.bidirectional:
             raise ConfigError("a bidirectional LSTM cannot be a language model: set bidirectional=false or "
                               "mode=classify")
         if self.mode == "classify" and self.num_labels < 1:
-            raise ConfigError("num_labels must be positive")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError("dropout must be in [0, 1)")
+            raise ConfigError(f"must be at least 1 for mode=classify, got {self.num_labels}", "num_labels",
+                              "LSTMConfig")
 
 
 class LSTMCache:

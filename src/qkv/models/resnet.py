@@ -18,62 +18,57 @@ The shortcut is the identity, or a 1x1 conv (stride s) + BN where the block chan
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, check_fields, setting
 from qkv.models.base import ModelOutput, QKVModel, class_logits
 from qkv.models.registry import register_family, register_preset
 
-STEMS = ("imagenet", "cifar")
-BLOCKS = ("basic", "bottleneck")
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
-RESNET_HEADS = ("classify", "none")
 
 
 @dataclass
 class ResNetConfig:
-    image_size: int = 224  # the size the model is trained at (the network itself takes any size)
-    n_channels: int = 3
-    stem: str = "imagenet"  # imagenet: 7x7/2 conv + 3x3/2 max-pool | cifar: one 3x3/1 conv, no pooling
-    stem_width: int = 64
-    block: str = "basic"  # basic (two 3x3 convs) | bottleneck (1x1 - 3x3 - 1x1)
-    depths: list[int] = field(default_factory=lambda: [2, 2, 2, 2])  # blocks per stage (ResNet-18)
-    widths: list[int] = field(default_factory=lambda: [64, 128, 256, 512])  # output channels of each stage
-    bottleneck_reduction: int = 4  # a bottleneck's inner width = its output width / this
-    stride_in_1x1: bool = False  # bottleneck: downsample in the first 1x1 (v1) rather than the 3x3 (v1.5)
-    downsample_first_stage: bool = False  # stage 1 halves the grid too (never in the paper's ResNets)
-    activation: str = "relu"
-    zero_init_residual: bool = False  # last BN of every residual branch starts at 0 (each block = identity)
-    norm_eps: float = 1e-5
-    bn_momentum: float = 0.1
-    dropout: float = 0.0  # before the classifier
-    head: str = "classify"  # classify (logits over num_labels) | none (pooled features only)
-    num_labels: int = 1000
+    image_size: int = setting(224, "the size the model is trained at (the network itself takes any size)",
+                              ge=1)
+    n_channels: int = setting(3, "image channels", ge=1)
+    stem: Literal["imagenet", "cifar"] = setting(
+        "imagenet", "imagenet: 7x7/2 conv + 3x3/2 max-pool; cifar: one 3x3/1 conv, no pooling")
+    stem_width: int = setting(64, "the stem's output channels", ge=1)
+    block: Literal["basic", "bottleneck"] = setting("basic", "basic (two 3x3 convs) or bottleneck (1x1 - 3x3 "
+                                                    "- 1x1)")
+    depths: list[int] = setting([2, 2, 2, 2], "blocks per stage, each at least 1 (ResNet-18)")
+    widths: list[int] = setting([64, 128, 256, 512], "output channels of each stage, each at least 1")
+    bottleneck_reduction: int = setting(4, "a bottleneck's inner width = its output width / this", ge=1)
+    stride_in_1x1: bool = setting(False, "bottleneck: downsample in the first 1x1 (v1) rather than the 3x3 "
+                                  "(v1.5)")
+    downsample_first_stage: bool = setting(False, "stage 1 halves the grid too (never in the paper's "
+                                           "ResNets)")
+    activation: str = setting("relu", "the activation after each BatchNorm", choices=tuple(ACTIVATIONS))
+    zero_init_residual: bool = setting(False, "last BN of every residual branch starts at 0 (each block = "
+                                       "identity)")
+    norm_eps: float = setting(1e-5, "the BatchNorms' epsilon")
+    bn_momentum: float = setting(0.1, "the BatchNorms' running-statistics momentum")
+    dropout: float = setting(0.0, "before the classifier", ge=0, lt=1)
+    head: Literal["classify", "none"] = setting("classify", "classify (logits over num_labels) or none "
+                                                "(pooled features only)")
+    num_labels: int = setting(1000, "classes of the classification head", ge=1)
 
     def validate(self) -> None:
-        for name, value, choices in [("stem", self.stem, STEMS), ("block", self.block, BLOCKS),
-                                     ("activation", self.activation, tuple(ACTIVATIONS)),
-                                     ("head", self.head, RESNET_HEADS)]:
-            if value not in choices:
-                raise ConfigError(f"ResNetConfig.{name}: {value!r} is not one of {list(choices)}")
+        check_fields(self)
         if not self.depths or len(self.depths) != len(self.widths):
             raise ConfigError(f"ResNetConfig.depths and widths need one entry per stage, got {self.depths} "
                               f"and {self.widths}")
         if any(d < 1 for d in self.depths) or any(w < 1 for w in self.widths):
             raise ConfigError("ResNetConfig.depths and widths must be positive")
-        for name in ("image_size", "n_channels", "stem_width", "num_labels", "bottleneck_reduction"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"ResNetConfig.{name} must be positive, got {getattr(self, name)}")
         if self.block == "bottleneck" and any(w % self.bottleneck_reduction for w in self.widths):
             raise ConfigError(f"bottleneck widths {self.widths} must be multiples of bottleneck_reduction "
                               f"({self.bottleneck_reduction})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"ResNetConfig.dropout must be in [0, 1), got {self.dropout}")
 
 
 class ConvBN(nn.Module):

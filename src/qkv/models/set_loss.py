@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.config import setting
 from qkv.extras import require
 
 
@@ -61,13 +62,13 @@ def generalized_box_iou(a: Tensor, b: Tensor) -> Tensor:
 
 @dataclass
 class SetLossWeights:
-    class_cost: float = 1.0  # matching costs
-    bbox_cost: float = 5.0
-    giou_cost: float = 2.0
-    ce: float = 1.0  # loss weights
-    bbox: float = 5.0
-    giou: float = 2.0
-    eos_coef: float = 0.1  # weight of the no-object class in the cross-entropy
+    class_cost: float = setting(1.0, "matching cost of the class probability")
+    bbox_cost: float = setting(5.0, "matching cost of the L1 box distance")
+    giou_cost: float = setting(2.0, "matching cost of the generalised IoU")
+    ce: float = setting(1.0, "loss weight of the cross-entropy")
+    bbox: float = setting(5.0, "loss weight of the L1 box loss")
+    giou: float = setting(2.0, "loss weight of the GIoU loss")
+    eos_coef: float = setting(0.1, "weight of the no-object class in the cross-entropy")
 
 
 @torch.no_grad()

@@ -15,20 +15,18 @@ their windows straddle the previous layer's window borders, which is how informa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig
+from qkv.config import ConfigError, TransformerConfig, setting
 from qkv.models.base import ModelOutput, QKVModel, class_logits
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.block import Block
 from qkv.nn.norm import build_norm
 from qkv.nn.position import PositionalEncoding
-
-SWIN_HEADS = ("classify", "none")
 
 
 def window_partition(x: Tensor, window: int) -> Tensor:
@@ -139,30 +137,26 @@ class PatchMerging(nn.Module):
 
 @dataclass
 class SwinConfig(TransformerConfig):
-    image_size: int = 224
-    patch_size: int = 4
-    n_channels: int = 3
-    depths: list[int] = field(default_factory=lambda: [2, 2, 6, 2])  # layers per stage (Swin-T)
-    window_size: int = 7
-    ffn_ratio: float = 4.0  # MLP hidden size = ffn_ratio * stage width
-    head: str = "classify"
-    num_labels: int = 1000
-    d_model: int = 96  # stage-1 width; doubles at every patch merging
-    n_heads: int = 3  # stage-1 heads; double with the width
-    position: str = "none"  # Swin has no absolute positions: the relative bias in each window
-    placement: str = "pre"
+    image_size: int = setting(224, "side of the square input images", ge=1)
+    patch_size: int = setting(4, "side of a square patch", ge=1)
+    n_channels: int = setting(3, "image channels", ge=1)
+    depths: list[int] = setting([2, 2, 6, 2], "layers per stage, each at least 1 (Swin-T)")
+    window_size: int = setting(7, "side of the attention windows, in patches", ge=1)
+    ffn_ratio: float = setting(4.0, "MLP hidden size = ffn_ratio * stage width")
+    head: Literal["classify", "none"] = setting("classify", "classify (logits over num_labels) or none "
+                                                "(pooled features only)")
+    num_labels: int = setting(1000, "classes of the classification head")
+    d_model: int = TransformerConfig.override("d_model", 96)  # stage-1 width; doubles at every patch merging
+    n_heads: int = TransformerConfig.override("n_heads", 3)  # stage-1 heads; double with the width
+    # Swin has no absolute positions: the relative bias in each window
+    position: str = TransformerConfig.override("position", "none")
 
     def validate(self) -> None:
         super().validate()
-        if self.head not in SWIN_HEADS:
-            raise ConfigError(f"SwinConfig.head: {self.head!r} is not one of {list(SWIN_HEADS)}")
         if self.placement != "pre":
             raise ConfigError("SwinConfig.placement must be 'pre'")
         if not self.depths or any(d < 1 for d in self.depths):
             raise ConfigError("SwinConfig.depths must be a non-empty list of positive layer counts")
-        for name in ("image_size", "patch_size", "window_size", "n_channels"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"SwinConfig.{name} must be positive, got {getattr(self, name)}")
         if self.image_size % self.patch_size:
             raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size "
                               f"({self.patch_size})")

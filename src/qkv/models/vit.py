@@ -14,56 +14,49 @@ interpolation over the patch grid (as in DeiT/DINO and Hugging Face's `interpola
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig
+from qkv.config import ConfigError, TransformerConfig, setting
 from qkv.models.base import ModelOutput, QKVModel, build_stack, class_logits
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.ffn import FeedForward
 from qkv.nn.position import PatchGrid, build_position, interpolate_positions, sinusoidal_2d
 
-POOLINGS = ("cls", "mean", "map")
-PATCH_POSITIONS = ("learned", "sinusoidal2d", "none")
-VIT_HEADS = ("classify", "none")
 __all__ = ["ViT", "ViTConfig", "interpolate_positions", "patch_attention", "save_attention_overlay",
            "sinusoidal_2d"]
 
 
 @dataclass
 class ViTConfig(TransformerConfig):
-    image_size: int = 224  # square input images
-    patch_size: int = 16  # side of a square patch = stride of the patch convolution
-    n_channels: int = 3
-    n_layers: int = 12
-    # cls: a learned class token; mean: average of the patch outputs; map: multihead attention pooling
-    # (a learned query attends over the patch outputs, then a residual FFN: big_vision's MAPHead, SigLIP)
-    pooling: str = "cls"
-    patch_position: str = "learned"  # learned | sinusoidal2d | none (positions added to the patches)
-    # classify (logits over num_labels) | none (features only, e.g. CLIP's image tower)
-    head: str = "classify"
-    num_labels: int = 1000
-    pooler: bool = False  # tanh(W pooled + b) as in Hugging Face ViTModel; off in the paper's fine-tuning
-    embed_norm: bool = False  # a norm on the embeddings before the first block (CLIP's pre_layrnorm)
-    patch_bias: bool = True  # CLIP's patch convolution has no bias
-    position: str = "none"  # the stack's own encoding; patches get theirs from patch_position
-    d_model: int = 768
-    n_heads: int = 12
-    d_ff: int | None = 3072
-    norm_eps: float = 1e-6
+    image_size: int = setting(224, "side of the square input images", ge=1)
+    patch_size: int = setting(16, "side of a square patch = stride of the patch convolution", ge=1)
+    n_channels: int = setting(3, "image channels", ge=1)
+    n_layers: int = setting(12, "encoder blocks", ge=1)
+    # map: a learned query attends over the patch outputs, then a residual FFN (big_vision's MAPHead, SigLIP)
+    pooling: Literal["cls", "mean", "map"] = setting(
+        "cls", "cls (a learned class token), mean (of the patch outputs) or map (attention pooling)")
+    patch_position: Literal["learned", "sinusoidal2d", "none"] = setting(
+        "learned", "positions added to the patches: learned, sinusoidal2d or none")
+    head: Literal["classify", "none"] = setting(
+        "classify", "classify (logits over num_labels) or none (features only, e.g. CLIP's image tower)")
+    num_labels: int = setting(1000, "classes of the classification head")
+    pooler: bool = setting(False, "tanh(W pooled + b) as in Hugging Face ViTModel; off in the paper's "
+                           "fine-tuning")
+    embed_norm: bool = setting(False, "a norm on the embeddings before the first block (CLIP's pre_layrnorm)")
+    patch_bias: bool = setting(True, "a bias in the patch convolution (CLIP's has none)")
+    # the stack's own encoding; patches get theirs from patch_position
+    position: str = TransformerConfig.override("position", "none")
+    d_model: int = TransformerConfig.override("d_model", 768)
+    n_heads: int = TransformerConfig.override("n_heads", 12)
+    d_ff: int | None = TransformerConfig.override("d_ff", 3072)
+    norm_eps: float = TransformerConfig.override("norm_eps", 1e-6)
 
     def validate(self) -> None:
         super().validate()
-        for name, value, choices in [("pooling", self.pooling, POOLINGS), ("head", self.head, VIT_HEADS),
-                                     ("patch_position", self.patch_position, PATCH_POSITIONS)]:
-            if value not in choices:
-                raise ConfigError(f"ViTConfig.{name}: {value!r} is not one of {list(choices)}")
-        for name in ("image_size", "patch_size", "n_channels", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"ViTConfig.{name} must be positive, got {getattr(self, name)}")
         if self.image_size % self.patch_size:
             raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size "
                               f"({self.patch_size})")

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig
+from qkv.config import ConfigError, TransformerConfig, check_fields, setting
 from qkv.models.base import ModelOutput, QKVModel, token_loss
 from qkv.models.connector import PixelShuffleProjector
 from qkv.models.decoding import Source
@@ -42,12 +42,10 @@ from qkv.models.gpt import GPT, GPTConfig
 from qkv.models.registry import register_family
 from qkv.nn.block import Block
 from qkv.nn.checks import check_batch, check_labels, check_length, check_token_ids
-from qkv.nn.ffn import ACTIVATIONS
+from qkv.nn.ffn import ACTIVATIONS, UNGATED
 from qkv.nn.position import build_position
 from qkv.nn.stack import Stack
 
-PROJECTORS = ("mlp", "linear", "pixel_shuffle")  # pixel_shuffle: Idefics3 / SmolVLM (models/connector.py)
-FEATURE_SELECT = ("default", "full")  # LLaVA's vision_feature_select_strategy: drop / keep the class token
 # the from-scratch model config_for_task builds (dotted VLMConfig fields): a 3-block tower 64 wide and a
 # 2-block Llama-style decoder 64 wide, small enough to train on one CPU thread in minutes
 SMALL_VLM: dict[str, Any] = {
@@ -61,27 +59,24 @@ SMALL_VLM: dict[str, Any] = {
 class VisionConfig(TransformerConfig):
     """A CLIP vision tower (the TransformerConfig fields describe its blocks)."""
 
-    image_size: int = 336
-    patch_size: int = 14
-    n_channels: int = 3
-    n_layers: int = 23  # the tower's blocks (VLMConfig.feature_layer says whose output the projector reads)
-    class_token: bool = True
-    pre_norm: bool = True  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
-    patch_bias: bool = False  # CLIP's patch convolution has no bias
-    post_norm: bool = False  # a LayerNorm on the last built block's output (SigLIP's post_layernorm)
-    d_model: int = 1024
-    n_heads: int = 16
-    d_ff: int | None = 4096
-    ffn: str = "quick_gelu"
-    position: str = "none"  # the tower adds its own learned positions before the blocks
+    image_size: int = setting(336, "side of the square input images", ge=1)
+    patch_size: int = setting(14, "side of a square patch", ge=1)
+    n_channels: int = setting(3, "image channels", ge=1)
+    n_layers: int = setting(23, "the tower's blocks (VLMConfig.feature_layer says whose output the projector "
+                            "reads)", ge=0)
+    class_token: bool = setting(True, "a learned class token before the patches")
+    pre_norm: bool = setting(True, "LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)")
+    patch_bias: bool = setting(False, "a bias in the patch convolution (CLIP's has none)")
+    post_norm: bool = setting(False, "a LayerNorm on the last built block's output (SigLIP's post_layernorm)")
+    d_model: int = TransformerConfig.override("d_model", 1024)
+    n_heads: int = TransformerConfig.override("n_heads", 16)
+    d_ff: int | None = TransformerConfig.override("d_ff", 4096)
+    ffn: str = TransformerConfig.override("ffn", "quick_gelu")
+    # the tower adds its own learned positions before the blocks
+    position: str = TransformerConfig.override("position", "none")
 
     def validate(self) -> None:
         super().validate()
-        for name in ("image_size", "patch_size", "n_channels"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"VisionConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.n_layers < 0:
-            raise ConfigError(f"VisionConfig.n_layers must be >= 0, got {self.n_layers}")
         if self.image_size % self.patch_size:
             raise ConfigError(f"image_size ({self.image_size}) must be a multiple of patch_size "
                               f"({self.patch_size})")
@@ -93,41 +88,38 @@ class VisionConfig(TransformerConfig):
 
 @dataclass
 class VLMConfig:
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    text: GPTConfig = field(default_factory=GPTConfig)
-    image_token_id: int = 32000  # the placeholder id the image features replace
-    feature_select: str = "default"  # default: drop the class token; full: keep it
-    projector: str = "mlp"  # mlp: Linear-act-Linear; linear: one Linear
-    projector_act: str = "gelu"  # an nn.ffn activation
-    projector_bias: bool = True
-    scale_factor: int = 1  # pixel_shuffle: each scale_factor x scale_factor patches become one image token
-    # LLaVA's vision_feature_layer: which of the tower's n_layers + 1 hidden states (0 = the embeddings) the
-    # projector reads; negative counts from the end (-1: the last block's output, -2: LLaVA 1.5's). The
-    # blocks after it would be computed for nothing, so they are not built.
-    feature_layer: int = -1
-    freeze_vision: bool = False  # the tower's weights are not trained (LLaVA's stage-1 / frozen-CLIP setting)
+    vision: VisionConfig = setting(VisionConfig(), "the vision tower")
+    text: GPTConfig = setting(GPTConfig(), "the language model")
+    image_token_id: int = setting(32000, "the placeholder id the image features replace", ge=0)
+    # LLaVA's vision_feature_select_strategy
+    feature_select: Literal["default", "full"] = setting("default", "default: drop the class token; full: "
+                                                         "keep it")
+    projector: Literal["mlp", "linear", "pixel_shuffle"] = setting(
+        "mlp", "mlp: Linear-act-Linear; linear: one Linear; pixel_shuffle: Idefics3 / SmolVLM "
+        "(models/connector.py)")
+    projector_act: str = setting("gelu", "the projector's activation", choices=UNGATED)
+    projector_bias: bool = setting(True, "biases in the projector")
+    scale_factor: int = setting(1, "pixel_shuffle: each scale_factor x scale_factor patches become one image "
+                                "token", ge=1)
+    # LLaVA's vision_feature_layer. The blocks after it would be computed for nothing, so they are not built.
+    feature_layer: int = setting(-1, "which of the tower's n_layers + 1 hidden states (0 = the embeddings) "
+                                 "the projector reads; negative counts from the end (-1: the last block's "
+                                 "output, -2: LLaVA 1.5's)")
+    freeze_vision: bool = setting(False, "the tower's weights are not trained (LLaVA's stage-1 / frozen-CLIP "
+                                  "setting)")
 
     def validate(self) -> None:
+        check_fields(self)
         self.vision.validate()
         self.text.validate()
         n = self.vision.n_layers
         if not -(n + 1) <= self.feature_layer <= n:
             raise ConfigError(f"VLMConfig.feature_layer {self.feature_layer} is not a hidden state of a "
                               f"{n}-layer vision tower (0..{n}, or -1..-{n + 1} from the end)")
-        for name, value, choices in [("feature_select", self.feature_select, FEATURE_SELECT),
-                                     ("projector", self.projector, PROJECTORS),
-                                     ("projector_act", self.projector_act, tuple(ACTIVATIONS))]:
-            if value not in choices:
-                raise ConfigError(f"VLMConfig.{name}: {value!r} is not one of {list(choices)}")
-        if ACTIVATIONS[self.projector_act].gated:
-            raise ConfigError(f"VLMConfig.projector_act: {self.projector_act!r} is gated; the projector "
-                              "needs a plain activation")
         if self.feature_select == "default" and not self.vision.class_token:
             raise ConfigError("VLMConfig.feature_select='default' drops a class token the vision tower lacks")
-        if self.image_token_id < 0:
-            raise ConfigError(f"VLMConfig.image_token_id must be >= 0, got {self.image_token_id}")
         side = self.vision.image_size // self.vision.patch_size
-        if self.scale_factor < 1 or side % self.scale_factor or (self.scale_factor > 1 and (
+        if side % self.scale_factor or (self.scale_factor > 1 and (
                 self.projector != "pixel_shuffle" or self.vision.class_token)):
             raise ConfigError(f"VLMConfig.scale_factor {self.scale_factor} needs the pixel_shuffle "
                               f"projector, no class token and a divisor of the patch grid's side ({side})")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.config import ConfigError, TransformerConfig
+from qkv.config import ConfigError, TransformerConfig, setting
 from qkv.models.base import ModelOutput, Seq2SeqModel, build_stack
 from qkv.models.registry import register_family, register_preset
 from qkv.nn.checks import check_length
@@ -45,25 +45,25 @@ def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0
 
 @dataclass
 class WhisperConfig(TransformerConfig):
-    vocab_size: int = 51865
-    n_encoder_layers: int = 4
-    n_decoder_layers: int = 4
-    n_audio_ctx: int = 1500  # encoder positions = mel frames / 2 (30 s at 10 ms hop)
-    n_text_ctx: int = 448  # longest token sequence
-    sample_rate: int = 16000
-    n_fft: int = 400
-    hop_length: int = 160
-    n_mels: int = 80
-    pad_token_id: int = 0
-    bos_token_id: int = 1  # decoder start token (<|startoftranscript|> in Whisper)
-    eos_token_id: int = 2
-    tie_embeddings: bool = True
-    label_smoothing: float = 0.0
-    d_model: int = 384
-    n_heads: int = 6
-    ffn: str = "gelu"
-    position: str = "learned"  # decoder positions; the encoder's are the fixed sinusoids
-    placement: str = "pre"
+    """The TransformerConfig fields describe both stacks' blocks; `position` is the decoder's (the encoder's
+    are the fixed sinusoids)."""
+
+    vocab_size: int = setting(51865, "token vocabulary", ge=1)
+    n_encoder_layers: int = setting(4, "audio encoder blocks", ge=1)
+    n_decoder_layers: int = setting(4, "text decoder blocks", ge=1)
+    n_audio_ctx: int = setting(1500, "encoder positions = mel frames / 2 (30 s at 10 ms hop)", ge=1)
+    n_text_ctx: int = setting(448, "longest token sequence", ge=1)
+    sample_rate: int = setting(16000, "audio samples per second", unit="Hz")
+    n_fft: int = setting(400, "STFT window of the mel features")
+    hop_length: int = setting(160, "samples between mel frames", ge=1)
+    n_mels: int = setting(80, "mel bands", ge=1)
+    pad_token_id: int = setting(0, "padding token")
+    bos_token_id: int = setting(1, "decoder start token (<|startoftranscript|> in Whisper)")
+    eos_token_id: int = setting(2, "end-of-text token")
+    tie_embeddings: bool = setting(True, "share the token embedding with the output projection")
+    label_smoothing: float = setting(0.0, "of the training cross-entropy")
+    d_model: int = TransformerConfig.override("d_model", 384)
+    n_heads: int = TransformerConfig.override("n_heads", 6)
 
     def validate(self) -> None:
         super().validate()
@@ -72,10 +72,6 @@ class WhisperConfig(TransformerConfig):
         if self.d_model % 2 or self.d_model < 4:
             raise ConfigError("WhisperConfig.d_model must be even and at least 4 (sinusoidal audio "
                               f"positions: their frequencies step over d_model / 2 - 1), got {self.d_model}")
-        for name in ("vocab_size", "n_audio_ctx", "n_text_ctx", "n_mels", "hop_length", "n_encoder_layers",
-                     "n_decoder_layers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"WhisperConfig.{name} must be positive")
 
     @property
     def target_vocab_size(self) -> int:  # the names Seq2SeqModel reads from every seq2seq config

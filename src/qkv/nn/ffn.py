@@ -33,6 +33,7 @@ ACTIVATIONS: dict[str, Activation] = {
     # OpenAI CLIP's GELU approximation
     "quick_gelu": Activation(lambda x: x * torch.sigmoid(1.702 * x), False),
 }
+UNGATED = tuple(name for name, a in ACTIVATIONS.items() if not a.gated)  # those of a plain two-layer MLP
 
 
 class FeedForward(nn.Module):

@@ -34,6 +34,7 @@ from qkv.extras import require
 from qkv.models.registry import config_for, families
 from qkv.models.registry import family as family_spec
 from qkv.storage import atomic_write_json
+from qkv.tasks.options import SECTION
 from qkv.tasks.tokenizers import Tokenizer, TokenizerError, load_tokenizer, save_tokenizer
 
 TASK_FILE = "task.json"
@@ -272,8 +273,7 @@ def task_spec(name: str) -> TaskSpec:
 def build_options(name: str, options: dict[str, Any] | None = None) -> Any:
     """The strict options dataclass of task `name` (unknown keys -> ConfigError naming the closest)."""
     spec = task_spec(name)
-    return from_dict(spec.options_class, {**spec.option_defaults, **(options or {})},
-                     f"task {name!r} options")
+    return from_dict(spec.options_class, {**spec.option_defaults, **(options or {})}, SECTION)
 
 
 def build_task(name: str, family: str | None = None, *, saved_tokenizer: Tokenizer | None = None,

@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.tasks.base import Task, check_split, model_device, pad_rows, register_task, rng_for
 from qkv.tasks.digits import DIGIT_WORDS, load_digit_images, shift_images, stratified_split
 from qkv.tasks.images import FASHION_DIR, FashionMNISTOptions, augment, build_fashion_mnist, hash_seed
+from qkv.tasks.options import check_option, check_options
 from qkv.tasks.tokenizers import EOS, PAD, Tokenizer, WordTokenizer
 from qkv.tasks.vqa import CLASS_WORDS
 
@@ -62,28 +63,22 @@ FASHION_TEMPLATES = (
     "{}",
 )
 FASHION_ZERO_SHOT = "a small picture of the {}"
-DATASETS = ("digits", "fashion_mnist")
 
 
 @dataclass
 class CaptionsOptions:
-    seed: int = 0
-    test_fraction: float = 0.2  # digits: the held-out share (fashion_mnist holds out its official test set)
-    max_shift: int = 1  # augmentation: shift (digits) or random crop of the padded image, in pixels (0 = off)
-    distinct_digits: bool = True  # batches of <= 10 pairs hold ten different classes (no false negatives)
-    dataset: str = "digits"  # digits | fashion_mnist
-    path: str = FASHION_DIR  # fashion_mnist: a folder with the four IDX files
-    hflip: bool = False  # fashion_mnist: horizontal flip with probability 1/2 (a mirrored digit is no digit)
+    seed: int = setting(0, "seeds the batch streams, the augmentation and the evaluation set")
+    test_fraction: float = setting(0.2, "digits: share held out (fashion_mnist: its test set)", gt=0, lt=1)
+    max_shift: int = setting(1, "augmentation: shift (digits) or crop of the padded image, in pixels", ge=0)
+    distinct_digits: bool = setting(True, "batches of <= 10 pairs: distinct classes (no false negatives)")
+    dataset: Literal["digits", "fashion_mnist"] = setting("digits", "the images")
+    path: str = setting(FASHION_DIR, "fashion_mnist: a folder with the four IDX files")
+    hflip: bool = setting(False, "fashion_mnist: horizontal flip with probability 1/2 (never for digits)")
 
     def validate(self) -> None:
-        if self.dataset not in DATASETS:
-            raise ConfigError(f"dataset must be one of {list(DATASETS)}, got {self.dataset!r}")
-        if not 0.0 < self.test_fraction < 1.0:
-            raise ConfigError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
-        if self.max_shift < 0:
-            raise ConfigError(f"max_shift must be >= 0, got {self.max_shift}")
-        if self.dataset == "digits" and (self.hflip or self.path != FASHION_DIR):
-            raise ConfigError("task options path and hflip are for dataset fashion_mnist, not digits")
+        check_options(self)
+        check_option(self.dataset != "digits" or (not self.hflip and self.path == FASHION_DIR), "dataset",
+                     ": path and hflip are for dataset fashion_mnist, not digits")
 
 
 @dataclass

@@ -29,12 +29,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.models.set_loss import SetLossWeights, center_to_corners, corners_to_center, set_loss
 from qkv.tasks.base import Task, check_split, model_device, register_task, rng_for
 from qkv.tasks.canvases import VISIBLE, Canvas, CanvasSpec, compose
 from qkv.tasks.coco_map import coco_map
 from qkv.tasks.images import FASHION_APT, FASHION_CLASSES, FASHION_DIR, load_idx_folder
+from qkv.tasks.options import check_options
 from qkv.tasks.tokenizers import Tokenizer, WordTokenizer
 
 STATS_CANVASES = 64  # held-out canvases whose pixel mean and std normalise every input
@@ -42,29 +43,20 @@ STATS_CANVASES = 64  # held-out canvases whose pixel mean and std normalise ever
 
 @dataclass
 class DetectionOptions:
-    path: str = FASHION_DIR  # a folder with Fashion-MNIST's four IDX files
-    seed: int = 0  # seeds the training canvases
-    val_seed: int = 0  # seeds the held-out canvases (kept across training seeds: runs score on the same set)
-    val_canvases: int = 500  # how many held-out canvases there are
-    canvas_size: int = 64  # canvas side in pixels
-    min_items: int = 1  # items per canvas, uniform in min_items..max_items
-    max_items: int = 4
-    min_size: int = 16  # an item's side on the canvas (28x28 resized), uniform in min_size..max_size
-    max_size: int = 32
-    max_iou: float = 0.1  # largest overlap (IoU) between two items' boxes
+    path: str = setting(FASHION_DIR, "a folder with Fashion-MNIST's four IDX files")
+    seed: int = setting(0, "seeds the training canvases")
+    val_seed: int = setting(0, "seeds the held-out canvases (the same set whatever the training seed)")
+    val_canvases: int = setting(500, "held-out canvases", ge=1)
+    canvas_size: int = setting(64, "canvas side in pixels")
+    # a canvas without boxes has nothing to match or score
+    min_items: int = setting(1, "fewest items per canvas (uniform in min_items..max_items)", ge=1)
+    max_items: int = setting(4, "most items per canvas")
+    min_size: int = setting(16, "smallest side of an item on the canvas (28x28 resized)", ge=1)
+    max_size: int = setting(32, "largest side of an item on the canvas")
+    max_iou: float = setting(0.1, "largest overlap (IoU) between two items' boxes", ge=0, lt=1)
 
     def validate(self) -> None:
-        if self.min_items < 1:
-            raise ConfigError(f"min_items must be at least 1, got {self.min_items}: a detection canvas "
-                              "with no boxes has nothing to match or score")
-        if self.max_items < self.min_items:
-            raise ConfigError(f"max_items ({self.max_items}) is below min_items ({self.min_items})")
-        if not 1 <= self.min_size <= self.max_size <= self.canvas_size:
-            raise ConfigError(f"need 1 <= min_size <= max_size <= canvas_size, got {self.min_size}, "
-                              f"{self.max_size}, {self.canvas_size}")
-        if not 0.0 <= self.max_iou < 1.0 or self.val_canvases < 1:
-            raise ConfigError(f"need 0 <= max_iou < 1 and val_canvases >= 1, got {self.max_iou}, "
-                              f"{self.val_canvases}")
+        check_options(self, ("min_items", "max_items"), ("min_size", "max_size"), ("max_size", "canvas_size"))
 
     def spec(self) -> CanvasSpec:
         return CanvasSpec(self.canvas_size, self.min_items, self.max_items, self.min_size, self.max_size,

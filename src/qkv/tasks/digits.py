@@ -22,10 +22,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.extras import require
 from qkv.image_io import open_image
 from qkv.tasks.base import Task, check_split, model_device, register_task, rng_for
+from qkv.tasks.options import check_options
 from qkv.tasks.tokenizers import CharTokenizer, Tokenizer, WordTokenizer
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -33,18 +34,15 @@ DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "e
 
 @dataclass
 class DigitsOptions:
-    seed: int = 0  # seeds the training batch stream (the train/test split is fixed)
-    test_fraction: float = 0.2  # share of each class held out as the "val" (test) split
-    max_shift: int = 1  # training augmentation: random translation by up to this many pixels
-    max_rotate: float = 0.0  # training augmentation: random rotation by up to this many degrees (bilinear)
-    max_scale: float = 0.0  # training augmentation: random zoom by a factor in [1 - max_scale, 1 + max_scale]
-    image_folder: str | None = None  # a folder of class sub-folders of PNGs instead of load_digits
+    seed: int = setting(0, "seeds the training batch stream (the train/test split is fixed)")
+    test_fraction: float = setting(0.2, "share of each class held out as the val (test) split", gt=0, lt=1)
+    max_shift: int = setting(1, "augmentation: random translation by up to this many pixels", ge=0)
+    max_rotate: float = setting(0.0, "augmentation: random rotation by up to this many degrees", ge=0)
+    max_scale: float = setting(0.0, "augmentation: random zoom by a factor in [1 - s, 1 + s]", ge=0, lt=1)
+    image_folder: str | None = setting(None, "a folder of class folders of PNGs", none="sklearn's digits")
 
     def validate(self) -> None:
-        if not 0.0 < self.test_fraction < 1.0:
-            raise ConfigError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
-        if self.max_shift < 0 or self.max_rotate < 0 or not 0 <= self.max_scale < 1:
-            raise ConfigError("need max_shift >= 0, max_rotate >= 0 and 0 <= max_scale < 1")
+        check_options(self)
 
 
 def load_digit_images() -> tuple[np.ndarray, np.ndarray, list[str]]:

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.generate import generate
 from qkv.tasks.base import Task, check_split, in_val_split, model_device, pad_rows, register_task, rng_for
+from qkv.tasks.options import check_option, check_options
 from qkv.tasks.tokenizers import EOS, CharTokenizer, Tokenizer
 
 KEYPAD = {"1": (697, 1209), "2": (697, 1336), "3": (697, 1477), "4": (770, 1209), "5": (770, 1336),
@@ -59,32 +60,25 @@ def word_error_rate(hyps: list[list[Any]], refs: list[list[Any]]) -> float:
 
 @dataclass
 class DTMFOptions:
-    min_digits: int = 1
-    max_digits: int = 6
-    sample_rate: int = 16000
-    clip_seconds: float = 2.0  # every clip is padded to this length (the model's audio window)
-    min_tone_ms: float = 40.0
-    max_tone_ms: float = 120.0
-    min_gap_ms: float = 30.0
-    max_gap_ms: float = 100.0
-    min_snr_db: float = 0.0
-    max_snr_db: float = 30.0
-    seed: int = 0
-    val_fraction: float = 0.1
+    min_digits: int = setting(1, "fewest digits per clip", ge=1)
+    max_digits: int = setting(6, "most digits per clip")
+    sample_rate: int = setting(16000, "samples per second")
+    clip_seconds: float = setting(2.0, "every clip is padded to this length (the model's audio window)")
+    min_tone_ms: float = setting(40.0, "shortest tone, in ms", gt=0)
+    max_tone_ms: float = setting(120.0, "longest tone, in ms")
+    min_gap_ms: float = setting(30.0, "shortest silence after a tone, in ms", ge=0)
+    max_gap_ms: float = setting(100.0, "longest silence after a tone, in ms")
+    min_snr_db: float = setting(0.0, "lowest signal-to-noise ratio of the added noise, in dB")
+    max_snr_db: float = setting(30.0, "highest signal-to-noise ratio of the added noise, in dB")
+    seed: int = setting(0, "seeds the train/val batch streams and the evaluation set")
+    val_fraction: float = setting(0.1, "share of the digit strings (by hash) held out", gt=0, lt=1)
 
     def validate(self) -> None:
-        if not 1 <= self.min_digits <= self.max_digits:
-            raise ConfigError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
-        if not 0 < self.min_tone_ms <= self.max_tone_ms or not 0 <= self.min_gap_ms <= self.max_gap_ms:
-            raise ConfigError("need 0 < min_tone_ms <= max_tone_ms and 0 <= min_gap_ms <= max_gap_ms")
-        if self.min_snr_db > self.max_snr_db:
-            raise ConfigError("need min_snr_db <= max_snr_db")
+        check_options(self, ("min_digits", "max_digits"), ("min_tone_ms", "max_tone_ms"),
+                     ("min_gap_ms", "max_gap_ms"), ("min_snr_db", "max_snr_db"))
         worst = 0.2 + self.max_digits * (self.max_tone_ms + self.max_gap_ms) / 1000
-        if worst > self.clip_seconds:
-            raise ConfigError(f"{self.max_digits} digits can last {worst:.2f} s, longer than clip_seconds="
-                              f"{self.clip_seconds}; raise clip_seconds or shorten the tones")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_option(worst <= self.clip_seconds, "clip_seconds",
+                     f"({self.clip_seconds}) is below what {self.max_digits} digits can last ({worst:.2f} s)")
 
     @property
     def n_samples(self) -> int:

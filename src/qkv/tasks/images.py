@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.image_io import open_image
 from qkv.tasks.base import Task, check_split, model_device, register_task, rng_for
 from qkv.tasks.digits import stratified_split
+from qkv.tasks.options import check_option, check_options
 from qkv.tasks.tokenizers import WordTokenizer
 
 FASHION_DIR = "/usr/share/datasets/fashion-mnist"
@@ -221,16 +222,15 @@ def hash_seed(*parts: Any) -> int:
 
 @dataclass
 class FashionMNISTOptions:
-    path: str = FASHION_DIR  # a folder with the four IDX files (Fashion-MNIST's, or MNIST's)
-    seed: int = 0  # seeds the training stream (order and augmentation)
-    pad: int = 2  # augmentation: random crop of the image padded by this many pixels (0 = off)
-    hflip: bool = True  # augmentation: horizontal flip with probability 1/2 (set false for digits)
-    # class names (default: Fashion-MNIST's for a folder named *fashion*, else 0..9)
-    classes: list[str] | None = None
+    path: str = setting(FASHION_DIR, "a folder with the four IDX files (Fashion-MNIST's, or MNIST's)")
+    seed: int = setting(0, "seeds the training stream (order and augmentation)")
+    pad: int = setting(2, "augmentation: random crop of the image padded by this many pixels", ge=0)
+    hflip: bool = setting(True, "augmentation: horizontal flip with probability 1/2 (false for digits)")
+    classes: list[str] | None = setting(None, "class names",
+                                        none="Fashion-MNIST's for a folder named *fashion*, else 0..9")
 
     def validate(self) -> None:
-        if self.pad < 0:
-            raise ConfigError(f"pad must be >= 0, got {self.pad}")
+        check_options(self)
 
 
 def build_fashion_mnist(options: FashionMNISTOptions, family: str,
@@ -255,23 +255,18 @@ def build_fashion_mnist(options: FashionMNISTOptions, family: str,
 
 @dataclass
 class ImageFolderOptions:
-    path: str = ""  # a folder with one sub-folder of images per class
-    image_size: int = 32  # every image is resized to image_size x image_size
-    channels: int = 3  # 3 (RGB) or 1 (grey)
-    dev_fraction: float = 0.1  # share of each class held out as "val"
-    split_seed: int = 0  # the fixed train/dev split
-    seed: int = 0  # seeds the training stream
-    pad: int = 4
-    hflip: bool = True
+    path: str = setting("", "a folder with one sub-folder of images per class; required")
+    image_size: int = setting(32, "every image is resized to image_size x image_size", ge=1)
+    channels: int = setting(3, "3 (RGB) or 1 (grey)", choices=(1, 3))
+    dev_fraction: float = setting(0.1, "share of each class held out as val", gt=0, lt=1)
+    split_seed: int = setting(0, "seeds the fixed train/dev split")
+    seed: int = setting(0, "seeds the training stream")
+    pad: int = setting(4, "augmentation: random crop of the image padded by this many pixels", ge=0)
+    hflip: bool = setting(True, "augmentation: horizontal flip with probability 1/2")
 
     def validate(self) -> None:
-        if not self.path:
-            raise ConfigError("task image_folder needs path= (a folder with one sub-folder of images per "
-                              "class)")
-        if self.channels not in (1, 3):
-            raise ConfigError(f"channels must be 1 or 3, got {self.channels}")
-        if not 0.0 < self.dev_fraction < 1.0 or self.image_size < 1 or self.pad < 0:
-            raise ConfigError("need 0 < dev_fraction < 1, image_size >= 1 and pad >= 0")
+        check_options(self)
+        check_option(bool(self.path), "path", "is required: a folder with one sub-folder of images per class")
 
 
 def build_image_folder(options: ImageFolderOptions, family: str,

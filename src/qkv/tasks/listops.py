@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.models.registry import family as family_spec
 from qkv.tasks.base import Task, check_split, in_val_split, model_device, pad_rows, register_task, rng_for
+from qkv.tasks.options import check_options
 from qkv.tasks.tokenizers import BOS, PAD, Tokenizer, WordTokenizer
 
 OPS = ("[MAX", "[MIN", "[MED", "[SM")
@@ -80,25 +81,16 @@ def evaluate_expression(expr: str | list[str]) -> int:
 
 @dataclass
 class ListOpsOptions:
-    min_len: int = 32  # shortest expression, in tokens (LRA: 500)
-    max_len: int = 512  # longest expression, in tokens (LRA: 2000)
-    max_depth: int = 10  # deepest nesting of operators
-    max_args: int = 10  # most arguments of one operator
-    leaf_prob: float = 0.25  # chance that a node (below max_depth) is a digit
-    seed: int = 0
-    val_fraction: float = 0.1
+    min_len: int = setting(32, "shortest expression, in tokens (LRA: 500)", ge=1)
+    max_len: int = setting(512, "longest expression, in tokens (LRA: 2000)", le=8192)
+    max_depth: int = setting(10, "deepest nesting of operators", ge=1)
+    max_args: int = setting(10, "most arguments of one operator", ge=2)
+    leaf_prob: float = setting(0.25, "chance that a node (below max_depth) is a digit", ge=0, lt=1)
+    seed: int = setting(0, "seeds the train/val batch streams and the evaluation set")
+    val_fraction: float = setting(0.1, "share of the expressions (by hash) held out", gt=0, lt=1)
 
     def validate(self) -> None:
-        if not 1 <= self.min_len <= self.max_len:
-            raise ConfigError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
-        if self.max_len > 8192:
-            raise ConfigError(f"max_len above 8192 is not supported, got {self.max_len}")
-        if self.max_depth < 1 or self.max_args < 2:
-            raise ConfigError("need max_depth >= 1 and max_args >= 2")
-        if not 0.0 <= self.leaf_prob < 1.0:
-            raise ConfigError(f"leaf_prob must be in [0, 1), got {self.leaf_prob}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_options(self, ("min_len", "max_len"))
 
 
 class ListOpsTask(Task):

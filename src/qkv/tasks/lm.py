@@ -28,12 +28,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.generate.config import GenerationConfig, merge
 from qkv.tasks.base import (
     Task,
@@ -45,6 +45,7 @@ from qkv.tasks.base import (
     text_sha256,
 )
 from qkv.tasks.corpora import CORPORA, pydoc_text, stdlib_texts
+from qkv.tasks.options import check_option, check_options
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
 
 
@@ -55,42 +56,32 @@ def default_corpus() -> str:
 
 @dataclass
 class LMOptions:
-    path: str | None = None  # UTF-8 text file; None = the built-in `corpus`
-    val_path: str | None = None  # a held-out text file of its own (path is then all train); None = split path
-    tokenizer_file: str | None = None  # a trained tokenizer.json to use (tokenizer=bpe); None = train one
-    corpus: str = "pydoc"  # pydoc (bundled docs text) | stdlib (the stdlib's .py sources, file-level split)
-    tokenizer: str = "char"  # char | bpe (byte-level BPE trained on the train split)
-    bpe_vocab_size: int = 1024  # BPE vocabulary, specials and the 256 bytes included
-    context: int = 64  # tokens per training window = the model's context_length
-    val_fraction: float = 0.1  # last share of the text held out
-    seed: int = 0
-    sample_prompt: str = "\n"  # where samples() starts generating
-    sample_tokens: int = 200  # tokens generated per sample
-    # samples()' sampling, by GenerationConfig's rule (validate): temperature 0 is greedy, top_k 0 or None off
-    temperature: float = 0.8
-    top_k: int | None = None  # sample only among the top k tokens
+    path: str | None = setting(None, "UTF-8 text file", none="the built-in corpus")
+    val_path: str | None = setting(None, "a held-out text file (path is then all train)", none="split path")
+    tokenizer_file: str | None = setting(None, "a tokenizer.json to use (tokenizer=bpe)", none="train one")
+    corpus: str = setting("pydoc", "built-in text: bundled docs, or stdlib .py files", choices=tuple(CORPORA))
+    tokenizer: Literal["char", "bpe"] = setting("char", "char, or bpe (byte-level BPE of the train split)")
+    bpe_vocab_size: int = setting(1024, "BPE vocabulary, specials and the 256 bytes included")
+    context: int = setting(64, "tokens per training window = the model's context_length", ge=2)
+    val_fraction: float = setting(0.1, "last share of the text held out", gt=0, lt=1)
+    seed: int = setting(0, "seeds the batch stream and the samples")
+    sample_prompt: str = setting("\n", "where samples() starts generating")
+    sample_tokens: int = setting(200, "tokens generated per sample", ge=0)
+    # samples()' sampling holds to GenerationConfig's rule, as `qkv generate`, `qkv chat` and the server do
+    temperature: float = setting(0.8, "samples()' temperature (GenerationConfig's rule: 0 = greedy)")
+    top_k: int | None = setting(None, "samples() draw among the top k tokens (0 = no top-k)", none="no top-k")
 
     def validate(self) -> None:
-        if self.corpus not in CORPORA:
-            raise ConfigError(f"corpus must be one of {list(CORPORA)}, got {self.corpus!r}")
-        if self.path is not None and self.corpus != "pydoc":
-            raise ConfigError(f"give either path or corpus={self.corpus!r}, not both")
-        if self.tokenizer not in ("char", "bpe"):
-            raise ConfigError(f"tokenizer must be 'char' or 'bpe', got {self.tokenizer!r}")
-        if self.val_path is not None and self.path is None:
-            raise ConfigError("val_path needs path (the training text)")
-        if self.tokenizer_file is not None and self.tokenizer != "bpe":
-            raise ConfigError("tokenizer_file is a byte-level BPE's tokenizer.json: set tokenizer=bpe")
-        if self.context < 2:
-            raise ConfigError(f"context must be at least 2 tokens, got {self.context}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.sample_tokens < 0:
-            raise ConfigError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
-        try:  # the rule `qkv generate`, `qkv chat` and the server hold sampling to
+        check_options(self)
+        check_option(self.path is None or self.corpus == "pydoc", "corpus",
+                     f": give either path or corpus={self.corpus!r}, not both")
+        check_option(self.val_path is None or self.path is not None, "val_path", "needs path (train text)")
+        check_option(self.tokenizer_file is None or self.tokenizer == "bpe", "tokenizer_file",
+                     "is a byte-level BPE's tokenizer.json: set tokenizer=bpe")
+        try:
             GenerationConfig(temperature=self.temperature, top_k=self.top_k)
         except ConfigError as e:
-            raise ConfigError(e.problem, e.field) from None
+            raise ConfigError(e.problem, e.field, "task") from None
 
 
 class LMTask(Task):

@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.tasks.base import (
     Task,
     check_split,
@@ -30,6 +30,7 @@ from qkv.tasks.base import (
     register_task,
     text_sha256,
 )
+from qkv.tasks.options import check_option, check_options
 from qkv.tasks.tokenizers import BOS, EOS, MASK, PAD, SPECIALS, BPETokenizer, CharTokenizer, Tokenizer
 
 
@@ -115,27 +116,22 @@ def masked_lm_scores(model: torch.nn.Module, batches: list[dict[str, Tensor]]) -
 
 @dataclass
 class MLMOptions:
-    path: str = ""  # UTF-8 text file (one document or sentence per line, or running text)
-    tokenizer: str = "char"  # char | bpe (byte-level BPE trained on the train split)
-    bpe_vocab_size: int = 1024
-    context: int = 64  # tokens per window, <bos> and <eos> included = the model's context_length
-    mask_rate: float = 0.15
-    mask_share: float = 0.8
-    random_share: float = 0.1
-    whole_word: bool = False
-    val_fraction: float = 0.1
-    seed: int = 0
+    path: str = setting("", "UTF-8 text file (one document or sentence per line, or running text); required")
+    tokenizer: Literal["char", "bpe"] = setting("char", "char, or bpe (byte-level BPE of the train split)")
+    bpe_vocab_size: int = setting(1024, "BPE vocabulary, specials and the 256 bytes included")
+    context: int = setting(64, "tokens per window, <bos> and <eos> included (the model's context)", ge=4)
+    mask_rate: float = setting(0.15, "share of the tokens chosen for prediction", gt=0, lt=1)
+    mask_share: float = setting(0.8, "share of the chosen tokens replaced by the mask token", ge=0)
+    random_share: float = setting(0.1, "share of the chosen tokens replaced by a random token", ge=0)
+    whole_word: bool = setting(False, "choose whole words (every token of a chosen word)")
+    val_fraction: float = setting(0.1, "last share of the text held out", gt=0, lt=1)
+    seed: int = setting(0, "seeds the masks")
 
     def validate(self) -> None:
-        if not self.path:
-            raise ConfigError("task mlm needs task.path: a text file")
-        if self.tokenizer not in ("char", "bpe"):
-            raise ConfigError(f"tokenizer must be 'char' or 'bpe', got {self.tokenizer!r}")
-        if self.context < 4:
-            raise ConfigError(f"context must be at least 4 tokens, got {self.context}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        self.rule.validate()
+        check_options(self)
+        check_option(bool(self.path), "path", "is required: a text file")
+        check_option(self.mask_share + self.random_share <= 1, "random_share",
+                     f"must be at most 1 - mask_share ({1 - self.mask_share:g}), got {self.random_share}")
 
     @property
     def rule(self) -> MaskingRule:

@@ -27,8 +27,9 @@ import calendar
 from dataclasses import dataclass
 from typing import Any
 
-from qkv.config import ConfigError
+from qkv.config import setting
 from qkv.tasks.base import Task, register_task
+from qkv.tasks.options import check_options
 from qkv.tasks.seq2seq import SyntheticTask
 from qkv.tasks.tokenizers import CharTokenizer, Tokenizer
 
@@ -198,22 +199,15 @@ def _all_chars() -> str:
 
 @dataclass
 class NumbersZhOptions:
-    max_value: int = 99_999  # largest number (numbers are 0..max_value)
-    date_fraction: float = 0.25  # share of examples that are dates
-    year_min: int = 1900
-    year_max: int = 2099
-    seed: int = 0
-    val_fraction: float = 0.1
+    max_value: int = setting(99_999, "largest number (numbers are 0..max_value)", ge=0, le=MAX_NUMBER)
+    date_fraction: float = setting(0.25, "share of examples that are dates", ge=0, le=1)
+    year_min: int = setting(1900, "earliest year of a date", ge=1)
+    year_max: int = setting(2099, "latest year of a date", le=9999)
+    seed: int = setting(0, "seeds the train/val batch streams and the evaluation set")
+    val_fraction: float = setting(0.1, "share of the example space (by source hash) held out", gt=0, lt=1)
 
     def validate(self) -> None:
-        if not 0 <= self.max_value <= MAX_NUMBER:
-            raise ConfigError(f"max_value must be in 0..{MAX_NUMBER}, got {self.max_value}")
-        if not 0.0 <= self.date_fraction <= 1.0:
-            raise ConfigError(f"date_fraction must be in [0, 1], got {self.date_fraction}")
-        if not 1 <= self.year_min <= self.year_max <= 9999:
-            raise ConfigError(f"need 1 <= year_min <= year_max <= 9999, got {self.year_min}, {self.year_max}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_options(self, ("year_min", "year_max"))
 
 
 class NumbersZhTask(SyntheticTask):

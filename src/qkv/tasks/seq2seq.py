@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.generate.config import GenerationConfig
 from qkv.tasks.base import Task, check_split, in_val_split, model_device, pad_rows, register_task, rng_for
+from qkv.tasks.options import check_option, check_options
 from qkv.tasks.tokenizers import EOS, PAD, SEP, CharTokenizer, Tokenizer
 
 SYMBOL_ALIASES = {"digits": "0123456789", "letters": "abcdefghijklmnopqrstuvwxyz"}
@@ -210,24 +211,18 @@ class PairTask(Task):
 # -- synthetic tasks ---------------------------------------------------------------------------------------
 @dataclass
 class SequenceOptions:
-    min_len: int = 10  # shortest source sequence, in symbols
-    max_len: int = 20  # longest source sequence, in symbols
-    symbols: str = "digits"  # the alphabet, one character per symbol; aliases: digits, letters
-    seed: int = 0  # seeds the train/val batch streams and the evaluation set
-    val_fraction: float = 0.1  # share of the example space (by source hash) held out for evaluation
+    min_len: int = setting(10, "shortest source sequence, in symbols", ge=1)
+    max_len: int = setting(20, "longest source sequence, in symbols")
+    symbols: str = setting("digits", "the alphabet, one character per symbol; aliases: digits, letters")
+    seed: int = setting(0, "seeds the train/val batch streams and the evaluation set")
+    val_fraction: float = setting(0.1, "share of the example space (by source hash) held out", gt=0, lt=1)
 
     def validate(self) -> None:
-        if not 1 <= self.min_len <= self.max_len:
-            raise ConfigError(f"need 1 <= min_len <= max_len, got min_len={self.min_len}, "
-                              f"max_len={self.max_len}")
-        alphabet = SYMBOL_ALIASES.get(self.symbols, self.symbols)
-        if len(set(alphabet)) != len(alphabet) or not alphabet:
-            raise ConfigError("symbols must be distinct characters (or digits/letters), got "
-                              f"{self.symbols!r}")
-        if any(c.isspace() for c in alphabet):
-            raise ConfigError("symbols cannot contain whitespace")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_options(self, ("min_len", "max_len"))
+        alphabet = self.alphabet
+        check_option(alphabet != "" and len(set(alphabet)) == len(alphabet), "symbols",
+                     f"must be distinct characters (or digits/letters), got {self.symbols!r}")
+        check_option(not any(c.isspace() for c in alphabet), "symbols", "cannot contain whitespace")
 
     @property
     def alphabet(self) -> str:
@@ -302,17 +297,14 @@ class SortTask(SyntheticTask):
 
 @dataclass
 class AdditionOptions:
-    digits: int = 3  # most digits of each operand
-    min_digits: int = 1  # fewest digits of each operand
-    reverse_answer: bool = False  # write the sum least-significant digit first (easier left-to-right)
-    seed: int = 0
-    val_fraction: float = 0.1
+    digits: int = setting(3, "most digits of each operand")
+    min_digits: int = setting(1, "fewest digits of each operand", ge=1)
+    reverse_answer: bool = setting(False, "sum written least-significant digit first (easier left-to-right)")
+    seed: int = setting(0, "seeds the train/val batch streams and the evaluation set")
+    val_fraction: float = setting(0.1, "share of the example space (by source hash) held out", gt=0, lt=1)
 
     def validate(self) -> None:
-        if not 1 <= self.min_digits <= self.digits:
-            raise ConfigError(f"need 1 <= min_digits <= digits, got {self.min_digits}, {self.digits}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_options(self, ("min_digits", "digits"))
 
 
 class AdditionTask(SyntheticTask):

@@ -25,16 +25,17 @@ import random
 import shutil
 import subprocess
 import wave
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from qkv.config import ConfigError
+from qkv.config import setting
 from qkv.storage import atomic_write
 from qkv.tasks.base import register_task, rng_for
 from qkv.tasks.digits import DIGIT_WORDS
 from qkv.tasks.dtmf import AudioDigitsTask
+from qkv.tasks.options import check_option, check_options
 from qkv.tasks.tokenizers import Tokenizer
 
 # Training voices: 5 accents x 28 espeak-ng variants (140 voices). Speaker variety is what generalises to
@@ -88,46 +89,37 @@ def synthesize(text: str, voice: str, speed: int, pitch: int, sample_rate: int =
 
 @dataclass
 class SpeechOptions:
-    min_digits: int = 4
-    max_digits: int = 4
-    sample_rate: int = 16000
-    clip_seconds: float = 3.0
-    min_speed: int = 130  # words per minute
-    max_speed: int = 200
-    min_pitch: int = 25  # espeak-ng pitch, 0..99
-    max_pitch: int = 75
-    min_snr_db: float = 10.0
-    max_snr_db: float = 40.0
-    train_voices: list[str] = field(default_factory=lambda: list(TRAIN_VOICES))
-    test_voices: list[str] = field(default_factory=lambda: list(TEST_VOICES))
-    pool_size: int = 3000  # training clips rendered once and reused with fresh noise/gain/offset
-    test_pool_size: int = 400
-    cache_dir: str | None = None  # default: $QKV_CACHE or ~/.cache/qkv/speech
-    seed: int = 0
-    val_fraction: float = 0.1
+    min_digits: int = setting(4, "fewest digits spoken per clip", ge=1)
+    max_digits: int = setting(4, "most digits spoken per clip")
+    sample_rate: int = setting(16000, "samples per second")
+    clip_seconds: float = setting(3.0, "every clip is padded to this length (the model's audio window)")
+    min_speed: int = setting(130, "slowest espeak-ng speech, in words per minute", gt=0)
+    max_speed: int = setting(200, "fastest espeak-ng speech, in words per minute")
+    min_pitch: int = setting(25, "lowest espeak-ng pitch", ge=0)
+    max_pitch: int = setting(75, "highest espeak-ng pitch", le=99)
+    min_snr_db: float = setting(10.0, "lowest signal-to-noise ratio of the added noise, in dB")
+    max_snr_db: float = setting(40.0, "highest signal-to-noise ratio of the added noise, in dB")
+    train_voices: list[str] = setting(TRAIN_VOICES, "espeak-ng voices of the training clips")
+    test_voices: list[str] = setting(TEST_VOICES, "espeak-ng voices of the held-out clips (none in training)")
+    pool_size: int = setting(3000, "training clips rendered once, reused with fresh noise/gain/offset", ge=1)
+    test_pool_size: int = setting(400, "held-out clips rendered", ge=1)
+    cache_dir: str | None = setting(None, "rendered clips' folder", none="$QKV_CACHE or ~/.cache/qkv/speech")
+    seed: int = setting(0, "seeds the rendered pools and the batch streams")
+    val_fraction: float = setting(0.1, "share of the digit strings (by hash) held out", gt=0, lt=1)
     # train-split augmentation on top of gain/offset/noise (0 = off; val clips never get these):
-    speed_perturb: float = 0.0  # resample each clip by a factor in [1 - p, 1 + p] (tempo and pitch together)
-    time_masks: int = 0  # SpecAugment-style: zero this many spans of up to `time_mask_seconds` each
-    time_mask_seconds: float = 0.05
-    freq_masks: int = 0  # SpecAugment-style: zero this many frequency bands of up to `freq_mask_hz` each
-    freq_mask_hz: float = 400.0
+    speed_perturb: float = setting(0.0, "resample by a factor in [1 - p, 1 + p] (tempo, pitch)", ge=0, lt=1)
+    time_masks: int = setting(0, "SpecAugment-style: zero this many spans of up to time_mask_seconds", ge=0)
+    time_mask_seconds: float = setting(0.05, "longest zeroed span", ge=0, unit="s")
+    freq_masks: int = setting(0, "SpecAugment-style: zero this many bands of up to freq_mask_hz each", ge=0)
+    freq_mask_hz: float = setting(400.0, "widest zeroed band", ge=0, unit="Hz")
 
     def validate(self) -> None:
-        if not 1 <= self.min_digits <= self.max_digits:
-            raise ConfigError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
-        if set(self.train_voices) & set(self.test_voices):
-            raise ConfigError("voices both in train and test: "
-                              f"{sorted(set(self.train_voices) & set(self.test_voices))}")
-        if not self.train_voices or not self.test_voices:
-            raise ConfigError("train_voices and test_voices must be non-empty")
-        if not 0 < self.min_speed <= self.max_speed or not 0 <= self.min_pitch <= self.max_pitch <= 99:
-            raise ConfigError("need 0 < min_speed <= max_speed and 0 <= min_pitch <= max_pitch <= 99")
-        if self.pool_size < 1 or self.test_pool_size < 1:
-            raise ConfigError("pool_size and test_pool_size must be positive")
-        if not 0 <= self.speed_perturb < 1 or self.time_masks < 0 or self.freq_masks < 0:
-            raise ConfigError("need 0 <= speed_perturb < 1 and non-negative time_masks / freq_masks")
-        if self.time_mask_seconds < 0 or self.freq_mask_hz < 0:
-            raise ConfigError("time_mask_seconds and freq_mask_hz must be non-negative")
+        check_options(self, ("min_digits", "max_digits"), ("min_speed", "max_speed"),
+                     ("min_pitch", "max_pitch"))
+        for key in ("train_voices", "test_voices"):
+            check_option(bool(getattr(self, key)), key, "must name at least one voice")
+        both = sorted(set(self.train_voices) & set(self.test_voices))
+        check_option(not both, "test_voices", f": voices both in train and test: {both}")
 
     @property
     def n_samples(self) -> int:

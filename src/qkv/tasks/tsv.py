@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.tasks.base import Task, read_text_file, register_task, rng_for, text_lines, text_sha256
+from qkv.tasks.options import check_option, check_options
 from qkv.tasks.seq2seq import PairTask
 from qkv.tasks.tokenizers import BPETokenizer, CharTokenizer, Tokenizer
 
@@ -47,28 +49,21 @@ def parse_pairs(text: str, p: Path) -> list[tuple[str, str]]:
 
 @dataclass
 class TSVOptions:
-    path: str = ""  # the TSV file (required)
-    tokenizer: str = "char"  # char | bpe
-    bpe_vocab_size: int = 1024
-    max_len: int = 128  # longest source/target kept, in tokens
-    val_fraction: float = 0.1
-    seed: int = 0
-    bleu_tokenize: str = "13a"  # sacrebleu tokenizer: 13a, zh, char, intl, none
+    path: str = setting("", "the TSV file of source<TAB>target lines; required")
+    tokenizer: Literal["char", "bpe"] = setting("char", "char, or bpe (byte-level BPE of the train pairs)")
+    bpe_vocab_size: int = setting(1024, "BPE vocabulary, specials and the 256 bytes included")
+    max_len: int = setting(128, "longest source/target kept, in tokens", ge=1)
+    val_fraction: float = setting(0.1, "share of the pairs held out", gt=0, lt=1)
+    seed: int = setting(0, "seeds the train/val split and the batch stream")
+    bleu_tokenize: str = setting("13a", "sacrebleu's tokenizer for BLEU: 13a, zh, char, intl, none, ...")
 
     def validate(self) -> None:
-        if not self.path:
-            raise ConfigError("task 'tsv' needs path=<file of source<TAB>target lines>")
-        if self.tokenizer not in ("char", "bpe"):
-            raise ConfigError(f"tokenizer must be 'char' or 'bpe', got {self.tokenizer!r}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.max_len < 1:
-            raise ConfigError("max_len must be positive")
+        check_options(self)
+        check_option(bool(self.path), "path", "is required: a file of source<TAB>target lines")
         from sacrebleu.metrics.bleu import BLEU  # noqa: PLC0415  (sacrebleu: an optional extra, for BLEU)
 
-        if self.bleu_tokenize not in BLEU.TOKENIZERS:
-            raise ConfigError(f"bleu_tokenize must be one of {list(BLEU.TOKENIZERS)}, got "
-                              f"{self.bleu_tokenize!r}")
+        check_option(self.bleu_tokenize in BLEU.TOKENIZERS, "bleu_tokenize",
+                     f"must be one of {list(BLEU.TOKENIZERS)}, got {self.bleu_tokenize!r}")
 
 
 class TSVTask(PairTask):

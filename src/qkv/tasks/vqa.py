@@ -27,16 +27,17 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from qkv.config import ConfigError
+from qkv.config import ConfigError, setting
 from qkv.models.registry import family as family_spec
 from qkv.tasks.base import Task, model_device, pad_rows, register_task, rng_for
 from qkv.tasks.images import FASHION_DIR, FashionMNISTOptions, build_fashion_mnist
+from qkv.tasks.options import check_option, check_options
 from qkv.tasks.tokenizers import BOS, EOS, PAD, SEP, Tokenizer, WordTokenizer
 
 CLASS_WORDS = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
@@ -81,19 +82,18 @@ def template_texts() -> list[str]:
 
 @dataclass
 class VQAOptions:
-    path: str = FASHION_DIR  # a folder with Fashion-MNIST's four IDX files
-    seed: int = 0  # seeds the training stream: image order, augmentation, question types
-    questions: list[str] = field(default_factory=lambda: list(QUESTION_TYPES))  # the types asked
-    patch_size: int = 7  # the vision tower's patches: (28 / 7)^2 = 16 image placeholders per prompt
-    pad: int = 0  # augmentation: random crop of the image padded by this many pixels (0 = off)
-    hflip: bool = True  # augmentation: horizontal flip with probability 1/2 (no answer depends on a side)
+    path: str = setting(FASHION_DIR, "a folder with Fashion-MNIST's four IDX files")
+    seed: int = setting(0, "seeds the training stream: image order, augmentation, question types")
+    questions: list[str] = setting(list(QUESTION_TYPES), f"question types asked: {', '.join(QUESTION_TYPES)}")
+    patch_size: int = setting(7, "the vision tower's patch side (7: 16 image tokens per prompt)", ge=1)
+    pad: int = setting(0, "augmentation: random crop of the image padded by this many pixels", ge=0)
+    hflip: bool = setting(True, "augmentation: horizontal flip with probability 1/2 (no answer needs a side)")
 
     def validate(self) -> None:
+        check_options(self)
         bad = [q for q in self.questions if q not in QUESTION_TYPES]
-        if bad or not self.questions:
-            raise ConfigError(f"questions: {bad or 'none'} - give one or more of {list(QUESTION_TYPES)}")
-        if self.patch_size < 1 or self.pad < 0:
-            raise ConfigError(f"need patch_size >= 1 and pad >= 0, got {self.patch_size} and {self.pad}")
+        check_option(bool(self.questions) and not bad, "questions",
+                     f": {bad or 'none'} - give one or more of {list(QUESTION_TYPES)}")
 
 
 class VQATask(Task):
