@@ -19,7 +19,7 @@ from typing import Any
 from qkv.interop.classifier import HF_ACTIVATIONS, classifier_config, transformer_checks, write_classifier
 from qkv.interop.common import HFTensors, build_skeleton, load_hf_weights, require
 from qkv.interop.registry import ExportRequest, ModelType, register
-from qkv.interop.vit import hf_activation
+from qkv.interop.vit import LAYER_MAP, hf_activation
 from qkv.models.swin import Swin, SwinConfig
 
 
@@ -64,13 +64,6 @@ def swin_key_map(cfg: SwinConfig, prefix: str = "", *, classify: bool = False) -
         f"{p}layernorm.weight": "final_norm.weight",
         f"{p}layernorm.bias": "final_norm.bias",
     }
-    simple = {
-        "attention.output.dense": "attn.out_proj",
-        "intermediate.dense": "ffn.up",
-        "output.dense": "ffn.down",
-        "layernorm_before": "norm1",
-        "layernorm_after": "norm2",
-    }
     for i, depth in enumerate(cfg.depths):
         for j in range(depth):
             h, o = f"{p}encoder.layers.{i}.blocks.{j}.", f"stages.{i}.{j}."
@@ -78,7 +71,7 @@ def swin_key_map(cfg: SwinConfig, prefix: str = "", *, classify: bool = False) -
             for kind in ("weight", "bias"):
                 m.update({f"{h}attention.self.{n}.{kind}": f"{o}block.attn.qkv_proj.{kind}"
                           for n in ("query", "key", "value")})
-                m.update({f"{h}{hf}.{kind}": f"{o}block.{ours}.{kind}" for hf, ours in simple.items()})
+                m.update({f"{h}{hf}.{kind}": f"{o}block.{ours}.{kind}" for hf, ours in LAYER_MAP.items()})
         if i < len(cfg.depths) - 1:
             d = f"{p}encoder.layers.{i}.downsample."
             m.update(

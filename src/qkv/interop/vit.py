@@ -37,6 +37,11 @@ def vit_config_from_hf(meta: dict[str, Any], *, classify: bool, pooler: bool) ->
     )
 
 
+# a layer's tensors besides q, k and v: Hugging Face ViT's and Swin's names -> ours
+LAYER_MAP = {"attention.output.dense": "attn.out_proj", "intermediate.dense": "ffn.up",
+             "output.dense": "ffn.down", "layernorm_before": "norm1", "layernorm_after": "norm2"}
+
+
 def vit_key_map(
     n_layers: int, prefix: str = "", *, pooler: bool = False, classify: bool = False
 ) -> dict[str, str]:
@@ -52,13 +57,6 @@ def vit_key_map(
         f"{p}layernorm.weight": "encoder.final_norm.weight",
         f"{p}layernorm.bias": "encoder.final_norm.bias",
     }
-    simple = {
-        "attention.output.dense": "attn.out_proj",
-        "intermediate.dense": "ffn.up",
-        "output.dense": "ffn.down",
-        "layernorm_before": "norm1",
-        "layernorm_after": "norm2",
-    }
     for i in range(n_layers):
         h, o = f"{p}encoder.layer.{i}.", f"encoder.blocks.{i}."
         for kind in ("weight", "bias"):
@@ -68,7 +66,7 @@ def vit_key_map(
                     for n in ("query", "key", "value")
                 }
             )
-            m.update({f"{h}{hf}.{kind}": f"{o}{ours}.{kind}" for hf, ours in simple.items()})
+            m.update({f"{h}{hf}.{kind}": f"{o}{ours}.{kind}" for hf, ours in LAYER_MAP.items()})
     if pooler:
         m.update({f"{p}pooler.dense.weight": "pooler.weight", f"{p}pooler.dense.bias": "pooler.bias"})
     if classify:
