@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from qkv.interop.classifier import HF_ACTIVATIONS
 from qkv.interop.clip import encoder_layer_map
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, export_state, load_hf_weights, require
 from qkv.interop.llama import check_decoder_sizes, key_map, load_decoder
@@ -148,7 +149,6 @@ def load_idefics3(folder: Path, meta: dict[str, Any]) -> LLaVA:
 # -- export -----------------------------------------------------------------------------------------
 IDEFICS3_PREFIXES = {"vision.": "model.vision_model.", "projector.": "model.connector.modality_projection."}
 ARCHITECTURES = {"idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}
-HF_ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu"}  # hf_activation inverted
 
 
 def idefics3_config_to_hf(config: Any, text_config: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -11,19 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from qkv.interop.bert import ACTIVATIONS
 from qkv.interop.classifier import HF_ACTIVATIONS, classifier_config, transformer_checks, write_classifier
 from qkv.interop.common import HFTensors, build_skeleton, check_sizes, load_hf_weights, require
 from qkv.interop.registry import ExportRequest, ModelType, register
 from qkv.models.vit import ViT, ViTConfig
 from qkv.storage import CheckpointError
 
-_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
-
 
 def hf_activation(name: str) -> str:
-    if name not in _ACTS:
-        raise CheckpointError(f"unsupported Hugging Face activation {name!r}; supported: {sorted(_ACTS)}")
-    return _ACTS[name]
+    if name not in ACTIVATIONS:
+        raise CheckpointError(f"unsupported Hugging Face activation {name!r}; supported: "
+                              f"{sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
 
 
 def vit_config_from_hf(meta: dict[str, Any], *, classify: bool, pooler: bool) -> ViTConfig:
