@@ -1,5 +1,5 @@
 """Hugging Face BartForConditionalGeneration and MarianMTModel folders -> qkv EncoderDecoder, by one explicit
-key map (the two share fairseq's layout), and back (`save_bart`, for fine-tuned models).
+key map (the two share fairseq's layout), and back (`export_bart`, for fine-tuned models).
 
 Both: Post-LN layers with q/k/v/out projections (biases), self_attn_layer_norm / encoder_attn_layer_norm /
 final_layer_norm after each residual, fc1/fc2, one shared embedding, the output projection tied to it, and a
@@ -183,19 +183,14 @@ def load_bart(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
     return model.eval()
 
 
-def save_bart(model: EncoderDecoder, folder: str | Path, meta: dict[str, Any]) -> Path:
-    """Write `model` (loaded by load_bart, then e.g. fine-tuned) as a Hugging Face BART / Marian folder:
-    config.json is `meta` (the source folder's), weights under HF's names."""
-    state = export_state(model.state_dict(), key_map(model.config))
-    return write_hf_folder(folder, state, meta)
-
-
 def export_bart(model: EncoderDecoder, out: Path, request: ExportRequest) -> None:
-    save_bart(model, out, request.source_config())
+    """Write `model` (loaded by load_bart, then e.g. fine-tuned) as a Hugging Face BART / Marian folder:
+    config.json is the source folder's, weights under HF's names."""
+    write_hf_folder(out, export_state(model.state_dict(), key_map(model.config)), request.source_config())
 
 
 SIZING_FIELDS = ("decoder_layers", "decoder_attention_heads", "d_model", "max_position_embeddings")
 register(*(ModelType(mt, "seq2seq", "encdec", load_bart, export_bart, sizing_fields=SIZING_FIELDS)
            for mt in ("bart", "marian")))
 
-__all__ = ["config_from_hf", "export_bart", "key_map", "load_bart", "save_bart"]
+__all__ = ["config_from_hf", "export_bart", "key_map", "load_bart"]

@@ -1,5 +1,5 @@
 """Hugging Face T5ForConditionalGeneration folders (T5 v1.0, v1.1 / Flan-T5) -> qkv EncoderDecoder, by an
-explicit key map, and back (`save_t5`, for fine-tuned models that transformers loads again).
+explicit key map, and back (`export_t5`, for fine-tuned models that transformers loads again).
 
 T5 in qkv's terms: Pre-LN with T5's RMS norm (no mean, no bias, eps 1e-6), no biases anywhere, no 1/sqrt(d_k)
 in the attention (folded into T5's initialisation), a bucketed relative position bias learned in the first
@@ -192,19 +192,13 @@ def load_t5(folder: Path, meta: dict[str, Any]) -> EncoderDecoder:
     return model.eval()
 
 
-def save_t5(model: EncoderDecoder, folder: str | Path, meta: dict[str, Any]) -> Path:
-    """Write `model` (loaded by load_t5, then e.g. fine-tuned) as a Hugging Face T5 folder: config.json is
-    `meta` (the source folder's), weights under HF's names; transformers' T5ForConditionalGeneration loads
-    it."""
-    state = export_state(model.state_dict(), key_map(model.config))
-    return write_hf_folder(folder, state, meta)
-
-
 def export_t5(model: EncoderDecoder, out: Path, request: ExportRequest) -> None:
-    save_t5(model, out, request.source_config())
+    """Write `model` (loaded by load_t5, then e.g. fine-tuned) as a Hugging Face T5 folder: config.json is the
+    source folder's, weights under HF's names; transformers' T5ForConditionalGeneration loads it."""
+    write_hf_folder(out, export_state(model.state_dict(), key_map(model.config)), request.source_config())
 
 
 register(ModelType("t5", "seq2seq", "encdec", load_t5, export_t5,
                    sizing_fields=("num_layers", "num_heads", "d_kv")))
 
-__all__ = ["config_from_hf", "export_t5", "key_map", "load_t5", "save_t5"]
+__all__ = ["config_from_hf", "export_t5", "key_map", "load_t5"]
