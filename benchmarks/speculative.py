@@ -133,7 +133,7 @@ def engine_rows(model, rewrite: torch.Tensor, new: int, k: int, repeats: int) ->
                    "on": Engine(model, prefix_caching=False, max_batch_size=batch,
                                 speculative="prompt-lookup", speculative_tokens=k)}
 
-        def run(engine):
+        def run(engine, prompts=prompts):
             def fn():
                 before = (engine.speculation.drafted, engine.speculation.accepted)
                 ids = [engine.add_request(p, max_new_tokens=new, eos_token_id=[]) for p in prompts]

@@ -58,6 +58,6 @@ def test_speculative_server_answers_as_plain_server_and_generate(gpt2_folder):
         ref = generate(served.model, torch.tensor([ids]), 16, eos_token_id=eos)[0, len(ids):].tolist()
         assert chat.choices[0].message.content == served.codec.decode(ref)
         stats = app.state.api.engine.stats()
-        assert stats["spec_accepted_tokens"] > 0 and stats["spec_draft_tokens"] >= stats["spec_accepted_tokens"]
+        assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
         metrics = httpx.get(url + "/metrics").text
         assert f"qkv_spec_decode_accepted_tokens_total {float(stats['spec_accepted_tokens'])}" in metrics

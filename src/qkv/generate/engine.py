@@ -604,7 +604,8 @@ class Engine:
                 self._accept(req, drafted, row, events)
         return plain
 
-    def _accept(self, req: Request, drafted: list[int], logits: Tensor, events: list[tuple[int, int]]) -> None:
+    def _accept(self, req: Request, drafted: list[int], logits: Tensor,
+                events: list[tuple[int, int]]) -> None:
         """Check req's draft on its logits (k + 1, V), keep the accepted positions' keys/values (the rest and
         the blocks past them given back) and emit the tokens until one finishes the request."""
         try:

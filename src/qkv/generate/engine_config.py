@@ -44,8 +44,8 @@ class EngineConfig:
         "n-gram's first occurrence in the request's prompt + output, checked in its decoding step's forward "
         "(the same tokens as without it when greedy, the same distribution when sampling; docs/serving.md)",
         choices=SPECULATIVE, none="off", metavar="prompt-lookup")
-    speculative_tokens: int = setting(10, "tokens a request drafts per decoding step with --speculative", ge=1,
-                                      le=64)
+    speculative_tokens: int = setting(10, "tokens a request drafts per decoding step with --speculative",
+                                      ge=1, le=64)
     image_cache: int = setting(32, "projected image embeddings kept by content hash, so a repeated image "
                                "skips the vision tower (0: none kept)", ge=0, le=4096)
 

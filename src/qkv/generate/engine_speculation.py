@@ -59,5 +59,5 @@ def verify(req: Request, logits: Tensor, drafted: list[int], stats: SpeculationS
     the request's settings break its token choice (non-finite scores), as in plain sampling."""
     cur = len(req.tokens)
     buf = torch.tensor([req.tokens + drafted + [0]], dtype=torch.long, device=logits.device)
-    return target_choices(req.pipe, buf, cur, logits.unsqueeze(0), Draft(buf[0, cur:cur + len(drafted)].clone(), None),
-                          stats)
+    proposed = Draft(buf[0, cur:cur + len(drafted)].clone(), None)  # deterministic: q one-hot
+    return target_choices(req.pipe, buf, cur, logits.unsqueeze(0), proposed, stats)

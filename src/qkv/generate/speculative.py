@@ -231,4 +231,5 @@ def speculative_loop(s: Any, stop: Callable[[Tensor, Tensor], Tensor] | None, *,
         drafter.accepted(cur)
 
 
-__all__ = ["Draft", "SpeculationStats", "accept_or_resample", "lookup_ngram", "speculative_loop", "target_choices"]
+__all__ = ["Draft", "SpeculationStats", "accept_or_resample", "lookup_ngram", "speculative_loop",
+           "target_choices"]
