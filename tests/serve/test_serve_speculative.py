@@ -1,7 +1,8 @@
 """qkv serve with --speculative prompt-lookup (EngineConfig.speculative): through the official openai client
 on a loopback port, a concurrent batch of prompts of different lengths, some repeating themselves (drafts
 accepted), streamed and not, answers exactly as the server without speculation and generate() alone
-(greedy); the acceptance is reported in the engine's stats and /metrics."""
+(greedy); a request's own prompt_lookup_num_tokens (an extension field) likewise; the acceptance is
+reported in the engine's stats and /metrics."""
 
 from __future__ import annotations
 
@@ -45,8 +46,18 @@ def test_speculative_server_answers_as_plain_server_and_generate(gpt2_folder):
         ids = served.codec.encode(p)
         want.append(served.codec.decode(
             generate(served.model, torch.tensor([ids]), n, eos_token_id=eos)[0, len(ids):].tolist()))
-    with running_server(gpt2_folder, block_size=4, max_batch_size=4) as (url, _):
+    with running_server(gpt2_folder, block_size=4, max_batch_size=4) as (url, app):
         assert _answers(url, served.name, stream=False) == want
+        assert app.state.api.engine.stats()["spec_draft_tokens"] == 0
+        # one request's own speculation (an extension field, as top_k): the same answer
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        one = client.completions.create(model=served.name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0],
+                                        temperature=0, extra_body={"prompt_lookup_num_tokens": 3})
+        assert one.choices[0].text == want[0] and app.state.api.engine.stats()["spec_accepted_tokens"] > 0
+        for bad in (0, 65):
+            r = httpx.post(url + "/v1/completions", json={"model": served.name, "prompt": "x",
+                                                          "prompt_lookup_num_tokens": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_lookup_num_tokens"
     with running_server(gpt2_folder, block_size=4, max_batch_size=4, speculative="prompt-lookup",
                         speculative_tokens=4) as (url, app):
         assert _answers(url, served.name, stream=False) == want
