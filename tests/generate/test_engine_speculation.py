@@ -118,6 +118,19 @@ def test_a_request_speculates_on_its_own_and_a_short_pool_decodes_plainly(model)
         model, None, engine=dict(num_blocks=40))[0].stats()["preemptions"]
 
 
+def test_parallel_samples_on_shared_blocks_speculate_on_their_own(model):
+    """n=3 greedy choices of one prompt start on its blocks (copy-on-write) and each speculates and rolls
+    back its own: all three are generate()'s tokens, and every block comes back."""
+    engine = Engine(model, block_size=4, speculative="prompt-lookup", speculative_tokens=4)
+    prompt = PROMPTS[2] + [4]  # a partial last block: shared by the three, copied by each first writer
+    rid = engine.add_request(prompt, max_new_tokens=30, n=3)
+    out = engine.run()
+    want = generate(model, torch.tensor([prompt]), max_new_tokens=30)[0, len(prompt):].tolist()
+    assert [out[rid + i] for i in range(3)] == [want] * 3
+    st = engine.stats()
+    assert st["spec_accepted_tokens"] > 0 and st["blocks_used"] == 0 and st["cow_copies"] >= 2
+
+
 def test_fallbacks():
     assert draft_length(GenerationConfig(grammar='start: "a"'), 5) == 0  # its matcher follows every scoring
     assert draft_length(GenerationConfig(), None) == 0
