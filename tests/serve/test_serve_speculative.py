@@ -10,9 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pytest
 import torch
 from _servehelpers import running_server
 
+import qkv.serve
+from qkv.cli.main import main
 from qkv.generate import generate
 from qkv.serve import load_served
 
@@ -72,3 +75,13 @@ def test_speculative_server_answers_as_plain_server_and_generate(gpt2_folder):
         assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
         metrics = httpx.get(url + "/metrics").text
         assert f"qkv_spec_decode_accepted_tokens_total {float(stats['spec_accepted_tokens'])}" in metrics
+
+
+def test_the_flags_reach_serve(monkeypatch, tmp_path, capsys):
+    seen = {}
+    monkeypatch.setattr(qkv.serve, "serve", lambda model, **kw: seen.update(kw) or 0)
+    assert main(["serve", str(tmp_path), "--speculative", "prompt-lookup", "--speculative-tokens", "4"]) == 0
+    assert seen == {"speculative": "prompt-lookup", "speculative_tokens": 4}
+    with pytest.raises(SystemExit) as e:  # a draft model: not in the server (argparse's choices)
+        main(["serve", str(tmp_path), "--speculative", "MODEL"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
