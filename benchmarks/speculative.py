@@ -9,6 +9,11 @@ Two measurements, side by side in one run (interleaved rounds, medians):
            (--draft FOLDER), on two tasks: "rewrite" (the prompt is a paragraph to copy with corrections:
            the answer repeats long spans of it) and "free" (a short open prompt). tok/s, speed-up over
            plain, acceptance rate (accepted / drafted), and whether the tokens equal plain greedy's.
+  engine   the serving Engine (continuous batching over the paged KV cache, `qkv serve`'s) on the rewrite
+           task at batch 1 and 4 (four prompts that differ in their first token), speculation off vs
+           EngineConfig(speculative="prompt-lookup", speculative_tokens=--k): tok/s of the whole batch, the
+           ratio, the acceptance rate, and whether the tokens equal the engine's without speculation. Prefix
+           caching off, so every round computes its prompts.
 
 Model: --folder (a Hugging Face folder with its tokenizer.json: the tasks are real text), else SmolLM-135M's
 shape with random weights (benchmarks/llm.py's FULL; --quick: a 2-layer width-64 one) and token-id tasks: the
@@ -17,7 +22,7 @@ weights the acceptance rates are not a trained model's (the model neither copies
 the verify table for the cost, a real folder for the acceptance. The machine is shared: compare ratios.
 
     .venv/bin/python benchmarks/speculative.py [--folder F] [--draft F] [--quick] [--threads 2] [--new 64]
-        [--k 10] [--repeats 3] [--dtype float32]
+        [--k 10] [--repeats 3] [--dtype float32] [--parts verify,decode,engine]
 
 Writes benchmarks/results/speculative.json and speculative.md.
 """
@@ -42,7 +47,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 import qkv  # noqa: E402
 from _timing import interleaved, write_results  # noqa: E402
 from llm import FULL, QUICK  # noqa: E402
-from qkv.generate import generate  # noqa: E402
+from qkv.generate import Engine, generate  # noqa: E402
 
 PARAGRAPH = (
     "The key-value cache keeps the keys and values of every token that the model has already seen, so that "
@@ -118,6 +123,35 @@ def decode_rows(model, draft, ids: dict[str, torch.Tensor], new: int, k: int, re
     return rows
 
 
+def engine_rows(model, rewrite: torch.Tensor, new: int, k: int, repeats: int) -> list[dict]:
+    """The Engine at batch 1 and 4 on the rewrite task, speculation off vs on (interleaved rounds)."""
+    rows = []
+    base = rewrite[0].tolist()
+    for batch in (1, 4):
+        prompts = [[3 + i] + base for i in range(batch)]  # distinct first blocks: nothing shared
+        engines = {"off": Engine(model, prefix_caching=False, max_batch_size=batch),
+                   "on": Engine(model, prefix_caching=False, max_batch_size=batch,
+                                speculative="prompt-lookup", speculative_tokens=k)}
+
+        def run(engine, prompts=prompts):
+            def fn():
+                before = (engine.speculation.drafted, engine.speculation.accepted)
+                ids = [engine.add_request(p, max_new_tokens=new, eos_token_id=[]) for p in prompts]
+                out = engine.run()
+                drafted = engine.speculation.drafted - before[0]
+                accepted = engine.speculation.accepted - before[1]
+                return [out[i] for i in ids], (accepted / drafted if drafted else None)
+            return fn
+
+        times, last = interleaved({name: run(e) for name, e in engines.items()}, repeats)
+        off = statistics.median(times["off"])
+        for name, t in times.items():
+            rows.append({"batch": batch, "prompt_tokens": len(prompts[0]), "speculation": name,
+                         "tok_s": batch * new / statistics.median(t), "speedup": off / statistics.median(t),
+                         "acceptance": last[name][1], "equal_to_off": last[name][0] == last["off"][0]})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", default=None, help="a Hugging Face model folder (default: random weights)")
@@ -129,6 +163,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--parts", default="verify,decode,engine", help="comma-separated: verify, decode, engine")
     a = ap.parse_args()
     if a.quick:
         a.new, a.repeats = 12, 1
@@ -138,24 +173,34 @@ def main() -> None:
     model = qkv.from_pretrained(folder).eval()
     draft = qkv.from_pretrained(a.draft).eval() if a.draft else None
     ids = prompts(folder, model.output_vocab_size)
-    verify = verify_costs(model, a.repeats)
-    rows = decode_rows(model, draft, ids, a.new, a.k, a.repeats)
+    parts = set(a.parts.split(","))
+    verify = verify_costs(model, a.repeats) if "verify" in parts else {}
+    rows = decode_rows(model, draft, ids, a.new, a.k, a.repeats) if "decode" in parts else []
+    engine = engine_rows(model, ids["rewrite"], a.new, a.k, a.repeats) if "engine" in parts else []
     meta = {"torch": torch.__version__, "threads": a.threads, "machine": platform.processor() or
             platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "model": str(a.folder or ("random " + ("quick" if a.quick else "SmolLM-135M shape"))),
             "dtype": a.dtype, "new_tokens": a.new, "k": a.k, "repeats": a.repeats,
             "note": "shared, loaded machine: medians of interleaved repeats; compare ratios within this run"}
-    lines = [f"model: {meta['model']} ({a.dtype}), {a.threads} threads, {meta['cpu_capability']}", "",
-             "| new tokens per forward | ms | x one token |", "|---|---|---|"]
+    lines = [f"model: {meta['model']} ({a.dtype}), {a.threads} threads, {meta['cpu_capability']}"]
+    lines += ["", "| new tokens per forward | ms | x one token |", "|---|---|---|"] if verify else []
     lines += [f"| {n} | {ms:.1f} | {ms / verify[1]:.2f} |" for n, ms in verify.items()]
     lines += ["", "| task | method | tok/s | speed-up | acceptance | tokens / forward | = plain |",
-              "|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|"] if rows else []
     for r in rows:
         acc = "" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         tpf = "1" if r["tokens_per_forward"] is None else f"{r['tokens_per_forward']:.2f}"
         lines.append(f"| {r['task']} ({r['prompt_tokens']} prompt) | {r['method']} | {r['tok_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {acc} | {tpf} | {r['equal_to_plain']} |")
-    write_results(a.out, "speculative", {"meta": meta, "verify_ms": verify, "decode": rows}, lines)
+    if engine:
+        lines += ["", "| Engine, rewrite task | speculation | tok/s | on / off | acceptance | = off |",
+                  "|---|---|---|---|---|---|"]
+    for r in engine:
+        acc = "" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        lines.append(f"| batch {r['batch']} ({r['prompt_tokens']} prompt) | {r['speculation']} | "
+                     f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {acc} | {r['equal_to_off']} |")
+    write_results(a.out, "speculative", {"meta": meta, "verify_ms": verify, "decode": rows, "engine": engine},
+                  lines)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,12 @@ their keys/values in the cache. One step (the scheduler, in this order):
    similar length, one forward each (Scheduler.length_groups: each forward gathers and attends over its rows
    padded to its own longest sequence, not the batch's).
 
+Speculative decoding (engine_speculation.py): a request with prompt_lookup_num_tokens (EngineConfig
+speculative="prompt-lookup": every request) drafts tokens by n-gram lookup in its own prompt + output; its
+decoding row feeds them after its last token (rows of equal draft length through one forward), the target's
+logits at each position accept or reject them by speculative.py's rule, and the rejected positions' cache is
+given back. Greedy tokens are those of plain decoding.
+
 Preemption by recomputation (vLLM's default): when a write needs a block and none is free (cached,
 unreferenced prefix blocks count as free and are evicted least-recently-used first), a victim's blocks are
 freed and it goes back to the head of the waiting queue with its S; when re-admitted it is prefilled from
@@ -82,6 +88,7 @@ from torch import Tensor
 from qkv.generate.blocks import BlockManager
 from qkv.generate.config import GenerationConfig
 from qkv.generate.engine_config import PREEMPTION, EngineConfig
+from qkv.generate.engine_speculation import SpeculationStats, draft, draft_length, verify
 from qkv.generate.images import ImageEncoder, ImageInput, Span, block_extras, check_images, in_piece, spans
 from qkv.generate.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from qkv.generate.output import TEXT_CONTEXT, OutputProcessor
@@ -160,6 +167,9 @@ class Engine:
         # a model whose step can return every position's logits can give a prompt's log-probabilities
         self.all_logits = "all_logits" in inspect.signature(dec.step).parameters
         self._forked: dict[int, Request] = {}  # a parallel sample not started yet -> the request it forks
+        # speculative decoding (engine_speculation.py): its drafts are checked on every position's logits
+        self._lookup = c.speculative_tokens if c.speculative == "prompt-lookup" else None
+        self.speculation = SpeculationStats()
 
     # -- the parts' state, under the names callers use -------------------------------------------------
     @property
@@ -300,7 +310,8 @@ class Engine:
             reqs.append(Request(self._next_id, ids, own_cfg, max_new, set(cfg.eos_ids), pipe,
                                 self.output.stop_strings(ids, list(cfg.stop_strings or [])),
                                 head=self.blocks.head(ids, extra), images=image_spans, extra=extra,
-                                logprobs=logprobs))
+                                logprobs=logprobs,
+                                draft_tokens=draft_length(own_cfg, self._lookup) if self.all_logits else 0))
             self._next_id += 1
         req = reqs[0]
         req.forks, req.prompt_logprobs = reqs[1:], prompt_logprobs
@@ -379,6 +390,8 @@ class Engine:
             "images_encoded": self.images.encoded if self.images else 0,
             "image_cache_hits": self.images.hits if self.images else 0,
             "image_cache_entries": len(self.images.cache) if self.images else 0,
+            "spec_draft_tokens": self.speculation.drafted, "spec_accepted_tokens": self.speculation.accepted,
+            "spec_acceptance_rate": self.speculation.acceptance_rate,
         }
 
     # -- the model step ---------------------------------------------------------------------------------
@@ -549,6 +562,7 @@ class Engine:
         """One decoding step for the batch, in length groups (one forward each), one token choice for all."""
         # a prompt's last token comes here when the rest was cached or prefilled: it may be an image's
         batch = self._encode_images(batch, 1)
+        batch = self._speculate(batch, events)
         if not batch:
             return
         parts = []
@@ -569,6 +583,47 @@ class Engine:
             req.computed += 1
             self.scheduler.register(req)
         self._choose(list(batch), logits, events)
+
+    def _speculate(self, batch: list[Request], events: list[tuple[int, int]]) -> list[Request]:
+        """The rows that draft this step fed with their drafts and checked (engine_speculation.py), those of
+        equal draft length through one forward; returns the rows that decode plainly."""
+        by_len: dict[int, list[tuple[Request, list[int]]]] = {}
+        plain = []
+        for req in batch:
+            drafted = draft(req)
+            # the draft's blocks only where they are free: speculating never preempts a request
+            if drafted and self.cache.reserve(req.id, 1 + len(drafted)):
+                by_len.setdefault(len(drafted), []).append((req, drafted))
+            else:
+                plain.append(req)
+        for rows in by_len.values():
+            group = [req for req, _ in rows]
+            logits = self._forward(group, [[req.output[-1], *d] for req, d in rows], all_logits=True)
+            self._track()
+            for (req, drafted), row in zip(rows, logits):
+                self._accept(req, drafted, row, events)
+        return plain
+
+    def _accept(self, req: Request, drafted: list[int], logits: Tensor,
+                events: list[tuple[int, int]]) -> None:
+        """Check req's draft on its logits (k + 1, V), keep the accepted positions' keys/values (the rest and
+        the blocks past them given back) and emit the tokens until one finishes the request."""
+        try:
+            toks = verify(req, logits, drafted, self.speculation)
+        except RuntimeError as e:  # as Sampler.choose: this request's settings fail it, the others go on
+            self.errors[req.id] = f"sampling failed for this request's settings: {e}"
+            self._emit(req, None, events)
+            return
+        accepted = len(toks) - 1
+        req.computed += 1 + accepted  # its last token and the accepted drafts; the newest is fed next
+        self.cache.truncate(req.id, req.computed)
+        self.blocks.register(req.id, req.tokens + toks[:accepted], req.computed, req.digests, req.extra)
+        entries = token_logprobs(logits[:len(toks)], toks, req.logprobs) if req.logprobs is not None else []
+        for i, tok in enumerate(toks):
+            if entries:
+                self.output.logprobs.setdefault(req.id, []).append(entries[i])
+            if self._emit(req, tok, events):
+                return
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, int]]:

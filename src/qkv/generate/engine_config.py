@@ -17,6 +17,7 @@ from typing import Any
 from qkv.config import ConfigError, check_fields, setting
 
 PREEMPTION = ("least_work", "newest")  # victim policies (scheduler.py)
+SPECULATIVE = ("prompt-lookup",)  # the Engine's drafters (engine_speculation.py)
 
 
 @dataclass
@@ -38,6 +39,13 @@ class EngineConfig:
     max_model_len: int | None = setting(
         None, "most prompt + output tokens a request may ask for", ge=1,
         none="the model's configured context (max_position_embeddings: RoPE / ALiBi have no hard limit)")
+    speculative: str | None = setting(
+        None, "speculative decoding of every request: prompt-lookup drafts the tokens that followed the last "
+        "n-gram's first occurrence in the request's prompt + output, checked in its decoding step's forward "
+        "(the same tokens as without it when greedy, the same distribution when sampling; docs/serving.md)",
+        choices=SPECULATIVE, none="off", metavar="prompt-lookup")
+    speculative_tokens: int = setting(10, "tokens a request drafts per decoding step with --speculative",
+                                      ge=1, le=64)
     image_cache: int = setting(32, "projected image embeddings kept by content hash, so a repeated image "
                                "skips the vision tower (0: none kept)", ge=0, le=4096)
 

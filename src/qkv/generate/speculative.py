@@ -159,7 +159,7 @@ def accept_or_resample(p: Tensor, q: Tensor | None, d: int,
     return int(torch.multinomial(rest, 1, generator=generator)), False
 
 
-def _target_choices(pipe: Pipeline, buf: Tensor, cur: int, logits: Tensor, draft: Draft,
+def target_choices(pipe: Pipeline, buf: Tensor, cur: int, logits: Tensor, draft: Draft,
                     stats: SpeculationStats) -> list[int]:
     """The tokens the target emits after one verifying forward: the accepted drafts and one of its own.
     logits: (1, k + 1, V), position i predicting buf[:, cur + i]."""
@@ -220,7 +220,7 @@ def speculative_loop(s: Any, stop: Callable[[Tensor, Tensor], Tensor] | None, *,
         offset = None if s.n_pad is None else cache.length - s.n_pad
         logits = model.verify(s.buf[:, cache.length: cur + k], cache, keep=keep, offset=offset,
                               n_logits=k + 1)
-        for tok in _target_choices(pipe, s.buf, cur, logits, draft, stats):
+        for tok in target_choices(pipe, s.buf, cur, logits, draft, stats):
             cur += 1
             produced += 1
             new = s.buf[:, cur - 1]
@@ -231,4 +231,5 @@ def speculative_loop(s: Any, stop: Callable[[Tensor, Tensor], Tensor] | None, *,
         drafter.accepted(cur)
 
 
-__all__ = ["SpeculationStats", "accept_or_resample", "lookup_ngram", "speculative_loop"]
+__all__ = ["Draft", "SpeculationStats", "accept_or_resample", "lookup_ngram", "speculative_loop",
+           "target_choices"]

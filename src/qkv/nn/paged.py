@@ -249,6 +249,16 @@ class PagedKVCache(KVCache):
             raise ValueError(f"length {n} outside 0..{self.lens[seq_id]}")
         self.lens[seq_id] = n
 
+    def truncate(self, seq_id: int, n: int) -> None:
+        """Forget all but the first n cached positions of a sequence and give back the blocks past them
+        (speculative decoding's rejected drafts: written, never to be read)."""
+        self.set_length(seq_id, n)
+        table = self.tables[seq_id]
+        keep = -(-n // self.block_size)
+        if len(table) > keep:
+            self.allocator.free(table[keep:][::-1])
+            del table[keep:]
+
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
         """Free blocks that writing `new_tokens` more positions takes: new blocks, plus one copy when the
         first write lands in a block that others share or the prefix cache holds (copy-on-write)."""

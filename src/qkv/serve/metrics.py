@@ -40,6 +40,8 @@ _COUNTERS = {
     "images_encoded": ("qkv_images_encoded", "images run through the vision tower (not found in the LRU of "
                        "projected embeddings, nor in prefix-cached blocks)"),
     "image_cache_hits": ("qkv_image_cache_hits", "images whose projected embeddings the LRU held"),
+    "spec_draft_tokens": ("qkv_spec_decode_draft_tokens", "tokens drafted by speculative decoding"),
+    "spec_accepted_tokens": ("qkv_spec_decode_accepted_tokens", "drafted tokens the model accepted"),
 }
 
 

@@ -45,6 +45,8 @@ OPENAI_RULES: dict[str, dict[str, Any]] = {
     "seed": {"ge": -(2 ** 63), "le": 2 ** 64 - 1},
     # n: choices of one request, each a sequence in the running batch (checks.py: at most max_batch_size)
     "num_return_sequences": {"le": 128},
+    # drafted tokens per decoding step (engine_speculation.py): EngineConfig.speculative_tokens' bound
+    "prompt_lookup_num_tokens": {"le": 64},
 }
 
 
@@ -119,6 +121,9 @@ class _Body(BaseModel):
     best_of: int | None = setting("num_return_sequences")
     presence_penalty: float | None = setting("presence_penalty")
     frequency_penalty: float | None = setting("frequency_penalty")
+    # this request's speculative decoding by prompt lookup (an extension; the server's --speculative: every
+    # request's)
+    prompt_lookup_num_tokens: int | None = setting("prompt_lookup_num_tokens")
     logit_bias: dict[str, float] | None = None  # token id (JSON keys are strings) -> bias (check_supported)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -211,7 +216,8 @@ class _Body(BaseModel):
             min_p=float(pick["min_p"]), repetition_penalty=float(pick["repetition_penalty"]),
             presence_penalty=float(self.presence_penalty or 0),
             frequency_penalty=float(self.frequency_penalty or 0),
-            logit_bias=self.logit_bias_ids, stop_strings=self.stop_strings or None)
+            logit_bias=self.logit_bias_ids, stop_strings=self.stop_strings or None,
+            prompt_lookup_num_tokens=self.prompt_lookup_num_tokens)
 
 
 # API field -> the GenerationConfig field whose rule it follows (for the error message's bounds)
