@@ -147,7 +147,10 @@ def serve(threads: int, n_ctx: int, models: list[str]) -> None:
         req = json.loads(line)
         llm = llms[req["model"]]
         llm.reset()
-        llm.eval(req["prompt"])  # the prefill: not timed
+        # the prefill (not timed), one token at a time: llama.cpp 0.3.36's batched Q8_0 product segfaults on
+        # an AVX-512 + AMX CPU (a 32-token prompt of the 135M shape); one-row products are the decoding path
+        for token in req["prompt"]:
+            llm.eval([token])
         if req["op"] == "logits":
             np.save(req["path"], last_logits(llama_cpp, llm).copy())
             print(json.dumps({"path": req["path"]}), flush=True)
@@ -163,7 +166,9 @@ def serve(threads: int, n_ctx: int, models: list[str]) -> None:
 
 def last_logits(llama_cpp, llm) -> np.ndarray:
     """A view of the logits of the last token llm.eval saw (Llama.eval keeps them only with logits_all)."""
-    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    # llama-cpp-python 0.3.x keeps the context pointer in llm._ctx.ctx (llm.ctx is no longer it: a segfault)
+    ctx = llm._ctx.ctx if hasattr(llm, "_ctx") else llm.ctx
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(llm.n_vocab(),))
 
 
 if __name__ == "__main__":
