@@ -10,6 +10,7 @@ last logits and a one-token forward), as pairs of the same precision:
   qkv fp32 compiled (generate(..., compile=True))                     vs  llama.cpp F32
   qkv bf16, qkv bf16 compiled                                         vs  llama.cpp BF16
   qkv int8 (qkv.from_pretrained(bf16 folder, quantize="int8"))        vs  llama.cpp Q8_0
+  qkv int8 from an fp32 folder (quantize="int8")                      vs  llama.cpp Q8_0
 A compiled run is timed through generate(), whose prefill is not separable: its steps' time is that of a run
 of --new tokens minus that of a run of one token (the prefill alone), scaled from --new - 1 steps to --new.
 The compile itself happens in the warm-up and is not timed (benchmarks/compile_start.py measures it). Every
@@ -63,7 +64,7 @@ from qkv.generate import generate  # noqa: E402
 PEER = ROOT / "_llamacpp_peer.py"
 # qkv's run, the llama.cpp file of its precision
 PAIRS = (("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"),
-         ("int8", "Q8_0"))
+         ("int8", "Q8_0"), ("int8 from fp32", "Q8_0"))
 FILES = ("F32", "BF16", "Q8_0")
 
 
@@ -124,11 +125,12 @@ def hf_folders(spec: dict, folder: str | None, tmp: Path) -> dict[str, Path]:
 
 
 def load_qkv(folders: dict[str, Path]) -> dict[str, torch.nn.Module]:
-    """qkv's fp32, bf16 and int8 models. int8 is read from the bf16 folder: torch's weight-only int8 product
-    is fused for bf16 activations."""
+    """qkv's fp32, bf16 and int8 models; int8 from the bf16 folder and from the fp32 one (most exported
+    folders are fp32: its activations are rounded to bf16 for torch's int8 product all the same)."""
     return {"fp32": qkv.from_pretrained(folders["fp32"]).eval(),
             "bf16": qkv.from_pretrained(folders["bf16"]).eval(),
-            "int8": qkv.from_pretrained(folders["bf16"], quantize="int8").eval()}
+            "int8": qkv.from_pretrained(folders["bf16"], quantize="int8").eval(),
+            "int8 from fp32": qkv.from_pretrained(folders["fp32"], quantize="int8").eval()}
 
 
 def qkv_runs(models: dict[str, torch.nn.Module], prompt: torch.Tensor, new: int, compiled: bool) -> dict:
