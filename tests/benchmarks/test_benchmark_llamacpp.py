@@ -25,7 +25,7 @@ def test_llamacpp_benchmark_quick_without_peer(tmp_path, run_benchmark):
     rows = {r["qkv"]: r for r in result["rows"]}
     assert [(r["qkv"], r["llamacpp"]) for r in result["rows"]] == [
         ("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"),
-        ("int8", "Q8_0")]
+        ("int8", "Q8_0"), ("int8 from fp32", "Q8_0")]
     for name in rows:
         assert rows[name]["qkv_ms"] > 0 and rows[name]["qkv_floor_ms"] > 0
         assert rows[name]["llamacpp_ms"] is None and rows[name]["ratio"] is None
@@ -33,6 +33,9 @@ def test_llamacpp_benchmark_quick_without_peer(tmp_path, run_benchmark):
     # a weight plus scales; the embedding, norms and a tiny model's large vocabulary share stay bf16)
     assert rows["bf16"]["qkv_floor_ms"] == pytest.approx(0.5 * rows["fp32"]["qkv_floor_ms"], rel=0.02)
     assert rows["int8"]["qkv_floor_ms"] < 0.9 * rows["bf16"]["qkv_floor_ms"]
+    # from an fp32 folder the same int8 projections, but the unquantised tensors stay fp32
+    floor = {name: row["qkv_floor_ms"] for name, row in rows.items()}
+    assert floor["int8"] < floor["int8 from fp32"] < floor["fp32"]
     assert result["meta"]["llamacpp"] is None and "llamacpp-python" in result["meta"]["llamacpp_absent"]
     assert "| fp32 | F32 |" in (tmp_path / "llamacpp_quick.md").read_text()
 
