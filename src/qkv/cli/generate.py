@@ -10,6 +10,7 @@ from typing import Any
 
 from qkv.cli.args import ChatArgs, GenerateArgs
 from qkv.cli.flags import QUANTIZE, FlagSet, check_flags, read_flags, read_settings
+from qkv.config import ConfigError
 from qkv.generate.config import REQUEST_AT_LEAST, GenerationConfig
 
 # the sampling flags, generated from GenerationConfig's fields (qkv.cli.flags): its bounds and help text
@@ -44,8 +45,6 @@ def speculative_flags(spec: str | None) -> tuple[dict[str, Any], str | None]:
 def _check_generate_flags(a: argparse.Namespace, stream: bool, names: tuple[str, ...]) -> dict[str, Any]:
     """The sampling flags given, out-of-range ones a one-line error by GenerationConfig's rule (the API's
     and the server's; qkv.cli.flags)."""
-    from qkv.config import ConfigError
-
     flags = read_flags(a, GenerationConfig, only=names, rules=REQUEST_RULES)
     if stream and flags.get("num_beams", 1) > 1:
         raise ConfigError("--stream prints tokens as they are sampled, but beam search (--num-beams > 1) "
@@ -55,8 +54,6 @@ def _check_generate_flags(a: argparse.Namespace, stream: bool, names: tuple[str,
 
 def _logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
     """--logit-bias ID=BIAS flags as GenerationConfig.logit_bias (its own check of ids and bounds)."""
-    from qkv.config import ConfigError
-
     if not pairs:
         return None
     out: dict[int, float] = {}
@@ -79,7 +76,6 @@ def _loading(model: str) -> None:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from qkv.config import ConfigError
     from qkv.run import generate_text
 
     s = read_settings(a, GenerateArgs)
@@ -119,7 +115,6 @@ def cmd_chat(a: argparse.Namespace) -> int:
     import secrets
 
     from qkv.chat import ChatSession, chat_loop
-    from qkv.config import ConfigError
     from qkv.generate.config import resolve
 
     s = read_settings(a, ChatArgs)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from qkv.cli.args import InfoArgs
 from qkv.cli.flags import read_settings
-from qkv.config import ConfigError
+from qkv.config import ConfigError, memory_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -105,7 +105,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     import qkv
-    from qkv.config import memory_bytes
     from qkv.memory import kv_cache_size, train_memory
 
     a = read_settings(args, InfoArgs)

@@ -47,7 +47,7 @@ from qkv.cli.flags import (
 )
 from qkv.cli.generate import CHAT, GENERATE, cmd_chat, cmd_generate
 from qkv.cli.info import cmd_info
-from qkv.config import ConfigError
+from qkv.config import ConfigError, check_flag_keys
 from qkv.generate.engine_config import EngineConfig
 from qkv.serve.config import ServeConfig
 
@@ -69,7 +69,6 @@ SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutd
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from qkv.config import check_flag_keys
     from qkv.run import command_line_config, train_run
 
     s = read_settings(a, TrainArgs)
