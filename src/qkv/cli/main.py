@@ -71,8 +71,8 @@ SERVE_EPILOG = ("exit status: 0 stopped by SIGINT/SIGTERM after a graceful shutd
 def cmd_train(a: argparse.Namespace) -> int:
     from qkv.run import command_line_config, train_run
 
-    s = read_settings(a, TrainArgs)
-    given = FlagSet(TrainArgs).read(a)
+    given = read_flags(a, TrainArgs)  # the flags given: the shortcuts below name only these
+    s = TrainArgs(**given)
     over, config = list(s.overrides), s.config
     if config and "=" in config:  # `qkv train key=value ...` without a YAML file
         over.insert(0, config)
