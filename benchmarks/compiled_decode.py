@@ -22,7 +22,7 @@ Every variant's logits are compared with eager's (largest difference over the la
 to their largest magnitude). The machine may be shared: the rounds are interleaved, and ratios within one
 run are what to compare.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/compiled_decode.py [--layers 30] [--threads 2]
+    .venv/bin/python benchmarks/compiled_decode.py [--layers 30] [--threads 2]
         [--steps 32] [--repeats 5] [--dtype float32] [--quick]
 
 --quick: 2 layers of width 64 (the smoke test). Writes OUT/compiled_decode.json and .md.
@@ -31,7 +31,6 @@ run are what to compare.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
@@ -41,9 +40,7 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
-
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))

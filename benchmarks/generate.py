@@ -23,11 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# With active OpenMP spin-waiting, every parallel region stalls for a scheduler time slice (~28 ms) when the
-# shared cores are oversubscribed; passive waiting removes that for both libraries (set before torch loads).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import platform
 import statistics
 import sys
@@ -42,10 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
-
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))

@@ -23,7 +23,6 @@ test, tests/benchmarks/test_benchmark_quant.py). Writes benchmarks/results/quant
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
@@ -31,9 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
-
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))

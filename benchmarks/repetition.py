@@ -17,7 +17,6 @@ long (a ban of 3 characters would forbid repeating "the"). Deterministic given t
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
@@ -25,11 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# On a shared, oversubscribed CPU an OpenMP thread spinning for its peers makes each decoding step of a tiny
-# model take a scheduler time slice: passive waiting and one thread (--threads) decode ~100x faster there.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))

@@ -30,16 +30,13 @@ Writes benchmarks/results/speculative.json and speculative.md.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/generate.py
-
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))

@@ -326,10 +326,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # before torch is imported (it reads this once): idle OpenMP threads sleep rather than spin between
-    # ops, which otherwise keeps every core busy while a chat waits for input or a server for requests; the
-    # user's setting wins
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser(sys.argv[1:] if argv is None else argv)
     a, extra = parser.parse_known_args(argv)
     # dotted key=value overrides may come after options (`qkv train cfg.yaml --out x train.lr=1e-3`)
