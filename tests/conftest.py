@@ -19,6 +19,9 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# the commands and servers the tests start run beside the other worker on the same cores: oversubscribed,
+# where spinning OpenMP threads wait on threads that are not running (README: a busy or shared CPU)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(autouse=True)
