@@ -603,6 +603,8 @@ class Engine:
             if proposal is not None and self.cache.reserve(req.id, 1 + proposal.tokens.numel()):
                 by_len.setdefault(proposal.tokens.numel(), []).append((req, proposal))
             else:
+                if proposal is not None:
+                    self.drafter.unused(req)
                 plain.append(req)
         for rows in by_len.values():
             group = [req for req, _ in rows]

@@ -26,7 +26,8 @@ Who decodes plainly instead: a request with a grammar (its matcher is advanced b
 scoring drafts would advance it past tokens never emitted); one without output yet (its prompt's last token,
 possibly an image's); a draft that finds no match, or that max_new_tokens leaves no room for; a draft whose
 blocks are not free (speculation never preempts another request); a request longer than the draft model's
-position table; a model whose step cannot return every position's logits.
+position table, or holding a token past the draft's vocabulary; a model whose step cannot return every
+position's logits.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Drafter:
     """Every request's drafts and their check: the one owner of the draft model's per-request KV caches.
 
     The Engine asks draft(req) for a request's proposal, verify(...) for the tokens it emits after the
-    verifying forward (the draft cache then keeps only the accepted tokens), and retain(running) after each
+    verifying forward (the draft cache then keeps only the accepted tokens) or unused(req) when the draft is
+    not checked, forget(id) when a request is cancelled, and retain(running) after each
     step: the state of a request that finished, was cancelled or was preempted (it is recomputed; the draft
     cache is rebuilt from its tokens when it decodes again) is dropped."""
 
@@ -105,6 +107,10 @@ class Drafter:
         if limit is not None and total > limit:  # past the draft's position table: plain decoding
             return None
         state = self.states.get(req.id)
+        fed = 0 if state is None else state.cache.length
+        if max(req.tokens[fed:], default=0) >= self.model.output_vocab_size:  # a token the draft cannot read
+            self.forget(req.id)
+            return None
         if state is None:
             state = self.states[req.id] = AssistantDraft(self.model, req.draft_tokens, total, self.vocab,
                                                          req.pipe)
@@ -129,6 +135,12 @@ class Drafter:
         if state is not None:  # its cache keeps what it fed of the accepted tokens
             state.accepted(cur + len(toks))
         return toks
+
+    def unused(self, req: Request) -> None:
+        """req's draft was not checked (no free blocks for it): its draft cache forgets the drafts it fed."""
+        state = self.states.get(req.id)
+        if state is not None:
+            state.cache.crop(min(state.cache.length, len(req.tokens)))
 
     def forget(self, request_id: int) -> None:
         self.states.pop(request_id, None)
