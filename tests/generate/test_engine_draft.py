@@ -50,14 +50,15 @@ def test_greedy_equals_plain_engine_and_generate_with_a_disagreeing_draft_and_wi
     st = engine.stats()
     assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"]  # some drafts rejected: rolled back
     assert st["generated_tokens"] == sum(len(o) for o in got)
-    assert st["blocks_used"] == 0 and engine.drafter.states == {}  # every request gone: nothing held
+    assert st["blocks_used"] == 0 and engine.drafter.requests == set()  # every request gone: nothing held
+    assert engine.drafter.cache.allocator.num_free == engine.drafter.cache.num_blocks
     # the target drafting for itself: every draft is its own greedy choice
     engine, got = _run(target, target)
     assert got == plain
     st = engine.stats()
     assert st["spec_acceptance_rate"] == 1.0 and st["spec_draft_tokens"] > 0
     assert engine.steps < plain_engine.steps / 2  # up to 5 tokens a step
-    assert st["blocks_used"] == 0 and engine.drafter.states == {}
+    assert st["blocks_used"] == 0 and engine.drafter.requests == set()
 
 
 def test_a_draft_of_a_smaller_vocabulary_and_eos(models):
@@ -79,7 +80,7 @@ def test_a_request_asking_for_prompt_lookup_gets_it(models):
     seen = set()
     while engine.has_work:
         engine.step()
-        seen |= set(engine.drafter.states)
+        seen |= set(engine.drafter.requests)
     assert seen == {drafted}  # only the other one has a draft model cache
     assert engine.finished[lookup] == engine.finished[drafted] == _run(target, prompts=PROMPTS[:1],
                                                                       max_new=(30,))[1][0]
@@ -91,11 +92,12 @@ def test_cancelled_and_preempted_requests_leave_no_draft_state(models):
     rids = [engine.add_request(p, max_new_tokens=20) for p in PROMPTS]
     for _ in range(3):
         engine.step()
-    assert set(engine.drafter.states) == set(rids)
+    assert set(engine.drafter.requests) == set(rids)
     assert engine.cancel(rids[1])
-    assert rids[1] not in engine.drafter.states
+    assert rids[1] not in engine.drafter.requests
     engine.run()
-    assert engine.drafter.states == {} and engine.stats()["blocks_used"] == 0
+    assert engine.drafter.requests == set() and engine.stats()["blocks_used"] == 0
+    assert engine.drafter.cache.allocator.num_free == engine.drafter.cache.num_blocks
     # a pool a third of what the batch needs: requests are preempted (recomputed) and their draft caches
     # dropped, rebuilt when they decode again; the tokens are still plain greedy's
     want = _run(target, max_new=(60,) * 5)[1]
@@ -103,10 +105,10 @@ def test_cancelled_and_preempted_requests_leave_no_draft_state(models):
     rids = [engine.add_request(p, max_new_tokens=60) for p in PROMPTS]
     while engine.has_work:
         engine.step()
-        assert set(engine.drafter.states) <= {r.id for r in engine.running}
+        assert set(engine.drafter.requests) <= {r.id for r in engine.running}
     assert engine.stats()["preemptions"] > 0 and engine.stats()["spec_accepted_tokens"] > 0
     assert [engine.finished[r] for r in rids] == want
-    assert engine.drafter.states == {} and engine.stats()["blocks_used"] == 0
+    assert engine.drafter.requests == set() and engine.stats()["blocks_used"] == 0
 
 
 def test_bad_settings(models):

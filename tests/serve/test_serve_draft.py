@@ -87,7 +87,7 @@ def test_a_draft_model_server_answers_as_the_plain_server(gpt2_folder, folders):
         assert _answers(url, name, stream=True) == want
         stats = engine.stats()
         assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
-        assert stats["blocks_used"] == 0 and engine.drafter.states == {}
+        assert stats["blocks_used"] == 0 and engine.drafter.requests == set()
 
 
 def test_the_served_folder_drafting_for_itself_accepts_every_draft(gpt2_folder):

@@ -173,8 +173,7 @@ class Engine:
         self.all_logits = "all_logits" in inspect.signature(dec.step).parameters
         self._forked: dict[int, Request] = {}  # a parallel sample not started yet -> the request it forks
         # speculative decoding (engine_speculation.py): its drafts are checked on every position's logits
-        self.drafter = Drafter(c.speculative, c.speculative_tokens, draft_model, dec.output_vocab_size,
-                               self.device)
+        self.drafter = Drafter(c, draft_model, dec.output_vocab_size, self.device)
         self.speculation = self.drafter.stats
 
     # -- the parts' state, under the names callers use -------------------------------------------------
@@ -597,8 +596,9 @@ class Engine:
         equal draft length through one forward; returns the rows that decode plainly."""
         by_len: dict[int, list[tuple[Request, Draft]]] = {}
         plain = []
+        proposals = self.drafter.draft(batch)
         for req in batch:
-            proposal = self.drafter.draft(req)
+            proposal = proposals.get(req.id)
             # the draft's blocks only where they are free: speculating never preempts a request
             if proposal is not None and self.cache.reserve(req.id, 1 + proposal.tokens.numel()):
                 by_len.setdefault(proposal.tokens.numel(), []).append((req, proposal))
