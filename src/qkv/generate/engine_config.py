@@ -42,7 +42,8 @@ class EngineConfig:
     speculative: str | None = setting(
         None, "speculative decoding of every request: prompt-lookup drafts the tokens that followed the last "
         "n-gram's first occurrence in the request's prompt + output; MODEL, a small model folder of the same "
-        "tokenizer, drafts them (loaded as the model is, with a KV cache of its own per request); checked in "
+        "tokenizer, drafts them (loaded as the model is; its keys/values in a paged cache of its own, one "
+        "sequence per request); checked in "
         "the request's decoding step's forward (the same tokens as without it when greedy, the same "
         "distribution when sampling; docs/serving.md)", none="off", metavar="prompt-lookup|MODEL")
     speculative_tokens: int = setting(10, "tokens a request drafts per decoding step with --speculative",
