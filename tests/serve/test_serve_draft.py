@@ -101,6 +101,15 @@ def test_the_served_folder_drafting_for_itself_accepts_every_draft(gpt2_folder):
     assert engine.stats()["spec_acceptance_rate"] == 1.0 and engine.stats()["spec_draft_tokens"] > 0
 
 
+def test_the_draft_is_loaded_as_the_served_model(gpt2_folder, folders):
+    """The served model's floating dtype (and device) is the draft's: its cache and logits match."""
+    served = load_served(gpt2_folder)
+    served.model.to(torch.bfloat16)
+    engine = build_engine(served, block_size=4, speculative=str(folders[0]))
+    assert next(engine.drafter.model.parameters()).dtype == torch.bfloat16
+    assert engine.drafter.cache.k.dtype == torch.bfloat16
+
+
 def test_a_draft_of_another_vocabulary_or_missing_is_refused(gpt2_folder, folders, tmp_path, capsys):
     _, other = folders
     with pytest.raises(ConfigError, match="same tokenizer"):

@@ -85,8 +85,12 @@ class Drafter:
             raise ValueError(f"speculative={spec!r} names a draft model: pass the loaded model as "
                              "draft_model= (qkv serve loads the folder)")
         self.model = None if draft_model is None else verifiable(draft_model, "draft model")
-        if self.model is not None and not callable(getattr(self.model, "make_paged_cache", None)):
-            raise ValueError(f"the draft model {type(draft_model).__name__} has no paged KV cache")
+        if self.model is not None:
+            if not callable(getattr(self.model, "make_paged_cache", None)):
+                raise ValueError(f"the draft model {type(draft_model).__name__} has no paged KV cache")
+            where = next(draft_model.parameters()).device
+            if where != torch.device(device):  # its cache lives with the model's, on the engine's device
+                raise ValueError(f"the draft model is on {where}, the model on {device}: move it there")
         # the tokens a request drafts per step when it sets none (None: the engine does not speculate)
         speculates = spec is not None or draft_model is not None
         self.engine_tokens = config.speculative_tokens if speculates else None
