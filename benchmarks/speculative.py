@@ -11,9 +11,11 @@ Two measurements, side by side in one run (interleaved rounds, medians):
            plain, acceptance rate (accepted / drafted), and whether the tokens equal plain greedy's.
   engine   the serving Engine (continuous batching over the paged KV cache, `qkv serve`'s) on the rewrite
            task at batch 1 and 4 (four prompts that differ in their first token), speculation off vs
-           EngineConfig(speculative="prompt-lookup", speculative_tokens=--k): tok/s of the whole batch, the
-           ratio, the acceptance rate, and whether the tokens equal the engine's without speculation. Prefix
-           caching off, so every round computes its prompts.
+           EngineConfig(speculative="prompt-lookup", speculative_tokens=--k) ("on") vs, with --draft, the
+           draft model drafting --draft-k tokens per step for every request (Engine(draft_model=...),
+           `qkv serve --speculative FOLDER`): tok/s of the whole batch, the ratio, the acceptance rate, and
+           whether the tokens equal the engine's without speculation. Prefix caching off, so every round
+           computes its prompts.
 
 Model: --folder (a Hugging Face folder with its tokenizer.json: the tasks are real text), else SmolLM-135M's
 shape with random weights (benchmarks/llm.py's FULL; --quick: a 2-layer width-64 one) and token-id tasks: the
@@ -21,8 +23,11 @@ paragraph is random ids and the "rewrite" prompt holds it twice, so lookup finds
 weights the acceptance rates are not a trained model's (the model neither copies nor continues text): read
 the verify table for the cost, a real folder for the acceptance. The machine is shared: compare ratios.
 
-    .venv/bin/python benchmarks/speculative.py [--folder F] [--draft F] [--quick] [--threads 2] [--new 64]
-        [--k 10] [--repeats 3] [--dtype float32] [--parts verify,decode,engine]
+    .venv/bin/python benchmarks/speculative.py [--folder F] [--draft F|same] [--draft-k 5] [--quick]
+        [--threads 2] [--new 64] [--k 10] [--repeats 3] [--dtype float32] [--parts verify,decode,engine]
+
+--draft same: the model drafts for itself (acceptance ~1, a draft step as dear as the target's: the cost of
+the drafting machinery, not a draft model's gain).
 
 Writes benchmarks/results/speculative.json and speculative.md.
 """
@@ -120,8 +125,10 @@ def decode_rows(model, draft, ids: dict[str, torch.Tensor], new: int, k: int, re
     return rows
 
 
-def engine_rows(model, rewrite: torch.Tensor, new: int, k: int, repeats: int) -> list[dict]:
-    """The Engine at batch 1 and 4 on the rewrite task, speculation off vs on (interleaved rounds)."""
+def engine_rows(model, draft, rewrite: torch.Tensor, new: int, k: int, draft_k: int,
+                repeats: int) -> list[dict]:
+    """The Engine at batch 1 and 4 on the rewrite task, speculation off vs prompt lookup vs the draft model
+    (interleaved rounds)."""
     rows = []
     base = rewrite[0].tolist()
     for batch in (1, 4):
@@ -129,6 +136,9 @@ def engine_rows(model, rewrite: torch.Tensor, new: int, k: int, repeats: int) ->
         engines = {"off": Engine(model, prefix_caching=False, max_batch_size=batch),
                    "on": Engine(model, prefix_caching=False, max_batch_size=batch,
                                 speculative="prompt-lookup", speculative_tokens=k)}
+        if draft is not None:
+            engines["draft model"] = Engine(model, prefix_caching=False, max_batch_size=batch,
+                                            draft_model=draft, speculative_tokens=draft_k)
 
         def run(engine, prompts=prompts):
             def fn():
@@ -152,7 +162,9 @@ def engine_rows(model, rewrite: torch.Tensor, new: int, k: int, repeats: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", default=None, help="a Hugging Face model folder (default: random weights)")
-    ap.add_argument("--draft", default=None, help="an assistant model folder of the same tokenizer")
+    ap.add_argument("--draft", default=None, help="an assistant model folder of the same tokenizer ('same': "
+                    "the model itself)")
+    ap.add_argument("--draft-k", type=int, default=5, help="tokens the Engine's draft model drafts per step")
     ap.add_argument("--quick", action="store_true", help="a tiny random model, few tokens (smoke test)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=64)
@@ -168,16 +180,18 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     folder = Path(a.folder) if a.folder else build_random(a.quick, dtype, Path(tempfile.mkdtemp()))
     model = qkv.from_pretrained(folder).eval()
-    draft = qkv.from_pretrained(a.draft).eval() if a.draft else None
+    draft = None if not a.draft else model if a.draft == "same" else qkv.from_pretrained(a.draft).eval()
     ids = prompts(folder, model.output_vocab_size)
     parts = set(a.parts.split(","))
     verify = verify_costs(model, a.repeats) if "verify" in parts else {}
     rows = decode_rows(model, draft, ids, a.new, a.k, a.repeats) if "decode" in parts else []
-    engine = engine_rows(model, ids["rewrite"], a.new, a.k, a.repeats) if "engine" in parts else []
+    engine = (engine_rows(model, draft, ids["rewrite"], a.new, a.k, a.draft_k, a.repeats) if "engine" in parts
+              else [])
     meta = {"torch": torch.__version__, "threads": a.threads, "machine": platform.processor() or
             platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "model": str(a.folder or ("random " + ("quick" if a.quick else "SmolLM-135M shape"))),
-            "dtype": a.dtype, "new_tokens": a.new, "k": a.k, "repeats": a.repeats,
+            "dtype": a.dtype, "new_tokens": a.new, "k": a.k, "repeats": a.repeats, "draft": a.draft,
+            "draft_k": a.draft_k,
             "note": "shared, loaded machine: medians of interleaved repeats; compare ratios within this run"}
     lines = [f"model: {meta['model']} ({a.dtype}), {a.threads} threads, {meta['cpu_capability']}"]
     lines += ["", "| new tokens per forward | ms | x one token |", "|---|---|---|"] if verify else []

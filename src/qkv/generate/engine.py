@@ -32,7 +32,8 @@ their keys/values in the cache. One step (the scheduler, in this order):
    padded to its own longest sequence, not the batch's).
 
 Speculative decoding (engine_speculation.py): a request with prompt_lookup_num_tokens (EngineConfig
-speculative="prompt-lookup": every request) drafts tokens by n-gram lookup in its own prompt + output; its
+speculative="prompt-lookup": every request) drafts tokens by n-gram lookup in its own prompt + output, or,
+with Engine(..., draft_model=small), a small model of the same vocabulary drafts them; its
 decoding row feeds them after its last token (rows of equal draft length through one forward), the target's
 logits at each position accept or reject them by speculative.py's rule, and the rejected positions' cache is
 given back. Greedy tokens are those of plain decoding.
@@ -88,13 +89,14 @@ from torch import Tensor
 from qkv.generate.blocks import BlockManager
 from qkv.generate.config import GenerationConfig
 from qkv.generate.engine_config import PREEMPTION, EngineConfig
-from qkv.generate.engine_speculation import SpeculationStats, draft, draft_length, verify
+from qkv.generate.engine_speculation import Drafter, draft_length
 from qkv.generate.images import ImageEncoder, ImageInput, Span, block_extras, check_images, in_piece, spans
 from qkv.generate.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from qkv.generate.output import TEXT_CONTEXT, OutputProcessor
 from qkv.generate.sampler import Sampler
 from qkv.generate.scheduler import Counters, Request, Scheduler
 from qkv.generate.search import settings
+from qkv.generate.speculative import Draft
 from qkv.models.decoding import as_decoder, configured_context
 from qkv.nn.checks import check_id_list
 
@@ -123,10 +125,13 @@ class Engine:
         *,
         config: EngineConfig | None = None,
         tokenizer: Any = None,
+        draft_model: Any = None,
         **options: Any,
     ) -> None:
         """`config`: the engine's settings (EngineConfig); its field names as keywords build or override one
-        (Engine(model, block_size=16)); every other keyword is a generation setting of the engine's base."""
+        (Engine(model, block_size=16)); every other keyword is a generation setting of the engine's base.
+        draft_model: a small decoder of the model's vocabulary that drafts config.speculative_tokens tokens
+        per step for every request (engine_speculation.py)."""
         options = dict(options)
         self.config = c = EngineConfig.merged(config, options)
         dec = as_decoder(model)
@@ -168,8 +173,8 @@ class Engine:
         self.all_logits = "all_logits" in inspect.signature(dec.step).parameters
         self._forked: dict[int, Request] = {}  # a parallel sample not started yet -> the request it forks
         # speculative decoding (engine_speculation.py): its drafts are checked on every position's logits
-        self._lookup = c.speculative_tokens if c.speculative == "prompt-lookup" else None
-        self.speculation = SpeculationStats()
+        self.drafter = Drafter(c, draft_model, dec.output_vocab_size, self.device)
+        self.speculation = self.drafter.stats
 
     # -- the parts' state, under the names callers use -------------------------------------------------
     @property
@@ -311,7 +316,8 @@ class Engine:
                                 self.output.stop_strings(ids, list(cfg.stop_strings or [])),
                                 head=self.blocks.head(ids, extra), images=image_spans, extra=extra,
                                 logprobs=logprobs,
-                                draft_tokens=draft_length(own_cfg, self._lookup) if self.all_logits else 0))
+                                draft_tokens=(draft_length(own_cfg, self.drafter.engine_tokens)
+                                              if self.all_logits else 0)))
             self._next_id += 1
         req = reqs[0]
         req.forks, req.prompt_logprobs = reqs[1:], prompt_logprobs
@@ -356,6 +362,7 @@ class Engine:
         req = self.scheduler.cancel(request_id)
         if req is None:
             return False
+        self.drafter.forget(req.id)
         self.output.finish(req.id, req.output, "cancelled")
         for r in req.forks:
             self.cancel(r.id)
@@ -587,29 +594,32 @@ class Engine:
     def _speculate(self, batch: list[Request], events: list[tuple[int, int]]) -> list[Request]:
         """The rows that draft this step fed with their drafts and checked (engine_speculation.py), those of
         equal draft length through one forward; returns the rows that decode plainly."""
-        by_len: dict[int, list[tuple[Request, list[int]]]] = {}
+        by_len: dict[int, list[tuple[Request, Draft]]] = {}
         plain = []
+        proposals = self.drafter.draft(batch)
         for req in batch:
-            drafted = draft(req)
+            proposal = proposals.get(req.id)
             # the draft's blocks only where they are free: speculating never preempts a request
-            if drafted and self.cache.reserve(req.id, 1 + len(drafted)):
-                by_len.setdefault(len(drafted), []).append((req, drafted))
+            if proposal is not None and self.cache.reserve(req.id, 1 + proposal.tokens.numel()):
+                by_len.setdefault(proposal.tokens.numel(), []).append((req, proposal))
             else:
+                if proposal is not None:
+                    self.drafter.unused(req)
                 plain.append(req)
         for rows in by_len.values():
             group = [req for req, _ in rows]
-            logits = self._forward(group, [[req.output[-1], *d] for req, d in rows], all_logits=True)
+            logits = self._forward(group, [[req.output[-1], *d.tokens.tolist()] for req, d in rows],
+                                   all_logits=True)
             self._track()
-            for (req, drafted), row in zip(rows, logits):
-                self._accept(req, drafted, row, events)
+            for (req, proposal), row in zip(rows, logits):
+                self._accept(req, proposal, row, events)
         return plain
 
-    def _accept(self, req: Request, drafted: list[int], logits: Tensor,
-                events: list[tuple[int, int]]) -> None:
+    def _accept(self, req: Request, proposal: Draft, logits: Tensor, events: list[tuple[int, int]]) -> None:
         """Check req's draft on its logits (k + 1, V), keep the accepted positions' keys/values (the rest and
         the blocks past them given back) and emit the tokens until one finishes the request."""
         try:
-            toks = verify(req, logits, drafted, self.speculation)
+            toks = self.drafter.verify(req, logits, proposal)
         except RuntimeError as e:  # as Sampler.choose: this request's settings fail it, the others go on
             self.errors[req.id] = f"sampling failed for this request's settings: {e}"
             self._emit(req, None, events)
@@ -636,6 +646,7 @@ class Engine:
         batch = self.scheduler.decode_batch(emitted)
         if batch:
             self._decode(batch, events)
+        self.drafter.retain(self.running)  # the draft caches of requests that left or were preempted
         # nothing ran and nothing left (a failed request frees its blocks for the next step): stuck
         if self.waiting and not self.running and not events and self.counters.finished == finished:
             raise RuntimeError("the next waiting request does not fit in the free KV-cache blocks")

@@ -17,7 +17,7 @@ from typing import Any
 from qkv.config import ConfigError, check_fields, setting
 
 PREEMPTION = ("least_work", "newest")  # victim policies (scheduler.py)
-SPECULATIVE = ("prompt-lookup",)  # the Engine's drafters (engine_speculation.py)
+PROMPT_LOOKUP = "prompt-lookup"  # EngineConfig.speculative's drafter without a second model
 
 
 @dataclass
@@ -41,9 +41,11 @@ class EngineConfig:
         none="the model's configured context (max_position_embeddings: RoPE / ALiBi have no hard limit)")
     speculative: str | None = setting(
         None, "speculative decoding of every request: prompt-lookup drafts the tokens that followed the last "
-        "n-gram's first occurrence in the request's prompt + output, checked in its decoding step's forward "
-        "(the same tokens as without it when greedy, the same distribution when sampling; docs/serving.md)",
-        choices=SPECULATIVE, none="off", metavar="prompt-lookup")
+        "n-gram's first occurrence in the request's prompt + output; MODEL, a small model folder of the same "
+        "tokenizer, drafts them (loaded as the model is; its keys/values in a paged cache of its own, one "
+        "sequence per request); checked in "
+        "the request's decoding step's forward (the same tokens as without it when greedy, the same "
+        "distribution when sampling; docs/serving.md)", none="off", metavar="prompt-lookup|MODEL")
     speculative_tokens: int = setting(10, "tokens a request drafts per decoding step with --speculative",
                                       ge=1, le=64)
     image_cache: int = setting(32, "projected image embeddings kept by content hash, so a repeated image "
@@ -57,6 +59,10 @@ class EngineConfig:
         s = self.split_cost
         if not (s is None or s == "auto" or (isinstance(s, int) and not isinstance(s, bool))):
             raise ConfigError(f"must be an int, None or 'auto', got {s!r}", "split_cost")
+        spec = self.speculative
+        if spec is not None and not (isinstance(spec, str) and spec.strip()):
+            raise ConfigError(f"must be None, {PROMPT_LOOKUP!r} or a draft model folder, got {spec!r}",
+                              "speculative")
 
     @classmethod
     def merged(cls, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:

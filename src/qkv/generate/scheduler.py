@@ -40,7 +40,7 @@ class Request:
     # parallel samples of the same prompt (n > 1): they start when this request's prompt is computed, on its
     # blocks (copy-on-write), each with its own token choice
     forks: list[Request] = field(default_factory=list)
-    draft_tokens: int = 0  # tokens it drafts per decoding step by prompt lookup (engine_speculation.py)
+    draft_tokens: int = 0  # tokens it drafts per decoding step (engine_speculation.py; 0: none)
 
     @property
     def tokens(self) -> list[int]:

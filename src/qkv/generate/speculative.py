@@ -93,6 +93,28 @@ class PromptLookup:
         """The sequence now has `cur` valid tokens (nothing to roll back)."""
 
 
+def fit_vocab(logits: Tensor, vocab: int) -> Tensor:
+    """A draft model's logits (B, V') fitted to the target's vocabulary V: a larger draft vocabulary is cut,
+    a smaller one padded with -inf (those tokens are never drafted)."""
+    v = logits.shape[-1]
+    if v > vocab:
+        return logits[:, :vocab]
+    if v < vocab:
+        return torch.nn.functional.pad(logits, (0, vocab - v), value=float("-inf"))
+    return logits
+
+
+def draw(pipe: Pipeline, ids: Tensor, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+    """One drafted token (1,) after the sequence ids (1, T) from the draft's logits (1, V), through the
+    target's processors: the argmax when greedy, else a draw from the processed distribution q, returned
+    with it ((V,): the rejection rule's q)."""
+    scores = pipe.scores(ids, logits)
+    if not pipe.sampling:
+        return scores.argmax(-1), None
+    q = torch.softmax(scores.float(), dim=-1)
+    return torch.multinomial(q, 1, generator=pipe.generator).view(1), q[0]
+
+
 class AssistantDraft:
     """Drafts with a small model over its own cache, through the same logits processors as the target."""
 
@@ -102,18 +124,12 @@ class AssistantDraft:
         self.cache = self.model.make_cache(1, total)
 
     def _logits(self, ids: Tensor) -> Tensor:
-        """The draft's next-token logits after feeding ids, fitted to the target's vocabulary (a larger
-        draft vocabulary is cut, a smaller one padded with -inf: those tokens are never drafted)."""
+        """The draft's next-token logits after feeding ids, fitted to the target's vocabulary."""
         if self.cache.length == 0:
             logits, _ = self.model.prefill(ids, self.cache)
         else:
             logits = self.model.step(ids, self.cache)
-        v = logits.shape[-1]
-        if v > self.vocab:
-            return logits[:, : self.vocab]
-        if v < self.vocab:
-            return torch.nn.functional.pad(logits, (0, self.vocab - v), value=float("-inf"))
-        return logits
+        return fit_vocab(logits, self.vocab)
 
     def propose(self, buf: Tensor, cur: int, k: int) -> Draft:
         """k = min(k, num_assistant_tokens) drafts, written into buf[:, cur:cur + k] (the target overwrites
@@ -122,13 +138,9 @@ class AssistantDraft:
         tokens, probs = [], []
         ids = buf[:, self.cache.length: cur]
         for i in range(k):
-            scores = self.pipe.scores(buf[:, : cur + i], self._logits(ids))
-            if self.pipe.sampling:
-                p = torch.softmax(scores.float(), dim=-1)
-                tok = torch.multinomial(p, 1, generator=self.pipe.generator).view(1)
-                probs.append(p[0])
-            else:
-                tok = scores.argmax(-1)
+            tok, p = draw(self.pipe, buf[:, : cur + i], self._logits(ids))
+            if p is not None:
+                probs.append(p)
             buf[:, cur + i] = tok
             tokens.append(tok)
             ids = buf[:, cur + i: cur + i + 1]
@@ -231,5 +243,5 @@ def speculative_loop(s: Any, stop: Callable[[Tensor, Tensor], Tensor] | None, *,
         drafter.accepted(cur)
 
 
-__all__ = ["Draft", "SpeculationStats", "accept_or_resample", "lookup_ngram", "speculative_loop",
-           "target_choices"]
+__all__ = ["Draft", "SpeculationStats", "accept_or_resample", "draw", "fit_vocab", "lookup_ngram",
+           "speculative_loop", "target_choices"]

@@ -18,7 +18,14 @@ from qkv.interop.gguf_model import is_gguf
 from qkv.interop.gguf_tokenizer import load_gguf_tokenizer
 from qkv.interop.smolvlm import folder_processor
 from qkv.interop.tokenizer import load_hf_tokenizer
-from qkv.run import folder_tokenizer, load_model_any, load_run_task, model_folder, run_folder_of
+from qkv.run import (
+    folder_tokenizer,
+    load_assistant,
+    load_model_any,
+    load_run_task,
+    model_folder,
+    run_folder_of,
+)
 
 
 @dataclass
@@ -65,6 +72,7 @@ class Served:
     created: int = field(default_factory=lambda: int(time.time()))
     # a vision-language model's image preprocessing (interop.smolvlm.folder_processor); None: text only
     images: Any = None
+    quantize: str | None = None  # the weight-only quantization it was loaded with (a draft model's too)
 
 
 def load_served(path: str | Path, name: str | None = None, quantize: str | None = None) -> Served:
@@ -91,4 +99,27 @@ def load_served(path: str | Path, name: str | None = None, quantize: str | None 
     images = None
     if getattr(model, "image_features", None) is not None:  # a LLaVA / Idefics3: its folder's preprocessing
         images = folder_processor(folder)
-    return Served(model, TextCodec(tok, eos), name or path.resolve().name, path, images=images)
+    return Served(model, TextCodec(tok, eos), name or path.resolve().name, path, images=images,
+                  quantize=quantize)
+
+
+def load_draft(path: str | Path, served: Served) -> torch.nn.Module:
+    """The draft model of `--speculative MODEL`: a folder (or GGUF file) loaded as the served model was
+    (its quantize, device and floating dtype), refused in one line unless its tokenizer has the served
+    model's vocabulary (the same ids must mean the same text)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"--speculative {path}: no such draft model folder (or 'prompt-lookup')")
+    if not callable(getattr(getattr(served.codec.tokenizer, "tokenizer", None), "get_vocab", None)):
+        raise ConfigError(f"--speculative {path}: a draft model needs a served model with a Hugging Face "
+                          "tokenizer (tokenizer.json) to compare vocabularies; use --speculative "
+                          "prompt-lookup")
+    draft = load_assistant(path, served.codec.tokenizer, served.quantize)
+    if getattr(draft, "is_seq2seq", True):
+        raise ConfigError(f"--speculative {path}: the draft model must be a decoder-only language model "
+                          f"(this is {type(draft).__name__})")
+    target = next(served.model.parameters())
+    own = next(draft.parameters())
+    if own.device != target.device or (own.is_floating_point() and own.dtype != target.dtype):
+        draft = draft.to(device=target.device, dtype=target.dtype if target.is_floating_point() else None)
+    return draft

@@ -19,22 +19,24 @@ import uvicorn
 from qkv.config import ConfigError, suggest
 from qkv.generate.config import GenerationConfig
 from qkv.generate.engine import Engine
-from qkv.generate.engine_config import EngineConfig
+from qkv.generate.engine_config import PROMPT_LOOKUP, EngineConfig
 from qkv.serve.app import create_app
 from qkv.serve.config import ServeConfig
 from qkv.serve.embeddings import create_embeddings_app, is_encoder_folder, load_embedder
-from qkv.serve.model import Served, load_served
+from qkv.serve.model import Served, load_draft, load_served
 
 
 def build_engine(served: Served, config: EngineConfig | None = None, **options: Any) -> Engine:
     """The Engine for a served model: the folder's token ids plus the tokenizer's eos ids as its base
     settings. `config` and `options` (EngineConfig's field names: block_size=4) are its EngineConfig;
-    max_model_len None: the model's (configured) context."""
+    max_model_len None: the model's (configured) context; speculative a draft model folder: loaded here."""
     config = _configs(options, None, config, serving=False)[1]
     base = served.model.generation_defaults().get("eos_token_id")
     ids = set(served.codec.eos_ids) | ({base} if isinstance(base, int) else set(base or []))
     eos = sorted(i for i in ids if 0 <= i < served.model.output_vocab_size) or None
-    engine = Engine(served.model, config=config, tokenizer=served.codec, eos_token_id=eos)
+    # --speculative MODEL: the draft folder loaded as the served model was (refused before the server listens)
+    draft = None if config.speculative in (None, PROMPT_LOOKUP) else load_draft(config.speculative, served)
+    engine = Engine(served.model, config=config, tokenizer=served.codec, eos_token_id=eos, draft_model=draft)
     # of the folder's generation settings the engine's base keeps only the token ids: a request's sampling is
     # all the API's (app.py: the request's values, else the folder's five sampling defaults as vLLM takes
     # them, else OpenAI's), and the rest of a generation_config.json (no_repeat_ngram_size, bad_words_ids,
