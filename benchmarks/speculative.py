@@ -27,7 +27,10 @@ the verify table for the cost, a real folder for the acceptance. The machine is 
         [--threads 2] [--new 64] [--k 10] [--repeats 3] [--dtype float32] [--parts verify,decode,engine]
 
 --draft same: the model drafts for itself (acceptance ~1, a draft step as dear as the target's: the cost of
-the drafting machinery, not a draft model's gain).
+the drafting machinery, not a draft model's gain). --draft cut:N (random weights only): the random model's
+layers past the N-th are damped (output projections x 0.02) and its first N layers, with the same embeddings,
+norm and head, are the draft: a pair that agrees on most tokens, as a trained small draft of the same family
+does, for the cost of N layers and the head per draft token.
 
 Writes benchmarks/results/speculative.json and speculative.md.
 """
@@ -61,14 +64,29 @@ REWRITE = ("Rewrite this paragraph, correcting any mistakes, and keep everything
            "Rewritten:\n")
 FREE = "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n"
 VERIFY_WIDTHS = (1, 2, 4, 8, 11)
+DAMP = 0.02  # --draft cut:N: the scale of the output projections of the random model's layers past N
 
 
-def build_random(quick: bool, dtype: torch.dtype, tmp: Path) -> Path:
+def build_random(quick: bool, dtype: torch.dtype, tmp: Path, cut: int | None = None) -> Path:
+    """A random Llama folder. cut=N: the layers past the N-th add little (their output projections scaled by
+    DAMP), and TMP/draft holds its first N layers with the same embeddings, norm and head: a draft that agrees
+    with the model on most tokens, as a trained small model of the same family would, at the cost of N layers
+    and the head."""
     import transformers
 
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(QUICK if quick else FULL), bos_token_id=1,
+    spec = QUICK if quick else FULL
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec, bos_token_id=1,
                                                                 eos_token_id=2)).to(dtype).eval()
+    if cut is not None:
+        with torch.no_grad():
+            for layer in hf.model.layers[cut:]:
+                layer.self_attn.o_proj.weight.mul_(DAMP)
+                layer.mlp.down_proj.weight.mul_(DAMP)
+        small = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **{**spec, "num_hidden_layers": cut}, bos_token_id=1, eos_token_id=2)).to(dtype).eval()
+        small.load_state_dict(hf.state_dict(), strict=False)  # the first `cut` layers, embeddings, norm
+        small.save_pretrained(tmp / "draft")
     hf.save_pretrained(tmp / "random")
     return tmp / "random"
 
@@ -163,7 +181,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", default=None, help="a Hugging Face model folder (default: random weights)")
     ap.add_argument("--draft", default=None, help="an assistant model folder of the same tokenizer ('same': "
-                    "the model itself)")
+                    "the model itself; 'cut:N': random weights whose layers past N add little, drafted by "
+                    "their first N layers)")
     ap.add_argument("--draft-k", type=int, default=5, help="tokens the Engine's draft model drafts per step")
     ap.add_argument("--quick", action="store_true", help="a tiny random model, few tokens (smoke test)")
     ap.add_argument("--threads", type=int, default=2)
@@ -178,9 +197,15 @@ def main() -> None:
         a.new, a.repeats = 12, 1
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
-    folder = Path(a.folder) if a.folder else build_random(a.quick, dtype, Path(tempfile.mkdtemp()))
+    cut = int(a.draft.split(":", 1)[1]) if a.draft and a.draft.startswith("cut:") else None
+    if cut is not None and a.folder:
+        ap.error("--draft cut:N builds its pair from random weights: not with --folder")
+    tmp = Path(tempfile.mkdtemp())
+    folder = Path(a.folder) if a.folder else build_random(a.quick, dtype, tmp, cut)
     model = qkv.from_pretrained(folder).eval()
-    draft = None if not a.draft else model if a.draft == "same" else qkv.from_pretrained(a.draft).eval()
+    draft_folder = tmp / "draft" if cut is not None else a.draft
+    draft = (None if not a.draft else model if a.draft == "same"
+             else qkv.from_pretrained(draft_folder).eval())
     ids = prompts(folder, model.output_vocab_size)
     parts = set(a.parts.split(","))
     verify = verify_costs(model, a.repeats) if "verify" in parts else {}

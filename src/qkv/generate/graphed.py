@@ -138,7 +138,8 @@ def cpu_options() -> dict[str, Any]:
     most 2048, so not the output head) into a multiply and a row sum that it fuses and vectorises, instead of
     calling torch's one-row GEMM. cpp_wrapper: the graph calls its kernels from generated C++ rather than a
     Python wrapper, one Python call per kernel saved, hundreds a step. Together 1.05-1.2x the speed of the
-    step under Inductor's defaults, paired in three runs of benchmarks/compiled_decode.py (docs/performance.md)."""
+    step under Inductor's defaults, paired in three runs of benchmarks/compiled_decode.py
+    (docs/performance.md)."""
     return {"post_grad_fusion_options": {"decompose_mm_pass": {}}, "cpp_wrapper": True}
 
 
