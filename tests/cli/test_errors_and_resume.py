@@ -446,7 +446,12 @@ def test_generate_says_loading_at_a_terminal_only(lm_run, capsys, monkeypatch):
     assert "loading" not in capsys.readouterr().err  # a script's stderr keeps only what went wrong
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(args) == 0
-    assert capsys.readouterr().err.startswith(f"loading {lm_run}...")
+    err = capsys.readouterr().err
+    assert err.startswith(f"loading {lm_run}...") and "compile" not in err
+    # --compile says what the first token waits for (the generation itself is not this test's)
+    monkeypatch.setattr("qkv.run.generate_text", lambda *a, **k: "x")
+    assert main([*args, "--compile"]) == 0
+    assert "--compile: the first token waits for the decoding step to compile" in capsys.readouterr().err
 
 
 def test_logit_bias_flag_forces_a_token(lm_run):

@@ -68,11 +68,15 @@ def _logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
     return out
 
 
-def _loading(model: str) -> None:
-    """Say that a model is loading (seconds for a large one) to a person at a terminal; a script's stderr
-    keeps only what went wrong."""
+def _loading(model: str, compile: bool = False) -> None:
+    """Say that a model is loading (seconds for a large one), and with --compile what the first step costs,
+    to a person at a terminal; a script's stderr keeps only what went wrong."""
     if sys.stderr.isatty():
         print(f"loading {model}...", file=sys.stderr, flush=True)
+        if compile:
+            print("--compile: the first token waits for the decoding step to compile (about 2 minutes for a "
+                  "135M model on 2 CPU cores, once per model shape; then ~10 s, its code kept under "
+                  "$QKV_CACHE/inductor, default ~/.cache/qkv/inductor)", file=sys.stderr, flush=True)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -101,7 +105,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from qkv.generate.grammar import schema_file_grammar
 
         flags["grammar"] = schema_file_grammar(s.json_schema)
-    _loading(s.checkpoint)
+    _loading(s.checkpoint, s.compile)
     out = generate_text(s.checkpoint, s.prompt, cfg, greedy=s.greedy, seed=s.seed, stream=s.stream,
                         strict=s.strict, quantize=QUANTIZE.read(a).get("quantize"), assistant=assistant,
                         **flags)
@@ -132,7 +136,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         cfg = cfg.replace(compile=True)
     spec, assistant = speculative_flags(s.speculative)
     cfg = cfg.replace(**spec) if spec else cfg
-    _loading(s.model)
+    _loading(s.model, s.compile)
     from qkv.chat_vision import VisionChatSession, is_vision_folder
 
     if s.image is not None or is_vision_folder(s.model):  # an image, or a model whose template wants parts
