@@ -342,10 +342,11 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
     # own caches, so that a model caching something else than per-head keys and values (an MLA latent) works
     total = len(prefix) + max_new_tokens
     static = m.make_cache(1, total)
-    L, _, hkv, _, hd = static.k.shape
-    elem = static.k.element_size()
-    paged = m.make_paged_cache(-(-total // block_size), block_size, dtype=static.k.dtype,
-                               device=static.k.device)
+    first_k, first_v = static.layers[0]
+    L, (_, hkv, _, hd) = len(static.layers), first_k.shape
+    elem = first_k.element_size()
+    paged = m.make_paged_cache(-(-total // block_size), block_size, dtype=first_k.dtype,
+                               device=first_k.device)
     paged.add_sequence(0)
     paged.set_active([0])
     memory = None
@@ -365,9 +366,9 @@ def generate_steps(ld: Loaded, src: Tensor, max_new_tokens: int, *, do_sample: b
     if seq2seq:
         pairs = (paged.get_cross(i) for i in range(L) if paged.has_cross(i))
         cross = sum(k.nbytes + v.nbytes for k, v in pairs)
-    spec = CacheSpec(L, hkv, hd, elem, str(static.k.dtype).replace("torch.", ""), total,
-                     static.k.nbytes + static.v.nbytes, block_size, paged.bytes_per_block, cross,
-                     (static.k[0, 0, :, 0].numel() + static.v[0, 0, :, 0].numel()) * elem)
+    spec = CacheSpec(L, hkv, hd, elem, str(first_k.dtype).replace("torch.", ""), total,
+                     static.nbytes, block_size, paged.bytes_per_block, cross,
+                     (first_k[0, :, 0].numel() + first_v[0, :, 0].numel()) * elem)
     return prefix, steps, spec
 
 

@@ -184,10 +184,10 @@ class GraphedSteps:
         self.model, self.cache, self.n_pad, self.keep = model, cache, n_pad, keep
         self.fn = compiled_step(model, compile)
         self.index = _buffer(cache, "index",
-                             torch.full((1,), cache.length, dtype=torch.long, device=cache.k.device))
-        torch._dynamo.mark_static_address(cache.k)
-        torch._dynamo.mark_static_address(cache.v)
-        self.cuda = cache.k.is_cuda
+                             torch.full((1,), cache.length, dtype=torch.long, device=cache.buffers[0].device))
+        for buffer in cache.buffers:
+            torch._dynamo.mark_static_address(buffer)
+        self.cuda = cache.buffers[0].is_cuda
 
     def __call__(self, ids: Tensor) -> Tensor:
         """Next-token logits (B, V) after ids (B, 1); advances the cache by one."""

@@ -4,8 +4,8 @@ A decoder layer calls `k, v = cache.update(layer, k_new, v_new)` and attends ove
 model calls `cache.advance(t)` once all layers have seen the t new tokens. Cross-attention keys/values
 (the encoder memory of an encoder-decoder) are projected once and kept with `set_cross`/`get_cross`, beside
 the memory's keep-mask (`memory_keep`), so the decoding step (Stack.step) needs nothing but the cache.
-`StaticCache` preallocates (L, B, H_kv, max_len, hd) so a decoding step writes in place and allocates
-nothing; the paged cache (qkv.nn.paged) implements the same methods over a pool of blocks.
+`StaticCache` preallocates a (B, H_kv, max_len, hd) pair per layer so a decoding step writes in place and
+allocates nothing; the paged cache (qkv.nn.paged) implements the same methods over a pool of blocks.
 """
 
 from __future__ import annotations
@@ -58,6 +58,14 @@ class KVCache:
 
 
 class StaticCache(KVCache):
+    """Preallocated keys and values: per layer a (B, H_kv, max_len, hd) pair, written in place.
+
+    Every layer's pair is a tensor of its own, not a view into one (L, ...) buffer: a compiled step that
+    writes a view of a shared buffer writes, once functionalized, the whole buffer, and Inductor copied all L
+    layers' cache at every layer's write (a step's cost growing with L squared: the 135M model's compiled
+    fp32 step took 53 ms with one buffer, 36 ms with a pair per layer). `k` and `v` stack the pairs into
+    (L, B, H_kv, max_len, hd) copies, for reading."""
+
     def __init__(
         self,
         n_layers: int,
@@ -68,24 +76,41 @@ class StaticCache(KVCache):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        v_head_dim: int | None = None,
     ) -> None:
+        """v_head_dim: the width of the values where it differs from the keys' (an MLA latent cache)."""
         super().__init__()
-        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        k_shape = (batch_size, n_kv_heads, max_len, head_dim)
+        v_shape = (batch_size, n_kv_heads, max_len, head_dim if v_head_dim is None else v_head_dim)
+        self.layers = [(torch.zeros(k_shape, dtype=dtype, device=device),
+                        torch.zeros(v_shape, dtype=dtype, device=device)) for _ in range(n_layers)]
         self.max_len = max_len
         self.length = 0
-        self._layers = self._layer_views()
 
-    def _layer_views(self) -> list[tuple[Tensor, Tensor]]:
-        """Per-layer (B, H_kv, max_len, hd) views, made once: update() runs for every layer of every step."""
-        return [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
+    @property
+    def k(self) -> Tensor:
+        """Every layer's keys, (L, B, H_kv, max_len, hd): a copy."""
+        return torch.stack([k for k, _ in self.layers])
+
+    @property
+    def v(self) -> Tensor:
+        """Every layer's values, (L, B, H_kv, max_len, hd_v): a copy."""
+        return torch.stack([v for _, v in self.layers])
+
+    @property
+    def buffers(self) -> list[Tensor]:
+        """The tensors the cache writes into (every layer's keys and values)."""
+        return [t for pair in self.layers for t in pair]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.buffers)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache is full: {end} positions needed, {self.max_len} allocated")
-        kl, vl = self._layers[layer]
+        kl, vl = self.layers[layer]
         kl.narrow(2, self.length, k.shape[2]).copy_(k)  # narrow: the cheapest slice from Python
         vl.narrow(2, self.length, v.shape[2]).copy_(v)
         return kl.narrow(2, 0, end), vl.narrow(2, 0, end)
@@ -110,33 +135,31 @@ class StaticCache(KVCache):
         cached), and the whole (B, H_kv, max_len, hd) buffers returned; the step masks the columns after
         `index`. Neither the Python `length` nor any tensor value is read, so under torch.compile one graph
         (one CUDA graph) serves every position. `length` is the caller's to advance."""
-        kl, vl = self.k[layer], self.v[layer]
+        kl, vl = self.layers[layer]
         kl.index_copy_(2, index, k)
         vl.index_copy_(2, index, v)
         return kl, vl
 
     def reorder(self, index: Tensor, *, cross: bool = True) -> None:
         super().reorder(index, cross=cross)
-        if index.numel() != self.k.shape[1]:  # a new batch size: new buffers
-            self.k = self.k.index_select(1, index)
-            self.v = self.v.index_select(1, index)
-            self._layers = self._layer_views()
+        if index.numel() != self.layers[0][0].shape[0]:  # a new batch size: new buffers
+            self.layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers]
             return
-        # the same batch size (beam search): gather only the filled positions into a spare pair of buffers and
+        # the same batch size (beam search): gather only the filled positions into a spare set of buffers and
         # swap them in (the positions past `length` are written before anything reads them). One gather
         # straight into its destination: index_select of the (non-contiguous) filled slice into a new tensor
         # and a copy back took 3-6x longer (Marian-shaped beam search's cache, 1 thread, AVX2). The spare
-        # doubles the cache's memory while beams are searched; self.k / self.v are other tensors after a
+        # doubles the cache's memory while beams are searched; the layers' tensors are other tensors after a
         # reorder (beam search is never graph-captured: GenerationConfig rejects compile with num_beams > 1).
         n = self.length
         spare = self.__dict__.get("_spare")
-        if spare is None or spare[0].shape != self.k.shape or spare[0].dtype != self.k.dtype:
-            spare = (torch.empty_like(self.k), torch.empty_like(self.v))
-        for src, dst in zip((self.k, self.v), spare):
-            torch.index_select(src.narrow(3, 0, n), 1, index, out=dst.narrow(3, 0, n))
-        self._spare = (self.k, self.v)
-        self.k, self.v = spare
-        self._layers = self._layer_views()
+        if spare is None or [t.shape for t in spare] != [t.shape for t in self.buffers] or \
+                spare[0].dtype != self.layers[0][0].dtype:
+            spare = [torch.empty_like(t) for t in self.buffers]
+        for src, dst in zip(self.buffers, spare):
+            torch.index_select(src.narrow(2, 0, n), 0, index, out=dst.narrow(2, 0, n))
+        self._spare = self.buffers
+        self.layers = list(zip(spare[0::2], spare[1::2]))
 
 
 class ColumnWrites:

@@ -66,24 +66,21 @@ class MLAConfig:
 
 
 class LatentCache(StaticCache):
-    """StaticCache for MLA: per layer the latent c in `k`, (B, 1, max_len, kv_lora_rank), and the rotary key
-    k_R in `v`, (B, 1, max_len, qk_rope_head_dim). Both are laid out as one key/value head, so StaticCache's
-    update, write_at (graph-captured steps), reset and reorder (beam search) serve it unchanged."""
+    """StaticCache for MLA: per layer the latent c in the keys' place, (B, 1, max_len, kv_lora_rank), and the
+    rotary key k_R in the values', (B, 1, max_len, qk_rope_head_dim). Both are laid out as one key/value head,
+    so StaticCache's update, write_at (graph-captured steps), reset and reorder (beam search) serve it
+    unchanged."""
 
     def __init__(self, n_layers: int, batch_size: int, kv_lora_rank: int, rope_dim: int, max_len: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        KVCache.__init__(self)
-        self.k = torch.zeros((n_layers, batch_size, 1, max_len, kv_lora_rank), dtype=dtype, device=device)
-        self.v = torch.zeros((n_layers, batch_size, 1, max_len, rope_dim), dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0
-        self._layers = self._layer_views()
+        super().__init__(n_layers, batch_size, 1, kv_lora_rank, max_len, dtype=dtype, device=device,
+                         v_head_dim=rope_dim)
 
 
 def cache_bytes_per_token(cache: StaticCache) -> int:
     """Bytes a StaticCache (or LatentCache) holds per cached position of one sequence, over all layers."""
-    batch, max_len = cache.k.shape[1], cache.k.shape[3]
-    return (cache.k.numel() + cache.v.numel()) // (batch * max_len) * cache.k.element_size()
+    batch, max_len = cache.layers[0][0].shape[0], cache.max_len
+    return cache.nbytes // (batch * max_len)
 
 
 class MultiHeadLatentAttention(nn.Module):
