@@ -11,6 +11,7 @@ last logits and a one-token forward), as pairs of the same precision:
   qkv bf16, qkv bf16 compiled                                         vs  llama.cpp BF16
   qkv int8 (qkv.from_pretrained(bf16 folder, quantize="int8"))        vs  llama.cpp Q8_0
   qkv int8 from an fp32 folder (quantize="int8")                      vs  llama.cpp Q8_0
+  each int8 compiled                                                  vs  llama.cpp Q8_0
 A compiled run is timed through generate(), whose prefill is not separable: its steps' time is that of a run
 of --new tokens minus that of a run of one token (the prefill alone), scaled from --new - 1 steps to --new.
 The compile itself happens in the warm-up and is not timed (benchmarks/compile_start.py measures it). Every
@@ -62,8 +63,10 @@ from qkv.generate import generate  # noqa: E402
 PEER = ROOT / "_llamacpp_peer.py"
 # qkv's run, the llama.cpp file of its precision
 PAIRS = (("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"),
-         ("int8", "Q8_0"), ("int8 from fp32", "Q8_0"))
+         ("int8", "Q8_0"), ("int8 compiled", "Q8_0"), ("int8 from fp32", "Q8_0"),
+         ("int8 from fp32 compiled", "Q8_0"))
 FILES = ("F32", "BF16", "Q8_0")
+COMPILED = ("fp32", "bf16", "int8", "int8 from fp32")  # the runs also timed through generate(compile=True)
 
 
 def read_bandwidth(x: torch.Tensor, n: int = 3) -> float:
@@ -134,7 +137,7 @@ def load_qkv(folders: dict[str, Path]) -> dict[str, torch.nn.Module]:
 def qkv_runs(models: dict[str, torch.nn.Module], prompt: torch.Tensor, new: int, compiled: bool) -> dict:
     runs = {k: eager_decoder(m, prompt, new) for k, m in models.items()}
     if compiled:
-        runs.update({f"{k} compiled": compiled_decoder(models[k], prompt, new) for k in ("fp32", "bf16")})
+        runs.update({f"{k} compiled": compiled_decoder(models[k], prompt, new) for k in COMPILED})
     return runs
 
 
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
         peer.close()
     bw = max(gbps)
     floor_bytes = {k: model_bytes(m) for k, m in models.items()}
-    floor_bytes.update({f"{k} compiled": floor_bytes[k] for k in ("fp32", "bf16")})
+    floor_bytes.update({f"{k} compiled": floor_bytes[k] for k in COMPILED})
     floor_bytes.update({"F32": floor_bytes["fp32"], "BF16": floor_bytes["bf16"],
                         "Q8_0": floor_bytes["fp32"] / 4 * 34 / 32})
     rows = [row(ours, fmt, times, tokens, logits,

@@ -25,7 +25,8 @@ def test_llamacpp_benchmark_quick_without_peer(tmp_path, run_benchmark):
     rows = {r["qkv"]: r for r in result["rows"]}
     assert [(r["qkv"], r["llamacpp"]) for r in result["rows"]] == [
         ("fp32", "F32"), ("fp32 compiled", "F32"), ("bf16", "BF16"), ("bf16 compiled", "BF16"),
-        ("int8", "Q8_0"), ("int8 from fp32", "Q8_0")]
+        ("int8", "Q8_0"), ("int8 compiled", "Q8_0"), ("int8 from fp32", "Q8_0"),
+        ("int8 from fp32 compiled", "Q8_0")]
     for name in rows:
         assert rows[name]["qkv_ms"] > 0 and rows[name]["qkv_floor_ms"] > 0
         assert rows[name]["llamacpp_ms"] is None and rows[name]["ratio"] is None

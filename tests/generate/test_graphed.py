@@ -130,6 +130,38 @@ def test_inductor_compiled_int8_model_equals_its_eager_decoding():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_inductor_int8_step_at_batch_one_is_the_dequantized_product():
+    """An fp32 model's int8 layers in the compiled batch-1 step, where each product is a reduction over the
+    int8 codes with fp32 sums: the logits of the same model with every layer an nn.Linear of its
+    dequantized weight q * scale (an independent reference), to fp32 rounding, step after step."""
+    from qkv.nn.quant import Int8WeightOnlyLinear, quantize_model
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = quantize_model(tiny_gpt("rope", gqa=True, norm="rmsnorm", ffn="swiglu", bias=False), "int8")
+    ref = quantize_model(tiny_gpt("rope", gqa=True, norm="rmsnorm", ffn="swiglu", bias=False), "int8")
+    ref.load_state_dict(m.state_dict())
+    layers = [name for name, mod in ref.named_modules() if isinstance(mod, Int8WeightOnlyLinear)]
+    assert layers
+    for name in layers:
+        parent, _, leaf = name.rpartition(".")
+        q = ref.get_submodule(name)
+        lin = torch.nn.Linear(q.in_features, q.out_features, bias=False)
+        lin.weight.data.copy_(q.dequantized())
+        setattr(ref.get_submodule(parent) if parent else ref, leaf, lin)
+    ids = torch.randint(0, 11, (1, 4))
+    cache, ref_cache = m.make_cache(1, 16), ref.make_cache(1, 16)
+    with torch.no_grad():
+        for c in (cache, ref_cache):  # the prompt's keys/values in fp32 (m's eager prefill rounds to bf16)
+            ref.prefill(ids, c)
+        steps = GraphedSteps(m, True, cache, None, None)
+        for t in range(6):
+            tok = torch.tensor([[t + 1]])
+            torch.testing.assert_close(steps(tok), ref.step(tok, ref_cache), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_static_step_logits_equal_step_over_the_whole_cache():
     """The function itself, eagerly: static_step attends over every column of the cache with the future
     masked; its logits equal step()'s over the cached prefix (to fp32 rounding), position after position."""
