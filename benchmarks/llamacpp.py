@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         tokens = {k: fn()[0] for k, fn in runs.items()}  # warm-up, and the tokens compared
         logits = {k: qkv_logits(m, prompt) for k, m in models.items()}
-        logits.update({f"{k} compiled": logits[k] for k in ("fp32", "bf16")})  # the same prefill
+        logits.update({f"{k} compiled": logits[k] for k in COMPILED})  # the same prefill
         if peer:
             for fmt in FILES:
                 path = str(tmp / f"{fmt}.npy")
