@@ -16,7 +16,7 @@ from _encoders import conll_sentences, make_folder, write_conll  # noqa: E402
 
 import qkv  # noqa: E402
 from qkv.cli.main import main  # noqa: E402
-from qkv.finetune.tag import entities, entity_scores  # noqa: E402
+from qkv.finetune.tag import entities, entity_scores, read_conll_lines  # noqa: E402
 
 
 def test_tag_learns_and_round_trips(tmp_path, capsys):
@@ -98,7 +98,6 @@ def test_conll_byte_order_mark_and_encoding(tmp_path):
     """A UTF-8 byte order mark is dropped (it used to glue onto the first token); bytes that are not UTF-8 are
     one error naming the file and line."""
     from qkv.config import ConfigError
-    from qkv.finetune.tag import read_conll_lines
 
     path = tmp_path / "d.conll"
     path.write_bytes(b"\xef\xbb\xbfalice B-PER\nsmith I-PER\n")
@@ -111,7 +110,6 @@ def test_conll_byte_order_mark_and_encoding(tmp_path):
 def test_conll_sentences_keep_their_first_line(tmp_path):
     """-DOCSTART- and runs of blank lines between sentences: each sentence's first token line, counted by
     hand."""
-    from qkv.finetune.tag import read_conll_lines
 
     path = tmp_path / "d.conll"
     path.write_text("-DOCSTART- O\n\nalice B-PER\nsmith I-PER\n\n\n\nrome B-LOC\n-DOCSTART- O\nw1 O\n")

@@ -7,6 +7,7 @@ import torch
 from _genmodels import POSITIONS, tiny_encdec, tiny_gpt
 
 from qkv.generate import BlockAllocator, Engine, generate
+from qkv.generate.text import decode_continuation
 
 
 def test_block_allocator():
@@ -356,7 +357,6 @@ def test_a_stop_string_with_the_first_words_leading_space_stops_the_request(llam
     """A SentencePiece-style folder: the output's text is what it adds after the prompt, " con..." with its
     space (the server's text, decoded after the prompt's tail). A stop string " con" at its very start stops
     the request at once; the output decoded alone ("con...") lost that space, and would never stop it."""
-    from qkv.generate.text import decode_continuation
     from qkv.serve import load_served
 
     served = load_served(llama_sp[0])

@@ -7,12 +7,10 @@ probabilities, distributed as the model (chi-square against the exact distributi
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from _genmodels import tiny_encdec, tiny_gpt
-from scipy.stats import chisquare
+from _sampling import assert_samples_match, exact_sequences
 
 import qkv.generate.engine_speculation as engine_speculation
 from qkv.config import ConfigError
@@ -124,18 +122,6 @@ def test_bad_settings(models):
         EngineConfig(speculative="")
 
 
-def _exact(model, prompt: list[int], n: int, V: int) -> dict[tuple[int, ...], float]:
-    """P(the n new tokens) under plain sampling at temperature 1: every sequence's product of softmaxes,
-    from one batched forward over all V ** n continuations."""
-    seqs = list(itertools.product(range(V), repeat=n))
-    x = torch.tensor([prompt + list(s) for s in seqs])
-    with torch.no_grad():
-        lp = torch.log_softmax(model(x).logits.double(), -1)
-    P = len(prompt)
-    total = sum(lp[:, P - 1 + i].gather(1, x[:, P + i:P + i + 1]).squeeze(1) for i in range(n))
-    return {s: float(p) for s, p in zip(seqs, total.exp())}
-
-
 def test_sampling_goes_through_the_rule_with_the_drafts_probabilities(monkeypatch):
     """A draft whose distribution differs from the target's (q != p): the accepted and resampled tokens
     are distributed as plain sampling from the target. The draft's q reaches the rule (a drawn token taken
@@ -160,16 +146,4 @@ def test_sampling_goes_through_the_rule_with_the_drafts_probabilities(monkeypatc
     assert probs and all(p is not None and p.shape == (1, 4) for p in probs)  # the room left: one draft
     st = engine.stats()
     assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"]
-    exact = _exact(small, prompt, n, 4)
-    counts = dict.fromkeys(exact, 0)
-    for r in rids:
-        counts[tuple(out[r])] += 1
-    keys = sorted(exact)
-    expected = [exact[k] * N for k in keys]
-    # cells expected fewer than 5 times pooled into one (chi-square's rule of thumb)
-    big = [i for i, e in enumerate(expected) if e >= 5]
-    rest = [i for i in range(len(keys)) if i not in big]
-    obs = [counts[keys[i]] for i in big] + [sum(counts[keys[i]] for i in rest)]
-    exp = [expected[i] for i in big] + [sum(expected[i] for i in rest)]
-    exp = [e * sum(obs) / sum(exp) for e in exp]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert_samples_match([out[r] for r in rids], exact_sequences(small, prompt, n, 4))

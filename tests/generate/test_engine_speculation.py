@@ -6,12 +6,10 @@ exact distribution enumerated with the model's forward); the fallbacks."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from _genmodels import tiny_gpt
-from scipy.stats import chisquare
+from _sampling import assert_samples_match, exact_sequences
 
 import qkv.generate.engine_speculation as engine_speculation
 from qkv.generate import Engine, GenerationConfig, generate
@@ -150,18 +148,6 @@ def test_truncate_gives_back_whole_blocks():
     assert len(cache.tables[0]) == 1 and cache.allocator.num_free == free + 2
 
 
-def _exact(model, prompt: list[int], n: int, V: int) -> dict[tuple[int, ...], float]:
-    """P(the n new tokens) under plain sampling at temperature 1: every sequence's product of softmaxes,
-    from one batched forward over all V ** n continuations."""
-    seqs = list(itertools.product(range(V), repeat=n))
-    x = torch.tensor([prompt + list(s) for s in seqs])
-    with torch.no_grad():
-        lp = torch.log_softmax(model(x).logits.double(), -1)
-    P = len(prompt)
-    total = sum(lp[:, P - 1 + i].gather(1, x[:, P + i:P + i + 1]).squeeze(1) for i in range(n))
-    return {s: float(p) for s, p in zip(seqs, total.exp())}
-
-
 def test_sampling_goes_through_the_rule_and_matches_the_model(model, monkeypatch):
     calls = []
     real = engine_speculation.target_choices
@@ -178,16 +164,4 @@ def test_sampling_goes_through_the_rule_and_matches_the_model(model, monkeypatch
     rids = [engine.add_request(prompt, max_new_tokens=n, do_sample=True, seed=s) for s in range(N)]
     out = engine.run()
     assert calls and engine.stats()["spec_accepted_tokens"] > 0
-    exact = _exact(small, prompt, n, 4)
-    counts = dict.fromkeys(exact, 0)
-    for r in rids:
-        counts[tuple(out[r])] += 1
-    keys = sorted(exact)
-    expected = [exact[k] * N for k in keys]
-    # cells expected fewer than 5 times pooled into one (chi-square's rule of thumb)
-    big = [i for i, e in enumerate(expected) if e >= 5]
-    small_cells = [i for i in range(len(keys)) if i not in big]
-    obs = [counts[keys[i]] for i in big] + [sum(counts[keys[i]] for i in small_cells)]
-    exp = [expected[i] for i in big] + [sum(expected[i] for i in small_cells)]
-    exp = [e * sum(obs) / sum(exp) for e in exp]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert_samples_match([out[r] for r in rids], exact_sequences(small, prompt, n, 4))

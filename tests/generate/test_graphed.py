@@ -14,6 +14,7 @@ import qkv
 from qkv.config import ConfigError
 from qkv.generate import generate
 from qkv.generate.graphed import GraphedSteps
+from qkv.nn.quant import Int8WeightOnlyLinear, quantize_model
 
 
 def _unique_graphs() -> int:
@@ -119,8 +120,6 @@ def test_inductor_cpu_step_at_batch_one_gives_the_eager_steps_logits():
 @pytest.mark.slow
 def test_inductor_compiled_int8_model_equals_its_eager_decoding():
     """The weight-only int8 model (bf16) through the compiled step: the tokens eager int8 gives."""
-    from qkv.nn.quant import quantize_model
-
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = quantize_model(tiny_gpt("rope", gqa=True, norm="rmsnorm", ffn="swiglu", bias=False)
@@ -135,8 +134,6 @@ def test_inductor_int8_step_at_batch_one_is_the_dequantized_product():
     """An fp32 model's int8 layers in the compiled batch-1 step, where each product is a reduction over the
     int8 codes with fp32 sums: the logits of the same model with every layer an nn.Linear of its
     dequantized weight q * scale (an independent reference), to fp32 rounding, step after step."""
-    from qkv.nn.quant import Int8WeightOnlyLinear, quantize_model
-
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = quantize_model(tiny_gpt("rope", gqa=True, norm="rmsnorm", ffn="swiglu", bias=False), "int8")

@@ -8,7 +8,11 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+
+import openai
 
 from qkv.serve import ServeConfig, build_engine, create_app, load_served
 
@@ -61,3 +65,22 @@ def sse_events(lines) -> tuple[list[dict], bool]:
                 break
             events.append(json.loads(line[len("data: "):]))
     return events, done
+
+
+def greedy_completions(url: str, name: str, prompts: Sequence[str], max_tokens: Sequence[int],
+                       stream: bool) -> list[str]:
+    """Each prompt's greedy completion (temperature 0, its max_tokens) through the official openai client,
+    all sent at once (so the engine batches them); streamed answers are joined."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def one(args):
+        prompt, n = args
+        if not stream:
+            return client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0
+                                             ).choices[0].text
+        chunks = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0,
+                                           stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, zip(prompts, max_tokens)))

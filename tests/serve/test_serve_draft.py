@@ -7,12 +7,10 @@ vocabulary, or one that does not exist, is refused in one line (exit 2) before t
 from __future__ import annotations
 
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 import torch
-from _servehelpers import running_server
+from _servehelpers import greedy_completions, running_server
 
 from qkv.cli.main import main
 from qkv.config import ConfigError
@@ -57,34 +55,18 @@ def folders(gpt2_folder, tmp_path_factory):
     return draft, other
 
 
-def _answers(url: str, name: str, stream: bool) -> list[str]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-    def one(args):
-        prompt, n = args
-        if not stream:
-            return client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0
-                                             ).choices[0].text
-        chunks = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0,
-                                           stream=True)
-        return "".join(c.choices[0].text for c in chunks if c.choices)
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(one, zip(PROMPTS, MAX_TOKENS)))
-
-
 def test_a_draft_model_server_answers_as_the_plain_server(gpt2_folder, folders):
     draft, _ = folders
     name = load_served(gpt2_folder).name
     with running_server(gpt2_folder, block_size=4, max_batch_size=4) as (url, _app):
-        want = _answers(url, name, stream=False)
+        want = greedy_completions(url, name, PROMPTS, MAX_TOKENS, stream=False)
     assert any(want)
     with running_server(gpt2_folder, block_size=4, max_batch_size=4, speculative=str(draft),
                         speculative_tokens=3) as (url, app):
         engine = app.state.api.engine
         assert engine.drafter.model is not None
-        assert _answers(url, name, stream=False) == want
-        assert _answers(url, name, stream=True) == want
+        assert greedy_completions(url, name, PROMPTS, MAX_TOKENS, stream=False) == want
+        assert greedy_completions(url, name, PROMPTS, MAX_TOKENS, stream=True) == want
         stats = engine.stats()
         assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
         assert stats["blocks_used"] == 0 and engine.drafter.requests == set()

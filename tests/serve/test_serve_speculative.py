@@ -6,13 +6,11 @@ reported in the engine's stats and /metrics."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import httpx
 import openai
 import pytest
 import torch
-from _servehelpers import running_server
+from _servehelpers import greedy_completions, running_server
 
 import qkv.serve
 from qkv.cli.main import main
@@ -25,22 +23,6 @@ PROMPTS = ["def f(x):\n    return x\ndef f(x):\n    return x\ndef f(x):\n", "The
 MAX_TOKENS = (24, 16, 20, 24, 18, 12)
 
 
-def _answers(url: str, name: str, stream: bool) -> list[str]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-    def one(args):
-        prompt, n = args
-        if not stream:
-            return client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0
-                                             ).choices[0].text
-        chunks = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0,
-                                           stream=True)
-        return "".join(c.choices[0].text for c in chunks if c.choices)
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(one, zip(PROMPTS, MAX_TOKENS)))
-
-
 def test_speculative_server_answers_as_plain_server_and_generate(gpt2_folder):
     served = load_served(gpt2_folder)
     eos = sorted(served.codec.eos_ids) or None
@@ -50,7 +32,7 @@ def test_speculative_server_answers_as_plain_server_and_generate(gpt2_folder):
         want.append(served.codec.decode(
             generate(served.model, torch.tensor([ids]), n, eos_token_id=eos)[0, len(ids):].tolist()))
     with running_server(gpt2_folder, block_size=4, max_batch_size=4) as (url, app):
-        assert _answers(url, served.name, stream=False) == want
+        assert greedy_completions(url, served.name, PROMPTS, MAX_TOKENS, stream=False) == want
         assert app.state.api.engine.stats()["spec_draft_tokens"] == 0
         # one request's own speculation (an extension field, as top_k): the same answer
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -63,8 +45,8 @@ def test_speculative_server_answers_as_plain_server_and_generate(gpt2_folder):
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_lookup_num_tokens"
     with running_server(gpt2_folder, block_size=4, max_batch_size=4, speculative="prompt-lookup",
                         speculative_tokens=4) as (url, app):
-        assert _answers(url, served.name, stream=False) == want
-        assert _answers(url, served.name, stream=True) == want
+        assert greedy_completions(url, served.name, PROMPTS, MAX_TOKENS, stream=False) == want
+        assert greedy_completions(url, served.name, PROMPTS, MAX_TOKENS, stream=True) == want
         msgs = [{"role": "user", "content": "x = 1\nx = 1\nx = 1\nx ="}]
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         chat = client.chat.completions.create(model=served.name, messages=msgs, max_tokens=16, temperature=0)
